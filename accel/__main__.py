@@ -1,0 +1,80 @@
+"""Command line: ``python -m accel info | bench | table``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _info(args: argparse.Namespace) -> int:
+    from accel.lab.device import versions
+
+    info = versions()
+    width = max(map(len, info))
+    for key, value in info.items():
+        print(f"{key:<{width}}  {value}")
+    if not args.no_ceilings:
+        from accel.lab.ceilings import measure_ceilings
+
+        c = measure_ceilings()
+        print(f"{'copy':<{width}}  {c.copy_gb_s:,.0f} GB/s (read + write, {c.copy_bytes >> 20} MiB)")
+        print(f"{'matmul':<{width}}  {c.matmul_tflop_s:,.3g} TFLOP/s ({c.matmul_dtype}, n={c.matmul_n})")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from accel.lab.bench import run_bench, write_results
+
+    frame = run_bench(args.phase)
+    with pd.option_context("display.width", 200, "display.max_columns", 12):
+        print(frame[["phase", "case", "metric", "baseline", "optimized", "unit", "speedup",
+                     "target", "met"]].to_string(index=False))
+    paths = write_results(frame, args.out)
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    missed = frame[frame["met"].eq(False)]
+    if len(missed):
+        print(f"{len(missed)} target(s) missed: " + ", ".join(missed["phase"] + "/" + missed["case"]))
+    return 0
+
+
+def _table(args: argparse.Namespace) -> int:
+    from accel.lab.bench import results_markdown, update_readme
+
+    if args.readme:
+        changed = update_readme(args.readme, args.results)
+        print(f"{args.readme}: {'updated' if changed else 'already up to date'}")
+    else:
+        print(results_markdown(args.results))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from accel.lab.bench import PHASES
+
+    p = argparse.ArgumentParser(prog="python -m accel", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="device, versions, preset and measured ceilings")
+    info.add_argument("--no-ceilings", action="store_true", help="skip measuring the ceilings")
+    info.set_defaults(func=_info)
+    bench = sub.add_parser("bench", help="run the phase benchmarks and write results/")
+    bench.add_argument("--phase", nargs="+", action="extend", choices=list(PHASES), metavar="NAME",
+                       help=f"phases to run (default: all): {', '.join(PHASES)}")
+    bench.add_argument("--out", type=Path, default=Path("results"), help="where to write (results/)")
+    bench.set_defaults(func=_bench)
+    table = sub.add_parser("table", help="print the results table, or rewrite the README's")
+    table.add_argument("--results", type=Path, default=Path("results"))
+    table.add_argument("--readme", type=Path, help="rewrite this file's results block")
+    table.set_defaults(func=_table)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The bench command's machinery: a registry of phase benchmarks, their rows, the result files.
+
+Each phase registers one function that takes a :class:`BenchContext` and returns :class:`Row`\\ s.
+Results are written in long format, one row per (phase, case), to ``<out>/<machine>.csv``
+(rows of phases not run this time are kept), with an HTML report of the figures beside it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from accel.lab.ceilings import Ceilings, measure_ceilings
+from accel.lab.device import Preset, default_device, preset, results_stem, versions
+
+# name -> "module:function"; imported only when the phase runs. Each phase issue adds its line.
+PHASES: dict[str, str] = {
+    "ceilings": "accel.lab.cases.ceilings:run",
+}
+
+COLUMNS = [
+    "phase", "case", "metric", "unit", "baseline", "optimized", "speedup", "fraction_of_ceiling",
+    "target", "met", "note", "device", "preset", "torch", "triton", "cuda", "driver", "date",
+]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured case. ``speedup`` is derived: baseline over optimized for times, the
+    inverse for rates (``higher_is_better``); NaN when there is no baseline."""
+
+    phase: str
+    case: str
+    metric: str
+    unit: str
+    optimized: float
+    baseline: float = math.nan
+    higher_is_better: bool = False
+    fraction_of_ceiling: float = math.nan
+    target: str = ""  # e.g. ">= 1.6x"; empty when the case has none
+    met: bool | None = None
+    note: str = ""
+    speedup: float = field(init=False)
+
+    def __post_init__(self):
+        ratio = (self.optimized / self.baseline if self.higher_is_better
+                 else self.baseline / self.optimized) if self.optimized else math.nan
+        object.__setattr__(self, "speedup", ratio)
+
+    def as_dict(self) -> dict:
+        row = asdict(self)
+        del row["higher_is_better"]
+        return row
+
+
+@dataclass
+class BenchContext:
+    device: torch.device
+    preset: Preset
+    _ceilings: Ceilings | None = None
+
+    @property
+    def ceilings(self) -> Ceilings:
+        """Measured once per bench run, shared by every phase that reports against them."""
+        if self._ceilings is None:
+            self._ceilings = measure_ceilings(self.device, self.preset)
+        return self._ceilings
+
+
+def phase_function(name: str) -> Callable[[BenchContext], list[Row]]:
+    if name not in PHASES:
+        raise ValueError(f"unknown phase {name!r}; expected one of {', '.join(PHASES)}")
+    module, func = PHASES[name].split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def run_bench(phases: Iterable[str] | None = None, *, device: torch.device | str | None = None,
+              progress: bool = True) -> pd.DataFrame:
+    """Run the named phases (all by default) and return their rows with the run's versions."""
+    from tqdm.auto import tqdm
+
+    names = list(phases or PHASES)
+    functions = {n: phase_function(n) for n in names}  # unknown names fail before any work
+    dev = torch.device(device) if device is not None else default_device()
+    ctx = BenchContext(dev, preset(dev))
+    info = versions(dev)
+    stamp = {k: info[k] for k in ("device", "preset", "torch", "triton", "cuda", "driver")}
+    stamp["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+    rows = []
+    for name in tqdm(names, desc="bench", disable=not progress):
+        rows += [r.as_dict() | stamp for r in functions[name](ctx)]
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def write_results(frame: pd.DataFrame, out_dir: str | Path, stem: str | None = None) -> dict[str, Path]:
+    """Merge ``frame`` into ``<out_dir>/<stem>.csv`` (replacing the phases it holds) and write
+    the HTML report of the whole file beside it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = stem or results_stem()
+    csv = out / f"{stem}.csv"
+    if csv.exists():
+        old = pd.read_csv(csv)
+        frame = pd.concat([old[~old["phase"].isin(frame["phase"])], frame], ignore_index=True)
+    frame = frame[COLUMNS]
+    frame.to_csv(csv, index=False)
+    report = out / f"{stem}.html"
+    report.write_text(html_report(frame))
+    return {"csv": csv, "html": report}
+
+
+def html_report(frame: pd.DataFrame) -> str:
+    from accel.lab import plots
+
+    parts = []
+    for phase, rows in frame.groupby("phase", sort=False):
+        if phase == "ceilings":
+            fig = plots.ceilings(ceilings_frame(rows))
+        else:
+            fig = plots.speedups(rows, title=f"{phase}: speedup over the baseline")
+        parts.append(f"<h2>{phase}</h2>" + fig.to_html(
+            full_html=False, include_plotlyjs="cdn" if not parts else False))
+    device = frame["device"].iloc[0] if len(frame) else "?"
+    return (f"<html><head><meta charset='utf-8'><title>accel bench: {device}</title></head>"
+            f"<body><h1>accel bench: {device}</h1>{frame.to_html(index=False, na_rep='')}"
+            f"{''.join(parts)}</body></html>")
+
+
+def ceilings_frame(rows: pd.DataFrame) -> pd.DataFrame:
+    """The ceilings phase's rows as one row per device, for :func:`accel.lab.plots.ceilings`."""
+    out = []
+    for device, part in rows.groupby("device", sort=False):
+        copy = part[part["case"] == "copy"]["optimized"].iloc[0]
+        mm = part[part["case"].str.startswith("matmul")].iloc[0]
+        out.append({"device": device, "copy_gb_s": copy, "matmul_tflop_s": mm["optimized"],
+                    "matmul_dtype": mm["case"].split()[1]})
+    return pd.DataFrame(out)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ""
+        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return "" if value is None else str(value)
+
+
+def results_markdown(results_dir: str | Path = "results") -> str:
+    """The README's results table: every CSV under ``results_dir``, one section per machine."""
+    files = sorted(Path(results_dir).glob("*.csv"))
+    if not files:
+        return "_No results recorded yet: run `python -m accel bench` on a GPU._\n"
+    shown = ["phase", "case", "metric", "baseline", "optimized", "unit", "speedup", "target", "met"]
+    lines = []
+    for csv in files:
+        frame = pd.read_csv(csv, keep_default_na=True)
+        first = frame.iloc[0]
+        lines += [f"**{first['device']}** (preset {first['preset']}, torch {first['torch']}, "
+                  f"measured {frame['date'].max()}, `results/{csv.name}`)", "",
+                  "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+        for _, row in frame.iterrows():
+            cells = [_fmt(row[c]) for c in shown]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def update_readme(readme: str | Path, results_dir: str | Path = "results") -> bool:
+    """Rewrite the block between the results markers; True if the file changed."""
+    path = Path(readme)
+    text = path.read_text()
+    try:
+        head, rest = text.split(README_START, 1)
+        _, tail = rest.split(README_END, 1)
+    except ValueError:
+        raise ValueError(f"{path} has no {README_START} ... {README_END} block") from None
+    new = f"{head}{README_START}\n{results_markdown(results_dir)}{README_END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text

@@ -1,0 +1,96 @@
+"""The machine's own limits, measured: memory copy bandwidth and dense matrix-product rate.
+
+Every later figure is also reported against these: a kernel that moves B bytes in t seconds ran at
+(B / t) / copy_bandwidth of what this device can move; a step's floor time is the larger of
+bytes / bandwidth and flops / matmul rate (the roofline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from accel.lab.device import Preset, default_device, device_name, preset
+from accel.lab.timing import time_fn
+
+
+@dataclass(frozen=True)
+class CeilingSizes:
+    copy_bytes: int  # size of the source buffer; a copy reads it and writes as much again
+    matmul_n: int  # square product n x n x n
+    repeats: int
+
+
+# GPU sizes are many times the H100/H200 L2 (50-60 MB) so that the copy measures HBM, not cache.
+CEILING_SIZES: dict[str, CeilingSizes] = {
+    "gpu": CeilingSizes(copy_bytes=1 << 30, matmul_n=8192, repeats=30),
+    "cpu": CeilingSizes(copy_bytes=64 << 20, matmul_n=1024, repeats=7),
+}
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    device: str
+    copy_gb_s: float  # bytes read plus bytes written, per second, / 1e9
+    matmul_tflop_s: float
+    matmul_dtype: str
+    copy_bytes: int
+    matmul_n: int
+
+    def floor_ms(self, flops: float = 0.0, bytes_moved: float = 0.0) -> float:
+        """Roofline floor: no version of a kernel doing this much work runs much faster."""
+        return max(bytes_moved / (self.copy_gb_s * 1e9), flops / (self.matmul_tflop_s * 1e12)) * 1e3
+
+    def bandwidth_fraction(self, bytes_moved: float, ms: float) -> float:
+        """Achieved bandwidth over the measured copy bandwidth."""
+        return bytes_moved / (ms * 1e-3) / (self.copy_gb_s * 1e9)
+
+    def compute_fraction(self, flops: float, ms: float) -> float:
+        """Achieved rate over the measured matrix-product rate."""
+        return flops / (ms * 1e-3) / (self.matmul_tflop_s * 1e12)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def matmul_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on a GPU (the tensor cores' training type), fp32 on a CPU."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def measure_copy_gb_s(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
+    src = torch.rand(nbytes // 4, device=device)  # random, never zeros
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), label="copy", warmup=3, repeats=repeats, device=device)
+    return 2 * src.numel() * src.element_size() / (t.median_ms * 1e-3) / 1e9
+
+
+def measure_matmul_tflop_s(device: torch.device, n: int, repeats: int) -> float:
+    """Dense n x n x n matrix-product rate on random inputs."""
+    dtype = matmul_dtype(device)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    t = time_fn(lambda: torch.mm(a, b, out=out), label="matmul", warmup=3, repeats=repeats,
+                device=device)
+    return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
+
+
+def measure_ceilings(
+    device: torch.device | str | None = None, sizes: CeilingSizes | Preset | None = None
+) -> Ceilings:
+    """Measure both ceilings on ``device`` at the sizes of its preset (or the sizes given)."""
+    device = torch.device(device) if device is not None else default_device()
+    if sizes is None or isinstance(sizes, str):
+        sizes = CEILING_SIZES[sizes or preset(device)]
+
+    return Ceilings(
+        device=device_name(device),
+        copy_gb_s=measure_copy_gb_s(device, sizes.copy_bytes, sizes.repeats),
+        matmul_tflop_s=measure_matmul_tflop_s(device, sizes.matmul_n, sizes.repeats),
+        matmul_dtype=str(matmul_dtype(device)).removeprefix("torch."),
+        copy_bytes=sizes.copy_bytes,
+        matmul_n=sizes.matmul_n,
+    )

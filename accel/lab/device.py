@@ -1,0 +1,116 @@
+"""Which device we run on, which size preset that implies, and the software stack's versions."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import re
+import subprocess
+from typing import Literal, get_args
+
+import torch
+
+Preset = Literal["cpu", "gpu"]
+PRESETS: tuple[str, ...] = get_args(Preset)
+PRESET_ENV = "ACCEL_PRESET"
+
+
+def default_device() -> torch.device:
+    """The first CUDA device if there is one, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def preset(device: torch.device | str | None = None) -> Preset:
+    """The size preset: ``$ACCEL_PRESET`` if set, else ``gpu`` on CUDA and ``cpu`` elsewhere."""
+    forced = os.environ.get(PRESET_ENV, "").strip()
+    if forced:
+        return check_preset(forced)
+    device = torch.device(device) if device is not None else default_device()
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
+def check_preset(name: str) -> Preset:
+    """Return ``name`` if it is a preset, else raise a ValueError listing the valid ones."""
+    if name not in PRESETS:
+        raise ValueError(
+            f"unknown preset {name!r} (from ${PRESET_ENV} or an argument); "
+            f"expected one of {', '.join(PRESETS)}"
+        )
+    return name  # type: ignore[return-value]
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """A human name: the GPU's marketing name, or the CPU model."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return _cpu_model()
+
+
+def slug(name: str) -> str:
+    """File-name form of a device name: 'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def results_stem(device: torch.device | str | None = None) -> str:
+    """The stem of this machine's files under ``results/``: the GPU's name, or 'cpu-' + model."""
+    device = torch.device(device) if device is not None else default_device()
+    name = slug(device_name(device))
+    return name if device.type == "cuda" else f"cpu-{name}"
+
+
+@functools.cache
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _driver_version() -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def versions(device: torch.device | str | None = None) -> dict[str, str | None]:
+    """Device, preset and software versions, as written beside every measurement."""
+    device = torch.device(device) if device is not None else default_device()
+    on_cuda = device.type == "cuda"
+    info: dict[str, str | None] = {
+        "device": device_name(device),
+        "device_type": device.type,
+        "preset": preset(device),
+        "torch": torch.__version__,
+        "triton": _package_version("triton"),
+        "cuda": torch.version.cuda,
+        "driver": _driver_version() if on_cuda else None,
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_threads": str(torch.get_num_threads()),
+    }
+    if on_cuda:
+        props = torch.cuda.get_device_properties(device)
+        info["capability"] = f"{props.major}.{props.minor}"
+        info["sms"] = str(props.multi_processor_count)
+        info["memory_gib"] = f"{props.total_memory / 2**30:.1f}"
+    return info

@@ -1,0 +1,200 @@
+"""FeaturePanel: a checkbox per optimization flag, a run button, and plots that update live.
+
+    panel = FeaturePanel(tiny_mlp.Flags, lambda f: tiny_mlp.build(f, sizes, device=device))
+    panel                                   # shows it in a notebook
+    panel.controls["fused_adamw"].value = True
+    panel.run_button.click()                # or panel.run(); works without a browser
+    panel.results                           # every configuration run so far, against the baseline
+
+Each run times the baseline (all flags off) and the chosen configuration interleaved, so their
+ratio is free of drift, then profiles the configuration for the kernel breakdown. One built step is
+kept per flag combination: compiled or graphed steps are expensive to rebuild.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as widgets
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from accel.lab import plots
+from accel.lab.device import default_device
+from accel.lab.profile import profile_step
+from accel.lab.timing import compare
+from accel.workloads.flags import FlagInfo, describe, label, unavailable
+
+BASELINE = "baseline"
+
+
+class FeaturePanel:
+    def __init__(
+        self,
+        flags_type: type,
+        build: Callable[[Any], Callable[[], object]],
+        *,
+        device: torch.device | str | None = None,
+        warmup: int = 3,
+        repeats: int = 20,
+        profile: bool = True,
+        profile_steps: int = 3,
+        auto_run: bool = False,
+        title: str | None = None,
+    ):
+        self.flags_type = flags_type
+        self.build = build
+        self.device = torch.device(device) if device is not None else default_device()
+        self.warmup, self.repeats = warmup, repeats
+        self.profile, self.profile_steps = profile, profile_steps
+        self.infos: list[FlagInfo] = describe(flags_type)
+        self.disabled = unavailable(flags_type, self.device)
+        self._steps: dict[Any, Callable[[], object]] = {}
+        self._rows: dict[str, dict[str, Any]] = {}
+
+        self.controls = {info.name: self._control(info) for info in self.infos}
+        self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
+        self.run_button.on_click(lambda _: self._run_from_widget())
+        self.progress = widgets.IntProgress(value=0, min=0, max=1, description="idle")
+        self.status = widgets.HTML()
+        self.figure = go.FigureWidget(make_subplots(
+            rows=1, cols=2, subplot_titles=("per-step time, this run (ms)", "median by configuration (ms)")))
+        self.figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
+        self.figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
+        self.figure.add_bar(x=[], y=[], name="median", showlegend=False, row=1, col=2)
+        self.figure.update_layout(template="plotly_white", height=340, margin=dict(t=40, b=30))
+        self.kernels_figure = go.FigureWidget(plots.kernel_breakdown(
+            pd.DataFrame(columns=["name", "count", "total_us", "share"])))
+        self.table = widgets.HTML()
+
+        header = f"<b>{html.escape(title)}</b>" if title else ""
+        children = [widgets.HTML(header)] if header else []
+        children += self._control_rows()
+        children += [widgets.HBox([self.run_button, self.progress]), self.status, self.figure]
+        children += [self.kernels_figure] if profile else []
+        children += [self.table]
+        self.widget = widgets.VBox(children)
+        if auto_run:
+            for control in self.controls.values():
+                control.observe(lambda _: self._run_from_widget(), names="value")
+
+    # ---- flags <-> widgets -------------------------------------------------------------------
+    def _control(self, info: FlagInfo) -> widgets.ValueWidget:
+        reason = self.disabled.get(info.name)
+        tooltip = info.help + (f" (disabled: {reason})" if reason else "")
+        if info.is_bool:
+            return widgets.Checkbox(value=info.default, description=info.name, tooltip=tooltip,
+                                    disabled=bool(reason), indent=False)
+        return widgets.Dropdown(options=list(info.choices), value=info.default,
+                                description=info.name, tooltip=tooltip, disabled=bool(reason))
+
+    def _control_rows(self) -> list[widgets.Widget]:
+        rows = []
+        for phase in dict.fromkeys(i.phase for i in self.infos):
+            boxes = [self.controls[i.name] for i in self.infos if i.phase == phase]
+            rows.append(widgets.HBox([widgets.HTML(f"<i>{html.escape(phase)}</i>:"), *boxes]))
+        notes = [f"{html.escape(k)}: {html.escape(v)}" for k, v in self.disabled.items()]
+        if notes:
+            rows.append(widgets.HTML("<small>disabled here: " + "; ".join(notes) + "</small>"))
+        return rows
+
+    def flags(self) -> Any:
+        """The flags the controls show now."""
+        return self.flags_type(**{name: c.value for name, c in self.controls.items()})
+
+    def step_for(self, flags: Any) -> Callable[[], object]:
+        """The built step for ``flags``, built once and kept."""
+        if flags not in self._steps:
+            self._steps[flags] = self.build(flags)
+        return self._steps[flags]
+
+    # ---- running -----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Time the shown configuration against the baseline, profile it, update the plots."""
+        flags, baseline = self.flags(), self.flags_type()
+        blocked = [f.name for f in self.infos
+                   if f.name in self.disabled and getattr(flags, f.name) != f.default]
+        if blocked:
+            raise ValueError(f"flags {blocked} cannot run on {self.device}: "
+                             + "; ".join(self.disabled[b] for b in blocked))
+        name = label(flags)
+        candidates = {BASELINE: self.step_for(baseline)}
+        if name != BASELINE:
+            candidates[name] = self.step_for(flags)
+
+        live = {k: [] for k in candidates}
+        with self.figure.batch_update():
+            self.figure.data[0].y, self.figure.data[1].y = [], []
+            self.figure.data[1].name = name
+        self.progress.max, self.progress.value = self.repeats * len(candidates), 0
+        self.progress.description = "timing"
+
+        def on_sample(who: str, _round: int, ms: float) -> None:
+            live[who].append(ms)
+            self.figure.data[0 if who == BASELINE else 1].y = live[who]
+            self.progress.value += 1
+
+        result = compare(candidates, baseline=BASELINE, warmup=self.warmup, repeats=self.repeats,
+                         device=self.device, on_sample=on_sample)
+        for key, timing in result.timings.items():
+            key_flags = baseline if key == BASELINE else flags
+            self._rows[key] = self._rows.get(key, {}) | {
+                "label": key, **dataclasses.asdict(key_flags), **timing.summary(),
+                "speedup": result.speedup(key),
+            }
+        if self.profile:
+            self.progress.description = "profiling"
+            report = profile_step(candidates[name], steps=self.profile_steps, warmup=0,
+                                  device=self.device)
+            self._rows[name] |= {k: v for k, v in report.summary().items()
+                                 if k in ("kernels_per_step", "launches_per_step",
+                                          "syncs_per_step", "idle_fraction")}
+            fresh = plots.kernel_breakdown(report.kernels, title=f"Where the time goes: {name}")
+            with self.kernels_figure.batch_update():
+                self.kernels_figure.data[0].update(fresh.data[0])
+                self.kernels_figure.layout.title = fresh.layout.title
+        self._refresh_summary()
+        self.progress.description = "done"
+        return self._rows[name]
+
+    def _run_from_widget(self) -> None:
+        self.run_button.disabled = True
+        self.status.value = ""
+        try:
+            self.run()
+        except Exception as exc:  # shown in the panel: a button callback has nowhere else to raise
+            self.status.value = (f"<pre style='color:#b00'>{html.escape(type(exc).__name__)}: "
+                                 f"{html.escape(str(exc))}\n{html.escape(traceback.format_exc(limit=3))}</pre>")
+            self.progress.description = "failed"
+        finally:
+            self.run_button.disabled = False
+
+    def _refresh_summary(self) -> None:
+        frame = self.results
+        with self.figure.batch_update():
+            bars = self.figure.data[2]
+            bars.x, bars.y = list(frame["label"]), list(frame["median_ms"])
+            bars.text = [f"{s:.2f}x" for s in frame["speedup"]]
+            bars.error_y = dict(type="data", symmetric=False,
+                                array=list(frame["q75_ms"] - frame["median_ms"]),
+                                arrayminus=list(frame["median_ms"] - frame["q25_ms"]))
+        shown = [c for c in ("label", "median_ms", "iqr_ms", "speedup", "kernels_per_step",
+                             "launches_per_step", "syncs_per_step", "idle_fraction") if c in frame]
+        self.table.value = frame[shown].to_html(index=False, float_format=lambda v: f"{v:.4g}",
+                                                na_rep="")
+
+    @property
+    def results(self) -> pd.DataFrame:
+        """One row per configuration run so far (latest run wins), baseline first."""
+        return pd.DataFrame(list(self._rows.values()))
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)

@@ -1,0 +1,248 @@
+"""The profiler as data: run a callable under torch.profiler and get DataFrames back.
+
+On CUDA the "kernels" are the device's own activities (kernels, copies, memsets), launches are the
+runtime's launch calls and syncs its blocking calls (``cudaStreamSynchronize`` and friends, which
+``.item()``, ``.cpu()`` and ``print(tensor)`` end in). On a CPU there is no separate device: the
+"kernels" are the ATen operators that did the arithmetic (the innermost ones that are not mere
+views or allocations), and "idle" is the share of the step spent outside them, in Python and
+dispatch. Host-device syncs do not exist there and are reported as NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from accel.lab.device import default_device
+
+STEP_MARK = "accel.step"
+
+LAUNCH_CALLS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+    "cudaLaunchCooperativeKernel", "cudaGraphLaunch",
+})
+# Calls after which the host waits for the device. cudaMemcpy (not Async) blocks too.
+SYNC_CALLS = frozenset({
+    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+})
+# ATen ops that move no data through arithmetic: views, metadata and allocation.
+NO_WORK_OPS = frozenset({
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::as_strided", "aten::view",
+    "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::transpose", "aten::permute",
+    "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::slice",
+    "aten::alias", "aten::detach", "aten::detach_", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::lift_fresh", "aten::_unsafe_view", "aten::unbind", "aten::split", "aten::chunk",
+    "aten::narrow", "aten::result_type", "aten::to", "aten::_to_copy", "aten::set_",
+    "aten::resize_", "aten::contiguous", "aten::view_as", "aten::expand_as", "aten::flatten",
+    "aten::zeros", "aten::ones", "aten::ones_like", "aten::zeros_like", "aten::full",
+    "aten::new_empty", "aten::new_empty_strided", "aten::new_zeros", "aten::scalar_tensor",
+})
+
+
+@dataclass
+class ProfileReport:
+    """What one profiled run of ``steps`` steps did. Times in microseconds."""
+
+    steps: int
+    device: str
+    kernels: pd.DataFrame  # name, kind, count, total_us, mean_us, share, per_step
+    ops: pd.DataFrame  # ATen operators as the host saw them: name, count, self_us
+    timeline: pd.DataFrame  # name, kind, start_us, end_us (from the window's start)
+    memory: pd.DataFrame  # t_us, bytes: allocated bytes over time, from the window's start
+    launches_per_step: float
+    syncs_per_step: float  # NaN on a CPU: there is no separate device to wait for
+    window_us: float
+    busy_us: float
+    peak_memory_bytes: int
+    trace_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the profiled window in which the device ran no kernel."""
+        return 1.0 - self.busy_us / self.window_us if self.window_us > 0 else math.nan
+
+    @property
+    def step_us(self) -> float:
+        return self.window_us / self.steps
+
+    def summary(self) -> dict[str, float | int | str]:
+        return {
+            "device": self.device,
+            "steps": self.steps,
+            "step_us": self.step_us,
+            "kernels_per_step": float(self.kernels["count"].sum()) / self.steps,
+            "launches_per_step": self.launches_per_step,
+            "syncs_per_step": self.syncs_per_step,
+            "idle_fraction": self.idle_fraction,
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+
+def profile_step(
+    fn: Callable[[], object],
+    *,
+    steps: int = 5,
+    warmup: int = 2,
+    device: torch.device | str | None = None,
+    trace_path: str | Path | None = None,
+) -> ProfileReport:
+    """Profile ``steps`` calls of ``fn`` (after ``warmup`` unprofiled ones) and tabulate them.
+
+    ``trace_path`` also writes the Chrome/Perfetto trace JSON there (open it in ui.perfetto.dev).
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    dev = torch.device(device) if device is not None else default_device()
+    cuda = dev.type == "cuda"
+    for _ in range(warmup):
+        fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    with profile(activities=activities, profile_memory=True) as prof:
+        for _ in range(steps):
+            with record_function(STEP_MARK):
+                fn()
+        if cuda:
+            torch.cuda.synchronize(dev)
+    events = list(prof.events())
+    if trace_path is not None:
+        trace_path = Path(trace_path)
+        trace_path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_path))
+
+    marks = [e for e in events if e.name == STEP_MARK and e.device_type == DeviceType.CPU]
+    if not marks:
+        raise RuntimeError("profiler recorded no step marks; was fn run under the profiler?")
+    t0 = min(e.time_range.start for e in marks)
+    in_steps = _inside(marks)
+    work = _device_work(events) if cuda else _cpu_kernels(events)
+    work = [e for e in work if e.time_range.start >= t0]
+    t1 = max([e.time_range.end for e in marks] + [e.time_range.end for e in work])
+
+    timeline = pd.DataFrame(
+        [(e.name, _kind(e.name, cuda), e.time_range.start - t0, e.time_range.end - t0) for e in work],
+        columns=["name", "kind", "start_us", "end_us"],
+    ).sort_values("start_us", ignore_index=True)
+    runtime = [e for e in events if e.device_type == DeviceType.CPU and in_steps(e)]
+    launches = sum(e.name in LAUNCH_CALLS for e in runtime) if cuda else len(work)
+    syncs = sum(e.name in SYNC_CALLS for e in runtime) / steps if cuda else math.nan
+    memory = _memory_over_time(events, t0, cuda)
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(dev)
+    else:
+        peak = int(memory["bytes"].max()) if len(memory) else 0
+    notes = [] if cuda else [
+        "CPU: kernels are the innermost arithmetic ATen ops; peak memory is above the level "
+        "at the start of the window; host-device syncs do not apply (NaN)."
+    ]
+    return ProfileReport(
+        steps=steps,
+        device=str(dev),
+        kernels=_kernel_table(timeline, steps),
+        ops=_op_table(events, in_steps),
+        timeline=timeline,
+        memory=memory,
+        launches_per_step=launches / steps,
+        syncs_per_step=syncs,
+        window_us=t1 - t0,
+        busy_us=_union_length(timeline[["start_us", "end_us"]].to_numpy().tolist()),
+        peak_memory_bytes=int(peak),
+        trace_path=trace_path,
+        notes=notes,
+    )
+
+
+def _inside(marks) -> Callable[[object], bool]:
+    spans = sorted((m.time_range.start, m.time_range.end) for m in marks)
+    return lambda e: any(a <= e.time_range.start <= b for a, b in spans)
+
+
+def _device_work(events):
+    return [e for e in events if e.device_type == DeviceType.CUDA and e.name != STEP_MARK]
+
+
+def _kind(name: str, cuda: bool) -> str:
+    if not cuda:
+        return "op"
+    lowered = name.lower()
+    if lowered.startswith("memcpy"):
+        return "memcpy"
+    if lowered.startswith("memset"):
+        return "memset"
+    return "kernel"
+
+
+def _cpu_kernels(events):
+    """ATen ops that do arithmetic themselves: the CPU's analogue of a kernel launch.
+
+    An op counts when it spends at least as long in its own code as in arithmetic ops it calls:
+    ``aten::mm`` counts and ``aten::matmul`` (which calls it) does not; ``aten::sum`` counts
+    although it first calls ``fill_`` on its output.
+    """
+    return [
+        e for e in events
+        if e.device_type == DeviceType.CPU and _is_compute(e)
+        and e.self_cpu_time_total >= sum(c.cpu_time_total for c in e.cpu_children if _is_compute(c))
+    ]
+
+
+def _is_compute(e) -> bool:
+    return e.name.startswith("aten::") and e.name not in NO_WORK_OPS
+
+
+def _kernel_table(timeline: pd.DataFrame, steps: int) -> pd.DataFrame:
+    columns = ["name", "kind", "count", "total_us", "mean_us", "share", "per_step"]
+    if timeline.empty:
+        return pd.DataFrame(columns=columns)
+    t = timeline.assign(us=timeline["end_us"] - timeline["start_us"])
+    table = (t.groupby(["name", "kind"], as_index=False)
+             .agg(count=("us", "size"), total_us=("us", "sum")))
+    table["mean_us"] = table["total_us"] / table["count"]
+    table["share"] = table["total_us"] / table["total_us"].sum()
+    table["per_step"] = table["count"] / steps
+    return table.sort_values("total_us", ascending=False, ignore_index=True)[columns]
+
+
+def _op_table(events, in_steps) -> pd.DataFrame:
+    rows: dict[str, list[float]] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and in_steps(e):
+            row = rows.setdefault(e.name, [0, 0.0])
+            row[0] += 1
+            row[1] += e.self_cpu_time_total
+    table = pd.DataFrame([(k, n, us) for k, (n, us) in rows.items()],
+                         columns=["name", "count", "self_us"])
+    return table.sort_values("self_us", ascending=False, ignore_index=True)
+
+
+def _memory_over_time(events, t0: float, cuda: bool) -> pd.DataFrame:
+    # Each op's own allocations net of its frees (``[memory]`` events are those outside any op).
+    deltas = [
+        (e.time_range.start - t0, e.self_device_memory_usage if cuda else e.self_cpu_memory_usage)
+        for e in events if e.device_type == DeviceType.CPU
+    ]
+    deltas = [(t, b) for t, b in deltas if b and t >= 0]
+    frame = pd.DataFrame(deltas, columns=["t_us", "delta"]).sort_values("t_us", ignore_index=True)
+    frame["bytes"] = frame["delta"].cumsum()
+    return frame[["t_us", "bytes"]]
+
+
+def _union_length(intervals: list[list[float]]) -> float:
+    """Total length covered by possibly overlapping intervals (kernels on several streams)."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total

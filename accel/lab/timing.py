@@ -1,0 +1,210 @@
+"""Timing: warm-up, device events on a GPU, many repeats, medians, and interleaved A/B runs.
+
+Why not ``torch.utils.benchmark.Timer``: it times with the host clock on every device and runs
+one candidate's repeats back to back, so a clock or thermal drift between candidates lands in
+their ratio. Here every sample of every candidate is taken in turn (A B C, B C A, C A B, ...) and,
+on CUDA, is bracketed by device events, so host overhead that does not delay the GPU is not
+counted as step time, while GPU idle time waiting for launches is.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from accel.lab.device import default_device
+
+SampleCallback = Callable[[str, int, float], None]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call times of one candidate, in milliseconds, in the order they were taken."""
+
+    label: str
+    times_ms: tuple[float, ...]
+    calls_per_sample: int = 1
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if not self.times_ms:
+            raise ValueError(f"Timing {self.label!r} needs at least one sample, got none")
+
+    @property
+    def median_ms(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def q25_ms(self) -> float:
+        return _quantile(self.times_ms, 0.25)
+
+    @property
+    def q75_ms(self) -> float:
+        return _quantile(self.times_ms, 0.75)
+
+    @property
+    def iqr_ms(self) -> float:
+        """Spread: the interquartile range, robust to the odd slow sample."""
+        return self.q75_ms - self.q25_ms
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.times_ms)
+
+    def summary(self) -> dict[str, float | int | str]:
+        return {
+            "label": self.label,
+            "median_ms": self.median_ms,
+            "q25_ms": self.q25_ms,
+            "q75_ms": self.q75_ms,
+            "iqr_ms": self.iqr_ms,
+            "min_ms": self.min_ms,
+            "samples": len(self.times_ms),
+            "calls_per_sample": self.calls_per_sample,
+            "device": self.device,
+        }
+
+    def __str__(self) -> str:
+        return (f"{self.label}: median {self.median_ms:.4g} ms "
+                f"(IQR {self.q25_ms:.4g}-{self.q75_ms:.4g}, n={len(self.times_ms)})")
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Interleaved timings of several candidates; ratios are against ``baseline``."""
+
+    timings: dict[str, Timing]
+    baseline: str
+    schedule: tuple[str, ...] = field(repr=False)  # labels in the order their samples ran
+
+    def speedup(self, label: str) -> float:
+        """Baseline median over ``label``'s median: above 1 means ``label`` is faster."""
+        return self.timings[self.baseline].median_ms / self.timings[label].median_ms
+
+    def rows(self) -> list[dict[str, float | int | str]]:
+        return [t.summary() | {"speedup": self.speedup(k)} for k, t in self.timings.items()]
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows()).set_index("label")
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    return torch.device(device) if device is not None else default_device()
+
+
+class _Sampler:
+    """Takes one sample of ``fn`` (``calls`` calls) and returns its time once it is known."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def take(self, fn: Callable[[], object], calls: int) -> Callable[[], float]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            # Reading the events waits for the GPU; defer it so samples queue back to back.
+            return lambda: (end.synchronize(), start.elapsed_time(end))[1] / calls
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        elapsed = (time.perf_counter() - t0) * 1e3 / calls
+        return lambda: elapsed
+
+
+def _calibrate(fn: Callable[[], object], sampler: _Sampler, min_sample_ms: float) -> int:
+    """Calls per sample so that one sample lasts at least ``min_sample_ms``."""
+    once = sampler.take(fn, 1)()
+    if once <= 0:
+        return 1000
+    return max(1, min(10_000, math.ceil(min_sample_ms / once)))
+
+
+def compare(
+    candidates: Mapping[str, Callable[[], object]],
+    *,
+    baseline: str | None = None,
+    warmup: int = 3,
+    repeats: int = 30,
+    calls_per_sample: int | None = 1,
+    min_sample_ms: float = 1.0,
+    device: torch.device | str | None = None,
+    on_sample: SampleCallback | None = None,
+) -> Comparison:
+    """Time several candidates interleaved, so that drift cancels in their ratios.
+
+    Each candidate is warmed up ``warmup`` times, then ``repeats`` rounds run one sample of every
+    candidate, rotating the order each round. ``calls_per_sample=None`` picks, per candidate,
+    enough calls for a sample to last ``min_sample_ms`` (for functions of microseconds).
+    ``on_sample(label, round, ms)`` is called as each sample completes (this waits for the GPU
+    after every sample, which a live plot needs).
+    """
+    if not candidates:
+        raise ValueError("compare() needs at least one candidate, got none")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"expected repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
+    labels = list(candidates)
+    baseline = labels[0] if baseline is None else baseline
+    if baseline not in candidates:
+        raise ValueError(f"baseline {baseline!r} is not a candidate; candidates are {labels}")
+    dev = _resolve_device(device)
+    sampler = _Sampler(dev)
+
+    for label in labels:
+        for _ in range(warmup):
+            candidates[label]()
+    if calls_per_sample is None:
+        calls = {k: _calibrate(candidates[k], sampler, min_sample_ms) for k in labels}
+    elif calls_per_sample < 1:
+        raise ValueError(f"calls_per_sample must be >= 1 or None, got {calls_per_sample}")
+    else:
+        calls = dict.fromkeys(labels, calls_per_sample)
+
+    pending: dict[str, list[Callable[[], float]]] = {k: [] for k in labels}
+    schedule: list[str] = []
+    for r in range(repeats):
+        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+            result = sampler.take(candidates[label], calls[label])
+            pending[label].append(result)
+            schedule.append(label)
+            if on_sample is not None:
+                on_sample(label, r, result())
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    timings = {
+        k: Timing(k, tuple(p() for p in pending[k]), calls[k], dev.type) for k in labels
+    }
+    return Comparison(timings, baseline, tuple(schedule))
+
+
+def time_fn(
+    fn: Callable[[], object],
+    *,
+    label: str = "fn",
+    warmup: int = 3,
+    repeats: int = 30,
+    calls_per_sample: int | None = 1,
+    min_sample_ms: float = 1.0,
+    device: torch.device | str | None = None,
+) -> Timing:
+    """Median and spread of one callable: :func:`compare` with a single candidate."""
+    comparison = compare(
+        {label: fn}, warmup=warmup, repeats=repeats, calls_per_sample=calls_per_sample,
+        min_sample_ms=min_sample_ms, device=device,
+    )
+    return comparison.timings[label]

@@ -1,0 +1,93 @@
+"""Optimization flags: dataclass fields that carry their phase, help text and requirements."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+Requirement = Literal["cuda", "triton"]
+
+
+def flag(help: str, phase: str, *, default: bool = False, requires: Requirement | None = None) -> Any:
+    """A boolean optimization switch: off is the "before", on applies one optimization."""
+    return field(default=default, metadata={"help": help, "phase": phase, "requires": requires})
+
+
+def option(help: str, phase: str, *, default: Any, choices: tuple[Any, ...],
+           requires: Requirement | None = None) -> Any:
+    """A switch with several settings (a backend, an interval); ``default`` is the "before"."""
+    if default not in choices:
+        raise ValueError(f"default {default!r} is not among the choices {choices}")
+    return field(default=default, metadata={
+        "help": help, "phase": phase, "requires": requires, "choices": tuple(choices)})
+
+
+@dataclass(frozen=True)
+class FlagInfo:
+    name: str
+    help: str
+    phase: str
+    default: Any
+    choices: tuple[Any, ...] | None
+    requires: Requirement | None
+
+    @property
+    def is_bool(self) -> bool:
+        return self.choices is None
+
+
+def describe(flags_type: type) -> list[FlagInfo]:
+    """The flags of a ``Flags`` dataclass, in declaration order; checks the contract."""
+    if not (dataclasses.is_dataclass(flags_type) and isinstance(flags_type, type)):
+        raise TypeError(f"expected a Flags dataclass type, got {flags_type!r}")
+    infos = []
+    for f in dataclasses.fields(flags_type):
+        if "phase" not in f.metadata:
+            raise TypeError(
+                f"{flags_type.__name__}.{f.name} was not declared with flag() or option(): "
+                "every flag needs a phase and a help text"
+            )
+        infos.append(FlagInfo(f.name, f.metadata["help"], f.metadata["phase"], f.default,
+                              f.metadata.get("choices"), f.metadata.get("requires")))
+    return infos
+
+
+def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
+    """Flags that cannot run on ``device``, each with the reason (shown beside its checkbox)."""
+    device = torch.device(device)
+    reasons = {}
+    for info in describe(flags_type):
+        if info.requires == "cuda" and device.type != "cuda":
+            reasons[info.name] = f"needs a CUDA GPU; this run is on {device.type}"
+        elif info.requires == "triton" and not _has_triton(device):
+            reasons[info.name] = "needs Triton on a CUDA GPU (or TRITON_INTERPRET=1)"
+    return reasons
+
+
+def _has_triton(device: torch.device) -> bool:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def label(flags: Any) -> str:
+    """'baseline' for the defaults, else the changed flags joined by '+': 'fused_adamw+x=2'."""
+    changed = []
+    for info in describe(type(flags)):
+        value = getattr(flags, info.name)
+        if value != info.default:
+            changed.append(info.name if value is True else f"{info.name}={value}")
+    return "+".join(changed) or "baseline"
+
+
+def all_on(flags_type: type, device: torch.device | str | None = None) -> Any:
+    """Every boolean flag on (those that can run on ``device``), options at their defaults."""
+    skip = unavailable(flags_type, device) if device is not None else {}
+    return flags_type(**{i.name: True for i in describe(flags_type)
+                         if i.is_bool and i.name not in skip})
