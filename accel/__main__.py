@@ -18,8 +18,12 @@ def _info(args: argparse.Namespace) -> int:
         from accel.lab.ceilings import measure_ceilings
 
         c = measure_ceilings()
-        print(f"{'copy':<{width}}  {c.copy_gb_s:,.0f} GB/s (read + write, {c.copy_bytes >> 20} MiB)")
-        print(f"{'matmul':<{width}}  {c.matmul_tflop_s:,.3g} TFLOP/s ({c.matmul_dtype}, n={c.matmul_n})")
+        print(
+            f"{'copy':<{width}}  {c.copy_gb_s:,.0f} GB/s (read + write, {c.copy_bytes >> 20} MiB)"
+        )
+        print(
+            f"{'matmul':<{width}}  {c.matmul_tflop_s:,.3g} TFLOP/s ({c.matmul_dtype}, n={c.matmul_n})"
+        )
     return 0
 
 
@@ -30,13 +34,28 @@ def _bench(args: argparse.Namespace) -> int:
 
     frame = run_bench(args.phase)
     with pd.option_context("display.width", 200, "display.max_columns", 12):
-        print(frame[["phase", "case", "metric", "baseline", "optimized", "unit", "speedup",
-                     "target", "met"]].to_string(index=False))
+        print(
+            frame[
+                [
+                    "phase",
+                    "case",
+                    "metric",
+                    "baseline",
+                    "optimized",
+                    "unit",
+                    "speedup",
+                    "target",
+                    "met",
+                ]
+            ].to_string(index=False)
+        )
     paths = write_results(frame, args.out)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     missed = frame[frame["met"].eq(False)]
     if len(missed):
-        print(f"{len(missed)} target(s) missed: " + ", ".join(missed["phase"] + "/" + missed["case"]))
+        print(
+            f"{len(missed)} target(s) missed: " + ", ".join(missed["phase"] + "/" + missed["case"])
+        )
     return 0
 
 
@@ -60,9 +79,17 @@ def parser() -> argparse.ArgumentParser:
     info.add_argument("--no-ceilings", action="store_true", help="skip measuring the ceilings")
     info.set_defaults(func=_info)
     bench = sub.add_parser("bench", help="run the phase benchmarks and write results/")
-    bench.add_argument("--phase", nargs="+", action="extend", choices=list(PHASES), metavar="NAME",
-                       help=f"phases to run (default: all): {', '.join(PHASES)}")
-    bench.add_argument("--out", type=Path, default=Path("results"), help="where to write (results/)")
+    bench.add_argument(
+        "--phase",
+        nargs="+",
+        action="extend",
+        choices=list(PHASES),
+        metavar="NAME",
+        help=f"phases to run (default: all): {', '.join(PHASES)}",
+    )
+    bench.add_argument(
+        "--out", type=Path, default=Path("results"), help="where to write (results/)"
+    )
     bench.set_defaults(func=_bench)
     table = sub.add_parser("table", help="print the results table, or rewrite the README's")
     table.add_argument("--results", type=Path, default=Path("results"))

@@ -26,8 +26,24 @@ PHASES: dict[str, str] = {
 }
 
 COLUMNS = [
-    "phase", "case", "metric", "unit", "baseline", "optimized", "speedup", "fraction_of_ceiling",
-    "target", "met", "note", "device", "preset", "torch", "triton", "cuda", "driver", "date",
+    "phase",
+    "case",
+    "metric",
+    "unit",
+    "baseline",
+    "optimized",
+    "speedup",
+    "fraction_of_ceiling",
+    "target",
+    "met",
+    "note",
+    "device",
+    "preset",
+    "torch",
+    "triton",
+    "cuda",
+    "driver",
+    "date",
 ]
 
 
@@ -50,8 +66,15 @@ class Row:
     speedup: float = field(init=False)
 
     def __post_init__(self):
-        ratio = (self.optimized / self.baseline if self.higher_is_better
-                 else self.baseline / self.optimized) if self.optimized else math.nan
+        ratio = (
+            (
+                self.optimized / self.baseline
+                if self.higher_is_better
+                else self.baseline / self.optimized
+            )
+            if self.optimized
+            else math.nan
+        )
         object.__setattr__(self, "speedup", ratio)
 
     def as_dict(self) -> dict:
@@ -81,8 +104,12 @@ def phase_function(name: str) -> Callable[[BenchContext], list[Row]]:
     return getattr(importlib.import_module(module), func)
 
 
-def run_bench(phases: Iterable[str] | None = None, *, device: torch.device | str | None = None,
-              progress: bool = True) -> pd.DataFrame:
+def run_bench(
+    phases: Iterable[str] | None = None,
+    *,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+) -> pd.DataFrame:
     """Run the named phases (all by default) and return their rows with the run's versions."""
     from tqdm.auto import tqdm
 
@@ -99,7 +126,9 @@ def run_bench(phases: Iterable[str] | None = None, *, device: torch.device | str
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
-def write_results(frame: pd.DataFrame, out_dir: str | Path, stem: str | None = None) -> dict[str, Path]:
+def write_results(
+    frame: pd.DataFrame, out_dir: str | Path, stem: str | None = None
+) -> dict[str, Path]:
     """Merge ``frame`` into ``<out_dir>/<stem>.csv`` (replacing the phases it holds) and write
     the HTML report of the whole file beside it."""
     out = Path(out_dir)
@@ -125,22 +154,34 @@ def html_report(frame: pd.DataFrame) -> str:
             fig = plots.ceilings(ceilings_frame(rows))
         else:
             fig = plots.speedups(rows, title=f"{phase}: speedup over the baseline")
-        parts.append(f"<h2>{phase}</h2>" + fig.to_html(
-            full_html=False, include_plotlyjs="cdn" if not parts else False))
+        parts.append(
+            f"<h2>{phase}</h2>"
+            + fig.to_html(full_html=False, include_plotlyjs="cdn" if not parts else False)
+        )
     device = frame["device"].iloc[0] if len(frame) else "?"
-    return (f"<html><head><meta charset='utf-8'><title>accel bench: {device}</title></head>"
-            f"<body><h1>accel bench: {device}</h1>{frame.to_html(index=False, na_rep='')}"
-            f"{''.join(parts)}</body></html>")
+    return (
+        f"<html><head><meta charset='utf-8'><title>accel bench: {device}</title></head>"
+        f"<body><h1>accel bench: {device}</h1>{frame.to_html(index=False, na_rep='')}"
+        f"{''.join(parts)}</body></html>"
+    )
 
 
 def ceilings_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """The ceilings phase's rows as one row per device, for :func:`accel.lab.plots.ceilings`."""
     out = []
+    if rows.empty:
+        return pd.DataFrame(columns=["device", "copy_gb_s", "matmul_tflop_s", "matmul_dtype"])
     for device, part in rows.groupby("device", sort=False):
         copy = part[part["case"] == "copy"]["optimized"].iloc[0]
         mm = part[part["case"].str.startswith("matmul")].iloc[0]
-        out.append({"device": device, "copy_gb_s": copy, "matmul_tflop_s": mm["optimized"],
-                    "matmul_dtype": mm["case"].split()[1]})
+        out.append(
+            {
+                "device": device,
+                "copy_gb_s": copy,
+                "matmul_tflop_s": mm["optimized"],
+                "matmul_dtype": mm["case"].split()[1],
+            }
+        )
     return pd.DataFrame(out)
 
 
@@ -162,9 +203,13 @@ def results_markdown(results_dir: str | Path = "results") -> str:
     for csv in files:
         frame = pd.read_csv(csv, keep_default_na=True)
         first = frame.iloc[0]
-        lines += [f"**{first['device']}** (preset {first['preset']}, torch {first['torch']}, "
-                  f"measured {frame['date'].max()}, `results/{csv.name}`)", "",
-                  "| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+        lines += [
+            f"**{first['device']}** (preset {first['preset']}, torch {first['torch']}, "
+            f"measured {frame['date'].max()}, `results/{csv.name}`)",
+            "",
+            "| " + " | ".join(shown) + " |",
+            "|" + "---|" * len(shown),
+        ]
         for _, row in frame.iterrows():
             cells = [_fmt(row[c]) for c in shown]
             lines.append("| " + " | ".join(cells) + " |")

@@ -73,8 +73,9 @@ def measure_matmul_tflop_s(device: torch.device, n: int, repeats: int) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    t = time_fn(lambda: torch.mm(a, b, out=out), label="matmul", warmup=3, repeats=repeats,
-                device=device)
+    t = time_fn(
+        lambda: torch.mm(a, b, out=out), label="matmul", warmup=3, repeats=repeats, device=device
+    )
     return 2 * n**3 / (t.median_ms * 1e-3) / 1e12
 
 

@@ -63,14 +63,20 @@ class FeaturePanel:
         self.run_button.on_click(lambda _: self._run_from_widget())
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="idle")
         self.status = widgets.HTML()
-        self.figure = go.FigureWidget(make_subplots(
-            rows=1, cols=2, subplot_titles=("per-step time, this run (ms)", "median by configuration (ms)")))
+        self.figure = go.FigureWidget(
+            make_subplots(
+                rows=1,
+                cols=2,
+                subplot_titles=("per-step time, this run (ms)", "median by configuration (ms)"),
+            )
+        )
         self.figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
         self.figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
         self.figure.add_bar(x=[], y=[], name="median", showlegend=False, row=1, col=2)
         self.figure.update_layout(template="plotly_white", height=340, margin=dict(t=40, b=30))
-        self.kernels_figure = go.FigureWidget(plots.kernel_breakdown(
-            pd.DataFrame(columns=["name", "count", "total_us", "share"])))
+        self.kernels_figure = go.FigureWidget(
+            plots.kernel_breakdown(pd.DataFrame(columns=["name", "count", "total_us", "share"]))
+        )
         self.table = widgets.HTML()
 
         header = f"<b>{html.escape(title)}</b>" if title else ""
@@ -89,10 +95,20 @@ class FeaturePanel:
         reason = self.disabled.get(info.name)
         tooltip = info.help + (f" (disabled: {reason})" if reason else "")
         if info.is_bool:
-            return widgets.Checkbox(value=info.default, description=info.name, tooltip=tooltip,
-                                    disabled=bool(reason), indent=False)
-        return widgets.Dropdown(options=list(info.choices), value=info.default,
-                                description=info.name, tooltip=tooltip, disabled=bool(reason))
+            return widgets.Checkbox(
+                value=info.default,
+                description=info.name,
+                tooltip=tooltip,
+                disabled=bool(reason),
+                indent=False,
+            )
+        return widgets.Dropdown(
+            options=list(info.choices),
+            value=info.default,
+            description=info.name,
+            tooltip=tooltip,
+            disabled=bool(reason),
+        )
 
     def _control_rows(self) -> list[widgets.Widget]:
         rows = []
@@ -118,11 +134,16 @@ class FeaturePanel:
     def run(self) -> dict[str, Any]:
         """Time the shown configuration against the baseline, profile it, update the plots."""
         flags, baseline = self.flags(), self.flags_type()
-        blocked = [f.name for f in self.infos
-                   if f.name in self.disabled and getattr(flags, f.name) != f.default]
+        blocked = [
+            f.name
+            for f in self.infos
+            if f.name in self.disabled and getattr(flags, f.name) != f.default
+        ]
         if blocked:
-            raise ValueError(f"flags {blocked} cannot run on {self.device}: "
-                             + "; ".join(self.disabled[b] for b in blocked))
+            raise ValueError(
+                f"flags {blocked} cannot run on {self.device}: "
+                + "; ".join(self.disabled[b] for b in blocked)
+            )
         name = label(flags)
         candidates = {BASELINE: self.step_for(baseline)}
         if name != BASELINE:
@@ -140,21 +161,32 @@ class FeaturePanel:
             self.figure.data[0 if who == BASELINE else 1].y = live[who]
             self.progress.value += 1
 
-        result = compare(candidates, baseline=BASELINE, warmup=self.warmup, repeats=self.repeats,
-                         device=self.device, on_sample=on_sample)
+        result = compare(
+            candidates,
+            baseline=BASELINE,
+            warmup=self.warmup,
+            repeats=self.repeats,
+            device=self.device,
+            on_sample=on_sample,
+        )
         for key, timing in result.timings.items():
             key_flags = baseline if key == BASELINE else flags
             self._rows[key] = self._rows.get(key, {}) | {
-                "label": key, **dataclasses.asdict(key_flags), **timing.summary(),
+                "label": key,
+                **dataclasses.asdict(key_flags),
+                **timing.summary(),
                 "speedup": result.speedup(key),
             }
         if self.profile:
             self.progress.description = "profiling"
-            report = profile_step(candidates[name], steps=self.profile_steps, warmup=0,
-                                  device=self.device)
-            self._rows[name] |= {k: v for k, v in report.summary().items()
-                                 if k in ("kernels_per_step", "launches_per_step",
-                                          "syncs_per_step", "idle_fraction")}
+            report = profile_step(
+                candidates[name], steps=self.profile_steps, warmup=0, device=self.device
+            )
+            self._rows[name] |= {
+                k: v
+                for k, v in report.summary().items()
+                if k in ("kernels_per_step", "launches_per_step", "syncs_per_step", "idle_fraction")
+            }
             fresh = plots.kernel_breakdown(report.kernels, title=f"Where the time goes: {name}")
             with self.kernels_figure.batch_update():
                 self.kernels_figure.data[0].update(fresh.data[0])
@@ -169,8 +201,10 @@ class FeaturePanel:
         try:
             self.run()
         except Exception as exc:  # shown in the panel: a button callback has nowhere else to raise
-            self.status.value = (f"<pre style='color:#b00'>{html.escape(type(exc).__name__)}: "
-                                 f"{html.escape(str(exc))}\n{html.escape(traceback.format_exc(limit=3))}</pre>")
+            self.status.value = (
+                f"<pre style='color:#b00'>{html.escape(type(exc).__name__)}: "
+                f"{html.escape(str(exc))}\n{html.escape(traceback.format_exc(limit=3))}</pre>"
+            )
             self.progress.description = "failed"
         finally:
             self.run_button.disabled = False
@@ -181,13 +215,29 @@ class FeaturePanel:
             bars = self.figure.data[2]
             bars.x, bars.y = list(frame["label"]), list(frame["median_ms"])
             bars.text = [f"{s:.2f}x" for s in frame["speedup"]]
-            bars.error_y = dict(type="data", symmetric=False,
-                                array=list(frame["q75_ms"] - frame["median_ms"]),
-                                arrayminus=list(frame["median_ms"] - frame["q25_ms"]))
-        shown = [c for c in ("label", "median_ms", "iqr_ms", "speedup", "kernels_per_step",
-                             "launches_per_step", "syncs_per_step", "idle_fraction") if c in frame]
-        self.table.value = frame[shown].to_html(index=False, float_format=lambda v: f"{v:.4g}",
-                                                na_rep="")
+            bars.error_y = dict(
+                type="data",
+                symmetric=False,
+                array=list(frame["q75_ms"] - frame["median_ms"]),
+                arrayminus=list(frame["median_ms"] - frame["q25_ms"]),
+            )
+        shown = [
+            c
+            for c in (
+                "label",
+                "median_ms",
+                "iqr_ms",
+                "speedup",
+                "kernels_per_step",
+                "launches_per_step",
+                "syncs_per_step",
+                "idle_fraction",
+            )
+            if c in frame
+        ]
+        self.table.value = frame[shown].to_html(
+            index=False, float_format=lambda v: f"{v:.4g}", na_rep=""
+        )
 
     @property
     def results(self) -> pd.DataFrame:

@@ -18,13 +18,30 @@ def ceilings(frame: pd.DataFrame) -> go.Figure:
     ``frame``: rows with ``device``, ``copy_gb_s``, ``matmul_tflop_s``, ``matmul_dtype``
     (``Ceilings.as_dict()`` rows).
     """
-    fig = make_subplots(rows=1, cols=2, subplot_titles=(
-        "copy bandwidth (read + write), GB/s", "dense matrix product, TFLOP/s"))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        subplot_titles=("copy bandwidth (read + write), GB/s", "dense matrix product, TFLOP/s"),
+    )
     labels = [f"{d} ({t})" for d, t in zip(frame["device"], frame["matmul_dtype"], strict=True)]
-    fig.add_bar(x=labels, y=frame["copy_gb_s"], name="copy", row=1, col=1,
-                text=[f"{v:,.0f}" for v in frame["copy_gb_s"]], textposition="auto")
-    fig.add_bar(x=labels, y=frame["matmul_tflop_s"], name="matmul", row=1, col=2,
-                text=[f"{v:,.3g}" for v in frame["matmul_tflop_s"]], textposition="auto")
+    fig.add_bar(
+        x=labels,
+        y=frame["copy_gb_s"],
+        name="copy",
+        row=1,
+        col=1,
+        text=[f"{v:,.0f}" for v in frame["copy_gb_s"]],
+        textposition="auto",
+    )
+    fig.add_bar(
+        x=labels,
+        y=frame["matmul_tflop_s"],
+        name="matmul",
+        row=1,
+        col=2,
+        text=[f"{v:,.3g}" for v in frame["matmul_tflop_s"]],
+        textposition="auto",
+    )
     return fig.update_layout(**_LAYOUT, showlegend=False, title="What this machine can do")
 
 
@@ -37,10 +54,16 @@ def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
     if len(frame):
         text = [f"{s:.2f}x" for s in frame["speedup"]] if "speedup" in frame else None
         fig.add_bar(
-            x=frame["label"], y=frame["median_ms"], text=text, textposition="outside",
-            error_y=dict(type="data", symmetric=False,
-                         array=frame["q75_ms"] - frame["median_ms"],
-                         arrayminus=frame["median_ms"] - frame["q25_ms"]),
+            x=frame["label"],
+            y=frame["median_ms"],
+            text=text,
+            textposition="outside",
+            error_y=dict(
+                type="data",
+                symmetric=False,
+                array=frame["q75_ms"] - frame["median_ms"],
+                arrayminus=frame["median_ms"] - frame["q25_ms"],
+            ),
         )
     return fig.update_layout(**_LAYOUT, title=title, yaxis_title="median ms (IQR bars)")
 
@@ -53,19 +76,27 @@ def samples(series: dict[str, list[float]], *, title: str = "Per-step times") ->
     return fig.update_layout(**_LAYOUT, title=title, xaxis_title="sample", yaxis_title="ms")
 
 
-def kernel_breakdown(kernels: pd.DataFrame, *, top: int = 15, title: str = "Where the time goes") -> go.Figure:
+def kernel_breakdown(
+    kernels: pd.DataFrame, *, top: int = 15, title: str = "Where the time goes"
+) -> go.Figure:
     """Horizontal bars of total time per kernel (a ``ProfileReport.kernels`` frame)."""
     head = kernels.head(top).iloc[::-1]
-    fig = go.Figure(go.Bar(
-        x=head["total_us"], y=[_short(n) for n in head["name"]], orientation="h",
-        text=[f"{c} calls, {s:.0%}" for c, s in zip(head["count"], head["share"], strict=True)],
-        textposition="auto", hovertext=head["name"],
-    ))
+    fig = go.Figure(
+        go.Bar(
+            x=head["total_us"],
+            y=[_short(n) for n in head["name"]],
+            orientation="h",
+            text=[f"{c} calls, {s:.0%}" for c, s in zip(head["count"], head["share"], strict=True)],
+            textposition="auto",
+            hovertext=head["name"],
+        )
+    )
     return fig.update_layout(**_LAYOUT, title=title, xaxis_title="total µs in the window")
 
 
-def timeline(frame: pd.DataFrame, *, idle_fraction: float | None = None,
-             title: str = "Device timeline") -> go.Figure:
+def timeline(
+    frame: pd.DataFrame, *, idle_fraction: float | None = None, title: str = "Device timeline"
+) -> go.Figure:
     """Kernels as bars on a time axis; the white between them is the device idling.
 
     ``frame``: a ``ProfileReport.timeline`` (``name``, ``kind``, ``start_us``, ``end_us``).
@@ -73,31 +104,57 @@ def timeline(frame: pd.DataFrame, *, idle_fraction: float | None = None,
     fig = go.Figure()
     for kind, part in frame.groupby("kind", sort=False):
         fig.add_bar(
-            base=part["start_us"], x=part["end_us"] - part["start_us"], y=[kind] * len(part),
-            orientation="h", name=kind, hovertext=part["name"], width=0.6,
+            base=part["start_us"],
+            x=part["end_us"] - part["start_us"],
+            y=[kind] * len(part),
+            orientation="h",
+            name=kind,
+            hovertext=part["name"],
+            width=0.6,
         )
     if idle_fraction is not None:
         title = f"{title}: idle {idle_fraction:.0%} of the window"
-    return fig.update_layout(**_LAYOUT, title=title, xaxis_title="µs from the first step",
-                             barmode="overlay", height=240)
+    return fig.update_layout(
+        **(_LAYOUT | dict(height=240)),
+        title=title,
+        barmode="overlay",
+        xaxis_title="µs from the first step",
+    )
 
 
 def memory_over_time(frame: pd.DataFrame, *, title: str = "Allocated memory") -> go.Figure:
     """Allocated bytes over the profiled window (a ``ProfileReport.memory`` frame)."""
-    fig = go.Figure(go.Scatter(x=frame["t_us"], y=frame["bytes"] / 2**20, mode="lines",
-                               line_shape="hv"))
-    return fig.update_layout(**_LAYOUT, title=title, xaxis_title="µs from the first step",
-                             yaxis_title="MiB (relative to the start)")
+    fig = go.Figure(
+        go.Scatter(x=frame["t_us"], y=frame["bytes"] / 2**20, mode="lines", line_shape="hv")
+    )
+    return fig.update_layout(
+        **_LAYOUT,
+        title=title,
+        xaxis_title="µs from the first step",
+        yaxis_title="MiB (relative to the start)",
+    )
 
 
 def speedups(frame: pd.DataFrame, *, title: str = "Speedup over the baseline") -> go.Figure:
     """Bench rows (``case``, ``speedup``, optional ``target``) as bars with target markers."""
     rows = frame.dropna(subset=["speedup"])
-    fig = go.Figure(go.Bar(x=rows["case"], y=rows["speedup"], name="measured",
-                           text=[f"{s:.2f}x" for s in rows["speedup"]], textposition="outside"))
+    fig = go.Figure(
+        go.Bar(
+            x=rows["case"],
+            y=rows["speedup"],
+            name="measured",
+            text=[f"{s:.2f}x" for s in rows["speedup"]],
+            textposition="outside",
+        )
+    )
     if "target" in rows and rows["target"].notna().any():
-        fig.add_scatter(x=rows["case"], y=rows["target"], mode="markers", name="target",
-                        marker=dict(symbol="line-ew-open", size=30, line_width=3))
+        fig.add_scatter(
+            x=rows["case"],
+            y=rows["target"],
+            mode="markers",
+            name="target",
+            marker=dict(symbol="line-ew-open", size=30, line_width=3),
+        )
     fig.add_hline(y=1.0, line_dash="dot")
     return fig.update_layout(**_LAYOUT, title=title, yaxis_title="x baseline")
 

@@ -24,26 +24,74 @@ from accel.lab.device import default_device
 
 STEP_MARK = "accel.step"
 
-LAUNCH_CALLS = frozenset({
-    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
-    "cudaLaunchCooperativeKernel", "cudaGraphLaunch",
-})
+LAUNCH_CALLS = frozenset(
+    {
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaLaunchCooperativeKernel",
+        "cudaGraphLaunch",
+    }
+)
 # Calls after which the host waits for the device. cudaMemcpy (not Async) blocks too.
-SYNC_CALLS = frozenset({
-    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-})
+SYNC_CALLS = frozenset(
+    {
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+    }
+)
 # ATen ops that move no data through arithmetic: views, metadata and allocation.
-NO_WORK_OPS = frozenset({
-    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::as_strided", "aten::view",
-    "aten::reshape", "aten::_reshape_alias", "aten::t", "aten::transpose", "aten::permute",
-    "aten::expand", "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::slice",
-    "aten::alias", "aten::detach", "aten::detach_", "aten::resolve_conj", "aten::resolve_neg",
-    "aten::lift_fresh", "aten::_unsafe_view", "aten::unbind", "aten::split", "aten::chunk",
-    "aten::narrow", "aten::result_type", "aten::to", "aten::_to_copy", "aten::set_",
-    "aten::resize_", "aten::contiguous", "aten::view_as", "aten::expand_as", "aten::flatten",
-    "aten::zeros", "aten::ones", "aten::ones_like", "aten::zeros_like", "aten::full",
-    "aten::new_empty", "aten::new_empty_strided", "aten::new_zeros", "aten::scalar_tensor",
-})
+NO_WORK_OPS = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::as_strided",
+        "aten::view",
+        "aten::reshape",
+        "aten::_reshape_alias",
+        "aten::t",
+        "aten::transpose",
+        "aten::permute",
+        "aten::expand",
+        "aten::unsqueeze",
+        "aten::squeeze",
+        "aten::select",
+        "aten::slice",
+        "aten::alias",
+        "aten::detach",
+        "aten::detach_",
+        "aten::resolve_conj",
+        "aten::resolve_neg",
+        "aten::lift_fresh",
+        "aten::_unsafe_view",
+        "aten::unbind",
+        "aten::split",
+        "aten::chunk",
+        "aten::narrow",
+        "aten::result_type",
+        "aten::to",
+        "aten::_to_copy",
+        "aten::set_",
+        "aten::resize_",
+        "aten::contiguous",
+        "aten::view_as",
+        "aten::expand_as",
+        "aten::flatten",
+        "aten::zeros",
+        "aten::ones",
+        "aten::ones_like",
+        "aten::zeros_like",
+        "aten::full",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::new_zeros",
+        "aten::scalar_tensor",
+    }
+)
 
 
 @dataclass
@@ -130,21 +178,28 @@ def profile_step(
     t1 = max([e.time_range.end for e in marks] + [e.time_range.end for e in work])
 
     timeline = pd.DataFrame(
-        [(e.name, _kind(e.name, cuda), e.time_range.start - t0, e.time_range.end - t0) for e in work],
+        [
+            (e.name, _kind(e.name, cuda), e.time_range.start - t0, e.time_range.end - t0)
+            for e in work
+        ],
         columns=["name", "kind", "start_us", "end_us"],
     ).sort_values("start_us", ignore_index=True)
     runtime = [e for e in events if e.device_type == DeviceType.CPU and in_steps(e)]
     launches = sum(e.name in LAUNCH_CALLS for e in runtime) if cuda else len(work)
     syncs = sum(e.name in SYNC_CALLS for e in runtime) / steps if cuda else math.nan
-    memory = _memory_over_time(events, t0, cuda)
+    memory = _memory_over_time(prof, t0, cuda)
     if cuda:
         peak = torch.cuda.max_memory_allocated(dev)
     else:
         peak = int(memory["bytes"].max()) if len(memory) else 0
-    notes = [] if cuda else [
-        "CPU: kernels are the innermost arithmetic ATen ops; peak memory is above the level "
-        "at the start of the window; host-device syncs do not apply (NaN)."
-    ]
+    notes = (
+        []
+        if cuda
+        else [
+            "CPU: kernels are the innermost arithmetic ATen ops; peak memory is above the level "
+            "at the start of the window; host-device syncs do not apply (NaN)."
+        ]
+    )
     return ProfileReport(
         steps=steps,
         device=str(dev),
@@ -190,8 +245,10 @@ def _cpu_kernels(events):
     although it first calls ``fill_`` on its output.
     """
     return [
-        e for e in events
-        if e.device_type == DeviceType.CPU and _is_compute(e)
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU
+        and _is_compute(e)
         and e.self_cpu_time_total >= sum(c.cpu_time_total for c in e.cpu_children if _is_compute(c))
     ]
 
@@ -205,8 +262,9 @@ def _kernel_table(timeline: pd.DataFrame, steps: int) -> pd.DataFrame:
     if timeline.empty:
         return pd.DataFrame(columns=columns)
     t = timeline.assign(us=timeline["end_us"] - timeline["start_us"])
-    table = (t.groupby(["name", "kind"], as_index=False)
-             .agg(count=("us", "size"), total_us=("us", "sum")))
+    table = t.groupby(["name", "kind"], as_index=False).agg(
+        count=("us", "size"), total_us=("us", "sum")
+    )
     table["mean_us"] = table["total_us"] / table["count"]
     table["share"] = table["total_us"] / table["total_us"].sum()
     table["per_step"] = table["count"] / steps
@@ -220,19 +278,28 @@ def _op_table(events, in_steps) -> pd.DataFrame:
             row = rows.setdefault(e.name, [0, 0.0])
             row[0] += 1
             row[1] += e.self_cpu_time_total
-    table = pd.DataFrame([(k, n, us) for k, (n, us) in rows.items()],
-                         columns=["name", "count", "self_us"])
+    table = pd.DataFrame(
+        [(k, n, us) for k, (n, us) in rows.items()], columns=["name", "count", "self_us"]
+    )
     return table.sort_values("self_us", ascending=False, ignore_index=True)
 
 
-def _memory_over_time(events, t0: float, cuda: bool) -> pd.DataFrame:
-    # Each op's own allocations net of its frees (``[memory]`` events are those outside any op).
+def _memory_over_time(prof, t0: float, cuda: bool) -> pd.DataFrame:
+    """Allocated bytes after every allocation and free in the window, relative to its start.
+
+    Read from the raw profiler records: torch's FunctionEvents fold allocations into the ops
+    around them, and a free outside any op lands on the enclosing step mark's start time.
+    """
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    results = prof.profiler.kineto_results
+    origin = results.trace_start_ns()
     deltas = [
-        (e.time_range.start - t0, e.self_device_memory_usage if cuda else e.self_cpu_memory_usage)
-        for e in events if e.device_type == DeviceType.CPU
+        ((e.start_ns() - origin) / 1e3 - t0, e.nbytes())
+        for e in results.events()
+        if e.name() == "[memory]" and e.device_type() == kind
     ]
-    deltas = [(t, b) for t, b in deltas if b and t >= 0]
-    frame = pd.DataFrame(deltas, columns=["t_us", "delta"]).sort_values("t_us", ignore_index=True)
+    frame = pd.DataFrame([d for d in deltas if d[0] >= 0], columns=["t_us", "delta"])
+    frame = frame.sort_values("t_us", ignore_index=True)
     frame["bytes"] = frame["delta"].cumsum()
     return frame[["t_us", "bytes"]]
 

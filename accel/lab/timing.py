@@ -70,8 +70,10 @@ class Timing:
         }
 
     def __str__(self) -> str:
-        return (f"{self.label}: median {self.median_ms:.4g} ms "
-                f"(IQR {self.q25_ms:.4g}-{self.q75_ms:.4g}, n={len(self.times_ms)})")
+        return (
+            f"{self.label}: median {self.median_ms:.4g} ms "
+            f"(IQR {self.q25_ms:.4g}-{self.q75_ms:.4g}, n={len(self.times_ms)})"
+        )
 
 
 @dataclass(frozen=True)
@@ -96,9 +98,14 @@ class Comparison:
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+    """Linear-interpolated quantile, clamped so rounding never leaves [min, max]."""
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    i = int(pos)
+    if i + 1 >= len(ordered):
+        return ordered[-1]
+    lo, hi = ordered[i], ordered[i + 1]
+    return min(max(lo + (hi - lo) * (pos - i), lo), hi)
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
@@ -178,7 +185,7 @@ def compare(
     pending: dict[str, list[Callable[[], float]]] = {k: [] for k in labels}
     schedule: list[str] = []
     for r in range(repeats):
-        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+        for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
             result = sampler.take(candidates[label], calls[label])
             pending[label].append(result)
             schedule.append(label)
@@ -186,9 +193,7 @@ def compare(
                 on_sample(label, r, result())
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    timings = {
-        k: Timing(k, tuple(p() for p in pending[k]), calls[k], dev.type) for k in labels
-    }
+    timings = {k: Timing(k, tuple(p() for p in pending[k]), calls[k], dev.type) for k in labels}
     return Comparison(timings, baseline, tuple(schedule))
 
 
@@ -204,7 +209,11 @@ def time_fn(
 ) -> Timing:
     """Median and spread of one callable: :func:`compare` with a single candidate."""
     comparison = compare(
-        {label: fn}, warmup=warmup, repeats=repeats, calls_per_sample=calls_per_sample,
-        min_sample_ms=min_sample_ms, device=device,
+        {label: fn},
+        warmup=warmup,
+        repeats=repeats,
+        calls_per_sample=calls_per_sample,
+        min_sample_ms=min_sample_ms,
+        device=device,
     )
     return comparison.timings[label]

@@ -11,18 +11,28 @@ import torch
 Requirement = Literal["cuda", "triton"]
 
 
-def flag(help: str, phase: str, *, default: bool = False, requires: Requirement | None = None) -> Any:
+def flag(
+    help: str, phase: str, *, default: bool = False, requires: Requirement | None = None
+) -> Any:
     """A boolean optimization switch: off is the "before", on applies one optimization."""
     return field(default=default, metadata={"help": help, "phase": phase, "requires": requires})
 
 
-def option(help: str, phase: str, *, default: Any, choices: tuple[Any, ...],
-           requires: Requirement | None = None) -> Any:
+def option(
+    help: str,
+    phase: str,
+    *,
+    default: Any,
+    choices: tuple[Any, ...],
+    requires: Requirement | None = None,
+) -> Any:
     """A switch with several settings (a backend, an interval); ``default`` is the "before"."""
     if default not in choices:
         raise ValueError(f"default {default!r} is not among the choices {choices}")
-    return field(default=default, metadata={
-        "help": help, "phase": phase, "requires": requires, "choices": tuple(choices)})
+    return field(
+        default=default,
+        metadata={"help": help, "phase": phase, "requires": requires, "choices": tuple(choices)},
+    )
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,16 @@ def describe(flags_type: type) -> list[FlagInfo]:
                 f"{flags_type.__name__}.{f.name} was not declared with flag() or option(): "
                 "every flag needs a phase and a help text"
             )
-        infos.append(FlagInfo(f.name, f.metadata["help"], f.metadata["phase"], f.default,
-                              f.metadata.get("choices"), f.metadata.get("requires")))
+        infos.append(
+            FlagInfo(
+                f.name,
+                f.metadata["help"],
+                f.metadata["phase"],
+                f.default,
+                f.metadata.get("choices"),
+                f.metadata.get("requires"),
+            )
+        )
     return infos
 
 
@@ -89,5 +107,6 @@ def label(flags: Any) -> str:
 def all_on(flags_type: type, device: torch.device | str | None = None) -> Any:
     """Every boolean flag on (those that can run on ``device``), options at their defaults."""
     skip = unavailable(flags_type, device) if device is not None else {}
-    return flags_type(**{i.name: True for i in describe(flags_type)
-                         if i.is_bool and i.name not in skip})
+    return flags_type(
+        **{i.name: True for i in describe(flags_type) if i.is_bool and i.name not in skip}
+    )

@@ -19,7 +19,8 @@ from accel.workloads.flags import flag
 @dataclass(frozen=True)
 class Flags:
     loss_on_device: bool = flag(
-        "keep the running loss on the device instead of .item() every step", "sync")
+        "keep the running loss on the device instead of .item() every step", "sync"
+    )
     fused_adamw: bool = flag("AdamW(fused=True): one kernel for all parameters", "fusion")
     set_to_none: bool = flag("drop gradients (set_to_none) instead of zeroing them", "memory")
 
@@ -91,6 +92,11 @@ class Step:
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
 
-def build(flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device: torch.device | str = "cpu",
-          seed: int = 0) -> Step:
+def build(
+    flags: Flags = Flags(),
+    sizes: Sizes = Sizes(),
+    *,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> Step:
     return Step(flags, sizes, torch.device(device), seed)

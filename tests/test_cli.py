@@ -1,0 +1,78 @@
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from accel.__main__ import main
+from accel.lab import bench
+from accel.lab.bench import COLUMNS, Row, write_results
+
+
+def test_info_prints_device_and_versions(capsys):
+    assert main(["info", "--no-ceilings"]) == 0
+    out = capsys.readouterr().out
+    assert "torch" in out and "preset" in out
+
+
+def test_unknown_phase_exits_2_and_lists_the_valid_ones():
+    run = subprocess.run(
+        [sys.executable, "-m", "accel", "bench", "--phase", "nope"], capture_output=True, text=True
+    )
+    assert run.returncode == 2
+    assert "invalid choice: 'nope'" in run.stderr and "ceilings" in run.stderr
+
+
+def test_phase_function_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown phase 'x'; expected one of ceilings"):
+        bench.phase_function("x")
+
+
+@pytest.fixture
+def small_ceilings(monkeypatch):
+    from accel.lab import ceilings
+
+    small = ceilings.CeilingSizes(copy_bytes=4 << 20, matmul_n=128, repeats=3)
+    monkeypatch.setitem(ceilings.CEILING_SIZES, "cpu", small)
+    monkeypatch.setitem(ceilings.CEILING_SIZES, "gpu", small)
+
+
+def test_bench_writes_long_format_csv_and_html(tmp_path, capsys, small_ceilings):
+    assert main(["bench", "--phase", "ceilings", "--out", str(tmp_path)]) == 0
+    (csv,) = tmp_path.glob("*.csv")
+    frame = pd.read_csv(csv)
+    assert list(frame.columns) == COLUMNS
+    assert set(frame["phase"]) == {"ceilings"} and len(frame) == 2
+    assert (frame["optimized"] > 0).all()
+    assert frame["date"].str.match(r"\d{4}-\d{2}-\d{2}").all()
+    html = csv.with_suffix(".html").read_text()
+    assert "plotly" in html and "ceilings" in html
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_write_results_replaces_only_the_phases_it_holds(tmp_path):
+    stamp = dict.fromkeys(COLUMNS[11:], "x")
+
+    def frame(phase, value):
+        rows = [Row(phase, "case", "time", "ms", value, baseline=2 * value).as_dict() | stamp]
+        return pd.DataFrame(rows, columns=COLUMNS)
+
+    write_results(frame("a", 1.0), tmp_path, stem="m")
+    write_results(frame("b", 2.0), tmp_path, stem="m")
+    write_results(frame("a", 3.0), tmp_path, stem="m")
+    result = pd.read_csv(tmp_path / "m.csv").set_index("phase")
+    assert result.loc["a", "optimized"] == 3.0 and result.loc["b", "optimized"] == 2.0
+    assert result.loc["a", "speedup"] == 2.0
+
+
+@pytest.mark.parametrize(("higher", "expected"), [(False, 4.0), (True, 0.25)])
+def test_row_speedup_direction(higher, expected):
+    assert (
+        Row("p", "c", "m", "u", optimized=1.0, baseline=4.0, higher_is_better=higher).speedup
+        == expected
+    )
+
+
+def test_table_prints_markdown(tmp_path, capsys):
+    assert main(["table", "--results", str(tmp_path)]) == 0
+    assert "No results recorded yet" in capsys.readouterr().out

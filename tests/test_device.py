@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from accel.lab import device as d
+
+
+def test_preset_follows_the_device(monkeypatch):
+    monkeypatch.delenv(d.PRESET_ENV, raising=False)
+    assert d.preset("cpu") == "cpu"
+    assert d.preset(torch.device("cuda")) == "gpu"
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_preset_forced_by_environment(monkeypatch, name):
+    monkeypatch.setenv(d.PRESET_ENV, name)
+    assert d.preset("cpu") == name
+
+
+def test_unknown_preset_lists_the_valid_ones(monkeypatch):
+    monkeypatch.setenv(d.PRESET_ENV, "huge")
+    with pytest.raises(ValueError, match=r"unknown preset 'huge'.*expected one of cpu, gpu"):
+        d.preset()
+
+
+def test_versions_name_device_and_stack():
+    info = d.versions("cpu")
+    assert info["torch"] == torch.__version__
+    assert info["device_type"] == "cpu"
+    assert info["preset"] in d.PRESETS
+    assert {"triton", "cuda", "driver", "python", "cpu"} <= set(info)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "nvidia-h100-80gb-hbm3"),
+        ("AMD EPYC 7B13 64-Core Processor", "amd-epyc-7b13-64-core-processor"),
+        ("???", "unknown"),
+    ],
+)
+def test_slug(name, expected):
+    assert d.slug(name) == expected
+
+
+def test_cpu_results_stem_is_marked_cpu():
+    assert d.results_stem("cpu").startswith("cpu-")

@@ -1,0 +1,54 @@
+from dataclasses import dataclass, field
+
+import pytest
+
+from accel.workloads.flags import all_on, describe, flag, label, option, unavailable
+
+
+@dataclass(frozen=True)
+class Demo:
+    fast: bool = flag("go fast", "fusion")
+    graph: bool = flag("capture a graph", "graphs", requires="cuda")
+    every: int = option("update every k steps", "fusion", default=1, choices=(1, 4, 16))
+
+
+def test_describe_reads_phase_help_and_choices():
+    infos = {i.name: i for i in describe(Demo)}
+    assert infos["fast"].phase == "fusion" and infos["fast"].help == "go fast"
+    assert infos["fast"].is_bool and not infos["every"].is_bool
+    assert infos["every"].choices == (1, 4, 16)
+
+
+def test_a_plain_field_is_rejected_with_its_name():
+    @dataclass(frozen=True)
+    class Bad:
+        ok: bool = flag("fine", "sync")
+        plain: bool = field(default=False)
+
+    with pytest.raises(TypeError, match=r"Bad.plain was not declared with flag\(\)"):
+        describe(Bad)
+
+
+def test_describe_needs_a_dataclass_type():
+    with pytest.raises(TypeError, match="expected a Flags dataclass type"):
+        describe(Demo())
+
+
+def test_option_default_must_be_a_choice():
+    with pytest.raises(ValueError, match="not among the choices"):
+        option("x", "p", default=3, choices=(1, 2))
+
+
+def test_label_names_what_changed():
+    assert label(Demo()) == "baseline"
+    assert label(Demo(fast=True, every=4)) == "fast+every=4"
+
+
+def test_cuda_flags_are_unavailable_on_cpu_with_a_reason():
+    assert unavailable(Demo, "cpu") == {"graph": "needs a CUDA GPU; this run is on cpu"}
+    assert unavailable(Demo, "cuda") == {}
+
+
+def test_all_on_skips_what_cannot_run():
+    assert all_on(Demo, "cpu") == Demo(fast=True)
+    assert all_on(Demo) == Demo(fast=True, graph=True)

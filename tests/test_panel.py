@@ -1,0 +1,82 @@
+import ipywidgets as widgets
+import pytest
+
+from accel.lab.panel import FeaturePanel
+from accel.workloads import tiny_mlp
+from accel.workloads.flags import describe
+
+SIZES = tiny_mlp.Sizes(batch=8, width=16, depth=2, batches=2)
+
+
+def make_panel(**kwargs):
+    builds = []
+
+    def build(flags):
+        builds.append(flags)
+        return tiny_mlp.build(flags, SIZES, device="cpu")
+
+    panel = FeaturePanel(
+        tiny_mlp.Flags, build, device="cpu", warmup=1, repeats=3, profile_steps=1, **kwargs
+    )
+    return panel, builds
+
+
+def test_one_checkbox_per_flag():
+    panel, _ = make_panel()
+    names = [i.name for i in describe(tiny_mlp.Flags)]
+    assert list(panel.controls) == names
+    assert all(isinstance(c, widgets.Checkbox) for c in panel.controls.values())
+    assert panel.flags() == tiny_mlp.Flags()
+
+
+def test_toggle_and_click_rerun_and_update_the_figure():
+    panel, builds = make_panel()
+    panel.run_button.click()
+    assert panel.status.value == ""
+    assert list(panel.figure.data[2].x) == ["baseline"]
+    panel.controls["fused_adamw"].value = True
+    panel.run_button.click()
+    assert list(panel.figure.data[2].x) == ["baseline", "fused_adamw"]
+    assert len(panel.figure.data[1].y) == 3  # this run's live samples
+    assert panel.figure.data[1].name == "fused_adamw"
+    assert "fused_adamw" in panel.table.value
+    frame = panel.results
+    assert list(frame["label"]) == ["baseline", "fused_adamw"]
+    assert (frame["median_ms"] > 0).all()
+    assert frame.loc[1, "kernels_per_step"] > 0
+    assert len(panel.kernels_figure.data[0].x) > 0  # the breakdown was filled by the profiler
+    # one build per flag combination, however often it runs
+    panel.run_button.click()
+    assert builds == [tiny_mlp.Flags(), tiny_mlp.Flags(fused_adamw=True)]
+
+
+def test_auto_run_reruns_on_toggle():
+    panel, _ = make_panel(auto_run=True, profile=False)
+    panel.controls["set_to_none"].value = True
+    assert list(panel.results["label"]) == ["baseline", "set_to_none"]
+
+
+def test_a_failing_run_shows_its_error_in_the_panel():
+    panel = FeaturePanel(tiny_mlp.Flags, lambda f: 1 / 0, device="cpu", repeats=1)
+    panel.run_button.click()
+    assert "ZeroDivisionError" in panel.status.value
+    assert not panel.run_button.disabled
+    with pytest.raises(ZeroDivisionError):
+        panel.run()
+
+
+def test_cuda_only_flags_are_disabled_on_cpu_with_the_reason():
+    from dataclasses import dataclass
+
+    from accel.workloads.flags import flag
+
+    @dataclass(frozen=True)
+    class Flags:
+        graph: bool = flag("capture", "graphs", requires="cuda")
+
+    panel = FeaturePanel(Flags, lambda f: lambda: None, device="cpu", repeats=1)
+    assert panel.controls["graph"].disabled
+    assert "needs a CUDA GPU" in panel.controls["graph"].tooltip
+    panel.controls["graph"].value = True
+    with pytest.raises(ValueError, match=r"\['graph'\] cannot run on cpu"):
+        panel.run()

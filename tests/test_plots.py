@@ -1,0 +1,73 @@
+import pandas as pd
+import plotly.graph_objects as go
+import pytest
+
+from accel.lab import plots
+
+
+def test_ceilings_plot_has_one_bar_per_ceiling():
+    frame = pd.DataFrame(
+        [
+            {
+                "device": "gpu",
+                "copy_gb_s": 3000.0,
+                "matmul_tflop_s": 700.0,
+                "matmul_dtype": "bfloat16",
+            }
+        ]
+    )
+    fig = plots.ceilings(frame)
+    assert [t.type for t in fig.data] == ["bar", "bar"]
+    assert fig.data[0].y[0] == 3000.0
+
+
+def test_step_times_carry_iqr_and_speedup():
+    frame = pd.DataFrame(
+        {
+            "label": ["baseline", "fast"],
+            "median_ms": [2.0, 1.0],
+            "q25_ms": [1.9, 0.9],
+            "q75_ms": [2.2, 1.1],
+            "speedup": [1.0, 2.0],
+        }
+    )
+    fig = plots.step_times(frame)
+    assert list(fig.data[0].text) == ["1.00x", "2.00x"]
+    assert list(fig.data[0].error_y.array) == pytest.approx([0.2, 0.1])
+    assert list(fig.data[0].error_y.arrayminus) == pytest.approx([0.1, 0.1])
+
+
+def test_kernel_breakdown_shows_the_top_kernels_largest_on_top():
+    kernels = pd.DataFrame(
+        {
+            "name": list("abc"),
+            "count": [1, 2, 3],
+            "total_us": [30.0, 20.0, 10.0],
+            "share": [0.5, 0.33, 0.17],
+        }
+    )
+    fig = plots.kernel_breakdown(kernels, top=2)
+    assert list(fig.data[0].y) == ["b", "a"]  # plotly draws the last bar on top
+
+
+def test_timeline_has_a_trace_per_kind_and_states_idle():
+    frame = pd.DataFrame(
+        {
+            "name": ["k1", "k2", "copy"],
+            "kind": ["kernel", "kernel", "memcpy"],
+            "start_us": [0.0, 5.0, 9.0],
+            "end_us": [2.0, 6.0, 10.0],
+        }
+    )
+    fig = plots.timeline(frame, idle_fraction=0.6)
+    assert [t.name for t in fig.data] == ["kernel", "memcpy"]
+    assert "idle 60%" in fig.layout.title.text
+
+
+def test_memory_and_speedups_build():
+    assert isinstance(
+        plots.memory_over_time(pd.DataFrame({"t_us": [0, 1], "bytes": [0, 2**20]})), go.Figure
+    )
+    rows = pd.DataFrame({"case": ["a", "b"], "speedup": [1.5, float("nan")], "target": [1.2, None]})
+    fig = plots.speedups(rows)
+    assert list(fig.data[0].x) == ["a"]

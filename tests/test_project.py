@@ -1,0 +1,84 @@
+"""Project-level promises: light imports, one dependency list, clean notebooks, honest README."""
+
+import json
+import pkgutil
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+import accel
+from accel.lab.bench import README_END, README_START, results_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("plotly", "ipywidgets", "pandas")
+
+
+def core_modules() -> list[str]:
+    """Every module outside the lab and the CLI: what a user imports into training code."""
+    names = ["accel"]
+    for info in pkgutil.walk_packages(accel.__path__, "accel."):
+        if not info.name.startswith(("accel.lab", "accel.__main__")):
+            names.append(info.name)
+    return names
+
+
+@pytest.mark.parametrize("module", core_modules())
+def test_importing_a_component_pulls_in_no_notebook_stack(module):
+    code = (
+        f"import sys, {module}; heavy = [m for m in {HEAVY!r} if m in sys.modules]; "
+        "print(','.join(heavy))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "", f"import {module} imported {run.stdout.strip()}"
+
+
+def test_environment_yml_installs_extras_that_exist():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    named = re.findall(r"-e \.\[([a-z,]+)\]", (ROOT / "environment.yml").read_text())
+    assert named, "environment.yml should install the package with its extras"
+    for group in named:
+        for extra in group.split(","):
+            assert extra in extras, (
+                f"environment.yml names extra {extra!r}; pyproject has {list(extras)}"
+            )
+
+
+def test_core_dependency_is_torch_only():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert [re.split(r"[<>=;\s]", d)[0] for d in project["dependencies"]] == ["torch"]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.name)
+def test_notebooks_are_committed_without_outputs(path):
+    nb = json.loads(path.read_text())
+    dirty = [i for i, c in enumerate(nb["cells"]) if c.get("outputs") or c.get("execution_count")]
+    assert not dirty, f"{path.name}: cells {dirty} carry outputs; clear them before committing"
+
+
+def quickstart() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Quickstart", 1)[1].split("```", 2)[1]
+    return [line for line in block.splitlines()[1:] if line.strip()]
+
+
+def test_readme_quickstart_is_two_commands_that_ci_runs():
+    install, test = quickstart()
+    ci = (ROOT / ".ci" / "run").read_text()
+    install_part = install.split(" && .venv/bin/jupyter lab")[0]
+    assert install_part != install, "the first command should end by opening JupyterLab"
+    assert install_part in ci, "CI must install exactly as the README says"
+    assert test in ci, "CI must run the README's test command"
+
+
+def test_readme_results_table_matches_results_dir():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(README_START, 1)[1].split(README_END, 1)[0]
+    assert block.strip() == results_markdown(ROOT / "results").strip(), (
+        "README results table is stale: run `python -m accel table --readme README.md`"
+    )

@@ -1,0 +1,94 @@
+import time
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from accel.lab.timing import Timing, compare, time_fn
+
+
+def test_time_fn_gives_positive_median_with_spread(device, seed):
+    x = torch.randn(256, 256, device=device)
+    t = time_fn(lambda: x @ x, repeats=15, device=device)
+    assert len(t.times_ms) == 15
+    assert t.median_ms > 0
+    assert t.q25_ms <= t.median_ms <= t.q75_ms
+    assert t.iqr_ms >= 0 and t.min_ms <= t.median_ms
+
+
+def test_time_fn_measures_what_runs():
+    t = time_fn(lambda: time.sleep(0.002), repeats=5, warmup=1, device="cpu")
+    assert 1.9 <= t.median_ms < 20
+
+
+def test_compare_interleaves_and_rotates_the_order():
+    log = []
+    c = compare({k: (lambda k=k: log.append(k)) for k in "abc"}, warmup=0, repeats=3, device="cpu")
+    assert log == list("abcbcacab")
+    assert c.schedule == tuple("abcbcacab")
+
+
+def test_compare_warms_up_each_candidate_before_timing():
+    log = []
+    compare({k: (lambda k=k: log.append(k)) for k in "ab"}, warmup=2, repeats=1, device="cpu")
+    assert log == list("aabbab")
+
+
+def test_speedup_is_baseline_over_candidate():
+    slow, fast = (lambda: time.sleep(0.004)), (lambda: time.sleep(0.001))
+    c = compare({"slow": slow, "fast": fast}, warmup=1, repeats=5, device="cpu")
+    assert c.speedup("slow") == 1.0
+    assert c.speedup("fast") > 2
+    frame = c.to_frame()
+    assert list(frame.index) == ["slow", "fast"]
+    assert frame.loc["fast", "speedup"] == pytest.approx(c.speedup("fast"))
+
+
+def test_calibration_batches_tiny_calls():
+    x = torch.randn(8)
+    t = time_fn(lambda: x.add(1), calls_per_sample=None, min_sample_ms=0.5, repeats=3, device="cpu")
+    assert t.calls_per_sample > 1
+
+
+def test_on_sample_reports_every_sample():
+    seen = []
+    compare(
+        {"a": lambda: None, "b": lambda: None},
+        repeats=4,
+        warmup=0,
+        device="cpu",
+        on_sample=lambda label, r, ms: seen.append((label, r, ms)),
+    )
+    assert len(seen) == 8 and all(ms >= 0 for _, _, ms in seen)
+    assert [r for _, r, _ in seen] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(repeats=0), "repeats >= 1"),
+        (dict(warmup=-1), "warmup >= 0"),
+        (dict(calls_per_sample=0), "calls_per_sample"),
+        (dict(baseline="zzz"), "baseline 'zzz' is not a candidate"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        compare({"a": lambda: None}, device="cpu", **kwargs)
+
+
+def test_no_candidates_is_an_error():
+    with pytest.raises(ValueError, match="at least one candidate"):
+        compare({}, device="cpu")
+
+
+@given(st.lists(st.floats(min_value=1e-6, max_value=1e6), min_size=1, max_size=50))
+def test_timing_statistics_are_ordered(times):
+    t = Timing("x", tuple(times))
+    assert t.min_ms <= t.q25_ms <= t.median_ms <= t.q75_ms <= max(times)
+
+
+def test_empty_timing_is_an_error():
+    with pytest.raises(ValueError, match="at least one sample"):
+        Timing("x", ())
