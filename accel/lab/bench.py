@@ -185,6 +185,28 @@ def ceilings_frame(rows: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def default_results_dir() -> Path:
+    """``results/`` of the checkout this package runs from, else of the working directory."""
+    beside_package = Path(__file__).resolve().parents[2] / "results"
+    return beside_package if beside_package.is_dir() else Path("results")
+
+
+def recorded_results(
+    phase: str | None = None, results_dir: str | Path | None = None
+) -> pd.DataFrame:
+    """Every row recorded under ``results/`` (all machines), optionally of one phase only.
+
+    Notebooks show these beside what this machine measured, so a CPU run still shows the GPU's.
+    """
+    files = sorted(Path(results_dir or default_results_dir()).glob("*.csv"))
+    frame = (
+        pd.concat([pd.read_csv(f) for f in files], ignore_index=True)
+        if files
+        else (pd.DataFrame(columns=COLUMNS))
+    )
+    return frame if phase is None else frame[frame["phase"] == phase].reset_index(drop=True)
+
+
 def _fmt(value) -> str:
     if isinstance(value, float):
         if math.isnan(value):
