@@ -10,6 +10,7 @@ dispatch. Host-device syncs do not exist there and are reported as NaN.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,7 +109,7 @@ class ProfileReport:
     syncs_per_step: float  # NaN on a CPU: there is no separate device to wait for
     window_us: float
     busy_us: float
-    peak_memory_bytes: int
+    peak_memory_bytes: int  # peak allocated during the window, above the level at its start
     trace_path: Path | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -156,6 +157,7 @@ def profile_step(
     if cuda:
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
+        start_bytes = torch.cuda.memory_allocated(dev)
     with profile(activities=activities, profile_memory=True) as prof:
         for _ in range(steps):
             with record_function(STEP_MARK):
@@ -188,16 +190,16 @@ def profile_step(
     launches = sum(e.name in LAUNCH_CALLS for e in runtime) if cuda else len(work)
     syncs = sum(e.name in SYNC_CALLS for e in runtime) / steps if cuda else math.nan
     memory = _memory_over_time(prof, t0, cuda)
-    if cuda:
-        peak = torch.cuda.max_memory_allocated(dev)
+    if cuda:  # the allocator's own peak is exact; the profiler's records are the CPU's only view
+        peak = torch.cuda.max_memory_allocated(dev) - start_bytes
     else:
-        peak = int(memory["bytes"].max()) if len(memory) else 0
+        peak = max(0, int(memory["bytes"].max())) if len(memory) else 0
     notes = (
         []
         if cuda
         else [
-            "CPU: kernels are the innermost arithmetic ATen ops; peak memory is above the level "
-            "at the start of the window; host-device syncs do not apply (NaN)."
+            "CPU: kernels are the ATen ops that did arithmetic themselves; "
+            "host-device syncs do not apply (NaN)."
         ]
     )
     return ProfileReport(
@@ -218,8 +220,15 @@ def profile_step(
 
 
 def _inside(marks) -> Callable[[object], bool]:
+    """Whether an event starts inside one of the (non-overlapping) step marks."""
     spans = sorted((m.time_range.start, m.time_range.end) for m in marks)
-    return lambda e: any(a <= e.time_range.start <= b for a, b in spans)
+    starts = [a for a, _ in spans]
+
+    def inside(e) -> bool:
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        return i >= 0 and e.time_range.start <= spans[i][1]
+
+    return inside
 
 
 def _device_work(events):
