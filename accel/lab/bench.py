@@ -23,6 +23,7 @@ from accel.lab.device import Preset, default_device, preset, results_stem, versi
 # name -> "module:function"; imported only when the phase runs. Each phase issue adds its line.
 PHASES: dict[str, str] = {
     "ceilings": "accel.lab.cases.ceilings:run",
+    "sync": "accel.lab.cases.sync:run",
 }
 
 COLUMNS = [

@@ -1,0 +1,426 @@
+"""Sync removal: keep numbers on the device and bring them to the host once, when asked.
+
+A host read of a device tensor (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``, ``if t:``,
+boolean-mask indexing) makes Python wait until the GPU has run everything queued before it. The
+launch queue drains: the GPU idles while the host waits, then idles again while the host launches
+the next kernels. In a launch-bound loop each such read costs tens of microseconds.
+
+What a training loop takes from here, each fast version beside its plain reference:
+
+- :func:`read_scalars` (one transfer for many scalars) and :func:`read_scalars_reference`
+  (``.item()`` each);
+- :class:`MetricAccumulator`: running sums on the device, read in one transfer;
+- :class:`ProgressLog`: progress rows recorded on the device and copied to the host without
+  blocking, collected when they have landed;
+- :func:`count_syncs` and the guard :func:`no_sync` (both need CUDA; on a CPU they say so once);
+- :func:`apply_givens` and :func:`update_rotor_angles`: batched index ops replacing Python loops
+  over rotation planes, beside their loop references.
+
+Importing this module costs torch only.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's sync-debug-mode text
+
+
+class HostSyncError(RuntimeError):
+    """A host-device sync happened inside :func:`no_sync`."""
+
+
+class SyncCheckUnavailableWarning(UserWarning):
+    """Syncs cannot be counted or checked here (no CUDA device)."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, SyncCheckUnavailableWarning, stacklevel=4)
+
+
+# ---- reading scalars ---------------------------------------------------------------------------
+def read_scalars(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """Bring several one-element tensors to the host in one transfer (one sync, not one each).
+
+    Values of one dtype are read in that dtype; mixed dtypes are read as float64 (exact for
+    float32, bfloat16 and integers below 2**53).
+    """
+    if not values:
+        return {}
+    names = list(values)
+    tensors = [_as_scalar(name, values[name]) for name in names]
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"read_scalars: values must share one device, got {sorted(map(str, devices))}"
+        )
+    dtypes = {t.dtype for t in tensors}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    host = torch.stack([t.to(dtype) for t in tensors]).tolist()  # sync: the one read, for all
+    return {name: float(x) for name, x in zip(names, host, strict=True)}
+
+
+def read_scalars_reference(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """The "before": one ``.item()`` (one sync) per value."""
+    return {name: float(_as_scalar(name, t).item()) for name, t in values.items()}
+
+
+def _as_scalar(name: str, value: torch.Tensor) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name!r}: expected a tensor, got {type(value).__name__}")
+    if value.numel() != 1:
+        raise ValueError(f"{name!r}: expected one element, got shape {tuple(value.shape)}")
+    return value.detach().reshape(())
+
+
+class MetricAccumulator:
+    """Running sums of named scalar metrics kept on the device; read back in one transfer.
+
+        acc = MetricAccumulator(["loss", "grad_norm"], device="cuda")
+        acc.add(loss=loss, grad_norm=norm)   # no sync: one in-place add
+        acc.read()                           # {'loss': ..., 'grad_norm': ...}: means, one sync
+
+    The number of ``add`` calls is counted on the host, which knows it without asking the GPU.
+    ``totals`` keeps its address (``reset`` zeroes it in place).
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.names = tuple(names)
+        if not self.names or len(set(self.names)) != len(self.names):
+            raise ValueError(f"MetricAccumulator needs distinct metric names, got {self.names}")
+        self.totals = torch.zeros(len(self.names), device=device, dtype=dtype)
+        self.count = 0
+
+    def add(
+        self, values: Mapping[str, torch.Tensor] | None = None, /, **named: torch.Tensor
+    ) -> None:
+        """Add one value per metric (one-element tensors on the accumulator's device)."""
+        given = {**(values or {}), **named}
+        if set(given) != set(self.names):
+            raise KeyError(
+                f"add() needs exactly the metrics {list(self.names)}, got {sorted(given)}"
+            )
+        row = torch.stack([_as_scalar(n, given[n]).to(self.totals.dtype) for n in self.names])
+        self.totals.add_(row)
+        self.count += 1
+
+    def means(self) -> torch.Tensor:
+        """The running means, on the device (no sync)."""
+        return self.totals / max(self.count, 1)
+
+    def read(self) -> dict[str, float]:
+        """The running means on the host, all in one transfer."""
+        means = self.means().tolist()  # sync: asked for; one transfer for every metric
+        return dict(zip(self.names, means, strict=True))
+
+    def read_reference(self) -> dict[str, float]:
+        """The "before": one ``.item()`` per metric."""
+        means = self.means()
+        return {n: means[i].item() for i, n in enumerate(self.names)}
+
+    def reset(self) -> None:
+        self.totals.zero_()
+        self.count = 0
+
+
+class ProgressLog:
+    """Progress rows recorded on the device, copied to the host without blocking.
+
+    ``record`` writes a row into a preallocated device buffer (no sync); ``flush`` starts one
+    non-blocking copy of the recorded rows into pinned host memory and frees the buffer for the
+    next rows; ``collect`` returns every row whose copy has landed, waiting only if asked.
+    Use it from one CUDA stream: the copy is ordered after the records on that stream.
+    """
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        capacity: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.names = tuple(names)
+        if capacity < 1:
+            raise ValueError(f"ProgressLog capacity must be >= 1, got {capacity}")
+        self.rows = torch.zeros(capacity, len(self.names), device=device, dtype=dtype)
+        self._cuda = self.rows.device.type == "cuda"
+        self._filled = 0
+        self._pending: deque[tuple[torch.cuda.Event | None, torch.Tensor]] = deque()
+        self.history: list[dict[str, float]] = []
+
+    def record(self, values: Mapping[str, torch.Tensor], *, scale: float = 1.0) -> None:
+        """Write ``values`` (times ``scale``) as the next row, on the device."""
+        if self._filled == len(self.rows):
+            raise ValueError(f"ProgressLog is full ({len(self.rows)} rows): call flush() first")
+        row = torch.stack([_as_scalar(n, values[n]) for n in self.names])
+        torch.mul(row, scale, out=self.rows[self._filled])
+        self._filled += 1
+
+    def flush(self) -> None:
+        """Start copying the recorded rows to the host; returns at once."""
+        if self._filled == 0:
+            return
+        rows = self.rows[: self._filled]
+        if self._cuda:
+            # Pinned memory makes the copy asynchronous; torch's host allocator reuses the block
+            # once this copy's event has completed, so steady state allocates nothing new.
+            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+            host.copy_(rows, non_blocking=True)  # queued on the rows' device's current stream
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(rows.device))
+        else:
+            host, event = rows.clone(), None
+        self._pending.append((event, host))
+        self._filled = 0
+
+    def collect(self, *, wait: bool = False) -> list[dict[str, float]]:
+        """Move the rows that have reached the host into ``history`` and return it.
+
+        ``wait=True`` first waits for every copy in flight (a sync, on purpose: you asked).
+        """
+        while self._pending:
+            event, host = self._pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    break
+                event.synchronize()  # sync: asked to wait for the rows still in flight
+            self._pending.popleft()
+            self.history += [dict(zip(self.names, r, strict=True)) for r in host.tolist()]
+        return self.history
+
+
+# ---- counting and forbidding syncs -------------------------------------------------------------
+def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None:
+    """Call ``fn(*args, **kwargs)`` once and return how many host-device syncs it made.
+
+    Counts torch's sync-debug warnings (``torch.cuda.set_sync_debug_mode("warn")``): every
+    ``.item()``, ``.cpu()``, ``.tolist()``, blocking copy, ``nonzero`` or boolean mask on a CUDA
+    tensor. Explicit ``torch.cuda.synchronize()`` and ``Event.synchronize()`` are not counted.
+    Without CUDA there is no device to wait for: ``fn`` still runs, the result is ``None``, and
+    a :class:`SyncCheckUnavailableWarning` says so (once per process).
+    """
+    if not torch.cuda.is_available():
+        _warn_once(
+            "count",
+            "count_syncs: no CUDA device here, so there are no host-device syncs "
+            "to count; returning None (fn was still called).",
+        )
+        fn(*args, **kwargs)
+        return None
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    syncs = 0
+    for w in caught:
+        if SYNC_MESSAGE in str(w.message):
+            syncs += 1
+        else:  # not ours: pass it on
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return syncs
+
+
+@contextmanager
+def no_sync() -> Iterator[None]:
+    """Make any host-device sync inside the block an error (:class:`HostSyncError`).
+
+    On CUDA this sets ``torch.cuda.set_sync_debug_mode("error")`` and restores the previous mode
+    on exit. Without CUDA it cannot check anything: the block runs unchecked and a
+    :class:`SyncCheckUnavailableWarning` says so (once per process).
+    """
+    if not torch.cuda.is_available():
+        _warn_once(
+            "guard",
+            "no_sync: no CUDA device here, so host-device syncs cannot be "
+            "checked; the block runs unchecked.",
+        )
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    except RuntimeError as exc:
+        if SYNC_MESSAGE in str(exc):
+            raise HostSyncError(
+                "a host-device sync happened inside no_sync() (an .item(), .cpu(), .tolist(), "
+                "blocking copy, nonzero or boolean mask on a CUDA tensor); see the traceback "
+                "above for where"
+            ) from exc
+        raise
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+# ---- rotations in planes: batched index ops vs loops over planes -------------------------------
+def check_planes(planes: Any, dim: int) -> torch.Tensor:
+    """Validate rotation planes for vectors of ``dim`` coordinates; return them as a CPU long
+    tensor of shape (layers, k, 2).
+
+    Each plane is a pair (i, j) of distinct coordinates in ``0..dim-1``; the planes of one layer
+    must be disjoint (they commute, so :func:`apply_givens` applies them at once), hence
+    ``1 <= k <= dim // 2``. Reads the values on the host: call it once, outside the loop.
+    """
+    t = torch.as_tensor(planes)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise TypeError(f"planes must hold integer coordinates, got dtype {t.dtype}")
+    if t.ndim == 2:
+        t = t.unsqueeze(0)  # one layer
+    if t.ndim != 3 or t.shape[-1] != 2 or t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(
+            f"planes must have shape (layers, k, 2) with layers, k >= 1, "
+            f"got {tuple(torch.as_tensor(planes).shape)}"
+        )
+    t = t.to("cpu", torch.long)
+    lo, hi = int(t.min()), int(t.max())
+    if lo < 0 or hi >= dim:
+        raise ValueError(
+            f"planes: coordinates must be in 0..{dim - 1} (vectors of {dim}), "
+            f"got values in {lo}..{hi}"
+        )
+    if t.shape[1] > dim // 2:
+        raise ValueError(
+            f"planes: k = {t.shape[1]} planes per layer; disjoint planes allow "
+            f"1..{dim // 2} for vectors of {dim}"
+        )
+    same = (t[..., 0] == t[..., 1]).nonzero().tolist()
+    if same:
+        layer, p = same[0]
+        raise ValueError(
+            f"planes: plane {p} of layer {layer} is ({t[layer, p, 0]}, "
+            f"{t[layer, p, 1]}); the two coordinates of a plane must differ"
+        )
+    for layer, pairs in enumerate(t):
+        values, counts = pairs.flatten().unique(return_counts=True)
+        if (counts > 1).any():
+            raise ValueError(
+                f"planes: layer {layer} uses coordinate(s) "
+                f"{values[counts > 1].tolist()} in more than one plane; the planes "
+                "of a layer must be disjoint"
+            )
+    return t
+
+
+def _check_rotor_args(v: torch.Tensor, planes: torch.Tensor, theta: torch.Tensor) -> None:
+    # Shapes, dtypes and devices only: checking index values would read them back (a sync).
+    if not v.is_floating_point():
+        raise TypeError(f"v must be a floating-point tensor, got {v.dtype}")
+    if planes.dtype != torch.long:
+        raise TypeError(f"planes must be torch.long (from check_planes), got {planes.dtype}")
+    if planes.ndim != 3 or planes.shape[-1] != 2:
+        raise ValueError(f"planes must have shape (layers, k, 2), got {tuple(planes.shape)}")
+    if theta.shape != planes.shape[:2]:
+        raise ValueError(
+            f"theta must have shape (layers, k) = {tuple(planes.shape[:2])}, "
+            f"got {tuple(theta.shape)}"
+        )
+    if planes.device != v.device or theta.device != v.device:
+        raise ValueError(
+            f"v, planes and theta must share a device (move planes there once), "
+            f"got {v.device}, {planes.device}, {theta.device}"
+        )
+
+
+def apply_givens(v: torch.Tensor, planes: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """Rotate the last dimension of ``v`` in each plane (i, j) by its angle, layer after layer.
+
+    ``planes``: (layers, k, 2) long on ``v``'s device, disjoint within a layer (see
+    :func:`check_planes`); ``theta``: (layers, k). In plane (i, j):
+    ``v_i, v_j <- c v_i - s v_j, s v_i + c v_j`` with ``c, s = cos, sin(theta)``. One gather,
+    one rotation and one scatter per layer, whatever k: no Python loop over planes, no sync.
+    Returns a new tensor.
+    """
+    _check_rotor_args(v, planes, theta)
+    c, s = theta.cos().to(v.dtype), theta.sin().to(v.dtype)  # (layers, k)
+    k = planes.shape[1]
+    for layer in range(planes.shape[0]):
+        pairs = planes[layer].reshape(2 * k)  # i0 j0 i1 j1 ...: one contiguous index
+        w = v.index_select(-1, pairs).unflatten(-1, (k, 2))  # (..., k, 2)
+        vi, vj = w[..., 0], w[..., 1]
+        cl, sl = c[layer], s[layer]
+        rotated = torch.stack((cl * vi - sl * vj, sl * vi + cl * vj), dim=-1).flatten(-2)
+        v = v.index_copy(-1, pairs, rotated)
+    return v
+
+
+def apply_givens_reference(v: torch.Tensor, planes: Any, theta: torch.Tensor) -> torch.Tensor:
+    """The "before": a Python loop over layers and planes, a handful of kernels per plane.
+
+    ``planes`` may live anywhere; it is read to the host once (a sync if it is on a GPU).
+    """
+    out = v.clone()
+    for layer, pairs in enumerate(torch.as_tensor(planes).tolist()):
+        for p, (i, j) in enumerate(pairs):
+            c = torch.cos(theta[layer, p]).to(v.dtype)
+            s = torch.sin(theta[layer, p]).to(v.dtype)
+            vi, vj = out[..., i].clone(), out[..., j].clone()
+            out[..., i] = c * vi - s * vj
+            out[..., j] = s * vi + c * vj
+    return out
+
+
+def update_rotor_angles(
+    theta: torch.Tensor,
+    planes: torch.Tensor,
+    v_diff: torch.Tensor,
+    signal: torch.Tensor | float,
+    lr: float,
+) -> torch.Tensor:
+    """Contrastive update of every plane's angle at once, in place; returns ``theta``.
+
+    For plane (i, j): ``theta += lr * (-signal) * atan2(d_j, d_i) * hypot(d_i, d_j)`` with
+    ``d = v_diff`` (shape (dim,)). ``signal`` may stay a device scalar: nothing is read back.
+    """
+    if v_diff.ndim != 1:
+        raise ValueError(f"v_diff must have shape (dim,), got {tuple(v_diff.shape)}")
+    if planes.dtype != torch.long or planes.ndim != 3 or theta.shape != planes.shape[:2]:
+        raise ValueError(
+            f"planes must be long (layers, k, 2) and theta (layers, k), got "
+            f"{planes.dtype} {tuple(planes.shape)} and {tuple(theta.shape)}"
+        )
+    d = v_diff.index_select(0, planes.reshape(-1)).view(*theta.shape, 2)  # one gather
+    di, dj = d[..., 0], d[..., 1]
+    step = torch.atan2(dj, di) * torch.hypot(di, dj)
+    return theta.add_(step * (-lr * signal))
+
+
+def update_rotor_angles_reference(
+    theta: torch.Tensor,
+    planes: torch.Tensor,
+    v_diff: torch.Tensor,
+    signal: torch.Tensor | float,
+    lr: float,
+) -> torch.Tensor:
+    """The "before": nested loops with ``.item()`` per index and per value (a sync each)."""
+    s = signal.item() if isinstance(signal, torch.Tensor) else float(signal)
+    layers, k = theta.shape
+    for layer in range(layers):
+        for p in range(k):
+            i = int(planes[layer, p, 0].item())
+            j = int(planes[layer, p, 1].item())
+            di, dj = v_diff[i].item(), v_diff[j].item()
+            theta[layer, p] += lr * (-s) * math.atan2(dj, di) * math.hypot(di, dj)
+    return theta

@@ -1,0 +1,469 @@
+"""The field trainer: a windowed, two-phase contrastive trainer without autograd [Trainer2 guide].
+
+One call of the step runs one window of ``steps_per_window`` steps: a free phase, then a phase
+nudged toward the window's target pattern. Each step computes a scalar curvature ``R_sc`` of the
+field, a retrieval over a memory bank (cost of each entry under the metric ``g0``, weights
+``softmax(-beta * cost)``, values mixed by them), the speed ``spd = sqrt(g0(v, v) + eps)``, Givens
+rotations of the velocity ``v`` in ``rotor_k`` planes per layer, the LIoR loss ``R_sc * spd``, the
+field update, and metric accumulators (LIoR, R, spd) with a progress read-out every
+``progress_every`` steps. Every ``nudge_every_windows`` windows the rotor angles move with the
+difference between the phases' statistics, plane by plane.
+
+``Flags()`` is the "before", written the way such code usually is; each flag removes one cost.
+Launch-bound at the ``gpu`` preset: the home of phases 1-4.
+
+Room for phase 4's ``cuda_graph`` flag: :meth:`Step.run_window` (the device work) reads and writes
+only tensors allocated in ``__init__``, in place, with the window's target copied into a static
+buffer before it; host work (collecting progress, the rotor-update schedule, cache cleanup) stays
+outside it. A captured window also needs ``batched_progress`` (no ``.item()``) and must advance
+``ProgressLog``'s host-side row counter itself on replay.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from accel import sync
+from accel.workloads.flags import flag
+
+METRICS = ("lior", "R", "spd")
+# Flags keep results equal to the baseline within this (fp32). compiled_retrieval (fused softmax)
+# and vectorized_rotor (float32 update where the loop used Python floats) change the last bits;
+# the dynamics are damped, so the difference does not grow over windows.
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+
+
+@dataclass(frozen=True)
+class Flags:
+    batched_progress: bool = flag(
+        "progress read-outs recorded on the device and copied to the host in one non-blocking "
+        "transfer per window, instead of three .item() per read-out",
+        "sync",
+    )
+    vectorized_rotor: bool = flag(
+        "rotor rotations and angle updates as batched index ops, instead of Python loops over "
+        "planes (with .item() per index and value in the update)",
+        "sync",
+    )
+    fused_lior: bool = flag(
+        "compute the quadratic form g0(v, v) once per step for both LIoR and the speed", "fusion"
+    )
+    compiled_retrieval: bool = flag(
+        "retrieval softmax and mix through torch.compile (falls back to eager, with a warning, "
+        "where compile cannot run)",
+        "fusion",
+    )
+    inplace_accumulate: bool = flag(
+        "accumulate metrics and velocity in place instead of a fresh tensor each step", "memory"
+    )
+    adaptive_cleanup: bool = flag(
+        "torch.cuda.empty_cache() only every 50 windows and only if over 90% of the reserved "
+        "memory is allocated, instead of every 10 windows",
+        "memory",
+    )
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Sizes and settings. Validated on creation: a bad value names its field and range."""
+
+    batch: int = 64  # field points
+    dim: int = 64  # coordinates per point
+    bank: int = 256  # memory-bank entries
+    steps_per_window: int = 64  # half free phase, half nudged
+    progress_every: int = 8  # read-out every this many steps of a phase; 0: none
+    rotor_layers: int = 2
+    rotor_k: int = 6  # disjoint planes per layer
+    nudge_every_windows: int = 1
+    metric: Literal["full", "diag"] = "full"
+    patterns: int = 4  # target patterns, one per window in turn
+    beta: float = 2.0  # retrieval sharpness (cost is per coordinate)
+    nudge: float = 0.5
+    dt: float = 0.1
+    damping: float = 0.1
+    rotor_lr: float = 0.5
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        _in_range("batch", self.batch, 1)
+        _in_range("dim", self.dim, 2)
+        _in_range("bank", self.bank, 1)
+        _in_range("steps_per_window", self.steps_per_window, 2)
+        if self.steps_per_window % 2:
+            raise ValueError(
+                f"Sizes.steps_per_window must be even (a free and a nudged phase "
+                f"of equal length), got {self.steps_per_window}"
+            )
+        _in_range(
+            "progress_every",
+            self.progress_every,
+            0,
+            self.steps_per_phase,
+            "(steps of a phase between read-outs; 0 turns them off)",
+        )
+        _in_range("rotor_layers", self.rotor_layers, 1)
+        _in_range(
+            "rotor_k",
+            self.rotor_k,
+            1,
+            self.dim // 2,
+            f"(disjoint planes per layer in {self.dim} coordinates)",
+        )
+        _in_range("nudge_every_windows", self.nudge_every_windows, 1)
+        if self.metric not in ("full", "diag"):
+            raise ValueError(f"Sizes.metric must be 'full' or 'diag', got {self.metric!r}")
+        _in_range("patterns", self.patterns, 1)
+        for name in ("beta", "dt", "rotor_lr", "eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Sizes.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.damping < 1:
+            raise ValueError(f"Sizes.damping must be in [0, 1), got {self.damping}")
+        if self.nudge < 0:
+            raise ValueError(f"Sizes.nudge must be >= 0, got {self.nudge}")
+
+    @property
+    def steps_per_phase(self) -> int:
+        return self.steps_per_window // 2
+
+    @property
+    def readouts_per_window(self) -> int:
+        return 2 * (self.steps_per_phase // self.progress_every) if self.progress_every else 0
+
+    @classmethod
+    def preset(cls, name: str) -> Sizes:
+        if name not in _PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(_PRESETS)}")
+        return _PRESETS[name]
+
+
+def _in_range(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
+    if not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        valid = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(
+            f"Sizes.{name} must be an int in {valid}{' ' + why if why else ''}, got {value!r}"
+        )
+
+
+_PRESETS = {
+    # A window in milliseconds on a CPU core: every notebook and test runs in CI.
+    "cpu": Sizes(batch=8, dim=16, bank=16, steps_per_window=16, progress_every=4, rotor_k=3),
+    # The seed's defaults (64 steps, progress every 8, rotor_k 6); small tensors: launch-bound.
+    "gpu": Sizes(),
+}
+
+
+# ---- the math of one step (phase 2 may move the fused forms to accel.fusion) --------------------
+def quad_form(v: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sqrt(g(v, v) + eps)`` per row of ``v`` (..., d); ``g`` is (d, d) or its diagonal (d,)."""
+    q = ((v @ g) * v).sum(-1) if g.ndim == 2 else (v * v * g).sum(-1)
+    return torch.sqrt(q + eps)
+
+
+def lior_step(R_sc: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """The "before": the LIoR loss computes its own quadratic form."""
+    return R_sc * quad_form(v, g, eps)
+
+
+def lior_step_fused(
+    R_sc: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LIoR and the speed from one quadratic form."""
+    spd = quad_form(v, g, eps)
+    return R_sc * spd, spd
+
+
+def curvature(x: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
+    """Scalar curvature per field point: softplus of the mean of ``x^T C x``, > 0."""
+    return torch.nn.functional.softplus(((x @ C) * x).mean(-1))
+
+
+def metric_cost(x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Cost of each bank entry for each point: ``g(x - k, x - k)`` per coordinate, (B, M)."""
+    diff = x.unsqueeze(1) - keys  # (B, M, d)
+    q = (diff @ g) * diff if g.ndim == 2 else diff * diff * g
+    return q.mean(-1)
+
+
+def retrieval_mix(cost: torch.Tensor, values: torch.Tensor, beta: float) -> torch.Tensor:
+    """Weights ``softmax(-beta * cost)`` (B, M) mix the bank's values (M, d) into (B, d)."""
+    w = torch.softmax(-beta * cost, dim=-1)
+    return (values.unsqueeze(0) * w.unsqueeze(-1)).sum(1)  # materializes (B, M, d) unfused
+
+
+_compiled_mix: Callable[..., torch.Tensor] | None = None
+
+
+def _retrieval(compiled: bool, probe: tuple[torch.Tensor, torch.Tensor, float]) -> Callable:
+    """The retrieval to use: compiled if asked and it runs here and matches eager on ``probe``."""
+    global _compiled_mix
+    if not compiled:
+        return retrieval_mix
+    try:
+        if _compiled_mix is None:  # one compiled function: dynamo caches per shape across steps
+            _compiled_mix = torch.compile(retrieval_mix, dynamic=False)
+        out = _compiled_mix(*probe)  # compiles now, not inside the timed window
+        torch.testing.assert_close(out, retrieval_mix(*probe), **TOLERANCE)
+    except Exception as exc:  # no compiler, no Triton, unsupported platform...
+        warnings.warn(
+            f"compiled_retrieval: torch.compile cannot run here "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "using the eager retrieval",
+            RuntimeWarning,
+            stacklevel=4,  # the caller of build()
+        )
+        return retrieval_mix
+    return _compiled_mix
+
+
+def check_metric(g0: torch.Tensor, sizes: Sizes) -> torch.Tensor:
+    """``g0`` as float32 after checking it is a metric: (dim, dim) symmetric positive definite
+    for ``metric='full'``, (dim,) positive for ``'diag'``."""
+    d = sizes.dim
+    g0 = torch.as_tensor(g0).detach().to("cpu", torch.float64)
+    if sizes.metric == "diag":
+        if g0.shape != (d,):
+            raise ValueError(f"g0: a diagonal metric needs shape ({d},), got {tuple(g0.shape)}")
+        if not bool((g0 > 0).all()):
+            raise ValueError(f"g0: a diagonal metric needs every entry > 0, got min {g0.min():.3g}")
+        return g0.float()
+    if g0.shape != (d, d):
+        raise ValueError(f"g0: a full metric needs shape ({d}, {d}), got {tuple(g0.shape)}")
+    if not torch.allclose(g0, g0.T, rtol=1e-6, atol=1e-8):
+        raise ValueError(
+            f"g0 must be symmetric (a metric); got max |g0 - g0.T| = {(g0 - g0.T).abs().max():.3g}"
+        )
+    smallest = torch.linalg.eigvalsh(g0)[0].item()
+    if smallest <= 0:
+        raise ValueError(
+            f"g0 must be positive definite (g(v, v) > 0 for v != 0): its eigenvalues "
+            f"must be > 0, smallest is {smallest:.3g}"
+        )
+    return g0.float()
+
+
+class Step:
+    """One window per call. Public state lives in tensors allocated once and updated in place."""
+
+    def __init__(
+        self,
+        flags: Flags,
+        sizes: Sizes,
+        device: torch.device,
+        seed: int,
+        *,
+        g0: torch.Tensor | None = None,
+        planes: Any = None,
+        verbose: bool = False,
+    ):
+        self.flags, self.sizes, self.device, self.verbose = flags, sizes, device, verbose
+        s, d = sizes, sizes.dim
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+
+        def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*shape, generator=gen) * scale).to(device)
+
+        self.x = randn(s.batch, d)
+        self.v = randn(s.batch, d, scale=0.5)
+        self.keys, self.values = randn(s.bank, d), randn(s.bank, d)
+        self.targets = randn(s.patterns, s.batch, d)
+        self.target = torch.empty_like(self.x)  # this window's pattern: a static buffer
+        a = torch.randn(d, d, generator=gen) / math.sqrt(d)
+        self.C = ((a + a.T) / 2).to(device)  # symmetric: a curvature form
+        if g0 is None:
+            b = torch.randn(d, d, generator=gen) / math.sqrt(d)
+            g0 = (
+                b @ b.T + 0.5 * torch.eye(d)
+                if s.metric == "full"
+                else 0.5 + torch.rand(d, generator=gen)
+            )
+        self.g0 = check_metric(g0, s).to(device)
+        if planes is None:
+            planes = torch.stack(
+                [
+                    torch.randperm(d, generator=gen)[: 2 * s.rotor_k].view(-1, 2)
+                    for _ in range(s.rotor_layers)
+                ]
+            )
+        host_planes = sync.check_planes(planes, d)
+        self.planes = host_planes.to(device)
+        self.host_planes = host_planes  # the loop reference reads plain ints, no device sync
+        self.theta = ((torch.rand(host_planes.shape[:2], generator=gen) * 2 - 1) * math.pi).to(
+            device
+        )
+
+        self.metrics = torch.zeros(2, len(METRICS), device=device)  # (phase, metric) means
+        self.v_mean = torch.zeros(2, d, device=device)  # mean velocity per phase
+        self._acc = torch.zeros(len(METRICS), device=device)  # in-place accumulators
+        self._vel_acc = torch.zeros(s.batch, d, device=device)
+        self.log = (
+            sync.ProgressLog(METRICS, max(s.readouts_per_window, 1), device=device)
+            if flags.batched_progress
+            else None
+        )
+        self._host_rows: list[dict[str, float]] = []
+        self._printed = 0
+        self.windows = 0
+        cost = metric_cost(self.x, self.keys, self.g0)
+        self.retrieve = _retrieval(flags.compiled_retrieval, (cost, self.values, s.beta))
+
+    # ---- one window --------------------------------------------------------------------------
+    def __call__(self) -> None:
+        if self.log is not None:
+            self.log.collect()  # rows of earlier windows that have landed; never waits
+        self.target.copy_(self.targets[self.windows % self.sizes.patterns])
+        self.run_window()
+        if (self.windows + 1) % self.sizes.nudge_every_windows == 0:
+            self.update_rotor()
+        if self.log is not None:
+            self.log.flush()
+        self._cleanup()
+        self._print_progress()
+        self.windows += 1
+
+    def run_window(self) -> None:
+        """The device work of one window: both phases; writes ``metrics`` and ``v_mean``."""
+        s, f = self.sizes, self.flags
+        x, v, target = self.x, self.v, self.target
+        for phase, nudge in enumerate((0.0, s.nudge)):
+            if f.inplace_accumulate:
+                self._acc.zero_()
+                self._vel_acc.zero_()
+                lior_acc, R_acc, spd_acc = self._acc.unbind()
+                vel_acc = self._vel_acc
+            else:
+                lior_acc = R_acc = spd_acc = torch.zeros((), device=self.device)
+                vel_acc = torch.zeros_like(v)
+            for t in range(1, s.steps_per_phase + 1):
+                R_sc = curvature(x, self.C)
+                retrieved = self.retrieve(metric_cost(x, self.keys, self.g0), self.values, s.beta)
+                if f.fused_lior:
+                    dlior, spd = lior_step_fused(R_sc, v, self.g0, s.eps)
+                else:  # the quadratic form twice
+                    dlior = lior_step(R_sc, v, self.g0, s.eps)
+                    spd = quad_form(v, self.g0, s.eps)
+                if f.vectorized_rotor:
+                    v_rot = sync.apply_givens(v, self.planes, self.theta)
+                else:
+                    v_rot = sync.apply_givens_reference(v, self.host_planes, self.theta)
+                force = retrieved - x
+                if nudge:
+                    force = force + nudge * (target - x)
+                v = (1 - s.damping) * v_rot + s.dt * force
+                x = x + s.dt * v
+                if f.inplace_accumulate:
+                    lior_acc.add_(dlior.mean())
+                    R_acc.add_(R_sc.mean())
+                    spd_acc.add_(spd.mean())
+                    vel_acc.add_(v)
+                else:  # a fresh tensor per accumulation
+                    lior_acc = lior_acc + dlior.mean()
+                    R_acc = R_acc + R_sc.mean()
+                    spd_acc = spd_acc + spd.mean()
+                    vel_acc = vel_acc + v
+                if s.progress_every and t % s.progress_every == 0:
+                    self._progress(lior_acc, R_acc, spd_acc, 1.0 / t)
+            n = s.steps_per_phase
+            torch.stack([lior_acc, R_acc, spd_acc], out=self.metrics[phase]).div_(n)
+            torch.mean(vel_acc, 0, out=self.v_mean[phase]).div_(n)
+        self.x.copy_(x)
+        self.v.copy_(v)
+
+    def _progress(self, lior: torch.Tensor, R: torch.Tensor, spd: torch.Tensor, inv_t: float):
+        if self.log is not None:
+            self.log.record({"lior": lior, "R": R, "spd": spd}, scale=inv_t)
+        else:  # the "before": three .item() per read-out, three syncs
+            self._host_rows.append(
+                sync.read_scalars_reference(
+                    {"lior": lior * inv_t, "R": R * inv_t, "spd": spd * inv_t}
+                )
+            )
+
+    def update_rotor(self) -> None:
+        """Move the rotor angles with the nudged-minus-free statistics, plane by plane."""
+        v_diff = self.v_mean[1] - self.v_mean[0]
+        lior_diff = self.metrics[1, 0] - self.metrics[0, 0]
+        if self.flags.vectorized_rotor:
+            sync.update_rotor_angles(
+                self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr
+            )
+        else:
+            sync.update_rotor_angles_reference(
+                self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr
+            )
+
+    def _cleanup(self) -> None:
+        if self.device.type != "cuda" or self.windows == 0:
+            return
+        if not self.flags.adaptive_cleanup:
+            if self.windows % 10 == 0:
+                torch.cuda.empty_cache()  # the "before": a stall every 10 windows
+        elif self.windows % 50 == 0:
+            reserved = torch.cuda.memory_reserved(
+                self.device
+            )  # allocator stats: host-side, no sync
+            if reserved and torch.cuda.memory_allocated(self.device) / reserved > 0.9:
+                torch.cuda.empty_cache()
+
+    def _print_progress(self) -> None:
+        if not self.verbose:
+            return
+        rows = self.log.history if self.log is not None else self._host_rows
+        for row in rows[self._printed :]:
+            print("  ".join(f"{k} {v:.5g}" for k, v in row.items()))
+        self._printed = len(rows)
+
+    # ---- reading results (syncs allowed: you asked) ------------------------------------------
+    def progress(self) -> list[dict[str, float]]:
+        """Every progress read-out so far, in order (waits for copies still in flight)."""
+        return self.log.collect(wait=True) if self.log is not None else self._host_rows
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """What every flag must leave unchanged: the last window's metrics per phase, its progress
+        read-outs, the rotor angles and the field."""
+        n = self.sizes.readouts_per_window
+        rows = self.progress()[-n:] if n and self.windows else []
+        progress = torch.tensor([[r[m] for m in METRICS] for r in rows], dtype=torch.float32)
+        return {
+            "metrics": self.metrics.clone(),
+            "progress": progress.reshape(-1, len(METRICS)),
+            "theta": self.theta.clone(),
+            "field": self.x.clone(),
+        }
+
+
+def build(
+    flags: Flags = Flags(),
+    sizes: Sizes = Sizes(),
+    *,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    g0: torch.Tensor | None = None,
+    planes: Any = None,
+    verbose: bool = False,
+) -> Step:
+    """A field-trainer step (one window per call). ``g0`` and ``planes`` override the seeded
+    metric and rotor planes (validated); ``verbose`` prints progress rows as they reach the host."""
+    return Step(flags, sizes, torch.device(device), seed, g0=g0, planes=planes, verbose=verbose)
+
+
+def compare_results(
+    result: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """Check two :meth:`Step.result` dicts agree within :data:`TOLERANCE` (elementwise; an
+    AssertionError names the entry) and return, per entry, the largest difference relative to
+    the entry's largest value."""
+    errors = {}
+    for key, ref in reference.items():
+        got = result[key].to(ref.device)
+        torch.testing.assert_close(got, ref, **TOLERANCE, msg=lambda m, k=key: f"{k}: {m}")
+        if ref.numel():
+            errors[key] = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        else:
+            errors[key] = 0.0
+    return errors

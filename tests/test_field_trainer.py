@@ -1,0 +1,215 @@
+"""The field-trainer workload: determinism, every flag equal to the baseline, clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from accel import sync
+from accel.workloads import field_trainer as ft
+from accel.workloads.flags import all_on, describe
+
+CPU = ft.Sizes.preset("cpu")
+BASELINE = ft.Flags()
+WINDOWS = 3
+FLAG_NAMES = [info.name for info in describe(ft.Flags)]
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device: syncs exist only there")
+# torch.compile's own imports still touch torch.jit; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")
+
+
+def run(
+    flags: ft.Flags = BASELINE,
+    sizes: ft.Sizes = CPU,
+    *,
+    seed: int = 0,
+    windows: int = WINDOWS,
+    device: str = "cpu",
+) -> dict[str, torch.Tensor]:
+    step = ft.build(flags, sizes, seed=seed, device=device)
+    for _ in range(windows):
+        step()
+    return step.result()
+
+
+@pytest.fixture
+def baseline(seed) -> dict[str, torch.Tensor]:
+    return run(seed=seed)
+
+
+def test_presets_and_seed_defaults():
+    gpu = ft.Sizes.preset("gpu")
+    assert (gpu.steps_per_window, gpu.progress_every, gpu.rotor_k) == (64, 8, 6)
+    assert CPU.readouts_per_window == 2 * (CPU.steps_per_phase // CPU.progress_every)
+    with pytest.raises(ValueError, match="unknown preset 'tpu'"):
+        ft.Sizes.preset("tpu")
+
+
+def test_result_is_finite_nonzero_and_shaped(baseline):
+    result = baseline
+    assert result["metrics"].shape == (2, 3)
+    assert result["progress"].shape == (CPU.readouts_per_window, 3)
+    assert result["theta"].shape == (CPU.rotor_layers, CPU.rotor_k)
+    for key, value in result.items():
+        assert torch.isfinite(value).all(), key
+        assert (value != 0).any(), key
+    assert (result["metrics"] > 0).all()  # curvature (softplus) and speed (sqrt) are positive
+
+
+def test_same_seed_same_result_other_seed_differs(baseline, seed):
+    again, other = run(seed=seed), run(seed=seed + 1)
+    for key, value in baseline.items():
+        assert torch.equal(again[key], value), key
+    for key in ("metrics", "theta", "field"):
+        assert not torch.allclose(other[key], baseline[key]), key
+
+
+@pytest.mark.parametrize("name", [*FLAG_NAMES, "all"])
+@pytest.mark.parametrize("seed_offset", [0, 1])
+def test_each_flag_keeps_the_baseline(name, seed, seed_offset):
+    flags = all_on(ft.Flags) if name == "all" else ft.Flags(**{name: True})
+    ft.compare_results(run(flags, seed=seed + seed_offset), run(seed=seed + seed_offset))
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        dataclasses.replace(CPU, metric="diag"),
+        dataclasses.replace(CPU, nudge_every_windows=2, progress_every=0),
+        dataclasses.replace(CPU, rotor_layers=1, rotor_k=CPU.dim // 2, progress_every=1),
+    ],
+    ids=["diag metric", "rotor every 2nd window, no read-outs", "all coordinates rotated"],
+)
+def test_phase1_flags_keep_the_baseline_at_other_settings(sizes, seed):
+    fast = ft.Flags(
+        batched_progress=True, vectorized_rotor=True, fused_lior=True, inplace_accumulate=True
+    )
+    ft.compare_results(run(fast, sizes, seed=seed), run(ft.Flags(), sizes, seed=seed))
+
+
+def test_progress_rows_match_and_count(seed):
+    base = ft.build(ft.Flags(), CPU, seed=seed)
+    fast = ft.build(ft.Flags(batched_progress=True), CPU, seed=seed)
+    for _ in range(2):
+        base()
+        fast()
+    assert len(base.progress()) == len(fast.progress()) == 2 * CPU.readouts_per_window
+    assert base.progress() == fast.progress()  # the same float32 values, read differently
+
+
+def test_item_calls_per_window(monkeypatch, seed):
+    """Baseline: three .item() per read-out and four per rotor plane plus one; phase 1: none."""
+    base = ft.build(ft.Flags(), CPU, seed=seed)
+    fast = ft.build(ft.Flags(batched_progress=True, vectorized_rotor=True), CPU, seed=seed)
+    base(), fast()  # warm-up
+    calls = []
+    original = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: calls.append(1) or original(t))
+    base()
+    planes = CPU.rotor_layers * CPU.rotor_k
+    assert len(calls) == 3 * CPU.readouts_per_window + 4 * planes + 1
+    calls.clear()
+    fast()
+    assert calls == []
+
+
+def test_compile_failure_falls_back_with_a_warning(monkeypatch, baseline, seed):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(ft, "_compiled_mix", None)
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(
+        RuntimeWarning,
+        match="compiled_retrieval: torch.compile cannot run here "
+        r"\(RuntimeError: no compiler here\)",
+    ):
+        step = ft.build(ft.Flags(compiled_retrieval=True), CPU, seed=seed)
+    assert step.retrieve is ft.retrieval_mix
+    for _ in range(WINDOWS):
+        step()
+    ft.compare_results(step.result(), baseline)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (
+            {"progress_every": -1},
+            r"Sizes.progress_every must be an int in 0\.\.8 \(steps of a phase",
+        ),
+        ({"progress_every": 9}, r"Sizes.progress_every must be an int in 0\.\.8"),
+        ({"rotor_k": 0}, r"Sizes.rotor_k must be an int in 1\.\.8"),
+        ({"rotor_k": 9}, r"Sizes.rotor_k must be an int in 1\.\.8 \(disjoint planes"),
+        ({"steps_per_window": 15}, "Sizes.steps_per_window must be even"),
+        ({"batch": 0}, "Sizes.batch must be an int in >= 1"),
+        ({"metric": "sparse"}, "Sizes.metric must be 'full' or 'diag'"),
+        ({"damping": 1.0}, r"Sizes.damping must be in \[0, 1\)"),
+        ({"beta": -2.0}, "Sizes.beta must be > 0"),
+    ],
+)
+def test_bad_sizes_name_the_field_and_range(change, match):
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(CPU, **change)
+
+
+def _spd(d: int, seed: int) -> torch.Tensor:
+    a = torch.randn(d, d, generator=torch.Generator().manual_seed(seed))
+    return a @ a.T + torch.eye(d)
+
+
+@pytest.mark.parametrize(
+    ("g0", "sizes", "match"),
+    [
+        (-_spd(16, 0), CPU, "positive definite.*smallest is -"),
+        (_spd(16, 0) + torch.triu(torch.ones(16, 16), 1), CPU, "g0 must be symmetric"),
+        (_spd(8, 0), CPU, r"shape \(16, 16\), got \(8, 8\)"),
+        (-torch.rand(16) - 0.1, dataclasses.replace(CPU, metric="diag"), "every entry > 0"),
+        (_spd(16, 0), dataclasses.replace(CPU, metric="diag"), r"shape \(16,\)"),
+    ],
+    ids=["negative definite", "not symmetric", "wrong shape", "diag not positive", "diag shape"],
+)
+def test_bad_metric_is_rejected(g0, sizes, match):
+    with pytest.raises(ValueError, match=match):
+        ft.build(ft.Flags(), sizes, g0=g0)
+
+
+def test_given_metric_and_planes_are_used():
+    g0, planes = _spd(16, 1) / 16, [[[0, 15], [3, 4], [7, 9]], [[1, 2], [5, 6], [8, 10]]]
+    step = ft.build(ft.Flags(), CPU, g0=g0, planes=planes)
+    assert torch.equal(step.planes, torch.tensor(planes))
+    torch.testing.assert_close(step.g0, g0)
+
+
+def test_bad_planes_are_rejected():
+    with pytest.raises(ValueError, match=r"planes: coordinates must be in 0\.\.15"):
+        ft.build(ft.Flags(), CPU, planes=[[[0, 16]]])
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_phase1_window_is_sync_free_on_cuda(seed):
+    sizes = ft.Sizes.preset("gpu")
+    base = ft.build(ft.Flags(), sizes, device="cuda", seed=seed)
+    fast = ft.build(
+        ft.Flags(batched_progress=True, vectorized_rotor=True), sizes, device="cuda", seed=seed
+    )
+    for _ in range(2):  # warm-up: pinned host buffers, allocator
+        base()
+        fast()
+    planes = sizes.rotor_layers * sizes.rotor_k
+    assert sync.count_syncs(base) == 3 * sizes.readouts_per_window + 4 * planes + 1
+    assert sync.count_syncs(fast) == 0
+    with sync.no_sync():
+        fast()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_flags_keep_the_baseline_on_cuda(seed):
+    ft.compare_results(
+        run(all_on(ft.Flags), seed=seed, device="cuda"), run(seed=seed, device="cuda")
+    )
