@@ -1,0 +1,268 @@
+"""Pairwise-cosine diversity of groups of embeddings, as a polychromic trainer rewards it.
+
+For embeddings ``x`` of shape ``(B, N, D)`` (B groups of N, e.g. N replies to each of B prompts)
+or ``(N, D)`` (one set), in float32, bfloat16 or float16:
+
+- :func:`mean_diversity`: 1 - mean over pairs i != j of cos(x_i, x_j), per group;
+- :func:`nearest_distances`: each member's cosine distance to its nearest other member;
+  :func:`nearest_diversity`: the group mean of those;
+- :func:`pairwise_distances`: the matrix 1 - cos(x_i, x_j) itself (for small N).
+
+``counts`` (integer, shape ``(B,)``) makes groups ragged: group b is its first ``counts[b]``
+rows (clamped to [0, N]; the rest are ignored, never read by the kernels). Results are float32.
+A group with fewer than two members has no pairs: its diversity and its distances are 0 (and
+so are matrix entries and distances outside a group's count). Vectors are normalized as
+``F.normalize`` does, x / max(||x||, eps), so a zero vector has cosine 0 with everything: its
+distance to every other member is 1, never NaN. Non-contiguous inputs are fine: the kernels
+read them through their strides, without a copy.
+
+Each function dispatches: the Triton kernels (``accel.kernels.pairwise_cosine``) on CUDA tensors,
+or on any tensors through Triton's interpreter when ``TRITON_INTERPRET=1`` (read at each call);
+otherwise the PyTorch reference, after one warning that says why. The references are here too:
+the naive N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
+sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2 (= ||sum_i x̂_i||^2 - N without zero rows).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import types
+import warnings
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+EPS = 1e-12  # as F.normalize's default
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+Backend = Literal["triton", "interpreter", "reference"]
+
+
+# ---- input checks (shared with the kernels' launchers) --------------------------------------
+
+
+def check_embeddings(
+    x: torch.Tensor, counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """``x`` as ``(B, N, D)`` (a view), ``counts`` checked, and whether ``x`` was one ``(N, D)`` set.
+
+    Raises TypeError for a wrong dtype and ValueError for a wrong shape or device.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"embeddings must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() not in (2, 3):
+        raise ValueError(
+            f"embeddings must have shape (N, D) or (B, N, D), got {x.dim()} dimensions "
+            f"{tuple(x.shape)}"
+        )
+    if x.dtype not in DTYPES:
+        raise TypeError(f"embeddings must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.shape[-1] == 0:
+        raise ValueError(f"embeddings need at least one feature (D >= 1), got {tuple(x.shape)}")
+    single = x.dim() == 2
+    x3 = x.unsqueeze(0) if single else x
+    if counts is not None:
+        if not isinstance(counts, torch.Tensor):
+            raise TypeError(f"counts must be a tensor, got {type(counts).__name__}")
+        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise TypeError(f"counts must be an integer tensor, got {counts.dtype}")
+        if counts.shape != (x3.shape[0],):
+            raise ValueError(
+                f"counts must have shape ({x3.shape[0]},), one per group, got {tuple(counts.shape)}"
+            )
+        if counts.device != x.device:
+            raise ValueError(f"counts are on {counts.device}, embeddings on {x.device}")
+    return x3, counts, single
+
+
+def _members(counts: torch.Tensor | None, B: int, N: int, device) -> torch.Tensor:
+    """Boolean (B, N): row i of group b is a member."""
+    if counts is None:
+        return torch.ones(B, N, dtype=torch.bool, device=device)
+    return torch.arange(N, device=device) < counts.clamp(0, N)[:, None]
+
+
+# ---- references: the naive N x N matrix, and the closed form for the mean ------------------
+
+
+def cosine_matrix_reference(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The seed's "before": normalize, then every pair's cosine as an N x N matrix (float32)."""
+    x3, counts, single = check_embeddings(x, counts)
+    xn = F.normalize(x3.float(), dim=-1, eps=EPS)  # reads B N D, writes B N D
+    cos = xn @ xn.transpose(-1, -2)  # writes B N N
+    return cos[0] if single else cos
+
+
+def _pairs(x3: torch.Tensor, counts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N, N) mask of the ordered pairs i != j inside each group, and (B,) member counts."""
+    B, N, _ = x3.shape
+    member = _members(counts, B, N, x3.device)
+    eye = torch.eye(N, dtype=torch.bool, device=x3.device)
+    return member[:, :, None] & member[:, None, :] & ~eye, member.sum(-1)
+
+
+def pairwise_distances_reference(
+    x: torch.Tensor, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """1 - cos as an N x N matrix per group; zero outside each group's count."""
+    x3, counts, single = check_embeddings(x, counts)
+    dist = 1.0 - cosine_matrix_reference(x3, counts)
+    member = _members(counts, *x3.shape[:2], x3.device)
+    dist = dist.masked_fill(~(member[:, :, None] & member[:, None, :]), 0.0)
+    return dist[0] if single else dist
+
+
+def mean_diversity_reference(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """1 - mean cosine over pairs i != j, from the full N x N matrix."""
+    x3, counts, single = check_embeddings(x, counts)
+    cos = cosine_matrix_reference(x3, counts)
+    pair, n = _pairs(x3, counts)
+    mean_cos = (cos * pair).sum((-2, -1)) / (n * (n - 1)).clamp(min=1)
+    out = torch.where(n >= 2, 1.0 - mean_cos, 0.0)
+    return out[0] if single else out
+
+
+def mean_diversity_closed_form(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """1 - mean cosine over pairs, in O(N D): (||sum x̂||^2 - sum ||x̂||^2) / (n (n - 1))."""
+    x3, counts, single = check_embeddings(x, counts)
+    B, N, _ = x3.shape
+    member = _members(counts, B, N, x3.device)
+    xn = F.normalize(x3.float(), dim=-1, eps=EPS) * member[..., None]
+    n = member.sum(-1)
+    total = xn.sum(1).square().sum(-1) - xn.square().sum((-2, -1))
+    out = torch.where(n >= 2, 1.0 - total / (n * (n - 1)).clamp(min=1), 0.0)
+    return out[0] if single else out
+
+
+def nearest_distances_reference(
+    x: torch.Tensor, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Each member's distance to its nearest other member, from the full N x N matrix."""
+    x3, counts, single = check_embeddings(x, counts)
+    if x3.shape[1] == 0:  # no members: nothing to reduce over
+        out = torch.zeros(x3.shape[:2], device=x3.device)
+    else:
+        cos = cosine_matrix_reference(x3, counts)
+        pair, _ = _pairs(x3, counts)
+        best = cos.masked_fill(~pair, float("-inf")).amax(-1)
+        out = torch.where(pair.any(-1), 1.0 - best, 0.0)
+    return out[0] if single else out
+
+
+def nearest_diversity_reference(
+    x: torch.Tensor, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Group mean of the nearest-other distances (0 for groups of fewer than two)."""
+    x3, counts, single = check_embeddings(x, counts)
+    dist = nearest_distances_reference(x3, counts)
+    n = _members(counts, *x3.shape[:2], x3.device).sum(-1)
+    out = torch.where(n >= 2, dist.sum(-1) / n.clamp(min=1), 0.0)
+    return out[0] if single else out
+
+
+# ---- dispatch ------------------------------------------------------------------------------
+
+_warned: set[str] = set()
+_kernel_modules: dict[bool, types.ModuleType] = {}
+KERNELS = "accel.kernels.pairwise_cosine"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None  # looked up once: ~10 µs a call
+
+
+def backend(x: torch.Tensor) -> tuple[Backend, str]:
+    """Which path a call on ``x`` takes now, and why."""
+    if not _triton_installed():
+        return "reference", "Triton is not installed (pip install 'accel[kernels]')"
+    if _interpreting():
+        return "interpreter", "TRITON_INTERPRET=1: the kernels run in Triton's interpreter"
+    if x.device.type == "cuda":
+        return "triton", "CUDA tensor: the compiled Triton kernels"
+    return "reference", (
+        f"the tensors are on {x.device.type} and Triton compiles for CUDA only "
+        "(set TRITON_INTERPRET=1 to run the kernels through its interpreter)"
+    )
+
+
+def _kernels() -> types.ModuleType:
+    """The kernel module, its kernels built for the current ``TRITON_INTERPRET``.
+
+    ``triton.jit`` picks compiled or interpreted as it decorates, i.e. when the module is first
+    imported. If that import saw the other mode, a second copy of the module is executed now,
+    while the environment says the mode wanted, and kept beside the first.
+    """
+    mode = _interpreting()
+    if mode not in _kernel_modules:
+        module = importlib.import_module(KERNELS)
+        if mode != module.INTERPRETED:
+            spec = importlib.util.find_spec(KERNELS)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)  # decorated now, under the current environment
+            assert mode == module.INTERPRETED
+        _kernel_modules[mode] = module
+    return _kernel_modules[mode]
+
+
+def _pick(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference):
+    """The kernel-module function ``name`` when Triton can run on ``x``, else ``reference``."""
+    check_embeddings(x, counts)  # bad input fails the same way on every path
+    path, why = backend(x)
+    if path == "reference":
+        if why not in _warned:
+            _warned.add(why)
+            warnings.warn(
+                f"accel.diversity: using the PyTorch reference, not the Triton kernel: {why}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return reference
+    return getattr(_kernels(), name)
+
+
+def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """1 - mean cosine over pairs i != j of each group: ``(B,)``, or ``()`` for one set."""
+    return _pick(x, counts, "mean_diversity", mean_diversity_reference)(x, counts)
+
+
+def nearest_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Each member's cosine distance to its nearest other member: ``(B, N)``, or ``(N,)``."""
+    return _pick(x, counts, "nearest_distances", nearest_distances_reference)(x, counts)
+
+
+def nearest_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Group mean of :func:`nearest_distances`: ``(B,)``, or ``()`` for one set."""
+    return _pick(x, counts, "nearest_diversity", nearest_diversity_reference)(x, counts)
+
+
+def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """The matrix 1 - cos(x_i, x_j): ``(B, N, N)``, or ``(N, N)``; for small N.
+
+    The diagonal is 1 - ||x̂_i||^2: 0 up to rounding, 1 for a zero vector.
+    """
+    return _pick(x, counts, "pairwise_distances", pairwise_distances_reference)(x, counts)
+
+
+__all__ = [
+    "EPS",
+    "backend",
+    "check_embeddings",
+    "cosine_matrix_reference",
+    "mean_diversity",
+    "mean_diversity_closed_form",
+    "mean_diversity_reference",
+    "nearest_distances",
+    "nearest_distances_reference",
+    "nearest_diversity",
+    "nearest_diversity_reference",
+    "pairwise_distances",
+    "pairwise_distances_reference",
+]

@@ -1,0 +1,1 @@
+"""Triton kernels behind the components; import a kernel module only where Triton is installed."""

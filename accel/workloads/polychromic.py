@@ -1,0 +1,317 @@
+"""The rollout and scoring step of a polychromic trainer: N replies per prompt, scored for
+quality and semantic diversity.
+
+A small GPT writes N replies to each of B prompts; an encoder embeds every reply; each prompt's
+score is the replies' mean log-probability (quality) plus ``DIVERSITY_WEIGHT`` times their mean
+pairwise cosine distance (``accel.diversity``). The policy update that would follow is the same
+before and after, and is left out of the step.
+
+Replies differ because decoding is the Gumbel-max trick: token = argmax(logits + g) with the
+Gumbel noise g drawn up front for every prompt, reply, position and vocabulary entry. That is
+sampling from softmax(logits), yet each decision is a deterministic argmax of the same numbers
+whichever way the replies are batched, so batched decoding reproduces one-at-a-time decoding.
+
+Flags, all off = the seed's "before":
+
+- ``batched_generation``: all N replies of all B prompts in one decode of B N sequences with a
+  static KV cache, instead of one reply at a time (each with its own cache, as a ``generate()``
+  call per reply does). B N times fewer, larger kernels per generated token.
+- ``batched_encoding``: one encoder call on all replies instead of one per reply.
+- ``triton_diversity``: the fused Triton kernel instead of the N x N cosine matrix in PyTorch.
+
+Equality (``step.result()``): tokens identical, except that two batchings may round a near-tie
+(top-two margin of the perturbed logits below ``TIE_MARGIN``) differently, which
+:func:`tokens_agree` allows and reports; with equal tokens, embeddings and scores agree within
+``RTOL`` / ``ATOL`` (float32 sums in another order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from accel import diversity
+from accel.workloads.flags import flag
+
+DIVERSITY_WEIGHT = 0.5
+TIE_MARGIN = 1e-4  # logits closer than this may be ordered differently by another batching
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@dataclass(frozen=True)
+class Flags:
+    batched_generation: bool = flag(
+        "decode all N replies of all prompts as one batch with a static KV cache, "
+        "instead of one reply at a time",
+        "diversity",
+    )
+    batched_encoding: bool = flag(
+        "embed all replies in one encoder call instead of one call per reply", "diversity"
+    )
+    triton_diversity: bool = flag(
+        "pairwise-cosine diversity by the fused Triton kernel instead of the N x N matrix",
+        "diversity",
+        requires="triton",
+    )
+
+
+@dataclass(frozen=True)
+class Sizes:
+    prompts: int = 2  # B
+    replies: int = 4  # N per prompt
+    prompt_len: int = 8
+    reply_len: int = 12
+    vocab: int = 64
+    width: int = 64  # generator
+    depth: int = 2
+    heads: int = 2
+    embed_dim: int = 32  # encoder width = embedding size D
+    embed_depth: int = 1
+    embed_heads: int = 2
+    batches: int = 2  # distinct prompt sets cycled through
+
+    @classmethod
+    def preset(cls, name: str) -> Sizes:
+        return _PRESETS[name]
+
+
+_PRESETS = {
+    "cpu": Sizes(),
+    # 64 replies of 24 tokens: the baseline decodes them one by one (about 1.6k small forward
+    # passes), which takes of the order of a second on an H100; D = 384 as all-MiniLM-L6-v2.
+    "gpu": Sizes(
+        prompts=16,
+        replies=4,
+        prompt_len=16,
+        reply_len=24,
+        vocab=2048,
+        width=256,
+        depth=4,
+        heads=4,
+        embed_dim=384,
+        embed_depth=2,
+        embed_heads=6,
+    ),
+}
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; attention reads and writes an external KV cache."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+        pos: int = 0,
+        causal: bool = True,
+    ) -> torch.Tensor:
+        b, t, w = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if cache is not None:  # write this step's keys and values in place, attend to all so far
+            cache_k, cache_v = cache  # (b, heads, max_len, head_dim)
+            cache_k[:, :, pos : pos + t] = k
+            cache_v[:, :, pos : pos + t] = v
+            k, v = cache_k[:, :, : pos + t], cache_v[:, :, : pos + t]
+        # One new token attends to every cached one; a prompt (pos = 0) attends causally.
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=causal and t > 1)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, w))
+        return x + self.mlp(self.ln2(x))
+
+
+class Generator(nn.Module):
+    """A small GPT: token and position embeddings, blocks, a language-model head."""
+
+    def __init__(self, s: Sizes):
+        super().__init__()
+        self.max_len = s.prompt_len + s.reply_len
+        self.tokens = nn.Embedding(s.vocab, s.width)
+        self.positions = nn.Embedding(self.max_len, s.width)
+        self.blocks = nn.ModuleList(Block(s.width, s.heads) for _ in range(s.depth))
+        self.ln = nn.LayerNorm(s.width)
+        self.head = nn.Linear(s.width, s.vocab, bias=False)
+
+    def new_cache(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A static KV cache at full length, allocated once (gpt-fast's layout)."""
+        blk = self.blocks[0]
+        shape = (batch, blk.heads, self.max_len, blk.qkv.in_features // blk.heads)
+        p = self.head.weight
+        return [
+            (p.new_zeros(shape), p.new_zeros(shape)) for _ in self.blocks
+        ]  # zeros never read: attention only sees positions already written
+
+    def forward(self, idx: torch.Tensor, cache, pos: int) -> torch.Tensor:
+        """Logits of the last position; ``idx`` (b, t) are tokens at positions pos..pos+t-1."""
+        t = idx.shape[1]
+        x = self.tokens(idx) + self.positions.weight[pos : pos + t]
+        for block, layer_cache in zip(self.blocks, cache, strict=True):
+            x = block(x, layer_cache, pos)
+        return self.head(self.ln(x[:, -1]))
+
+
+class Encoder(nn.Module):
+    """A small bidirectional transformer; mean-pooled token states are the reply's embedding."""
+
+    def __init__(self, s: Sizes):
+        super().__init__()
+        self.tokens = nn.Embedding(s.vocab, s.embed_dim)
+        self.positions = nn.Embedding(s.reply_len, s.embed_dim)
+        self.blocks = nn.ModuleList(Block(s.embed_dim, s.embed_heads) for _ in range(s.embed_depth))
+        self.ln = nn.LayerNorm(s.embed_dim)
+
+    def forward(self, replies: torch.Tensor) -> torch.Tensor:
+        """(r, L) tokens -> (r, embed_dim) embeddings."""
+        x = self.tokens(replies) + self.positions.weight[: replies.shape[1]]
+        for block in self.blocks:
+            x = block(x, causal=False)
+        return self.ln(x).mean(1)
+
+
+# ---- the step ----------------------------------------------------------------------------------
+
+
+def gumbel(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Gumbel(0, 1) noise: argmax(logits + g) samples from softmax(logits)."""
+    u = torch.rand(shape, generator=generator).clamp_(1e-9, 1 - 1e-9)
+    return -torch.log(-torch.log(u))
+
+
+class Step:
+    """Generate, embed and score one batch of prompts per call."""
+
+    def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
+        self.flags, self.sizes, self.device = flags, sizes, device
+        s = sizes
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.generator = Generator(s).to(device).eval()
+            self.encoder = Encoder(s).to(device).eval()
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        self.prompts = torch.randint(
+            s.vocab, (s.batches, s.prompts, s.prompt_len), generator=gen
+        ).to(device)
+        self.noise = gumbel((s.batches, s.prompts, s.replies, s.reply_len, s.vocab), gen).to(device)
+        rows = s.prompts * s.replies
+        # Allocated once: the batched decode's cache for B N sequences, or one sequence's.
+        self.cache = self.generator.new_cache(rows if flags.batched_generation else 1)
+        self.count = 0
+        self.last: dict[str, torch.Tensor] = {}
+
+    @torch.inference_mode()
+    def __call__(self) -> None:
+        i = self.count % self.sizes.batches
+        prompts, noise = self.prompts[i], self.noise[i]  # (B, P), (B, N, L, V)
+        if self.flags.batched_generation:
+            tokens, logp, margin = self._generate_batched(prompts, noise)
+        else:
+            tokens, logp, margin = self._generate_one_at_a_time(prompts, noise)
+        emb = self._embed(tokens)  # (B, N, D)
+        if self.flags.triton_diversity:
+            div = diversity.mean_diversity(emb)
+        else:
+            div = diversity.mean_diversity_reference(emb)  # the N x N matrix in PyTorch
+        quality = logp.mean((1, 2))  # mean log-probability of the chosen tokens
+        self.last = {
+            "tokens": tokens,
+            "embeddings": emb,
+            "diversity": div,
+            "quality": quality,
+            "reward": quality + DIVERSITY_WEIGHT * div,
+            "margin": margin,
+        }
+        self.count += 1
+
+    def _decode(self, prompt: torch.Tensor, noise: torch.Tensor, cache):
+        """Greedy over perturbed logits for ``prompt`` (r, P) with ``noise`` (r, L, V)."""
+        steps = noise.shape[1]
+        logits = self.generator(prompt, cache, 0)
+        tokens, logps, margins = [], [], []
+        for t in range(steps):
+            scores = logits + noise[:, t]
+            top2 = scores.topk(2, dim=-1)
+            token = top2.indices[:, :1]  # (r, 1)
+            margins.append(top2.values[:, 0] - top2.values[:, 1])
+            logps.append(logits.log_softmax(-1).gather(-1, token)[:, 0])
+            tokens.append(token)
+            if t + 1 < steps:
+                logits = self.generator(token, cache, prompt.shape[1] + t)
+        return torch.cat(tokens, 1), torch.stack(logps, 1), torch.stack(margins, 1)
+
+    def _generate_one_at_a_time(self, prompts, noise):
+        """The seed's loop: a generate() call per reply, each prefilling its own cache."""
+        B, N, L, _ = noise.shape
+        outs = [
+            self._decode(prompts[b : b + 1], noise[b, r : r + 1], self.cache)
+            for b in range(B)
+            for r in range(N)
+        ]  # B N results of (1, L) tokens, log-probs and margins, in the batched order
+        return tuple(torch.cat(parts).view(B, N, L) for parts in zip(*outs, strict=True))
+
+    def _generate_batched(self, prompts, noise):
+        B, N, L, V = noise.shape
+        rows = prompts.repeat_interleave(N, dim=0)  # (B N, P): reply r of prompt b at b N + r
+        tokens, logp, margin = self._decode(rows, noise.reshape(B * N, L, V), self.cache)
+        return tokens.view(B, N, L), logp.view(B, N, L), margin.view(B, N, L)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        B, N, L = tokens.shape
+        flat = tokens.reshape(B * N, L)
+        if self.flags.batched_encoding:
+            emb = self.encoder(flat)
+        else:  # one reply at a time, as an encode() call per reply
+            emb = torch.cat([self.encoder(flat[j : j + 1]) for j in range(B * N)])
+        return emb.view(B, N, -1)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The last step's tokens, embeddings and scores (and decoding margins, not compared)."""
+        if not self.last:
+            raise RuntimeError("run the step at least once before asking for its result")
+        return {k: v.clone() for k, v in self.last.items()}
+
+
+def tokens_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """True if two results' replies are equal, or each first differs at a near-tie.
+
+    A near-tie is a top-two margin below ``TIE_MARGIN`` in either run at the first differing
+    position: there, another batching's float32 rounding may pick the other token legitimately.
+    """
+    same = a["tokens"] == b["tokens"]  # (B, N, L)
+    differs = ~same.all(-1)
+    if not differs.any():
+        return True
+    first = (~same).int().argmax(-1, keepdim=True)  # first differing position per reply
+    margin = torch.minimum(a["margin"].gather(-1, first), b["margin"].gather(-1, first))[..., 0]
+    return bool((margin[differs] < TIE_MARGIN).all())
+
+
+def assert_same_result(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Tokens equal (near-ties aside); with equal tokens, scores within ``RTOL`` / ``ATOL``."""
+    assert tokens_agree(a, b), "replies differ away from any near-tie"
+    if torch.equal(a["tokens"], b["tokens"]):
+        for key in ("embeddings", "diversity", "quality", "reward"):
+            torch.testing.assert_close(a[key], b[key], rtol=RTOL, atol=ATOL, msg=key)
+
+
+def build(
+    flags: Flags = Flags(),
+    sizes: Sizes = Sizes(),
+    *,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> Step:
+    return Step(flags, sizes, torch.device(device), seed)

@@ -1,0 +1,351 @@
+"""accel.diversity: the Triton kernels against the references, edge cases and dispatch.
+
+The ``kdev`` fixture runs the kernel tests where the kernels can run: compiled on a CUDA GPU, or
+on a CPU through Triton's interpreter. There it sets ``TRITON_INTERPRET=1`` for one test, and
+``accel.diversity`` reads it at each call (loading the kernel module again, decorated for the
+interpreter, if it was first imported without it), so the whole suite can share one process.
+The interpreter is not used on a CUDA machine. Tests marked ``gpu`` need CUDA (larger sizes,
+memory, graph capture).
+"""
+
+import contextlib
+import importlib.util
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accel import diversity as dv
+
+CUDA = torch.cuda.is_available()
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+requires_gpu = pytest.mark.skipif(
+    not (CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton; this machine lacks one"
+)
+
+FUNCTIONS = ["mean_diversity", "nearest_distances", "nearest_diversity", "pairwise_distances"]
+# Odd sizes; (3, 77) is one (N, D) set; N = 40 takes the large-set (tiled, tl.dot) kernels.
+SHAPES = [(3, 77), (2, 3, 77), (4, 5, 123), (2, 40, 77)]
+# Kernels and references read the same 16-bit values and multiply them exactly in float32
+# (products of bf16 / fp16 numbers fit in a float32), so every dtype agrees to float32
+# rounding of sums of up to 123 products taken in another order.
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ATOL, RTOL = 2e-5, 1e-5
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These tensors are tiny: a second intra-op thread only adds hand-offs, and on a busy
+    2-core machine it stalls (measured here: 8 s instead of 1 s for the bench test)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def kdev(monkeypatch) -> str:
+    """Where the kernels run: compiled on a CUDA GPU, else Triton's interpreter on the CPU."""
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    if CUDA:
+        return "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "cpu"
+
+
+def reference(name: str):
+    return getattr(dv, f"{name}_reference")
+
+
+def embeddings(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    return torch.randn(shape).to(device=device, dtype=dtype)  # random; never zeros
+
+
+def check_all(x: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+    for name in FUNCTIONS:
+        fast = getattr(dv, name)(x, counts)
+        with float32_matmul("highest"):  # a TF32 reference would be the inexact one
+            ref = reference(name)(x, counts)
+        assert fast.dtype == torch.float32 and fast.shape == ref.shape, name
+        torch.testing.assert_close(fast, ref, atol=ATOL, rtol=RTOL, msg=name)
+
+
+@contextlib.contextmanager
+def float32_matmul(precision: str):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def random_counts(batch: int, n: int) -> torch.Tensor:
+    """Ragged counts that include an empty group, a lone member and a full group."""
+    fixed = torch.tensor([0, 1, n])
+    return torch.cat([fixed, torch.randint(0, n + 1, (max(batch - 3, 0),))])[:batch]
+
+
+# ---- the definitions, checked by explicit loops ------------------------------------------------
+
+
+def test_references_match_explicit_pair_loops(seed):
+    x = embeddings((5, 9))
+    cos = [[F.cosine_similarity(x[i], x[j], dim=0).item() for j in range(5)] for i in range(5)]
+    pairs = [cos[i][j] for i in range(5) for j in range(5) if i != j]
+    nearest = [1 - max(cos[i][j] for j in range(5) if j != i) for i in range(5)]
+    assert dv.mean_diversity_reference(x).item() == pytest.approx(1 - sum(pairs) / 20, abs=1e-6)
+    assert dv.nearest_distances_reference(x).tolist() == pytest.approx(nearest, abs=1e-6)
+    assert dv.nearest_diversity_reference(x).item() == pytest.approx(sum(nearest) / 5, abs=1e-6)
+    matrix = dv.pairwise_distances_reference(x)
+    torch.testing.assert_close(matrix, 1 - torch.tensor(cos), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(3, 77), (4, 5, 123), (3, 40, 16)])
+def test_closed_form_equals_the_matrix_mean(shape, seed):
+    x = embeddings(shape)
+    torch.testing.assert_close(
+        dv.mean_diversity_closed_form(x), dv.mean_diversity_reference(x), atol=1e-5, rtol=1e-5
+    )
+    if len(shape) == 3:
+        counts = random_counts(shape[0], shape[1])
+        torch.testing.assert_close(
+            dv.mean_diversity_closed_form(x, counts),
+            dv.mean_diversity_reference(x, counts),
+            atol=1e-5,
+            rtol=1e-5,
+        )
+
+
+# ---- kernels against the references (compiled on CUDA, else the interpreter) ---------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernels_match_references(kdev, shape, dtype, seed):
+    x = embeddings(shape, dtype, kdev)
+    assert dv.backend(x)[0] != "reference"
+    check_all(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(5, 7, 33), (3, 37, 20)], ids=lambda s: "x".join(map(str, s)))
+def test_ragged_groups(kdev, shape, dtype, seed):
+    x = embeddings(shape, dtype, kdev)
+    counts = random_counts(shape[0], shape[1]).to(kdev)
+    check_all(x, counts)
+    # Rows past a group's count are ignored: changing them changes nothing.
+    scrambled = x.clone()
+    for b, c in enumerate(counts.tolist()):
+        scrambled[b, c:] = embeddings(scrambled[b, c:].shape, dtype, kdev)
+    for name in FUNCTIONS:
+        torch.testing.assert_close(
+            getattr(dv, name)(scrambled, counts), getattr(dv, name)(x, counts), msg=name
+        )
+
+
+def test_counts_are_clamped_to_the_group(kdev, seed):
+    x = embeddings((3, 4, 16), device=kdev)
+    clamped = torch.tensor([-2, 4, 9], device=kdev)
+    expected = torch.tensor([0, 4, 4], device=kdev)
+    for name in FUNCTIONS:
+        torch.testing.assert_close(getattr(dv, name)(x, clamped), getattr(dv, name)(x, expected))
+
+
+@pytest.mark.parametrize("n", [4, 40])
+def test_zero_vectors_give_distance_one_and_no_nan(kdev, n, seed):
+    x = embeddings((2, n, 24), device=kdev)
+    x[0, 1] = 0.0  # the edge case itself: the one place a zero input is the point
+    for name in FUNCTIONS:
+        out = getattr(dv, name)(x)
+        assert not out.isnan().any(), name
+    matrix = dv.pairwise_distances(x)
+    others = [j for j in range(n) if j != 1]
+    torch.testing.assert_close(matrix[0, 1, others], torch.ones(n - 1, device=kdev))
+    check_all(x)
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_fewer_than_two_members_have_no_pairs(kdev, n):
+    x = embeddings((3, n, 8), device=kdev)
+    assert dv.mean_diversity(x).tolist() == [0.0] * 3
+    assert dv.nearest_diversity(x).tolist() == [0.0] * 3
+    assert dv.nearest_distances(x).shape == (3, n)
+    assert not dv.nearest_distances(x).any()
+    check_all(x)
+    assert dv.mean_diversity(embeddings((n, 8), device=kdev)).shape == ()
+
+
+def test_empty_batch(kdev):
+    x = embeddings((0, 4, 8), device=kdev)
+    for name in FUNCTIONS:
+        assert getattr(dv, name)(x).shape == reference(name)(x).shape
+
+
+def test_non_contiguous_inputs(kdev, seed):
+    base = embeddings((5, 123, 4), device=kdev)
+    strided = base.transpose(1, 2)  # (5, 4, 123) with stride 1 along N, not D
+    sliced = embeddings((6, 10, 80), device=kdev)[::2, 1:9:2, ::3]  # every dimension strided
+    expanded = embeddings((1, 3, 17), device=kdev).expand(4, 3, 17)  # stride 0 over groups
+    for x in (strided, sliced, expanded):
+        assert not x.is_contiguous()
+        check_all(x)
+        for name in FUNCTIONS:
+            torch.testing.assert_close(getattr(dv, name)(x), getattr(dv, name)(x.contiguous()))
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        (torch.randn(7), ValueError, "shape (N, D) or (B, N, D)"),
+        (torch.randn(2, 3, 4, 5), ValueError, "shape (N, D) or (B, N, D)"),
+        (torch.randn(3, 4, dtype=torch.float64), TypeError, "float32, bfloat16 or float16"),
+        (torch.randint(0, 9, (3, 4)), TypeError, "float32, bfloat16 or float16"),
+        (torch.randn(3, 0), ValueError, "D >= 1"),
+        ([[1.0, 2.0]], TypeError, "torch.Tensor"),
+    ],
+)
+@pytest.mark.parametrize("name", FUNCTIONS)
+def test_bad_embeddings_raise_clear_errors(name, bad, error, words):
+    for fn in (getattr(dv, name), reference(name)):
+        with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+            fn(bad)
+
+
+@pytest.mark.parametrize(
+    "counts, error, words",
+    [
+        (torch.tensor([1.0, 2.0]), TypeError, "integer"),
+        (torch.tensor([True, False]), TypeError, "integer"),
+        (torch.tensor([1, 2, 3]), ValueError, "one per group"),
+        (torch.tensor([[1, 2]]), ValueError, "one per group"),
+        (torch.tensor([1, 2], device="meta"), ValueError, "counts are on meta"),
+        ([1, 2], TypeError, "tensor"),
+    ],
+)
+def test_bad_counts_raise_clear_errors(counts, error, words):
+    with pytest.raises(error, match=words):
+        dv.mean_diversity(embeddings((2, 3, 4)), counts)
+
+
+# ---- dispatch ---------------------------------------------------------------------------------------
+
+
+def test_without_triton_on_cpu_falls_back_once_with_a_reason(monkeypatch, seed):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(dv, "_warned", set())
+    x = embeddings((3, 4, 16))
+    with pytest.warns(RuntimeWarning, match="PyTorch reference.*TRITON_INTERPRET=1"):
+        out = dv.mean_diversity(x)
+    torch.testing.assert_close(out, dv.mean_diversity_reference(x), atol=0, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second warning would fail here
+        dv.nearest_diversity(x)
+        dv.pairwise_distances(x)
+
+
+def test_kernel_module_follows_the_environment_at_call_time(monkeypatch):
+    if not HAS_TRITON:
+        pytest.skip("Triton is not installed")
+    monkeypatch.setattr(dv, "_kernel_modules", {})
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    compiled = dv._kernels()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    interpreted = dv._kernels()
+    assert (compiled.INTERPRETED, interpreted.INTERPRETED) == (False, True)
+    assert dv._kernels() is interpreted  # kept, not rebuilt
+    if not CUDA:  # the compiled kernels refuse CPU tensors with a reason, never a wrong answer
+        with pytest.raises(ValueError, match=r"need a CUDA tensor.*TRITON_INTERPRET=1"):
+            compiled.mean_diversity(embeddings((2, 3, 4)))
+
+
+def test_importing_diversity_imports_no_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, accel.diversity; print('triton' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "False"
+
+
+# ---- the bench phase, on a CPU at tiny sizes ---------------------------------------------------
+
+
+def test_bench_phase_runs_and_marks_cpu_rows(monkeypatch):
+    from accel.lab.bench import BenchContext
+    from accel.lab.cases import diversity as case
+    from accel.lab.ceilings import Ceilings
+
+    tiny = (case.GroupCase(8, 4, 16, torch.float32), case.LargeCase(40, 16, torch.bfloat16))
+    monkeypatch.setitem(case.CASES, "cpu", tiny)
+    monkeypatch.setattr(case.polychromic.Sizes, "preset", classmethod(lambda cls, name: cls()))
+    ceilings = Ceilings("cpu", 10.0, 0.1, "float32", 1 << 20, 64)  # made up: no measuring here
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's one warning
+        rows = case.run(BenchContext(torch.device("cpu"), "cpu", ceilings))
+    assert {r.phase for r in rows} == {"diversity"}
+    assert all(r.met is None and "CPU run at tiny sizes" in r.note for r in rows)
+    cases = {r.case for r in rows}
+    assert {"mean B=8 N=4 D=16 float32", "polychromic step"} <= cases
+    bandwidth = next(r for r in rows if r.unit == "GB/s")
+    assert bandwidth.fraction_of_ceiling == pytest.approx(bandwidth.optimized / 10.0)
+
+
+# ---- CUDA: the compiled kernels -----------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize(
+    "shape",
+    [(8192, 4, 384), (64, 16, 384), (3, 300, 384), (2048, 384)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_compiled_kernels_match_references(shape, dtype, seed):
+    x = embeddings(shape, dtype, "cuda")
+    assert dv.backend(x)[0] == "triton"
+    check_all(x)
+    if len(shape) == 3:
+        check_all(x, random_counts(shape[0], shape[1]).cuda())
+        check_all(x.transpose(0, 1).contiguous().transpose(0, 1))  # strided over groups
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_large_set_nearest_stores_no_n_by_n_matrix(seed):
+    n, d = 8192, 384
+    x = embeddings((n, d), torch.bfloat16, "cuda")
+    dv.nearest_diversity(x)  # autotune outside the measured call
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = dv.nearest_diversity(x)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    assert extra < 0.01 * n * n * 4, f"{extra / 1e6:.1f} MB: an N x N buffer was allocated"
+    with float32_matmul("highest"):
+        expected = dv.nearest_diversity_reference(x)
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=RTOL)
+    assert math.isfinite(out.item())
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_grouped_kernel_can_be_captured_in_a_cuda_graph(seed):
+    x = embeddings((512, 4, 384), torch.float32, "cuda")
+    expected = dv.mean_diversity(x)  # autotune before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dv.mean_diversity(x)
+    x.copy_(embeddings(x.shape, device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, dv.mean_diversity_reference(x), atol=ATOL, rtol=RTOL)
+    assert not torch.equal(out, expected)
