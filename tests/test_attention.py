@@ -1,0 +1,404 @@
+"""accel.attention: every SDPA backend against attention in float64, auto's cache, bad inputs,
+rotary embeddings cached against recomputed, fused q/k/v against separate."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from accel import attention as A
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second thread costs more than it saves (and stalls on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# (B, H, S, D): one element, odd lengths, a head dim the fused kernels like and one they may not
+SHAPES = [(1, 1, 1, 8), (2, 3, 17, 16), (3, 2, 33, 64), (1, 2, 129, 24)]
+DTYPES = [torch.float32, torch.bfloat16]
+MODES = ["none", "causal", "bool mask", "float mask"]
+
+
+def qkv(shape, dtype, device, gen, *, seq_k=None, requires_grad=False):
+    b, h, s, d = shape
+    out = []
+    for length in (s, seq_k or s, seq_k or s):
+        t = torch.randn(b, h, length, d, generator=gen, device="cpu").to(device, dtype)
+        out.append(t.requires_grad_(requires_grad))
+    return out
+
+
+def make_mask(mode, shape, dtype, device, gen, seq_k=None):
+    _, _, s, _ = shape
+    sk = seq_k or s
+    if mode in ("none", "causal"):
+        return None
+    keep = torch.rand(s, sk, generator=gen) > 0.4
+    keep[:, 0] = True  # no fully masked row: softmax of nothing is defined by convention only
+    if mode == "bool mask":
+        return keep.to(device)
+    bias = torch.randn(1, 1, s, sk, generator=gen).masked_fill(~keep, -math.inf)
+    return bias.to(device, dtype)
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache():
+    A.clear_auto_cache()
+    yield
+    A.clear_auto_cache()
+
+
+def exact(q, k, v, mask, causal):
+    m = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    return A.attention_reference(q.double(), k.double(), v.double(), mask=m, causal=causal)
+
+
+@pytest.mark.parametrize("backend", A.BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_every_backend_that_runs_equals_the_float64_reference(
+    backend, dtype, shape, mode, device, gen
+):
+    q, k, v = qkv(shape, dtype, device, gen)
+    mask, causal = make_mask(mode, shape, dtype, device, gen), mode == "causal"
+    reason = A.unavailable_reason(backend, q, k, v, mask=mask, causal=causal)
+    if reason:  # it cannot run here: a forced call must say so, naming the backend
+        with pytest.raises(A.BackendUnavailableError, match=f"'{backend}' cannot run"):
+            A.sdpa(q, k, v, mask=mask, causal=causal, backend=backend)
+        return
+    out = A.sdpa(q, k, v, mask=mask, causal=causal, backend=backend)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(
+        out.double(), exact(q, k, v, mask, causal), **A.TOLERANCES[dtype], check_dtype=False
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_manual_path_equals_the_float64_reference(dtype, device, gen):
+    shape = (2, 3, 17, 16)
+    q, k, v = qkv(shape, dtype, device, gen)
+    torch.testing.assert_close(
+        A.attention_reference(q, k, v, causal=True).double(),
+        exact(q, k, v, None, True),
+        **A.TOLERANCES[dtype],
+    )
+
+
+@pytest.mark.parametrize("backend", ["auto", "default", "flash", "efficient", "cudnn", "math"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_the_reference(backend, causal, device, gen):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = qkv((2, 2, 33, 32), dtype, device, gen, requires_grad=True)
+    if A.unavailable_reason(backend, q, k, v, causal=causal):
+        pytest.skip(f"{backend} cannot run {dtype} on {device.type}")
+    grad = torch.randn(q.shape, generator=gen).to(device, dtype)
+    got = torch.autograd.grad(A.sdpa(q, k, v, causal=causal, backend=backend), (q, k, v), grad)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(
+        A.attention_reference(*ref_inputs, causal=causal), ref_inputs, grad.double()
+    )
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g.double(), r, **A.TOLERANCES[dtype])
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash", "math", "default"])
+def test_cross_attention_with_causal_is_top_left_aligned(backend, device, gen):
+    q, k, v = qkv((1, 2, 5, 16), torch.float32, device, gen, seq_k=9)
+    if A.unavailable_reason(backend, q, k, v, causal=True):
+        pytest.skip(f"{backend} cannot run float32 here")
+    out = A.sdpa(q, k, v, causal=True, backend=backend)
+    torch.testing.assert_close(out.double(), exact(q, k, v, None, True), **A.TOLERANCES[q.dtype])
+
+
+def test_non_contiguous_heads_view(device, gen):
+    # how SelfAttention feeds it: (B, S, H, D) transposed to (B, H, S, D), last stride 1
+    x = torch.randn(2, 17, 3, 16, generator=gen).to(device)
+    q = k = v = x.transpose(1, 2)
+    assert not q.is_contiguous()
+    torch.testing.assert_close(
+        A.sdpa(q, k, v), A.attention_reference(q, k, v), **A.TOLERANCES[q.dtype]
+    )
+
+
+def test_fully_masked_row_gives_zero_like_sdpa(device, gen):
+    q, k, v = qkv((1, 1, 4, 8), torch.float32, device, gen)
+    keep = torch.ones(4, 4, dtype=torch.bool, device=device)
+    keep[2] = False
+    ref = A.attention_reference(q, k, v, mask=keep)
+    assert torch.equal(ref[0, 0, 2], torch.zeros(8, device=device))
+    torch.testing.assert_close(A.sdpa(q, k, v, mask=keep, backend="math"), ref)
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 5, 8), (1, 2, 0, 8)], ids=str)
+def test_empty_batch_or_queries(shape, gen):
+    q = torch.randn(shape, generator=gen)
+    k = v = torch.randn(max(shape[0], 0), 2, 5, 8, generator=gen)
+    out = A.sdpa(q, k, v, backend="auto")
+    assert out.shape == shape
+    assert A.attention_reference(q, k, v).shape == shape
+
+
+# ---- auto: measured once per signature, cached, inspectable -------------------------------------
+def test_auto_measures_once_per_signature_and_keys_on_what_matters(monkeypatch, device, gen):
+    measured = []
+    real = A._measure
+    monkeypatch.setattr(A, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
+    q, k, v = qkv((2, 2, 17, 16), torch.float32, device, gen)
+    A.sdpa(q, k, v)
+    A.sdpa(q, k, v)  # same signature: read from the cache
+    assert len(measured) == 1
+    q2, k2, v2 = qkv((2, 2, 19, 16), torch.float32, device, gen)
+    A.sdpa(q2, k2, v2)  # another length
+    A.sdpa(q.bfloat16(), k.bfloat16(), v.bfloat16())  # another dtype
+    A.sdpa(q, k, v, causal=True)
+    A.sdpa(q, k, v, mask=torch.ones(17, 17, dtype=torch.bool, device=device))
+    A.sdpa(q.requires_grad_(), k, v)  # a backward follows: forward + backward is what counts
+    with torch.no_grad():
+        A.sdpa(q, k, v)  # no backward will follow: the first signature again
+    assert len(measured) == 6 == len(A.auto_choices())
+    first, length, dtype, causal, masked, grad = measured
+    assert first.shapes[0] == (2, 2, 17, 16) and length.shapes[0] == (2, 2, 19, 16)
+    assert dtype.dtype == torch.bfloat16 and first.dtype == torch.float32
+    assert causal.causal and not first.causal
+    assert masked.mask is not None and first.mask is None
+    assert grad.grad and not first.grad
+    choice = A.auto_choices()[first]
+    assert choice.backend in choice.times_ms
+    assert all(t > 0 for t in choice.times_ms.values())
+    A.clear_auto_cache()
+    assert A.auto_choices() == {}
+
+
+def test_auto_skips_backends_that_cannot_run_and_keeps_the_reason(device, gen):
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, device, gen)
+    A.sdpa(q, k, v)
+    (choice,) = A.auto_choices().values()
+    assert choice.backend in ("flash", "efficient", "cudnn", "math")
+    assert set(choice.times_ms) | set(choice.skipped) == set(A.FORCED)
+    assert all(reason for reason in choice.skipped.values())
+    if device.type == "cpu":
+        assert (
+            choice.skipped["cudnn"]
+            == "PyTorch has no cudnn attention kernel for CPU tensors (CUDA only)"
+        )
+
+
+def test_auto_leaves_math_out_when_its_scores_are_too_big(monkeypatch, gen):
+    monkeypatch.setattr(A, "MATH_CANDIDATE_BYTES", 0)
+    q, k, v = qkv((1, 1, 16, 8), torch.float32, "cpu", gen)
+    A.sdpa(q, k, v)
+    (choice,) = A.auto_choices().values()
+    assert "GiB of float32 scores" in choice.skipped["math"]
+    assert choice.backend == "flash"
+
+
+def test_auto_does_not_draw_random_numbers(gen):
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen, requires_grad=True)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    A.sdpa(q, k, v)  # measures forward + backward
+    assert torch.equal(torch.rand(3), expected)
+
+
+# ---- errors --------------------------------------------------------------------------------------
+def test_forced_backend_that_cannot_run_names_itself_and_the_reason(device, gen):
+    if device.type == "cpu":
+        backend, why = "cudnn", "no cudnn attention kernel for CPU tensors"
+        q, k, v = qkv((1, 2, 17, 16), torch.float32, device, gen)
+    else:  # flash takes only fp16 and bf16 on CUDA
+        backend, why = "flash", "dtype"
+        q, k, v = qkv((1, 2, 17, 16), torch.float32, device, gen)
+    with pytest.raises(
+        A.BackendUnavailableError, match=f"(?s)'{backend}' cannot run.*{why}"
+    ) as err:
+        A.sdpa(q, k, v, backend=backend)
+    assert err.value.backend == backend and why in err.value.reason
+    with pytest.raises(A.BackendUnavailableError, match=why):  # cached: same error again
+        A.sdpa(q, k, v, backend=backend)
+
+
+def test_reason_is_picked_out_of_torchs_warnings_for_that_backend():
+    # what PyTorch emits on CUDA when no forced kernel can run, one warning per line
+    messages = [
+        "Flash attention kernel not used because:",
+        "Flash attention only supports head dimension at most 256, got 512",
+        "Memory efficient kernel not used because:",
+        "Memory Efficient attention has been disabled",
+        "CuDNN attention kernel not used because:",
+        "cuDNN attention requires head dim <= 128",
+    ]
+    err = RuntimeError("No available kernel. Aborting execution.")
+    cuda = torch.device("cuda")
+    assert A._reason("flash", cuda, err, messages) == messages[1]
+    assert A._reason("cudnn", cuda, err, messages) == messages[5]
+    assert A._reason("efficient", cuda, err, []) == "No available kernel. Aborting execution."
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda q, k, v: (q, k.double(), v), "share a dtype"),
+        (lambda q, k, v: (q, k[..., :8], v), "mismatched shapes"),
+        (lambda q, k, v: (q, k, v[:, :, :5]), "mismatched shapes"),
+        (lambda q, k, v: (q[:1], k, v), "mismatched shapes"),
+        (lambda q, k, v: (q[0], k[0], v[0]), r"shape \(batch, heads, seq, head_dim\)"),
+        (lambda q, k, v: (q.long(), k.long(), v.long()), "floating point"),
+        (lambda q, k, v: (q, k[:, :, :0], v[:, :, :0]), "nothing to attend to"),
+        (lambda q, k, v: (q.numpy(), k, v), "must be a torch.Tensor"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(change, match, gen):
+    q, k, v = qkv((2, 2, 7, 16), torch.float32, "cpu", gen)
+    bad = change(q, k, v)
+    error = TypeError if match.startswith("must be") else ValueError
+    for backend in ("auto", "flash", "math"):
+        with pytest.raises(error, match=match):
+            A.sdpa(*bad, backend=backend)
+    with pytest.raises(error, match=match):
+        A.attention_reference(*bad)
+
+
+def test_bad_masks_and_backends_raise_clear_errors(gen):
+    q, k, v = qkv((2, 2, 7, 16), torch.float32, "cpu", gen)
+    keep = torch.ones(7, 7, dtype=torch.bool)
+    with pytest.raises(ValueError, match="either a mask or causal=True"):
+        A.sdpa(q, k, v, mask=keep, causal=True)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        A.sdpa(q, k, v, mask=torch.ones(5, 7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask must be bool or q's dtype"):
+        A.sdpa(q, k, v, mask=torch.ones(7, 7, dtype=torch.int64))
+    with pytest.raises(ValueError, match="unknown SDPA backend 'fastest'"):
+        A.sdpa(q, k, v, backend="fastest")
+
+
+# ---- rotary embeddings ---------------------------------------------------------------------------
+@pytest.mark.parametrize("seq", [1, 17, 49])
+def test_cached_rope_equals_recomputed(seq, device, gen):
+    cached = A.RotaryEmbedding(16, 64, cached=True).to(device)
+    fresh = A.RotaryEmbedding(16, 64, cached=False)
+    q, k, _ = qkv((2, 3, seq, 16), torch.float32, device, gen)
+    for a, b in zip(cached(q, k), fresh(q, k), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # vector vs scalar cos: 1 ulp
+    assert cached.cos_cached.device == q.device and len(list(cached.buffers())) == 2
+    assert list(fresh.buffers()) == []  # the "before" keeps nothing
+
+
+def test_rope_is_a_rotation_by_relative_position(gen):
+    rope = A.RotaryEmbedding(8, 32)
+    q = torch.randn(1, 1, 1, 8, generator=gen).expand(1, 1, 32, 8)
+    k = torch.randn(1, 1, 1, 8, generator=gen).expand(1, 1, 32, 8)
+    rq, rk = rope(q, k)
+    torch.testing.assert_close(rq[..., 0, :], q[..., 0, :])  # position 0 does not turn
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))  # a rotation keeps lengths
+    scores = rq[0, 0] @ rk[0, 0].T  # depends on m - n only: constant along each diagonal
+    torch.testing.assert_close(
+        scores.diagonal(3), scores.diagonal(3)[:1].expand(29), atol=1e-4, rtol=1e-4
+    )
+
+
+def test_rope_keeps_bf16_activations_bf16(gen):
+    q, k, _ = qkv((1, 2, 9, 8), torch.bfloat16, "cpu", gen)
+    assert all(t.dtype == torch.bfloat16 for t in A.RotaryEmbedding(8, 9)(q, k))
+
+
+def test_rope_bad_sizes():
+    with pytest.raises(ValueError, match="even head_dim"):
+        A.RotaryEmbedding(7, 16)
+    rope = A.RotaryEmbedding(8, 4)
+    x = torch.randn(1, 1, 5, 8)
+    with pytest.raises(ValueError, match="exceeds max_seq_len 4"):
+        rope(x, x)
+    with pytest.raises(ValueError, match="expected head_dim 8"):
+        rope(x[..., :4], x[..., :4])
+
+
+# ---- q, k, v projections and the module -----------------------------------------------------------
+def test_fused_qkv_equals_separate_with_the_same_weights(gen):
+    torch.manual_seed(3)
+    separate = A.QKVProjection(24, fused=False)
+    after_separate = torch.rand(1)
+    torch.manual_seed(3)
+    fused = A.QKVProjection(24, fused=True)
+    assert torch.equal(torch.rand(1), after_separate)  # fusing draws no extra random numbers
+    for name, tensor in separate.separate_parameters().items():
+        assert torch.equal(fused.separate_parameters()[name], tensor), name
+    x = torch.randn(3, 11, 24, generator=gen)
+    for a, b in zip(fused(x), separate(x), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"expected inputs \(\.\.\., 24\)"):
+        fused(x[..., :8])
+
+
+@pytest.mark.parametrize("fused_qkv", [False, True])
+@pytest.mark.parametrize("cached", [False, True])
+def test_self_attention_sdpa_equals_manual(fused_qkv, cached, device, gen):
+    def make(use_sdpa):
+        torch.manual_seed(1)
+        rope = A.RotaryEmbedding(8, 64, cached=cached)
+        return A.SelfAttention(24, 3, use_sdpa=use_sdpa, fused_qkv=fused_qkv, rope=rope).to(device)
+
+    x = torch.randn(2, 23, 24, generator=gen).to(device)
+    fast, slow = make(True), make(False)
+    torch.testing.assert_close(fast(x), slow(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast(x, causal=True), slow(x, causal=True), rtol=1e-5, atol=1e-5)
+    assert fast.last_backend in A.FORCED
+
+
+def test_pin_backend_needs_an_eager_forward_first(gen):
+    attn = A.SelfAttention(16, 2, backend="auto")
+    with pytest.raises(RuntimeError, match="needs one eager forward"):
+        attn.pin_backend()
+    attn(torch.randn(1, 5, 16, generator=gen))
+    assert attn.pin_backend() == attn.backend == attn.last_backend != "auto"
+    with pytest.raises(ValueError, match="not divisible into 5 heads"):
+        A.SelfAttention(16, 5)
+
+
+# ---- CUDA only -------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["flash", "efficient", "cudnn", "math", "auto", "default"])
+def test_profiler_sees_the_backend_that_was_asked_for(backend, gen):
+    from accel.lab.cases.sdpa import which_backend
+
+    q, k, v = qkv((2, 8, 1024, 128), torch.bfloat16, "cuda", gen)
+    if A.unavailable_reason(backend, q, k, v):
+        pytest.skip(f"{backend}: {A.unavailable_reason(backend, q, k, v)}")
+    ran = which_backend(lambda: A.sdpa(q, k, v, backend=backend), torch.device("cuda"))
+    if backend == "auto":
+        (choice,) = A.auto_choices().values()
+        assert ran["backend"] == choice.backend != "math", (ran, choice)
+    elif backend != "default":
+        assert ran["backend"] == backend, ran
+
+
+def test_auto_skips_a_backend_whose_output_is_wrong(monkeypatch, gen):
+    real = A._run
+
+    def broken_math(backend, *args):
+        out = real(backend, *args)
+        return out + 1.0 if backend == "math" else out
+
+    monkeypatch.setattr(A, "_run", broken_math)
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
+    A.sdpa(q, k, v)
+    (choice,) = A.auto_choices().values()
+    assert choice.backend == "flash"
+    assert choice.skipped["math"].startswith("output differs from flash's by up to 1")

@@ -1,0 +1,117 @@
+"""The sdpa bench phase and its helpers: cost model, profiler read-out, sweep rows round trip."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from accel import attention as A
+from accel.lab.bench import BenchContext
+from accel.lab.cases import sdpa
+from accel.lab.ceilings import Ceilings
+from accel.workloads import vit
+
+CPU = torch.device("cpu")
+FAKE_CEILINGS = Ceilings("cpu", 10.0, 0.5, "float32", 1 << 20, 256)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: a second thread costs more than it saves (and stalls on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_cost_model_counts():
+    # the issue's shape: 4 * 4 * 16 * 4096^2 * 128 = 0.55 TFLOP per forward
+    assert sdpa.attention_flops(4, 16, 4096, 4096, 128) == pytest.approx(5.4976e11, rel=1e-4)
+    assert sdpa.attention_flops(1, 1, 8, 8, 4, causal=True) == 4 * 64 * 4 / 2
+    assert sdpa.attention_flops(1, 1, 8, 8, 4, backward=True) == 3.5 * 4 * 64 * 4
+    fused = sdpa.attention_bytes(1, 2, 8, 8, 4, elem_bytes=2)
+    assert fused == 2 * (16 + 16) * 4 * 2
+    manual = sdpa.attention_bytes(1, 2, 8, 8, 4, elem_bytes=2, manual=True)
+    assert manual - fused == 6 * 2 * 64 * 2
+
+
+@pytest.mark.parametrize(
+    ("variant", "expected"),
+    [("flash", "flash"), ("math", "math"), ("manual", "none (manual)")],
+)
+def test_profiler_names_the_backend_that_ran(variant, expected):
+    case = sdpa.AttnCase(1, 2, 33, 16, dtype=torch.float32)
+    q, k, v, grad = sdpa.make_inputs(case, CPU)
+    ran = sdpa.which_backend(sdpa.variant_fn(variant, case, q, k, v, grad), CPU)
+    assert ran["backend"] == expected
+
+
+def test_manual_path_needs_the_scores_in_memory_and_sdpa_does_not():
+    case = sdpa.AttnCase(1, 4, 255, 16, dtype=torch.float32)
+    q, k, v, grad = sdpa.make_inputs(case, CPU)
+    scores = 4 * 255 * 255 * 4
+    manual = sdpa.peak_memory_bytes(sdpa.variant_fn("manual", case, q, k, v, grad), CPU)
+    fused = sdpa.peak_memory_bytes(sdpa.variant_fn("flash", case, q, k, v, grad), CPU)
+    assert manual >= 2 * scores > 4 * fused
+
+
+def test_check_backends_table(seed):
+    q, k, v = (torch.randn(1, 2, 17, 16) for _ in range(3))
+    table = sdpa.check_backends(q, k, v, causal=True).set_index("backend")
+    assert set(table.index) == {"manual", *A.BACKENDS}
+    ran = table[table["ran"]]
+    assert ran["within_tolerance"].all() and (ran["max_abs_error"] < 1e-5).all()
+    assert not table.loc["cudnn", "ran"] and "CPU" in table.loc["cudnn", "reason"]
+
+
+def test_measure_case_skips_with_reasons():
+    case = sdpa.AttnCase(2, 2, 31, 16, causal=True, backward=True, dtype=torch.float32)
+    times, skipped = sdpa.measure_case(case, CPU, ("manual", "auto", "cudnn", "math"), repeats=2)
+    assert set(times) == {"manual", "auto", "math"} and all(t > 0 for t in times.values())
+    assert "CPU" in skipped["cudnn"]
+    _, skipped = sdpa.measure_case(case, CPU, ("math",), repeats=1, math_bytes=0)
+    assert "GiB" in skipped["math"]
+
+
+def test_sweep_rows_round_trip_through_recorded_results():
+    sizes = sdpa.SweepSizes((15,), (8,), heads=2, tokens=30, dtype=torch.float32, repeats=2)
+    frame = sdpa.sweep(CPU, sizes, variants=("default", "auto", "flash", "cudnn"))
+    assert (
+        len(frame) == 4 * 4 and frame["skipped"][frame["backend"] == "cudnn"].str.len().gt(0).all()
+    )
+    ctx = BenchContext(CPU, "cpu", FAKE_CEILINGS)
+    rows = sdpa.sweep_rows(frame, ctx, judged=False)
+    assert len(rows) == 4 and all(r.met is None for r in rows)
+    recorded = pd.DataFrame([r.as_dict() | {"device": "cpu"} for r in rows])
+    back = sdpa.sweep_frame(recorded)
+    ran = frame[frame["skipped"] == ""]
+    merged = ran.merge(back, on=["S", "D", "causal", "direction", "backend"], suffixes=("", "_rec"))
+    assert len(merged) == len(ran)
+    assert ((merged["tflop_s"] - merged["tflop_s_rec"]).abs() <= 1e-3 * merged["tflop_s"]).all()
+    fig = sdpa.sweep_figure(back, ceiling_tflop_s=0.5)
+    assert len(fig.data) == 3 * 4  # 3 backends that ran x (2 directions x 2 masks) panels
+
+
+def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
+    tiny = sdpa.BenchSizes(
+        headline=sdpa.AttnCase(1, 2, 17, 8, dtype=torch.float32),
+        sweep=sdpa.SweepSizes((9,), (8,), heads=2, tokens=18, dtype=torch.float32, repeats=1),
+        repeats=1,
+        vit_repeats=1,
+    )
+    monkeypatch.setitem(sdpa.BENCH_SIZES, "cpu", tiny)
+    small = vit.Sizes(image=8, patch=4, dim=8, heads=2, depth=1, classes=2, batch=2, batches=1)
+    monkeypatch.setitem(vit._PRESETS, "cpu", small)
+    rows = sdpa.run(BenchContext(CPU, "cpu", FAKE_CEILINGS))
+    assert {r.phase for r in rows} == {"sdpa"}
+    assert all(r.met is None and r.note.startswith("not judged") for r in rows)
+    cases = [r.case for r in rows]
+    assert "vit step: all but compile" in cases and "sweep fwd causal D=8 S=9" in cases
+    auto = next(r for r in rows if r.case == "B=1 H=2 S=17 D=8 full fwd auto")
+    assert auto.optimized > 0 and not math.isnan(auto.fraction_of_ceiling)
+    assert "profiler: " in auto.note
+    equal = [r for r in rows if r.case.startswith("vit step")]
+    assert all("result equal" in r.note for r in equal), [r.note for r in equal]
