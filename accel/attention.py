@@ -298,7 +298,22 @@ _REASON_HEADERS = {
 }
 
 
-def _reason(backend: str, device: torch.device, error: Exception, messages: list[str]) -> str:
+def _documented_limits(backend: str, q: torch.Tensor, mask: torch.Tensor | None) -> list[str]:
+    """Input limits of the fused CUDA kernels, from PyTorch's documentation: the reason to give
+    when PyTorch's own warnings are not there (it may have shown them once already)."""
+    limits = []
+    if backend in ("flash", "cudnn") and q.dtype not in (torch.float16, torch.bfloat16):
+        limits.append(f"{backend} takes float16 or bfloat16 inputs, got dtype {q.dtype}")
+    if backend == "flash" and mask is not None:
+        limits.append("flash takes no explicit attention mask (causal only)")
+    if backend in ("flash", "efficient") and (q.shape[-1] > 256 or q.shape[-1] % 8):
+        limits.append(f"head dimension must be a multiple of 8 up to 256, got {q.shape[-1]}")
+    return limits
+
+
+def _reason(
+    backend: str, q: torch.Tensor, mask: torch.Tensor | None, error: Exception, messages: list[str]
+) -> str:
     """PyTorch's own reasons for ``backend``, picked out of the warnings it emits."""
     mine, current = [], None
     for message in messages:
@@ -310,19 +325,23 @@ def _reason(backend: str, device: torch.device, error: Exception, messages: list
             mine.append(message.strip())
     if mine:
         return "; ".join(mine)
-    if device.type == "cpu" and backend in ("efficient", "cudnn"):
+    if q.device.type == "cpu" and backend in ("efficient", "cudnn"):
         return f"PyTorch has no {backend} attention kernel for CPU tensors (CUDA only)"
-    return str(error).strip() or type(error).__name__
+    said = str(error).strip() or type(error).__name__
+    known = _documented_limits(backend, q, mask) if q.device.type == "cuda" else []
+    return f"{said} ({'; '.join(known)})" if known else said
 
 
-def _try(backend: str, call: Callable[[], object], device: torch.device) -> tuple[object, str]:
+def _try(
+    backend: str, call: Callable[[], object], q: torch.Tensor, mask: torch.Tensor | None
+) -> tuple[object, str]:
     """Run ``call`` once; return (result, "") or (None, why it could not run)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             out = call()
         except RuntimeError as error:
-            return None, _reason(backend, device, error, [str(w.message) for w in caught])
+            return None, _reason(backend, q, mask, error, [str(w.message) for w in caught])
     for w in caught:  # it ran: pass on any unrelated warning
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return out, ""
@@ -365,7 +384,7 @@ def unavailable_reason(
         key = (backend, _checked_signature(q, k, v, mask, causal))
         if key not in _UNAVAILABLE:
             call = partial(_run, backend, q, k, v, mask, causal, None)
-            _UNAVAILABLE[key] = _try(backend, call, q.device)[1]
+            _UNAVAILABLE[key] = _try(backend, call, q, mask)[1]
     return _UNAVAILABLE[key] or None
 
 
@@ -404,7 +423,7 @@ def _sdpa(q, k, v, mask, causal, scale, backend: str) -> tuple[torch.Tensor, str
         known = _UNAVAILABLE.get((backend, key))
         if known is None:  # first call of this signature: run it, keeping PyTorch's reasons
             call = partial(_run, backend, q, k, v, mask, causal, scale)
-            out, known = _try(backend, call, q.device)
+            out, known = _try(backend, call, q, mask)
             _UNAVAILABLE[(backend, key)] = known
             if not known:
                 return out, backend  # type: ignore[return-value]
@@ -462,7 +481,7 @@ def _measure(key: SignatureKey, q, k, v, mask, causal, scale) -> AutoChoice:
             continue
         call = partial(_run, backend, q, k, v, mask, causal, scale)
         fn = _with_backward(call, (q, k, v)) if key.grad else call
-        reason = _try(backend, fn, device)[1]
+        reason = _try(backend, fn, q, mask)[1]
         if not reason:
             with torch.no_grad():
                 out = call()

@@ -245,10 +245,21 @@ def test_reason_is_picked_out_of_torchs_warnings_for_that_backend():
         "cuDNN attention requires head dim <= 128",
     ]
     err = RuntimeError("No available kernel. Aborting execution.")
-    cuda = torch.device("cuda")
-    assert A._reason("flash", cuda, err, messages) == messages[1]
-    assert A._reason("cudnn", cuda, err, messages) == messages[5]
-    assert A._reason("efficient", cuda, err, []) == "No available kernel. Aborting execution."
+    q = torch.empty(1, 2, 8, 64, device="meta")  # shape and dtype only
+    assert A._reason("flash", q, None, err, messages) == messages[1]
+    assert A._reason("cudnn", q, None, err, messages) == messages[5]
+    assert A._reason("efficient", q, None, err, []) == "No available kernel. Aborting execution."
+
+
+def test_documented_limits_explain_what_torch_no_longer_says():
+    # PyTorch warns its reasons once per process; later failures fall back on these
+    q32 = torch.empty(1, 2, 8, 20, dtype=torch.float32, device="meta")
+    assert A._documented_limits("flash", q32, mask=q32) == [
+        "flash takes float16 or bfloat16 inputs, got dtype torch.float32",
+        "flash takes no explicit attention mask (causal only)",
+        "head dimension must be a multiple of 8 up to 256, got 20",
+    ]
+    assert A._documented_limits("efficient", q32.to(torch.bfloat16)[..., :16], None) == []
 
 
 @pytest.mark.parametrize(

@@ -76,3 +76,15 @@ def test_row_speedup_direction(higher, expected):
 def test_table_prints_markdown(tmp_path, capsys):
     assert main(["table", "--results", str(tmp_path)]) == 0
     assert "No results recorded yet" in capsys.readouterr().out
+
+
+def test_readme_table_keeps_sweep_points_in_the_csv_only(tmp_path):
+    stamp = dict.fromkeys(COLUMNS[11:], "x") | {"date": "2026-01-01"}
+    rows = [
+        Row("p", case, "rate", "TFLOP/s", 2.0, baseline=1.0).as_dict() | stamp
+        for case in ("main case", "sweep S=256", "sweep: worst ratio")
+    ]
+    write_results(pd.DataFrame(rows, columns=COLUMNS), tmp_path, stem="m")
+    table = bench.results_markdown(tmp_path)
+    assert "main case" in table and "sweep: worst ratio" in table
+    assert "sweep S=256" not in table and "1 sweep points in the CSV" in table

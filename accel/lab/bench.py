@@ -219,7 +219,11 @@ def _fmt(value) -> str:
 
 
 def results_markdown(results_dir: str | Path = "results") -> str:
-    """The README's results table: every CSV under ``results_dir``, one section per machine."""
+    """The README's results table: every CSV under ``results_dir``, one section per machine.
+
+    Sweep points (cases named ``sweep ...``) stay in the CSV and the HTML report; the README shows
+    their summary rows only.
+    """
     files = sorted(Path(results_dir).glob("*.csv"))
     if not files:
         return "_No results recorded yet: run `python -m accel bench` on a GPU._\n"
@@ -228,16 +232,18 @@ def results_markdown(results_dir: str | Path = "results") -> str:
     for csv in files:
         frame = pd.read_csv(csv, keep_default_na=True)
         first = frame.iloc[0]
+        points = frame["case"].str.startswith("sweep ")
         lines += [
             f"**{first['device']}** (preset {first['preset']}, torch {first['torch']}, "
-            f"measured {frame['date'].max()}, `results/{csv.name}`)",
+            f"measured {frame['date'].max()}, `results/{csv.name}`"
+            + (f"; {points.sum()} sweep points in the CSV" if points.any() else "")
+            + ")",
             "",
             "| " + " | ".join(shown) + " |",
             "|" + "---|" * len(shown),
         ]
-        for _, row in frame.iterrows():
-            cells = [_fmt(row[c]) for c in shown]
-            lines.append("| " + " | ".join(cells) + " |")
+        for _, row in frame[~points].iterrows():
+            lines.append("| " + " | ".join(_fmt(row[c]) for c in shown) + " |")
         lines.append("")
     return "\n".join(lines)
 
