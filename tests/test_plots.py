@@ -68,6 +68,13 @@ def test_memory_and_speedups_build():
     assert isinstance(
         plots.memory_over_time(pd.DataFrame({"t_us": [0, 1], "bytes": [0, 2**20]})), go.Figure
     )
-    rows = pd.DataFrame({"case": ["a", "b"], "speedup": [1.5, float("nan")], "target": [1.2, None]})
+    rows = pd.DataFrame(
+        {
+            "case": ["a", "b", "c"],
+            "speedup": [1.5, float("nan"), 2.0],
+            "target": [">= 1.2x", None, ">= 640 TFLOP/s"],
+        }
+    )
     fig = plots.speedups(rows)
-    assert list(fig.data[0].x) == ["a"]
+    assert list(fig.data[0].x) == ["a", "c"]
+    assert list(fig.data[1].y[:1]) == [1.2] and pd.isna(fig.data[1].y[1])

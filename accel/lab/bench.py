@@ -24,6 +24,8 @@ from accel.lab.device import Preset, default_device, preset, results_stem, versi
 PHASES: dict[str, str] = {
     "ceilings": "accel.lab.cases.ceilings:run",
     "sync": "accel.lab.cases.sync:run",
+    "fusion": "accel.lab.cases.fusion:run",
+    "memory": "accel.lab.cases.memory:run",
     "sdpa": "accel.lab.cases.sdpa:run",
     "diversity": "accel.lab.cases.diversity:run",
 }

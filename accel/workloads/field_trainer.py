@@ -29,7 +29,15 @@ from typing import Any, Literal
 
 import torch
 
-from accel import sync
+from accel import memory, sync
+from accel.fusion import (
+    CompiledFunction,
+    compile_per_shape,
+    lior_step,
+    lior_step_fused,
+    quad_form,
+    retrieval_mix,
+)
 from accel.workloads.flags import flag
 
 METRICS = ("lior", "R", "spd")
@@ -37,6 +45,7 @@ METRICS = ("lior", "R", "spd")
 # and vectorized_rotor (float32 update where the loop used Python floats) change the last bits;
 # the dynamics are damped, so the difference does not grow over windows.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls (the seed's schedule)
 
 
 @dataclass(frozen=True)
@@ -63,8 +72,8 @@ class Flags:
         "accumulate metrics and velocity in place instead of a fresh tensor each step", "memory"
     )
     adaptive_cleanup: bool = flag(
-        "torch.cuda.empty_cache() only every 50 windows and only if over 90% of the reserved "
-        "memory is allocated, instead of every 10 windows",
+        "torch.cuda.empty_cache() only when much of the reserved memory is unused "
+        "(fragmentation) or the device is nearly full (pressure), instead of every 10 windows",
         "memory",
     )
 
@@ -158,24 +167,9 @@ _PRESETS = {
 }
 
 
-# ---- the math of one step (phase 2 may move the fused forms to accel.fusion) --------------------
-def quad_form(v: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """``sqrt(g(v, v) + eps)`` per row of ``v`` (..., d); ``g`` is (d, d) or its diagonal (d,)."""
-    q = ((v @ g) * v).sum(-1) if g.ndim == 2 else (v * v * g).sum(-1)
-    return torch.sqrt(q + eps)
-
-
-def lior_step(R_sc: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
-    """The "before": the LIoR loss computes its own quadratic form."""
-    return R_sc * quad_form(v, g, eps)
-
-
-def lior_step_fused(
-    R_sc: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """LIoR and the speed from one quadratic form."""
-    spd = quad_form(v, g, eps)
-    return R_sc * spd, spd
+# ---- the math of one step ----------------------------------------------------------------------
+# quad_form, lior_step (the "before": the quadratic form computed twice per step),
+# lior_step_fused and retrieval_mix live in accel.fusion beside their fused forms.
 
 
 def curvature(x: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
@@ -190,25 +184,21 @@ def metric_cost(x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor) -> torch.T
     return q.mean(-1)
 
 
-def retrieval_mix(cost: torch.Tensor, values: torch.Tensor, beta: float) -> torch.Tensor:
-    """Weights ``softmax(-beta * cost)`` (B, M) mix the bank's values (M, d) into (B, d)."""
-    w = torch.softmax(-beta * cost, dim=-1)
-    return (values.unsqueeze(0) * w.unsqueeze(-1)).sum(1)  # materializes (B, M, d) unfused
-
-
-_compiled_mix: Callable[..., torch.Tensor] | None = None
+_compiled_mix: CompiledFunction | None = None  # one per process: compiled code is kept per shape
 
 
 def _retrieval(compiled: bool, probe: tuple[torch.Tensor, torch.Tensor, float]) -> Callable:
-    """The retrieval to use: compiled if asked and it runs here and matches eager on ``probe``."""
+    """The retrieval to use: compiled if asked and it runs here and matches eager on ``probe``.
+
+    The compiled function is a :class:`accel.fusion.CompiledFunction`: ``step.retrieve.compiles``
+    shows how many graphs it has compiled (one per field shape; more means shape churn)."""
     global _compiled_mix
     if not compiled:
         return retrieval_mix
     try:
-        if _compiled_mix is None:  # one compiled function: dynamo caches per shape across steps
-            _compiled_mix = torch.compile(retrieval_mix, dynamic=False)
-        out = _compiled_mix(*probe)  # compiles now, not inside the timed window
-        torch.testing.assert_close(out, retrieval_mix(*probe), **TOLERANCE)
+        if _compiled_mix is None:  # steps of every size share it; .compiles counts the shapes
+            _compiled_mix = compile_per_shape(retrieval_mix)
+        _compiled_mix.check(*probe, **TOLERANCE)  # compiles now, not inside the timed window
     except Exception as exc:  # no compiler, no Triton, unsupported platform...
         warnings.warn(
             f"compiled_retrieval: torch.compile cannot run here "
@@ -311,6 +301,7 @@ class Step:
         self.windows = 0
         cost = metric_cost(self.x, self.keys, self.g0)
         self.retrieve = _retrieval(flags.compiled_retrieval, (cost, self.values, s.beta))
+        self.cleaner = memory.CacheCleaner(device, naive_every=CLEANUP_EVERY)
 
     # ---- one window --------------------------------------------------------------------------
     def __call__(self) -> None:
@@ -398,17 +389,15 @@ class Step:
             )
 
     def _cleanup(self) -> None:
-        if self.device.type != "cuda" or self.windows == 0:
+        if self.device.type != "cuda":
             return
-        if not self.flags.adaptive_cleanup:
-            if self.windows % 10 == 0:
-                torch.cuda.empty_cache()  # the "before": a stall every 10 windows
-        elif self.windows % 50 == 0:
-            reserved = torch.cuda.memory_reserved(
-                self.device
-            )  # allocator stats: host-side, no sync
-            if reserved and torch.cuda.memory_allocated(self.device) / reserved > 0.9:
-                torch.cuda.empty_cache()
+        if self.flags.adaptive_cleanup:
+            # Host-side allocator counters, no sync; empties only when it releases memory. The
+            # seed's rule (empty when > 90% of the reserved memory is allocated) fires exactly
+            # when there is least to release: see accel.memory.CacheCleaner.
+            self.cleaner.step()
+        elif self.windows > 0 and self.windows % CLEANUP_EVERY == 0:
+            torch.cuda.empty_cache()  # the "before": a stall every 10 windows, then cudaMallocs
 
     def _print_progress(self) -> None:
         if not self.verbose:

@@ -1,0 +1,388 @@
+"""Fusion: fewer, larger kernels for work done over many tensors or in many small steps.
+
+A training step over a model with ~150 parameter tensors that loops in Python launches a kernel
+(or two) per tensor for every statistic, every clip and every optimizer update: ~600 launches for
+the group statistics alone, each a few microseconds of host time for a few microseconds of GPU
+work. ``torch._foreach_*`` ops take the whole list and launch a handful of kernels for it.
+
+What a training loop takes from here, each fast version beside its plain reference, picked by one
+``foreach=`` switch with the same signature (the pattern of ``torch/optim/adam.py``):
+
+- :func:`group_stats`: per-group gradient and parameter norms (``_group_stats_loop`` is the
+  per-tensor "before");
+- :func:`global_norm` and :func:`clip_grad_norm_`: clipping with foreach norms and the coefficient
+  applied on the device (``_clip_grad_norm_loop`` is the common version, which syncs);
+- :func:`lior_step_fused` beside :func:`lior_step`: one quadratic form where the "before" computes
+  it twice;
+- :func:`retrieval_mix_fused` beside :func:`retrieval_mix`: softmax weights times values as one
+  matrix product instead of a materialized (B, M, d) product and a sum;
+- :class:`CompiledFunction` (:func:`compile_per_shape`): ``torch.compile`` once per input shape,
+  with the number of compiles visible, so shape churn shows instead of silently recompiling.
+
+Tensors are grouped by (device, dtype) for the foreach calls; norms are accumulated in float32
+whatever the tensors' dtype. Importing this module costs torch only.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+Tensors = torch.Tensor | Iterable[torch.Tensor]
+
+
+class NonFiniteGradientError(RuntimeError):
+    """Clipping found an inf or NaN gradient and was asked to raise."""
+
+
+# ---- grouping ----------------------------------------------------------------------------------
+def _as_list(tensors: Tensors, what: str) -> list[torch.Tensor]:
+    out = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not out:
+        raise ValueError(
+            f"{what}: got no tensors (an empty list, or a generator such as "
+            "model.parameters() that was already consumed)"
+        )
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: item {i} is a {type(t).__name__}, not a tensor")
+        if not t.is_floating_point():
+            raise TypeError(f"{what}: item {i} has dtype {t.dtype}; norms need floating point")
+    return out
+
+
+def _one_device(tensors: Sequence[torch.Tensor], what: str) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise ValueError(
+            f"{what}: tensors are on several devices ({', '.join(sorted(map(str, devices)))}); "
+            "call once per device (a total across devices would need a copy between them)"
+        )
+    return devices.pop()
+
+
+def group_by_device_and_dtype(
+    tensors: Sequence[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` per (device, dtype): a foreach op takes one such bucket at a time."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    return buckets
+
+
+def _foreach_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Per-tensor float32 norms in input order: one ``_foreach_norm`` per (device, dtype)."""
+    norms: list[torch.Tensor | None] = [None] * len(tensors)
+    for indices in group_by_device_and_dtype(tensors).values():
+        bucket = [tensors[i] for i in indices]
+        # dtype=float32: bf16/fp16 tensors are summed in fp32 (their own dtype loses ~3 digits)
+        for i, n in zip(
+            indices, torch._foreach_norm(bucket, norm_type, dtype=torch.float32), strict=True
+        ):
+            norms[i] = n
+    return norms  # type: ignore[return-value]
+
+
+def _norm_of(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
+
+
+# ---- group statistics --------------------------------------------------------------------------
+def group_stats(
+    groups: Sequence[Sequence[torch.Tensor]],
+    *,
+    foreach: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per group of parameters: the L2 norm of its gradients and of its values, float32, (G, 2).
+
+    Column 0 is the gradient norm (parameters without ``.grad`` count as zero), column 1 the
+    parameter norm. Computed without autograd: the result carries no graph through the
+    parameters, so a controller fed with it can be trained on its own. ``out`` (G, 2) float32 on
+    the parameters' device receives the result (no allocation for it). ``foreach=False`` is the
+    per-tensor reference: two kernels per tensor and statistic.
+    """
+    groups = [_as_list(g, f"group_stats: group {i}") for i, g in enumerate(groups)]
+    if not groups:
+        raise ValueError("group_stats: got no groups")
+    device = _one_device([t for g in groups for t in g], "group_stats")
+    if out is not None and (
+        out.shape != (len(groups), 2) or out.dtype != torch.float32 or out.device != device
+    ):
+        raise ValueError(
+            f"group_stats: out must be float32 of shape ({len(groups)}, 2) on {device}, got "
+            f"{out.dtype} {tuple(out.shape)} on {out.device}"
+        )
+    impl = _group_stats_foreach if foreach else _group_stats_loop
+    with torch.no_grad():
+        return impl(groups, device, out)
+
+
+def _group_stats_loop(
+    groups: list[list[torch.Tensor]], device: torch.device, out: torch.Tensor | None
+) -> torch.Tensor:
+    """The seed's "before": pow and sum per tensor (4 kernels per parameter), then per group a
+    stack, a sum and a sqrt per statistic."""
+    stats = torch.zeros(len(groups), 2, device=device) if out is None else out.zero_()
+    for i, params in enumerate(groups):
+        grad_sq = [p.grad.float().pow(2).sum() for p in params if p.grad is not None]
+        param_sq = [p.float().pow(2).sum() for p in params]
+        if grad_sq:
+            stats[i, 0] = torch.stack(grad_sq).sum().sqrt()
+        stats[i, 1] = torch.stack(param_sq).sum().sqrt()
+    return stats
+
+
+def _group_stats_foreach(
+    groups: list[list[torch.Tensor]], device: torch.device, out: torch.Tensor | None
+) -> torch.Tensor:
+    """One ``_foreach_norm`` over every gradient and parameter (per dtype), then one stack into a
+    zero-padded (2, G, longest group) block and a sum: about ten launches for any number of
+    tensors. The padding keeps the per-group sums deterministic (no atomic ``index_add``)."""
+    width = max(len(g) for g in groups)
+    flat = [p for g in groups for p in g]
+    grads = [p.grad for p in flat if p.grad is not None]
+    norms = _foreach_norms(grads + flat, 2.0)
+    grad_norms, param_norms = iter(norms[: len(grads)]), iter(norms[len(grads) :])
+    zero = torch.zeros((), device=device)  # the norm of a missing gradient, and the padding
+    cells = []
+    for column in (grad_norms, param_norms):
+        for g in groups:
+            cells += [
+                next(column) if column is param_norms or p.grad is not None else zero for p in g
+            ]
+            cells += [zero] * (width - len(g))
+    block = torch.stack(cells).view(2, len(groups), width)  # (stat, group, tensor)
+    sums = block.square().sum(-1)  # (stat, group)
+    if out is None:
+        return sums.sqrt_().T.contiguous()  # (G, 2)
+    torch.sqrt(sums, out=out.T)  # written through the transposed view: no copy
+    return out
+
+
+# ---- clipping -----------------------------------------------------------------------------------
+def _grads_of(parameters: Tensors, what: str) -> tuple[list[torch.Tensor], torch.device]:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if not params:
+        raise ValueError(
+            f"{what}: got no parameters (an empty list, or a generator such as "
+            "model.parameters() that was already consumed)"
+        )
+    device = _one_device(params, what)
+    grads = [p.grad for p in params if p.grad is not None]
+    return grads, device
+
+
+def global_norm(tensors: Tensors, norm_type: float = 2.0, *, foreach: bool = True) -> torch.Tensor:
+    """The norm of all ``tensors`` taken together, as a float32 0-d tensor on their device."""
+    tensors = _as_list(tensors, "global_norm")
+    _one_device(tensors, "global_norm")
+    with torch.no_grad():
+        norms = (
+            _foreach_norms(tensors, norm_type)
+            if foreach
+            else [_norm_of(t, norm_type) for t in tensors]
+        )
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def clip_grad_norm_(
+    parameters: Tensors,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    foreach: bool = True,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale the gradients in place so that their total norm is at most ``max_norm``.
+
+    Returns the total norm before clipping (float32, 0-d, on the gradients' device), like
+    ``torch.nn.utils.clip_grad_norm_``, whose results this matches: the coefficient is
+    ``min(1, max_norm / (total + 1e-6))``. The fast form computes it and multiplies every gradient
+    by it on the device: no host read. Parameters without a gradient are skipped; with none at
+    all the norm is 0 and nothing changes.
+
+    Non-finite gradients are reported in the returned norm (inf or NaN, check it with
+    ``torch.isfinite`` on the device) and, as in torch, propagate into the clipped gradients.
+    ``error_if_nonfinite=True`` raises :class:`NonFiniteGradientError` naming the first bad
+    tensor; that check reads the norm on the host, a sync, made only when asked.
+    ``foreach=False`` is the common loop: a norm per tensor, then ``if coef < 1`` on the host
+    (one sync) and a multiply per tensor.
+    """
+    if not math.isfinite(max_norm) or max_norm <= 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be finite and > 0, got {max_norm}")
+    grads, device = _grads_of(parameters, "clip_grad_norm_")
+    if not grads:
+        return torch.zeros((), device=device)
+    impl = _clip_grad_norm_foreach if foreach else _clip_grad_norm_loop
+    with torch.no_grad():
+        total = impl(grads, max_norm, norm_type, error_if_nonfinite)
+    return total
+
+
+def _check_finite(total: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    if not torch.isfinite(total):  # sync: asked for with error_if_nonfinite=True
+        bad = next(
+            (i for i, g in enumerate(grads) if not torch.isfinite(g).all()), None
+        )  # sync: per tensor, only on the way to raising
+        raise NonFiniteGradientError(
+            f"clip_grad_norm_: the total gradient norm is {total.item()}; gradient {bad} "
+            f"(shape {tuple(grads[bad].shape) if bad is not None else '?'}) holds inf or NaN. "
+            "Pass error_if_nonfinite=False to clip anyway (the gradients become non-finite, "
+            "as in torch) and check torch.isfinite(norm) on the device."
+        )
+
+
+def _clip_grad_norm_loop(
+    grads: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """The common version: a norm, a power and an add per tensor; the coefficient tested on the
+    host (one sync per call); a multiply per tensor."""
+    if math.isinf(norm_type):
+        total = torch.zeros((), device=grads[0].device)
+        for g in grads:
+            total = torch.maximum(total, _norm_of(g, norm_type))
+    else:
+        total = torch.zeros((), device=grads[0].device)
+        for g in grads:
+            total = total + _norm_of(g, norm_type) ** norm_type
+        total = total ** (1.0 / norm_type)
+    if error_if_nonfinite:
+        _check_finite(total, grads)
+    coef = max_norm / (total + 1e-6)
+    # sync: `if tensor` waits for every kernel queued before it. Written `not coef >= 1` so
+    # that a NaN coefficient (NaN compares False) still multiplies, as torch does
+    if not coef >= 1:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def _clip_grad_norm_foreach(
+    grads: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
+) -> torch.Tensor:
+    """Foreach norms (one launch set per dtype), the coefficient clamped on the device, one
+    foreach multiply per dtype: no host read."""
+    total = torch.linalg.vector_norm(torch.stack(_foreach_norms(grads, norm_type)), norm_type)
+    if error_if_nonfinite:
+        _check_finite(total, grads)
+    coef = (max_norm / (total + 1e-6)).clamp_(max=1.0)  # multiplying by 1 beats a host test
+    for indices in group_by_device_and_dtype(grads).values():
+        torch._foreach_mul_([grads[i] for i in indices], coef)
+    return total
+
+
+# ---- the field trainer's fused LIoR step --------------------------------------------------------
+def quad_form(v: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """``sqrt(g(v, v) + eps)`` per row of ``v`` (..., d); ``g`` is (d, d) or its diagonal (d,)."""
+    q = ((v @ g) * v).sum(-1) if g.ndim == 2 else (v * v * g).sum(-1)
+    return torch.sqrt(q + eps)
+
+
+def lior_step(R_sc: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    """The "before": the LIoR loss ``R_sc * sqrt(g(v, v) + eps)`` computes its own quadratic form,
+    and the caller computes the same form again for the speed (5 kernels each, full metric)."""
+    return R_sc * quad_form(v, g, eps)
+
+
+def lior_step_fused(
+    R_sc: torch.Tensor, v: torch.Tensor, g: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LIoR and the speed from one quadratic form: ``(R_sc * spd, spd)``."""
+    spd = quad_form(v, g, eps)
+    return R_sc * spd, spd
+
+
+# ---- retrieval: softmax weights mixing a bank's values -----------------------------------------
+def retrieval_mix(cost: torch.Tensor, values: torch.Tensor, beta: float) -> torch.Tensor:
+    """Weights ``softmax(-beta * cost)`` (B, M) mix the bank's values (M, d) into (B, d).
+
+    The reference: materializes the (B, M, d) product (written once, read once by the sum).
+    """
+    w = torch.softmax(-beta * cost, dim=-1)
+    return (values.unsqueeze(0) * w.unsqueeze(-1)).sum(1)
+
+
+def retrieval_mix_fused(cost: torch.Tensor, values: torch.Tensor, beta: float) -> torch.Tensor:
+    """:func:`retrieval_mix` fused by hand: the weighted sum over the bank is a matrix product
+    ``w @ values``, so no (B, M, d) intermediate exists (3 kernels instead of 4, and B*M*d fewer
+    elements written and read)."""
+    return torch.softmax(-beta * cost, dim=-1) @ values
+
+
+# ---- compile once per shape, and show it -------------------------------------------------------
+class CompiledFunction:
+    """``fn`` through ``torch.compile`` with static shapes, counting what it compiles.
+
+    ``compiles`` is the number of graphs the backend was handed: one per distinct input shape
+    (and per graph break); ``signatures`` holds the input shapes of each, recorded at compile
+    time so a call costs nothing extra. Past ``max_compiles`` a warning says so (each compile
+    costs seconds, and dynamo gives up after its recompile limit, 8 by default, and runs
+    eagerly). Python-number arguments are constants to dynamo: a new value is a new compile.
+
+    ``torch.compile`` errors surface at the first call; :meth:`check` makes that call on an
+    example at a time of your choosing and compares the result with ``fn`` itself.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        backend: str | Callable[..., Any] = "inductor",
+        fullgraph: bool = True,
+        max_compiles: int = 8,
+    ):
+        self.fn = fn
+        self.max_compiles = max_compiles
+        self.compiles = 0
+        self.calls = 0
+        self.signatures: list[tuple] = []
+        self._backend = backend
+        self._compiled = torch.compile(
+            fn, backend=self._counting_backend, dynamic=False, fullgraph=fullgraph
+        )
+        self.__name__ = getattr(fn, "__name__", "compiled")
+        self.__doc__ = fn.__doc__
+
+    def _counting_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        self.compiles += 1
+        self.signatures.append(
+            tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in example_inputs)
+        )
+        if self.compiles == self.max_compiles + 1:
+            warnings.warn(
+                f"{self.__name__}: compiled {self.compiles} graphs; latest input shapes: "
+                f"{self.signatures[-3:]}. Each new shape costs a compile: pad or bucket the "
+                "shapes, or compile with dynamic=True.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        backend = self._backend
+        if isinstance(backend, str):
+            from torch._dynamo import lookup_backend
+
+            backend = lookup_backend(backend)
+        return backend(gm, example_inputs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self._compiled(*args, **kwargs)
+
+    def check(self, *args: Any, rtol: float = 1e-5, atol: float = 1e-6, **kwargs: Any) -> Any:
+        """Call once (compiling for these shapes now) and assert the result matches ``fn``."""
+        out = self(*args, **kwargs)
+        torch.testing.assert_close(out, self.fn(*args, **kwargs), rtol=rtol, atol=atol)
+        return out
+
+    def __repr__(self) -> str:
+        return f"CompiledFunction({self.__name__}, compiles={self.compiles}, calls={self.calls})"
+
+
+def compile_per_shape(fn: Callable[..., Any], **kwargs: Any) -> CompiledFunction:
+    """Compile ``fn`` once per input shape, counting compiles (see :class:`CompiledFunction`)."""
+    return CompiledFunction(fn, **kwargs)

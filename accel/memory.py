@@ -1,0 +1,560 @@
+"""Memory: allocate once, release only when it pays, store fewer activations, and measure it.
+
+PyTorch's CUDA caching allocator keeps freed blocks for reuse, so a steady training step asks the
+driver (``cudaMalloc``) for nothing new. What breaks that steady state, and what this module has
+for it:
+
+- ``torch.cuda.empty_cache()`` on a fixed schedule: it waits for the device (a stall), frees the
+  cached segments, and the next steps ``cudaMalloc`` them again. :class:`CacheCleaner` empties
+  only when fragmentation or pressure calls for it, and counts the stalls it avoided;
+- tensors created afresh every step for the same purpose: :class:`BufferCache` hands out one
+  tensor per name and shape, allocated once;
+- counting: :func:`count_allocations` (per-step deltas of ``torch.cuda.memory_stats``: allocator
+  requests, ``cudaMalloc`` calls, retries, peak) and :func:`record_memory_history` with
+  :func:`snapshot_frame` (the allocator's event history as a memory-over-time table);
+- activations: :func:`checkpoint_blocks` recomputes the activations of named blocks in the
+  backward pass instead of storing them; :func:`largest_batch` finds the largest batch whose
+  step stays within a memory budget, measured with :func:`peak_memory`.
+
+On a CPU there is no caching allocator: allocation counts and peaks come from the profiler's
+memory events instead, and the CUDA-only parts say so. Importing this module costs torch only
+(pandas is imported inside :func:`snapshot_frame`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+# ---- releasing the allocator's cache when it pays -----------------------------------------------
+@dataclass(frozen=True)
+class MemoryState:
+    """The allocator's counters on the host (reading them does not sync): bytes held by live
+    tensors, bytes reserved from the driver, and the device's total memory."""
+
+    allocated: int
+    reserved: int
+    total: int
+
+    @property
+    def cached_free(self) -> int:
+        """Reserved but not allocated: what ``empty_cache`` could at most give back."""
+        return self.reserved - self.allocated
+
+    @classmethod
+    def read(cls, device: torch.device | str) -> MemoryState:
+        device = torch.device(device)
+        return cls(
+            torch.cuda.memory_allocated(device),
+            torch.cuda.memory_reserved(device),
+            torch.cuda.get_device_properties(device).total_memory,
+        )
+
+
+@dataclass(frozen=True)
+class CleanupPolicy:
+    """When emptying the cache pays: enough free cached memory to matter, and either a large share
+    of what is reserved (fragmentation, or a past peak that will not come back) or a device near
+    full (pressure: the next large allocation, or another process, needs it)."""
+
+    fragmentation_bytes: int = 1 * GiB
+    fragmentation_fraction: float = 0.5  # of the reserved bytes
+    pressure_fraction: float = 0.9  # of the device's total memory
+    min_release_bytes: int = 64 * MiB  # below this, a release is not worth a stall
+
+    def reason(self, state: MemoryState) -> str | None:
+        """Why to empty the cache now ('fragmentation' or 'pressure'), or None to leave it."""
+        free = state.cached_free
+        if free < self.min_release_bytes:
+            return None
+        if free >= self.fragmentation_bytes and free >= self.fragmentation_fraction * max(
+            state.reserved, 1
+        ):
+            return "fragmentation"
+        if state.total and state.reserved >= self.pressure_fraction * state.total:
+            return "pressure"
+        return None
+
+
+class CacheCleaner:
+    """Call :meth:`step` once per window (or step); it empties the CUDA cache only when
+    :class:`CleanupPolicy` says it pays.
+
+    Why not the common rule "empty when over 90% of the reserved memory is allocated": then the
+    cache holds almost nothing free, so ``empty_cache`` releases little while still paying its
+    device sync and the ``cudaMalloc`` calls that refill the cache. Emptying pays in the
+    opposite case, when much is reserved and little of it used.
+
+    ``stalls_avoided`` counts the calls on which a fixed schedule (``empty_cache`` every
+    ``naive_every`` calls, skipping the first) would have emptied and this cleaner did not.
+    ``state`` and ``empty`` are injectable, so the policy runs anywhere; on a non-CUDA device
+    without them, :meth:`step` only counts.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cuda",
+        policy: CleanupPolicy = CleanupPolicy(),
+        *,
+        naive_every: int = 10,
+        state: Callable[[], MemoryState] | None = None,
+        empty: Callable[[], None] | None = None,
+    ):
+        if naive_every < 1:
+            raise ValueError(f"naive_every must be >= 1, got {naive_every}")
+        self.device = torch.device(device)
+        self.policy = policy
+        self.naive_every = naive_every
+        cuda = self.device.type == "cuda"
+        self._state = state or ((lambda: MemoryState.read(self.device)) if cuda else None)
+        self._empty = empty or (torch.cuda.empty_cache if cuda else None)
+        self.calls = 0
+        self.emptied: list[tuple[int, str]] = []  # (call, reason)
+        self.stalls_avoided = 0
+
+    def step(self) -> bool:
+        """Check the allocator (host counters only, no sync); empty the cache if it pays."""
+        naive_would = self.calls > 0 and self.calls % self.naive_every == 0
+        reason = self.policy.reason(self._state()) if self._state is not None else None
+        if reason is not None and self._empty is not None:
+            self._empty()  # a device sync plus cudaFree: paid only when it releases memory
+            self.emptied.append((self.calls, reason))
+        elif naive_would:
+            self.stalls_avoided += 1
+        self.calls += 1
+        return reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CacheCleaner(calls={self.calls}, emptied={len(self.emptied)}, "
+            f"stalls_avoided={self.stalls_avoided})"
+        )
+
+
+# ---- buffers allocated once ---------------------------------------------------------------------
+class BufferCache:
+    """Named tensors allocated once and handed out again on every later request.
+
+        buffers = BufferCache(device="cuda")
+        stats = buffers.get("stats", (groups, 2))        # allocated on the first call only
+        group_stats(param_groups, out=stats)
+
+    A request with a new shape or dtype under a known name replaces that buffer (counted in
+    ``misses``). Contents are whatever was last written (``torch.empty`` at first): write before
+    you read. Keeping addresses fixed is also what CUDA-graph capture needs.
+    """
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else None
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def get(
+        self,
+        name: str,
+        shape: tuple[int, ...] | torch.Size,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> torch.Tensor:
+        device = torch.device(device) if device is not None else self.device
+        if device is None:
+            raise ValueError(f"BufferCache.get({name!r}): no device given here or to the cache")
+        shape = torch.Size(shape)
+        buf = self._buffers.get(name)
+        if (
+            buf is not None
+            and buf.shape == shape
+            and buf.dtype == dtype
+            and buf.device.type == device.type
+            and (device.index is None or buf.device == device)
+        ):
+            self.hits += 1
+            return buf
+        self.misses += 1
+        self._buffers[name] = buf = torch.empty(shape, dtype=dtype, device=device)
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+
+# ---- counting allocations -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class AllocationStats:
+    """Allocator activity per step, averaged over ``steps`` steady-state steps.
+
+    ``requests``: tensors allocated (from the cache or not); ``device_allocs``: ``cudaMalloc``
+    calls (new segments from the driver, the slow kind); ``retries``: failed ``cudaMalloc`` calls
+    that made the allocator free its cache and try again (a sync each); ``peak_bytes``: the
+    highest allocated bytes during the steps, above the level at their start.
+    ``device_allocs`` and ``retries`` are None on a CPU (no caching allocator there).
+    """
+
+    steps: int
+    requests: float
+    bytes_requested: float
+    device_allocs: float | None
+    retries: float | None
+    peak_bytes: int
+    device: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+_CUDA_KEYS = {
+    "requests": "allocation.all.allocated",
+    "bytes_requested": "allocated_bytes.all.allocated",
+    "device_allocs": "segment.all.allocated",  # segments come from cudaMalloc, one each
+    "retries": "num_alloc_retries",
+}
+
+
+def count_allocations(
+    fn: Callable[[], object],
+    *,
+    steps: int = 5,
+    warmup: int = 2,
+    device: torch.device | str | None = None,
+) -> AllocationStats:
+    """Run ``fn`` ``warmup`` times, then ``steps`` times while counting what it allocates.
+
+    On CUDA the counts are deltas of ``torch.cuda.memory_stats`` (host counters, no sync needed
+    to read them; one synchronize before and after so the window holds exactly these steps). On
+    a CPU they come from the profiler's memory events (``device_allocs`` and ``retries`` None);
+    there a Python number in an op (``x * 2``) shows as an 8-byte host allocation, which CUDA's
+    device counters do not see.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    dev = torch.device(device) if device is not None else _default_device()
+    cuda = dev.type == "cuda"
+    for _ in range(warmup if cuda else max(warmup - 1, 0)):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(dev)
+        before = torch.cuda.memory_stats(dev)
+        start = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize(dev)
+        after = torch.cuda.memory_stats(dev)
+        keys = dict(_CUDA_KEYS)
+        if "num_device_alloc" in after:  # counts cuMemMap (expandable segments) as well
+            keys["device_allocs"] = "num_device_alloc"
+        delta = {k: (after.get(key, 0) - before.get(key, 0)) / steps for k, key in keys.items()}
+        peak = torch.cuda.max_memory_allocated(dev) - start
+        return AllocationStats(steps, **delta, peak_bytes=int(peak), device=str(dev))
+    # The last warm-up step runs under the profiler too: the profiler sees no free of a block
+    # allocated before it started, so tensors from that step (gradients, say) freed during the
+    # counted steps would otherwise never leave the running total.
+    events, start = _cpu_memory_events(
+        lambda: [fn() for _ in range(steps)], lead=fn if warmup else None
+    )
+    counted = [(t, n) for t, n in events if t >= start]
+    allocs = [n for _, n in counted if n > 0]
+    return AllocationStats(
+        steps,
+        requests=len(allocs) / steps,
+        bytes_requested=sum(allocs) / steps,
+        device_allocs=None,
+        retries=None,
+        peak_bytes=_peak(events, start),
+        device=str(dev),
+    )
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+MARK = "accel.memory.window"
+
+
+def _cpu_memory_events(
+    fn: Callable[[], object], *, lead: Callable[[], object] | None = None
+) -> tuple[list[tuple[int, int]], int]:
+    """(time ns, bytes: + allocated / - freed) of every CPU allocation and free while ``lead``
+    then ``fn`` ran, from the profiler's raw records in time order, and the time ``fn`` began."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if lead is not None:
+            lead()
+        with record_function(MARK):
+            fn()
+    records = prof.profiler.kineto_results.events()
+    start = min(e.start_ns() for e in records if e.name() == MARK)
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in records
+        if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    )
+    return events, start
+
+
+def _peak(events: list[tuple[int, int]], start: int = 0) -> int:
+    """Highest running total from ``start`` on, above the total at ``start``."""
+    level = 0
+    for t, nbytes in events:
+        if t >= start:
+            break
+        level += nbytes
+    base = peak = level
+    for t, nbytes in events:
+        if t >= start:
+            level += nbytes
+            peak = max(peak, level)
+    return peak - base
+
+
+def peak_memory(fn: Callable[[], object], *, device: torch.device | str | None = None) -> int:
+    """Bytes allocated at the highest point while ``fn`` ran, above the level at its start.
+
+    CUDA: ``max_memory_allocated`` after a reset (exact). CPU: the running sum of the profiler's
+    allocation and free records (what torch's CPU allocator handed out); the profiler sees no
+    free of a block allocated before it started, so a ``fn`` that frees such tensors reads high.
+    """
+    dev = torch.device(device) if device is not None else _default_device()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        start = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        fn()
+        torch.cuda.synchronize(dev)
+        return int(torch.cuda.max_memory_allocated(dev) - start)
+    events, start = _cpu_memory_events(fn)
+    return _peak(events, start)
+
+
+# ---- the allocator's history as a table ---------------------------------------------------------
+@contextmanager
+def record_memory_history(
+    *, max_entries: int = 100_000, device: torch.device | str | None = None
+) -> Iterator[dict[str, Any]]:
+    """Record the CUDA allocator's events inside the block; the yielded dict gets the snapshot
+    (``torch.cuda.memory._snapshot()``) under ``"snapshot"`` at exit. Stack traces are not
+    recorded (they cost ~2 µs per event). CUDA only: elsewhere a RuntimeError says so.
+
+        with record_memory_history() as rec:
+            step()
+        frame = snapshot_frame(rec["snapshot"])
+    """
+    dev = torch.device(device) if device is not None else _default_device()
+    if dev.type != "cuda":
+        raise RuntimeError(
+            "record_memory_history needs a CUDA device (it records the CUDA caching "
+            "allocator); on a CPU use peak_memory or count_allocations"
+        )
+    out: dict[str, Any] = {}
+    record = torch.cuda.memory._record_memory_history
+    try:  # a fresh history each time (clear_history: torch >= 2.5)
+        record("all", context=None, max_entries=max_entries, clear_history=True)
+    except TypeError:
+        record("all", context=None, max_entries=max_entries)
+    try:
+        yield out
+        torch.cuda.synchronize(dev)
+        out["snapshot"] = torch.cuda.memory._snapshot()
+    finally:
+        record(None)
+
+
+def snapshot_frame(snapshot: dict[str, Any], *, device: int = 0):
+    """The allocator's event history of one device as a DataFrame, one row per event.
+
+    Columns: ``t_us`` (event time; its index when the snapshot has no times), ``action``
+    (alloc, free_requested, free_completed, segment_alloc, segment_free, oom ...), ``bytes``,
+    and the running ``allocated_bytes`` (allocs minus completed frees) and ``reserved_bytes``
+    (segments from the driver) as they stood after the event, both relative to the start of the
+    history. Needs pandas.
+    """
+    import pandas as pd
+
+    traces = snapshot.get("device_traces", [])
+    entries = traces[device] if device < len(traces) else []
+    allocated = reserved = 0
+    rows = []
+    for i, e in enumerate(entries):
+        action, size = e.get("action", "?"), int(e.get("size", 0))
+        if action == "alloc":
+            allocated += size
+        elif action == "free_completed":
+            allocated -= size
+        elif action == "segment_alloc":
+            reserved += size
+        elif action == "segment_free":
+            reserved -= size
+        rows.append((float(e.get("time_us", i)), action, size, allocated, reserved))
+    frame = pd.DataFrame(
+        rows, columns=["t_us", "action", "bytes", "allocated_bytes", "reserved_bytes"]
+    )
+    if len(frame):
+        frame["t_us"] -= frame["t_us"].iloc[0]
+    return frame
+
+
+# ---- activation checkpointing -------------------------------------------------------------------
+class CheckpointedBlocks:
+    """Handle returned by :func:`checkpoint_blocks`; :meth:`remove` restores the blocks."""
+
+    def __init__(self, model: nn.Module, names: list[str]):
+        self.model, self.names = model, names
+
+    def remove(self) -> None:
+        for name in self.names:
+            module = self.model.get_submodule(name)
+            if "forward" in vars(module):
+                del module.forward  # back to the class's forward
+        self.names = []
+
+    def __enter__(self) -> CheckpointedBlocks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"CheckpointedBlocks({self.names})"
+
+
+def checkpoint_blocks(model: nn.Module, names: Iterable[str]) -> CheckpointedBlocks:
+    """Recompute the activations of the named submodules in backward instead of storing them.
+
+    Each named block keeps only its inputs during forward (``torch.utils.checkpoint`` with
+    ``use_reentrant=False``) and runs its forward again when backward reaches it: for a
+    transformer block that stores ~17 activations of its width per token, ~16 of them are not
+    kept, for the price of one more forward of the block (a step ~1.3x as long when every
+    block is checkpointed). Outside autograd (``torch.no_grad``) blocks run as usual.
+
+    ``names`` are paths as in ``model.named_modules()`` (``"blocks.3"``); an unknown name raises
+    ValueError listing close ones; a block already checkpointed raises too. Returns a handle
+    whose ``remove()`` (or ``with``-exit) undoes it.
+    """
+    names = list(dict.fromkeys(names))
+    known = dict(model.named_modules())
+    for name in names:
+        if not isinstance(name, str) or name not in known or name == "":
+            close = difflib.get_close_matches(str(name), [k for k in known if k], n=5)
+            hint = f"; close: {close}" if close else ""
+            blocks = [k for k in known if k and "." not in k]
+            raise ValueError(
+                f"checkpoint_blocks: {model.__class__.__name__} has no submodule {name!r}{hint} "
+                f"(top-level modules: {blocks[:8]})"
+            )
+        if "forward" in vars(known[name]):
+            raise ValueError(
+                f"checkpoint_blocks: {name!r} is already checkpointed (or its forward was replaced)"
+            )
+    for name in names:
+        module = known[name]
+        module.forward = _checkpointed(module.forward)
+    return CheckpointedBlocks(model, names)
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    run.__wrapped__ = forward  # type: ignore[attr-defined]
+    return run
+
+
+# ---- the largest batch that fits ----------------------------------------------------------------
+@dataclass
+class BatchSearch:
+    """Result of :func:`largest_batch`: the batch, and every probe as (batch, bytes, fits)."""
+
+    batch: int
+    budget_bytes: int
+    probes: list[tuple[int, int | None, bool]] = field(default_factory=list)
+
+    @property
+    def bytes_at_batch(self) -> int | None:
+        return next((b for n, b, fits in self.probes if n == self.batch and fits), None)
+
+
+def largest_batch(
+    run: Callable[[int], object],
+    budget_bytes: int,
+    *,
+    resident_bytes: int = 0,
+    start: int = 1,
+    limit: int = 4096,
+    device: torch.device | str | None = None,
+) -> BatchSearch:
+    """The largest batch ``b`` (``start`` <= b <= ``limit``) whose ``run(b)`` stays within
+    ``budget_bytes``: ``resident_bytes`` (what is already allocated for the job, such as weights
+    and optimizer state) plus :func:`peak_memory` of ``run(b)`` must not exceed it.
+
+    Doubles from ``start`` until a batch does not fit, then bisects: about 2 log2(b) probes.
+    Assumes memory grows with the batch. On CUDA an out-of-memory error counts as "does not fit"
+    (the cache is emptied before the next probe). Returns 0 as ``batch`` if ``start`` does not
+    fit.
+    """
+    if budget_bytes <= 0 or start < 1 or limit < start:
+        raise ValueError(
+            f"largest_batch: need budget_bytes > 0 and 1 <= start <= limit, got "
+            f"{budget_bytes=}, {start=}, {limit=}"
+        )
+    dev = torch.device(device) if device is not None else _default_device()
+    result = BatchSearch(0, budget_bytes)
+
+    def fits(batch: int) -> bool:
+        try:
+            used: int | None = resident_bytes + peak_memory(lambda: run(batch), device=dev)
+            ok = used <= budget_bytes
+        except torch.cuda.OutOfMemoryError:
+            used, ok = None, False
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        result.probes.append((batch, used, ok))
+        return ok
+
+    if not fits(start):
+        return result
+    lo, hi = start, None  # lo fits; hi (when known) does not
+    while hi is None:
+        nxt = min(2 * lo, limit)
+        if nxt == lo:
+            result.batch = lo
+            return result
+        if fits(nxt):
+            lo = nxt
+        else:
+            hi = nxt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    result.batch = lo
+    return result
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes held by ``tensors`` (each storage counted once)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())

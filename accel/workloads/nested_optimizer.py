@@ -1,0 +1,467 @@
+"""The nested optimizer: a GPT-style byte-level language model trained with AdamW, gradient
+clipping and a learned per-group learning-rate controller [DeepNestedOptimizer].
+
+The text is real and needs no download: the Python standard library's own source files, read as
+bytes (vocabulary 256). Parameters are grouped per transformer block (plus embeddings and head);
+each ``controller_update_every`` steps the per-group gradient and parameter norms go through a
+small MLP that outputs learning-rate multipliers in ``[1/max_lr_scale, max_lr_scale]``. The
+controller learns from the loss change since its last update (it raises the multipliers when
+the loss fell); its statistics carry no autograd graph through the model's parameters, so its
+backward touches only its own weights. A deliberately simple rule: the workload exists to be
+made fast, not to tune learning rates.
+
+``Flags()`` is the usual "before": per-parameter Python loops (a reduction kernel per tensor)
+for the statistics and for clipping, the clip coefficient tested on the host, a for-loop AdamW
+with learning rates read back to the host, fresh buffers every step, gradients zeroed by
+memsets, every activation stored, fp32 throughout. Many parameter tensors (~150 at the ``gpu``
+preset): the home of phases 2 (fusion) and 3 (memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import sysconfig
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from accel import fusion, memory
+from accel.workloads.flags import flag, option
+
+VOCAB = 256  # bytes
+
+# Flags keep results equal to the baseline within these (fp32: foreach vs per-tensor sums and
+# fused vs for-loop AdamW round differently; Adam's normalized update carries such differences
+# into the parameters at ~1e-6 of their size per step).
+TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
+# bf16_autocast changes numerics on purpose: bf16 matmuls keep ~3 significant digits, so losses
+# agree to ~1% and Adam's sign-like updates of near-zero gradients may differ by up to 2 lr.
+BF16_TOLERANCE = {
+    "losses": {"rtol": 2e-2, "atol": 1e-2},
+    "params": {"rtol": 0.0, "atol": 2e-2},
+    "lr_multipliers": {"rtol": 2e-2, "atol": 1e-2},
+    "grad_norm": {"rtol": 1e-1, "atol": 1e-3},
+}
+# controller_update_every > 1 reuses multipliers for up to N-1 steps: a different schedule, and
+# the controller learns N times less often, so its multipliers (in [1/2, 2]) drift apart.
+STALE_TOLERANCE = {
+    "losses": {"rtol": 2e-2, "atol": 1e-2},
+    "params": {"rtol": 0.0, "atol": 2e-2},
+    "lr_multipliers": {"rtol": 0.25, "atol": 5e-2},
+    "grad_norm": {"rtol": 1e-1, "atol": 1e-3},
+}
+
+
+@dataclass(frozen=True)
+class Flags:
+    foreach_stats: bool = flag(
+        "per-group gradient and parameter norms from one torch._foreach_norm over all tensors, "
+        "instead of pow+sum kernels per tensor",
+        "fusion",
+    )
+    fused_clip: bool = flag(
+        "gradient clipping with foreach norms and the coefficient applied on the device, "
+        "instead of a norm per tensor and an `if coef < 1` host check (a sync)",
+        "fusion",
+    )
+    fused_adamw: bool = flag(
+        "AdamW(fused=True), learning rates as device tensors: a few kernels per group instead "
+        "of ~8 per parameter, and no read-back of the multipliers",
+        "fusion",
+    )
+    controller_update_every: int = option(
+        "run the statistics and the LR controller every N steps and reuse its multipliers "
+        "in between (changes numerics on purpose)",
+        "fusion",
+        default=1,
+        choices=(1, 4, 16),
+    )
+    preallocated_buffers: bool = flag(
+        "statistics, controller features and learning rates written into buffers allocated "
+        "once, instead of fresh tensors every update",
+        "memory",
+    )
+    set_to_none_grads: bool = flag(
+        "drop gradients (zero_grad(set_to_none=True)) instead of zeroing them with a memset "
+        "each; backward then writes fresh ones",
+        "memory",
+    )
+    activation_checkpointing: str = option(
+        "recompute the chosen blocks' activations in backward instead of storing them",
+        "memory",
+        default="none",
+        choices=("none", "every_2nd", "all"),
+    )
+    bf16_autocast: bool = flag(
+        "forward under torch.autocast(bfloat16): half the activation bytes, tensor-core "
+        "matmuls (changes numerics on purpose; own tolerance)",
+        "memory",
+    )
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Model, batch and optimizer settings. Validated on creation."""
+
+    layers: int = 12
+    width: int = 768
+    heads: int = 12
+    context: int = 128  # tokens (bytes) per sequence
+    batch: int = 8
+    batches: int = 8  # distinct batches, cycled
+    text_bytes: int = 1 << 22  # how much standard-library source to read
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0
+    controller_hidden: int = 32
+    controller_lr: float = 1e-3
+    max_lr_scale: float = 2.0
+
+    def __post_init__(self):
+        for name in ("layers", "width", "heads", "context", "batch", "batches", "text_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Sizes.{name} must be an int >= 1, got {value!r}")
+        if self.width % self.heads:
+            raise ValueError(
+                f"Sizes.width ({self.width}) must be a multiple of Sizes.heads ({self.heads})"
+            )
+        if self.text_bytes < self.context + 2:
+            raise ValueError(
+                f"Sizes.text_bytes ({self.text_bytes}) must exceed context + 1 ({self.context + 1})"
+            )
+        for name in ("lr", "max_grad_norm", "controller_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Sizes.{name} must be > 0, got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"Sizes.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.max_lr_scale >= 1:
+            raise ValueError(f"Sizes.max_lr_scale must be >= 1, got {self.max_lr_scale}")
+
+    @property
+    def groups(self) -> int:
+        """Parameter groups: the embeddings, one per block, the head."""
+        return self.layers + 2
+
+    @classmethod
+    def preset(cls, name: str) -> Sizes:
+        if name not in _PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(_PRESETS)}")
+        return _PRESETS[name]
+
+
+_PRESETS = {
+    # Tens of milliseconds a step on a CPU core; 41 parameter tensors in 5 groups.
+    "cpu": Sizes(layers=3, width=48, heads=3, context=32, batch=4, text_bytes=1 << 18),
+    # GPT-2 small's body: 12 layers, width 768, 149 parameter tensors (85M parameters).
+    "gpu": Sizes(),
+}
+
+
+# ---- data: the standard library's source as bytes -----------------------------------------------
+@functools.lru_cache(maxsize=4)
+def load_text(nbytes: int) -> torch.Tensor:
+    """Up to ``nbytes`` of this Python's standard-library source files (``*.py`` in the stdlib
+    directory, in name order) as a uint8 tensor. Same Python, same bytes."""
+    roots = [Path(sysconfig.get_paths()["stdlib"]), Path(inspect.getfile(inspect)).parent]
+    files = next((sorted(r.glob("*.py")) for r in roots if r.is_dir() and any(r.glob("*.py"))), [])
+    chunks, total = [], 0
+    for path in files:
+        data = path.read_bytes()
+        chunks.append(data[: nbytes - total])
+        total += len(chunks[-1])
+        if total >= nbytes:
+            break
+    if total < 1024:
+        raise RuntimeError(
+            f"found only {total} bytes of standard-library source under {roots}; this workload "
+            "trains on them (a Python without its .py sources?)"
+        )
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+
+
+# ---- the model -----------------------------------------------------------------------------------
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a 4x MLP (12 parameter tensors)."""
+
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, sizes: Sizes):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, sizes.width)
+        self.wpe = nn.Embedding(sizes.context, sizes.width)
+        self.blocks = nn.ModuleList(Block(sizes.width, sizes.heads) for _ in range(sizes.layers))
+        self.ln_f = nn.LayerNorm(sizes.width)
+        self.head = nn.Linear(sizes.width, VOCAB, bias=False)
+        for name, p in self.named_parameters():
+            if p.ndim == 2:  # GPT-2's init; residual projections scaled by depth
+                std = (
+                    0.02 / math.sqrt(2 * sizes.layers)
+                    if name.endswith(("proj.weight", "out.weight"))
+                    else 0.02
+                )
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+    def param_groups(self) -> list[tuple[str, list[nn.Parameter]]]:
+        """(name, parameters): the embeddings, each block, the head."""
+        groups = [("embed", [self.wte.weight, self.wpe.weight])]
+        groups += [(f"blocks.{i}", list(b.parameters())) for i, b in enumerate(self.blocks)]
+        groups.append(("head", [*self.ln_f.parameters(), self.head.weight]))
+        return groups
+
+
+def checkpoint_names(choice: str, layers: int) -> list[str]:
+    """Block names for the ``activation_checkpointing`` option."""
+    if choice == "none":
+        return []
+    step = {"all": 1, "every_2nd": 2}[choice]
+    return [f"blocks.{i}" for i in range(0, layers, step)]
+
+
+# ---- the learning-rate controller ---------------------------------------------------------------
+class LRController(nn.Module):
+    """Per-group features (log gradient norm, log parameter norm, their log ratio, the group's
+    depth in 0..1) -> a log learning-rate multiplier in ``[-log s, log s]``."""
+
+    FEATURES = 4
+
+    def __init__(self, hidden: int, max_scale: float):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(self.FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.log_scale = math.log(max_scale)
+
+    @staticmethod
+    def features(
+        stats: torch.Tensor, depth: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(G, 4) from group statistics (G, 2) and depths (G,); no graph (stats have none)."""
+        logs = stats.clamp_min(1e-12).log()  # (G, 2)
+        columns = [logs[:, 0], logs[:, 1], logs[:, 0] - logs[:, 1], depth]
+        return torch.stack(columns, dim=1, out=out)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.log_scale * torch.tanh(self.net(features).squeeze(-1))
+
+
+# ---- one training step --------------------------------------------------------------------------
+class Step:
+    """One training step per call: :meth:`forward_backward` then :meth:`optimizer_step`."""
+
+    def __init__(
+        self,
+        flags: Flags,
+        sizes: Sizes,
+        device: torch.device,
+        seed: int,
+        *,
+        checkpoint: list[str] | None = None,
+    ):
+        self.flags, self.sizes, self.device = flags, sizes, device
+        text = load_text(sizes.text_bytes)
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(
+            0, len(text) - sizes.context - 1, (sizes.batches, sizes.batch), generator=gen
+        )
+        offsets = torch.arange(sizes.context + 1)
+        self.inputs = text[starts[..., None] + offsets].long().to(device)  # (batches, B, T + 1)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model, controller = (
+                GPT(sizes),
+                LRController(sizes.controller_hidden, sizes.max_lr_scale),
+            )
+        self.model, self.controller = model.to(device), controller.to(device)
+        names = (
+            checkpoint
+            if checkpoint is not None
+            else checkpoint_names(flags.activation_checkpointing, sizes.layers)
+        )
+        self.checkpointed = memory.checkpoint_blocks(self.model, names)
+
+        named = self.model.param_groups()
+        self.group_names = [n for n, _ in named]
+        self.param_lists = [ps for _, ps in named]
+        self.params = [p for ps in self.param_lists for p in ps]
+        impl = {"fused": True} if flags.fused_adamw else {"foreach": False}
+        self.optimizer = torch.optim.AdamW(
+            [{"params": ps, "name": n} for n, ps in named],
+            lr=sizes.lr,
+            betas=(0.9, 0.95),
+            weight_decay=sizes.weight_decay,
+            **impl,
+        )
+        # the controller's own optimizer is the same in every configuration (4 small tensors)
+        self.controller_optimizer = torch.optim.Adam(
+            self.controller.parameters(), lr=sizes.controller_lr, foreach=False
+        )
+        G = sizes.groups
+        self.depth = torch.linspace(0, 1, G, device=device)
+        self.buffers = memory.BufferCache(device)
+        self.lr_multipliers = torch.ones(G, device=device)
+        if flags.fused_adamw:  # LRs live on the device; groups hold 0-d views of one tensor
+            self._set_device_lrs(torch.full((G,), sizes.lr, device=device))
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (log multipliers, loss)
+        self.losses: list[torch.Tensor] = []
+        self.grad_norm = torch.zeros((), device=device)
+        self.steps = 0
+
+    def __call__(self) -> None:
+        self.optimizer_step(self.forward_backward())
+
+    def forward_backward(self, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """Zero the gradients, run forward and backward on the next batch (or ``inputs``,
+        (B, T + 1) bytes); returns the loss, detached, on the device."""
+        batch = self.inputs[self.steps % len(self.inputs)] if inputs is None else inputs
+        self.optimizer.zero_grad(set_to_none=self.flags.set_to_none_grads)
+        autocast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.flags.bf16_autocast
+            else nullcontext()
+        )
+        with autocast:
+            logits = self.model(batch[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        return loss.detach()
+
+    def optimizer_step(self, loss: torch.Tensor) -> None:
+        """Everything after backward: controller (on its schedule), clipping, AdamW."""
+        f = self.flags
+        if self.steps % f.controller_update_every == 0:
+            self.update_learning_rates(loss)
+        self.grad_norm = fusion.clip_grad_norm_(
+            self.params, self.sizes.max_grad_norm, foreach=f.fused_clip
+        )
+        self.optimizer.step()
+        self.losses = [*self.losses[-15:], loss]
+        self.steps += 1
+
+    def update_learning_rates(self, loss: torch.Tensor) -> None:
+        """Group statistics -> controller -> per-group learning rates; the controller first learns
+        from how the loss moved since its last update."""
+        f, G = self.flags, self.sizes.groups
+        if self._last is not None:  # the loss fell since the last multipliers -> raise them
+            # Learn before this update writes its features: the last graph saved them, and a
+            # preallocated buffer is overwritten in place.
+            log_mult, loss_then = self._last
+            ((loss - loss_then) * log_mult.mean()).backward()  # graph: controller only
+            self.controller_optimizer.step()
+            self.controller_optimizer.zero_grad(set_to_none=True)
+        buf = self.buffers.get if f.preallocated_buffers else None
+        stats = fusion.group_stats(
+            self.param_lists, foreach=f.foreach_stats, out=buf("stats", (G, 2)) if buf else None
+        )
+        features = LRController.features(
+            stats, self.depth, out=buf("features", (G, LRController.FEATURES)) if buf else None
+        )
+        log_mult = self.controller(features)
+        self._last = (log_mult, loss)
+        mult = torch.exp(log_mult.detach(), out=buf("multipliers", (G,)) if buf else None)
+        self.lr_multipliers = mult
+        if f.fused_adamw:
+            lrs = torch.mul(mult, self.sizes.lr, out=buf("lrs", (G,)) if buf else None)
+            if self.optimizer.param_groups[0]["lr"].data_ptr() != lrs.data_ptr():
+                self._set_device_lrs(lrs)  # preallocated: only the first time
+        else:
+            # sync: the usual "before" reads the multipliers back to set float learning rates
+            for group, m in zip(self.optimizer.param_groups, mult.tolist(), strict=True):
+                group["lr"] = self.sizes.lr * m
+
+    def _set_device_lrs(self, lrs: torch.Tensor) -> None:
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["lr"] = lrs[i]  # a 0-d view: fused AdamW reads it on the device
+
+    # ---- sizes of things ---------------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        """Bytes that stay allocated between steps: parameters, gradients, optimizer state, data."""
+        state = [t for s in self.optimizer.state.values() for t in s.values()]
+        grads = [p.grad for p in self.params if p.grad is not None]
+        return memory.tensor_bytes([*self.params, *grads, *state, self.inputs])
+
+    def random_batch(self, batch: int, seed: int = 0) -> torch.Tensor:
+        """``batch`` sequences of the text, (batch, T + 1), for probing other batch sizes."""
+        text = load_text(self.sizes.text_bytes)
+        gen = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(text) - self.sizes.context - 1, (batch,), generator=gen)
+        return text[starts[:, None] + torch.arange(self.sizes.context + 1)].long().to(self.device)
+
+    # ---- reading results (syncs allowed: you asked) ------------------------------------------
+    def result(self) -> dict[str, torch.Tensor]:
+        """What every flag must leave (near) unchanged: the recent losses, all parameters
+        (flattened), the learning-rate multipliers and the last gradient norm."""
+        with torch.no_grad():
+            return {
+                "losses": torch.stack(self.losses) if self.losses else torch.zeros(0),
+                "params": torch.cat([p.detach().float().flatten() for p in self.params]),
+                "lr_multipliers": self.lr_multipliers.clone(),
+                "grad_norm": self.grad_norm.clone(),
+            }
+
+
+def build(
+    flags: Flags = Flags(),
+    sizes: Sizes = Sizes(),
+    *,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    checkpoint: list[str] | None = None,
+) -> Step:
+    """A nested-optimizer training step. ``checkpoint`` names the blocks to checkpoint
+    (``"blocks.3"``), overriding the ``activation_checkpointing`` flag."""
+    return Step(flags, sizes, torch.device(device), seed, checkpoint=checkpoint)
+
+
+def tolerance(flags: Flags) -> dict[str, dict[str, float]]:
+    """Per result entry, the tolerance within which ``flags`` must match the baseline."""
+    keys = ("losses", "params", "lr_multipliers", "grad_norm")
+    if flags.bf16_autocast:
+        return BF16_TOLERANCE
+    if flags.controller_update_every != 1:
+        return STALE_TOLERANCE
+    return dict.fromkeys(keys, TOLERANCE)
+
+
+def compare_results(
+    result: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    flags: Flags | None = None,
+) -> dict[str, float]:
+    """Check two :meth:`Step.result` dicts agree within :func:`tolerance` of ``flags`` (an
+    AssertionError names the entry) and return, per entry, the largest difference relative to
+    the entry's largest value."""
+    tol = tolerance(flags or Flags())
+    errors = {}
+    for key, ref in reference.items():
+        got = result[key].to(ref.device)
+        torch.testing.assert_close(got, ref, **tol[key], msg=lambda m, k=key: f"{k}: {m}")
+        scale = ref.abs().max().clamp_min(1e-30) if ref.numel() else None
+        errors[key] = float((got - ref).abs().max() / scale) if scale is not None else 0.0
+    return errors

@@ -1,0 +1,290 @@
+"""accel.memory: the cleanup policy, buffers, allocation counts, checkpointing, the batch search."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from accel import memory
+from accel.memory import GiB, MemoryState, MiB
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (the caching allocator)")
+cpu_only = pytest.mark.skipif(CUDA, reason="checks the no-CUDA behaviour")
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_importing_memory_pulls_in_no_notebook_stack():
+    code = (
+        "import sys, accel.memory; "
+        "print([m for m in ('pandas', 'plotly', 'ipywidgets') if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# ---- the cleanup policy -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("state", "reason"),
+    [
+        # the seed's trigger (> 90% of reserved allocated): little to release, so leave it
+        (MemoryState(allocated=19 * GiB, reserved=20 * GiB, total=80 * GiB), None),
+        # a past peak: 30 GiB reserved, 4 in use
+        (MemoryState(allocated=4 * GiB, reserved=30 * GiB, total=80 * GiB), "fragmentation"),
+        # much unused, but a small share of what is reserved and the device has room
+        (MemoryState(allocated=30 * GiB, reserved=32 * GiB, total=80 * GiB), None),
+        # nearly full device with 2 GiB cached: release for the next large allocation
+        (MemoryState(allocated=72 * GiB, reserved=74 * GiB, total=80 * GiB), "pressure"),
+        # nearly full but nothing worth releasing
+        (MemoryState(allocated=74 * GiB - 10 * MiB, reserved=74 * GiB, total=80 * GiB), None),
+        # a small job: megabytes either way
+        (MemoryState(allocated=1 * MiB, reserved=40 * MiB, total=80 * GiB), None),
+    ],
+    ids=["seed trigger", "past peak", "busy", "pressure", "full, nothing cached", "small job"],
+)
+def test_cleanup_policy(state, reason):
+    assert memory.CleanupPolicy().reason(state) == reason
+
+
+def test_cleaner_empties_when_it_pays_and_counts_avoided_stalls():
+    states = iter(
+        [MemoryState(1 * GiB, 1 * GiB + 5 * MiB, 80 * GiB)] * 25
+        + [MemoryState(1 * GiB, 9 * GiB, 80 * GiB)]  # call 25: a peak left 8 GiB cached
+        + [MemoryState(1 * GiB, 1 * GiB, 80 * GiB)] * 14
+    )
+    emptied = []
+    cleaner = memory.CacheCleaner(
+        "cpu", naive_every=10, state=lambda: next(states), empty=lambda: emptied.append(1)
+    )
+    assert [cleaner.step() for _ in range(40)].count(True) == 1
+    assert cleaner.emptied == [(25, "fragmentation")] and len(emptied) == 1
+    assert cleaner.stalls_avoided == 3  # the schedule would have emptied at 10, 20 and 30
+    assert "stalls_avoided=3" in repr(cleaner)
+
+
+@cpu_only
+def test_cleaner_on_cpu_only_counts():
+    cleaner = memory.CacheCleaner("cpu")
+    assert not any(cleaner.step() for _ in range(21))
+    assert cleaner.emptied == [] and cleaner.stalls_avoided == 2
+
+
+def test_cleaner_rejects_bad_schedule():
+    with pytest.raises(ValueError, match="naive_every must be >= 1"):
+        memory.CacheCleaner("cpu", naive_every=0)
+
+
+# ---- buffers allocated once ---------------------------------------------------------------------
+def test_buffer_cache_hands_out_the_same_tensor():
+    cache = memory.BufferCache("cpu")
+    a = cache.get("stats", (3, 2))
+    a.copy_(torch.arange(6.0).view(3, 2) + 1)
+    b = cache.get("stats", (3, 2))
+    assert b is a and cache.hits == 1 and cache.misses == 1
+    c = cache.get("stats", (4, 2))  # new shape: replaced
+    assert c.shape == (4, 2) and cache.misses == 2 and len(cache) == 1
+    d = cache.get("lr", (5,), dtype=torch.float64)
+    assert d.dtype == torch.float64 and cache.nbytes == 8 * 4 + 5 * 8
+    with pytest.raises(ValueError, match="no device given"):
+        memory.BufferCache().get("x", (1,))
+
+
+# ---- counting allocations and peaks -------------------------------------------------------------
+def test_count_allocations_sees_fresh_tensors_not_in_place_work(gen):
+    x, y = torch.randn(256, 256, generator=gen), torch.rand(256, 256, generator=gen)
+    buf = torch.empty_like(x)
+    fresh = memory.count_allocations(lambda: (x * 2 + 1).sum(), steps=3, device="cpu")
+    in_place = memory.count_allocations(
+        lambda: torch.mul(x, y, out=buf).add_(y), steps=3, device="cpu"
+    )
+    assert fresh.requests >= 2 and fresh.bytes_requested >= 2 * x.numel() * 4
+    assert in_place.requests == 0 and in_place.peak_bytes == 0
+    if not CUDA:
+        assert fresh.device_allocs is None and fresh.retries is None
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        memory.count_allocations(lambda: None, steps=0)
+
+
+def test_peak_memory_sees_a_temporary(gen):
+    x = torch.randn(1024, 256, generator=gen)  # 1 MiB
+
+    def two_temporaries():
+        a = x * 2
+        b = a + 1  # a and b alive together: 2 MiB
+        del a
+        return float(b[0, 0])
+
+    peak = memory.peak_memory(two_temporaries, device="cpu")
+    assert 2 * MiB <= peak < 3 * MiB
+
+
+# ---- the allocator's history --------------------------------------------------------------------
+def test_snapshot_frame_tracks_allocated_and_reserved():
+    snapshot = {
+        "device_traces": [
+            [
+                {"action": "segment_alloc", "size": 2 * MiB, "time_us": 100},
+                {"action": "alloc", "size": 512, "time_us": 101},
+                {"action": "alloc", "size": 1024, "time_us": 105},
+                {"action": "free_requested", "size": 512, "time_us": 110},
+                {"action": "free_completed", "size": 512, "time_us": 111},
+                {"action": "segment_free", "size": 2 * MiB, "time_us": 130},
+            ]
+        ]
+    }
+    frame = memory.snapshot_frame(snapshot)
+    assert list(frame.columns) == ["t_us", "action", "bytes", "allocated_bytes", "reserved_bytes"]
+    assert frame["t_us"].tolist() == [0, 1, 5, 10, 11, 30]
+    assert frame["allocated_bytes"].tolist() == [0, 512, 1536, 1536, 1024, 1024]
+    assert frame["reserved_bytes"].tolist() == [2 * MiB] * 5 + [0]
+    assert memory.snapshot_frame({"device_traces": []}).empty
+
+
+@cpu_only
+def test_record_memory_history_needs_cuda():
+    with pytest.raises(RuntimeError, match="needs a CUDA device"), memory.record_memory_history():
+        pass
+
+
+# ---- activation checkpointing -------------------------------------------------------------------
+class Tower(nn.Module):
+    def __init__(self, width: int = 64, depth: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return self.head(x).sum()
+
+
+def grads_and_peak(model, x):
+    def step():
+        model.zero_grad(set_to_none=False)
+        model(x).backward()
+
+    step()  # gradients allocated: the peak below is activations only
+    peak = memory.peak_memory(step, device="cpu")
+    return [p.grad.clone() for p in model.parameters()], peak
+
+
+@pytest.mark.parametrize("names", [["blocks.0", "blocks.2"], [f"blocks.{i}" for i in range(4)]])
+def test_checkpointing_keeps_gradients_and_lowers_the_peak(gen, names):
+    torch.manual_seed(0)
+    model = Tower()
+    x = torch.randn(256, 64, generator=gen)
+    plain, plain_peak = grads_and_peak(model, x)
+    with memory.checkpoint_blocks(model, names) as handle:
+        assert handle.names == names
+        ckpt, ckpt_peak = grads_and_peak(model, x)
+    for a, b in zip(ckpt, plain, strict=True):
+        assert torch.equal(a, b)  # the recomputation is the same arithmetic
+    # each block stores (B, 4w) twice and (B, w) once; checkpointed it keeps its input only
+    assert ckpt_peak < (0.75 if len(names) == 2 else 0.5) * plain_peak
+    _, again_peak = grads_and_peak(model, x)  # removed: back to storing everything
+    assert again_peak == plain_peak
+
+
+def test_checkpointed_block_runs_plainly_without_grad(gen):
+    model = Tower(depth=2)
+    x = torch.randn(8, 64, generator=gen)
+    with torch.no_grad():
+        expected = model(x)
+    memory.checkpoint_blocks(model, ["blocks.1"])
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize(
+    ("names", "match"),
+    [
+        (["block.1"], r"no submodule 'block.1'; close: \['blocks.1'"),
+        (["blocks.9"], r"no submodule 'blocks.9'.*top-level modules: \['blocks', 'head'\]"),
+        ([""], "no submodule ''"),
+    ],
+)
+def test_checkpointing_unknown_names_are_rejected(names, match):
+    with pytest.raises(ValueError, match=match):
+        memory.checkpoint_blocks(Tower(), names)
+
+
+def test_checkpointing_twice_is_rejected():
+    model = Tower()
+    memory.checkpoint_blocks(model, ["blocks.0"])
+    with pytest.raises(ValueError, match=r"'blocks\.0' is already checkpointed"):
+        memory.checkpoint_blocks(model, ["blocks.1", "blocks.0"])
+    assert "forward" not in vars(model.blocks[1])  # nothing applied when one name fails
+
+
+# ---- the largest batch --------------------------------------------------------------------------
+def allocating(per_sample: int):
+    def run(batch: int):
+        return torch.empty(batch * per_sample // 4).fill_(0.5).sum()
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("budget", "resident", "expected"),
+    # 64 bytes of slack: the sum's output and its wrapped 0.5 take 12 bytes on top of the batch
+    [(MiB + 64, 0, 16), (MiB + 60_000, 0, 16), (MiB + 64, 256 * 1024, 12), (100, 0, 0)],
+    ids=["exact", "slack", "resident bytes", "nothing fits"],
+)
+def test_largest_batch_against_a_budget(budget, resident, expected):
+    search = memory.largest_batch(
+        allocating(64 * 1024), budget, resident_bytes=resident, device="cpu"
+    )
+    assert search.batch == expected
+    tried = [b for b, _, _ in search.probes]
+    assert len(tried) == len(set(tried)) and len(tried) <= 2 * 5 + 2
+    if expected:
+        assert search.bytes_at_batch <= budget
+        assert all(not fits for b, _, fits in search.probes if b > expected)
+
+
+def test_largest_batch_stops_at_the_limit():
+    search = memory.largest_batch(allocating(16), 1 * GiB, limit=40, device="cpu")
+    assert search.batch == 40
+    with pytest.raises(ValueError, match="budget_bytes > 0"):
+        memory.largest_batch(allocating(16), 0)
+
+
+def test_tensor_bytes_counts_each_storage_once(gen):
+    x = torch.randn(100, generator=gen)
+    assert memory.tensor_bytes([x, x[10:], x.view(10, 10), torch.zeros(3)]) == 400 + 12
+
+
+# ---- on a GPU -----------------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_steady_state_in_place_step_allocates_nothing(gen):
+    x, y = torch.randn(1 << 20, generator=gen).cuda(), torch.rand(1 << 20, generator=gen).cuda()
+    buf = torch.empty_like(x)
+    stats = memory.count_allocations(lambda: torch.mul(x, y, out=buf).add_(y), device="cuda")
+    assert stats.requests == 0 and stats.device_allocs == 0 and stats.retries == 0
+    fresh = memory.count_allocations(lambda: x * 2, device="cuda")
+    assert fresh.requests == 1 and fresh.device_allocs == 0  # served from the cache
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_snapshot_frame_shows_the_allocations(gen):
+    x = torch.randn(1 << 20, generator=gen).cuda()
+    with memory.record_memory_history() as rec:
+        y = x * 2
+        del y
+    frame = memory.snapshot_frame(rec["snapshot"], device=x.device.index or 0)
+    allocs = frame[frame["action"] == "alloc"]
+    assert (allocs["bytes"] >= 4 << 20).any()
