@@ -147,6 +147,20 @@ def test_ragged_groups(kdev, shape, dtype, seed):
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(13, 4, 40), (11, 2, 100), (9, 3, 130)], ids=str)
+def test_grouped_kernel_partial_last_program(kdev, shape, dtype, seed):
+    """Several groups per program: B not a multiple of GROUPS, ragged counts within a program."""
+    x = embeddings(shape, dtype, kdev)
+    block_n = max(2, 1 << (shape[1] - 1).bit_length())
+    config = dv._kernels()._group_config(block_n, shape[2], shape[0], x.element_size())
+    assert config["GROUPS"] > 1 and shape[0] % config["GROUPS"] != 0, config
+    counts = random_counts(shape[0], shape[1]).to(kdev)
+    check_all(x)
+    check_all(x, counts)
+    check_all(x.transpose(0, 1).contiguous().transpose(0, 1), counts)  # strided over groups
+
+
 def test_counts_are_clamped_to_the_group(kdev, seed):
     x = embeddings((3, 4, 16), device=kdev)
     clamped = torch.tensor([-2, 4, 9], device=kdev)

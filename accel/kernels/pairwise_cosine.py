@@ -2,9 +2,9 @@
 
 Each kernel reads the embeddings from device memory once and keeps every cosine in registers:
 
-- ``_group_kernel``: one program per group of N <= ``SMALL_N`` rows. It accumulates the group's
-  N x N Gram matrix over chunks of D, takes the norms from its diagonal and reduces in the
-  epilogue (mean over pairs, nearest other, or the distance matrix itself).
+- ``_group_kernel``: a few groups of N <= ``SMALL_N`` rows per program (GROUPS, by a rule on N
+  and D). It accumulates each group's N x N Gram matrix over chunks of D, takes the norms from
+  its diagonal and reduces in the epilogue (mean over pairs, nearest other, or the matrix).
 - ``_tiled_kernel``: for large N, the structure of fused attention. A program keeps one block of
   rows, streams blocks of columns past it, forms their dot products with ``tl.dot`` (a GEMM over
   chunks of D, in one flat pipelined loop) and folds each tile into a running maximum per row,
@@ -29,11 +29,13 @@ import triton.language as tl
 
 from accel.diversity import EPS, check_embeddings
 
-SMALL_N = 16  # groups up to this size take the one-program-per-group kernel
+SMALL_N = 16  # groups up to this size take the grouped kernel (a few groups per program)
 MODE_MEAN, MODE_NEAREST, MODE_MATRIX = 0, 1, 2
-# The group kernel's (N, N, BLOCK_D) product tile stays at or under this many float32 elements
-# (32 per thread at 8 warps), so it lives in registers.
+# The group kernel's (N, N, GROUPS, BLOCK_D) product tile stays at or under this many float32
+# elements, so it lives in registers: 64 per thread at 4 warps.
 GROUP_TILE_ELEMENTS = 8192
+GROUP_MAX = 8  # groups per program at most
+GROUP_UNROLL = 4  # chunks of D whose loads a program issues together, at most
 
 
 # ---- kernels -------------------------------------------------------------------------------
@@ -50,12 +52,27 @@ def _group_size(counts_ptr, b, N, HAS_COUNTS: tl.constexpr):
 
 
 @triton.jit
+def _chunk_products(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr):
+    """Products x_i * x_j of one chunk of D, (row i, row j, group, feature), in float32."""
+    cols = d0 + tl.arange(0, BLOCK_D)
+    x = tl.load(
+        x_rows + cols[None, None, None, :] * stride_xd,
+        mask=valid[:, None, :, None] & (cols[None, None, None, :] < D),
+        other=0.0,
+    ).to(tl.float32)  # (BLOCK_N, 1, GROUPS, BLOCK_D); rows past a count are masked, never read
+    # Loaded with the unit axis already there (not expanded afterwards, which would convert the
+    # layout through shared memory); the transpose only renames registers of each thread.
+    return x * tl.permute(x, (1, 0, 2, 3))
+
+
+@triton.jit
 def _group_kernel(
     X_ptr,
     counts_ptr,
     out_ptr,
     items_ptr,
     matrix_ptr,
+    B,
     N,
     D,
     stride_xb,
@@ -64,48 +81,69 @@ def _group_kernel(
     eps,
     MODE: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
+    GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)  # int64: b * stride_xb may pass 2**31 elements
+    # Tiles are (row, group, feature): D is the fastest axis, so a warp's lanes take 16-byte
+    # pieces of one row, and the groups come next, so the launcher's warps split the groups
+    # (not the rows): each group's rows then sit in one thread's registers, the products
+    # x_i * x_j need no exchange between threads and the sum over D none between warps.
+    # Predicted gain (N = 4, D = 384, float32; not yet measured): one warp per group, its 12
+    # 16-byte loads per thread (6 KB) issued together, 192 FMAs, 80 shuffles and 1 barrier per
+    # program (compiled offline for sm_90: 128 registers, no spills), where one group per
+    # 8-warp program went through shared memory with ~10 barriers. At 16 warps per SM that is
+    # ~96 KB in flight per SM, past the ~25 KB that Little's law asks for at 4 TB/s, so the
+    # kernel should run near the copy rate: ~12-15 us instead of 27 us on an H200.
+    # int64: b * stride_xb may pass 2**31 elements.
+    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    live = b < B  # the last program may hold fewer than GROUPS groups
     rows = tl.arange(0, BLOCK_N)
-    n = _group_size(counts_ptr, b, N, HAS_COUNTS)
-    valid = rows < n
-    x_base = X_ptr + b * stride_xb
-    # Each element of the group is read once; rows past the count are masked and never read.
-    gram = tl.zeros([BLOCK_N, BLOCK_N], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(
-            x_base + rows[:, None] * stride_xn + cols[None, :] * stride_xd,
-            mask=valid[:, None] & (cols[None, :] < D),
-            other=0.0,
-        ).to(tl.float32)
-        gram += tl.sum(x[:, None, :] * x[None, :, :], axis=2)  # (BLOCK_N, BLOCK_N)
+    if HAS_COUNTS:  # per group: its count clamped to [0, N]
+        n = tl.load(counts_ptr + b, mask=live, other=0).to(tl.int32)
+        n = tl.minimum(tl.maximum(n, 0), N)
+    else:
+        n = tl.full([GROUPS], N, tl.int32)
+    n = tl.where(live, n, 0)  # groups past B have no members: nothing is read for them
+    valid = rows[:, None] < n[None, :]  # (BLOCK_N, GROUPS)
+    x_rows = X_ptr + b[None, None, :, None] * stride_xb + rows[:, None, None, None] * stride_xn
+    # Elementwise products summed over the chunks of D, (row i, row j, group, feature); the sum
+    # over the feature axis (across a warp's lanes) is taken once, after the loop.
+    acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS, BLOCK_D], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D * UNROLL):
+        for k in tl.static_range(UNROLL):
+            acc += _chunk_products(x_rows, valid, d0 + k * BLOCK_D, D, stride_xd, BLOCK_D)
+    gram = tl.sum(acc, axis=3)  # (BLOCK_N, BLOCK_N, GROUPS)
 
-    # Epilogue: norms from the diagonal, cosines, and the reduction; nothing else is stored.
-    eye = rows[:, None] == rows[None, :]
-    diagonal = tl.where(eye, gram, 0.0)
-    inv_rows = 1.0 / tl.maximum(tl.sqrt(tl.sum(diagonal, axis=1)), eps)
+    # Epilogue per group: norms from the diagonal, cosines, and the reduction.
+    row_i = rows[:, None, None]
+    row_j = rows[None, :, None]
+    diagonal = tl.where(row_i == row_j, gram, 0.0)
+    inv_rows = 1.0 / tl.maximum(tl.sqrt(tl.sum(diagonal, axis=1)), eps)  # (BLOCK_N, GROUPS)
     inv_cols = 1.0 / tl.maximum(tl.sqrt(tl.sum(diagonal, axis=0)), eps)
-    cos = gram * inv_rows[:, None] * inv_cols[None, :]
-    pair = valid[:, None] & valid[None, :] & (rows[:, None] != rows[None, :])
+    cos = gram * inv_rows[:, None, :] * inv_cols[None, :, :]
+    inside = valid[:, None, :] & valid[None, :, :]
+    pair = inside & (row_i != row_j)
     if MODE == 0:  # mean over the n (n - 1) ordered pairs
-        total = tl.sum(tl.sum(tl.where(pair, cos, 0.0), axis=1), axis=0)
+        total = tl.sum(tl.sum(tl.where(pair, cos, 0.0), axis=1), axis=0)  # (GROUPS,)
         mean_cos = total / tl.maximum(n * (n - 1), 1)
-        tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0))
+        tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
     elif MODE == 1:  # nearest other member, per row and its group mean
-        best = tl.max(tl.where(pair, cos, float("-inf")), axis=1)
-        dist = tl.where(valid & (n >= 2), 1.0 - best, 0.0)
-        tl.store(items_ptr + b * N + rows, dist, mask=rows < N)
-        group_mean = tl.sum(dist, axis=0) / tl.maximum(n, 1)
-        tl.store(out_ptr + b, tl.where(n >= 2, group_mean, 0.0))
-    else:  # the distance matrix; zero outside the first n rows and columns
-        inside = valid[:, None] & valid[None, :]
+        best = tl.max(tl.where(pair, cos, float("-inf")), axis=1)  # (BLOCK_N, GROUPS)
+        dist = tl.where(valid & (n >= 2)[None, :], 1.0 - best, 0.0)
         tl.store(
-            matrix_ptr + b * N * N + rows[:, None] * N + rows[None, :],
+            items_ptr + b[None, :] * N + rows[:, None],
+            dist,
+            mask=(rows[:, None] < N) & live[None, :],
+        )
+        group_mean = tl.sum(dist, axis=0) / tl.maximum(n, 1)
+        tl.store(out_ptr + b, tl.where(n >= 2, group_mean, 0.0), mask=live)
+    else:  # the distance matrix; zero outside the first n rows and columns
+        tl.store(
+            matrix_ptr + b[None, None, :] * N * N + row_i * N + row_j,
             tl.where(inside, 1.0 - cos, 0.0),
-            mask=(rows[:, None] < N) & (rows[None, :] < N),
+            mask=(row_i < N) & (row_j < N) & live[None, None, :],
         )
 
 
@@ -260,12 +298,6 @@ def _normalized_sum_kernel(
 
 # ---- launch configurations -----------------------------------------------------------------
 
-# Group kernel: memory-bound, one group per program. Only the warp count is tuned; the tile
-# shape follows from N and D (``_group_block_d``).
-_group_tuned = triton.autotune(
-    configs=[triton.Config({}, num_warps=w) for w in (2, 4, 8)], key=["N", "D", "MODE"]
-)(_group_kernel)
-
 # Tiled kernel, 16-bit inputs: a GEMM main loop on the tensor cores (wgmma on sm_90), loads
 # pipelined with cp.async, 96 KB of shared memory per program. Compiled for sm_90 offline
 # (Triton 3.9), ptxas gives 188 registers at 128 x 128 and 8 warps (one program per SM) and
@@ -309,19 +341,33 @@ def _check_runnable(x: torch.Tensor) -> None:
         )
 
 
-def _group_block_d(block_n: int, d: int) -> int:
-    """Chunk of D per step of the group kernel.
+def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:
+    """Tile of the group kernel: GROUPS per program, BLOCK_D, UNROLL and num_warps.
 
-    The whole row when the (N, N, chunk) tile fits the budget (N = 4, D = 384: one step of 512,
-    so every load of the group is in flight at once, as in a layer-norm kernel); else the chunk
-    under the budget that masks the fewest lanes (N = 8, D = 384: three steps of 128).
+    A deterministic rule (no autotuning: the same launch compiled or interpreted). BLOCK_D is
+    one warp's row of 16-byte loads (128 float32), fewer for short rows or large N; GROUPS fills
+    the tile budget; UNROLL chunks of D are loaded before their products are taken.
+
+    Warps: while a group's BLOCK_N^2 x (elements per 16-byte load) products fit a thread
+    (N <= 4), as many warps as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps
+    split the groups, never the rows, and no value crosses warps before the epilogue. Beyond
+    that the rows are split anyway, and the warps follow the tile: 64 products per thread.
     """
-    whole = max(16, triton.next_power_of_2(d))
-    if block_n * block_n * whole <= GROUP_TILE_ELEMENTS:
-        return whole
-    cap = max(16, GROUP_TILE_ELEMENTS // (block_n * block_n))
-    options = [c for c in (16, 32, 64, 128, 256, 512) if c <= cap]
-    return min(options, key=lambda c: (triton.cdiv(d, c) * c, -c))
+    vec = max(1, 16 // itemsize)  # elements per 16-byte load
+    block_d = min(max(16, triton.next_power_of_2(d)), 32 * 4)
+    block_d = max(16, min(block_d, GROUP_TILE_ELEMENTS // (block_n * block_n)))
+    groups = GROUP_TILE_ELEMENTS // (block_n * block_n * block_d)
+    groups = max(1, min(groups, GROUP_MAX, triton.next_power_of_2(batch)))
+    rows_in_thread = block_n * block_n * vec <= 128
+    plane_warps = groups * block_d // (32 * vec)  # one per row of 16-byte loads of the plane
+    tile_warps = block_n * block_n * groups * block_d // (32 * 64)  # 64 products per thread
+    warps = plane_warps if rows_in_thread else tile_warps
+    return dict(
+        GROUPS=groups,
+        BLOCK_D=block_d,
+        UNROLL=min(GROUP_UNROLL, triton.cdiv(d, block_d)),
+        num_warps=max(1, min(8, warps)),
+    )
 
 
 def _run_group(x: torch.Tensor, counts: torch.Tensor | None, mode: int):
@@ -332,17 +378,10 @@ def _run_group(x: torch.Tensor, counts: torch.Tensor | None, mode: int):
     items = torch.empty(B, N, device=dev, dtype=torch.float32) if mode == MODE_NEAREST else out
     matrix = torch.empty(B, N, N, device=dev, dtype=torch.float32) if mode == MODE_MATRIX else out
     block_n = max(2, triton.next_power_of_2(N))
-    args = (x, counts if counts is not None else out, out, items, matrix, N, D, *x.stride(), EPS)
-    meta = dict(
-        MODE=mode,
-        HAS_COUNTS=counts is not None,
-        BLOCK_N=block_n,
-        BLOCK_D=_group_block_d(block_n, D),
-    )
-    if INTERPRETED:
-        _group_kernel[(B,)](*args, **meta)
-    else:
-        _group_tuned[(B,)](*args, **meta)
+    config = _group_config(block_n, D, B, x.element_size())
+    args = (x, counts if counts is not None else out, out, items, matrix, B, N, D, *x.stride(), EPS)
+    grid = (triton.cdiv(B, config["GROUPS"]),)
+    _group_kernel[grid](*args, MODE=mode, HAS_COUNTS=counts is not None, BLOCK_N=block_n, **config)
     return out, items, matrix
 
 
