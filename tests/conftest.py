@@ -16,3 +16,13 @@ def seed(request) -> int:
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if CUDA else "cpu")
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tests of tiny tensors: a second thread only adds hand-offs, and on
+    a busy 2-core machine it stalls (seen here: 8 s instead of 1 s for the diversity bench test)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

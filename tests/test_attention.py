@@ -14,13 +14,7 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second thread costs more than it saves (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # (B, H, S, D): one element, odd lengths, a head dim the fused kernels like and one they may not

@@ -35,14 +35,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL, RTOL = 2e-5, 1e-5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds hand-offs, and on a busy
-    2-core machine it stalls (measured here: 8 s instead of 1 s for the bench test)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

@@ -52,3 +52,15 @@ def test_cuda_flags_are_unavailable_on_cpu_with_a_reason():
 def test_all_on_skips_what_cannot_run():
     assert all_on(Demo, "cpu") == Demo(fast=True)
     assert all_on(Demo) == Demo(fast=True, graph=True)
+
+
+@pytest.mark.parametrize(
+    "module", ["tiny_mlp", "field_trainer", "nested_optimizer", "vit", "polychromic"]
+)
+def test_every_workload_names_its_presets_on_a_wrong_one(module):
+    import importlib
+
+    workload = importlib.import_module(f"accel.workloads.{module}")
+    assert workload.Sizes.preset("cpu") != workload.Sizes.preset("gpu")
+    with pytest.raises(ValueError, match="unknown preset 'huge'; expected one of cpu, gpu"):
+        workload.Sizes.preset("huge")

@@ -29,14 +29,7 @@ def run(flags, seed, steps=2, device="cpu"):
     return step.result()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: a second intra-op thread only adds hand-offs, and on a busy
-    2-core machine it stalls (measured here: 8 s instead of 1 s for the bench test)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -18,13 +18,7 @@ CPU = torch.device("cpu")
 FAKE_CEILINGS = Ceilings("cpu", 10.0, 0.5, "float32", 1 << 20, 256)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second thread costs more than it saves (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_cost_model_counts():

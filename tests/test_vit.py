@@ -15,13 +15,7 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: a second thread costs more than it saves (and stalls on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 SIZES = vit.Sizes(image=12, patch=4, dim=16, heads=2, depth=2, classes=4, batch=6, batches=2)

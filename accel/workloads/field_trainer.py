@@ -38,7 +38,7 @@ from accel.fusion import (
     quad_form,
     retrieval_mix,
 )
-from accel.workloads.flags import flag
+from accel.workloads.flags import flag, pick_preset
 
 METRICS = ("lior", "R", "spd")
 # Flags keep results equal to the baseline within this (fp32). compiled_retrieval (fused softmax)
@@ -146,9 +146,7 @@ class Sizes:
 
     @classmethod
     def preset(cls, name: str) -> Sizes:
-        if name not in _PRESETS:
-            raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(_PRESETS)}")
-        return _PRESETS[name]
+        return pick_preset(_PRESETS, name)
 
 
 def _in_range(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:

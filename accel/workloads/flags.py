@@ -110,3 +110,10 @@ def all_on(flags_type: type, device: torch.device | str | None = None) -> Any:
     return flags_type(
         **{i.name: True for i in describe(flags_type) if i.is_bool and i.name not in skip}
     )
+
+
+def pick_preset(presets: dict[str, Any], name: str) -> Any:
+    """``presets[name]``: a workload's sizes for a preset, or a ValueError listing the valid ones."""
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(presets)}")
+    return presets[name]

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel import fusion, memory
-from accel.workloads.flags import flag, option
+from accel.workloads.flags import flag, option, pick_preset
 
 VOCAB = 256  # bytes
 
@@ -151,9 +151,7 @@ class Sizes:
 
     @classmethod
     def preset(cls, name: str) -> Sizes:
-        if name not in _PRESETS:
-            raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(_PRESETS)}")
-        return _PRESETS[name]
+        return pick_preset(_PRESETS, name)
 
 
 _PRESETS = {

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel import diversity
-from accel.workloads.flags import flag
+from accel.workloads.flags import flag, pick_preset
 
 DIVERSITY_WEIGHT = 0.5
 TIE_MARGIN = 1e-4  # logits closer than this may be ordered differently by another batching
@@ -75,7 +75,7 @@ class Sizes:
 
     @classmethod
     def preset(cls, name: str) -> Sizes:
-        return _PRESETS[name]
+        return pick_preset(_PRESETS, name)
 
 
 _PRESETS = {

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from accel.workloads.flags import flag
+from accel.workloads.flags import flag, pick_preset
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Sizes:
 
     @classmethod
     def preset(cls, name: str) -> Sizes:
-        return _PRESETS[name]
+        return pick_preset(_PRESETS, name)
 
 
 _PRESETS = {

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel.attention import BACKENDS, RotaryEmbedding, SelfAttention
-from accel.workloads.flags import flag, option
+from accel.workloads.flags import flag, option, pick_preset
 
 # Every flag but bf16_autocast leaves step.result() equal to the baseline's within float32
 # rounding after a few steps: SDPA, the fused projection and fused AdamW only sum in other
@@ -113,7 +113,7 @@ class Sizes:
 
     @classmethod
     def preset(cls, name: str) -> Sizes:
-        return _PRESETS[name]
+        return pick_preset(_PRESETS, name)
 
 
 _PRESETS = {
