@@ -1,3 +1,5 @@
+import collections
+
 import pytest
 import torch
 
@@ -26,3 +28,33 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def count_host_reads():
+    """``count(fn, skip=None)``: how often ``fn`` reads tensor values on the host (a device sync
+    on a GPU, visible on a CPU too): ``.item()``, ``.tolist()``, ``bool(t)``, by method.
+    ``skip(t)`` exempts tensors (e.g. optimizer step counters, which live on the CPU)."""
+
+    def count(fn, skip=None) -> collections.Counter:
+        counts: collections.Counter = collections.Counter()
+        originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__")}
+
+        def counting(name):
+            def read(t, *args, **kwargs):
+                if skip is None or not skip(t):
+                    counts[name] += 1
+                return originals[name](t, *args, **kwargs)
+
+            return read
+
+        try:
+            for name in originals:
+                setattr(torch.Tensor, name, counting(name))
+            fn()
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+        return counts
+
+    return count

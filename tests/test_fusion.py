@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import math
 import warnings
 
@@ -235,29 +234,7 @@ def test_clip_raises_on_request_naming_the_tensor(gen, foreach):
         assert torch.equal(p.grad, b)
 
 
-def count_host_reads(fn) -> collections.Counter:
-    """Host reads of tensor values (syncs on a GPU): .item(), .tolist(), bool(t)."""
-    counts: collections.Counter = collections.Counter()
-    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__")}
-
-    def counting(name):
-        def read(t, *args, **kwargs):
-            counts[name] += 1
-            return originals[name](t, *args, **kwargs)
-
-        return read
-
-    try:
-        for name in originals:
-            setattr(torch.Tensor, name, counting(name))
-        fn()
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
-    return counts
-
-
-def test_foreach_clip_reads_nothing_back_the_loop_once(gen):
+def test_foreach_clip_reads_nothing_back_the_loop_once(gen, count_host_reads):
     params = params_with_grads(gen, SHAPES["many small"])
     assert sum(count_host_reads(lambda: fusion.clip_grad_norm_(params, 0.1)).values()) == 0
     loop = count_host_reads(lambda: fusion.clip_grad_norm_(params, 0.1, foreach=False))
