@@ -1,0 +1,486 @@
+"""CUDA graphs: capture a step's kernels once, then launch them all with one call.
+
+A launch-bound step spends more time launching kernels (a few microseconds of host work each)
+than running them. A CUDA graph records the kernels once and replays the whole sequence with one
+launch; the host then only copies new inputs in. What a replay does not do is everything that is
+not device work: Python, host reads, allocations, CPU tensors. So a graph needs:
+
+- static memory: every tensor the kernels touch keeps its address. Inputs are copied into static
+  buffers before each replay; outputs are static tensors that the next replay overwrites;
+- no host-device sync inside (``.item()``, ``print(cuda_tensor)``, ``if cuda_tensor:``): capture
+  forbids it, and :class:`GraphedStep` turns that failure into one warning and eager execution;
+- the same shapes: a graph is one fixed sequence of kernels. A new shape is an error, or a new
+  graph when asked (``on_new_shape="recapture"``), all of them sharing one memory pool.
+
+:class:`GraphedStep` wraps any step function that way (warm-up on a persistent side stream,
+capture on that stream with ``capture_error_mode="thread_local"`` so that another thread, say a
+plot refreshing, cannot break it). :class:`GraphedOptimizerStep` graphs ``optimizer.step()``
+alone with clipping left outside, as the DeepNestedOptimizer write-up did, and
+:func:`training_step` builds a step (zero grads, forward, backward, clip, optimizer step) whose
+graph owns the gradients, so all of it can be captured. ``torch.compile(mode="reduce-overhead")``
+does the same job automatically (CUDA graph trees); the bench and notebook 04 compare them.
+
+Off a GPU everything here runs eagerly, with one warning that says why.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch.utils import _pytree as pytree
+
+from accel.fusion import clip_grad_norm_
+
+__all__ = [
+    "GraphCaptureWarning",
+    "GraphInputError",
+    "GraphedOptimizerStep",
+    "GraphedStep",
+    "training_step",
+]
+
+# Phrases in CUDA's and torch's errors that mean "the step synchronized with the host".
+_SYNC_ERRORS = ("not permitted when stream is capturing", "capture", "cudaErrorStreamCapture")
+_SYNC_HINT = (
+    "a host-device sync inside the step: .item(), .cpu(), .tolist(), print() of a CUDA tensor, "
+    "a Python `if` on a CUDA tensor, a boolean mask or nonzero(), or a copy from pageable host "
+    "memory. Keep such reads outside the step, or record them on the device"
+)
+
+
+class GraphCaptureWarning(RuntimeWarning):
+    """A graph could not be captured (or cannot run here): the step runs eagerly instead."""
+
+
+class GraphInputError(ValueError):
+    """A call does not match what the graph was captured for (shape, dtype, device, constants)."""
+
+
+def _describe(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        dtype = str(leaf.dtype).removeprefix("torch.")
+        return f"{dtype}{list(leaf.shape)} on {leaf.device}"
+    return repr(leaf)
+
+
+def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
+    """What a graph depends on: each tensor's shape, dtype and device, every other value, and
+    the structure of the arguments."""
+    key = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            key.append((leaf.shape, leaf.dtype, leaf.device))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                raise GraphInputError(
+                    f"graph step arguments must be tensors or hashable constants; got an "
+                    f"unhashable {type(leaf).__name__}"
+                ) from None
+            key.append(("const", leaf))
+    return (spec, tuple(key))
+
+
+def _mismatch(expected: tuple, got: tuple, names: list[str]) -> str:
+    """Which argument differs, in words."""
+    if expected[0] != got[0]:
+        return f"the arguments' structure differs: captured {expected[0]}, got {got[0]}"
+    for name, (a, b) in zip(names, zip(expected[1], got[1], strict=True), strict=True):
+        if a != b:
+            return f"argument {name}: captured for {_spec_words(a)}, got {_spec_words(b)}"
+    return "the arguments differ"
+
+
+def _spec_words(entry: tuple) -> str:
+    if entry[0] == "const":
+        return f"the constant {entry[1]!r}"
+    shape, dtype, device = entry
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
+
+
+def _leaf_names(spec: Any, count: int) -> list[str]:
+    """Readable names for flattened arguments: 'args[0]', "kwargs['x']" ..."""
+    paths, _ = pytree.tree_flatten_with_path(pytree.tree_unflatten([0] * count, spec))
+    return [
+        ("args" if path[0].idx == 0 else "kwargs") + "".join(str(p) for p in path[1:])
+        for path, _ in paths
+    ]
+
+
+class _Captured:
+    """One graph with its static inputs and outputs."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[Any], outputs: Any, nbytes: int):
+        self.graph, self.inputs, self.outputs, self.pool_bytes = graph, inputs, outputs, nbytes
+        self.tensor_inputs = [
+            (i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)
+        ]  # (position, static buffer)
+
+
+class GraphedStep:
+    """``fn`` captured into a CUDA graph on first use, replayed on every later call.
+
+    The first ``warmup`` calls run ``fn`` eagerly on a side stream (real calls: they do their
+    work and return their results; lazy state such as optimizer moments and cuBLAS workspaces
+    is created then, outside the graph). The next call copies its inputs into static buffers,
+    captures ``fn`` on them, replays the graph and returns its static outputs. Every later call
+    copies its inputs in and replays. Outputs are the same tensors every call, overwritten by
+    the next replay: clone what you keep.
+
+    Arguments may be tensors (on the graph's device) and hashable constants, nested in tuples,
+    lists and dicts. A call whose shapes, dtypes, devices or constants differ from the captured
+    ones raises :class:`GraphInputError` naming the difference, or, with
+    ``on_new_shape="recapture"``, warms up and captures one more graph for them; all graphs of
+    one ``GraphedStep`` share one memory pool (pass ``pool`` to share it wider; they must then
+    never run concurrently).
+
+    If capture fails (a host sync inside ``fn``, an output on the CPU, an input on the CPU, no
+    CUDA at all) ``fn`` runs eagerly from then on and a :class:`GraphCaptureWarning` names the
+    cause, once; ``fallback="raise"`` raises instead. ``reason`` keeps the cause.
+
+    Host-side effects of ``fn`` (Python counters, appends to lists, prints) happen at capture
+    and never on a replay: keep them outside ``fn``, or redo them after each call. A failed
+    capture does not run the device work, but the Python up to the failure did run once.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        warmup: int = 3,
+        on_new_shape: Literal["error", "recapture"] = "error",
+        fallback: Literal["warn", "raise"] = "warn",
+        device: torch.device | str | int | None = None,
+        pool: Any = None,
+        name: str | None = None,
+    ):
+        if not callable(fn):
+            raise TypeError(f"GraphedStep needs a callable step function, got {type(fn).__name__}")
+        if not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(
+                f"warmup must be an int >= 1 (eager calls before capture; lazy state must exist "
+                f"before a graph records addresses), got {warmup!r}"
+            )
+        if on_new_shape not in ("error", "recapture"):
+            raise ValueError(f"on_new_shape must be 'error' or 'recapture', got {on_new_shape!r}")
+        if fallback not in ("warn", "raise"):
+            raise ValueError(f"fallback must be 'warn' or 'raise', got {fallback!r}")
+        self.fn, self.warmup, self.on_new_shape, self.fallback = fn, warmup, on_new_shape, fallback
+        self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
+        self._device = torch.device(device) if device is not None else None
+        if (
+            self._device is not None
+            and self._device.type == "cuda"
+            and self._device.index is None
+            and torch.cuda.is_available()
+        ):
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self._pool, self._stream = pool, None
+        self._graphs: dict[tuple, _Captured] = {}
+        self._warmups: dict[tuple, int] = {}
+        self._first: tuple | None = None  # the first call's signature (what "error" compares to)
+        self.reason: str | None = None  # why the step runs eagerly, once it does
+        self.captures = self.replays = self.eager_calls = 0
+
+    # ---- calling -----------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.reason is not None:
+            self.eager_calls += 1
+            return self.fn(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = _signature(leaves, spec)
+        captured = self._graphs.get(key)
+        if captured is not None:
+            for i, static in captured.tensor_inputs:
+                if leaves[i] is not static:
+                    static.copy_(leaves[i])
+            captured.graph.replay()
+            self.replays += 1
+            return captured.outputs
+        return self._first_calls(args, kwargs, leaves, spec, key)
+
+    def _first_calls(self, args, kwargs, leaves, spec, key) -> Any:
+        if self._first is None:
+            self._first = key
+        elif key != self._first and self.on_new_shape == "error" and key not in self._warmups:
+            names = _leaf_names(spec, len(leaves)) if spec == self._first[0] else []
+            raise GraphInputError(
+                f"GraphedStep({self.name}) was set up for other inputs: "
+                f"{_mismatch(self._first, key, names)}. A graph replays fixed shapes; pass "
+                "on_new_shape='recapture' to keep one graph per input signature"
+            )
+        cause = self._cannot_capture(leaves)
+        if cause is not None:
+            return self._give_up(cause, args, kwargs)
+        done = self._warmups.get(key, 0)
+        if done < self.warmup:
+            self._warmups[key] = done + 1
+            return self._run_on_side_stream(args, kwargs)
+        return self._capture(leaves, spec, key)
+
+    def _cannot_capture(self, leaves: Sequence[Any]) -> str | None:
+        if not torch.cuda.is_available():
+            return "CUDA graphs need a CUDA GPU, and torch.cuda.is_available() is False here"
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        if self._device is None:
+            self._device = next(
+                (t.device for t in tensors if t.device.type == "cuda"),
+                torch.device("cuda", torch.cuda.current_device()),
+            )
+        if self._device.type != "cuda":
+            return f"CUDA graphs need a CUDA device; this step was given {self._device}"
+        for t in tensors:
+            if t.device != self._device:
+                return (
+                    f"an input is a tensor on {t.device}; a graph replays work on "
+                    f"{self._device} only, so work on {t.device} would run once, at capture"
+                )
+        return None
+
+    def _give_up(self, cause: str, args, kwargs, *, stacklevel: int = 4) -> Any:
+        self.reason = cause
+        message = f"GraphedStep({self.name}): cannot use a CUDA graph ({cause}); running eagerly"
+        if self.fallback == "raise":
+            raise RuntimeError(message)
+        warnings.warn(message, GraphCaptureWarning, stacklevel=stacklevel)
+        self.eager_calls += 1
+        return self.fn(*args, **kwargs)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        return self._stream
+
+    def _run_on_side_stream(self, args, kwargs) -> Any:
+        """An eager call on the capture stream, ordered after and before the caller's work."""
+        stream, current = self._side_stream(), torch.cuda.current_stream(self._device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            out = self.fn(*args, **kwargs)
+        current.wait_stream(stream)
+        self.eager_calls += 1
+        return out
+
+    # ---- capturing ---------------------------------------------------------------------------
+    def _capture(self, leaves: list[Any], spec: Any, key: tuple) -> Any:
+        static = [
+            torch.empty_like(t).copy_(t) if isinstance(t, torch.Tensor) else t for t in leaves
+        ]
+        args, kwargs = pytree.tree_unflatten(static, spec)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize(self._device)
+        reserved = torch.cuda.memory_reserved(self._device)
+        inner: list[BaseException] = []
+        try:
+            with torch.cuda.graph(
+                graph,
+                pool=self._pool,
+                stream=self._side_stream(),
+                capture_error_mode="thread_local",
+            ):
+                try:
+                    outputs = self.fn(*args, **kwargs)
+                except Exception as exc:
+                    inner.append(exc)
+                    raise
+        except Exception as exc:
+            torch.cuda.synchronize(self._device)  # a failed capture leaves no work behind
+            cause = inner[0] if inner else exc
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            return self._give_up(_explain(cause), args, kwargs, stacklevel=5)
+        bad = next(
+            (
+                t
+                for t in pytree.tree_leaves(outputs)
+                if isinstance(t, torch.Tensor) and t.device != self._device
+            ),
+            None,
+        )
+        if bad is not None:
+            args, kwargs = pytree.tree_unflatten(leaves, spec)
+            return self._give_up(
+                f"it returns a tensor on {bad.device}, which a replay would never update",
+                args,
+                kwargs,
+                stacklevel=5,
+            )
+        nbytes = torch.cuda.memory_reserved(self._device) - reserved
+        self._graphs[key] = _Captured(graph, static, outputs, nbytes)
+        self.captures += 1
+        graph.replay()  # capture recorded the work without doing it: this call's work
+        self.replays += 1
+        return outputs
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def graphs(self) -> int:
+        """Graphs captured and kept (one per input signature)."""
+        return len(self._graphs)
+
+    @property
+    def pool(self) -> Any:
+        """The memory pool the graphs allocate from (pass it to another GraphedStep to share)."""
+        return self._pool
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device memory the captures reserved for their pool (intermediates and outputs)."""
+        return sum(c.pool_bytes for c in self._graphs.values())
+
+    @property
+    def static_inputs(self) -> list[Any]:
+        """The flattened static inputs of the only graph (write into them to skip the copy)."""
+        if len(self._graphs) != 1:
+            raise RuntimeError(f"static_inputs needs exactly one graph; there are {self.graphs}")
+        return next(iter(self._graphs.values())).inputs
+
+    def reset(self) -> None:
+        """Drop every graph and its static buffers, and return the pool's memory to the device
+        (memory of outputs you still hold stays until you drop them). The next calls warm up
+        and capture again; a fallback to eager is forgotten too."""
+        self._graphs.clear()
+        self._warmups.clear()
+        self._first, self.reason = None, None
+        if torch.cuda.is_available() and self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+            self._pool = None
+            torch.cuda.empty_cache()
+
+    def __repr__(self) -> str:
+        state = f"eager: {self.reason}" if self.reason else f"{self.graphs} graph(s)"
+        return (
+            f"GraphedStep({self.name}, {state}, captures={self.captures}, "
+            f"replays={self.replays}, eager_calls={self.eager_calls})"
+        )
+
+
+def _explain(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+    if any(p in str(exc) for p in _SYNC_ERRORS):
+        return f"capture failed with {text!r}; the usual cause is {_SYNC_HINT}"
+    return f"capture failed with {text!r}"
+
+
+# ---- optimizer steps -----------------------------------------------------------------------------
+def _is_capturable(optimizer: torch.optim.Optimizer) -> bool:
+    return all(g.get("capturable", False) for g in optimizer.param_groups)
+
+
+class GraphedOptimizerStep:
+    """``optimizer.step()`` as a CUDA graph; gradients, clipping and everything else stay eager.
+
+    The optimizer must be capturable (``AdamW(..., capturable=True)``, with ``fused=True`` or
+    not): its step counter then lives on the device. The graph records the gradients' addresses,
+    so they must stay put: zero them with ``zero_grad(set_to_none=False)`` (backward then
+    accumulates into the same tensors) and clip them in place before the call. Every call checks
+    that, and that no learning rate changed under the graph (a float learning rate is baked into
+    the graph; use a 0-d device tensor and update it in place): a moved gradient or a changed
+    rate raises :class:`GraphInputError` instead of silently training on stale memory.
+    ``check=False`` skips those host-side checks (about a microsecond per tensor).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        warmup: int = 3,
+        check: bool = True,
+        fallback: Literal["warn", "raise"] = "warn",
+    ):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if not params:
+            raise ValueError("GraphedOptimizerStep: the optimizer has no parameters")
+        if not _is_capturable(optimizer):
+            raise ValueError(
+                f"GraphedOptimizerStep needs a capturable optimizer (its step count on the "
+                f"device); got {type(optimizer).__name__} with capturable=False. Construct it "
+                "with capturable=True"
+            )
+        self.optimizer, self.params, self.check = optimizer, params, check
+        self._graphed = GraphedStep(
+            optimizer.step,
+            warmup=warmup,
+            fallback=fallback,
+            device=params[0].device,
+            name=f"{type(optimizer).__name__}.step",
+        )
+        self._grad_ptrs: list[int] | None = None
+        self._lrs: list[Any] | None = None
+
+    def __call__(self) -> None:
+        if self.check and self._graphed.graphs:
+            self._check_unchanged()
+        self._graphed()
+        if self._grad_ptrs is None and self._graphed.graphs:
+            self._grad_ptrs = [_ptr(p.grad) for p in self.params]
+            self._lrs = [_lr_token(g["lr"]) for g in self.optimizer.param_groups]
+
+    def _check_unchanged(self) -> None:
+        for i, (p, ptr) in enumerate(zip(self.params, self._grad_ptrs or (), strict=False)):
+            if _ptr(p.grad) != ptr:
+                raise GraphInputError(
+                    f"GraphedOptimizerStep: parameter {i}'s gradient is not the tensor the graph "
+                    f"was captured with ({'it is None' if p.grad is None else 'it moved'}). Zero "
+                    "gradients with zero_grad(set_to_none=False) and modify them in place"
+                )
+        for i, (g, token) in enumerate(
+            zip(self.optimizer.param_groups, self._lrs or (), strict=False)
+        ):
+            if _lr_token(g["lr"]) != token:
+                raise GraphInputError(
+                    f"GraphedOptimizerStep: param group {i}'s learning rate changed from "
+                    f"{token!r} to {_lr_token(g['lr'])!r} after capture; the graph would still "
+                    "use the old one. Give the group a 0-d tensor learning rate on the device "
+                    "and update it in place (lr.fill_(...) or lr.copy_(...))"
+                )
+
+    @property
+    def graphed(self) -> GraphedStep:
+        return self._graphed
+
+    def reset(self) -> None:
+        self._graphed.reset()
+        self._grad_ptrs = self._lrs = None
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _lr_token(lr: Any) -> Any:
+    """What must not change under a graph: a float's value, a tensor's storage."""
+    return ("tensor", lr.data_ptr()) if isinstance(lr, torch.Tensor) else float(lr)
+
+
+def training_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    max_grad_norm: float | None = None,
+) -> Callable[..., torch.Tensor]:
+    """A whole training step, fit for :class:`GraphedStep`: ``step(inputs, targets)`` zeroes the
+    gradients (to None: in a capture, backward then allocates them in the graph's pool, where they
+    stay, fixed, for every replay), runs ``loss_fn(model(inputs), targets)``, backward, clips the
+    gradient norm to ``max_grad_norm`` on the device (no host read) and steps the optimizer.
+    Returns the loss, detached. Wrap it: ``GraphedStep(training_step(...))``; the optimizer must
+    be capturable for that (it need not be eagerly)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(inputs: Any, targets: Any) -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        if max_grad_norm is not None:
+            clip_grad_norm_(params, max_grad_norm, foreach=True)
+        optimizer.step()
+        return loss.detach()
+
+    step.__qualname__ = f"training_step({type(model).__name__})"
+    return step
