@@ -175,6 +175,13 @@ class ProgressLog:
         torch.mul(row, scale, out=self.rows[self._filled])
         self._filled += 1
 
+    def assume_recorded(self, rows: int) -> None:
+        """Declare the first ``rows`` rows written on the device by work whose Python did not run
+        (a replayed CUDA graph that captured ``record`` calls), so that ``flush`` copies them."""
+        if not 0 <= rows <= len(self.rows):
+            raise ValueError(f"ProgressLog holds {len(self.rows)} rows; cannot assume {rows}")
+        self._filled = rows
+
     def flush(self) -> None:
         """Start copying the recorded rows to the host; returns at once."""
         if self._filled == 0:

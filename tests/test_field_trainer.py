@@ -213,3 +213,33 @@ def test_flags_keep_the_baseline_on_cuda(seed):
     ft.compare_results(
         run(all_on(ft.Flags), seed=seed, device="cuda"), run(seed=seed, device="cuda")
     )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_window_equals_eager_and_is_sync_free(seed):
+    """Two eager warm-up windows, a capture, then replays: equal to the eager window throughout,
+    progress rows included (a replay runs no record() on the host)."""
+    sizes = ft.Sizes.preset("gpu")
+    eager = dataclasses.replace(all_on(ft.Flags, "cuda"), cuda_graph=False)
+    graphed = ft.build(all_on(ft.Flags, "cuda"), sizes, device="cuda", seed=seed)
+    reference = ft.build(eager, sizes, device="cuda", seed=seed)
+    for window in range(8):
+        graphed(), reference()
+        ft.compare_results(graphed.result(), reference.result())
+        assert len(graphed.progress()) == (window + 1) * sizes.readouts_per_window
+    assert graphed.window.replays == 6 and graphed.window.reason is None
+    assert sync.count_syncs(graphed) == 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_window_with_host_reads_falls_back(seed):
+    from accel.graphs import GraphCaptureWarning
+
+    flags = ft.Flags(vectorized_rotor=True, cuda_graph=True)  # .item() read-outs inside
+    with pytest.warns(GraphCaptureWarning, match="host-device sync"):
+        result = run(flags, seed=seed, device="cuda", windows=4)
+    ft.compare_results(
+        result, run(ft.Flags(vectorized_rotor=True), seed=seed, device="cuda", windows=4)
+    )

@@ -203,3 +203,21 @@ def test_fast_step_is_sync_free_on_cuda():
 def test_flags_keep_the_baseline_on_cuda(case):
     flags = flags_for(case)
     no.compare_results(run(flags, device="cuda"), run(device="cuda"), flags)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", ["optimizer_step", "whole_step"])
+@pytest.mark.parametrize("every", [1, 4])
+def test_graphed_steps_keep_the_eager_result(mode, every):
+    """Eager warm-up, capture, then replays (whole_step: one graph per schedule slot)."""
+    eager = dataclasses.replace(FAST, controller_update_every=every)
+    graphed = dataclasses.replace(eager, cuda_graph=mode)
+    step = no.build(graphed, CPU, device="cuda")
+    steps = 20  # every schedule slot warms up (3 eager calls), is captured and replayed
+    for _ in range(steps):
+        step()
+    graph = step.graphed_step if mode == "whole_step" else step.graphed_optimizer.graphed
+    assert graph.reason is None and graph.replays > 0
+    assert graph.graphs == (2 if mode == "whole_step" and every > 1 else 1)
+    no.compare_results(step.result(), run(eager, device="cuda", steps=steps), eager)

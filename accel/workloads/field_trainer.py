@@ -12,11 +12,11 @@ difference between the phases' statistics, plane by plane.
 ``Flags()`` is the "before", written the way such code usually is; each flag removes one cost.
 Launch-bound at the ``gpu`` preset: the home of phases 1-4.
 
-Room for phase 4's ``cuda_graph`` flag: :meth:`Step.run_window` (the device work) reads and writes
-only tensors allocated in ``__init__``, in place, with the window's target copied into a static
-buffer before it; host work (collecting progress, the rotor-update schedule, cache cleanup) stays
-outside it. A captured window also needs ``batched_progress`` (no ``.item()``) and must advance
-``ProgressLog``'s host-side row counter itself on replay.
+Phase 4's ``cuda_graph`` flag captures :meth:`Step.run_window` (the device work) as one CUDA
+graph: it reads and writes only tensors allocated in ``__init__``, in place, with the window's
+target copied into a static buffer before it; host work (collecting progress, the rotor-update
+schedule, cache cleanup) stays outside it. A captured window also needs ``batched_progress`` (an
+``.item()`` inside fails the capture: the window then runs eagerly, with a warning naming it).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from accel import memory, sync
+from accel import graphs, memory, sync
 from accel.fusion import (
     CompiledFunction,
     compile_per_shape,
@@ -75,6 +75,12 @@ class Flags:
         "torch.cuda.empty_cache() only when much of the reserved memory is unused "
         "(fragmentation) or the device is nearly full (pressure), instead of every 10 windows",
         "memory",
+    )
+    cuda_graph: bool = flag(
+        "the window's device work captured once as a CUDA graph and replayed: one launch per "
+        "window instead of one per kernel (needs batched_progress: no host reads inside)",
+        "graphs",
+        requires="cuda",
     )
 
 
@@ -300,13 +306,23 @@ class Step:
         cost = metric_cost(self.x, self.keys, self.g0)
         self.retrieve = _retrieval(flags.compiled_retrieval, (cost, self.values, s.beta))
         self.cleaner = memory.CacheCleaner(device, naive_every=CLEANUP_EVERY)
+        # The window's device work, graphed when asked: it reads and writes only the tensors
+        # above, in place, so a replay is the window. Off a GPU it warns once and runs eagerly.
+        self.window: Callable[[], None] = (
+            graphs.GraphedStep(self.run_window, warmup=2, device=device, name="run_window")
+            if flags.cuda_graph
+            else self.run_window
+        )
 
     # ---- one window --------------------------------------------------------------------------
     def __call__(self) -> None:
         if self.log is not None:
             self.log.collect()  # rows of earlier windows that have landed; never waits
         self.target.copy_(self.targets[self.windows % self.sizes.patterns])
-        self.run_window()
+        self.window()
+        if self.log is not None and self.flags.cuda_graph:
+            # a replay wrote the window's rows on the device without running record()
+            self.log.assume_recorded(self.sizes.readouts_per_window)
         if (self.windows + 1) % self.sizes.nudge_every_windows == 0:
             self.update_rotor()
         if self.log is not None:

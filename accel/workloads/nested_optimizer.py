@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel import fusion, memory
+from accel import fusion, graphs, memory
 from accel.workloads.flags import flag, option, pick_preset
 
 VOCAB = 256  # bytes
@@ -102,6 +102,16 @@ class Flags:
         "forward under torch.autocast(bfloat16): half the activation bytes, tensor-core "
         "matmuls (changes numerics on purpose; own tolerance)",
         "memory",
+    )
+    cuda_graph: str = option(
+        "capture as a CUDA graph: 'optimizer_step' graphs the AdamW step (clipping and the "
+        "controller stay eager; gradients are then zeroed in place, the graph needs their "
+        "addresses); 'whole_step' graphs forward, backward, controller, clipping and step "
+        "(one graph per controller schedule slot)",
+        "graphs",
+        default="none",
+        choices=("none", "optimizer_step", "whole_step"),
+        requires="cuda",
     )
 
 
@@ -308,7 +318,10 @@ class Step:
         self.group_names = [n for n, _ in named]
         self.param_lists = [ps for _, ps in named]
         self.params = [p for ps in self.param_lists for p in ps]
+        graphed = flags.cuda_graph != "none"
         impl = {"fused": True} if flags.fused_adamw else {"foreach": False}
+        if graphed:  # the step count on the device: a graph replays it
+            impl["capturable"] = True
         self.optimizer = torch.optim.AdamW(
             [{"params": ps, "name": n} for n, ps in named],
             lr=sizes.lr,
@@ -318,27 +331,65 @@ class Step:
         )
         # the controller's own optimizer is the same in every configuration (4 small tensors)
         self.controller_optimizer = torch.optim.Adam(
-            self.controller.parameters(), lr=sizes.controller_lr, foreach=False
+            self.controller.parameters(),
+            lr=sizes.controller_lr,
+            foreach=False,
+            capturable=flags.cuda_graph == "whole_step",
         )
         G = sizes.groups
         self.depth = torch.linspace(0, 1, G, device=device)
         self.buffers = memory.BufferCache(device)
         self.lr_multipliers = torch.ones(G, device=device)
-        if flags.fused_adamw:  # LRs live on the device; groups hold 0-d views of one tensor
-            self._set_device_lrs(torch.full((G,), sizes.lr, device=device))
+        # Learning rates on the device when fused AdamW reads them there or a graph must see
+        # them change; groups hold 0-d views of one tensor (one buffer when graphed).
+        self.device_lrs = flags.fused_adamw or graphed
+        if self.device_lrs:
+            lrs = self.buffers.get("lrs", (G,)) if graphed else torch.empty(G, device=device)
+            self._set_device_lrs(lrs.fill_(sizes.lr))
         self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (log multipliers, loss)
+        # whole_step: the controller learns by recomputing its last output from saved features
+        # (same weights, same values) instead of keeping an autograd graph across steps.
+        self._features_then = torch.zeros(G, LRController.FEATURES, device=device)
+        self._loss_then = torch.zeros((), device=device)
+        self._has_last = False
+        self.graphed_optimizer = (
+            graphs.GraphedOptimizerStep(self.optimizer)
+            if flags.cuda_graph == "optimizer_step"
+            else None
+        )
+        self.graphed_step = (
+            graphs.GraphedStep(
+                self._whole_step, on_new_shape="recapture", device=device, name="whole_step"
+            )
+            if flags.cuda_graph == "whole_step"
+            else None
+        )
         self.losses: list[torch.Tensor] = []
         self.grad_norm = torch.zeros((), device=device)
         self.steps = 0
 
     def __call__(self) -> None:
-        self.optimizer_step(self.forward_backward())
+        if self.graphed_step is None:
+            self.optimizer_step(self.forward_backward())
+            return
+        batch = self.inputs[self.steps % len(self.inputs)]
+        update = self.steps % self.flags.controller_update_every == 0
+        loss, self.grad_norm = self.graphed_step(batch, update)
+        self.losses = [*self.losses[-15:], loss.clone()]  # the graph's output is overwritten
+        self.steps += 1
+
+    def _whole_step(self, batch: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything of a step on the device (graphed by ``cuda_graph='whole_step'``)."""
+        loss = self.forward_backward(batch)
+        return loss, self._after_backward(loss, update)
 
     def forward_backward(self, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """Zero the gradients, run forward and backward on the next batch (or ``inputs``,
         (B, T + 1) bytes); returns the loss, detached, on the device."""
         batch = self.inputs[self.steps % len(self.inputs)] if inputs is None else inputs
-        self.optimizer.zero_grad(set_to_none=self.flags.set_to_none_grads)
+        # a graphed optimizer step reads the gradients where it captured them
+        in_place = self.graphed_optimizer is not None
+        self.optimizer.zero_grad(set_to_none=self.flags.set_to_none_grads and not in_place)
         autocast = (
             torch.autocast(self.device.type, dtype=torch.bfloat16)
             if self.flags.bf16_autocast
@@ -352,21 +403,30 @@ class Step:
 
     def optimizer_step(self, loss: torch.Tensor) -> None:
         """Everything after backward: controller (on its schedule), clipping, AdamW."""
-        f = self.flags
-        if self.steps % f.controller_update_every == 0:
-            self.update_learning_rates(loss)
-        self.grad_norm = fusion.clip_grad_norm_(
-            self.params, self.sizes.max_grad_norm, foreach=f.fused_clip
-        )
-        self.optimizer.step()
+        update = self.steps % self.flags.controller_update_every == 0
+        self.grad_norm = self._after_backward(loss, update)
         self.losses = [*self.losses[-15:], loss]
         self.steps += 1
+
+    def _after_backward(self, loss: torch.Tensor, update: bool) -> torch.Tensor:
+        if update:
+            self.update_learning_rates(loss)
+        grad_norm = fusion.clip_grad_norm_(
+            self.params, self.sizes.max_grad_norm, foreach=self.flags.fused_clip
+        )
+        if self.graphed_optimizer is not None:
+            self.graphed_optimizer()
+        else:
+            self.optimizer.step()
+        return grad_norm
 
     def update_learning_rates(self, loss: torch.Tensor) -> None:
         """Group statistics -> controller -> per-group learning rates; the controller first learns
         from how the loss moved since its last update."""
         f, G = self.flags, self.sizes.groups
-        if self._last is not None:  # the loss fell since the last multipliers -> raise them
+        if self.graphed_step is not None:
+            self._learn_from_saved_features(loss)
+        elif self._last is not None:  # the loss fell since the last multipliers -> raise them
             # Learn before this update writes its features: the last graph saved them, and a
             # preallocated buffer is overwritten in place.
             log_mult, loss_then = self._last
@@ -380,18 +440,39 @@ class Step:
         features = LRController.features(
             stats, self.depth, out=buf("features", (G, LRController.FEATURES)) if buf else None
         )
-        log_mult = self.controller(features)
-        self._last = (log_mult, loss)
+        if self.graphed_step is not None:  # keep inputs, not a graph, for the next update
+            with torch.no_grad():
+                log_mult = self.controller(features)
+            self._features_then.copy_(features)
+            self._loss_then.copy_(loss)
+            self._has_last = True
+        else:
+            log_mult = self.controller(features)
+            self._last = (log_mult, loss)
         mult = torch.exp(log_mult.detach(), out=buf("multipliers", (G,)) if buf else None)
         self.lr_multipliers = mult
-        if f.fused_adamw:
-            lrs = torch.mul(mult, self.sizes.lr, out=buf("lrs", (G,)) if buf else None)
+        if self.device_lrs:
+            graphed = f.cuda_graph != "none"
+            lrs = torch.mul(
+                mult, self.sizes.lr, out=self.buffers.get("lrs", (G,)) if buf or graphed else None
+            )
             if self.optimizer.param_groups[0]["lr"].data_ptr() != lrs.data_ptr():
                 self._set_device_lrs(lrs)  # preallocated: only the first time
         else:
             # sync: the usual "before" reads the multipliers back to set float learning rates
             for group, m in zip(self.optimizer.param_groups, mult.tolist(), strict=True):
                 group["lr"] = self.sizes.lr * m
+
+    def _learn_from_saved_features(self, loss: torch.Tensor) -> None:
+        """The controller's learning step, recomputing its last output from the saved features:
+        the same value and gradient as backward through the kept graph (its weights have not
+        changed since), with nothing kept across steps, so a CUDA graph can hold it."""
+        if not self._has_last:
+            return
+        log_mult = self.controller(self._features_then)
+        ((loss - self._loss_then) * log_mult.mean()).backward()
+        self.controller_optimizer.step()
+        self.controller_optimizer.zero_grad(set_to_none=True)
 
     def _set_device_lrs(self, lrs: torch.Tensor) -> None:
         for i, group in enumerate(self.optimizer.param_groups):
