@@ -28,6 +28,7 @@ PHASES: dict[str, str] = {
     "memory": "accel.lab.cases.memory:run",
     "sdpa": "accel.lab.cases.sdpa:run",
     "diversity": "accel.lab.cases.diversity:run",
+    "graphs": "accel.lab.cases.graphs:run",
 }
 
 COLUMNS = [

@@ -1,0 +1,326 @@
+"""Bench phase ``graphs``: CUDA graphs against the best eager code and against
+``torch.compile(mode="reduce-overhead")``. Shared with ``notebooks/04_graphs.ipynb``.
+
+Rows (targets for an H100/H200 at the gpu preset): the field-trainer window graphed >= 1.6x the
+eager window with phases 1-3 on; the nested optimizer's AdamW step graphed >= 1.5x eager fused
+AdamW and within 1.3x of its bytes over the copy bandwidth; a whole training step of a small,
+launch-bound model graphed >= 3x eager; the graph's replay within 1.15x of the window's summed
+kernel time. Compile's reduce-overhead mode is timed beside each (its compile time apart).
+
+Off a GPU there is nothing to capture: the rows say so and time only the eager forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from accel import graphs
+from accel.lab.bench import BenchContext, Row
+from accel.lab.cases.fusion import FUSION_FLAGS, _where
+from accel.lab.cases.sync import PHASE1, CostModel, measure_costs
+from accel.lab.profile import profile_step
+from accel.lab.timing import Comparison, compare
+from accel.workloads import field_trainer as ft
+from accel.workloads import nested_optimizer as no
+
+# The optimized eager window: phases 1-3 on (the fused retrieval's compile included).
+EAGER_WINDOW = dataclasses.replace(
+    PHASE1, fused_lior=True, compiled_retrieval=True, inplace_accumulate=True, adaptive_cleanup=True
+)
+GRAPHED_WINDOW = dataclasses.replace(EAGER_WINDOW, cuda_graph=True)
+# The nested optimizer with every fusion and memory flag that keeps gradients in place.
+EAGER_STEP = dataclasses.replace(FUSION_FLAGS, preallocated_buffers=True)
+# A small model whose step is launch-bound: ~700 kernels of microseconds each.
+SMALL = {
+    "gpu": no.Sizes(layers=4, width=256, heads=4, context=128, batch=8),
+    "cpu": no.Sizes.preset("cpu"),
+}
+TARGETS = {"window": 1.6, "optimizer_step": 1.5, "optimizer_bytes": 1.3, "whole_step": 3.0}
+TARGETS["replay_vs_kernels"] = 1.15
+ADAMW_BYTES_PER_PARAM = 7 * 4  # reads param, grad, exp_avg, exp_avg_sq; writes three (fp32)
+
+
+@dataclass
+class Compiled:
+    """A ``torch.compile(mode="reduce-overhead")`` variant: the callable, or why there is none."""
+
+    fn: Callable[[], object] | None
+    compile_s: float = float("nan")
+    error: str = ""
+
+    def note(self, timing: Comparison | None = None, label: str = "compile") -> str:
+        if self.fn is None:
+            return f"compile reduce-overhead: not run ({self.error})"
+        ms = timing.timings[label].median_ms if timing is not None else float("nan")
+        return f"compile reduce-overhead {ms:.3g} ms (compiling took {self.compile_s:.0f} s)"
+
+
+def compile_reduce_overhead(make: Callable[[], Callable[[], object]], device) -> Compiled:
+    """Build a reduce-overhead variant with ``make()`` and run it until it is compiled and its
+    CUDA graphs recorded; CUDA only (on a CPU the mode has no graphs to add)."""
+    if torch.device(device).type != "cuda":
+        return Compiled(None, error="CUDA only: reduce-overhead is compile plus CUDA graphs")
+    start = time.perf_counter()
+    try:
+        fn = make()
+        for _ in range(3):  # compile, record, replay
+            fn()
+        torch.cuda.synchronize(device)
+    except Exception as exc:  # report, never break the bench
+        last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return Compiled(None, error=last[:300])
+    return Compiled(fn, time.perf_counter() - start)
+
+
+def _step_begin(fn: Callable[[], object]) -> Callable[[], object]:
+    """Mark each call as a new step for compile's CUDA-graph trees (outputs of the last replay
+    may be overwritten: we keep none)."""
+
+    def call():
+        torch.compiler.cudagraph_mark_step_begin()
+        return fn()
+
+    return call
+
+
+# ---- the field-trainer window --------------------------------------------------------------------
+def window_variants(sizes: ft.Sizes, device, *, with_compile: bool = True) -> dict:
+    """Eager (phases 1-3), hand-graphed and compile-reduce-overhead field-trainer steps, warmed
+    up and checked equal to the eager one. Returns {"steps": {label: step}, "compiled": ...}."""
+    eager = ft.build(EAGER_WINDOW, sizes, device=device)
+    graphed = ft.build(GRAPHED_WINDOW, sizes, device=device)
+    for _ in range(4):  # graphed: two eager warm-ups, the capture, a replay
+        eager()
+        graphed()
+    ft.compare_results(graphed.result(), eager.result())
+    steps = {"eager": eager, "graphed": graphed}
+    compiled = Compiled(None, error="not asked")
+    if with_compile:
+        compiled = compile_reduce_overhead(lambda: _compiled_window(sizes, device), device)
+        if compiled.fn is not None:
+            steps["compile"] = compiled.fn
+    return {"steps": steps, "compiled": compiled}
+
+
+def _compiled_window(sizes: ft.Sizes, device) -> Callable[[], None]:
+    """The eager window's step with ``run_window`` under compile reduce-overhead. The state
+    tensors are marked static (as gpt-fast does for its KV cache): compile's CUDA graphs may
+    then write them in place instead of skipping the graph for mutated inputs."""
+    flags = dataclasses.replace(EAGER_WINDOW, compiled_retrieval=False)  # no compile in compile
+    step = ft.build(flags, sizes, device=device)
+    state = [step.x, step.v, step.target, step.metrics, step.v_mean, step._acc, step._vel_acc]
+    for t in [*state, step.log.rows]:
+        torch._dynamo.mark_static_address(t)
+    step.window = _step_begin(torch.compile(step.run_window, mode="reduce-overhead"))
+    return step
+
+
+def launch_model(eager_ms: float, kernel_ms: float, launches: float, cost: CostModel) -> dict:
+    """What a graph can gain: the eager window costs at least its launches' host time and at least
+    its kernels' device time; a replay costs about the kernels alone."""
+    return {
+        "host_launch_ms": launches * cost.launch_us / 1e3,
+        "kernel_ms": kernel_ms,
+        "predicted_speedup": eager_ms / kernel_ms if kernel_ms > 0 else float("nan"),
+    }
+
+
+def window_rows(ctx: BenchContext, cost: CostModel) -> list[Row]:
+    sizes = ft.Sizes.preset(ctx.preset)
+    cuda = ctx.device.type == "cuda"
+    variants = window_variants(sizes, ctx.device, with_compile=cuda)
+    steps, compiled = variants["steps"], variants["compiled"]
+    timing = compare(steps, warmup=2, repeats=30, device=ctx.device)
+    eager_report = profile_step(steps["eager"], steps=3, device=ctx.device)
+    kernel_ms = float(eager_report.kernels["total_us"].sum()) / eager_report.steps / 1e3
+    model = launch_model(
+        timing.timings["eager"].median_ms, kernel_ms, eager_report.launches_per_step, cost
+    )
+    judged, where = _where(ctx)
+    graph = steps["graphed"].window
+    graphed_state = (
+        f"{graph.graphs} graph, pool {graph.pool_bytes / 2**20:.1f} MiB"
+        if isinstance(graph, graphs.GraphedStep) and graph.reason is None
+        else f"eager fallback ({getattr(graph, 'reason', 'no graph')})"
+    )
+    speedup = timing.speedup("graphed")
+    rows = [
+        Row(
+            "graphs",
+            "field_trainer_window",
+            f"time per {sizes.steps_per_window}-step window, phases 1-3 eager vs graphed",
+            "ms",
+            timing.timings["graphed"].median_ms,
+            baseline=timing.timings["eager"].median_ms,
+            target=f">= {TARGETS['window']}x",
+            met=speedup >= TARGETS["window"] if judged else None,
+            note=f"{where}; {graphed_state}; {eager_report.launches_per_step:.0f} launches per "
+            f"eager window, their kernels {kernel_ms:.2f} ms: the launch model predicted "
+            f"{model['predicted_speedup']:.2f}x; {compiled.note(timing)}",
+        )
+    ]
+    replay_ms = timing.timings["graphed"].median_ms
+    ratio = replay_ms / kernel_ms if kernel_ms > 0 else float("nan")
+    rows.append(
+        Row(
+            "graphs",
+            "replay_vs_kernel_time",
+            "graphed window time over the summed time of its kernels (profiled eager window)",
+            "ms",
+            replay_ms,
+            baseline=kernel_ms,
+            target=f"<= {TARGETS['replay_vs_kernels']}x the kernels",
+            met=ratio <= TARGETS["replay_vs_kernels"] if judged and cuda else None,
+            note=f"{where}; ratio {ratio:.2f}: what is left above 1 is gaps between kernels "
+            "inside the graph (a replay still runs them one after another)",
+        )
+    )
+    return rows
+
+
+# ---- the optimizer step ------------------------------------------------------------------------
+def optimizer_variants(sizes: no.Sizes, device) -> dict:
+    """``optimizer.step()`` of the nested optimizer's model: eager fused AdamW, the same graphed
+    (capturable, gradients in place), and fused AdamW under compile reduce-overhead."""
+    eager = no.build(EAGER_STEP, sizes, device=device)
+    graphed = no.build(
+        dataclasses.replace(EAGER_STEP, cuda_graph="optimizer_step"), sizes, device=device
+    )
+    for _ in range(5):  # the graphed one: 3 eager warm-ups, a capture, a replay
+        eager()
+        graphed()
+    no.compare_results(graphed.result(), eager.result(), EAGER_STEP)
+    steps = {"eager fused": eager.optimizer.step}
+    if graphed.graphed_optimizer is not None:
+        steps["graphed"] = graphed.graphed_optimizer
+    compiled = compile_reduce_overhead(lambda: _compiled_optimizer(sizes, device), device)
+    if compiled.fn is not None:
+        steps["compile"] = compiled.fn
+    params = sum(p.numel() for p in eager.params)
+    return {"steps": steps, "compiled": compiled, "params": params, "graphed": graphed}
+
+
+def _compiled_optimizer(sizes: no.Sizes, device) -> Callable[[], None]:
+    step = no.build(EAGER_STEP, sizes, device=device)
+    for _ in range(2):
+        step()
+    return _step_begin(torch.compile(step.optimizer.step, mode="reduce-overhead"))
+
+
+def optimizer_rows(ctx: BenchContext) -> list[Row]:
+    sizes = no.Sizes.preset(ctx.preset)
+    judged, where = _where(ctx)
+    if ctx.device.type != "cuda":
+        return [_not_run("optimizer_step", "AdamW step graphed", where)]
+    v = optimizer_variants(sizes, ctx.device)
+    timing = compare(v["steps"], warmup=3, repeats=50, device=ctx.device)
+    graphed_ms, eager_ms = (
+        timing.timings["graphed"].median_ms,
+        timing.timings["eager fused"].median_ms,
+    )
+    bytes_moved = v["params"] * ADAMW_BYTES_PER_PARAM
+    floor_ms = bytes_moved / (ctx.ceilings.copy_gb_s * 1e9) * 1e3
+    pool = v["graphed"].graphed_optimizer.graphed.pool_bytes
+    return [
+        Row(
+            "graphs",
+            "optimizer_step",
+            f"AdamW step over {v['params'] / 1e6:.1f}M parameters, eager fused vs graphed",
+            "ms",
+            graphed_ms,
+            baseline=eager_ms,
+            target=f">= {TARGETS['optimizer_step']}x",
+            met=eager_ms / graphed_ms >= TARGETS["optimizer_step"] if judged else None,
+            note=f"{where}; fused capturable AdamW, clipping outside the graph; pool "
+            f"{pool / 2**20:.1f} MiB; {v['compiled'].note(timing)}",
+        ),
+        Row(
+            "graphs",
+            "optimizer_step_vs_bytes",
+            f"graphed AdamW step against its {bytes_moved / 1e9:.2f} GB over the copy bandwidth",
+            "ms",
+            graphed_ms,
+            baseline=floor_ms,
+            fraction_of_ceiling=floor_ms / graphed_ms,
+            target=f"<= {TARGETS['optimizer_bytes']}x the copy time",
+            met=graphed_ms / floor_ms <= TARGETS["optimizer_bytes"] if judged else None,
+            note=f"{where}; 7 fp32 tensors per parameter (4 read, 3 written) at the measured "
+            f"{ctx.ceilings.copy_gb_s:.0f} GB/s (read + write)",
+        ),
+    ]
+
+
+# ---- a whole training step of a small model ---------------------------------------------------
+def whole_step_variants(sizes: no.Sizes, device, *, with_compile: bool = True) -> dict:
+    """Eager, hand-graphed (forward, backward, controller, clipping, AdamW in one graph) and
+    compile-reduce-overhead (the model compiled; the optimizer part eager) training steps."""
+    eager = no.build(EAGER_STEP, sizes, device=device)
+    graphed = no.build(
+        dataclasses.replace(EAGER_STEP, cuda_graph="whole_step"), sizes, device=device
+    )
+    for _ in range(6):
+        eager()
+        graphed()
+    no.compare_results(graphed.result(), eager.result(), EAGER_STEP)
+    steps = {"eager": eager, "graphed": graphed}
+    compiled = Compiled(None, error="not asked")
+    if with_compile:
+        compiled = compile_reduce_overhead(lambda: _compiled_step(sizes, device), device)
+        if compiled.fn is not None:
+            steps["compile"] = compiled.fn
+    return {"steps": steps, "compiled": compiled}
+
+
+def _compiled_step(sizes: no.Sizes, device) -> Callable[[], None]:
+    step = no.build(EAGER_STEP, sizes, device=device)
+    step.model = torch.compile(step.model, mode="reduce-overhead")
+    return _step_begin(step)
+
+
+def whole_step_rows(ctx: BenchContext) -> list[Row]:
+    sizes = SMALL[ctx.preset]
+    judged, where = _where(ctx)
+    if ctx.device.type != "cuda":
+        return [_not_run("whole_step_small_model", "whole training step graphed", where)]
+    v = whole_step_variants(sizes, ctx.device)
+    timing = compare(v["steps"], warmup=3, repeats=40, device=ctx.device)
+    graph = v["steps"]["graphed"].graphed_step
+    speedup = timing.speedup("graphed")
+    return [
+        Row(
+            "graphs",
+            "whole_step_small_model",
+            f"training step of a {sizes.layers}-layer width-{sizes.width} GPT (batch "
+            f"{sizes.batch} x {sizes.context}), eager vs one graph",
+            "ms",
+            timing.timings["graphed"].median_ms,
+            baseline=timing.timings["eager"].median_ms,
+            target=f">= {TARGETS['whole_step']}x",
+            met=speedup >= TARGETS["whole_step"] if judged else None,
+            note=f"{where}; forward, backward, controller, clipping and fused capturable AdamW "
+            f"in {graph.graphs} graph(s), pool {graph.pool_bytes / 2**20:.1f} MiB; "
+            f"{v['compiled'].note(timing)}",
+        )
+    ]
+
+
+def _not_run(case: str, what: str, where: str) -> Row:
+    return Row(
+        "graphs",
+        case,
+        what,
+        "ms",
+        float("nan"),
+        note=f"{where}; not run: CUDA graphs need a CUDA GPU",
+    )
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    cost = measure_costs(ctx.device)
+    return [*window_rows(ctx, cost), *optimizer_rows(ctx), *whole_step_rows(ctx)]
