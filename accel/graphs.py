@@ -42,6 +42,8 @@ __all__ = [
     "training_step",
 ]
 
+# torch's sync-debug warning (torch.cuda.set_sync_debug_mode("warn")) starts with this.
+_SYNC_WARNING = "called a synchronizing CUDA operation"
 # Phrases in CUDA's and torch's errors that mean "the step synchronized with the host".
 _SYNC_ERRORS = ("not permitted when stream is capturing", "capture", "cudaErrorStreamCapture")
 _SYNC_HINT = (
@@ -256,13 +258,41 @@ class GraphedStep:
         return self._stream
 
     def _run_on_side_stream(self, args, kwargs) -> Any:
-        """An eager call on the capture stream, ordered after and before the caller's work."""
+        """An eager call on the capture stream, ordered after and before the caller's work.
+
+        It runs under torch's sync-debug mode: a step that syncs would fail its capture, and a
+        failed capture can leave CUDA's random-number state unusable in this process, so a
+        warm-up that syncs ends the attempt before any capture (its own result stands)."""
         stream, current = self._side_stream(), torch.cuda.current_stream(self._device)
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
-            out = self.fn(*args, **kwargs)
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(stream):
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = self.fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
         current.wait_stream(stream)
         self.eager_calls += 1
+        syncs = [w for w in caught if _SYNC_WARNING in str(w.message)]
+        for w in caught:  # pass on everything else the step warned about
+            if w not in syncs:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if syncs:
+            where = f"{syncs[0].filename}:{syncs[0].lineno}"
+            self.reason = (
+                f"a warm-up call synchronized with the host {len(syncs)} time(s), first at "
+                f"{where}, so a capture would fail; the usual cause is {_SYNC_HINT}"
+            )
+            warnings.warn(
+                f"GraphedStep({self.name}): cannot use a CUDA graph ({self.reason}); running "
+                "eagerly",
+                GraphCaptureWarning,
+                stacklevel=4,
+            )
+            if self.fallback == "raise":
+                raise RuntimeError(f"GraphedStep({self.name}): {self.reason}")
         return out
 
     # ---- capturing ---------------------------------------------------------------------------
@@ -293,7 +323,13 @@ class GraphedStep:
             torch.cuda.synchronize(self._device)  # a failed capture leaves no work behind
             cause = inner[0] if inner else exc
             args, kwargs = pytree.tree_unflatten(leaves, spec)
-            return self._give_up(_explain(cause), args, kwargs, stacklevel=5)
+            return self._give_up(
+                f"{_explain(cause)}; CUDA's random-number state may now be unusable in this "
+                "process (torch leaves it in capture mode after a failed capture)",
+                args,
+                kwargs,
+                stacklevel=5,
+            )
         bad = next(
             (
                 t
