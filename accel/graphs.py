@@ -39,6 +39,7 @@ __all__ = [
     "GraphInputError",
     "GraphedOptimizerStep",
     "GraphedStep",
+    "pool_bytes",
     "training_step",
 ]
 
@@ -116,8 +117,8 @@ def _leaf_names(spec: Any, count: int) -> list[str]:
 class _Captured:
     """One graph with its static inputs and outputs."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[Any], outputs: Any, nbytes: int):
-        self.graph, self.inputs, self.outputs, self.pool_bytes = graph, inputs, outputs, nbytes
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[Any], outputs: Any):
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
         self.tensor_inputs = [
             (i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)
         ]  # (position, static buffer)
@@ -147,6 +148,8 @@ class GraphedStep:
     Host-side effects of ``fn`` (Python counters, appends to lists, prints) happen at capture
     and never on a replay: keep them outside ``fn``, or redo them after each call. A failed
     capture does not run the device work, but the Python up to the failure did run once.
+    Random numbers inside ``fn`` are fine (torch registers its CUDA generator with the graph),
+    but while a capture runs no other thread may draw CUDA random numbers.
     """
 
     def __init__(
@@ -305,7 +308,6 @@ class GraphedStep:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self._device)
-        reserved = torch.cuda.memory_reserved(self._device)
         inner: list[BaseException] = []
         try:
             with torch.cuda.graph(
@@ -346,8 +348,7 @@ class GraphedStep:
                 kwargs,
                 stacklevel=5,
             )
-        nbytes = torch.cuda.memory_reserved(self._device) - reserved
-        self._graphs[key] = _Captured(graph, static, outputs, nbytes)
+        self._graphs[key] = _Captured(graph, static, outputs)
         self.captures += 1
         graph.replay()  # capture recorded the work without doing it: this call's work
         self.replays += 1
@@ -366,8 +367,11 @@ class GraphedStep:
 
     @property
     def pool_bytes(self) -> int:
-        """Device memory the captures reserved for their pool (intermediates and outputs)."""
-        return sum(c.pool_bytes for c in self._graphs.values())
+        """Device memory held by the graphs' pool (their intermediates and outputs), from the
+        allocator's snapshot; 0 before the first capture."""
+        if self._pool is None or self._device is None:
+            return 0
+        return pool_bytes(self._pool, self._device)
 
     @property
     def static_inputs(self) -> list[Any]:
@@ -394,6 +398,19 @@ class GraphedStep:
             f"GraphedStep({self.name}, {state}, captures={self.captures}, "
             f"replays={self.replays}, eager_calls={self.eager_calls})"
         )
+
+
+def pool_bytes(pool: Any, device: torch.device | str | int | None = None) -> int:
+    """Bytes of the segments the caching allocator holds for the graph memory pool ``pool`` (a
+    ``torch.cuda.graph_pool_handle()``) on ``device``; 0 once the pool has been released."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    index = torch.device(device).index
+    return sum(
+        seg["total_size"]
+        for seg in torch.cuda.memory_snapshot()
+        if tuple(seg.get("segment_pool_id", ())) == tuple(pool)
+        and (index is None or seg["device"] == index)
+    )
 
 
 def _explain(exc: BaseException) -> str:

@@ -278,7 +278,10 @@ def whole_step_variants(sizes: no.Sizes, device, *, with_compile: bool = True) -
 
 
 def _compiled_step(sizes: no.Sizes, device) -> Callable[[], None]:
-    step = no.build(EAGER_STEP, sizes, device=device)
+    # Gradients to None each step: under compile's CUDA graphs they are outputs of the backward
+    # graph, which the next step's replay overwrites; zeroing them in place would touch them.
+    flags = dataclasses.replace(EAGER_STEP, set_to_none_grads=True)
+    step = no.build(flags, sizes, device=device)
     step.model = torch.compile(step.model, mode="reduce-overhead")
     return _step_begin(step)
 
