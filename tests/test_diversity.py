@@ -154,6 +154,61 @@ def test_grouped_kernel_partial_last_program(kdev, shape, dtype, seed):
     check_all(x.transpose(0, 1).contiguous().transpose(0, 1), counts)  # strided over groups
 
 
+# Every variant of the group kernel (where it sums over D), at a few tiles; the last ones put
+# several groups in a warp (BLOCK_D of 32 or 64) and a group across warps (more warps than groups).
+GROUP_VARIANT_TILES = [(2, 32, 2, 1), (4, 64, 1, 2), (1, 128, 3, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", ["tile", "vecsum", "gram"])
+def test_every_group_kernel_variant_matches_references(kdev, variant, dtype, seed):
+    kernels = dv._kernels()
+    x = embeddings((5, 4, 123), dtype, kdev)
+    counts = random_counts(5, 4).to(kdev)
+    with float32_matmul("highest"):
+        expected = {
+            kernels.MODE_MEAN: (0, dv.mean_diversity_reference(x, counts)),
+            kernels.MODE_NEAREST: (1, dv.nearest_distances_reference(x, counts)),
+            kernels.MODE_MATRIX: (2, dv.pairwise_distances_reference(x, counts)),
+        }
+    for tile in GROUP_VARIANT_TILES:
+        config = kernels.GroupConfig(variant, *tile)
+        for mode, (slot, ref) in expected.items():
+            got = kernels._run_group(x, counts, mode, config)[slot]
+            torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
+
+
+def test_group_config_takes_the_table_then_the_rule():
+    kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
+    tabled = kernels.group_config(4, 384, 8192, 4)
+    assert tabled is kernels.GROUP_TABLE[(4, 512, 4)]
+    assert tabled.meta(384, 4)["UNROLL"] <= -(-384 // tabled.block_d)  # no chunk past D
+    ruled = kernels.group_config(8, 384, 8192, 4)
+    assert (8, 512, 4) not in kernels.GROUP_TABLE and ruled.variant == "vecsum"
+    for (block_n, _, itemsize), config in kernels.GROUP_TABLE.items():
+        # warps split the groups: one warp per row of 16-byte loads of the (group, D) plane
+        vec = 16 // itemsize
+        assert config.num_warps * 32 * vec == config.groups * config.block_d, config
+        assert config.variant in kernels.GROUP_VARIANTS and block_n <= kernels.SMALL_N
+
+
+@pytest.mark.parametrize(
+    "fields", [("fast", 4, 128, 3, 4), ("tile", 3, 128, 3, 4), ("tile", 4, 8, 3, 4)], ids=str
+)
+def test_group_config_rejects_bad_fields(fields):
+    kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
+    with pytest.raises(ValueError, match=r"variant must be one of|powers of 2"):
+        kernels.GroupConfig(*fields)
+
+
+def test_run_group_kernel_checks_its_arguments(kdev):
+    kernels = dv._kernels()
+    with pytest.raises(ValueError, match="reduction must be one of mean, nearest, matrix"):
+        kernels.run_group_kernel(embeddings((2, 4, 8), device=kdev), "max")
+    with pytest.raises(ValueError, match="2 <= N <= 16"):
+        kernels.run_group_kernel(embeddings((2, 17, 8), device=kdev), "mean")
+
+
 def test_counts_are_clamped_to_the_group(kdev, seed):
     x = embeddings((3, 4, 16), device=kdev)
     clamped = torch.tensor([-2, 4, 9], device=kdev)
@@ -302,6 +357,29 @@ def test_bench_phase_runs_and_marks_cpu_rows(monkeypatch):
     assert {"mean B=8 N=4 D=16 float32", "polychromic step"} <= cases
     bandwidth = next(r for r in rows if r.unit == "GB/s")
     assert bandwidth.fraction_of_ceiling == pytest.approx(bandwidth.optimized / 10.0)
+
+
+def test_group_kernel_sweep_runs_and_names_its_rows(kdev):
+    from accel.lab.cases import diversity as case
+    from accel.lab.ceilings import Ceilings
+
+    ceilings = Ceilings("cpu", 10.0, 0.1, "float32", 1 << 20, 64)  # made up: no measuring here
+    configs = {4: (("tile", 4, 128, 3, 4), ("gram", 2, 32, 2, 1))}
+    rows = case.group_kernel_sweep(
+        kdev,
+        ceilings,
+        batch=6,
+        dim=40,
+        dtypes=(torch.float32,),
+        configs=configs,
+        repeats=1,
+        show=False,
+    )
+    assert all(r.case.startswith("sweep group kernel ") and r.unit == "GB/s" for r in rows)
+    names = [r.metric for r in rows if r.case.startswith("sweep group kernel mean")]
+    assert len(names) == 3 and sum("[production]" in m for m in names) == 1, names
+    assert all(r.optimized > 0 and r.note.endswith("x the kernel before") for r in rows)
+    assert list(case.sweep_table(rows).columns)[:2] == ["case", "configuration"]
 
 
 # ---- CUDA: the compiled kernels -----------------------------------------------------------------------

@@ -2,9 +2,11 @@
 
 Each kernel reads the embeddings from device memory once and keeps every cosine in registers:
 
-- ``_group_kernel``: a few groups of N <= ``SMALL_N`` rows per program (GROUPS, by a rule on N
-  and D). It accumulates each group's N x N Gram matrix over chunks of D, takes the norms from
-  its diagonal and reduces in the epilogue (mean over pairs, nearest other, or the matrix).
+- ``_group_kernel``: a few groups of N <= ``SMALL_N`` rows per program. It accumulates each
+  group's N x N Gram matrix over chunks of D, takes the norms from its diagonal and reduces in
+  the epilogue (mean over pairs, nearest other, or the matrix). Its launch (``GroupConfig``:
+  where the sum over D happens, groups per program, chunk, unroll, warps) comes from
+  ``GROUP_TABLE``, measured per (N, D bucket, dtype size), else from a rule on N and D.
 - ``_tiled_kernel``: for large N, the structure of fused attention. A program keeps one block of
   rows, streams blocks of columns past it, forms their dot products with ``tl.dot`` (a GEMM over
   chunks of D, in one flat pipelined loop) and folds each tile into a running maximum per row,
@@ -23,6 +25,9 @@ they can run (CUDA, or Triton's interpreter) and otherwise falls back to its ref
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 import triton
 import triton.language as tl
@@ -31,11 +36,14 @@ from accel.diversity import EPS, check_embeddings
 
 SMALL_N = 16  # groups up to this size take the grouped kernel (a few groups per program)
 MODE_MEAN, MODE_NEAREST, MODE_MATRIX = 0, 1, 2
-# The group kernel's (N, N, GROUPS, BLOCK_D) product tile stays at or under this many float32
-# elements, so it lives in registers: 64 per thread at 4 warps.
+# The fallback rule keeps the group kernel's (N, N, GROUPS, BLOCK_D) product tile at or under
+# this many float32 elements, so it lives in registers: 64 per thread at 4 warps.
 GROUP_TILE_ELEMENTS = 8192
 GROUP_MAX = 8  # groups per program at most
 GROUP_UNROLL = 4  # chunks of D whose loads a program issues together, at most
+# Where the group kernel sums over D (see _group_kernel): its VARIANT constexpr.
+GroupVariant = Literal["tile", "vecsum", "gram"]
+GROUP_VARIANTS: dict[str, int] = {"tile": 0, "vecsum": 1, "gram": 2}
 
 
 # ---- kernels -------------------------------------------------------------------------------
@@ -52,17 +60,22 @@ def _group_size(counts_ptr, b, N, HAS_COUNTS: tl.constexpr):
 
 
 @triton.jit
-def _chunk_products(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr):
-    """Products x_i * x_j of one chunk of D, (row i, row j, group, feature), in float32."""
-    cols = d0 + tl.arange(0, BLOCK_D)
-    x = tl.load(
-        x_rows + cols[None, None, None, :] * stride_xd,
-        mask=valid[:, None, :, None] & (cols[None, None, None, :] < D),
+def _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
+    """One chunk of D of every row, (row, 1, group, 16-byte piece, element), as float32.
+
+    The last axis is one thread's 16-byte load, so a sum over it stays inside the thread. The
+    unit axis is there already (not expanded afterwards, which would convert the layout through
+    shared memory): ``x * tl.permute(x, (1, 0, 2, 3, 4))`` is then every product x_i * x_j of
+    the chunk, and the transpose only renames registers of each thread.
+    """
+    pieces = tl.arange(0, BLOCK_D // VEC)
+    cols = d0 + pieces[:, None] * VEC + tl.arange(0, VEC)[None, :]  # (BLOCK_D // VEC, VEC)
+    cols = cols[None, None, None, :, :]
+    return tl.load(
+        x_rows + cols * stride_xd,
+        mask=valid[:, None, :, None, None] & (cols < D),
         other=0.0,
-    ).to(tl.float32)  # (BLOCK_N, 1, GROUPS, BLOCK_D); rows past a count are masked, never read
-    # Loaded with the unit axis already there (not expanded afterwards, which would convert the
-    # layout through shared memory); the transpose only renames registers of each thread.
-    return x * tl.permute(x, (1, 0, 2, 3))
+    ).to(tl.float32)  # rows past a count are masked, never read
 
 
 @triton.jit
@@ -81,21 +94,28 @@ def _group_kernel(
     eps,
     MODE: tl.constexpr,
     HAS_COUNTS: tl.constexpr,
+    VARIANT: tl.constexpr,
     GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
     # Tiles are (row, group, feature): D is the fastest axis, so a warp's lanes take 16-byte
     # pieces of one row, and the groups come next, so the launcher's warps split the groups
     # (not the rows): each group's rows then sit in one thread's registers, the products
     # x_i * x_j need no exchange between threads and the sum over D none between warps.
-    # Predicted gain (N = 4, D = 384, float32; not yet measured): one warp per group, its 12
-    # 16-byte loads per thread (6 KB) issued together, 192 FMAs, 80 shuffles and 1 barrier per
-    # program (compiled offline for sm_90: 128 registers, no spills), where one group per
-    # 8-warp program went through shared memory with ~10 barriers. At 16 warps per SM that is
-    # ~96 KB in flight per SM, past the ~25 KB that Little's law asks for at 4 TB/s, so the
-    # kernel should run near the copy rate: ~12-15 us instead of 27 us on an H200.
+    # VARIANT says where the sum over D happens, i.e. what the accumulator holds per thread
+    # (N = 4, float32, 4 groups on 4 warps, 3 chunks of 128 loaded together; registers as ptxas
+    # gives them for sm_90 with Triton 3.9, offline):
+    #   0 "tile":   every product, (N, N, GROUPS, BLOCK_D) summed after the loop: 64 floats a
+    #               thread, 128 registers in all (152 with Triton 3.6 on an H200: 12 warps per
+    #               SM, 26.8 us, 44% of the copy bandwidth; ncu in results/);
+    #   1 "vecsum": each chunk's products summed over the thread's own 16-byte piece at once
+    #               (in-thread adds), (N, N, GROUPS, BLOCK_D / VEC): 16 floats, 64 registers,
+    #               the same loads and 80 shuffles; predicted: twice the warps per SM, ~15 us;
+    #   2 "gram":   each chunk summed over D at once, also across the lanes (240 shuffles
+    #               instead of 80), an (N, N, GROUPS) Gram: 72 registers.
     # int64: b * stride_xb may pass 2**31 elements.
     b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     live = b < B  # the last program may hold fewer than GROUPS groups
@@ -107,14 +127,33 @@ def _group_kernel(
         n = tl.full([GROUPS], N, tl.int32)
     n = tl.where(live, n, 0)  # groups past B have no members: nothing is read for them
     valid = rows[:, None] < n[None, :]  # (BLOCK_N, GROUPS)
-    x_rows = X_ptr + b[None, None, :, None] * stride_xb + rows[:, None, None, None] * stride_xn
-    # Elementwise products summed over the chunks of D, (row i, row j, group, feature); the sum
-    # over the feature axis (across a warp's lanes) is taken once, after the loop.
-    acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS, BLOCK_D], dtype=tl.float32)
+    x_rows = (
+        X_ptr
+        + b[None, None, :, None, None] * stride_xb
+        + rows[:, None, None, None, None] * stride_xn
+    )
+    if VARIANT == 0:
+        acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS, BLOCK_D // VEC, VEC], dtype=tl.float32)
+    elif VARIANT == 1:
+        acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS, BLOCK_D // VEC], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D * UNROLL):
         for k in tl.static_range(UNROLL):
-            acc += _chunk_products(x_rows, valid, d0 + k * BLOCK_D, D, stride_xd, BLOCK_D)
-    gram = tl.sum(acc, axis=3)  # (BLOCK_N, BLOCK_N, GROUPS)
+            x = _load_chunk(x_rows, valid, d0 + k * BLOCK_D, D, stride_xd, BLOCK_D, VEC)
+            products = x * tl.permute(x, (1, 0, 2, 3, 4))  # (row i, row j, group, piece, elem)
+            if VARIANT == 0:
+                acc += products
+            elif VARIANT == 1:
+                acc += tl.sum(products, axis=4)
+            else:
+                acc += tl.sum(tl.sum(products, axis=4), axis=3)
+    if VARIANT == 0:
+        gram = tl.sum(tl.sum(acc, axis=4), axis=3)  # (BLOCK_N, BLOCK_N, GROUPS)
+    elif VARIANT == 1:
+        gram = tl.sum(acc, axis=3)
+    else:
+        gram = acc
 
     # Epilogue per group: norms from the diagonal, cosines, and the reduction.
     row_i = rows[:, None, None]
@@ -148,6 +187,23 @@ def _group_kernel(
 
 
 @triton.jit
+def _row_sq_norms(
+    x_base, rows, row_ok, D, stride_xn, stride_xd, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Squared norms (BLOCK_M,) in float32 of the rows ``rows`` of one group, chunk by chunk."""
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(
+            x_base + rows[:, None] * stride_xn + cols[None, :] * stride_xd,
+            mask=row_ok[:, None] & (cols[None, :] < D),
+            other=0.0,
+        ).to(tl.float32)
+        sq += tl.sum(x * x, axis=1)
+    return sq
+
+
+@triton.jit
 def _inv_norm_kernel(
     X_ptr,
     inv_ptr,
@@ -165,15 +221,7 @@ def _inv_norm_kernel(
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     x_base = X_ptr + b * stride_xb
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(
-            x_base + rows[:, None] * stride_xn + cols[None, :] * stride_xd,
-            mask=row_ok[:, None] & (cols[None, :] < D),
-            other=0.0,
-        ).to(tl.float32)
-        sq += tl.sum(x * x, axis=1)
+    sq = _row_sq_norms(x_base, rows, row_ok, D, stride_xn, stride_xd, BLOCK_M, BLOCK_D)
     tl.store(inv_ptr + b * N + rows, 1.0 / tl.maximum(tl.sqrt(sq), eps), mask=row_ok)
 
 
@@ -273,15 +321,7 @@ def _normalized_sum_kernel(
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < n
     x_base = X_ptr + b * stride_xb
-    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(
-            x_base + rows[:, None] * stride_xn + cols[None, :] * stride_xd,
-            mask=row_ok[:, None] & (cols[None, :] < D),
-            other=0.0,
-        ).to(tl.float32)
-        sq += tl.sum(x * x, axis=1)
+    sq = _row_sq_norms(x_base, rows, row_ok, D, stride_xn, stride_xd, BLOCK_M, BLOCK_D)
     inv = 1.0 / tl.maximum(tl.sqrt(sq), eps)
     slot = b * blocks + pid
     tl.store(partial_sq_ptr + slot, tl.sum(sq * inv * inv, axis=0))  # sum of ||x̂_i||^2
@@ -341,12 +381,69 @@ def _check_runnable(x: torch.Tensor) -> None:
         )
 
 
-def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:
-    """Tile of the group kernel: GROUPS per program, BLOCK_D, UNROLL and num_warps.
+@dataclass(frozen=True)
+class GroupConfig:
+    """One launch of the group kernel: where it sums over D, and its tile.
 
-    A deterministic rule (no autotuning: the same launch compiled or interpreted). BLOCK_D is
-    one warp's row of 16-byte loads (128 float32), fewer for short rows or large N; GROUPS fills
-    the tile budget; UNROLL chunks of D are loaded before their products are taken.
+    ``num_warps`` should be ``groups * block_d / (32 * elements per 16-byte load)`` (one warp
+    per row of 16-byte loads of the (group, feature) plane) so that warps split the groups,
+    never the rows or D; other values are correct but exchange values through shared memory.
+    """
+
+    variant: GroupVariant
+    groups: int  # groups per program (a power of 2)
+    block_d: int  # features per chunk (a power of 2, >= 16)
+    unroll: int  # chunks of D whose loads are issued together, at most
+    num_warps: int
+
+    def __post_init__(self):
+        if self.variant not in GROUP_VARIANTS:
+            raise ValueError(
+                f"variant must be one of {', '.join(GROUP_VARIANTS)}, got {self.variant!r}"
+            )
+        powers = {"groups": self.groups, "block_d": self.block_d, "num_warps": self.num_warps}
+        odd = {k: v for k, v in powers.items() if v < 1 or v & (v - 1)}
+        if odd or self.block_d < 16 or self.unroll < 1:
+            raise ValueError(
+                "groups, block_d and num_warps must be powers of 2, block_d >= 16 and unroll "
+                f">= 1; got {self}"
+            )
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.variant} G={self.groups} BD={self.block_d} U={self.unroll} W={self.num_warps}"
+        )
+
+    def meta(self, d: int, itemsize: int) -> dict:
+        """The kernel's launch keywords for rows of ``d`` elements of ``itemsize`` bytes."""
+        return dict(
+            VARIANT=GROUP_VARIANTS[self.variant],
+            GROUPS=self.groups,
+            BLOCK_D=self.block_d,
+            VEC=min(max(1, 16 // itemsize), self.block_d),  # elements per 16-byte load
+            UNROLL=max(1, min(self.unroll, triton.cdiv(d, self.block_d))),
+            num_warps=self.num_warps,
+        )
+
+
+# Best measured configuration per (BLOCK_N, D rounded up to a power of 2, bytes per element);
+# every other shape takes the rule of _rule_config. Before this table the kernel ran as
+# "tile G=4 BD=128 U=3 W=4": 26.8 us at B=8192 N=4 D=384 float32 on an H200, 44% of copy,
+# 152 registers (12 warps per SM). "vecsum" issues the same loads and shuffles with 64 fewer
+# registers a thread (Triton 3.9 for sm_90, offline: 128 -> 64), so twice the warps per SM.
+# Predicted, not yet measured: ~15 us. Update from group_kernel_sweep (accel.lab.cases).
+GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
+    (4, 512, 4): GroupConfig("vecsum", groups=4, block_d=128, unroll=3, num_warps=4),
+    (4, 512, 2): GroupConfig("vecsum", groups=4, block_d=128, unroll=3, num_warps=2),
+}
+
+
+def _rule_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
+    """The fallback: a deterministic rule (no autotuning: the same launch compiled or interpreted).
+
+    BLOCK_D is one warp's row of 16-byte loads (128 float32), fewer for short rows or large N;
+    GROUPS fills the tile budget; UNROLL chunks of D are loaded before their products are taken.
 
     Warps: while a group's BLOCK_N^2 x (elements per 16-byte load) products fit a thread
     (N <= 4), as many warps as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps
@@ -362,27 +459,66 @@ def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:
     plane_warps = groups * block_d // (32 * vec)  # one per row of 16-byte loads of the plane
     tile_warps = block_n * block_n * groups * block_d // (32 * 64)  # 64 products per thread
     warps = plane_warps if rows_in_thread else tile_warps
-    return dict(
-        GROUPS=groups,
-        BLOCK_D=block_d,
-        UNROLL=min(GROUP_UNROLL, triton.cdiv(d, block_d)),
+    return GroupConfig(
+        "vecsum",
+        groups=groups,
+        block_d=block_d,
+        unroll=min(GROUP_UNROLL, triton.cdiv(d, block_d)),
         num_warps=max(1, min(8, warps)),
     )
 
 
-def _run_group(x: torch.Tensor, counts: torch.Tensor | None, mode: int):
-    """(out (B,), items (B, N), matrix (B, N, N)); only the mode's outputs are filled."""
+def group_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
+    """The configuration the group kernel launches with: the table's, else the rule's."""
+    table = GROUP_TABLE.get((block_n, triton.next_power_of_2(d), itemsize))
+    return table if table is not None else _rule_config(block_n, d, batch, itemsize)
+
+
+def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:
+    """Launch keywords of :func:`group_config`: GROUPS, BLOCK_D, VEC, UNROLL, num_warps, ..."""
+    return group_config(block_n, d, batch, itemsize).meta(d, itemsize)
+
+
+def _run_group(
+    x: torch.Tensor,
+    counts: torch.Tensor | None,
+    mode: int,
+    config: GroupConfig | None = None,
+):
+    """(out (B,), items (B, N), matrix (B, N, N)); only the mode's outputs are filled.
+
+    ``config`` overrides the table and rule (for sweeps and tests).
+    """
     B, N, D = x.shape
     dev = x.device
     out = torch.empty(B, device=dev, dtype=torch.float32)
     items = torch.empty(B, N, device=dev, dtype=torch.float32) if mode == MODE_NEAREST else out
     matrix = torch.empty(B, N, N, device=dev, dtype=torch.float32) if mode == MODE_MATRIX else out
     block_n = max(2, triton.next_power_of_2(N))
-    config = _group_config(block_n, D, B, x.element_size())
+    if config is None:
+        config = group_config(block_n, D, B, x.element_size())
+    meta = config.meta(D, x.element_size())
     args = (x, counts if counts is not None else out, out, items, matrix, B, N, D, *x.stride(), EPS)
-    grid = (triton.cdiv(B, config["GROUPS"]),)
-    _group_kernel[grid](*args, MODE=mode, HAS_COUNTS=counts is not None, BLOCK_N=block_n, **config)
+    grid = (triton.cdiv(B, meta["GROUPS"]),)
+    _group_kernel[grid](*args, MODE=mode, HAS_COUNTS=counts is not None, BLOCK_N=block_n, **meta)
     return out, items, matrix
+
+
+def run_group_kernel(
+    x: torch.Tensor, reduction: str, config: GroupConfig | None = None
+) -> torch.Tensor:
+    """The group kernel alone on groups ``x`` (B, N <= SMALL_N, D): ``reduction`` "mean" or
+    "nearest" gives (B,) diversities, "matrix" the (B, N, N) distances. For sweeps: no checks
+    beyond the usual, no dispatch; ``config`` picks the launch (default: the table's)."""
+    modes = {"mean": MODE_MEAN, "nearest": MODE_NEAREST, "matrix": MODE_MATRIX}
+    if reduction not in modes:
+        raise ValueError(f"reduction must be one of {', '.join(modes)}, got {reduction!r}")
+    x3, _, _ = check_embeddings(x)
+    _check_runnable(x3)
+    if x3.shape[1] < 2 or x3.shape[1] > SMALL_N:
+        raise ValueError(f"the group kernel takes 2 <= N <= {SMALL_N}, got {tuple(x3.shape)}")
+    mode = modes[reduction]
+    return _run_group(x3, None, mode, config)[2 if mode == MODE_MATRIX else 0]
 
 
 def _run_inv_norms(x: torch.Tensor) -> torch.Tensor:
