@@ -24,6 +24,7 @@ memory events instead, and the CUDA-only parts say so. Importing this module cos
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -436,7 +437,43 @@ class CheckpointedBlocks:
         return f"CheckpointedBlocks({self.names})"
 
 
-def checkpoint_blocks(model: nn.Module, names: Iterable[str]) -> CheckpointedBlocks:
+def _selective_save_ops() -> frozenset:
+    """ATen ops whose outputs selective checkpointing keeps: matrix products and fused
+    attention (costly to recompute). Ops this torch lacks are left out."""
+    aten = torch.ops.aten
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def save_ops_policy(save_ops: Iterable[Any]) -> Callable[[], Any]:
+    """A ``context_fn`` for ``torch.utils.checkpoint``: outputs of ``save_ops`` (ATen
+    overloads, e.g. ``torch.ops.aten.mm.default``) are stored, every other op is recomputed in
+    backward. Memory kept = those outputs; recompute = everything else (for a transformer block
+    with ``SELECTIVE_SAVE``: LayerNorm, GELU, adds and copies, a few % of its FLOPs)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = frozenset(save_ops)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+SELECTIVE_SAVE = _selective_save_ops()
+
+
+def checkpoint_blocks(
+    model: nn.Module, names: Iterable[str], *, save_ops: Iterable[Any] | None = None
+) -> CheckpointedBlocks:
     """Recompute the activations of the named submodules in backward instead of storing them.
 
     Each named block keeps only its inputs during forward (``torch.utils.checkpoint`` with
@@ -444,6 +481,10 @@ def checkpoint_blocks(model: nn.Module, names: Iterable[str]) -> CheckpointedBlo
     transformer block that stores ~17 activations of its width per token, ~16 of them are not
     kept, for the price of one more forward of the block (a step ~1.3x as long when every
     block is checkpointed). Outside autograd (``torch.no_grad``) blocks run as usual.
+
+    ``save_ops`` makes it selective (torch >= 2.4): the outputs of those ATen ops are stored
+    and only the rest is recomputed (:func:`save_ops_policy`; ``SELECTIVE_SAVE`` keeps matrix
+    products and attention): less recompute, less memory saved.
 
     ``names`` are paths as in ``model.named_modules()`` (``"blocks.3"``); an unknown name raises
     ValueError listing close ones; a block already checkpointed raises too. Returns a handle
@@ -464,17 +505,18 @@ def checkpoint_blocks(model: nn.Module, names: Iterable[str]) -> CheckpointedBlo
             raise ValueError(
                 f"checkpoint_blocks: {name!r} is already checkpointed (or its forward was replaced)"
             )
+    context = {} if save_ops is None else {"context_fn": save_ops_policy(save_ops)}
     for name in names:
         module = known[name]
-        module.forward = _checkpointed(module.forward)
+        module.forward = _checkpointed(module.forward, context)
     return CheckpointedBlocks(model, names)
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed(forward: Callable[..., Any], context: dict[str, Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
 
     run.__wrapped__ = forward  # type: ignore[attr-defined]
     return run

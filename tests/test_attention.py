@@ -179,6 +179,27 @@ def test_auto_measures_once_per_signature_and_keys_on_what_matters(monkeypatch, 
     assert A.auto_choices() == {}
 
 
+def test_auto_after_its_measurement_is_one_signature_and_one_lookup(monkeypatch, gen):
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
+    first = A.sdpa(q, k, v)
+    (choice,) = A.auto_choices().values()
+    slow_path = []
+    real = A._checked_signature
+    monkeypatch.setattr(A, "_checked_signature", lambda *a: slow_path.append(1) or real(*a))
+    assert torch.equal(A.sdpa(q, k, v), first) and slow_path == []
+    out, backend = A._sdpa(q, k, v, None, False, None, "auto")
+    assert backend == choice.backend and torch.equal(out, first)
+    A.sdpa(q, k, v, causal=True)  # a new signature takes the checked path and is measured
+    assert slow_path == [1] and len(A.auto_choices()) == 2
+
+
+def test_auto_times_candidates_in_both_orders(monkeypatch):
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    A._median_times(fns, torch.device("cpu"), warmup=0, repeats=2)
+    assert calls == ["a", "b", "c", "b", "a", "c"]  # round 2: reversed (c b a), rotated by 1
+
+
 def test_auto_skips_backends_that_cannot_run_and_keeps_the_reason(device, gen):
     q, k, v = qkv((1, 2, 17, 16), torch.float32, device, gen)
     A.sdpa(q, k, v)

@@ -128,9 +128,23 @@ def test_compile_failure_falls_back_with_a_warning(monkeypatch, baseline, seed):
         r"\(RuntimeError: no compiler here\)",
     ):
         step = ft.build(ft.Flags(compiled_retrieval=True), CPU, seed=seed)
-    assert step.retrieve is ft.retrieval_mix
+    assert step.retrieve is ft.retrieve
     for _ in range(WINDOWS):
         step()
+    ft.compare_results(step.result(), baseline)
+
+
+def test_compiled_retrieval_is_called_without_dynamo_after_its_first_call(
+    monkeypatch, baseline, seed
+):
+    # dynamo's "eager" backend: the capture and the direct calls, without inductor's compile
+    compiled = ft.compile_per_shape(ft.retrieve, backend="eager", direct=True)
+    monkeypatch.setattr(ft, "_compiled_mix", compiled)
+    step = ft.build(ft.Flags(compiled_retrieval=True), CPU, seed=seed)
+    assert step.retrieve is compiled
+    for _ in range(WINDOWS):
+        step()
+    assert compiled.compiles == 1 and compiled.direct_calls == compiled.calls - 1
     ft.compare_results(step.result(), baseline)
 
 

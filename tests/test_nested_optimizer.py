@@ -84,6 +84,7 @@ FLAG_CASES = [info.name for info in describe(no.Flags) if info.is_bool] + [
     "controller_update_every=16",
     "activation_checkpointing=every_2nd",
     "activation_checkpointing=all",
+    "activation_checkpointing=selective",
     "fast",
     "all",
 ]
@@ -221,3 +222,9 @@ def test_graphed_steps_keep_the_eager_result(mode, every):
     assert graph.reason is None and graph.replays > 0
     assert graph.graphs == (2 if mode == "whole_step" and every > 1 else 1)
     no.compare_results(step.result(), run(eager, device="cuda", steps=steps), eager)
+
+
+def test_selective_checkpointing_wraps_every_block_with_a_policy():
+    step = no.build(no.Flags(activation_checkpointing="selective"), CPU)
+    assert step.checkpointed.names == [f"blocks.{i}" for i in range(CPU.layers)]
+    assert no.checkpoint_names("selective", 4) == no.checkpoint_names("all", 4)

@@ -109,3 +109,34 @@ def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
     assert "profiler: " in auto.note
     equal = [r for r in rows if r.case.startswith("vit step")]
     assert all("result equal" in r.note for r in equal), [r.note for r in equal]
+
+
+def test_sweep_records_auto_pick_and_a_second_copy_of_it():
+    sizes = sdpa.SweepSizes((15,), (8,), heads=2, tokens=30, dtype=torch.float32, repeats=3)
+    frame = sdpa.sweep(CPU, sizes, variants=("default", "auto", "flash", "math"))
+    point = frame[(frame["direction"] == "fwd") & ~frame["causal"]]
+    assert point["picked"].iloc[0] in ("flash", "math")
+    assert (point["picked_ms"] > 0).all() and "ms" in point["decision"].iloc[0]
+    rows = sdpa.sweep_rows(frame, BenchContext(CPU, "cpu", FAKE_CEILINGS), judged=False)
+    assert all("auto picked" in r.note and "forced again" in r.note for r in rows)
+    back = sdpa.sweep_frame(pd.DataFrame([r.as_dict() | {"device": "cpu"} for r in rows]))
+    assert set(back["backend"]) == {"default", "auto", "flash", "math"}  # the copy is no line
+    summary = {r.case: r for r in sdpa.sweep_summary_rows(frame, judged=False)}
+    assert {
+        "sweep: worst auto / the same backend forced",
+        "sweep: worst the pick forced again / forced",
+        "sweep: worst auto / default",
+    } <= set(summary)
+    assert summary["sweep: worst auto / the same backend forced"].optimized > 0
+
+
+def test_compare_both_ways_times_every_candidate_in_both_orders(monkeypatch):
+    orders = []
+    real = sdpa.compare
+    monkeypatch.setattr(
+        sdpa, "compare", lambda fns, **kw: orders.append(list(fns)) or real(fns, **kw)
+    )
+    times = sdpa.compare_both_ways({"a": lambda: None, "b": lambda: None}, CPU, repeats=3)
+    assert set(times) == {"a", "b"} and orders == [["a", "b"], ["b", "a"]]
+    sdpa.compare_both_ways({"a": lambda: None}, CPU, repeats=1)  # one sample: one order
+    assert len(orders) == 3

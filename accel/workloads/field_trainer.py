@@ -64,8 +64,9 @@ class Flags:
         "compute the quadratic form g0(v, v) once per step for both LIoR and the speed", "fusion"
     )
     compiled_retrieval: bool = flag(
-        "retrieval softmax and mix through torch.compile (falls back to eager, with a warning, "
-        "where compile cannot run)",
+        "retrieval (metric cost, softmax and mix) through torch.compile, called without "
+        "dynamo once its shapes are known (falls back to eager, with a warning, where compile "
+        "cannot run)",
         "fusion",
     )
     inplace_accumulate: bool = flag(
@@ -188,20 +189,33 @@ def metric_cost(x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor) -> torch.T
     return q.mean(-1)
 
 
+def retrieve(
+    x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor, values: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """The bank's values mixed by ``softmax(-beta * cost)``, cost under the metric ``g``: (B, d).
+
+    Eager, 8 kernels (sub, matmul, mul, mean; mul, softmax, mul, sum). Compiled as one function
+    (``compiled_retrieval``) it is one call of ~7 us host time instead of eight ops of ~5-10 us
+    each: what matters in a launch-bound window (compiling the mix alone saved 4 launches and
+    added dynamo's ~13 us per call: the window got slower, 0.93x on an H200)."""
+    return retrieval_mix(metric_cost(x, keys, g), values, beta)
+
+
 _compiled_mix: CompiledFunction | None = None  # one per process: compiled code is kept per shape
 
 
-def _retrieval(compiled: bool, probe: tuple[torch.Tensor, torch.Tensor, float]) -> Callable:
+def _retrieval(compiled: bool, probe: tuple) -> Callable:
     """The retrieval to use: compiled if asked and it runs here and matches eager on ``probe``.
 
-    The compiled function is a :class:`accel.fusion.CompiledFunction`: ``step.retrieve.compiles``
-    shows how many graphs it has compiled (one per field shape; more means shape churn)."""
+    The compiled function is a :class:`accel.fusion.CompiledFunction` with direct calls:
+    ``step.retrieve.compiles`` shows how many graphs it has compiled (one per field shape; more
+    means shape churn), ``direct_calls`` how many calls skipped dynamo."""
     global _compiled_mix
     if not compiled:
-        return retrieval_mix
+        return retrieve
     try:
         if _compiled_mix is None:  # steps of every size share it; .compiles counts the shapes
-            _compiled_mix = compile_per_shape(retrieval_mix)
+            _compiled_mix = compile_per_shape(retrieve, direct=True)
         _compiled_mix.check(*probe, **TOLERANCE)  # compiles now, not inside the timed window
     except Exception as exc:  # no compiler, no Triton, unsupported platform...
         warnings.warn(
@@ -211,7 +225,7 @@ def _retrieval(compiled: bool, probe: tuple[torch.Tensor, torch.Tensor, float]) 
             RuntimeWarning,
             stacklevel=4,  # the caller of build()
         )
-        return retrieval_mix
+        return retrieve
     return _compiled_mix
 
 
@@ -303,8 +317,9 @@ class Step:
         self._host_rows: list[dict[str, float]] = []
         self._printed = 0
         self.windows = 0
-        cost = metric_cost(self.x, self.keys, self.g0)
-        self.retrieve = _retrieval(flags.compiled_retrieval, (cost, self.values, s.beta))
+        self.retrieve = _retrieval(
+            flags.compiled_retrieval, (self.x, self.keys, self.g0, self.values, s.beta)
+        )
         self.cleaner = memory.CacheCleaner(device, naive_every=CLEANUP_EVERY)
         # The window's device work, graphed when asked: it reads and writes only the tensors
         # above, in place, so a replay is the window. Off a GPU it warns once and runs eagerly.
@@ -346,7 +361,7 @@ class Step:
                 vel_acc = torch.zeros_like(v)
             for t in range(1, s.steps_per_phase + 1):
                 R_sc = curvature(x, self.C)
-                retrieved = self.retrieve(metric_cost(x, self.keys, self.g0), self.values, s.beta)
+                retrieved = self.retrieve(x, self.keys, self.g0, self.values, s.beta)
                 if f.fused_lior:
                     dlior, spd = lior_step_fused(R_sc, v, self.g0, s.eps)
                 else:  # the quadratic form twice

@@ -93,10 +93,11 @@ class Flags:
         "memory",
     )
     activation_checkpointing: str = option(
-        "recompute the chosen blocks' activations in backward instead of storing them",
+        "recompute the chosen blocks' activations in backward instead of storing them "
+        "('selective': every block, keeping matmul and attention outputs, recomputing the rest)",
         "memory",
         default="none",
-        choices=("none", "every_2nd", "all"),
+        choices=("none", "every_2nd", "all", "selective"),
     )
     bf16_autocast: bool = flag(
         "forward under torch.autocast(bfloat16): half the activation bytes, tensor-core "
@@ -250,7 +251,7 @@ def checkpoint_names(choice: str, layers: int) -> list[str]:
     """Block names for the ``activation_checkpointing`` option."""
     if choice == "none":
         return []
-    step = {"all": 1, "every_2nd": 2}[choice]
+    step = {"all": 1, "every_2nd": 2, "selective": 1}[choice]
     return [f"blocks.{i}" for i in range(0, layers, step)]
 
 
@@ -312,7 +313,10 @@ class Step:
             if checkpoint is not None
             else checkpoint_names(flags.activation_checkpointing, sizes.layers)
         )
-        self.checkpointed = memory.checkpoint_blocks(self.model, names)
+        selective = flags.activation_checkpointing == "selective" and checkpoint is None
+        self.checkpointed = memory.checkpoint_blocks(
+            self.model, names, save_ops=memory.SELECTIVE_SAVE if selective else None
+        )
 
         named = self.model.param_groups()
         self.group_names = [n for n, _ in named]

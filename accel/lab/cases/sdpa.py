@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import math
 import re
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,10 @@ TARGET_VIT = 2.5
 VARIANTS = ("manual", "math", "efficient", "flash", "cudnn", "default", "auto")
 SWEEP_VARIANTS = ("default", "auto", "flash", "efficient", "cudnn", "math")
 MATH_SWEEP_BYTES = 1 << 30  # math joins a sweep point only if its float32 scores fit in this
+# A second copy of the forced backend ``auto`` picked, timed in the same comparison at another
+# place in the order: auto against it is auto's own cost; it against the first copy is the
+# measurement's (same kernel, same call, other neighbours).
+PICKED = "pick again"
 # The ATen op each backend dispatches to: what the profiler shows for "which one really ran".
 SDPA_OPS = {
     "aten::_scaled_dot_product_flash_attention": "flash",
@@ -162,6 +167,47 @@ def variant_fn(variant: str, case: AttnCase, q, k, v, grad) -> Callable[[], obje
     return no_grad_forward
 
 
+@dataclass(frozen=True)
+class PointTimes:
+    """One case measured: median ms per variant, the reason of each one skipped, the backend
+    ``auto`` picked and what its own measurement saw (ms per candidate)."""
+
+    times: dict[str, float]
+    skipped: dict[str, str]
+    picked: str = ""
+    decision_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def compare_both_ways(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    *,
+    warmup: int = 2,
+    repeats: int = 10,
+) -> dict[str, float]:
+    """Median ms of each function over ``repeats`` interleaved samples, half taken in one order
+    and half in the reverse order. ``compare`` rotates the order each round, which keeps each
+    candidate behind the same neighbour: a kernel that follows a slow, cool one runs with more
+    of the power budget (on an H200 near 700 TFLOP/s, several %), so a fixed neighbour biases a
+    ratio that reversing the order cancels."""
+    half = max(1, (repeats + 1) // 2)
+    first = compare(fns, warmup=warmup, repeats=half, device=device)
+    samples = {k: list(t.times_ms) for k, t in first.timings.items()}
+    if repeats - half > 0:
+        back = compare(dict(reversed(fns.items())), warmup=0, repeats=repeats - half, device=device)
+        for k, t in back.timings.items():
+            samples[k] += t.times_ms
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def auto_choice(case: AttnCase, q, k, v) -> attention.AutoChoice | None:
+    """What ``auto`` measured for these inputs as :func:`variant_fn` calls them (None if it has
+    not run them yet)."""
+    with torch.set_grad_enabled(case.backward):
+        key = attention.signature(q, k, v, causal=case.causal)
+    return attention.auto_choices().get(key)
+
+
 def measure_case(
     case: AttnCase,
     device: torch.device,
@@ -174,6 +220,25 @@ def measure_case(
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Median ms of each variant that can run ``case``, timed interleaved, and the reason of
     each one skipped. ``auto`` makes its own measurement during the warm-up."""
+    point = measure_point(
+        case, device, variants, repeats=repeats, warmup=warmup, seed=seed, math_bytes=math_bytes
+    )
+    return point.times, point.skipped
+
+
+def measure_point(
+    case: AttnCase,
+    device: torch.device,
+    variants: Sequence[str],
+    *,
+    repeats: int = 10,
+    warmup: int = 2,
+    seed: int = 0,
+    math_bytes: int = MATH_SWEEP_BYTES,
+) -> PointTimes:
+    """:func:`measure_case` with what ``auto`` picked: when auto and its pick both run, a second
+    copy of the pick (``PICKED``) is timed too, all in one comparison taken both ways round
+    (:func:`compare_both_ways`)."""
     q, k, v, grad = make_inputs(case, device, seed)
     fns, skipped = {}, {}
     for variant in variants:
@@ -187,13 +252,14 @@ def measure_case(
             skipped[variant] = getattr(error, "reason", str(error))
             continue
         fns[variant] = fn
-    times = {}
-    if fns:
-        timing = compare(fns, warmup=warmup, repeats=repeats, device=device)
-        times = {name: t.median_ms for name, t in timing.timings.items()}
+    choice = auto_choice(case, q, k, v) if "auto" in fns else None
+    picked = choice.backend if choice is not None else ""
+    if picked in fns:
+        fns[PICKED] = variant_fn(picked, case, q, k, v, grad)
+    times = compare_both_ways(fns, device, warmup=warmup, repeats=repeats) if fns else {}
     del q, k, v, grad, fns
     _free(device)
-    return times, skipped
+    return PointTimes(times, skipped, picked, dict(choice.times_ms) if choice else {})
 
 
 def _free(device: torch.device) -> None:
@@ -343,12 +409,16 @@ def sweep(
     on_point: Callable[[AttnCase], None] | None = None,
 ) -> pd.DataFrame:
     """TFLOP/s of each variant at every sweep point; long format, one row per (point, variant),
-    with ``skipped`` holding the reason where a variant could not run."""
+    with ``skipped`` holding the reason where a variant could not run, and per point the
+    backend ``auto`` picked (``picked``), the time of a second copy of that backend forced
+    (``picked_ms``, see ``PICKED``) and auto's own decision times (``decision``)."""
     rows = []
     for case in sizes.cases():
         if on_point is not None:
             on_point(case)
-        times, skipped = measure_case(case, device, variants, repeats=sizes.repeats)
+        point = measure_point(case, device, variants, repeats=sizes.repeats)
+        times, skipped = point.times, point.skipped
+        decision = " ".join(f"{b}={t:.3g}ms" for b, t in point.decision_ms.items())
         for variant in variants:
             ms = times.get(variant, math.nan)
             rows.append(
@@ -364,9 +434,31 @@ def sweep(
                     "flops": case.flops,
                     "tflop_s": tflop_s(case.flops, ms),
                     "skipped": skipped.get(variant, ""),
+                    "picked": point.picked,
+                    "picked_ms": times.get(PICKED, math.nan),
+                    "decision": decision,
                 }
             )
     return pd.DataFrame(rows)
+
+
+def _pick_note(part: pd.DataFrame) -> tuple[str, float, float]:
+    """What auto picked at one sweep point, as a note, with auto / its pick forced and the
+    control (the pick's second copy / its first)."""
+    first = part.iloc[0]
+    picked = first.get("picked", "") if "picked" in part else ""
+    if not isinstance(picked, str) or not picked:
+        return "", math.nan, math.nan
+    ms = dict(zip(part["backend"], part["ms"], strict=True))
+    vs_forced = ms.get(picked, math.nan) / ms.get("auto", math.nan)
+    control = ms.get(picked, math.nan) / first["picked_ms"]
+    return (
+        f"; auto picked {picked} (its decision: {first['decision']}); "
+        f"auto / {picked} forced = {vs_forced:.3f}; {picked} forced again / {picked} forced = "
+        f"{control:.3f} (same kernel: the measurement's own spread)",
+        vs_forced,
+        control,
+    )
 
 
 def _sweep_case(direction: str, causal: bool, d: int, s: int) -> str:
@@ -395,6 +487,7 @@ def sweep_rows(frame: pd.DataFrame, ctx: BenchContext, judged: bool) -> list[Row
         note = " ".join(f"{b}={v:.4g}" for b, v in rate.items() if not math.isnan(v))
         if skipped:
             note += "; skipped: " + "; ".join(f"{b}: {r[:80]}" for b, r in skipped.items())
+        note += _pick_note(part)[0]
         first = part.iloc[0]
         rows.append(
             Row(
@@ -584,6 +677,16 @@ def causal_training_row(ctx: BenchContext, sizes: BenchSizes, judged: bool) -> R
     times, skipped = measure_case(case, ctx.device, ("default", "auto"), repeats=sizes.repeats)
     auto = tflop_s(case.flops, times["auto"]) if "auto" in times else math.nan
     default = tflop_s(case.flops, times["default"]) if "default" in times else math.nan
+    # which forward kernel each ran (the backward follows it): the sweep's fwd+bwd points
+    # showed default and auto below cuDNN forced, which this tells apart from timing bias
+    q, k, v, grad = make_inputs(case, ctx.device)
+    ran = {
+        name: which_backend(variant_fn(name, case, q, k, v, grad), ctx.device)["backend"]
+        for name in ("default", "auto")
+        if name in times
+    }
+    del q, k, v, grad
+    skipped = skipped | {f"profiler, {n} ran": b for n, b in ran.items()}
     return Row(
         PHASE,
         f"{case.name} auto",
@@ -609,7 +712,34 @@ def sweep_summary_rows(frame: pd.DataFrame, judged: bool) -> list[Row]:
     forced = [b for b in attention.FORCED if b in wide]
     vs_default = (wide["auto"] / wide["default"]).min()
     vs_best = (wide["auto"] / wide[forced].max(axis=1)).min()
-    return [
+    explain = []
+    if "picked" in frame:
+        ratios = [
+            _pick_note(part)[1:]
+            for _, part in frame.groupby(["direction", "causal", "D", "S"], sort=False)
+        ]
+        for name, values, what in (
+            ("auto / the same backend forced", [r[0] for r in ratios], "auto's own cost"),
+            (
+                "the pick forced again / forced",
+                [r[1] for r in ratios],
+                "same kernel twice: the spread of the measurement itself",
+            ),
+        ):
+            values = [x for x in values if not math.isnan(x)]
+            if values:
+                explain.append(
+                    Row(
+                        PHASE,
+                        f"sweep: worst {name}",
+                        "ratio of TFLOP/s",
+                        "x",
+                        min(values),
+                        note=f"no target; {what}; minimum over {len(values)} points, "
+                        f"median {statistics.median(values):.3f}",
+                    )
+                )
+    return explain + [
         Row(
             PHASE,
             f"sweep: worst auto / {name}",
