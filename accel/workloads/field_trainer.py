@@ -349,7 +349,7 @@ class Step:
     def run_window(self) -> None:
         """The device work of one window: both phases; writes ``metrics`` and ``v_mean``."""
         s, f = self.sizes, self.flags
-        x, v, target = self.x, self.v, self.target
+        x, v = self.x, self.v
         for phase, nudge in enumerate((0.0, s.nudge)):
             if f.inplace_accumulate:
                 self._acc.zero_()
@@ -360,22 +360,7 @@ class Step:
                 lior_acc = R_acc = spd_acc = torch.zeros((), device=self.device)
                 vel_acc = torch.zeros_like(v)
             for t in range(1, s.steps_per_phase + 1):
-                R_sc = curvature(x, self.C)
-                retrieved = self.retrieve(x, self.keys, self.g0, self.values, s.beta)
-                if f.fused_lior:
-                    dlior, spd = lior_step_fused(R_sc, v, self.g0, s.eps)
-                else:  # the quadratic form twice
-                    dlior = lior_step(R_sc, v, self.g0, s.eps)
-                    spd = quad_form(v, self.g0, s.eps)
-                if f.vectorized_rotor:
-                    v_rot = sync.apply_givens(v, self.planes, self.theta)
-                else:
-                    v_rot = sync.apply_givens_reference(v, self.host_planes, self.theta)
-                force = retrieved - x
-                if nudge:
-                    force = force + nudge * (target - x)
-                v = (1 - s.damping) * v_rot + s.dt * force
-                x = x + s.dt * v
+                x, v, dlior, R_sc, spd = self.advance(x, v, nudge)
                 if f.inplace_accumulate:
                     lior_acc.add_(dlior.mean())
                     R_acc.add_(R_sc.mean())
@@ -393,6 +378,30 @@ class Step:
             torch.mean(vel_acc, 0, out=self.v_mean[phase]).div_(n)
         self.x.copy_(x)
         self.v.copy_(v)
+
+    def advance(
+        self, x: torch.Tensor, v: torch.Tensor, nudge: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One step of the field: the new ``x`` and ``v`` and the step's LIoR, curvature and
+        speed per point. A pure function of its arguments and the step's fixed tensors."""
+        s, f = self.sizes, self.flags
+        R_sc = curvature(x, self.C)
+        retrieved = self.retrieve(x, self.keys, self.g0, self.values, s.beta)
+        if f.fused_lior:
+            dlior, spd = lior_step_fused(R_sc, v, self.g0, s.eps)
+        else:  # the quadratic form twice
+            dlior = lior_step(R_sc, v, self.g0, s.eps)
+            spd = quad_form(v, self.g0, s.eps)
+        if f.vectorized_rotor:
+            v_rot = sync.apply_givens(v, self.planes, self.theta)
+        else:
+            v_rot = sync.apply_givens_reference(v, self.host_planes, self.theta)
+        force = retrieved - x
+        if nudge:
+            force = force + nudge * (self.target - x)
+        v = (1 - s.damping) * v_rot + s.dt * force
+        x = x + s.dt * v
+        return x, v, dlior, R_sc, spd
 
     def _progress(self, lior: torch.Tensor, R: torch.Tensor, spd: torch.Tensor, inv_t: float):
         if self.log is not None:

@@ -78,13 +78,13 @@ def compile_reduce_overhead(make: Callable[[], Callable[[], object]], device) ->
     return Compiled(fn, time.perf_counter() - start)
 
 
-def _step_begin(fn: Callable[[], object]) -> Callable[[], object]:
+def _step_begin(fn: Callable[..., object]) -> Callable[..., object]:
     """Mark each call as a new step for compile's CUDA-graph trees (outputs of the last replay
-    may be overwritten: we keep none)."""
+    may be overwritten: we keep none past the next call)."""
 
-    def call():
+    def call(*args):
         torch.compiler.cudagraph_mark_step_begin()
-        return fn()
+        return fn(*args)
 
     return call
 
@@ -109,15 +109,16 @@ def window_variants(sizes: ft.Sizes, device, *, with_compile: bool = True) -> di
 
 
 def _compiled_window(sizes: ft.Sizes, device) -> Callable[[], None]:
-    """The eager window's step with ``run_window`` under compile reduce-overhead. The state
-    tensors are marked static (as gpt-fast does for its KV cache): compile's CUDA graphs may
-    then write them in place instead of skipping the graph for mutated inputs."""
+    """The eager window with each step (``Step.advance``) under compile reduce-overhead: one
+    compiled, fused step replayed as a CUDA graph 64 times a window. (Compiling the whole
+    window unrolls its 64 steps: on an H100 that took over 150 s, so it is not the variant.)
+    The step's fixed tensors are marked static (as gpt-fast does for its KV cache), so compile's
+    graphs read them in place instead of copying them in on every call."""
     flags = dataclasses.replace(EAGER_WINDOW, compiled_retrieval=False)  # no compile in compile
     step = ft.build(flags, sizes, device=device)
-    state = [step.x, step.v, step.target, step.metrics, step.v_mean, step._acc, step._vel_acc]
-    for t in [*state, step.log.rows]:
+    for t in (step.C, step.keys, step.values, step.g0, step.planes, step.theta, step.target):
         torch._dynamo.mark_static_address(t)
-    step.window = _step_begin(torch.compile(step.run_window, mode="reduce-overhead"))
+    step.advance = _step_begin(torch.compile(step.advance, mode="reduce-overhead"))
     return step
 
 
