@@ -29,6 +29,7 @@ PHASES: dict[str, str] = {
     "sdpa": "accel.lab.cases.sdpa:run",
     "diversity": "accel.lab.cases.diversity:run",
     "graphs": "accel.lab.cases.graphs:run",
+    "recipe": "accel.lab.cases.recipe:run",
 }
 
 COLUMNS = [

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-Requirement = Literal["cuda", "triton"]
+Requirement = Literal["cuda", "triton", "torchao"]  # torchao: a CUDA GPU and torchao
 
 
 def flag(
@@ -75,6 +75,8 @@ def describe(flags_type: type) -> list[FlagInfo]:
 
 def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
     """Flags that cannot run on ``device``, each with the reason (shown beside its checkbox)."""
+    import importlib.util
+
     device = torch.device(device)
     reasons = {}
     for info in describe(flags_type):
@@ -82,6 +84,10 @@ def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
             reasons[info.name] = f"needs a CUDA GPU; this run is on {device.type}"
         elif info.requires == "triton" and not _has_triton(device):
             reasons[info.name] = "needs Triton on a CUDA GPU (or TRITON_INTERPRET=1)"
+        elif info.requires == "torchao" and device.type != "cuda":
+            reasons[info.name] = f"needs a CUDA GPU and torchao; this run is on {device.type}"
+        elif info.requires == "torchao" and importlib.util.find_spec("torchao") is None:
+            reasons[info.name] = "needs torchao (pip install torchao), which is not installed"
     return reasons
 
 

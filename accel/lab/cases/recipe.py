@@ -1,0 +1,386 @@
+"""Bench phase ``recipe``: the physics-transformer write-up's single-GPU phases on the neural
+operator, each alone and cumulatively: its "performance progression by phase" table, measured.
+Shared with ``notebooks/07_recipe.ipynb``.
+
+Per configuration: time per step and throughput (samples/s; a larger batch counts), peak device
+memory, compile time (apart from every step time) and the validation error after the same number
+of training steps from the same seed. Each timing sample is whole loader epochs (so the epoch's
+worker restart and every step of the inverse-loss schedule are inside it), configurations
+interleaved so drift cancels.
+
+Target (an H100/H200, gpu preset): all recipe flags >= 2.5x the baseline's throughput at equal
+validation error within 3%. "Equal" here means one-sided: the recipe's validation error after
+``train_steps`` steps is at most 1.03x the baseline's after as many steps. A recipe with a larger
+batch has seen more samples by then, so it may well be lower; the row says by how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from accel import memory
+from accel.lab.bench import BenchContext, Row
+from accel.lab.timing import compare
+from accel.workloads import operator as op
+from accel.workloads.flags import label
+
+PHASE = "recipe"
+TARGET_SPEEDUP = 2.5
+TARGET_QUALITY = 1.03  # recipe validation error <= 1.03 x the baseline's, after equal steps
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    repeats: int  # timing samples per configuration, each ``epochs_per_sample`` loader epochs
+    train_steps: int  # steps every configuration has trained when its validation error is read
+    epochs_per_sample: int = 1
+
+
+BENCH_SIZES = {
+    "gpu": BenchSizes(repeats=6, train_steps=300),
+    # 150 steps: the cpu preset has learnt something by then (error ~0.3-0.7; 1.0 = predicting 0)
+    "cpu": BenchSizes(repeats=3, train_steps=150),
+}
+
+
+# ---- the configurations ------------------------------------------------------------------------
+def loader_flags(device: torch.device | str) -> dict:
+    """Phase 4's loader settings: workers generate batches beside the loop, kept across epochs,
+    pinned and copied without blocking on a GPU (the write-up: 3 workers per GPU, prefetch 2)."""
+    on_gpu = torch.device(device).type == "cuda"
+    return dict(
+        loader_workers=4 if on_gpu else 2,
+        persistent_workers=True,
+        pin_memory=on_gpu,
+        non_blocking=True,
+    )
+
+
+def progression(device: torch.device | str) -> dict[str, op.Flags]:
+    """Baseline, then each write-up phase added to the ones before, in its order (phases that
+    cannot run on ``device`` are left out; :func:`skipped` says why)."""
+    off = op.unavailable(device)
+    steps: list[tuple[str, dict]] = [
+        ("1 compile (reduce-overhead)", dict(compile="reduce-overhead")),
+        ("2 checkpointing, 2x batch", dict(activation_checkpointing=True, batch_multiplier=2)),
+        ("3 inverse loss every 4th, half the queries", dict(aux_loss_every=4, query_subsample=2)),
+        ("4 DataLoader settings", loader_flags(device)),
+        ("5 CPU offload optimizer", dict(cpu_offload_optimizer=True)),
+        ("6 bf16 autocast", dict(precision="bf16")),
+        ("8 fused AdamW", dict(fused_adamw=True)),
+    ]
+    configs = {"baseline": op.Flags()}
+    current = op.Flags()
+    for name, change in steps:
+        if any(k in off and v != op.flag_default(k) for k, v in change.items()):
+            continue
+        current = dataclasses.replace(current, **change)
+        configs[f"+ {name}"] = current
+    return configs
+
+
+def alone(device: torch.device | str) -> dict[str, op.Flags]:
+    """Baseline and each phase alone (the precision phase against both float16 with a scaler,
+    the write-up's before, and bfloat16)."""
+    off = op.unavailable(device)
+    candidates = {
+        "compile reduce-overhead": op.Flags(compile="reduce-overhead"),
+        "compile max-autotune": op.Flags(compile="max-autotune"),
+        "checkpointing (same batch)": op.Flags(activation_checkpointing=True),
+        "checkpointing, 2x batch": op.Flags(activation_checkpointing=True, batch_multiplier=2),
+        "inverse loss every 4th": op.Flags(aux_loss_every=4),
+        "inverse loss on half the queries": op.Flags(query_subsample=2),
+        "DataLoader settings": op.Flags(**loader_flags(device)),
+        "CPU offload optimizer": op.Flags(cpu_offload_optimizer=True),
+        "fp16 + gradient scaler": op.Flags(precision="fp16+scaler"),
+        "bf16 autocast": op.Flags(precision="bf16"),
+        "fused AdamW": op.Flags(fused_adamw=True),
+    }
+    configs = {"baseline": op.Flags()}
+    for name, flags in candidates.items():
+        if not any(getattr(flags, k) != op.flag_default(k) for k in off):
+            configs[name] = flags
+    return configs
+
+
+def skipped(device: torch.device | str) -> dict[str, str]:
+    """The flags left out of both tables on ``device``, with the reason."""
+    return op.unavailable(device)
+
+
+def recipe_flags(device: torch.device | str) -> op.Flags:
+    """All recipe flags that can run on ``device``: the last row of :func:`progression`."""
+    return list(progression(device).values())[-1]
+
+
+# ---- cost model ----------------------------------------------------------------------------------
+def step_flops(sizes: op.Sizes, flags: op.Flags | None = None) -> dict[str, float]:
+    """Matrix-product FLOPs of one training step, averaged over the inverse-loss schedule, by
+    part: ``encoder``, ``decoder``, ``inverse`` and ``total`` (per sample: ``per_sample``).
+
+    A self-attention block of n tokens costs per token 2 d^2 (4 + 2 r) in its projections and
+    MLP (q, k, v, out: 4 d^2; MLP: 2 r d^2) plus 4 n d in attention; backward is twice the
+    forward; checkpointing adds one more forward of every block."""
+    flags = flags or op.Flags()
+    d, r = sizes.dim, sizes.mlp_ratio
+    g, q = sizes.grid, sizes.queries
+    aux_q = max(1, q // flags.query_subsample)
+    batch = sizes.batch * flags.batch_multiplier
+    passes = 4 if flags.activation_checkpointing else 3
+    encoder = sizes.depth * g * (2 * d * d * (4 + 2 * r) + 4 * g * d)
+    # cross-attention: q, out and MLP on the queries, k and v on the grid tokens
+    decoder = sizes.decoder_depth * (q * (2 * d * d * (2 + 2 * r) + 4 * g * d) + g * 4 * d * d)
+    inverse = sizes.inverse_depth * aux_q * (2 * d * d * (4 + 2 * r) + 4 * aux_q * d)
+    parts = {
+        "encoder": passes * batch * encoder,
+        "decoder": passes * batch * decoder,
+        "inverse": passes * batch * inverse / flags.aux_loss_every,
+    }
+    parts["total"] = sum(parts.values())
+    parts["per_sample"] = parts["total"] / batch
+    return parts
+
+
+# ---- measuring -----------------------------------------------------------------------------------
+def measure(
+    configs: dict[str, op.Flags],
+    sizes: op.Sizes,
+    device: torch.device | str,
+    *,
+    repeats: int = 3,
+    train_steps: int = 40,
+    epochs_per_sample: int = 1,
+    seed: int = 0,
+    on_progress: Callable[[str], None] | None = None,
+) -> pd.DataFrame:
+    """Build, time (interleaved) and train every configuration; one row per configuration.
+
+    Columns: ``config``, ``flags`` (the label), ``batch``, ``step_ms`` (median per step),
+    ``iqr_ms``, ``samples_per_s``, ``speedup`` (throughput over the first configuration's),
+    ``peak_mib``, ``compile_s``, ``val_error`` (after ``train_steps`` steps), ``val_vs_baseline``
+    (ratio to the first configuration's), ``aux_calls`` (inverse-loss passes in those steps).
+    """
+    dev = torch.device(device)
+    names = list(configs)
+    per_sample = sizes.epoch_batches * epochs_per_sample
+    cycle = math.lcm(per_sample, *(f.aux_loss_every for f in configs.values()))
+    if cycle != per_sample:
+        raise ValueError(
+            f"a timing sample of {per_sample} steps does not hold whole inverse-loss cycles "
+            f"({cycle}); use epochs_per_sample so that it does"
+        )
+    timed_steps = 2 + per_sample * (1 + repeats)  # 2 for memory, 1 sample of warm-up
+    if train_steps < timed_steps:
+        raise ValueError(f"train_steps {train_steps} < the {timed_steps} steps timing takes")
+    steps, peaks = {}, {}
+    try:
+        for name in names:
+            if on_progress:
+                on_progress(f"building {name}")
+            steps[name], peaks[name] = _build_and_footprint(configs[name], sizes, dev, seed)
+        if on_progress:
+            on_progress("timing")
+        timing = compare(
+            steps,
+            baseline=names[0],
+            warmup=per_sample,
+            repeats=repeats,
+            calls_per_sample=per_sample,
+            device=dev,
+        )
+        rows = []
+        for name, step in steps.items():
+            if on_progress:
+                on_progress(f"training {name}")
+            while step.count < train_steps:
+                step()
+            t = timing.timings[name]
+            rows.append(
+                {
+                    "config": name,
+                    "flags": label(step.flags),
+                    "batch": step.samples_per_step,
+                    "step_ms": t.median_ms,
+                    "iqr_ms": t.iqr_ms,
+                    "samples_per_s": step.samples_per_step * 1e3 / t.median_ms,
+                    "peak_mib": peaks[name] / memory.MiB,
+                    "compile_s": step.compile_seconds,
+                    "val_error": step.validation_error(),
+                    "aux_calls": step.aux_calls,
+                    "train_steps": step.count,
+                }
+            )
+    finally:
+        for step in steps.values():
+            step.close()
+        steps.clear()
+        _free(dev)
+    frame = pd.DataFrame(rows)
+    frame["speedup"] = frame["samples_per_s"] / frame["samples_per_s"].iloc[0]
+    frame["val_vs_baseline"] = frame["val_error"] / frame["val_error"].iloc[0]
+    return frame
+
+
+def _build_and_footprint(
+    flags: op.Flags, sizes: op.Sizes, device: torch.device, seed: int
+) -> tuple[op.Step, int]:
+    """The built step after two training steps, and its peak device memory: on CUDA everything
+    it allocated at its highest (weights, optimizer state, activations, graph pools, compile's
+    warm-up); on a CPU the resident weights, gradients and optimizer state plus the peak of a
+    step above them (the profiler's allocation records)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step = op.build(flags, sizes, device=device, seed=seed)
+        step(), step()
+        torch.cuda.synchronize(device)
+        return step, torch.cuda.max_memory_allocated(device) - before
+    step = op.build(flags, sizes, device=device, seed=seed)
+    step()
+    peak = memory.peak_memory(step, device=device)
+    return step, step.resident_bytes() + peak
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def aux_call_counts(sizes: op.Sizes, steps: int, every: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
+    """Inverse-loss passes in ``steps`` training steps for each ``aux_loss_every``: counted on
+    built steps (tiny, on the CPU), not computed."""
+    counts = {}
+    for k in every:
+        step = op.build(op.Flags(aux_loss_every=k), sizes)
+        for _ in range(steps):
+            step()
+        counts[k] = step.aux_calls
+    return counts
+
+
+class Epoch:
+    """One loader epoch of training steps per call (``sizes.epoch_batches``): what the panel
+    times, so every sample holds the epoch's worker restart and whole inverse-loss cycles."""
+
+    def __init__(self, step: op.Step):
+        self.step, self.flags = step, step.flags
+
+    def __call__(self) -> None:
+        for _ in range(self.step.sizes.epoch_batches):
+            self.step()
+
+
+# ---- plots ---------------------------------------------------------------------------------------
+def progression_figure(frame: pd.DataFrame, title: str = "Performance progression by phase"):
+    """Throughput per configuration (bars, speedup over the baseline on each) beside the
+    validation error after equal steps (markers, right axis)."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_bar(
+        x=frame["config"],
+        y=frame["samples_per_s"],
+        text=[f"{s:.2f}x" for s in frame["speedup"]],
+        name="throughput (samples/s)",
+    )
+    fig.add_scatter(
+        x=frame["config"],
+        y=frame["val_error"],
+        mode="markers+lines",
+        name="validation error after equal steps",
+        secondary_y=True,
+    )
+    fig.update_yaxes(title_text="samples/s", secondary_y=False)
+    fig.update_yaxes(title_text="relative L2 error", secondary_y=True, rangemode="tozero")
+    return fig.update_layout(template="plotly_white", height=420, title=title)
+
+
+# ---- the bench phase -----------------------------------------------------------------------------
+def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = None) -> list[Row]:
+    """One throughput row per configuration; ``target`` names the row judged against the
+    issue's target (throughput and validation error)."""
+    base = frame.iloc[0]
+    out = []
+    for _, r in frame.iterrows():
+        note = (
+            f"{r['flags']}; {r['step_ms']:.3g} ms/step at batch {r['batch']}; peak "
+            f"{r['peak_mib']:,.0f} MiB; validation error {r['val_error']:.4g} after "
+            f"{r['train_steps']} steps ({r['val_vs_baseline'] - 1:+.1%} vs baseline)"
+        )
+        if r["compile_s"]:
+            note += f"; compile {r['compile_s']:.1f} s (not in the step time)"
+        is_target = r["config"] == target
+        met = None
+        if is_target and judged:
+            met = bool(r["speedup"] >= TARGET_SPEEDUP and r["val_vs_baseline"] <= TARGET_QUALITY)
+        out.append(
+            Row(
+                PHASE,
+                f"{group}: {r['config']}",
+                "training throughput",
+                "samples/s",
+                r["samples_per_s"],
+                baseline=base["samples_per_s"],
+                higher_is_better=True,
+                target=f">= {TARGET_SPEEDUP}x, validation error <= {TARGET_QUALITY}x"
+                if is_target
+                else "",
+                met=met,
+                note=note,
+            )
+        )
+    return out
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    judged = ctx.device.type == "cuda" and ctx.preset == "gpu"
+    sizes, bench = op.Sizes.preset(ctx.preset), BENCH_SIZES[ctx.preset]
+    kwargs = dict(
+        repeats=bench.repeats,
+        train_steps=bench.train_steps,
+        epochs_per_sample=bench.epochs_per_sample,
+    )
+    t0 = time.perf_counter()
+    cumulative = measure(progression(ctx.device), sizes, ctx.device, **kwargs)
+    last = cumulative["config"].iloc[-1]
+    out = rows(cumulative, "cumulative", judged=judged, target=last)
+    out += rows(measure(alone(ctx.device), sizes, ctx.device, **kwargs), "alone", judged=judged)
+    left_out = skipped(ctx.device)
+    note = f"bench took {time.perf_counter() - t0:.0f} s"
+    if left_out:
+        note += "; left out here: " + "; ".join(f"{k}: {v}" for k, v in left_out.items())
+    out.append(
+        Row(
+            PHASE,
+            "recipe: validation error after equal steps",
+            f"relative L2 error of the field after {bench.train_steps} steps",
+            "",
+            cumulative["val_error"].iloc[-1],
+            baseline=cumulative["val_error"].iloc[0],
+            target=f"<= {TARGET_QUALITY}x baseline",
+            met=bool(cumulative["val_vs_baseline"].iloc[-1] <= TARGET_QUALITY) if judged else None,
+            note=f"{cumulative['flags'].iloc[-1]}; speedup = baseline error / recipe error; "
+            + note,
+        )
+    )
+    if not judged:
+        out = [
+            dataclasses.replace(
+                r,
+                met=None,
+                note=f"not judged: targets are for a CUDA GPU with the gpu preset, this is "
+                f"{ctx.device.type} with preset {ctx.preset}; {r.note}",
+            )
+            for r in out
+        ]
+    return out
