@@ -128,11 +128,11 @@ class GraphedStep:
     """``fn`` captured into a CUDA graph on first use, replayed on every later call.
 
     The first ``warmup`` calls run ``fn`` eagerly on a side stream (real calls: they do their
-    work and return their results; lazy state such as optimizer moments and cuBLAS workspaces
-    is created then, outside the graph). The next call copies its inputs into static buffers,
-    captures ``fn`` on them, replays the graph and returns its static outputs. Every later call
-    copies its inputs in and replays. Outputs are the same tensors every call, overwritten by
-    the next replay: clone what you keep.
+    work and return their results; lazy state such as optimizer moments is created then,
+    outside the graph). The next call copies its inputs into static buffers, captures ``fn`` on
+    them, replays the graph and returns its static outputs. Every later call copies its inputs
+    in and replays. Outputs are the same tensors every call, valid until the next call of any
+    graph in the same pool (its replay may overwrite them): clone what you keep.
 
     Arguments may be tensors (on the graph's device) and hashable constants, nested in tuples,
     lists and dicts. A call whose shapes, dtypes, devices or constants differ from the captured
@@ -308,6 +308,7 @@ class GraphedStep:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize(self._device)
+        _clear_cublas_workspaces()  # the capture's cuBLAS workspace then lives in our pool
         inner: list[BaseException] = []
         try:
             with torch.cuda.graph(
@@ -322,6 +323,7 @@ class GraphedStep:
                     inner.append(exc)
                     raise
         except Exception as exc:
+            _clear_cublas_workspaces()
             torch.cuda.synchronize(self._device)  # a failed capture leaves no work behind
             cause = inner[0] if inner else exc
             args, kwargs = pytree.tree_unflatten(leaves, spec)
@@ -332,6 +334,7 @@ class GraphedStep:
                 kwargs,
                 stacklevel=5,
             )
+        _clear_cublas_workspaces()  # later eager matmuls must not share the graph's workspace
         bad = next(
             (
                 t
@@ -398,6 +401,17 @@ class GraphedStep:
             f"GraphedStep({self.name}, {state}, captures={self.captures}, "
             f"replays={self.replays}, eager_calls={self.eager_calls})"
         )
+
+
+def _clear_cublas_workspaces() -> None:
+    """Drop cuBLAS's cached per-stream workspaces (as compile's CUDA-graph trees do around their
+    captures). A graph records the workspace address its matrix products use; captured after a
+    clear, that workspace is allocated in the graph's own pool and lives as long as the graph.
+    Captured with a workspace from before, the graph would write into memory that anyone who
+    clears the cache (compile's graph trees do, on every recording) hands to other tensors."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private, torch >= 2.0
+    if clear is not None:
+        clear()
 
 
 def pool_bytes(pool: Any, device: torch.device | str | int | None = None) -> int:
