@@ -429,12 +429,13 @@ class GroupConfig:
 
 # Best measured configuration per (BLOCK_N, D rounded up to a power of 2, bytes per element);
 # every other shape takes the rule of _rule_config. Before this table the kernel ran as
-# "tile G=4 BD=128 U=3 W=4": 26.8 us at B=8192 N=4 D=384 float32 on an H200, 44% of copy,
-# 152 registers (12 warps per SM). "vecsum" issues the same loads and shuffles with 64 fewer
-# registers a thread (Triton 3.9 for sm_90, offline: 128 -> 64), so twice the warps per SM.
-# Predicted, not yet measured: ~15 us. Update from group_kernel_sweep (accel.lab.cases).
+# "tile G=4 BD=128 U=3 W=4": 152 registers a thread (12 warps per SM), 44% of copy. Measured by
+# group_kernel_sweep (accel.lab.cases.diversity) on an H200 at B=8192 N=4 D=384 (2026-11-22):
+# float32 "vecsum G=1 BD=128 U=1 W=1" 18.2 us, 65% of copy (tile G=4 W=4: 30.2 us; vecsum G=4
+# W=4: 25.6 us): one group per one-warp program, the most programs in flight; bfloat16 "vecsum
+# G=4 BD=128 U=3 W=2" 16.5 us, 36% (the best of those swept; G=1 W=1 not yet swept for bf16).
 GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
-    (4, 512, 4): GroupConfig("vecsum", groups=4, block_d=128, unroll=3, num_warps=4),
+    (4, 512, 4): GroupConfig("vecsum", groups=1, block_d=128, unroll=1, num_warps=1),
     (4, 512, 2): GroupConfig("vecsum", groups=4, block_d=128, unroll=3, num_warps=2),
 }
 
