@@ -30,6 +30,7 @@ PHASES: dict[str, str] = {
     "diversity": "accel.lab.cases.diversity:run",
     "graphs": "accel.lab.cases.graphs:run",
     "recipe": "accel.lab.cases.recipe:run",
+    "distributed": "accel.lab.cases.distributed:run",
 }
 
 COLUMNS = [

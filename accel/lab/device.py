@@ -55,10 +55,15 @@ def slug(name: str) -> str:
 
 
 def results_stem(device: torch.device | str | None = None) -> str:
-    """The stem of this machine's files under ``results/``: the GPU's name, or 'cpu-' + model."""
+    """The stem of this machine's files under ``results/``: the GPU's name (with '-xN' on a
+    machine of N > 1 GPUs, whose multi-GPU rows must not replace a one-GPU machine's), or
+    'cpu-' + model."""
     device = torch.device(device) if device is not None else default_device()
     name = slug(device_name(device))
-    return name if device.type == "cuda" else f"cpu-{name}"
+    if device.type != "cuda":
+        return f"cpu-{name}"
+    count = torch.cuda.device_count()
+    return f"{name}-x{count}" if count > 1 else name
 
 
 @functools.cache

@@ -1,0 +1,288 @@
+"""Bench phase ``distributed``: one GPU against DDP and FSDP2 on every GPU present, with torch's
+default communication settings and with the tuned ones. Shared with
+``notebooks/08_distributed.ipynb``.
+
+Rows, for N GPUs (N >= 2; with fewer the rows say what was skipped): throughput of each
+configuration against one GPU, its scaling efficiency (throughput / (N x one GPU)), parameter +
+optimizer-state memory per GPU (FSDP2 against DDP) and peak memory per GPU. Weak scaling on GPUs:
+every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (the
+issue's, at the gpu preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x
+DDP's; four GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+import torch
+
+from accel import distributed
+from accel.distributed import TUNED_COMM, RunResult
+from accel.lab.bench import BenchContext, Row
+
+OPERATOR_TASK = "accel.workloads.operator:distributed_task"
+CONFIGS: dict[str, dict[str, Any]] = {
+    "one": {"wrapper": "none"},
+    "ddp": {"wrapper": "ddp"},
+    "ddp tuned": {"wrapper": "ddp", **TUNED_COMM},
+    "fsdp2": {"wrapper": "fsdp2"},
+    "fsdp2 tuned": {"wrapper": "fsdp2", **TUNED_COMM},
+}
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Targets:
+    speedup: float  # DDP throughput over one GPU's, at least
+    memory: float  # FSDP2's parameter + optimizer memory per GPU over DDP's, at most
+
+
+TARGETS = {2: Targets(speedup=1.8, memory=0.6), 4: Targets(speedup=3.4, memory=0.35)}
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    steps: int
+    warmup: int
+    scaling: str
+    autocast: str | None
+
+
+BENCH_SIZES = {
+    "gpu": BenchSizes(steps=30, warmup=5, scaling="weak", autocast="bf16"),
+    "cpu": BenchSizes(steps=8, warmup=2, scaling="strong", autocast=None),
+}
+
+
+def pick_task() -> tuple[str, str]:
+    """The operator workload's task where it exists, else the built-in toy; and a note saying
+    which."""
+    if importlib.util.find_spec("accel.workloads.operator") is not None:
+        from accel.workloads import operator
+
+        if hasattr(operator, "distributed_task"):
+            return OPERATOR_TASK, "the neural-operator workload"
+    return distributed.DEFAULT_TASK, "the toy MLP (accel.workloads.operator is not there yet)"
+
+
+def measure(
+    task: str,
+    nprocs: int,
+    *,
+    preset: str,
+    sizes: BenchSizes,
+    configs: dict[str, dict[str, Any]] | None = None,
+    one_in_process: bool = False,
+    on_run: Callable[[str, RunResult], None] | None = None,
+    **options: Any,
+) -> dict[str, RunResult]:
+    """Launch every configuration (``"one"`` on one process, the rest on ``nprocs``), one after
+    another; ``options`` go to every :func:`accel.distributed.launch` (checkpoints, backend)."""
+    runs = {}
+    for label, config in (configs or CONFIGS).items():
+        single = config["wrapper"] == "none"
+        runs[label] = distributed.launch(
+            task,
+            1 if single else nprocs,
+            steps=sizes.steps,
+            warmup=sizes.warmup,
+            preset=preset,
+            scaling=sizes.scaling,
+            autocast=sizes.autocast,
+            in_process=one_in_process if single else False,
+            **config,
+            **options,
+        )
+        if on_run is not None:
+            on_run(label, runs[label])
+    return runs
+
+
+def table(runs: dict[str, RunResult]) -> pd.DataFrame:
+    """One row per configuration: throughput, speedup and scaling efficiency against ``one``,
+    memory per rank (the largest over ranks), loss and validation error."""
+    one = runs["one"].summary["samples_per_s"] if "one" in runs else math.nan
+    rows = []
+    for label, run in runs.items():
+        s, n = run.summary, run.config.nprocs
+        rows.append(
+            {
+                "config": label,
+                "wrapper": run.config.wrapper,
+                "comm": "tuned" if run.config.comm_tuned else "default",
+                "nprocs": n,
+                "samples_per_s": s["samples_per_s"],
+                "speedup": s["samples_per_s"] / one,
+                "scaling_efficiency": s["samples_per_s"] / (n * one),
+                "median_step_ms": s["median_step_ms"],
+                "state_mib_per_rank": run.ranks["state_bytes"].max() / MiB,
+                "peak_mib_per_rank": run.ranks["peak_memory_bytes"].max() / MiB,
+                "final_loss": s["final_loss"],
+                "validation_error": s["validation_error"],
+                "notes": s["notes"],
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
+    """Bench rows from :func:`measure`'s runs."""
+    frame = table(runs).set_index("config")
+    one = frame.loc["one"]
+    n = int(frame.drop(index="one")["nprocs"].max())
+    targets = TARGETS.get(n)
+    first = next(iter(runs.values())).config
+    note = (
+        f"{where}; {first.scaling} scaling, preset {first.preset}, autocast {first.autocast}; "
+        f"median of {first.steps - first.warmup} steps after {first.warmup} warm-up, rank 0; "
+        "launches one after another"
+    )
+    out = [
+        Row(
+            "distributed",
+            "one_gpu throughput",
+            "training throughput on one process",
+            "samples/s",
+            one["samples_per_s"],
+            note=note,
+        )
+    ]
+    for label, r in frame.drop(index="one").iterrows():
+        is_ddp = r["wrapper"] == "ddp"
+        extra = f"; {r['notes']}" if r["notes"] else ""
+        out.append(
+            Row(
+                "distributed",
+                f"{label} x{n} throughput",
+                f"training throughput on {n} ranks against one",
+                "samples/s",
+                r["samples_per_s"],
+                baseline=one["samples_per_s"],
+                higher_is_better=True,
+                target=f">= {targets.speedup}x" if targets and is_ddp else "",
+                met=bool(r["speedup"] >= targets.speedup)
+                if judged and targets and is_ddp
+                else None,
+                note=note + extra,
+            )
+        )
+        out.append(
+            Row(
+                "distributed",
+                f"{label} x{n} scaling_efficiency",
+                f"throughput / ({n} x one rank's)",
+                "fraction",
+                r["scaling_efficiency"],
+                baseline=1.0,
+                higher_is_better=True,
+                note=note,
+            )
+        )
+    ddp_state = frame.loc["ddp", "state_mib_per_rank"] if "ddp" in frame.index else math.nan
+    for label, r in frame.drop(index="one").iterrows():
+        is_fsdp = r["wrapper"] == "fsdp2"
+        out.append(
+            Row(
+                "distributed",
+                f"{label} x{n} state_memory",
+                "parameter + optimizer-state memory per rank"
+                + (" against DDP's" if is_fsdp else " against one rank's"),
+                "MiB",
+                r["state_mib_per_rank"],
+                baseline=ddp_state if is_fsdp else one["state_mib_per_rank"],
+                target=(
+                    f"<= {targets.memory}x (speedup >= {1 / targets.memory:.2f})"
+                    if targets and is_fsdp
+                    else ""
+                ),
+                met=(
+                    bool(r["state_mib_per_rank"] / ddp_state <= targets.memory)
+                    if judged and targets and is_fsdp
+                    else None
+                ),
+                note=f"{where}; bytes of each rank's own parameter and AdamW-state tensors "
+                "(FSDP2: its shards); largest over ranks",
+            )
+        )
+        if not math.isnan(r["peak_mib_per_rank"]):
+            out.append(
+                Row(
+                    "distributed",
+                    f"{label} x{n} peak_memory",
+                    "peak allocated memory per GPU during training against one GPU's",
+                    "MiB",
+                    r["peak_mib_per_rank"],
+                    baseline=one["peak_mib_per_rank"],
+                    note=f"{where}; torch.cuda.max_memory_allocated, largest over ranks",
+                )
+            )
+    return out
+
+
+def skipped_rows(present: int, *, reason: str) -> list[Row]:
+    """A row per target that needs more GPUs than ``present``, saying so."""
+    return [
+        Row(
+            "distributed",
+            f"ddp x{n} throughput",
+            f"training throughput on {n} GPUs against one",
+            "samples/s",
+            math.nan,
+            target=f">= {t.speedup}x; FSDP2 state memory <= {t.memory}x DDP's",
+            note=f"skipped: needs {n} GPUs; {reason}. The same run is written for any N",
+        )
+        for n, t in TARGETS.items()
+        if n > present
+    ]
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    task, which = pick_task()
+    on_gpu = ctx.device.type == "cuda"
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    if on_gpu and gpus < 2:
+        return skipped_rows(gpus, reason=f"{gpus} GPU present; DDP and FSDP2 need two or more")
+    nprocs = gpus if on_gpu else 2
+    judged = on_gpu and ctx.preset == "gpu"
+    where = (
+        f"{nprocs} GPUs, nccl, task {task} ({which})"
+        if judged
+        else f"not judged: the targets are for GPUs with the gpu preset, this is {nprocs} "
+        f"{'GPU' if on_gpu else 'gloo CPU'} processes with preset {ctx.preset}; task {task}"
+    )
+    sizes = BENCH_SIZES["gpu" if on_gpu else "cpu"]
+    runs = measure(task, nprocs, preset=ctx.preset, sizes=sizes)
+    skipped = skipped_rows(nprocs, reason=f"{nprocs} GPUs present") if on_gpu else []
+    return rows(runs, judged=judged, where=where) + skipped
+
+
+def figures(frame: pd.DataFrame, *, title: str = "") -> dict[str, Any]:
+    """Throughput, scaling efficiency and memory per rank from :func:`table`, as plotly figures."""
+    import plotly.express as px
+
+    colors = {"default": "#4c78a8", "tuned": "#f58518"}
+    common = {"x": "config", "color": "comm", "color_discrete_map": colors, "text_auto": ".3g"}
+    throughput = px.bar(frame, y="samples_per_s", title=f"{title}throughput", **common)
+    efficiency = px.bar(frame, y="scaling_efficiency", title=f"{title}scaling efficiency", **common)
+    efficiency.add_hline(y=1.0, line_dash="dot", annotation_text="perfect")
+    memory_cols = ["state_mib_per_rank"] + (
+        ["peak_mib_per_rank"] if frame["peak_mib_per_rank"].notna().any() else []
+    )
+    long = frame.melt(id_vars=["config"], value_vars=memory_cols, var_name="what")
+    memory = px.bar(
+        long,
+        x="config",
+        y="value",
+        color="what",
+        barmode="group",
+        text_auto=".3g",
+        title=f"{title}memory per rank (MiB)",
+    )
+    for fig in (throughput, efficiency, memory):
+        fig.update_layout(template="plotly_white", height=320, margin=dict(t=50, b=30))
+    return {"throughput": throughput, "efficiency": efficiency, "memory": memory}

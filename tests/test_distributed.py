@@ -1,0 +1,296 @@
+"""accel.distributed on the CPU: 2 gloo processes under torchrun against one process.
+
+A launch costs a few seconds (torch is imported by the launcher and by every rank), so the runs
+are shared: one process, DDP and FSDP2 once each (each saving a checkpoint after step 3), then the
+checkpoints are loaded in this process. Every other test launches at most once.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from accel import distributed as D
+from accel.lab.cases import distributed as bench
+
+STEPS, SAVE_AT = 7, 3
+# fp32 on both sides; only the order of the gradient sums differs (over 8 samples, or 2 x 4 then
+# averaged across ranks), and AdamW's division by sqrt(v) grows that over steps
+LOSS_TOL = {"rtol": 1e-4, "atol": 1e-6}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def hanging_task(preset: str, seed: int) -> D.Task:
+    """The toy task whose rank 1 stops answering at step 1 (for the timeout test)."""
+    task = D.toy_task(preset, seed)
+    healthy = task.batch
+
+    def batch(step, rank, world, device):
+        if os.environ.get("RANK") == "1" and step >= 1:
+            time.sleep(3600)
+        return healthy(step, rank, world, device)
+
+    return D.Task(task.model, batch, task.loss, task.validate)
+
+
+def not_a_task(preset: str, seed: int):
+    return torch.nn.Linear(2, 2)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed")
+    common = {"steps": STEPS, "preset": "cpu", "seed": 3, "checkpoint_at": SAVE_AT}
+    return {
+        # as one rank under torchrun (the bench's baseline); the loads below run in this process
+        "one": D.launch(**common, checkpoint_dir=root / "one", in_process=False),
+        "ddp": D.launch(nprocs=2, wrapper="ddp", **common, checkpoint_dir=root / "ddp"),
+        "fsdp2": D.launch(nprocs=2, wrapper="fsdp2", **common, checkpoint_dir=root / "fsdp2"),
+    }
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_two_ranks_give_the_loss_of_one_process(runs, wrapper):
+    one, run = runs["one"], runs[wrapper]
+    assert run.config.backend == "gloo" and list(run.ranks["rank"]) == [0, 1]
+    assert (run.steps["samples"] == 8).all()  # the global batch: 2 shares of 4
+    expected = torch.tensor(one.steps["loss"].to_numpy())
+    torch.testing.assert_close(torch.tensor(run.steps["loss"].to_numpy()), expected, **LOSS_TOL)
+    # each rank's own loss is its share's: they differ, and average to the global loss
+    assert not run.steps["local_loss"].equals(run.steps["loss"])
+    assert expected[-1] < expected[0]  # it learns
+    ranks = run.ranks
+    assert ranks["final_loss"].nunique() == 1 and ranks["validation_error"].nunique() == 1
+    assert ranks["validation_error"].iloc[0] == pytest.approx(
+        one.summary["validation_error"], rel=1e-4
+    )
+    assert (ranks["samples_per_s"] > 0).all() and (ranks["median_step_ms"] > 0).all()
+    assert len(run.steps) == STEPS and run.steps["warmup"].sum() == 2
+
+
+def test_fsdp2_holds_half_the_state_of_ddp_per_rank(runs):
+    ddp, fsdp = runs["ddp"].ranks, runs["fsdp2"].ranks
+    params = int(ddp["param_count"].iloc[0])
+    assert (fsdp["param_count"] == params).all()  # global count, from the sharded tensors
+    assert (ddp["param_bytes"] == 4 * params).all()
+    assert (fsdp["param_bytes"] == 2 * params).all()  # every toy dimension splits evenly in two
+    for frame, wrapper in ((ddp, "ddp"), (fsdp, "fsdp2")):
+        model = D.state_bytes_per_rank(params, 2, wrapper)
+        # plus AdamW's step counters: one 4-byte scalar per parameter tensor, not sharded
+        assert (frame["state_bytes"] - model).between(0, 4 * 64).all(), frame["state_bytes"]
+    assert (fsdp["state_bytes"] / ddp["state_bytes"]).max() < 0.51
+    assert "fully_shard on 2 blocks + root" in fsdp["notes"].iloc[0]
+
+
+@pytest.mark.parametrize("saved_by", ["ddp", "fsdp2", "one"])
+def test_checkpoint_saved_on_two_ranks_loads_on_one_and_continues(runs, saved_by):
+    # also one process to one process; FSDP2's shards and DDP's replicas load unwrapped
+    saved = runs[saved_by].config.checkpoint_dir
+    meta = D.checkpoint_meta(saved)
+    assert meta["step"] == SAVE_AT and meta["wrapper"] == runs[saved_by].config.wrapper
+    assert meta["world_size"] == (1 if saved_by == "one" else 2)
+    resumed = D.launch(steps=STEPS - SAVE_AT, preset="cpu", seed=3, load_from=saved)
+    assert resumed.steps["step"].tolist() == list(range(SAVE_AT, STEPS))
+    assert resumed.summary["start_step"] == SAVE_AT
+    expected = runs["one"].steps["loss"].to_numpy()[SAVE_AT:]
+    torch.testing.assert_close(
+        torch.tensor(resumed.steps["loss"].to_numpy()), torch.tensor(expected), **LOSS_TOL
+    )
+    # in this process or as one rank: the same metrics
+    assert list(resumed.steps.columns) == list(runs["one"].steps.columns)
+    assert list(resumed.ranks.columns) == list(runs["one"].ranks.columns)
+    assert resumed.summary["backend"] == "none" and runs["one"].summary["backend"] == "gloo"
+
+
+def test_loading_another_tasks_checkpoint_says_whose_it_is(runs):
+    saved = runs["one"].config.checkpoint_dir
+    with pytest.raises(ValueError, match=r"saved by task 'accel\.distributed:toy_task'"):
+        D.launch(f"{__name__}:hanging_task", steps=1, preset="cpu", load_from=saved)
+
+
+def children_of_this_process() -> list[int]:
+    me, found = str(os.getpid()), []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == me:
+                    found.append(int(entry.name))
+            except (OSError, IndexError):
+                continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+def test_a_failing_rank_surfaces_its_traceback_and_leaves_no_processes():
+    before = children_of_this_process()
+    with pytest.raises(D.RankFailed) as caught:
+        D.launch("accel.distributed:broken_toy_task", nprocs=2, wrapper="ddp", steps=4)
+    error = caught.value
+    assert error.rank == 1 and error.exitcode != 0
+    assert "ValueError: broken_toy_task: rank 1 fails on purpose at step 1" in error.traceback
+    assert "rank 1 of 2 raised" in str(error) and "Traceback" in str(error)
+    assert len(error.pids) == 2
+    assert not any(D.process_alive(pid) for pid in error.pids)
+    assert children_of_this_process() == before  # torchrun reaped: no zombie, nothing running
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+def test_a_hanging_rank_ends_in_a_timeout_that_kills_every_process(monkeypatch):
+    # the ranks import this module: put tests/ on their path
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    before = children_of_this_process()
+    started = time.monotonic()
+    with pytest.raises(D.LaunchTimeout, match="ran past timeout=8 s"):
+        D.launch(f"{__name__}:hanging_task", nprocs=2, wrapper="ddp", steps=3, timeout=8)
+    assert time.monotonic() - started < 20
+    assert children_of_this_process() == before
+    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
+    for proc in leftovers:  # no rank of that run is left anywhere
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"accel-distributed-" in cmdline and D.process_alive(int(proc.name)):
+            raise AssertionError(f"left running: {cmdline!r}")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fails the test if anything is launched."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"launched {args[0] if args else kwargs}")
+
+    monkeypatch.setattr(D.subprocess, "Popen", refuse)
+
+
+def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, no_launch):
+    monkeypatch.setattr(D, "gpus_present", lambda: 1)
+    with pytest.raises(ValueError, match=r"asked for 2 processes .* but 1 GPU\(s\) are present"):
+        D.launch(nprocs=2, wrapper="ddp")  # nccl: picked because a GPU is present
+    monkeypatch.setattr(D, "gpus_present", lambda: 0)
+    with pytest.raises(ValueError, match=r"0 GPU.*present; use backend='gloo' to run on the CPU"):
+        D.launch(nprocs=2, wrapper="ddp", backend="nccl")
+
+
+def test_a_missing_launcher_is_a_clear_error(monkeypatch, no_launch):
+    with pytest.raises(D.LauncherNotFound, match="'no-such-torchrun' not found on PATH"):
+        D.launch(nprocs=2, wrapper="ddp", launcher="no-such-torchrun")
+    monkeypatch.setattr(D, "_torch_run_available", lambda: False)
+    with pytest.raises(D.LauncherNotFound, match=r"torch.distributed.run cannot be imported"):
+        D.launch(nprocs=2, wrapper="ddp")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"wrapper": "fsdp"}, "wrapper must be one of"),
+        ({"nprocs": 2}, "wrapper 'none' trains on one process; got nprocs=2"),
+        ({"nprocs": 0, "wrapper": "ddp"}, "nprocs must be a positive int, got 0"),
+        ({"task": "accel.distributed"}, "task must be named 'module:function'"),
+        ({"task": "accel.nope:task"}, "module 'accel.nope' cannot be found"),
+        ({"task": "nope.deeper:task"}, "module 'nope.deeper' cannot be found"),
+        ({"steps": 3, "checkpoint_at": 4}, "checkpoint_at must be within 1..steps=3, got 4"),
+        ({"load_from": "/nonexistent"}, "holds no DCP checkpoint"),
+        ({"autocast": "fp16"}, "autocast must be None or 'bf16', got 'fp16'"),
+        ({"scaling": "linear"}, "scaling must be 'strong' or 'weak'"),
+        ({"backend": "mpi"}, "backend must be 'nccl', 'gloo' or None"),
+    ],
+)
+def test_bad_arguments_are_refused_before_launch(kwargs, message, no_launch):
+    with pytest.raises(ValueError, match=message):
+        D.launch(**kwargs)
+
+
+def test_a_factory_must_return_a_task():
+    with pytest.raises(TypeError, match=r"must return accel\.distributed\.Task, got Linear"):
+        D.launch(f"{__name__}:not_a_task", steps=1)
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        D.launch("accel.distributed:nope", steps=1)
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        D.launch(steps=1, preset="huge")
+
+
+def test_toy_task_shares_concatenate_to_the_global_batch(seed):
+    task = D.toy_task("cpu", seed)
+    cpu = torch.device("cpu")
+    whole = task.batch(5, 0, 1, cpu)
+    halves = [task.batch(5, r, 2, cpu) for r in range(2)]
+    for i in range(2):
+        assert torch.equal(torch.cat([h[i] for h in halves]), whole[i])
+    assert not torch.equal(task.batch(6, 0, 1, cpu)[0], whole[0])  # another step, other data
+    with pytest.raises(ValueError, match="global batch 8 does not split over 3 ranks"):
+        task.batch(0, 0, 3, cpu)
+
+
+def test_cost_model():
+    assert D.allreduce_bytes(100, 2) == 100 and D.allreduce_bytes(100, 4) == 150
+    assert D.fsdp_bytes(100, 2) == 150 and D.fsdp_bytes(100, 2, reshard_after_forward=False) == 100
+    assert D.state_bytes_per_rank(10, 4, "ddp") == 120  # 4 B weights + 8 B AdamW moments
+    assert D.state_bytes_per_rank(10, 4, "fsdp2", grads=True) == 40
+
+
+def test_fsdp_units_are_module_list_elements_innermost_first():
+    inner = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    outer = torch.nn.ModuleList([torch.nn.Sequential(inner), torch.nn.Linear(2, 2)])
+    model = torch.nn.Sequential(outer, torch.nn.Linear(2, 2))
+    units = D.fsdp_units(model)
+    assert units[0] is inner[0] and {id(u) for u in units[1:]} == {id(m) for m in outer}
+    assert D.fsdp_units(torch.nn.Linear(2, 2)) == []
+
+
+def test_tuned_comm_settings_are_launch_arguments():
+    config = D.RunConfig(**D.TUNED_COMM)
+    assert config.comm_tuned and not D.RunConfig().comm_tuned
+    assert D.TUNED_COMM["nccl_env"]["NCCL_MIN_NCHANNELS"] == "4"
+
+
+def fake_run(wrapper: str, nprocs: int, samples_per_s: float, state: float, tuned=False):
+    config = D.RunConfig(wrapper=wrapper, nprocs=nprocs, steps=10, warmup=2)
+    if tuned:
+        config = D.RunConfig(wrapper=wrapper, nprocs=nprocs, steps=10, warmup=2, **D.TUNED_COMM)
+    summary = {
+        "backend": "nccl",
+        "samples_per_s": samples_per_s,
+        "median_step_ms": 1.0,
+        "state_bytes": state * bench.MiB,
+        "peak_memory_bytes": 2 * state * bench.MiB,
+        "final_loss": 0.1,
+        "validation_error": 0.2,
+        "notes": "",
+    }
+    ranks = pd.DataFrame([summary | {"rank": r} for r in range(nprocs)])
+    return D.RunResult(config, pd.DataFrame(), ranks)
+
+
+def test_bench_rows_judge_the_two_gpu_targets():
+    runs = {
+        "one": fake_run("none", 1, 100.0, 12.0),
+        "ddp": fake_run("ddp", 2, 190.0, 12.0),
+        "ddp tuned": fake_run("ddp", 2, 170.0, 12.0, tuned=True),
+        "fsdp2": fake_run("fsdp2", 2, 150.0, 6.0),
+        "fsdp2 tuned": fake_run("fsdp2", 2, 160.0, 8.0, tuned=True),
+    }
+    frame = bench.table(runs).set_index("config")
+    assert frame.loc["ddp", "scaling_efficiency"] == pytest.approx(0.95)
+    assert frame.loc["ddp tuned", "comm"] == "tuned" and frame.loc["ddp", "comm"] == "default"
+    rows = {r.case: r for r in bench.rows(runs, judged=True, where="test")}
+    assert rows["ddp x2 throughput"].met is True and rows["ddp x2 throughput"].speedup == 1.9
+    assert rows["ddp tuned x2 throughput"].met is False  # 1.7x < 1.8x
+    assert rows["fsdp2 x2 throughput"].met is None  # no throughput target for FSDP2
+    assert rows["fsdp2 x2 state_memory"].met is True  # 0.5x <= 0.6x
+    assert rows["fsdp2 tuned x2 state_memory"].met is False  # 0.67x
+    assert rows["fsdp2 x2 peak_memory"].baseline == 24.0
+    unjudged = bench.rows(runs, judged=False, where="cpu")
+    assert all(r.met is None for r in unjudged)
+    (skipped,) = bench.skipped_rows(2, reason="2 GPUs present")
+    assert skipped.case == "ddp x4 throughput" and math.isnan(skipped.optimized)
+    assert "skipped: needs 4 GPUs" in skipped.note
