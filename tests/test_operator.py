@@ -280,19 +280,51 @@ def test_every_flag_keeps_the_baseline_on_cuda(seed):
             assert step.compile_seconds > 0
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [op.Flags(), op.Flags(activation_checkpointing=True, query_subsample=2, precision="bf16")],
+    ids=label,
+)
+def test_the_compiled_loss_is_one_graph_per_inverse_loss_variant(flags):
+    # compile traces Step.forward_loss: a graph break would split a CUDA-graphed step in pieces
+    step = op.build(flags, SIZES)
+    batch = step.next_batch()
+    args = batch["inputs"], batch["targets"], batch["inverse_targets"]
+    for aux in (True, False):
+        with torch.autocast("cpu", torch.bfloat16, enabled=flags.precision == "bf16"):
+            explained = torch._dynamo.explain(step.forward_loss)(*args, aux)
+            eager = step.forward_loss(*args, aux)
+            # each Step compiles a copy of its own (its own graph cache), equal to the original
+            copied = op._own_code(op.Step.forward_loss)(step, *args, aux)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0), (
+            explained.break_reasons
+        )
+        assert torch.equal(copied, eager)
+    assert op._own_code(op.Step.forward_loss).__code__ is not op.Step.forward_loss.__code__
+
+
 @requires_cuda
 @pytest.mark.gpu
-def test_compiled_steps_match_eager_over_many_steps_with_cuda_graphs(seed):
-    # reduce-overhead replays graphs whose outputs are overwritten each step: the losses kept
-    # on the device must still be each step's own
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_compiled_steps_match_eager_over_many_steps_with_cuda_graphs(mode, seed):
+    # CUDA graphs replay into memory the next step overwrites: the losses kept on the device
+    # must still be each step's own; both variants (with and without the inverse loss) are
+    # compiled, warmed up and recorded at build, none in a training step, and none skipped
+    from torch._dynamo.utils import counters
+
     eager = run(op.Flags(aux_loss_every=2), seed=seed, steps=6, device="cuda")
-    graphed = run(
-        op.Flags(compile="reduce-overhead", aux_loss_every=2), seed=seed, steps=6, device="cuda"
-    )
+    skips = counters["inductor"]["cudagraph_skips"]
+    graphed = op.build(op.Flags(compile=mode, aux_loss_every=2), SIZES, device="cuda", seed=seed)
+    graphs = counters["stats"]["unique_graphs"]
+    for _ in range(6):
+        graphed()
+    assert counters["stats"]["unique_graphs"] == graphs  # no compile inside a step
+    assert counters["inductor"]["cudagraph_skips"] == skips
+    assert all(p.grad is None for p in graphed.model.parameters())  # no graph output kept
     torch.testing.assert_close(
         torch.stack(graphed.losses), torch.stack(eager.losses), rtol=1e-4, atol=1e-5
     )
-    assert math.isfinite(graphed.validation_error())
+    assert graphed.aux_calls == 3 and math.isfinite(graphed.validation_error())
 
 
 @requires_cuda

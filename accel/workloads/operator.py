@@ -30,6 +30,7 @@ import contextlib
 import importlib
 import math
 import time
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,9 @@ LARGER_BATCH_TOLERANCE = {
 @dataclass(frozen=True)
 class Flags:
     compile: str = option(
-        "torch.compile the operator and the inverse net; reduce-overhead and max-autotune add "
-        "CUDA graphs (compile time is reported apart, never inside a step time)",
+        "torch.compile the step's forward and losses, one graph with the inverse loss and one "
+        "without; reduce-overhead and max-autotune add CUDA graphs (compile time is reported "
+        "apart, never inside a step time)",
         "compile",
         default="none",
         choices=COMPILE_MODES,
@@ -542,6 +544,12 @@ class Step:
     inf check on the host (``GradScaler.step``); the CPU offload optimizer waits for its
     copies (torchao's ``step`` synchronizes its stream); loading a batch in the step
     (``loader_workers=0``) is host work the GPU waits for.
+
+    With ``compile``, :meth:`forward_loss` (operator, inverse net when due, losses) is compiled
+    as one function: a graph per variant (with and without the inverse loss), each with its
+    backward. Under CUDA graphs (reduce-overhead, max-autotune) every output of a graph (the
+    loss, the gradients) lives in memory the next step's replay overwrites: a step marks its
+    start, keeps a clone of its loss, and drops the gradients after the optimizer step.
     """
 
     def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
@@ -570,12 +578,17 @@ class Step:
         self.losses: list[torch.Tensor] = []  # device scalars: no sync per step
         self.count = self.aux_calls = 0
         self.compile_seconds = 0.0
-        self.operator, self.inverse = self.model.operator, self.model.inverse
         self.cudagraphs = flags.compile in ("reduce-overhead", "max-autotune")
+        # a function called with self, not a bound method: no reference cycle, so a dropped
+        # Step (and its loader's workers) goes at once, not at some later garbage collection
+        self._forward_loss = Step.forward_loss
         if flags.compile != "none":
             mode = None if flags.compile == "default" else flags.compile
-            self.operator = torch.compile(self.model.operator, mode=mode)
-            self.inverse = torch.compile(self.model.inverse, mode=mode)
+            # dynamic=False: one batch shape per Step, never made dynamic because another Step
+            # compiled another batch size
+            self._forward_loss = torch.compile(
+                _own_code(Step.forward_loss), mode=mode, dynamic=False
+            )
             self.compile_seconds = self._untimed_passes(3 if self.cudagraphs else 1)
 
     def _optimizer(self) -> torch.optim.Optimizer:
@@ -612,39 +625,66 @@ class Step:
             batch = next(self._batches)
         return self._to_device(batch)
 
-    def _loss(self, batch: dict[str, torch.Tensor], aux: bool) -> torch.Tensor:
-        with self._autocast():
-            predictions = self.operator(batch["inputs"])
-            loss = F.mse_loss(predictions.float(), batch["targets"])
-            if aux:
-                n, g = self.aux_queries, self.sizes.grid
-                estimate = self.inverse(predictions[:, :n], batch["inputs"][:, g : g + n])
-                inverse = F.mse_loss(estimate.float(), batch["inverse_targets"])
-                loss = loss + self.sizes.aux_weight * inverse
+    def forward_loss(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        inverse_targets: torch.Tensor,
+        aux: bool,
+    ) -> torch.Tensor:
+        """The training loss: MSE of the field, plus ``aux_weight`` x MSE of the inverse net's
+        estimate from the predicted field at the first ``aux_queries`` queries when ``aux``."""
+        predictions = self.model.operator(inputs)
+        loss = F.mse_loss(predictions.float(), targets)
+        if aux:
+            n, g = self.aux_queries, self.sizes.grid
+            estimate = self.model.inverse(predictions[:, :n], inputs[:, g : g + n])
+            inverse = F.mse_loss(estimate.float(), inverse_targets)
+            loss = loss + self.sizes.aux_weight * inverse
         return loss
 
+    def _loss(self, batch: dict[str, torch.Tensor], aux: bool) -> torch.Tensor:
+        """The loss (compiled when asked) in the step's precision. Under CUDA graphs: a graph
+        output, valid until the next step's mark."""
+        with self._autocast():
+            return self._forward_loss(
+                self, batch["inputs"], batch["targets"], batch["inverse_targets"], aux
+            )
+
+    def _variants(self) -> tuple[bool, ...]:
+        """The ``aux`` settings the training steps use: each one compiles its own graphs."""
+        return (True,) if self.flags.aux_loss_every == 1 else (True, False)
+
     def _untimed_passes(self, passes: int) -> float:
-        """Forward and backward (with the inverse loss) on a warm-up batch, gradients dropped:
-        weights, optimizer, data stream and random generators are left as they were. Seconds."""
+        """``passes`` forwards and backwards of each variant on a warm-up batch, gradients
+        dropped: weights, optimizer, data stream and random generators are left as they were.
+        Seconds (compile, and under CUDA graphs their warm-up and recording)."""
         warm = batch_of(self.seed, range(self.batch_size), self.sizes, stream=2)
         warm = self._to_device(warm)
         t0 = time.perf_counter()
-        for _ in range(passes):  # CUDA graphs: the first call warms up, the second records
-            if self.cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            self._loss(warm, aux=True).backward()
+        # CUDA graph trees: the 1st call of a graph warms up, the 2nd records, the 3rd replays
+        # (a replay right after the recording: pytorch/pytorch#122192)
+        for aux in self._variants():
+            for _ in range(passes):
+                self._begin_step()
+                self._loss(warm, aux).backward()
+        self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # sync: setup, outside any timed step
-        self.optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
+
+    def _begin_step(self) -> None:
+        """Drop the gradients (no step adds to the last one's: under CUDA graphs those are
+        outputs that are overwritten) and, under CUDA graphs, mark a new iteration."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
 
     def __call__(self) -> None:
         batch = self.next_batch()
-        if self.cudagraphs:  # a new iteration: earlier graph outputs may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
         aux = self.count % self.flags.aux_loss_every == 0  # host counter: no sync
+        self._begin_step()
         loss = self._loss(batch, aux)
-        self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)  # sync: unless fused AdamW takes the inf check
@@ -652,7 +692,11 @@ class Step:
         else:
             loss.backward()
             self.optimizer.step()
-        self.losses.append(loss.detach())
+        if self.cudagraphs:  # graph outputs: the next replay overwrites them
+            self.losses.append(loss.detach().clone())
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.losses.append(loss.detach())
         self.aux_calls += aux
         self.count += 1
 
@@ -704,6 +748,22 @@ class Step:
     def close(self) -> None:
         """Stop the loader's workers now (they also stop when the step is garbage collected)."""
         self._batches = None
+
+
+def _own_code(function: types.FunctionType) -> types.FunctionType:
+    """A copy of ``function`` with a code object of its own. torch.compile keeps its graphs per
+    code object, at most ``recompile_limit`` (8) before it runs the code eager: shared by every
+    Step, a bench of a dozen compiled configurations would run its last ones eager. With its
+    own code object each Step has its own 1 or 2 graphs."""
+    copy = types.FunctionType(
+        function.__code__.replace(),
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    copy.__kwdefaults__, copy.__qualname__ = function.__kwdefaults__, function.__qualname__
+    return copy
 
 
 def _optimizer_states(optimizer: Any) -> list[dict]:
