@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
+from accel import sync
 from accel.fusion import clip_grad_norm_
 
 __all__ = [
@@ -43,8 +44,6 @@ __all__ = [
     "training_step",
 ]
 
-# torch's sync-debug warning (torch.cuda.set_sync_debug_mode("warn")) starts with this.
-_SYNC_WARNING = "called a synchronizing CUDA operation"
 # Phrases in CUDA's and torch's errors that mean "the step synchronized with the host".
 _SYNC_ERRORS = ("not permitted when stream is capturing", "capture", "cudaErrorStreamCapture")
 _SYNC_HINT = (
@@ -247,13 +246,18 @@ class GraphedStep:
         return None
 
     def _give_up(self, cause: str, args, kwargs, *, stacklevel: int = 4) -> Any:
+        """Run eagerly from now on, this call included."""
+        self._fall_back(cause, stacklevel=stacklevel)
+        self.eager_calls += 1
+        return self.fn(*args, **kwargs)
+
+    def _fall_back(self, cause: str, *, stacklevel: int) -> None:
+        """Record why there is no graph and say it once (or raise, with fallback="raise")."""
         self.reason = cause
         message = f"GraphedStep({self.name}): cannot use a CUDA graph ({cause}); running eagerly"
         if self.fallback == "raise":
             raise RuntimeError(message)
-        warnings.warn(message, GraphCaptureWarning, stacklevel=stacklevel)
-        self.eager_calls += 1
-        return self.fn(*args, **kwargs)
+        warnings.warn(message, GraphCaptureWarning, stacklevel=stacklevel + 1)
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -268,34 +272,17 @@ class GraphedStep:
         warm-up that syncs ends the attempt before any capture (its own result stands)."""
         stream, current = self._side_stream(), torch.cuda.current_stream(self._device)
         stream.wait_stream(current)
-        previous = torch.cuda.get_sync_debug_mode()
-        with warnings.catch_warnings(record=True) as caught, torch.cuda.stream(stream):
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = self.fn(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode(previous)
+        with sync.recording_syncs() as syncs, torch.cuda.stream(stream):
+            out = self.fn(*args, **kwargs)
         current.wait_stream(stream)
         self.eager_calls += 1
-        syncs = [w for w in caught if _SYNC_WARNING in str(w.message)]
-        for w in caught:  # pass on everything else the step warned about
-            if w not in syncs:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if syncs:
             where = f"{syncs[0].filename}:{syncs[0].lineno}"
-            self.reason = (
+            self._fall_back(
                 f"a warm-up call synchronized with the host {len(syncs)} time(s), first at "
-                f"{where}, so a capture would fail; the usual cause is {_SYNC_HINT}"
-            )
-            warnings.warn(
-                f"GraphedStep({self.name}): cannot use a CUDA graph ({self.reason}); running "
-                "eagerly",
-                GraphCaptureWarning,
+                f"{where}, so a capture would fail; the usual cause is {_SYNC_HINT}",
                 stacklevel=4,
             )
-            if self.fallback == "raise":
-                raise RuntimeError(f"GraphedStep({self.name}): {self.reason}")
         return out
 
     # ---- capturing ---------------------------------------------------------------------------

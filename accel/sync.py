@@ -233,21 +233,32 @@ def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None
         )
         fn(*args, **kwargs)
         return None
+    with recording_syncs() as syncs:
+        fn(*args, **kwargs)
+    return len(syncs)
+
+
+@contextmanager
+def recording_syncs() -> Iterator[list[warnings.WarningMessage]]:
+    """CUDA only: the host-device syncs made inside the block, recorded, not forbidden.
+
+    The list it yields is filled when the block ends, one warning record per sync (with the
+    file and line that made it); other warnings raised in the block are passed on.
+    """
+    syncs: list[warnings.WarningMessage] = []
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            fn(*args, **kwargs)
+            yield syncs
         finally:
             torch.cuda.set_sync_debug_mode(previous)
-    syncs = 0
     for w in caught:
         if SYNC_MESSAGE in str(w.message):
-            syncs += 1
+            syncs.append(w)
         else:  # not ours: pass it on
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-    return syncs
 
 
 @contextmanager

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel import fusion, graphs, memory
+from accel.workloads.compare import compare_results as check
 from accel.workloads.flags import flag, option, pick_preset
 
 VOCAB = 256  # bytes
@@ -540,11 +541,4 @@ def compare_results(
     """Check two :meth:`Step.result` dicts agree within :func:`tolerance` of ``flags`` (an
     AssertionError names the entry) and return, per entry, the largest difference relative to
     the entry's largest value."""
-    tol = tolerance(flags or Flags())
-    errors = {}
-    for key, ref in reference.items():
-        got = result[key].to(ref.device)
-        torch.testing.assert_close(got, ref, **tol[key], msg=lambda m, k=key: f"{k}: {m}")
-        scale = ref.abs().max().clamp_min(1e-30) if ref.numel() else None
-        errors[key] = float((got - ref).abs().max() / scale) if scale is not None else 0.0
-    return errors
+    return check(result, reference, tolerance(flags or Flags()))

@@ -54,6 +54,11 @@ class Compiled:
     compile_s: float = float("nan")
     error: str = ""
 
+    def add_to(self, steps: dict[str, Callable[[], object]], label: str = "compile") -> None:
+        """Time it beside ``steps`` under ``label``, if it exists."""
+        if self.fn is not None:
+            steps[label] = self.fn
+
     def note(self, timing: Comparison | None = None, label: str = "compile") -> str:
         if self.fn is None:
             return f"compile reduce-overhead: not run ({self.error})"
@@ -61,9 +66,13 @@ class Compiled:
         return f"compile reduce-overhead {ms:.3g} ms (compiling took {self.compile_s:.0f} s)"
 
 
-def compile_reduce_overhead(make: Callable[[], Callable[[], object]], device) -> Compiled:
+def compile_reduce_overhead(
+    make: Callable[[], Callable[[], object]], device, *, enabled: bool = True
+) -> Compiled:
     """Build a reduce-overhead variant with ``make()`` and run it until it is compiled and its
     CUDA graphs recorded; CUDA only (on a CPU the mode has no graphs to add)."""
+    if not enabled:
+        return Compiled(None, error="not asked")
     if torch.device(device).type != "cuda":
         return Compiled(None, error="CUDA only: reduce-overhead is compile plus CUDA graphs")
     start = time.perf_counter()
@@ -100,18 +109,18 @@ def window_variants(sizes: ft.Sizes, device, *, with_compile: bool = True) -> di
         graphed()
     ft.compare_results(graphed.result(), eager.result())
     steps = {"eager": eager, "graphed": graphed}
-    compiled = Compiled(None, error="not asked")
-    if with_compile:
-        compiled = compile_reduce_overhead(lambda: _compiled_window(sizes, device), device)
-        if compiled.fn is not None:
-            steps["compile"] = compiled.fn
+    compiled = compile_reduce_overhead(
+        lambda: _compiled_window(sizes, device), device, enabled=with_compile
+    )
+    compiled.add_to(steps)
     return {"steps": steps, "compiled": compiled}
 
 
 def _compiled_window(sizes: ft.Sizes, device) -> Callable[[], None]:
     """The eager window with each step (``Step.advance``) under compile reduce-overhead: one
-    compiled, fused step recorded as CUDA graphs along the window's 64 calls and replayed. (Compiling the whole
-    window unrolls its 64 steps: on an H100 that took over 150 s, so it is not the variant.)
+    compiled, fused step recorded as CUDA graphs along the window's 64 calls and replayed.
+    (Compiling the whole window unrolls its 64 steps: on an H100 on 2026-11-22 that took over
+    150 s, so it is not the variant.)
     The step's fixed tensors are marked static (as gpt-fast does for its KV cache), so compile's
     graphs read them in place instead of copying them in on every call."""
     flags = dataclasses.replace(EAGER_WINDOW, compiled_retrieval=False)  # no compile in compile
@@ -204,8 +213,7 @@ def optimizer_variants(sizes: no.Sizes, device) -> dict:
     if graphed.graphed_optimizer is not None:
         steps["graphed"] = graphed.graphed_optimizer
     compiled = compile_reduce_overhead(lambda: _compiled_optimizer(sizes, device), device)
-    if compiled.fn is not None:
-        steps["compile"] = compiled.fn
+    compiled.add_to(steps)
     params = sum(p.numel() for p in eager.params)
     return {"steps": steps, "compiled": compiled, "params": params, "graphed": graphed}
 
@@ -293,11 +301,10 @@ def whole_step_variants(sizes: no.Sizes, device, *, with_compile: bool = True) -
         graphed()
     no.compare_results(graphed.result(), eager.result(), EAGER_STEP)
     steps = {"eager": eager, "graphed": graphed}
-    compiled = Compiled(None, error="not asked")
-    if with_compile:
-        compiled = compile_reduce_overhead(lambda: _compiled_step(sizes, device), device)
-        if compiled.fn is not None:
-            steps["compile"] = compiled.fn
+    compiled = compile_reduce_overhead(
+        lambda: _compiled_step(sizes, device), device, enabled=with_compile
+    )
+    compiled.add_to(steps)
     return {"steps": steps, "compiled": compiled}
 
 

@@ -187,9 +187,10 @@ def compare_both_ways(
 ) -> dict[str, float]:
     """Median ms of each function over ``repeats`` interleaved samples, half taken in one order
     and half in the reverse order. ``compare`` rotates the order each round, which keeps each
-    candidate behind the same neighbour: a kernel that follows a slow, cool one runs with more
-    of the power budget (on an H200 near 700 TFLOP/s, several %), so a fixed neighbour biases a
-    ratio that reversing the order cancels."""
+    candidate behind the same neighbour: a kernel that follows a slow, cool one may run with
+    more of the power budget (a hypothesis: on an H200 on 2026-11-22 the same kernel timed twice
+    differed by up to 4%), so a fixed neighbour can bias a ratio that reversing the order
+    cancels."""
     half = max(1, (repeats + 1) // 2)
     first = compare(fns, warmup=warmup, repeats=half, device=device)
     samples = {k: list(t.times_ms) for k, t in first.timings.items()}
