@@ -40,6 +40,18 @@ def hanging_task(preset: str, seed: int) -> D.Task:
     return D.Task(task.model, batch, task.loss, task.validate)
 
 
+def slow_data_task(preset: str, seed: int) -> D.Task:
+    """The toy task whose every batch takes 50 ms to make (a slow sample generator)."""
+    task = D.toy_task(preset, seed)
+    healthy = task.batch
+
+    def batch(step, rank, world, device):
+        time.sleep(0.05)
+        return healthy(step, rank, world, device)
+
+    return D.Task(task.model, batch, task.loss, task.validate)
+
+
 def not_a_task(preset: str, seed: int):
     return torch.nn.Linear(2, 2)
 
@@ -73,6 +85,21 @@ def test_two_ranks_give_the_loss_of_one_process(runs, wrapper):
     )
     assert (ranks["samples_per_s"] > 0).all() and (ranks["median_step_ms"] > 0).all()
     assert len(run.steps) == STEPS and run.steps["warmup"].sum() == 2
+
+
+def test_throughput_is_samples_over_the_whole_timed_window(runs):
+    s = runs["ddp"].summary
+    timed = runs["ddp"].steps.query("not warmup")
+    assert s["samples_per_s"] == pytest.approx(timed["samples"].sum() / (s["window_ms"] / 1e3))
+    # the window holds every timed step, and the gaps between them
+    assert s["window_ms"] >= timed["step_ms"].sum() * (1 - 1e-6)
+
+
+def test_batch_making_stays_out_of_the_timed_steps():
+    run = D.launch(f"{__name__}:slow_data_task", steps=4, warmup=1, in_process=True)
+    # the 50 ms of each batch are spent before the first step, not inside the steps
+    assert run.summary["window_ms"] < 3 * 50
+    assert run.steps["loss"].notna().all()
 
 
 def test_fsdp2_holds_half_the_state_of_ddp_per_rank(runs):
@@ -291,6 +318,8 @@ def test_bench_rows_judge_the_two_gpu_targets():
     assert rows["fsdp2 x2 peak_memory"].baseline == 24.0
     unjudged = bench.rows(runs, judged=False, where="cpu")
     assert all(r.met is None for r in unjudged)
+    assert bench.rank_counts(2) == [2] and bench.rank_counts(4) == [2, 4]
+    assert bench.rank_counts(8) == [2, 4, 8] and bench.rank_counts(3) == [2, 3]
     (skipped,) = bench.skipped_rows(2, reason="2 GPUs present")
     assert skipped.case == "ddp x4 throughput" and math.isnan(skipped.optimized)
     assert "skipped: needs 4 GPUs" in skipped.note

@@ -139,7 +139,8 @@ def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
     first = next(iter(runs.values())).config
     note = (
         f"{where}; {first.scaling} scaling, preset {first.preset}, autocast {first.autocast}; "
-        f"median of {first.steps - first.warmup} steps after {first.warmup} warm-up, rank 0; "
+        f"{first.steps - first.warmup} steps after {first.warmup} warm-up, samples over the "
+        "window of rank 0's CUDA events, batches staged on the host; "
         "launches one after another"
     )
     out = [
@@ -247,18 +248,30 @@ def run(ctx: BenchContext) -> list[Row]:
     gpus = torch.cuda.device_count() if on_gpu else 0
     if on_gpu and gpus < 2:
         return skipped_rows(gpus, reason=f"{gpus} GPU present; DDP and FSDP2 need two or more")
-    nprocs = gpus if on_gpu else 2
     judged = on_gpu and ctx.preset == "gpu"
-    where = (
-        f"{nprocs} GPUs, nccl, task {task} ({which})"
-        if judged
-        else f"not judged: the targets are for GPUs with the gpu preset, this is {nprocs} "
-        f"{'GPU' if on_gpu else 'gloo CPU'} processes with preset {ctx.preset}; task {task}"
-    )
     sizes = BENCH_SIZES["gpu" if on_gpu else "cpu"]
-    runs = measure(task, nprocs, preset=ctx.preset, sizes=sizes)
-    skipped = skipped_rows(nprocs, reason=f"{nprocs} GPUs present") if on_gpu else []
-    return rows(runs, judged=judged, where=where) + skipped
+    out: list[Row] = []
+    one = None
+    for nprocs in rank_counts(gpus) if on_gpu else [2]:
+        where = (
+            f"{nprocs} GPUs, nccl, task {task} ({which})"
+            if judged
+            else f"not judged: the targets are for GPUs with the gpu preset, this is {nprocs} "
+            f"{'GPU' if on_gpu else 'gloo CPU'} processes with preset {ctx.preset}; task {task}"
+        )
+        configs = CONFIGS if one is None else {k: v for k, v in CONFIGS.items() if k != "one"}
+        runs = measure(task, nprocs, preset=ctx.preset, sizes=sizes, configs=configs)
+        one = runs.setdefault("one", one)  # one GPU's run is the baseline of every N
+        found = rows(runs, judged=judged, where=where)
+        out += found if not out else found[1:]  # the one-GPU row once
+    skipped = skipped_rows(gpus, reason=f"{gpus} GPUs present") if on_gpu else []
+    return out + skipped
+
+
+def rank_counts(gpus: int) -> list[int]:
+    """The numbers of ranks the bench runs on ``gpus`` GPUs: the targets' counts (2, 4) that fit,
+    and all of them."""
+    return sorted({n for n in TARGETS if n <= gpus} | {gpus})
 
 
 def figures(frame: pd.DataFrame, *, title: str = "") -> dict[str, Any]:
