@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from accel import distributed as D
+from accel.lab.bench import BenchContext
 from accel.lab.cases import distributed as bench
 
 STEPS, SAVE_AT = 7, 3
@@ -323,3 +324,22 @@ def test_bench_rows_judge_the_two_gpu_targets():
     (skipped,) = bench.skipped_rows(2, reason="2 GPUs present")
     assert skipped.case == "ddp x4 throughput" and math.isnan(skipped.optimized)
     assert "skipped: needs 4 GPUs" in skipped.note
+
+
+def test_bench_baseline_is_the_faster_of_two_launches_around_the_others(monkeypatch):
+    launched = []
+
+    def fake_measure(task, nprocs, *, preset, sizes, configs):
+        launched.append((nprocs, tuple(configs)))
+        if "one" in configs:  # the baseline: slow before, fast after
+            return {"one": fake_run("none", 1, 80.0 if len(launched) == 1 else 100.0, 12.0)}
+        return {k: fake_run(c["wrapper"], nprocs, 150.0 * nprocs, 12.0) for k, c in configs.items()}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "pick_task", lambda: ("task", "a fake"))
+    rows = {r.case: r for r in bench.run(BenchContext(torch.device("cpu"), "cpu"))}
+    wrapped = tuple(k for k in bench.CONFIGS if k != "one")
+    assert launched == [(1, ("one",)), (2, wrapped), (1, ("one",))]
+    assert rows["one_gpu throughput"].optimized == 100.0
+    assert rows["ddp x2 throughput"].speedup == pytest.approx(3.0)  # 300 / 100, not 300 / 80
+    assert "80 and 100 samples/s, the faster is the baseline" in rows["ddp x2 throughput"].note
