@@ -178,6 +178,38 @@ def test_every_group_kernel_variant_matches_references(kdev, variant, dtype, see
             torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(5, 4, 123), (7, 3, 77), (3, 2, 40), (6, 4, 600)], ids=str)
+def test_pairs_kernel_matches_references(kdev, shape, dtype, seed):
+    """The N <= 4 kernel: every tile, ragged counts (an empty group, a lone member), a zero row,
+    strided groups; several groups per program with B not a multiple; D over several chunks."""
+    kernels = dv._kernels()
+    x = embeddings(shape, dtype, kdev)
+    x[0, 1] = 0  # a zero vector: cosine 0 with every other, no NaN
+    counts = random_counts(shape[0], shape[1]).to(kdev)
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)
+    for inputs, members in ((x, None), (x, counts), (strided, counts)):
+        with float32_matmul("highest"):
+            expected = {
+                kernels.MODE_MEAN: (0, dv.mean_diversity_reference(inputs, members)),
+                kernels.MODE_NEAREST: (1, dv.nearest_distances_reference(inputs, members)),
+                kernels.MODE_MATRIX: (2, dv.pairwise_distances_reference(inputs, members)),
+            }
+        for tile in [(1, 512, 1, 1), (4, 64, 1, 2), (2, 128, 1, 4)]:
+            config = kernels.GroupConfig("pairs", *tile)
+            for mode, (slot, ref) in expected.items():
+                got = kernels._run_group(inputs, members, mode, config)[slot]
+                assert torch.isfinite(got).all()
+                torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
+
+
+def test_pairs_kernel_refuses_groups_of_more_than_four(kdev):
+    kernels = dv._kernels()
+    config = kernels.GroupConfig("pairs", 1, 128, 1, 1)
+    with pytest.raises(ValueError, match="'pairs' group kernel takes N <= 4, got N=5"):
+        kernels._run_group(embeddings((2, 5, 16), device=kdev), None, kernels.MODE_MEAN, config)
+
+
 def test_group_config_takes_the_table_then_the_rule():
     kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
     tabled = kernels.group_config(4, 384, 8192, 4)
@@ -186,10 +218,13 @@ def test_group_config_takes_the_table_then_the_rule():
     ruled = kernels.group_config(8, 384, 8192, 4)
     assert (8, 512, 4) not in kernels.GROUP_TABLE and ruled.variant == "vecsum"
     for (block_n, _, itemsize), config in kernels.GROUP_TABLE.items():
+        assert config.variant in kernels.GROUP_VARIANTS and block_n <= kernels.SMALL_N
+        if config.variant == "pairs":
+            assert block_n <= kernels.PAIRS_MAX_N, config
+            continue
         # warps split the groups: one warp per row of 16-byte loads of the (group, D) plane
         vec = 16 // itemsize
         assert config.num_warps * 32 * vec == config.groups * config.block_d, config
-        assert config.variant in kernels.GROUP_VARIANTS and block_n <= kernels.SMALL_N
 
 
 @pytest.mark.parametrize(

@@ -140,3 +140,41 @@ def test_compare_both_ways_times_every_candidate_in_both_orders(monkeypatch):
     assert set(times) == {"a", "b"} and orders == [["a", "b"], ["b", "a"]]
     sdpa.compare_both_ways({"a": lambda: None}, CPU, repeats=1)  # one sample: one order
     assert len(orders) == 3
+
+
+def test_paired_ratio_is_the_median_of_round_ratios():
+    # the clock falls over the point: medians of each would say b is 1.25x slower than a
+    samples = {"a": [1.0, 2.0, 4.0, 8.0], "b": [1.01, 2.02, 4.04, 8.08]}
+    assert sdpa.paired_ratio(samples, "b", "a") == pytest.approx(1.01)
+    assert math.isnan(sdpa.paired_ratio(samples, "b", "missing"))
+
+
+def _point_frame(versus_auto: dict[str, float], ms: dict[str, float]) -> pd.DataFrame:
+    rows = [
+        {
+            "S": 64, "D": 16, "B": 1, "H": 2, "causal": False, "direction": "fwd",
+            "backend": b, "ms": t, "flops": 1e9, "tflop_s": 1e9 / (t * 1e-3) / 1e12,
+            "skipped": "", "picked": "cudnn", "picked_ms": ms["cudnn"], "decision": "cudnn=1ms",
+            "versus_auto": versus_auto[b], "control": 1.0,
+        }
+        for b, t in ms.items()
+    ]  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_sweep_is_judged_on_round_by_round_ratios():
+    # by medians auto is 0.95x default; round by round it is 0.99x default and 1.0x cudnn
+    ms = {"default": 0.95, "auto": 1.0, "cudnn": 1.0, "flash": 2.0}
+    frame = _point_frame({"default": 0.99, "auto": 1.0, "cudnn": 1.0, "flash": 2.0}, ms)
+    ctx = BenchContext(CPU, "cpu", FAKE_CEILINGS)
+    (row,) = sdpa.sweep_rows(frame, ctx, judged=True)
+    assert row.met is True and "auto / default = 0.990" in row.note
+    assert "auto / best forced (cudnn) = 1.000" in row.note
+    summary = {r.case: r for r in sdpa.sweep_summary_rows(frame, judged=True)}
+    assert summary["sweep: worst auto / default"].optimized == pytest.approx(0.99)
+    assert summary["sweep: worst auto / best forced backend"].met is True
+    # a point where auto is really 3% behind the best forced backend fails
+    frame = _point_frame({"default": 1.0, "auto": 1.0, "cudnn": 0.97, "flash": 2.0}, ms)
+    (row,) = sdpa.sweep_rows(frame, ctx, judged=True)
+    assert row.met is False
+    assert summary["sweep: worst auto / default"].met is True

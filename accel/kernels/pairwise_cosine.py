@@ -42,8 +42,10 @@ GROUP_TILE_ELEMENTS = 8192
 GROUP_MAX = 8  # groups per program at most
 GROUP_UNROLL = 4  # chunks of D whose loads a program issues together, at most
 # Where the group kernel sums over D (see _group_kernel): its VARIANT constexpr.
-GroupVariant = Literal["tile", "vecsum", "gram"]
-GROUP_VARIANTS: dict[str, int] = {"tile": 0, "vecsum": 1, "gram": 2}
+# "pairs" is _pairs_kernel (groups of N <= 4, the distinct dot products only), not a VARIANT.
+GroupVariant = Literal["tile", "vecsum", "gram", "pairs"]
+GROUP_VARIANTS: dict[str, int] = {"tile": 0, "vecsum": 1, "gram": 2, "pairs": 3}
+PAIRS_MAX_N = 4  # the rows _pairs_kernel spells out
 
 
 # ---- kernels -------------------------------------------------------------------------------
@@ -184,6 +186,103 @@ def _group_kernel(
             tl.where(inside, 1.0 - cos, 0.0),
             mask=(row_i < N) & (row_j < N) & live[None, None, :],
         )
+
+
+@triton.jit
+def _load_row(x_groups, r, n, live, d0, D, stride_xn, stride_xd, BLOCK_D: tl.constexpr):
+    """Row ``r`` of each group, one chunk of D, (GROUPS, BLOCK_D) float32; zero where the row is
+    past the group's count or the chunk past D (masked: never read)."""
+    cols = d0 + tl.arange(0, BLOCK_D)
+    ok = (live & (r < n))[:, None] & (cols[None, :] < D)
+    ptrs = x_groups + r * stride_xn + cols[None, :] * stride_xd
+    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _cos(dot, inv_i, inv_j, inside):
+    """A cosine from its dot product and inverse norms, or -inf where the pair is outside."""
+    return tl.where(inside, dot * inv_i * inv_j, float("-inf"))
+
+
+@triton.jit
+def _pairs_kernel(
+    X_ptr,
+    counts_ptr,
+    out_ptr,
+    items_ptr,
+    B,
+    N,
+    D,
+    stride_xb,
+    stride_xn,
+    stride_xd,
+    eps,
+    MODE: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # Groups of N <= 4: each row a tensor of its own, (GROUPS, BLOCK_D) with D along the lanes,
+    # so only the 10 distinct dot products x_i . x_j (i <= j) are formed: 2.5 multiply-adds per
+    # element read, in registers, where the (row, row, ...) tiles of _group_kernel take 4 and
+    # rearrange registers for the transpose. The sums over D cross the lanes once per chunk.
+    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    live = b < B
+    if HAS_COUNTS:  # per group: its count clamped to [0, N]
+        n = tl.load(counts_ptr + b, mask=live, other=0).to(tl.int32)
+        n = tl.minimum(tl.maximum(n, 0), N)
+    else:
+        n = tl.full([GROUPS], N, tl.int32)
+    n = tl.where(live, n, 0)
+    x_groups = X_ptr + b[:, None] * stride_xb
+    d00 = tl.zeros([GROUPS], dtype=tl.float32)
+    d11, d22, d33 = d00, d00, d00
+    d01, d02, d03, d12, d13, d23 = d00, d00, d00, d00, d00, d00
+    for d0 in range(0, D, BLOCK_D):
+        x0 = _load_row(x_groups, 0, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+        x1 = _load_row(x_groups, 1, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+        x2 = _load_row(x_groups, 2, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+        x3 = _load_row(x_groups, 3, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+        d00 += tl.sum(x0 * x0, axis=1)
+        d11 += tl.sum(x1 * x1, axis=1)
+        d22 += tl.sum(x2 * x2, axis=1)
+        d33 += tl.sum(x3 * x3, axis=1)
+        d01 += tl.sum(x0 * x1, axis=1)
+        d02 += tl.sum(x0 * x2, axis=1)
+        d03 += tl.sum(x0 * x3, axis=1)
+        d12 += tl.sum(x1 * x2, axis=1)
+        d13 += tl.sum(x1 * x3, axis=1)
+        d23 += tl.sum(x2 * x3, axis=1)
+    i0 = 1.0 / tl.maximum(tl.sqrt(d00), eps)
+    i1 = 1.0 / tl.maximum(tl.sqrt(d11), eps)
+    i2 = 1.0 / tl.maximum(tl.sqrt(d22), eps)
+    i3 = 1.0 / tl.maximum(tl.sqrt(d33), eps)
+    # pair (i, j), i < j, is inside the group when j < n
+    c01 = _cos(d01, i0, i1, n > 1)
+    c02 = _cos(d02, i0, i2, n > 2)
+    c12 = _cos(d12, i1, i2, n > 2)
+    c03 = _cos(d03, i0, i3, n > 3)
+    c13 = _cos(d13, i1, i3, n > 3)
+    c23 = _cos(d23, i2, i3, n > 3)
+    if MODE == 0:  # mean over the n (n - 1) ordered pairs: twice the unordered ones
+        total = tl.where(n > 1, c01, 0.0) + tl.where(n > 2, c02 + c12, 0.0)
+        total += tl.where(n > 3, c03 + c13 + c23, 0.0)
+        mean_cos = 2.0 * total / tl.maximum(n * (n - 1), 1)
+        tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
+    else:  # nearest other member, per row and its group mean
+        many = n >= 2
+        dist0 = tl.where(many, 1.0 - tl.maximum(tl.maximum(c01, c02), c03), 0.0)
+        dist1 = tl.where(many, 1.0 - tl.maximum(tl.maximum(c01, c12), c13), 0.0)
+        dist2 = tl.where(many & (n > 2), 1.0 - tl.maximum(tl.maximum(c02, c12), c23), 0.0)
+        dist3 = tl.where(many & (n > 3), 1.0 - tl.maximum(tl.maximum(c03, c13), c23), 0.0)
+        items = items_ptr + b * N
+        width = tl.full([GROUPS], N, tl.int32)  # rows per group in items (N, not the count)
+        tl.store(items, dist0, mask=live)
+        tl.store(items + 1, dist1, mask=live)
+        tl.store(items + 2, dist2, mask=live & (width > 2))
+        tl.store(items + 3, dist3, mask=live & (width > 3))
+        group_mean = (dist0 + dist1 + dist2 + dist3) / tl.maximum(n, 1)
+        tl.store(out_ptr + b, tl.where(many, group_mean, 0.0), mask=live)
 
 
 @triton.jit
@@ -435,7 +534,7 @@ class GroupConfig:
 # W=4: 25.6 us): one group per one-warp program, the most programs in flight; bfloat16 "vecsum
 # G=4 BD=128 U=3 W=2" 16.5 us, 36% (the best of those swept; G=1 W=1 not yet swept for bf16).
 GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
-    (4, 512, 4): GroupConfig("vecsum", groups=1, block_d=128, unroll=1, num_warps=1),
+    (4, 512, 4): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
     (4, 512, 2): GroupConfig("vecsum", groups=4, block_d=128, unroll=3, num_warps=2),
 }
 
@@ -488,7 +587,8 @@ def _run_group(
 ):
     """(out (B,), items (B, N), matrix (B, N, N)); only the mode's outputs are filled.
 
-    ``config`` overrides the table and rule (for sweeps and tests).
+    ``config`` overrides the table and rule (for sweeps and tests). A "pairs" configuration
+    runs :func:`_pairs_kernel`; it has no matrix mode, which then takes the rule's launch.
     """
     B, N, D = x.shape
     dev = x.device
@@ -496,11 +596,28 @@ def _run_group(
     items = torch.empty(B, N, device=dev, dtype=torch.float32) if mode == MODE_NEAREST else out
     matrix = torch.empty(B, N, N, device=dev, dtype=torch.float32) if mode == MODE_MATRIX else out
     block_n = max(2, triton.next_power_of_2(N))
+    itemsize = x.element_size()
     if config is None:
-        config = group_config(block_n, D, B, x.element_size())
-    meta = config.meta(D, x.element_size())
+        config = group_config(block_n, D, B, itemsize)
+    if config.variant == "pairs" and N > PAIRS_MAX_N:
+        raise ValueError(f"the 'pairs' group kernel takes N <= {PAIRS_MAX_N}, got N={N}")
+    if config.variant == "pairs" and mode == MODE_MATRIX:
+        config = _rule_config(block_n, D, B, itemsize)
     args = (x, counts if counts is not None else out, out, items, matrix, B, N, D, *x.stride(), EPS)
-    grid = (triton.cdiv(B, meta["GROUPS"]),)
+    grid = (triton.cdiv(B, config.groups),)
+    if config.variant == "pairs":
+        block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
+        _pairs_kernel[grid](
+            *args[:4],
+            *args[5:],
+            MODE=mode,
+            HAS_COUNTS=counts is not None,
+            GROUPS=config.groups,
+            BLOCK_D=block_d,
+            num_warps=config.num_warps,
+        )
+        return out, items, matrix
+    meta = config.meta(D, itemsize)
     _group_kernel[grid](*args, MODE=mode, HAS_COUNTS=counts is not None, BLOCK_N=block_n, **meta)
     return out, items, matrix
 

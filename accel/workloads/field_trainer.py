@@ -37,14 +37,16 @@ from accel.fusion import (
     lior_step_fused,
     quad_form,
     retrieval_mix,
+    retrieval_mix_fused,
 )
 from accel.workloads.compare import compare_results as check
 from accel.workloads.flags import flag, pick_preset
 
 METRICS = ("lior", "R", "spd")
-# Flags keep results equal to the baseline within this (fp32). compiled_retrieval (fused softmax)
-# and vectorized_rotor (float32 update where the loop used Python floats) change the last bits;
-# the dynamics are damped, so the difference does not grow over windows.
+# Flags keep results equal to the baseline within this (fp32). compiled_retrieval and
+# fused_retrieval (the mix summed in another order) and vectorized_rotor (float32 update where
+# the loop used Python floats) change the last bits; the dynamics are damped, so the difference
+# does not grow over windows.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls (the seed's schedule)
 
@@ -68,6 +70,12 @@ class Flags:
         "retrieval (metric cost, softmax and mix) through torch.compile, called without "
         "dynamo once its shapes are known (falls back to eager, with a warning, where compile "
         "cannot run)",
+        "fusion",
+    )
+    fused_retrieval: bool = flag(
+        "the retrieval's weighted sum over the bank as one matrix product softmax(-beta cost) "
+        "@ values, instead of writing the (points, bank, dim) products and summing them "
+        "(compiled_retrieval, where on, takes precedence)",
         "fusion",
     )
     inplace_accumulate: bool = flag(
@@ -203,18 +211,28 @@ def retrieve(
     return retrieval_mix(metric_cost(x, keys, g), values, beta)
 
 
+def retrieve_fused(
+    x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor, values: torch.Tensor, beta: float
+) -> torch.Tensor:
+    """:func:`retrieve` with the mix fused by hand (:func:`accel.fusion.retrieval_mix_fused`):
+    7 kernels instead of 8, and the (B, M, d) products are never written."""
+    return retrieval_mix_fused(metric_cost(x, keys, g), values, beta)
+
+
 _compiled_mix: CompiledFunction | None = None  # one per process: compiled code is kept per shape
 
 
-def _retrieval(compiled: bool, probe: tuple) -> Callable:
-    """The retrieval to use: compiled if asked and it runs here and matches eager on ``probe``.
+def _retrieval(compiled: bool, probe: tuple, fused: bool = False) -> Callable:
+    """The retrieval to use: compiled if asked and it runs here and matches eager on ``probe``;
+    else fused by hand if ``fused``, else the reference.
 
     The compiled function is a :class:`accel.fusion.CompiledFunction` with direct calls:
     ``step.retrieve.compiles`` shows how many graphs it has compiled (one per field shape; more
     means shape churn), ``direct_calls`` how many calls skipped dynamo."""
     global _compiled_mix
+    eager = retrieve_fused if fused else retrieve
     if not compiled:
-        return retrieve
+        return eager
     try:
         if _compiled_mix is None:  # steps of every size share it; .compiles counts the shapes
             _compiled_mix = compile_per_shape(retrieve, direct=True)
@@ -227,7 +245,7 @@ def _retrieval(compiled: bool, probe: tuple) -> Callable:
             RuntimeWarning,
             stacklevel=4,  # the caller of build()
         )
-        return retrieve
+        return eager
     return _compiled_mix
 
 
@@ -320,7 +338,9 @@ class Step:
         self._printed = 0
         self.windows = 0
         self.retrieve = _retrieval(
-            flags.compiled_retrieval, (self.x, self.keys, self.g0, self.values, s.beta)
+            flags.compiled_retrieval,
+            (self.x, self.keys, self.g0, self.values, s.beta),
+            fused=flags.fused_retrieval,
         )
         self.cleaner = memory.CacheCleaner(device, naive_every=CLEANUP_EVERY)
         # The window's device work, graphed when asked: it reads and writes only the tensors

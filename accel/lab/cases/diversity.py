@@ -395,6 +395,10 @@ GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
         ("vecsum", 2, 128, 3, 2),
         ("gram", 1, 128, 1, 1),
         ("gram", 1, 128, 3, 1),
+        ("pairs", 1, 512, 1, 1),
+        ("pairs", 1, 512, 1, 2),
+        ("pairs", 2, 512, 1, 2),
+        ("pairs", 1, 128, 1, 1),
     ),
     2: (
         ("tile", 4, 128, 3, 2),
@@ -404,6 +408,9 @@ GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
         ("vecsum", 1, 256, 1, 1),
         ("vecsum", 1, 256, 2, 1),
         ("gram", 4, 128, 3, 2),
+        ("pairs", 1, 512, 1, 1),
+        ("pairs", 2, 512, 1, 1),
+        ("pairs", 1, 512, 1, 2),
     ),
 }
 SWEEP_NEAREST_TOP = 3  # nearest is timed for the best few of mean, "before" and production
