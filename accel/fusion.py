@@ -25,6 +25,7 @@ whatever the tensors' dtype. Importing this module costs torch only.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -141,28 +142,50 @@ def _group_stats_loop(
 def _group_stats_foreach(
     groups: list[list[torch.Tensor]], device: torch.device, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """One ``_foreach_norm`` over every gradient and parameter (per dtype), then one stack into a
-    zero-padded (2, G, longest group) block and a sum: about ten launches for any number of
-    tensors. The padding keeps the per-group sums deterministic (no atomic ``index_add``)."""
-    width = max(len(g) for g in groups)
+    """One ``_foreach_norm`` over every gradient and parameter (per dtype), one stack of the
+    norms, then one gather into a zero-padded (2, G, longest group) block and a sum: about ten
+    launches for any number of tensors. The gather's indices depend only on the groups' sizes
+    and which parameters have gradients, so they are built once (:func:`_group_index`). The
+    padding keeps the per-group sums deterministic (no atomic ``index_add``)."""
     flat = [p for g in groups for p in g]
-    grads = [p.grad for p in flat if p.grad is not None]
+    has_grad = tuple(p.grad is not None for p in flat)
+    grads = [p.grad for p, h in zip(flat, has_grad, strict=True) if h]
     norms = _foreach_norms(grads + flat, 2.0)
-    grad_norms, param_norms = iter(norms[: len(grads)]), iter(norms[len(grads) :])
     zero = torch.zeros((), device=device)  # the norm of a missing gradient, and the padding
-    cells = []
-    for column in (grad_norms, param_norms):
-        for g in groups:
-            cells += [
-                next(column) if column is param_norms or p.grad is not None else zero for p in g
-            ]
-            cells += [zero] * (width - len(g))
-    block = torch.stack(cells).view(2, len(groups), width)  # (stat, group, tensor)
-    sums = block.square().sum(-1)  # (stat, group)
+    squares = torch.stack([*norms, zero]).square_()
+    index = _group_index(device, tuple(len(g) for g in groups), has_grad)
+    sums = squares[index].sum(-1)  # (stat, group)
     if out is None:
         return sums.sqrt_().T.contiguous()  # (G, 2)
     torch.sqrt(sums, out=out.T)  # written through the transposed view: no copy
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _group_index(
+    device: torch.device, sizes: tuple[int, ...], has_grad: tuple[bool, ...]
+) -> torch.Tensor:
+    """(2, G, longest group) positions in ``[grad norms..., param norms..., 0]`` of each group's
+    gradient norms (row 0) and parameter norms (row 1); a missing gradient and the padding point
+    at the trailing zero."""
+    grads = sum(has_grad)
+    zero = grads + len(has_grad)
+    width = max(sizes)
+    rows: list[list[list[int]]] = [[], []]
+    flat, next_grad = 0, 0
+    for size in sizes:
+        grad_row, param_row = [], []
+        for _ in range(size):
+            if has_grad[flat]:
+                grad_row.append(next_grad)
+                next_grad += 1
+            else:
+                grad_row.append(zero)
+            param_row.append(grads + flat)
+            flat += 1
+        rows[0].append(grad_row + [zero] * (width - size))
+        rows[1].append(param_row + [zero] * (width - size))
+    return torch.tensor(rows, dtype=torch.long).to(device)
 
 
 # ---- clipping -----------------------------------------------------------------------------------

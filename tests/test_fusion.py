@@ -73,6 +73,17 @@ def test_group_stats_foreach_equals_loop(gen, case, dtype, atol, rtol):
         torch.testing.assert_close(fast[i], expected, atol=atol, rtol=1e-5)
 
 
+def test_group_stats_follows_gradients_that_come_and_go(gen):
+    """The gather's indices are cached per layout: dropping a gradient must change them."""
+    params = params_with_grads(gen, [(3, 4), (5,), (2, 2)])
+    groups = [params[:1], params[1:]]
+    first = fusion.group_stats(groups)
+    params[1].grad = None
+    second = fusion.group_stats(groups)
+    torch.testing.assert_close(second, fusion.group_stats(groups, foreach=False))
+    assert second[1, 0] < first[1, 0] and torch.equal(second[:, 1], first[:, 1])
+
+
 def test_group_stats_mixed_dtypes_and_non_contiguous(gen):
     a = torch.randn(6, 10, generator=gen).T.detach().requires_grad_()  # (10, 6), strided
     a.grad = torch.randn(10, 6, generator=gen).T.contiguous().T  # strided grad

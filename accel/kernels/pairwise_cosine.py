@@ -527,15 +527,15 @@ class GroupConfig:
 
 
 # Best measured configuration per (BLOCK_N, D rounded up to a power of 2, bytes per element);
-# every other shape takes the rule of _rule_config. Before this table the kernel ran as
-# "tile G=4 BD=128 U=3 W=4": 152 registers a thread (12 warps per SM), 44% of copy. Measured by
-# group_kernel_sweep (accel.lab.cases.diversity) on an H200 at B=8192 N=4 D=384 (2026-11-22):
-# float32 "vecsum G=1 BD=128 U=1 W=1" 18.2 us, 65% of copy (tile G=4 W=4: 30.2 us; vecsum G=4
-# W=4: 25.6 us): one group per one-warp program, the most programs in flight; bfloat16 "vecsum
-# G=4 BD=128 U=3 W=2" 16.5 us, 36% (the best of those swept; G=1 W=1 not yet swept for bf16).
+# every other shape takes the rule of _rule_config. Measured by group_kernel_sweep
+# (accel.lab.cases.diversity) on an H200 at B=8192 N=4 D=384, copy 4250 GB/s (2026-11-22):
+# float32 "pairs G=1 BD=128 W=1" 3530 GB/s for mean (83% of copy), 3475 for nearest; the
+# same with BD=512 (one chunk, a quarter of it masked) 3357. Before "pairs": vecsum G=1 BD=128
+# W=1, 2792 GB/s (66%); tile G=4 W=4 (the first kernel) 1667. bfloat16 "pairs G=1 BD=512 W=1"
+# 2879 GB/s for mean (vecsum G=4 W=2 before it: 1518).
 GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
-    (4, 512, 4): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
-    (4, 512, 2): GroupConfig("vecsum", groups=4, block_d=128, unroll=3, num_warps=2),
+    (4, 512, 4): GroupConfig("pairs", groups=1, block_d=128, unroll=1, num_warps=1),
+    (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
 }
 
 

@@ -380,9 +380,9 @@ def run(ctx: BenchContext) -> list[Row]:
 # warp. The first of each list, "tile G=4 BD=128 U=3 W=4" (float32, 26.8 us on an H200) and
 # "tile G=4 BD=128 U=3 W=2" (16-bit), is the kernel before the variants ("before" in the rows);
 # the production configuration (GROUP_TABLE's, else the rule's) is always added.
-# (variant, groups, block_d, unroll, num_warps) per bytes per element. The H200 sweep of
-# 2026-11-22 found one group per one-warp program fastest for float32 (18.2 us, 65% of copy)
-# and many groups per program slowest: this list explores around that optimum.
+# (variant, groups, block_d, unroll, num_warps) per bytes per element. The H200 sweeps of
+# 2026-11-22 found one group per one-warp program fastest, and "pairs" (only the distinct dot
+# products, each row its own tensor) fastest of the variants: these lists explore around it.
 GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
     4: (
         ("tile", 4, 128, 3, 4),
@@ -399,6 +399,9 @@ GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
         ("pairs", 1, 512, 1, 2),
         ("pairs", 2, 512, 1, 2),
         ("pairs", 1, 128, 1, 1),
+        ("pairs", 1, 64, 1, 1),
+        ("pairs", 1, 256, 1, 1),
+        ("pairs", 2, 128, 1, 1),
     ),
     2: (
         ("tile", 4, 128, 3, 2),
@@ -411,6 +414,8 @@ GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
         ("pairs", 1, 512, 1, 1),
         ("pairs", 2, 512, 1, 1),
         ("pairs", 1, 512, 1, 2),
+        ("pairs", 1, 128, 1, 1),
+        ("pairs", 1, 256, 1, 1),
     ),
 }
 SWEEP_NEAREST_TOP = 3  # nearest is timed for the best few of mean, "before" and production
