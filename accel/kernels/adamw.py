@@ -1,0 +1,137 @@
+"""AdamW over many tensors and parameter groups in one Triton launch.
+
+torch's ``AdamW(fused=True)`` launches its kernel once per parameter group (a group's learning
+rate and weight decay are arguments of the launch), plus a step-count kernel per group. A model
+whose learning rates are set per group (the nested optimizer's controller: 14 groups) pays those
+launches, and in a CUDA graph each launch still costs its ramp-up and tail. ``_adamw_kernel``
+updates every tensor of every group in one launch: a table holds, per tensor, the addresses of
+its parameter, gradient and two moments, its length and its group; a second table maps each
+program to (tensor, first element). Learning rates and weight decays are read per group from
+device tensors, the step count from the device: nothing is read back, so the step can be
+captured in a CUDA graph.
+
+The math is torch's AdamW (``torch/optim/adamw.py``, capturable form), in float32:
+``p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g;
+p -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # elements per program: 16 per thread at 4 warps, four 16-byte loads per tensor
+FIELDS = 6  # table rows: parameter, gradient, exp_avg, exp_avg_sq addresses; numel; group
+
+
+@triton.jit
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, beta1, beta2, eps,
+            MASKED: tl.constexpr):  # fmt: skip
+    """One block of one tensor: loads, the AdamW update, stores (masked only at a tensor's end,
+    so whole blocks keep 16-byte accesses)."""
+    mask = offs < n if MASKED else None
+    p = tl.load(p_ptr + offs, mask=mask)
+    g = tl.load(g_ptr + offs, mask=mask)
+    m = tl.load(m_ptr + offs, mask=mask)
+    v = tl.load(v_ptr + offs, mask=mask)
+    p = p * (1.0 - lr * wd)
+    m = m + (1.0 - beta1) * (g - m)  # lerp(m, g, 1 - beta1)
+    v = v * beta2 + (1.0 - beta2) * g * g
+    p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+
+@triton.jit
+def _adamw_kernel(
+    table_ptr,  # (FIELDS, T) int64
+    block_tensor_ptr,  # (programs,) int32: the tensor each program updates
+    block_start_ptr,  # (programs,) int64: its first element
+    step_ptr,  # () float32: the step count, already advanced for this step
+    lr_ptr,  # (groups,) float32
+    wd_ptr,  # (groups,) float32
+    T,
+    beta1,
+    beta2,
+    eps,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address a multiple of 16 bytes
+):
+    pid = tl.program_id(0)
+    t = tl.load(block_tensor_ptr + pid)
+    start = tl.load(block_start_ptr + pid)
+    p_ptr = tl.load(table_ptr + t).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(table_ptr + T + t).to(tl.pointer_type(tl.float32))
+    m_ptr = tl.load(table_ptr + 2 * T + t).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(table_ptr + 3 * T + t).to(tl.pointer_type(tl.float32))
+    if ALIGNED:  # lets whole blocks use 16-byte loads and stores
+        p_ptr = tl.multiple_of(p_ptr, 16)
+        g_ptr = tl.multiple_of(g_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
+    n = tl.load(table_ptr + 4 * T + t)
+    group = tl.load(table_ptr + 5 * T + t)
+    lr = tl.load(lr_ptr + group)
+    wd = tl.load(wd_ptr + group)
+    step = tl.load(step_ptr)
+    bias_correction1 = 1.0 - tl.exp(step * tl.log(beta1))  # 1 - beta1 ** step
+    bias_correction2 = 1.0 - tl.exp(step * tl.log(beta2))
+    step_size = lr / bias_correction1
+    bc2_sqrt = tl.sqrt(bias_correction2)
+    offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, beta1, beta2,
+                eps, MASKED=False)  # fmt: skip
+    else:
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, beta1, beta2,
+                eps, MASKED=True)  # fmt: skip
+
+
+class AdamWPlan:
+    """The launch for one set of tensors: the address table and the program -> block map.
+
+    Built once per set of (parameter, gradient, moments) tensors; a step then launches one kernel.
+    ``key`` identifies the tensors by address: a plan is valid while none of them moves.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        groups: list[int],
+    ):
+        device = params[0].device
+        lists = (params, grads, exp_avgs, exp_avg_sqs)
+        self.key = tuple(t.data_ptr() for ts in lists for t in ts)
+        numels = [p.numel() for p in params]
+        rows = [[t.data_ptr() for t in ts] for ts in lists] + [numels, list(groups)]
+        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
+        blocks = [triton.cdiv(n, BLOCK) for n in numels]
+        owner = torch.repeat_interleave(torch.arange(len(params)), torch.tensor(blocks))
+        first = torch.cat([torch.arange(b, dtype=torch.int64) * BLOCK for b in blocks])
+        self.block_tensor = owner.to(torch.int32).to(device)
+        self.block_start = first.to(device)
+        self.aligned = all(a % 16 == 0 for a in self.key)
+        self.tensors = len(params)
+
+    def launch(self, step: torch.Tensor, lrs: torch.Tensor, wds: torch.Tensor, betas, eps) -> None:
+        grid = (self.block_tensor.numel(),)
+        _adamw_kernel[grid](
+            self.table,
+            self.block_tensor,
+            self.block_start,
+            step,
+            lrs,
+            wds,
+            self.tensors,
+            float(betas[0]),
+            float(betas[1]),
+            float(eps),
+            BLOCK=BLOCK,
+            ALIGNED=self.aligned,
+            num_warps=4,
+        )
