@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from accel import sync
+from accel.optim import MultiTensorAdamW
 from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import all_on, describe
 
@@ -208,11 +209,24 @@ def test_flags_keep_the_baseline_on_cuda(case):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("mode", ["optimizer_step", "whole_step"])
+@pytest.mark.parametrize(
+    ("mode", "one_launch"),
+    [("optimizer_step", False), ("optimizer_step", True), ("whole_step", False)],
+)
 @pytest.mark.parametrize("every", [1, 4])
-def test_graphed_steps_keep_the_eager_result(mode, every):
-    """Eager warm-up, capture, then replays (whole_step: one graph per schedule slot)."""
+def test_graphed_steps_keep_the_eager_result(mode, one_launch, every):
+    """Eager warm-up, capture, then replays (whole_step: one graph per schedule slot); the
+    one-launch AdamW graphed against torch's fused AdamW eager."""
     eager = dataclasses.replace(FAST, controller_update_every=every)
+    if one_launch:
+        graphed = dataclasses.replace(eager, cuda_graph=mode, one_launch_adamw=True)
+        step = no.build(graphed, CPU, device="cuda")
+        for _ in range(20):
+            step()
+        assert isinstance(step.optimizer, MultiTensorAdamW) and step.optimizer.uses_kernel
+        assert step.graphed_optimizer.graphed.graphs == 1
+        no.compare_results(step.result(), run(eager, device="cuda", steps=20), eager)
+        return
     graphed = dataclasses.replace(eager, cuda_graph=mode)
     step = no.build(graphed, CPU, device="cuda")
     steps = 20  # every schedule slot warms up (3 eager calls), is captured and replayed

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel import fusion, graphs, memory
+from accel.optim import MultiTensorAdamW
 from accel.workloads.compare import compare_results as check
 from accel.workloads.flags import flag, option, pick_preset
 
@@ -75,6 +76,13 @@ class Flags:
         "AdamW(fused=True), learning rates as device tensors: a few kernels per group instead "
         "of ~8 per parameter, and no read-back of the multipliers",
         "fusion",
+    )
+    one_launch_adamw: bool = flag(
+        "accel's MultiTensorAdamW: every group's AdamW step in one Triton launch, learning rates "
+        "read on the device (fused AdamW launches once per group); falls back to its reference, "
+        "with a warning, off a GPU",
+        "fusion",
+        requires="cuda",
     )
     controller_update_every: int = option(
         "run the statistics and the LR controller every N steps and reuse its multipliers "
@@ -327,12 +335,15 @@ class Step:
         impl = {"fused": True} if flags.fused_adamw else {"foreach": False}
         if graphed:  # the step count on the device: a graph replays it
             impl["capturable"] = True
-        self.optimizer = torch.optim.AdamW(
-            [{"params": ps, "name": n} for n, ps in named],
-            lr=sizes.lr,
-            betas=(0.9, 0.95),
-            weight_decay=sizes.weight_decay,
-            **impl,
+        groups = [{"params": ps, "name": n} for n, ps in named]
+        self.optimizer = (
+            MultiTensorAdamW(
+                groups, lr=sizes.lr, betas=(0.9, 0.95), weight_decay=sizes.weight_decay
+            )
+            if flags.one_launch_adamw
+            else torch.optim.AdamW(
+                groups, lr=sizes.lr, betas=(0.9, 0.95), weight_decay=sizes.weight_decay, **impl
+            )
         )
         # the controller's own optimizer is the same in every configuration (4 small tensors)
         self.controller_optimizer = torch.optim.Adam(
@@ -347,7 +358,7 @@ class Step:
         self.lr_multipliers = torch.ones(G, device=device)
         # Learning rates on the device when fused AdamW reads them there or a graph must see
         # them change; groups hold 0-d views of one tensor (one buffer when graphed).
-        self.device_lrs = flags.fused_adamw or graphed
+        self.device_lrs = flags.fused_adamw or flags.one_launch_adamw or graphed
         if self.device_lrs:
             lrs = self.buffers.get("lrs", (G,)) if graphed else torch.empty(G, device=device)
             self._set_device_lrs(lrs.fill_(sizes.lr))
@@ -481,7 +492,7 @@ class Step:
 
     def _set_device_lrs(self, lrs: torch.Tensor) -> None:
         for i, group in enumerate(self.optimizer.param_groups):
-            group["lr"] = lrs[i]  # a 0-d view: fused AdamW reads it on the device
+            group["lr"] = lrs[i]  # a 0-d view: the fused optimizers read it on the device
 
     # ---- sizes of things ---------------------------------------------------------------------
     def resident_bytes(self) -> int:
