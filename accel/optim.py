@@ -125,8 +125,12 @@ class MultiTensorAdamW(torch.optim.Optimizer):
 
     def _on_device(self, values: tuple[float, ...]) -> torch.Tensor:
         """Floats as a float32 device tensor, made once per distinct tuple."""
-        if values not in self._constants:
-            self._constants[values] = torch.tensor(values, dtype=torch.float32).to(self.device)
+        if values not in self._constants:  # pinned and non-blocking: no host sync
+            host = torch.tensor(values, dtype=torch.float32)
+            cuda = self.device.type == "cuda"
+            self._constants[values] = (host.pin_memory() if cuda else host).to(
+                self.device, non_blocking=cuda
+            )
         return self._constants[values]
 
     def _group_values(self, name: str) -> torch.Tensor:

@@ -89,6 +89,14 @@ def _adamw_kernel(
                 eps, MASKED=True)  # fmt: skip
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built table on ``device`` without a host sync (a pageable copy would be one, and
+    a sync in a warm-up call keeps GraphedStep from capturing): pinned, then non-blocking."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class AdamWPlan:
     """The launch for one set of tensors: the address table and the program -> block map.
 
@@ -103,20 +111,24 @@ class AdamWPlan:
         exp_avgs: list[torch.Tensor],
         exp_avg_sqs: list[torch.Tensor],
         groups: list[int],
+        *,
+        block: int = BLOCK,
+        num_warps: int = 4,
     ):
         device = params[0].device
         lists = (params, grads, exp_avgs, exp_avg_sqs)
         self.key = tuple(t.data_ptr() for ts in lists for t in ts)
         numels = [p.numel() for p in params]
         rows = [[t.data_ptr() for t in ts] for ts in lists] + [numels, list(groups)]
-        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
-        blocks = [triton.cdiv(n, BLOCK) for n in numels]
+        self.table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+        blocks = [triton.cdiv(n, block) for n in numels]
         owner = torch.repeat_interleave(torch.arange(len(params)), torch.tensor(blocks))
-        first = torch.cat([torch.arange(b, dtype=torch.int64) * BLOCK for b in blocks])
-        self.block_tensor = owner.to(torch.int32).to(device)
-        self.block_start = first.to(device)
+        first = torch.cat([torch.arange(b, dtype=torch.int64) * block for b in blocks])
+        self.block_tensor = _to_device(owner.to(torch.int32), device)
+        self.block_start = _to_device(first, device)
         self.aligned = all(a % 16 == 0 for a in self.key)
         self.tensors = len(params)
+        self.block, self.num_warps = block, num_warps
 
     def launch(self, step: torch.Tensor, lrs: torch.Tensor, wds: torch.Tensor, betas, eps) -> None:
         grid = (self.block_tensor.numel(),)
@@ -131,7 +143,7 @@ class AdamWPlan:
             float(betas[0]),
             float(betas[1]),
             float(eps),
-            BLOCK=BLOCK,
+            BLOCK=self.block,
             ALIGNED=self.aligned,
-            num_warps=4,
+            num_warps=self.num_warps,
         )
