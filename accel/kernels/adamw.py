@@ -21,7 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048  # elements per program: 16 per thread at 4 warps, four 16-byte loads per tensor
+# Elements per program and warps: one 16-byte access per tensor per thread. Swept on an H200 over
+# the nested optimizer's 85.5M parameters (2026-11-22, .scratch sweep, copy time 0.563 ms):
+# 1024 x 8 warps 0.572 ms (1.02x the copy time), 1024 x 4 1.02x, 2048 x 8 1.02x, 2048 x 4 1.10x,
+# 4096 x 4 1.09x, 8192 x 4 1.35x; torch's fused AdamW over the same 14 groups took 0.88 ms.
+BLOCK = 1024
+NUM_WARPS = 8
 FIELDS = 6  # table rows: parameter, gradient, exp_avg, exp_avg_sq addresses; numel; group
 
 
@@ -113,7 +118,7 @@ class AdamWPlan:
         groups: list[int],
         *,
         block: int = BLOCK,
-        num_warps: int = 4,
+        num_warps: int = NUM_WARPS,
     ):
         device = params[0].device
         lists = (params, grads, exp_avgs, exp_avg_sqs)
