@@ -257,3 +257,20 @@ def test_graphed_window_with_host_reads_falls_back(seed):
     ft.compare_results(
         result, run(ft.Flags(vectorized_rotor=True), seed=seed, device="cuda", windows=4)
     )
+
+
+def test_compiled_step_is_compiled_once_for_every_step(seed):
+    """The step function is module-level: a second Step of the same sizes reuses the graphs the
+    first compiled (a bound method would recompile per instance and exhaust dynamo's cache)."""
+    from torch._dynamo.utils import counters
+
+    flags = ft.Flags(vectorized_rotor=True, fused_lior=True, inplace_accumulate=True)
+    fast = dataclasses.replace(flags, compiled_step=True)
+    first = ft.build(fast, CPU, seed=seed)
+    graphs_before = counters["stats"]["unique_graphs"]
+    second = ft.build(fast, CPU, seed=seed + 1)
+    assert first._compiled_step is not None and second._compiled_step is not None
+    assert counters["stats"]["unique_graphs"] == graphs_before
+    for _ in range(2):
+        first()
+    ft.compare_results(first.result(), run(flags, seed=seed, windows=2))

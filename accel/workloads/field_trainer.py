@@ -78,6 +78,12 @@ class Flags:
         "(compiled_retrieval, where on, takes precedence)",
         "fusion",
     )
+    compiled_step: bool = flag(
+        "each step (Step.advance and, with inplace_accumulate, its accumulation) through "
+        "torch.compile: ~50 kernels fused into ~12 (the retrieval inside is compiled with it); "
+        "dynamo's guards run every eager call, which a CUDA graph removes",
+        "fusion",
+    )
     inplace_accumulate: bool = flag(
         "accumulate metrics and velocity in place instead of a fresh tensor each step", "memory"
     )
@@ -219,6 +225,70 @@ def retrieve_fused(
     return retrieval_mix_fused(metric_cost(x, keys, g), values, beta)
 
 
+def field_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    nudge: float,
+    C: torch.Tensor,
+    keys: torch.Tensor,
+    g0: torch.Tensor,
+    values: torch.Tensor,
+    theta: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    planes: Any,
+    rotate_fn: Callable,
+    retrieve_fn: Callable,
+    fused_lior: bool,
+    beta: float,
+    eps: float,
+    damping: float,
+    dt: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of the field (:meth:`Step.advance`) as a function of its tensors and settings
+    only, so one compilation serves every Step: the new ``x``, ``v`` and the step's LIoR,
+    curvature and speed per point."""
+    R_sc = curvature(x, C)
+    retrieved = retrieve_fn(x, keys, g0, values, beta)
+    if fused_lior:
+        dlior, spd = lior_step_fused(R_sc, v, g0, eps)
+    else:  # the quadratic form twice
+        dlior = lior_step(R_sc, v, g0, eps)
+        spd = quad_form(v, g0, eps)
+    v_rot = rotate_fn(v, planes, theta)
+    force = retrieved - x
+    if nudge:
+        force = force + nudge * (target - x)
+    v = (1 - damping) * v_rot + dt * force
+    x = x + dt * v
+    return x, v, dlior, R_sc, spd
+
+
+def accumulating_step(
+    x: torch.Tensor,
+    v: torch.Tensor,
+    nudge: float,
+    acc: torch.Tensor,
+    vel_acc: torch.Tensor,
+    *fixed: torch.Tensor,
+    **options: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`field_step`, then its LIoR, curvature and speed means added to ``acc`` and its
+    velocity to ``vel_acc``, in place (``inplace_accumulate``), as one function for
+    ``compiled_step`` to fuse."""
+    x, v, dlior, R_sc, spd = field_step(x, v, nudge, *fixed, **options)
+    acc.add_(torch.stack([dlior.mean(), R_sc.mean(), spd.mean()]))
+    vel_acc.add_(v)
+    return x, v
+
+
+def _copy(a: Any) -> Any:
+    return a.clone() if isinstance(a, torch.Tensor) else a
+
+
+_COMPILED_STEPS: dict[Callable, Callable] = {}  # one torch.compile per step function, per process
+
+
 _compiled_mix: CompiledFunction | None = None  # one per process: compiled code is kept per shape
 
 
@@ -338,10 +408,11 @@ class Step:
         self._printed = 0
         self.windows = 0
         self.retrieve = _retrieval(
-            flags.compiled_retrieval,
+            flags.compiled_retrieval and not flags.compiled_step,  # the step compiles it
             (self.x, self.keys, self.g0, self.values, s.beta),
             fused=flags.fused_retrieval,
         )
+        self._compiled_step = self._compile_step() if flags.compiled_step else None
         self.cleaner = memory.CacheCleaner(device, naive_every=CLEANUP_EVERY)
         # The window's device work, graphed when asked: it reads and writes only the tensors
         # above, in place, so a replay is the window. Off a GPU it warns once and runs eagerly.
@@ -381,14 +452,18 @@ class Step:
             else:
                 lior_acc = R_acc = spd_acc = torch.zeros((), device=self.device)
                 vel_acc = torch.zeros_like(v)
+            compiled = self._compiled_step
             for t in range(1, s.steps_per_phase + 1):
-                x, v, dlior, R_sc, spd = self.advance(x, v, nudge)
-                if f.inplace_accumulate:
+                if compiled is not None and f.inplace_accumulate:  # accumulates, fused
+                    x, v = compiled(x, v, nudge, self._acc, self._vel_acc)
+                elif f.inplace_accumulate:
+                    x, v, dlior, R_sc, spd = (compiled or self.advance)(x, v, nudge)
                     lior_acc.add_(dlior.mean())
                     R_acc.add_(R_sc.mean())
                     spd_acc.add_(spd.mean())
                     vel_acc.add_(v)
                 else:  # a fresh tensor per accumulation
+                    x, v, dlior, R_sc, spd = (compiled or self.advance)(x, v, nudge)
                     lior_acc = lior_acc + dlior.mean()
                     R_acc = R_acc + R_sc.mean()
                     spd_acc = spd_acc + spd.mean()
@@ -406,24 +481,57 @@ class Step:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step of the field: the new ``x`` and ``v`` and the step's LIoR, curvature and
         speed per point. A pure function of its arguments and the step's fixed tensors."""
+        return field_step(x, v, nudge, *self._fixed(), **self._step_options(self.retrieve))
+
+    def _fixed(self) -> tuple[torch.Tensor, ...]:
+        return (self.C, self.keys, self.g0, self.values, self.theta, self.target)
+
+    def _step_options(self, retrieve_fn: Callable) -> dict[str, Any]:
         s, f = self.sizes, self.flags
-        R_sc = curvature(x, self.C)
-        retrieved = self.retrieve(x, self.keys, self.g0, self.values, s.beta)
-        if f.fused_lior:
-            dlior, spd = lior_step_fused(R_sc, v, self.g0, s.eps)
-        else:  # the quadratic form twice
-            dlior = lior_step(R_sc, v, self.g0, s.eps)
-            spd = quad_form(v, self.g0, s.eps)
-        if f.vectorized_rotor:
-            v_rot = sync.apply_givens(v, self.planes, self.theta)
-        else:
-            v_rot = sync.apply_givens_reference(v, self.host_planes, self.theta)
-        force = retrieved - x
-        if nudge:
-            force = force + nudge * (self.target - x)
-        v = (1 - s.damping) * v_rot + s.dt * force
-        x = x + s.dt * v
-        return x, v, dlior, R_sc, spd
+        vectorized = f.vectorized_rotor
+        return dict(
+            planes=self.planes if vectorized else self.host_planes,
+            rotate_fn=sync.apply_givens if vectorized else sync.apply_givens_reference,
+            retrieve_fn=retrieve_fn,
+            fused_lior=f.fused_lior,
+            beta=s.beta,
+            eps=s.eps,
+            damping=s.damping,
+            dt=s.dt,
+        )
+
+    def _compile_step(self) -> Callable | None:
+        """The step (:func:`accumulating_step` with ``inplace_accumulate``, else
+        :func:`field_step`) through torch.compile, one compilation per process shared by every
+        Step of the same sizes, checked against eager on copies of the state for both phases (so
+        it compiles here, not in a timed window); None, with a warning, where it cannot run."""
+        s, f = self.sizes, self.flags
+        fn = accumulating_step if f.inplace_accumulate else field_step
+        if fn not in _COMPILED_STEPS:
+            _COMPILED_STEPS[fn] = torch.compile(fn, dynamic=False)
+        compiled = _COMPILED_STEPS[fn]
+        options = self._step_options(retrieve_fused if f.fused_retrieval else retrieve)
+        extra = (self._acc, self._vel_acc) if f.inplace_accumulate else ()
+
+        def call(x, v, nudge, *accumulators):
+            return compiled(x, v, nudge, *accumulators, *self._fixed(), **options)
+
+        try:
+            for nudge in (0.0, s.nudge):
+                args = (self.x, self.v, nudge, *extra)
+                want = fn(*[_copy(a) for a in args], *self._fixed(), **options)
+                got = call(*[_copy(a) for a in args])
+                torch.testing.assert_close(got, want, **TOLERANCE)
+        except Exception as exc:  # no compiler, no Triton, a mismatch...
+            warnings.warn(
+                f"compiled_step: torch.compile cannot run here or differs from eager "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                "using the eager step",
+                RuntimeWarning,
+                stacklevel=4,  # the caller of build()
+            )
+            return None
+        return call
 
     def _progress(self, lior: torch.Tensor, R: torch.Tensor, spd: torch.Tensor, inv_t: float):
         if self.log is not None:

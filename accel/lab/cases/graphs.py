@@ -14,6 +14,7 @@ Off a GPU there is nothing to capture: the rows say so and time only the eager f
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import traceback
 from collections.abc import Callable
@@ -35,6 +36,12 @@ EAGER_WINDOW = dataclasses.replace(
     PHASE1, fused_lior=True, compiled_retrieval=True, inplace_accumulate=True, adaptive_cleanup=True
 )
 GRAPHED_WINDOW = dataclasses.replace(EAGER_WINDOW, cuda_graph=True)
+# The same with each step compiled (~19 kernels a step instead of ~50: the retrieval compiled
+# with it): where the replay-vs-kernels target is judged (fewer, longer kernels, fewer gaps).
+EAGER_COMPILED_WINDOW = dataclasses.replace(
+    EAGER_WINDOW, compiled_retrieval=False, compiled_step=True
+)
+GRAPHED_COMPILED_WINDOW = dataclasses.replace(EAGER_COMPILED_WINDOW, cuda_graph=True)
 # The nested optimizer with every fusion and memory flag that keeps gradients in place.
 EAGER_STEP = dataclasses.replace(FUSION_FLAGS, preallocated_buffers=True)
 # A small model whose step is launch-bound: ~700 kernels of microseconds each.
@@ -103,13 +110,18 @@ def _step_begin(fn: Callable[..., object]) -> Callable[..., object]:
 def window_variants(sizes: ft.Sizes, device, *, with_compile: bool = True) -> dict:
     """Eager (phases 1-3), hand-graphed and compile-reduce-overhead field-trainer steps, warmed
     up and checked equal to the eager one. Returns {"steps": {label: step}, "compiled": ...}."""
-    eager = ft.build(EAGER_WINDOW, sizes, device=device)
-    graphed = ft.build(GRAPHED_WINDOW, sizes, device=device)
+    steps = {
+        "eager": ft.build(EAGER_WINDOW, sizes, device=device),
+        "graphed": ft.build(GRAPHED_WINDOW, sizes, device=device),
+    }
+    if device.type == "cuda":  # on a CPU the compile would only add minutes
+        steps["eager, compiled step"] = ft.build(EAGER_COMPILED_WINDOW, sizes, device=device)
+        steps["graphed, compiled step"] = ft.build(GRAPHED_COMPILED_WINDOW, sizes, device=device)
     for _ in range(4):  # graphed: two eager warm-ups, the capture, a replay
-        eager()
-        graphed()
-    ft.compare_results(graphed.result(), eager.result())
-    steps = {"eager": eager, "graphed": graphed}
+        for step in steps.values():
+            step()
+    for step in steps.values():
+        ft.compare_results(step.result(), steps["eager"].result())
     compiled = compile_reduce_overhead(
         lambda: _compiled_window(sizes, device), device, enabled=with_compile
     )
@@ -179,20 +191,32 @@ def window_rows(ctx: BenchContext, cost: CostModel) -> list[Row]:
             f"{model['predicted_speedup']:.2f}x; {compiled.note(timing)}",
         )
     ]
-    replay_ms = timing.timings["graphed"].median_ms
-    ratio = replay_ms / kernel_ms if kernel_ms > 0 else float("nan")
+    plain_ratio = timing.timings["graphed"].median_ms / kernel_ms if kernel_ms > 0 else math.nan
+    judged_label = "graphed, compiled step" if "graphed, compiled step" in steps else "graphed"
+    replay_ms = timing.timings[judged_label].median_ms
+    if judged_label != "graphed":
+        report = profile_step(steps["eager, compiled step"], steps=3, device=ctx.device)
+        kernels_ms = float(report.kernels["total_us"].sum()) / report.steps / 1e3
+        launches = report.launches_per_step
+    else:
+        kernels_ms, launches = kernel_ms, eager_report.launches_per_step
+    ratio = replay_ms / kernels_ms if kernels_ms > 0 else math.nan
     rows.append(
         Row(
             "graphs",
             "replay_vs_kernel_time",
-            "graphed window time over the summed time of its kernels (profiled eager window)",
+            f"graphed window time over the summed time of its kernels (profiled eager window), "
+            f"{judged_label}",
             "ms",
             replay_ms,
-            baseline=kernel_ms,
+            baseline=kernels_ms,
             target=f"<= {TARGETS['replay_vs_kernels']}x the kernels",
             met=ratio <= TARGETS["replay_vs_kernels"] if judged and cuda else None,
-            note=f"{where}; ratio {ratio:.2f}: what is left above 1 is gaps between kernels "
-            "inside the graph (a replay still runs them one after another)",
+            note=f"{where}; ratio {ratio:.3f} over {launches:.0f} kernels a window: what is left "
+            "above 1 is the gaps between kernels inside the graph (a replay still runs them one "
+            f"after another); the graph of the uncompiled window: ratio {plain_ratio:.3f} over "
+            f"{eager_report.launches_per_step:.0f} kernels ({timing.timings['graphed'].median_ms:.2f}"
+            " ms)",
         )
     )
     return rows
