@@ -1,4 +1,5 @@
 import collections
+import importlib.util
 import os
 
 import pytest
@@ -64,3 +65,14 @@ def count_host_reads():
         return counts
 
     return count
+
+
+@pytest.fixture
+def kdev(monkeypatch) -> str:
+    """Where Triton kernels run: compiled on a CUDA GPU, else Triton's interpreter on the CPU."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    if CUDA:
+        return "cuda"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    return "cpu"

@@ -38,17 +38,6 @@ ATOL, RTOL = 2e-5, 1e-5
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture
-def kdev(monkeypatch) -> str:
-    """Where the kernels run: compiled on a CUDA GPU, else Triton's interpreter on the CPU."""
-    if not HAS_TRITON:
-        pytest.skip("Triton is not installed")
-    if CUDA:
-        return "cuda"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return "cpu"
-
-
 def reference(name: str):
     return getattr(dv, f"{name}_reference")
 

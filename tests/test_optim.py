@@ -19,17 +19,6 @@ TOL = {"atol": 2e-6, "rtol": 2e-5}
 SHAPES = [(1,), (7, 3), (2049,), (3, 1500)]
 
 
-@pytest.fixture
-def kdev(monkeypatch) -> str:
-    """Where the kernel runs: compiled on a CUDA GPU, else Triton's interpreter on the CPU."""
-    if not HAS_TRITON:
-        pytest.skip("Triton is not installed")
-    if CUDA:
-        return "cuda"
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return "cpu"
-
-
 def make_params(device, gen, shapes=SHAPES, dtype=torch.float32):
     return [torch.randn(s, generator=gen).to(device, dtype).requires_grad_() for s in shapes]
 

@@ -130,15 +130,16 @@ def test_sweep_records_auto_pick_and_a_second_copy_of_it():
     assert summary["sweep: worst auto / the same backend forced"].optimized > 0
 
 
-def test_compare_both_ways_times_every_candidate_in_both_orders(monkeypatch):
+def test_samples_both_ways_times_every_candidate_in_both_orders(monkeypatch):
     orders = []
     real = sdpa.compare
     monkeypatch.setattr(
         sdpa, "compare", lambda fns, **kw: orders.append(list(fns)) or real(fns, **kw)
     )
-    times = sdpa.compare_both_ways({"a": lambda: None, "b": lambda: None}, CPU, repeats=3)
+    times = sdpa.samples_both_ways({"a": lambda: None, "b": lambda: None}, CPU, repeats=3)
     assert set(times) == {"a", "b"} and orders == [["a", "b"], ["b", "a"]]
-    sdpa.compare_both_ways({"a": lambda: None}, CPU, repeats=1)  # one sample: one order
+    assert len(times["a"]) == len(times["b"]) == 3  # one sample per round, rounds aligned
+    sdpa.samples_both_ways({"a": lambda: None}, CPU, repeats=1)  # one sample: one order
     assert len(orders) == 3
 
 

@@ -62,6 +62,18 @@ def _group_size(counts_ptr, b, N, HAS_COUNTS: tl.constexpr):
 
 
 @triton.jit
+def _group_counts(counts_ptr, b, live, N, GROUPS: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """Members of the groups ``b`` (GROUPS,): each count clamped to [0, N], or N without counts;
+    0 for groups past B (``live`` false), so nothing is read for them."""
+    if HAS_COUNTS:
+        n = tl.load(counts_ptr + b, mask=live, other=0).to(tl.int32)
+        n = tl.minimum(tl.maximum(n, 0), N)
+    else:
+        n = tl.full([GROUPS], N, tl.int32)
+    return tl.where(live, n, 0)
+
+
+@triton.jit
 def _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
     """One chunk of D of every row, (row, 1, group, 16-byte piece, element), as float32.
 
@@ -122,12 +134,7 @@ def _group_kernel(
     b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     live = b < B  # the last program may hold fewer than GROUPS groups
     rows = tl.arange(0, BLOCK_N)
-    if HAS_COUNTS:  # per group: its count clamped to [0, N]
-        n = tl.load(counts_ptr + b, mask=live, other=0).to(tl.int32)
-        n = tl.minimum(tl.maximum(n, 0), N)
-    else:
-        n = tl.full([GROUPS], N, tl.int32)
-    n = tl.where(live, n, 0)  # groups past B have no members: nothing is read for them
+    n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
     valid = rows[:, None] < n[None, :]  # (BLOCK_N, GROUPS)
     x_rows = (
         X_ptr
@@ -228,12 +235,7 @@ def _pairs_kernel(
     # rearrange registers for the transpose. The sums over D cross the lanes once per chunk.
     b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     live = b < B
-    if HAS_COUNTS:  # per group: its count clamped to [0, N]
-        n = tl.load(counts_ptr + b, mask=live, other=0).to(tl.int32)
-        n = tl.minimum(tl.maximum(n, 0), N)
-    else:
-        n = tl.full([GROUPS], N, tl.int32)
-    n = tl.where(live, n, 0)
+    n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
     x_groups = X_ptr + b[:, None] * stride_xb
     d00 = tl.zeros([GROUPS], dtype=tl.float32)
     d11, d22, d33 = d00, d00, d00

@@ -80,7 +80,8 @@ class Flags:
     )
     compiled_step: bool = flag(
         "each step (Step.advance and, with inplace_accumulate, its accumulation) through "
-        "torch.compile: ~50 kernels fused into ~12 (the retrieval inside is compiled with it); "
+        "torch.compile: ~50 kernels a step fused into ~15 (the retrieval inside is compiled "
+        "with it; 933 kernels a window against 3,205 on an H200, 2026-11-22); "
         "dynamo's guards run every eager call, which a CUDA graph removes",
         "fusion",
     )
@@ -452,22 +453,23 @@ class Step:
             else:
                 lior_acc = R_acc = spd_acc = torch.zeros((), device=self.device)
                 vel_acc = torch.zeros_like(v)
-            compiled = self._compiled_step
+            step = self._compiled_step or self.advance
+            fused = self._compiled_step is not None and f.inplace_accumulate
             for t in range(1, s.steps_per_phase + 1):
-                if compiled is not None and f.inplace_accumulate:  # accumulates, fused
-                    x, v = compiled(x, v, nudge, self._acc, self._vel_acc)
-                elif f.inplace_accumulate:
-                    x, v, dlior, R_sc, spd = (compiled or self.advance)(x, v, nudge)
-                    lior_acc.add_(dlior.mean())
-                    R_acc.add_(R_sc.mean())
-                    spd_acc.add_(spd.mean())
-                    vel_acc.add_(v)
-                else:  # a fresh tensor per accumulation
-                    x, v, dlior, R_sc, spd = (compiled or self.advance)(x, v, nudge)
-                    lior_acc = lior_acc + dlior.mean()
-                    R_acc = R_acc + R_sc.mean()
-                    spd_acc = spd_acc + spd.mean()
-                    vel_acc = vel_acc + v
+                if fused:  # the compiled step adds to _acc (lior_acc... are its views) itself
+                    x, v = step(x, v, nudge, self._acc, self._vel_acc)
+                else:
+                    x, v, dlior, R_sc, spd = step(x, v, nudge)
+                    if f.inplace_accumulate:
+                        lior_acc.add_(dlior.mean())
+                        R_acc.add_(R_sc.mean())
+                        spd_acc.add_(spd.mean())
+                        vel_acc.add_(v)
+                    else:  # a fresh tensor per accumulation
+                        lior_acc = lior_acc + dlior.mean()
+                        R_acc = R_acc + R_sc.mean()
+                        spd_acc = spd_acc + spd.mean()
+                        vel_acc = vel_acc + v
                 if s.progress_every and t % s.progress_every == 0:
                     self._progress(lior_acc, R_acc, spd_acc, 1.0 / t)
             n = s.steps_per_phase

@@ -36,7 +36,7 @@ EAGER_WINDOW = dataclasses.replace(
     PHASE1, fused_lior=True, compiled_retrieval=True, inplace_accumulate=True, adaptive_cleanup=True
 )
 GRAPHED_WINDOW = dataclasses.replace(EAGER_WINDOW, cuda_graph=True)
-# The same with each step compiled (~19 kernels a step instead of ~50: the retrieval compiled
+# The same with each step compiled (~15 kernels a step instead of ~50, the retrieval compiled
 # with it): where the replay-vs-kernels target is judged (fewer, longer kernels, fewer gaps).
 EAGER_COMPILED_WINDOW = dataclasses.replace(
     EAGER_WINDOW, compiled_retrieval=False, compiled_step=True

@@ -15,7 +15,7 @@ batch has seen more samples by then, so it may well be lower; the row says by ho
 
 Only the baseline and the whole recipe are trained that far: the gpu preset's operator sits on a
 plateau (predicting zero: error 1.0) for its first ~1,300 steps and then learns fast, so the
-comparison needs 3,000 steps (seen on an H200: 0.074 for the recipe, 0.082 for the baseline),
+comparison needs 3,000 steps (an H200, 2026-11-22: 0.074 for the recipe, 0.082 for the baseline),
 and the error read at one step moves by tens of percent from one read to the next (0.055, 0.085,
 0.082 at 2,500, 2,750, 3,000): each error is the mean of the last few reads.
 """

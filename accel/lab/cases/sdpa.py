@@ -205,18 +205,6 @@ def samples_both_ways(
     return samples
 
 
-def compare_both_ways(
-    fns: dict[str, Callable[[], object]],
-    device: torch.device,
-    *,
-    warmup: int = 2,
-    repeats: int = 10,
-) -> dict[str, float]:
-    """Median ms of each function over the samples of :func:`samples_both_ways`."""
-    samples = samples_both_ways(fns, device, warmup=warmup, repeats=repeats)
-    return {k: statistics.median(v) for k, v in samples.items()}
-
-
 def paired_ratio(samples: dict[str, list[float]], slow: str, fast: str) -> float:
     """Median over rounds of ``slow``'s time over ``fast``'s in the same round: how many times
     faster ``fast`` ran than its neighbour in time. Slow drift (clocks falling as the GPU warms
@@ -265,7 +253,7 @@ def measure_point(
 ) -> PointTimes:
     """:func:`measure_case` with what ``auto`` picked: when auto and its pick both run, a second
     copy of the pick (``PICKED``) is timed too, all in one comparison taken both ways round
-    (:func:`compare_both_ways`)."""
+    (:func:`samples_both_ways`)."""
     q, k, v, grad = make_inputs(case, device, seed)
     fns, skipped = {}, {}
     for variant in variants:
