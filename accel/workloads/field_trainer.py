@@ -525,10 +525,10 @@ class Step:
                 got = call(*[_copy(a) for a in args])
                 torch.testing.assert_close(got, want, **TOLERANCE)
         except Exception as exc:  # no compiler, no Triton, a mismatch...
+            detail = " ".join(line.strip() for line in str(exc).splitlines()[:4])
             warnings.warn(
                 f"compiled_step: torch.compile cannot run here or differs from eager "
-                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-                "using the eager step",
+                f"({type(exc).__name__}: {detail}); using the eager step",
                 RuntimeWarning,
                 stacklevel=4,  # the caller of build()
             )
