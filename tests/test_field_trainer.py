@@ -222,6 +222,30 @@ def test_phase1_window_is_sync_free_on_cuda(seed):
         fast()
 
 
+def test_overlapped_launches_compile_their_own_step_and_need_compiled_step(seed):
+    """The launch style is a compile option: the overlapped step is a compilation of its own
+    beside the plain one (same function); asked for without compiled_step it says it does
+    nothing, and the window is the baseline's."""
+    flags = ft.Flags(vectorized_rotor=True, fused_lior=True, inplace_accumulate=True)
+    overlapped = dataclasses.replace(flags, compiled_step=True, overlapped_launches=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = ft.build(overlapped, CPU, seed=seed)
+        ft.build(dataclasses.replace(overlapped, overlapped_launches=False), CPU, seed=seed)
+    # a compiled step that leaves the tolerance falls back, warned (rare: see test_compiled_step_is_compiled_once_for_every_step)
+    assert step._compiled_step is not None or any("differs" in str(w.message) for w in caught)
+    assert (
+        ft._COMPILED_STEPS[(ft.accumulating_step, True)]
+        is not (ft._COMPILED_STEPS[(ft.accumulating_step, False)])
+    )
+    for _ in range(2):
+        step()
+    ft.compare_results(step.result(), run(flags, seed=seed, windows=2))
+    with pytest.warns(RuntimeWarning, match="without compiled_step it does nothing"):
+        alone = ft.build(ft.Flags(overlapped_launches=True), CPU, seed=seed)
+    assert alone._compiled_step is None
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_flags_keep_the_baseline_on_cuda(seed):

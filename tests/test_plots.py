@@ -37,6 +37,17 @@ def test_step_times_carry_iqr_and_speedup():
     assert list(fig.data[0].error_y.arrayminus) == pytest.approx([0.1, 0.1])
 
 
+def test_replay_split_stacks_kernels_and_gaps():
+    frame = pd.DataFrame(
+        {"label": ["plain", "overlapped"], "inside_ms": [2.5, 2.0], "replay_ms": [2.9, 2.1]}
+    )
+    frame["ratio"] = [1.2, 1.05]
+    fig = plots.replay_split(frame)
+    assert fig.layout.barmode == "stack"
+    assert list(fig.data[1].y) == pytest.approx([0.4, 0.1])  # the gaps
+    assert list(fig.data[1].text) == ["1.20x the kernels", "1.05x the kernels"]
+
+
 def test_kernel_breakdown_shows_the_top_kernels_largest_on_top():
     kernels = pd.DataFrame(
         {

@@ -68,6 +68,26 @@ def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
     return fig.update_layout(**_LAYOUT, title=title, yaxis_title="median ms (IQR bars)")
 
 
+def replay_split(frame: pd.DataFrame, *, title: str = "What a replay spends") -> go.Figure:
+    """Per graphed variant, its replay split into kernel time and the gaps between kernels,
+    stacked, with the replay over its eager kernels' time on top.
+
+    ``frame``: ``label``, ``inside_ms`` (kernels profiled inside the replay), ``replay_ms`` and
+    ``ratio`` (replay over the eager kernel sum): :class:`ReplayAccount` rows.
+    """
+    gaps = (frame["replay_ms"] - frame["inside_ms"]).clip(lower=0)
+    fig = go.Figure()
+    fig.add_bar(x=frame["label"], y=frame["inside_ms"], name="kernels")
+    fig.add_bar(
+        x=frame["label"],
+        y=gaps,
+        name="gaps",
+        text=[f"{r:.2f}x the kernels" for r in frame["ratio"]],
+        textposition="outside",
+    )
+    return fig.update_layout(**_LAYOUT, barmode="stack", title=title, yaxis_title="ms a window")
+
+
 def samples(series: dict[str, list[float]], *, title: str = "Per-step times") -> go.Figure:
     """One line of sample times per candidate, in the order taken (shows warm-up and drift)."""
     fig = go.Figure()

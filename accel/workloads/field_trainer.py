@@ -99,6 +99,15 @@ class Flags:
         "graphs",
         requires="cuda",
     )
+    overlapped_launches: bool = flag(
+        "the compiled step (needs compiled_step) built for back-to-back replay: its Triton "
+        "kernels launched with programmatic dependent launch (Hopper and newer: a kernel starts "
+        "while the one before it drains and waits on it only for its data) and independent "
+        "kernels combined into one (inductor's combo kernels); the gaps between kernels inside a "
+        "graph shrink (on an H200, 2026-11-22: 0.31 to 0.09 us a kernel, 937 kernels to 745)",
+        "graphs",
+        requires="cuda",
+    )
 
 
 @dataclass(frozen=True)
@@ -287,7 +296,11 @@ def _copy(a: Any) -> Any:
     return a.clone() if isinstance(a, torch.Tensor) else a
 
 
-_COMPILED_STEPS: dict[Callable, Callable] = {}  # one torch.compile per step function, per process
+# Inductor options of ``overlapped_launches``. Both are off by default in torch 2.11; PDL is
+# generated only for CUDA devices of compute capability 9.0 and up (elsewhere it is ignored).
+OVERLAPPED_LAUNCHES = {"triton.enable_pdl": True, "combo_kernels": True}
+# One torch.compile per step function and launch style, per process.
+_COMPILED_STEPS: dict[tuple[Callable, bool], Callable] = {}
 
 
 _compiled_mix: CompiledFunction | None = None  # one per process: compiled code is kept per shape
@@ -414,6 +427,13 @@ class Step:
             fused=flags.fused_retrieval,
         )
         self._compiled_step = self._compile_step() if flags.compiled_step else None
+        if flags.overlapped_launches and not flags.compiled_step:
+            warnings.warn(
+                "overlapped_launches changes how the compiled step is built: without "
+                "compiled_step it does nothing",
+                RuntimeWarning,
+                stacklevel=3,  # the caller of build()
+            )
         self.cleaner = memory.CacheCleaner(device, naive_every=CLEANUP_EVERY)
         # The window's device work, graphed when asked: it reads and writes only the tensors
         # above, in place, so a replay is the window. Off a GPU it warns once and runs eagerly.
@@ -509,9 +529,11 @@ class Step:
         it compiles here, not in a timed window); None, with a warning, where it cannot run."""
         s, f = self.sizes, self.flags
         fn = accumulating_step if f.inplace_accumulate else field_step
-        if fn not in _COMPILED_STEPS:
-            _COMPILED_STEPS[fn] = torch.compile(fn, dynamic=False)
-        compiled = _COMPILED_STEPS[fn]
+        key = (fn, f.overlapped_launches)
+        if key not in _COMPILED_STEPS:
+            options = OVERLAPPED_LAUNCHES if f.overlapped_launches else None
+            _COMPILED_STEPS[key] = torch.compile(fn, dynamic=False, options=options)
+        compiled = _COMPILED_STEPS[key]
         options = self._step_options(retrieve_fused if f.fused_retrieval else retrieve)
         extra = (self._acc, self._vel_acc) if f.inplace_accumulate else ()
 
