@@ -228,10 +228,15 @@ def test_overlapped_launches_compile_their_own_step_and_need_compiled_step(seed)
     nothing, and the window is the baseline's."""
     flags = ft.Flags(vectorized_rotor=True, fused_lior=True, inplace_accumulate=True)
     overlapped = dataclasses.replace(flags, compiled_step=True, overlapped_launches=True)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = ft.build(overlapped, CPU, seed=seed)
         ft.build(dataclasses.replace(overlapped, overlapped_launches=False), CPU, seed=seed)
+        plain_graphs = len(cache_entries(ft.accumulating_step.__code__))
+        step = ft.build(overlapped, CPU, seed=seed)
+    # its graphs live on a code object of its own: the plain step's recompile budget is untouched
+    assert len(cache_entries(ft.accumulating_step.__code__)) == plain_graphs
     # a compiled step that leaves the tolerance falls back, warned (rare: see test_compiled_step_is_compiled_once_for_every_step)
     assert step._compiled_step is not None or any("differs" in str(w.message) for w in caught)
     assert (

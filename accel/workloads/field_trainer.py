@@ -22,6 +22,7 @@ schedule, cache cleanup) stays outside it. A captured window also needs ``batche
 from __future__ import annotations
 
 import math
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -304,6 +305,16 @@ OVERLAPPED_LAUNCHES = {"triton.enable_pdl": True, "combo_kernels": True}
 _COMPILED_STEPS: dict[tuple[Callable, bool], Callable] = {}
 
 
+def _own_code(fn: Callable, suffix: str) -> Callable:
+    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, and its limit of
+    recompilations (8), per code object, whatever the torch.compile call: a second compilation
+    of ``fn`` with other options would share, and could exhaust, that budget."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{suffix}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 _compiled_mix: CompiledFunction | None = None  # one per process: compiled code is kept per shape
 
 
@@ -532,8 +543,13 @@ class Step:
         fn = accumulating_step if f.inplace_accumulate else field_step
         key = (fn, f.overlapped_launches)
         if key not in _COMPILED_STEPS:
-            options = OVERLAPPED_LAUNCHES if f.overlapped_launches else None
-            _COMPILED_STEPS[key] = torch.compile(fn, dynamic=False, options=options)
+            if f.overlapped_launches:
+                overlapped = _own_code(fn, "overlapped")
+                _COMPILED_STEPS[key] = torch.compile(
+                    overlapped, dynamic=False, options=OVERLAPPED_LAUNCHES
+                )
+            else:
+                _COMPILED_STEPS[key] = torch.compile(fn, dynamic=False)
         compiled = _COMPILED_STEPS[key]
         options = self._step_options(retrieve_fused if f.fused_retrieval else retrieve)
         extra = (self._acc, self._vel_acc) if f.inplace_accumulate else ()
