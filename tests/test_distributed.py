@@ -28,6 +28,15 @@ LOSS_TOL = {"rtol": 1e-4, "atol": 1e-6}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def on_the_cpu():
+    """These are tests of the CPU path: on a machine with GPUs too, launches pick gloo (nccl
+    would ask for a GPU per rank; the bench runs that path)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(D, "gpus_present", lambda: 0)
+        yield
+
+
 def hanging_task(preset: str, seed: int) -> D.Task:
     """The toy task whose rank 1 stops answering at step 1 (for the timeout test)."""
     task = D.toy_task(preset, seed)
