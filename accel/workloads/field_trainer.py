@@ -105,8 +105,8 @@ class Flags:
         "kernels launched with programmatic dependent launch (Hopper and newer: a kernel starts "
         "while the one before it drains and waits on it only for its data) and independent "
         "kernels combined into one (inductor's combo kernels); the gaps between kernels inside a "
-        "graph shrink (on an H200, 2026-11-22: 937 kernels a window to 745, the replay 1.12x its "
-        "eager kernels to 1.02x)",
+        "graph shrink (on an H200, 2026-11-22: 937 kernels a window to 745, the replay 1.08-1.12x "
+        "its eager kernels to 1.02-1.03x, two runs)",
         "graphs",
         requires="cuda",
     )
