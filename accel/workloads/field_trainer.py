@@ -17,6 +17,8 @@ graph: it reads and writes only tensors allocated in ``__init__``, in place, wit
 target copied into a static buffer before it; host work (collecting progress, the rotor-update
 schedule, cache cleanup) stays outside it. A captured window also needs ``batched_progress`` (an
 ``.item()`` inside fails the capture: the window then runs eagerly, with a warning naming it).
+``overlapped_launches`` builds the compiled step (``compiled_step``) for back-to-back replay:
+programmatic dependent launch and combo kernels, so the gaps between a replay's kernels shrink.
 """
 
 from __future__ import annotations

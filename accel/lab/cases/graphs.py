@@ -284,8 +284,10 @@ def replay_accounts(
     accounts = {}
     for label, step in graphed.items():
         eager_label = "eager" + label.removeprefix("graphed")
-        report = eager_report if eager_label == "eager" and eager_report is not None else None
-        report = report or profile_step(steps[eager_label], steps=3, device=device)
+        if eager_label == "eager" and eager_report is not None:
+            report = eager_report
+        else:
+            report = profile_step(steps[eager_label], steps=3, device=device)
         accounts[label] = replay_account(timing.timings[label].median_ms, report, step, device)
     return accounts
 
