@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -230,15 +229,12 @@ def test_overlapped_launches_compile_their_own_step_and_need_compiled_step(seed)
     overlapped = dataclasses.replace(flags, compiled_step=True, overlapped_launches=True)
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list as cache_entries
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ft.build(dataclasses.replace(overlapped, overlapped_launches=False), CPU, seed=seed)
-        plain_graphs = len(cache_entries(ft.accumulating_step.__code__))
-        step = ft.build(overlapped, CPU, seed=seed)
+    ft.build(dataclasses.replace(overlapped, overlapped_launches=False), CPU, seed=seed)
+    plain_graphs = len(cache_entries(ft.accumulating_step.__code__))
+    step = ft.build(overlapped, CPU, seed=seed)
     # its graphs live on a code object of its own: the plain step's recompile budget is untouched
     assert len(cache_entries(ft.accumulating_step.__code__)) == plain_graphs
-    # a compiled step that leaves the tolerance falls back, warned (rare: see test_compiled_step_is_compiled_once_for_every_step)
-    assert step._compiled_step is not None or any("differs" in str(w.message) for w in caught)
+    assert step._compiled_step is not None
     assert (
         ft._COMPILED_STEPS[(ft.accumulating_step, True)]
         is not (ft._COMPILED_STEPS[(ft.accumulating_step, False)])
@@ -289,6 +285,13 @@ def test_graphed_window_with_host_reads_falls_back(seed):
     )
 
 
+def test_the_target_buffer_holds_a_pattern_from_the_start(seed):
+    """The compiled step's build check runs the nudged phase before any window has copied its
+    pattern in: an uninitialized target (NaN at times) made that check fail spuriously."""
+    step = ft.build(ft.Flags(), CPU, seed=seed)
+    assert torch.equal(step.target, step.targets[0])
+
+
 def test_compiled_step_is_compiled_once_for_every_step(seed):
     """The step function is module-level: a second Step of the same sizes reuses the graphs the
     first compiled (a bound method would recompile per instance and exhaust dynamo's cache)."""
@@ -298,15 +301,9 @@ def test_compiled_step_is_compiled_once_for_every_step(seed):
     fast = dataclasses.replace(flags, compiled_step=True)
     first = ft.build(fast, CPU, seed=seed)
     graphs_before = counters["stats"]["unique_graphs"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        second = ft.build(fast, CPU, seed=seed + 1)
-    assert first._compiled_step is not None
+    second = ft.build(fast, CPU, seed=seed + 1)
+    assert first._compiled_step is not None and second._compiled_step is not None
     assert counters["stats"]["unique_graphs"] == graphs_before  # nothing compiled again
-    # Rarely (about 1 run in 30 on this CPU) one step of the fused code leaves the tolerance on
-    # the second seed's state: the step then falls back to eager with the warning, as designed.
-    fell_back = [w for w in caught if "differs from eager" in str(w.message)]
-    assert second._compiled_step is not None or fell_back
     for _ in range(2):
         first()
     ft.compare_results(first.result(), run(flags, seed=seed, windows=2))

@@ -398,7 +398,9 @@ class Step:
         self.v = randn(s.batch, d, scale=0.5)
         self.keys, self.values = randn(s.bank, d), randn(s.bank, d)
         self.targets = randn(s.patterns, s.batch, d)
-        self.target = torch.empty_like(self.x)  # this window's pattern: a static buffer
+        # this window's pattern, a static buffer: set before each window, and before the compiled
+        # step's build check reads it (uninitialized, it held NaN at times: a spurious mismatch)
+        self.target = self.targets[0].clone()
         a = torch.randn(d, d, generator=gen) / math.sqrt(d)
         self.C = ((a + a.T) / 2).to(device)  # symmetric: a curvature form
         if g0 is None:
