@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import torch
 
+from accel.sync import to_device_without_sync
+
 Implementation = Literal["auto", "triton", "reference"]
 
 
@@ -125,12 +127,9 @@ class MultiTensorAdamW(torch.optim.Optimizer):
 
     def _on_device(self, values: tuple[float, ...]) -> torch.Tensor:
         """Floats as a float32 device tensor, made once per distinct tuple."""
-        if values not in self._constants:  # pinned and non-blocking: no host sync
+        if values not in self._constants:
             host = torch.tensor(values, dtype=torch.float32)
-            cuda = self.device.type == "cuda"
-            self._constants[values] = (host.pin_memory() if cuda else host).to(
-                self.device, non_blocking=cuda
-            )
+            self._constants[values] = to_device_without_sync(host, self.device)
         return self._constants[values]
 
     def _group_values(self, name: str) -> torch.Tensor:

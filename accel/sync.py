@@ -216,6 +216,16 @@ class ProgressLog:
 
 
 # ---- counting and forbidding syncs -------------------------------------------------------------
+def to_device_without_sync(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor copied to ``device`` without a host sync: on CUDA pinned first, then
+    non-blocking (a pageable copy waits for the device, and a sync in a warm-up call keeps
+    :class:`accel.graphs.GraphedStep` from capturing). ``t`` itself is not pinned: the copy
+    reads a pinned copy of it, which the caching host allocator keeps until the copy lands."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None:
     """Call ``fn(*args, **kwargs)`` once and return how many host-device syncs it made.
 

@@ -547,13 +547,12 @@ class Step:
         fn = accumulating_step if f.inplace_accumulate else field_step
         key = (fn, f.overlapped_launches)
         if key not in _COMPILED_STEPS:
-            if f.overlapped_launches:
-                overlapped = _own_code(fn, "overlapped")
-                _COMPILED_STEPS[key] = torch.compile(
-                    overlapped, dynamic=False, options=OVERLAPPED_LAUNCHES
-                )
-            else:
-                _COMPILED_STEPS[key] = torch.compile(fn, dynamic=False)
+            source, options = (
+                (_own_code(fn, "overlapped"), OVERLAPPED_LAUNCHES)
+                if f.overlapped_launches
+                else (fn, None)
+            )
+            _COMPILED_STEPS[key] = torch.compile(source, dynamic=False, options=options)
         compiled = _COMPILED_STEPS[key]
         options = self._step_options(retrieve_fused if f.fused_retrieval else retrieve)
         extra = (self._acc, self._vel_acc) if f.inplace_accumulate else ()

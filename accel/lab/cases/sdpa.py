@@ -470,16 +470,20 @@ def sweep(
     return pd.DataFrame(rows)
 
 
-def _paired(part: pd.DataFrame) -> tuple[float, float, str]:
-    """At one sweep point: auto's speed over PyTorch's default and over the best forced backend,
-    and that backend. Taken round by round (``versus_auto``) when the frame has them, else from
-    the medians (frames read back from recorded rows)."""
+def _versus_auto(part: pd.DataFrame) -> dict[str, float]:
+    """At one sweep point, each backend's time over auto's: round by round (``versus_auto``)
+    when the frame has them, else from the medians (frames read back from recorded rows)."""
     rows = part[part["skipped"] == ""] if "skipped" in part else part
     if "versus_auto" in rows and rows["versus_auto"].notna().any():
-        versus = dict(zip(rows["backend"], rows["versus_auto"], strict=True))
-    else:
-        ms = dict(zip(rows["backend"], rows["ms"], strict=True))
-        versus = {b: t / ms.get("auto", math.nan) for b, t in ms.items()}
+        return dict(zip(rows["backend"], rows["versus_auto"], strict=True))
+    ms = dict(zip(rows["backend"], rows["ms"], strict=True))
+    return {b: t / ms.get("auto", math.nan) for b, t in ms.items()}
+
+
+def _paired(part: pd.DataFrame) -> tuple[float, float, str]:
+    """At one sweep point: auto's speed over PyTorch's default and over the best forced backend,
+    and that backend (:func:`_versus_auto`)."""
+    versus = _versus_auto(part)
     forced = {b: r for b, r in versus.items() if b in attention.FORCED and not math.isnan(r)}
     best = min(forced, key=forced.__getitem__, default="")
     return versus.get("default", math.nan), forced.get(best, math.nan), best
@@ -492,16 +496,10 @@ def _pick_note(part: pd.DataFrame) -> tuple[str, float, float]:
     picked = first.get("picked", "") if "picked" in part else ""
     if not isinstance(picked, str) or not picked:
         return "", math.nan, math.nan
-    ms = dict(zip(part["backend"], part["ms"], strict=True))
-    paired = dict(
-        zip(part["backend"], part.get("versus_auto", pd.Series(dtype=float)), strict=False)
-    )
-    vs_forced = paired.get(picked, math.nan)
-    if math.isnan(vs_forced):
-        vs_forced = ms.get(picked, math.nan) / ms.get("auto", math.nan)
+    vs_forced = _versus_auto(part).get(picked, math.nan)
     control = first.get("control", math.nan)
     if math.isnan(control):
-        control = ms.get(picked, math.nan) / first["picked_ms"]
+        control = part.set_index("backend")["ms"].get(picked, math.nan) / first["picked_ms"]
     return (
         f"; auto picked {picked} (its decision: {first['decision']}); "
         f"auto / {picked} forced = {vs_forced:.3f}; {picked} forced again / {picked} forced = "
