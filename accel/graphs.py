@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from accel import sync
 from accel.fusion import clip_grad_norm_
+from accel.optim import load_state_in_place
 
 __all__ = [
     "GraphCaptureWarning",
@@ -430,7 +431,8 @@ class GraphedOptimizerStep:
     """``optimizer.step()`` as a CUDA graph; gradients, clipping and everything else stay eager.
 
     The optimizer must be capturable (``AdamW(..., capturable=True)``, with ``fused=True`` or
-    not): its step counter then lives on the device. The graph records the gradients' addresses,
+    not): its step counter then lives on the device. ``optimizer.load_state_dict`` copies into
+    the captured state (:func:`accel.optim.load_state_in_place`), so a resumed run replays on it. The graph records the gradients' addresses,
     so they must stay put: zero them with ``zero_grad(set_to_none=False)`` (backward then
     accumulates into the same tensors) and clip them in place before the call. Every call checks
     that, and that no learning rate changed under the graph (a float learning rate is baked into
@@ -457,6 +459,7 @@ class GraphedOptimizerStep:
                 "with capturable=True"
             )
         self.optimizer, self.params, self.check = optimizer, params, check
+        load_state_in_place(optimizer)  # a resumed state reaches the captured graph
         self._graphed = GraphedStep(
             optimizer.step,
             warmup=warmup,
@@ -526,6 +529,7 @@ def training_step(
     Returns the loss, detached. Wrap it: ``GraphedStep(training_step(...))``; the optimizer must
     be capturable for that (it need not be eagerly)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    load_state_in_place(optimizer)  # a resumed state reaches the captured graph
 
     def step(inputs: Any, targets: Any) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)

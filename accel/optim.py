@@ -13,6 +13,10 @@ contiguous float32), after one warning that says why.
 Differences from ``torch.optim.AdamW``, by design: one step count for all parameters (a
 parameter whose gradient is None on some step is skipped, but the count still advances for it),
 and ``betas`` and ``eps`` shared by all groups (the launch takes them once).
+
+Its ``state_dict`` has torch's AdamW layout (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter),
+so a checkpoint resumes exactly, also through ``torch.distributed.checkpoint``, and moves between
+the two optimizers; a state whose parameters have different step counts is refused.
 """
 
 from __future__ import annotations
@@ -88,14 +92,15 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         *,
         implementation: Implementation = "auto",
     ):
-        if not 0.0 <= betas[0] < 1.0 or not 0.0 <= betas[1] < 1.0 or eps < 0:
-            raise ValueError(f"expected 0 <= betas < 1 and eps >= 0, got {betas=} {eps=}")
+        _check_hyperparameters(lr, betas, eps, weight_decay)
         if implementation not in ("auto", "triton", "reference"):
             raise ValueError(
                 f"implementation must be 'auto', 'triton' or 'reference', got {implementation!r}"
             )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True)
         super().__init__(params, defaults)
+        for g in self.param_groups:  # groups may carry their own values
+            _check_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         shared = {(tuple(g["betas"]), g["eps"]) for g in self.param_groups}
         if len(shared) > 1:
             raise ValueError(
@@ -120,7 +125,12 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 stacklevel=2,
             )
         self.uses_kernel = implementation != "reference" and why is None
+        # One count for every parameter, on the device: the kernel reads it and a captured graph
+        # holds its address, so a load copies into it and never replaces it.
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.register_state_dict_post_hook(_step_count_per_parameter)
+        load_state_in_place(self)
+        self.register_load_state_dict_post_hook(_share_loaded_step_count, prepend=True)
         self._plan = None
         self._warned = False
         self._constants: dict[tuple, torch.Tensor] = {}
@@ -138,7 +148,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             return self._on_device(tuple(float(v) for v in values))
         return torch.stack(
             [
-                v.reshape(()).to(torch.float32)
+                v.reshape(()).to(self.device, torch.float32)
                 if isinstance(v, torch.Tensor)
                 else self._on_device((float(v),))[0]
                 for v in values
@@ -158,6 +168,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
+                    state["step"] = self.step_count  # saved with each parameter, as torch's
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 params.append(p)
@@ -194,3 +205,92 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             self._plan = AdamWPlan(params, grads, exp_avgs, exp_avg_sqs, groups)
         self._plan.launch(self.step_count, lrs, wds, **hyper)
         return loss
+
+
+def load_state_in_place(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Make ``optimizer.load_state_dict`` copy into the state tensors it already has (moments,
+    step counts, tensor learning rates) instead of replacing them, so that a CUDA graph captured
+    earlier reads the loaded values. Returns the optimizer; a second call changes nothing."""
+    if getattr(optimizer, "_accel_loads_in_place", False):
+        return optimizer
+    optimizer._accel_loads_in_place = True
+    before: dict[str, Any] = {}
+
+    def remember(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+        before["state"] = {p: dict(s) for p, s in opt.state.items()}
+        before["lrs"] = [g.get("lr") for g in opt.param_groups]
+
+    def copy_back(opt: torch.optim.Optimizer) -> None:
+        for i, (p, old) in enumerate(before.pop("state").items()):
+            new = opt.state.get(p)
+            for key, kept in old.items():
+                loaded = None if new is None else new.get(key)
+                if not (isinstance(kept, torch.Tensor) and isinstance(loaded, torch.Tensor)):
+                    continue
+                if kept.shape != loaded.shape:
+                    raise ValueError(
+                        f"load_state_dict: state {key!r} of parameter {i} has shape "
+                        f"{tuple(loaded.shape)}, expected {tuple(kept.shape)} (another model?)"
+                    )
+                if kept is not loaded:
+                    kept.copy_(loaded)
+                    new[key] = kept
+        for group, kept in zip(opt.param_groups, before.pop("lrs"), strict=True):
+            if isinstance(kept, torch.Tensor) and group.get("lr") is not kept:
+                kept.copy_(torch.as_tensor(group["lr"]).reshape(kept.shape))
+                group["lr"] = kept
+
+    optimizer.register_load_state_dict_pre_hook(remember)
+    optimizer.register_load_state_dict_post_hook(copy_back)
+    return optimizer
+
+
+def _check_hyperparameters(
+    lr: float | torch.Tensor, betas: tuple[float, float], eps: float, weight_decay: float
+) -> None:
+    """What ``torch.optim.AdamW`` refuses, refused here too."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"a tensor lr must hold one value, got shape {tuple(lr.shape)}")
+    if not float(lr) >= 0.0:  # sync: construction only, for a tensor lr
+        raise ValueError(f"expected lr >= 0, got {float(lr)}")
+    if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+        raise ValueError(f"expected two betas with 0 <= beta < 1, got {betas}")
+    if not eps >= 0.0:
+        raise ValueError(f"expected eps >= 0, got {eps}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"expected weight_decay >= 0, got {weight_decay}")
+
+
+def _step_count_per_parameter(optimizer: MultiTensorAdamW, state_dict: dict) -> dict:
+    """Each parameter's saved state gets its own copy of the step count: torch's AdamW, loading
+    it, increments every parameter's count in place, and a shared one would advance once per
+    parameter."""
+    state_dict["state"] = {
+        k: {**v, "step": v["step"].clone()} if "step" in v else v
+        for k, v in state_dict["state"].items()
+    }
+    return state_dict
+
+
+def _share_loaded_step_count(optimizer: MultiTensorAdamW) -> None:
+    """After ``load_state_dict``: the one device step count takes the loaded value, in place,
+    and every parameter's state points at it again."""
+    states = [s for s in optimizer.state.values() if s]
+    if not states:
+        return
+    if any("step" not in s for s in states):
+        raise ValueError(
+            "MultiTensorAdamW.load_state_dict: the state has no step count for some parameters "
+            "(expected 'step' beside 'exp_avg' and 'exp_avg_sq', as torch.optim.AdamW saves it); "
+            "without it the bias correction would restart at step 1"
+        )
+    steps = {float(s["step"]) for s in states}  # sync: loading only
+    if len(steps) > 1:
+        raise ValueError(
+            f"MultiTensorAdamW keeps one step count for every parameter; the state has "
+            f"{len(steps)} different ones ({sorted(steps)[:4]}...), e.g. from a torch.optim.AdamW "
+            f"whose parameters skipped different steps"
+        )
+    optimizer.step_count.fill_(steps.pop())
+    for state in states:
+        state["step"] = optimizer.step_count

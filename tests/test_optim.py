@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import io
 
 import pytest
 import torch
 
 from accel import graphs
-from accel.optim import MultiTensorAdamW, adamw_reference
+from accel.optim import MultiTensorAdamW, adamw_reference, load_state_in_place
 
 CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -133,13 +134,24 @@ def test_falls_back_to_the_reference_with_a_warning(monkeypatch, seed):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"betas": (1.0, 0.9)}, "expected 0 <= betas < 1"),
+        ({"betas": (1.0, 0.9)}, r"expected two betas with 0 <= beta < 1, got \(1.0, 0.9\)"),
+        ({"lr": -1e-3}, "expected lr >= 0, got -0.001"),
+        ({"lr": torch.tensor(-1e-3)}, "expected lr >= 0"),
+        ({"lr": torch.ones(2)}, "a tensor lr must hold one value"),
+        ({"weight_decay": -0.1}, "expected weight_decay >= 0, got -0.1"),
+        ({"eps": -1e-8}, "expected eps >= 0"),
         ({"implementation": "fast"}, "implementation must be"),
     ],
 )
 def test_bad_arguments(kwargs, match, seed):
     with pytest.raises(ValueError, match=match):
         MultiTensorAdamW(make_params("cpu", torch.Generator().manual_seed(seed)), **kwargs)
+
+
+def test_a_group_with_a_negative_learning_rate_is_refused(seed):
+    groups = groups_of(make_params("cpu", torch.Generator().manual_seed(seed)), lrs=(1e-3, -1e-3))
+    with pytest.raises(ValueError, match=r"expected lr >= 0, got -0\.001"):
+        MultiTensorAdamW(groups, implementation="reference")
 
 
 def test_groups_must_share_betas_and_eps(seed):
@@ -171,3 +183,197 @@ def test_graphed_step_equals_eager_over_many_replays(seed):
     assert graphed.graphed.graphs == 1
     for a, b in zip(eager_params, graph_params, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def _grads(params, seed, steps):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        [torch.randn(p.shape, generator=gen).to(p.device) for p in params] for _ in range(steps)
+    ]
+
+
+def _step_with(optimizer, params, grads):
+    for g_list in grads:
+        for p, g in zip(params, g_list, strict=True):
+            p.grad = g.clone()
+        optimizer.step()
+
+
+def _through_bytes(state: dict) -> dict:
+    """A state_dict as a checkpoint file gives it back."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "reference"])
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_saved_and_resumed_equals_uninterrupted(kdev, seed, implementation, tensor_lr):
+    def fresh(params):
+        groups = groups_of(params)
+        if tensor_lr:
+            for g in groups:
+                g["lr"] = torch.tensor(g["lr"], device=kdev)
+        return MultiTensorAdamW(groups, implementation=implementation)
+
+    start = make_params(kdev, torch.Generator().manual_seed(seed))
+    grads = _grads(start, seed + 1, steps=10)
+    whole = [p.detach().clone().requires_grad_() for p in start]
+    _step_with(fresh(whole), whole, grads)
+
+    first = [p.detach().clone().requires_grad_() for p in start]
+    opt = fresh(first)
+    _step_with(opt, first, grads[:5])
+    saved = _through_bytes(opt.state_dict())
+    resumed = [p.detach().clone().requires_grad_() for p in first]
+    opt = fresh(resumed)
+    opt.load_state_dict(saved)
+    assert float(opt.step_count) == 5
+    _step_with(opt, resumed, grads[5:])
+    for a, b in zip(resumed, whole, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_state_without_its_step_count_is_refused(seed):
+    params = make_params("cpu", torch.Generator().manual_seed(seed))
+    opt = MultiTensorAdamW(params, implementation="reference")
+    _step_with(opt, params, _grads(params, seed, steps=2))
+    saved = opt.state_dict()
+    for state in saved["state"].values():
+        del state["step"]
+    with pytest.raises(ValueError, match="no step count"):
+        MultiTensorAdamW(params, implementation="reference").load_state_dict(saved)
+
+
+def test_torch_adamw_state_resumes_in_multi_tensor_adamw_and_back(seed):
+    start = make_params("cpu", torch.Generator().manual_seed(seed))
+    grads = _grads(start, seed + 1, steps=6)
+    whole = [p.detach().clone().requires_grad_() for p in start]
+    _step_with(torch.optim.AdamW(whole, foreach=False), whole, grads)
+    # torch's AdamW for 2 steps, ours for 2, torch's again for 2
+    params = [p.detach().clone().requires_grad_() for p in start]
+    theirs = torch.optim.AdamW(params, foreach=False)
+    _step_with(theirs, params, grads[:2])
+    ours = MultiTensorAdamW(params, implementation="reference")
+    ours.load_state_dict(_through_bytes(theirs.state_dict()))
+    _step_with(ours, params, grads[2:4])
+    theirs = torch.optim.AdamW(params, foreach=False)
+    theirs.load_state_dict(_through_bytes(ours.state_dict()))
+    _step_with(theirs, params, grads[4:])
+    for a, b in zip(params, whole, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_steps_that_differ_between_parameters_are_refused(seed):
+    params = make_params("cpu", torch.Generator().manual_seed(seed))
+    theirs = torch.optim.AdamW(params, foreach=False)
+    _step_with(theirs, params, _grads(params, seed, steps=2))
+    saved = theirs.state_dict()
+    saved["state"][0]["step"] = torch.tensor(1.0)
+    with pytest.raises(ValueError, match="one step count"):
+        MultiTensorAdamW(params, implementation="reference").load_state_dict(saved)
+    stepped = MultiTensorAdamW(params, implementation="reference")  # with a state of its own
+    _step_with(stepped, params, _grads(params, seed, steps=1))
+    with pytest.raises(ValueError, match="one step count"):
+        stepped.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("make", ["ours", "torch"])
+def test_a_load_copies_into_the_state_tensors_it_has(make, seed):
+    # a CUDA graph captured before the load reads these addresses
+    params = make_params("cpu", torch.Generator().manual_seed(seed))
+    groups = groups_of(params)
+    for g in groups:
+        g["lr"] = torch.tensor(g["lr"])
+    if make == "ours":
+        opt = MultiTensorAdamW(groups, implementation="reference")
+    else:
+        opt = load_state_in_place(torch.optim.AdamW(groups, foreach=False))
+    grads = _grads(params, seed, steps=3)
+    _step_with(opt, params, grads[:1])
+    saved = _through_bytes(opt.state_dict())
+    kept = {k: v for s in opt.state.values() for k, v in s.items()}
+    held = {id(t) for s in opt.state.values() for t in s.values()}
+    lrs = [g["lr"] for g in opt.param_groups]
+    expected = [v.clone() for s in saved["state"].values() for v in s.values()]
+    _step_with(opt, params, grads[1:])  # moves the state on
+    opt.load_state_dict(saved)
+    assert {id(t) for s in opt.state.values() for t in s.values()} == held
+    assert all(g["lr"] is lr for g, lr in zip(opt.param_groups, lrs, strict=True))
+    now = [v for s in opt.state.values() for v in s.values()]
+    assert all(torch.equal(a, b) for a, b in zip(now, expected, strict=True)) and kept
+
+
+def test_resumed_through_distributed_checkpoint_equals_uninterrupted(tmp_path, seed):
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def model_of(params):
+        model = torch.nn.Module()
+        for i, p in enumerate(params):
+            model.register_parameter(f"p{i}", torch.nn.Parameter(p.detach().clone()))
+        return model
+
+    start = make_params("cpu", torch.Generator().manual_seed(seed))
+    grads = _grads(start, seed + 1, steps=6)
+    whole = model_of(start)
+    _step_with(
+        MultiTensorAdamW(groups_of(list(whole.parameters())), implementation="reference"),
+        list(whole.parameters()),
+        grads,
+    )
+    model = model_of(start)
+    opt = MultiTensorAdamW(groups_of(list(model.parameters())), implementation="reference")
+    _step_with(opt, list(model.parameters()), grads[:3])
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp_path)
+
+    model = model_of(start)  # the first weights: the load must bring the saved ones
+    opt = MultiTensorAdamW(groups_of(list(model.parameters())), implementation="reference")
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=tmp_path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert float(opt.step_count) == 3
+    _step_with(opt, list(model.parameters()), grads[3:])
+    for a, b in zip(model.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_cuda
+@pytest.mark.parametrize("make", ["ours", "torch fused"])
+def test_a_graph_captured_before_a_load_resumes_from_the_loaded_state(make, seed):
+    def optimizer(params):
+        lr = torch.tensor(1e-2, device="cuda")
+        if make == "ours":
+            return MultiTensorAdamW([{"params": params, "lr": lr}])
+        return torch.optim.AdamW([{"params": params, "lr": lr}], fused=True, capturable=True)
+
+    gen = torch.Generator().manual_seed(seed)
+    start = make_params("cuda", gen, shapes=[(4096, 33), (5,), (1000, 7)])
+    grads = _grads(start, seed + 1, steps=10)
+    params = [p.detach().clone().requires_grad_() for p in start]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    graphed = graphs.GraphedOptimizerStep(optimizer(params))
+
+    def steps(these):
+        for g_list in these:
+            for p, g in zip(params, g_list, strict=True):
+                p.grad.copy_(g)  # in place: the graph reads these addresses
+            graphed()
+
+    steps(grads[:5])
+    saved = _through_bytes(graphed.optimizer.state_dict())
+    weights = [p.detach().clone() for p in params]
+    steps(grads[5:])
+    uninterrupted = [p.detach().clone() for p in params]
+    graphed.optimizer.load_state_dict(saved)  # back to step 5, into the captured graph
+    with torch.no_grad():
+        for p, w in zip(params, weights, strict=True):
+            p.copy_(w)
+    steps(grads[5:])
+    assert graphed.graphed.graphs == 1
+    for a, b in zip(params, uninterrupted, strict=True):
+        assert torch.equal(a, b)
