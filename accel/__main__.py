@@ -30,9 +30,10 @@ def _info(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from accel.lab.bench import run_bench, write_results
+    from accel.lab.bench import run_bench
+    from accel.lab.device import results_stem
 
-    frame = run_bench(args.phase)
+    frame = run_bench(args.phase, out=args.out)  # each phase written as it ends
     with pd.option_context("display.width", 200, "display.max_columns", 12):
         print(
             frame[
@@ -49,8 +50,8 @@ def _bench(args: argparse.Namespace) -> int:
                 ]
             ].to_string(index=False)
         )
-    paths = write_results(frame, args.out)
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    paths = [args.out / f"{results_stem()}.{ext}" for ext in ("csv", "html")]
+    print("wrote " + ", ".join(str(p) for p in paths))
     missed = frame[frame["met"].eq(False)]
     if len(missed):
         print(
@@ -63,7 +64,7 @@ def _table(args: argparse.Namespace) -> int:
     from accel.lab.bench import results_markdown, update_readme
 
     if args.readme:
-        changed = update_readme(args.readme, args.results)
+        changed = update_readme(args.readme, args.results, force=args.force)
         print(f"{args.readme}: {'updated' if changed else 'already up to date'}")
     else:
         print(results_markdown(args.results))
@@ -92,15 +93,29 @@ def parser() -> argparse.ArgumentParser:
     )
     bench.set_defaults(func=_bench)
     table = sub.add_parser("table", help="print the results table, or rewrite the README's")
-    table.add_argument("--results", type=Path, default=Path("results"))
+    table.add_argument(
+        "--results",
+        type=Path,
+        help="the bench's results directory (default: results/ beside --readme, else this "
+        "checkout's)",
+    )
     table.add_argument("--readme", type=Path, help="rewrite this file's results block")
+    table.add_argument(
+        "--force", action="store_true", help="replace the README's table even with fewer rows"
+    )
     table.set_defaults(func=_table)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    from accel.errors import UsageError
+
     args = parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UsageError as mistake:  # a bug keeps its traceback
+        print(f"accel: error: {mistake}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

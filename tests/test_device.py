@@ -10,10 +10,10 @@ def test_preset_follows_the_device(monkeypatch):
     assert d.preset(torch.device("cuda")) == "gpu"
 
 
-@pytest.mark.parametrize("name", ["cpu", "gpu"])
-def test_preset_forced_by_environment(monkeypatch, name):
+@pytest.mark.parametrize(("name", "device"), [("cpu", "cpu"), ("cpu", "cuda"), ("gpu", "cuda")])
+def test_preset_forced_by_environment(monkeypatch, name, device):
     monkeypatch.setenv(d.PRESET_ENV, name)
-    assert d.preset("cpu") == name
+    assert d.preset(torch.device(device)) == name
 
 
 def test_unknown_preset_lists_the_valid_ones(monkeypatch):

@@ -2,7 +2,8 @@
 
 Each phase registers one function that takes a :class:`BenchContext` and returns :class:`Row`\\ s.
 Results are written in long format, one row per (phase, case), to ``<out>/<machine>.csv``
-(rows of phases not run this time are kept), with an HTML report of the figures beside it.
+(rows of phases not run this time are kept), each phase's as soon as it ends, with an HTML report
+of the figures beside it that loads plotly.js from the same directory (no network needed).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import datetime as dt
 import importlib
 import math
+import os
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from accel.errors import UsageError
 from accel.lab.ceilings import Ceilings, measure_ceilings
 from accel.lab.device import Preset, default_device, preset, results_stem, versions
 
@@ -117,43 +121,87 @@ def run_bench(
     *,
     device: torch.device | str | None = None,
     progress: bool = True,
+    out: str | Path | None = None,
 ) -> pd.DataFrame:
-    """Run the named phases (all by default) and return their rows with the run's versions."""
+    """Run the named phases (all by default) and return their rows with the run's versions.
+    With ``out``, each phase's rows are merged into ``out`` as soon as that phase ends, so an
+    interrupted run keeps the phases it finished; ``out`` is checked before anything runs."""
     from tqdm.auto import tqdm
 
     names = list(phases or PHASES)
     functions = {n: phase_function(n) for n in names}  # unknown names fail before any work
     dev = torch.device(device) if device is not None else default_device()
     ctx = BenchContext(dev, preset(dev))
+    if out is not None:
+        out = prepare_out_dir(out)
     info = versions(dev)
     stamp = {k: info[k] for k in ("device", "preset", "torch", "triton", "cuda", "driver")}
     stamp["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
-    rows = []
+    frames = []
     for name in tqdm(names, desc="bench", disable=not progress):
-        rows += [r.as_dict() | stamp for r in functions[name](ctx)]
-    return pd.DataFrame(rows, columns=COLUMNS)
+        rows = [r.as_dict() | stamp for r in functions[name](ctx)]
+        frames.append(pd.DataFrame(rows, columns=COLUMNS))
+        if out is not None and rows:
+            write_results(frames[-1], out, stem=results_stem(dev))
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+
+
+def prepare_out_dir(out: str | Path) -> Path:
+    """``out`` created if needed, or a UsageError saying why results cannot be written there."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out {path}: expected a directory, found a file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UsageError(f"--out {path}: cannot write results there ({e.strerror or e})") from None
+    return path
 
 
 def write_results(
     frame: pd.DataFrame, out_dir: str | Path, stem: str | None = None
 ) -> dict[str, Path]:
     """Merge ``frame`` into ``<out_dir>/<stem>.csv`` (replacing the phases it holds) and write
-    the HTML report of the whole file beside it."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    the HTML report of the whole file beside it, with plotly.js."""
+    out = prepare_out_dir(out_dir)
     stem = stem or results_stem()
     csv = out / f"{stem}.csv"
     if csv.exists():
         old = pd.read_csv(csv)
         frame = pd.concat([old[~old["phase"].isin(frame["phase"])], frame], ignore_index=True)
     frame = frame[COLUMNS]
-    frame.to_csv(csv, index=False)
+    _write_atomic(csv, frame.to_csv(index=False))
+    _write_plotly_js(out)
     report = out / f"{stem}.html"
-    report.write_text(html_report(frame))
+    _write_atomic(report, html_report(frame))
     return {"csv": csv, "html": report}
 
 
+PLOTLY_JS = "plotly.min.js"
+
+
+def _write_plotly_js(out: Path) -> None:
+    """plotly.js beside the reports (the GPU machines that write them are offline), written
+    only when it is missing or another version."""
+    from plotly.offline import get_plotlyjs
+
+    script = get_plotlyjs()
+    path = out / PLOTLY_JS
+    if not path.is_file() or path.read_text() != script:
+        _write_atomic(path, script)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """A reader (or a crash) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def html_report(frame: pd.DataFrame) -> str:
+    """The report's page; it loads ``plotly.min.js`` from its own directory."""
     from accel.lab import plots
 
     parts = []
@@ -162,13 +210,11 @@ def html_report(frame: pd.DataFrame) -> str:
             fig = plots.ceilings(ceilings_frame(rows))
         else:
             fig = plots.speedups(rows, title=f"{phase}: speedup over the baseline")
-        parts.append(
-            f"<h2>{phase}</h2>"
-            + fig.to_html(full_html=False, include_plotlyjs="cdn" if not parts else False)
-        )
+        parts.append(f"<h2>{phase}</h2>" + fig.to_html(full_html=False, include_plotlyjs=False))
     device = frame["device"].iloc[0] if len(frame) else "?"
     return (
-        f"<html><head><meta charset='utf-8'><title>accel bench: {device}</title></head>"
+        f"<html><head><meta charset='utf-8'><title>accel bench: {device}</title>"
+        f'<script src="{PLOTLY_JS}" charset="utf-8"></script></head>'
         f"<body><h1>accel bench: {device}</h1>{frame.to_html(index=False, na_rep='')}"
         f"{''.join(parts)}</body></html>"
     )
@@ -223,13 +269,17 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def results_markdown(results_dir: str | Path = "results") -> str:
-    """The README's results table: every CSV under ``results_dir``, one section per machine.
+def results_markdown(results_dir: str | Path | None = None) -> str:
+    """The README's results table: every CSV under ``results_dir`` (default: the checkout's
+    ``results/``), one section per machine.
 
     Sweep points (cases named ``sweep ...``) stay in the CSV and the HTML report; the README shows
     their summary rows only.
     """
-    files = sorted(Path(results_dir).glob("*.csv"))
+    directory = Path(results_dir) if results_dir is not None else default_results_dir()
+    if not directory.is_dir():
+        raise UsageError(f"{directory}: no such directory (expected the bench's results/)")
+    files = sorted(directory.glob("*.csv"))
     if not files:
         return "_No results recorded yet: run `python -m accel bench` on a GPU._\n"
     shown = ["phase", "case", "metric", "baseline", "optimized", "unit", "speedup", "target", "met"]
@@ -256,16 +306,39 @@ def results_markdown(results_dir: str | Path = "results") -> str:
 README_START, README_END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def update_readme(readme: str | Path, results_dir: str | Path = "results") -> bool:
-    """Rewrite the block between the results markers; True if the file changed."""
+def update_readme(
+    readme: str | Path, results_dir: str | Path | None = None, *, force: bool = False
+) -> bool:
+    """Rewrite the block between the results markers from ``results_dir`` (default: the
+    ``results/`` beside the README); True if the file changed. A table with fewer rows than the
+    one it would replace is refused unless ``force``: an emptier table is most often the wrong
+    directory, not fewer results."""
     path = Path(readme)
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file (expected the README to update)")
+    directory = Path(results_dir) if results_dir is not None else path.parent / "results"
     text = path.read_text()
     try:
         head, rest = text.split(README_START, 1)
-        _, tail = rest.split(README_END, 1)
+        old, tail = rest.split(README_END, 1)
     except ValueError:
-        raise ValueError(f"{path} has no {README_START} ... {README_END} block") from None
-    new = f"{head}{README_START}\n{results_markdown(results_dir)}{README_END}{tail}"
+        raise UsageError(f"{path} has no {README_START} ... {README_END} block") from None
+    table = results_markdown(directory)
+    dropped = _table_rows(old) - _table_rows(table)
+    if dropped > 0 and not force:
+        raise UsageError(
+            f"{path}: the table from {directory} would drop {dropped} of {_table_rows(old)} rows; "
+            f"check the directory, or pass --force to replace it anyway"
+        )
+    new = f"{head}{README_START}\n{table}{README_END}{tail}"
     if new != text:
-        path.write_text(new)
+        _write_atomic(path, new)
     return new != text
+
+
+def _table_rows(markdown: str) -> int:
+    return sum(
+        1
+        for line in markdown.splitlines()
+        if line.startswith("| ") and not line.startswith("| phase")
+    )

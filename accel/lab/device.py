@@ -12,6 +12,8 @@ from typing import Literal, get_args
 
 import torch
 
+from accel.errors import UsageError
+
 Preset = Literal["cpu", "gpu"]
 PRESETS: tuple[str, ...] = get_args(Preset)
 PRESET_ENV = "ACCEL_PRESET"
@@ -22,21 +24,32 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+class PresetError(UsageError):
+    """A preset that does not exist, or does not fit the device."""
+
+
 def preset(device: torch.device | str | None = None) -> Preset:
-    """The size preset: ``$ACCEL_PRESET`` if set, else ``gpu`` on CUDA and ``cpu`` elsewhere."""
-    forced = os.environ.get(PRESET_ENV, "").strip()
-    if forced:
-        return check_preset(forced)
+    """The size preset: ``$ACCEL_PRESET`` if set, else ``gpu`` on CUDA and ``cpu`` elsewhere.
+    A forced preset must fit the device: ``gpu`` sizes on a CPU would run for many minutes."""
     device = torch.device(device) if device is not None else default_device()
-    return "gpu" if device.type == "cuda" else "cpu"
+    forced = os.environ.get(PRESET_ENV, "").strip()
+    if not forced:
+        return "gpu" if device.type == "cuda" else "cpu"
+    name = check_preset(forced, source=f"${PRESET_ENV}")
+    if name == "gpu" and device.type != "cuda":
+        raise PresetError(
+            f"{PRESET_ENV}=gpu needs a CUDA GPU, and this run is on {device.type} "
+            f"(torch.cuda.is_available() is {torch.cuda.is_available()}): use cpu, or unset "
+            f"{PRESET_ENV} to pick by device"
+        )
+    return name
 
 
-def check_preset(name: str) -> Preset:
-    """Return ``name`` if it is a preset, else raise a ValueError listing the valid ones."""
+def check_preset(name: str, source: str = "an argument") -> Preset:
+    """Return ``name`` if it is a preset, else raise a PresetError listing the valid ones."""
     if name not in PRESETS:
-        raise ValueError(
-            f"unknown preset {name!r} (from ${PRESET_ENV} or an argument); "
-            f"expected one of {', '.join(PRESETS)}"
+        raise PresetError(
+            f"unknown preset {name!r} (from {source}); expected one of {', '.join(PRESETS)}"
         )
     return name  # type: ignore[return-value]
 

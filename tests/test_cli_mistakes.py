@@ -1,0 +1,143 @@
+"""The command line and the bench: user mistakes get one line and exit code 2, work is never lost."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from accel.__main__ import main
+from accel.lab import bench
+from accel.lab import device as d
+from accel.lab.bench import COLUMNS, Row, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def accel_cli(*args: str, cwd: Path | str = ROOT, env: dict | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "accel", *args], capture_output=True, text=True, cwd=cwd, env=env
+    )
+
+
+def _rows(phase: str, value: float, case: str = "case") -> list[Row]:
+    return [Row(phase, case, "time", "ms", value, baseline=2 * value)]
+
+
+@pytest.fixture
+def readme_with_results(tmp_path) -> Path:
+    """A copy of the README and its results/ in a directory of their own."""
+    shutil.copy(ROOT / "README.md", tmp_path / "README.md")
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    return tmp_path / "README.md"
+
+
+def test_table_finds_the_results_beside_the_readme_from_any_directory(
+    readme_with_results, tmp_path_factory
+):
+    before = readme_with_results.read_text()
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    run = accel_cli("table", "--readme", str(readme_with_results), cwd=elsewhere)
+    assert run.returncode == 0, run.stderr
+    assert readme_with_results.read_text() == before  # the same results: nothing to change
+
+
+def test_table_refuses_to_replace_the_table_with_an_emptier_one(readme_with_results, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    before = readme_with_results.read_text()
+    run = accel_cli("table", "--readme", str(readme_with_results), "--results", str(empty))
+    assert run.returncode == 2
+    assert readme_with_results.read_text() == before
+    assert "would drop" in run.stderr and "--force" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+
+
+def test_table_with_force_replaces_it(readme_with_results, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (
+        main(["table", "--readme", str(readme_with_results), "--results", str(empty), "--force"])
+        == 0
+    )
+    assert "No results recorded yet" in readme_with_results.read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["table", "--readme", "missing.md"], "missing.md: no such file"),
+        (["table", "--results", "no-such-dir"], "no-such-dir: no such directory"),
+    ],
+)
+def test_user_mistakes_get_one_line_and_exit_code_2(args, message, tmp_path):
+    run = accel_cli(*args, cwd=tmp_path)
+    assert run.returncode == 2
+    assert message in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_a_readme_without_the_markers_is_one_line(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# nothing here\n")
+    run = accel_cli("table", "--readme", str(readme), "--results", str(ROOT / "results"))
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "has no <!-- results:start -->" in run.stderr
+
+
+def test_an_unwritable_out_is_refused_before_any_phase_runs(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setitem(bench.PHASES, "fake", "x:y")
+    monkeypatch.setattr(bench, "phase_function", lambda name: lambda ctx: ran.append(name) or [])
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["bench", "--phase", "fake", "--out", str(blocker / "results")]) == 2
+    assert ran == []
+
+
+def test_each_phase_is_written_as_soon_as_it_ends(tmp_path, monkeypatch):
+    def phase(name, value):
+        return lambda ctx: _rows(name, value)
+
+    def crashing(ctx):
+        raise KeyboardInterrupt
+
+    functions = {"first": phase("first", 1.0), "second": phase("second", 2.0), "third": crashing}
+    for name in functions:
+        monkeypatch.setitem(bench.PHASES, name, "x:y")
+    monkeypatch.setattr(bench, "phase_function", functions.__getitem__)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_bench(["first", "second", "third"], device="cpu", progress=False, out=tmp_path)
+    (csv,) = tmp_path.glob("*.csv")
+    assert set(pd.read_csv(csv)["phase"]) == {"first", "second"}
+    assert csv.with_suffix(".html").is_file()
+
+
+def test_the_html_report_needs_no_network(tmp_path):
+    stamp = dict.fromkeys(COLUMNS[11:], "x")
+    frame = pd.DataFrame([r.as_dict() | stamp for r in _rows("p", 1.0)], columns=COLUMNS)
+    paths = write_results(frame, tmp_path, stem="m")
+    html = paths["html"].read_text()
+    assert "cdn" not in html.lower() and "https://" not in html.split("<body>")[0]
+    script = tmp_path / "plotly.min.js"
+    assert script.is_file() and script.stat().st_size > 1_000_000  # plotly.js itself, beside it
+    assert '<script src="plotly.min.js"' in html
+
+
+def test_a_gpu_preset_without_cuda_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv(d.PRESET_ENV, "gpu")
+    with pytest.raises(d.PresetError, match=r"ACCEL_PRESET=gpu needs a CUDA GPU.*use cpu"):
+        d.preset("cpu")
+
+
+def test_the_cli_refuses_a_bad_preset_in_one_line(tmp_path):
+    env = dict(os.environ, ACCEL_PRESET="bogus")
+    run = accel_cli("info", "--no-ceilings", cwd=tmp_path, env=env)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "unknown preset 'bogus'" in run.stderr and "cpu, gpu" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
