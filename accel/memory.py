@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from accel.errors import collection_of
+
 GiB, MiB = 1 << 30, 1 << 20
 
 
@@ -460,7 +462,7 @@ def save_ops_policy(save_ops: Iterable[Any]) -> Callable[[], Any]:
     with ``SELECTIVE_SAVE``: LayerNorm, GELU, adds and copies, a few % of its FLOPs)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    ops = frozenset(save_ops)
+    ops = frozenset(collection_of(save_ops, "ATen ops", strings=False))
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
@@ -490,7 +492,7 @@ def checkpoint_blocks(
     ValueError listing close ones; a block already checkpointed raises too. Returns a handle
     whose ``remove()`` (or ``with``-exit) undoes it.
     """
-    names = list(dict.fromkeys(names))
+    names = list(dict.fromkeys(collection_of(names, "submodule names", strings=False)))
     known = dict(model.named_modules())
     for name in names:
         if not isinstance(name, str) or name not in known or name == "":

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from accel.errors import collection_of
+
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's sync-debug-mode text
 
 
@@ -103,7 +105,7 @@ class MetricAccumulator:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ):
-        self.names = tuple(names)
+        self.names = collection_of(names, "metric names")
         if not self.names or len(set(self.names)) != len(self.names):
             raise ValueError(f"MetricAccumulator needs distinct metric names, got {self.names}")
         self.totals = torch.zeros(len(self.names), device=device, dtype=dtype)
@@ -158,7 +160,7 @@ class ProgressLog:
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
     ):
-        self.names = tuple(names)
+        self.names = collection_of(names, "column names")
         if capacity < 1:
             raise ValueError(f"ProgressLog capacity must be >= 1, got {capacity}")
         self.rows = torch.zeros(capacity, len(self.names), device=device, dtype=dtype)

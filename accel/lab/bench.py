@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from accel.errors import UsageError
+from accel.errors import UsageError, collection_of
 from accel.lab.ceilings import Ceilings, measure_ceilings
 from accel.lab.device import Preset, default_device, preset, results_stem, versions
 
@@ -128,7 +128,7 @@ def run_bench(
     interrupted run keeps the phases it finished; ``out`` is checked before anything runs."""
     from tqdm.auto import tqdm
 
-    names = list(phases or PHASES)
+    names = list(collection_of(phases, "phase names") if phases is not None else PHASES)
     functions = {n: phase_function(n) for n in names}  # unknown names fail before any work
     dev = torch.device(device) if device is not None else default_device()
     ctx = BenchContext(dev, preset(dev))

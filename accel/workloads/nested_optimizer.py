@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel import fusion, graphs, memory
+from accel.errors import collection_of
 from accel.optim import MultiTensorAdamW
 from accel.workloads.compare import compare_results as check
 from accel.workloads.flags import flag, option, pick_preset
@@ -318,7 +319,7 @@ class Step:
             )
         self.model, self.controller = model.to(device), controller.to(device)
         names = (
-            checkpoint
+            collection_of(checkpoint, "block names")
             if checkpoint is not None
             else checkpoint_names(flags.activation_checkpointing, sizes.layers)
         )

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from accel import fusion
+from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.sync import PHASE1, CostModel, measure_costs
 from accel.lab.profile import ProfileReport, profile_step
@@ -98,6 +99,7 @@ def optimizer_report(step: no.Step, *, steps: int = 2) -> ProfileReport:
 
 
 def op_counts(report: ProfileReport, names: Iterable[str], steps: int | None = None) -> dict:
+    names = collection_of(names, "op names")
     """Calls per step of the ATen ops whose names start with any of ``names``."""
     ops = report.ops
     per_step = steps or report.steps

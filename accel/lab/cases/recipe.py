@@ -33,6 +33,7 @@ import pandas as pd
 import torch
 
 from accel import memory
+from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row
 from accel.lab.timing import compare
 from accel.workloads import operator as op
@@ -186,6 +187,8 @@ def measure(
     to the first configuration's), ``aux_calls`` and ``train_steps`` (inverse-loss passes and
     steps trained).
     """
+    if validate is not None:
+        validate = collection_of(validate, "configuration names")
     dev = torch.device(device)
     names = list(configs)
     per_sample = sizes.epoch_batches * epochs_per_sample

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from accel import attention
+from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row
 from accel.lab.profile import profile_step
 from accel.lab.timing import compare
@@ -254,6 +255,7 @@ def measure_point(
     """:func:`measure_case` with what ``auto`` picked: when auto and its pick both run, a second
     copy of the pick (``PICKED``) is timed too, all in one comparison taken both ways round
     (:func:`samples_both_ways`)."""
+    variants = collection_of(variants, "variant names")
     q, k, v, grad = make_inputs(case, device, seed)
     fns, skipped = {}, {}
     for variant in variants:
