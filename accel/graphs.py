@@ -255,10 +255,13 @@ class GraphedStep:
     def _fall_back(self, cause: str, *, stacklevel: int) -> None:
         """Record why there is no graph and say it once (or raise, with fallback="raise")."""
         self.reason = cause
-        message = f"GraphedStep({self.name}): cannot use a CUDA graph ({cause}); running eagerly"
+        message = f"GraphedStep({self.name}): cannot use a CUDA graph ({cause})"
         if self.fallback == "raise":
-            raise RuntimeError(message)
-        warnings.warn(message, GraphCaptureWarning, stacklevel=stacklevel + 1)
+            raise RuntimeError(
+                f"{message}. Nothing ran; fix the cause, or pass fallback='warn' to run the step "
+                "eagerly with a warning"
+            )
+        warnings.warn(f"{message}; running eagerly", GraphCaptureWarning, stacklevel=stacklevel + 1)
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:

@@ -70,8 +70,10 @@ def test_without_cuda_runs_eagerly_with_one_warning(seed):
 @pytest.mark.skipif(CUDA, reason="checks the no-CUDA fallback")
 def test_fallback_raise_raises_instead():
     step = GraphedStep(mix, fallback="raise")
-    with pytest.raises(RuntimeError, match="cannot use a CUDA graph"):
+    with pytest.raises(RuntimeError, match="cannot use a CUDA graph") as raised:
         step(torch.randn(2, 3), torch.randn(3, 3))
+    assert "running eagerly" not in str(raised.value)  # nothing ran
+    assert "fallback='warn'" in str(raised.value) and step.eager_calls == 0
 
 
 def test_mismatch_messages_name_the_argument():

@@ -94,3 +94,40 @@ def test_timing_statistics_are_ordered(times):
 def test_empty_timing_is_an_error():
     with pytest.raises(ValueError, match="at least one sample"):
         Timing("x", ())
+
+
+def test_cuda_without_cuda_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda' but CUDA is not available.*'cpu'"):
+        compare({"a": lambda: None}, device="cuda", repeats=1)
+
+
+def test_a_candidate_that_is_not_callable_is_named():
+    with pytest.raises(TypeError, match=r"candidate 'a' is not callable: got 42 \(int\)"):
+        compare({"a": 42}, repeats=1, device="cpu")
+
+
+@pytest.mark.parametrize("when", ["warm-up", "timing"])
+def test_a_candidate_that_raises_is_named(when):
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if when == "warm-up" or len(calls) > 1:
+            raise ZeroDivisionError("boom")
+
+    with pytest.raises(
+        RuntimeError, match=r"candidate 'flaky' raised ZeroDivisionError: boom"
+    ) as e:
+        compare(
+            {"ok": lambda: None, "flaky": flaky},
+            warmup=int(when == "warm-up"),
+            repeats=2,
+            device="cpu",
+        )
+    assert isinstance(e.value.__cause__, ZeroDivisionError)
+
+
+def test_a_mapping_is_expected():
+    with pytest.raises(TypeError, match=r"a mapping of label to callable.*got a list"):
+        compare([lambda: None], device="cpu")

@@ -109,7 +109,29 @@ def _quantile(values: Sequence[float], q: float) -> float:
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
-    return torch.device(device) if device is not None else default_device()
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={str(device)!r} but CUDA is not available here; time on device='cpu' "
+            "(or leave device unset to pick the default)"
+        )
+    return dev
+
+
+class CandidateError(RuntimeError):
+    """A timed candidate raised; the message names it, the cause is the original exception."""
+
+
+def _named(label: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn``, whose exceptions say which candidate raised them."""
+
+    def call() -> object:
+        try:
+            return fn()
+        except Exception as e:
+            raise CandidateError(f"candidate {label!r} raised {type(e).__name__}: {e}") from e
+
+    return call
 
 
 class _Sampler:
@@ -161,8 +183,19 @@ def compare(
     ``on_sample(label, round, ms)`` is called as each sample completes (this waits for the GPU
     after every sample, which a live plot needs).
     """
+    if not isinstance(candidates, Mapping):
+        raise TypeError(
+            f"compare() takes a mapping of label to callable, e.g. {{'before': f, 'after': g}}; "
+            f"got a {type(candidates).__name__}"
+        )
     if not candidates:
         raise ValueError("compare() needs at least one candidate, got none")
+    for label, fn in candidates.items():
+        if not callable(fn):
+            raise TypeError(
+                f"candidate {label!r} is not callable: got {fn!r} ({type(fn).__name__}); pass "
+                "the function, not its result"
+            )
     if repeats < 1 or warmup < 0:
         raise ValueError(f"expected repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
     labels = list(candidates)
@@ -174,9 +207,9 @@ def compare(
 
     for label in labels:
         for _ in range(warmup):
-            candidates[label]()
+            _named(label, candidates[label])()
     if calls_per_sample is None:
-        calls = {k: _calibrate(candidates[k], sampler, min_sample_ms) for k in labels}
+        calls = {k: _calibrate(_named(k, candidates[k]), sampler, min_sample_ms) for k in labels}
     elif calls_per_sample < 1:
         raise ValueError(f"calls_per_sample must be >= 1 or None, got {calls_per_sample}")
     else:
@@ -186,7 +219,9 @@ def compare(
     schedule: list[str] = []
     for r in range(repeats):
         for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
-            result = sampler.take(candidates[label], calls[label])
+            result = _named(
+                label, lambda label=label: sampler.take(candidates[label], calls[label])
+            )()
             pending[label].append(result)
             schedule.append(label)
             if on_sample is not None:
