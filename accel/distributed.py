@@ -291,6 +291,7 @@ class RunConfig:
     nccl_env: dict[str, str] = field(default_factory=dict)
     checkpoint_dir: str | None = None
     checkpoint_at: int | None = None
+    checkpoint_every: int | None = None
     load_from: str | None = None
     validate: bool = True
     timeout: float = 600.0
@@ -370,6 +371,7 @@ def launch(
     nccl_env: dict[str, str] | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_at: int | None = None,
+    checkpoint_every: int | None = None,
     load_from: str | os.PathLike | None = None,
     validate: bool = True,
     timeout: float = 600.0,
@@ -387,14 +389,18 @@ def launch(
     ``reshard_after_forward``; ``mixed_precision="bf16"`` (DDP: bf16 gradient all-reduce, CUDA
     only; FSDP2: parameters gathered and used in bf16, gradients reduced in fp32); ``nccl_env``.
     ``autocast="bf16"`` runs forward and loss under bf16 autocast. ``checkpoint_dir`` saves model
-    and optimizer after step ``checkpoint_at`` (default: the last); ``load_from`` resumes from
-    such a checkpoint at its step. ``warmup`` first steps are left out of the throughput.
+    and optimizer after step ``checkpoint_at`` (default: the last), or with ``checkpoint_every=k``
+    after every k-th step into ``checkpoint_dir/step-NNNNNN``; ``load_from`` resumes from such a
+    checkpoint at its step (given the directory of several, from the latest complete one). ``warmup`` first steps are left out of the throughput.
     ``in_process`` (default: for one process with ``wrapper="none"``) trains in this process,
     with the same metrics and no ``timeout``.
 
-    Raises before launching: ValueError for bad arguments or more processes than GPUs,
-    :class:`LauncherNotFound`. After: :class:`RankFailed` with the first failing rank's traceback,
-    :class:`LaunchTimeout` after ``timeout`` seconds (every process killed).
+    Raises before launching: ValueError for bad arguments, a task that cannot be built with this
+    preset or split over ``nprocs`` ranks (it is built once here to check), an unwritable
+    ``checkpoint_dir`` or more processes than GPUs; :class:`LauncherNotFound`. After:
+    :class:`RankFailed` with the first failing rank's error in its first line, then its
+    traceback; :class:`LaunchTimeout` after ``timeout`` seconds. Either way, and on Ctrl-C, every
+    process of the run (ranks and what they started) is gone when it returns or raises.
     """
     if wrapper not in WRAPPERS:
         raise ValueError(f"wrapper must be one of {WRAPPERS}, got {wrapper!r}")
@@ -411,6 +417,16 @@ def launch(
             raise ValueError(f"{name} must be None or 'bf16', got {value!r}")
     if checkpoint_at is not None and not 1 <= checkpoint_at <= steps:
         raise ValueError(f"checkpoint_at must be within 1..steps={steps}, got {checkpoint_at}")
+    if checkpoint_every is not None:
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if checkpoint_dir is None or checkpoint_at is not None:
+            raise ValueError(
+                "checkpoint_every needs checkpoint_dir (where the step-NNNNNN checkpoints go) and "
+                "no checkpoint_at"
+            )
+    if checkpoint_dir is not None:
+        _check_writable(Path(checkpoint_dir))
     module, _ = _split_task_name(task)
     try:
         found = importlib.util.find_spec(module) is not None
@@ -429,8 +445,8 @@ def launch(
                 f"(backend nccl), but {gpus} GPU(s) are present; "
                 + (f"use nprocs <= {gpus}" if gpus else "use backend='gloo' to run on the CPU")
             )
-    if load_from is not None and not (Path(load_from) / ".metadata").is_file():
-        raise ValueError(f"load_from={str(load_from)!r} holds no DCP checkpoint (no .metadata)")
+    if load_from is not None:
+        load_from = latest_checkpoint(load_from)
     config = RunConfig(
         task=task,
         wrapper=wrapper,
@@ -451,6 +467,7 @@ def launch(
         nccl_env=dict(nccl_env or {}),
         checkpoint_dir=None if checkpoint_dir is None else str(Path(checkpoint_dir).resolve()),
         checkpoint_at=checkpoint_at,
+        checkpoint_every=checkpoint_every,
         load_from=None if load_from is None else str(Path(load_from).resolve()),
         validate=validate,
         timeout=timeout,
@@ -463,9 +480,46 @@ def launch(
         record = _train(config, rank=0, world=1, local_rank=0, distributed=False)
         return _result(config, [record], output="")
     command = launcher_command(launcher)
+    _check_task(config)
     with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
         config = dataclasses.replace(config, out_dir=tmp)
         return _run_torchrun(config, command)
+
+
+def _check_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"checkpoint_dir {directory}: cannot write there ({e.strerror or e}); the run would "
+            "fail at its first checkpoint"
+        ) from None
+
+
+def _check_task(config: RunConfig) -> None:
+    """What every rank will do first, done once here: a mistake in the task, its preset or its
+    split over the ranks is raised before torchrun starts, not from inside a rank."""
+    if config.preset == "gpu" and config.backend == "gloo":
+        raise ValueError(
+            "preset 'gpu' sizes the task for a GPU, and backend 'gloo' trains on the CPU: use "
+            "preset='cpu', or backend='nccl' on a machine with GPUs"
+        )
+    with torch.random.fork_rng(devices=[]):  # a task seeds torch; leave the caller's alone
+        task = _build_task(config)
+        if config.scaling == "strong":
+            task.batch(0, 0, config.nprocs, torch.device("cpu"))
+
+
+def _build_task(config: RunConfig) -> Task:
+    task = load_task(config.task)(config.preset, config.seed)
+    if not isinstance(task, Task):
+        raise TypeError(
+            f"task factory {config.task!r} must return accel.distributed.Task, "
+            f"got {type(task).__name__}"
+        )
+    return task
 
 
 def _run_torchrun(config: RunConfig, command: list[str]) -> RunResult:
@@ -499,18 +553,18 @@ def _run_torchrun(config: RunConfig, command: list[str]) -> RunResult:
         try:
             exitcode = proc.wait(timeout=config.timeout)
         except subprocess.TimeoutExpired:
-            _kill_all(proc, out, config_path)
+            _end_run(proc, config_path)
             raise LaunchTimeout(
                 f"{config.wrapper} x{config.nprocs} of {config.task} ran past timeout="
                 f"{config.timeout:g} s; every process was killed. Output ends with:\n"
                 + _tail(log_path)
             ) from None
         except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
-            _kill_all(proc, out, config_path)
+            _end_run(proc, config_path)
             raise
-    # torchrun ends the other ranks when one fails; make sure none is left
+    # torchrun ends the other ranks when one fails; make sure nothing of the run is left
     pids = _rank_pids(out)
-    _kill_ranks(pids, config_path)
+    _end_run(proc, config_path)
     output = log_path.read_text(errors="replace")
     paths = [out / f"rank{rank}.json" for rank in range(config.nprocs)]
     finished = all(p.is_file() for p in paths) and not any(out.glob("rank*.error.json"))
@@ -534,30 +588,47 @@ def _run_torchrun(config: RunConfig, command: list[str]) -> RunResult:
 def _rank_failure(
     config: RunConfig, out: Path, output: str, exitcode: int, pids: dict[int, int]
 ) -> RankFailed:
+    """The failing rank's error, its cause in the first line: a rank that died without a Python
+    error (killed, out of memory, crashed) when torchrun saw one first, else the first rank that
+    raised; the other ranks' errors, mostly consequences, after."""
     errors = sorted(
         (json.loads(p.read_text()) for p in out.glob("rank*.error.json")), key=lambda e: e["time"]
     )
     what = f"{config.wrapper} x{config.nprocs} of {config.task}"
-    if not errors:
+    raised = {e["rank"] for e in errors}
+    killed = {r: why for r, why in _killed_ranks(output).items() if r not in raised}
+    # torchrun ends the other ranks with SIGTERM: a rank killed otherwise is the cause
+    died, cause = (
+        min(killed.items(), key=lambda item: ("SIGTERM" in item[1], item[0]))
+        if killed
+        else (None, "")
+    )
+    consequences = [
+        f"rank {e['rank']}: {e['type']}: {e['message'].splitlines()[0][:200] if e['message'] else ''}"
+        for e in errors
+    ]
+    if not errors or killed:
+        who = f"rank {died} of {config.nprocs}" if died is not None else "a rank"
         return RankFailed(
-            f"{what}: a rank ended with no Python traceback (killed or crashed; torchrun exit "
-            f"code {exitcode}). The launcher's output ends with:\n{output[-6000:]}",
-            rank=None,
+            f"{who} died without a Python error: {cause or f'torchrun exit code {exitcode}'} "
+            f"({what}; killed, out of memory, or crashed); torchrun ended the other ranks."
+            + (f"\n\nthen, as a consequence: {'; '.join(consequences)}" if errors else "")
+            + f"\n\nThe launcher's output ends with:\n{output[-6000:]}",
+            rank=died,
             traceback="",
             output=output,
             exitcode=exitcode,
             pids=tuple(pids.values()),
         )
     first, later = errors[0], errors[1:]
+    message_lines = (first["message"] or "").strip().splitlines()
     message = (
-        f"rank {first['rank']} of {config.nprocs} raised ({what}); torchrun ended the other "
-        f"ranks.\n\n{first['traceback'].rstrip()}"
+        f"rank {first['rank']} of {config.nprocs} raised {first['type']}"
+        f"{': ' + message_lines[0][:300] if message_lines else ''} ({what}); torchrun ended the "
+        f"other ranks.\n\n{first['traceback'].rstrip()}"
     )
     if later:
-        message += "\n\nthen, as a consequence: " + "; ".join(
-            f"rank {e['rank']}: {e['type']}: {e['message'].splitlines()[0][:200] if e['message'] else ''}"
-            for e in later
-        )
+        message += "\n\nthen, as a consequence: " + "; ".join(consequences[1:])
     return RankFailed(
         message,
         rank=first["rank"],
@@ -566,6 +637,24 @@ def _rank_failure(
         exitcode=exitcode,
         pids=tuple(pids.values()),
     )
+
+
+def _killed_ranks(output: str) -> dict[int, str]:
+    """Ranks that torchrun's failure summary shows ended by a signal, with the signal, e.g.
+    {1: "Signal 9 (SIGKILL) received by PID 1234"}."""
+    killed: dict[int, str] = {}
+    rank = None
+    for line in output.rpartition("ChildFailedError")[2].splitlines():
+        key, _, value = (part.strip() for part in line.strip().partition(":"))
+        if key == "rank" and value.split() and value.split()[0].isdigit():
+            rank = int(value.split()[0])
+        elif key == "exitcode" and rank is not None and value.startswith("-"):
+            number = int(value.split()[0])
+            with contextlib.suppress(ValueError):
+                killed.setdefault(rank, f"{signal.Signals(-number).name} (exit code {number})")
+        elif key == "traceback" and rank in killed and value.startswith("Signal"):
+            killed[rank] = value
+    return killed
 
 
 def _tail(path: Path, chars: int = 4000) -> str:
@@ -605,29 +694,92 @@ def process_alive(pid: int, marker: str | None = None) -> bool:
         return False
 
 
-def _kill_ranks(pids: dict[int, int], config_path: Path) -> None:
-    # torchrun starts every rank in its own session: kill each rank's group (its compile or data
-    # workers too).
-    for pid in pids.values():
-        if process_alive(pid, str(config_path)):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while any(process_alive(p, str(config_path)) for p in pids.values()):
+@dataclass(frozen=True)
+class _Process:
+    pid: int
+    ppid: int
+    session: int
+    zombie: bool
+
+
+def _process_table() -> list[_Process]:
+    """Every process, from /proc (empty where there is none)."""
+    table = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table.append(_Process(int(entry.name), int(fields[1]), int(fields[3]), fields[0] == "Z"))
+    return table
+
+
+def _run_processes(root: int | None, marker: str) -> set[int]:
+    """The live processes of one run: torchrun (``root``, leader of its own session; None once
+    it has been reaped, when its pid may belong to another process) and its descendants, every
+    rank (torchrun starts each in a session of its own; its command line carries ``marker``) and
+    everything in a rank's session or below a rank, even a process that left the session."""
+    table = [p for p in _process_table() if not p.zombie and p.pid != os.getpid()]
+    found = set() if root is None else {root}
+    for p in table:
+        if p.pid in found:
+            continue
+        try:
+            if marker in (Path(f"/proc/{p.pid}/cmdline").read_bytes().decode(errors="replace")):
+                found.add(p.pid)
+        except OSError:
+            continue
+    sessions = {p.session for p in table if p.pid in found}
+    found |= {p.pid for p in table if p.session in sessions}
+    children: dict[int, list[int]] = {}
+    for p in table:
+        children.setdefault(p.ppid, []).append(p.pid)
+    stack = list(found)
+    while stack:  # descendants
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return {pid for pid in found if any(p.pid == pid for p in table)}
+
+
+def _end_run(proc: subprocess.Popen, config_path: Path, grace: float = 10.0) -> None:
+    """Kill every process of the run and wait until none is left. The whole tree is found
+    before anything is killed (a killed rank's children would lose their parent), torchrun's
+    agent dies first (it cannot start a rank after that), and the search repeats until it finds
+    nothing, for a rank that was still starting."""
+    marker = str(config_path)
+    deadline = time.monotonic() + grace
+    if not Path("/proc").is_dir():  # elsewhere: torchrun's group, then the ranks it recorded
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        for pid in _rank_pids(config_path.parent).values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        return
+    while True:
+        running = _run_processes(proc.pid if proc.poll() is None else None, marker)
+        if not running:
+            break
+        for pid in sorted(running, key=lambda pid: pid != proc.pid):  # torchrun first
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1)
         if time.monotonic() > deadline:
+            left = _run_processes(None, marker)
+            if left:
+                warnings.warn(
+                    f"processes {sorted(left)} of the run did not end within {grace:g} s of "
+                    "SIGKILL (a process stuck in the kernel, e.g. in a GPU driver call)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             break
         time.sleep(0.02)
-
-
-def _kill_all(proc: subprocess.Popen, out: Path, config_path: Path) -> None:
-    _kill_ranks(_rank_pids(out), config_path)
-    with contextlib.suppress(OSError):
-        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    _kill_ranks(_rank_pids(out), config_path)  # a rank that registered meanwhile
 
 
 def _result(
@@ -696,16 +848,15 @@ def _train(config: RunConfig, *, rank: int, world: int, local_rank: int, distrib
 def _train_steps(
     config: RunConfig, rank: int, world: int, device: torch.device, distributed: bool
 ) -> dict:
-    task = load_task(config.task)(config.preset, config.seed)
-    if not isinstance(task, Task):
-        raise TypeError(
-            f"task factory {config.task!r} must return accel.distributed.Task, "
-            f"got {type(task).__name__}"
-        )
+    task = _build_task(config)
     model, notes = _wrap(task.model.to(device), config, device, world)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     start = _load(model, optimizer, config) if config.load_from else 0
-    save_at = (config.checkpoint_at or config.steps) if config.checkpoint_dir else None
+    save_at = (
+        (config.checkpoint_at or config.steps)
+        if config.checkpoint_dir and not config.checkpoint_every
+        else None
+    )
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
         if config.autocast == "bf16"
@@ -730,7 +881,10 @@ def _train_steps(
         losses.append(loss.detach().float())
         samples.append(inputs.shape[0])
         if save_at == i + 1:
-            _save(model, optimizer, config, step + 1, rank, world)
+            _save(model, optimizer, config, step + 1, rank, world, Path(config.checkpoint_dir))
+        elif config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            directory = Path(config.checkpoint_dir) / f"step-{step + 1:06d}"
+            _save(model, optimizer, config, step + 1, rank, world, directory)
     step_ms = clock.times_ms()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
     param_count = sum(p.numel() for p in model.parameters())  # DTensors count globally
@@ -970,13 +1124,15 @@ def _save(
     step: int,
     rank: int,
     world: int,
+    directory: Path,
 ) -> None:
+    """A DCP checkpoint into ``directory``; its meta file, written last, marks it complete."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=config.checkpoint_dir)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
     if rank == 0:
         meta = {
             "task": config.task,
@@ -986,7 +1142,7 @@ def _save(
             "world_size": world,
             "step": step,
         }
-        _write_atomic(Path(config.checkpoint_dir) / META, json.dumps(meta))
+        _write_atomic(directory / META, json.dumps(meta))
 
 
 def _load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig) -> int:
@@ -1009,6 +1165,21 @@ def _load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig)
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     return int(meta["step"])
+
+
+def latest_checkpoint(path: str | os.PathLike) -> Path:
+    """``path`` if it is a complete checkpoint, else the complete ``step-NNNNNN`` checkpoint
+    under it with the highest step (one interrupted while saving has no meta file yet)."""
+    path = Path(path)
+    if (path / ".metadata").is_file() and (path / META).is_file():
+        return path
+    steps = [p for p in path.glob("step-*") if (p / ".metadata").is_file() and (p / META).is_file()]
+    if not steps:
+        raise ValueError(
+            f"load_from={str(path)!r} holds no complete DCP checkpoint (no .metadata and {META}, "
+            "there or in a step-NNNNNN directory under it)"
+        )
+    return max(steps, key=lambda p: checkpoint_meta(p)["step"])
 
 
 def checkpoint_meta(path: str | os.PathLike) -> dict:

@@ -7,8 +7,13 @@ checkpoints are loaded in this process. Every other test launches at most once.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +69,40 @@ def slow_data_task(preset: str, seed: int) -> D.Task:
 
 def not_a_task(preset: str, seed: int):
     return torch.nn.Linear(2, 2)
+
+
+DIES_AT = 5
+
+
+def dying_task(preset: str, seed: int) -> D.Task:
+    """The toy task whose rank 1 is killed (SIGKILL) in step DIES_AT of a run: a crash, an OOM
+    kill, a lost machine."""
+    task = D.toy_task(preset, seed)
+    calls = itertools.count()
+
+    def loss(output, target):
+        if os.environ.get("RANK") == "1" and next(calls) == DIES_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return task.loss(output, target)
+
+    return dataclasses.replace(task, loss=loss)
+
+
+def spawning_task(preset: str, seed: int) -> D.Task:
+    """The toy task whose rank 1 starts a process in a session of its own, then hangs."""
+    task = D.toy_task(preset, seed)
+    healthy = task.batch
+
+    def batch(step, rank, world, device):
+        if os.environ.get("RANK") == "1" and step >= 1:
+            subprocess.Popen(
+                [sys.executable, "-c", "import time; time.sleep(600)  # accel-test-grandchild"],
+                start_new_session=True,
+            )
+            time.sleep(3600)
+        return healthy(step, rank, world, device)
+
+    return D.Task(task.model, batch, task.loss, task.validate)
 
 
 @pytest.fixture(scope="module")
@@ -173,30 +212,91 @@ def test_a_failing_rank_surfaces_its_traceback_and_leaves_no_processes():
     assert error.rank == 1 and error.exitcode != 0
     assert "ValueError: broken_toy_task: rank 1 fails on purpose at step 1" in error.traceback
     assert "rank 1 of 2 raised" in str(error) and "Traceback" in str(error)
+    first_line = str(error).splitlines()[0]  # the root cause, first
+    assert "ValueError: broken_toy_task: rank 1 fails on purpose at step 1" in first_line
     assert len(error.pids) == 2
     assert not any(D.process_alive(pid) for pid in error.pids)
     assert children_of_this_process() == before  # torchrun reaped: no zombie, nothing running
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
-def test_a_hanging_rank_ends_in_a_timeout_that_kills_every_process(monkeypatch):
-    # the ranks import this module: put tests/ on their path
-    here = str(Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    before = children_of_this_process()
-    started = time.monotonic()
-    with pytest.raises(D.LaunchTimeout, match="ran past timeout=8 s"):
-        D.launch(f"{__name__}:hanging_task", nprocs=2, wrapper="ddp", steps=3, timeout=8)
-    assert time.monotonic() - started < 20
-    assert children_of_this_process() == before
-    leftovers = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
-    for proc in leftovers:  # no rank of that run is left anywhere
+def leftovers(*markers: bytes) -> list[bytes]:
+    """Command lines of live processes that carry any of ``markers``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
         try:
             cmdline = (proc / "cmdline").read_bytes()
         except OSError:
             continue
-        if b"accel-distributed-" in cmdline and D.process_alive(int(proc.name)):
-            raise AssertionError(f"left running: {cmdline!r}")
+        if any(m in cmdline for m in markers) and D.process_alive(int(proc.name)):
+            found.append(cmdline)
+    return found
+
+
+@pytest.fixture
+def tests_on_rank_path(monkeypatch):
+    """The ranks import this module: put tests/ on their path."""
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+@pytest.mark.parametrize("task", ["hanging_task", "spawning_task"])
+def test_a_hanging_rank_ends_in_a_timeout_that_kills_every_process(task, tests_on_rank_path):
+    before = children_of_this_process()
+    started = time.monotonic()
+    with pytest.raises(D.LaunchTimeout, match="ran past timeout=8 s"):
+        D.launch(f"{__name__}:{task}", nprocs=2, wrapper="ddp", steps=3, timeout=8)
+    assert time.monotonic() - started < 25
+    assert children_of_this_process() == before
+    # no rank of any run, nor a process a rank started, is left anywhere
+    assert leftovers(b"accel-distributed-", b"accel-test-grandchild") == []
+
+
+@pytest.fixture(scope="module")
+def killed(runs, tmp_path_factory):
+    """The DDP run of ``runs``, checkpointed every 2 steps, with rank 1 killed in step 5."""
+    root = tmp_path_factory.mktemp("killed")
+    here = str(Path(__file__).parent)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+        with pytest.raises(D.RankFailed) as caught:
+            D.launch(
+                f"{__name__}:dying_task", nprocs=2, wrapper="ddp", steps=STEPS, preset="cpu",
+                seed=3, checkpoint_dir=root, checkpoint_every=2,
+            )  # fmt: skip
+    return caught.value, root
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+def test_a_killed_rank_is_named_with_its_signal_and_nothing_is_left(killed):
+    error, root = killed
+    first_line = str(error).splitlines()[0]
+    assert "rank 1 of 2" in first_line and "SIGKILL" in first_line, first_line
+    assert error.rank == 1
+    assert leftovers(b"accel-distributed-") == []
+    steps = sorted(D.checkpoint_meta(p)["step"] for p in root.iterdir())
+    assert steps == [2, 4]  # every 2 steps, until the kill in step 5
+    assert D.latest_checkpoint(root).name == "step-000004"
+
+
+@pytest.mark.parametrize("nprocs", [2, 1])
+def test_resuming_after_the_kill_gives_the_uninterrupted_losses(runs, killed, nprocs, monkeypatch):
+    here = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    _, root = killed
+    resumed = D.launch(
+        f"{__name__}:dying_task", nprocs=nprocs, wrapper="ddp" if nprocs > 1 else "none",
+        steps=STEPS - 4, preset="cpu", seed=3, load_from=root,
+    )  # fmt: skip
+    assert resumed.steps["step"].tolist() == list(range(4, STEPS))
+    got = torch.tensor(resumed.steps["loss"].to_numpy())
+    expected = torch.tensor(runs["ddp"].steps["loss"].to_numpy()[4:])
+    if nprocs == 2:  # the same ranks, the same sums in the same order: bit for bit
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(got, expected, **LOSS_TOL)
 
 
 @pytest.fixture
@@ -236,7 +336,7 @@ def test_a_missing_launcher_is_a_clear_error(monkeypatch, no_launch):
         ({"task": "accel.nope:task"}, "module 'accel.nope' cannot be found"),
         ({"task": "nope.deeper:task"}, "module 'nope.deeper' cannot be found"),
         ({"steps": 3, "checkpoint_at": 4}, "checkpoint_at must be within 1..steps=3, got 4"),
-        ({"load_from": "/nonexistent"}, "holds no DCP checkpoint"),
+        ({"load_from": "/nonexistent"}, "holds no complete DCP checkpoint"),
         ({"autocast": "fp16"}, "autocast must be None or 'bf16', got 'fp16'"),
         ({"scaling": "linear"}, "scaling must be 'strong' or 'weak'"),
         ({"backend": "mpi"}, "backend must be 'nccl', 'gloo' or None"),
@@ -245,6 +345,30 @@ def test_a_missing_launcher_is_a_clear_error(monkeypatch, no_launch):
 def test_bad_arguments_are_refused_before_launch(kwargs, message, no_launch):
     with pytest.raises(ValueError, match=message):
         D.launch(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"preset": "huge"}, ValueError, "unknown preset 'huge'"),
+        ({"preset": "gpu"}, ValueError, "preset 'gpu'.*backend 'gloo' trains on the CPU"),
+        ({"task": "accel.distributed:nope"}, ValueError, "has no function 'nope'"),
+        ({"task": f"{__name__}:not_a_task"}, TypeError, "must return accel.distributed.Task"),
+        ({"nprocs": 3}, ValueError, "global batch 8 does not split over 3 ranks"),
+        ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be >= 1"),
+        ({"checkpoint_every": 2}, ValueError, "checkpoint_every needs checkpoint_dir"),
+    ],
+)
+def test_task_and_sizes_are_checked_before_torchrun_starts(kwargs, error, message, no_launch):
+    with pytest.raises(error, match=message):
+        D.launch(**{"nprocs": 2, "wrapper": "ddp", "steps": 2, "preset": "cpu"} | kwargs)
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_launch(tmp_path, no_launch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"checkpoint_dir .*a-file/ckpt: cannot write there"):
+        D.launch(nprocs=2, wrapper="ddp", steps=2, checkpoint_dir=blocker / "ckpt")
 
 
 def test_a_factory_must_return_a_task():
