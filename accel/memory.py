@@ -137,6 +137,23 @@ class CacheCleaner:
         self.calls += 1
         return reason is not None
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, so that a resumed run keeps the schedule and the account."""
+        return {
+            "calls": self.calls,
+            "emptied": [list(e) for e in self.emptied],
+            "stalls_avoided": self.stalls_avoided,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        expected = {"calls", "emptied", "stalls_avoided"}
+        if set(state) != expected:
+            raise ValueError(
+                f"expected a CacheCleaner state with keys {sorted(expected)}, got {sorted(state)}"
+            )
+        self.calls, self.stalls_avoided = int(state["calls"]), int(state["stalls_avoided"])
+        self.emptied = [(int(call), str(reason)) for call, reason in state["emptied"]]
+
     def __repr__(self) -> str:
         return (
             f"CacheCleaner(calls={self.calls}, emptied={len(self.emptied)}, "

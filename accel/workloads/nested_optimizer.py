@@ -26,6 +26,7 @@ import sysconfig
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +34,7 @@ from torch import nn
 
 from accel import fusion, graphs, memory
 from accel.errors import collection_of
-from accel.optim import MultiTensorAdamW
+from accel.optim import MultiTensorAdamW, load_state_in_place
 from accel.workloads.compare import compare_results as check
 from accel.workloads.flags import flag, option, pick_preset
 
@@ -384,6 +385,9 @@ class Step:
         self.losses: list[torch.Tensor] = []
         self.grad_norm = torch.zeros((), device=device)
         self.steps = 0
+        # a load copies into the state tensors (and device learning rates) a graph may hold
+        load_state_in_place(self.optimizer)
+        load_state_in_place(self.controller_optimizer)
 
     def __call__(self) -> None:
         if self.graphed_step is None:
@@ -466,6 +470,7 @@ class Step:
         else:
             log_mult = self.controller(features)
             self._last = (log_mult, loss)
+            self._last_features = features  # what state_dict saves to rebuild _last
         mult = torch.exp(log_mult.detach(), out=buf("multipliers", (G,)) if buf else None)
         self.lr_multipliers = mult
         if self.device_lrs:
@@ -490,6 +495,53 @@ class Step:
         ((loss - self._loss_then) * log_mult.mean()).backward()
         self.controller_optimizer.step()
         self.controller_optimizer.zero_grad(set_to_none=True)
+
+    # ---- saving and resuming -----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs to continue as if never stopped: weights, both
+        optimizers, the controller's pending lesson (its last features and loss: the output is
+        recomputed from them, as the graphed step does), the multipliers and the step count."""
+        if self.graphed_step is not None:
+            pending = (self._features_then, self._loss_then) if self._has_last else None
+        elif self._last is not None:
+            pending = (self._last_features, self._last[1])
+        else:
+            pending = None
+        return {
+            "model": self.model.state_dict(),
+            "controller": self.controller.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "controller_optimizer": self.controller_optimizer.state_dict(),
+            "lr_multipliers": self.lr_multipliers.clone(),
+            "grad_norm": self.grad_norm.clone(),
+            "losses": [t.clone() for t in self.losses],
+            "steps": self.steps,
+            "pending": None if pending is None else [t.detach().clone() for t in pending],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state_dict()`` of a step built with the same flags and sizes."""
+        self.model.load_state_dict(state["model"])
+        self.controller.load_state_dict(state["controller"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.controller_optimizer.load_state_dict(state["controller_optimizer"])
+        with torch.no_grad():
+            self.lr_multipliers.copy_(state["lr_multipliers"])
+            self.grad_norm.copy_(state["grad_norm"])
+        self.losses = [t.to(self.device) for t in state["losses"]]
+        self.steps = int(state["steps"])
+        pending = state["pending"]
+        if pending is None:
+            self._last, self._has_last = None, False
+            return
+        features, loss = (t.to(self.device) for t in pending)
+        if self.graphed_step is not None:
+            self._features_then.copy_(features)
+            self._loss_then.copy_(loss)
+            self._has_last = True
+        else:  # the controller's weights are the saved ones: the same output and gradient
+            self._last = (self.controller(features), loss)
+            self._last_features = features
 
     def _set_device_lrs(self, lrs: torch.Tensor) -> None:
         for i, group in enumerate(self.optimizer.param_groups):
