@@ -77,19 +77,28 @@ def group_by_device_and_dtype(
 
 
 def _foreach_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Per-tensor float32 norms in input order: one ``_foreach_norm`` per (device, dtype)."""
+    """Per-tensor float32 norms in input order: one ``_foreach_norm`` per (device, dtype). An
+    empty tensor's norm is 0 for every norm type (torch refuses the infinity norm of one)."""
     norms: list[torch.Tensor | None] = [None] * len(tensors)
     for indices in group_by_device_and_dtype(tensors).values():
-        bucket = [tensors[i] for i in indices]
+        full = [i for i in indices if tensors[i].numel()]
+        for i in indices:
+            if not tensors[i].numel():
+                norms[i] = torch.zeros((), dtype=torch.float32, device=tensors[i].device)
+        if not full:
+            continue
+        bucket = [tensors[i] for i in full]
         # dtype=float32: bf16/fp16 tensors are summed in fp32 (their own dtype loses ~3 digits)
         for i, n in zip(
-            indices, torch._foreach_norm(bucket, norm_type, dtype=torch.float32), strict=True
+            full, torch._foreach_norm(bucket, norm_type, dtype=torch.float32), strict=True
         ):
             norms[i] = n
     return norms  # type: ignore[return-value]
 
 
 def _norm_of(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+    if not t.numel():  # 0 for every norm type, as in _foreach_norms
+        return torch.zeros((), dtype=torch.float32, device=t.device)
     return torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
 
 

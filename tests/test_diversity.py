@@ -458,3 +458,21 @@ def test_grouped_kernel_can_be_captured_in_a_cuda_graph(seed):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, dv.mean_diversity_reference(x), atol=ATOL, rtol=RTOL)
     assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("N", [3, 6, 40])  # the pairs kernel, the group kernel, the tiled one
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_nan_or_inf_member_makes_its_groups_nearest_distances_nan(kdev, N, bad, seed):
+    # tl.max skips NaN where torch's max keeps it: the group must not look finite
+    x = torch.randn(3, N, 8, generator=torch.Generator().manual_seed(seed))
+    x[1, N // 2, 3] = bad
+    counts = torch.tensor([N, N, N // 2]).to(kdev)  # group 2's bad-free members only
+    x = x.to(kdev)
+    for c in (None, counts):
+        got, ref = dv.nearest_distances(x, c), dv.nearest_distances_reference(x, c)
+        torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, equal_nan=True)
+        assert got[1].isnan().all() and not got[0].isnan().any()
+        torch.testing.assert_close(
+            dv.nearest_diversity(x, c), dv.nearest_diversity_reference(x, c), equal_nan=True,
+            atol=ATOL, rtol=RTOL,
+        )  # fmt: skip

@@ -411,3 +411,16 @@ def test_cuda_foreach_equals_cpu_reference_and_is_sync_free(gen, dtype):
     assert sync.count_syncs(lambda: fusion.group_stats(groups)) == 0
     assert sync.count_syncs(lambda: fusion.clip_grad_norm_(cuda, 0.1)) == 0
     assert sync.count_syncs(lambda: fusion.clip_grad_norm_(cuda, 0.1, foreach=False)) == 1
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+def test_an_empty_tensor_adds_nothing_to_a_norm(foreach, norm_type, seed):
+    # torch refuses the infinity norm of an empty tensor ("no identity"); a norm is >= 0, so an
+    # empty gradient (a parameter of size 0) contributes 0
+    full = torch.randn(5, 3, generator=torch.Generator().manual_seed(seed))
+    empty = torch.randn(0, 3)
+    expected = torch.linalg.vector_norm(full, norm_type)
+    got = fusion.global_norm([empty, full], norm_type, foreach=foreach)
+    torch.testing.assert_close(got, expected)
+    assert fusion.global_norm([empty], norm_type, foreach=foreach).item() == 0

@@ -179,7 +179,10 @@ def _group_kernel(
         tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
     elif MODE == 1:  # nearest other member, per row and its group mean
         best = tl.max(tl.where(pair, cos, float("-inf")), axis=1)  # (BLOCK_N, GROUPS)
-        dist = tl.where(valid & (n >= 2)[None, :], 1.0 - best, 0.0)
+        # tl.max skips NaN; a member that is NaN or inf makes every nearest distance of its
+        # group NaN, as torch's max does: its squared norm times 0 is NaN, else 0
+        poison = tl.sum(tl.where(valid, tl.sum(diagonal, axis=1) * 0.0, 0.0), axis=0)
+        dist = tl.where(valid & (n >= 2)[None, :], 1.0 - best + poison[None, :], 0.0)
         tl.store(
             items_ptr + b[None, :] * N + rows[:, None],
             dist,
@@ -209,6 +212,13 @@ def _load_row(x_groups, r, n, live, d0, D, stride_xn, stride_xd, BLOCK_D: tl.con
 def _cos(dot, inv_i, inv_j, inside):
     """A cosine from its dot product and inverse norms, or -inf where the pair is outside."""
     return tl.where(inside, dot * inv_i * inv_j, float("-inf"))
+
+
+@triton.jit
+def _max3(a, b, c):
+    """The largest of three, NaN if any is NaN (as torch's max over a row)."""
+    nan = tl.PropagateNan.ALL
+    return tl.maximum(tl.maximum(a, b, propagate_nan=nan), c, propagate_nan=nan)
 
 
 @triton.jit
@@ -273,10 +283,10 @@ def _pairs_kernel(
         tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
     else:  # nearest other member, per row and its group mean
         many = n >= 2
-        dist0 = tl.where(many, 1.0 - tl.maximum(tl.maximum(c01, c02), c03), 0.0)
-        dist1 = tl.where(many, 1.0 - tl.maximum(tl.maximum(c01, c12), c13), 0.0)
-        dist2 = tl.where(many & (n > 2), 1.0 - tl.maximum(tl.maximum(c02, c12), c23), 0.0)
-        dist3 = tl.where(many & (n > 3), 1.0 - tl.maximum(tl.maximum(c03, c13), c23), 0.0)
+        dist0 = tl.where(many, 1.0 - _max3(c01, c02, c03), 0.0)
+        dist1 = tl.where(many, 1.0 - _max3(c01, c12, c13), 0.0)
+        dist2 = tl.where(many & (n > 2), 1.0 - _max3(c02, c12, c23), 0.0)
+        dist3 = tl.where(many & (n > 3), 1.0 - _max3(c03, c13, c23), 0.0)
         items = items_ptr + b * N
         width = tl.full([GROUPS], N, tl.int32)  # rows per group in items (N, not the count)
         tl.store(items, dist0, mask=live)
@@ -354,6 +364,7 @@ def _tiled_kernel(
     inv_rows = tl.load(inv_ptr + b * N + rows, mask=row_ok, other=0.0)
     offs_d = tl.arange(0, BLOCK_D)
     best = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    poison = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     # Like fused attention: this block of rows stays, blocks of columns stream past it, and each
     # (BLOCK_M, BLOCK_N) tile of dot products is reduced in registers, never written out.
@@ -387,6 +398,8 @@ def _tiled_kernel(
             if MODE == 1:
                 pair = row_ok[:, None] & col_ok[None, :] & (rows[:, None] != cols[None, :])
                 best = tl.maximum(best, tl.max(tl.where(pair, cos, float("-inf")), axis=1))
+                # tl.max skips NaN: a NaN (or inf) member poisons every row, as in torch
+                poison += tl.sum(tl.where(pair, cos * 0.0, 0.0), axis=1)
             else:  # MODE 2: distance matrix (pre-zeroed by the launcher outside the first n)
                 tl.store(
                     matrix_ptr + b * N * N + rows[:, None] * N + cols[None, :],
@@ -395,7 +408,7 @@ def _tiled_kernel(
                 )
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if MODE == 1:
-        dist = tl.where(row_ok & (n >= 2), 1.0 - best, 0.0)
+        dist = tl.where(row_ok & (n >= 2), 1.0 - best + poison, 0.0)
         tl.store(items_ptr + b * N + rows, dist, mask=rows < N)
 
 
