@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -19,10 +20,28 @@ from accel.lab.bench import COLUMNS, Row, write_results
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def accel_cli(*args: str, cwd: Path | str = ROOT, env: dict | None = None):
-    return subprocess.run(
-        [sys.executable, "-m", "accel", *args], capture_output=True, text=True, cwd=cwd, env=env
-    )
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def accel_cli(capsys, monkeypatch):
+    """``python -m accel ARGS`` in this process (in ``cwd``, with ``env`` set): its exit code and
+    output. One test below runs the real command in a subprocess."""
+
+    def run(*args: str, cwd: Path | str = ROOT, env: dict | None = None) -> Ran:
+        monkeypatch.chdir(cwd)
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return Ran(code, out, err)
+
+    return run
 
 
 def _rows(phase: str, value: float, case: str = "case") -> list[Row]:
@@ -38,7 +57,7 @@ def readme_with_results(tmp_path) -> Path:
 
 
 def test_table_finds_the_results_beside_the_readme_from_any_directory(
-    readme_with_results, tmp_path_factory
+    accel_cli, readme_with_results, tmp_path_factory
 ):
     before = readme_with_results.read_text()
     elsewhere = tmp_path_factory.mktemp("elsewhere")
@@ -47,7 +66,9 @@ def test_table_finds_the_results_beside_the_readme_from_any_directory(
     assert readme_with_results.read_text() == before  # the same results: nothing to change
 
 
-def test_table_refuses_to_replace_the_table_with_an_emptier_one(readme_with_results, tmp_path):
+def test_table_refuses_to_replace_the_table_with_an_emptier_one(
+    accel_cli, readme_with_results, tmp_path
+):
     empty = tmp_path / "empty"
     empty.mkdir()
     before = readme_with_results.read_text()
@@ -75,14 +96,14 @@ def test_table_with_force_replaces_it(readme_with_results, tmp_path):
         (["table", "--results", "no-such-dir"], "no-such-dir: no such directory"),
     ],
 )
-def test_user_mistakes_get_one_line_and_exit_code_2(args, message, tmp_path):
+def test_user_mistakes_get_one_line_and_exit_code_2(accel_cli, args, message, tmp_path):
     run = accel_cli(*args, cwd=tmp_path)
     assert run.returncode == 2
     assert message in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
-def test_a_readme_without_the_markers_is_one_line(tmp_path):
+def test_a_readme_without_the_markers_is_one_line(accel_cli, tmp_path):
     readme = tmp_path / "README.md"
     readme.write_text("# nothing here\n")
     run = accel_cli("table", "--readme", str(readme), "--results", str(ROOT / "results"))
@@ -136,8 +157,15 @@ def test_a_gpu_preset_without_cuda_is_refused_in_one_line(monkeypatch):
 
 
 def test_the_cli_refuses_a_bad_preset_in_one_line(tmp_path):
+    # the real command, in a process of its own: what a user's shell shows
     env = dict(os.environ, ACCEL_PRESET="bogus")
-    run = accel_cli("info", "--no-ceilings", cwd=tmp_path, env=env)
+    run = subprocess.run(
+        [sys.executable, "-m", "accel", "info", "--no-ceilings"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "unknown preset 'bogus'" in run.stderr and "cpu, gpu" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
