@@ -279,18 +279,26 @@ class _Only:
 def _run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
     """SDPA with ``backend`` forced (or PyTorch's pick for "default")."""
     if backend not in FORCED:
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale
-        )
-    if _SWITCHES is None or torch.compiler.is_compiling():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+    elif _SWITCHES is None or torch.compiler.is_compiling():
         with sdpa_kernel([FORCED[backend]]):  # the public one: dynamo traces it
-            return F.scaled_dot_product_attention(
+            out = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=scale
             )
-    with _Only(FORCED[backend]):
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale
-        )
+    else:
+        with _Only(FORCED[backend]):
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+            )
+    return out if mask is None or q.device.type == "cpu" else _zero_rows_without_keys(out, mask)
+
+
+def _zero_rows_without_keys(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A query whose mask leaves it no key gets 0, as on the CPU and in the reference: CUDA's
+    fused kernels return other values there (seen: a mean of the values), which would pass
+    silently into the model. Two small kernels on the device, no host read."""
+    keys = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    return out.masked_fill(~keys.any(dim=-1, keepdim=True), 0.0)
 
 
 # TORCH_WARN headers before each backend's reasons when no forced kernel can run (CUDA)

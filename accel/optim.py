@@ -21,6 +21,7 @@ the two optimizers; a state whose parameters have different step counts is refus
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Iterable
@@ -50,8 +51,8 @@ def adamw_reference(
     is the count after this step; ``lrs`` and ``weight_decays`` hold one value per group, and
     ``groups[i]`` is tensor i's group."""
     beta1, beta2 = betas
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step).sqrt()
+    bias_correction1 = one_minus_power(beta1, step)
+    bias_correction2_sqrt = one_minus_power(beta2, step).sqrt()
     for p, g, m, v, k in zip(params, grads, exp_avgs, exp_avg_sqs, groups, strict=True):
         lr = lrs[k]
         p.mul_(1 - lr * weight_decays[k])
@@ -59,6 +60,17 @@ def adamw_reference(
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
         p.sub_((lr / bias_correction1) * m / denom)
+
+
+def one_minus_power(beta: float, step: torch.Tensor) -> torch.Tensor:
+    """``1 - beta**step`` in float32 to a few units in the last place: ``-expm1(step log beta)``
+    (``1 - beta**step`` itself loses up to 5 digits to cancellation when beta is near 1: at beta
+    0.999 and step 1 its rounding is 6e-5 of the result, and AdamW's first steps divide by it).
+    The kernel evaluates the same formula."""
+    log_beta = math.log(beta) if beta > 0 else -math.inf
+    x = step * log_beta
+    series = -x * (1 + x * (0.5 + x * (1 / 6 + x * (1 / 24 + x * (1 / 120)))))
+    return torch.where(x > -0.2, series, 1 - torch.exp(x))
 
 
 def _kernels_unavailable(device: torch.device) -> str | None:

@@ -86,7 +86,7 @@ def _resume_equals_uninterrupted(flags, device, steps=7, cut=4):
     resumed = no.build(flags, sizes, device=device, seed=1)
     with torch.no_grad():  # other weights: the load must set them
         for p in [*resumed.model.parameters(), *resumed.controller.parameters()]:
-            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p))
     resumed.load_state_dict(saved)
     for _ in range(steps - cut):
         resumed()
