@@ -391,9 +391,10 @@ def launch(
     ``autocast="bf16"`` runs forward and loss under bf16 autocast. ``checkpoint_dir`` saves model
     and optimizer after step ``checkpoint_at`` (default: the last), or with ``checkpoint_every=k``
     after every k-th step into ``checkpoint_dir/step-NNNNNN``; ``load_from`` resumes from such a
-    checkpoint at its step (given the directory of several, from the latest complete one). ``warmup`` first steps are left out of the throughput.
-    ``in_process`` (default: for one process with ``wrapper="none"``) trains in this process,
-    with the same metrics and no ``timeout``.
+    checkpoint at its step (given the directory of several, from the latest complete one).
+    ``warmup`` first steps are left out of the throughput. ``in_process`` (default: for one
+    process with ``wrapper="none"``) trains in this process, with the same metrics and no
+    ``timeout``.
 
     Raises before launching: ValueError for bad arguments, a task that cannot be built with this
     preset or split over ``nprocs`` ranks (it is built once here to check), an unwritable
