@@ -217,8 +217,8 @@ def _cos(dot, inv_i, inv_j, inside):
 @triton.jit
 def _max3(a, b, c):
     """The largest of three, NaN if any is NaN (as torch's max over a row)."""
-    nan = tl.PropagateNan.ALL
-    return tl.maximum(tl.maximum(a, b, propagate_nan=nan), c, propagate_nan=nan)
+    ab = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(ab, c, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
