@@ -598,7 +598,10 @@ def _rank_failure(
     what = f"{config.wrapper} x{config.nprocs} of {config.task}"
     raised = {e["rank"] for e in errors}
     killed = {r: why for r, why in _killed_ranks(output).items() if r not in raised}
-    # torchrun ends the other ranks with SIGTERM: a rank killed otherwise is the cause
+    # torchrun ends the other ranks with SIGTERM, a consequence: a rank killed otherwise (SIGKILL,
+    # SIGSEGV, ...) is the cause, then a rank that raised, then a SIGTERM if nothing else is known
+    if errors:
+        killed = {r: why for r, why in killed.items() if "SIGTERM" not in why}
     died, cause = (
         min(killed.items(), key=lambda item: ("SIGTERM" in item[1], item[0]))
         if killed

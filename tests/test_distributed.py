@@ -476,3 +476,33 @@ def test_bench_baseline_is_the_faster_of_two_launches_around_the_others(monkeypa
     assert rows["one_gpu throughput"].optimized == 100.0
     assert rows["ddp x2 throughput"].speedup == pytest.approx(3.0)  # 300 / 100, not 300 / 80
     assert "80 and 100 samples/s, the faster is the baseline" in rows["ddp x2 throughput"].note
+
+
+def test_the_cause_is_the_killed_rank_then_the_raising_one_never_torchruns_sigterm(tmp_path):
+    summary = (
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+        "Failures:\n[1]:\n  rank      : {a} (local_rank: {a})\n  exitcode  : {code} (pid: 11)\n"
+        "  traceback : {why}\n------\nRoot Cause (first observed failure):\n[0]:\n"
+        "  rank      : {b} (local_rank: {b})\n  exitcode  : 1 (pid: 10)\n"
+    )
+    config = D.RunConfig(nprocs=2, wrapper="ddp")
+
+    def failure(output, raised_by=None):
+        for path in tmp_path.glob("*.error.json"):
+            path.unlink()
+        if raised_by is not None:
+            error = {"rank": raised_by, "time": 0.0, "type": "ValueError", "message": "bad batch",
+                     "traceback": "Traceback ...\nValueError: bad batch"}  # fmt: skip
+            (tmp_path / f"rank{raised_by}.error.json").write_text(D.json.dumps(error))
+        return D._rank_failure(config, tmp_path, output, 1, {})
+
+    sigterm = summary.format(a=0, code=-15, why="Signal 15 (SIGTERM) received by PID 11", b=1)
+    sigkill = summary.format(a=1, code=-9, why="Signal 9 (SIGKILL) received by PID 11", b=0)
+    # rank 1 raised; torchrun then ended rank 0 with SIGTERM: rank 1's error is the cause
+    assert failure(sigterm, raised_by=1).rank == 1
+    assert str(failure(sigterm, raised_by=1)).startswith("rank 1 of 2 raised ValueError: bad batch")
+    # rank 1 was killed; rank 0 raised on the lost connection: the kill is the cause
+    assert failure(sigkill, raised_by=0).rank == 1
+    assert "SIGKILL" in str(failure(sigkill, raised_by=0)).splitlines()[0]
+    # nothing raised, only torchrun's SIGTERM is known: that is said
+    assert "SIGTERM" in str(failure(sigterm)).splitlines()[0]
