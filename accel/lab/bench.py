@@ -24,7 +24,7 @@ from accel.errors import UsageError, collection_of
 from accel.lab.ceilings import Ceilings, measure_ceilings
 from accel.lab.device import Preset, default_device, preset, results_stem, versions
 
-# name -> "module:function"; imported only when the phase runs. Each phase issue adds its line.
+# name -> "module:function"; imported only when the phase runs. A new phase adds its line.
 PHASES: dict[str, str] = {
     "ceilings": "accel.lab.cases.ceilings:run",
     "sync": "accel.lab.cases.sync:run",

@@ -5,8 +5,8 @@ default communication settings and with the tuned ones. Shared with
 Rows, for N GPUs (N >= 2; with fewer the rows say what was skipped): throughput of each
 configuration against one GPU, its scaling efficiency (throughput / (N x one GPU)), parameter +
 optimizer-state memory per GPU (FSDP2 against DDP) and peak memory per GPU. Weak scaling on GPUs:
-every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (the
-issue's, at the gpu preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x
+every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (at the gpu
+preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x
 DDP's; four GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
 """
 

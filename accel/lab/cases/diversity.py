@@ -1,6 +1,6 @@
 """Bench phase ``diversity``: the Triton diversity kernels against PyTorch, and the polychromic step.
 
-Cases (targets for an H100/H200, from issue 7):
+Cases (targets for an H100 or H200):
 
 - groups B=8192, N=4, D=384, float32, ``mean`` and ``nearest``: bytes read over time at
   >= 80% of the measured copy bandwidth, >= 5x the naive PyTorch reference, >= 3x

@@ -344,7 +344,7 @@ def one_group_adamw(params: list[torch.nn.Parameter]) -> dict[str, Callable[[], 
 
 
 def optimizer_rows(ctx: BenchContext) -> list[Row]:
-    """Judged: accel's one-launch AdamW graphed against torch's fused AdamW eager (the issue's
+    """Judged: accel's one-launch AdamW graphed against torch's fused AdamW eager (the
     baseline); torch's fused AdamW graphed, one launch eager and one group are in the notes."""
     sizes = no.Sizes.preset(ctx.preset)
     judged, where = _where(ctx)

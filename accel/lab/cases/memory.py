@@ -118,7 +118,7 @@ class CheckpointCosts:
 
     def target_choice(self) -> str:
         """The choice the target rows judge: the fastest one whose peak is within the target
-        (the issue asks for <= 0.5x peak at <= 1.35x time: any selection of blocks that meets
+        (the target is <= 0.5x peak at <= 1.35x time: any selection of blocks that meets
         both meets it); if none is within the peak target, the one with the lowest peak."""
         tried = [c for c in self.peak_bytes if c != "none"]
         within = [c for c in tried if self.meets(c)["peak"]]

@@ -345,7 +345,7 @@ def progression_figure(frame: pd.DataFrame, title: str = "Performance progressio
 # ---- the bench phase -----------------------------------------------------------------------------
 def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = None) -> list[Row]:
     """One throughput row per configuration; ``target`` names the row judged against the
-    issue's target (throughput and validation error)."""
+    recipe's target (throughput and validation error)."""
     base = frame.iloc[0]
     out = []
     for _, r in frame.iterrows():

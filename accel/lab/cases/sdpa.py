@@ -33,7 +33,7 @@ from accel.workloads import vit
 from accel.workloads.flags import all_on, label
 
 PHASE = "sdpa"
-# Targets of issue 6, judged on a CUDA GPU with the gpu preset only.
+# Targets, judged on a CUDA GPU with the gpu preset only.
 TARGET_AUTO_TFLOP_S = 640.0  # B=4 H=16 S=4096 D=128 bf16 forward
 TARGET_VS_MANUAL = 6.0
 TARGET_VS_BEST = 0.98  # auto against PyTorch's default and against the best forced backend
@@ -625,7 +625,7 @@ def sweep_figure(
 
 # ---- the bench phase -------------------------------------------------------------------------------
 def headline_rows(ctx: BenchContext, sizes: BenchSizes, judged: bool) -> list[Row]:
-    """The issue's measured shape: every variant's TFLOP/s against the manual path, auto
+    """The headline shape (B=4 H=16 S=4096 D=128 bf16): every variant's TFLOP/s against the manual path, auto
     against PyTorch's default and the best forced backend, which kernels ran, peak memory."""
     case, device = sizes.headline, ctx.device
     times, skipped = measure_case(
@@ -852,8 +852,6 @@ def vit_rows(ctx: BenchContext, sizes: BenchSizes, judged: bool, check_steps: in
         note = f"{label(step.flags)}; result {'equal' if ok else 'DIFFERS'} ({how})"
         if name == top:
             note += f"; attention ran {ran}"
-        if name == "bf16+sdpa+fused_adamw":
-            note += "; the issue measured 1.6x on an H200"
         rows.append(
             Row(
                 PHASE,
