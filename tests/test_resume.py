@@ -27,15 +27,16 @@ def through_bytes(state: dict) -> dict:
 
 def test_cache_cleaner_counters_resume(seed):
     gen = torch.Generator().manual_seed(seed)
-    # a random walk of allocator states: some calls empty, some are stalls avoided
-    states = [
-        memory.MemoryState(
-            allocated=int(torch.randint(0, 4 * GiB, (), generator=gen)),
-            reserved=int(torch.randint(4 * GiB, 8 * GiB, (), generator=gen)),
-            total=9 * GiB,
-        )
-        for _ in range(30)
-    ]
+
+    # random allocator states from two regimes, taking turns: much cached and free (a cleanup
+    # pays) and nearly all in use (it does not, and a fixed schedule would stall there)
+    def state(free: bool) -> memory.MemoryState:
+        reserved = int(torch.randint(4 * GiB, 8 * GiB, (), generator=gen))
+        share = float(torch.rand((), generator=gen)) * (0.3 if free else 0.02)
+        used = reserved - int(share * reserved) if not free else int(share * reserved)
+        return memory.MemoryState(allocated=used, reserved=reserved, total=80 * GiB)
+
+    states = [state(free=i % 2 == 0) for i in range(30)]
 
     def cleaner(feed):
         return memory.CacheCleaner(
