@@ -142,6 +142,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         self.step_count = torch.zeros((), dtype=torch.float32, device=self.device)
         self.register_state_dict_post_hook(_step_count_per_parameter)
         load_state_in_place(self)
+        # first: it checks the loaded counts are one, before copies merge them into step_count
         self.register_load_state_dict_post_hook(_share_loaded_step_count, prepend=True)
         self._plan = None
         self._warned = False

@@ -364,7 +364,8 @@ class Step:
         if self.device_lrs:
             lrs = self.buffers.get("lrs", (G,)) if graphed else torch.empty(G, device=device)
             self._set_device_lrs(lrs.fill_(sizes.lr))
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # (log multipliers, loss)
+        # (log multipliers, loss, the features they came from): the controller's pending lesson
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # whole_step: the controller learns by recomputing its last output from saved features
         # (same weights, same values) instead of keeping an autograd graph across steps.
         self._features_then = torch.zeros(G, LRController.FEATURES, device=device)
@@ -450,7 +451,7 @@ class Step:
         elif self._last is not None:  # the loss fell since the last multipliers -> raise them
             # Learn before this update writes its features: the last graph saved them, and a
             # preallocated buffer is overwritten in place.
-            log_mult, loss_then = self._last
+            log_mult, loss_then, _ = self._last
             ((loss - loss_then) * log_mult.mean()).backward()  # graph: controller only
             self.controller_optimizer.step()
             self.controller_optimizer.zero_grad(set_to_none=True)
@@ -469,8 +470,7 @@ class Step:
             self._has_last = True
         else:
             log_mult = self.controller(features)
-            self._last = (log_mult, loss)
-            self._last_features = features  # what state_dict saves to rebuild _last
+            self._last = (log_mult, loss, features)
         mult = torch.exp(log_mult.detach(), out=buf("multipliers", (G,)) if buf else None)
         self.lr_multipliers = mult
         if self.device_lrs:
@@ -504,7 +504,7 @@ class Step:
         if self.graphed_step is not None:
             pending = (self._features_then, self._loss_then) if self._has_last else None
         elif self._last is not None:
-            pending = (self._last_features, self._last[1])
+            pending = (self._last[2], self._last[1])
         else:
             pending = None
         return {
@@ -540,8 +540,7 @@ class Step:
             self._loss_then.copy_(loss)
             self._has_last = True
         else:  # the controller's weights are the saved ones: the same output and gradient
-            self._last = (self.controller(features), loss)
-            self._last_features = features
+            self._last = (self.controller(features), loss, features)
 
     def _set_device_lrs(self, lrs: torch.Tensor) -> None:
         for i, group in enumerate(self.optimizer.param_groups):
