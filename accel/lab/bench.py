@@ -108,6 +108,22 @@ class BenchContext:
             self._ceilings = measure_ceilings(self.device, self.preset)
         return self._ceilings
 
+    @property
+    def judged(self) -> bool:
+        """Whether this run's rows are judged against their targets: every target is set for a
+        CUDA GPU at the gpu preset, where the sizes are the ones the targets were argued for."""
+        return self.device.type == "cuda" and self.preset == "gpu"
+
+    @property
+    def where(self) -> str:
+        """Where the rows were measured, and why they are not judged when they are not."""
+        if self.judged:
+            return f"{self.device.type}, preset {self.preset}"
+        return (
+            f"not judged: the targets are for a CUDA GPU with the gpu preset, this is "
+            f"{self.device.type} with preset {self.preset}"
+        )
+
 
 def phase_function(name: str) -> Callable[[BenchContext], list[Row]]:
     if name not in PHASES:

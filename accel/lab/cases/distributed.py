@@ -248,7 +248,7 @@ def run(ctx: BenchContext) -> list[Row]:
     gpus = torch.cuda.device_count() if on_gpu else 0
     if on_gpu and gpus < 2:
         return skipped_rows(gpus, reason=f"{gpus} GPU present; DDP and FSDP2 need two or more")
-    judged = on_gpu and ctx.preset == "gpu"
+    judged = ctx.judged
     sizes = BENCH_SIZES["gpu" if on_gpu else "cpu"]
 
     def launch(nprocs: int, configs: dict[str, dict[str, Any]]) -> dict[str, RunResult]:

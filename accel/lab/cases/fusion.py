@@ -124,21 +124,10 @@ def _predicted(model: CostModel, timing: Comparison, saved: float) -> str:
     return f"{predicted:.1f}x" if predicted < 1000 else "no finite speedup"
 
 
-def _where(ctx: BenchContext) -> tuple[bool, str]:
-    judged = ctx.device.type == "cuda" and ctx.preset == "gpu"
-    where = (
-        f"{ctx.device.type}, preset {ctx.preset}"
-        if judged
-        else f"not judged: the target is for a CUDA GPU with the gpu preset, this is "
-        f"{ctx.device.type} with preset {ctx.preset} (tiny sizes)"
-    )
-    return judged, where
-
-
 def _speed_row(
     case: str, metric: str, timing: Comparison, fast: str, ctx: BenchContext, note: str
 ) -> Row:
-    judged, where = _where(ctx)
+    judged, where = ctx.judged, ctx.where
     target = TARGETS[case]
     speedup = timing.speedup(fast)
     return Row(
@@ -212,7 +201,7 @@ def run(ctx: BenchContext) -> list[Row]:
     )
 
     before, after = optimizer_report(base), optimizer_report(fast)
-    judged, where = _where(ctx)
+    judged, where = ctx.judged, ctx.where
     ratio = before.launches_per_step / after.launches_per_step
     rows.append(
         Row(
@@ -326,7 +315,7 @@ def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
                 )
             )
             continue
-        _, where = _where(ctx)
+        where = ctx.where
         rows.append(
             Row(
                 "fusion",
@@ -348,7 +337,7 @@ def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
                 "us",
                 per_call["compiled, direct"],
                 baseline=per_call["eager"],
-                note=f"{_where(ctx)[1]}; no target; {calls_note}; samples of >= 1 ms of "
+                note=f"{ctx.where}; no target; {calls_note}; samples of >= 1 ms of "
                 "back-to-back calls: host time per call where the device is faster",
             )
         )

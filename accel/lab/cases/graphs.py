@@ -24,7 +24,7 @@ import torch
 
 from accel import graphs
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.fusion import FUSION_FLAGS, _where
+from accel.lab.cases.fusion import FUSION_FLAGS
 from accel.lab.cases.sync import PHASE1, CostModel, measure_costs
 from accel.lab.profile import profile_step
 from accel.lab.timing import Comparison, compare
@@ -175,7 +175,7 @@ def window_rows(ctx: BenchContext, cost: CostModel) -> list[Row]:
     model = launch_model(
         timing.timings["eager"].median_ms, kernel_ms, eager_report.launches_per_step, cost
     )
-    judged, where = _where(ctx)
+    judged, where = ctx.judged, ctx.where
     graph = steps["graphed"].window
     graphed_state = (
         f"{graph.graphs} graph, pool {graph.pool_bytes / 2**20:.1f} MiB"
@@ -347,7 +347,7 @@ def optimizer_rows(ctx: BenchContext) -> list[Row]:
     """Judged: accel's one-launch AdamW graphed against torch's fused AdamW eager (the
     baseline); torch's fused AdamW graphed, one launch eager and one group are in the notes."""
     sizes = no.Sizes.preset(ctx.preset)
-    judged, where = _where(ctx)
+    judged, where = ctx.judged, ctx.where
     if ctx.device.type != "cuda":
         return [_not_run("optimizer_step", "AdamW step graphed", where)]
     v = optimizer_variants(sizes, ctx.device)
@@ -430,7 +430,7 @@ def _compiled_step(sizes: no.Sizes, device) -> Callable[[], None]:
 
 def whole_step_rows(ctx: BenchContext) -> list[Row]:
     sizes = SMALL[ctx.preset]
-    judged, where = _where(ctx)
+    judged, where = ctx.judged, ctx.where
     if ctx.device.type != "cuda":
         return [_not_run("whole_step_small_model", "whole training step graphed", where)]
     v = whole_step_variants(sizes, ctx.device)

@@ -168,13 +168,7 @@ def checkpoint_costs(
 def run(ctx: BenchContext) -> list[Row]:
     sizes = no.Sizes.preset(ctx.preset)
     dev = ctx.device
-    judged = dev.type == "cuda" and ctx.preset == "gpu"
-    where = (
-        f"{dev.type}, preset {ctx.preset}"
-        if judged
-        else f"not judged: the targets are for a CUDA GPU with the gpu preset, this is "
-        f"{dev.type} with preset {ctx.preset} (tiny sizes)"
-    )
+    judged, where = ctx.judged, ctx.where
     rows = []
     before, after = allocations(no.Flags(), sizes, dev), allocations(MEMORY_FLAGS, sizes, dev)
     if after.device_allocs is not None:

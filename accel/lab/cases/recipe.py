@@ -380,7 +380,7 @@ def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = 
 
 
 def run(ctx: BenchContext) -> list[Row]:
-    judged = ctx.device.type == "cuda" and ctx.preset == "gpu"
+    judged = ctx.judged
     sizes, bench = op.Sizes.preset(ctx.preset), BENCH_SIZES[ctx.preset]
     t0 = time.perf_counter()
     kwargs = dict(
@@ -423,8 +423,7 @@ def run(ctx: BenchContext) -> list[Row]:
             dataclasses.replace(
                 r,
                 met=None,
-                note=f"not judged: targets are for a CUDA GPU with the gpu preset, this is "
-                f"{ctx.device.type} with preset {ctx.preset}; {r.note}",
+                note=f"{ctx.where}; {r.note}",
             )
             for r in out
         ]

@@ -894,7 +894,7 @@ def _equal(
 
 
 def run(ctx: BenchContext) -> list[Row]:
-    judged = ctx.device.type == "cuda" and ctx.preset == "gpu"
+    judged = ctx.judged
     sizes = BENCH_SIZES[ctx.preset]
     attention.clear_auto_cache()  # auto measures afresh in this run
     rows = headline_rows(ctx, sizes, judged)
@@ -908,8 +908,7 @@ def run(ctx: BenchContext) -> list[Row]:
             dataclasses.replace(
                 r,
                 met=None,
-                note=f"not judged: targets are for a CUDA GPU with the gpu preset, this is "
-                f"{ctx.device.type} with preset {ctx.preset}; {r.note}",
+                note=f"{ctx.where}; {r.note}",
             )
             for r in rows
         ]

@@ -138,13 +138,7 @@ def run(ctx: BenchContext) -> list[Row]:
     )
     predicted = model.predict_speedup(base_ms, removed, before.launches - after.launches)
 
-    judged = ctx.device.type == "cuda" and ctx.preset == "gpu"
-    where = (
-        f"{ctx.device.type}, preset {ctx.preset}"
-        if judged
-        else f"not judged: the target is for a CUDA GPU with the gpu preset, this is "
-        f"{ctx.device.type} with preset {ctx.preset}"
-    )
+    judged, where = ctx.judged, ctx.where
     speedup = timing.speedup("optimized")
     time_row = Row(
         "sync",
