@@ -1,0 +1,169 @@
+"""The shape of the house (ARCHITECTURE.md): small modules, one direction of imports, a lab front
+door that imports lazily, notebooks that start short."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "accel"
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 80
+MAX_FIRST_CELL_LINES = 6
+VIEWERS = ("pandas", "plotly", "ipywidgets")  # the lab's libraries, never a component's
+
+
+def _modules(under: Path = PACKAGE) -> list[Path]:
+    return sorted(under.rglob("*.py"))
+
+
+def _components() -> list[Path]:
+    """The package minus the lab, the workloads and the command line: what a user imports."""
+    skip = {PACKAGE / "lab", PACKAGE / "workloads"}
+    return [
+        p for p in _modules() if not skip.intersection(p.parents) and p != PACKAGE / "__main__.py"
+    ]
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def test_no_module_is_longer_than_a_sitting():
+    long = {
+        _rel(p): n for p in _modules() if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_no_function_is_longer_than_a_screen():
+    long = {}
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long[f"{_rel(path)}:{node.lineno} {node.name}"] = lines
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def test_kernels_import_only_torch_triton_and_the_standard_library():
+    for path in _modules(PACKAGE / "kernels"):
+        foreign = {
+            m
+            for m in _imports(path)
+            if m.split(".")[0] not in ("torch", "triton", "__future__")
+            and m.split(".")[0] not in sys.stdlib_module_names
+        }
+        assert not foreign, f"{_rel(path)} imports {sorted(foreign)}"
+
+
+def test_components_import_neither_the_lab_nor_its_viewers():
+    for path in _components():
+        bad = {
+            m
+            for m in _imports(path)
+            if m.startswith(("accel.lab", "accel.workloads")) or m.split(".")[0] in VIEWERS
+        }
+        assert not bad, f"{_rel(path)} imports {sorted(bad)}"
+
+
+def test_using_the_components_loads_no_viewer():
+    """A user who only wants the components pays for no pandas, plotly or widgets, even when the
+    components run (the static check above misses an import through a third package)."""
+    code = f"""
+import sys, torch
+from accel import attention, diversity, fusion, graphs, memory, optim, sync
+x = torch.randn(2, 3, 8, 16)
+attention.sdpa(x, x, x, causal=True)
+diversity.mean_diversity(torch.randn(4, 3, 16))
+model = torch.nn.Linear(8, 8)
+model(torch.randn(4, 8)).sum().backward()
+fusion.clip_grad_norm_(model.parameters(), 1.0)
+opt = optim.MultiTensorAdamW(model.parameters(), implementation="reference")
+opt.step()
+memory.peak_memory(lambda: torch.randn(64, 64) @ torch.randn(64, 64), device="cpu")
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {set(VIEWERS)!r})
+assert not loaded, loaded
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_lab_front_door_names_resolve_and_import_lazily():
+    code = f"""
+import sys
+from accel import lab
+assert not any(m.split(".")[0] in {set(VIEWERS)!r} for m in sys.modules)
+lab.compare, lab.setup, lab.time_fn
+assert "plotly" not in sys.modules and "ipywidgets" not in sys.modules
+for name in lab.__all__:
+    getattr(lab, name)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from accel import lab
+
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        lab.nope  # noqa: B018
+
+
+def test_setup_says_where_it_runs_and_whether_targets_are_judged(capsys, monkeypatch):
+    import torch
+
+    from accel import lab
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("ACCEL_PRESET", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        here = lab.setup()
+        assert (here.device.type, here.preset, here.judged, here.on_gpu) == (
+            "cpu",
+            "cpu",
+            False,
+            False,
+        )
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    assert "preset 'cpu', targets not judged" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "notebook", sorted((ROOT / "notebooks").glob("*.ipynb")), ids=lambda p: p.stem
+)
+def test_a_notebook_starts_with_a_short_first_cell(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    first = next(c for c in cells if c["cell_type"] == "code")
+    lines = "".join(first["source"]).strip().splitlines()
+    assert len(lines) <= MAX_FIRST_CELL_LINES, (
+        f"{notebook.name}: {len(lines)} lines:\n" + "\n".join(lines)
+    )
+
+
+def test_code_and_notebooks_speak_of_the_project_not_of_issues():
+    found = []
+    for path in [*_modules(), *sorted((ROOT / "notebooks").glob("*.ipynb"))]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\bissues?\b|issue #\d", line, re.IGNORECASE):
+                found.append(f"{_rel(path)}:{number}: {line.strip()[:80]}")
+    assert not found, "\n".join(found)
