@@ -11,30 +11,36 @@ for it:
   tensor per name and shape, allocated once;
 - counting: :func:`count_allocations` (per-step deltas of ``torch.cuda.memory_stats``: allocator
   requests, ``cudaMalloc`` calls, retries, peak) and :func:`record_memory_history` with
-  :func:`snapshot_frame` (the allocator's event history as a memory-over-time table);
-- activations: :func:`checkpoint_blocks` recomputes the activations of named blocks in the
-  backward pass instead of storing them; :func:`largest_batch` finds the largest batch whose
-  step stays within a memory budget, measured with :func:`peak_memory`.
+  :func:`snapshot_events` (the allocator's event history, memory over time);
+- activations: :func:`checkpoint_blocks` (from :mod:`accel.recompute`) recomputes the activations
+  of named blocks in the backward pass instead of storing them; :func:`largest_batch` finds the
+  largest batch whose step stays within a memory budget, measured with :func:`peak_memory`.
 
 On a CPU there is no caching allocator: allocation counts and peaks come from the profiler's
-memory events instead, and the CUDA-only parts say so. Importing this module costs torch only
-(pandas is imported inside :func:`snapshot_frame`).
+memory events instead, and the CUDA-only parts say so. Torch only.
 """
 
 from __future__ import annotations
 
-import difflib
-import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from accel.errors import collection_of
+from accel.recompute import (  # public here: this module measures what they save
+    SELECTIVE_SAVE as SELECTIVE_SAVE,
+)
+from accel.recompute import (
+    CheckpointedBlocks as CheckpointedBlocks,
+)
+from accel.recompute import (
+    checkpoint_blocks as checkpoint_blocks,
+)
+from accel.recompute import (
+    save_ops_policy as save_ops_policy,
+)
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -376,7 +382,7 @@ def record_memory_history(
 
         with record_memory_history() as rec:
             step()
-        frame = snapshot_frame(rec["snapshot"])
+        events = snapshot_events(rec["snapshot"])
     """
     dev = torch.device(device) if device is not None else _default_device()
     if dev.type != "cuda":
@@ -398,21 +404,21 @@ def record_memory_history(
         record(None)
 
 
-def snapshot_frame(snapshot: dict[str, Any], *, device: int = 0):
-    """The allocator's event history of one device as a DataFrame, one row per event.
+def snapshot_events(snapshot: dict[str, Any], *, device: int = 0) -> list[dict[str, Any]]:
+    """The allocator's event history of one device, one dict per event (``pd.DataFrame`` of it
+    is the memory-over-time table).
 
-    Columns: ``t_us`` (event time; its index when the snapshot has no times), ``action``
-    (alloc, free_requested, free_completed, segment_alloc, segment_free, oom ...), ``bytes``,
-    and the running ``allocated_bytes`` (allocs minus completed frees) and ``reserved_bytes``
-    (segments from the driver) as they stood after the event, both relative to the start of the
-    history. Needs pandas.
+    Keys: ``t_us`` (event time from the first event; its index when the snapshot has no times),
+    ``action`` (alloc, free_requested, free_completed, segment_alloc, segment_free, oom ...),
+    ``bytes``, and the running ``allocated_bytes`` (allocs minus completed frees) and
+    ``reserved_bytes`` (segments from the driver) as they stood after the event, both relative to
+    the start of the history.
     """
-    import pandas as pd
-
     traces = snapshot.get("device_traces", [])
     entries = traces[device] if device < len(traces) else []
     allocated = reserved = 0
-    rows = []
+    start = float(entries[0].get("time_us", 0)) if entries else 0.0
+    events = []
     for i, e in enumerate(entries):
         action, size = e.get("action", "?"), int(e.get("size", 0))
         if action == "alloc":
@@ -423,122 +429,16 @@ def snapshot_frame(snapshot: dict[str, Any], *, device: int = 0):
             reserved += size
         elif action == "segment_free":
             reserved -= size
-        rows.append((float(e.get("time_us", i)), action, size, allocated, reserved))
-    frame = pd.DataFrame(
-        rows, columns=["t_us", "action", "bytes", "allocated_bytes", "reserved_bytes"]
-    )
-    if len(frame):
-        frame["t_us"] -= frame["t_us"].iloc[0]
-    return frame
-
-
-# ---- activation checkpointing -------------------------------------------------------------------
-class CheckpointedBlocks:
-    """Handle returned by :func:`checkpoint_blocks`; :meth:`remove` restores the blocks."""
-
-    def __init__(self, model: nn.Module, names: list[str]):
-        self.model, self.names = model, names
-
-    def remove(self) -> None:
-        for name in self.names:
-            module = self.model.get_submodule(name)
-            if "forward" in vars(module):
-                del module.forward  # back to the class's forward
-        self.names = []
-
-    def __enter__(self) -> CheckpointedBlocks:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
-
-    def __repr__(self) -> str:
-        return f"CheckpointedBlocks({self.names})"
-
-
-def _selective_save_ops() -> frozenset:
-    """ATen ops whose outputs selective checkpointing keeps: matrix products and fused
-    attention (costly to recompute). Ops this torch lacks are left out."""
-    aten = torch.ops.aten
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_cudnn_attention",
-    )
-    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
-
-
-def save_ops_policy(save_ops: Iterable[Any]) -> Callable[[], Any]:
-    """A ``context_fn`` for ``torch.utils.checkpoint``: outputs of ``save_ops`` (ATen
-    overloads, e.g. ``torch.ops.aten.mm.default``) are stored, every other op is recomputed in
-    backward. Memory kept = those outputs; recompute = everything else (for a transformer block
-    with ``SELECTIVE_SAVE``: LayerNorm, GELU, adds and copies, a few % of its FLOPs)."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    ops = frozenset(collection_of(save_ops, "ATen ops", strings=False))
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return functools.partial(create_selective_checkpoint_contexts, policy)
-
-
-SELECTIVE_SAVE = _selective_save_ops()
-
-
-def checkpoint_blocks(
-    model: nn.Module, names: Iterable[str], *, save_ops: Iterable[Any] | None = None
-) -> CheckpointedBlocks:
-    """Recompute the activations of the named submodules in backward instead of storing them.
-
-    Each named block keeps only its inputs during forward (``torch.utils.checkpoint`` with
-    ``use_reentrant=False``) and runs its forward again when backward reaches it: for a
-    transformer block that stores ~17 activations of its width per token, ~16 of them are not
-    kept, for the price of one more forward of the block (a step ~1.3x as long when every
-    block is checkpointed). Outside autograd (``torch.no_grad``) blocks run as usual.
-
-    ``save_ops`` makes it selective (torch >= 2.4): the outputs of those ATen ops are stored
-    and only the rest is recomputed (:func:`save_ops_policy`; ``SELECTIVE_SAVE`` keeps matrix
-    products and attention): less recompute, less memory saved.
-
-    ``names`` are paths as in ``model.named_modules()`` (``"blocks.3"``); an unknown name raises
-    ValueError listing close ones; a block already checkpointed raises too. Returns a handle
-    whose ``remove()`` (or ``with``-exit) undoes it.
-    """
-    names = list(dict.fromkeys(collection_of(names, "submodule names", strings=False)))
-    known = dict(model.named_modules())
-    for name in names:
-        if not isinstance(name, str) or name not in known or name == "":
-            close = difflib.get_close_matches(str(name), [k for k in known if k], n=5)
-            hint = f"; close: {close}" if close else ""
-            blocks = [k for k in known if k and "." not in k]
-            raise ValueError(
-                f"checkpoint_blocks: {model.__class__.__name__} has no submodule {name!r}{hint} "
-                f"(top-level modules: {blocks[:8]})"
-            )
-        if "forward" in vars(known[name]):
-            raise ValueError(
-                f"checkpoint_blocks: {name!r} is already checkpointed (or its forward was replaced)"
-            )
-    context = {} if save_ops is None else {"context_fn": save_ops_policy(save_ops)}
-    for name in names:
-        module = known[name]
-        module.forward = _checkpointed(module.forward, context)
-    return CheckpointedBlocks(model, names)
-
-
-def _checkpointed(forward: Callable[..., Any], context: dict[str, Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
-
-    run.__wrapped__ = forward  # type: ignore[attr-defined]
-    return run
+        events.append(
+            {
+                "t_us": float(e.get("time_us", i)) - start,
+                "action": action,
+                "bytes": size,
+                "allocated_bytes": allocated,
+                "reserved_bytes": reserved,
+            }
+        )
+    return events
 
 
 # ---- the largest batch that fits ----------------------------------------------------------------

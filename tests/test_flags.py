@@ -64,3 +64,24 @@ def test_every_workload_names_its_presets_on_a_wrong_one(module):
     assert workload.Sizes.preset("cpu") != workload.Sizes.preset("gpu")
     with pytest.raises(ValueError, match="unknown preset 'huge'; expected one of cpu, gpu"):
         workload.Sizes.preset("huge")
+
+
+def test_through_phase_turns_on_the_adopted_flags_of_that_phase_and_the_ones_before():
+    from accel.workloads import field_trainer as ft
+    from accel.workloads import nested_optimizer as no
+    from accel.workloads.flags import through_phase
+
+    assert through_phase(ft.Flags, "sync") == ft.Flags(batched_progress=True, vectorized_rotor=True)
+    assert through_phase(ft.Flags, "fusion") == ft.Flags(
+        batched_progress=True, vectorized_rotor=True, fused_lior=True, fused_retrieval=True
+    )
+    assert through_phase(no.Flags, "sync") == no.Flags()  # it has no flag of phase 1
+    assert through_phase(no.Flags, "memory") == no.Flags(
+        foreach_stats=True,
+        fused_clip=True,
+        fused_adamw=True,
+        preallocated_buffers=True,
+        set_to_none_grads=True,
+    )
+    with pytest.raises(ValueError, match="unknown phase 'fuse'; expected one of sync, fusion"):
+        through_phase(no.Flags, "fuse")

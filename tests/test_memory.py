@@ -127,7 +127,7 @@ def test_peak_memory_sees_a_temporary(gen):
 
 
 # ---- the allocator's history --------------------------------------------------------------------
-def test_snapshot_frame_tracks_allocated_and_reserved():
+def test_snapshot_events_track_allocated_and_reserved():
     snapshot = {
         "device_traces": [
             [
@@ -140,12 +140,12 @@ def test_snapshot_frame_tracks_allocated_and_reserved():
             ]
         ]
     }
-    frame = memory.snapshot_frame(snapshot)
-    assert list(frame.columns) == ["t_us", "action", "bytes", "allocated_bytes", "reserved_bytes"]
-    assert frame["t_us"].tolist() == [0, 1, 5, 10, 11, 30]
-    assert frame["allocated_bytes"].tolist() == [0, 512, 1536, 1536, 1024, 1024]
-    assert frame["reserved_bytes"].tolist() == [2 * MiB] * 5 + [0]
-    assert memory.snapshot_frame({"device_traces": []}).empty
+    events = memory.snapshot_events(snapshot)
+    assert list(events[0]) == ["t_us", "action", "bytes", "allocated_bytes", "reserved_bytes"]
+    assert [e["t_us"] for e in events] == [0, 1, 5, 10, 11, 30]
+    assert [e["allocated_bytes"] for e in events] == [0, 512, 1536, 1536, 1024, 1024]
+    assert [e["reserved_bytes"] for e in events] == [2 * MiB] * 5 + [0]
+    assert memory.snapshot_events({"device_traces": []}) == []
 
 
 @cpu_only
@@ -298,11 +298,10 @@ def test_cuda_steady_state_in_place_step_allocates_nothing(gen):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_cuda_snapshot_frame_shows_the_allocations(gen):
+def test_cuda_snapshot_events_show_the_allocations(gen):
     x = torch.randn(1 << 20, generator=gen).cuda()
     with memory.record_memory_history() as rec:
         y = x * 2
         del y
-    frame = memory.snapshot_frame(rec["snapshot"], device=x.device.index or 0)
-    allocs = frame[frame["action"] == "alloc"]
-    assert (allocs["bytes"] >= 4 << 20).any()
+    events = memory.snapshot_events(rec["snapshot"], device=x.device.index or 0)
+    assert any(e["action"] == "alloc" and e["bytes"] >= 4 << 20 for e in events)

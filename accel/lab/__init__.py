@@ -1,6 +1,48 @@
 """The lab: measure honestly, show it live.
 
-Submodules, lightest first: ``device`` (presets, versions), ``timing``, ``ceilings``,
-``profile`` (needs pandas), ``plots`` (plotly), ``panel`` (ipywidgets), ``bench``.
-Nothing is imported here, so ``import accel.lab.timing`` costs no plotly.
+A notebook starts with ``from accel import lab`` and ``here = lab.setup()`` (device, preset,
+whether targets are judged), then reaches what it needs as ``lab.compare``, ``lab.plots``,
+``lab.FeaturePanel`` ... Each name is imported on first use, so ``import accel.lab.timing`` costs
+no plotly and ``lab.compare`` no ipywidgets.
+
+Submodules, lightest first: ``device`` (presets, versions), ``timing``, ``ceilings``, ``costs``,
+``profile`` (pandas), ``plots`` (plotly), ``panel`` (ipywidgets), ``bench``, ``cases.<phase>``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> the submodule that defines it
+_PUBLIC = {
+    "setup": "device",
+    "Setup": "device",
+    "default_device": "device",
+    "preset": "device",
+    "versions": "device",
+    "compare": "timing",
+    "time_fn": "timing",
+    "measure_ceilings": "ceilings",
+    "measure_costs": "costs",
+    "profile_step": "profile",
+    "FeaturePanel": "panel",
+    "recorded_results": "bench",
+    "ceilings_frame": "bench",
+    "run_bench": "bench",
+}
+_SUBMODULES = ("device", "timing", "ceilings", "costs", "profile", "plots", "panel", "bench", "cases")
+
+__all__ = [*_PUBLIC, *_SUBMODULES]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

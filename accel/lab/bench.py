@@ -22,7 +22,14 @@ import torch
 
 from accel.errors import UsageError, collection_of
 from accel.lab.ceilings import Ceilings, measure_ceilings
-from accel.lab.device import Preset, default_device, preset, results_stem, versions
+from accel.lab.device import (
+    Preset,
+    default_device,
+    preset,
+    results_stem,
+    targets_judged,
+    versions,
+)
 
 # name -> "module:function"; imported only when the phase runs. A new phase adds its line.
 PHASES: dict[str, str] = {
@@ -110,9 +117,7 @@ class BenchContext:
 
     @property
     def judged(self) -> bool:
-        """Whether this run's rows are judged against their targets: every target is set for a
-        CUDA GPU at the gpu preset, where the sizes are the ones the targets were argued for."""
-        return self.device.type == "cuda" and self.preset == "gpu"
+        return targets_judged(self.device, self.preset)
 
     @property
     def where(self) -> str:

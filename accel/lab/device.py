@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import subprocess
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -52,6 +53,45 @@ def check_preset(name: str, source: str = "an argument") -> Preset:
             f"unknown preset {name!r} (from {source}); expected one of {', '.join(PRESETS)}"
         )
     return name  # type: ignore[return-value]
+
+
+def targets_judged(device: torch.device | str, preset: str) -> bool:
+    """Whether a run is judged against its targets: every target is set for a CUDA GPU at the gpu
+    preset, the sizes the targets were argued for; elsewhere a run shows its findings unjudged."""
+    return torch.device(device).type == "cuda" and preset == "gpu"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Where a notebook runs: its device, size preset, and whether its targets are judged here."""
+
+    device: torch.device
+    preset: Preset
+    judged: bool
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def setup(*, interpret_triton: bool = False) -> Setup:
+    """Pick the device and preset for a notebook and say so in one line.
+
+    On a CPU the notebook runs on one thread: the cpu preset's ops take microseconds, and more
+    threads only add hand-offs (and stall each other on a shared machine). ``interpret_triton``
+    runs Triton kernels in Triton's interpreter where there is no GPU to compile them for.
+    """
+    device = default_device()
+    here = Setup(device, preset(device), targets_judged(device, preset(device)))
+    if not here.on_gpu:
+        torch.set_num_threads(1)
+        if interpret_triton:
+            os.environ["TRITON_INTERPRET"] = "1"
+    verdict = "judged" if here.judged else "not judged (they are for a CUDA GPU, gpu preset)"
+    print(
+        f"{versions(device)['device']} ({device.type}), preset {here.preset!r}, targets {verdict}"
+    )
+    return here
 
 
 def device_name(device: torch.device | str | None = None) -> str:

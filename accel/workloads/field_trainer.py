@@ -74,6 +74,7 @@ class Flags:
         "dynamo once its shapes are known (falls back to eager, with a warning, where compile "
         "cannot run)",
         "fusion",
+        adopted=False,
     )
     fused_retrieval: bool = flag(
         "the retrieval's weighted sum over the bank as one matrix product softmax(-beta cost) "
@@ -87,6 +88,7 @@ class Flags:
         "with it; 933 kernels a window against 3,205 on an H200, 2026-11-22); "
         "dynamo's guards run every eager call, which a CUDA graph removes",
         "fusion",
+        adopted=False,
     )
     inplace_accumulate: bool = flag(
         "accumulate metrics and velocity in place instead of a fresh tensor each step", "memory"
@@ -111,6 +113,7 @@ class Flags:
         "its eager kernels to 1.02-1.03x, two runs)",
         "graphs",
         requires="cuda",
+        adopted=False,
     )
 
 

@@ -10,12 +10,25 @@ import torch
 
 Requirement = Literal["cuda", "triton", "torchao"]  # torchao: a CUDA GPU and torchao
 
+# The workbook's phases in notebook order (01_sync ... 06_diversity): each builds on the ones before.
+PHASES = ("sync", "fusion", "memory", "graphs", "sdpa", "diversity")
+
 
 def flag(
-    help: str, phase: str, *, default: bool = False, requires: Requirement | None = None
+    help: str,
+    phase: str,
+    *,
+    default: bool = False,
+    requires: Requirement | None = None,
+    adopted: bool = True,
 ) -> Any:
-    """A boolean optimization switch: off is the "before", on applies one optimization."""
-    return field(default=default, metadata={"help": help, "phase": phase, "requires": requires})
+    """A boolean optimization switch: off is the "before", on applies one optimization.
+
+    ``adopted=False`` marks an alternative the phase explores but does not keep (another route to
+    the same gain, or one that changes numerics): later phases start from the adopted flags only.
+    """
+    metadata = {"help": help, "phase": phase, "requires": requires, "adopted": adopted}
+    return field(default=default, metadata=metadata)
 
 
 def option(
@@ -43,6 +56,7 @@ class FlagInfo:
     default: Any
     choices: tuple[Any, ...] | None
     requires: Requirement | None
+    adopted: bool
 
     @property
     def is_bool(self) -> bool:
@@ -68,6 +82,7 @@ def describe(flags_type: type) -> list[FlagInfo]:
                 f.default,
                 f.metadata.get("choices"),
                 f.metadata.get("requires"),
+                f.metadata.get("adopted", False),
             )
         )
     return infos
@@ -116,6 +131,16 @@ def all_on(flags_type: type, device: torch.device | str | None = None) -> Any:
     return flags_type(
         **{i.name: True for i in describe(flags_type) if i.is_bool and i.name not in skip}
     )
+
+
+def through_phase(flags_type: type, phase: str) -> Any:
+    """The flags a workbook phase starts the next one from: every adopted boolean flag of
+    ``phase`` and of the phases before it (``PHASES`` order) on, everything else at its default."""
+    if phase not in PHASES:
+        raise ValueError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
+    before = PHASES[: PHASES.index(phase) + 1]
+    on = [i.name for i in describe(flags_type) if i.is_bool and i.adopted and i.phase in before]
+    return flags_type(**dict.fromkeys(on, True))
 
 
 def pick_preset(presets: dict[str, Any], name: str) -> Any:

@@ -85,6 +85,7 @@ class Flags:
         "with a warning, off a GPU",
         "fusion",
         requires="cuda",
+        adopted=False,
     )
     controller_update_every: int = option(
         "run the statistics and the LR controller every N steps and reuse its multipliers "
@@ -114,6 +115,7 @@ class Flags:
         "forward under torch.autocast(bfloat16): half the activation bytes, tensor-core "
         "matmuls (changes numerics on purpose; own tolerance)",
         "memory",
+        adopted=False,
     )
     cuda_graph: str = option(
         "capture as a CUDA graph: 'optimizer_step' graphs the AdamW step (clipping and the "

@@ -19,17 +19,19 @@ import torch
 from accel import fusion
 from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.sync import PHASE1, CostModel, measure_costs
+from accel.lab.costs import CostModel, measure_costs
 from accel.lab.profile import ProfileReport, profile_step
 from accel.lab.timing import Comparison, compare
 from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
+from accel.workloads.flags import through_phase
 
 # Phase 2 of the field trainer: the quadratic form once, and the retrieval's mix fused by hand.
 # Not compiled_retrieval: on an H200 (2026-11-22) compiling the retrieval made the launch-bound
 # window 0.93x alone (its compiled code's host work per call); it keeps a row of its own.
-PHASE2 = dataclasses.replace(PHASE1, fused_lior=True, fused_retrieval=True)
-FUSION_FLAGS = no.Flags(foreach_stats=True, fused_clip=True, fused_adamw=True)
+PHASE1 = through_phase(ft.Flags, "sync")  # the field trainer as 01_sync leaves it
+PHASE2 = through_phase(ft.Flags, "fusion")
+FUSION_FLAGS = through_phase(no.Flags, "fusion")
 TARGETS = {
     "group_stats": 6.0,
     "clip_grad_norm": 3.0,
@@ -145,13 +147,21 @@ def _speed_row(
 
 def run(ctx: BenchContext) -> list[Row]:
     sizes = no.Sizes.preset(ctx.preset)
-    dev = ctx.device
-    base, fast = prepared(no.Flags(), sizes, dev), prepared(FUSION_FLAGS, sizes, dev)
+    base, fast = prepared(no.Flags(), sizes, ctx.device), prepared(FUSION_FLAGS, sizes, ctx.device)
     no.compare_results(fast.result(), base.result(), FUSION_FLAGS)  # correctness before timing
-    model = measure_costs(dev)
-    tensors = len(base.params)
-    rows = []
+    model = measure_costs(ctx.device)
+    rows = component_rows(base, fast, sizes, model, ctx)
+    rows += step_rows(base, fast, sizes, ctx)
+    rows += field_trainer_rows(ctx, model)
+    return rows
 
+
+def component_rows(
+    base: no.Step, fast: no.Step, sizes: no.Sizes, model: CostModel, ctx: BenchContext
+) -> list[Row]:
+    """Group statistics, clipping and the AdamW step, each before and after, with the launches
+    the cost model prices."""
+    dev, tensors, rows = ctx.device, len(base.params), []
     stats = time_group_stats(base)
     saved = launches_saved(
         lambda: fusion.group_stats(base.param_lists, foreach=False),
@@ -199,9 +209,13 @@ def run(ctx: BenchContext) -> list[Row]:
             "AdamW(foreach=False) with float LRs vs AdamW(fused=True) with device LR tensors",
         )
     )
+    return rows
 
+
+def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) -> list[Row]:
+    """Launches per optimizer step under the profiler, and the whole training step's time."""
+    dev, judged, where, rows = ctx.device, ctx.judged, ctx.where, []
     before, after = optimizer_report(base), optimizer_report(fast)
-    judged, where = ctx.judged, ctx.where
     ratio = before.launches_per_step / after.launches_per_step
     rows.append(
         Row(
@@ -231,7 +245,6 @@ def run(ctx: BenchContext) -> list[Row]:
             note=f"{where}; batch {sizes.batch} x {sizes.context} tokens; no target",
         )
     )
-    rows += field_trainer_rows(ctx, model)
     return rows
 
 

@@ -24,16 +24,20 @@ import torch
 
 from accel import graphs
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.fusion import FUSION_FLAGS
-from accel.lab.cases.sync import PHASE1, CostModel, measure_costs
+from accel.lab.costs import CostModel, measure_costs
 from accel.lab.profile import profile_step
 from accel.lab.timing import Comparison, compare
 from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
+from accel.workloads.flags import through_phase
 
 # The optimized eager window: phases 1-3 on (the fused retrieval's compile included).
 EAGER_WINDOW = dataclasses.replace(
-    PHASE1, fused_lior=True, compiled_retrieval=True, inplace_accumulate=True, adaptive_cleanup=True
+    through_phase(ft.Flags, "sync"),
+    fused_lior=True,
+    compiled_retrieval=True,
+    inplace_accumulate=True,
+    adaptive_cleanup=True,
 )
 GRAPHED_WINDOW = dataclasses.replace(EAGER_WINDOW, cuda_graph=True)
 # The same with each step compiled (~15 kernels a step instead of ~50, the retrieval compiled
@@ -52,7 +56,7 @@ REPLAYED_WINDOWS = {
     ", overlapped launches": (EAGER_OVERLAPPED_WINDOW, GRAPHED_OVERLAPPED_WINDOW),
 }
 # The nested optimizer with every fusion and memory flag that keeps gradients in place.
-EAGER_STEP = dataclasses.replace(FUSION_FLAGS, preallocated_buffers=True)
+EAGER_STEP = dataclasses.replace(through_phase(no.Flags, "fusion"), preallocated_buffers=True)
 # A small model whose step is launch-bound: ~700 kernels of microseconds each.
 SMALL = {
     "gpu": no.Sizes(layers=4, width=256, heads=4, context=128, batch=8),

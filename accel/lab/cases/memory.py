@@ -14,23 +14,26 @@ the field trainer's window with ``empty_cache()`` every 10 windows against the a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from accel import memory
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.fusion import FUSION_FLAGS
-from accel.lab.cases.sync import PHASE1
 from accel.lab.profile import profile_step
 from accel.lab.timing import Comparison, compare
 from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
+from accel.workloads.flags import through_phase
 
-MEMORY_FLAGS = dataclasses.replace(FUSION_FLAGS, preallocated_buffers=True, set_to_none_grads=True)
+FUSION_FLAGS = through_phase(no.Flags, "fusion")  # the nested optimizer as 02_fusion leaves it
+MEMORY_FLAGS = through_phase(no.Flags, "memory")
 CHECKPOINT_ALL = dataclasses.replace(FUSION_FLAGS, activation_checkpointing="all")
 # no compiled_retrieval: the cleanup comparison should not wait for (or depend on) inductor
-CLEANUP_BASE = dataclasses.replace(PHASE1, fused_lior=True, inplace_accumulate=True)
+CLEANUP_BASE = dataclasses.replace(
+    through_phase(ft.Flags, "sync"), fused_lior=True, inplace_accumulate=True
+)
 CLEANUP_FAST = dataclasses.replace(CLEANUP_BASE, adaptive_cleanup=True)
 # The budget the largest-batch search works against: far below the device's memory, so the
 # search is quick and its answer does not depend on which GPU ran it.
@@ -246,18 +249,17 @@ def preset_batch_row(sizes: no.Sizes, device, where: str, *, repeats: int = 20) 
     )
 
 
+CHECKPOINT_CHOICE_TEXT = {
+    "every_2nd": "every 2nd block checkpointed",
+    "all": "every block checkpointed",
+    "selective": "every block selectively checkpointed (matmul and attention outputs "
+    "kept, LayerNorm/GELU/adds recomputed)",
+}
+
+
 def checkpoint_rows(costs: CheckpointCosts, sizes: no.Sizes, where: str, judged: bool) -> list[Row]:
     """Per choice of blocks (no target): peak, step time and largest batch against no
     checkpointing; then the three target rows for :meth:`CheckpointCosts.target_choice`."""
-    what = {
-        "every_2nd": "every 2nd block checkpointed",
-        "all": "every block checkpointed",
-        "selective": "every block selectively checkpointed (matmul and attention outputs "
-        "kept, LayerNorm/GELU/adds recomputed)",
-    }
-    peak_mib = {c: b / memory.MiB for c, b in costs.peak_bytes.items()}
-    time_ms = {c: t.median_ms for c, t in costs.timing.timings.items()}
-    batch = {c: s.batch for c, s in costs.searches.items()}
     summary = "; ".join(
         f"{c}: peak {costs.ratios(c)['peak']:.2f}x, time {costs.ratios(c)['time']:.2f}x, "
         f"batch {costs.ratios(c)['batch']:.2f}x"
@@ -266,88 +268,75 @@ def checkpoint_rows(costs: CheckpointCosts, sizes: no.Sizes, where: str, judged:
     )
     rows = []
     for choice in (c for c in costs.peak_bytes if c != "none"):
-        note = f"{where}; no target (judged in the rows without a suffix); {what[choice]}"
-        rows += [
-            Row(
-                "memory",
-                f"checkpoint_peak {choice}",
-                f"peak activation memory of forward + backward, batch {sizes.batch} x "
-                f"{sizes.context}",
-                "MiB",
-                peak_mib[choice],
-                baseline=peak_mib["none"],
-                note=note,
-            ),
-            Row(
-                "memory",
-                f"checkpoint_step_time {choice}",
-                "time per training step (the price)",
-                "ms",
-                time_ms[choice],
-                baseline=time_ms["none"],
-                note=note,
-            ),
-            Row(
-                "memory",
-                f"checkpoint_largest_batch {choice}",
-                f"largest batch within {costs.budget_bytes / memory.GiB:.3g} GiB",
-                "sequences",
-                batch[choice],
-                baseline=batch["none"],
-                higher_is_better=True,
-                note=note,
-            ),
-        ]
+        note = f"{where}; no target (judged in the rows without a suffix); "
+        rows += _checkpoint_triple(costs, choice, sizes, note + CHECKPOINT_CHOICE_TEXT[choice])
     chosen = costs.target_choice()
     met = costs.meets(chosen)
     why = (
-        f"judged: '{chosen}' ({what[chosen]}), the fastest choice within the peak target"
+        "the fastest choice within the peak target"
         if met["peak"]
-        else f"judged: '{chosen}' ({what[chosen]}), the lowest peak (no choice is within the "
-        "peak target)"
+        else "the lowest peak (no choice is within the peak target)"
     )
-    note = f"{where}; use_reentrant=False, fusion flags on; {why}; all choices: {summary}"
-    rows += [
-        Row(
-            "memory",
-            "checkpoint_peak",
+    note = (
+        f"{where}; use_reentrant=False, fusion flags on; judged: '{chosen}' "
+        f"({CHECKPOINT_CHOICE_TEXT[chosen]}), {why}; all choices: {summary}"
+    )
+    return rows + _checkpoint_triple(costs, chosen, sizes, note, met=met if judged else {})
+
+
+def _checkpoint_triple(
+    costs: CheckpointCosts, choice: str, sizes: no.Sizes, note: str, met: dict | None = None
+) -> list[Row]:
+    """Peak, step time and largest batch of one choice against no checkpointing; with ``met``
+    (judged or not: an empty dict), the target rows, which carry no suffix."""
+    targeted = met is not None
+    met = met or {}
+    name = "" if targeted else f" {choice}"
+    setting = f", activation_checkpointing={choice}" if targeted else ""
+    budget = f"largest batch within {costs.budget_bytes / memory.GiB:.3g} GiB"
+    probes = f"; probes: none {len(costs.searches['none'].probes)}, "
+    probes += f"{choice} {len(costs.searches[choice].probes)}"
+    row = functools.partial(Row, "memory")
+    return [
+        row(
+            f"checkpoint_peak{name}",
             f"peak activation memory of forward + backward, batch {sizes.batch} x "
-            f"{sizes.context}, activation_checkpointing={chosen}",
+            f"{sizes.context}{setting}",
             "MiB",
-            peak_mib[chosen],
-            baseline=peak_mib["none"],
-            target=f"<= {TARGETS['peak']}x (speedup >= {1 / TARGETS['peak']:.0f})",
-            met=met["peak"] if judged else None,
+            costs.peak_bytes[choice] / memory.MiB,
+            baseline=costs.peak_bytes["none"] / memory.MiB,
+            target=f"<= {TARGETS['peak']}x (speedup >= {1 / TARGETS['peak']:.0f})"
+            if targeted
+            else "",
+            met=met.get("peak"),
             note=note,
         ),
-        Row(
-            "memory",
-            "checkpoint_step_time",
-            f"time per training step, activation_checkpointing={chosen} (the price)",
+        row(
+            f"checkpoint_step_time{name}",
+            f"time per training step{setting} (the price)",
             "ms",
-            time_ms[chosen],
-            baseline=time_ms["none"],
-            target=f"<= {TARGETS['time']}x time (speedup >= {1 / TARGETS['time']:.2f})",
-            met=met["time"] if judged else None,
+            costs.timing.timings[choice].median_ms,
+            baseline=costs.timing.timings["none"].median_ms,
+            target=f"<= {TARGETS['time']}x time (speedup >= {1 / TARGETS['time']:.2f})"
+            if targeted
+            else "",
+            met=met.get("time"),
             note=note,
         ),
-        Row(
-            "memory",
-            "checkpoint_largest_batch",
-            f"largest batch within {costs.budget_bytes / memory.GiB:.3g} GiB "
-            f"(resident weights, gradients and AdamW state included), "
-            f"activation_checkpointing={chosen}",
+        row(
+            f"checkpoint_largest_batch{name}",
+            f"{budget} (resident weights, gradients and AdamW state included){setting}"
+            if targeted
+            else budget,
             "sequences",
-            batch[chosen],
-            baseline=batch["none"],
+            costs.searches[choice].batch,
+            baseline=costs.searches["none"].batch,
             higher_is_better=True,
-            target=f">= {TARGETS['batch']}x",
-            met=met["batch"] if judged else None,
-            note=f"{note}; probes: none {len(costs.searches['none'].probes)}, "
-            f"{chosen} {len(costs.searches[chosen].probes)}",
+            target=f">= {TARGETS['batch']}x" if targeted else "",
+            met=met.get("batch"),
+            note=note + probes if targeted else note,
         ),
     ]
-    return rows
 
 
 def cleanup_row(ctx: BenchContext, where: str) -> Row:
