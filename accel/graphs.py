@@ -62,13 +62,6 @@ class GraphInputError(ValueError):
     """A call does not match what the graph was captured for (shape, dtype, device, constants)."""
 
 
-def _describe(leaf: Any) -> str:
-    if isinstance(leaf, torch.Tensor):
-        dtype = str(leaf.dtype).removeprefix("torch.")
-        return f"{dtype}{list(leaf.shape)} on {leaf.device}"
-    return repr(leaf)
-
-
 def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
     """What a graph depends on: each tensor's shape, dtype and device, every other value, and
     the structure of the arguments."""

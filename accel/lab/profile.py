@@ -153,17 +153,7 @@ def profile_step(
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         fn()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        start_bytes = torch.cuda.memory_allocated(dev)
-    with profile(activities=activities, profile_memory=True) as prof:
-        for _ in range(steps):
-            with record_function(STEP_MARK):
-                fn()
-        if cuda:
-            torch.cuda.synchronize(dev)
+    prof, start_bytes = _record(fn, steps, dev)
     events = list(prof.events())
     if trace_path is not None:
         trace_path = Path(trace_path)
@@ -217,6 +207,25 @@ def profile_step(
         trace_path=trace_path,
         notes=notes,
     )
+
+
+def _record(fn: Callable[[], object], steps: int, dev: torch.device) -> tuple[profile, int]:
+    """Run ``steps`` calls of ``fn`` under the profiler, each inside a step mark; the profiler
+    and, on CUDA, the bytes allocated before (the peak is measured from there)."""
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start_bytes = 0
+    if cuda:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        start_bytes = torch.cuda.memory_allocated(dev)
+    with profile(activities=activities, profile_memory=True) as prof:
+        for _ in range(steps):
+            with record_function(STEP_MARK):
+                fn()
+        if cuda:
+            torch.cuda.synchronize(dev)
+    return prof, start_bytes
 
 
 def _inside(marks) -> Callable[[object], bool]:

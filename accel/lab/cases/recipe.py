@@ -129,11 +129,6 @@ def skipped(device: torch.device | str) -> dict[str, str]:
     return op.unavailable(device)
 
 
-def recipe_flags(device: torch.device | str) -> op.Flags:
-    """All recipe flags that can run on ``device``: the last row of :func:`progression`."""
-    return list(progression(device).values())[-1]
-
-
 # ---- cost model ----------------------------------------------------------------------------------
 def step_flops(sizes: op.Sizes, flags: op.Flags | None = None) -> dict[str, float]:
     """Matrix-product FLOPs of one training step, averaged over the inverse-loss schedule, by
@@ -187,30 +182,11 @@ def measure(
     to the first configuration's), ``aux_calls`` and ``train_steps`` (inverse-loss passes and
     steps trained).
     """
-    if validate is not None:
-        validate = collection_of(validate, "configuration names")
-    dev = torch.device(device)
     names = list(configs)
     per_sample = sizes.epoch_batches * epochs_per_sample
-    cycle = math.lcm(per_sample, *(f.aux_loss_every for f in configs.values()))
-    if cycle != per_sample:
-        raise ValueError(
-            f"a timing sample of {per_sample} steps does not hold whole inverse-loss cycles "
-            f"({cycle}); use epochs_per_sample so that it does"
-        )
-    timed_steps = 2 + per_sample * (1 + repeats)  # 2 for memory, 1 sample of warm-up
     first_read = train_steps - (reads - 1) * read_every
-    if first_read < timed_steps:
-        raise ValueError(
-            f"the first validation read, at step {first_read}, comes before the {timed_steps} "
-            "steps timing takes: raise train_steps or read fewer times"
-        )
-    validate = set(names if validate is None else validate)
-    if names[0] not in validate or not validate <= set(names):
-        raise ValueError(
-            f"validate must name the baseline {names[0]!r} and configurations of {names}, "
-            f"got {sorted(validate)}"
-        )
+    validate = _check_measure(configs, per_sample, repeats, first_read, validate)
+    dev = torch.device(device)
     steps, peaks = {}, {}
     try:
         for name in names:
@@ -233,12 +209,7 @@ def measure(
             if name in validate:
                 if on_progress:
                     on_progress(f"training {name}")
-                errors = []
-                for at in range(first_read, train_steps + 1, read_every):
-                    while step.count < at:
-                        step()
-                    errors.append(step.validation_error())
-                error = sum(errors) / len(errors)
+                error = _validation_error(step, range(first_read, train_steps + 1, read_every))
             t = timing.timings[name]
             rows.append(
                 {
@@ -264,6 +235,48 @@ def measure(
     frame["speedup"] = frame["samples_per_s"] / frame["samples_per_s"].iloc[0]
     frame["val_vs_baseline"] = frame["val_error"] / frame["val_error"].iloc[0]
     return frame
+
+
+def _check_measure(
+    configs: dict[str, op.Flags],
+    per_sample: int,
+    repeats: int,
+    first_read: int,
+    validate: Collection[str] | None,
+) -> set[str]:
+    """Check :func:`measure`'s arguments against each other; the names to validate."""
+    names = list(configs)
+    if validate is not None:
+        validate = collection_of(validate, "configuration names")
+    cycle = math.lcm(per_sample, *(f.aux_loss_every for f in configs.values()))
+    if cycle != per_sample:
+        raise ValueError(
+            f"a timing sample of {per_sample} steps does not hold whole inverse-loss cycles "
+            f"({cycle}); use epochs_per_sample so that it does"
+        )
+    timed_steps = 2 + per_sample * (1 + repeats)  # 2 for memory, 1 sample of warm-up
+    if first_read < timed_steps:
+        raise ValueError(
+            f"the first validation read, at step {first_read}, comes before the {timed_steps} "
+            "steps timing takes: raise train_steps or read fewer times"
+        )
+    validate = set(names if validate is None else validate)
+    if names[0] not in validate or not validate <= set(names):
+        raise ValueError(
+            f"validate must name the baseline {names[0]!r} and configurations of {names}, "
+            f"got {sorted(validate)}"
+        )
+    return validate
+
+
+def _validation_error(step: op.Step, reads_at: range) -> float:
+    """Train ``step`` on, reading its validation error at each step of ``reads_at``; the mean."""
+    errors = []
+    for at in reads_at:
+        while step.count < at:
+            step()
+        errors.append(step.validation_error())
+    return sum(errors) / len(errors)
 
 
 def _build_and_footprint(
