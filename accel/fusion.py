@@ -360,10 +360,8 @@ class CompiledFunction:
     ``direct=True`` skips dynamo on every call after the first of a signature: the compiled
     graph is called straight away when this call's tensors have the shapes, strides, dtypes and
     devices (and the same non-tensor arguments, grad mode and autocast state) of a call that
-    compiled a graph taking exactly those tensors in order. Dynamo's frame evaluation cost
-    ~13 us per call on this project's CPU machine (2026-11-22: a compiled ``retrieval_mix``
-    took 20 us through dynamo, 7 us direct); on an H200 the field trainer's compiled retrieval
-    took 141 us a call through dynamo and 108 us direct (same day). For pure functions of their tensor
+    compiled a graph taking exactly those tensors in order: dynamo's frame evaluation, tens of
+    microseconds of host time a call, is then paid once per signature. For pure functions of their tensor
     arguments only (no globals read, no Python state that a guard would check); anything else
     keeps going through dynamo (``direct_signatures`` lists what is called directly).
 

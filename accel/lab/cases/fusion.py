@@ -27,8 +27,8 @@ from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase
 
 # Phase 2 of the field trainer: the quadratic form once, and the retrieval's mix fused by hand.
-# Not compiled_retrieval: on an H200 (2026-11-22) compiling the retrieval made the launch-bound
-# window 0.93x alone (its compiled code's host work per call); it keeps a row of its own.
+# Not compiled_retrieval: its compiled code's host work per call slows the launch-bound window
+# (its own row shows by how much); it is the phase's alternative, not its choice.
 PHASE1 = through_phase(ft.Flags, "sync")  # the field trainer as 01_sync leaves it
 PHASE2 = through_phase(ft.Flags, "fusion")
 FUSION_FLAGS = through_phase(no.Flags, "fusion")

@@ -143,8 +143,7 @@ def window_variants(sizes: ft.Sizes, device, *, with_compile: bool = True) -> di
 def _compiled_window(sizes: ft.Sizes, device) -> Callable[[], None]:
     """The eager window with each step (``Step.advance``) under compile reduce-overhead: one
     compiled, fused step recorded as CUDA graphs along the window's 64 calls and replayed.
-    (Compiling the whole window unrolls its 64 steps: on an H100 on 2026-11-22 that took over
-    150 s, so it is not the variant.)
+    (Compiling the whole window would unroll its 64 steps: minutes of compile.)
     The step's fixed tensors are marked static (as gpt-fast does for its KV cache), so compile's
     graphs read them in place instead of copying them in on every call."""
     flags = dataclasses.replace(EAGER_WINDOW, compiled_retrieval=False)  # no compile in compile
@@ -280,8 +279,8 @@ def replay_accounts(
     steps: dict[str, Callable[[], object]], device, *, eager_report=None, repeats: int = 30
 ) -> dict[str, ReplayAccount]:
     """A :class:`ReplayAccount` per graphed window of :func:`window_variants`. The replays are
-    timed back to back among themselves: the ratio is about a replay's own time, and timed
-    between host-bound eager windows the same replays ran 5-10% slower (H200, 2026-11-22).
+    timed back to back among themselves: the ratio is about a replay's own time, which timing
+    between host-bound eager windows would slow by several percent.
     ``eager_report``: a profile of ``steps["eager"]`` already taken, to reuse."""
     graphed = {label: step for label, step in steps.items() if label.startswith("graphed")}
     timing = compare(graphed, warmup=2, repeats=repeats, device=device)

@@ -87,10 +87,9 @@ def cleanup_timing(
 # Every choice of the activation_checkpointing option, measured side by side by the bench.
 CHECKPOINT_CHOICES = ("none", "every_2nd", "all", "selective")
 # Sequences per batch at which checkpointing's price is judged: where the step is bound by the
-# GPU, the regime checkpointing is for. At the gpu preset's 8 an H200 sat idle 53% of a step
-# (bench rows, 2026-11-22), so the recompute's host work (hooks, launches) showed up whole: "all"
-# cost 1.72x; at 32 it was idle 4% and "all" cost 1.22x, as one more forward predicts (<= 1.33x).
-# The preset's batch is still measured, in a row of its own. None: the preset's batch.
+# GPU, the regime checkpointing is for: at the gpu preset's 8 the GPU idles for much of a step, so
+# the recompute's host work (hooks, launches) shows whole, where one more forward predicts <= 1.33x
+# (the idle share is in the row's note). The preset's batch has a row of its own. None: the preset's.
 JUDGED_BATCH: dict[str, int | None] = {"gpu": 32, "cpu": None}
 
 

@@ -15,9 +15,9 @@ batch has seen more samples by then, so it may well be lower; the row says by ho
 
 Only the baseline and the whole recipe are trained that far: the gpu preset's operator sits on a
 plateau (predicting zero: error 1.0) for its first ~1,300 steps and then learns fast, so the
-comparison needs 3,000 steps (an H200, 2026-11-22: 0.074 for the recipe, 0.082 for the baseline),
-and the error read at one step moves by tens of percent from one read to the next (0.055, 0.085,
-0.082 at 2,500, 2,750, 3,000): each error is the mean of the last few reads.
+comparison needs 3,000 steps, and the error read at one step moves by tens of percent from one
+read to the next: each error is the mean of the last few reads (the recorded rows,
+``results/*.csv`` phase=recipe, carry the values).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def progression(device: torch.device | str) -> dict[str, op.Flags]:
     """Baseline, then each write-up phase added to the ones before (phases that cannot run on
     ``device`` are left out; :func:`skipped` says why). The names keep the write-up's phase
     numbers; the order is its own but for compile (its phase 1), which comes last: every row
-    after it would need a compile of its own (two graphs each, tens of seconds), which put the
-    bench past its time on an H200."""
+    after it would need a compile of its own (two graphs each, tens of seconds), past the bench's
+    time on a GPU."""
     off = op.unavailable(device)
     steps: list[tuple[str, dict]] = [
         ("2 checkpointing, 2x batch", dict(activation_checkpointing=True, batch_multiplier=2)),
@@ -103,7 +103,7 @@ def progression(device: torch.device | str) -> dict[str, op.Flags]:
 def alone(device: torch.device | str) -> dict[str, op.Flags]:
     """Baseline and each phase alone (the precision phase against both float16 with a scaler,
     the write-up's before, and bfloat16). Compile's max-autotune mode is left out of the bench:
-    its autotuning alone outlasted a 400 s bench run on an H200 (the notebook's panel offers it)."""
+    its autotuning alone takes minutes (the notebook's panel offers it)."""
     off = op.unavailable(device)
     candidates = {
         "compile reduce-overhead": op.Flags(compile="reduce-overhead"),
