@@ -88,8 +88,9 @@ def cleanup_timing(
 CHECKPOINT_CHOICES = ("none", "every_2nd", "all", "selective")
 # Sequences per batch at which checkpointing's price is judged: where the step is bound by the
 # GPU, the regime checkpointing is for: at the gpu preset's 8 the GPU idles for much of a step, so
-# the recompute's host work (hooks, launches) shows whole, where one more forward predicts <= 1.33x
-# (the idle share is in the row's note). The preset's batch has a row of its own. None: the preset's.
+# the recompute's host work (hooks, launches) shows whole, where one more forward predicts
+# <= 1.33x (the idle share is in the row's note). The preset's batch has a row of its own.
+# None: the preset's batch.
 JUDGED_BATCH: dict[str, int | None] = {"gpu": 32, "cpu": None}
 
 
