@@ -362,8 +362,9 @@ class CompiledFunction:
     devices (and the same non-tensor arguments, grad mode and autocast state) of a call that
     compiled a graph taking exactly those tensors in order: dynamo's frame evaluation, tens of
     microseconds of host time a call, is then paid once per signature. For pure functions of
-    their tensor arguments only (no globals read, no Python state that a guard would check); anything else
-    keeps going through dynamo (``direct_signatures`` lists what is called directly).
+    their tensor arguments only (no globals read, no Python state that a guard would check);
+    anything else keeps going through dynamo (``direct_signatures`` lists what is called
+    directly).
 
     ``torch.compile`` errors surface at the first call; :meth:`check` makes that call on an
     example at a time of your choosing and compares the result with ``fn`` itself.
