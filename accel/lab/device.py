@@ -8,8 +8,7 @@ import os
 import platform
 import re
 import subprocess
-from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 import torch
 
@@ -61,17 +60,13 @@ def targets_judged(device: torch.device | str, preset: str) -> bool:
     return torch.device(device).type == "cuda" and preset == "gpu"
 
 
-@dataclass(frozen=True)
-class Setup:
-    """Where a notebook runs: its device, size preset, and whether its targets are judged here."""
+class Setup(NamedTuple):
+    """Where a notebook runs: ``device, size_preset, on_gpu, judged = lab.setup()``."""
 
     device: torch.device
     preset: Preset
-    judged: bool
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.device.type == "cuda"
+    on_gpu: bool
+    judged: bool  # whether targets are judged here (targets_judged)
 
 
 def setup(*, interpret_triton: bool = False) -> Setup:
@@ -82,7 +77,8 @@ def setup(*, interpret_triton: bool = False) -> Setup:
     runs Triton kernels in Triton's interpreter where there is no GPU to compile them for.
     """
     device = default_device()
-    here = Setup(device, preset(device), targets_judged(device, preset(device)))
+    name = preset(device)
+    here = Setup(device, name, device.type == "cuda", targets_judged(device, name))
     if not here.on_gpu:
         torch.set_num_threads(1)
         if interpret_triton:

@@ -44,6 +44,7 @@ SYNC_CALLS = frozenset(
         "cudaMemcpy",
     }
 )
+HOST_READ_OP = "aten::_local_scalar_dense"  # what .item(), float(t) and int(t) end in
 # ATen ops that move no data through arithmetic: views, metadata and allocation.
 NO_WORK_OPS = frozenset(
     {

@@ -11,7 +11,7 @@ import torch
 
 from accel.lab.bench import BenchContext, Row
 from accel.lab.costs import measure_costs
-from accel.lab.profile import ProfileReport, profile_step
+from accel.lab.profile import HOST_READ_OP, ProfileReport, profile_step
 from accel.lab.timing import compare
 from accel.sync import count_syncs
 from accel.workloads import field_trainer as ft
@@ -19,7 +19,6 @@ from accel.workloads.flags import through_phase
 
 PHASE1 = through_phase(ft.Flags, "sync")
 TARGET_SPEEDUP = 1.2
-HOST_READ_OP = "aten::_local_scalar_dense"  # what .item(), float(t) and int(t) end in
 
 
 @dataclass
