@@ -31,7 +31,17 @@ _PUBLIC = {
     "ceilings_frame": "bench",
     "run_bench": "bench",
 }
-_SUBMODULES = ("device", "timing", "ceilings", "costs", "profile", "plots", "panel", "bench", "cases")
+_SUBMODULES = (
+    "device",
+    "timing",
+    "ceilings",
+    "costs",
+    "profile",
+    "plots",
+    "panel",
+    "bench",
+    "cases",
+)
 
 __all__ = [*_PUBLIC, *_SUBMODULES]
 

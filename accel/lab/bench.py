@@ -30,6 +30,7 @@ from accel.lab.device import (
     targets_judged,
     versions,
 )
+from accel.lab.timing import Comparison
 
 # name -> "module:function"; imported only when the phase runs. A new phase adds its line.
 PHASES: dict[str, str] = {
@@ -128,6 +129,34 @@ class BenchContext:
             f"not judged: the targets are for a CUDA GPU with the gpu preset, this is "
             f"{self.device.type} with preset {self.preset}"
         )
+
+
+def speedup_row(
+    ctx: BenchContext,
+    phase: str,
+    case: str,
+    metric: str,
+    timing: Comparison,
+    fast: str,
+    target: float,
+    note: str,
+    baseline: str | None = None,
+) -> Row:
+    """A timed row: ``fast``'s median against the baseline's (``timing.baseline`` unless named),
+    judged against ``>= target``x where the run is judged; ``ctx.where`` leads the note."""
+    fast_ms = timing.timings[fast].median_ms
+    baseline_ms = timing.timings[baseline or timing.baseline].median_ms
+    return Row(
+        phase,
+        case,
+        metric,
+        "ms",
+        fast_ms,
+        baseline=baseline_ms,
+        target=f">= {target}x",
+        met=baseline_ms / fast_ms >= target if ctx.judged else None,
+        note=f"{ctx.where}; {note}",
+    )
 
 
 def phase_function(name: str) -> Callable[[BenchContext], list[Row]]:

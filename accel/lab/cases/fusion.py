@@ -18,7 +18,7 @@ import torch
 
 from accel import fusion
 from accel.errors import collection_of
-from accel.lab.bench import BenchContext, Row
+from accel.lab.bench import BenchContext, Row, speedup_row
 from accel.lab.costs import CostModel, measure_costs
 from accel.lab.profile import ProfileReport, profile_step
 from accel.lab.timing import Comparison, compare
@@ -129,20 +129,7 @@ def _predicted(model: CostModel, timing: Comparison, saved: float) -> str:
 def _speed_row(
     case: str, metric: str, timing: Comparison, fast: str, ctx: BenchContext, note: str
 ) -> Row:
-    judged, where = ctx.judged, ctx.where
-    target = TARGETS[case]
-    speedup = timing.speedup(fast)
-    return Row(
-        "fusion",
-        case,
-        metric,
-        "ms",
-        timing.timings[fast].median_ms,
-        baseline=timing.timings[timing.baseline].median_ms,
-        target=f">= {target}x",
-        met=(speedup >= target) if judged else None,
-        note=f"{where}; {note}",
-    )
+    return speedup_row(ctx, "fusion", case, metric, timing, fast, TARGETS[case], note)
 
 
 def run(ctx: BenchContext) -> list[Row]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from accel import graphs
-from accel.lab.bench import BenchContext, Row
+from accel.lab.bench import BenchContext, Row, speedup_row
 from accel.lab.costs import CostModel, measure_costs
 from accel.lab.profile import profile_step
 from accel.lab.timing import Comparison, compare
@@ -185,20 +185,19 @@ def window_rows(ctx: BenchContext, cost: CostModel) -> list[Row]:
         if isinstance(graph, graphs.GraphedStep) and graph.reason is None
         else f"eager fallback ({getattr(graph, 'reason', 'no graph')})"
     )
-    speedup = timing.speedup("graphed")
     rows = [
-        Row(
+        speedup_row(
+            ctx,
             "graphs",
             "field_trainer_window",
             f"time per {sizes.steps_per_window}-step window, phases 1-3 eager vs graphed",
-            "ms",
-            timing.timings["graphed"].median_ms,
-            baseline=timing.timings["eager"].median_ms,
-            target=f">= {TARGETS['window']}x",
-            met=speedup >= TARGETS["window"] if judged else None,
-            note=f"{where}; {graphed_state}; {eager_report.launches_per_step:.0f} launches per "
+            timing,
+            "graphed",
+            TARGETS["window"],
+            f"{graphed_state}; {eager_report.launches_per_step:.0f} launches per "
             f"eager window, their kernels {kernel_ms:.2f} ms: the launch model predicted "
             f"{model['predicted_speedup']:.2f}x; {compiled.note(timing)}",
+            baseline="eager",
         )
     ]
     replays = replay_accounts(steps, ctx.device, eager_report=eager_report)
@@ -433,27 +432,26 @@ def _compiled_step(sizes: no.Sizes, device) -> Callable[[], None]:
 
 def whole_step_rows(ctx: BenchContext) -> list[Row]:
     sizes = SMALL[ctx.preset]
-    judged, where = ctx.judged, ctx.where
+    where = ctx.where
     if ctx.device.type != "cuda":
         return [_not_run("whole_step_small_model", "whole training step graphed", where)]
     v = whole_step_variants(sizes, ctx.device)
     timing = compare(v["steps"], warmup=3, repeats=40, device=ctx.device)
     graph = v["steps"]["graphed"].graphed_step
-    speedup = timing.speedup("graphed")
     return [
-        Row(
+        speedup_row(
+            ctx,
             "graphs",
             "whole_step_small_model",
             f"training step of a {sizes.layers}-layer width-{sizes.width} GPT (batch "
             f"{sizes.batch} x {sizes.context}), eager vs one graph",
-            "ms",
-            timing.timings["graphed"].median_ms,
-            baseline=timing.timings["eager"].median_ms,
-            target=f">= {TARGETS['whole_step']}x",
-            met=speedup >= TARGETS["whole_step"] if judged else None,
-            note=f"{where}; forward, backward, controller, clipping and fused capturable AdamW "
+            timing,
+            "graphed",
+            TARGETS["whole_step"],
+            f"forward, backward, controller, clipping and fused capturable AdamW "
             f"in {graph.graphs} graph(s), pool {graph.pool_bytes / 2**20:.1f} MiB; "
             f"{v['compiled'].note(timing)}",
+            baseline="eager",
         )
     ]
 
