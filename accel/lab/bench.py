@@ -8,6 +8,7 @@ of the figures beside it that loads plotly.js from the same directory (no networ
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import importlib
 import math
@@ -119,6 +120,13 @@ class BenchContext:
     @property
     def judged(self) -> bool:
         return targets_judged(self.device, self.preset)
+
+    def judge(self, rows: list[Row]) -> list[Row]:
+        """``rows`` as this run stands: unchanged where it is judged, else without a verdict and
+        with the reason in front of each note."""
+        if self.judged:
+            return rows
+        return [dataclasses.replace(r, met=None, note=f"{self.where}; {r.note}") for r in rows]
 
     @property
     def where(self) -> str:

@@ -24,24 +24,12 @@ def ceilings(frame: pd.DataFrame) -> go.Figure:
         subplot_titles=("copy bandwidth (read + write), GB/s", "dense matrix product, TFLOP/s"),
     )
     labels = [f"{d} ({t})" for d, t in zip(frame["device"], frame["matmul_dtype"], strict=True)]
-    fig.add_bar(
-        x=labels,
-        y=frame["copy_gb_s"],
-        name="copy",
-        row=1,
-        col=1,
-        text=[f"{v:,.0f}" for v in frame["copy_gb_s"]],
-        textposition="auto",
-    )
-    fig.add_bar(
-        x=labels,
-        y=frame["matmul_tflop_s"],
-        name="matmul",
-        row=1,
-        col=2,
-        text=[f"{v:,.3g}" for v in frame["matmul_tflop_s"]],
-        textposition="auto",
-    )
+    for col, (name, column, fmt) in enumerate(
+        [("copy", "copy_gb_s", "{:,.0f}"), ("matmul", "matmul_tflop_s", "{:,.3g}")], start=1
+    ):
+        values = frame[column]
+        text = [fmt.format(v) for v in values]
+        fig.add_bar(x=labels, y=values, name=name, row=1, col=col, text=text, textposition="auto")
     return fig.update_layout(**_LAYOUT, showlegend=False, title="What this machine can do")
 
 

@@ -14,7 +14,6 @@ the field trainer's window with ``empty_cache()`` every 10 windows against the a
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -290,52 +289,57 @@ def _checkpoint_triple(
     """Peak, step time and largest batch of one choice against no checkpointing; with ``met``
     (judged or not: an empty dict), the target rows, which carry no suffix."""
     targeted = met is not None
-    met = met or {}
-    name = "" if targeted else f" {choice}"
     setting = f", activation_checkpointing={choice}" if targeted else ""
     budget = f"largest batch within {costs.budget_bytes / memory.GiB:.3g} GiB"
     probes = f"; probes: none {len(costs.searches['none'].probes)}, "
     probes += f"{choice} {len(costs.searches[choice].probes)}"
-    row = functools.partial(Row, "memory")
-    return [
-        row(
-            f"checkpoint_peak{name}",
+    mib = {c: b / memory.MiB for c, b in costs.peak_bytes.items()}
+    ms = {c: t.median_ms for c, t in costs.timing.timings.items()}
+    batch = {c: search.batch for c, search in costs.searches.items()}
+    # (case, key of targets and met, description, unit, values by choice, target text)
+    specs = [
+        (
+            "checkpoint_peak",
+            "peak",
             f"peak activation memory of forward + backward, batch {sizes.batch} x "
             f"{sizes.context}{setting}",
             "MiB",
-            costs.peak_bytes[choice] / memory.MiB,
-            baseline=costs.peak_bytes["none"] / memory.MiB,
-            target=f"<= {TARGETS['peak']}x (speedup >= {1 / TARGETS['peak']:.0f})"
-            if targeted
-            else "",
-            met=met.get("peak"),
-            note=note,
+            mib,
+            f"<= {TARGETS['peak']}x (speedup >= {1 / TARGETS['peak']:.0f})",
         ),
-        row(
-            f"checkpoint_step_time{name}",
+        (
+            "checkpoint_step_time",
+            "time",
             f"time per training step{setting} (the price)",
             "ms",
-            costs.timing.timings[choice].median_ms,
-            baseline=costs.timing.timings["none"].median_ms,
-            target=f"<= {TARGETS['time']}x time (speedup >= {1 / TARGETS['time']:.2f})"
-            if targeted
-            else "",
-            met=met.get("time"),
-            note=note,
+            ms,
+            f"<= {TARGETS['time']}x time (speedup >= {1 / TARGETS['time']:.2f})",
         ),
-        row(
-            f"checkpoint_largest_batch{name}",
+        (
+            "checkpoint_largest_batch",
+            "batch",
             f"{budget} (resident weights, gradients and AdamW state included){setting}"
             if targeted
             else budget,
             "sequences",
-            costs.searches[choice].batch,
-            baseline=costs.searches["none"].batch,
-            higher_is_better=True,
-            target=f">= {TARGETS['batch']}x" if targeted else "",
-            met=met.get("batch"),
-            note=note + probes if targeted else note,
+            batch,
+            f">= {TARGETS['batch']}x",
         ),
+    ]
+    return [
+        Row(
+            "memory",
+            case if targeted else f"{case} {choice}",
+            what,
+            unit,
+            values[choice],
+            baseline=values["none"],
+            higher_is_better=key == "batch",
+            target=target if targeted else "",
+            met=(met or {}).get(key),
+            note=note + probes if targeted and key == "batch" else note,
+        )
+        for case, key, what, unit, values, target in specs
     ]
 
 

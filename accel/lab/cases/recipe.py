@@ -431,13 +431,4 @@ def run(ctx: BenchContext) -> list[Row]:
             + note,
         )
     )
-    if not judged:
-        out = [
-            dataclasses.replace(
-                r,
-                met=None,
-                note=f"{ctx.where}; {r.note}",
-            )
-            for r in out
-        ]
-    return out
+    return ctx.judge(out)
