@@ -271,6 +271,10 @@ def _try(
 
 # ---- auto: measure every backend that can run, keep the fastest ----------------------------------
 def _auto(key: SignatureKey, q, k, v, mask, causal, scale) -> str:
+    """The backend ``auto`` uses for these inputs: measured on the first call of a signature,
+    then read from the cache. Nothing can be timed while a CUDA graph is captured (or, in the
+    dispatcher, while compiling): there ``auto`` means ``"default"``, so pin a model before
+    compiling it (one eager forward, then ``SelfAttention.pin_backend``)."""
     choice = _AUTO_CACHE.get(key)
     if choice is not None:
         return choice.backend
