@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from accel import attention as A
+from accel import attention_auto as AA
+from accel.timer import round_order
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
@@ -151,8 +153,8 @@ def test_empty_batch_or_queries(shape, gen):
 # ---- auto: measured once per signature, cached, inspectable -------------------------------------
 def test_auto_measures_once_per_signature_and_keys_on_what_matters(monkeypatch, device, gen):
     measured = []
-    real = A._measure
-    monkeypatch.setattr(A, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
+    real = AA._measure
+    monkeypatch.setattr(AA, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
     q, k, v = qkv((2, 2, 17, 16), torch.float32, device, gen)
     A.sdpa(q, k, v)
     A.sdpa(q, k, v)  # same signature: read from the cache
@@ -193,11 +195,18 @@ def test_auto_after_its_measurement_is_one_signature_and_one_lookup(monkeypatch,
     assert slow_path == [1] and len(A.auto_choices()) == 2
 
 
-def test_auto_times_candidates_in_both_orders(monkeypatch):
-    calls = []
-    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
-    A._median_times(fns, torch.device("cpu"), warmup=0, repeats=2)
-    assert calls == ["a", "b", "c", "b", "a", "c"]  # round 2: reversed (c b a), rotated by 1
+def test_auto_times_candidates_in_the_timers_rotated_and_reversed_order(monkeypatch, gen):
+    ran = []
+    real = AA._run
+    monkeypatch.setattr(AA, "_run", lambda backend, *a: ran.append(backend) or real(backend, *a))
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
+    A.sdpa(q, k, v)
+    (choice,) = A.auto_choices().values()
+    names = list(choice.times_ms)
+    assert names == ["flash", "math"]  # the CPU's: efficient and cudnn are CUDA only
+    rounds = [b for r in range(12) for b in round_order(names, r)]
+    assert ran[-len(rounds) :] == rounds
+    assert rounds[:8] == ["flash", "math", "math", "flash", "math", "flash", "flash", "math"]
 
 
 def test_auto_skips_backends_that_cannot_run_and_keeps_the_reason(device, gen):
@@ -215,7 +224,7 @@ def test_auto_skips_backends_that_cannot_run_and_keeps_the_reason(device, gen):
 
 
 def test_auto_leaves_math_out_when_its_scores_are_too_big(monkeypatch, gen):
-    monkeypatch.setattr(A, "MATH_CANDIDATE_BYTES", 0)
+    monkeypatch.setattr(AA, "MATH_CANDIDATE_BYTES", 0)
     q, k, v = qkv((1, 1, 16, 8), torch.float32, "cpu", gen)
     A.sdpa(q, k, v)
     (choice,) = A.auto_choices().values()
@@ -261,20 +270,20 @@ def test_reason_is_picked_out_of_torchs_warnings_for_that_backend():
     ]
     err = RuntimeError("No available kernel. Aborting execution.")
     q = torch.empty(1, 2, 8, 64, device="meta")  # shape and dtype only
-    assert A._reason("flash", q, None, err, messages) == messages[1]
-    assert A._reason("cudnn", q, None, err, messages) == messages[5]
-    assert A._reason("efficient", q, None, err, []) == "No available kernel. Aborting execution."
+    assert AA._reason("flash", q, None, err, messages) == messages[1]
+    assert AA._reason("cudnn", q, None, err, messages) == messages[5]
+    assert AA._reason("efficient", q, None, err, []) == "No available kernel. Aborting execution."
 
 
 def test_documented_limits_explain_what_torch_no_longer_says():
     # PyTorch warns its reasons once per process; later failures fall back on these
     q32 = torch.empty(1, 2, 8, 20, dtype=torch.float32, device="meta")
-    assert A._documented_limits("flash", q32, mask=q32) == [
+    assert AA._documented_limits("flash", q32, mask=q32) == [
         "flash takes float16 or bfloat16 inputs, got dtype torch.float32",
         "flash takes no explicit attention mask (causal only)",
         "head dimension must be a multiple of 8 up to 256, got 20",
     ]
-    assert A._documented_limits("efficient", q32.to(torch.bfloat16)[..., :16], None) == []
+    assert AA._documented_limits("efficient", q32.to(torch.bfloat16)[..., :16], None) == []
 
 
 @pytest.mark.parametrize(
@@ -416,13 +425,13 @@ def test_profiler_sees_the_backend_that_was_asked_for(backend, gen):
 
 
 def test_auto_skips_a_backend_whose_output_is_wrong(monkeypatch, gen):
-    real = A._run
+    real = AA._run
 
     def broken_math(backend, *args):
         out = real(backend, *args)
         return out + 1.0 if backend == "math" else out
 
-    monkeypatch.setattr(A, "_run", broken_math)
+    monkeypatch.setattr(AA, "_run", broken_math)
     q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
     A.sdpa(q, k, v)
     (choice,) = A.auto_choices().values()

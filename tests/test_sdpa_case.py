@@ -10,7 +10,7 @@ import torch
 
 from accel import attention as A
 from accel.lab.bench import BenchContext
-from accel.lab.cases import sdpa
+from accel.lab.cases import sdpa, sdpa_measure
 from accel.lab.ceilings import Ceilings
 from accel.workloads import vit
 
@@ -130,17 +130,23 @@ def test_sweep_records_auto_pick_and_a_second_copy_of_it():
     assert summary["sweep: worst auto / the same backend forced"].optimized > 0
 
 
-def test_samples_both_ways_times_every_candidate_in_both_orders(monkeypatch):
-    orders = []
-    real = sdpa.compare
+def test_measure_point_times_variants_in_the_timers_rotated_and_reversed_rounds(monkeypatch):
+    taken = []
+    real = sdpa_measure.interleaved
     monkeypatch.setattr(
-        sdpa, "compare", lambda fns, **kw: orders.append(list(fns)) or real(fns, **kw)
+        sdpa_measure, "interleaved", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1]
     )
-    times = sdpa.samples_both_ways({"a": lambda: None, "b": lambda: None}, CPU, repeats=3)
-    assert set(times) == {"a", "b"} and orders == [["a", "b"], ["b", "a"]]
-    assert len(times["a"]) == len(times["b"]) == 3  # one sample per round, rounds aligned
-    sdpa.samples_both_ways({"a": lambda: None}, CPU, repeats=1)  # one sample: one order
-    assert len(orders) == 3
+    case = sdpa.AttnCase(1, 2, 15, 8, dtype=torch.float32)
+    point = sdpa.measure_point(case, CPU, ("default", "auto", "flash", "math"), repeats=4)
+    (samples,) = taken
+    names = list(samples.times_ms)
+    assert names == ["default", "auto", "flash", "math", sdpa.PICKED]
+    # round r: turned by r // 2 places, reversed when r is odd
+    turned = names[1:] + names[:1]
+    rounds = [names, names[::-1], turned, turned[::-1]]
+    assert list(samples.schedule) == [name for order in rounds for name in order]
+    assert all(len(t) == 4 for t in samples.times_ms.values())  # one sample per round, aligned
+    assert point.times == samples.medians() and point.picked in ("flash", "math")
 
 
 def test_paired_ratio_is_the_median_of_round_ratios():

@@ -6,6 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from accel.lab.timing import Timing, compare, time_fn
+from accel.timer import CandidateError, interleaved, round_order
 
 
 def test_time_fn_gives_positive_median_with_spread(device, seed):
@@ -22,11 +23,44 @@ def test_time_fn_measures_what_runs():
     assert 1.9 <= t.median_ms < 20
 
 
-def test_compare_interleaves_and_rotates_the_order():
+def test_compare_interleaves_rotating_and_reversing_the_order():
     log = []
-    c = compare({k: (lambda k=k: log.append(k)) for k in "abc"}, warmup=0, repeats=3, device="cpu")
-    assert log == list("abcbcacab")
-    assert c.schedule == tuple("abcbcacab")
+    c = compare({k: (lambda k=k: log.append(k)) for k in "abc"}, warmup=0, repeats=6, device="cpu")
+    # turned by one place every second round, reversed in odd rounds: all six orders of three
+    assert log == list("abc" "cba" "bca" "acb" "cab" "bac")
+    assert c.schedule == tuple(log)
+    log.clear()
+    compare({k: (lambda k=k: log.append(k)) for k in "ab"}, warmup=0, repeats=4, device="cpu")
+    assert log == list("ab" "ba" "ba" "ab")  # two candidates: each goes first half the time
+
+
+@settings(deadline=None)
+@given(st.integers(min_value=1, max_value=7))
+def test_over_two_n_rounds_each_candidate_holds_every_place_twice_behind_both_neighbours(n):
+    names = [str(i) for i in range(n)]
+    orders = [round_order(names, r) for r in range(2 * n)]
+    assert all(sorted(order) == names for order in orders)
+    for name in names:
+        assert sorted(order.index(name) for order in orders) == sorted(2 * list(range(n)))
+        behind = {order[order.index(name) - 1] for order in orders if order.index(name) > 0}
+        i = names.index(name)
+        assert n < 3 or {names[i - 1], names[(i + 1) % n]} <= behind
+
+
+def test_interleaved_gives_rounds_aligned_samples_and_medians():
+    samples = interleaved({"a": lambda: None, "b": lambda: None}, "cpu", warmup=0, repeats=5)
+    assert [len(t) for t in samples.times_ms.values()] == [5, 5]
+    assert samples.calls_per_sample == {"a": 1, "b": 1} and set(samples.medians()) == {"a", "b"}
+
+
+def test_interleaved_raises_a_candidates_own_error_unless_asked_to_name_it():
+    def boom():
+        raise ZeroDivisionError("boom")
+
+    with pytest.raises(ZeroDivisionError):
+        interleaved({"x": boom}, "cpu", warmup=1, repeats=1)
+    with pytest.raises(CandidateError, match="candidate 'x' raised ZeroDivisionError"):
+        interleaved({"x": boom}, "cpu", warmup=1, repeats=1, name_errors=True)
 
 
 def test_compare_warms_up_each_candidate_before_timing():

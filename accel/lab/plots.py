@@ -176,3 +176,43 @@ def speedups(frame: pd.DataFrame, *, title: str = "Speedup over the baseline") -
 
 def _short(name: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
+
+
+# ---- sdpa ----------------------------------------------------------------------------------------
+def sdpa_sweep(
+    frame: pd.DataFrame, *, ceiling_tflop_s: float | None = None, title: str = "SDPA sweep"
+) -> go.Figure:
+    """TFLOP/s against sequence length, one line per (backend, head dim), a panel per
+    (direction, causal); the dotted line is the measured matrix-product ceiling.
+
+    ``frame``: one row per (point, backend) with ``S``, ``D``, ``causal``, ``direction``,
+    ``backend``, ``tflop_s`` (``accel.lab.cases.sdpa.sweep`` or ``sweep_frame``)."""
+    import plotly.express as px  # heavier than graph_objects: loaded when this figure is drawn
+
+    data = frame.dropna(subset=["tflop_s"]).assign(
+        mask=lambda f: f["causal"].map({True: "causal", False: "full"}),
+        head_dim=lambda f: "D=" + f["D"].astype(str),
+    )
+    fig = px.line(
+        data,
+        x="S",
+        y="tflop_s",
+        color="backend",
+        line_dash="head_dim",
+        facet_col="direction",
+        facet_row="mask",
+        markers=True,
+        log_x=True,
+        category_orders={"direction": ["fwd", "fwd+bwd"], "mask": ["full", "causal"]},
+    )
+    if ceiling_tflop_s:
+        fig.add_hline(
+            y=ceiling_tflop_s,
+            line_dash="dot",
+            annotation_text=f"matmul ceiling {ceiling_tflop_s:,.3g}",
+            row="all",
+            col="all",
+        )
+    return fig.update_layout(
+        template="plotly_white", height=560, title=title, yaxis_title="TFLOP/s"
+    )

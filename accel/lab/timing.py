@@ -1,25 +1,25 @@
-"""Timing: warm-up, device events on a GPU, many repeats, medians, and interleaved A/B runs.
+"""Timing: medians, spreads and speedups of candidates timed interleaved by ``accel.timer``.
 
 Why not ``torch.utils.benchmark.Timer``: it times with the host clock on every device and runs
 one candidate's repeats back to back, so a clock or thermal drift between candidates lands in
-their ratio. Here every sample of every candidate is taken in turn (A B C, B C A, C A B, ...) and,
-on CUDA, is bracketed by device events, so host overhead that does not delay the GPU is not
-counted as step time, while GPU idle time waiting for launches is.
+their ratio. Here every sample of every candidate is taken in turn, the order rotated and
+reversed round by round (A B C, C B A, B C A, ...), and, on CUDA, is bracketed by device events,
+so host overhead that does not delay the GPU is not counted as step time, while GPU idle time
+waiting for launches is.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from accel.lab.device import default_device
+from accel.timer import CandidateError, SampleCallback, interleaved
 
-SampleCallback = Callable[[str, int, float], None]
+__all__ = ["CandidateError", "Comparison", "SampleCallback", "Timing", "compare", "time_fn"]
 
 
 @dataclass(frozen=True)
@@ -118,52 +118,6 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
-class CandidateError(RuntimeError):
-    """A timed candidate raised; the message names it, the cause is the original exception."""
-
-
-def _named(label: str, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn``, whose exceptions say which candidate raised them."""
-
-    def call() -> object:
-        try:
-            return fn()
-        except Exception as e:
-            raise CandidateError(f"candidate {label!r} raised {type(e).__name__}: {e}") from e
-
-    return call
-
-
-class _Sampler:
-    """Takes one sample of ``fn`` (``calls`` calls) and returns its time once it is known."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def take(self, fn: Callable[[], object], calls: int) -> Callable[[], float]:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            # Reading the events waits for the GPU; defer it so samples queue back to back.
-            return lambda: (end.synchronize(), start.elapsed_time(end))[1] / calls
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        elapsed = (time.perf_counter() - t0) * 1e3 / calls
-        return lambda: elapsed
-
-
-def _calibrate(fn: Callable[[], object], sampler: _Sampler, min_sample_ms: float) -> int:
-    """Calls per sample so that one sample lasts at least ``min_sample_ms``."""
-    once = sampler.take(fn, 1)()
-    if once <= 0:
-        return 1000
-    return max(1, min(10_000, math.ceil(min_sample_ms / once)))
-
-
 def compare(
     candidates: Mapping[str, Callable[[], object]],
     *,
@@ -178,10 +132,10 @@ def compare(
     """Time several candidates interleaved, so that drift cancels in their ratios.
 
     Each candidate is warmed up ``warmup`` times, then ``repeats`` rounds run one sample of every
-    candidate, rotating the order each round. ``calls_per_sample=None`` picks, per candidate,
-    enough calls for a sample to last ``min_sample_ms`` (for functions of microseconds).
-    ``on_sample(label, round, ms)`` is called as each sample completes (this waits for the GPU
-    after every sample, which a live plot needs).
+    candidate, the order rotated and reversed round by round (:func:`accel.timer.round_order`).
+    ``calls_per_sample=None`` picks, per candidate, enough calls for a sample to last
+    ``min_sample_ms`` (for functions of microseconds). ``on_sample(label, round, ms)`` is called
+    as each sample completes (this waits for the GPU after every sample, which a live plot needs).
     """
     if not isinstance(candidates, Mapping):
         raise TypeError(
@@ -196,40 +150,25 @@ def compare(
                 f"candidate {label!r} is not callable: got {fn!r} ({type(fn).__name__}); pass "
                 "the function, not its result"
             )
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"expected repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
     labels = list(candidates)
     baseline = labels[0] if baseline is None else baseline
     if baseline not in candidates:
         raise ValueError(f"baseline {baseline!r} is not a candidate; candidates are {labels}")
     dev = _resolve_device(device)
-    sampler = _Sampler(dev)
-
-    for label in labels:
-        for _ in range(warmup):
-            _named(label, candidates[label])()
-    if calls_per_sample is None:
-        calls = {k: _calibrate(_named(k, candidates[k]), sampler, min_sample_ms) for k in labels}
-    elif calls_per_sample < 1:
-        raise ValueError(f"calls_per_sample must be >= 1 or None, got {calls_per_sample}")
-    else:
-        calls = dict.fromkeys(labels, calls_per_sample)
-
-    pending: dict[str, list[Callable[[], float]]] = {k: [] for k in labels}
-    schedule: list[str] = []
-    for r in range(repeats):
-        for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
-            result = _named(
-                label, lambda label=label: sampler.take(candidates[label], calls[label])
-            )()
-            pending[label].append(result)
-            schedule.append(label)
-            if on_sample is not None:
-                on_sample(label, r, result())
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    timings = {k: Timing(k, tuple(p() for p in pending[k]), calls[k], dev.type) for k in labels}
-    return Comparison(timings, baseline, tuple(schedule))
+    samples = interleaved(
+        candidates,
+        dev,
+        warmup=warmup,
+        repeats=repeats,
+        calls_per_sample=calls_per_sample,
+        min_sample_ms=min_sample_ms,
+        on_sample=on_sample,
+        name_errors=True,
+    )
+    timings = {
+        k: Timing(k, samples.times_ms[k], samples.calls_per_sample[k], dev.type) for k in labels
+    }
+    return Comparison(timings, baseline, samples.schedule)
 
 
 def time_fn(

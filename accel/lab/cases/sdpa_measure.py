@@ -1,0 +1,337 @@
+"""The sdpa phase's ground: its targets, one attention case (:class:`AttnCase`) and its cost
+model, and how a case is measured: every variant timed interleaved by ``accel.timer``, which
+backend a call really ran (read from the profiler), peak memory, and every backend's error
+against attention in float64.
+
+FLOPs follow the FlashAttention papers: a forward is two products of 2 Sq Sk D each; a backward
+five (2.5x the forward, recomputation not counted); causal halves both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from accel import attention
+from accel.errors import collection_of
+from accel.lab.profile import profile_step
+from accel.timer import interleaved
+
+PHASE = "sdpa"
+# Targets, judged on a CUDA GPU with the gpu preset only.
+TARGET_AUTO_TFLOP_S = 640.0  # B=4 H=16 S=4096 D=128 bf16 forward
+TARGET_VS_MANUAL = 6.0
+TARGET_VS_BEST = 0.98  # auto against PyTorch's default and against the best forced backend
+TARGET_CAUSAL_TRAIN_TFLOP_S = 450.0
+TARGET_VIT = 2.5
+MATH_SWEEP_BYTES = 1 << 30  # math joins a sweep point only if its float32 scores fit in this
+# A second copy of the forced backend ``auto`` picked, timed in the same comparison at another
+# place in the order: auto against it is auto's own cost; it against the first copy is the
+# measurement's (same kernel, same call, other neighbours).
+PICKED = "pick again"
+# The ATen op each backend dispatches to: what the profiler shows for "which one really ran".
+SDPA_OPS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+
+
+# ---- cost model --------------------------------------------------------------------------------
+def attention_flops(
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim: int,
+    *,
+    causal: bool = False,
+    backward: bool = False,
+) -> float:
+    """Matrix-product FLOPs of attention (forward, or forward + backward)."""
+    flops = 4.0 * batch * heads * seq_q * seq_k * head_dim
+    flops = flops / 2 if causal else flops
+    return flops * 3.5 if backward else flops
+
+
+def attention_bytes(
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim: int,
+    *,
+    elem_bytes: int,
+    manual: bool = False,
+) -> float:
+    """Bytes a forward moves through memory at least. Fused: read q, k, v, write the output.
+    Manual adds the (B, H, Sq, Sk) scores six times: written by q k^T, read and written by the
+    scale, read and written by the softmax, read by the product with v."""
+    moved = batch * heads * (2 * seq_q + 2 * seq_k) * head_dim * elem_bytes
+    if manual:
+        moved += 6 * batch * heads * seq_q * seq_k * elem_bytes
+    return float(moved)
+
+
+# ---- one attention case ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnCase:
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    causal: bool = False
+    backward: bool = False
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(
+            self.batch,
+            self.heads,
+            self.seq,
+            self.seq,
+            self.head_dim,
+            causal=self.causal,
+            backward=self.backward,
+        )
+
+    @property
+    def direction(self) -> str:
+        return "fwd+bwd" if self.backward else "fwd"
+
+    @property
+    def name(self) -> str:
+        return (
+            f"B={self.batch} H={self.heads} S={self.seq} D={self.head_dim} "
+            f"{'causal' if self.causal else 'full'} {self.direction}"
+        )
+
+    def score_bytes(self) -> int:
+        """Float32 scores the math backend materializes."""
+        return self.batch * self.heads * self.seq * self.seq * 4
+
+
+def make_inputs(case: AttnCase, device: torch.device, seed: int = 0):
+    """Random q, k, v (B, H, S, D) and, for a backward, a random incoming gradient."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (case.batch, case.heads, case.seq, case.head_dim)
+    q, k, v = (
+        torch.randn(shape, generator=gen, device=device, dtype=case.dtype).requires_grad_(
+            case.backward
+        )
+        for _ in range(3)
+    )
+    grad = torch.randn(shape, generator=gen, device=device, dtype=case.dtype)
+    return q, k, v, grad
+
+
+def variant_fn(variant: str, case: AttnCase, q, k, v, grad) -> Callable[[], object]:
+    """One call of ``variant`` ("manual", "default" = plain ``F.scaled_dot_product_attention``,
+    or an ``accel.attention.sdpa`` backend) on the inputs: a forward without autograd, or a
+    forward and the backward to q, k and v."""
+
+    def forward():
+        if variant == "manual":
+            return attention.attention_reference(q, k, v, causal=case.causal)
+        if variant == "default":  # what a user calls: no accel wrapper, PyTorch's own pick
+            return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+        return attention.sdpa(q, k, v, causal=case.causal, backend=variant)
+
+    if case.backward:
+        return lambda: torch.autograd.grad(forward(), (q, k, v), grad)
+
+    def no_grad_forward():
+        with torch.no_grad():
+            return forward()
+
+    return no_grad_forward
+
+
+@dataclass(frozen=True)
+class PointTimes:
+    """One case measured: median ms per variant, the reason of each one skipped, the backend
+    ``auto`` picked and what its own measurement saw (ms per candidate)."""
+
+    times: dict[str, float]
+    skipped: dict[str, str]
+    picked: str = ""
+    decision_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    # per variant: its time over auto's, round by round (paired_ratio); > 1: auto was faster
+    versus_auto: dict[str, float] = dataclasses.field(default_factory=dict)
+    control: float = math.nan  # the pick forced over its second copy, round by round
+
+
+def paired_ratio(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -> float:
+    """Median over rounds of ``slow``'s time over ``fast``'s in the same round: how many times
+    faster ``fast`` ran than its neighbour in time. Slow drift (clocks falling as the GPU warms
+    over a long point) moves both samples of a round alike and cancels here, while a ratio of
+    two medians keeps it; NaN if either was not timed."""
+    if slow not in samples or fast not in samples:
+        return math.nan
+    return statistics.median(a / b for a, b in zip(samples[slow], samples[fast], strict=True))
+
+
+def auto_choice(case: AttnCase, q, k, v) -> attention.AutoChoice | None:
+    """What ``auto`` measured for these inputs as :func:`variant_fn` calls them (None if it has
+    not run them yet)."""
+    with torch.set_grad_enabled(case.backward):
+        key = attention.signature(q, k, v, causal=case.causal)
+    return attention.auto_choices().get(key)
+
+
+def measure_case(
+    case: AttnCase,
+    device: torch.device,
+    variants: Sequence[str],
+    *,
+    repeats: int = 10,
+    warmup: int = 2,
+    seed: int = 0,
+    math_bytes: int = MATH_SWEEP_BYTES,
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Median ms of each variant that can run ``case``, timed interleaved, and the reason of
+    each one skipped. ``auto`` makes its own measurement during the warm-up."""
+    point = measure_point(
+        case, device, variants, repeats=repeats, warmup=warmup, seed=seed, math_bytes=math_bytes
+    )
+    return point.times, point.skipped
+
+
+def measure_point(
+    case: AttnCase,
+    device: torch.device,
+    variants: Sequence[str],
+    *,
+    repeats: int = 10,
+    warmup: int = 2,
+    seed: int = 0,
+    math_bytes: int = MATH_SWEEP_BYTES,
+) -> PointTimes:
+    """:func:`measure_case` with what ``auto`` picked: when auto and its pick both run, a second
+    copy of the pick (``PICKED``) is timed too, all in one interleaved measurement
+    (``accel.timer``: the order rotated and reversed round by round, samples aligned by round)."""
+    variants = collection_of(variants, "variant names")
+    q, k, v, grad = make_inputs(case, device, seed)
+    fns, skipped = {}, {}
+    for variant in variants:
+        if variant == "math" and case.score_bytes() > math_bytes:
+            skipped[variant] = f"float32 scores of {case.score_bytes() / 2**30:.1f} GiB"
+            continue
+        fn = variant_fn(variant, case, q, k, v, grad)
+        try:
+            fn()  # the first call finds out whether the backend can run (and warms it)
+        except (attention.BackendUnavailableError, RuntimeError) as error:
+            skipped[variant] = getattr(error, "reason", str(error))
+            continue
+        fns[variant] = fn
+    choice = auto_choice(case, q, k, v) if "auto" in fns else None
+    picked = choice.backend if choice is not None else ""
+    if picked in fns:
+        fns[PICKED] = variant_fn(picked, case, q, k, v, grad)
+    samples: Mapping[str, Sequence[float]] = {}
+    if fns:
+        timed = interleaved(fns, device, warmup=warmup, repeats=repeats, name_errors=True)
+        samples = timed.times_ms
+    times = {k: statistics.median(v) for k, v in samples.items()}
+    versus_auto = {k: paired_ratio(samples, k, "auto") for k in samples if "auto" in samples}
+    del q, k, v, grad, fns
+    release_memory(device)
+    return PointTimes(
+        times,
+        skipped,
+        picked,
+        dict(choice.times_ms) if choice else {},
+        versus_auto,
+        paired_ratio(samples, picked, PICKED) if picked else math.nan,
+    )
+
+
+def release_memory(device: torch.device) -> None:
+    """Give cached GPU memory back between cases (S=16k next to S=256 fragments the cache)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def tflop_s(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+# ---- what ran, and how much memory it took ------------------------------------------------------
+def which_backend(fn: Callable[[], object], device: torch.device) -> dict[str, str]:
+    """The SDPA backend a call really ran, from the profiler's ATen ops, and its largest kernel."""
+    report = profile_step(fn, steps=1, warmup=1, device=device)
+    ops = [name for name in report.ops["name"] if name in SDPA_OPS]
+    backend = ",".join(sorted({SDPA_OPS[name] for name in ops})) or "none (manual)"
+    kernel = str(report.kernels["name"].iloc[0]) if len(report.kernels) else ""
+    return {"backend": backend, "op": ",".join(sorted(set(ops))), "kernel": kernel}
+
+
+def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Most bytes allocated during one call above what was allocated before it."""
+    if device.type == "cuda":
+        fn()  # warm-up: auto measures, cuDNN builds its plan, the allocator settles
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    return profile_step(fn, steps=1, warmup=1, device=device).peak_memory_bytes
+
+
+def check_backends(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> pd.DataFrame:
+    """Every backend on the same inputs against attention in float64: ran or why not, the
+    largest error and whether it is within the dtype's tolerance."""
+    with torch.no_grad():
+        exact = attention.attention_reference(
+            q.double(), k.double(), v.double(), mask=_double_mask(mask), causal=causal
+        )
+        tol = attention.TOLERANCES[q.dtype]
+        rows = []
+        candidates = {"manual": None, **dict.fromkeys(attention.BACKENDS)}
+        for name in candidates:
+            try:
+                if name == "manual":
+                    out = attention.attention_reference(q, k, v, mask=mask, causal=causal)
+                else:
+                    out = attention.sdpa(q, k, v, mask=mask, causal=causal, backend=name)
+            except attention.BackendUnavailableError as error:
+                rows.append({"backend": name, "ran": False, "reason": error.reason})
+                continue
+            err = (out.double() - exact).abs()
+            rows.append(
+                {
+                    "backend": name,
+                    "ran": True,
+                    "max_abs_error": err.max().item(),
+                    "within_tolerance": bool(
+                        (err <= tol["atol"] + tol["rtol"] * exact.abs()).all()
+                    ),
+                    "reason": "",
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def _double_mask(mask):
+    return mask if mask is None or mask.dtype == torch.bool else mask.double()

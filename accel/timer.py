@@ -1,0 +1,139 @@
+"""The one timer of accel: callables timed interleaved, round by round, so drift cancels in ratios.
+
+Each candidate is warmed up, then every round takes one sample of each. The order turns by one
+place every second round and runs backwards in odd rounds (A B C, C B A, B C A, A C B, C A B,
+B A C): rotation alone keeps each candidate behind the same neighbour every round, and a kernel
+that runs right after a slow, cool one gets more of the GPU's power budget. With the reversal each
+candidate follows both of its neighbours, and over 2 n rounds each of n candidates holds every
+place exactly twice. CUDA events time the device (host overhead that does not delay the GPU is
+not counted); the host clock times a CPU.
+
+    samples = interleaved({"a": f, "b": g}, device, warmup=2, repeats=12)
+    samples.medians()                                  # {"a": ms per call, "b": ...}
+
+Torch only: the SDPA auto-tuner (``accel.attention_auto``) uses it directly; the lab's
+``accel.lab.timing.compare`` builds its timings and comparisons on it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+SampleCallback = Callable[[str, int, float], None]
+
+
+class CandidateError(RuntimeError):
+    """A timed candidate raised; the message names it, the cause is the original exception."""
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Per-call times (ms) of each candidate, one per round: sample ``r`` of every candidate
+    comes from round ``r``, so ratios can be taken round by round."""
+
+    times_ms: dict[str, tuple[float, ...]]
+    calls_per_sample: dict[str, int]
+    schedule: tuple[str, ...]  # labels in the order their samples ran
+
+    def medians(self) -> dict[str, float]:
+        return {name: statistics.median(times) for name, times in self.times_ms.items()}
+
+
+def round_order(names: Sequence[str], r: int) -> list[str]:
+    """The order of round ``r``: ``names`` turned by ``r // 2`` places, reversed when ``r`` is
+    odd."""
+    names = list(names)
+    turn = (r // 2) % len(names) if names else 0
+    order = names[turn:] + names[:turn]
+    return order[::-1] if r % 2 else order
+
+
+def take_sample(fn: Callable[[], object], calls: int, cuda: bool) -> Callable[[], float]:
+    """Call ``fn`` ``calls`` times as one sample; returns the reader of its ms per call.
+
+    On CUDA reading waits for the GPU: defer it, so samples queue back to back."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        return lambda: (end.synchronize(), start.elapsed_time(end))[1] / calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - t0) * 1e3 / calls
+    return lambda: elapsed
+
+
+def calls_for(fn: Callable[[], object], min_sample_ms: float, cuda: bool) -> int:
+    """Calls per sample so that one sample of ``fn`` lasts at least ``min_sample_ms``."""
+    once = take_sample(fn, 1, cuda)()
+    if once <= 0:
+        return 1000
+    return max(1, min(10_000, math.ceil(min_sample_ms / once)))
+
+
+def interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    device: torch.device | str,
+    *,
+    warmup: int,
+    repeats: int,
+    calls_per_sample: int | None = 1,
+    min_sample_ms: float = 1.0,
+    on_sample: SampleCallback | None = None,
+    name_errors: bool = False,
+) -> Samples:
+    """Time ``fns`` on ``device`` interleaved: ``warmup`` calls of each, then ``repeats`` rounds
+    in :func:`round_order`, one sample of each candidate per round.
+
+    ``calls_per_sample=None`` picks, per candidate, enough calls for a sample to last
+    ``min_sample_ms`` (for functions of microseconds). ``on_sample(name, round, ms)`` is called
+    as each sample completes (on CUDA this waits for the GPU after every sample). With
+    ``name_errors`` an exception of a candidate is raised as :class:`CandidateError` naming it.
+    Without ``on_sample`` this waits for the GPU once, at the end.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"expected repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
+    if calls_per_sample is not None and calls_per_sample < 1:
+        raise ValueError(f"calls_per_sample must be >= 1 or None, got {calls_per_sample}")
+    names = list(fns)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+
+    def blamed(name: str, thunk: Callable[[], object]) -> object:
+        try:
+            return thunk()
+        except Exception as e:
+            if not name_errors:
+                raise
+            raise CandidateError(f"candidate {name!r} raised {type(e).__name__}: {e}") from e
+
+    for name in names:
+        for _ in range(warmup):
+            blamed(name, fns[name])
+    if calls_per_sample is None:
+        calls = {n: blamed(n, lambda n=n: calls_for(fns[n], min_sample_ms, cuda)) for n in names}
+    else:
+        calls = dict.fromkeys(names, calls_per_sample)
+
+    pending: dict[str, list[Callable[[], float]]] = {n: [] for n in names}
+    schedule: list[str] = []
+    for r in range(repeats):
+        for name in round_order(names, r):
+            read = blamed(name, lambda name=name: take_sample(fns[name], calls[name], cuda))
+            pending[name].append(read)
+            schedule.append(name)
+            if on_sample is not None:
+                on_sample(name, r, read())
+    if cuda:
+        torch.cuda.synchronize(dev)
+    times = {n: tuple(read() for read in pending[n]) for n in names}
+    return Samples(times, calls, tuple(schedule))
