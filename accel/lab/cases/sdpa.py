@@ -15,7 +15,6 @@ TFLOP/s are compared with the measured dense matrix-product rate (``ctx.ceilings
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -153,13 +152,4 @@ def run(ctx: BenchContext) -> list[Row]:
     rows += sweep_rows(frame, ctx, judged)
     rows += sweep_summary_rows(frame, judged)
     rows += vit_rows(ctx, sizes, judged)
-    if not judged:
-        rows = [
-            dataclasses.replace(
-                r,
-                met=None,
-                note=f"{ctx.where}; {r.note}",
-            )
-            for r in rows
-        ]
-    return rows
+    return ctx.judge(rows)
