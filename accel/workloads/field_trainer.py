@@ -24,7 +24,6 @@ programmatic dependent launch and combo kernels, so the gaps between a replay's 
 from __future__ import annotations
 
 import math
-import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from accel.fusion import (
     retrieval_mix_fused,
 )
 from accel.workloads.compare import compare_results as check
+from accel.workloads.compiling import own_code
 from accel.workloads.flags import flag, pick_preset
 
 METRICS = ("lior", "R", "spd")
@@ -307,16 +307,6 @@ OVERLAPPED_LAUNCHES = {"triton.enable_pdl": True, "combo_kernels": True}
 _COMPILED_STEPS: dict[tuple[Callable, bool], Callable] = {}
 
 
-def _own_code(fn: Callable, suffix: str) -> Callable:
-    """``fn`` with a code object of its own. Dynamo keeps compiled graphs, and its limit of
-    recompilations (8), per code object, whatever the torch.compile call: a second compilation
-    of ``fn`` with other options would share, and could exhaust, that budget."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{suffix}")
-    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return copy
-
-
 _compiled_mix: CompiledFunction | None = None  # one per process: compiled code is kept per shape
 
 
@@ -548,7 +538,7 @@ class Step:
         key = (fn, f.overlapped_launches)
         if key not in _COMPILED_STEPS:
             source, options = (
-                (_own_code(fn, "overlapped"), OVERLAPPED_LAUNCHES)
+                (own_code(fn, "overlapped"), OVERLAPPED_LAUNCHES)
                 if f.overlapped_launches
                 else (fn, None)
             )
