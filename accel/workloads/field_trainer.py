@@ -33,7 +33,7 @@ import torch
 
 from accel import graphs, memory, sync
 from accel.fusion import CompiledFunction, compile_per_shape
-from accel.workloads.compare import compare_results as check
+from accel.workloads.compare import make_compare_results
 from accel.workloads.compiling import own_code
 from accel.workloads.field_dynamics import (  # the step's math, public here too (ft.*)
     accumulating_step,
@@ -571,15 +571,4 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, flo
     return dict.fromkeys(("metrics", "progress", "theta", "field"), TOLERANCE)
 
 
-def compare_results(
-    result: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    flags: Flags,
-    *,
-    sizes: Sizes,
-    steps: int,
-) -> dict[str, float]:
-    """Check two :meth:`Step.result` dicts agree within :func:`tolerance` (elementwise; an
-    AssertionError names the entry) and return, per entry, the largest difference relative to
-    the entry's largest value."""
-    return check(result, reference, tolerance(flags, sizes, steps))
+compare_results = make_compare_results(tolerance)

@@ -36,7 +36,7 @@ from accel.workloads.byte_gpt import (  # the model and its text, public here to
     load_text,  # noqa: F401
     text_batches,
 )
-from accel.workloads.compare import compare_results as check
+from accel.workloads.compare import make_compare_results
 from accel.workloads.flags import flag, option, pick_preset
 
 # Flags keep results equal to the baseline within these (fp32: foreach vs per-tensor sums and
@@ -530,15 +530,4 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, flo
     return dict.fromkeys(keys, TOLERANCE)
 
 
-def compare_results(
-    result: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    flags: Flags,
-    *,
-    sizes: Sizes,
-    steps: int,
-) -> dict[str, float]:
-    """Check two :meth:`Step.result` dicts agree within :func:`tolerance` of ``flags`` (an
-    AssertionError names the entry) and return, per entry, the largest difference relative to
-    the entry's largest value."""
-    return check(result, reference, tolerance(flags, sizes, steps))
+compare_results = make_compare_results(tolerance)

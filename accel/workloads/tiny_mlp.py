@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from accel.workloads.compare import compare_results as check
+from accel.workloads.compare import make_compare_results
 from accel.workloads.flags import flag, pick_preset
 
 # Fused AdamW rounds differently from the per-parameter loop: the weights differ by a few float32
@@ -114,15 +114,4 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, flo
     return defaultdict(lambda: TOLERANCE)
 
 
-def compare_results(
-    result: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    flags: Flags,
-    *,
-    sizes: Sizes,
-    steps: int,
-) -> dict[str, float]:
-    """Check two :meth:`Step.result` dicts agree within :func:`tolerance` (an AssertionError
-    names the parameter) and return each one's largest difference relative to its largest
-    value."""
-    return check(result, reference, tolerance(flags, sizes, steps))
+compare_results = make_compare_results(tolerance)

@@ -19,9 +19,8 @@ PRECISIONS = ("fp32", "bf16", "fp16+scaler")
 @dataclass(frozen=True)
 class Flags:
     compile: str = option(
-        "torch.compile the step's forward and losses, one graph with the inverse loss and one "
-        "without; reduce-overhead and max-autotune add CUDA graphs (compile time is reported "
-        "apart, never inside a step time)",
+        "torch.compile the forward and losses (a graph with the inverse loss, one without) to "
+        "fuse kernels; reduce-overhead and max-autotune replay them as CUDA graphs",
         "compile",
         default="none",
         choices=COMPILE_MODES,
@@ -84,8 +83,8 @@ class Flags:
         "data",
     )
     precision: str = option(
-        "fp32; bf16 autocast; or fp16 autocast with a gradient scaler (the write-up's "
-        "before-phase-6): both change numerics on purpose (LOW_PRECISION_TOLERANCE)",
+        "bf16 autocast, or fp16 autocast with a gradient scaler: tensor-core matmuls on half "
+        "the bytes (both change numerics on purpose)",
         "precision",
         default="fp32",
         choices=PRECISIONS,

@@ -20,7 +20,7 @@ from accel.workloads.advection.settings import (
     check_flags,
     offload_optimizer_class,
 )
-from accel.workloads.compare import compare_results as check
+from accel.workloads.compare import make_compare_results
 from accel.workloads.compiling import own_code
 
 # The gradient scaler's first scale. PyTorch's 2**16 overflows this model's fp16 backward (its
@@ -300,17 +300,7 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, flo
     return FP32_TOLERANCE
 
 
-def compare_results(
-    result: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    flags: Flags,
-    *,
-    sizes: Sizes,
-    steps: int,
-) -> dict[str, float]:
-    """Check two :meth:`Step.result` dicts agree within :func:`tolerance` of ``flags`` (an
-    AssertionError names the entry) and return each entry's largest absolute difference."""
-    return check(result, reference, tolerance(flags, sizes, steps), relative=False)
+compare_results = make_compare_results(tolerance, relative=False)  # absolute
 
 
 def build(
