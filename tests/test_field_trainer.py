@@ -71,7 +71,8 @@ def test_same_seed_same_result_other_seed_differs(baseline, seed):
 @pytest.mark.parametrize("seed_offset", [0, 1])
 def test_each_flag_keeps_the_baseline(name, seed, seed_offset):
     flags = all_on(ft.Flags) if name == "all" else ft.Flags(**{name: True})
-    ft.compare_results(run(flags, seed=seed + seed_offset), run(seed=seed + seed_offset))
+    result, reference = run(flags, seed=seed + seed_offset), run(seed=seed + seed_offset)
+    ft.compare_results(result, reference, flags, sizes=CPU, steps=WINDOWS)
 
 
 @pytest.mark.parametrize(
@@ -87,7 +88,8 @@ def test_phase1_flags_keep_the_baseline_at_other_settings(sizes, seed):
     fast = ft.Flags(
         batched_progress=True, vectorized_rotor=True, fused_lior=True, inplace_accumulate=True
     )
-    ft.compare_results(run(fast, sizes, seed=seed), run(ft.Flags(), sizes, seed=seed))
+    result, reference = run(fast, sizes, seed=seed), run(ft.Flags(), sizes, seed=seed)
+    ft.compare_results(result, reference, fast, sizes=sizes, steps=WINDOWS)
 
 
 def test_progress_rows_match_and_count(seed):
@@ -131,7 +133,7 @@ def test_compile_failure_falls_back_with_a_warning(monkeypatch, baseline, seed):
     assert step.retrieve is ft.retrieve
     for _ in range(WINDOWS):
         step()
-    ft.compare_results(step.result(), baseline)
+    ft.compare_results(step.result(), baseline, step.flags, sizes=CPU, steps=WINDOWS)
 
 
 def test_compiled_retrieval_is_called_without_dynamo_after_its_first_call(
@@ -145,7 +147,7 @@ def test_compiled_retrieval_is_called_without_dynamo_after_its_first_call(
     for _ in range(WINDOWS):
         step()
     assert compiled.compiles == 1 and compiled.direct_calls == compiled.calls - 1
-    ft.compare_results(step.result(), baseline)
+    ft.compare_results(step.result(), baseline, step.flags, sizes=CPU, steps=WINDOWS)
 
 
 @pytest.mark.parametrize(
@@ -241,7 +243,9 @@ def test_overlapped_launches_compile_their_own_step_and_need_compiled_step(seed)
     )
     for _ in range(2):
         step()
-    ft.compare_results(step.result(), run(flags, seed=seed, windows=2))
+    ft.compare_results(
+        step.result(), run(flags, seed=seed, windows=2), overlapped, sizes=CPU, steps=2
+    )
     with pytest.warns(RuntimeWarning, match="without compiled_step it does nothing"):
         alone = ft.build(ft.Flags(overlapped_launches=True), CPU, seed=seed)
     assert alone._compiled_step is None
@@ -250,9 +254,9 @@ def test_overlapped_launches_compile_their_own_step_and_need_compiled_step(seed)
 @pytest.mark.gpu
 @needs_cuda
 def test_flags_keep_the_baseline_on_cuda(seed):
-    ft.compare_results(
-        run(all_on(ft.Flags), seed=seed, device="cuda"), run(seed=seed, device="cuda")
-    )
+    flags = all_on(ft.Flags)
+    result, reference = run(flags, seed=seed, device="cuda"), run(seed=seed, device="cuda")
+    ft.compare_results(result, reference, flags, sizes=CPU, steps=WINDOWS)
 
 
 @pytest.mark.gpu
@@ -266,7 +270,9 @@ def test_graphed_window_equals_eager_and_is_sync_free(seed):
     reference = ft.build(eager, sizes, device="cuda", seed=seed)
     for window in range(8):
         graphed(), reference()
-        ft.compare_results(graphed.result(), reference.result())
+        ft.compare_results(
+            graphed.result(), reference.result(), graphed.flags, sizes=sizes, steps=window + 1
+        )
         assert len(graphed.progress()) == (window + 1) * sizes.readouts_per_window
     assert graphed.window.replays == 6 and graphed.window.reason is None
     assert sync.count_syncs(graphed) == 0
@@ -280,9 +286,8 @@ def test_graphed_window_with_host_reads_falls_back(seed):
     flags = ft.Flags(vectorized_rotor=True, cuda_graph=True)  # .item() read-outs inside
     with pytest.warns(GraphCaptureWarning, match="host-device sync"):
         result = run(flags, seed=seed, device="cuda", windows=4)
-    ft.compare_results(
-        result, run(ft.Flags(vectorized_rotor=True), seed=seed, device="cuda", windows=4)
-    )
+    reference = run(ft.Flags(vectorized_rotor=True), seed=seed, device="cuda", windows=4)
+    ft.compare_results(result, reference, flags, sizes=CPU, steps=4)
 
 
 def test_the_target_buffer_holds_a_pattern_from_the_start(seed):
@@ -306,4 +311,4 @@ def test_compiled_step_is_compiled_once_for_every_step(seed):
     assert counters["stats"]["unique_graphs"] == graphs_before  # nothing compiled again
     for _ in range(2):
         first()
-    ft.compare_results(first.result(), run(flags, seed=seed, windows=2))
+    ft.compare_results(first.result(), run(flags, seed=seed, windows=2), fast, sizes=CPU, steps=2)

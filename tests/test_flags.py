@@ -2,6 +2,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from accel.workloads import WORKLOADS
 from accel.workloads.flags import all_on, describe, flag, label, option, unavailable
 
 
@@ -54,9 +55,7 @@ def test_all_on_skips_what_cannot_run():
     assert all_on(Demo) == Demo(fast=True, graph=True)
 
 
-@pytest.mark.parametrize(
-    "module", ["tiny_mlp", "field_trainer", "nested_optimizer", "vit", "polychromic"]
-)
+@pytest.mark.parametrize("module", WORKLOADS)
 def test_every_workload_names_its_presets_on_a_wrong_one(module):
     import importlib
 

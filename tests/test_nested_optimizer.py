@@ -105,7 +105,7 @@ def flags_for(case: str) -> no.Flags:
 @pytest.mark.parametrize("case", FLAG_CASES)
 def test_each_flag_keeps_the_baseline(case, baseline):
     flags = flags_for(case)
-    errors = no.compare_results(run(flags), baseline, flags)
+    errors = no.compare_results(run(flags), baseline, flags, sizes=CPU, steps=STEPS)
     if flags.activation_checkpointing != "none" and flags == dataclasses.replace(
         no.Flags(), activation_checkpointing=flags.activation_checkpointing
     ):
@@ -115,9 +115,9 @@ def test_each_flag_keeps_the_baseline(case, baseline):
 def test_bf16_needs_its_own_tolerance(baseline):
     flags = no.Flags(bf16_autocast=True)
     result = run(flags)
-    no.compare_results(result, baseline, flags)
+    no.compare_results(result, baseline, flags, sizes=CPU, steps=STEPS)
     with pytest.raises(AssertionError, match="params"):  # not within the fp32 tolerance
-        no.compare_results(result, baseline)
+        no.compare_results(result, baseline, BASELINE, sizes=CPU, steps=STEPS)
 
 
 def test_explicit_checkpoint_names(baseline):
@@ -204,7 +204,7 @@ def test_fast_step_is_sync_free_on_cuda():
 @pytest.mark.parametrize("case", ["fast", "all", "activation_checkpointing=all"])
 def test_flags_keep_the_baseline_on_cuda(case):
     flags = flags_for(case)
-    no.compare_results(run(flags, device="cuda"), run(device="cuda"), flags)
+    no.compare_results(run(flags, device="cuda"), run(device="cuda"), flags, sizes=CPU, steps=STEPS)
 
 
 @pytest.mark.gpu
@@ -225,7 +225,8 @@ def test_graphed_steps_keep_the_eager_result(mode, one_launch, every):
             step()
         assert isinstance(step.optimizer, MultiTensorAdamW) and step.optimizer.uses_kernel
         assert step.graphed_optimizer.graphed.graphs == 1
-        no.compare_results(step.result(), run(eager, device="cuda", steps=20), eager)
+        reference = run(eager, device="cuda", steps=20)
+        no.compare_results(step.result(), reference, eager, sizes=CPU, steps=20)
         return
     graphed = dataclasses.replace(eager, cuda_graph=mode)
     step = no.build(graphed, CPU, device="cuda")
@@ -235,7 +236,8 @@ def test_graphed_steps_keep_the_eager_result(mode, one_launch, every):
     graph = step.graphed_step if mode == "whole_step" else step.graphed_optimizer.graphed
     assert graph.reason is None and graph.replays > 0
     assert graph.graphs == (2 if mode == "whole_step" and every > 1 else 1)
-    no.compare_results(step.result(), run(eager, device="cuda", steps=steps), eager)
+    reference = run(eager, device="cuda", steps=steps)
+    no.compare_results(step.result(), reference, eager, sizes=CPU, steps=steps)
 
 
 def test_selective_checkpointing_wraps_every_block_with_a_policy():

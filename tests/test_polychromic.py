@@ -71,7 +71,7 @@ def test_every_flag_keeps_the_baseline_result(flags, seed, request):
     device = request.getfixturevalue("triton_here") if flags.triton_diversity else "cpu"
     base, fast = baseline(seed, str(device)), run(flags, seed, device=device)
     assert torch.equal(fast["tokens"], base["tokens"]), "batched greedy changed a token"
-    pc.assert_same_result(fast, base)
+    pc.compare_results(fast, base, flags, sizes=SIZES, steps=2)
 
 
 def test_tokens_agree_allows_only_near_ties():

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from accel.lab.cases import recipe
-from accel.workloads import operator as op
+from accel.workloads import advection as op
 
 TINY = op.Sizes(grid=12, queries=16, modes=2, dim=16, heads=2, depth=1, batch=4, epoch_batches=2)
 CONFIGS = {

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -58,6 +59,30 @@ def compare_results(
             largest = largest / ref.abs().max().clamp_min(1e-30)
         errors[key] = float(largest)
     return errors
+
+
+def make_compare_results(
+    tolerance: Callable[[Any, Any, int], Mapping[str, Tolerance | None]], *, relative: bool = True
+) -> Callable[..., dict[str, float]]:
+    """A workload's ``compare_results`` (the contract in :mod:`accel.workloads`) from its
+    ``tolerance(flags, sizes, steps)``: :func:`compare_results` at that tolerance."""
+
+    def compare_results_(
+        result: Mapping[str, torch.Tensor],
+        reference: Mapping[str, torch.Tensor],
+        flags: Any,
+        *,
+        sizes: Any,
+        steps: int,
+    ) -> dict[str, float]:
+        """Check ``result`` (of ``flags``) against the baseline's ``reference`` after ``steps``
+        steps at ``sizes``: an AssertionError names the first entry beyond the workload's
+        ``tolerance``; else each entry's largest difference (relative to the entry's largest
+        value, or absolute where the workload says so)."""
+        return compare_results(result, reference, tolerance(flags, sizes, steps), relative=relative)
+
+    compare_results_.__name__ = compare_results_.__qualname__ = "compare_results"
+    return compare_results_
 
 
 def _assert_close_normwise(got: torch.Tensor, ref: torch.Tensor, bound: float, key: str) -> None:

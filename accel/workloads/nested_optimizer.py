@@ -19,13 +19,9 @@ preset): the home of phases 2 (fusion) and 3 (memory).
 
 from __future__ import annotations
 
-import functools
-import inspect
 import math
-import sysconfig
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,10 +31,13 @@ from torch import nn
 from accel import fusion, graphs, memory
 from accel.errors import collection_of
 from accel.optim import MultiTensorAdamW, load_state_in_place
-from accel.workloads.compare import compare_results as check
+from accel.workloads.byte_gpt import (  # the model and its text, public here too (no.*)
+    GPT,
+    load_text,  # noqa: F401
+    text_batches,
+)
+from accel.workloads.compare import make_compare_results
 from accel.workloads.flags import flag, option, pick_preset
-
-VOCAB = 256  # bytes
 
 # Flags keep results equal to the baseline within these (fp32: foreach vs per-tensor sums and
 # fused vs for-loop AdamW round differently; Adam's normalized update carries such differences
@@ -75,14 +74,13 @@ class Flags:
         "fusion",
     )
     fused_adamw: bool = flag(
-        "AdamW(fused=True), learning rates as device tensors: a few kernels per group instead "
-        "of ~8 per parameter, and no read-back of the multipliers",
+        "AdamW(fused=True) with learning rates as device tensors: a few kernels per group "
+        "instead of several per parameter, and no read-back of the multipliers",
         "fusion",
     )
     one_launch_adamw: bool = flag(
-        "accel's MultiTensorAdamW: every group's AdamW step in one Triton launch, learning rates "
-        "read on the device (fused AdamW launches once per group); falls back to its reference, "
-        "with a warning, off a GPU",
+        "accel's MultiTensorAdamW: every group's AdamW step in one Triton launch instead of one "
+        "per group, learning rates read on the device",
         "fusion",
         requires="cuda",
         adopted=False,
@@ -118,10 +116,8 @@ class Flags:
         adopted=False,
     )
     cuda_graph: str = option(
-        "capture as a CUDA graph: 'optimizer_step' graphs the AdamW step (clipping and the "
-        "controller stay eager; gradients are then zeroed in place, the graph needs their "
-        "addresses); 'whole_step' graphs forward, backward, controller, clipping and step "
-        "(one graph per controller schedule slot)",
+        "replay a CUDA graph instead of launching each kernel: of the AdamW step alone "
+        "('optimizer_step'), or of forward, backward, controller, clipping and step ('whole_step')",
         "graphs",
         default="none",
         choices=("none", "optimizer_step", "whole_step"),
@@ -186,80 +182,6 @@ _PRESETS = {
 }
 
 
-# ---- data: the standard library's source as bytes -----------------------------------------------
-@functools.lru_cache(maxsize=4)
-def load_text(nbytes: int) -> torch.Tensor:
-    """Up to ``nbytes`` of this Python's standard-library source files (``*.py`` in the stdlib
-    directory, in name order) as a uint8 tensor. Same Python, same bytes."""
-    roots = [Path(sysconfig.get_paths()["stdlib"]), Path(inspect.getfile(inspect)).parent]
-    files = next((sorted(r.glob("*.py")) for r in roots if r.is_dir() and any(r.glob("*.py"))), [])
-    chunks, total = [], 0
-    for path in files:
-        data = path.read_bytes()
-        chunks.append(data[: nbytes - total])
-        total += len(chunks[-1])
-        if total >= nbytes:
-            break
-    if total < 1024:
-        raise RuntimeError(
-            f"found only {total} bytes of standard-library source under {roots}; this workload "
-            "trains on them (a Python without its .py sources?)"
-        )
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
-
-
-# ---- the model -----------------------------------------------------------------------------------
-class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a 4x MLP (12 parameter tensors)."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class GPT(nn.Module):
-    def __init__(self, sizes: Sizes):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, sizes.width)
-        self.wpe = nn.Embedding(sizes.context, sizes.width)
-        self.blocks = nn.ModuleList(Block(sizes.width, sizes.heads) for _ in range(sizes.layers))
-        self.ln_f = nn.LayerNorm(sizes.width)
-        self.head = nn.Linear(sizes.width, VOCAB, bias=False)
-        for name, p in self.named_parameters():
-            if p.ndim == 2:  # GPT-2's init; residual projections scaled by depth
-                std = (
-                    0.02 / math.sqrt(2 * sizes.layers)
-                    if name.endswith(("proj.weight", "out.weight"))
-                    else 0.02
-                )
-                nn.init.normal_(p, 0.0, std)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))  # (B, T, vocab)
-
-    def param_groups(self) -> list[tuple[str, list[nn.Parameter]]]:
-        """(name, parameters): the embeddings, each block, the head."""
-        groups = [("embed", [self.wte.weight, self.wpe.weight])]
-        groups += [(f"blocks.{i}", list(b.parameters())) for i, b in enumerate(self.blocks)]
-        groups.append(("head", [*self.ln_f.parameters(), self.head.weight]))
-        return groups
-
-
 def checkpoint_names(choice: str, layers: int) -> list[str]:
     """Block names for the ``activation_checkpointing`` option."""
     if choice == "none":
@@ -293,6 +215,66 @@ class LRController(nn.Module):
         return self.log_scale * torch.tanh(self.net(features).squeeze(-1))
 
 
+# ---- the optimizations applied at build, one function each ------------------------------------
+def apply_ac(
+    model: GPT, flags: Flags, sizes: Sizes, checkpoint: list[str] | None
+) -> memory.CheckpointedBlocks:
+    """``activation_checkpointing``: the chosen blocks recompute their activations in backward
+    (``selective`` keeps matmul and attention outputs); ``checkpoint`` names blocks instead."""
+    names = (
+        collection_of(checkpoint, "block names")
+        if checkpoint is not None
+        else checkpoint_names(flags.activation_checkpointing, sizes.layers)
+    )
+    selective = flags.activation_checkpointing == "selective" and checkpoint is None
+    return memory.checkpoint_blocks(
+        model, names, save_ops=memory.SELECTIVE_SAVE if selective else None
+    )
+
+
+def apply_adamw(groups: list[dict], flags: Flags, sizes: Sizes) -> torch.optim.Optimizer:
+    """The AdamW the flags ask for: accel's one-launch AdamW (``one_launch_adamw``), fused
+    (``fused_adamw``), else the for-loop "before"; capturable under a CUDA graph, which replays
+    its step count on the device."""
+    hyper = dict(lr=sizes.lr, betas=(0.9, 0.95), weight_decay=sizes.weight_decay)
+    if flags.one_launch_adamw:
+        return MultiTensorAdamW(groups, **hyper)
+    impl = {"fused": True} if flags.fused_adamw else {"foreach": False}
+    if flags.cuda_graph != "none":
+        impl["capturable"] = True
+    return torch.optim.AdamW(groups, **hyper, **impl)
+
+
+def apply_device_lrs(step: Step) -> bool:
+    """Learning rates on the device when fused AdamW reads them there or a graph must see them
+    change: the groups hold 0-d views of one tensor (a preallocated buffer when graphed), so
+    the multipliers are never read back. False for the "before" (float learning rates)."""
+    f, G = step.flags, step.sizes.groups
+    graphed = f.cuda_graph != "none"
+    if not (f.fused_adamw or f.one_launch_adamw or graphed):
+        return False
+    lrs = step.buffers.get("lrs", (G,)) if graphed else torch.empty(G, device=step.device)
+    step._set_device_lrs(lrs.fill_(step.sizes.lr))
+    return True
+
+
+def apply_cuda_graph(step: Step) -> tuple[Any, Any]:
+    """``cuda_graph``: (the graphed AdamW step, the graphed whole step), each None unless asked
+    for. A whole step is recaptured per controller schedule slot (``update`` changes the graph)."""
+    mode = step.flags.cuda_graph
+    graphed_optimizer = (
+        graphs.GraphedOptimizerStep(step.optimizer) if mode == "optimizer_step" else None
+    )
+    graphed_step = (
+        graphs.GraphedStep(
+            step._whole_step, on_new_shape="recapture", device=step.device, name="whole_step"
+        )
+        if mode == "whole_step"
+        else None
+    )
+    return graphed_optimizer, graphed_step
+
+
 # ---- one training step --------------------------------------------------------------------------
 class Step:
     """One training step per call: :meth:`forward_backward` then :meth:`optimizer_step`."""
@@ -307,48 +289,18 @@ class Step:
         checkpoint: list[str] | None = None,
     ):
         self.flags, self.sizes, self.device = flags, sizes, device
-        text = load_text(sizes.text_bytes)
-        gen = torch.Generator().manual_seed(seed)
-        starts = torch.randint(
-            0, len(text) - sizes.context - 1, (sizes.batches, sizes.batch), generator=gen
-        )
-        offsets = torch.arange(sizes.context + 1)
-        self.inputs = text[starts[..., None] + offsets].long().to(device)  # (batches, B, T + 1)
+        self.inputs = text_batches(sizes, (sizes.batches, sizes.batch), seed).to(device)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model, controller = (
-                GPT(sizes),
-                LRController(sizes.controller_hidden, sizes.max_lr_scale),
-            )
+            model = GPT(sizes)
+            controller = LRController(sizes.controller_hidden, sizes.max_lr_scale)
         self.model, self.controller = model.to(device), controller.to(device)
-        names = (
-            collection_of(checkpoint, "block names")
-            if checkpoint is not None
-            else checkpoint_names(flags.activation_checkpointing, sizes.layers)
-        )
-        selective = flags.activation_checkpointing == "selective" and checkpoint is None
-        self.checkpointed = memory.checkpoint_blocks(
-            self.model, names, save_ops=memory.SELECTIVE_SAVE if selective else None
-        )
-
+        self.checkpointed = apply_ac(self.model, flags, sizes, checkpoint)
         named = self.model.param_groups()
         self.group_names = [n for n, _ in named]
         self.param_lists = [ps for _, ps in named]
         self.params = [p for ps in self.param_lists for p in ps]
-        graphed = flags.cuda_graph != "none"
-        impl = {"fused": True} if flags.fused_adamw else {"foreach": False}
-        if graphed:  # the step count on the device: a graph replays it
-            impl["capturable"] = True
-        groups = [{"params": ps, "name": n} for n, ps in named]
-        self.optimizer = (
-            MultiTensorAdamW(
-                groups, lr=sizes.lr, betas=(0.9, 0.95), weight_decay=sizes.weight_decay
-            )
-            if flags.one_launch_adamw
-            else torch.optim.AdamW(
-                groups, lr=sizes.lr, betas=(0.9, 0.95), weight_decay=sizes.weight_decay, **impl
-            )
-        )
+        self.optimizer = apply_adamw([{"params": ps, "name": n} for n, ps in named], flags, sizes)
         # the controller's own optimizer is the same in every configuration (4 small tensors)
         self.controller_optimizer = torch.optim.Adam(
             self.controller.parameters(),
@@ -360,12 +312,7 @@ class Step:
         self.depth = torch.linspace(0, 1, G, device=device)
         self.buffers = memory.BufferCache(device)
         self.lr_multipliers = torch.ones(G, device=device)
-        # Learning rates on the device when fused AdamW reads them there or a graph must see
-        # them change; groups hold 0-d views of one tensor (one buffer when graphed).
-        self.device_lrs = flags.fused_adamw or flags.one_launch_adamw or graphed
-        if self.device_lrs:
-            lrs = self.buffers.get("lrs", (G,)) if graphed else torch.empty(G, device=device)
-            self._set_device_lrs(lrs.fill_(sizes.lr))
+        self.device_lrs = apply_device_lrs(self)
         # (log multipliers, loss, the features they came from): the controller's pending lesson
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # whole_step: the controller learns by recomputing its last output from saved features
@@ -373,18 +320,7 @@ class Step:
         self._features_then = torch.zeros(G, LRController.FEATURES, device=device)
         self._loss_then = torch.zeros((), device=device)
         self._has_last = False
-        self.graphed_optimizer = (
-            graphs.GraphedOptimizerStep(self.optimizer)
-            if flags.cuda_graph == "optimizer_step"
-            else None
-        )
-        self.graphed_step = (
-            graphs.GraphedStep(
-                self._whole_step, on_new_shape="recapture", device=device, name="whole_step"
-            )
-            if flags.cuda_graph == "whole_step"
-            else None
-        )
+        self.graphed_optimizer, self.graphed_step = apply_cuda_graph(self)
         self.losses: list[torch.Tensor] = []
         self.grad_norm = torch.zeros((), device=device)
         self.steps = 0
@@ -557,10 +493,7 @@ class Step:
 
     def random_batch(self, batch: int, seed: int = 0) -> torch.Tensor:
         """``batch`` sequences of the text, (batch, T + 1), for probing other batch sizes."""
-        text = load_text(self.sizes.text_bytes)
-        gen = torch.Generator().manual_seed(seed)
-        starts = torch.randint(0, len(text) - self.sizes.context - 1, (batch,), generator=gen)
-        return text[starts[:, None] + torch.arange(self.sizes.context + 1)].long().to(self.device)
+        return text_batches(self.sizes, (batch,), seed).to(self.device)
 
     # ---- reading results (syncs allowed: you asked) ------------------------------------------
     def result(self) -> dict[str, torch.Tensor]:
@@ -588,8 +521,9 @@ def build(
     return Step(flags, sizes, torch.device(device), seed, checkpoint=checkpoint)
 
 
-def tolerance(flags: Flags) -> dict[str, dict[str, float]]:
-    """Per result entry, the tolerance within which ``flags`` must match the baseline."""
+def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float]]:
+    """Per entry of ``step.result()``, the tolerance within which ``flags`` must match the
+    baseline after a few ``steps``; the same at every size."""
     keys = ("losses", "params", "lr_multipliers", "grad_norm")
     if flags.bf16_autocast:
         return BF16_TOLERANCE
@@ -598,12 +532,4 @@ def tolerance(flags: Flags) -> dict[str, dict[str, float]]:
     return dict.fromkeys(keys, TOLERANCE)
 
 
-def compare_results(
-    result: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    flags: Flags | None = None,
-) -> dict[str, float]:
-    """Check two :meth:`Step.result` dicts agree within :func:`tolerance` of ``flags`` (an
-    AssertionError names the entry) and return, per entry, the largest difference relative to
-    the entry's largest value."""
-    return check(result, reference, tolerance(flags or Flags()))
+compare_results = make_compare_results(tolerance)

@@ -19,10 +19,10 @@ Flags, all off = the seed's "before":
 - ``batched_encoding``: one encoder call on all replies instead of one per reply.
 - ``triton_diversity``: the fused Triton kernel instead of the N x N cosine matrix in PyTorch.
 
-Equality (``step.result()``): tokens identical, except that two batchings may round a near-tie
-(top-two margin of the perturbed logits below ``TIE_MARGIN``) differently, which
-:func:`tokens_agree` allows and reports; with equal tokens, embeddings and scores agree within
-``RTOL`` / ``ATOL`` (float32 sums in another order).
+Equality (:func:`compare_results` of two ``step.result()``): tokens identical, except that two
+batchings may round a near-tie (top-two margin of the perturbed logits below ``TIE_MARGIN``)
+differently, which :func:`tokens_agree` allows and reports; with equal tokens, embeddings and
+scores agree within ``RTOL`` / ``ATOL`` (float32 sums in another order).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel import diversity
+from accel.workloads.compare import Tolerance
+from accel.workloads.compare import compare_results as check
 from accel.workloads.flags import flag, pick_preset
 
 DIVERSITY_WEIGHT = 0.5
@@ -299,12 +301,30 @@ def tokens_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
     return bool((margin[differs] < TIE_MARGIN).all())
 
 
-def assert_same_result(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    """Tokens equal (near-ties aside); with equal tokens, scores within ``RTOL`` / ``ATOL``."""
-    assert tokens_agree(a, b), "replies differ away from any near-tie"
-    if torch.equal(a["tokens"], b["tokens"]):
-        for key in ("embeddings", "diversity", "quality", "reward"):
-            torch.testing.assert_close(a[key], b[key], rtol=RTOL, atol=ATOL, msg=key)
+def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance | None]:
+    """Per entry of ``step.result()``: the scores within ``RTOL`` / ``ATOL`` (float32 sums in
+    another order) for every flag, size and step count; tokens and margins not compared by
+    value (None): the tokens are held to :func:`tokens_agree`, the margins only explain it."""
+    scores = {"rtol": RTOL, "atol": ATOL}
+    keys = ("embeddings", "diversity", "quality", "reward")
+    return {"tokens": None, "margin": None, **dict.fromkeys(keys, scores)}
+
+
+def compare_results(
+    result: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    flags: Flags,
+    *,
+    sizes: Sizes,
+    steps: int,
+) -> dict[str, float]:
+    """Tokens equal (near-ties aside: :func:`tokens_agree`); with equal tokens, the scores
+    within :func:`tolerance`, each one's largest difference relative to its largest value
+    returned (none where a near-tie changed a reply: its scores are another reply's)."""
+    assert tokens_agree(result, reference), "replies differ away from any near-tie"
+    if not torch.equal(result["tokens"], reference["tokens"]):
+        return {}
+    return check(result, reference, tolerance(flags, sizes, steps))
 
 
 def build(

@@ -24,8 +24,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel.attention import BACKENDS, RotaryEmbedding, SelfAttention
-from accel.workloads.compare import BF16_UNIT_ROUNDOFF, Tolerance, adamw_drift_bound
-from accel.workloads.compare import compare_results as check
+from accel.workloads.compare import (
+    BF16_UNIT_ROUNDOFF,
+    Tolerance,
+    adamw_drift_bound,
+    make_compare_results,
+)
 from accel.workloads.flags import flag, option, pick_preset
 
 # Every flag but bf16_autocast leaves the held-out logits equal to the baseline's within float32
@@ -360,18 +364,7 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance]:
     return defaultdict(lambda: weights, logits=logits)
 
 
-def compare_results(
-    result: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    flags: Flags,
-    *,
-    sizes: Sizes,
-    steps: int,
-) -> dict[str, float]:
-    """Check ``result`` (of ``flags``) against the baseline's after ``steps`` steps at
-    ``sizes``; raises an AssertionError naming the entry, else returns each entry's largest
-    difference relative to its largest value."""
-    return check(result, reference, tolerance(flags, sizes, steps))
+compare_results = make_compare_results(tolerance)
 
 
 def build(

@@ -25,7 +25,7 @@ from accel import distributed
 from accel.distributed import TUNED_COMM, RunResult
 from accel.lab.bench import BenchContext, Row
 
-OPERATOR_TASK = "accel.workloads.operator:distributed_task"
+OPERATOR_TASK = "accel.workloads.advection:distributed_task"
 CONFIGS: dict[str, dict[str, Any]] = {
     "one": {"wrapper": "none"},
     "ddp": {"wrapper": "ddp"},
@@ -62,12 +62,12 @@ BENCH_SIZES = {
 def pick_task() -> tuple[str, str]:
     """The operator workload's task where it exists, else the built-in toy; and a note saying
     which."""
-    if importlib.util.find_spec("accel.workloads.operator") is not None:
-        from accel.workloads import operator
+    if importlib.util.find_spec("accel.workloads.advection") is not None:
+        from accel.workloads import advection
 
-        if hasattr(operator, "distributed_task"):
+        if hasattr(advection, "distributed_task"):
             return OPERATOR_TASK, "the neural-operator workload"
-    return distributed.DEFAULT_TASK, "the toy MLP (accel.workloads.operator is not there yet)"
+    return distributed.DEFAULT_TASK, "the toy MLP (accel.workloads.advection is not there yet)"
 
 
 def measure(

@@ -135,7 +135,8 @@ def _speed_row(
 def run(ctx: BenchContext) -> list[Row]:
     sizes = no.Sizes.preset(ctx.preset)
     base, fast = prepared(no.Flags(), sizes, ctx.device), prepared(FUSION_FLAGS, sizes, ctx.device)
-    no.compare_results(fast.result(), base.result(), FUSION_FLAGS)  # correctness before timing
+    # correctness before timing
+    no.compare_results(fast.result(), base.result(), FUSION_FLAGS, sizes=sizes, steps=fast.steps)
     model = measure_costs(ctx.device)
     rows = component_rows(base, fast, sizes, model, ctx)
     rows += step_rows(base, fast, sizes, ctx)
@@ -277,7 +278,8 @@ def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
     for step in steps.values():
         step(), step()
     for step in steps.values():  # correctness before timing
-        ft.compare_results(step.result(), steps["phase 1"].result())
+        reference = steps["phase 1"].result()
+        ft.compare_results(step.result(), reference, step.flags, sizes=sizes, steps=step.windows)
     timing = compare(steps, warmup=3, repeats=30, device=ctx.device)
     launches = {
         label: profile_step(step, steps=1, device=ctx.device).launches_per_step

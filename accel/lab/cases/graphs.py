@@ -132,7 +132,8 @@ def window_variants(sizes: ft.Sizes, device, *, with_compile: bool = True) -> di
         for step in steps.values():
             step()
     for step in steps.values():
-        ft.compare_results(step.result(), steps["eager"].result())
+        reference = steps["eager"].result()
+        ft.compare_results(step.result(), reference, step.flags, sizes=sizes, steps=step.windows)
     compiled = compile_reduce_overhead(
         lambda: _compiled_window(sizes, device), device, enabled=with_compile
     )
@@ -315,7 +316,7 @@ def optimizer_variants(sizes: no.Sizes, device) -> dict:
             step()
     reference = built["eager fused"].result()
     for step in built.values():
-        no.compare_results(step.result(), reference, EAGER_STEP)
+        no.compare_results(step.result(), reference, EAGER_STEP, sizes=sizes, steps=step.steps)
     steps = {label: step.graphed_optimizer or step.optimizer.step for label, step in built.items()}
     compiled = compile_reduce_overhead(lambda: _compiled_optimizer(sizes, device), device)
     compiled.add_to(steps)
@@ -412,7 +413,7 @@ def whole_step_variants(sizes: no.Sizes, device, *, with_compile: bool = True) -
     for _ in range(6):
         eager()
         graphed()
-    no.compare_results(graphed.result(), eager.result(), EAGER_STEP)
+    no.compare_results(graphed.result(), eager.result(), EAGER_STEP, sizes=sizes, steps=6)
     steps = {"eager": eager, "graphed": graphed}
     compiled = compile_reduce_overhead(
         lambda: _compiled_step(sizes, device), device, enabled=with_compile

@@ -81,7 +81,7 @@ def run(ctx: BenchContext) -> list[Row]:
     for _ in range(2):  # correctness before timing
         base()
         fast()
-    ft.compare_results(fast.result(), base.result())
+    ft.compare_results(fast.result(), base.result(), PHASE1, sizes=sizes, steps=fast.windows)
 
     timing = compare({"baseline": base, "optimized": fast}, warmup=3, repeats=30, device=ctx.device)
     before, after = window_stats(base, "baseline"), window_stats(fast, "optimized")

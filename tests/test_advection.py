@@ -1,4 +1,4 @@
-"""The neural-operator workload: exact data, every flag within its tolerance, loader settings
+"""The advection workload (a neural operator): exact data, every flag within its tolerance, loader settings
 that deliver the same batches, clear errors, and the distributed task's contract."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 import torch
 from conftest import requires_cuda
 
-from accel.workloads import operator as op
+from accel.workloads import advection as op
+from accel.workloads.advection.settings import offload_optimizer_class
+from accel.workloads.compiling import own_code
 from accel.workloads.flags import describe, label
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,7 +107,7 @@ def test_same_seed_same_result_and_another_seed_differs(seed):
 def test_every_flag_keeps_the_baseline_within_its_tolerance(flags, seed):
     base, fast = run(seed=seed).result(), run(flags, seed=seed).result()
     # fp32 flags: rounding only; precision and training-schedule flags: their stated tolerance
-    op.compare_results(fast, base, flags)
+    op.compare_results(fast, base, flags, sizes=SIZES, steps=STEPS)
 
 
 def test_changed_numerics_really_change_the_result(seed):
@@ -209,7 +211,7 @@ def test_unavailable_names_each_cuda_flag_and_the_offload_reason():
     assert set(reasons) <= names
     gpu = op.unavailable("cuda")
     assert "compile" not in gpu and "pin_memory" not in gpu
-    if op._offload_optimizer_class()[0] is None:
+    if offload_optimizer_class()[0] is None:
         assert "torchao" in gpu["cpu_offload_optimizer"]
 
 
@@ -276,7 +278,7 @@ def test_every_flag_keeps_the_baseline_on_cuda(seed):
         flag_sets.append(op.Flags(cpu_offload_optimizer=True))
     for flags in flag_sets:
         step = run(flags, seed=seed, device="cuda")
-        op.compare_results(step.result(), base, flags)
+        op.compare_results(step.result(), base, flags, sizes=SIZES, steps=STEPS)
         if flags.compile != "none":
             assert step.compile_seconds > 0
 
@@ -296,12 +298,12 @@ def test_the_compiled_loss_is_one_graph_per_inverse_loss_variant(flags):
             explained = torch._dynamo.explain(step.forward_loss)(*args, aux)
             eager = step.forward_loss(*args, aux)
             # each Step compiles a copy of its own (its own graph cache), equal to the original
-            copied = op._own_code(op.Step.forward_loss)(step, *args, aux)
+            copied = own_code(op.Step.forward_loss)(step, *args, aux)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), (
             explained.break_reasons
         )
         assert torch.equal(copied, eager)
-    assert op._own_code(op.Step.forward_loss).__code__ is not op.Step.forward_loss.__code__
+    assert own_code(op.Step.forward_loss).__code__ is not op.Step.forward_loss.__code__
 
 
 @requires_cuda

@@ -1,0 +1,313 @@
+"""The advection workload's training step, its builder, and the tolerances within which each
+flag must match the baseline."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from accel import memory
+from accel.workloads.advection.data import batch_of, make_loader
+from accel.workloads.advection.model import init_model, relative_error
+from accel.workloads.advection.settings import (
+    Flags,
+    Sizes,
+    check_flags,
+    offload_optimizer_class,
+)
+from accel.workloads.compare import make_compare_results
+from accel.workloads.compiling import own_code
+
+# The gradient scaler's first scale. PyTorch's 2**16 overflows this model's fp16 backward (its
+# gradients are O(1)): the scaler skips those steps, halving the scale each time, so the first
+# steps would not train. 2**10 leaves fp16 5 bits of headroom above O(1).
+GRAD_SCALER_INIT = 2.0**10
+
+# fp32 flags (compile, checkpointing, the loader settings, fused AdamW, CPU offload) leave the
+# result equal to the baseline's within float32 rounding after a few steps: they sum in other
+# orders or not at all (checkpointing recomputes with the same kernels; the loader settings
+# deliver bitwise the same batches). Adam normalizes each update by its gradient's size, so a
+# rounding difference in a near-zero gradient moves a weight by a visible fraction of the
+# learning rate (1e-3): hence the absolute part.
+FP32_TOLERANCE = {
+    "losses": {"rtol": 1e-4, "atol": 1e-5},
+    "params": {"rtol": 1e-4, "atol": 1e-4},
+    "predictions": {"rtol": 1e-4, "atol": 1e-4},
+}
+# All tolerances are for results after a few steps (the tests take 3, at lr 1e-3).
+# Reduced precision rounds matrix-product inputs to 8 (bf16) or 11 (fp16) bits of mantissa; after
+# a few AdamW steps weights may differ by a few learning rates where gradients are near zero
+# (seen over 12 seeds, 3 steps: 2.8e-3 in the weights, 1.9e-2 in the predicted field).
+LOW_PRECISION_TOLERANCE = {
+    "losses": {"rtol": 2e-2, "atol": 1e-2},
+    "params": {"rtol": 0.0, "atol": 1e-2},
+    "predictions": {"rtol": 5e-2, "atol": 4e-2},
+}
+# aux_loss_every and query_subsample change the training on purpose (no inverse loss on some
+# steps, or on fewer queries): each weight may move up to ~2 learning rates apart per step,
+# the losses differ by the inverse term (seen: 0.14 of ~1.5). The quality that matters is the
+# validation error after equal steps: the recipe bench compares that.
+CHANGED_TRAINING_TOLERANCE = {
+    "losses": {"rtol": 0.5, "atol": 0.25},
+    "params": {"rtol": 0.0, "atol": 1e-2},
+    "predictions": {"rtol": 0.2, "atol": 0.1},
+}
+# batch_multiplier trains on other samples (the next ones of the stream too): its losses are
+# another batch's, not comparable (None: not compared); the weights stay within ~2 learning
+# rates per step (seen 5.8e-3 after 3) and the field within 0.28 at the tiny test batch.
+LARGER_BATCH_TOLERANCE = {
+    "losses": None,
+    "params": {"rtol": 0.0, "atol": 1e-2},
+    "predictions": {"rtol": 0.0, "atol": 0.5},
+}
+
+
+class Step:
+    """One training step per call. Losses stay on the device (one host read in ``mean_loss``).
+
+    Sync-free except where noted: ``fp16+scaler`` without fused AdamW reads the scaler's
+    inf check on the host (``GradScaler.step``); the CPU offload optimizer waits for its
+    copies (torchao's ``step`` synchronizes its stream); loading a batch in the step
+    (``loader_workers=0``) is host work the GPU waits for.
+
+    With ``compile``, :meth:`forward_loss` (operator, inverse net when due, losses) is compiled
+    as one function: a graph per variant (with and without the inverse loss), each with its
+    backward. Under CUDA graphs (reduce-overhead, max-autotune) every output of a graph (the
+    loss, the gradients) lives in memory the next step's replay overwrites: a step marks its
+    start, keeps a clone of its loss, and drops the gradients after the optimizer step.
+    """
+
+    def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
+        check_flags(flags, device)
+        self.flags, self.sizes, self.device, self.seed = flags, sizes, device, seed
+        self.batch_size = sizes.batch * flags.batch_multiplier
+        self.aux_queries = max(1, sizes.queries // flags.query_subsample)
+        self.loader = make_loader(flags, sizes, seed, self.batch_size)
+        self._batches: Iterator | None = None
+        self.epochs = 0
+
+        self.model = init_model(sizes, seed).to(device)
+        self.checkpointed = (
+            memory.checkpoint_blocks(self.model, self.model.block_names())
+            if flags.activation_checkpointing
+            else None
+        )
+        self.optimizer = self._optimizer()
+        self.scaler = (
+            torch.amp.GradScaler(device.type, init_scale=GRAD_SCALER_INIT)
+            if flags.precision == "fp16+scaler"
+            else None
+        )
+        held_out = batch_of(seed, range(sizes.validation_samples), sizes, stream=1)
+        self.validation = {k: v.to(device) for k, v in held_out.items()}
+        self.losses: list[torch.Tensor] = []  # device scalars: no sync per step
+        self.count = self.aux_calls = 0
+        self.compile_seconds = 0.0
+        self.cudagraphs = flags.compile in ("reduce-overhead", "max-autotune")
+        # a function called with self, not a bound method: no reference cycle, so a dropped
+        # Step (and its loader's workers) goes at once, not at some later garbage collection
+        self._forward_loss = Step.forward_loss
+        if flags.compile != "none":
+            mode = None if flags.compile == "default" else flags.compile
+            # dynamic=False: one batch shape per Step, never made dynamic because another Step
+            # compiled another batch size; own_code: each Step its own 1 or 2 graphs, so a bench
+            # of a dozen compiled configurations does not run its last ones eagerly
+            self._forward_loss = torch.compile(
+                own_code(Step.forward_loss), mode=mode, dynamic=False
+            )
+            self.compile_seconds = self._untimed_passes(3 if self.cudagraphs else 1)
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        kwargs = {"lr": self.sizes.lr, "weight_decay": 0.01}
+        if self.flags.fused_adamw:
+            kwargs["fused"] = True
+        if self.flags.cpu_offload_optimizer:
+            offload, _ = offload_optimizer_class()
+            # small tensors (norms, biases) stay on the GPU with the on-device AdamW
+            return offload(self.model.parameters(), torch.optim.AdamW, **kwargs)
+        # Before: AdamW's default implementation (foreach on CUDA)
+        return torch.optim.AdamW(self.model.parameters(), **kwargs)
+
+    def _autocast(self):
+        if self.flags.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.flags.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            k: v.to(self.device, non_blocking=self.flags.non_blocking) for k, v in batch.items()
+        }
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        """The next training batch on the device (a new loader epoch when one ends)."""
+        if self._batches is None:
+            self._batches = iter(self.loader)
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self.epochs += 1
+            self._batches = iter(self.loader)  # without persistent workers: new processes
+            batch = next(self._batches)
+        return self._to_device(batch)
+
+    def forward_loss(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        inverse_targets: torch.Tensor,
+        aux: bool,
+    ) -> torch.Tensor:
+        """The training loss: MSE of the field, plus ``aux_weight`` x MSE of the inverse net's
+        estimate from the predicted field at the first ``aux_queries`` queries when ``aux``."""
+        predictions = self.model.operator(inputs)
+        loss = F.mse_loss(predictions.float(), targets)
+        if aux:
+            n, g = self.aux_queries, self.sizes.grid
+            estimate = self.model.inverse(predictions[:, :n], inputs[:, g : g + n])
+            inverse = F.mse_loss(estimate.float(), inverse_targets)
+            loss = loss + self.sizes.aux_weight * inverse
+        return loss
+
+    def _loss(self, batch: dict[str, torch.Tensor], aux: bool) -> torch.Tensor:
+        """The loss (compiled when asked) in the step's precision. Under CUDA graphs: a graph
+        output, valid until the next step's mark."""
+        with self._autocast():
+            return self._forward_loss(
+                self, batch["inputs"], batch["targets"], batch["inverse_targets"], aux
+            )
+
+    def _variants(self) -> tuple[bool, ...]:
+        """The ``aux`` settings the training steps use: each one compiles its own graphs."""
+        return (True,) if self.flags.aux_loss_every == 1 else (True, False)
+
+    def _untimed_passes(self, passes: int) -> float:
+        """``passes`` forwards and backwards of each variant on a warm-up batch, gradients
+        dropped: weights, optimizer, data stream and random generators are left as they were.
+        Seconds (compile, and under CUDA graphs their warm-up and recording)."""
+        warm = batch_of(self.seed, range(self.batch_size), self.sizes, stream=2)
+        warm = self._to_device(warm)
+        t0 = time.perf_counter()
+        # CUDA graph trees: the 1st call of a graph warms up, the 2nd records, the 3rd replays
+        # (a replay right after the recording: pytorch/pytorch#122192)
+        for aux in self._variants():
+            for _ in range(passes):
+                self._begin_step()
+                self._loss(warm, aux).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # sync: setup, outside any timed step
+        return time.perf_counter() - t0
+
+    def _begin_step(self) -> None:
+        """Drop the gradients (no step adds to the last one's: under CUDA graphs those are
+        outputs that are overwritten) and, under CUDA graphs, mark a new iteration."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+
+    def __call__(self) -> None:
+        batch = self.next_batch()
+        aux = self.count % self.flags.aux_loss_every == 0  # host counter: no sync
+        self._begin_step()
+        loss = self._loss(batch, aux)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)  # sync: unless fused AdamW takes the inf check
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        if self.cudagraphs:  # graph outputs: the next replay overwrites them
+            self.losses.append(loss.detach().clone())
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.losses.append(loss.detach())
+        self.aux_calls += aux
+        self.count += 1
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.batch_size
+
+    def mean_loss(self, last: int | None = None) -> float:
+        """Mean training loss over all steps (or the ``last`` few): one host read."""
+        picked = self.losses[-last:] if last else self.losses
+        return torch.stack(picked).mean().item() if picked else float("nan")  # sync: on request
+
+    @torch.no_grad()
+    def predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The field at the queries, eager (not the compiled graphs), in the step's precision."""
+        with self._autocast():
+            return self.model.operator(inputs).float()
+
+    def validation_error(self) -> float:
+        """Mean relative L2 error of the field on the held-out samples (one host read)."""
+        errors = []
+        inputs, targets = self.validation["inputs"], self.validation["targets"]
+        for start in range(0, len(inputs), self.sizes.batch):
+            chunk = slice(start, start + self.sizes.batch)
+            errors.append(relative_error(self.predict(inputs[chunk]), targets[chunk]))
+        return torch.cat(errors).mean().item()  # sync: on request
+
+    @torch.no_grad()
+    def result(self) -> dict[str, torch.Tensor]:
+        """What every flag must leave (near) unchanged: the losses, all parameters (flattened)
+        and the predicted field on the first held-out batch."""
+        params = torch.cat([p.detach().float().flatten().cpu() for p in self.model.parameters()])
+        inputs = self.validation["inputs"][: self.sizes.batch]
+        return {
+            "losses": torch.stack(self.losses).float().cpu() if self.losses else torch.zeros(0),
+            "params": params,
+            "predictions": self.predict(inputs).cpu(),
+        }
+
+    def resident_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state held on the step's device."""
+        tensors = list(self.model.parameters())
+        tensors += [p.grad for p in self.model.parameters() if p.grad is not None]
+        for state in _optimizer_states(self.optimizer):
+            tensors += [t for t in state.values() if isinstance(t, torch.Tensor)]
+        on_device = [t for t in tensors if t.device.type == self.device.type]
+        return memory.tensor_bytes(on_device)
+
+    def close(self) -> None:
+        """Stop the loader's workers now (they also stop when the step is garbage collected)."""
+        self._batches = None
+
+
+def _optimizer_states(optimizer: Any) -> list[dict]:
+    inner = [optimizer]
+    if hasattr(optimizer, "optim_dict"):  # torchao's offload optimizer: one per large tensor
+        inner = [*optimizer.optim_dict.values(), getattr(optimizer, "d_opt", None)]
+    return [s for opt in inner if opt is not None for s in opt.state.values()]
+
+
+def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float] | None]:
+    """Per result entry, the tolerance within which ``flags`` must match the baseline after a
+    few ``steps`` at ``sizes`` (None: the entry is not comparable); the same for every size."""
+    if flags.batch_multiplier != 1:
+        return LARGER_BATCH_TOLERANCE
+    if (flags.aux_loss_every, flags.query_subsample) != (1, 1):
+        return CHANGED_TRAINING_TOLERANCE
+    if flags.precision != "fp32":
+        return LOW_PRECISION_TOLERANCE
+    return FP32_TOLERANCE
+
+
+compare_results = make_compare_results(tolerance, relative=False)  # absolute
+
+
+def build(
+    flags: Flags = Flags(),  # noqa: B008 (frozen dataclasses: one shared default is safe)
+    sizes: Sizes = Sizes(),  # noqa: B008
+    *,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+) -> Step:
+    return Step(flags, sizes, torch.device(device), seed)
