@@ -372,6 +372,17 @@ def test_kernel_module_follows_the_environment_at_call_time(monkeypatch):
             compiled.mean_diversity(embeddings((2, 3, 4)), eps=dv.EPS)
 
 
+def test_triton_support_says_why_kernels_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if HAS_TRITON:
+        assert triton_support.unavailable("cuda") is None
+        assert "TRITON_INTERPRET=1" in triton_support.unavailable("cpu")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert triton_support.unavailable("cpu") is None
+    monkeypatch.setattr(triton_support, "installed", lambda: False)
+    assert triton_support.unavailable("cuda").startswith("Triton is not installed")
+
+
 def test_importing_diversity_imports_no_triton():
     import subprocess
     import sys
