@@ -18,7 +18,7 @@ SMALL_N = 16  # groups up to this size take the group kernels (a few groups per 
 # this many float32 elements, so it lives in registers: 64 per thread at 4 warps.
 GROUP_TILE_ELEMENTS = 8192
 GROUP_MAX = 8  # groups per program at most
-GROUP_UNROLL = 4  # chunks of D whose loads a program issues together, at most
+GROUP_UNROLL = 4  # chunks of D a program loads together, at most
 # Where the group kernel sums over D: "vecsum" (production, _group_kernel) sums each chunk's
 # products over one thread's 16-byte piece; "pairs" is _pairs_kernel (groups of N <= 4, the
 # distinct dot products only); "tile" (every product, summed after the loop) and "gram" (each
@@ -41,7 +41,7 @@ class GroupConfig:
     variant: GroupVariant
     groups: int  # groups per program (a power of 2)
     block_d: int  # features per chunk (a power of 2, >= 16)
-    unroll: int  # chunks of D whose loads are issued together, at most
+    unroll: int  # chunks of D loaded together, at most
     num_warps: int
 
     def __post_init__(self):
