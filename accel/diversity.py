@@ -16,19 +16,16 @@ so are matrix entries and distances outside a group's count). Vectors are normal
 distance to every other member is 1, never NaN. Non-contiguous inputs are fine: the kernels
 read them through their strides, without a copy.
 
-Each function dispatches: the Triton kernels (``accel.kernels.pairwise_cosine``) on CUDA tensors,
-or on any tensors through Triton's interpreter when ``TRITON_INTERPRET=1`` (read at each call);
-otherwise the PyTorch reference, after one warning that says why. The references are here too:
-the naive N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
+Each function checks its inputs, then dispatches: the Triton kernels
+(``accel.kernels.pairwise_cosine``) on CUDA tensors, or on any tensors through Triton's
+interpreter when ``TRITON_INTERPRET=1`` (read at each call; :mod:`accel.triton_support` says
+which); otherwise the PyTorch reference, after one warning that says why. The references are
+here too: the naive N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
 sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2 (= ||sum_i x̂_i||^2 - N without zero rows).
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import os
 import types
 import warnings
 from typing import Literal
@@ -36,12 +33,14 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from accel import triton_support
+
 EPS = 1e-12  # as F.normalize's default
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Backend = Literal["triton", "interpreter", "reference"]
 
 
-# ---- input checks (shared with the kernels' launchers) --------------------------------------
+# ---- input checks (on every path: the kernels take checked inputs) --------------------------
 
 
 def check_embeddings(
@@ -166,55 +165,27 @@ def nearest_diversity_reference(
 # ---- dispatch ------------------------------------------------------------------------------
 
 _warned: set[str] = set()
-_kernel_modules: dict[bool, types.ModuleType] = {}
 KERNELS = "accel.kernels.pairwise_cosine"
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None  # looked up once: ~10 µs a call
 
 
 def backend(x: torch.Tensor) -> tuple[Backend, str]:
     """Which path a call on ``x`` takes now, and why."""
-    if not _triton_installed():
-        return "reference", "Triton is not installed (pip install 'accel[kernels]')"
-    if _interpreting():
+    why = triton_support.unavailable(x.device)
+    if why is not None:
+        return "reference", why
+    if triton_support.interpreting():
         return "interpreter", "TRITON_INTERPRET=1: the kernels run in Triton's interpreter"
-    if x.device.type == "cuda":
-        return "triton", "CUDA tensor: the compiled Triton kernels"
-    return "reference", (
-        f"the tensors are on {x.device.type} and Triton compiles for CUDA only "
-        "(set TRITON_INTERPRET=1 to run the kernels through its interpreter)"
-    )
+    return "triton", "CUDA tensor: the compiled Triton kernels"
 
 
 def _kernels() -> types.ModuleType:
-    """The kernel module, its kernels built for the current ``TRITON_INTERPRET``.
-
-    ``triton.jit`` picks compiled or interpreted as it decorates, i.e. when the module is first
-    imported. If that import saw the other mode, a second copy of the module is executed now,
-    while the environment says the mode wanted, and kept beside the first.
-    """
-    mode = _interpreting()
-    if mode not in _kernel_modules:
-        module = importlib.import_module(KERNELS)
-        if mode != module.INTERPRETED:
-            spec = importlib.util.find_spec(KERNELS)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)  # decorated now, under the current environment
-            assert mode == module.INTERPRETED
-        _kernel_modules[mode] = module
-    return _kernel_modules[mode]
+    """The kernel module, its kernels built for the current ``TRITON_INTERPRET``."""
+    return triton_support.kernel_module(KERNELS)
 
 
-def _pick(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference):
-    """The kernel-module function ``name`` when Triton can run on ``x``, else ``reference``."""
-    check_embeddings(x, counts)  # bad input fails the same way on every path
+def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference):
+    """The kernel module's ``name`` on ``x`` when Triton can run on it, else ``reference``."""
+    x3, _, single = check_embeddings(x, counts)  # bad input fails the same way on every path
     path, why = backend(x)
     if path == "reference":
         if why not in _warned:
@@ -224,23 +195,24 @@ def _pick(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference):
                 RuntimeWarning,
                 stacklevel=3,
             )
-        return reference
-    return getattr(_kernels(), name)
+        return reference(x, counts)
+    out = getattr(_kernels(), name)(x3, counts, eps=EPS)
+    return out[0] if single else out
 
 
 def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """1 - mean cosine over pairs i != j of each group: ``(B,)``, or ``()`` for one set."""
-    return _pick(x, counts, "mean_diversity", mean_diversity_reference)(x, counts)
+    return _dispatch(x, counts, "mean_diversity", mean_diversity_reference)
 
 
 def nearest_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Each member's cosine distance to its nearest other member: ``(B, N)``, or ``(N,)``."""
-    return _pick(x, counts, "nearest_distances", nearest_distances_reference)(x, counts)
+    return _dispatch(x, counts, "nearest_distances", nearest_distances_reference)
 
 
 def nearest_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Group mean of :func:`nearest_distances`: ``(B,)``, or ``()`` for one set."""
-    return _pick(x, counts, "nearest_diversity", nearest_diversity_reference)(x, counts)
+    return _dispatch(x, counts, "nearest_diversity", nearest_diversity_reference)
 
 
 def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -248,7 +220,7 @@ def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> t
 
     The diagonal is 1 - ||x̂_i||^2: 0 up to rounding, 1 for a zero vector.
     """
-    return _pick(x, counts, "pairwise_distances", pairwise_distances_reference)(x, counts)
+    return _dispatch(x, counts, "pairwise_distances", pairwise_distances_reference)
 
 
 __all__ = [

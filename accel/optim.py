@@ -22,13 +22,13 @@ the two optimizers; a state whose parameters have different step counts is refus
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 
+from accel import triton_support
 from accel.sync import to_device_without_sync
 
 Implementation = Literal["auto", "triton", "reference"]
@@ -73,18 +73,6 @@ def one_minus_power(beta: float, step: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -0.2, series, 1 - torch.exp(x))
 
 
-def _kernels_unavailable(device: torch.device) -> str | None:
-    """Why the Triton kernel cannot run on ``device`` (None if it can)."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not interpret:
-        return f"parameters on {device.type}: the kernel needs CUDA (or TRITON_INTERPRET=1)"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "Triton is not installed"
-    return None
-
-
 class MultiTensorAdamW(torch.optim.Optimizer):
     """AdamW stepped by one kernel launch for all groups (see the module docstring).
 
@@ -124,7 +112,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         if len(devices) != 1:
             raise ValueError(f"MultiTensorAdamW: parameters on one device expected, got {devices}")
         self.device = devices.pop()
-        why = _kernels_unavailable(self.device) if implementation != "reference" else None
+        why = triton_support.unavailable(self.device) if implementation != "reference" else None
         odd = [p for p in tensors if p.dtype != torch.float32 or not p.is_contiguous()]
         if why is None and odd and implementation != "reference":
             why = f"{len(odd)} parameter(s) not contiguous float32 (first: {odd[0].dtype})"

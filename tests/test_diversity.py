@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from accel import diversity as dv
+from accel import triton_support
 
 CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -33,6 +34,8 @@ SHAPES = [(3, 77), (2, 3, 77), (4, 5, 123), (2, 40, 77)]
 # rounding of sums of up to 123 products taken in another order.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL, RTOL = 2e-5, 1e-5
+VARIANTS = "accel.kernels.pairwise_cosine_variants"
+CONFIG = "accel.kernels.pairwise_cosine_config"
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,7 +138,9 @@ def test_grouped_kernel_partial_last_program(kdev, shape, dtype, seed):
     """Several groups per program: B not a multiple of GROUPS, ragged counts within a program."""
     x = embeddings(shape, dtype, kdev)
     block_n = max(2, 1 << (shape[1] - 1).bit_length())
-    config = dv._kernels()._group_config(block_n, shape[2], shape[0], x.element_size())
+    from accel.kernels.pairwise_cosine_config import _group_config
+
+    config = _group_config(block_n, shape[2], shape[0], x.element_size())
     assert config["GROUPS"] > 1 and shape[0] % config["GROUPS"] != 0, config
     counts = random_counts(shape[0], shape[1]).to(kdev)
     check_all(x)
@@ -151,7 +156,7 @@ GROUP_VARIANT_TILES = [(2, 32, 2, 1), (4, 64, 1, 2), (1, 128, 3, 4)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("variant", ["tile", "vecsum", "gram"])
 def test_every_group_kernel_variant_matches_references(kdev, variant, dtype, seed):
-    kernels = dv._kernels()
+    kernels, variants = dv._kernels(), triton_support.kernel_module(VARIANTS)
     x = embeddings((5, 4, 123), dtype, kdev)
     counts = random_counts(5, 4).to(kdev)
     with float32_matmul("highest"):
@@ -163,7 +168,7 @@ def test_every_group_kernel_variant_matches_references(kdev, variant, dtype, see
     for tile in GROUP_VARIANT_TILES:
         config = kernels.GroupConfig(variant, *tile)
         for mode, (slot, ref) in expected.items():
-            got = kernels._run_group(x, counts, mode, config)[slot]
+            got = variants.run_variant(x, counts, mode, config, eps=dv.EPS)[slot]
             torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
 
@@ -187,7 +192,7 @@ def test_pairs_kernel_matches_references(kdev, shape, dtype, seed):
         for tile in [(1, 512, 1, 1), (4, 64, 1, 2), (2, 128, 1, 4)]:
             config = kernels.GroupConfig("pairs", *tile)
             for mode, (slot, ref) in expected.items():
-                got = kernels._run_group(inputs, members, mode, config)[slot]
+                got = kernels._run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
                 assert torch.isfinite(got).all()
                 torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
@@ -196,11 +201,20 @@ def test_pairs_kernel_refuses_groups_of_more_than_four(kdev):
     kernels = dv._kernels()
     config = kernels.GroupConfig("pairs", 1, 128, 1, 1)
     with pytest.raises(ValueError, match="'pairs' group kernel takes N <= 4, got N=5"):
-        kernels._run_group(embeddings((2, 5, 16), device=kdev), None, kernels.MODE_MEAN, config)
+        x = embeddings((2, 5, 16), device=kdev)
+        kernels._run_group(x, None, kernels.MODE_MEAN, config, eps=dv.EPS)
+
+
+def test_production_launcher_refuses_the_sweep_only_variants(kdev):
+    kernels = dv._kernels()
+    for variant in ("tile", "gram"):
+        config = kernels.GroupConfig(variant, 1, 128, 1, 1)
+        with pytest.raises(ValueError, match=f"'{variant}' group kernel is kept for the bench"):
+            kernels._run_group(embeddings((2, 4, 16), device=kdev), None, 0, config, eps=dv.EPS)
 
 
 def test_group_config_takes_the_table_then_the_rule():
-    kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
+    kernels = pytest.importorskip(CONFIG)
     tabled = kernels.group_config(4, 384, 8192, 4)
     assert tabled is kernels.GROUP_TABLE[(4, 512, 4)]
     assert tabled.meta(384, 4)["UNROLL"] <= -(-384 // tabled.block_d)  # no chunk past D
@@ -220,17 +234,18 @@ def test_group_config_takes_the_table_then_the_rule():
     "fields", [("fast", 4, 128, 3, 4), ("tile", 3, 128, 3, 4), ("tile", 4, 8, 3, 4)], ids=str
 )
 def test_group_config_rejects_bad_fields(fields):
-    kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
+    kernels = pytest.importorskip(CONFIG)
     with pytest.raises(ValueError, match=r"variant must be one of|powers of 2"):
         kernels.GroupConfig(*fields)
 
 
 def test_run_group_kernel_checks_its_arguments(kdev):
-    kernels = dv._kernels()
+    variants = triton_support.kernel_module(VARIANTS)
     with pytest.raises(ValueError, match="reduction must be one of mean, nearest, matrix"):
-        kernels.run_group_kernel(embeddings((2, 4, 8), device=kdev), "max")
-    with pytest.raises(ValueError, match="2 <= N <= 16"):
-        kernels.run_group_kernel(embeddings((2, 17, 8), device=kdev), "mean")
+        variants.run_group_kernel(embeddings((2, 4, 8), device=kdev), "max", eps=dv.EPS)
+    for shape in ((2, 17, 8), (4, 8)):
+        with pytest.raises(ValueError, match=r"\(B, N, D\) with 2 <= N <= 16"):
+            variants.run_group_kernel(embeddings(shape, device=kdev), "mean", eps=dv.EPS)
 
 
 def test_counts_are_clamped_to_the_group(kdev, seed):
@@ -339,16 +354,33 @@ def test_without_triton_on_cpu_falls_back_once_with_a_reason(monkeypatch, seed):
 def test_kernel_module_follows_the_environment_at_call_time(monkeypatch):
     if not HAS_TRITON:
         pytest.skip("Triton is not installed")
-    monkeypatch.setattr(dv, "_kernel_modules", {})
+    monkeypatch.setattr(triton_support, "_modules", {})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compiled = dv._kernels()
+    compiled_variants = triton_support.kernel_module(VARIANTS)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     interpreted = dv._kernels()
+    interpreted_variants = triton_support.kernel_module(VARIANTS)
     assert (compiled.INTERPRETED, interpreted.INTERPRETED) == (False, True)
+    assert (compiled_variants.INTERPRETED, interpreted_variants.INTERPRETED) == (False, True)
+    # a mode's modules import each other, never the other mode's
+    assert compiled_variants._run_group is compiled._run_group
+    assert interpreted_variants._run_group is interpreted._run_group
     assert dv._kernels() is interpreted  # kept, not rebuilt
     if not CUDA:  # the compiled kernels refuse CPU tensors with a reason, never a wrong answer
         with pytest.raises(ValueError, match=r"need a CUDA tensor.*TRITON_INTERPRET=1"):
-            compiled.mean_diversity(embeddings((2, 3, 4)))
+            compiled.mean_diversity(embeddings((2, 3, 4)), eps=dv.EPS)
+
+
+def test_triton_support_says_why_kernels_cannot_run(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if HAS_TRITON:
+        assert triton_support.unavailable("cuda") is None
+        assert "TRITON_INTERPRET=1" in triton_support.unavailable("cpu")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert triton_support.unavailable("cpu") is None
+    monkeypatch.setattr(triton_support, "installed", lambda: False)
+    assert triton_support.unavailable("cuda").startswith("Triton is not installed")
 
 
 def test_importing_diversity_imports_no_triton():
@@ -376,7 +408,7 @@ def test_bench_phase_runs_and_marks_cpu_rows(monkeypatch):
         warnings.simplefilter("ignore", RuntimeWarning)  # the fallback's one warning
         rows = case.run(BenchContext(torch.device("cpu"), "cpu", ceilings))
     assert {r.phase for r in rows} == {"diversity"}
-    assert all(r.met is None and "CPU run at tiny sizes" in r.note for r in rows)
+    assert all(r.met is None and r.note.startswith("not judged: ") for r in rows)
     cases = {r.case for r in rows}
     assert {"mean B=8 N=4 D=16 float32", "polychromic step"} <= cases
     bandwidth = next(r for r in rows if r.unit == "GB/s")

@@ -89,3 +89,15 @@ def test_memory_and_speedups_build():
     fig = plots.speedups(rows)
     assert list(fig.data[0].x) == ["a", "c"]
     assert list(fig.data[1].y[:1]) == [1.2] and pd.isna(fig.data[1].y[1])
+
+
+def test_diversity_sweep_draws_a_line_per_candidate_in_order_of_x():
+    records = [
+        {"B": b, "candidate": name, "gb_s": gb_s}
+        for name, scale in (("triton", 2.0), ("naive eager", 1.0))
+        for b, gb_s in ((4096, 3.0 * scale), (1024, 1.0 * scale))
+    ]
+    fig = plots.diversity_sweep(records, x="B", y="gb_s", ceiling=10.0, ceiling_name="copy")
+    assert [t.name for t in fig.data] == ["naive eager", "triton"]
+    assert list(fig.data[1].x) == [1024, 4096] and list(fig.data[1].y) == [2.0, 6.0]
+    assert fig.layout.xaxis.type == "log" and fig.layout.shapes[0].y0 == 10.0

@@ -24,12 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from accel.sync import to_device_without_sync
-
-# Elements per program and warps: one 16-byte access per tensor per thread. Swept on an H200 over
-# the nested optimizer's 85.5M parameters (2026-11-22, .scratch sweep, copy time 0.563 ms):
-# 1024 x 8 warps 0.572 ms (1.02x the copy time), 1024 x 4 1.02x, 2048 x 8 1.02x, 2048 x 4 1.10x,
-# 4096 x 4 1.09x, 8192 x 4 1.35x; torch's fused AdamW over the same 14 groups took 0.88 ms.
+# 1024 elements on 8 warps: one 16-byte access per tensor per thread. The step's time against
+# the copy bandwidth is in results/*.csv, phase=graphs, case optimizer_step_vs_bytes.
 BLOCK = 1024
 NUM_WARPS = 8
 FIELDS = 6  # table rows: parameter, gradient, exp_avg, exp_avg_sq addresses; numel; group
@@ -116,6 +112,14 @@ def _log(beta: float) -> float:
     return math.log(beta) if beta > 0 else -math.inf
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host table on ``device`` without a host sync: pinned, then copied non-blocking (a
+    pageable copy waits for the device, which a CUDA graph's warm-up step must not)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class AdamWPlan:
     """The launch for one set of tensors: the address table and the program -> block map.
 
@@ -139,12 +143,12 @@ class AdamWPlan:
         self.key = tuple(t.data_ptr() for ts in lists for t in ts)
         numels = [p.numel() for p in params]
         rows = [[t.data_ptr() for t in ts] for ts in lists] + [numels, list(groups)]
-        self.table = to_device_without_sync(torch.tensor(rows, dtype=torch.int64), device)
+        self.table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
         blocks = [triton.cdiv(n, block) for n in numels]
         owner = torch.repeat_interleave(torch.arange(len(params)), torch.tensor(blocks))
         first = torch.cat([torch.arange(b, dtype=torch.int64) * block for b in blocks])
-        self.block_tensor = to_device_without_sync(owner.to(torch.int32), device)
-        self.block_start = to_device_without_sync(first, device)
+        self.block_tensor = _to_device(owner.to(torch.int32), device)
+        self.block_start = _to_device(first, device)
         self.aligned = all(a % 16 == 0 for a in self.key)
         self.tensors = len(params)
         self.block, self.num_warps = block, num_warps

@@ -216,3 +216,30 @@ def sdpa_sweep(
     return fig.update_layout(
         template="plotly_white", height=560, title=title, yaxis_title="TFLOP/s"
     )
+
+
+# ---- diversity ---------------------------------------------------------------------------------
+
+
+def diversity_sweep(
+    records: list[dict] | pd.DataFrame,
+    *,
+    x: str,
+    y: str,
+    ceiling: float,
+    ceiling_name: str,
+    title: str = "",
+) -> go.Figure:
+    """Lines of ``y`` over ``x`` (a log axis), one per candidate, with a measured ceiling as a
+    dashed line.
+
+    ``records``: rows of ``accel.lab.cases.diversity.group_sweep`` or ``large_sweep`` (records
+    or a DataFrame) with ``candidate``, ``x`` and ``y``.
+    """
+    frame = pd.DataFrame(records)
+    fig = go.Figure()
+    for name, part in frame.groupby("candidate", sort=True):
+        part = part.sort_values(x)
+        fig.add_scatter(x=part[x], y=part[y], mode="lines+markers", name=name)
+    fig.add_hline(y=ceiling, line_dash="dash", annotation_text=ceiling_name)
+    return fig.update_layout(**_LAYOUT, title=title, xaxis_title=x, yaxis_title=y, xaxis_type="log")

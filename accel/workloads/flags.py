@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 import torch
 
+from accel import triton_support
+
 Requirement = Literal["cuda", "triton", "torchao"]  # torchao: a CUDA GPU and torchao
 
 # The workbook's phases in notebook order (01_sync ... 06_diversity): each builds on the ones before.
@@ -97,22 +99,13 @@ def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
     for info in describe(flags_type):
         if info.requires == "cuda" and device.type != "cuda":
             reasons[info.name] = f"needs a CUDA GPU; this run is on {device.type}"
-        elif info.requires == "triton" and not _has_triton(device):
+        elif info.requires == "triton" and triton_support.unavailable(device) is not None:
             reasons[info.name] = "needs Triton on a CUDA GPU (or TRITON_INTERPRET=1)"
         elif info.requires == "torchao" and device.type != "cuda":
             reasons[info.name] = f"needs a CUDA GPU and torchao; this run is on {device.type}"
         elif info.requires == "torchao" and importlib.util.find_spec("torchao") is None:
             reasons[info.name] = "needs torchao (pip install torchao), which is not installed"
     return reasons
-
-
-def _has_triton(device: torch.device) -> bool:
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("triton") is None:
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def label(flags: Any) -> str:

@@ -25,7 +25,6 @@ README table). Run it alone with
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from accel import diversity as dv
+from accel import triton_support
 from accel.lab.bench import BenchContext, Row
 from accel.lab.ceilings import Ceilings, measure_ceilings
 from accel.lab.device import default_device
@@ -47,10 +47,6 @@ MATMUL_SLOWDOWN_LIMIT = 1.5  # the fused nearest may take at most 1.5x the bare 
 MEMORY_LIMIT_MB = 64.0
 STEP_TARGET = 3.0
 MAX_BUFFERS = 32
-CPU_NOTE = (
-    "CPU run at tiny sizes (kernels in Triton's interpreter or the reference, nothing "
-    "compiled): shows that the bench runs; the targets are for an H100/H200"
-)
 
 
 @dataclass(frozen=True)
@@ -203,32 +199,28 @@ def _compiled(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def group_rows(
-    case: GroupCase, reduction: str, ctx_device: torch.device, ceilings: Ceilings, preset: str
-) -> list[Row]:
-    on_gpu = ctx_device.type == "cuda" and preset == "gpu"
-    buffers = rotating_inputs(case.shape, case.dtype, ctx_device)
-    candidates = group_candidates(reduction, ctx_device)
+def group_rows(case: GroupCase, reduction: str, ctx: BenchContext) -> list[Row]:
+    device, ceilings = ctx.device, ctx.ceilings
+    buffers = rotating_inputs(case.shape, case.dtype, device)
+    candidates = group_candidates(reduction, device)
     path, why = dv.backend(buffers[0])
-    ms = time_per_call(candidates, buffers, ctx_device)
+    ms = time_per_call(candidates, buffers, device)
     host = time_per_call(
         {"triton": candidates["triton"], "naive eager": candidates["naive eager"]},
         buffers,
-        ctx_device,
+        device,
         graphs=False,
     )
     fraction = ceilings.bandwidth_fraction(case.bytes_read, ms["triton"])
     gb_s = case.bytes_read / (ms["triton"] * 1e-3) / 1e9
-    note = f"{path}: {why}; {len(buffers)} rotating input buffers"
-    if ctx_device.type == "cuda":
+    note = f"{ctx.where}; {path}: {why}; {len(buffers)} rotating input buffers"
+    if device.type == "cuda":
         note += "; times are CUDA-graph replays (device time)"
-    if not on_gpu:
-        note = f"{CPU_NOTE}; {note}"
     label = case.label(reduction)
     compiled = "closed form compiled" if reduction == "mean" else "naive compiled"
 
     def met(ok: bool) -> bool | None:
-        return ok if on_gpu else None
+        return ok if ctx.judged else None
 
     def timed(metric: str, base: str, target: str = "", goal: float = math.nan) -> Row:
         base_ms = ms.get(base, math.nan)
@@ -279,8 +271,8 @@ def group_rows(
     return rows
 
 
-def large_rows(case: LargeCase, device: torch.device, ceilings: Ceilings, preset: str) -> list[Row]:
-    on_gpu = device.type == "cuda" and preset == "gpu"
+def large_rows(case: LargeCase, ctx: BenchContext) -> list[Row]:
+    device, judged = ctx.device, ctx.judged
     buffers = rotating_inputs((case.n, case.dim), case.dtype, device)
     path, why = dv.backend(buffers[0])
     candidates = {
@@ -289,13 +281,11 @@ def large_rows(case: LargeCase, device: torch.device, ceilings: Ceilings, preset
         "naive eager": dv.nearest_diversity_reference,
     }
     ms = time_per_call(candidates, buffers, device, repeats=10)
-    fraction = ceilings.compute_fraction(case.flops, ms["triton"])
+    fraction = ctx.ceilings.compute_fraction(case.flops, ms["triton"])
     x = buffers[0]
     fused_mb = extra_memory_mb(lambda: dv.nearest_diversity(x), device)
     naive_mb = extra_memory_mb(lambda: dv.nearest_diversity_reference(x), device)
-    note = f"{path}: {why}; fraction_of_ceiling: 2 N^2 D FLOPs over the matmul rate"
-    if not on_gpu:
-        note = f"{CPU_NOTE}; {note}"
+    note = f"{ctx.where}; {path}: {why}; fraction_of_ceiling: 2 N^2 D FLOPs over the matmul rate"
     ratio = ms["X @ X.T"] / ms["triton"]
     return [
         Row(
@@ -307,7 +297,7 @@ def large_rows(case: LargeCase, device: torch.device, ceilings: Ceilings, preset
             baseline=ms["X @ X.T"],
             fraction_of_ceiling=fraction,
             target=f">= {1 / MATMUL_SLOWDOWN_LIMIT:.2f}x (within {MATMUL_SLOWDOWN_LIMIT:g}x)",
-            met=ratio >= 1 / MATMUL_SLOWDOWN_LIMIT if on_gpu else None,
+            met=ratio >= 1 / MATMUL_SLOWDOWN_LIMIT if judged else None,
             note=note,
         ),
         Row(
@@ -328,23 +318,22 @@ def large_rows(case: LargeCase, device: torch.device, ceilings: Ceilings, preset
             fused_mb,
             baseline=naive_mb,
             target=f"<= {MEMORY_LIMIT_MB:g} MB",
-            met=fused_mb <= MEMORY_LIMIT_MB if on_gpu else None,
+            met=fused_mb <= MEMORY_LIMIT_MB if judged else None,
             note=note if device.type == "cuda" else f"{note}; memory measured on CUDA only",
         ),
     ]
 
 
-def step_rows(device: torch.device, preset: str) -> list[Row]:
-    sizes = polychromic.Sizes.preset(preset)
+def step_rows(ctx: BenchContext) -> list[Row]:
+    device = ctx.device
+    sizes = polychromic.Sizes.preset(ctx.preset)
     flags = all_on(polychromic.Flags, device)
     steps = {
         "baseline": polychromic.build(polychromic.Flags(), sizes, device=device),
         "all flags": polychromic.build(flags, sizes, device=device),
     }
     timing = compare(steps, warmup=1, repeats=5, device=device)
-    on_gpu = device.type == "cuda" and preset == "gpu"
     speedup = timing.speedup("all flags")
-    note = f"flags: {label(flags)}"
     return [
         Row(
             PHASE,
@@ -354,8 +343,8 @@ def step_rows(device: torch.device, preset: str) -> list[Row]:
             timing.timings["all flags"].median_ms,
             baseline=timing.timings["baseline"].median_ms,
             target=f">= {STEP_TARGET:g}x",
-            met=speedup >= STEP_TARGET if on_gpu else None,
-            note=note if on_gpu else f"{CPU_NOTE}; {note}",
+            met=speedup >= STEP_TARGET if ctx.judged else None,
+            note=f"{ctx.where}; flags: {label(flags)}",
         )
     ]
 
@@ -365,9 +354,9 @@ def run(ctx: BenchContext) -> list[Row]:
     group, large = CASES[ctx.preset]
     rows: list[Row] = []
     for reduction in ("mean", "nearest"):
-        rows += group_rows(group, reduction, ctx.device, ctx.ceilings, ctx.preset)
-    rows += large_rows(large, ctx.device, ctx.ceilings, ctx.preset)
-    rows += step_rows(ctx.device, ctx.preset)
+        rows += group_rows(group, reduction, ctx)
+    rows += large_rows(large, ctx)
+    rows += step_rows(ctx)
     if ctx.device.type == "cuda":  # interpreted, a sweep would time NumPy: skipped on a CPU
         rows += group_kernel_sweep(ctx.device, ctx.ceilings, show=False)
     return rows
@@ -375,14 +364,12 @@ def run(ctx: BenchContext) -> list[Row]:
 
 # ---- the group kernel's variants and tiles, side by side -----------------------------------------
 
-# (variant, groups, block_d, unroll, num_warps) per element size, for N = 4, D = 384 (the grouped
-# case). Warps = groups * block_d / (32 * elements per 16-byte load) keeps each group in one
-# warp. The first of each list, "tile G=4 BD=128 U=3 W=4" (float32, 26.8 us on an H200) and
-# "tile G=4 BD=128 U=3 W=2" (16-bit), is the kernel before the variants ("before" in the rows);
-# the production configuration (GROUP_TABLE's, else the rule's) is always added.
-# (variant, groups, block_d, unroll, num_warps) per bytes per element. The H200 sweeps of
-# 2026-11-22 found one group per one-warp program fastest, and "pairs" (only the distinct dot
-# products, each row its own tensor) fastest of the variants: these lists explore around it.
+# (variant, groups, block_d, unroll, num_warps) per bytes per element, for N = 4, D = 384 (the
+# grouped case), around the fastest of the sweeps recorded in results/*.csv (phase=diversity,
+# cases "sweep group kernel ..."). Warps = groups * block_d / (32 * elements per 16-byte load)
+# keeps each group in one warp. The first of each list, "tile G=4 BD=128 U=3", is the kernel
+# before the variants ("before" in the rows); the production configuration (GROUP_TABLE's, else
+# the rule's) is always added.
 GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
     4: (
         ("tile", 4, 128, 3, 4),
@@ -418,6 +405,7 @@ GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
         ("pairs", 1, 256, 1, 1),
     ),
 }
+VARIANTS = "accel.kernels.pairwise_cosine_variants"  # the sweep's launcher, all variants
 SWEEP_NEAREST_TOP = 3  # nearest is timed for the best few of mean, "before" and production
 
 
@@ -445,11 +433,12 @@ def group_kernel_sweep(
     against the reference before it is timed. One row per (reduction, configuration) in GB/s of
     bytes read, with the fraction of the copy bandwidth; ``show`` prints them as a table and the
     ``GROUP_TABLE`` line of the fastest. A configuration that fails to compile or to match gets
-    a NaN row that says why. About 30-40 s on an H200, most of it compiling.
+    a NaN row that says why. Most of its time is compiling.
     """
     device = torch.device(device) if device is not None else default_device()
     ceilings = ceilings if ceilings is not None else measure_ceilings(device)
     kernels = dv._kernels()  # compiled, or interpreted under TRITON_INTERPRET=1
+    variants = triton_support.kernel_module(VARIANTS)
     rows: list[Row] = []
     for dtype in dtypes:
         case = GroupCase(batch, n, dim, dtype)
@@ -459,12 +448,12 @@ def group_kernel_sweep(
         listed = [kernels.GroupConfig(*c) for c in (configs or GROUP_SWEEP).get(itemsize, ())]
         ordered = list(dict.fromkeys([*listed, production]))  # unique, in order
         buffers = rotating_inputs(case.shape, dtype, device)
-        ms = _time_configs(kernels, ordered, "mean", buffers, device, repeats)
+        ms = _time_configs(variants, ordered, "mean", buffers, device, repeats)
         fastest = sorted((c for c in ordered if math.isfinite(ms[c][0])), key=lambda c: ms[c][0])
         nearest = list(dict.fromkeys([*ordered[:1], production, *fastest[:SWEEP_NEAREST_TOP]]))
         timed = {
             "mean": ms,
-            "nearest": _time_configs(kernels, nearest, "nearest", buffers, device, repeats),
+            "nearest": _time_configs(variants, nearest, "nearest", buffers, device, repeats),
         }
         for reduction, results in timed.items():
             first = results[ordered[0]][0]
@@ -498,7 +487,7 @@ def group_kernel_sweep(
     return rows
 
 
-def _time_configs(kernels, configs, reduction, buffers, device, repeats):
+def _time_configs(variants, configs, reduction, buffers, device, repeats):
     """{config: (ms per call, why it was not timed or "")}, every config checked first."""
     reference = {"mean": dv.mean_diversity_reference, "nearest": dv.nearest_diversity_reference}
     precision = torch.get_float32_matmul_precision()
@@ -511,7 +500,7 @@ def _time_configs(kernels, configs, reduction, buffers, device, repeats):
     for config in configs:
 
         def call(x, config=config):
-            return kernels.run_group_kernel(x, reduction, config)
+            return variants.run_group_kernel(x, reduction, config, eps=dv.EPS)
 
         try:
             got = call(buffers[0])
@@ -545,7 +534,7 @@ def sweep_table(rows: list[Row]):
     )
 
 
-# ---- sweeps and their figure, for the notebook -------------------------------------------------
+# ---- sweeps over B and N, for the notebook (plots.diversity_sweep draws them) --------------------
 
 
 def group_sweep(
@@ -601,33 +590,3 @@ def large_sweep(
                 }
             )
     return records
-
-
-def sweep_figure(
-    records: list[dict],
-    *,
-    x: str,
-    y: str,
-    ceiling: float,
-    ceiling_name: str,
-    title: str = "",
-):
-    """Lines of ``y`` over ``x``, one per candidate, with a measured ceiling as a dashed line."""
-    import plotly.graph_objects as go
-
-    fig = go.Figure()
-    by_name = sorted(records, key=lambda r: r["candidate"])
-    for name, group in itertools.groupby(by_name, key=lambda r: r["candidate"]):
-        rows = sorted(group, key=lambda r: r[x])
-        fig.add_scatter(
-            x=[r[x] for r in rows], y=[r[y] for r in rows], mode="lines+markers", name=name
-        )
-    fig.add_hline(y=ceiling, line_dash="dash", annotation_text=ceiling_name)
-    return fig.update_layout(
-        template="plotly_white",
-        title=title,
-        xaxis_title=x,
-        yaxis_title=y,
-        xaxis_type="log",
-        height=360,
-    )

@@ -1,0 +1,128 @@
+"""Launch configurations of the small-group diversity kernels: the measured table and the rule.
+
+A :class:`GroupConfig` says how a program of the group kernel (``pairwise_cosine_groups``) is laid
+out: where it sums over D (its variant), groups per program, chunk of D, unroll and warps.
+:func:`group_config` takes it from :data:`GROUP_TABLE`, measured per (N, D bucket, dtype size),
+else from a deterministic rule on N and D (no autotuning: the same launch compiled or interpreted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import triton
+
+SMALL_N = 16  # groups up to this size take the group kernels (a few groups per program)
+# The fallback rule keeps the group kernel's (N, N, GROUPS, BLOCK_D) product tile at or under
+# this many float32 elements, so it lives in registers: 64 per thread at 4 warps.
+GROUP_TILE_ELEMENTS = 8192
+GROUP_MAX = 8  # groups per program at most
+GROUP_UNROLL = 4  # chunks of D a program loads together, at most
+# Where the group kernel sums over D: "vecsum" (production, _group_kernel) sums each chunk's
+# products over one thread's 16-byte piece; "pairs" is _pairs_kernel (groups of N <= 4, the
+# distinct dot products only); "tile" (every product, summed after the loop) and "gram" (each
+# chunk summed over D across the lanes) are kept for the bench sweep (pairwise_cosine_variants).
+GroupVariant = Literal["tile", "vecsum", "gram", "pairs"]
+GROUP_VARIANTS: tuple[str, ...] = ("tile", "vecsum", "gram", "pairs")
+SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram")  # run by pairwise_cosine_variants only
+PAIRS_MAX_N = 4  # the rows _pairs_kernel spells out
+
+
+@dataclass(frozen=True)
+class GroupConfig:
+    """One launch of the group kernel: where it sums over D, and its tile.
+
+    ``num_warps`` should be ``groups * block_d / (32 * elements per 16-byte load)`` (one warp
+    per row of 16-byte loads of the (group, feature) plane) so that warps split the groups,
+    never the rows or D; other values are correct but exchange values through shared memory.
+    """
+
+    variant: GroupVariant
+    groups: int  # groups per program (a power of 2)
+    block_d: int  # features per chunk (a power of 2, >= 16)
+    unroll: int  # chunks of D loaded together, at most
+    num_warps: int
+
+    def __post_init__(self):
+        if self.variant not in GROUP_VARIANTS:
+            raise ValueError(
+                f"variant must be one of {', '.join(GROUP_VARIANTS)}, got {self.variant!r}"
+            )
+        powers = {"groups": self.groups, "block_d": self.block_d, "num_warps": self.num_warps}
+        odd = {k: v for k, v in powers.items() if v < 1 or v & (v - 1)}
+        if odd or self.block_d < 16 or self.unroll < 1:
+            raise ValueError(
+                "groups, block_d and num_warps must be powers of 2, block_d >= 16 and unroll "
+                f">= 1; got {self}"
+            )
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.variant} G={self.groups} BD={self.block_d} U={self.unroll} W={self.num_warps}"
+        )
+
+    def meta(self, d: int, itemsize: int) -> dict:
+        """The kernel's launch keywords for rows of ``d`` elements of ``itemsize`` bytes."""
+        return dict(
+            GROUPS=self.groups,
+            BLOCK_D=self.block_d,
+            VEC=min(max(1, 16 // itemsize), self.block_d),  # elements per 16-byte load
+            UNROLL=max(1, min(self.unroll, triton.cdiv(d, self.block_d))),
+            num_warps=self.num_warps,
+        )
+
+
+# The fastest configuration group_kernel_sweep (accel.lab.cases.diversity) measured per
+# (BLOCK_N, D rounded up to a power of 2, bytes per element); its rows are in results/*.csv,
+# phase=diversity, cases "sweep group kernel ...". Every other shape takes _rule_config's.
+GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
+    (4, 512, 4): GroupConfig("pairs", groups=1, block_d=128, unroll=1, num_warps=1),
+    (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
+}
+
+
+def _rule_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
+    """The fallback: a deterministic rule (no autotuning: the same launch compiled or interpreted).
+
+    BLOCK_D is one warp's row of 16-byte loads (128 float32), fewer for short rows or large N;
+    GROUPS fills the tile budget; UNROLL chunks of D are loaded before their products are taken.
+
+    Warps: while a group's BLOCK_N^2 x (elements per 16-byte load) products fit a thread
+    (N <= 4), as many warps as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps
+    split the groups, never the rows, and no value crosses warps before the epilogue. Beyond
+    that the rows are split anyway, and the warps follow the tile: 64 products per thread.
+    """
+    vec = max(1, 16 // itemsize)  # elements per 16-byte load
+    block_d = min(max(16, triton.next_power_of_2(d)), 32 * 4)
+    block_d = max(16, min(block_d, GROUP_TILE_ELEMENTS // (block_n * block_n)))
+    groups = GROUP_TILE_ELEMENTS // (block_n * block_n * block_d)
+    groups = max(1, min(groups, GROUP_MAX, triton.next_power_of_2(batch)))
+    rows_in_thread = block_n * block_n * vec <= 128
+    plane_warps = groups * block_d // (32 * vec)  # one per row of 16-byte loads of the plane
+    tile_warps = block_n * block_n * groups * block_d // (32 * 64)  # 64 products per thread
+    warps = plane_warps if rows_in_thread else tile_warps
+    return GroupConfig(
+        "vecsum",
+        groups=groups,
+        block_d=block_d,
+        unroll=min(GROUP_UNROLL, triton.cdiv(d, block_d)),
+        num_warps=max(1, min(8, warps)),
+    )
+
+
+def group_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
+    """The configuration the group kernel launches with: the table's, else the rule's."""
+    table = GROUP_TABLE.get((block_n, triton.next_power_of_2(d), itemsize))
+    return table if table is not None else _rule_config(block_n, d, batch, itemsize)
+
+
+def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:
+    """Launch keywords of :func:`group_config`: GROUPS, BLOCK_D, VEC, UNROLL, num_warps."""
+    return group_config(block_n, d, batch, itemsize).meta(d, itemsize)
+
+
+def block_rows(n: int) -> int:
+    """BLOCK_N of groups of ``n`` rows: the next power of 2, at least 2."""
+    return max(2, triton.next_power_of_2(n))

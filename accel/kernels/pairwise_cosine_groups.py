@@ -1,0 +1,256 @@
+"""Pairwise-cosine kernels for many small groups (N <= 16 rows each), every cosine in registers.
+
+- ``_group_kernel``: a few groups of N rows per program. It accumulates each group's N x N Gram
+  matrix over chunks of D, takes the norms from its diagonal and reduces in the epilogue (mean
+  over pairs, nearest other, or the matrix). Its launch is a ``GroupConfig``
+  (``pairwise_cosine_config``).
+- ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
+  products formed.
+
+The prologue (``_group_rows``), a chunk's products (``_chunk_products``) and the epilogue
+(``_group_epilogue``) are shared with the variants the bench sweep compares
+(``pairwise_cosine_variants``). Both accumulate in float32 whatever the input dtype and
+normalize as ``F.normalize`` does, x / max(||x||, eps); rows past a group's count are never read.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _group_counts(counts_ptr, b, live, N, GROUPS: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """Members of the groups ``b`` (GROUPS,): each count clamped to [0, N], or N without counts;
+    0 for groups past B (``live`` false), so nothing is read for them."""
+    if HAS_COUNTS:
+        n = tl.load(counts_ptr + b, mask=live, other=0).to(tl.int32)
+        n = tl.minimum(tl.maximum(n, 0), N)
+    else:
+        n = tl.full([GROUPS], N, tl.int32)
+    return tl.where(live, n, 0)
+
+
+@triton.jit
+def _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
+    """One chunk of D of every row, (row, 1, group, 16-byte piece, element), as float32.
+
+    The last axis is one thread's 16-byte load, so a sum over it stays inside the thread. The
+    unit axis is there already (not expanded afterwards, which would convert the layout through
+    shared memory): ``x * tl.permute(x, (1, 0, 2, 3, 4))`` is then every product x_i * x_j of
+    the chunk, and the transpose only renames registers of each thread.
+    """
+    pieces = tl.arange(0, BLOCK_D // VEC)
+    cols = d0 + pieces[:, None] * VEC + tl.arange(0, VEC)[None, :]  # (BLOCK_D // VEC, VEC)
+    cols = cols[None, None, None, :, :]
+    return tl.load(
+        x_rows + cols * stride_xd,
+        mask=valid[:, None, :, None, None] & (cols < D),
+        other=0.0,
+    ).to(tl.float32)  # rows past a count are masked, never read
+
+
+@triton.jit
+def _chunk_products(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
+    """Every product x_i * x_j of one chunk: (row i, row j, group, piece, element)."""
+    x = _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D, VEC)
+    return x * tl.permute(x, (1, 0, 2, 3, 4))
+
+
+@triton.jit
+def _group_rows(
+    X_ptr,
+    counts_ptr,
+    B,
+    N,
+    stride_xb,
+    stride_xn,
+    HAS_COUNTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """This program's groups ``b`` (GROUPS,), which exist (``live``), the row numbers, each
+    group's members ``n``, which rows are members (``valid``, (BLOCK_N, GROUPS)) and the rows'
+    addresses, (row, 1, group, 1, 1) as :func:`_load_chunk` takes them."""
+    # int64: b * stride_xb may pass 2**31 elements.
+    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    live = b < B  # the last program may hold fewer than GROUPS groups
+    rows = tl.arange(0, BLOCK_N)
+    n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
+    valid = rows[:, None] < n[None, :]  # (BLOCK_N, GROUPS)
+    x_rows = (
+        X_ptr
+        + b[None, None, :, None, None] * stride_xb
+        + rows[:, None, None, None, None] * stride_xn
+    )
+    return b, live, rows, n, valid, x_rows
+
+
+@triton.jit
+def _group_epilogue(
+    gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE: tl.constexpr
+):
+    """Per group, from its Gram matrix (BLOCK_N, BLOCK_N, GROUPS): norms from the diagonal,
+    cosines, and the reduction of ``MODE`` stored."""
+    row_i = rows[:, None, None]
+    row_j = rows[None, :, None]
+    diagonal = tl.where(row_i == row_j, gram, 0.0)
+    inv_rows = 1.0 / tl.maximum(tl.sqrt(tl.sum(diagonal, axis=1)), eps)  # (BLOCK_N, GROUPS)
+    inv_cols = 1.0 / tl.maximum(tl.sqrt(tl.sum(diagonal, axis=0)), eps)
+    cos = gram * inv_rows[:, None, :] * inv_cols[None, :, :]
+    inside = valid[:, None, :] & valid[None, :, :]
+    pair = inside & (row_i != row_j)
+    if MODE == 0:  # mean over the n (n - 1) ordered pairs
+        total = tl.sum(tl.sum(tl.where(pair, cos, 0.0), axis=1), axis=0)  # (GROUPS,)
+        mean_cos = total / tl.maximum(n * (n - 1), 1)
+        tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
+    elif MODE == 1:  # nearest other member, per row and its group mean
+        best = tl.max(tl.where(pair, cos, float("-inf")), axis=1)  # (BLOCK_N, GROUPS)
+        # tl.max skips NaN; a member that is NaN or inf makes every nearest distance of its
+        # group NaN, as torch's max does: its squared norm times 0 is NaN, else 0
+        poison = tl.sum(tl.where(valid, tl.sum(diagonal, axis=1) * 0.0, 0.0), axis=0)
+        dist = tl.where(valid & (n >= 2)[None, :], 1.0 - best + poison[None, :], 0.0)
+        tl.store(
+            items_ptr + b[None, :] * N + rows[:, None],
+            dist,
+            mask=(rows[:, None] < N) & live[None, :],
+        )
+        group_mean = tl.sum(dist, axis=0) / tl.maximum(n, 1)
+        tl.store(out_ptr + b, tl.where(n >= 2, group_mean, 0.0), mask=live)
+    else:  # the distance matrix; zero outside the first n rows and columns
+        tl.store(
+            matrix_ptr + b[None, None, :] * N * N + row_i * N + row_j,
+            tl.where(inside, 1.0 - cos, 0.0),
+            mask=(row_i < N) & (row_j < N) & live[None, None, :],
+        )
+
+
+@triton.jit
+def _group_kernel(
+    X_ptr,
+    counts_ptr,
+    out_ptr,
+    items_ptr,
+    matrix_ptr,
+    B,
+    N,
+    D,
+    stride_xb,
+    stride_xn,
+    stride_xd,
+    eps,
+    MODE: tl.constexpr,
+    HAS_COUNTS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    VEC: tl.constexpr,
+    UNROLL: tl.constexpr,
+):
+    # Tiles are (row, group, feature): D is the fastest axis, so a warp's lanes take 16-byte
+    # pieces of one row, and the groups come next, so the launcher's warps split the groups
+    # (not the rows): each group's rows then sit in one thread's registers, the products
+    # x_i * x_j need no exchange between threads and the sum over D none between warps.
+    # Each chunk's products are summed over the thread's own 16-byte piece at once (in-thread
+    # adds), so the accumulator holds (N, N, GROUPS, BLOCK_D / VEC) floats, not every product.
+    b, live, rows, n, valid, x_rows = _group_rows(
+        X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
+    )
+    acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS, BLOCK_D // VEC], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D * UNROLL):
+        for k in tl.static_range(UNROLL):
+            d = d0 + k * BLOCK_D
+            acc += tl.sum(_chunk_products(x_rows, valid, d, D, stride_xd, BLOCK_D, VEC), axis=4)
+    gram = tl.sum(acc, axis=3)  # (BLOCK_N, BLOCK_N, GROUPS)
+    _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
+
+
+@triton.jit
+def _load_row(x_groups, r, n, live, d0, D, stride_xn, stride_xd, BLOCK_D: tl.constexpr):
+    """Row ``r`` of each group, one chunk of D, (GROUPS, BLOCK_D) float32; zero where the row is
+    past the group's count or the chunk past D (masked: never read)."""
+    cols = d0 + tl.arange(0, BLOCK_D)
+    ok = (live & (r < n))[:, None] & (cols[None, :] < D)
+    ptrs = x_groups + r * stride_xn + cols[None, :] * stride_xd
+    return tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _cos(dot, inv_i, inv_j, inside):
+    """A cosine from its dot product and inverse norms, or -inf where the pair is outside."""
+    return tl.where(inside, dot * inv_i * inv_j, float("-inf"))
+
+
+@triton.jit
+def _max3(a, b, c):
+    """The largest of three, NaN if any is NaN (as torch's max over a row)."""
+    ab = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(ab, c, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _pairs_kernel(
+    X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
+    MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Groups of N <= 4: each row a tensor of its own, (GROUPS, BLOCK_D) with D along the lanes,
+    # so only the 10 distinct dot products x_i . x_j (i <= j) are formed: 2.5 multiply-adds per
+    # element read, in registers, where the (row, row, ...) tiles of _group_kernel take 4 and
+    # rearrange registers for the transpose. The sums over D cross the lanes once per chunk.
+    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    live = b < B
+    n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
+    x_groups = X_ptr + b[:, None] * stride_xb
+    d00 = tl.zeros([GROUPS], dtype=tl.float32)
+    d11, d22, d33 = d00, d00, d00
+    d01, d02, d03, d12, d13, d23 = d00, d00, d00, d00, d00, d00
+    for d0 in range(0, D, BLOCK_D):
+        x0 = _load_row(x_groups, 0, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+        x1 = _load_row(x_groups, 1, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+        x2 = _load_row(x_groups, 2, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+        x3 = _load_row(x_groups, 3, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+        d00 += tl.sum(x0 * x0, axis=1)
+        d11 += tl.sum(x1 * x1, axis=1)
+        d22 += tl.sum(x2 * x2, axis=1)
+        d33 += tl.sum(x3 * x3, axis=1)
+        d01 += tl.sum(x0 * x1, axis=1)
+        d02 += tl.sum(x0 * x2, axis=1)
+        d03 += tl.sum(x0 * x3, axis=1)
+        d12 += tl.sum(x1 * x2, axis=1)
+        d13 += tl.sum(x1 * x3, axis=1)
+        d23 += tl.sum(x2 * x3, axis=1)
+    i0 = 1.0 / tl.maximum(tl.sqrt(d00), eps)
+    i1 = 1.0 / tl.maximum(tl.sqrt(d11), eps)
+    i2 = 1.0 / tl.maximum(tl.sqrt(d22), eps)
+    i3 = 1.0 / tl.maximum(tl.sqrt(d33), eps)
+    # pair (i, j), i < j, is inside the group when j < n
+    c01 = _cos(d01, i0, i1, n > 1)
+    c02 = _cos(d02, i0, i2, n > 2)
+    c12 = _cos(d12, i1, i2, n > 2)
+    c03 = _cos(d03, i0, i3, n > 3)
+    c13 = _cos(d13, i1, i3, n > 3)
+    c23 = _cos(d23, i2, i3, n > 3)
+    if MODE == 0:  # mean over the n (n - 1) ordered pairs: twice the unordered ones
+        total = tl.where(n > 1, c01, 0.0) + tl.where(n > 2, c02 + c12, 0.0)
+        total += tl.where(n > 3, c03 + c13 + c23, 0.0)
+        mean_cos = 2.0 * total / tl.maximum(n * (n - 1), 1)
+        tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
+    else:  # nearest other member, per row and its group mean
+        many = n >= 2
+        dist0 = tl.where(many, 1.0 - _max3(c01, c02, c03), 0.0)
+        dist1 = tl.where(many, 1.0 - _max3(c01, c12, c13), 0.0)
+        dist2 = tl.where(many & (n > 2), 1.0 - _max3(c02, c12, c23), 0.0)
+        dist3 = tl.where(many & (n > 3), 1.0 - _max3(c03, c13, c23), 0.0)
+        items = items_ptr + b * N
+        width = tl.full([GROUPS], N, tl.int32)  # rows per group in items (N, not the count)
+        tl.store(items, dist0, mask=live)
+        tl.store(items + 1, dist1, mask=live)
+        tl.store(items + 2, dist2, mask=live & (width > 2))
+        tl.store(items + 3, dist3, mask=live & (width > 3))
+        group_mean = (dist0 + dist1 + dist2 + dist3) / tl.maximum(n, 1)
+        tl.store(out_ptr + b, tl.where(many, group_mean, 0.0), mask=live)
+
+
+# True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
+# as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
+INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
