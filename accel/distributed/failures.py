@@ -34,7 +34,8 @@ def rank_failure(
         else (None, "")
     )
     consequences = [
-        f"rank {e['rank']}: {e['type']}: {e['message'].splitlines()[0][:200] if e['message'] else ''}"
+        f"rank {e['rank']}: {e['type']}: "
+        + (e["message"].splitlines()[0][:200] if e["message"] else "")
         for e in errors
     ]
     if not errors or killed:

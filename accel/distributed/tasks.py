@@ -74,7 +74,8 @@ class ToyModel(nn.Module):
 
 
 def toy_task(preset: str, seed: int) -> Task:
-    """A small residual MLP fitting ``sin(x @ W)`` for a fixed random ``W``; data from (seed, step)."""
+    """A small residual MLP fitting ``sin(x @ W)`` for a fixed random ``W``; data drawn from
+    (seed, step)."""
     if preset not in TOY_SIZES:
         raise ValueError(f"unknown preset {preset!r}; expected one of {', '.join(TOY_SIZES)}")
     sizes = TOY_SIZES[preset]

@@ -127,7 +127,8 @@ def _collect(config: RunConfig, exitcode: int, pids: dict[int, int]) -> RunResul
     if not finished:
         missing = [p.stem for p in paths if not p.is_file()]
         raise LaunchError(
-            f"torchrun exited 0 but {', '.join(missing)} wrote no results; output:\n{output[-4000:]}"
+            f"torchrun exited 0 but {', '.join(missing)} wrote no results; output:\n"
+            + output[-4000:]
         )
     if exitcode != 0:  # every rank had written its results: a crash on the way out
         warnings.warn(

@@ -5,9 +5,9 @@ default communication settings and with the tuned ones. Shared with
 Rows, for N GPUs (N >= 2; with fewer the rows say what was skipped): throughput of each
 configuration against one GPU, its scaling efficiency (throughput / (N x one GPU)), parameter +
 optimizer-state memory per GPU (FSDP2 against DDP) and peak memory per GPU. Weak scaling on GPUs:
-every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (at the gpu
-preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x
-DDP's; four GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
+every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (at the
+gpu preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x DDP's; four
+GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
 """
 
 from __future__ import annotations
@@ -278,9 +278,10 @@ def run(ctx: BenchContext) -> list[Row]:
     by_count = {n: launch(n, wrapped) for n in (rank_counts(gpus) if on_gpu else [2])}
     after = launch(1, only_one)["one"]
     one = max(before, after, key=lambda run: run.summary["samples_per_s"])
+    first, last = before.summary["samples_per_s"], after.summary["samples_per_s"]
     spread = (
-        f"; one process launched before and after the others: {before.summary['samples_per_s']:,.0f} "
-        f"and {after.summary['samples_per_s']:,.0f} samples/s, the faster is the baseline"
+        f"; one process launched before and after the others: {first:,.0f} and {last:,.0f} "
+        "samples/s, the faster is the baseline"
     )
     out: list[Row] = []
     for nprocs, runs in by_count.items():
