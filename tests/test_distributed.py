@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import os
 import signal
@@ -22,6 +23,7 @@ import pytest
 import torch
 
 from accel import distributed as D
+from accel.distributed import failures, launcher, torchrun
 from accel.lab.bench import BenchContext
 from accel.lab.cases import distributed as bench
 
@@ -38,7 +40,7 @@ def on_the_cpu():
     """These are tests of the CPU path: on a machine with GPUs too, launches pick gloo (nccl
     would ask for a GPU per rank; the bench runs that path)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(D, "gpus_present", lambda: 0)
+        patch.setattr(launcher, "gpus_present", lambda: 0)
         yield
 
 
@@ -65,6 +67,16 @@ def slow_data_task(preset: str, seed: int) -> D.Task:
         return healthy(step, rank, world, device)
 
     return D.Task(task.model, batch, task.loss, task.validate)
+
+
+def steps(run: D.RunResult) -> pd.DataFrame:
+    """Rank 0's per-step rows of ``run`` as a DataFrame."""
+    return bench.to_frame(run.steps)
+
+
+def ranks(run: D.RunResult) -> pd.DataFrame:
+    """Every rank's summary of ``run`` as a DataFrame."""
+    return bench.to_frame(run.ranks)
 
 
 def not_a_task(preset: str, seed: int):
@@ -120,25 +132,44 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_two_ranks_give_the_loss_of_one_process(runs, wrapper):
     one, run = runs["one"], runs[wrapper]
-    assert run.config.backend == "gloo" and list(run.ranks["rank"]) == [0, 1]
-    assert (run.steps["samples"] == 8).all()  # the global batch: 2 shares of 4
-    expected = torch.tensor(one.steps["loss"].to_numpy())
-    torch.testing.assert_close(torch.tensor(run.steps["loss"].to_numpy()), expected, **LOSS_TOL)
+    assert run.config.backend == "gloo" and list(ranks(run)["rank"]) == [0, 1]
+    assert (steps(run)["samples"] == 8).all()  # the global batch: 2 shares of 4
+    expected = torch.tensor(steps(one)["loss"].to_numpy())
+    torch.testing.assert_close(torch.tensor(steps(run)["loss"].to_numpy()), expected, **LOSS_TOL)
     # each rank's own loss is its share's: they differ, and average to the global loss
-    assert not run.steps["local_loss"].equals(run.steps["loss"])
+    assert not steps(run)["local_loss"].equals(steps(run)["loss"])
     assert expected[-1] < expected[0]  # it learns
-    ranks = run.ranks
-    assert ranks["final_loss"].nunique() == 1 and ranks["validation_error"].nunique() == 1
-    assert ranks["validation_error"].iloc[0] == pytest.approx(
+    summaries = ranks(run)
+    assert summaries["final_loss"].nunique() == 1 and summaries["validation_error"].nunique() == 1
+    assert summaries["validation_error"].iloc[0] == pytest.approx(
         one.summary["validation_error"], rel=1e-4
     )
-    assert (ranks["samples_per_s"] > 0).all() and (ranks["median_step_ms"] > 0).all()
-    assert len(run.steps) == STEPS and run.steps["warmup"].sum() == 2
+    assert (summaries["samples_per_s"] > 0).all() and (summaries["median_step_ms"] > 0).all()
+    assert len(steps(run)) == STEPS and steps(run)["warmup"].sum() == 2
+
+
+def test_results_are_plain_rows_a_frame_only_in_the_lab(runs):
+    run = runs["ddp"]
+    assert isinstance(run.steps, list) and all(isinstance(row, dict) for row in run.steps)
+    assert [r["rank"] for r in run.ranks] == [0, 1] and run.summary == run.ranks[0]
+    json.dumps({"steps": run.steps, "ranks": run.ranks})  # as the ranks wrote them
+    assert list(steps(run).columns) == list(run.steps[0]) and len(ranks(run)) == 2
+
+
+def test_a_run_imports_no_pandas():
+    code = (
+        "import sys; from accel import distributed as D; "
+        "run = D.launch(steps=2, warmup=0, preset='cpu', backend='gloo'); "
+        "assert run.summary['steps'] == 2; assert 'pandas' not in sys.modules"
+    )
+    root = str(Path(D.__file__).resolve().parents[2])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
 def test_throughput_is_samples_over_the_whole_timed_window(runs):
     s = runs["ddp"].summary
-    timed = runs["ddp"].steps.query("not warmup")
+    timed = steps(runs["ddp"]).query("not warmup")
     assert s["samples_per_s"] == pytest.approx(timed["samples"].sum() / (s["window_ms"] / 1e3))
     # the window holds every timed step, and the gaps between them
     assert s["window_ms"] >= timed["step_ms"].sum() * (1 - 1e-6)
@@ -148,11 +179,11 @@ def test_batch_making_stays_out_of_the_timed_steps():
     run = D.launch(f"{__name__}:slow_data_task", steps=4, warmup=1, in_process=True)
     # the 50 ms of each batch are spent before the first step, not inside the steps
     assert run.summary["window_ms"] < 3 * 50
-    assert run.steps["loss"].notna().all()
+    assert steps(run)["loss"].notna().all()
 
 
 def test_fsdp2_holds_half_the_state_of_ddp_per_rank(runs):
-    ddp, fsdp = runs["ddp"].ranks, runs["fsdp2"].ranks
+    ddp, fsdp = ranks(runs["ddp"]), ranks(runs["fsdp2"])
     params = int(ddp["param_count"].iloc[0])
     assert (fsdp["param_count"] == params).all()  # global count, from the sharded tensors
     assert (ddp["param_bytes"] == 4 * params).all()
@@ -173,15 +204,15 @@ def test_checkpoint_saved_on_two_ranks_loads_on_one_and_continues(runs, saved_by
     assert meta["step"] == SAVE_AT and meta["wrapper"] == runs[saved_by].config.wrapper
     assert meta["world_size"] == (1 if saved_by == "one" else 2)
     resumed = D.launch(steps=STEPS - SAVE_AT, preset="cpu", seed=3, load_from=saved)
-    assert resumed.steps["step"].tolist() == list(range(SAVE_AT, STEPS))
+    assert steps(resumed)["step"].tolist() == list(range(SAVE_AT, STEPS))
     assert resumed.summary["start_step"] == SAVE_AT
-    expected = runs["one"].steps["loss"].to_numpy()[SAVE_AT:]
+    expected = steps(runs["one"])["loss"].to_numpy()[SAVE_AT:]
     torch.testing.assert_close(
-        torch.tensor(resumed.steps["loss"].to_numpy()), torch.tensor(expected), **LOSS_TOL
+        torch.tensor(steps(resumed)["loss"].to_numpy()), torch.tensor(expected), **LOSS_TOL
     )
     # in this process or as one rank: the same metrics
-    assert list(resumed.steps.columns) == list(runs["one"].steps.columns)
-    assert list(resumed.ranks.columns) == list(runs["one"].ranks.columns)
+    assert list(steps(resumed).columns) == list(steps(runs["one"]).columns)
+    assert list(ranks(resumed).columns) == list(ranks(runs["one"]).columns)
     assert resumed.summary["backend"] == "none" and runs["one"].summary["backend"] == "gloo"
 
 
@@ -290,9 +321,9 @@ def test_resuming_after_the_kill_gives_the_uninterrupted_losses(runs, killed, np
         f"{__name__}:dying_task", nprocs=nprocs, wrapper="ddp" if nprocs > 1 else "none",
         steps=STEPS - 4, preset="cpu", seed=3, load_from=root,
     )  # fmt: skip
-    assert resumed.steps["step"].tolist() == list(range(4, STEPS))
-    got = torch.tensor(resumed.steps["loss"].to_numpy())
-    expected = torch.tensor(runs["ddp"].steps["loss"].to_numpy()[4:])
+    assert steps(resumed)["step"].tolist() == list(range(4, STEPS))
+    got = torch.tensor(steps(resumed)["loss"].to_numpy())
+    expected = torch.tensor(steps(runs["ddp"])["loss"].to_numpy()[4:])
     if nprocs == 2:  # the same ranks, the same sums in the same order: bit for bit
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
     else:
@@ -306,14 +337,14 @@ def no_launch(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError(f"launched {args[0] if args else kwargs}")
 
-    monkeypatch.setattr(D.subprocess, "Popen", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
 
 
 def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, no_launch):
-    monkeypatch.setattr(D, "gpus_present", lambda: 1)
+    monkeypatch.setattr(launcher, "gpus_present", lambda: 1)
     with pytest.raises(ValueError, match=r"asked for 2 processes .* but 1 GPU\(s\) are present"):
         D.launch(nprocs=2, wrapper="ddp")  # nccl: picked because a GPU is present
-    monkeypatch.setattr(D, "gpus_present", lambda: 0)
+    monkeypatch.setattr(launcher, "gpus_present", lambda: 0)
     with pytest.raises(ValueError, match=r"0 GPU.*present; use backend='gloo' to run on the CPU"):
         D.launch(nprocs=2, wrapper="ddp", backend="nccl")
 
@@ -321,7 +352,7 @@ def test_more_processes_than_gpus_is_refused_before_launch(monkeypatch, no_launc
 def test_a_missing_launcher_is_a_clear_error(monkeypatch, no_launch):
     with pytest.raises(D.LauncherNotFound, match="'no-such-torchrun' not found on PATH"):
         D.launch(nprocs=2, wrapper="ddp", launcher="no-such-torchrun")
-    monkeypatch.setattr(D, "_torch_run_available", lambda: False)
+    monkeypatch.setattr(torchrun, "_torch_run_available", lambda: False)
     with pytest.raises(D.LauncherNotFound, match=r"torch.distributed.run cannot be imported"):
         D.launch(nprocs=2, wrapper="ddp")
 
@@ -428,8 +459,7 @@ def fake_run(wrapper: str, nprocs: int, samples_per_s: float, state: float, tune
         "validation_error": 0.2,
         "notes": "",
     }
-    ranks = pd.DataFrame([summary | {"rank": r} for r in range(nprocs)])
-    return D.RunResult(config, pd.DataFrame(), ranks)
+    return D.RunResult(config, [], [summary | {"rank": r} for r in range(nprocs)])
 
 
 def test_bench_rows_judge_the_two_gpu_targets():
@@ -493,8 +523,8 @@ def test_the_cause_is_the_killed_rank_then_the_raising_one_never_torchruns_sigte
         if raised_by is not None:
             error = {"rank": raised_by, "time": 0.0, "type": "ValueError", "message": "bad batch",
                      "traceback": "Traceback ...\nValueError: bad batch"}  # fmt: skip
-            (tmp_path / f"rank{raised_by}.error.json").write_text(D.json.dumps(error))
-        return D._rank_failure(config, tmp_path, output, 1, {})
+            (tmp_path / f"rank{raised_by}.error.json").write_text(json.dumps(error))
+        return failures.rank_failure(config, tmp_path, output, 1, {})
 
     sigterm = summary.format(a=0, code=-15, why="Signal 15 (SIGTERM) received by PID 11", b=1)
     sigkill = summary.format(a=1, code=-9, why="Signal 9 (SIGKILL) received by PID 11", b=0)

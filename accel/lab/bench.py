@@ -12,7 +12,6 @@ import dataclasses
 import datetime as dt
 import importlib
 import math
-import os
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ import pandas as pd
 import torch
 
 from accel.errors import UsageError, collection_of
+from accel.files import write_text_atomic
 from accel.lab.ceilings import Ceilings, measure_ceilings
 from accel.lab.device import (
     Preset,
@@ -230,10 +230,10 @@ def write_results(
         old = pd.read_csv(csv)
         frame = pd.concat([old[~old["phase"].isin(frame["phase"])], frame], ignore_index=True)
     frame = frame[COLUMNS]
-    _write_atomic(csv, frame.to_csv(index=False))
+    write_text_atomic(csv, frame.to_csv(index=False))
     _write_plotly_js(out)
     report = out / f"{stem}.html"
-    _write_atomic(report, html_report(frame))
+    write_text_atomic(report, html_report(frame))
     return {"csv": csv, "html": report}
 
 
@@ -248,14 +248,7 @@ def _write_plotly_js(out: Path) -> None:
     script = get_plotlyjs()
     path = out / PLOTLY_JS
     if not path.is_file() or path.read_text() != script:
-        _write_atomic(path, script)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """A reader (or a crash) never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+        write_text_atomic(path, script)
 
 
 def html_report(frame: pd.DataFrame) -> str:
@@ -390,7 +383,7 @@ def update_readme(
         )
     new = f"{head}{README_START}\n{table}{README_END}{tail}"
     if new != text:
-        _write_atomic(path, new)
+        write_text_atomic(path, new)
     return new != text
 
 

@@ -5,9 +5,9 @@ default communication settings and with the tuned ones. Shared with
 Rows, for N GPUs (N >= 2; with fewer the rows say what was skipped): throughput of each
 configuration against one GPU, its scaling efficiency (throughput / (N x one GPU)), parameter +
 optimizer-state memory per GPU (FSDP2 against DDP) and peak memory per GPU. Weak scaling on GPUs:
-every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (at the gpu
-preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x
-DDP's; four GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
+every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (at the
+gpu preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x DDP's; four
+GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
 """
 
 from __future__ import annotations
@@ -103,13 +103,18 @@ def measure(
     return runs
 
 
+def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """A run's plain rows (``RunResult.steps`` or ``.ranks``) as a DataFrame, one row each."""
+    return pd.DataFrame(rows)
+
+
 def table(runs: dict[str, RunResult]) -> pd.DataFrame:
     """One row per configuration: throughput, speedup and scaling efficiency against ``one``,
     memory per rank (the largest over ranks), loss and validation error."""
     one = runs["one"].summary["samples_per_s"] if "one" in runs else math.nan
     rows = []
     for label, run in runs.items():
-        s, n = run.summary, run.config.nprocs
+        s, n, ranks = run.summary, run.config.nprocs, to_frame(run.ranks)
         rows.append(
             {
                 "config": label,
@@ -120,8 +125,8 @@ def table(runs: dict[str, RunResult]) -> pd.DataFrame:
                 "speedup": s["samples_per_s"] / one,
                 "scaling_efficiency": s["samples_per_s"] / (n * one),
                 "median_step_ms": s["median_step_ms"],
-                "state_mib_per_rank": run.ranks["state_bytes"].max() / MiB,
-                "peak_mib_per_rank": run.ranks["peak_memory_bytes"].max() / MiB,
+                "state_mib_per_rank": ranks["state_bytes"].max() / MiB,
+                "peak_mib_per_rank": ranks["peak_memory_bytes"].max() / MiB,
                 "final_loss": s["final_loss"],
                 "validation_error": s["validation_error"],
                 "notes": s["notes"],
@@ -131,11 +136,10 @@ def table(runs: dict[str, RunResult]) -> pd.DataFrame:
 
 
 def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
-    """Bench rows from :func:`measure`'s runs."""
+    """Bench rows from :func:`measure`'s runs: one process's throughput, then each wrapped
+    configuration's throughput and scaling efficiency, then its memory."""
     frame = table(runs).set_index("config")
-    one = frame.loc["one"]
     n = int(frame.drop(index="one")["nprocs"].max())
-    targets = TARGETS.get(n)
     first = next(iter(runs.values())).config
     note = (
         f"{where}; {first.scaling} scaling, preset {first.preset}, autocast {first.autocast}; "
@@ -143,16 +147,22 @@ def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
         "window of rank 0's clock (CUDA events on a GPU), batches staged on the host; "
         "launches one after another"
     )
-    out = [
-        Row(
-            "distributed",
-            "one_gpu throughput",
-            "training throughput on one process",
-            "samples/s",
-            one["samples_per_s"],
-            note=note,
-        )
-    ]
+    one = Row(
+        "distributed",
+        "one_gpu throughput",
+        "training throughput on one process",
+        "samples/s",
+        frame.loc["one", "samples_per_s"],
+        note=note,
+    )
+    throughput = _throughput_rows(frame, n, judged=judged, note=note)
+    return [one, *throughput, *_memory_rows(frame, n, judged=judged, where=where)]
+
+
+def _throughput_rows(frame: pd.DataFrame, n: int, *, judged: bool, note: str) -> list[Row]:
+    """Each wrapped configuration's throughput against one process (DDP's judged against the
+    target for ``n`` ranks) and its scaling efficiency."""
+    one, targets, out = frame.loc["one"], TARGETS.get(n), []
     for label, r in frame.drop(index="one").iterrows():
         is_ddp = r["wrapper"] == "ddp"
         extra = f"; {r['notes']}" if r["notes"] else ""
@@ -184,6 +194,13 @@ def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
                 note=note,
             )
         )
+    return out
+
+
+def _memory_rows(frame: pd.DataFrame, n: int, *, judged: bool, where: str) -> list[Row]:
+    """Each wrapped configuration's state memory per rank (FSDP2's judged against DDP's) and,
+    on GPUs, its peak memory against one process's."""
+    one, targets, out = frame.loc["one"], TARGETS.get(n), []
     ddp_state = frame.loc["ddp", "state_mib_per_rank"] if "ddp" in frame.index else math.nan
     for label, r in frame.drop(index="one").iterrows():
         is_fsdp = r["wrapper"] == "fsdp2"
@@ -254,19 +271,17 @@ def run(ctx: BenchContext) -> list[Row]:
     def launch(nprocs: int, configs: dict[str, dict[str, Any]]) -> dict[str, RunResult]:
         return measure(task, nprocs, preset=ctx.preset, sizes=sizes, configs=configs)
 
-    # One GPU's run, the baseline of every N, is launched before and after the others: at this
-    # preset its throughput moves from launch to launch (seen on an H200: 1,114 to 1,389
-    # samples/s over four launches). The faster launch is the baseline, so a slow one cannot
-    # flatter the speedups.
+    # One process's throughput varies by launch: run before and after, the faster is the baseline
     only_one = {"one": CONFIGS["one"]}
     wrapped = {k: v for k, v in CONFIGS.items() if k != "one"}
     before = launch(1, only_one)["one"]
     by_count = {n: launch(n, wrapped) for n in (rank_counts(gpus) if on_gpu else [2])}
     after = launch(1, only_one)["one"]
     one = max(before, after, key=lambda run: run.summary["samples_per_s"])
+    first, last = before.summary["samples_per_s"], after.summary["samples_per_s"]
     spread = (
-        f"; one process launched before and after the others: {before.summary['samples_per_s']:,.0f} "
-        f"and {after.summary['samples_per_s']:,.0f} samples/s, the faster is the baseline"
+        f"; one process launched before and after the others: {first:,.0f} and {last:,.0f} "
+        "samples/s, the faster is the baseline"
     )
     out: list[Row] = []
     for nprocs, runs in by_count.items():

@@ -1,0 +1,36 @@
+"""One rank of a run: ``python -m accel.distributed --config FILE``, what torchrun starts on every
+rank (see :mod:`accel.distributed.torchrun`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from accel.distributed.config import RunConfig
+from accel.distributed.rank import run_rank
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one rank of accel.distributed.launch")
+    parser.add_argument("--config", required=True, help="the run's config.json")
+    args = parser.parse_args(argv)
+    fields = json.loads(Path(args.config).read_text())
+    try:
+        run_rank(RunConfig(**fields))
+        code = 0
+    except BaseException:
+        traceback.print_exc()  # into torchrun's output too; the error file has it already
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: the results are written, and gloo's worker threads can
+    # abort it ("terminate called without an active exception", SIGABRT) after a clean run.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""What a run is asked to do (:class:`RunConfig`, the wrappers, the tuned communication settings)
+and what it returns (:class:`RunResult`, plain lists and dicts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Wrapper = Literal["none", "ddp", "fsdp2"]
+WRAPPERS: tuple[str, ...] = ("none", "ddp", "fsdp2")
+Scaling = Literal["strong", "weak"]
+
+# The write-up's "Phase 1" NCCL settings (scripts/vast_launch.py). Within one NVLink host only
+# NCCL_MIN_NCHANNELS can change anything: the socket settings are for TCP transport between hosts,
+# and P2P/IB "disable=0" are NCCL's defaults already.
+WRITEUP_NCCL_ENV: dict[str, str] = {
+    "NCCL_NSOCKS_PERTHREAD": "4",
+    "NCCL_SOCKET_NTHREADS": "2",
+    "NCCL_MIN_NCHANNELS": "4",
+    "NCCL_P2P_DISABLE": "0",
+    "NCCL_IB_DISABLE": "0",
+}
+# The communication settings, all at once: ``launch(..., **TUNED_COMM)``. Each wrapper uses its own.
+TUNED_COMM: dict[str, Any] = {
+    "bucket_cap_mb": 100,  # DDP: fewer, larger all-reduces (default 25 MB)
+    "gradient_as_bucket_view": True,  # DDP: gradients live in the buckets, no copy in or out
+    "static_graph": True,  # DDP: the same parameters get gradients every step
+    "reshard_after_forward": False,  # FSDP2: keep gathered blocks for the backward (more memory)
+    "mixed_precision": "bf16",  # DDP: bf16 gradients (CUDA); FSDP2: bf16 parameter gathers
+    "nccl_env": WRITEUP_NCCL_ENV,
+}
+DEFAULT_TASK = "accel.distributed:toy_task"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a rank needs, written as JSON for the ranks to read."""
+
+    task: str = DEFAULT_TASK
+    wrapper: str = "none"
+    nprocs: int = 1
+    steps: int = 10
+    warmup: int = 2
+    preset: str = "cpu"
+    seed: int = 0
+    lr: float = 1e-3
+    scaling: str = "strong"
+    backend: str = "gloo"
+    autocast: str | None = None
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    reshard_after_forward: bool = True
+    mixed_precision: str | None = None
+    nccl_env: dict[str, str] = field(default_factory=dict)
+    checkpoint_dir: str | None = None
+    checkpoint_at: int | None = None
+    checkpoint_every: int | None = None
+    load_from: str | None = None
+    validate: bool = True
+    timeout: float = 600.0
+    out_dir: str = ""
+
+    @property
+    def comm_tuned(self) -> bool:
+        """Whether any communication setting differs from torch's defaults."""
+        default = RunConfig()
+        return any(getattr(self, k) != getattr(default, k) for k in TUNED_COMM)
+
+
+@dataclass
+class RunResult:
+    """A finished run. ``steps``: rank 0's per-step rows; ``ranks``: every rank's summary, one
+    per rank; each a list of dicts (``accel.lab.cases.distributed.to_frame`` makes a DataFrame)."""
+
+    config: RunConfig
+    steps: list[dict[str, Any]]
+    ranks: list[dict[str, Any]]
+    output: str = ""
+    pids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_records(
+        cls, config: RunConfig, records: list[dict], *, output: str, pids: tuple[int, ...] = ()
+    ) -> RunResult:
+        """From every rank's record (``{"summary": ..., "steps": [...]}``), rank 0's first."""
+        steps = list(records[0]["steps"])
+        return cls(config, steps, [r["summary"] for r in records], output=output, pids=pids)
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        """Rank 0's summary."""
+        return dict(self.ranks[0])

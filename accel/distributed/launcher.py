@@ -1,0 +1,222 @@
+"""The entry point, :func:`launch`: every argument checked and the task built once here (bad input
+is a ValueError before anything starts), then the run trained in this process or on torchrun
+(:mod:`accel.distributed.torchrun`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from accel.distributed.checkpoint import latest_checkpoint
+from accel.distributed.config import (
+    DEFAULT_TASK,
+    WRAPPERS,
+    RunConfig,
+    RunResult,
+    Scaling,
+    Wrapper,
+)
+from accel.distributed.rank import train
+from accel.distributed.tasks import build_task, split_task_name
+from accel.distributed.torchrun import launcher_command, run_torchrun
+
+
+def gpus_present() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def launch(
+    task: str = DEFAULT_TASK,
+    nprocs: int = 1,
+    wrapper: Wrapper = "none",
+    *,
+    steps: int = 10,
+    warmup: int = 2,
+    preset: str | None = None,
+    seed: int = 0,
+    lr: float = 1e-3,
+    scaling: Scaling = "strong",
+    backend: Literal["nccl", "gloo"] | None = None,
+    autocast: Literal["bf16"] | None = None,
+    bucket_cap_mb: float | None = None,
+    gradient_as_bucket_view: bool = False,
+    static_graph: bool = False,
+    reshard_after_forward: bool = True,
+    mixed_precision: Literal["bf16"] | None = None,
+    nccl_env: dict[str, str] | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_at: int | None = None,
+    checkpoint_every: int | None = None,
+    load_from: str | os.PathLike | None = None,
+    validate: bool = True,
+    timeout: float = 600.0,
+    in_process: bool | None = None,
+    launcher: str | Sequence[str] | None = None,
+) -> RunResult:
+    """Train ``task`` for ``steps`` steps on ``nprocs`` processes (one per GPU with ``nccl``,
+    the default when GPUs are present; ``gloo`` on the CPU) and return the measurements.
+
+    ``scaling="strong"`` splits the task's global batch over the ranks (N ranks compute what one
+    process computes); ``"weak"`` gives every rank a whole batch (rank r of N takes the task's
+    batch of step ``step * N + r``), so the global batch grows with N, as when adding GPUs.
+    Communication settings (defaults are torch's; :data:`TUNED_COMM` has them all on): DDP's
+    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``; FSDP2's
+    ``reshard_after_forward``; ``mixed_precision="bf16"`` (DDP: bf16 gradient all-reduce, CUDA
+    only; FSDP2: parameters gathered and used in bf16, gradients reduced in fp32); ``nccl_env``.
+    ``autocast="bf16"`` runs forward and loss under bf16 autocast. ``checkpoint_dir`` saves model
+    and optimizer after step ``checkpoint_at`` (default: the last), or with ``checkpoint_every=k``
+    after every k-th step into ``checkpoint_dir/step-NNNNNN``; ``load_from`` resumes from such a
+    checkpoint at its step (given the directory of several, from the latest complete one).
+    ``warmup`` first steps are left out of the throughput. ``in_process`` (default: for one
+    process with ``wrapper="none"``) trains in this process, with the same metrics and no
+    ``timeout``.
+
+    Raises before launching: ValueError for bad arguments, a task that cannot be built with this
+    preset or split over ``nprocs`` ranks (it is built once here to check), an unwritable
+    ``checkpoint_dir`` or more processes than GPUs; :class:`LauncherNotFound`. After:
+    :class:`RankFailed` with the first failing rank's error in its first line, then its
+    traceback; :class:`LaunchTimeout` after ``timeout`` seconds. Either way, and on Ctrl-C, every
+    process of the run (ranks and what they started) is gone when it returns or raises.
+    """
+    arguments = locals()  # every argument but in_process and launcher is a RunConfig field
+    fields = {f.name for f in dataclasses.fields(RunConfig)}
+    config = _config({k: v for k, v in arguments.items() if k in fields})
+    if in_process is None:
+        in_process = nprocs == 1 and wrapper == "none"
+    if in_process:
+        if wrapper != "none":
+            raise ValueError(f"in_process runs wrapper 'none' only, got {wrapper!r}")
+        record = train(config, rank=0, world=1, local_rank=0, distributed=False)
+        return RunResult.from_records(config, [record], output="")
+    command = launcher_command(launcher)
+    _check_task(config)
+    with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
+        return run_torchrun(dataclasses.replace(config, out_dir=tmp), command)
+
+
+def _config(arguments: dict[str, Any]) -> RunConfig:
+    """The run's config from :func:`launch`'s arguments, each checked, defaults resolved: the
+    backend (nccl where GPUs are), the preset (``ACCEL_PRESET``, else by backend), paths."""
+    _check_arguments(**arguments)
+    _check_checkpoints(**arguments)
+    _check_task_module(arguments["task"])
+    backend = _backend(arguments["backend"], arguments["nprocs"])
+    preset = arguments["preset"] or os.environ.get("ACCEL_PRESET")
+    checkpoint_dir, load_from = arguments["checkpoint_dir"], arguments["load_from"]
+    if load_from is not None:
+        load_from = latest_checkpoint(load_from)
+    resolved = {
+        "backend": backend,
+        "preset": preset or ("gpu" if backend == "nccl" else "cpu"),
+        "nccl_env": dict(arguments["nccl_env"] or {}),
+        "checkpoint_dir": None if checkpoint_dir is None else str(Path(checkpoint_dir).resolve()),
+        "load_from": None if load_from is None else str(Path(load_from).resolve()),
+    }
+    return RunConfig(**arguments | resolved)
+
+
+def _check_arguments(
+    *,
+    wrapper: str,
+    nprocs: int,
+    steps: int,
+    warmup: int,
+    scaling: str,
+    autocast: str | None,
+    mixed_precision: str | None,
+    **_: Any,
+) -> None:
+    if wrapper not in WRAPPERS:
+        raise ValueError(f"wrapper must be one of {WRAPPERS}, got {wrapper!r}")
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    if wrapper == "none" and nprocs != 1:
+        raise ValueError(f"wrapper 'none' trains on one process; got nprocs={nprocs} (use ddp)")
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"expected steps >= 1 and warmup >= 0, got {steps=} {warmup=}")
+    if scaling not in ("strong", "weak"):
+        raise ValueError(f"scaling must be 'strong' or 'weak', got {scaling!r}")
+    for name, value in (("autocast", autocast), ("mixed_precision", mixed_precision)):
+        if value not in (None, "bf16"):
+            raise ValueError(f"{name} must be None or 'bf16', got {value!r}")
+
+
+def _check_checkpoints(
+    *,
+    steps: int,
+    checkpoint_dir: str | os.PathLike | None,
+    checkpoint_at: int | None,
+    checkpoint_every: int | None,
+    **_: Any,
+) -> None:
+    if checkpoint_at is not None and not 1 <= checkpoint_at <= steps:
+        raise ValueError(f"checkpoint_at must be within 1..steps={steps}, got {checkpoint_at}")
+    if checkpoint_every is not None:
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if checkpoint_dir is None or checkpoint_at is not None:
+            raise ValueError(
+                "checkpoint_every needs checkpoint_dir (where the step-NNNNNN checkpoints go) and "
+                "no checkpoint_at"
+            )
+    if checkpoint_dir is not None:
+        _check_writable(Path(checkpoint_dir))
+
+
+def _check_writable(directory: Path) -> None:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"checkpoint_dir {directory}: cannot write there ({e.strerror or e}); the run would "
+            "fail at its first checkpoint"
+        ) from None
+
+
+def _check_task_module(task: str) -> None:
+    module, _ = split_task_name(task)
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        raise ValueError(f"task {task!r}: module {module!r} cannot be found")
+
+
+def _backend(backend: str | None, nprocs: int) -> str:
+    """``backend``, or nccl where GPUs are present and gloo elsewhere; nccl needs a GPU per rank."""
+    backend = backend or ("nccl" if gpus_present() else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl', 'gloo' or None, got {backend!r}")
+    if backend == "nccl":
+        gpus = gpus_present()
+        if nprocs > gpus:
+            raise ValueError(
+                f"asked for {nprocs} process{'es' if nprocs > 1 else ''} with one GPU each "
+                f"(backend nccl), but {gpus} GPU(s) are present; "
+                + (f"use nprocs <= {gpus}" if gpus else "use backend='gloo' to run on the CPU")
+            )
+    return backend
+
+
+def _check_task(config: RunConfig) -> None:
+    """What every rank will do first, done once here: a mistake in the task, its preset or its
+    split over the ranks is raised before torchrun starts, not from inside a rank."""
+    if config.preset == "gpu" and config.backend == "gloo":
+        raise ValueError(
+            "preset 'gpu' sizes the task for a GPU, and backend 'gloo' trains on the CPU: use "
+            "preset='cpu', or backend='nccl' on a machine with GPUs"
+        )
+    with torch.random.fork_rng(devices=[]):  # a task seeds torch; leave the caller's alone
+        task = build_task(config)
+        if config.scaling == "strong":
+            task.batch(0, 0, config.nprocs, torch.device("cpu"))

@@ -1,0 +1,334 @@
+"""What every rank runs: :func:`run_rank` under torchrun (or :func:`train` in the launching
+process for one plain process), the timed training loop, and the rank's measurements (loss over
+ranks, throughput over the timed window, memory, one all-reduce alone). A rank's record is plain
+JSON: ``{"summary": {...}, "steps": [{...}, ...]}``."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel.distributed.checkpoint import load, save
+from accel.distributed.config import RunConfig
+from accel.distributed.costs import allreduce_bytes
+from accel.distributed.tasks import Task, build_task
+from accel.distributed.wrappers import wrap
+from accel.files import write_text_atomic
+
+
+def run_rank(config: RunConfig) -> dict:
+    """One rank's whole run under torchrun (reads RANK, WORLD_SIZE, LOCAL_RANK); writes its
+    record, or its traceback, to ``config.out_dir``."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = Path(config.out_dir)
+    write_text_atomic(out / f"rank{rank}.pid", str(os.getpid()))
+    try:
+        record = train(
+            config,
+            rank=rank,
+            world=world,
+            local_rank=int(os.environ["LOCAL_RANK"]),
+            distributed=True,
+        )
+    except BaseException as error:
+        failure = {
+            "rank": rank,
+            "time": time.time(),
+            "pid": os.getpid(),
+            "type": type(error).__name__,
+            "message": str(error),
+            "traceback": traceback.format_exc(),
+        }
+        write_text_atomic(out / f"rank{rank}.error.json", json.dumps(failure))
+        raise
+    write_text_atomic(out / f"rank{rank}.json", json.dumps(record))
+    return record
+
+
+def train(config: RunConfig, *, rank: int, world: int, local_rank: int, distributed: bool) -> dict:
+    """This rank's record; ``distributed`` joins the process group (torchrun's env) first."""
+    device = torch.device("cuda", local_rank) if config.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    import torch.distributed as dist
+
+    if distributed:
+        dist.init_process_group(config.backend, timeout=datetime.timedelta(seconds=config.timeout))
+    record = _train_steps(config, rank, world, device, distributed)
+    if distributed:  # only after success: with a collective in flight it could wait forever
+        dist.destroy_process_group()
+    return record
+
+
+def _train_steps(
+    config: RunConfig, rank: int, world: int, device: torch.device, distributed: bool
+) -> dict:
+    """The task built, wrapped and loaded if asked, trained for ``config.steps`` steps, measured."""
+    task = build_task(config)
+    model, notes = wrap(task.model.to(device), config, device, world)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    start = load(model, optimizer, config) if config.load_from else 0
+    clock, losses, samples = _run_steps(
+        task, model, optimizer, config, start=start, rank=rank, world=world, device=device
+    )
+    step_ms = clock.times_ms()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
+    param_count = sum(p.numel() for p in model.parameters())  # DTensors count globally
+    allreduce_ms = _time_allreduce(param_count, device) if distributed and world > 1 else math.nan
+    local_loss = torch.stack(losses)
+    mean_loss, global_samples = _over_ranks(local_loss, samples, device, world, distributed)
+    validation = _validation(task, model, config, device)
+    mean_loss, local_loss = mean_loss.tolist(), local_loss.tolist()  # sync: once, at the end
+    global_samples = global_samples.tolist()
+    params, optim = _state_bytes(model, optimizer)
+    summary = {
+        "rank": rank,
+        "world_size": world,
+        "wrapper": config.wrapper,
+        "backend": config.backend if distributed else "none",
+        "device": _device_name(device),
+        "scaling": config.scaling,
+        "comm_tuned": config.comm_tuned,
+        "steps": config.steps,
+        "start_step": start,
+        **_throughput(config, clock, step_ms, global_samples),
+        "final_loss": mean_loss[-1],
+        "validation_error": validation,
+        "param_count": param_count,
+        "param_bytes": params,
+        "optimizer_bytes": optim,
+        "state_bytes": params + optim,
+        "peak_memory_bytes": peak,
+        # one all-reduce of every gradient (fp32), alone: what DDP would wait for unoverlapped
+        "allreduce_ms": allreduce_ms,
+        "allreduce_gb_s": allreduce_bytes(4 * param_count, world) / allreduce_ms / 1e6,
+        "max_rss_bytes": _max_rss_bytes(),
+        "notes": "; ".join(notes),
+        "pid": os.getpid(),
+    }
+    rows = _step_rows(config, start, mean_loss, local_loss, step_ms, global_samples)
+    return {"summary": summary, "steps": rows}
+
+
+def _run_steps(
+    task: Task,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: RunConfig,
+    *,
+    start: int,
+    rank: int,
+    world: int,
+    device: torch.device,
+) -> tuple[_Clock, list[torch.Tensor], list[int]]:
+    """The timed steps on batches staged before the first, saving checkpoints as asked: the
+    clock, each step's loss (on the device, not read yet) and its number of samples."""
+    save_at = (
+        (config.checkpoint_at or config.steps)
+        if config.checkpoint_dir and not config.checkpoint_every
+        else None
+    )
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if config.autocast == "bf16"
+        else nullcontext()
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    batches = _staged_batches(task, config, rank, world, start, device)
+    clock = _Clock(device)
+    losses, samples = [], []
+    for i, (host_inputs, host_targets) in enumerate(batches):
+        step = start + i
+        clock.start()
+        inputs = host_inputs.to(device, non_blocking=True)
+        targets = host_targets.to(device, non_blocking=True)
+        with autocast:
+            loss = task.loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        clock.stop()
+        losses.append(loss.detach().float())
+        samples.append(inputs.shape[0])
+        if save_at == i + 1:
+            save(model, optimizer, config, step + 1, rank, world, Path(config.checkpoint_dir))
+        elif config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+            directory = Path(config.checkpoint_dir) / f"step-{step + 1:06d}"
+            save(model, optimizer, config, step + 1, rank, world, directory)
+    return clock, losses, samples
+
+
+def _over_ranks(
+    local_loss: torch.Tensor,
+    samples: list[int],
+    device: torch.device,
+    world: int,
+    distributed: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each step's loss averaged over the ranks, and its samples summed over them."""
+    mean_loss, global_samples = local_loss.clone(), torch.tensor(samples, device=device)
+    if distributed and world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(mean_loss)  # means of equal shares: their mean is the global mean
+        mean_loss /= world
+        dist.all_reduce(global_samples)
+    return mean_loss, global_samples
+
+
+def _validation(task: Task, model: nn.Module, config: RunConfig, device: torch.device) -> float:
+    """The task's held-out error after training (NaN when it has none or it is off)."""
+    if not (config.validate and task.validate is not None):
+        return math.nan
+    # DDP: the plain module, no collectives. FSDP2: every rank runs it (it gathers weights).
+    plain = model.module if config.wrapper == "ddp" else model
+    return float(task.validate(plain, device))
+
+
+def _throughput(
+    config: RunConfig, clock: _Clock, step_ms: list[float], global_samples: list[int]
+) -> dict[str, float]:
+    """The median step, and samples per second over the timed steps (after the warm-up)."""
+    timed = slice(config.warmup, None) if config.steps > config.warmup else slice(None)
+    median_ms = statistics.median(step_ms[timed])
+    samples_per_step = statistics.median(global_samples[timed])
+    # Throughput over the whole timed window, gaps between steps included: a rank that waits
+    # for a slower one (its collectives do) shows it here, where a median step could hide it.
+    window_ms = clock.span_ms(timed.start or 0)
+    samples_per_s = sum(global_samples[timed]) / (window_ms / 1e3) if window_ms > 0 else math.nan
+    return {
+        "median_step_ms": median_ms,
+        "samples_per_step": samples_per_step,
+        "window_ms": window_ms,
+        "samples_per_s": samples_per_s,
+    }
+
+
+def _step_rows(
+    config: RunConfig,
+    start: int,
+    mean_loss: list[float],
+    local_loss: list[float],
+    step_ms: list[float],
+    global_samples: list[int],
+) -> list[dict[str, Any]]:
+    """One row per step: the loss over ranks and this rank's own, time and throughput."""
+    return [
+        {
+            "step": start + i,
+            "loss": mean_loss[i],
+            "local_loss": local_loss[i],
+            "step_ms": step_ms[i],
+            "samples": global_samples[i],
+            "samples_per_s": global_samples[i] / (step_ms[i] / 1e3) if step_ms[i] > 0 else math.nan,
+            "warmup": i < config.warmup and config.steps > config.warmup,
+        }
+        for i in range(config.steps)
+    ]
+
+
+class _Clock:
+    """Per-step times: CUDA events on a GPU (read once, at the end), the host clock on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def _mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    start = stop = _mark
+
+    def _ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def times_ms(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [self._ms(a, b) for a, b in zip(self.marks[::2], self.marks[1::2], strict=True)]
+
+    def span_ms(self, first_step: int) -> float:
+        """From the start of step ``first_step`` to the end of the last step (call after
+        :meth:`times_ms`, which waits for the device)."""
+        return self._ms(self.marks[2 * first_step], self.marks[-1])
+
+
+def _staged_batches(
+    task: Task, config: RunConfig, rank: int, world: int, start: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every step's batch, made on the host before the first step (in pinned memory on a GPU,
+    copied in each step without blocking): what a loader that keeps up delivers. Made inside
+    the loop, a rank's sample generation (milliseconds on the CPU) would stall the others at
+    the next collective and be counted as communication."""
+    host = torch.device("cpu")
+    batches = []
+    for i in range(config.steps):
+        step = start + i
+        if config.scaling == "weak":  # every rank a whole batch of its own
+            pair = task.batch(step * world + rank, 0, 1, host)
+        else:
+            pair = task.batch(step, rank, world, host)
+        if device.type == "cuda":
+            pair = tuple(t.pin_memory() for t in pair)
+        batches.append(pair)
+    return batches
+
+
+def _time_allreduce(numel: int, device: torch.device, repeats: int = 5) -> float:
+    """Median time of an all-reduce of ``numel`` fp32 values, after one warm-up."""
+    import torch.distributed as dist
+
+    buffer = torch.ones(numel, device=device)
+    dist.all_reduce(buffer)  # connections and NCCL channels are set up on first use
+    clock = _Clock(device)
+    for _ in range(repeats):
+        clock.start()
+        dist.all_reduce(buffer)
+        clock.stop()
+    return statistics.median(clock.times_ms())
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+    return local.numel() * local.element_size()
+
+
+def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:
+    """Bytes this rank holds of the parameters and of the optimizer state."""
+    params = sum(_local_bytes(p) for p in model.parameters())
+    optim = sum(
+        _local_bytes(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return params, optim
+
+
+def _max_rss_bytes() -> float:
+    try:
+        import resource
+    except ImportError:
+        return math.nan
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

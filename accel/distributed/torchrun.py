@@ -1,0 +1,157 @@
+"""A run under torchrun (``python -m torch.distributed.run --standalone``): its command and
+environment, the run watched until it exits or times out, every process of it ended (by
+:mod:`accel.distributed.processes`), and what the ranks left read back as a :class:`RunResult` or
+raised as the error of the rank that failed."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from accel.distributed.config import RunConfig, RunResult
+from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout
+from accel.distributed.failures import rank_failure
+from accel.distributed.processes import end_run
+
+# What every rank runs: this package's __main__, which reads the config file and calls run_rank.
+RANK_MODULE = "accel.distributed"
+
+
+def _torch_run_available() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and importlib.util.find_spec("torch.distributed.run") is not None
+
+
+def launcher_command(launcher: str | Sequence[str] | None = None) -> list[str]:
+    """The command that starts torchrun: ``python -m torch.distributed.run`` by default, or the
+    program named by ``launcher`` (e.g. ``"torchrun"``), checked before any launch."""
+    if launcher is None:
+        if not _torch_run_available():
+            raise LauncherNotFound(
+                "torch.distributed.run cannot be imported: this torch build has no distributed "
+                f"support (torch {torch.__version__}); install a build with it, or pass launcher="
+            )
+        return [sys.executable, "-m", "torch.distributed.run"]
+    command = [launcher] if isinstance(launcher, str) else list(launcher)
+    if not command or shutil.which(command[0]) is None:
+        raise LauncherNotFound(
+            f"launcher {command[0] if command else command!r} not found on PATH; expected "
+            "torchrun (installed with torch) or launcher=None for python -m torch.distributed.run"
+        )
+    return command
+
+
+def run_torchrun(config: RunConfig, command: list[str]) -> RunResult:
+    """Run ``config`` (``out_dir`` set: a fresh folder) on torchrun started by ``command``; every
+    process of the run has ended when it returns or raises."""
+    config_path = Path(config.out_dir) / "config.json"
+    config_path.write_text(json.dumps(dataclasses.asdict(config)))
+    exitcode, pids = _run_and_end(config, _torchrun_command(command, config, config_path))
+    return _collect(config, exitcode, pids)
+
+
+def _torchrun_command(command: list[str], config: RunConfig, config_path: Path) -> list[str]:
+    return [
+        *command,
+        "--standalone",
+        "--nproc-per-node",
+        str(config.nprocs),
+        "-m",
+        RANK_MODULE,
+        "--config",
+        str(config_path),
+    ]
+
+
+def _environment(config: RunConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(config.nccl_env)
+    # Ranks must import accel and the task's module as this process does.
+    paths = [str(Path(__file__).resolve().parents[2]), os.getcwd(), env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    # torchrun would set 1 and print a banner about it; share the cores instead
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nprocs)))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run_and_end(config: RunConfig, command: list[str]) -> tuple[int, dict[int, int]]:
+    """torchrun run until it exits, then whatever is left of the run ended (killed at once past
+    ``config.timeout`` or on any exception, e.g. Ctrl-C); its exit code and the ranks' pids."""
+    out = Path(config.out_dir)
+    marker = str(out / "config.json")  # in every rank's command line
+    env = _environment(config)
+    log_path = out / "launcher.log"
+    with open(log_path, "wb") as log:
+        # Its own session: on a timeout the whole group is killed, torchrun and all.
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            exitcode = proc.wait(timeout=config.timeout)
+        except subprocess.TimeoutExpired:
+            end_run(proc, marker, _rank_pids(out).values())
+            raise LaunchTimeout(
+                f"{config.wrapper} x{config.nprocs} of {config.task} ran past timeout="
+                f"{config.timeout:g} s; every process was killed. Output ends with:\n"
+                + _tail(log_path)
+            ) from None
+        except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
+            end_run(proc, marker, _rank_pids(out).values())
+            raise
+    # torchrun ends the other ranks when one fails; make sure nothing of the run is left
+    pids = _rank_pids(out)
+    end_run(proc, marker, _rank_pids(out).values())
+    return exitcode, pids
+
+
+def _collect(config: RunConfig, exitcode: int, pids: dict[int, int]) -> RunResult:
+    """Every rank's record, or the error of the rank that failed, or of the run."""
+    out = Path(config.out_dir)
+    output = (out / "launcher.log").read_text(errors="replace")
+    paths = [out / f"rank{rank}.json" for rank in range(config.nprocs)]
+    finished = all(p.is_file() for p in paths) and not any(out.glob("rank*.error.json"))
+    if exitcode != 0 and not finished:
+        raise rank_failure(config, out, output, exitcode, pids)
+    if not finished:
+        missing = [p.stem for p in paths if not p.is_file()]
+        raise LaunchError(
+            f"torchrun exited 0 but {', '.join(missing)} wrote no results; output:\n"
+            + output[-4000:]
+        )
+    if exitcode != 0:  # every rank had written its results: a crash on the way out
+        warnings.warn(
+            f"torchrun exited {exitcode} after every rank wrote its results; they are returned. "
+            f"Output ends with:\n{output[-1500:]}",
+            stacklevel=4,  # launch's caller
+        )
+    records = [json.loads(p.read_text()) for p in paths]
+    return RunResult.from_records(config, records, output=output, pids=tuple(pids.values()))
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def _rank_pids(out: Path) -> dict[int, int]:
+    pids = {}
+    for path in out.glob("rank*.pid"):
+        try:
+            pids[int(path.stem.removeprefix("rank"))] = int(path.read_text())
+        except ValueError:
+            continue  # written as we read it: that rank started after the end, never ran
+    return dict(sorted(pids.items()))
