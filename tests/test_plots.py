@@ -101,3 +101,36 @@ def test_diversity_sweep_draws_a_line_per_candidate_in_order_of_x():
     assert [t.name for t in fig.data] == ["naive eager", "triton"]
     assert list(fig.data[1].x) == [1024, 4096] and list(fig.data[1].y) == [2.0, 6.0]
     assert fig.layout.xaxis.type == "log" and fig.layout.shapes[0].y0 == 10.0
+
+
+def test_recipe_progression_puts_the_speedup_on_each_bar_and_the_error_on_the_right_axis():
+    frame = pd.DataFrame(
+        {
+            "config": ["baseline", "+bf16", "+compile"],
+            "samples_per_s": [100.0, 180.0, 310.0],
+            "speedup": [1.0, 1.8, 3.1],
+            "val_error": [0.04, 0.041, 0.039],
+        }
+    )
+    fig = plots.recipe_progression(frame)
+    bar, line = fig.data
+    assert list(bar.text) == ["1.00x", "1.80x", "3.10x"]
+    assert line.yaxis == "y2" and list(line.y) == [0.04, 0.041, 0.039]
+
+
+def test_distributed_scaling_shows_peak_memory_only_where_it_was_measured():
+    frame = pd.DataFrame(
+        {
+            "config": ["1 GPU", "ddp x2"],
+            "comm": ["default", "tuned"],
+            "samples_per_s": [10.0, 19.0],
+            "scaling_efficiency": [1.0, 0.95],
+            "state_mib_per_rank": [40.0, 40.0],
+            "peak_mib_per_rank": [float("nan"), float("nan")],
+        }
+    )
+    figs = plots.distributed_scaling(frame, title="2 x cpu: ")
+    assert set(figs) == {"throughput", "efficiency", "memory"}
+    assert {t.name for t in figs["memory"].data} == {"state_mib_per_rank"}
+    with_peak = plots.distributed_scaling(frame.assign(peak_mib_per_rank=[55.0, 48.0]))
+    assert {t.name for t in with_peak["memory"].data} == {"state_mib_per_rank", "peak_mib_per_rank"}

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from accel import attention as A
+from accel.lab import plots
 from accel.lab.bench import BenchContext
 from accel.lab.cases import sdpa, sdpa_measure
 from accel.lab.ceilings import Ceilings
@@ -85,7 +86,7 @@ def test_sweep_rows_round_trip_through_recorded_results():
     merged = ran.merge(back, on=["S", "D", "causal", "direction", "backend"], suffixes=("", "_rec"))
     assert len(merged) == len(ran)
     assert ((merged["tflop_s"] - merged["tflop_s_rec"]).abs() <= 1e-3 * merged["tflop_s"]).all()
-    fig = sdpa.sweep_figure(back, ceiling_tflop_s=0.5)
+    fig = plots.sdpa_sweep(back, ceiling_tflop_s=0.5)
     assert len(fig.data) == 3 * 4  # 3 backends that ran x (2 directions x 2 masks) panels
 
 

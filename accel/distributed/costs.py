@@ -30,4 +30,3 @@ def state_bytes_per_rank(
     rank: all of it under DDP, 1/N of it under FSDP2."""
     total = param_count * bytes_per_value * (1 + optimizer_values + int(grads))
     return total / world if wrapper == "fsdp2" else total
-

@@ -32,4 +32,3 @@ class RankFailed(LaunchError):
         super().__init__(message)
         self.rank, self.traceback, self.output = rank, traceback, output
         self.exitcode, self.pids = exitcode, pids
-

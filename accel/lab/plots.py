@@ -243,3 +243,61 @@ def diversity_sweep(
         fig.add_scatter(x=part[x], y=part[y], mode="lines+markers", name=name)
     fig.add_hline(y=ceiling, line_dash="dash", annotation_text=ceiling_name)
     return fig.update_layout(**_LAYOUT, title=title, xaxis_title=x, yaxis_title=y, xaxis_type="log")
+
+
+def recipe_progression(
+    frame: pd.DataFrame, *, title: str = "Performance progression by phase"
+) -> go.Figure:
+    """Throughput per configuration (bars, speedup over the baseline on each) beside the
+    validation error after equal steps (markers, right axis).
+
+    ``frame``: ``config``, ``samples_per_s``, ``speedup``, ``val_error`` (the recipe case's table).
+    """
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    fig.add_bar(
+        x=frame["config"],
+        y=frame["samples_per_s"],
+        text=[f"{s:.2f}x" for s in frame["speedup"]],
+        name="throughput (samples/s)",
+    )
+    fig.add_scatter(
+        x=frame["config"],
+        y=frame["val_error"],
+        mode="markers+lines",
+        name="validation error after equal steps",
+        secondary_y=True,
+    )
+    fig.update_yaxes(title_text="samples/s", secondary_y=False)
+    fig.update_yaxes(title_text="relative L2 error", secondary_y=True, rangemode="tozero")
+    return fig.update_layout(**{**_LAYOUT, "height": 420}, title=title)
+
+
+def distributed_scaling(frame: pd.DataFrame, *, title: str = "") -> dict[str, go.Figure]:
+    """Throughput, scaling efficiency and memory per rank, one bar per configuration.
+
+    ``frame``: the distributed case's table (``config``, ``comm``, ``samples_per_s``,
+    ``scaling_efficiency``, ``state_mib_per_rank``, ``peak_mib_per_rank``).
+    """
+    import plotly.express as px
+
+    colors = {"default": "#4c78a8", "tuned": "#f58518"}
+    common = {"x": "config", "color": "comm", "color_discrete_map": colors, "text_auto": ".3g"}
+    throughput = px.bar(frame, y="samples_per_s", title=f"{title}throughput", **common)
+    efficiency = px.bar(frame, y="scaling_efficiency", title=f"{title}scaling efficiency", **common)
+    efficiency.add_hline(y=1.0, line_dash="dot", annotation_text="perfect")
+    memory_cols = ["state_mib_per_rank"] + (
+        ["peak_mib_per_rank"] if frame["peak_mib_per_rank"].notna().any() else []
+    )
+    long = frame.melt(id_vars=["config"], value_vars=memory_cols, var_name="what")
+    memory = px.bar(
+        long,
+        x="config",
+        y="value",
+        color="what",
+        barmode="group",
+        text_auto=".3g",
+        title=f"{title}memory per rank (MiB)",
+    )
+    for fig in (throughput, efficiency, memory):
+        fig.update_layout(**{**_LAYOUT, "height": 320})
+    return {"throughput": throughput, "efficiency": efficiency, "memory": memory}

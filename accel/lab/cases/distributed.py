@@ -301,30 +301,3 @@ def rank_counts(gpus: int) -> list[int]:
     """The numbers of ranks the bench runs on ``gpus`` GPUs: the targets' counts (2, 4) that fit,
     and all of them."""
     return sorted({n for n in TARGETS if n <= gpus} | {gpus})
-
-
-def figures(frame: pd.DataFrame, *, title: str = "") -> dict[str, Any]:
-    """Throughput, scaling efficiency and memory per rank from :func:`table`, as plotly figures."""
-    import plotly.express as px
-
-    colors = {"default": "#4c78a8", "tuned": "#f58518"}
-    common = {"x": "config", "color": "comm", "color_discrete_map": colors, "text_auto": ".3g"}
-    throughput = px.bar(frame, y="samples_per_s", title=f"{title}throughput", **common)
-    efficiency = px.bar(frame, y="scaling_efficiency", title=f"{title}scaling efficiency", **common)
-    efficiency.add_hline(y=1.0, line_dash="dot", annotation_text="perfect")
-    memory_cols = ["state_mib_per_rank"] + (
-        ["peak_mib_per_rank"] if frame["peak_mib_per_rank"].notna().any() else []
-    )
-    long = frame.melt(id_vars=["config"], value_vars=memory_cols, var_name="what")
-    memory = px.bar(
-        long,
-        x="config",
-        y="value",
-        color="what",
-        barmode="group",
-        text_auto=".3g",
-        title=f"{title}memory per rank (MiB)",
-    )
-    for fig in (throughput, efficiency, memory):
-        fig.update_layout(template="plotly_white", height=320, margin=dict(t=50, b=30))
-    return {"throughput": throughput, "efficiency": efficiency, "memory": memory}

@@ -330,31 +330,6 @@ class Epoch:
             self.step()
 
 
-# ---- plots ---------------------------------------------------------------------------------------
-def progression_figure(frame: pd.DataFrame, title: str = "Performance progression by phase"):
-    """Throughput per configuration (bars, speedup over the baseline on each) beside the
-    validation error after equal steps (markers, right axis)."""
-    from plotly.subplots import make_subplots
-
-    fig = make_subplots(specs=[[{"secondary_y": True}]])
-    fig.add_bar(
-        x=frame["config"],
-        y=frame["samples_per_s"],
-        text=[f"{s:.2f}x" for s in frame["speedup"]],
-        name="throughput (samples/s)",
-    )
-    fig.add_scatter(
-        x=frame["config"],
-        y=frame["val_error"],
-        mode="markers+lines",
-        name="validation error after equal steps",
-        secondary_y=True,
-    )
-    fig.update_yaxes(title_text="samples/s", secondary_y=False)
-    fig.update_yaxes(title_text="relative L2 error", secondary_y=True, rangemode="tozero")
-    return fig.update_layout(template="plotly_white", height=420, title=title)
-
-
 # ---- the bench phase -----------------------------------------------------------------------------
 def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = None) -> list[Row]:
     """One throughput row per configuration; ``target`` names the row judged against the

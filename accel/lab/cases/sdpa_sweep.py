@@ -253,13 +253,3 @@ def sweep_summary_rows(frame: pd.DataFrame, judged: bool) -> list[Row]:
         )
         for name, value in (("default", vs_default), ("best forced backend", vs_best))
     ]
-
-
-def sweep_figure(
-    frame: pd.DataFrame, *, ceiling_tflop_s: float | None = None, title: str = "SDPA sweep"
-):
-    """:func:`accel.lab.plots.sdpa_sweep` of a :func:`sweep` or :func:`sweep_frame` frame
-    (plotly is imported only when a figure is drawn)."""
-    from accel.lab import plots
-
-    return plots.sdpa_sweep(frame, ceiling_tflop_s=ceiling_tflop_s, title=title)
