@@ -182,6 +182,8 @@ def measure(
     to the first configuration's), ``aux_calls`` and ``train_steps`` (inverse-loss passes and
     steps trained).
     """
+    if validate is not None:  # before anything reads the other arguments
+        validate = collection_of(validate, "configuration names")
     names = list(configs)
     per_sample = sizes.epoch_batches * epochs_per_sample
     first_read = train_steps - (reads - 1) * read_every
@@ -246,8 +248,6 @@ def _check_measure(
 ) -> set[str]:
     """Check :func:`measure`'s arguments against each other; the names to validate."""
     names = list(configs)
-    if validate is not None:
-        validate = collection_of(validate, "configuration names")
     cycle = math.lcm(per_sample, *(f.aux_loss_every for f in configs.values()))
     if cycle != per_sample:
         raise ValueError(
