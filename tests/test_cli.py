@@ -65,6 +65,20 @@ def test_write_results_replaces_only_the_phases_it_holds(tmp_path):
     assert result.loc["a", "speedup"] == 2.0
 
 
+def test_a_phase_judged_after_an_unjudged_one_keeps_met_as_true_or_false(tmp_path):
+    stamp = dict.fromkeys(COLUMNS[11:], "x")
+
+    def frame(phase, met):
+        rows = [Row(phase, "case", "time", "ms", 1.0, target="t", met=met).as_dict() | stamp]
+        return pd.DataFrame(rows, columns=COLUMNS)
+
+    write_results(frame("a", None), tmp_path, stem="m")  # every met empty: read back as floats
+    write_results(frame("b", True), tmp_path, stem="m")
+    write_results(frame("c", False), tmp_path, stem="m")
+    lines = (tmp_path / "m.csv").read_text().splitlines()[1:]
+    assert [line.split(",")[9] for line in lines] == ["", "True", "False"]
+
+
 @pytest.mark.parametrize(("higher", "expected"), [(False, 4.0), (True, 0.25)])
 def test_row_speedup_direction(higher, expected):
     assert (

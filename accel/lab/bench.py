@@ -227,7 +227,9 @@ def write_results(
     stem = stem or results_stem()
     csv = out / f"{stem}.csv"
     if csv.exists():
-        old = pd.read_csv(csv)
+        # as text: a column read back with every ``met`` empty is float and would turn True to 1.0
+        old = pd.read_csv(csv, dtype={"met": "string"}).astype({"met": object})
+        old["met"] = old["met"].map({"True": True, "False": False, pd.NA: None})
         frame = pd.concat([old[~old["phase"].isin(frame["phase"])], frame], ignore_index=True)
     frame = frame[COLUMNS]
     write_text_atomic(csv, frame.to_csv(index=False))
