@@ -62,13 +62,14 @@ def test_check_backends_table(seed):
     assert not table.loc["cudnn", "ran"] and "CPU" in table.loc["cudnn", "reason"]
 
 
-def test_measure_case_skips_with_reasons():
+def test_measure_point_skips_with_reasons():
     case = sdpa.AttnCase(2, 2, 31, 16, causal=True, backward=True, dtype=torch.float32)
-    times, skipped = sdpa.measure_case(case, CPU, ("manual", "auto", "cudnn", "math"), repeats=2)
-    assert set(times) == {"manual", "auto", "math"} and all(t > 0 for t in times.values())
-    assert "CPU" in skipped["cudnn"]
-    _, skipped = sdpa.measure_case(case, CPU, ("math",), repeats=1, math_bytes=0)
-    assert "GiB" in skipped["math"]
+    point = sdpa.measure_point(case, CPU, ("manual", "auto", "cudnn", "math"), repeats=2)
+    assert set(point.times) >= {"manual", "auto", "math"} and "cudnn" not in point.times
+    assert all(t > 0 for t in point.times.values())
+    assert "CPU" in point.skipped["cudnn"]
+    point = sdpa.measure_point(case, CPU, ("math",), repeats=1, math_bytes=0)
+    assert "GiB" in point.skipped["math"]
 
 
 def test_sweep_rows_round_trip_through_recorded_results():

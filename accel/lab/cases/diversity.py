@@ -24,179 +24,53 @@ README table). Run it alone with
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-
-import torch
 
 from accel import diversity as dv
-from accel import triton_support
 from accel.lab.bench import BenchContext, Row
-from accel.lab.ceilings import Ceilings, measure_ceilings
-from accel.lab.device import default_device
+from accel.lab.cases.diversity_measure import (
+    BANDWIDTH_TARGET,
+    CASES,
+    COMPILED_TARGET,
+    MATMUL_SLOWDOWN_LIMIT,
+    MEMORY_LIMIT_MB,
+    NAIVE_TARGET,
+    PHASE,
+    STEP_TARGET,
+    GroupCase,
+    LargeCase,
+    extra_memory_mb,
+    group_candidates,
+    rotating_inputs,
+    time_per_call,
+)
+from accel.lab.cases.diversity_sweep import (
+    group_kernel_sweep,
+    group_sweep,
+    large_sweep,
+    sweep_table,
+)
 from accel.lab.timing import compare
 from accel.workloads import polychromic
 from accel.workloads.flags import all_on, label
 
-PHASE = "diversity"
-BANDWIDTH_TARGET = 0.8
-NAIVE_TARGET, COMPILED_TARGET = 5.0, 3.0
-MATMUL_SLOWDOWN_LIMIT = 1.5  # the fused nearest may take at most 1.5x the bare X @ X.T
-MEMORY_LIMIT_MB = 64.0
-STEP_TARGET = 3.0
-MAX_BUFFERS = 32
-
-
-@dataclass(frozen=True)
-class GroupCase:
-    batch: int
-    n: int
-    dim: int
-    dtype: torch.dtype
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.batch, self.n, self.dim)
-
-    @property
-    def bytes_read(self) -> int:
-        return self.batch * self.n * self.dim * self.dtype.itemsize
-
-    def label(self, reduction: str) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"{reduction} B={self.batch} N={self.n} D={self.dim} {dtype}"
-
-
-@dataclass(frozen=True)
-class LargeCase:
-    n: int
-    dim: int
-    dtype: torch.dtype
-
-    @property
-    def flops(self) -> float:
-        return 2.0 * self.n * self.n * self.dim  # every dot product, as X @ X.T does
-
-    def label(self) -> str:
-        return f"nearest large N={self.n} D={self.dim} {str(self.dtype).removeprefix('torch.')}"
-
-
-CASES = {
-    "gpu": (GroupCase(8192, 4, 384, torch.float32), LargeCase(32768, 384, torch.bfloat16)),
-    "cpu": (GroupCase(64, 4, 48, torch.float32), LargeCase(256, 32, torch.bfloat16)),
-}
-
-
-# ---- inputs and timing -----------------------------------------------------------------------
-
-
-def l2_bytes(device: torch.device) -> int:
-    """The GPU's L2 cache size (50 MB on an H100/H200); 0 elsewhere."""
-    if device.type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
-    return 0
-
-
-def rotating_inputs(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, seed: int = 0
-) -> list[torch.Tensor]:
-    """Random buffers that together hold 4x the GPU's L2 cache: 2 to ``MAX_BUFFERS`` of them.
-
-    Small cases hit the cap and partly stay in cache (B=1024, N=4, D=384 float32: 32 buffers
-    of 6.3 MB is the 4x exactly); a CPU gets 2.
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    count = min(MAX_BUFFERS, max(2, math.ceil(4 * l2_bytes(device) / max(nbytes, 1))))
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(count)]
-
-
-def _over_buffers(fn: Callable[[torch.Tensor], object], buffers: list[torch.Tensor]):
-    """One call of ``fn`` on each buffer in turn: a sample covers them all."""
-
-    def run() -> None:
-        for x in buffers:
-            fn(x)
-
-    return run
-
-
-def _graphed(run: Callable[[], None]) -> Callable[[], None]:
-    """``run`` captured in a CUDA graph (warmed up first on a side stream, as torch asks)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # autotuning and compilation happen here, not under capture
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph.replay
-
-
-def time_per_call(
-    candidates: dict[str, Callable[[torch.Tensor], object]],
-    buffers: list[torch.Tensor],
-    device: torch.device,
-    *,
-    graphs: bool = True,
-    repeats: int = 20,
-) -> dict[str, float]:
-    """Median milliseconds per call of each candidate, interleaved, rotating over ``buffers``.
-
-    With ``graphs`` on CUDA, each candidate's pass over the buffers is one CUDA-graph replay.
-    """
-    runs = {k: _over_buffers(fn, buffers) for k, fn in candidates.items()}
-    if graphs and device.type == "cuda":
-        runs = {k: _graphed(r) for k, r in runs.items()}
-    result = compare(runs, warmup=2, repeats=repeats, calls_per_sample=None, device=device)
-    return {k: t.median_ms / len(buffers) for k, t in result.timings.items()}
-
-
-def extra_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
-    """Peak device memory a call allocates beyond what was allocated before it (CUDA only)."""
-    if device.type != "cuda":
-        return math.nan
-    fn()  # warm: autotuning and caches are not the call's own memory
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    out = fn()
-    torch.cuda.synchronize(device)
-    del out
-    return (torch.cuda.max_memory_allocated(device) - before) / 1e6
-
-
-# ---- cases -----------------------------------------------------------------------------------
-
-
-def group_candidates(reduction: str, device: torch.device) -> dict[str, Callable]:
-    """Kernel and PyTorch formulations of one grouped reduction (compiled ones on CUDA only)."""
-    if reduction == "mean":
-        eager = {
-            "triton": dv.mean_diversity,
-            "naive eager": dv.mean_diversity_reference,
-            "closed form eager": dv.mean_diversity_closed_form,
-        }
-        compiled = {
-            "naive compiled": dv.mean_diversity_reference,
-            "closed form compiled": dv.mean_diversity_closed_form,
-        }
-    else:
-        eager = {"triton": dv.nearest_diversity, "naive eager": dv.nearest_diversity_reference}
-        compiled = {"naive compiled": dv.nearest_diversity_reference}
-    if device.type != "cuda":  # compiling on a 2-core CPU takes longer than the whole bench
-        return eager
-    return eager | {name: _compiled(fn) for name, fn in compiled.items()}
-
-
-@functools.cache
-def _compiled(fn: Callable) -> Callable:
-    """One compiled wrapper per function, so a sweep over B reuses its compilations."""
-    return torch.compile(fn)
+__all__ = [  # the phase as the notebook and the bench reach it
+    "CASES",
+    "MEMORY_LIMIT_MB",
+    "PHASE",
+    "GroupCase",
+    "LargeCase",
+    "extra_memory_mb",
+    "group_kernel_sweep",
+    "group_rows",
+    "group_sweep",
+    "large_rows",
+    "large_sweep",
+    "polychromic",
+    "run",
+    "step_rows",
+    "sweep_table",
+]
 
 
 def group_rows(case: GroupCase, reduction: str, ctx: BenchContext) -> list[Row]:
@@ -360,233 +234,3 @@ def run(ctx: BenchContext) -> list[Row]:
     if ctx.device.type == "cuda":  # interpreted, a sweep would time NumPy: skipped on a CPU
         rows += group_kernel_sweep(ctx.device, ctx.ceilings, show=False)
     return rows
-
-
-# ---- the group kernel's variants and tiles, side by side -----------------------------------------
-
-# (variant, groups, block_d, unroll, num_warps) per bytes per element, for N = 4, D = 384 (the
-# grouped case), around the fastest of the sweeps recorded in results/*.csv (phase=diversity,
-# cases "sweep group kernel ..."). Warps = groups * block_d / (32 * elements per 16-byte load)
-# keeps each group in one warp. The first of each list, "tile G=4 BD=128 U=3", is the kernel
-# before the variants ("before" in the rows); the production configuration (GROUP_TABLE's, else
-# the rule's) is always added.
-GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
-    4: (
-        ("tile", 4, 128, 3, 4),
-        ("vecsum", 4, 128, 3, 4),
-        ("vecsum", 1, 128, 1, 1),
-        ("vecsum", 1, 128, 2, 1),
-        ("vecsum", 1, 128, 3, 1),
-        ("vecsum", 2, 64, 3, 1),
-        ("vecsum", 1, 256, 2, 2),
-        ("vecsum", 2, 128, 3, 2),
-        ("gram", 1, 128, 1, 1),
-        ("gram", 1, 128, 3, 1),
-        ("pairs", 1, 512, 1, 1),
-        ("pairs", 1, 512, 1, 2),
-        ("pairs", 2, 512, 1, 2),
-        ("pairs", 1, 128, 1, 1),
-        ("pairs", 1, 64, 1, 1),
-        ("pairs", 1, 256, 1, 1),
-        ("pairs", 2, 128, 1, 1),
-    ),
-    2: (
-        ("tile", 4, 128, 3, 2),
-        ("vecsum", 4, 128, 3, 2),
-        ("vecsum", 2, 128, 3, 1),
-        ("vecsum", 2, 128, 1, 1),
-        ("vecsum", 1, 256, 1, 1),
-        ("vecsum", 1, 256, 2, 1),
-        ("gram", 4, 128, 3, 2),
-        ("pairs", 1, 512, 1, 1),
-        ("pairs", 2, 512, 1, 1),
-        ("pairs", 1, 512, 1, 2),
-        ("pairs", 1, 128, 1, 1),
-        ("pairs", 1, 256, 1, 1),
-    ),
-}
-VARIANTS = "accel.kernels.pairwise_cosine_variants"  # the sweep's launcher, all variants
-SWEEP_NEAREST_TOP = 3  # nearest is timed for the best few of mean, "before" and production
-
-
-def _sweep_label(reduction: str, case: GroupCase) -> str:
-    return "sweep group kernel " + case.label(reduction)
-
-
-def group_kernel_sweep(
-    device: torch.device | str | None = None,
-    ceilings: Ceilings | None = None,
-    *,
-    batch: int = 8192,
-    n: int = 4,
-    dim: int = 384,
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16),
-    configs: dict[int, tuple] | None = None,
-    repeats: int = 20,
-    show: bool = True,
-) -> list[Row]:
-    """Every group-kernel configuration of ``configs`` (default :data:`GROUP_SWEEP`) on groups
-    (``batch``, ``n``, ``dim``), timed interleaved over inputs that exceed the L2 cache.
-
-    Per dtype: ``mean`` for every configuration, then ``nearest`` for the kernel before, the
-    production one and the :data:`SWEEP_NEAREST_TOP` fastest. Each configuration is checked
-    against the reference before it is timed. One row per (reduction, configuration) in GB/s of
-    bytes read, with the fraction of the copy bandwidth; ``show`` prints them as a table and the
-    ``GROUP_TABLE`` line of the fastest. A configuration that fails to compile or to match gets
-    a NaN row that says why. Most of its time is compiling.
-    """
-    device = torch.device(device) if device is not None else default_device()
-    ceilings = ceilings if ceilings is not None else measure_ceilings(device)
-    kernels = dv._kernels()  # compiled, or interpreted under TRITON_INTERPRET=1
-    variants = triton_support.kernel_module(VARIANTS)
-    rows: list[Row] = []
-    for dtype in dtypes:
-        case = GroupCase(batch, n, dim, dtype)
-        itemsize = dtype.itemsize
-        block_n = max(2, 1 << (n - 1).bit_length())
-        production = kernels.group_config(block_n, dim, batch, itemsize)
-        listed = [kernels.GroupConfig(*c) for c in (configs or GROUP_SWEEP).get(itemsize, ())]
-        ordered = list(dict.fromkeys([*listed, production]))  # unique, in order
-        buffers = rotating_inputs(case.shape, dtype, device)
-        ms = _time_configs(variants, ordered, "mean", buffers, device, repeats)
-        fastest = sorted((c for c in ordered if math.isfinite(ms[c][0])), key=lambda c: ms[c][0])
-        nearest = list(dict.fromkeys([*ordered[:1], production, *fastest[:SWEEP_NEAREST_TOP]]))
-        timed = {
-            "mean": ms,
-            "nearest": _time_configs(variants, nearest, "nearest", buffers, device, repeats),
-        }
-        for reduction, results in timed.items():
-            first = results[ordered[0]][0]
-            for config, (t, why) in results.items():
-                fraction = ceilings.bandwidth_fraction(case.bytes_read, t)
-                tags = ["production"] if config == production else []
-                if config == ordered[0]:
-                    tags.append("before")
-                rows.append(
-                    Row(
-                        PHASE,
-                        _sweep_label(reduction, case),
-                        config.name + (f" [{', '.join(tags)}]" if tags else ""),
-                        "GB/s",
-                        case.bytes_read / (t * 1e-3) / 1e9,
-                        higher_is_better=True,
-                        fraction_of_ceiling=fraction,
-                        note=why or f"{t * 1e3:.1f} us; {first / t:.2f}x the kernel before",
-                    )
-                )
-        if show and fastest:
-            best = fastest[0]
-            print(
-                f"fastest {str(dtype).removeprefix('torch.')} mean: {best.name}; table line: "
-                f"GROUP_TABLE[({block_n}, {1 << (dim - 1).bit_length()}, {itemsize})] = "
-                f"GroupConfig({best.variant!r}, groups={best.groups}, block_d={best.block_d}, "
-                f"unroll={best.unroll}, num_warps={best.num_warps})"
-            )
-    if show:
-        print(sweep_table(rows).to_string(index=False))
-    return rows
-
-
-def _time_configs(variants, configs, reduction, buffers, device, repeats):
-    """{config: (ms per call, why it was not timed or "")}, every config checked first."""
-    reference = {"mean": dv.mean_diversity_reference, "nearest": dv.nearest_diversity_reference}
-    precision = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")  # a TF32 reference would be the inexact one
-    try:
-        expected = reference[reduction](buffers[0])
-    finally:
-        torch.set_float32_matmul_precision(precision)
-    candidates, results = {}, {}
-    for config in configs:
-
-        def call(x, config=config):
-            return variants.run_group_kernel(x, reduction, config, eps=dv.EPS)
-
-        try:
-            got = call(buffers[0])
-            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-        except Exception as error:  # a failed compile or a wrong answer: a row says which
-            results[config] = (math.nan, f"not timed: {type(error).__name__}: {error}"[:300])
-            continue
-        candidates[config.name] = call
-    if candidates:
-        ms = time_per_call(candidates, buffers, device, repeats=repeats)
-        results |= {c: (ms[c.name], "") for c in configs if c.name in ms}
-    return {c: results[c] for c in configs}
-
-
-def sweep_table(rows: list[Row]):
-    """Sweep rows as a DataFrame: per case, configurations fastest first, with % of copy."""
-    import pandas as pd
-
-    frame = pd.DataFrame([r.as_dict() for r in rows if r.case.startswith("sweep ")])
-    if frame.empty:
-        return frame
-    frame = frame.sort_values(["case", "optimized"], ascending=[True, False], na_position="last")
-    return pd.DataFrame(
-        {
-            "case": frame["case"].str.removeprefix("sweep group kernel "),
-            "configuration": frame["metric"],
-            "GB/s": frame["optimized"].round(0),
-            "% of copy": (100 * frame["fraction_of_ceiling"]).round(1),
-            "note": frame["note"],
-        }
-    )
-
-
-# ---- sweeps over B and N, for the notebook (plots.diversity_sweep draws them) --------------------
-
-
-def group_sweep(
-    device: torch.device,
-    ceilings: Ceilings,
-    batches: tuple[int, ...],
-    *,
-    n: int = 4,
-    dim: int = 384,
-    dtype: torch.dtype = torch.float32,
-) -> list[dict]:
-    """Effective bandwidth of each mean formulation over B (one record per B and candidate)."""
-    records = []
-    for batch in batches:
-        case = GroupCase(batch, n, dim, dtype)
-        buffers = rotating_inputs(case.shape, dtype, device)
-        ms = time_per_call(group_candidates("mean", device), buffers, device, repeats=10)
-        for name, t in ms.items():
-            records.append(
-                {
-                    "B": batch,
-                    "candidate": name,
-                    "ms": t,
-                    "gb_s": case.bytes_read / (t * 1e-3) / 1e9,
-                    "fraction_of_copy": ceilings.bandwidth_fraction(case.bytes_read, t),
-                }
-            )
-    return records
-
-
-def large_sweep(
-    device: torch.device,
-    ceilings: Ceilings,
-    sizes: tuple[int, ...],
-    *,
-    dim: int = 384,
-    dtype: torch.dtype = torch.bfloat16,
-) -> list[dict]:
-    """Time and matmul-rate fraction of the fused nearest and of X @ X.T over N."""
-    records = []
-    for n in sizes:
-        case = LargeCase(n, dim, dtype)
-        buffers = rotating_inputs((n, dim), dtype, device)
-        candidates = {"triton nearest": dv.nearest_diversity, "X @ X.T": lambda x: x @ x.T}
-        for name, t in time_per_call(candidates, buffers, device, repeats=10).items():
-            records.append(
-                {
-                    "N": n,
-                    "candidate": name,
-                    "ms": t,
-                    "tflop_s": case.flops / (t * 1e-3) / 1e12,
-                    "fraction_of_matmul": ceilings.compute_fraction(case.flops, t),
-                }
-            )
-    return records

@@ -21,7 +21,7 @@ from accel.lab.cases.sdpa_measure import (
     TARGET_VS_MANUAL,
     AttnCase,
     make_inputs,
-    measure_case,
+    measure_point,
     peak_memory_bytes,
     release_memory,
     tflop_s,
@@ -40,9 +40,8 @@ def headline_rows(ctx: BenchContext, sizes: BenchSizes, judged: bool) -> list[Ro
     variant's TFLOP/s against the manual path, auto against PyTorch's default and the best
     forced backend, which kernels ran, peak memory."""
     case, device = sizes.headline, ctx.device
-    times, skipped = measure_case(
-        case, device, VARIANTS, repeats=sizes.repeats, math_bytes=16 << 30
-    )
+    point = measure_point(case, device, VARIANTS, repeats=sizes.repeats, math_bytes=16 << 30)
+    times, skipped = point.times, point.skipped
     rate = {name: tflop_s(case.flops, ms) for name, ms in times.items()}
     q, k, v, grad = make_inputs(case, device)
     ran = {
@@ -160,7 +159,8 @@ def _auto_note(q, k, v, case: AttnCase) -> str:
 
 def causal_training_row(ctx: BenchContext, sizes: BenchSizes, judged: bool) -> Row:
     case = dataclasses.replace(sizes.headline, causal=True, backward=True)
-    times, skipped = measure_case(case, ctx.device, ("default", "auto"), repeats=sizes.repeats)
+    point = measure_point(case, ctx.device, ("default", "auto"), repeats=sizes.repeats)
+    times, skipped = point.times, point.skipped
     auto = tflop_s(case.flops, times["auto"]) if "auto" in times else math.nan
     default = tflop_s(case.flops, times["default"]) if "default" in times else math.nan
     # which forward kernel each ran (the backward follows it): the sweep's fwd+bwd points

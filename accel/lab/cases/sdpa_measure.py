@@ -191,24 +191,6 @@ def auto_choice(case: AttnCase, q, k, v) -> attention.AutoChoice | None:
     return attention.auto_choices().get(key)
 
 
-def measure_case(
-    case: AttnCase,
-    device: torch.device,
-    variants: Sequence[str],
-    *,
-    repeats: int = 10,
-    warmup: int = 2,
-    seed: int = 0,
-    math_bytes: int = MATH_SWEEP_BYTES,
-) -> tuple[dict[str, float], dict[str, str]]:
-    """Median ms of each variant that can run ``case``, timed interleaved, and the reason of
-    each one skipped. ``auto`` makes its own measurement during the warm-up."""
-    point = measure_point(
-        case, device, variants, repeats=repeats, warmup=warmup, seed=seed, math_bytes=math_bytes
-    )
-    return point.times, point.skipped
-
-
 def measure_point(
     case: AttnCase,
     device: torch.device,
@@ -219,8 +201,9 @@ def measure_point(
     seed: int = 0,
     math_bytes: int = MATH_SWEEP_BYTES,
 ) -> PointTimes:
-    """:func:`measure_case` with what ``auto`` picked: when auto and its pick both run, a second
-    copy of the pick (``PICKED``) is timed too, all in one interleaved measurement
+    """Median ms of each variant that can run ``case`` and the reason of each one skipped, with
+    what ``auto`` picked (it measures during the warm-up): when auto and its pick both run, a
+    second copy of the pick (``PICKED``) is timed too, all in one interleaved measurement
     (``accel.timer``: the order rotated and reversed round by round, samples aligned by round)."""
     variants = collection_of(variants, "variant names")
     q, k, v, grad = make_inputs(case, device, seed)
