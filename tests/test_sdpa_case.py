@@ -100,7 +100,7 @@ def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
     )
     monkeypatch.setitem(sdpa.BENCH_SIZES, "cpu", tiny)
     small = vit.Sizes(image=8, patch=4, dim=8, heads=2, depth=1, classes=2, batch=2, batches=1)
-    monkeypatch.setitem(vit._PRESETS, "cpu", small)
+    monkeypatch.setitem(vit.Sizes.PRESETS, "cpu", small)
     rows = sdpa.run(BenchContext(CPU, "cpu", FAKE_CEILINGS))
     assert {r.phase for r in rows} == {"sdpa"}
     assert all(r.met is None and r.note.startswith("not judged") for r in rows)

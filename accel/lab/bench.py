@@ -146,14 +146,16 @@ def speedup_row(
     metric: str,
     timing: Comparison,
     fast: str,
-    target: float,
+    target: float | None,
     note: str,
     baseline: str | None = None,
 ) -> Row:
     """A timed row: ``fast``'s median against the baseline's (``timing.baseline`` unless named),
-    judged against ``>= target``x where the run is judged; ``ctx.where`` leads the note."""
+    judged against ``>= target``x where the run is judged (no target: never judged);
+    ``ctx.where`` leads the note."""
     fast_ms = timing.timings[fast].median_ms
     baseline_ms = timing.timings[baseline or timing.baseline].median_ms
+    judged = ctx.judged and target is not None
     return Row(
         phase,
         case,
@@ -161,8 +163,8 @@ def speedup_row(
         "ms",
         fast_ms,
         baseline=baseline_ms,
-        target=f">= {target}x",
-        met=baseline_ms / fast_ms >= target if ctx.judged else None,
+        target=f">= {target}x" if target is not None else "",
+        met=baseline_ms / fast_ms >= target if judged else None,
         note=f"{ctx.where}; {note}",
     )
 

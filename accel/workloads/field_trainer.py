@@ -43,7 +43,7 @@ from accel.workloads.field_dynamics import (  # the step's math, public here too
     retrieve,
     retrieve_fused,
 )
-from accel.workloads.flags import flag, pick_preset
+from accel.workloads.flags import Presets, flag
 
 METRICS = ("lior", "R", "spd")
 # Flags keep results equal to the baseline within this (fp32). compiled_retrieval and
@@ -110,7 +110,7 @@ class Flags:
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(Presets):
     """Sizes and settings. Validated on creation: a bad value names its field and range."""
 
     batch: int = 64  # field points
@@ -175,10 +175,6 @@ class Sizes:
     def readouts_per_window(self) -> int:
         return 2 * (self.steps_per_phase // self.progress_every) if self.progress_every else 0
 
-    @classmethod
-    def preset(cls, name: str) -> Sizes:
-        return pick_preset(_PRESETS, name)
-
 
 def _in_range(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
     if not isinstance(value, int) or value < lo or (hi is not None and value > hi):
@@ -188,7 +184,7 @@ def _in_range(name: str, value: int, lo: int, hi: int | None = None, why: str = 
         )
 
 
-_PRESETS = {
+Sizes.PRESETS = {
     # A window in milliseconds on a CPU core: every notebook and test runs in CI.
     "cpu": Sizes(batch=8, dim=16, bank=16, steps_per_window=16, progress_every=4, rotor_k=3),
     # The seed's defaults (64 steps, progress every 8, rotor_k 6); small tensors: launch-bound.

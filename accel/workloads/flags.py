@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -134,6 +134,17 @@ def through_phase(flags_type: type, phase: str) -> Any:
     before = PHASES[: PHASES.index(phase) + 1]
     on = [i.name for i in describe(flags_type) if i.is_bool and i.adopted and i.phase in before]
     return flags_type(**dict.fromkeys(on, True))
+
+
+class Presets:
+    """A workload's ``Sizes`` by preset name: ``Sizes.preset("gpu")``. The module sets
+    ``Sizes.PRESETS`` once the sizes it names exist."""
+
+    PRESETS: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def preset(cls, name: str) -> Any:
+        return pick_preset(cls.PRESETS, name)
 
 
 def pick_preset(presets: dict[str, Any], name: str) -> Any:

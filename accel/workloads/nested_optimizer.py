@@ -37,7 +37,7 @@ from accel.workloads.byte_gpt import (  # the model and its text, public here to
     text_batches,
 )
 from accel.workloads.compare import make_compare_results
-from accel.workloads.flags import flag, option, pick_preset
+from accel.workloads.flags import Presets, flag, option
 
 # Flags keep results equal to the baseline within these (fp32: foreach vs per-tensor sums and
 # fused vs for-loop AdamW round differently; Adam's normalized update carries such differences
@@ -126,7 +126,7 @@ class Flags:
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(Presets):
     """Model, batch and optimizer settings. Validated on creation."""
 
     layers: int = 12
@@ -169,12 +169,8 @@ class Sizes:
         """Parameter groups: the embeddings, one per block, the head."""
         return self.layers + 2
 
-    @classmethod
-    def preset(cls, name: str) -> Sizes:
-        return pick_preset(_PRESETS, name)
 
-
-_PRESETS = {
+Sizes.PRESETS = {
     # Tens of milliseconds a step on a CPU core; 41 parameter tensors in 5 groups.
     "cpu": Sizes(layers=3, width=48, heads=3, context=32, batch=4, text_bytes=1 << 18),
     # GPT-2 small's body: 12 layers, width 768, 149 parameter tensors (85M parameters).

@@ -36,7 +36,7 @@ from torch import nn
 from accel import diversity
 from accel.workloads.compare import Tolerance
 from accel.workloads.compare import compare_results as check
-from accel.workloads.flags import flag, pick_preset
+from accel.workloads.flags import Presets, flag
 
 DIVERSITY_WEIGHT = 0.5
 TIE_MARGIN = 1e-4  # logits closer than this may be ordered differently by another batching
@@ -61,7 +61,7 @@ class Flags:
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(Presets):
     prompts: int = 2  # B
     replies: int = 4  # N per prompt
     prompt_len: int = 8
@@ -75,12 +75,8 @@ class Sizes:
     embed_heads: int = 2
     batches: int = 2  # distinct prompt sets cycled through
 
-    @classmethod
-    def preset(cls, name: str) -> Sizes:
-        return pick_preset(_PRESETS, name)
 
-
-_PRESETS = {
+Sizes.PRESETS = {
     "cpu": Sizes(),
     # 64 replies of 24 tokens: the baseline decodes them one by one (about 1.6k small forward
     # passes), which takes of the order of a second on an H100; D = 384 as all-MiniLM-L6-v2.

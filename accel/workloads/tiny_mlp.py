@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from accel.workloads.compare import make_compare_results
-from accel.workloads.flags import flag, pick_preset
+from accel.workloads.flags import Presets, flag
 
 # Fused AdamW rounds differently from the per-parameter loop: the weights differ by a few float32
 # ulps; the other flags change no arithmetic.
@@ -32,18 +32,14 @@ class Flags:
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(Presets):
     batch: int = 64
     width: int = 128
     depth: int = 4
     batches: int = 8  # distinct input batches cycled through
 
-    @classmethod
-    def preset(cls, name: str) -> Sizes:
-        return pick_preset(_PRESETS, name)
 
-
-_PRESETS = {
+Sizes.PRESETS = {
     "cpu": Sizes(batch=64, width=128, depth=4),
     "gpu": Sizes(batch=256, width=512, depth=8),
 }

@@ -30,7 +30,7 @@ from accel.workloads.compare import (
     adamw_drift_bound,
     make_compare_results,
 )
-from accel.workloads.flags import flag, option, pick_preset
+from accel.workloads.flags import Presets, flag, option
 
 # Every flag but bf16_autocast leaves the held-out logits equal to the baseline's within float32
 # rounding after a few steps: SDPA, the fused projection and fused AdamW only sum in other orders
@@ -86,7 +86,7 @@ class Flags:
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(Presets):
     image: int = 28  # pixels per side
     patch: int = 4  # 7 x 7 = 49 tokens: an odd sequence length
     dim: int = 48
@@ -113,12 +113,8 @@ class Sizes:
     def tokens(self) -> int:
         return (self.image // self.patch) ** 2
 
-    @classmethod
-    def preset(cls, name: str) -> Sizes:
-        return pick_preset(_PRESETS, name)
 
-
-_PRESETS = {
+Sizes.PRESETS = {
     "cpu": Sizes(),
     # ViT-S/16 at 224 px: 196 tokens, 6 heads of 64, 12 blocks, 22M parameters
     "gpu": Sizes(image=224, patch=16, dim=384, heads=6, depth=12, batch=128, batches=4),

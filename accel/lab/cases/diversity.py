@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from accel import diversity as dv
-from accel.lab.bench import BenchContext, Row
+from accel.lab.bench import BenchContext, Row, speedup_row
 from accel.lab.cases.diversity_measure import (
     BANDWIDTH_TARGET,
     CASES,
@@ -207,18 +207,10 @@ def step_rows(ctx: BenchContext) -> list[Row]:
         "all flags": polychromic.build(flags, sizes, device=device),
     }
     timing = compare(steps, warmup=1, repeats=5, device=device)
-    speedup = timing.speedup("all flags")
+    note = f"flags: {label(flags)}"
     return [
-        Row(
-            PHASE,
-            "polychromic step",
-            "step time",
-            "ms",
-            timing.timings["all flags"].median_ms,
-            baseline=timing.timings["baseline"].median_ms,
-            target=f">= {STEP_TARGET:g}x",
-            met=speedup >= STEP_TARGET if ctx.judged else None,
-            note=f"{ctx.where}; flags: {label(flags)}",
+        speedup_row(
+            ctx, PHASE, "polychromic step", "step time", timing, "all flags", STEP_TARGET, note
         )
     ]
 

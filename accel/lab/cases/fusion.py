@@ -222,16 +222,10 @@ def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) 
         )
     )
     whole = compare({"baseline": base, "fusion flags": fast}, repeats=20, device=dev)
+    metric = "time per training step (forward, backward, optimizer)"
+    note = f"batch {sizes.batch} x {sizes.context} tokens; no target"
     rows.append(
-        Row(
-            "fusion",
-            "training_step",
-            "time per training step (forward, backward, optimizer)",
-            "ms",
-            whole.timings["fusion flags"].median_ms,
-            baseline=whole.timings["baseline"].median_ms,
-            note=f"{where}; batch {sizes.batch} x {sizes.context} tokens; no target",
-        )
+        speedup_row(ctx, "fusion", "training_step", metric, whole, "fusion flags", None, note)
     )
     return rows
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from accel.workloads import flags as flags_module
-from accel.workloads.flags import flag, option, pick_preset
+from accel.workloads.flags import Presets, flag, option
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 PRECISIONS = ("fp32", "bf16", "fp16+scaler")
@@ -99,7 +99,7 @@ class Flags:
 
 
 @dataclass(frozen=True)
-class Sizes:
+class Sizes(Presets):
     """Problem, model, batch and optimizer settings. Validated on creation."""
 
     grid: int = 32  # points where u0 is given
@@ -153,12 +153,8 @@ class Sizes:
         """What the inverse net recovers: c and the 2 x modes coefficients of u0."""
         return 1 + 2 * self.modes
 
-    @classmethod
-    def preset(cls, name: str) -> Sizes:
-        return pick_preset(_PRESETS, name)
 
-
-_PRESETS = {
+Sizes.PRESETS = {
     "cpu": Sizes(),
     # ~8.0M parameters; float32 step of ~1 TFLOP (about half of it the inverse loss), counted
     "gpu": Sizes(
