@@ -320,9 +320,11 @@ def _cpu_memory_events(
     """(time ns, bytes: + allocated / - freed) of every CPU allocation and free while ``lead``
     then ``fn`` ran, from the profiler's raw records in time order, and the time ``fn`` began."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import ProfilerActivity, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    from accel.profiling import quiet_profile
+
+    with quiet_profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         if lead is not None:
             lead()
         with record_function(MARK):

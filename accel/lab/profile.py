@@ -22,6 +22,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from accel.lab.device import default_device
+from accel.profiling import quiet_profile
 
 STEP_MARK = "accel.step"
 
@@ -220,7 +221,7 @@ def _record(fn: Callable[[], object], steps: int, dev: torch.device) -> tuple[pr
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         start_bytes = torch.cuda.memory_allocated(dev)
-    with profile(activities=activities, profile_memory=True) as prof:
+    with quiet_profile(activities=activities, profile_memory=True) as prof:
         for _ in range(steps):
             with record_function(STEP_MARK):
                 fn()

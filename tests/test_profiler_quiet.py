@@ -1,0 +1,33 @@
+import os
+
+import torch
+
+from accel.lab import profile_step
+from accel.memory import peak_memory
+from accel.profiling import quiet_profile
+
+
+def test_profile_step_keeps_kinetos_start_and_stop_lines_off_stderr(capfd):
+    x = torch.randn(64, 64)
+    profile_step(lambda: x @ x, steps=2, warmup=1, device="cpu")
+    err = capfd.readouterr().err
+    assert "profiler_start" not in err and "profiler_stop" not in err and "USDT:" not in err
+
+
+def test_the_cpu_memory_profile_keeps_them_off_stderr_too(capfd):
+    peak_memory(lambda: torch.randn(256, 256).sum(), device="cpu")
+    assert "USDT:" not in capfd.readouterr().err
+
+
+def test_other_lines_written_to_stderr_while_profiling_still_come_through(capfd):
+    with quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        os.write(
+            2,
+            b"USDT:2026-11-24 11:46:24 7395:7395 SyncActivityProfilerHandler.cpp:52] profiler_start\n"
+            b"a warning worth seeing\n",
+        )
+        os.write(
+            2, b"STAGE:2026-11-24 11:46:54 7491:7491 Controller.cpp:294] Completed Stage: Warm Up\n"
+        )
+    err = capfd.readouterr().err
+    assert err == "a warning worth seeing\n"
