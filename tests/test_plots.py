@@ -33,8 +33,9 @@ def test_step_times_carry_iqr_and_speedup():
     )
     fig = plots.step_times(frame)
     assert list(fig.data[0].text) == ["1.00x", "2.00x"]
-    assert list(fig.data[0].error_y.array) == pytest.approx([0.2, 0.1])
-    assert list(fig.data[0].error_y.arrayminus) == pytest.approx([0.1, 0.1])
+    assert list(fig.data[0].y) == ["baseline", "fast"] and fig.data[0].orientation == "h"
+    assert list(fig.data[0].error_x.array) == pytest.approx([0.2, 0.1])
+    assert list(fig.data[0].error_x.arrayminus) == pytest.approx([0.1, 0.1])
 
 
 def test_replay_split_stacks_kernels_and_gaps():

@@ -63,17 +63,29 @@ class FeaturePanel:
         self.run_button.on_click(lambda _: self._run_from_widget())
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="idle")
         self.status = widgets.HTML()
-        self.figure = go.FigureWidget(
-            make_subplots(
-                rows=1,
-                cols=2,
-                subplot_titles=("per-step time, this run (ms)", "median by configuration (ms)"),
-            )
-        )
+        # Stacked, the bars horizontal: configuration labels are long ("a+b+c") and stay readable.
+        self.figure = go.FigureWidget(make_subplots(rows=2, cols=1, vertical_spacing=0.15))
         self.figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
         self.figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
-        self.figure.add_bar(x=[], y=[], name="median", showlegend=False, row=1, col=2)
-        self.figure.update_layout(template="plotly_white", height=340, margin=dict(t=40, b=30))
+        self.figure.add_bar(
+            x=[],
+            y=[],
+            orientation="h",
+            textposition="inside",
+            insidetextanchor="start",
+            showlegend=False,
+            row=2,
+            col=1,
+        )
+        self.figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
+        self.figure.update_xaxes(title_text="median ms by configuration (IQR bars)", row=2, col=1)
+        self.figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
+        self.figure.update_layout(
+            template="plotly_white",
+            height=520,
+            margin=dict(t=40, b=40),
+            legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"),
+        )
         self.kernels_figure = go.FigureWidget(
             plots.kernel_breakdown(pd.DataFrame(columns=["name", "count", "total_us", "share"]))
         )
@@ -108,6 +120,8 @@ class FeaturePanel:
             description=info.name,
             tooltip=tooltip,
             disabled=bool(reason),
+            style={"description_width": "initial"},  # the whole name, not "controller..."
+            layout=widgets.Layout(width="auto"),
         )
 
     def _control_rows(self) -> list[widgets.Widget]:
@@ -213,9 +227,9 @@ class FeaturePanel:
         frame = self.results
         with self.figure.batch_update():
             bars = self.figure.data[2]
-            bars.x, bars.y = list(frame["label"]), list(frame["median_ms"])
+            bars.y, bars.x = list(frame["label"]), list(frame["median_ms"])
             bars.text = [f"{s:.2f}x" for s in frame["speedup"]]
-            bars.error_y = dict(
+            bars.error_x = dict(
                 type="data",
                 symmetric=False,
                 array=list(frame["q75_ms"] - frame["median_ms"]),

@@ -41,19 +41,24 @@ def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
     fig = go.Figure()
     if len(frame):
         text = [f"{s:.2f}x" for s in frame["speedup"]] if "speedup" in frame else None
-        fig.add_bar(
-            x=frame["label"],
-            y=frame["median_ms"],
+        fig.add_bar(  # horizontal: labels such as "a+b+c" stay readable
+            y=frame["label"],
+            x=frame["median_ms"],
+            orientation="h",
             text=text,
             textposition="outside",
-            error_y=dict(
+            error_x=dict(
                 type="data",
                 symmetric=False,
                 array=frame["q75_ms"] - frame["median_ms"],
                 arrayminus=frame["median_ms"] - frame["q25_ms"],
             ),
         )
-    return fig.update_layout(**_LAYOUT, title=title, yaxis_title="median ms (IQR bars)")
+    fig.update_yaxes(autorange="reversed", automargin=True)
+    height = max(_LAYOUT["height"], 120 + 40 * len(frame))
+    return fig.update_layout(
+        **{**_LAYOUT, "height": height}, title=title, xaxis_title="median ms (IQR bars)"
+    )
 
 
 def replay_split(frame: pd.DataFrame, *, title: str = "What a replay spends") -> go.Figure:

@@ -1,0 +1,222 @@
+"""Every notebook as a person sees it: opened in JupyterLab in headless Chromium, one after another
+in one workspace, all cells run, then what shows is checked (widgets rendered, no errors in the
+browser console, no profiler noise in the outputs) and, where a notebook has a FeaturePanel, one
+checkbox toggled and Run pressed: the progress bar moves, the plot changes and the table shows
+new numbers. Screenshots of each panel before and after go to ``ACCEL_BROWSER_SHOTS`` (default
+``ci-logs/browser``).
+
+Needs Playwright for Python and a Chromium (Debian's ``chromium``, or ``ACCEL_CHROMIUM`` naming
+one); skipped with the reason where either is missing, failed instead where
+``ACCEL_REQUIRE_BROWSER=1`` (CI sets it, so the check cannot quietly stop running).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+SHOTS = Path(os.environ.get("ACCEL_BROWSER_SHOTS", ROOT / "ci-logs" / "browser"))
+CELLS_TIMEOUT_S = 300
+PANEL_TIMEOUT_S = 120
+# What a person would see where a widget failed to render, or where its text fallback shows.
+WIDGET_FAILURES = ("Error displaying widget", "model not found", "Failed to load model class")
+TEXT_FALLBACK = re.compile(r"^(FigureWidget|VBox|HBox)\(", re.M)
+PROFILER_NOISE = re.compile(r"\b(USDT|STAGE):\S* .*\.cpp:\d+\]")
+SETTINGS = {  # no news pop-up over the page, and the notebook's kernel starts without asking
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": (
+        '{"fetchNews": "false", "checkForUpdates": false}'
+    ),
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": '{"autoStartDefaultKernel": true}',
+}
+
+
+def _missing(reason: str):
+    if os.environ.get("ACCEL_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"{reason}, and ACCEL_REQUIRE_BROWSER=1")
+    pytest.skip(reason)
+
+
+def _chromium() -> str | None:
+    return (
+        os.environ.get("ACCEL_CHROMIUM")
+        or shutil.which("chromium")
+        or shutil.which("chromium-browser")
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab_url(tmp_path_factory):
+    """JupyterLab serving a copy of the notebooks (its autosave must not touch the repository)."""
+    if importlib.util.find_spec("jupyterlab") is None:
+        _missing("the notebook stack is not installed")
+    root = tmp_path_factory.mktemp("lab")
+    shutil.copytree(ROOT / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".*"))
+    settings = root / ".settings"
+    for name, text in SETTINGS.items():
+        (settings / name).parent.mkdir(parents=True, exist_ok=True)
+        (settings / name).write_text(text)
+    port, token = _free_port(), "accel-browser-test"
+    log = open(root / "jupyterlab.log", "w")  # noqa: SIM115 (closed below, after the server)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--allow-root",
+            f"--port={port}",
+            f"--ServerApp.token={token}",
+            f"--ServerApp.root_dir={root}",
+            f"--LabApp.user_settings_dir={settings}",
+            f"--LabApp.workspaces_dir={root / '.workspaces'}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), 0.5).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(
+                        f"JupyterLab did not start: {(root / 'jupyterlab.log').read_text()}"
+                    )
+                time.sleep(0.3)
+        yield f"http://127.0.0.1:{port}", token
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def page(lab_url):
+    """One browser tab for the whole workbook, as a person moving through it uses one."""
+    if importlib.util.find_spec("playwright") is None:
+        _missing("Playwright is not installed")
+    chromium = _chromium()
+    if chromium is None:
+        _missing("no Chromium found (install Debian's chromium or set ACCEL_CHROMIUM)")
+    from playwright import sync_api
+
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+        tab.console_errors = []
+        tab.on("console", lambda m: m.type == "error" and tab.console_errors.append(m.text))
+        tab.on("pageerror", lambda e: tab.console_errors.append(str(e)))
+        tab.set_default_timeout(60_000)
+        url, token = lab_url
+        tab.goto(f"{url}/lab/tree/notebooks?reset&token={token}")  # the file browser, in notebooks/
+        tab.wait_for_selector(".jp-DirListing-item")
+        yield tab
+        browser.close()
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_the_notebook_runs_and_shows_what_it_should(page, notebook):
+    page.console_errors.clear()
+    # Opened from the file browser, as a person moving through the workbook does.
+    page.locator(".jp-DirListing-item", has_text=notebook).dblclick()
+    name = notebook.removesuffix(".ipynb")
+    try:
+        _check(page, name)
+        _close(page)
+    except BaseException:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=SHOTS / f"{name}-failed.png")
+        raise
+
+
+def _check(page, name: str) -> None:
+    page.wait_for_selector(".jp-Notebook .jp-Cell")
+    _run_all_cells(page)
+
+    text = page.inner_text(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook")
+    assert not [f for f in WIDGET_FAILURES if f in text], f"a widget failed to render:\n{text}"
+    assert not TEXT_FALLBACK.search(text), "a widget showed as plain text (no widget manager)"
+    assert not PROFILER_NOISE.search(text), "the profiler's own log lines show in an output"
+    assert not page.console_errors, f"browser console: {page.console_errors}"
+
+    panel = page.locator(
+        ".jp-NotebookPanel:not(.lm-mod-hidden) "
+        ".jp-OutputArea-output:has(.widget-checkbox):has(button.widget-button)"
+    )
+    if panel.count():
+        _toggle_and_run(page, panel.first, name)
+
+
+def _run_all_cells(page) -> None:
+    # The kernel connected and idle, as the status bar says it (Run All before that runs nothing).
+    page.locator("#jp-main-statusbar").get_by_text(re.compile(r"\(ipykernel\) \| Idle")).wait_for()
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    busy = "() => [...document.querySelectorAll('.jp-InputPrompt')].some(e => e.textContent.includes('*'))"
+    page.wait_for_function(busy, polling=100, timeout=30_000)
+    page.wait_for_function(f"() => !({busy})()", polling=500, timeout=CELLS_TIMEOUT_S * 1000)
+
+
+def _toggle_and_run(page, panel, name: str) -> None:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    panel.scroll_into_view_if_needed()
+    plot, table = panel.locator(".js-plotly-plot").first, panel.locator("table").last
+    plot_before, table_before = plot.inner_html(), table.inner_text() if table.count() else ""
+    panel.screenshot(path=SHOTS / f"{name}-before.png")
+
+    # Every width the progress bar takes while the run goes, recorded in the page itself.
+    panel.evaluate(
+        """panel => {
+        const bar = panel.querySelector('.widget-hprogress .progress-bar');
+        window.__widths = [];
+        new MutationObserver(() => window.__widths.push(parseFloat(bar.style.width)))
+            .observe(bar, {attributes: true, attributeFilter: ['style']});
+    }"""
+    )
+    panel.locator(".widget-checkbox input[type=checkbox]:not(:disabled)").first.click()
+    run = panel.locator("button.widget-button", has_text="Run")
+    if run.is_enabled():  # a panel that runs on every change has started already
+        run.click()
+    status = panel.locator(".widget-hprogress .widget-label")
+    page.wait_for_function(
+        "el => ['done', 'failed'].includes(el.textContent.trim())",
+        arg=status.element_handle(),
+        polling=200,
+        timeout=PANEL_TIMEOUT_S * 1000,
+    )
+    panel.screenshot(path=SHOTS / f"{name}-after.png")
+    assert status.inner_text().strip() == "done", panel.inner_text()
+    widths = page.evaluate("window.__widths")
+    assert any(0 < w < 100 for w in widths), f"the progress bar did not move: {widths}"
+    assert plot.inner_html() != plot_before, "the plot did not change"
+    assert table.inner_text() != table_before, "the table shows no new numbers"
+
+
+def _close(page) -> None:
+    """Shut the notebook's kernel down and close its tab, discarding the run (CI has two cores)."""
+    page.get_by_role("menuitem", name="File", exact=True).click()
+    page.get_by_role("menuitem", name=re.compile(r"^Close and Shut Down")).click()
+    page.locator(".jp-Dialog").get_by_role("button", name="Ok", exact=True).click()
+    page.wait_for_selector(".jp-NotebookPanel", state="detached", timeout=30_000)
