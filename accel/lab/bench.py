@@ -44,6 +44,7 @@ PHASES: dict[str, str] = {
     "graphs": "accel.lab.cases.graphs:run",
     "recipe": "accel.lab.cases.recipe:run",
     "distributed": "accel.lab.cases.distributed:run",
+    "notebooks": "accel.lab.cases.notebooks:run",
 }
 
 COLUMNS = [

@@ -1,0 +1,104 @@
+"""Bench phase ``notebooks``: how long each notebook takes to run, cell by cell, as a reader waits
+for it. Targets on a GPU at the gpu preset: each notebook in at most 120 s, the whole workbook in at
+most 12 minutes, and no cell over 30 s (a longer one must show a progress bar; the row names the
+slowest cell so it can be checked).
+
+Each notebook runs in a fresh kernel through nbclient (what nbval drives), from its own folder, its
+outputs discarded; a failing cell fails the row rather than the phase.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from pathlib import Path
+
+from accel.lab.bench import BenchContext, Row
+
+PHASE = "notebooks"
+NOTEBOOK_TARGET_S = 120.0
+WORKBOOK_TARGET_S = 720.0
+CELL_TARGET_S = 30.0
+CELL_TIMEOUT_S = 900
+NOTEBOOK_DIR = Path(__file__).resolve().parents[3] / "notebooks"
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    """One row per notebook of :data:`NOTEBOOK_DIR` and one for the whole workbook."""
+    paths = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+    if not paths:  # an installed package has no notebooks beside it
+        return []
+    rows, total = [], 0.0
+    for path in paths:
+        seconds, slowest, error = run_notebook(path)
+        total += seconds
+        rows.append(_notebook_row(ctx, path.stem, seconds, slowest, error))
+    rows.append(
+        Row(
+            PHASE,
+            "workbook",
+            "seconds to run every notebook",
+            "s",
+            total,
+            target=f"<= {WORKBOOK_TARGET_S:g} s",
+            met=total <= WORKBOOK_TARGET_S if ctx.judged else None,
+            note=f"{ctx.where}; {len(paths)} notebooks, one after another",
+        )
+    )
+    return rows
+
+
+def run_notebook(path: Path) -> tuple[float, tuple[int, float], str]:
+    """Seconds to run every cell of ``path`` in a fresh kernel (start-up included), its slowest
+    cell as (index, seconds), and the error that stopped it ("" when none did)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    notebook = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        notebook, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(path.parent)}}
+    )
+    error = ""
+    start = time.perf_counter()
+    try:
+        client.execute()
+    except CellExecutionError as e:
+        error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    seconds = time.perf_counter() - start
+    return seconds, slowest_cell(notebook), error
+
+
+def slowest_cell(notebook) -> tuple[int, float]:
+    """(index, seconds) of the code cell that ran longest, from the timings nbclient records."""
+    best = (-1, 0.0)
+    for index, cell in enumerate(notebook.cells):
+        timing = cell.get("metadata", {}).get("execution", {})
+        began, ended = timing.get("iopub.execute_input"), timing.get("shell.execute_reply")
+        if began and ended:
+            spent = (_when(ended) - _when(began)).total_seconds()
+            best = max(best, (index, spent), key=lambda pair: pair[1])
+    return best
+
+
+def _when(stamp: str) -> dt.datetime:
+    return dt.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def _notebook_row(
+    ctx: BenchContext, name: str, seconds: float, slowest: tuple[int, float], error: str
+) -> Row:
+    cell, cell_s = slowest
+    within = seconds <= NOTEBOOK_TARGET_S and cell_s <= CELL_TARGET_S and not error
+    note = f"{ctx.where}; slowest: cell {cell} of the file (from 0), {cell_s:.1f} s"
+    note += f"; FAILED: {error}" if error else ""
+    return Row(
+        PHASE,
+        name,
+        "seconds to run every cell",
+        "s",
+        seconds,
+        target=f"<= {NOTEBOOK_TARGET_S:g} s, no cell over {CELL_TARGET_S:g} s",
+        met=within if ctx.judged else None,
+        note=note,
+    )

@@ -1,0 +1,60 @@
+import nbformat
+import pytest
+import torch
+
+from accel.lab.bench import BenchContext
+from accel.lab.cases import notebooks
+from accel.lab.ceilings import Ceilings
+
+
+def write(path, *sources):
+    cells = [nbformat.v4.new_markdown_cell("# a notebook")]
+    cells += [nbformat.v4.new_code_cell(source) for source in sources]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), path)
+
+
+@pytest.fixture
+def ctx():
+    ceilings = Ceilings("cpu", 10.0, 0.1, "float32", 1 << 20, 64)  # made up: no measuring here
+    return BenchContext(torch.device("cpu"), "cpu", ceilings)
+
+
+def test_each_notebook_gets_its_seconds_and_slowest_cell_and_the_workbook_its_sum(
+    tmp_path, monkeypatch, ctx
+):
+    write(tmp_path / "01_quick.ipynb", "x = 1", "import time\ntime.sleep(0.6)", "y = x + 1")
+    write(tmp_path / "02_broken.ipynb", "raise ValueError('the data is gone')", "z = 3")
+    (tmp_path / "scratch.ipynb").write_text("not a workbook notebook: not run")
+    monkeypatch.setattr(notebooks, "NOTEBOOK_DIR", tmp_path)
+
+    rows = notebooks.run(ctx)
+
+    quick, broken, workbook = rows
+    assert [r.case for r in rows] == ["01_quick", "02_broken", "workbook"]
+    assert quick.optimized >= 0.6 and "slowest: cell 2 of the file" in quick.note
+    assert "FAILED" not in quick.note
+    assert "FAILED" in broken.note and "the data is gone" in broken.note
+    assert workbook.optimized == pytest.approx(quick.optimized + broken.optimized)
+    assert all(r.met is None and r.note.startswith("not judged") for r in rows)  # a CPU run
+
+
+def test_an_installed_package_without_notebooks_gives_no_rows(tmp_path, monkeypatch, ctx):
+    monkeypatch.setattr(notebooks, "NOTEBOOK_DIR", tmp_path / "absent")
+    assert notebooks.run(ctx) == []
+
+
+def test_on_a_gpu_a_slow_notebook_a_slow_cell_or_a_failure_misses_its_target(
+    tmp_path, monkeypatch
+):
+    write(tmp_path / "01_slow_cell.ipynb", "import time\ntime.sleep(0.5)")
+    write(tmp_path / "02_fine.ipynb", "x = 1")
+    write(tmp_path / "03_broken.ipynb", "1 / 0")
+    monkeypatch.setattr(notebooks, "NOTEBOOK_DIR", tmp_path)
+    monkeypatch.setattr(notebooks, "CELL_TARGET_S", 0.3)
+    monkeypatch.setattr(notebooks, "WORKBOOK_TARGET_S", 1e-3)
+    ceilings = Ceilings("cuda", 10.0, 0.1, "bfloat16", 1 << 20, 64)
+    ctx = BenchContext(torch.device("cuda"), "gpu", ceilings)  # judged; nothing runs on it
+
+    slow, fine, broken, workbook = notebooks.run(ctx)
+
+    assert (slow.met, fine.met, broken.met, workbook.met) == (False, True, False, False)
