@@ -12,6 +12,7 @@ one); skipped with the reason where either is missing, failed instead where
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -30,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 SHOTS = Path(os.environ.get("ACCEL_BROWSER_SHOTS", ROOT / "ci-logs" / "browser"))
 CELLS_TIMEOUT_S = 300
-PANEL_TIMEOUT_S = 120
+PANEL_TIMEOUT_S = 180
 # What a person would see where a widget failed to render, or where its text fallback shows.
 WIDGET_FAILURES = ("Error displaying widget", "model not found", "Failed to load model class")
 TEXT_FALLBACK = re.compile(r"^(FigureWidget|VBox|HBox)\(", re.M)
+SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front, not the ones behind it
 PROFILER_NOISE = re.compile(r"\b(USDT|STAGE):\S* .*\.cpp:\d+\]")
 SETTINGS = {  # no news pop-up over the page, and the notebook's kernel starts without asking
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": (
@@ -148,23 +150,22 @@ def test_the_notebook_runs_and_shows_what_it_should(page, notebook):
     except BaseException:
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=SHOTS / f"{name}-failed.png")
+        with contextlib.suppress(Exception):  # so the next notebook starts from a clean page
+            _close(page)
         raise
 
 
 def _check(page, name: str) -> None:
-    page.wait_for_selector(".jp-Notebook .jp-Cell")
+    page.wait_for_selector(f"{SHOWN} .jp-Cell")
     _run_all_cells(page)
 
-    text = page.inner_text(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Notebook")
+    text = page.inner_text(f"{SHOWN} .jp-Notebook")
     assert not [f for f in WIDGET_FAILURES if f in text], f"a widget failed to render:\n{text}"
     assert not TEXT_FALLBACK.search(text), "a widget showed as plain text (no widget manager)"
     assert not PROFILER_NOISE.search(text), "the profiler's own log lines show in an output"
     assert not page.console_errors, f"browser console: {page.console_errors}"
 
-    panel = page.locator(
-        ".jp-NotebookPanel:not(.lm-mod-hidden) "
-        ".jp-OutputArea-output:has(.widget-checkbox):has(button.widget-button)"
-    )
+    panel = page.locator(f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)")
     if panel.count():
         _toggle_and_run(page, panel.first, name)
 
@@ -186,13 +187,18 @@ def _toggle_and_run(page, panel, name: str) -> None:
     plot_before, table_before = plot.inner_html(), table.inner_text() if table.count() else ""
     panel.screenshot(path=SHOTS / f"{name}-before.png")
 
-    # Every width the progress bar takes while the run goes, recorded in the page itself.
+    # Every width of the progress bar and every word of its label while the run goes, recorded in
+    # the page itself: the label says "done" before the run starts too.
     panel.evaluate(
         """panel => {
         const bar = panel.querySelector('.widget-hprogress .progress-bar');
+        const label = panel.querySelector('.widget-hprogress .widget-label');
         window.__widths = [];
+        window.__labels = [];
         new MutationObserver(() => window.__widths.push(parseFloat(bar.style.width)))
             .observe(bar, {attributes: true, attributeFilter: ['style']});
+        new MutationObserver(() => window.__labels.push(label.textContent.trim()))
+            .observe(label, {childList: true, characterData: true, subtree: true});
     }"""
     )
     panel.locator(".widget-checkbox input[type=checkbox]:not(:disabled)").first.click()
@@ -201,7 +207,8 @@ def _toggle_and_run(page, panel, name: str) -> None:
         run.click()
     status = panel.locator(".widget-hprogress .widget-label")
     page.wait_for_function(
-        "el => ['done', 'failed'].includes(el.textContent.trim())",
+        """el => window.__labels.some(t => !['done', 'failed'].includes(t))
+            && ['done', 'failed'].includes(el.textContent.trim())""",
         arg=status.element_handle(),
         polling=200,
         timeout=PANEL_TIMEOUT_S * 1000,
