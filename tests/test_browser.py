@@ -126,7 +126,7 @@ def page(lab_url):
 
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        tab = browser.new_page(viewport={"width": 1400, "height": 1000})
+        tab = browser.new_page(viewport={"width": 1400, "height": 2400})
         tab.console_errors = []
         tab.on("console", lambda m: m.type == "error" and tab.console_errors.append(m.text))
         tab.on("pageerror", lambda e: tab.console_errors.append(str(e)))

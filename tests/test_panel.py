@@ -36,7 +36,7 @@ def test_toggle_and_click_rerun_and_update_the_figure():
     assert list(panel.figure.data[2].y) == ["baseline"]
     panel.controls["fused_adamw"].value = True
     panel.run_button.click()
-    assert list(panel.figure.data[2].y) == ["baseline", "fused_adamw"]
+    assert list(panel.figure.data[2].y) == ["baseline", "fused_adamw"]  # short: not wrapped
     assert len(panel.figure.data[1].y) == 3  # this run's live samples
     assert panel.figure.data[1].name == "fused_adamw"
     assert "fused_adamw" in panel.table.value

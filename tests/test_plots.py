@@ -135,3 +135,13 @@ def test_distributed_scaling_shows_peak_memory_only_where_it_was_measured():
     assert {t.name for t in figs["memory"].data} == {"state_mib_per_rank"}
     with_peak = plots.distributed_scaling(frame.assign(peak_mib_per_rank=[55.0, 48.0]))
     assert {t.name for t in with_peak["memory"].data} == {"state_mib_per_rank", "peak_mib_per_rank"}
+
+
+def test_a_long_configuration_label_wraps_after_a_plus_and_keeps_every_part():
+    label = "activation_checkpointing+aux_loss_every=4+query_subsample=2+precision=bf16+fused_adamw"
+    wrapped = plots.wrap_label(label, width=32)
+    lines = wrapped.split("<br>")
+    assert len(lines) > 1 and "".join(lines) == label
+    assert all(len(line) <= 32 or "+" not in line for line in lines)
+    assert plots.wrap_label("baseline") == "baseline"
+    assert plots.bars_height([label], 100) > plots.bars_height(["baseline"], 100)

@@ -166,7 +166,8 @@ class FeaturePanel:
         live = {k: [] for k in candidates}
         with self.figure.batch_update():
             self.figure.data[0].y, self.figure.data[1].y = [], []
-            self.figure.data[1].name = name
+            # both names again: a page that re-renders the figure from its last update has them
+            self.figure.data[0].name, self.figure.data[1].name = BASELINE, name
         self.progress.max, self.progress.value = self.repeats * len(candidates), 0
         self.progress.description = "timing"
 
@@ -201,10 +202,12 @@ class FeaturePanel:
                 for k, v in report.summary().items()
                 if k in ("kernels_per_step", "launches_per_step", "syncs_per_step", "idle_fraction")
             }
-            fresh = plots.kernel_breakdown(report.kernels, title=f"Where the time goes: {name}")
+            title = f"Where the time goes:<br>{plots.wrap_label(name, 70)}"
+            fresh = plots.kernel_breakdown(report.kernels, title=title)
             with self.kernels_figure.batch_update():
                 self.kernels_figure.data[0].update(fresh.data[0])
                 self.kernels_figure.layout.title = fresh.layout.title
+                self.kernels_figure.layout.margin.t = 30 + 22 * (1 + title.count("<br>"))
         self._refresh_summary()
         self.progress.description = "done"
         return self._rows[name]
@@ -227,13 +230,18 @@ class FeaturePanel:
         frame = self.results
         with self.figure.batch_update():
             bars = self.figure.data[2]
-            bars.y, bars.x = list(frame["label"]), list(frame["median_ms"])
+            bars.y = [plots.wrap_label(x) for x in frame["label"]]
+            bars.x = list(frame["median_ms"])
             bars.text = [f"{s:.2f}x" for s in frame["speedup"]]
             bars.error_x = dict(
                 type="data",
                 symmetric=False,
                 array=list(frame["q75_ms"] - frame["median_ms"]),
                 arrayminus=list(frame["median_ms"] - frame["q25_ms"]),
+            )
+            # the bars get under half the figure: twice their own height, on top of the lines
+            self.figure.layout.height = max(
+                520, 300 + 2 * plots.bars_height(list(frame["label"]), 0)
             )
         shown = [
             c

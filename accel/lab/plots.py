@@ -41,8 +41,8 @@ def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
     fig = go.Figure()
     if len(frame):
         text = [f"{s:.2f}x" for s in frame["speedup"]] if "speedup" in frame else None
-        fig.add_bar(  # horizontal: labels such as "a+b+c" stay readable
-            y=frame["label"],
+        fig.add_bar(  # horizontal, labels wrapped: "a+b+c" stays readable beside its bar
+            y=[wrap_label(x) for x in frame["label"]],
             x=frame["median_ms"],
             orientation="h",
             text=text,
@@ -55,7 +55,7 @@ def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
             ),
         )
     fig.update_yaxes(autorange="reversed", automargin=True)
-    height = max(_LAYOUT["height"], 120 + 40 * len(frame))
+    height = max(_LAYOUT["height"], bars_height(list(frame["label"]), 120))
     return fig.update_layout(
         **{**_LAYOUT, "height": height}, title=title, xaxis_title="median ms (IQR bars)"
     )
@@ -181,6 +181,24 @@ def speedups(frame: pd.DataFrame, *, title: str = "Speedup over the baseline") -
 
 def _short(name: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def wrap_label(label: str, width: int = 32) -> str:
+    """A configuration label ("a+b=2+c") broken after a "+" into lines of about ``width``
+    characters (plotly's ``<br>``), so a long one does not squeeze the plot beside it."""
+    lines = [""]
+    for part in label.split("+"):
+        piece = f"+{part}" if lines[-1] else part
+        if lines[-1] and len(lines[-1]) + len(piece) > width:
+            lines.append(piece)
+        else:
+            lines[-1] += piece
+    return "<br>".join(lines)
+
+
+def bars_height(labels: list[str], base: int) -> int:
+    """Figure height for horizontal bars of wrapped ``labels``: ``base`` plus room per line."""
+    return base + sum(18 * (1 + wrap_label(x).count("<br>")) + 10 for x in labels)
 
 
 # ---- sdpa ----------------------------------------------------------------------------------------
