@@ -43,9 +43,7 @@ def test_an_installed_package_without_notebooks_gives_no_rows(tmp_path, monkeypa
     assert notebooks.run(ctx) == []
 
 
-def test_on_a_gpu_a_slow_notebook_a_slow_cell_or_a_failure_misses_its_target(
-    tmp_path, monkeypatch
-):
+def test_on_a_gpu_a_slow_notebook_a_slow_cell_or_a_failure_misses_its_target(tmp_path, monkeypatch):
     write(tmp_path / "01_slow_cell.ipynb", "import time\ntime.sleep(0.5)")
     write(tmp_path / "02_fine.ipynb", "x = 1")
     write(tmp_path / "03_broken.ipynb", "1 / 0")
