@@ -6,7 +6,7 @@ import pytest
 
 from accel.__main__ import main
 from accel.lab import bench
-from accel.lab.bench import COLUMNS, Row, write_results
+from accel.lab.bench import COLUMNS, Row, recorded_results, write_results
 
 
 def test_info_prints_device_and_versions(capsys):
@@ -77,6 +77,7 @@ def test_a_phase_judged_after_an_unjudged_one_keeps_met_as_true_or_false(tmp_pat
     write_results(frame("c", False), tmp_path, stem="m")
     lines = (tmp_path / "m.csv").read_text().splitlines()[1:]
     assert [line.split(",")[9] for line in lines] == ["", "True", "False"]
+    assert list(recorded_results(results_dir=tmp_path)["met"]) == [None, True, False]
 
 
 @pytest.mark.parametrize(("higher", "expected"), [(False, 4.0), (True, 0.25)])

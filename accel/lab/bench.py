@@ -230,9 +230,7 @@ def write_results(
     stem = stem or results_stem()
     csv = out / f"{stem}.csv"
     if csv.exists():
-        # as text: a column read back with every ``met`` empty is float and would turn True to 1.0
-        old = pd.read_csv(csv, dtype={"met": "string"}).astype({"met": object})
-        old["met"] = old["met"].map({"True": True, "False": False, pd.NA: None})
+        old = read_results(csv)
         frame = pd.concat([old[~old["phase"].isin(frame["phase"])], frame], ignore_index=True)
     frame = frame[COLUMNS]
     write_text_atomic(csv, frame.to_csv(index=False))
@@ -301,6 +299,14 @@ def default_results_dir() -> Path:
     return beside_package if beside_package.is_dir() else Path("results")
 
 
+def read_results(csv: str | Path) -> pd.DataFrame:
+    """A result file's rows, ``met`` as True, False or None: read as text, since pandas makes a
+    column whose every ``met`` is empty float and would turn a later True into 1.0."""
+    frame = pd.read_csv(csv, dtype={"met": object})
+    frame["met"] = [{"True": True, "False": False}.get(met) for met in frame["met"]]
+    return frame
+
+
 def recorded_results(
     phase: str | None = None, results_dir: str | Path | None = None
 ) -> pd.DataFrame:
@@ -310,7 +316,7 @@ def recorded_results(
     """
     files = sorted(Path(results_dir or default_results_dir()).glob("*.csv"))
     frame = (
-        pd.concat([pd.read_csv(f) for f in files], ignore_index=True)
+        pd.concat([read_results(f) for f in files], ignore_index=True)
         if files
         else (pd.DataFrame(columns=COLUMNS))
     )
@@ -341,7 +347,7 @@ def results_markdown(results_dir: str | Path | None = None) -> str:
     shown = ["phase", "case", "metric", "baseline", "optimized", "unit", "speedup", "target", "met"]
     lines = []
     for csv in files:
-        frame = pd.read_csv(csv, keep_default_na=True)
+        frame = read_results(csv)
         first = frame.iloc[0]
         points = frame["case"].str.startswith("sweep ")
         lines += [

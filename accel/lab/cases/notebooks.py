@@ -53,7 +53,7 @@ def run_notebook(path: Path) -> tuple[float, tuple[int, float], str]:
     cell as (index, seconds), and the error that stopped it ("" when none did)."""
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
@@ -63,8 +63,8 @@ def run_notebook(path: Path) -> tuple[float, tuple[int, float], str]:
     start = time.perf_counter()
     try:
         client.execute()
-    except CellExecutionError as e:
-        error = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
+        error = (str(e).strip().splitlines() or [type(e).__name__])[-1]
     seconds = time.perf_counter() - start
     return seconds, slowest_cell(notebook), error
 
