@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from accel.sync import to_device_without_sync
+
 Tensors = torch.Tensor | Iterable[torch.Tensor]
 
 
@@ -194,7 +196,7 @@ def _group_index(
             flat += 1
         rows[0].append(grad_row + [zero] * (width - size))
         rows[1].append(param_row + [zero] * (width - size))
-    return torch.tensor(rows, dtype=torch.long).to(device)
+    return to_device_without_sync(torch.tensor(rows, dtype=torch.long), device)
 
 
 # ---- clipping -----------------------------------------------------------------------------------

@@ -413,6 +413,21 @@ def test_cuda_foreach_equals_cpu_reference_and_is_sync_free(gen, dtype):
     assert sync.count_syncs(lambda: fusion.clip_grad_norm_(cuda, 0.1, foreach=False)) == 1
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_the_first_group_stats_call_is_sync_free_too(gen):
+    """The first call builds the gather index for these group sizes: a pageable copy there
+    would sync in a CUDA graph's first warm-up call and keep GraphedStep from capturing."""
+    params = [
+        p.detach().cuda().requires_grad_() for p in params_with_grads(gen, [(7, 3), (5,), (2, 9)])
+    ]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    fusion._group_index.cache_clear()
+    torch.cuda.synchronize()
+    assert sync.count_syncs(lambda: fusion.group_stats([params[:1], params[1:]])) == 0
+
+
 @pytest.mark.parametrize("foreach", [True, False])
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
 def test_an_empty_tensor_adds_nothing_to_a_norm(foreach, norm_type, seed):
