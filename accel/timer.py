@@ -5,8 +5,14 @@ place every second round and runs backwards in odd rounds (A B C, C B A, B C A, 
 B A C): rotation alone keeps each candidate behind the same neighbour every round, and a kernel
 that runs right after a slow, cool one gets more of the GPU's power budget. With the reversal each
 candidate follows both of its neighbours, and over 2 n rounds each of n candidates holds every
-place exactly twice. CUDA events time the device (host overhead that does not delay the GPU is
-not counted); the host clock times a CPU.
+place exactly twice.
+
+What a sample measures is its ``clock``. On CUDA: ``"device"`` brackets the calls with CUDA
+events and lets samples queue back to back (the GPU's time per call; host overhead that does not
+delay the GPU is not counted); ``"latency"`` waits for an idle GPU before each sample, then
+brackets it with events (one call as a user makes it, host launch time included); ``"host"`` reads
+the host clock around the calls without waiting (the Python call to its return). A CPU has one
+clock: all three read the host's.
 
     samples = interleaved({"a": f, "b": g}, device, warmup=2, repeats=12)
     samples.medians()                                  # {"a": ms per call, "b": ...}
@@ -22,10 +28,13 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 SampleCallback = Callable[[str, int, float], None]
+Clock = Literal["device", "latency", "host"]
+CLOCKS: tuple[str, ...] = get_args(Clock)
 
 
 class CandidateError(RuntimeError):
@@ -44,6 +53,20 @@ class Samples:
     def medians(self) -> dict[str, float]:
         return {name: statistics.median(times) for name, times in self.times_ms.items()}
 
+    def paired_ratio(self, slow: str, fast: str) -> float:
+        """:func:`paired_ratio` of two candidates' samples."""
+        return paired_ratio(self.times_ms, slow, fast)
+
+
+def paired_ratio(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -> float:
+    """Median over rounds of ``slow``'s time over ``fast``'s in the same round: how many times
+    faster ``fast`` ran than its neighbour in time. Slow drift (clocks falling as the GPU warms
+    over a long measurement) moves both samples of a round alike and cancels here, while a ratio
+    of two medians keeps it; NaN if either was not timed."""
+    if slow not in samples or fast not in samples:
+        return math.nan
+    return statistics.median(a / b for a, b in zip(samples[slow], samples[fast], strict=True))
+
 
 def round_order(names: Sequence[str], r: int) -> list[str]:
     """The order of round ``r``: ``names`` turned by ``r // 2`` places, reversed when ``r`` is
@@ -54,11 +77,17 @@ def round_order(names: Sequence[str], r: int) -> list[str]:
     return order[::-1] if r % 2 else order
 
 
-def take_sample(fn: Callable[[], object], calls: int, cuda: bool) -> Callable[[], float]:
+def take_sample(
+    fn: Callable[[], object], calls: int, cuda: bool, *, idle_first: bool = False
+) -> Callable[[], float]:
     """Call ``fn`` ``calls`` times as one sample; returns the reader of its ms per call.
 
-    On CUDA reading waits for the GPU: defer it, so samples queue back to back."""
+    ``cuda``: CUDA events time it, and reading waits for the GPU, so defer it and samples queue
+    back to back; ``idle_first`` waits for the GPU before the sample starts. Otherwise the host
+    clock times it."""
     if cuda:
+        if idle_first:
+            torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):
@@ -90,6 +119,7 @@ def interleaved(
     min_sample_ms: float = 1.0,
     on_sample: SampleCallback | None = None,
     name_errors: bool = False,
+    clock: Clock = "device",
 ) -> Samples:
     """Time ``fns`` on ``device`` interleaved: ``warmup`` calls of each, then ``repeats`` rounds
     in :func:`round_order`, one sample of each candidate per round.
@@ -98,15 +128,19 @@ def interleaved(
     ``min_sample_ms`` (for functions of microseconds). ``on_sample(name, round, ms)`` is called
     as each sample completes (on CUDA this waits for the GPU after every sample). With
     ``name_errors`` an exception of a candidate is raised as :class:`CandidateError` naming it.
-    Without ``on_sample`` this waits for the GPU once, at the end.
+    ``clock`` says what a sample measures (the module's docstring). Without ``on_sample`` and
+    with the ``"device"`` clock this waits for the GPU once, at the end.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"expected repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
     if calls_per_sample is not None and calls_per_sample < 1:
         raise ValueError(f"calls_per_sample must be >= 1 or None, got {calls_per_sample}")
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     names = list(fns)
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
+    cuda = dev.type == "cuda" and clock != "host"
+    idle_first = clock == "latency"
 
     def blamed(name: str, thunk: Callable[[], object]) -> object:
         try:
@@ -128,12 +162,15 @@ def interleaved(
     schedule: list[str] = []
     for r in range(repeats):
         for name in round_order(names, r):
-            read = blamed(name, lambda name=name: take_sample(fns[name], calls[name], cuda))
+            read = blamed(
+                name,
+                lambda name=name: take_sample(fns[name], calls[name], cuda, idle_first=idle_first),
+            )
             pending[name].append(read)
             schedule.append(name)
             if on_sample is not None:
                 on_sample(name, r, read())
-    if cuda:
+    if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     times = {n: tuple(read() for read in pending[n]) for n in names}
     return Samples(times, calls, tuple(schedule))

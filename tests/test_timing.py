@@ -1,3 +1,5 @@
+import math
+import statistics
 import time
 
 import pytest
@@ -6,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from accel.lab.timing import Timing, compare, time_fn
-from accel.timer import CandidateError, interleaved, round_order
+from accel.timer import CLOCKS, CandidateError, interleaved, paired_ratio, round_order
 
 
 def test_time_fn_gives_positive_median_with_spread(device, seed):
@@ -51,6 +53,26 @@ def test_interleaved_gives_rounds_aligned_samples_and_medians():
     samples = interleaved({"a": lambda: None, "b": lambda: None}, "cpu", warmup=0, repeats=5)
     assert [len(t) for t in samples.times_ms.values()] == [5, 5]
     assert samples.calls_per_sample == {"a": 1, "b": 1} and set(samples.medians()) == {"a", "b"}
+
+
+def test_paired_ratio_is_taken_round_by_round_not_from_two_medians():
+    slow, fast = (1.0, 10.0, 12.0), (0.5, 11.0, 6.0)  # per round: 2, 0.91, 2
+    assert paired_ratio({"slow": slow, "fast": fast}, "slow", "fast") == 2.0
+    assert statistics.median(slow) / statistics.median(fast) == pytest.approx(10 / 6)
+    assert math.isnan(paired_ratio({"slow": slow}, "slow", "fast"))
+
+
+@pytest.mark.parametrize("clock", CLOCKS)
+def test_every_clock_times_what_runs_on_a_cpu(clock):
+    samples = interleaved(
+        {"sleep": lambda: time.sleep(0.002)}, "cpu", warmup=0, repeats=3, clock=clock
+    )
+    assert all(1.9 <= t < 20 for t in samples.times_ms["sleep"])
+
+
+def test_an_unknown_clock_is_refused_naming_the_clocks():
+    with pytest.raises(ValueError, match="clock must be one of device, latency, host, got 'wall'"):
+        interleaved({"a": lambda: None}, "cpu", warmup=0, repeats=1, clock="wall")
 
 
 def test_interleaved_raises_a_candidates_own_error_unless_asked_to_name_it():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from accel import attention
 from accel.errors import collection_of
 from accel.lab.profile import profile_step
-from accel.timer import interleaved
+from accel.timer import interleaved, paired_ratio
 
 PHASE = "sdpa"
 # Targets, judged on a CUDA GPU with the gpu preset only.
@@ -171,16 +171,6 @@ class PointTimes:
     # per variant: its time over auto's, round by round (paired_ratio); > 1: auto was faster
     versus_auto: dict[str, float] = dataclasses.field(default_factory=dict)
     control: float = math.nan  # the pick forced over its second copy, round by round
-
-
-def paired_ratio(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -> float:
-    """Median over rounds of ``slow``'s time over ``fast``'s in the same round: how many times
-    faster ``fast`` ran than its neighbour in time. Slow drift (clocks falling as the GPU warms
-    over a long point) moves both samples of a round alike and cancels here, while a ratio of
-    two medians keeps it; NaN if either was not timed."""
-    if slow not in samples or fast not in samples:
-        return math.nan
-    return statistics.median(a / b for a, b in zip(samples[slow], samples[fast], strict=True))
 
 
 def auto_choice(case: AttnCase, q, k, v) -> attention.AutoChoice | None:
