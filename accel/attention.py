@@ -33,6 +33,7 @@ from torch import nn
 from accel.attention_auto import (
     _AUTO_FAST,
     _UNAVAILABLE,
+    AUTO_MARGIN,
     FORCED,
     MATH_CANDIDATE_BYTES,
     TOLERANCES,
@@ -45,11 +46,13 @@ from accel.attention_auto import (
     _try,
     auto_choices,
     clear_auto_cache,
+    flat_key,
     signature,
 )
 from accel.attention_qkv import QKVProjection, RotaryEmbedding, apply_rope, rope_cos_sin
 
 __all__ = [
+    "AUTO_MARGIN",
     "BACKENDS",
     "FORCED",
     "MATH_CANDIDATE_BYTES",
@@ -75,7 +78,7 @@ __all__ = [
 
 Backend = Literal["auto", "default", "flash", "efficient", "cudnn", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
-_CHECKED: set[SignatureKey] = set()  # signatures that passed check_inputs
+_CHECKED: set[tuple] = set()  # flat keys of inputs that passed check_inputs
 
 
 # ---- input checks ------------------------------------------------------------------------------
@@ -172,11 +175,11 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"unknown SDPA backend {backend!r}; expected one of {', '.join(BACKENDS)}")
 
 
-def _checked_signature(q, k, v, mask, causal) -> SignatureKey:
-    """The signature, after check_inputs the first time it is seen (later calls skip the
-    checks: everything they look at is in the key)."""
+def _checked_key(q, k, v, mask, causal) -> tuple:
+    """The inputs' :func:`flat_key`, after check_inputs the first time it is seen (later calls
+    skip the checks: what they look at is in the key, or PyTorch checks it itself)."""
     try:
-        key = signature(q, k, v, mask, causal)
+        key = flat_key(q, k, v, mask, causal)
     except AttributeError:  # not tensors: let check_inputs say so
         check_inputs(q, k, v, mask, causal)
         raise
@@ -201,7 +204,7 @@ def unavailable_reason(
     if backend not in FORCED:
         return None
     with torch.no_grad():
-        key = (backend, _checked_signature(q, k, v, mask, causal))
+        key = (backend, _checked_key(q, k, v, mask, causal))
         if key not in _UNAVAILABLE:
             call = partial(_run, backend, q, k, v, mask, causal, None)
             _UNAVAILABLE[key] = _try(backend, call, q, mask)[1]
@@ -221,42 +224,54 @@ def sdpa(
     """Fused attention, equal to :func:`attention_reference` within the dtype's rounding.
 
     q (B, H, Sq, D), k (B, H, Sk, D), v (B, H, Sk, Dv) -> (B, H, Sq, Dv). ``backend``:
-    ``"auto"`` (measure the backends once per :func:`signature`, keep the fastest),
-    ``"default"`` (PyTorch's own priority order), or one forced kernel: ``"flash"``,
+    ``"auto"`` (measure once per :func:`signature`, keep PyTorch's own pick unless another kernel
+    is clearly faster), ``"default"`` (PyTorch's own pick), or one forced kernel: ``"flash"``,
     ``"efficient"``, ``"cudnn"``, ``"math"``. A forced backend that cannot run the inputs raises
     :class:`BackendUnavailableError` with PyTorch's reason; ``auto`` skips it, keeping the reason.
+
+    Host cost: after its first call a signature adds one key and one lookup to
+    ``F.scaled_dot_product_attention`` (``auto`` picking the default then calls it directly); a
+    forced kernel adds the switching of PyTorch's backend flags. The first call of a signature
+    with ``auto`` measures every candidate (milliseconds to seconds, once).
     """
+    if backend == "auto" and not torch.compiler.is_compiling():
+        try:
+            hit = _AUTO_FAST.get(flat_key(q, k, v, mask, causal))
+        except AttributeError:  # not tensors: the checks below say so
+            hit = None
+        if hit is not None:  # checked and measured before: straight to the kernel
+            return hit[1](q, k, v, mask, causal, scale)
     return _sdpa(q, k, v, mask, causal, scale, backend)[0]
 
 
-def _sdpa(q, k, v, mask, causal, scale, backend: str) -> tuple[torch.Tensor, str]:
-    """:func:`sdpa` and the backend it resolved to."""
-    if backend == "auto" and isinstance(q, torch.Tensor) and not torch.compiler.is_compiling():
-        try:
-            known = _AUTO_FAST.get(signature(q, k, v, mask, causal))
-        except AttributeError:  # k, v or mask not tensors: the checks below say so
-            known = None
-        if known is not None:  # checked and measured before: straight to the kernel
-            return _run(known, q, k, v, mask, causal, scale), known
+def _sdpa(q, k, v, mask, causal, scale, backend: str) -> tuple[torch.Tensor, str, str]:
+    """:func:`sdpa`, the backend it resolved to and the kernel that runs (the module's path,
+    where a few more host calls per forward do not show)."""
     _check_backend(backend)
     if torch.compiler.is_compiling():  # nothing to time or cache while tracing
         check_inputs(q, k, v, mask, causal)
         backend = "default" if backend == "auto" else backend
-        return _run(backend, q, k, v, mask, causal, scale), backend
-    key = _checked_signature(q, k, v, mask, causal)
+        return _run(backend, q, k, v, mask, causal, scale), backend, ""
+    key = _checked_key(q, k, v, mask, causal)
     if backend == "auto":
-        backend = _auto(key, q, k, v, mask, causal, scale)  # it ran while being measured
-    elif backend in FORCED:
+        hit = _AUTO_FAST.get(key)
+        if hit is None:  # measured now (it runs while being measured), or "default" in a capture
+            choice = _auto(signature(q, k, v, mask, causal), key, q, k, v, mask, causal, scale)
+            out = _run(choice.backend, q, k, v, mask, causal, scale)
+            return out, choice.backend, choice.kernel
+        return hit[1](q, k, v, mask, causal, scale), hit[0].backend, hit[0].kernel
+    if backend in FORCED:
         known = _UNAVAILABLE.get((backend, key))
         if known is None:  # first call of this signature: run it, keeping PyTorch's reasons
             call = partial(_run, backend, q, k, v, mask, causal, scale)
             out, known = _try(backend, call, q, mask)
             _UNAVAILABLE[(backend, key)] = known
             if not known:
-                return out, backend  # type: ignore[return-value]
+                return out, backend, backend  # type: ignore[return-value]
         if known:
             raise BackendUnavailableError(backend, known)
-    return _run(backend, q, k, v, mask, causal, scale), backend
+        return _run(backend, q, k, v, mask, causal, scale), backend, backend
+    return _run(backend, q, k, v, mask, causal, scale), backend, ""  # PyTorch picks per call
 
 
 # ---- the module ----------------------------------------------------------------------------------
@@ -265,7 +280,8 @@ class SelfAttention(nn.Module):
 
     ``use_sdpa=False`` is the manual "before" (:func:`attention_reference`); ``True`` calls
     :func:`sdpa` with ``backend``. ``last_backend`` records the backend the last eager forward
-    resolved to (``auto``'s pick), so a compiled model can be pinned to it.
+    resolved to (``auto``'s pick: ``"default"`` or a forced kernel), so a compiled model can be
+    pinned to it, and ``last_kernel`` the kernel that ran ("" where PyTorch picked per call).
     """
 
     def __init__(
@@ -289,6 +305,7 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(dim, dim, bias=bias)
         self.rope = rope
         self.last_backend: str | None = None
+        self.last_kernel: str | None = None
 
     def forward(
         self, x: torch.Tensor, *, mask: torch.Tensor | None = None, causal: bool = False
@@ -303,9 +320,9 @@ class SelfAttention(nn.Module):
         if not self.use_sdpa:
             out = attention_reference(q, k, v, mask=mask, causal=causal)
         else:
-            out, backend = _sdpa(q, k, v, mask, causal, None, self.backend)
+            out, backend, kernel = _sdpa(q, k, v, mask, causal, None, self.backend)
             if not torch.compiler.is_compiling():
-                self.last_backend = backend
+                self.last_backend, self.last_kernel = backend, kernel
         return self.out(out.transpose(1, 2).reshape(batch, seq, self.dim))
 
     def pin_backend(self) -> str:

@@ -2,15 +2,22 @@
 
 Forcing one kernel flips PyTorch's SDPA enable switches around the call (lean private switches
 in eager mode, the public ``sdpa_kernel`` while tracing); a backend that cannot run says why, in
-PyTorch's own words (:class:`BackendUnavailableError`). ``auto`` times every backend that can run
-an input :func:`signature`, interleaved with ``accel.timer``, and caches the fastest
+PyTorch's own words (:class:`BackendUnavailableError`). ``auto`` times PyTorch's own pick
+(``"default"``) against every other kernel that can run an input :func:`signature`, interleaved
+with ``accel.timer``, both back to back and one call at a time from an idle GPU, and keeps the
+default unless another kernel beats it in both by more than the measurement's own spread
 (:class:`AutoChoice`, :func:`auto_choices`, :func:`clear_auto_cache`).
+
+After its measurement a signature costs one flat key and one dictionary lookup per call, and a
+choice of ``"default"`` then calls ``F.scaled_dot_product_attention`` itself: no switch is
+flipped (:func:`cached_runner`).
 
 ``accel.attention`` re-exports every public name here. Importing this module costs torch only.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from accel.timer import interleaved
+from accel.timer import Samples, interleaved
 
 __all__ = [
     "FORCED",
@@ -55,6 +62,12 @@ TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 # math materializes the scores in float32 (and their gradient when training): above this it is
 # left out of ``auto``'s candidates when a fused backend can run.
 MATH_CANDIDATE_BYTES = 2 << 30
+# A forced kernel replaces PyTorch's pick only when it is faster by more than this share (or the
+# measured spread of the pick against itself, if wider) both back to back and called alone:
+# forcing costs host time per call, and a coin-flip win is not worth it.
+AUTO_MARGIN = 0.03
+# SDPBackend values as torch._fused_sdp_choice returns them
+_KERNEL_NAMES = {int(b): name for name, b in FORCED.items()}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -109,10 +122,7 @@ def signature(
 ) -> SignatureKey:
     """The cache key of these inputs, for ``auto`` and for forced-backend availability."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    device_type = q.device.type
-    autocast = (
-        torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-    )
+    autocast = _autocast_dtype(q.device.type)
     return SignatureKey(
         _sig(q), _sig(k), _sig(v), None if mask is None else _sig(mask), causal, grad, autocast
     )
@@ -120,19 +130,51 @@ def signature(
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """What ``auto`` measured for one signature: the winner, each candidate's median time (ms,
-    forward, or forward + backward when the key's ``grad``) and the backends skipped with the
-    reason."""
+    """What ``auto`` measured for one signature.
+
+    ``backend`` is ``"default"`` (PyTorch's own pick, which runs ``default_kernel``) or the
+    forced kernel that beat it. Per candidate: ``times_ms``, the median ms back to back (forward,
+    or forward + backward when the key's ``grad``), and ``latency_ms``, one call from an idle GPU
+    with its host time (on a CPU the two are one measurement); ``skipped`` gives the reason of
+    each kernel left out. ``spread`` is the default against its own second copy, round by round:
+    how far the measurement moves for the same kernel."""
 
     backend: str
     times_ms: dict[str, float]
     skipped: dict[str, str] = field(default_factory=dict)
+    latency_ms: dict[str, float] = field(default_factory=dict)
+    default_kernel: str = ""
+    spread: float = 0.0
+
+    @property
+    def kernel(self) -> str:
+        """The kernel the choice runs: ``default_kernel`` for ``"default"``."""
+        return self.default_kernel if self.backend == "default" else self.backend
 
 
 _AUTO_CACHE: dict[SignatureKey, AutoChoice] = {}
-# key -> auto's backend, once measured: a repeated call is one signature and one lookup
-_AUTO_FAST: dict[SignatureKey, str] = {}
-_UNAVAILABLE: dict[tuple[str, SignatureKey], str] = {}  # "" when the backend ran
+# flat_key -> (what auto measured, its runner): a repeated call is one key and one lookup
+_AUTO_FAST: dict[tuple, tuple[AutoChoice, Callable[..., torch.Tensor]]] = {}
+_UNAVAILABLE: dict[tuple[str, tuple], str] = {}  # "" when the backend ran
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+
+
+def flat_key(q, k, v, mask, causal) -> tuple:
+    """What :func:`signature` holds, as one flat tuple built at the least host cost: the cache
+    key of the dispatcher's hot path. k's and v's dtype and device are q's once the inputs were
+    checked (PyTorch raises otherwise); the mask and the autocast dtype are looked at only when
+    there is a mask or autocast is on somewhere."""
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if mask is None and not _any_autocast():
+        return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+                causal, grad)  # fmt: skip
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+            causal, grad, None if mask is None else (mask.shape, mask.stride(), mask.dtype),
+            _autocast_dtype(q.device.type))  # fmt: skip
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def auto_choices() -> dict[SignatureKey, AutoChoice]:
@@ -166,50 +208,103 @@ def _lean_switches():
 
 
 _SWITCHES = _lean_switches()
+if _SWITCHES is not None:
+    _GETTERS = tuple(get for _, get, _ in _SWITCHES)
+    _SETTERS = tuple(set_ for _, _, set_ in _SWITCHES)
+    # per forced backend: each switch's state while it runs alone
+    _ALONE = {name: tuple(b == sdp for b, _, _ in _SWITCHES) for name, sdp in FORCED.items()}
 
 
-class _Only:
-    """``sdpa_kernel([backend])`` for eager calls without its Python cost: the switches flipped
-    directly, no context-manager generator or backend list built per call."""
+def _plain(q, k, v, mask, causal, scale) -> torch.Tensor:
+    """PyTorch's own pick: nothing flipped, nothing added."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
 
-    __slots__ = ("backend", "saved")
 
-    def __init__(self, backend: SDPBackend):
-        self.backend = backend
-
-    def __enter__(self) -> None:
-        self.saved = [get() for _, get, _ in _SWITCHES]
-        for backend, _, set_ in _SWITCHES:
-            set_(backend == self.backend)
-
-    def __exit__(self, *exc) -> None:
-        for (_, _, set_), was in zip(_SWITCHES, self.saved, strict=True):
+def _alone(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
+    """SDPA with only ``backend`` enabled: ``sdpa_kernel([backend])`` without its Python cost
+    (the switches set directly, no context-manager generator or backend list per call); the
+    public context manager while tracing, which dynamo understands."""
+    if _SWITCHES is None or torch.compiler.is_compiling():
+        with sdpa_kernel([FORCED[backend]]):
+            return _plain(q, k, v, mask, causal, scale)
+    saved = [get() for get in _GETTERS]
+    for set_, on in zip(_SETTERS, _ALONE[backend], strict=True):
+        set_(on)
+    try:
+        return _plain(q, k, v, mask, causal, scale)
+    finally:
+        for set_, was in zip(_SETTERS, saved, strict=True):
             set_(was)
 
 
 def _run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
-    """SDPA with ``backend`` forced (or PyTorch's pick for "default")."""
-    if backend not in FORCED:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
-    elif _SWITCHES is None or torch.compiler.is_compiling():
-        with sdpa_kernel([FORCED[backend]]):  # the public one: dynamo traces it
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=scale
-            )
+    """SDPA with ``backend`` forced (or PyTorch's pick for "default"); a query that the mask
+    leaves without keys gets 0 where the kernel that ran does not give 0 itself."""
+    if backend in FORCED:
+        out = _alone(backend, q, k, v, mask, causal, scale)
     else:
-        with _Only(FORCED[backend]):
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=scale
-            )
-    return out if mask is None or q.device.type == "cpu" else _zero_rows_without_keys(out, mask)
+        out = _plain(q, k, v, mask, causal, scale)
+    if mask is None or _zero_without_keys(
+        _kernel_of(backend, q, k, v, mask, causal, scale), q, mask
+    ):
+        return out
+    return _zero_rows_without_keys(out, mask)
+
+
+def _kernel_of(backend: str, q, k, v, mask, causal, scale) -> str:
+    """The kernel ``backend`` runs on these inputs: PyTorch's pick for "default"."""
+    if backend in FORCED:
+        return backend
+    return _KERNEL_NAMES.get(
+        int(torch._fused_sdp_choice(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)), ""
+    )
 
 
 def _zero_rows_without_keys(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A query whose mask leaves it no key gets 0, as on the CPU and in the reference: CUDA's
-    fused kernels return other values there (seen: a mean of the values), which would pass
-    silently into the model. Two small kernels on the device, no host read."""
+    """A query whose mask leaves it no key gets 0, as in the reference. Two small kernels on the
+    device, no host read."""
     keys = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
     return out.masked_fill(~keys.any(dim=-1, keepdim=True), 0.0)
+
+
+_GIVES_ZERO: dict[tuple, bool] = {}  # (kernel, device, dtype, bool mask) -> probed
+
+
+def _zero_without_keys(kernel: str, q: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether ``kernel`` itself returns 0 for a query whose mask leaves it no key. The CPU's
+    kernels do; on CUDA some fused kernels return other values there (seen: cuDNN with a bool
+    mask), which would pass silently into the model, so each (kernel, device, dtype, mask kind)
+    is probed once on a small input (one host read). While a CUDA graph is being captured
+    nothing is probed: the answer is False, and the rows are zeroed."""
+    if q.device.type == "cpu":
+        return True
+    key = (kernel, q.device, q.dtype, mask.dtype == torch.bool)
+    known = _GIVES_ZERO.get(key)
+    if known is None:
+        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        known = _GIVES_ZERO[key] = _probe_zero_without_keys(*key)
+    return known
+
+
+def _probe_zero_without_keys(kernel, device, dtype, bool_mask: bool) -> bool:
+    """Run ``kernel`` on an input whose fourth query has no key; True if its row came back 0.
+    The values come from no random generator (auto must not move the user's)."""
+    if kernel not in FORCED:
+        return False
+    n = 3 * 2 * 80 * 64
+    q, k, v = torch.linspace(-2, 2, n, device=device).sin().to(dtype).view(3, 1, 2, 80, 64)
+    keep = torch.ones(80, 80, dtype=torch.bool, device=device)
+    keep[3] = False
+    mask = keep if bool_mask else torch.zeros(80, 80, dtype=dtype, device=device)
+    if not bool_mask:
+        mask.masked_fill_(~keep, -math.inf)
+    try:
+        with torch.no_grad():
+            out = _alone(kernel, q, k, v, mask, False, None)
+    except RuntimeError:
+        return False
+    return not bool(out[:, :, 3].any())  # sync: once per kernel, device, dtype and mask kind
 
 
 # TORCH_WARN headers before each backend's reasons when no forced kernel can run (CUDA)
@@ -269,63 +364,121 @@ def _try(
     return out, ""
 
 
-# ---- auto: measure every backend that can run, keep the fastest ----------------------------------
-def _auto(key: SignatureKey, q, k, v, mask, causal, scale) -> str:
-    """The backend ``auto`` uses for these inputs: measured on the first call of a signature,
-    then read from the cache. Nothing can be timed while a CUDA graph is captured (or, in the
+# ---- auto: PyTorch's pick against every other kernel, kept unless beaten -------------------------
+def _auto(key: SignatureKey, fast: tuple, q, k, v, mask, causal, scale) -> AutoChoice:
+    """What ``auto`` uses for these inputs: measured on the first call of a signature,
+    then read from the cache (and ``fast``, the signature's :func:`flat_key`, is filled for the
+    dispatcher's hot path). Nothing can be timed while a CUDA graph is captured (or, in the
     dispatcher, while compiling): there ``auto`` means ``"default"``, so pin a model before
     compiling it (one eager forward, then ``SelfAttention.pin_backend``)."""
     choice = _AUTO_CACHE.get(key)
-    if choice is not None:
-        return choice.backend
-    if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return "default"
-    choice = _measure(key, q, k, v, mask, causal, scale)
-    _AUTO_CACHE[key] = choice
-    _AUTO_FAST[key] = choice.backend
-    return choice.backend
+    if choice is None:
+        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            kernel = _kernel_of("default", q, k, v, mask, causal, scale)
+            return AutoChoice("default", {}, default_kernel=kernel)
+        choice = _AUTO_CACHE[key] = _measure(key, q, k, v, mask, causal, scale)
+    _AUTO_FAST[fast] = (choice, cached_runner(choice, q, mask))
+    return choice
+
+
+def cached_runner(choice: AutoChoice, q: torch.Tensor, mask: torch.Tensor | None):
+    """What a call of a measured signature runs, ``(q, k, v, mask, causal, scale) -> out``:
+    ``F.scaled_dot_product_attention`` itself for ``"default"``, the forced kernel otherwise,
+    and the zeroing of queries without keys only where the kernel needs it."""
+    run = _plain if choice.backend == "default" else partial(_alone, choice.backend)
+    if mask is None or _zero_without_keys(choice.kernel, q, mask):
+        return run
+    return lambda *args: _zero_rows_without_keys(run(*args), args[3])
 
 
 def _measure(key: SignatureKey, q, k, v, mask, causal, scale) -> AutoChoice:
-    """Time every backend that can run these inputs, interleaved; the fastest median wins.
+    """PyTorch's own pick and every other kernel that can run these inputs, timed interleaved
+    back to back and (on CUDA) one call at a time from an idle GPU; a forced kernel wins only if
+    it beats the default in both by more than :data:`AUTO_MARGIN` or the default's spread
+    against its own second copy, whichever is wider.
 
-    A backend whose output differs from the first runnable one's beyond the dtype's tolerance is
-    skipped too (a kernel bug must not win on speed)."""
-    device = q.device
+    A kernel whose output differs from the default's beyond the dtype's tolerance is skipped
+    (a kernel bug must not win on speed)."""
     if key.grad:  # time what training runs: forward and backward, on detached copies
         q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    runnable: dict[str, Callable[[], object]] = {}
+    default_kernel = _kernel_of("default", q, k, v, mask, causal, scale)
+    candidates, skipped = _candidates(key, default_kernel, q, k, v, mask, causal, scale)
+    if len(candidates) == 1:
+        return AutoChoice("default", {}, skipped, default_kernel=default_kernel)
+    # the default twice, at two places in each round's order: its spread against itself
+    fns = {"default": candidates["default"], DEFAULT_AGAIN: candidates["default"], **candidates}
+    back_to_back = interleaved(fns, q.device, warmup=2, repeats=10)
+    alone = back_to_back
+    if q.device.type == "cuda":
+        alone = interleaved(fns, q.device, warmup=0, repeats=10, clock="latency")
+    spread = max(abs(t.paired_ratio(DEFAULT_AGAIN, "default") - 1) for t in (back_to_back, alone))
+    return AutoChoice(
+        _winner(back_to_back, alone, max(AUTO_MARGIN, spread)),
+        _medians(back_to_back),
+        skipped,
+        _medians(alone),
+        default_kernel,
+        spread,
+    )
+
+
+DEFAULT_AGAIN = "default again"
+
+
+def _candidates(key: SignatureKey, default_kernel: str, q, k, v, mask, causal, scale):
+    """``{"default": its call, forced kernel: its call, ...}`` of every kernel that ran these
+    inputs, and the reason of each one that did not (or was left out)."""
+    runs = {}
+    for backend in ("default", *FORCED):
+        call = partial(_run, backend, q, k, v, mask, causal, scale)
+        runs[backend] = _with_backward(call, (q, k, v)) if key.grad else call
     skipped: dict[str, str] = {}
-    first: tuple[str, torch.Tensor] | None = None
+    out, reason = _try("default", runs["default"], q, mask)
+    if reason:  # PyTorch's own pick cannot run: nothing can
+        raise BackendUnavailableError("auto", reason)
+    with torch.no_grad():
+        first = _run("default", q, k, v, mask, causal, scale)
+    candidates = {"default": runs["default"]}
     for backend in FORCED:
-        if backend == "math" and runnable and _math_bytes(key) > MATH_CANDIDATE_BYTES:
+        if backend == default_kernel:
+            continue  # it runs as "default", without the switches
+        if backend == "math" and _math_bytes(key) > MATH_CANDIDATE_BYTES:
             skipped[backend] = (
                 f"would materialize {_math_bytes(key) / 2**30:.1f} GiB of float32 scores; "
                 "a fused backend can run"
             )
             continue
-        call = partial(_run, backend, q, k, v, mask, causal, scale)
-        fn = _with_backward(call, (q, k, v)) if key.grad else call
-        reason = _try(backend, fn, q, mask)[1]
+        reason = _try(backend, runs[backend], q, mask)[1]
         if not reason:
             with torch.no_grad():
-                out = call()
-            if first is None:
-                first = (backend, out)
-            elif not torch.allclose(out, first[1], **TOLERANCES.get(out.dtype, {})):
-                worst = (out.float() - first[1].float()).abs().max().item()  # sync: once
-                reason = f"output differs from {first[0]}'s by up to {worst:.3g}"
+                out = _run(backend, q, k, v, mask, causal, scale)
+            if not torch.allclose(out, first, **TOLERANCES.get(out.dtype, {})):
+                worst = (out.float() - first.float()).abs().max().item()  # sync: once
+                reason = (
+                    f"output differs from the default's ({default_kernel}) by up to {worst:.3g}"
+                )
         if reason:
             skipped[backend] = reason
         else:
-            runnable[backend] = fn
-    if not runnable:
-        raise BackendUnavailableError("auto", "; ".join(f"{b}: {r}" for b, r in skipped.items()))
-    if len(runnable) > 1:  # warm-up and rounds in accel.timer's order; one GPU wait at the end
-        times = interleaved(runnable, device, warmup=2, repeats=12).medians()
-    else:
-        times = dict.fromkeys(runnable, 0.0)
-    return AutoChoice(min(times, key=times.__getitem__), times, skipped)
+            candidates[backend] = runs[backend]
+    return candidates, skipped
+
+
+def _winner(back_to_back: Samples, alone: Samples, margin: float) -> str:
+    """The forced kernel that beats the default by the most, in the worse of the two views,
+    if that is more than ``margin``; else ``"default"``."""
+    best, best_gain = "default", 1.0 + margin
+    for name in back_to_back.times_ms:
+        if name in ("default", DEFAULT_AGAIN):
+            continue
+        gain = min(t.paired_ratio("default", name) for t in (back_to_back, alone))
+        if gain > best_gain:
+            best, best_gain = name, gain
+    return best
+
+
+def _medians(samples: Samples) -> dict[str, float]:
+    return {k: t for k, t in samples.medians().items() if k != DEFAULT_AGAIN}
 
 
 def _math_bytes(key: SignatureKey) -> int:

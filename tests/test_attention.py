@@ -10,7 +10,7 @@ import torch
 
 from accel import attention as A
 from accel import attention_auto as AA
-from accel.timer import round_order
+from accel.timer import Samples, round_order
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
@@ -186,13 +186,60 @@ def test_auto_after_its_measurement_is_one_signature_and_one_lookup(monkeypatch,
     first = A.sdpa(q, k, v)
     (choice,) = A.auto_choices().values()
     slow_path = []
-    real = A._checked_signature
-    monkeypatch.setattr(A, "_checked_signature", lambda *a: slow_path.append(1) or real(*a))
+    real = A.check_inputs
+    monkeypatch.setattr(A, "check_inputs", lambda *a: slow_path.append(1) or real(*a))
     assert torch.equal(A.sdpa(q, k, v), first) and slow_path == []
-    out, backend = A._sdpa(q, k, v, None, False, None, "auto")
-    assert backend == choice.backend and torch.equal(out, first)
+    out, backend, kernel = A._sdpa(q, k, v, None, False, None, "auto")
+    assert (backend, kernel) == (choice.backend, choice.kernel) and torch.equal(out, first)
     A.sdpa(q, k, v, causal=True)  # a new signature takes the checked path and is measured
     assert slow_path == [1] and len(A.auto_choices()) == 2
+
+
+def _samples(**times):
+    return Samples({k: tuple(v) for k, v in times.items()}, dict.fromkeys(times, 1), ())
+
+
+@pytest.mark.parametrize(
+    ("forced_back_to_back", "forced_alone", "spread", "expected"),
+    [
+        (0.90, 0.90, 0.0, "math"),  # 11% faster both ways
+        (0.90, 1.05, 0.0, "default"),  # faster queued, slower called alone
+        (0.98, 0.98, 0.0, "default"),  # inside the margin
+        (0.94, 0.94, 0.08, "default"),  # 6% faster, but the default moves 8% against itself
+        (0.90, 0.90, 0.08, "math"),
+    ],
+)
+def test_auto_keeps_pytorchs_pick_unless_a_forced_kernel_wins_both_ways_by_the_margin(
+    forced_back_to_back, forced_alone, spread, expected
+):
+    rounds = [1.0, 1.1, 0.9, 1.0]
+    views = [
+        _samples(default=rounds, math=[t * ratio for t in rounds])
+        for ratio in (forced_back_to_back, forced_alone)
+    ]
+    assert AA._winner(*views, max(AA.AUTO_MARGIN, spread)) == expected
+
+
+def test_auto_picking_the_default_calls_pytorch_directly_and_a_forced_pick_flips_switches(
+    monkeypatch, gen
+):
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
+    forced = []
+    real_alone = AA._alone
+    monkeypatch.setattr(AA, "_alone", lambda b, *a: forced.append(b) or real_alone(b, *a))
+    monkeypatch.setattr(AA, "_winner", lambda *a: "default")
+    A.sdpa(q, k, v)  # measured
+    forced.clear()
+    torch.testing.assert_close(A.sdpa(q, k, v), A.attention_reference(q, k, v))
+    assert forced == []
+    A.clear_auto_cache()
+    monkeypatch.setattr(AA, "_winner", lambda *a: "math")
+    A.sdpa(q, k, v)
+    forced.clear()
+    torch.testing.assert_close(A.sdpa(q, k, v), A.attention_reference(q, k, v))
+    assert forced == ["math"]
+    (choice,) = A.auto_choices().values()
+    assert choice.backend == choice.kernel == "math" and choice.default_kernel == "flash"
 
 
 def test_auto_times_candidates_in_the_timers_rotated_and_reversed_order(monkeypatch, gen):
@@ -202,19 +249,23 @@ def test_auto_times_candidates_in_the_timers_rotated_and_reversed_order(monkeypa
     q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
     A.sdpa(q, k, v)
     (choice,) = A.auto_choices().values()
-    names = list(choice.times_ms)
-    assert names == ["flash", "math"]  # the CPU's: efficient and cudnn are CUDA only
-    rounds = [b for r in range(12) for b in round_order(names, r)]
-    assert ran[-len(rounds) :] == rounds
-    assert rounds[:8] == ["flash", "math", "math", "flash", "math", "flash", "flash", "math"]
+    # the CPU's: PyTorch picks flash, efficient and cudnn are CUDA only; the default runs twice
+    assert choice.default_kernel == "flash" and list(choice.times_ms) == ["default", "math"]
+    names = ["default", AA.DEFAULT_AGAIN, "math"]
+    rounds = [b for r in range(10) for b in round_order(names, r)]
+    assert rounds[:6] == ["default", AA.DEFAULT_AGAIN, "math", "math", AA.DEFAULT_AGAIN, "default"]
+    assert ran[-len(rounds) :] == [b.replace(AA.DEFAULT_AGAIN, "default") for b in rounds]
 
 
 def test_auto_skips_backends_that_cannot_run_and_keeps_the_reason(device, gen):
     q, k, v = qkv((1, 2, 17, 16), torch.float32, device, gen)
     A.sdpa(q, k, v)
     (choice,) = A.auto_choices().values()
-    assert choice.backend in ("flash", "efficient", "cudnn", "math")
-    assert set(choice.times_ms) | set(choice.skipped) == set(A.FORCED)
+    assert choice.backend in ("default", "flash", "efficient", "cudnn", "math")
+    assert choice.kernel in A.FORCED and choice.default_kernel in A.FORCED
+    # every kernel is timed or skipped with a reason; PyTorch's pick runs as "default"
+    others = set(A.FORCED) - {choice.default_kernel}
+    assert set(choice.times_ms) | set(choice.skipped) == others | {"default"}
     assert all(reason for reason in choice.skipped.values())
     if device.type == "cpu":
         assert (
@@ -229,7 +280,7 @@ def test_auto_leaves_math_out_when_its_scores_are_too_big(monkeypatch, gen):
     A.sdpa(q, k, v)
     (choice,) = A.auto_choices().values()
     assert "GiB of float32 scores" in choice.skipped["math"]
-    assert choice.backend == "flash"
+    assert choice.backend == "default" and choice.kernel == "flash"
 
 
 def test_auto_does_not_draw_random_numbers(gen):
@@ -393,7 +444,7 @@ def test_self_attention_sdpa_equals_manual(fused_qkv, cached, device, gen):
     fast, slow = make(True), make(False)
     torch.testing.assert_close(fast(x), slow(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast(x, causal=True), slow(x, causal=True), rtol=1e-5, atol=1e-5)
-    assert fast.last_backend in A.FORCED
+    assert fast.last_backend in ("default", *A.FORCED) and fast.last_kernel in A.FORCED
 
 
 def test_pin_backend_needs_an_eager_forward_first(gen):
@@ -419,7 +470,7 @@ def test_profiler_sees_the_backend_that_was_asked_for(backend, gen):
     ran = which_backend(lambda: A.sdpa(q, k, v, backend=backend), torch.device("cuda"))
     if backend == "auto":
         (choice,) = A.auto_choices().values()
-        assert ran["backend"] == choice.backend != "math", (ran, choice)
+        assert ran["backend"] == choice.kernel != "math", (ran, choice)
     elif backend != "default":
         assert ran["backend"] == backend, ran
 
@@ -435,8 +486,8 @@ def test_auto_skips_a_backend_whose_output_is_wrong(monkeypatch, gen):
     q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
     A.sdpa(q, k, v)
     (choice,) = A.auto_choices().values()
-    assert choice.backend == "flash"
-    assert choice.skipped["math"].startswith("output differs from flash's by up to 1")
+    assert choice.backend == "default"
+    assert choice.skipped["math"].startswith("output differs from the default's (flash) by up to 1")
 
 
 @pytest.mark.parametrize("backend", ["default", "auto", "math", "efficient", "flash", "cudnn"])

@@ -154,7 +154,11 @@ def _auto_note(q, k, v, case: AttnCase) -> str:
     if choice is None:
         return ""
     times = " ".join(f"{b}={t:.3g}ms" for b, t in choice.times_ms.items())
-    return f"auto picked {choice.backend} ({times})"
+    alone = " ".join(f"{b}={t:.3g}ms" for b, t in choice.latency_ms.items())
+    return (
+        f"auto picked {choice.backend} ({choice.kernel}; back to back {times}; called alone "
+        f"{alone}; the default against itself {choice.spread:.1%})"
+    )
 
 
 def causal_training_row(ctx: BenchContext, sizes: BenchSizes, judged: bool) -> Row:
