@@ -196,6 +196,8 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference
                 stacklevel=3,
             )
         return reference(x, counts)
+    if counts is not None:  # the kernels read counts[b] at counts_ptr + b
+        counts = counts.contiguous()
     out = getattr(_kernels(), name)(x3, counts, eps=EPS)
     return out[0] if single else out
 

@@ -132,6 +132,15 @@ def test_ragged_groups(kdev, shape, dtype, seed):
         )
 
 
+@pytest.mark.parametrize("shape", [(5, 7, 33), (3, 37, 20)], ids=lambda s: "x".join(map(str, s)))
+def test_counts_that_are_a_strided_view_are_read_as_their_values(kdev, shape, seed):
+    x = embeddings(shape, torch.float32, kdev)
+    every_other = random_counts(2 * shape[0], shape[1]).to(kdev)[::2]  # stride 2
+    assert every_other.stride() == (2,)
+    check_all(x, every_other)
+    check_all(x, every_other.to(torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(13, 4, 40), (11, 2, 100), (9, 3, 130)], ids=str)
 def test_grouped_kernel_partial_last_program(kdev, shape, dtype, seed):
