@@ -186,8 +186,9 @@ def _kernels() -> types.ModuleType:
 def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference):
     """The kernel module's ``name`` on ``x`` when Triton can run on it, else ``reference``."""
     x3, _, single = check_embeddings(x, counts)  # bad input fails the same way on every path
-    path, why = backend(x)
-    if path == "reference":
+    # a CUDA tensor with Triton installed is the common case: decided without building a reason
+    why = None if x.is_cuda and triton_support.installed() else triton_support.unavailable(x.device)
+    if why is not None:
         if why not in _warned:
             _warned.add(why)
             warnings.warn(

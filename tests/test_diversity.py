@@ -517,3 +517,22 @@ def test_a_nan_or_inf_member_makes_its_groups_nearest_distances_nan(kdev, N, bad
             dv.nearest_diversity(x, c), dv.nearest_diversity_reference(x, c), equal_nan=True,
             atol=ATOL, rtol=RTOL,
         )  # fmt: skip
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("shape", [(64, 4, 384), (33, 8, 77), (5, 40, 96)], ids=str)
+def test_launches_of_a_seen_signature_go_direct_and_equal_the_references(shape, seed):
+    """After a signature's first call its launches skip Triton's argument binding; a view that
+    is not 16-byte aligned, with the same shape and strides, is another signature."""
+    from accel.kernels import pairwise_cosine as kernels
+
+    wide = embeddings((*shape[:2], shape[2] + 1), device="cuda")
+    aligned, shifted = wide[..., :-1], wide[..., 1:]
+    assert aligned.stride() == shifted.stride() and shifted.data_ptr() % 16 == 4
+    counts = random_counts(shape[0], shape[1]).cuda()
+    for x in (aligned, aligned.clone(), shifted, embeddings(shape, device="cuda")):
+        check_all(x)
+        check_all(x, counts)
+    launchers = [kernels._launch_group, kernels._launch_pairs, kernels._launch_normalized_sum]
+    assert sum(launcher.direct_launches() for launcher in launchers) > 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from .launch import Launcher
 from .pairwise_cosine_config import (
     PAIRS_MAX_N,
     SMALL_N,
@@ -46,8 +47,30 @@ MODE_MEAN, MODE_NEAREST, MODE_MATRIX = 0, 1, 2
 INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
 
 
+# One launcher per kernel: after a signature's first call, its launches skip Triton's per-call
+# argument binding (accel.kernels.launch).
+_launch_group, _launch_pairs = Launcher(_group_kernel), Launcher(_pairs_kernel)
+_launch_inv_norms, _launch_normalized_sum = (
+    Launcher(_inv_norm_kernel),
+    Launcher(_normalized_sum_kernel),
+)
+_launch_tiled = {torch.float32: Launcher(tiled_fp32), "16 bit": Launcher(tiled_16bit)}
+_launch_tiled_interpreted = Launcher(_tiled_kernel)
+# signature -> (launcher, grid, constexprs, whether the launch takes no matrix pointer)
+_GROUP_PLANS: dict[tuple, tuple] = {}
+
+
+def _signature(x: torch.Tensor, counts: torch.Tensor | None, *extra) -> tuple | None:
+    """What a compiled launch on ``x`` and ``counts`` is specialized on (None in the
+    interpreter, which compiles nothing): the launch cache's key."""
+    if INTERPRETED:
+        return None
+    counts_key = None if counts is None else (counts.dtype, counts.data_ptr() % 16)
+    return (*extra, x.shape, x.stride(), x.dtype, x.data_ptr() % 16, counts_key)
+
+
 def _check_runnable(x: torch.Tensor) -> None:
-    if not INTERPRETED and x.device.type != "cuda":
+    if not (INTERPRETED or x.is_cuda):
         raise ValueError(
             f"the Triton kernels need a CUDA tensor, got one on {x.device.type} (set "
             "TRITON_INTERPRET=1 before the call to run them through Triton's interpreter)"
@@ -83,7 +106,26 @@ def _run_group(
     variants kept for the bench sweep run in ``pairwise_cosine_variants``, not here.
     """
     B, N, D = x.shape
+    key = _signature(x, counts, mode) if config is None else None
+    plan = _GROUP_PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _group_plan(x, mode, counts is not None, config)
+        if key is not None:
+            _GROUP_PLANS[key] = plan
+    launch, grid, constexprs, no_matrix = plan
     out, items, matrix = _group_outputs(x, mode)
+    counts_or_any = counts if counts is not None else out
+    if no_matrix:
+        args = (x, counts_or_any, out, items, B, N, D, *x.stride(), eps)
+    else:
+        args = (x, counts_or_any, out, items, matrix, B, N, D, *x.stride(), eps)
+    launch(key, grid, args, constexprs)
+    return out, items, matrix
+
+
+def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfig | None):
+    """(launcher, grid, constexprs, no matrix pointer) of the group kernels for ``x``."""
+    B, N, D = x.shape
     block_n = block_rows(N)
     itemsize = x.element_size()
     if config is None:
@@ -97,23 +139,19 @@ def _run_group(
         raise ValueError(f"the 'pairs' group kernel takes N <= {PAIRS_MAX_N}, got N={N}")
     if config.variant == "pairs" and mode == MODE_MATRIX:
         config = _rule_config(block_n, D, B, itemsize)
-    args = (x, counts if counts is not None else out, out, items, matrix, B, N, D, *x.stride(), eps)
     grid = (triton.cdiv(B, config.groups),)
     if config.variant == "pairs":
         block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
-        _pairs_kernel[grid](
-            *args[:4],
-            *args[5:],
+        constexprs = dict(
             MODE=mode,
-            HAS_COUNTS=counts is not None,
+            HAS_COUNTS=has_counts,
             GROUPS=config.groups,
             BLOCK_D=block_d,
             num_warps=config.num_warps,
         )
-        return out, items, matrix
-    meta = config.meta(D, itemsize)
-    _group_kernel[grid](*args, MODE=mode, HAS_COUNTS=counts is not None, BLOCK_N=block_n, **meta)
-    return out, items, matrix
+        return _launch_pairs, grid, constexprs, True
+    constexprs = dict(MODE=mode, HAS_COUNTS=has_counts, BLOCK_N=block_n, **config.meta(D, itemsize))
+    return _launch_group, grid, constexprs, False
 
 
 # ---- large groups ------------------------------------------------------------------------------
@@ -123,8 +161,11 @@ def _run_inv_norms(x: torch.Tensor, eps: float) -> torch.Tensor:
     B, N, D = x.shape
     inv = torch.empty(B, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, ROWS_BLOCK_M), B)
-    _inv_norm_kernel[grid](
-        x, inv, N, D, *x.stride(), eps, BLOCK_M=ROWS_BLOCK_M, BLOCK_D=ROWS_BLOCK_D
+    _launch_inv_norms(
+        _signature(x, None),
+        grid,
+        (x, inv, N, D, *x.stride(), eps),
+        dict(BLOCK_M=ROWS_BLOCK_M, BLOCK_D=ROWS_BLOCK_D),
     )
     return inv
 
@@ -147,10 +188,11 @@ def _run_tiled(x: torch.Tensor, counts: torch.Tensor | None, mode: int, eps: flo
     meta = dict(MODE=mode, HAS_COUNTS=counts is not None, DOT_FP32=dot_fp32)
     if INTERPRETED:
         grid = (triton.cdiv(N, INTERPRET_TILED["BLOCK_M"]), B)
-        _tiled_kernel[grid](*args, **meta, **INTERPRET_TILED)
+        _launch_tiled_interpreted(None, grid, args, meta | INTERPRET_TILED)
     else:
-        tuned = tiled_fp32 if x.dtype == torch.float32 else tiled_16bit
-        tuned[lambda m: (triton.cdiv(N, m["BLOCK_M"]), B)](*args, **meta)
+        tuned = _launch_tiled[torch.float32 if x.dtype == torch.float32 else "16 bit"]
+        grid = lambda m: (triton.cdiv(N, m["BLOCK_M"]), B)  # noqa: E731
+        tuned(_signature(x, counts, mode), grid, args, meta)
     return out
 
 
@@ -159,18 +201,12 @@ def _run_closed_form_mean(x: torch.Tensor, counts: torch.Tensor | None, eps: flo
     blocks = triton.cdiv(N, ROWS_BLOCK_M)
     partial = torch.empty(B, blocks, D, device=x.device, dtype=torch.float32)
     partial_sq = torch.empty(B, blocks, device=x.device, dtype=torch.float32)
-    _normalized_sum_kernel[(blocks, B)](
-        x,
-        counts if counts is not None else partial_sq,
-        partial,
-        partial_sq,
-        N,
-        D,
-        *x.stride(),
-        eps,
-        HAS_COUNTS=counts is not None,
-        BLOCK_M=ROWS_BLOCK_M,
-        BLOCK_D=ROWS_BLOCK_D,
+    args = (x, counts if counts is not None else partial_sq, partial, partial_sq, N, D)
+    _launch_normalized_sum(
+        _signature(x, counts),
+        (blocks, B),
+        (*args, *x.stride(), eps),
+        dict(HAS_COUNTS=counts is not None, BLOCK_M=ROWS_BLOCK_M, BLOCK_D=ROWS_BLOCK_D),
     )
     n = _members(counts, B, N, x.device)
     total = partial.sum(1).square().sum(-1) - partial_sq.sum(1)  # sum over pairs i != j

@@ -1,0 +1,111 @@
+"""Triton kernels launched through their compiled handle, at a few microseconds of host time.
+
+``kernel[grid](*args, **constexprs)`` binds and specializes every argument, builds a cache key
+and looks the compiled kernel up on every call: tens of microseconds of Python before the launch,
+more than many small kernels take on the GPU. A :class:`Launcher` does that once per launch
+signature and keeps the compiled kernel; later calls with that signature go straight to its
+C launcher, as torch.compile's generated code does.
+
+The caller names the signature (``key``): everything Triton specializes a compiled kernel on
+besides the constexprs, i.e. the integer arguments' values, the tensors' dtypes and whether each
+pointer is 16-byte aligned. Where a direct launch cannot be made (Triton's interpreter, a launch
+hook set, a Triton whose compiled kernel has no such handle) every call takes
+``kernel[grid](...)``: the same kernel and the same result, only more host time.
+
+    launch = Launcher(_my_kernel)
+    launch(key, (blocks,), (x, out, n), {"BLOCK": 1024, "num_warps": 4})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # a Triton without knobs: no direct launches
+    _knobs = None
+
+
+class Launcher:
+    """The launches of one ``triton.jit`` kernel (or autotuned kernel), direct once seen."""
+
+    def __init__(self, kernel: Any):
+        self.kernel = kernel
+        self._direct: dict[tuple, _Direct] = {}
+
+    def __call__(
+        self,
+        key: tuple | None,
+        grid: tuple[int, ...] | Callable[[dict], tuple[int, ...]],
+        args: tuple,
+        constexprs: Mapping[str, Any],
+    ) -> None:
+        """``kernel[grid](*args, **constexprs)``: positional runtime arguments, then every
+        constexpr (and launch option) by keyword. ``key=None`` launches without caching."""
+        if key is not None and not _hooked():
+            direct = self._direct.get((key, torch._C._cuda_getDevice()))
+            if direct is not None:
+                direct(args)
+                return
+        compiled = self.kernel[grid](*args, **constexprs)
+        if key is not None and not _hooked():
+            direct = _Direct.of(self.kernel, compiled, grid, args, constexprs)
+            if direct is not None:
+                self._direct[(key, torch._C._cuda_getDevice())] = direct
+
+    def direct_launches(self) -> int:
+        """How many signatures launch directly now."""
+        return len(self._direct)
+
+
+def _hooked() -> bool:
+    """A launch hook is set (a profiler's, say): it wants Triton's own launch path."""
+    if _knobs is None:
+        return True
+    hook = _knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class _Direct:
+    """A compiled kernel's C launcher with its grid and constexpr values bound."""
+
+    __slots__ = ("function", "grid", "packed", "run", "tail")
+
+    def __init__(self, compiled: Any, grid: tuple[int, int, int], tail: tuple):
+        self.run, self.function, self.packed = (
+            compiled.run,
+            compiled.function,
+            compiled.packed_metadata,
+        )
+        self.grid, self.tail = grid, tail
+
+    def __call__(self, args: tuple) -> None:
+        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
+        runtime = _knobs.runtime
+        self.run(*self.grid, stream, self.function, self.packed, None,
+                 runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *self.tail)  # fmt: skip
+
+    @classmethod
+    def of(cls, kernel, compiled, grid, args: tuple, constexprs: Mapping) -> _Direct | None:
+        """The direct launch of what ``kernel[grid](*args, **constexprs)`` just compiled, or
+        None where Triton gives no handle for it."""
+        jit = getattr(kernel, "fn", kernel)  # an autotuned kernel's own jit function
+        config = getattr(kernel, "best_config", None)
+        chosen = dict(constexprs) | (config.all_kwargs() if config is not None else {})
+        names = getattr(jit, "arg_names", None)
+        if names is None or any(n not in chosen for n in names[len(args) :]):
+            return None
+        if callable(grid):
+            grid = grid(dict(zip(names, args, strict=False)) | chosen)
+        grid = (*grid, 1, 1)[:3]
+        try:
+            compiled._init_handles()
+            return cls(compiled, grid, tuple(chosen[n] for n in names[len(args) :]))
+        except AttributeError:  # the interpreter's result, or another Triton's
+            return None
+
+
+__all__ = ["Launcher"]
