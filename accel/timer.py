@@ -10,9 +10,10 @@ place exactly twice.
 What a sample measures is its ``clock``. On CUDA: ``"device"`` brackets the calls with CUDA
 events and lets samples queue back to back (the GPU's time per call; host overhead that does not
 delay the GPU is not counted); ``"latency"`` waits for an idle GPU before each sample, then
-brackets it with events (one call as a user makes it, host launch time included); ``"host"`` reads
-the host clock around the calls without waiting (the Python call to its return). A CPU has one
-clock: all three read the host's.
+brackets it with events (one call as a user makes it, host launch time included); ``"host"`` also
+starts each sample from an idle GPU and reads the host clock around the calls without waiting for
+them (the Python call to its return, with a launch queue that is never full). A CPU has one clock:
+all three read the host's.
 
     samples = interleaved({"a": f, "b": g}, device, warmup=2, repeats=12)
     samples.medians()                                  # {"a": ms per call, "b": ...}
@@ -83,11 +84,11 @@ def take_sample(
     """Call ``fn`` ``calls`` times as one sample; returns the reader of its ms per call.
 
     ``cuda``: CUDA events time it, and reading waits for the GPU, so defer it and samples queue
-    back to back; ``idle_first`` waits for the GPU before the sample starts. Otherwise the host
-    clock times it."""
+    back to back. Otherwise the host clock times it. ``idle_first`` waits for the GPU before the
+    sample starts."""
+    if idle_first:
+        torch.cuda.synchronize()
     if cuda:
-        if idle_first:
-            torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(calls):
@@ -140,7 +141,7 @@ def interleaved(
     names = list(fns)
     dev = torch.device(device)
     cuda = dev.type == "cuda" and clock != "host"
-    idle_first = clock == "latency"
+    idle_first = dev.type == "cuda" and clock != "device"
 
     def blamed(name: str, thunk: Callable[[], object]) -> object:
         try:

@@ -45,6 +45,7 @@ PHASES: dict[str, str] = {
     "recipe": "accel.lab.cases.recipe:run",
     "distributed": "accel.lab.cases.distributed:run",
     "notebooks": "accel.lab.cases.notebooks:run",
+    "overhead": "accel.lab.cases.overhead:run",
 }
 
 COLUMNS = [

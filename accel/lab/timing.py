@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from accel.lab.device import default_device
-from accel.timer import CandidateError, SampleCallback, interleaved
+from accel.timer import CandidateError, Clock, SampleCallback, interleaved, paired_ratio
 
 __all__ = ["CandidateError", "Comparison", "SampleCallback", "Timing", "compare", "time_fn"]
 
@@ -88,6 +88,10 @@ class Comparison:
         """Baseline median over ``label``'s median: above 1 means ``label`` is faster."""
         return self.timings[self.baseline].median_ms / self.timings[label].median_ms
 
+    def paired_ratio(self, slow: str, fast: str) -> float:
+        """``slow``'s time over ``fast``'s, round by round (:func:`accel.timer.paired_ratio`)."""
+        return paired_ratio({k: t.times_ms for k, t in self.timings.items()}, slow, fast)
+
     def rows(self) -> list[dict[str, float | int | str]]:
         return [t.summary() | {"speedup": self.speedup(k)} for k, t in self.timings.items()]
 
@@ -128,6 +132,7 @@ def compare(
     min_sample_ms: float = 1.0,
     device: torch.device | str | None = None,
     on_sample: SampleCallback | None = None,
+    clock: Clock = "device",
 ) -> Comparison:
     """Time several candidates interleaved, so that drift cancels in their ratios.
 
@@ -136,6 +141,8 @@ def compare(
     ``calls_per_sample=None`` picks, per candidate, enough calls for a sample to last
     ``min_sample_ms`` (for functions of microseconds). ``on_sample(label, round, ms)`` is called
     as each sample completes (this waits for the GPU after every sample, which a live plot needs).
+    ``clock``: what a sample measures on a GPU, its time there back to back (``"device"``), one
+    call's latency from an idle GPU (``"latency"``) or the host time of the call (``"host"``).
     """
     if not isinstance(candidates, Mapping):
         raise TypeError(
@@ -164,6 +171,7 @@ def compare(
         min_sample_ms=min_sample_ms,
         on_sample=on_sample,
         name_errors=True,
+        clock=clock,
     )
     timings = {
         k: Timing(k, samples.times_ms[k], samples.calls_per_sample[k], dev.type) for k in labels

@@ -1,0 +1,230 @@
+"""Bench phase ``overhead``: every public component as a user calls it, beside the plain PyTorch
+they would otherwise write.
+
+Two measures per component, each timed interleaved with its plain counterpart:
+
+- **host time per call**: the Python call to its return, each sample started from an idle GPU
+  on inputs small enough that the GPU is never the bottleneck (``accel.timer``'s ``"host"``
+  clock). It is the part of a step that a profiler's kernel table does not show, and what a
+  launch-bound model pays on every layer;
+- **single-call latency**: one call from an idle GPU, CUDA events around it, host time included
+  (the ``"latency"`` clock), judged round by round.
+
+Targets (a CUDA GPU at the gpu preset): ``sdpa(backend="auto")`` adds at most 3 µs of host time
+to ``F.scaled_dot_product_attention``; diversity at most 20 µs of host time per call;
+``GraphedStep`` at most 10 µs over the bare graph replay. The shape sweeps, where the other
+targets live, are ``overhead_attention``, ``overhead_diversity`` and ``overhead_adamw``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from accel import attention, diversity, fusion
+from accel.graphs import GraphedStep
+from accel.lab.bench import BenchContext, Row
+from accel.lab.timing import Comparison, compare
+from accel.optim import MultiTensorAdamW
+
+PHASE = "overhead"
+SDPA_ADDED_US = 3.0
+DIVERSITY_HOST_US = 20.0
+GRAPHED_ADDED_US = 10.0
+HOST_CALLS = 50  # calls per host-clock sample
+# A model's parameters as a few hundred small tensors of odd sizes (a few layers' weights,
+# biases and norms): where per-tensor host work shows.
+SMALL_TENSORS = [(96, 97), (97,), (13, 96), (96,)] * 75
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    from accel.lab.cases import overhead_adamw, overhead_attention, overhead_diversity
+
+    rows = sdpa_rows(ctx) + diversity_rows(ctx) + clip_rows(ctx) + adamw_rows(ctx)
+    rows += graphed_rows(ctx)
+    rows += overhead_attention.rows(ctx)
+    rows += overhead_diversity.rows(ctx)
+    rows += overhead_adamw.rows(ctx)
+    return rows
+
+
+# ---- timing ------------------------------------------------------------------------------------
+def host_times(fns: dict, device: torch.device, repeats: int = 15) -> Comparison:
+    """Host time per call of each of ``fns`` (the first is the baseline), interleaved."""
+    return compare(fns, repeats=repeats, warmup=10, calls_per_sample=HOST_CALLS, device=device,
+                   clock="host")  # fmt: skip
+
+
+def latencies(fns: dict, device: torch.device, repeats: int = 25) -> Comparison:
+    """One call's latency from an idle GPU, of each of ``fns`` (the first is the baseline)."""
+    return compare(fns, repeats=repeats, warmup=3, device=device, clock="latency")
+
+
+def host_row(ctx: BenchContext, case: str, timing: Comparison, ours: str, *, added_us=None,
+             most_us=None, note: str = "") -> Row:  # fmt: skip
+    """Host µs per call of ``ours`` beside the baseline's, judged on the µs it adds
+    (``added_us``) or on its own µs (``most_us``)."""
+    mine = timing.timings[ours].median_ms * 1e3
+    plain = timing.timings[timing.baseline].median_ms * 1e3
+    target, met = "", None
+    if added_us is not None:
+        target, met = f"<= {timing.baseline} + {added_us:g} us", mine - plain <= added_us
+    elif most_us is not None:
+        target, met = f"<= {most_us:g} us", mine <= most_us
+    return Row(
+        PHASE, case, "host time per call", "us", mine, baseline=plain, target=target,
+        met=met if ctx.judged else None,
+        note=f"{ctx.where}; {ours} adds {mine - plain:+.1f} us to {timing.baseline}'s"
+        f" {plain:.1f} us; {HOST_CALLS} calls a sample from an idle GPU{note}",
+    )  # fmt: skip
+
+
+def latency_row(ctx: BenchContext, case: str, timing: Comparison, ours: str, *,
+                at_least: float | None = None, note: str = "") -> Row:  # fmt: skip
+    """One call's latency of ``ours`` beside the baseline's; the speedup judged round by round
+    against ``at_least`` where given."""
+    paired = timing.paired_ratio(timing.baseline, ours)
+    return Row(
+        PHASE, case, "single-call latency", "us", timing.timings[ours].median_ms * 1e3,
+        baseline=timing.timings[timing.baseline].median_ms * 1e3,
+        target=f">= {at_least:g}x" if at_least is not None else "",
+        met=paired >= at_least if ctx.judged and at_least is not None else None,
+        note=f"{ctx.where}; {timing.baseline} / {ours} round by round {paired:.3f}x{note}",
+    )  # fmt: skip
+
+
+# ---- the components ----------------------------------------------------------------------------
+def sdpa_rows(ctx: BenchContext) -> list[Row]:
+    """``sdpa(backend="auto")`` against ``F.scaled_dot_product_attention`` on a small input,
+    full and causal, and with a key-padding mask (whose fully masked queries auto zeroes where
+    the kernel does not)."""
+    device = ctx.device
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v = torch.randn(3, 2, 4, 64, 64, device=device, dtype=dtype, generator=gen).unbind(0)
+    mask = torch.rand(2, 1, 1, 64, device=device, generator=gen) < 0.9
+    rows = []
+    for label, causal, m in [("full", False, None), ("causal", True, None),
+                             ("key-padding mask", False, mask)]:  # fmt: skip
+        with torch.no_grad():
+            fns = {
+                "F.sdpa": lambda m=m, causal=causal: F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=m, is_causal=causal
+                ),
+                "sdpa auto": lambda m=m, causal=causal: attention.sdpa(
+                    q, k, v, mask=m, causal=causal
+                ),
+            }
+            fns["sdpa auto"]()  # measured once, outside the timing
+            choice = attention.auto_choices()[attention.signature(q, k, v, m, causal)]
+            timing = host_times(fns, device)
+        note = f"; auto picked {choice.backend} ({choice.kernel}); {tuple(q.shape)} {dtype}"
+        target = SDPA_ADDED_US if m is None else None
+        rows.append(host_row(ctx, f"sdpa auto {label}", timing, "sdpa auto", added_us=target,
+                             note=note))  # fmt: skip
+    return rows
+
+
+def diversity_rows(ctx: BenchContext) -> list[Row]:
+    """``mean_diversity`` and ``nearest_diversity``: host time per call (target) beside the
+    compiled closed form and the compiled naive form, at a small batch and the polychromic
+    trainer's shape."""
+    from accel.lab.cases.overhead_diversity import compiled_baselines
+
+    device, rows = ctx.device, []
+    for shape in ((64, 4, 384), (8192, 4, 384), (64, 8, 768), (64, 16, 256)):
+        x = torch.randn(shape, device=device, generator=torch.Generator(device).manual_seed(0))
+        mean_cf, nearest_naive = compiled_baselines(device)
+        for name, fn, plain in (
+            ("mean", diversity.mean_diversity, ("compiled closed form", mean_cf)),
+            ("nearest", diversity.nearest_diversity, ("compiled naive", nearest_naive)),
+        ):
+            fns = {
+                plain[0]: lambda p=plain[1], x=x: p(x),
+                f"{name}_diversity": lambda f=fn, x=x: f(x),
+            }
+            timing = host_times(fns, device)
+            path = diversity.backend(x)[0]
+            rows.append(host_row(ctx, f"diversity {name} B={shape[0]} N={shape[1]} D={shape[2]}",
+                                 timing, f"{name}_diversity", most_us=DIVERSITY_HOST_US,
+                                 note=f"; float32; path {path}"))  # fmt: skip
+    return rows
+
+
+def _small_params(device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator(device).manual_seed(0)
+    params = [torch.randn(s, device=device, generator=gen).requires_grad_() for s in SMALL_TENSORS]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=gen)
+    return params
+
+
+def clip_rows(ctx: BenchContext) -> list[Row]:
+    """``fusion.clip_grad_norm_`` beside ``torch.nn.utils.clip_grad_norm_(foreach=True)`` on a
+    few hundred small gradients (max_norm small: both rescale on every call)."""
+    params, device = _small_params(ctx.device), ctx.device
+    fns = {
+        "torch clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(params, 1e-3, foreach=True),
+        "fusion.clip_grad_norm_": lambda: fusion.clip_grad_norm_(params, 1e-3),
+    }
+    case, note = f"clip_grad_norm_ {len(params)} tensors", "; max_norm 1e-3"
+    return [
+        host_row(ctx, case, host_times(fns, device), "fusion.clip_grad_norm_", note=note),
+        latency_row(ctx, case, latencies(fns, device), "fusion.clip_grad_norm_", note=note),
+    ]
+
+
+def adamw_rows(ctx: BenchContext) -> list[Row]:
+    """``MultiTensorAdamW.step`` beside ``torch.optim.AdamW(fused=True).step`` on a few hundred
+    small tensors, each on its own copy of the parameters and gradients."""
+    device = ctx.device
+    if device.type != "cuda":
+        return [Row(PHASE, "adamw step small tensors", "host time per call", "us", float("nan"),
+                    note=f"{ctx.where}; fused AdamW and the one-launch kernel need CUDA")]  # fmt: skip
+    ours, theirs = _small_params(device), _small_params(device)
+    fns = {
+        "AdamW(fused=True)": torch.optim.AdamW(theirs, lr=1e-4, fused=True).step,
+        "MultiTensorAdamW": MultiTensorAdamW(ours, lr=1e-4).step,
+    }
+    case = f"adamw step {len(ours)} small tensors"
+    return [
+        host_row(ctx, case, host_times(fns, device), "MultiTensorAdamW"),
+        latency_row(ctx, case, latencies(fns, device), "MultiTensorAdamW", at_least=1.0),
+    ]
+
+
+def graphed_rows(ctx: BenchContext) -> list[Row]:
+    """``GraphedStep`` beside a bare ``CUDAGraph.replay`` of the same captured step (both copy
+    the new input into the graph's static one first, as a user's replay loop must)."""
+    device = ctx.device
+    if device.type != "cuda":
+        return [Row(PHASE, "GraphedStep call", "host time per call", "us", float("nan"),
+                    note=f"{ctx.where}; CUDA graphs need a CUDA GPU")]  # fmt: skip
+    weight = torch.randn(64, 64, device=device)
+
+    def step(x):
+        return (x @ weight).relu_().sum(0)
+
+    x = torch.randn(32, 64, device=device)
+    graphed = GraphedStep(step)
+    for _ in range(graphed.warmup + 2):
+        graphed(x)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    step(static_x)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        static_out = step(static_x)
+
+    def bare(x=x):
+        static_x.copy_(x)
+        graph.replay()
+        return static_out
+
+    fns = {"CUDAGraph.replay": bare, "GraphedStep": lambda: graphed(x)}
+    note = "; a 3-kernel step, one input tensor"
+    return [
+        host_row(ctx, "GraphedStep call", host_times(fns, device), "GraphedStep",
+                 added_us=GRAPHED_ADDED_US, note=note),
+        latency_row(ctx, "GraphedStep call", latencies(fns, device), "GraphedStep", note=note),
+    ]  # fmt: skip

@@ -1,0 +1,141 @@
+"""The attention sweep of the ``overhead`` phase: ``sdpa(backend="auto")`` against
+``F.scaled_dot_product_attention`` as a user calls it, at shapes ``auto`` was never tuned on.
+
+Points span batch x heads small to large, sequences of 128 to 16k, head dims 64, 96 and 128, full,
+causal and key-padding-masked attention, forward and forward + backward, bf16 and fp16. At each
+point ``auto`` measures once (its first call, outside the timing); then ``auto``, ``F.sdpa`` and a
+second copy of ``F.sdpa`` are timed one call at a time from an idle GPU, interleaved. Judged: the
+latency ratio F.sdpa / auto, taken round by round, >= 0.97 at every point; where ``F.sdpa``
+against its own copy moves by more than 3%, the row says the target sits inside that noise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from accel import attention
+from accel.lab.bench import BenchContext, Row
+from accel.lab.cases.overhead import PHASE, latencies
+from accel.lab.cases.sdpa_measure import release_memory
+
+TARGET_VS_PLAIN = 0.97
+NOISE = 0.03  # F.sdpa against itself beyond this: the row says so
+AGAIN = "F.sdpa again"
+# (batch, heads, sequence): small to large
+GPU_SHAPES = [
+    (1, 8, 128),
+    (16, 16, 128),
+    (32, 16, 512),
+    (2, 8, 512),
+    (4, 16, 1024),
+    (1, 32, 2048),
+    (8, 16, 2048),
+    (2, 16, 4096),
+    (1, 16, 8192),
+    (1, 8, 16384),
+]
+CPU_SHAPES = [(1, 2, 32), (2, 2, 48)]
+KINDS = ("full", "causal", "key-padding mask")
+
+
+@dataclass(frozen=True)
+class Point:
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    kind: str
+    backward: bool
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (f"attention B={self.batch} H={self.heads} S={self.seq} D={self.head_dim} "
+                f"{self.kind} {'fwd+bwd' if self.backward else 'fwd'} {dtype}")  # fmt: skip
+
+
+def points(device: torch.device) -> list[Point]:
+    """Every shape with each kind of attention, forward and forward + backward; head dims and
+    (on a GPU) bf16 / fp16 taken in turn, so each appears across the range of sizes."""
+    shapes = GPU_SHAPES if device.type == "cuda" else CPU_SHAPES
+    dtypes = (torch.bfloat16, torch.float16) if device.type == "cuda" else (torch.float32,)
+    out, i = [], 0
+    for b, h, s in shapes:
+        for kind in KINDS:
+            for backward in (False, True):
+                dims = (64, 96, 128) if device.type == "cuda" else (16, 24)
+                out.append(Point(b, h, s, dims[i % len(dims)], kind, backward,
+                                 dtypes[(i // 3) % len(dtypes)]))  # fmt: skip
+                i += 1
+    return out
+
+
+def _calls(point: Point, device: torch.device) -> dict:
+    """F.sdpa, auto and F.sdpa again on one set of inputs (random; a key-padding mask keeps
+    each row's first key and a random share of the rest)."""
+    gen = torch.Generator(device).manual_seed(point.seq)
+    shape = (point.batch, point.heads, point.seq, point.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=point.dtype, generator=gen)
+               .requires_grad_(point.backward) for _ in range(3))  # fmt: skip
+    mask = None
+    if point.kind == "key-padding mask":
+        lengths = torch.randint(1, point.seq + 1, (point.batch, 1, 1, 1), device=device,
+                                generator=gen)  # fmt: skip
+        mask = torch.arange(point.seq, device=device) < lengths  # (B, 1, 1, S)
+    causal = point.kind == "causal"
+    grad = torch.randn(shape, device=device, dtype=point.dtype, generator=gen)
+
+    def timed(fn):
+        if point.backward:
+            return lambda: torch.autograd.grad(fn(), (q, k, v), grad)
+        return lambda: fn().detach()
+
+    plain = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal))
+    auto = timed(lambda: attention.sdpa(q, k, v, mask=mask, causal=causal))
+    return {"F.sdpa": plain, "auto": auto, AGAIN: plain}
+
+
+def measure(point: Point, device: torch.device, repeats: int) -> tuple[float, float, dict, str]:
+    """(F.sdpa / auto, F.sdpa / its copy, medians in µs, what auto picked) at one point."""
+    attention.clear_auto_cache()  # one signature at a time: the pick named is this point's
+    fns = _calls(point, device)
+    fns["auto"]()  # auto measures here, outside the timing
+    choices = attention.auto_choices()
+    picked = ", ".join(sorted({f"{c.backend} ({c.kernel})" for c in choices.values()}))
+    timing = latencies(fns, device, repeats=repeats)
+    medians = {k: t.median_ms * 1e3 for k, t in timing.timings.items()}
+    result = timing.paired_ratio("F.sdpa", "auto"), timing.paired_ratio(AGAIN, "F.sdpa")
+    return (*result, medians, picked)
+
+
+def rows(ctx: BenchContext) -> list[Row]:
+    repeats = 15 if ctx.device.type == "cuda" else 5
+    out, worst = [], math.inf
+    for point in points(ctx.device):
+        ratio, self_ratio, medians, picked = measure(point, ctx.device, repeats)
+        release_memory(ctx.device)
+        worst = min(worst, ratio)
+        spread = abs(self_ratio - 1)
+        noisy = (f"; F.sdpa against itself moved {spread:.1%}, more than {NOISE:.0%}: the target"
+                 " is inside this point's noise" if spread > NOISE else "")  # fmt: skip
+        out.append(Row(
+            PHASE, point.name, "single-call latency", "us", medians["auto"],
+            baseline=medians["F.sdpa"], target=f">= {TARGET_VS_PLAIN}x",
+            met=ratio >= TARGET_VS_PLAIN if ctx.judged else None,
+            note=f"{ctx.where}; F.sdpa / auto round by round {ratio:.3f}x, F.sdpa / itself "
+            f"{self_ratio:.3f}x; auto picked {picked}{noisy}",
+        ))  # fmt: skip
+    judged = [r for r in out if r.met is not None]
+    out.append(Row(
+        PHASE, f"attention sweep: worst F.sdpa / auto of {len(out)} points", "speedup", "x",
+        worst, target=f">= {TARGET_VS_PLAIN}x", higher_is_better=True,
+        met=all(r.met for r in judged) if ctx.judged else None,
+        note=f"{ctx.where}; single-call latency, round by round; "
+        f"{sum(not r.met for r in judged)} point(s) missed",
+    ))  # fmt: skip
+    return out

@@ -1,0 +1,143 @@
+"""The diversity sweep of the ``overhead`` phase: ``mean_diversity`` and ``nearest_diversity``
+at group sizes, widths, dtypes and batches they were never tuned on, beside what a user would
+otherwise write: the closed form (mean) and the naive N x N form (nearest), ``torch.compile``'d.
+
+Points: N in 2, 3, 4, 8, 16, 32, 64 with D from 64 to 2048 in float32, bfloat16 and float16 (taken
+in turn), ragged counts on every other point, a batch that reads at least 64 MB; and each N again
+at a small batch. Judged: one call's latency >= 1.5x the compiled form's at every point; device
+time (back to back) >= 75% of the measured copy bandwidth at every point that reads >= 64 MB.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from accel import diversity as dv
+from accel.lab.bench import BenchContext, Row
+from accel.lab.cases.overhead import PHASE, latencies
+from accel.lab.cases.sdpa_measure import release_memory
+from accel.lab.timing import compare
+
+TARGET_VS_COMPILED = 1.5
+TARGET_BANDWIDTH = 0.75
+LARGE_BYTES = 64 << 20
+GROUP_SIZES = (2, 3, 4, 8, 16, 32, 64)
+WIDTHS = (64, 256, 768, 2048)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SMALL_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Point:
+    batch: int
+    n: int
+    dim: int
+    dtype: torch.dtype
+    ragged: bool
+
+    @property
+    def bytes_read(self) -> int:
+        return self.batch * self.n * self.dim * self.dtype.itemsize
+
+    def name(self, reduction: str) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        ragged = " ragged" if self.ragged else ""
+        return f"diversity {reduction} B={self.batch} N={self.n} D={self.dim} {dtype}{ragged}"
+
+
+def points(device: torch.device) -> list[Point]:
+    if device.type != "cuda":
+        return [Point(16, 4, 48, torch.float32, False), Point(8, 33, 40, torch.float32, True)]
+    out = []
+    for i, (n, dim) in enumerate((n, d) for n in GROUP_SIZES for d in WIDTHS):
+        dtype = DTYPES[i % len(DTYPES)]
+        batch = math.ceil(LARGE_BYTES / (n * dim * dtype.itemsize))
+        out.append(Point(batch, n, dim, dtype, ragged=i % 2 == 1))
+    out += [Point(SMALL_BATCH, n, 384, torch.float32, False) for n in GROUP_SIZES]
+    return out
+
+
+@functools.cache
+def compiled_baselines(device: torch.device):
+    """(the closed-form mean, the naive nearest), compiled once for any shape: a sweep of
+    many shapes would otherwise recompile at each, and a user's loop over shapes turns
+    dynamic after the first recompile anyway."""
+    if device.type != "cuda":  # nothing to compile for on a CPU in a few seconds: eager
+        return dv.mean_diversity_closed_form, dv.nearest_diversity_reference
+    return (
+        torch.compile(dv.mean_diversity_closed_form, dynamic=True),
+        torch.compile(dv.nearest_diversity_reference, dynamic=True),
+    )
+
+
+def measure(point: Point, device: torch.device) -> list[tuple[str, float, float, float, float]]:
+    """Per reduction: (name, our latency µs, the compiled form's µs, their round-by-round
+    ratio, our device ms per call back to back), after checking both against the reference."""
+    gen = torch.Generator(device).manual_seed(point.n * point.dim)
+    x = torch.randn((point.batch, point.n, point.dim), device=device, generator=gen).to(point.dtype)
+    counts = None
+    if point.ragged:
+        counts = torch.randint(0, point.n + 1, (point.batch,), device=device, generator=gen)
+    mean_cf, nearest_naive = compiled_baselines(device)
+    out = []
+    for reduction, ours, plain in (
+        ("mean", dv.mean_diversity, mean_cf),
+        ("nearest", dv.nearest_diversity, nearest_naive),
+    ):
+        torch.testing.assert_close(ours(x, counts), plain(x, counts), atol=2e-5, rtol=1e-5)
+        fns = {
+            "compiled": lambda p=plain, x=x, c=counts: p(x, c),
+            "accel": lambda f=ours, x=x, c=counts: f(x, c),
+        }
+        alone = latencies(fns, device, repeats=15)
+        queued = compare({"accel": fns["accel"]}, repeats=10, calls_per_sample=None, device=device)
+        out.append((
+            reduction,
+            alone.timings["accel"].median_ms * 1e3,
+            alone.timings["compiled"].median_ms * 1e3,
+            alone.paired_ratio("compiled", "accel"),
+            queued.timings["accel"].median_ms,
+        ))  # fmt: skip
+    return out
+
+
+def rows(ctx: BenchContext) -> list[Row]:
+    out: list[Row] = []
+    ratios, fractions = [], []
+    for point in points(ctx.device):
+        measured = measure(point, ctx.device)
+        release_memory(ctx.device)
+        for reduction, mine, plain, ratio, device_ms in measured:
+            name = point.name(reduction)
+            ratios.append(ratio)
+            out.append(Row(
+                PHASE, name, "single-call latency", "us", mine, baseline=plain,
+                target=f">= {TARGET_VS_COMPILED}x",
+                met=ratio >= TARGET_VS_COMPILED if ctx.judged else None,
+                note=f"{ctx.where}; compiled {'closed form' if reduction == 'mean' else 'naive'}"
+                f" / accel round by round {ratio:.2f}x",
+            ))  # fmt: skip
+            if point.bytes_read >= LARGE_BYTES:
+                fractions.append(ctx.ceilings.bandwidth_fraction(point.bytes_read, device_ms))
+                out.append(Row(
+                    PHASE, name, "bandwidth", "fraction of copy", fractions[-1],
+                    target=f">= {TARGET_BANDWIDTH}", higher_is_better=True,
+                    met=fractions[-1] >= TARGET_BANDWIDTH if ctx.judged else None,
+                    note=f"{ctx.where}; {point.bytes_read / 2**20:.0f} MiB read in "
+                    f"{device_ms * 1e3:.1f} us back to back; copy {ctx.ceilings.copy_gb_s:.0f} GB/s",
+                ))  # fmt: skip
+    summaries = [("single-call latency", "x", ratios, TARGET_VS_COMPILED),
+                 ("bandwidth", "fraction of copy", fractions, TARGET_BANDWIDTH)]  # fmt: skip
+    for metric, unit, values, target in summaries:
+        missed = sum(v < target for v in values)
+        out.append(Row(
+            PHASE, f"diversity sweep: worst {metric} of {len(values)} points", metric, unit,
+            min(values, default=math.nan), target=f">= {target}", higher_is_better=True,
+            met=missed == 0 if ctx.judged and values else None,
+            note=f"{ctx.where}; {missed} point(s) missed",
+        ))  # fmt: skip
+    return out
