@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -239,16 +240,58 @@ def _alone(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
 
 def _run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
     """SDPA with ``backend`` forced (or PyTorch's pick for "default"); a query that the mask
-    leaves without keys gets 0 where the kernel that ran does not give 0 itself."""
-    if backend in FORCED:
-        out = _alone(backend, q, k, v, mask, causal, scale)
-    else:
-        out = _plain(q, k, v, mask, causal, scale)
-    if mask is None or _zero_without_keys(
-        _kernel_of(backend, q, k, v, mask, causal, scale), q, mask
-    ):
-        return out
-    return _zero_rows_without_keys(out, mask)
+    leaves without keys gets 0 (:func:`_mask_plan`)."""
+    run = partial(_alone, backend) if backend in FORCED else _plain
+    if mask is None:
+        return run(q, k, v, mask, causal, scale)
+    return _with_mask_plan(run, *_mask_plan(backend, q, k, v, mask, causal, scale))(
+        q, k, v, mask, causal, scale
+    )
+
+
+def _mask_plan(backend: str, q, k, v, mask, causal, scale) -> tuple[bool, bool]:
+    """(pass the bool mask as an additive one, zero the rows without keys afterwards): what
+    makes a query that the mask leaves without keys come back 0 on the kernel that runs. The
+    kernel may give 0 itself; cuDNN does for an additive mask but not for a bool one, which
+    costs one conversion of the mask (kept while the mask lives) instead of a pass over the
+    output."""
+    if _zero_without_keys(_kernel_of(backend, q, k, v, mask, causal, scale), q, mask):
+        return False, False
+    if mask.dtype == torch.bool:
+        additive = _additive_mask(mask, q.dtype)
+        if _zero_without_keys(_kernel_of(backend, q, k, v, additive, causal, scale), q, additive):
+            return True, False
+    return False, True
+
+
+def _with_mask_plan(run, additive: bool, zero_rows: bool):
+    """``run`` that passes an additive mask, or zeroes the rows without keys, as planned."""
+    if additive:
+        return lambda q, k, v, m, c, s: run(q, k, v, _additive_mask(m, q.dtype), c, s)
+    if zero_rows:
+        return lambda q, k, v, m, c, s: _zero_rows_without_keys(run(q, k, v, m, c, s), m)
+    return run
+
+
+# id(bool mask) -> (a weak reference to it, its version, dtype, the additive mask); up to this size
+_ADDITIVE: dict[int, tuple] = {}
+ADDITIVE_CACHE_BYTES = 64 << 20
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = attend) as 0 / -inf of ``dtype``: made once per mask tensor and
+    version while the mask lives (a model passes one mask to every layer), or at each call for
+    a mask whose additive form is larger than :data:`ADDITIVE_CACHE_BYTES`."""
+    key = id(mask)
+    hit = _ADDITIVE.get(key)
+    if hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == dtype:
+        return hit[3]
+    additive = torch.full(mask.shape, -math.inf, dtype=dtype, device=mask.device)
+    additive.masked_fill_(mask, 0.0)
+    if additive.numel() * additive.element_size() <= ADDITIVE_CACHE_BYTES:
+        gone = weakref.ref(mask, lambda _, key=key: _ADDITIVE.pop(key, None))
+        _ADDITIVE[key] = (gone, mask._version, dtype, additive)
+    return additive
 
 
 def _kernel_of(backend: str, q, k, v, mask, causal, scale) -> str:
@@ -377,18 +420,18 @@ def _auto(key: SignatureKey, fast: tuple, q, k, v, mask, causal, scale) -> AutoC
             kernel = _kernel_of("default", q, k, v, mask, causal, scale)
             return AutoChoice("default", {}, default_kernel=kernel)
         choice = _AUTO_CACHE[key] = _measure(key, q, k, v, mask, causal, scale)
-    _AUTO_FAST[fast] = (choice, cached_runner(choice, q, mask))
+    _AUTO_FAST[fast] = (choice, cached_runner(choice, q, k, v, mask, causal, scale))
     return choice
 
 
-def cached_runner(choice: AutoChoice, q: torch.Tensor, mask: torch.Tensor | None):
+def cached_runner(choice: AutoChoice, q, k, v, mask, causal, scale):
     """What a call of a measured signature runs, ``(q, k, v, mask, causal, scale) -> out``:
     ``F.scaled_dot_product_attention`` itself for ``"default"``, the forced kernel otherwise,
-    and the zeroing of queries without keys only where the kernel needs it."""
+    and with a mask what makes queries without keys 0 where the kernel needs it."""
     run = _plain if choice.backend == "default" else partial(_alone, choice.backend)
-    if mask is None or _zero_without_keys(choice.kernel, q, mask):
+    if mask is None:
         return run
-    return lambda *args: _zero_rows_without_keys(run(*args), args[3])
+    return _with_mask_plan(run, *_mask_plan(choice.backend, q, k, v, mask, causal, scale))
 
 
 def _measure(key: SignatureKey, q, k, v, mask, causal, scale) -> AutoChoice:

@@ -179,6 +179,9 @@ class GraphedStep:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._pool, self._stream = pool, None
         self._graphs: dict[tuple, _Captured] = {}
+        # the same graphs for calls of tensors only, passed by position, keyed without pytree:
+        # (shape, dtype, device) per argument
+        self._positional: dict[tuple, _Captured] = {}
         self._warmups: dict[tuple, int] = {}
         self._first: tuple | None = None  # the first call's signature (what "error" compares to)
         self.reason: str | None = None  # why the step runs eagerly, once it does
@@ -189,17 +192,30 @@ class GraphedStep:
         if self.reason is not None:
             self.eager_calls += 1
             return self.fn(*args, **kwargs)
+        if not kwargs:
+            try:
+                captured = self._positional.get(tuple((a.shape, a.dtype, a.device) for a in args))
+            except AttributeError:  # not all tensors: the general path below
+                captured = None
+            if captured is not None:
+                return self._replay(captured, args)
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = _signature(leaves, spec)
         captured = self._graphs.get(key)
         if captured is not None:
-            for i, static in captured.tensor_inputs:
-                if leaves[i] is not static:
-                    static.copy_(leaves[i])
-            captured.graph.replay()
-            self.replays += 1
-            return captured.outputs
+            if not kwargs and all(type(a) is torch.Tensor for a in args):
+                self._positional[tuple((a.shape, a.dtype, a.device) for a in args)] = captured
+            return self._replay(captured, leaves)
         return self._first_calls(args, kwargs, leaves, spec, key)
+
+    def _replay(self, captured: _Captured, leaves: Sequence[Any]) -> Any:
+        """The new inputs copied into the graph's static ones, one replay, its outputs."""
+        for i, static in captured.tensor_inputs:
+            if leaves[i] is not static:
+                static.copy_(leaves[i])
+        captured.graph.replay()
+        self.replays += 1
+        return captured.outputs
 
     def _first_calls(self, args, kwargs, leaves, spec, key) -> Any:
         if self._first is None:
@@ -372,6 +388,7 @@ class GraphedStep:
         (memory of outputs you still hold stays until you drop them). The next calls warm up
         and capture again; a fallback to eager is forgotten too."""
         self._graphs.clear()
+        self._positional.clear()
         self._warmups.clear()
         self._first, self.reason = None, None
         if torch.cuda.is_available() and self._device is not None and self._device.type == "cuda":

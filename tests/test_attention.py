@@ -515,3 +515,35 @@ def test_a_query_with_no_key_gets_zero_on_every_backend(device, backend, kind, s
         q.double(), k.double(), v.double(), mask=mask if kind == "bool" else mask.double()
     )
     torch.testing.assert_close(out.double(), expected, **A.TOLERANCES[dtype])
+
+
+def test_an_additive_mask_is_made_once_per_bool_mask_and_version_while_it_lives(gen):
+    keep = torch.rand(2, 1, 5, 7, generator=gen) < 0.6
+    first = AA._additive_mask(keep, torch.float16)
+    assert first.dtype == torch.float16 and torch.equal(first == 0, keep)
+    assert torch.isneginf(first[~keep]).all()
+    assert AA._additive_mask(keep, torch.float16) is first
+    assert AA._additive_mask(keep, torch.float32) is not first  # another dtype
+    keep[0, 0, 0, 0] = not keep[0, 0, 0, 0]  # changed in place: a new version
+    again = AA._additive_mask(keep, torch.float32)
+    assert torch.equal(again == 0, keep)
+    key = id(keep)
+    del keep
+    assert key not in AA._ADDITIVE  # gone with its mask
+
+
+def test_a_kernel_that_zeroes_only_with_an_additive_mask_gets_one(monkeypatch, gen):
+    q, k, v = qkv((2, 2, 5, 16), torch.float32, "cpu", gen)
+    keep = torch.rand(2, 1, 5, 5, generator=gen) < 0.7
+    keep[..., 0] = True
+    keep[:, :, 2] = False  # query 2 has no key
+    seen = []
+    monkeypatch.setattr(AA, "_zero_without_keys", lambda kernel, q, m: m.dtype != torch.bool)
+    real = AA._plain
+    monkeypatch.setattr(
+        AA, "_plain", lambda q, k, v, m, *a: seen.append(m.dtype) or real(q, k, v, m, *a)
+    )
+    assert AA._mask_plan("default", q, k, v, keep, False, None) == (True, False)
+    out = A.sdpa(q, k, v, mask=keep, backend="default")
+    assert seen[-1] == torch.float32
+    torch.testing.assert_close(out, A.attention_reference(q, k, v, mask=keep))

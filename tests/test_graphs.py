@@ -188,6 +188,26 @@ def test_a_new_shape_is_an_error_naming_it(seed):
 
 
 @requires_cuda
+def test_calls_of_tensors_by_position_replay_without_pytree_and_equal_the_step(seed):
+    w = torch.randn(16, 16, device="cuda") / 4
+    step = GraphedStep(mix, warmup=1)
+    for _ in range(3):
+        step(torch.randn(8, 16, device="cuda"), w)
+    assert len(step._positional) == 1  # the third call found the graph and registered it
+    replays = step.replays
+    for _ in range(3):
+        x = torch.randn(8, 16, device="cuda")
+        torch.testing.assert_close(step(x, w), mix(x, w), rtol=1e-5, atol=1e-5)
+    assert step.replays == replays + 3 and step.graphs == 1
+    with pytest.raises(GraphInputError, match=r"args\[0\]: captured for float32\[8, 16\]"):
+        step(torch.randn(4, 16, device="cuda"), w)  # the general path says what differs
+    with pytest.raises(GraphInputError, match="structure differs"):
+        step(torch.randn(8, 16, device="cuda"), w=w)
+    step.reset()
+    assert step._positional == {}
+
+
+@requires_cuda
 def test_recapture_keeps_one_graph_per_shape_in_one_pool(seed):
     w = torch.randn(16, 16, device="cuda") / 4
     step = GraphedStep(mix, warmup=1, on_new_shape="recapture")
