@@ -92,8 +92,9 @@ class _Direct:
     def of(cls, kernel, compiled, grid, args: tuple, constexprs: Mapping) -> _Direct | None:
         """The direct launch of what ``kernel[grid](*args, **constexprs)`` just compiled, or
         None where Triton gives no handle for it."""
-        jit = getattr(kernel, "fn", kernel)  # an autotuned kernel's own jit function
-        config = getattr(kernel, "best_config", None)
+        autotuned = hasattr(kernel, "configs")  # a triton.autotune wrapper around a jit function
+        jit = kernel.fn if autotuned else kernel
+        config = kernel.best_config if autotuned else None
         chosen = dict(constexprs) | (config.all_kwargs() if config is not None else {})
         names = getattr(jit, "arg_names", None)
         if names is None or any(n not in chosen for n in names[len(args) :]):
