@@ -33,7 +33,9 @@ from .pairwise_cosine_large import (
     INTERPRET_TILED,
     ROWS_BLOCK_D,
     ROWS_BLOCK_M,
+    _group_mean_kernel,
     _inv_norm_kernel,
+    _mean_from_partials_kernel,
     _normalized_sum_kernel,
     _tiled_kernel,
     tiled_16bit,
@@ -54,6 +56,9 @@ _launch_inv_norms, _launch_normalized_sum = (
     Launcher(_inv_norm_kernel),
     Launcher(_normalized_sum_kernel),
 )
+_launch_mean_from_partials = Launcher(_mean_from_partials_kernel)
+_launch_group_mean = Launcher(_group_mean_kernel)
+FINISH_BLOCK = 128  # columns (or members) a finishing program sums at a time
 _launch_tiled = {torch.float32: Launcher(tiled_fp32), "16 bit": Launcher(tiled_16bit)}
 _launch_tiled_interpreted = Launcher(_tiled_kernel)
 # signature -> (launcher, grid, constexprs, whether the launch takes no matrix pointer)
@@ -208,17 +213,27 @@ def _run_closed_form_mean(x: torch.Tensor, counts: torch.Tensor | None, eps: flo
         (*args, *x.stride(), eps),
         dict(HAS_COUNTS=counts is not None, BLOCK_M=ROWS_BLOCK_M, BLOCK_D=ROWS_BLOCK_D),
     )
-    n = _members(counts, B, N, x.device)
-    total = partial.sum(1).square().sum(-1) - partial_sq.sum(1)  # sum over pairs i != j
-    mean_cos = total / (n * (n - 1)).clamp(min=1)
-    return torch.where(n >= 2, 1.0 - mean_cos, 0.0)
+    out = torch.empty(B, device=x.device, dtype=torch.float32)
+    _launch_mean_from_partials(
+        _signature(x, counts),
+        (B,),
+        (partial, partial_sq, counts if counts is not None else out, out, N, D, blocks),
+        dict(HAS_COUNTS=counts is not None, BLOCK_D=FINISH_BLOCK),
+    )
+    return out
 
 
-def _members(counts: torch.Tensor | None, B: int, N: int, device) -> torch.Tensor:
-    """Members per group as float32 (B,): the counts clamped to [0, N], or N."""
-    if counts is None:
-        return torch.full((B,), float(N), device=device)
-    return counts.clamp(0, N).to(torch.float32)
+def _group_means(items: torch.Tensor, counts: torch.Tensor | None, x: torch.Tensor):
+    """Each group's mean of ``items`` (B, N) over its members; 0 for fewer than two."""
+    B, N = items.shape
+    out = torch.empty(B, device=items.device, dtype=torch.float32)
+    _launch_group_mean(
+        _signature(x, counts),
+        (B,),
+        (items, counts if counts is not None else out, out, N),
+        dict(HAS_COUNTS=counts is not None, BLOCK=FINISH_BLOCK),
+    )
+    return out
 
 
 # ---- the functions accel.diversity dispatches to: x (B, N, D) checked, results float32 --------
@@ -254,9 +269,7 @@ def nearest_diversity(x: torch.Tensor, counts: torch.Tensor | None = None, *, ep
         return torch.zeros(B, device=x.device)
     if N <= SMALL_N:
         return _run_group(x, counts, MODE_NEAREST, eps=eps)[0]
-    n = _members(counts, B, N, x.device)
-    mean = _run_tiled(x, counts, MODE_NEAREST, eps).sum(-1) / n.clamp(min=1)
-    return torch.where(n >= 2, mean, 0.0)
+    return _group_means(_run_tiled(x, counts, MODE_NEAREST, eps), counts, x)
 
 
 def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None, *, eps: float):
