@@ -138,7 +138,8 @@ class AutoChoice:
     or forward + backward when the key's ``grad``), and ``latency_ms``, one call from an idle GPU
     with its host time (on a CPU the two are one measurement); ``skipped`` gives the reason of
     each kernel left out. ``spread`` is the default against its own second copy, round by round:
-    how far the measurement moves for the same kernel."""
+    how far the measurement moves for the same kernel. On a GPU, a default shorter than
+    :data:`SHORT_CALL_MS` is kept without the comparison alone (``note`` says so)."""
 
     backend: str
     times_ms: dict[str, float]
@@ -146,6 +147,7 @@ class AutoChoice:
     latency_ms: dict[str, float] = field(default_factory=dict)
     default_kernel: str = ""
     spread: float = 0.0
+    note: str = ""  # why the default was kept without comparing, if it was
 
     @property
     def kernel(self) -> str:
@@ -451,11 +453,14 @@ def _measure(key: SignatureKey, q, k, v, mask, causal, scale) -> AutoChoice:
     # the default twice, at two places in each round's order: its spread against itself
     fns = {"default": candidates["default"], DEFAULT_AGAIN: candidates["default"], **candidates}
     back_to_back = interleaved(fns, q.device, warmup=2, repeats=10)
+    spread = abs(back_to_back.paired_ratio(DEFAULT_AGAIN, "default") - 1)
+    if q.device.type == "cuda" and back_to_back.medians()["default"] < SHORT_CALL_MS:
+        return AutoChoice("default", _medians(back_to_back), skipped, {}, default_kernel, spread,
+                          note=SHORT_CALL_NOTE)  # fmt: skip
     alone = back_to_back
-    if q.device.type == "cuda":  # short calls are noisy alone, and more rounds of them are cheap
-        short = back_to_back.medians()["default"] < SHORT_CALL_MS
-        alone = interleaved(fns, q.device, warmup=0, repeats=30 if short else 10, clock="latency")
-    spread = max(abs(t.paired_ratio(DEFAULT_AGAIN, "default") - 1) for t in (back_to_back, alone))
+    if q.device.type == "cuda":
+        alone = interleaved(fns, q.device, warmup=0, repeats=10, clock="latency")
+        spread = max(spread, abs(alone.paired_ratio(DEFAULT_AGAIN, "default") - 1))
     return AutoChoice(
         _winner(back_to_back, alone, max(AUTO_MARGIN, spread)),
         _medians(back_to_back),
@@ -467,7 +472,10 @@ def _measure(key: SignatureKey, q, k, v, mask, causal, scale) -> AutoChoice:
 
 
 DEFAULT_AGAIN = "default again"
+# Under this a call is mostly host time: a forced kernel's switching costs more than it could
+# gain on the GPU, and single calls are too noisy to tell kernels apart.
 SHORT_CALL_MS = 0.2
+SHORT_CALL_NOTE = f"calls under {SHORT_CALL_MS} ms keep PyTorch's pick (host time dominates them)"
 
 
 def _candidates(key: SignatureKey, default_kernel: str, q, k, v, mask, causal, scale):

@@ -46,9 +46,11 @@ class Launcher:
         """``kernel[grid](*args, **constexprs)``: positional runtime arguments, then every
         constexpr (and launch option) by keyword. ``key=None`` launches without caching."""
         if key is not None and not _hooked():
-            direct = self._direct.get((key, torch._C._cuda_getDevice()))
+            device = torch._C._cuda_getDevice()
+            direct = self._direct.get((key, device))
             if direct is not None:
-                direct(args)
+                direct.run(*direct.grid, torch._C._cuda_getCurrentRawStream(device),
+                           direct.function, direct.packed, None, None, None, *args, *direct.tail)  # fmt: skip
                 return
         compiled = self.kernel[grid](*args, **constexprs)
         if key is not None and not _hooked():
@@ -62,15 +64,22 @@ class Launcher:
 
 
 def _hooked() -> bool:
-    """A launch hook is set (a profiler's, say): it wants Triton's own launch path."""
+    """A launch hook is set (a profiler's, say): it wants Triton's own launch path. Otherwise
+    the direct launch passes no hooks (an empty hook chain would be called for nothing)."""
     if _knobs is None:
         return True
-    hook = _knobs.runtime.launch_enter_hook
+    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    return _set(enter) or _set(leave)
+
+
+def _set(hook: Any) -> bool:
+    """A hook, or a hook chain (Triton 3.5 and later) with a hook in it."""
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
 class _Direct:
-    """A compiled kernel's C launcher with its grid and constexpr values bound."""
+    """A compiled kernel's C launcher, its grid and its constexpr values (``Launcher`` calls
+    ``run`` with the stream, the arguments and these)."""
 
     __slots__ = ("function", "grid", "packed", "run", "tail")
 
@@ -81,12 +90,6 @@ class _Direct:
             compiled.packed_metadata,
         )
         self.grid, self.tail = grid, tail
-
-    def __call__(self, args: tuple) -> None:
-        stream = torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
-        runtime = _knobs.runtime
-        self.run(*self.grid, stream, self.function, self.packed, None,
-                 runtime.launch_enter_hook, runtime.launch_exit_hook, *args, *self.tail)  # fmt: skip
 
     @classmethod
     def of(cls, kernel, compiled, grid, args: tuple, constexprs: Mapping) -> _Direct | None:
