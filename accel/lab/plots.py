@@ -179,6 +179,26 @@ def speedups(frame: pd.DataFrame, *, title: str = "Speedup over the baseline") -
     return fig.update_layout(**_LAYOUT, title=title, yaxis_title="x baseline")
 
 
+CALL_BARS = {"host_us": "host time per call", "alone_us": "one call, idle device"}
+
+
+def call_costs(
+    frame: pd.DataFrame, *, bars: dict[str, str] = CALL_BARS, title: str = "What one call costs"
+) -> go.Figure:
+    """Per ``label``, one horizontal bar (µs) per column of ``bars`` (column -> name): by default
+    the host time per call, the part a profiler's kernel table leaves out, beside one call from
+    an idle device with its host time in it."""
+    fig = go.Figure()
+    for column, name in bars.items():
+        fig.add_bar(
+            y=frame["label"], x=frame[column], name=name, orientation="h",
+            text=[f"{v:.1f}" for v in frame[column]], textposition="outside",
+        )  # fmt: skip
+    height = bars_height(list(frame["label"]), 160) + 20 * len(frame)
+    layout = {**_LAYOUT, "height": height}
+    return fig.update_layout(**layout, title=title, barmode="group", xaxis_title="µs")
+
+
 def _short(name: str, width: int = 60) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
