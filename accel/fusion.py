@@ -247,6 +247,10 @@ def clip_grad_norm_(
     tensor; that check reads the norm on the host, a sync, made only when asked.
     ``foreach=False`` is the common loop: a norm per tensor, then ``if coef < 1`` on the host
     (one sync) and a multiply per tensor.
+
+    Host cost: a pass over the parameters for their gradients and one foreach norm and one
+    foreach multiply per dtype, as torch's ``foreach=True``; beside it in ``results/`` (rows
+    ``phase=overhead``, ``clip_grad_norm_``).
     """
     if not math.isfinite(max_norm) or max_norm <= 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be finite and > 0, got {max_norm}")

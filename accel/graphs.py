@@ -120,6 +120,11 @@ class _Captured:
 class GraphedStep:
     """``fn`` captured into a CUDA graph on first use, replayed on every later call.
 
+    Host cost of a replayed call: a key of (shape, dtype, device) per argument when the arguments
+    are tensors passed by position (a flattening of nested arguments otherwise), a copy into the
+    graph's static input per tensor, and the replay; measured beside a bare ``CUDAGraph.replay``
+    in ``results/`` (rows ``phase=overhead``, ``GraphedStep call``).
+
     The first ``warmup`` calls run ``fn`` eagerly on a side stream (real calls: they do their
     work and return their results; lazy state such as optimizer moments is created then,
     outside the graph). The next call copies its inputs into static buffers, captures ``fn`` on

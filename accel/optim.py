@@ -76,6 +76,10 @@ def one_minus_power(beta: float, step: torch.Tensor) -> torch.Tensor:
 class MultiTensorAdamW(torch.optim.Optimizer):
     """AdamW stepped by one kernel launch for all groups (see the module docstring).
 
+    Host cost of a step: one pass over the parameters to collect what has a gradient (as
+    torch's optimizers do), a key of their addresses, and one launch; beside
+    ``AdamW(fused=True)`` in ``results/`` (rows ``phase=overhead``, ``adamw ...``).
+
     ``lr`` per group is a float or a 0-d float32 tensor on the parameters' device (a tensor can
     change between steps, also under a CUDA graph; a float is copied to the device when it
     changes). ``implementation="auto"`` takes the kernel where it can run, else the reference
