@@ -55,7 +55,7 @@ class Point:
     @property
     def name(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return (f"attention B={self.batch} H={self.heads} S={self.seq} D={self.head_dim} "
+        return (f"sweep attention B={self.batch} H={self.heads} S={self.seq} D={self.head_dim} "
                 f"{self.kind} {'fwd+bwd' if self.backward else 'fwd'} {dtype}")  # fmt: skip
 
 

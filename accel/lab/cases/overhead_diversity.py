@@ -47,7 +47,7 @@ class Point:
     def name(self, reduction: str) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         ragged = " ragged" if self.ragged else ""
-        return f"diversity {reduction} B={self.batch} N={self.n} D={self.dim} {dtype}{ragged}"
+        return f"sweep diversity {reduction} B={self.batch} N={self.n} D={self.dim} {dtype}{ragged}"
 
 
 def points(device: torch.device) -> list[Point]:
