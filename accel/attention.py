@@ -79,6 +79,7 @@ __all__ = [
 Backend = Literal["auto", "default", "flash", "efficient", "cudnn", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
 _CHECKED: set[tuple] = set()  # flat keys of inputs that passed check_inputs
+_is_compiling = torch.compiler.is_compiling  # looked up once: sdpa's hot path calls it
 
 
 # ---- input checks ------------------------------------------------------------------------------
@@ -234,7 +235,7 @@ def sdpa(
     forced kernel adds the switching of PyTorch's backend flags. The first call of a signature
     with ``auto`` measures every candidate (milliseconds to seconds, once).
     """
-    if backend == "auto" and not torch.compiler.is_compiling():
+    if backend == "auto" and not _is_compiling():
         try:
             hit = _AUTO_FAST.get(flat_key(q, k, v, mask, causal))
         except AttributeError:  # not tensors: the checks below say so

@@ -126,28 +126,31 @@ def sdpa_rows(ctx: BenchContext) -> list[Row]:
 
 
 def diversity_rows(ctx: BenchContext) -> list[Row]:
-    """``mean_diversity`` and ``nearest_diversity``: host time per call (target) beside the
-    compiled closed form and the compiled naive form, at a small batch and the polychromic
-    trainer's shape."""
+    """``mean_diversity`` and ``nearest_diversity`` beside the compiled closed form and the
+    compiled naive form: host time per call (the target) at small batches, where the GPU is not
+    the bottleneck, and one call's latency at the polychromic trainer's shape, whose 18 µs
+    kernel is as long as a call's host time."""
     from accel.lab.cases.overhead_diversity import compiled_baselines
 
     device, rows = ctx.device, []
-    for shape in ((64, 4, 384), (8192, 4, 384), (64, 8, 768), (64, 16, 256)):
+    mean_cf, nearest_naive = compiled_baselines(device)
+    pairs = (("mean", diversity.mean_diversity, "compiled closed form", mean_cf),
+             ("nearest", diversity.nearest_diversity, "compiled naive", nearest_naive))  # fmt: skip
+    for shape in ((64, 4, 384), (64, 8, 768), (64, 16, 256), (8192, 4, 384)):
         x = torch.randn(shape, device=device, generator=torch.Generator(device).manual_seed(0))
-        mean_cf, nearest_naive = compiled_baselines(device)
-        for name, fn, plain in (
-            ("mean", diversity.mean_diversity, ("compiled closed form", mean_cf)),
-            ("nearest", diversity.nearest_diversity, ("compiled naive", nearest_naive)),
-        ):
+        case = f"diversity {{}} B={shape[0]} N={shape[1]} D={shape[2]}"
+        for name, fn, plain_name, plain in pairs:
             fns = {
-                plain[0]: lambda p=plain[1], x=x: p(x),
+                plain_name: lambda p=plain, x=x: p(x),
                 f"{name}_diversity": lambda f=fn, x=x: f(x),
             }
-            timing = host_times(fns, device)
-            path = diversity.backend(x)[0]
-            rows.append(host_row(ctx, f"diversity {name} B={shape[0]} N={shape[1]} D={shape[2]}",
-                                 timing, f"{name}_diversity", most_us=DIVERSITY_HOST_US,
-                                 note=f"; float32; path {path}"))  # fmt: skip
+            note = f"; float32; path {diversity.backend(x)[0]}"
+            if shape[0] > 64:
+                rows.append(latency_row(ctx, case.format(name), latencies(fns, device),
+                                        f"{name}_diversity", note=note))  # fmt: skip
+            else:
+                rows.append(host_row(ctx, case.format(name), host_times(fns, device),
+                                     f"{name}_diversity", most_us=DIVERSITY_HOST_US, note=note))  # fmt: skip
     return rows
 
 
