@@ -65,8 +65,9 @@ TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 MATH_CANDIDATE_BYTES = 2 << 30
 # A forced kernel replaces PyTorch's pick only when it is faster by more than this share (or the
 # measured spread of the pick against itself, if wider) both back to back and called alone:
-# forcing costs host time per call, and a coin-flip win is not worth it.
-AUTO_MARGIN = 0.03
+# forcing costs host time per call, and a coin-flip win is not worth it. So auto stays within
+# this share of the fastest kernel where the measurement is steadier than it.
+AUTO_MARGIN = 0.02
 # SDPBackend values as torch._fused_sdp_choice returns them
 _KERNEL_NAMES = {int(b): name for name, b in FORCED.items()}
 
