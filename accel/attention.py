@@ -49,6 +49,17 @@ from accel.attention_auto import (
     flat_key,
     signature,
 )
+from accel.attention_flex import (
+    MASKED_BACKENDS,
+    MaskedChoice,
+    block_mask,
+    clear_masked_cache,
+    flex_unavailable,
+    masked_choices,
+    masked_reference,
+    masked_sdpa,
+)
+from accel.attention_masks import ALiBi, AttentionMask, Causal, Document, PrefixLM, SlidingWindow
 from accel.attention_qkv import QKVProjection, RotaryEmbedding, apply_rope, rope_cos_sin
 
 __all__ = [
@@ -74,6 +85,22 @@ __all__ = [
     "sdpa",
     "signature",
     "unavailable_reason",
+]
+__all__ += [  # masked attention (accel.attention_masks, accel.attention_flex)
+    "MASKED_BACKENDS",
+    "ALiBi",
+    "AttentionMask",
+    "Causal",
+    "Document",
+    "MaskedChoice",
+    "PrefixLM",
+    "SlidingWindow",
+    "block_mask",
+    "clear_masked_cache",
+    "flex_unavailable",
+    "masked_choices",
+    "masked_reference",
+    "masked_sdpa",
 ]
 
 Backend = Literal["auto", "default", "flash", "efficient", "cudnn", "math"]
@@ -229,12 +256,16 @@ def sdpa(
     is clearly faster), ``"default"`` (PyTorch's own pick), or one forced kernel: ``"flash"``,
     ``"efficient"``, ``"cudnn"``, ``"math"``. A forced backend that cannot run the inputs raises
     :class:`BackendUnavailableError` with PyTorch's reason; ``auto`` skips it, keeping the reason.
+    ``mask`` may also be a mask kind (``SlidingWindow(1024)``, ``Document(lengths)``, ...): then
+    :func:`masked_sdpa` runs it, with its own backends (``auto``, ``flex``, ``dense``, ``causal``).
 
     Host cost: after its first call a signature adds one key and one lookup to
     ``F.scaled_dot_product_attention`` (``auto`` picking the default then calls it directly); a
     forced kernel adds the switching of PyTorch's backend flags. The first call of a signature
     with ``auto`` measures every candidate (milliseconds to seconds, once).
     """
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a mask kind: masked_sdpa
+        return masked_sdpa(q, k, v, mask, causal=causal, scale=scale, backend=backend)
     if backend == "auto" and not _is_compiling():
         try:
             hit = _AUTO_FAST.get(flat_key(q, k, v, mask, causal))

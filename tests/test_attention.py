@@ -182,6 +182,7 @@ def test_auto_measures_once_per_signature_and_keys_on_what_matters(monkeypatch, 
 
 
 def test_auto_after_its_measurement_is_one_signature_and_one_lookup(monkeypatch, gen):
+    monkeypatch.setattr(A, "_CHECKED", set())  # signatures other tests checked are new here
     q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
     first = A.sdpa(q, k, v)
     (choice,) = A.auto_choices().values()

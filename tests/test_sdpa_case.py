@@ -101,11 +101,14 @@ def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
     monkeypatch.setitem(sdpa.BENCH_SIZES, "cpu", tiny)
     small = vit.Sizes(image=8, patch=4, dim=8, heads=2, depth=1, classes=2, batch=2, batches=1)
     monkeypatch.setitem(vit.Sizes.PRESETS, "cpu", small)
+    flex = sdpa.FlexSizes(1, 2, 8, torch.float32, 5, (17,), (17,), 2, 17, 17, repeats=1)
+    monkeypatch.setitem(sdpa.FLEX_SIZES, "cpu", flex)
     rows = sdpa.run(BenchContext(CPU, "cpu", FAKE_CEILINGS))
     assert {r.phase for r in rows} == {"sdpa"}
     assert all(r.met is None and r.note.startswith("not judged") for r in rows)
     cases = [r.case for r in rows]
     assert "vit step: all but compile" in cases and "sweep fwd causal D=8 S=9" in cases
+    assert "flex sliding window 5 B=1 H=2 S=17 D=8 fwd" in cases
     auto = next(r for r in rows if r.case == "B=1 H=2 S=17 D=8 full fwd auto")
     assert auto.optimized > 0 and not math.isnan(auto.fraction_of_ceiling)
     assert "profiler: " in auto.note

@@ -1,14 +1,16 @@
 """Bench phase ``sdpa``: fused attention against the manual path and the matrix-product ceiling,
 and the ViT training step with every flag against its baseline.
 
-The phase runs four groups of rows, each in its own module, all reachable from here (the names
+The phase runs five groups of rows, each in its own module, all reachable from here (the names
 ``notebooks/05_sdpa.ipynb`` and the tests use are re-exported):
 
 - ``sdpa_measure``: the targets, one attention case, its cost model (FLOPs and bytes), timing of
   every variant, which backend a call really ran (the profiler), peak memory, errors;
 - ``sdpa_headline``: the headline shape's rows and the causal training row;
 - ``sdpa_sweep``: the sweep of sequence length and head dimension per backend, and its rows;
-- ``sdpa_vit``: the ViT training step, flag by flag.
+- ``sdpa_vit``: the ViT training step, flag by flag;
+- ``sdpa_flex``: masked attention (cases ``flex ...``): FlexAttention against SDPA on the dense
+  mask and against SDPA's causal kernel, first calls, the mask's memory and block sparsity.
 
 TFLOP/s are compared with the measured dense matrix-product rate (``ctx.ceilings``).
 """
@@ -21,6 +23,26 @@ import torch
 
 from accel import attention
 from accel.lab.bench import BenchContext, Row
+from accel.lab.cases.sdpa_flex import (
+    FLEX_SIZES,
+    TARGET_CAUSAL_VS_SDPA,
+    TARGET_DOCUMENT_VS_DENSE,
+    TARGET_MASK_MEMORY,
+    TARGET_WINDOW_VS_DENSE,
+    FlexSizes,
+    MaskedPoint,
+    MaskFlags,
+    block_mask_bytes,
+    check_masked,
+    document_lengths,
+    flex_frame,
+    flex_rows,
+    mask_costs,
+    masked_fn,
+    masked_step,
+    measure_masked,
+    tile_states,
+)
 from accel.lab.cases.sdpa_headline import VARIANTS, causal_training_row, headline_rows
 from accel.lab.cases.sdpa_measure import (
     MATH_SWEEP_BYTES,
@@ -59,6 +81,7 @@ from accel.lab.cases.sdpa_vit import vit_configs, vit_rows
 
 __all__ = [
     "BENCH_SIZES",
+    "FLEX_SIZES",
     "MATH_SWEEP_BYTES",
     "PHASE",
     "PICKED",
@@ -66,21 +89,37 @@ __all__ = [
     "SWEEP_VARIANTS",
     "TARGET_AUTO_TFLOP_S",
     "TARGET_CAUSAL_TRAIN_TFLOP_S",
+    "TARGET_CAUSAL_VS_SDPA",
+    "TARGET_DOCUMENT_VS_DENSE",
+    "TARGET_MASK_MEMORY",
     "TARGET_VIT",
     "TARGET_VS_BEST",
     "TARGET_VS_MANUAL",
+    "TARGET_WINDOW_VS_DENSE",
     "VARIANTS",
     "AttnCase",
     "BenchSizes",
+    "FlexSizes",
+    "MaskFlags",
+    "MaskedPoint",
     "PointTimes",
     "SweepSizes",
     "attention_bytes",
     "attention_flops",
     "auto_choice",
+    "block_mask_bytes",
     "causal_training_row",
     "check_backends",
+    "check_masked",
+    "document_lengths",
+    "flex_frame",
+    "flex_rows",
     "headline_rows",
     "make_inputs",
+    "mask_costs",
+    "masked_fn",
+    "masked_step",
+    "measure_masked",
     "measure_point",
     "paired_ratio",
     "peak_memory_bytes",
@@ -91,6 +130,7 @@ __all__ = [
     "sweep_rows",
     "sweep_summary_rows",
     "tflop_s",
+    "tile_states",
     "variant_fn",
     "vit_configs",
     "vit_rows",
@@ -147,5 +187,6 @@ def run(ctx: BenchContext) -> list[Row]:
     frame = sweep(ctx.device, sizes.sweep)
     rows += sweep_rows(frame, ctx, judged)
     rows += sweep_summary_rows(frame, judged)
+    rows += flex_rows(ctx, judged)
     rows += vit_rows(ctx, sizes, judged)
     return ctx.judge(rows)

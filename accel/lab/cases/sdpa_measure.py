@@ -149,8 +149,13 @@ def variant_fn(variant: str, case: AttnCase, q, k, v, grad) -> Callable[[], obje
             return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
         return attention.sdpa(q, k, v, causal=case.causal, backend=variant)
 
+    return as_timed(forward, case, (q, k, v), grad)
+
+
+def as_timed(forward: Callable[[], torch.Tensor], case: AttnCase, inputs, grad) -> Callable:
+    """``forward`` as a case times it: without autograd, or with the backward to ``inputs``."""
     if case.backward:
-        return lambda: torch.autograd.grad(forward(), (q, k, v), grad)
+        return lambda: torch.autograd.grad(forward(), inputs, grad)
 
     def no_grad_forward():
         with torch.no_grad():

@@ -1,0 +1,379 @@
+"""Named attention masks: which keys each query may see, as small objects that FlexAttention, a
+dense mask for SDPA and the manual reference all read.
+
+Every kind here gives each query one contiguous range of keys ``[lo, hi)`` (:meth:`bounds`). A
+block mask is built from those ranges with work and memory of ``Sq x Sk / 128``, never ``S x S``
+(``accel.attention_flex.block_mask``), and the dense mask of SDPA and the reference from the same
+ranges (:func:`dense_mask`). ``mask_mod`` is the same rule in the form FlexAttention evaluates
+inside its kernel, on the blocks that are only partly kept (attention-gym's style).
+
+    mask = SlidingWindow(1024)            # each query sees itself and the 1023 keys before it
+    out = attention.sdpa(q, k, v, mask=mask)   # FlexAttention, the dense mask or plain SDPA
+    keep = dense_mask(mask, q, k)         # (1, 1, Sq, Sk) bool, True = attend
+
+The kinds: :class:`Causal`, :class:`SlidingWindow`, :class:`Document` (sequences packed in one row,
+from a tensor of their lengths), :class:`PrefixLM`, and the score modification :class:`ALiBi` (a
+per-head penalty growing with distance, over any of the others). Causal masks are top-left aligned
+when ``Sq != Sk``, as SDPA's ``is_causal``. Importing this module costs torch only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+__all__ = [
+    "ALiBi",
+    "AttentionMask",
+    "Causal",
+    "Document",
+    "PrefixLM",
+    "SlidingWindow",
+    "dense_mask",
+]
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+ScoreMod = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+class AttentionMask:
+    """A mask kind: per query a range of keys ``[lo, hi)`` and the same rule as a ``mask_mod``.
+
+    ``signature`` is what decides which kernel is fastest (the kind and its sizes, not its
+    data); ``cache_key`` is what decides the block mask (the signature, and the data tensor with
+    its version where the mask is made from one). ``rows`` is the batch size of a mask that
+    differs per batch row (None: one mask for every row)."""
+
+    is_causal: ClassVar[bool] = False  # exactly SDPA's is_causal: plain SDPA can run it
+
+    def bounds(self, seq_q: int, seq_k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(lo, hi), each (rows or 1, Sq) int32: query i sees keys lo[i] <= j < hi[i]."""
+        raise NotImplementedError
+
+    def mask_mod(self, seq_q: int, seq_k: int, device: torch.device) -> MaskMod:
+        """The rule as FlexAttention takes it: ``(b, h, q_idx, kv_idx) -> bool``."""
+        raise NotImplementedError
+
+    def score_mod(self, heads: int) -> ScoreMod | None:
+        """A change to each kept score ``(score, b, h, q_idx, kv_idx) -> score``, or None."""
+        return None
+
+    def score_bias(
+        self, heads: int, seq_q: int, seq_k: int, device: torch.device, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """``score_mod`` as an additive (1, heads, Sq, Sk) bias for the dense path, or None."""
+        return None
+
+    @property
+    def rows(self) -> int | None:
+        return None
+
+    def data(self) -> torch.Tensor | None:
+        """The tensor the mask is made from, if any (its device must be q's)."""
+        return None
+
+    def static(self) -> tuple[Hashable, ...]:
+        """The kind's sizes: what, beside the inputs' shapes, decides the kernel."""
+        return ()
+
+    @property
+    def signature(self) -> Hashable:
+        data = self.data()
+        meta = () if data is None else (data.shape, data.dtype, data.device)
+        return (type(self).__name__, *self.static(), *meta)
+
+    @property
+    def cache_key(self) -> Hashable:
+        data = self.data()
+        # the object itself (hashed by identity) and the tensor's version: a mask made from data
+        # is rebuilt when the data is another tensor or was changed in place
+        return self.signature if data is None else (self.signature, self, data._version)
+
+    def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Raise a ValueError naming the problem unless this mask fits q (B, H, Sq, D), k."""
+        data = self.data()
+        if data is not None and data.device != q.device:
+            raise ValueError(
+                f"{type(self).__name__}'s tensor is on {data.device}, q on {q.device}: move it "
+                f"once (e.g. .to({str(q.device)!r}, non_blocking=True)); a copy in every call "
+                "would wait for the device"
+            )
+        if self.rows not in (None, 1, q.shape[0]):
+            raise ValueError(
+                f"{type(self).__name__} holds {self.rows} batch rows, q has batch {q.shape[0]}"
+            )
+
+
+def _positions(seq: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(seq, dtype=torch.int32, device=device)
+
+
+def causal_mask(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def keep_all(b, h, q_idx, kv_idx):
+    return q_idx >= 0
+
+
+@dataclass(frozen=True)
+class Causal(AttentionMask):
+    """Query i sees keys 0..i."""
+
+    is_causal: ClassVar[bool] = True
+
+    def bounds(self, seq_q, seq_k, device):
+        q = _positions(seq_q, device)
+        return torch.zeros_like(q)[None], (q + 1).clamp(max=seq_k)[None]
+
+    def mask_mod(self, seq_q, seq_k, device):
+        return causal_mask
+
+
+@dataclass(frozen=True)
+class SlidingWindow(AttentionMask):
+    """Query i sees the ``window`` keys ending at itself: i - window < j <= i."""
+
+    window: int
+
+    def __post_init__(self):
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ValueError(f"window must be a positive int (keys seen), got {self.window!r}")
+
+    def static(self):
+        return (self.window,)
+
+    def bounds(self, seq_q, seq_k, device):
+        q = _positions(seq_q, device)
+        return (q - self.window + 1).clamp(min=0)[None], (q + 1).clamp(max=seq_k)[None]
+
+    def mask_mod(self, seq_q, seq_k, device):
+        window = self.window
+
+        def sliding_window(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+        return sliding_window
+
+
+def _int_tensor(value, name: str, dims: tuple[int, ...]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
+    if value.dim() not in dims or value.numel() == 0:
+        raise ValueError(
+            f"{name} must be a non-empty tensor of {' or '.join(map(str, dims))} dimensions, "
+            f"got shape {tuple(value.shape)}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Document(AttentionMask):
+    """Sequences packed one after another in each row: a query sees keys of its own document
+    only (and, with ``causal``, none after itself).
+
+    ``lengths``: (n,) for every row alike, or (batch, n) per row; integers >= 0 (zero-length
+    documents are allowed), on q's device. Tokens after the last document form one more
+    document, so a row may end in padding. Built on the device, with no host read: a new
+    ``Document`` per batch costs a few small kernels, not a sync. Needs Sq == Sk."""
+
+    lengths: torch.Tensor
+    causal: bool = True
+    _ranges: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        _int_tensor(self.lengths, "lengths", (1, 2))
+
+    @property
+    def rows(self):
+        return self.lengths.shape[0] if self.lengths.dim() == 2 else None
+
+    def data(self):
+        return self.lengths
+
+    def static(self):
+        return (self.causal,)
+
+    def check(self, q, k):
+        super().check(q, k)
+        if q.shape[2] != k.shape[2]:
+            raise ValueError(
+                f"Document needs as many queries as keys (self-attention over packed "
+                f"sequences), got Sq={q.shape[2]}, Sk={k.shape[2]}"
+            )
+
+    def _spans(self, seq: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(document id, first key, end key) of every position, each (rows or 1, seq) int32."""
+        key = (seq, device, self.lengths._version)
+        if key not in self._ranges:
+            lengths = self.lengths.reshape(-1, self.lengths.shape[-1]).to(device, torch.int32)
+            ends = lengths.cumsum(-1, dtype=torch.int32)  # (R, n)
+            pos = _positions(seq, device).expand(ends.shape[0], seq).contiguous()
+            doc = torch.searchsorted(ends, pos, right=True, out_int32=True)  # (R, S) in [0, n]
+            starts = torch.cat([ends - lengths, ends[:, -1:]], -1)  # the trailing padding last
+            stops = torch.cat([ends, torch.full_like(ends[:, :1], seq)], -1).clamp(max=seq)
+            self._ranges.clear()  # one length at a time: a new object per batch is the use
+            self._ranges[key] = (doc, starts.gather(-1, doc), stops.gather(-1, doc))
+        return self._ranges[key]
+
+    def bounds(self, seq_q, seq_k, device):
+        _, first, stop = self._spans(seq_q, device)
+        return first, ((_positions(seq_q, device) + 1)[None] if self.causal else stop)
+
+    def mask_mod(self, seq_q, seq_k, device):
+        doc, causal = self._spans(seq_q, device)[0], self.causal
+        if doc.shape[0] == 1:  # one layout for every row: b is not an index into it
+            ids = doc[0]
+
+            def document(b, h, q_idx, kv_idx):
+                same = ids[q_idx] == ids[kv_idx]
+                return same & (q_idx >= kv_idx) if causal else same
+
+            return document
+
+        def document_per_row(b, h, q_idx, kv_idx):
+            same = doc[b, q_idx] == doc[b, kv_idx]
+            return same & (q_idx >= kv_idx) if causal else same
+
+        return document_per_row
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixLM(AttentionMask):
+    """The first ``prefix`` keys are seen by every query (bidirectional prefix), the rest
+    causally. ``prefix``: an int, or a (batch,) integer tensor on q's device, one per row."""
+
+    prefix: int | torch.Tensor
+
+    def __post_init__(self):
+        if isinstance(self.prefix, torch.Tensor):
+            _int_tensor(self.prefix, "prefix", (1,))
+        elif not isinstance(self.prefix, int) or isinstance(self.prefix, bool) or self.prefix < 0:
+            raise ValueError(f"prefix must be an int >= 0 or a tensor, got {self.prefix!r}")
+
+    @property
+    def rows(self):
+        return self.prefix.shape[0] if isinstance(self.prefix, torch.Tensor) else None
+
+    def data(self):
+        return self.prefix if isinstance(self.prefix, torch.Tensor) else None
+
+    def static(self):
+        return () if isinstance(self.prefix, torch.Tensor) else (self.prefix,)
+
+    def _prefix(self, device) -> torch.Tensor | int:
+        if isinstance(self.prefix, torch.Tensor):
+            return self.prefix.to(device, torch.int32)[:, None]  # (R, 1)
+        return self.prefix
+
+    def bounds(self, seq_q, seq_k, device):
+        q = _positions(seq_q, device)[None]
+        hi = torch.maximum(q + 1, torch.as_tensor(self._prefix(device), device=device))
+        hi = hi.clamp(max=seq_k).to(torch.int32)
+        return torch.zeros_like(hi), hi
+
+    def mask_mod(self, seq_q, seq_k, device):
+        prefix = self._prefix(device)
+        if isinstance(prefix, int):
+
+            def prefix_lm(b, h, q_idx, kv_idx):
+                return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+            return prefix_lm
+        per_row = prefix[:, 0]
+        if per_row.shape[0] == 1:  # one prefix for every row: b is not an index into it
+
+            def prefix_lm_shared(b, h, q_idx, kv_idx):
+                return (kv_idx < per_row[0]) | (q_idx >= kv_idx)
+
+            return prefix_lm_shared
+
+        def prefix_lm_per_row(b, h, q_idx, kv_idx):
+            return (kv_idx < per_row[b]) | (q_idx >= kv_idx)
+
+        return prefix_lm_per_row
+
+
+def alibi_slopes(heads: int, device=None, dtype=torch.float32) -> torch.Tensor:
+    """ALiBi's per-head slopes 2^(-8 (h + 1) / heads): a geometric series from 2^(-8/heads)."""
+    h = torch.arange(heads, device=device, dtype=dtype)
+    return torch.exp2(-8.0 * (h + 1) / heads)
+
+
+@dataclass(frozen=True)
+class ALiBi(AttentionMask):
+    """Attention with linear biases: each kept score minus ``slope[h] * |i - j|``, over the
+    keys ``mask`` keeps (``Causal()`` by default, as ALiBi was made for; None: every key)."""
+
+    mask: AttentionMask | None = Causal()
+    _mods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.mask is not None and not isinstance(self.mask, AttentionMask):
+            raise TypeError(f"ALiBi's mask must be a mask kind or None, got {self.mask!r}")
+        if isinstance(self.mask, ALiBi):
+            raise ValueError("ALiBi over ALiBi adds the bias twice; pass the inner mask only")
+
+    @property
+    def rows(self):
+        return None if self.mask is None else self.mask.rows
+
+    def data(self):
+        return None if self.mask is None else self.mask.data()
+
+    @property
+    def signature(self):
+        return ("ALiBi", None if self.mask is None else self.mask.signature)
+
+    @property
+    def cache_key(self):
+        return ("ALiBi", None if self.mask is None else self.mask.cache_key)
+
+    def check(self, q, k):
+        if self.mask is not None:
+            self.mask.check(q, k)
+
+    def bounds(self, seq_q, seq_k, device):
+        if self.mask is not None:
+            return self.mask.bounds(seq_q, seq_k, device)
+        q = _positions(seq_q, device)[None]
+        return torch.zeros_like(q), torch.full_like(q, seq_k)
+
+    def mask_mod(self, seq_q, seq_k, device):
+        return keep_all if self.mask is None else self.mask.mask_mod(seq_q, seq_k, device)
+
+    def score_mod(self, heads):
+        if heads not in self._mods:  # one function per head count: compiled code keyed on it
+
+            def alibi(score, b, h, q_idx, kv_idx):
+                slope = torch.exp2(-8.0 * (h + 1) / heads)
+                return score - slope * (q_idx - kv_idx).abs()
+
+            self._mods[heads] = alibi
+        return self._mods[heads]
+
+    def score_bias(self, heads, seq_q, seq_k, device, dtype):
+        work = torch.promote_types(dtype, torch.float32)
+        distance = (_positions(seq_q, device)[:, None] - _positions(seq_k, device)[None]).abs()
+        return (-alibi_slopes(heads, device, work)[:, None, None] * distance.to(work))[None]
+
+
+def dense_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """``mask`` as SDPA and the reference take it: bool (rows or 1, 1, Sq, Sk), True = attend;
+    with a score modification, q's dtype (rows or 1, H, Sq, Sk): the bias where kept, -inf
+    elsewhere. Memory grows as Sq x Sk: what the block mask avoids."""
+    seq_q, seq_k = q.shape[-2], k.shape[-2]
+    lo, hi = mask.bounds(seq_q, seq_k, q.device)
+    keys = _positions(seq_k, q.device)
+    keep = ((keys >= lo[..., None]) & (keys < hi[..., None]))[:, None]  # (R, 1, Sq, Sk)
+    bias = mask.score_bias(q.shape[1], seq_q, seq_k, q.device, q.dtype)
+    if bias is None:
+        return keep
+    return bias.masked_fill(~keep, -math.inf).to(q.dtype)

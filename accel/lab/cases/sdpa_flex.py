@@ -1,0 +1,441 @@
+"""The sdpa phase's masked rows (cases ``flex ...``): FlexAttention against SDPA with the dense
+boolean mask for a sliding window over long sequences and for packed documents, and against
+SDPA's causal kernel for a plain causal mask; every path checked against attention in float64
+before it is timed, its first call (FlexAttention compiles) timed apart, the mask's memory
+(BlockMask against the dense mask) and the block sparsity that predicts the gain.
+
+Cost model: FlexAttention computes only the 128 x 128 tiles of the scores that keep a key, SDPA
+with a dense mask computes them all. At the same rate per tile, FlexAttention is faster by
+1 / (fraction of tiles kept); a sliding window of 1024 over S = 16384 keeps about 1/8 of the
+causal half. The dense path here is accel's SDPA ``auto`` on the dense mask (the fastest SDPA
+kernel that takes one), built once and kept, as a user would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import pandas as pd
+import torch
+
+from accel import attention
+from accel.attention_masks import AttentionMask, dense_mask
+from accel.lab.bench import BenchContext, Row
+from accel.lab.cases.sdpa_measure import (
+    PHASE,
+    AttnCase,
+    as_timed,
+    make_inputs,
+    peak_memory_bytes,
+    release_memory,
+)
+from accel.lab.timing import compare
+from accel.workloads.flags import flag
+
+# Targets (bf16, B=4 H=16 D=128), judged on a CUDA GPU with the gpu preset only.
+TARGET_WINDOW_VS_DENSE = 3.0  # sliding window 1024 at S = 8192 and 16384, fwd and fwd+bwd
+TARGET_MASK_MEMORY = 0.01  # the block mask's bytes over the dense boolean mask's
+TARGET_DOCUMENT_VS_DENSE = 2.0  # 8 packed documents per row at S = 8192
+TARGET_CAUSAL_VS_SDPA = 0.85  # causal alone: FlexAttention's speed over SDPA's causal kernel
+
+
+@dataclass(frozen=True)
+class FlexSizes:
+    batch: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    window: int
+    seqs: tuple[int, ...]  # sliding window, forward: time and peak memory against S
+    judged_seqs: tuple[int, ...]  # where the window's targets are judged, also fwd+bwd
+    documents: int
+    document_seq: int
+    causal_seq: int
+    repeats: int
+
+    def case(self, seq: int, backward: bool = False) -> AttnCase:
+        return AttnCase(
+            self.batch, self.heads, seq, self.head_dim, backward=backward, dtype=self.dtype
+        )
+
+
+FLEX_SIZES = {
+    "gpu": FlexSizes(
+        4, 16, 128, torch.bfloat16, 1024, (2048, 4096, 8192, 16384), (8192, 16384), 8, 8192, 8192,
+        repeats=10,
+    ),
+    "cpu": FlexSizes(1, 2, 16, torch.float32, 32, (128, 256), (256,), 4, 256, 256, repeats=3),
+}  # fmt: skip
+
+
+def document_lengths(batch: int, seq: int, documents: int, seed: int = 0) -> torch.Tensor:
+    """(batch, documents) random lengths >= 1, each row summing to ``seq``."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = torch.stack(
+        [torch.randperm(seq - 1, generator=gen)[: documents - 1] + 1 for _ in range(batch)]
+    )
+    edges = torch.cat(
+        [
+            torch.zeros(batch, 1, dtype=torch.long),
+            cuts.sort(-1).values,
+            torch.full((batch, 1), seq),
+        ],
+        -1,
+    )
+    return edges.diff(dim=-1)
+
+
+# ---- the mask's cost model: tiles kept, bytes held ---------------------------------------------
+def mask_costs(mask: AttentionMask, batch: int, seq: int, device="cpu") -> dict[str, float]:
+    """The block mask of ``mask`` over ``seq`` x ``seq`` against its dense boolean mask: the
+    fraction of tiles kept (what FlexAttention computes), the bytes each holds, and the speedup
+    the kept fraction predicts at an equal rate per tile."""
+    empty = torch.empty(batch, 1, seq, 1, device=device)  # only shape and device are read
+    blocks = attention.block_mask(mask, empty, empty)
+    tiles = blocks.kv_num_blocks.numel() * blocks.kv_indices.shape[-1]
+    kept = (blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum()).item() / tiles
+    rows = mask.rows or 1
+    return {
+        "S": seq,
+        "tiles kept": kept,
+        "block sparsity": 1 - kept,
+        "predicted speedup": 1 / kept,
+        "block mask bytes": block_mask_bytes(blocks),
+        "dense mask bytes": rows * seq * seq,
+    }
+
+
+def tile_states(mask: AttentionMask, seq: int, row: int = 0) -> torch.Tensor:
+    """(tiles, tiles) of one batch row: 0 skipped, 1 partial (the mask evaluated in the
+    kernel), 2 full (every score kept, no mask evaluated)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    empty = torch.empty((mask.rows or 1), 1, seq, 1)
+    blocks = attention.block_mask(mask, empty, empty)
+    full = BlockMask.from_kv_blocks(
+        blocks.full_kv_num_blocks, blocks.full_kv_indices, BLOCK_SIZE=blocks.BLOCK_SIZE
+    )
+    return blocks.to_dense()[row, 0] + full.to_dense()[row, 0]
+
+
+def block_mask_bytes(blocks) -> int:
+    """Every tensor of a BlockMask and the tensors its mask_mod reads (a document's ids)."""
+    tensors = [t for t in blocks.as_tuple() if isinstance(t, torch.Tensor)]
+    cells = getattr(blocks.mask_mod, "__closure__", None) or ()
+    tensors += [c.cell_contents for c in cells if isinstance(c.cell_contents, torch.Tensor)]
+    return sum(t.nbytes for t in {id(t): t for t in tensors}.values())
+
+
+# ---- one masked case, checked then timed -------------------------------------------------------
+def masked_fn(path: str, mask: AttentionMask, case: AttnCase, q, k, v, grad) -> Callable:
+    """One call of ``path`` on the inputs as a user makes it: a forward without autograd, or
+    forward and backward to q, k and v."""
+
+    def forward():
+        return attention.sdpa(q, k, v, mask=mask, backend=path)
+
+    return as_timed(forward, case, (q, k, v), grad)
+
+
+def check_masked(q, k, v, mask: AttentionMask, paths: Sequence[str]) -> dict[str, float | str]:
+    """Each path's largest error against attention in float64 on the first (batch, head) of
+    the inputs (the whole would not fit at S = 16384), or why it failed or could not run."""
+    keep = dense_mask(mask, q, k)[:1, :1]
+    keep = keep if keep.dtype == torch.bool else keep.double()
+    one = [t.detach()[:1, :1].double() for t in (q, k, v)]
+    exact = attention.attention_reference(*one, mask=keep)
+    tol = attention.TOLERANCES[q.dtype]
+    result: dict[str, float | str] = {}
+    for path in paths:
+        try:  # in the grad mode timed: for a backward case, the training variant it compiled
+            with torch.set_grad_enabled(q.requires_grad):
+                out = attention.sdpa(q, k, v, mask=mask, backend=path)[:1, :1]
+        except RuntimeError as error:  # BackendUnavailableError among them
+            result[path] = getattr(error, "reason", str(error))[:200]
+            continue
+        err = (out.detach().double() - exact).abs()
+        worst = err.max().item()
+        ok = bool((err <= tol["atol"] + tol["rtol"] * exact.abs()).all())
+        result[path] = worst if ok else f"differs from float64 by up to {worst:.3g}"
+    return result
+
+
+@dataclass(frozen=True)
+class MaskedPoint:
+    """One masked case: median ms per path, each path's first call in s (compile included),
+    its error against float64 (or why it was not timed), peak memory above the inputs."""
+
+    times: dict[str, float]
+    first_call_s: dict[str, float]
+    checked: dict[str, float | str]
+    peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def skipped(self, path: str) -> str:
+        said = self.checked.get(path, "not run")
+        return said if isinstance(said, str) else ""
+
+
+def measure_masked(
+    mask: AttentionMask,
+    case: AttnCase,
+    device: torch.device,
+    paths: Sequence[str],
+    *,
+    repeats: int,
+    peak: bool = False,
+) -> MaskedPoint:
+    """Each path's first call timed apart, every path checked against float64, those equal
+    timed interleaved (``lab.compare``); with ``peak``, each path's peak memory too."""
+    q, k, v, grad = make_inputs(case, device)
+    fns, first, checked = {}, {}, {}
+    for path in paths:  # the first call alone: FlexAttention compiles, the dense path measures
+        fn = masked_fn(path, mask, case, q, k, v, grad)
+        started = time.perf_counter()
+        try:
+            fn()
+        except RuntimeError as error:  # BackendUnavailableError among them
+            checked[path] = getattr(error, "reason", str(error))[:200]
+            continue
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first[path] = time.perf_counter() - started
+        fns[path] = fn
+    checked |= check_masked(q, k, v, mask, list(fns))  # correctness before timing
+    fns = {path: fn for path, fn in fns.items() if not isinstance(checked[path], str)}
+    times = {}
+    if fns:
+        timing = compare(fns, warmup=2, repeats=repeats, device=device)
+        times = {path: t.median_ms for path, t in timing.timings.items()}
+    peaks = {path: peak_memory_bytes(fn, device) for path, fn in fns.items()} if peak else {}
+    del q, k, v, grad, fns
+    release_memory(device)
+    return MaskedPoint(times, first, checked, peaks)
+
+
+# ---- rows ----------------------------------------------------------------------------------
+def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
+    """Every masked case of the preset: the sliding window over ``seqs`` and at the judged
+    lengths forward + backward, packed documents, causal alone; first calls, memory, sparsity."""
+    sizes = FLEX_SIZES[ctx.preset]
+    attention.clear_masked_cache()
+    firsts: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    point = partial(_point_rows, ctx.device, sizes.repeats, judged, firsts)
+    window, label = attention.SlidingWindow(sizes.window), f"sliding window {sizes.window}"
+    rows = []
+    for seq in sizes.seqs:
+        target = TARGET_WINDOW_VS_DENSE if seq in sizes.judged_seqs else None
+        rows += point(label, window, sizes.case(seq), "dense", target, peak=True)
+    for seq in sizes.judged_seqs:
+        rows += point(label, window, sizes.case(seq, True), "dense", TARGET_WINDOW_VS_DENSE)
+        rows += _mask_rows(label, window, sizes.batch, seq, judged)
+    lengths = document_lengths(sizes.batch, sizes.document_seq, sizes.documents)
+    documents = attention.Document(lengths.to(ctx.device))
+    label = f"causal document x{sizes.documents}"
+    for backward in (False, True):
+        case = sizes.case(sizes.document_seq, backward)
+        rows += point(label, documents, case, "dense", TARGET_DOCUMENT_VS_DENSE)
+    rows += _mask_rows(label, documents, sizes.batch, sizes.document_seq, judged)
+    for backward in (False, True):
+        case = sizes.case(sizes.causal_seq, backward)
+        rows += point("causal", attention.Causal(), case, "causal", TARGET_CAUSAL_VS_SDPA)
+        rows.append(_auto_row(case, ctx.device))
+    rows += [_compile_row(name, direction, seen) for (name, direction), seen in firsts.items()]
+    attention.clear_masked_cache()
+    return rows
+
+
+def _point_rows(
+    device, repeats, judged, firsts, label, mask, case, other, target, *, peak=False
+) -> list[Row]:
+    """One case measured: FlexAttention against ``other`` ("dense" or "causal"), its first call
+    noted in ``firsts``; with ``peak``, a peak-memory row too."""
+    point = measure_masked(mask, case, device, ("flex", other), repeats=repeats, peak=peak)
+    seen = firsts.setdefault((label, case.direction), [])
+    seen.append((case.seq, point.first_call_s.get("flex", math.nan)))
+    rows = _time_rows(label, case, point, other, target, judged)
+    return rows + ([_peak_row(label, case, point)] if peak else [])
+
+
+def _case_name(label: str, case: AttnCase) -> str:
+    return f"flex {label} B={case.batch} H={case.heads} S={case.seq} D={case.head_dim} {case.direction}"
+
+
+def _time_rows(label, case, point: MaskedPoint, baseline: str, target, judged) -> list[Row]:
+    """FlexAttention's time against ``baseline``'s, with every check and first call in the note."""
+    flex, base = point.times.get("flex", math.nan), point.times.get(baseline, math.nan)
+    checks = "; ".join(
+        f"{p}: {'error ' + format(c, '.2g') if not isinstance(c, str) else 'skipped: ' + c}"
+        for p, c in point.checked.items()
+    )
+    firsts = " ".join(f"{p}={s:.2f}s" for p, s in point.first_call_s.items())
+    dense_pick = _dense_pick(case) if baseline == "dense" else ""
+    met = None
+    if judged and target is not None:
+        met = not math.isnan(flex) and base / flex >= target
+    return [
+        Row(
+            PHASE,
+            _case_name(label, case),
+            f"time per call, FlexAttention vs {'SDPA on the dense boolean mask' if baseline == 'dense' else 'SDPA causal kernel'}",
+            "ms",
+            flex,
+            baseline=base,
+            target=f">= {target:g}x" if target is not None else "",
+            met=met,
+            note=f"{str(case.dtype).removeprefix('torch.')}; against float64 on one (batch, head): {checks}; first calls (compile, not in the median): {firsts}{dense_pick}",
+        )
+    ]
+
+
+def _dense_pick(case: AttnCase) -> str:
+    """Which SDPA kernel the dense path's own auto picked, from its cache."""
+    picks = {
+        c.backend
+        for key, c in attention.auto_choices().items()
+        if key.mask is not None
+        and key.shapes[0] == (case.batch, case.heads, case.seq, case.head_dim)
+        and key.grad == case.backward
+    }
+    return f"; dense: SDPA auto picked {','.join(sorted(picks))}" if picks else ""
+
+
+def _peak_row(label: str, case: AttnCase, point: MaskedPoint) -> Row:
+    peaks = {p: b / 2**20 for p, b in point.peak_bytes.items()}
+    return Row(
+        PHASE,
+        _case_name(label, case) + " peak memory",
+        "peak memory above the inputs, FlexAttention vs SDPA on the dense mask",
+        "MiB",
+        peaks.get("flex", math.nan),
+        baseline=peaks.get("dense", math.nan),
+        note="the dense path's kept boolean mask is allocated before, so not in its peak; SDPA turns it into a float mask in each call",
+    )
+
+
+def _mask_rows(label: str, mask: AttentionMask, batch: int, seq: int, judged: bool) -> list[Row]:
+    """The block mask's bytes against the dense mask's, and the block sparsity (cost model)."""
+    costs = mask_costs(
+        mask, batch, seq, device=mask.data().device if mask.data() is not None else "cpu"
+    )
+    ratio = costs["block mask bytes"] / costs["dense mask bytes"]
+    name = f"flex {label} S={seq}"
+    return [
+        Row(
+            PHASE,
+            f"{name} mask memory",
+            "bytes held by the mask: BlockMask (and the tensors its mask_mod reads) vs dense bool",
+            "MiB",
+            costs["block mask bytes"] / 2**20,
+            baseline=costs["dense mask bytes"] / 2**20,
+            target=f"<= {TARGET_MASK_MEMORY:.0%} of the dense mask",
+            met=ratio <= TARGET_MASK_MEMORY if judged else None,
+            note=f"{ratio:.3%} of the dense boolean mask",
+        ),
+        Row(
+            PHASE,
+            f"{name} block sparsity",
+            "128 x 128 tiles of the scores skipped",
+            "%",
+            100 * costs["block sparsity"],
+            note=f"cost model: FlexAttention computes {costs['tiles kept']:.3f} of the tiles a dense mask computes, so at an equal rate per tile it is {costs['predicted speedup']:.1f}x faster",
+        ),
+    ]
+
+
+def _auto_row(case: AttnCase, device: torch.device) -> Row:
+    """What masked ``auto`` measured and kept for Causal() at ``case``."""
+    q, k, v, grad = make_inputs(case, device)
+    masked_fn("auto", attention.Causal(), case, q, k, v, grad)()
+    choice = next(
+        c
+        for key, c in attention.masked_choices().items()
+        if key[0] == ("Causal",)
+        and key[1].shapes[0] == tuple(q.shape)
+        and key[1].grad == case.backward
+    )
+    del q, k, v, grad
+    release_memory(device)
+    measured = " ".join(f"{p}={t:.3g}ms" for p, t in choice.times_ms.items())
+    return Row(
+        PHASE,
+        _case_name("causal", case) + " auto",
+        "time per call of the path auto kept vs SDPA causal kernel, in auto's own measurement",
+        "ms",
+        choice.times_ms[choice.backend],
+        baseline=choice.times_ms.get("causal", math.nan),
+        note=f"auto kept {choice.backend} ({measured}); skipped: {choice.skipped or 'none'}",
+    )
+
+
+def _compile_row(label: str, direction: str, seen: list[tuple[int, float]]) -> Row:
+    seq, seconds = seen[0]
+    later = ", ".join(f"S={s}: {t:.2f} s" for s, t in seen[1:])
+    return Row(
+        PHASE,
+        f"flex {label} first call {direction}",
+        "FlexAttention's first call (torch.compile builds its kernels), outside every median",
+        "s",
+        seconds,
+        note=f"S={seq}"
+        + (
+            f"; first calls at later lengths (a length after the first recompiles once for dynamic shapes): {later}"
+            if later
+            else ""
+        ),
+    )
+
+
+# ---- recorded rows back, for the notebook's figures --------------------------------------------
+_TIME_CASE = re.compile(
+    r"flex (?P<kind>.+?) B=\d+ H=\d+ S=(?P<S>\d+) D=\d+ (?P<direction>fwd\+bwd|fwd)(?P<peak> peak memory)?"
+)
+
+
+def flex_frame(recorded: pd.DataFrame) -> pd.DataFrame:
+    """Recorded ``flex ...`` time and peak-memory rows as one row per (device, kind, S,
+    direction, path): ``ms`` or ``peak MiB``."""
+    out = []
+    for _, row in recorded.iterrows():
+        match = _TIME_CASE.fullmatch(str(row["case"]))
+        if not match:
+            continue
+        what = "peak MiB" if match["peak"] else "ms"
+        other = "causal" if match["kind"] == "causal" else "dense"
+        for path, value in (("flex", row["optimized"]), (other, row["baseline"])):
+            out.append(
+                {
+                    "device": row.get("device", ""),
+                    "kind": match["kind"],
+                    "S": int(match["S"]),
+                    "direction": match["direction"],
+                    "path": path,
+                    "what": what,
+                    "value": float(value),
+                }
+            )
+    return pd.DataFrame(out, columns=["device", "kind", "S", "direction", "path", "what", "value"])
+
+
+# ---- the notebook's toggle ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class MaskFlags:
+    """Off: SDPA on the dense boolean mask; on: FlexAttention on the block mask."""
+
+    flex: bool = flag(
+        "FlexAttention on the block mask instead of SDPA on the dense boolean mask", PHASE
+    )
+
+
+def masked_step(flags: MaskFlags, mask: AttentionMask, case: AttnCase, device) -> Callable:
+    """One masked attention call (``case.backward``: with its backward) on fixed random inputs,
+    by the path ``flags`` picks; called once here, so a compile happens at build time."""
+    q, k, v, grad = make_inputs(case, torch.device(device))
+    step = masked_fn("flex" if flags.flex else "dense", mask, case, q, k, v, grad)
+    step()
+    return step

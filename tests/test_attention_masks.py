@@ -1,0 +1,542 @@
+"""Masked attention: every mask kind against its rule written as a loop, its block mask against
+``create_block_mask``, FlexAttention and the dense mask against attention in float64, forward and
+backward, ``auto``'s choices and caches, bad inputs. On the CPU FlexAttention runs uncompiled
+(forward only, PyTorch's limit) and once compiled; compiled on a GPU in the tests marked gpu."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from accel import attention as A
+from accel import attention_flex as AF
+from accel.attention_masks import ALiBi, Causal, Document, PrefixLM, SlidingWindow, dense_mask
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# name -> a mask for 2 batch rows on a device: shared and per-row data, zero-length documents,
+# padding after the last document, a window wider than the keys, ALiBi over three patterns
+KINDS = {
+    "causal": lambda dev: Causal(),
+    "window": lambda dev: SlidingWindow(7),
+    "window wider than the keys": lambda dev: SlidingWindow(200),
+    "document": lambda dev: Document(torch.tensor([9, 0, 20], device=dev)),
+    "document per row": lambda dev: Document(
+        torch.tensor([[30, 7, 0], [3, 0, 34]], device=dev), causal=False
+    ),
+    "prefix": lambda dev: PrefixLM(11),
+    "prefix per row": lambda dev: PrefixLM(torch.tensor([0, 40], device=dev)),
+    "alibi": lambda dev: ALiBi(),
+    "alibi window": lambda dev: ALiBi(SlidingWindow(5)),
+    "alibi everywhere": lambda dev: ALiBi(None),
+}
+SELF, CROSS = (37, 37), [(29, 45), (45, 29)]  # (Sq, Sk); documents are self-attention only
+
+
+def shapes_of(kind: str) -> list[tuple[int, int]]:
+    return [SELF] if "document" in kind else [SELF, *CROSS]
+
+
+CASES = [(kind, shape) for kind in KINDS for shape in shapes_of(kind)]
+
+
+def document_of(lengths: list[int], seq: int) -> list[int]:
+    """Each position's document: in order, zero-length ones skipped, the rest one more."""
+    ids = [i for i, n in enumerate(lengths) for _ in range(n)]
+    return (ids + [len(lengths)] * seq)[:seq]
+
+
+def sees(mask, row: int, i: int, j: int, seq: int) -> bool:
+    """The rule of each kind, for query i and key j of batch row ``row``, written plainly."""
+    if isinstance(mask, ALiBi):
+        return True if mask.mask is None else sees(mask.mask, row, i, j, seq)
+    if isinstance(mask, Causal):
+        return j <= i
+    if isinstance(mask, SlidingWindow):
+        return i - mask.window < j <= i
+    if isinstance(mask, PrefixLM):
+        p = mask.prefix
+        p = int(p[row if p.numel() > 1 else 0]) if isinstance(p, torch.Tensor) else p
+        return j < p or j <= i
+    lengths = mask.lengths.reshape(-1, mask.lengths.shape[-1])
+    doc = document_of(lengths[row if lengths.shape[0] > 1 else 0].tolist(), seq)
+    return doc[i] == doc[j] and (j <= i or not mask.causal)
+
+
+def loop_mask(mask, rows: int, seq_q: int, seq_k: int) -> torch.Tensor:
+    return torch.tensor(
+        [
+            [[sees(mask, r, i, j, seq_q) for j in range(seq_k)] for i in range(seq_q)]
+            for r in range(rows)
+        ]
+    )
+
+
+def qkv(batch, heads, seq_q, seq_k, dtype, device, gen, *, head_dim=16, grad=False):
+    out = []
+    for length in (seq_q, seq_k, seq_k):
+        t = torch.randn(batch, heads, length, head_dim, generator=gen).to(device, dtype)
+        out.append(t.requires_grad_(grad))
+    return out
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    A.clear_masked_cache()
+    A.clear_auto_cache()
+    yield
+    A.clear_masked_cache()
+    A.clear_auto_cache()
+
+
+def exact(q, k, v, mask):
+    return A.masked_reference(q.double(), k.double(), v.double(), mask)
+
+
+# ---- the kinds' rules, dense and block-sparse ----------------------------------------------------
+@pytest.mark.parametrize(("kind", "shape"), CASES, ids=str)
+def test_dense_mask_and_mask_mod_are_the_kinds_rule(kind, shape, gen):
+    from torch.nn.attention.flex_attention import create_mask
+
+    mask, (seq_q, seq_k) = KINDS[kind](CPU), shape
+    q, k, _ = qkv(2, 3, seq_q, seq_k, torch.float32, CPU, gen)
+    expected = loop_mask(mask, mask.rows or 1, seq_q, seq_k)
+    dense = dense_mask(mask, q, k)
+    keep = dense if dense.dtype == torch.bool else ~torch.isneginf(dense)
+    assert keep.shape[1] in (1, 3) and torch.equal(keep[:, 0], expected)
+    evaluated = create_mask(mask.mask_mod(seq_q, seq_k, CPU), mask.rows or 1, 1, seq_q, seq_k, CPU)
+    assert torch.equal(evaluated[:, 0], expected)
+
+
+def test_alibi_bias_is_minus_slope_times_distance(gen):
+    q, k, _ = qkv(1, 4, 5, 7, torch.float64, CPU, gen)
+    dense = dense_mask(ALiBi(None), q, k)
+    slopes = [2 ** (-8 * (h + 1) / 4) for h in range(4)]
+    expected = torch.tensor(
+        [[[-s * abs(i - j) for j in range(7)] for i in range(5)] for s in slopes],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(dense[0], expected)
+    causal = dense_mask(ALiBi(), q, k)
+    assert torch.isneginf(causal[0, :, 0, 1:]).all() and torch.equal(
+        causal[0, :, 4, :5], expected[:, 4, :5]
+    )
+
+
+BLOCK_SHAPES = [(300, 300), (256, 256), (200, 330), (330, 200)]
+BLOCK_KINDS = {
+    **KINDS,
+    "window over tiles": lambda dev: SlidingWindow(150),
+    "document with whole tiles": lambda dev: Document(
+        torch.tensor([[260, 40], [5, 295]], device=dev), causal=False
+    ),
+    "prefix over a tile": lambda dev: PrefixLM(140),
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "shape"),
+    [
+        (kind, shape)
+        for kind in BLOCK_KINDS
+        for shape in (BLOCK_SHAPES[:2] if "document" in kind else BLOCK_SHAPES)
+    ],
+    ids=str,
+)
+def test_block_mask_equals_create_block_mask(kind, shape, gen):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask, (seq_q, seq_k) = BLOCK_KINDS[kind](CPU), shape
+    q, k, _ = qkv(2, 1, seq_q, seq_k, torch.float32, CPU, gen, head_dim=8)
+    ours = A.block_mask(mask, q, k)
+    rows = mask.rows or 1
+    mask_mod = mask.mask_mod(seq_q, seq_k, CPU)
+    theirs = create_block_mask(mask_mod, rows if rows > 1 else None, None, seq_q, seq_k, CPU)
+    for name in ("kv", "full_kv", "q", "full_q"):
+        for part in ("num_blocks", "indices"):
+            assert torch.equal(
+                getattr(ours, f"{name}_{part}"), getattr(theirs, f"{name}_{part}")
+            ), f"{name}_{part}"
+    assert ours.seq_lengths == (seq_q, seq_k) and ours.BLOCK_SIZE == (128, 128)
+
+
+def test_block_mask_is_small_and_built_without_reading_the_device(count_host_reads, gen):
+    seq = 8192
+    lengths = torch.tensor([[1000, 3000, 4192], [8192, 0, 0]])
+    q, k, _ = qkv(2, 1, seq, seq, torch.float32, CPU, gen, head_dim=8)
+    built = []
+    reads = count_host_reads(lambda: built.append(A.block_mask(Document(lengths), q, k)))
+    assert sum(reads.values()) == 0, reads
+    (blocks,) = built
+    tensors = [t for t in blocks.as_tuple() if isinstance(t, torch.Tensor)]
+    assert sum(t.nbytes for t in tensors) <= 0.01 * 2 * seq * seq  # the dense bool mask's bytes
+
+
+# ---- every path against attention in float64 ------------------------------------------------
+@pytest.mark.parametrize(("kind", "shape"), CASES, ids=str)
+def test_every_path_equals_the_float64_reference(kind, shape, gen):
+    mask, (seq_q, seq_k) = KINDS[kind](CPU), shape
+    q, k, v = qkv(2, 3, seq_q, seq_k, torch.float32, CPU, gen)
+    expected = exact(q, k, v, mask)
+    backends = ["flex", "dense", "causal"] if mask.is_causal else ["flex", "dense"]
+    for backend in backends:
+        out = A.sdpa(q, k, v, mask=mask, backend=backend)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        torch.testing.assert_close(
+            out.double(), expected, **A.TOLERANCES[q.dtype], msg=lambda m, b=backend: f"{b}: {m}"
+        )
+    manual = A.masked_reference(q, k, v, mask)
+    torch.testing.assert_close(manual.double(), expected, **A.TOLERANCES[q.dtype])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_bf16_paths_equal_the_float64_reference(kind, gen):
+    mask = KINDS[kind](CPU)
+    q, k, v = qkv(2, 3, 37, 37, torch.bfloat16, CPU, gen)
+    expected = exact(q, k, v, mask)
+    for backend in ("flex", "dense"):
+        out = A.sdpa(q, k, v, mask=mask, backend=backend)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), expected, **A.TOLERANCES[torch.bfloat16])
+
+
+def test_a_query_with_no_key_gets_zero_on_every_path(gen):
+    # a window over a shorter key sequence: queries 12.. see no key
+    q, k, v = qkv(1, 2, 20, 10, torch.float32, CPU, gen)
+    mask = SlidingWindow(3)
+    for backend in ("flex", "dense"):
+        out = A.sdpa(q, k, v, mask=mask, backend=backend)
+        assert torch.equal(out[:, :, 12:], torch.zeros_like(out[:, :, 12:])), backend
+    assert torch.equal(A.masked_reference(q, k, v, mask)[:, :, 12:], torch.zeros(1, 2, 8, 16))
+
+
+@pytest.mark.parametrize("kind", ["window", "document per row", "prefix per row", "alibi"])
+def test_dense_path_gradients_match_the_reference(kind, gen):
+    mask = KINDS[kind](CPU)
+    q, k, v = qkv(2, 3, 37, 37, torch.float32, CPU, gen, grad=True)
+    grad = torch.randn(q.shape, generator=gen)
+    got = torch.autograd.grad(A.sdpa(q, k, v, mask=mask, backend="dense"), (q, k, v), grad)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(A.masked_reference(*ref_inputs, mask), ref_inputs, grad.double())
+    for g, r in zip(got, ref, strict=True):
+        torch.testing.assert_close(g.double(), r, **A.TOLERANCES[torch.float32])
+
+
+# ---- auto, caches, the CPU's limits -----------------------------------------------------------
+def test_auto_measures_once_per_signature_not_per_document(monkeypatch, gen):
+    measured = []
+    real = AF._measure
+    monkeypatch.setattr(AF, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
+    q, k, v = qkv(2, 2, 37, 37, torch.float32, CPU, gen)
+    for split in (10, 20, 30):  # a new Document per batch, as packing makes them
+        lengths = torch.tensor([[split, 37 - split], [37 - split, split]])
+        out = A.sdpa(q, k, v, mask=Document(lengths))
+        expected = exact(q, k, v, Document(lengths))
+        torch.testing.assert_close(out.double(), expected, **A.TOLERANCES[q.dtype])
+    assert len(measured) == 1
+    A.sdpa(q[:, :, :30], k[:, :, :30], v[:, :, :30], mask=Document(torch.tensor([30])))
+    A.sdpa(q, k, v, mask=Causal())
+    assert len(measured) == 3 == len(A.masked_choices())
+    document, _, causal = A.masked_choices().values()
+    assert set(document.times_ms) == {"flex", "dense"} and document.backend in document.times_ms
+    assert set(causal.times_ms) == {"flex", "dense", "causal"}
+    assert all(t > 0 for t in causal.times_ms.values()) and set(causal.first_call_s) == {
+        "flex",
+        "dense",
+        "causal",
+    }
+    A.clear_masked_cache()
+    assert A.masked_choices() == {}
+
+
+def test_flex_has_no_backward_on_the_cpu_so_auto_says_so_once_and_takes_the_dense_mask(gen):
+    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen, grad=True)
+    AF._warned.discard("FlexAttention has no backward on the CPU (a limit of PyTorch's)")
+    with pytest.warns(RuntimeWarning, match="no backward on the CPU.*using dense"):
+        out = A.sdpa(q, k, v, mask=SlidingWindow(4))
+    out.sum().backward()
+    (choice,) = A.masked_choices().values()
+    assert choice.backend == "dense" and "no backward" in choice.skipped["flex"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        A.sdpa(q, k, v, mask=SlidingWindow(5))  # another signature, the same reason: no warning
+    with pytest.raises(A.BackendUnavailableError, match=r"'flex' cannot run.*no backward"):
+        A.sdpa(q, k, v, mask=SlidingWindow(4), backend="flex")
+
+
+def test_block_masks_are_cached_per_mask_and_rebuilt_when_its_data_changes(gen):
+    q, k, v = qkv(2, 2, 37, 37, torch.float32, CPU, gen)
+    lengths = torch.tensor([[20, 17], [5, 32]])
+    mask = Document(lengths)
+    A.sdpa(q, k, v, mask=mask, backend="flex")
+    first = dict(AF._BLOCK_MASKS)
+    A.sdpa(q, k, v, mask=mask, backend="flex")
+    assert first == AF._BLOCK_MASKS  # the same mask: the same block mask
+    lengths[0] = torch.tensor([30, 7])  # changed in place: never a stale mask
+    for backend in ("flex", "dense"):
+        out = A.sdpa(q, k, v, mask=mask, backend=backend)
+        expected = exact(q, k, v, mask)
+        torch.testing.assert_close(out.double(), expected, **A.TOLERANCES[q.dtype], msg=backend)
+    assert len(AF._BLOCK_MASKS) == 2
+    A.sdpa(q, k, v, mask=SlidingWindow(3), backend="flex")
+    A.sdpa(q, k, v, mask=SlidingWindow(3), backend="flex")  # equal kinds share one
+    assert len(AF._BLOCK_MASKS) == 3
+
+
+def test_auto_keeps_no_dense_mask_for_a_path_it_did_not_take(monkeypatch, gen):
+    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
+    times = {"flex": 1.0, "dense": 2.0, "causal": 0.5}
+    monkeypatch.setattr(
+        AF, "interleaved", lambda fns, *a, **kw: type("S", (), {"medians": lambda s: times})()
+    )
+    A.sdpa(q, k, v, mask=Causal())
+    (choice,) = A.masked_choices().values()
+    assert choice.backend == "causal" and AF._DENSE_MASKS == {}
+
+
+def test_auto_leaves_out_a_dense_mask_too_large_when_flex_runs(monkeypatch, gen):
+    monkeypatch.setattr(AF, "DENSE_MASK_CANDIDATE_BYTES", 100)
+    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
+    A.sdpa(q, k, v, mask=SlidingWindow(4))
+    (choice,) = A.masked_choices().values()
+    assert choice.backend == "flex" and "GiB; FlexAttention can run" in choice.skipped["dense"]
+
+
+def test_cached_calls_read_nothing_on_the_host(count_host_reads, gen):
+    q, k, v = qkv(2, 2, 37, 37, torch.float32, CPU, gen)
+    for backend in ("flex", "dense", "causal", "auto"):
+        A.sdpa(q, k, v, mask=Causal(), backend=backend)
+        reads = count_host_reads(lambda b=backend: A.sdpa(q, k, v, mask=Causal(), backend=b))
+        assert sum(reads.values()) == 0, (backend, reads)
+    lengths = torch.tensor([[20, 17], [5, 32]])
+    reads = count_host_reads(lambda: A.sdpa(q, k, v, mask=Document(lengths), backend="flex"))
+    assert sum(reads.values()) == 0, reads  # a new document: its block mask built on the device
+
+
+def test_sdpa_hands_mask_kinds_on_and_tensors_not(gen):
+    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
+    kind = A.sdpa(q, k, v, mask=SlidingWindow(4), backend="dense")
+    tensor = A.sdpa(q, k, v, mask=dense_mask(SlidingWindow(4), q, k))
+    torch.testing.assert_close(kind, tensor)
+    assert A.auto_choices() and len(A.masked_choices()) == 0  # the dense path ran SDPA's auto
+
+
+def test_inside_torch_compile_nothing_is_timed_and_the_answer_holds(gen):
+    q, k, v = qkv(1, 2, 37, 37, torch.float32, CPU, gen)
+
+    def attend(q, k, v):
+        return A.sdpa(q, k, v, mask=SlidingWindow(5)) + A.sdpa(q, k, v, mask=Causal())
+
+    out = torch.compile(attend, backend="eager")(q, k, v)
+    expected = exact(q, k, v, SlidingWindow(5)) + exact(q, k, v, Causal())
+    torch.testing.assert_close(out.double(), expected, **A.TOLERANCES[torch.float32])
+    assert A.masked_choices() == {}
+
+
+# ---- compiled FlexAttention: guards, room to compile, and once for real on the CPU -----------
+@pytest.fixture
+def compiled_flex(monkeypatch):
+    """FlexAttention through torch.compile with the eager backend: dynamo's guards and
+    recompiles as on a GPU, without building kernels."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(AF, "FLEX_COMPILE_ON_CPU", True)
+    monkeypatch.setitem(AF._FLEX, "cpu", torch.compile(flex_attention, backend="eager"))
+    return lambda: counters["stats"]["unique_graphs"]
+
+
+def test_new_documents_of_one_shape_reuse_the_compiled_code(compiled_flex, gen):
+    q, k, v = qkv(2, 2, 37, 37, torch.float32, CPU, gen)
+    A.sdpa(q, k, v, mask=Document(torch.tensor([[10, 27], [30, 7]])), backend="flex")
+    graphs = compiled_flex()
+    for split in (5, 20):
+        mask = Document(torch.tensor([[split, 37 - split], [37 - split, split]]))
+        out = A.sdpa(q, k, v, mask=mask, backend="flex")
+        torch.testing.assert_close(out.double(), exact(q, k, v, mask), **A.TOLERANCES[q.dtype])
+    assert compiled_flex() == graphs
+
+
+def test_each_new_signature_gets_room_to_compile(compiled_flex, gen):
+    # flex compiles one variant per head size: more than torch.compile's default limit of 8
+    graphs = compiled_flex()
+    for head_dim in range(8, 8 * 12, 8):
+        q, k, v = qkv(1, 1, 17, 17, torch.float32, CPU, gen, head_dim=head_dim)
+        A.sdpa(q, k, v, mask=SlidingWindow(4), backend="flex")
+    assert compiled_flex() - graphs == 11
+
+
+@pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+    reason="compiling FlexAttention for the CPU needs a C++ compiler; none found",
+)
+def test_compiled_flex_on_the_cpu_equals_the_reference(monkeypatch, gen):
+    # the one real compile of the CPU tests (tens of seconds): full and partial tiles, per row
+    monkeypatch.setattr(AF, "FLEX_COMPILE_ON_CPU", True)
+    monkeypatch.setattr(AF, "_FLEX", {})
+    q, k, v = qkv(2, 2, 300, 300, torch.float32, CPU, gen)
+    mask = ALiBi(Document(torch.tensor([[260, 40], [5, 295]]), causal=False))
+    out = A.sdpa(q, k, v, mask=mask, backend="flex")
+    torch.testing.assert_close(out.double(), exact(q, k, v, mask), **A.TOLERANCES[q.dtype])
+
+
+# ---- bad inputs -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda: SlidingWindow(0), ValueError, "window must be a positive int"),
+        (lambda: SlidingWindow(2.5), ValueError, "window must be a positive int"),
+        (lambda: PrefixLM(-1), ValueError, "prefix must be an int >= 0"),
+        (lambda: Document([3, 4]), TypeError, "lengths must be a torch.Tensor"),
+        (lambda: Document(torch.tensor([3.0, 4.0])), ValueError, "must hold integers"),
+        (lambda: Document(torch.zeros(2, 2, 2, dtype=torch.long)), ValueError, "1 or 2 dim"),
+        (lambda: ALiBi(ALiBi()), ValueError, "adds the bias twice"),
+        (lambda: ALiBi("causal"), TypeError, "mask kind or None"),
+    ],
+)
+def test_bad_masks_raise_clear_errors(make, error, match):
+    with pytest.raises(error, match=match):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda q, k, v: A.sdpa(q, k, v, mask=Causal(), causal=True), ValueError, "not both"),
+        (lambda q, k, v: A.sdpa(q, k, v, mask="causal"), TypeError, "mask kind of"),
+        (
+            lambda q, k, v: A.sdpa(q, k, v, mask=SlidingWindow(3), backend="flash"),
+            ValueError,
+            "takes no mask kind; with one, expected one of auto, flex, dense, causal",
+        ),
+        (
+            lambda q, k, v: A.sdpa(q, k, v, mask=SlidingWindow(3), backend="causal"),
+            ValueError,
+            "runs Causal\\(\\) only",
+        ),
+        (
+            lambda q, k, v: A.sdpa(q, k[:, :, :5], v[:, :, :5], mask=Document(torch.tensor([7]))),
+            ValueError,
+            "as many queries as keys",
+        ),
+        (
+            lambda q, k, v: A.sdpa(q, k, v, mask=Document(torch.tensor([[7]] * 3))),
+            ValueError,
+            "holds 3 batch rows, q has batch 2",
+        ),
+        (
+            lambda q, k, v: A.sdpa(q, k.double(), v, mask=Causal()),
+            ValueError,
+            "share a dtype",
+        ),
+        (
+            lambda q, k, v: A.masked_reference(q, k, v, PrefixLM(torch.tensor([1, 2, 3]))),
+            ValueError,
+            "holds 3 batch rows",
+        ),
+    ],
+)
+def test_bad_calls_raise_clear_errors(call, error, match, gen):
+    q, k, v = qkv(2, 2, 7, 7, torch.float32, CPU, gen)
+    with pytest.raises(error, match=match):
+        call(q, k, v)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_mask_data_on_another_device_is_refused():
+    q = torch.randn(1, 1, 8, 16, device="cuda")
+    with pytest.raises(ValueError, match=r"tensor is on cpu, q on cuda.*non_blocking"):
+        A.sdpa(q, q, q, mask=Document(torch.tensor([8])))
+
+
+# ---- compiled on a GPU -----------------------------------------------------------------------
+# every kind in bf16 (self-attention, and across lengths where the kind allows), three kinds in
+# float32 and float16 too: each case compiles its own kernels, seconds apiece
+GPU_FORWARD = [(kind, (300, 300), torch.bfloat16) for kind in KINDS]
+GPU_FORWARD += [(kind, (200, 330), torch.bfloat16) for kind in ("causal", "window", "prefix")]
+GPU_FORWARD += [
+    (kind, (300, 300), dtype)
+    for kind in ("window", "document per row", "alibi")
+    for dtype in (torch.float32, torch.float16)
+]
+GPU_BACKWARD = [
+    (kind, torch.bfloat16)
+    for kind in ("causal", "window", "document per row", "prefix per row", "alibi window")
+] + [("window", torch.float32)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("kind", "shape", "dtype"), GPU_FORWARD, ids=str)
+def test_gpu_every_path_equals_the_float64_reference(kind, shape, dtype, gen):
+    mask, (seq_q, seq_k) = KINDS[kind]("cuda"), shape
+    if "document" in kind:
+        mask = Document(mask.lengths * 8, causal=mask.causal)  # 37 tokens become 296 of 300
+    q, k, v = qkv(2, 3, seq_q, seq_k, dtype, "cuda", gen, head_dim=64)
+    expected = exact(q, k, v, mask)
+    for backend in ("flex", "dense", "auto"):
+        out = A.sdpa(q, k, v, mask=mask, backend=backend)
+        torch.testing.assert_close(
+            out.double(), expected, **A.TOLERANCES[dtype], msg=lambda m, b=backend: f"{b}: {m}"
+        )
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(("kind", "dtype"), GPU_BACKWARD, ids=str)
+def test_gpu_flex_gradients_match_the_reference(kind, dtype, gen):
+    mask = KINDS[kind]("cuda")
+    if "document" in kind:
+        mask = Document(mask.lengths * 8, causal=mask.causal)
+    q, k, v = qkv(2, 3, 300, 300, dtype, "cuda", gen, head_dim=64, grad=True)
+    grad = torch.randn(q.shape, generator=gen).to("cuda", dtype)
+    got = torch.autograd.grad(A.sdpa(q, k, v, mask=mask, backend="flex"), (q, k, v), grad)
+    ref_inputs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = torch.autograd.grad(A.masked_reference(*ref_inputs, mask), ref_inputs, grad.double())
+    for name, g, r in zip("qkv", got, ref, strict=True):
+        torch.testing.assert_close(
+            g.double(), r, **A.TOLERANCES[dtype], msg=lambda m, n=name: f"d{n}: {m}"
+        )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_auto_times_every_path_and_reports_the_compile_apart(gen):
+    q, k, v = qkv(1, 4, 1024, 1024, torch.bfloat16, "cuda", gen, head_dim=64, grad=True)
+    A.sdpa(q, k, v, mask=Causal())
+    (choice,) = A.masked_choices().values()
+    assert set(choice.times_ms) == {"flex", "dense", "causal"}, choice.skipped
+    assert choice.backend == min(choice.times_ms, key=choice.times_ms.__getitem__)
+    assert choice.first_call_s["flex"] > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cached_flex_calls_read_nothing_and_compile_nothing_new(count_host_reads, gen):
+    from torch._dynamo.utils import counters
+
+    q, k, v = qkv(2, 4, 512, 512, torch.bfloat16, "cuda", gen, head_dim=64)
+    lengths = torch.tensor([[100, 412], [256, 256]], device="cuda")
+    A.sdpa(q, k, v, mask=Document(lengths), backend="flex")
+    graphs = counters["stats"]["unique_graphs"]
+    other = torch.tensor([[300, 212], [12, 500]], device="cuda")
+    reads = count_host_reads(lambda: A.sdpa(q, k, v, mask=Document(other), backend="flex"))
+    assert sum(reads.values()) == 0, reads
+    assert counters["stats"]["unique_graphs"] == graphs
+    out = A.sdpa(q, k, v, mask=Document(other), backend="flex")
+    torch.testing.assert_close(
+        out.double(), exact(q, k, v, Document(other)), **A.TOLERANCES[torch.bfloat16]
+    )
