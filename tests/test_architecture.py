@@ -25,8 +25,9 @@ def _modules(under: Path = PACKAGE) -> list[Path]:
 
 
 def _components() -> list[Path]:
-    """The package minus the lab, the workloads and the command line: what a user imports."""
-    skip = {PACKAGE / "lab", PACKAGE / "workloads"}
+    """The package minus the lab, the workloads, the doctor (which measures with the lab) and the
+    command line: what a user imports."""
+    skip = {PACKAGE / "lab", PACKAGE / "workloads", PACKAGE / "doctor"}
     return [
         p for p in _modules() if not skip.intersection(p.parents) and p != PACKAGE / "__main__.py"
     ]
@@ -81,7 +82,8 @@ def test_components_import_neither_the_lab_nor_its_viewers():
         bad = {
             m
             for m in _imports(path)
-            if m.startswith(("accel.lab", "accel.workloads")) or m.split(".")[0] in VIEWERS
+            if m.startswith(("accel.lab", "accel.workloads", "accel.doctor"))
+            or m.split(".")[0] in VIEWERS
         }
         assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 

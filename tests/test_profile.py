@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from accel.lab.profile import _union_length, profile_step
+from accel.lab.profile import union_length, profile_step
 
 
 def three_matmuls(x, w):
@@ -59,5 +59,5 @@ def test_trace_export_is_chrome_json(tmp_path, device):
 
 
 def test_union_length_merges_overlaps():
-    assert _union_length([[0, 2], [1, 3], [5, 6], [5.5, 5.7]]) == 4
-    assert _union_length([]) == 0
+    assert union_length([[0, 2], [1, 3], [5, 6], [5.5, 5.7]]) == 4
+    assert union_length([]) == 0

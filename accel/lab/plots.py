@@ -344,3 +344,60 @@ def distributed_scaling(frame: pd.DataFrame, *, title: str = "") -> dict[str, go
     for fig in (throughput, efficiency, memory):
         fig.update_layout(**{**_LAYOUT, "height": 320})
     return {"throughput": throughput, "efficiency": efficiency, "memory": memory}
+
+
+# ---- doctor --------------------------------------------------------------------------------------
+def doctor_figure(
+    breakdown: dict[str, float], savings: dict[str, float], step_ms: float, *, title: str = ""
+) -> go.Figure:
+    """Where a step's time goes (one stacked bar, ms per part) above each finding's predicted
+    saving (ms per step), on one time axis."""
+    rows = 2 if savings else 1
+    fig = make_subplots(
+        rows=rows,
+        cols=1,
+        shared_xaxes=True,
+        row_heights=[0.35, 0.65][:rows] if rows == 2 else [1.0],
+        subplot_titles=("the step", "predicted saving of each finding")[:rows],
+        vertical_spacing=0.18,
+    )
+    for part, ms in breakdown.items():
+        fig.add_bar(
+            y=["step"], x=[ms], name=part, orientation="h", row=1, col=1,
+            hovertemplate=f"{part}: %{{x:.3f}} ms<extra></extra>",
+        )  # fmt: skip
+    if savings:
+        labels = [wrap_label(k.replace(" ", "+"), 36).replace("+", " ") for k in savings]
+        fig.add_bar(
+            y=labels, x=list(savings.values()), orientation="h", row=2, col=1, showlegend=False,
+            text=[f"{v:.3f} ms" for v in savings.values()], textposition="outside",
+            marker_color="#636efa",
+        )  # fmt: skip
+        fig.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
+    fig.add_vline(x=step_ms, line_dash="dot", line_color="gray")
+    height = 220 + (bars_height(list(savings), 40) if savings else 0)
+    return fig.update_layout(
+        **{**_LAYOUT, "height": height},
+        barmode="stack",
+        title=title,
+        legend=dict(orientation="h", y=-0.15),
+        xaxis_title="ms per step" if rows == 1 else None,
+    ).update_xaxes(title_text="ms per step", row=rows, col=1)
+
+
+def predicted_measured(
+    frame: pd.DataFrame, *, title: str = "Fixes: predicted and measured"
+) -> go.Figure:
+    """Per fix (``label``), its predicted and measured speedup over the unchanged step."""
+    fig = go.Figure()
+    for column, name in (("predicted speedup", "predicted"), ("measured speedup", "measured")):
+        fig.add_bar(
+            y=[wrap_label(x) for x in frame["label"]], x=frame[column], name=name,
+            orientation="h", text=[f"{v:.2f}x" for v in frame[column]], textposition="outside",
+        )  # fmt: skip
+    fig.add_vline(x=1.0, line_dash="dot", line_color="gray")
+    fig.update_yaxes(autorange="reversed", automargin=True)
+    height = max(_LAYOUT["height"], bars_height(list(frame["label"]), 140) + 20 * len(frame))
+    return fig.update_layout(
+        **{**_LAYOUT, "height": height}, title=title, barmode="group", xaxis_title="speedup"
+    )

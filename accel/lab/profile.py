@@ -167,7 +167,7 @@ def profile_step(
         raise RuntimeError("profiler recorded no step marks; was fn run under the profiler?")
     t0 = min(e.time_range.start for e in marks)
     in_steps = _inside(marks)
-    work = _device_work(events) if cuda else _cpu_kernels(events)
+    work = device_work(events) if cuda else cpu_kernels(events)
     work = [e for e in work if e.time_range.start >= t0]
     t1 = max([e.time_range.end for e in marks] + [e.time_range.end for e in work])
 
@@ -204,7 +204,7 @@ def profile_step(
         launches_per_step=launches / steps,
         syncs_per_step=syncs,
         window_us=t1 - t0,
-        busy_us=_union_length(timeline[["start_us", "end_us"]].to_numpy().tolist()),
+        busy_us=union_length(timeline[["start_us", "end_us"]].to_numpy().tolist()),
         peak_memory_bytes=int(peak),
         trace_path=trace_path,
         notes=notes,
@@ -242,7 +242,7 @@ def _inside(marks) -> Callable[[object], bool]:
     return inside
 
 
-def _device_work(events):
+def device_work(events):
     return [e for e in events if e.device_type == DeviceType.CUDA and e.name != STEP_MARK]
 
 
@@ -257,7 +257,7 @@ def _kind(name: str, cuda: bool) -> str:
     return "kernel"
 
 
-def _cpu_kernels(events):
+def cpu_kernels(events):
     """ATen ops that do arithmetic themselves: the CPU's analogue of a kernel launch.
 
     An op counts when it spends at least as long in its own code as in arithmetic ops it calls:
@@ -324,7 +324,7 @@ def _memory_over_time(prof, t0: float, cuda: bool) -> pd.DataFrame:
     return frame[["t_us", "bytes"]]
 
 
-def _union_length(intervals: list[list[float]]) -> float:
+def union_length(intervals: list[list[float]]) -> float:
     """Total length covered by possibly overlapping intervals (kernels on several streams)."""
     total, end = 0.0, -math.inf
     for a, b in sorted(intervals):

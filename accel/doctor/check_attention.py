@@ -1,0 +1,139 @@
+"""Attention computed by hand: a matrix product whose output ends in (Sq, Sk), a softmax over
+such a tensor, and a product of it with values, in that order in the forward's operators. Its
+gain is measured, not assumed: the written-out attention and
+``torch.nn.functional.scaled_dot_product_attention`` at the same shape and dtype, timed here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from accel.doctor.findings import Evidence, Finding, check
+from accel.doctor.recorder import OpRecord, Site
+
+_PRODUCTS = frozenset({"aten::bmm", "aten::mm", "aten::baddbmm", "aten::matmul"})
+_SOFTMAX = frozenset({"aten::_softmax", "aten::softmax", "aten::_safe_softmax"})
+_LOOKAHEAD = 10  # ops between the scores' product, the softmax and the values' product
+
+
+@dataclass(frozen=True)
+class ManualAttention:
+    heads: int  # batch x heads, flattened as the products see them
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: torch.dtype
+    site: Site | None
+
+
+def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
+    """Each product -> softmax -> product chain over (..., Sq, Sk) scores in ``ops``."""
+    found = []
+    for i, op in enumerate(ops):
+        if op.op not in _PRODUCTS or not op.outputs or len(op.outputs[0].shape) < 3:
+            continue
+        scores = op.outputs[0].shape
+        soft = _next(ops, i, lambda o, s=scores: o.op in _SOFTMAX and _same_scores(o, s))
+        if soft is None:
+            continue
+        mix = _next(ops, soft, lambda o, s=scores: o.op in _PRODUCTS and _reads_scores(o, s))
+        if mix is None:
+            continue
+        q = op.inputs[-2].shape if len(op.inputs) >= 2 else ()
+        found.append(
+            ManualAttention(
+                heads=math.prod(scores[:-2]),
+                seq_q=scores[-2],
+                seq_k=scores[-1],
+                head_dim=q[-1] if q else 0,
+                dtype=op.inputs[0].dtype,
+                site=op.site,
+            )
+        )
+    return found
+
+
+def _next(ops: list[OpRecord], start: int, wanted) -> int | None:
+    for j in range(start + 1, min(len(ops), start + 1 + _LOOKAHEAD)):
+        if wanted(ops[j]):
+            return j
+    return None
+
+
+def _same_scores(op: OpRecord, scores: tuple[int, ...]) -> bool:
+    shape = op.inputs[0].shape if op.inputs else ()
+    return len(shape) >= 2 and shape[-2:] == scores[-2:] and math.prod(shape) == math.prod(scores)
+
+
+def _reads_scores(op: OpRecord, scores: tuple[int, ...]) -> bool:
+    return any(
+        len(t.shape) >= 2
+        and t.shape[-2:] == scores[-2:]
+        and math.prod(t.shape) == math.prod(scores)
+        for t in op.inputs[:2]
+    )
+
+
+def time_attention(case: ManualAttention, device: torch.device, backward: bool) -> dict[str, float]:
+    """ms per call of the written-out attention and of SDPA at ``case``'s shape, interleaved."""
+    from accel.attention import attention_reference
+    from accel.lab.timing import compare
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (1, case.heads, case.seq_q, case.head_dim)
+    kv = (1, case.heads, case.seq_k, case.head_dim)
+    q, k, v = (
+        torch.randn(s, generator=gen, device=device, dtype=case.dtype).requires_grad_(backward)
+        for s in (shape, kv, kv)
+    )
+    grad = torch.randn(shape, generator=gen, device=device, dtype=case.dtype)
+
+    def timed(fn):
+        if backward:
+            return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+        return lambda: fn(q, k, v)
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    timing = compare(
+        {"manual": timed(attention_reference), "sdpa": timed(sdpa)},
+        warmup=2,
+        repeats=10,
+        calls_per_sample=None,
+        device=device,
+    )
+    return {name: t.median_ms for name, t in timing.timings.items()}
+
+
+@check("attention")
+def manual_attention(evidence: Evidence) -> list[Finding]:
+    chains = Counter(find_manual_attention(evidence.forward_ops()))
+    if not chains:
+        return []
+    backward = any(op.backward for op in evidence.recording.ops)
+    found = []
+    for case, calls in chains.items():
+        times = evidence.measure.get("attention", time_attention)(case, evidence.device, backward)
+        saved = calls * max(0.0, times["manual"] - times["sdpa"]) * 1e3
+        what = "forward and backward" if backward else "forward"
+        found.append(
+            Finding(
+                kind="attention",
+                title=f"attention written out by hand ({calls} call{'s' * (calls != 1)} "
+                "per step) where SDPA would run",
+                evidence=f"product -> softmax -> product over ({case.heads}, {case.seq_q}, "
+                f"{case.seq_k}) scores, head dim {case.head_dim}, {case.dtype}",
+                cost_model=f"measured here at that shape, {what}: written out "
+                f"{times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
+                notebook="05_sdpa",
+                change="out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+                "is_causal=True)\n# or accel.attention.sdpa(q, k, v, causal=True), which "
+                "measures SDPA's kernels once per shape",
+                saved_us=saved,
+                sites=[case.site] if case.site is not None else [],
+            )
+        )
+    return found

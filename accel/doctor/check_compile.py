@@ -1,0 +1,54 @@
+"""Where ``torch.compile`` would break the step into several graphs, with dynamo's reasons and the
+lines they point at (``torch._dynamo.explain``, run on a copy of the step)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from accel.doctor.findings import Evidence, Finding, check
+from accel.doctor.recorder import Site
+
+
+def graph_breaks(call: Callable[[], Any]) -> list[tuple[str, Site | None]]:
+    """(reason, the user's line) of each break dynamo finds while tracing ``call`` once."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        explained = torch._dynamo.explain(call)()
+    finally:
+        torch._dynamo.reset()
+    out = []
+    for reason in explained.break_reasons:
+        frames = [f for f in reason.user_stack if "/torch/" not in f.filename]
+        frame = frames[-1] if frames else None
+        site = Site(frame.filename, frame.lineno, frame.name) if frame is not None else None
+        out.append((str(reason.reason).splitlines()[0][:200], site))
+    return out
+
+
+@check("compile")
+def compile_breaks(evidence: Evidence) -> list[Finding]:
+    breaks = evidence.graph_breaks
+    if not breaks:
+        return []
+    counted = Counter(breaks)
+    lines = [f"{n} x {reason} at {site or 'torch'}" for (reason, site), n in counted.most_common()]
+    return [
+        Finding(
+            kind="compile",
+            title=f"torch.compile breaks the step {len(breaks)} time"
+            f"{'s' * (len(breaks) != 1)} (a graph each side of every break)",
+            evidence="; ".join(lines[:8]),
+            cost_model="not predicted: each break ends a fused graph and returns to Python; "
+            "the compile fix measures what compiling gains as the step stands",
+            notebook="07_recipe",
+            change="# keep host reads and data-dependent Python out of the compiled region;\n"
+            "# loss.backward() and optimizer.step() breaks are expected: compile the model\n"
+            "model = torch.compile(model)",
+            sites=[s for _, s in counted if s is not None],
+            fixes=("compile",),
+        )
+    ]

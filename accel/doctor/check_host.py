@@ -1,0 +1,250 @@
+"""Checks of the host's side of a step: syncs with the lines that make them, a launch-bound
+step (the device waiting for the host), the input pipeline, and communication in a process group.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from accel.doctor.findings import Evidence, Finding, check
+from accel.doctor.recorder import OpRecord, Site
+
+# operators that make the host wait for the device, and what the user wrote to get one
+SYNC_OPS = {
+    "aten::_local_scalar_dense": "a host read (.item(), float(t), int(t), an `if` on a tensor)",
+    "aten::is_nonzero": "an `if` or `bool()` on a tensor",
+    "aten::nonzero": "nonzero(): its output's size depends on the data",
+    "aten::masked_select": "a boolean mask: its output's size depends on the data",
+    "aten::unique_dim": "unique(): its output's size depends on the data",
+    "aten::_unique2": "unique(): its output's size depends on the data",
+    "aten::unique_consecutive": "unique_consecutive(): its output's size depends on the data",
+    "aten::repeat_interleave": "repeat_interleave with tensor repeats",
+    "aten::equal": "torch.equal() returns a Python bool",
+}
+_COPIES = ("aten::_to_copy", "aten::copy_")
+_READ_METHODS = {
+    "__repr__": "print() of a tensor",
+    "__str__": "print() of a tensor",
+    "__format__": "a tensor in an f-string",
+    "tolist": ".tolist()",
+    "numpy": ".numpy()",
+}
+LAUNCH_BOUND_IDLE = 0.3  # share of the step the device idles, waiting for the host or a sync
+GRAPH_REPLAY_OVER_KERNELS = 1.1  # a replay's time over its kernels' sum (rows graphs replay_*)
+_SYNC_CHANGE = """\
+# keep numbers on the device and read them once in a while, not every step:
+from accel.sync import MetricAccumulator
+metrics = MetricAccumulator(["loss"])        # before the loop
+metrics.add(loss=loss.detach())              # in the step: no host read
+if step % 100 == 0: print(metrics.read())   # one sync every 100 steps
+# an `if` on a tensor -> torch.where(cond, a, b); x[mask] -> torch.where(mask, x, 0)"""
+
+
+def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
+    """Why ``op`` makes the host wait for the device (on CUDA), or None."""
+    if op.op in SYNC_OPS:
+        on_device = any(t.device == "cuda" for t in op.inputs)
+        internal = any(entry.startswith("optim/") for entry in op.library)  # CPU step counters
+        return SYNC_OPS[op.op] if (on_device if cuda else not internal) else None
+    if op.op == "aten::index" and any(t.dtype == torch.bool for t in op.inputs[1:]):
+        return "boolean indexing x[mask]: its output's size depends on the data"
+    if cuda and op.op in _COPIES and op.inputs and op.outputs:
+        src = op.inputs[-1] if op.op == "aten::copy_" else op.inputs[0]
+        dst = op.inputs[0] if op.op == "aten::copy_" else op.outputs[0]
+        if src.device == "cuda" and dst.device == "cpu":
+            return "a copy to the host (.cpu(), .to('cpu'), .tolist())"
+        if src.device == "cpu" and dst.device == "cuda" and not src.pinned:
+            return "a copy from pageable host memory (blocks the host; pin it, non_blocking=True)"
+    return None
+
+
+def sync_sites(evidence: Evidence) -> Counter:
+    """(site, what) -> how many syncs per step."""
+    cuda = evidence.cuda
+    sites: Counter = Counter()
+    for op in evidence.recording.ops:
+        kind = _sync_kind(op, cuda)
+        if kind is not None:
+            sites[(op.site, kind)] += 1
+    for read in evidence.recording.host_reads:
+        if read.device == "cuda" or not cuda:
+            sites[(read.site, _READ_METHODS[read.method])] += 1
+    return _merge_same_line(sites)
+
+
+def _merge_same_line(sites: Counter) -> Counter:
+    """One entry per line: an f-string's read and the ``.item()`` inside it are one sync."""
+    by_line: dict[Site | None, tuple[str, int]] = {}
+    for (site, kind), n in sites.items():
+        known = by_line.get(site)
+        if known is None or _priority(kind) > _priority(known[0]):
+            by_line[site] = (kind, max(n, known[1]) if known else n)
+    return Counter({(site, kind): n for site, (kind, n) in by_line.items()})
+
+
+def _priority(kind: str) -> int:
+    """A read method names what the user wrote better than the operator inside it."""
+    return 1 if kind in _READ_METHODS.values() else 0
+
+
+@check("syncs")
+def syncs(evidence: Evidence) -> list[Finding]:
+    sites = sync_sites(evidence)
+    if not sites:
+        return []
+    total = sum(sites.values())
+    lines = [
+        f"{n} x {kind} at {site or 'a line outside your code'}"
+        for (site, kind), n in sites.most_common()
+    ]
+    if evidence.cuda:
+        saved = idle = evidence.timeline.idle_us.get("sync", 0.0)
+        model = (
+            "the device's idle time right after each sync returned (the queue starting again), "
+            f"{idle / 1e3:.3f} ms per step in the profiled steps"
+        )
+    else:
+        saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"
+    return [
+        Finding(
+            kind="sync",
+            title=f"{total} host-device sync{'s' * (total != 1)} per step",
+            evidence="; ".join(lines),
+            cost_model=model,
+            notebook="01_sync",
+            change=_SYNC_CHANGE,
+            saved_us=saved,
+            sites=[s for s, _ in sites if s is not None],
+        )
+    ]
+
+
+@check("launch_bound")
+def launch_bound(evidence: Evidence) -> list[Finding]:
+    t = evidence.timeline
+    if not evidence.cuda or t.step_us <= 0:
+        return []
+    waiting = t.idle_us.get("host", 0.0) + t.idle_us.get("sync", 0.0)
+    if waiting / t.step_us < LAUNCH_BOUND_IDLE:
+        return []
+    blockers = capture_blockers(evidence)
+    graphed = t.kernel_us * GRAPH_REPLAY_OVER_KERNELS
+    idle = ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in t.idle_us.items())
+    return [
+        Finding(
+            kind="launch_bound",
+            title=f"the device idles {t.idle_fraction:.0%} of the step, waiting for the host",
+            evidence=(
+                f"{t.launches:.0f} launches and {t.kernels} kernels per step, "
+                f"{t.kernel_us / 1e3:.3f} ms of kernels in a {t.step_us / 1e3:.3f} ms step; "
+                f"idle by cause: {idle}"
+                + (
+                    f"; GraphedStep cannot capture it yet: {blockers}"
+                    if blockers
+                    else "; nothing seen that would stop GraphedStep from capturing it"
+                )
+            ),
+            cost_model=(
+                f"a CUDA graph replays the step's kernels with no host in between: about "
+                f"{GRAPH_REPLAY_OVER_KERNELS}x their summed time (the gaps inside a replay)"
+            ),
+            notebook="04_graphs",
+            change=(
+                "from accel.graphs import GraphedStep\n"
+                "step = GraphedStep(step)        # capture once, replay every later call\n"
+                "# or: model = torch.compile(model, mode='reduce-overhead')"
+            ),
+            saved_us=max(0.0, t.step_us - graphed) if not blockers else None,
+            fixes=("cuda_graph", "compile"),
+        )
+    ]
+
+
+def capture_blockers(evidence: Evidence) -> str:
+    """What would stop a CUDA graph capturing the step, or "" (syncs, host inputs)."""
+    why = []
+    sites = sync_sites(evidence)
+    if sites:
+        first = next(iter(sites))
+        why.append(f"{sum(sites.values())} sync(s), the first at {first[0]} ({first[1]})")
+    from torch.utils._pytree import tree_leaves
+
+    host = [
+        t for t in tree_leaves(evidence.batch) if hasattr(t, "device") and t.device.type == "cpu"
+    ]
+    if host:
+        why.append(f"{len(host)} batch tensor(s) on the host (copy them in before the step)")
+    return "; ".join(why)
+
+
+@check("input_pipeline")
+def input_pipeline(evidence: Evidence) -> list[Finding]:
+    found = []
+    pageable = [
+        op
+        for op in evidence.recording.ops
+        if evidence.cuda and op.op in _COPIES and "pageable" in (_sync_kind(op, True) or "")
+    ]
+    if pageable:
+        copy_us = sum(op.time_us for op in pageable)
+        found.append(
+            Finding(
+                kind="input",
+                title=f"{len(pageable)} copies from pageable host memory per step",
+                evidence=f"{sum(op.inputs[0].nbytes for op in pageable) / 2**20:.1f} MiB a step "
+                f"copied in from unpinned memory, {copy_us / 1e3:.3f} ms on the device",
+                cost_model="a pinned, non-blocking copy overlaps the step instead of blocking "
+                "the host: its device time is saved",
+                notebook="07_recipe",
+                change="x = x.pin_memory().to(device, non_blocking=True)\n"
+                "# or DataLoader(..., pin_memory=True) and .to(device, non_blocking=True)",
+                saved_us=copy_us,
+                sites=[op.site for op in pageable if op.site is not None],
+                fixes=("pinned_batch",),
+            )
+        )
+    loader = evidence.loader
+    if loader is not None and loader["wait_us"] > 0.05 * evidence.step_us:
+        found.append(_loader_finding(evidence, loader))
+    return found
+
+
+def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
+    settings = f"num_workers={loader['num_workers']}, pin_memory={loader['pin_memory']}"
+    return Finding(
+        kind="input",
+        title=f"the step waits {loader['wait_us'] / 1e3:.2f} ms per batch for its data",
+        evidence=f"next(loader) took {loader['wait_us'] / 1e3:.3f} ms per batch over "
+        f"{loader['batches']} batches against a {evidence.step_us / 1e3:.3f} ms step ({settings})",
+        cost_model="worker processes load the next batches while the step runs: the wait is "
+        "saved as long as the workers keep up",
+        notebook="07_recipe",
+        change="DataLoader(dataset, batch_size=..., num_workers=4, pin_memory=True,\n"
+        "           persistent_workers=True, prefetch_factor=4)",
+        saved_us=min(loader["wait_us"], evidence.step_us),
+        fixes=("loader_workers",),
+    )
+
+
+@check("communication")
+def communication(evidence: Evidence) -> list[Finding]:
+    t = evidence.timeline
+    if t.comm_us <= 0:
+        return []
+    exposed = t.comm_us - t.comm_overlap_us
+    return [
+        Finding(
+            kind="communication",
+            title=f"communication takes {t.comm_us / t.step_us:.0%} of the step, "
+            f"{t.comm_overlap_us / t.comm_us:.0%} of it overlapped with compute",
+            evidence=f"{t.comm_us / 1e3:.3f} ms of collective kernels per step, "
+            f"{exposed / 1e3:.3f} ms with no compute beside them",
+            cost_model="communication fully hidden behind compute saves its exposed time",
+            notebook="08_distributed",
+            change="DDP(model, bucket_cap_mb=..., gradient_as_bucket_view=True) or FSDP2's "
+            "fully_shard(..., reshard_after_forward=False) with prefetching",
+            saved_us=exposed,
+        )
+    ]

@@ -1,0 +1,220 @@
+"""Checks of the kernels a step runs: many small ones from loops over tensors (an optimizer
+without ``foreach``/``fused``, clipping per parameter, statistics per parameter), gradients
+zeroed instead of dropped, and float32 matrix products where bf16 or TF32 would do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+
+import torch
+
+from accel.doctor.findings import Evidence, Finding, check
+from accel.doctor.recorder import OpRecord
+
+LOOP_MIN_OPS = 8  # fewer repeats of one operator on one line are not a loop worth a finding
+_NO_WORK = frozenset({"aten::detach", "aten::view", "aten::t", "aten::lift_fresh", "aten::alias"})
+FOREACH_TENSORS_PER_LAUNCH = 110  # about what one multi_tensor_apply launch takes
+MATMUL_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::convolution",
+        "aten::convolution_backward",
+        "aten::_convolution",
+    }
+)
+
+
+def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
+    """Ops on parameter-shaped tensors grouped by (user line, innermost torch function), where
+    one operator repeats once per parameter or so: a loop over the model's tensors. (A loop over
+    a model's layers repeats its operators too, but on activations, a shape or two.)"""
+    shapes = {tuple(p.shape) for p in evidence.parts.parameters()}
+    groups: dict[tuple, list[OpRecord]] = defaultdict(list)
+    for op in evidence.recording.ops:
+        if op.site is None or op.backward or op.op.startswith("aten::_foreach"):
+            continue
+        if op.op in _NO_WORK or not op.inputs or op.inputs[0].shape not in shapes:
+            continue
+        groups[(op.site, op.library[0] if op.library else "")].append(op)
+    floor = max(LOOP_MIN_OPS, evidence.parameter_tensors // 2)
+    loops = {}
+    for key, ops in groups.items():
+        repeats = max(Counter(op.op for op in ops).values())
+        if repeats >= floor and len({op.inputs[0].shape for op in ops}) >= 3:
+            loops[key] = ops
+    return loops
+
+
+def _loop_kind(library: str, ops: list[OpRecord]) -> tuple[str, str, str, tuple[str, ...]]:
+    """(kind, what, change, fixes) of one loop group."""
+    chain = " ".join(e for op in ops[:1] for e in op.library)
+    if "clip_grad" in chain:
+        return (
+            "clip_loop",
+            "gradient clipping one tensor at a time",
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)\n"
+            "# or accel.fusion.clip_grad_norm_(model.parameters(), max_norm)",
+            ("foreach_clip",),
+        )
+    if "zero_grad" in chain:
+        return (
+            "zero_grad",
+            "zero_grad(set_to_none=False) writing zeros into every gradient",
+            "optimizer.zero_grad(set_to_none=True)  # the default since torch 2.0",
+            ("set_to_none",),
+        )
+    if library.startswith("optim/") or "optim/" in chain:
+        return (
+            "optimizer_loop",
+            "the optimizer updating one parameter at a time (foreach=False)",
+            "torch.optim.AdamW(model.parameters(), lr=..., fused=True)  # one kernel a step",
+            ("fused_optimizer", "foreach_optimizer"),
+        )
+    return (
+        "tensor_loop",
+        "a Python loop over tensors, a kernel per tensor",
+        "# one launch for every tensor: torch._foreach_* (e.g. norms = torch._foreach_norm(grads))\n"
+        "# or accel.fusion.global_norm / group_stats / clip_grad_norm_; for an update rule,\n"
+        "# torch.optim with fused=True or accel.optim.MultiTensorAdamW",
+        (),
+    )
+
+
+def _foreach_us(evidence: Evidence, ops: list[OpRecord]) -> tuple[float, float]:
+    """(now, after) in us per step: the loop's kernels or its launches, whichever is longer,
+    against its bytes over the copy bandwidth plus a launch per op kind and 110 tensors."""
+    launch = evidence.costs.launch_us
+    now = max(sum(op.time_us for op in ops), len(ops) * launch)
+    moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
+    kinds: dict[str, int] = defaultdict(int)
+    for op in ops:
+        kinds[op.op] += 1
+    launches = sum(math.ceil(n / FOREACH_TENSORS_PER_LAUNCH) for n in kinds.values())
+    after = moved / (evidence.ceilings.copy_gb_s * 1e3) + launches * launch
+    return now, after
+
+
+def _visible(kind: str, evidence: Evidence) -> bool:
+    """Whether a loop of ``kind`` is a problem on this device. On a CPU, torch's own optimizers
+    and clipping loop over tensors by default (their foreach paths are for GPUs), so only a loop
+    the user asked for is one: ``foreach=False`` given, ``set_to_none=False``, their own code."""
+    if evidence.cuda or kind in ("zero_grad", "tensor_loop"):
+        return True
+    if kind == "optimizer_loop":
+        return any(o.defaults.get("foreach") is False for o in evidence.parts.optimizers)
+    return False
+
+
+@check("loops")
+def loops(evidence: Evidence) -> list[Finding]:
+    merged: dict[tuple, tuple[list[OpRecord], str]] = {}
+    for (site, library), ops in _loop_groups(evidence).items():
+        kind = _loop_kind(library, ops)[0]
+        known, first = merged.get((site, kind), ([], library))
+        merged[(site, kind)] = (known + ops, first)
+    found = []
+    for (site, kind), (ops, library) in merged.items():
+        if _visible(kind, evidence):
+            found.append(_loop_finding(evidence, site, library, ops))
+    return found
+
+
+def _loop_finding(evidence: Evidence, site, library: str, ops: list[OpRecord]) -> Finding:
+    kind, what, change, fixes = _loop_kind(library, ops)
+    if evidence.cuda:
+        now, after = _foreach_us(evidence, ops)
+        saved = max(0.0, now - after)
+        model = (
+            f"now {now / 1e3:.3f} ms (its kernels, or {len(ops)} launches at "
+            f"{evidence.costs.launch_us:.1f} us if longer); one launch per op kind and "
+            f"{FOREACH_TENSORS_PER_LAUNCH} tensors, its bytes at the copy bandwidth: "
+            f"{after / 1e3:.3f} ms"
+        )
+    else:
+        saved, model = None, f"on a GPU each of the {len(ops)} ops is a kernel launch"
+    return Finding(
+        kind=kind,
+        title=f"{what}: {len(ops)} ops per step from one line",
+        evidence=f"{len(ops)} ops ({', '.join(sorted({o.op for o in ops})[:4])}) per step at "
+        f"{site}" + (f" inside {library}" if library else ""),
+        cost_model=model,
+        notebook="02_fusion",
+        change=change,
+        saved_us=saved,
+        sites=[site],
+        fixes=fixes,
+    )
+
+
+# ---- precision --------------------------------------------------------------------------------
+def matmul_flops(op: OpRecord) -> float:
+    """FLOPs of a matrix product or convolution from its shapes (0 if unknown)."""
+    shapes = [t.shape for t in op.inputs]
+    if op.op == "aten::mm" and len(shapes) >= 2:
+        (m, k), (_, n) = shapes[0], shapes[1]
+        return 2.0 * m * k * n
+    if op.op == "aten::addmm" and len(shapes) >= 3:
+        (m, k), (_, n) = shapes[1], shapes[2]
+        return 2.0 * m * k * n
+    if op.op in ("aten::bmm", "aten::baddbmm") and len(shapes) >= 2:
+        a, b = shapes[-2], shapes[-1]
+        return 2.0 * a[0] * a[1] * a[2] * b[2] if len(a) == 3 and len(b) == 3 else 0.0
+    if "convolution" in op.op and len(shapes) >= 2 and op.outputs:
+        weight = shapes[1] if op.op != "aten::convolution_backward" else shapes[2]
+        per_output = 2.0 * math.prod(weight[1:])
+        out = op.outputs[0].shape if op.op != "aten::convolution_backward" else shapes[0]
+        factor = 2.0 if op.op == "aten::convolution_backward" else 1.0
+        return factor * per_output * math.prod(out)
+    return 0.0
+
+
+def _float32_matmuls(evidence: Evidence) -> list[OpRecord]:
+    return [
+        op
+        for op in evidence.recording.ops
+        if op.op in MATMUL_OPS and op.inputs and op.inputs[0].dtype == torch.float32
+    ]
+
+
+@check("precision")
+def precision(evidence: Evidence) -> list[Finding]:
+    if not evidence.cuda or torch.get_float32_matmul_precision() != "highest":
+        return []
+    ops = _float32_matmuls(evidence)
+    now = sum(op.time_us for op in ops)
+    if not ops or now < 0.05 * evidence.step_us:
+        return []
+    flops = sum(matmul_flops(op) for op in ops)
+    moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
+    rate, bandwidth = evidence.ceilings.matmul_tflop_s, evidence.ceilings.copy_gb_s
+    # bf16 halves the bytes; autocast adds a cast of each float32 input (read 4, write 2 bytes)
+    after = sum(
+        max(matmul_flops(op) / (rate * 1e6), 0.5 * _bytes(op) / (bandwidth * 1e3)) for op in ops
+    ) + 1.5 * sum(t.nbytes for op in ops for t in op.inputs) / (bandwidth * 1e3)
+    return [
+        Finding(
+            kind="precision",
+            title=f"float32 matrix products take {now / evidence.step_us:.0%} of the step "
+            "(TF32 off, no autocast)",
+            evidence=f"{len(ops)} float32 products and convolutions per step: "
+            f"{flops / 1e9:.2f} GFLOP, {moved / 2**20:.1f} MiB, {now / 1e3:.3f} ms on the device",
+            cost_model=f"at the measured bf16 rate ({rate:,.0f} TFLOP/s) or half their bytes at "
+            f"the copy bandwidth, whichever is longer, plus the casts: {after / 1e3:.3f} ms",
+            notebook="07_recipe",
+            change="with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+            "    loss = loss_fn(model(x), y)\n"
+            "# or, keeping float32 storage: torch.set_float32_matmul_precision('high')  # TF32",
+            saved_us=max(0.0, now - after),
+            sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:5],
+            fixes=("bf16_autocast", "tf32"),
+        )
+    ]
+
+
+def _bytes(op: OpRecord) -> int:
+    return sum(t.nbytes for t in (*op.inputs, *op.outputs))

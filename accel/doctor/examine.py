@@ -1,0 +1,173 @@
+"""``examine(step, batch)``: measure a user's training step on a copy of its model and optimizer,
+and return a :class:`~accel.doctor.report.Report` of what the checks found."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from accel.doctor.findings import Evidence, detect
+from accel.doctor.fixes import _NO_BATCH
+from accel.doctor.parts import StepParts, Untouched, copy_step, find_parts
+from accel.doctor.recorder import record_step
+from accel.doctor.timeline import profile_timeline
+
+__all__ = ["examine", "step_device"]
+
+
+def step_device(parts: StepParts, batch: Any) -> torch.device:
+    """Where the step runs: its first model's parameters, else the batch's first tensor."""
+    for model in parts.models:
+        for p in model.parameters():
+            return p.device
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def examine(
+    step: Callable[..., Any],
+    batch: Any = _NO_BATCH,
+    *,
+    loader: Iterable[Any] | None = None,
+    steps: int = 5,
+    warmup: int = 3,
+    compile: bool = False,
+):
+    """Examine ``step(batch)`` (or ``step()`` without a batch): profile it, record every operator
+    with the line that ran it, and run every check on what was measured.
+
+    The step runs on deep copies of the models and optimizers it reaches (closure, globals,
+    ``self``), so your model does not train; if they cannot be copied it runs on yours, with a
+    warning. ``loader``: the DataLoader that feeds it (its first batch is used when ``batch`` is
+    not given), to measure how long the step waits for data. ``compile=True`` also lists where
+    ``torch.compile`` would break the step (seconds to minutes).
+    """
+    from accel.doctor.report import Report
+
+    if not callable(step):
+        raise TypeError(
+            f"examine() needs the training step as a callable, got {type(step).__name__}"
+        )
+    if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
+    if batch is _NO_BATCH and loader is not None:
+        batch = next(iter(loader))
+    parts = find_parts(step)
+    untouched = Untouched(parts)
+    runner, copied = _copy_or_own(step, parts)
+    device = step_device(copied, batch)
+    call = _call(runner, batch)
+    started = time.perf_counter()
+    for _ in range(warmup):
+        call()
+    warm_s = time.perf_counter() - started
+    timeline = profile_timeline(call, device, steps=steps)
+    evidence = Evidence(
+        device=device,
+        parts=copied,
+        recording=record_step(call, device),
+        timeline=timeline,
+        batch=batch,
+        memory=_memory(call, device),
+        loader=_loader(loader, runner, device, timeline.step_us) if loader is not None else None,
+        graph_breaks=_breaks(step, parts, batch) if compile else None,
+    )
+    findings = detect(evidence)
+    _check_untouched(untouched, runner is step)
+    return Report(step, batch, parts, evidence, findings, warmup_s=warm_s)
+
+
+def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
+    return runner if batch is _NO_BATCH else (lambda: runner(batch))
+
+
+def _copy_or_own(
+    step: Callable[..., Any], parts: StepParts
+) -> tuple[Callable[..., Any], StepParts]:
+    if not parts.all:
+        warnings.warn(
+            "accel.doctor: found no model or optimizer in the step (closure, globals, self): "
+            "it runs as it is, and the fixes that change a model or optimizer cannot apply",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return step, parts
+    try:
+        return copy_step(step, parts)
+    except TypeError as error:
+        warnings.warn(
+            f"accel.doctor: {error}; examining runs your step on your own model, which trains",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return step, parts
+
+
+def _check_untouched(untouched: Untouched, ran_on_own: bool) -> None:
+    changed = untouched.changed()
+    if changed and not ran_on_own:
+        raise RuntimeError(
+            "accel.doctor changed tensors of your step in place although it ran on copies "
+            f"(a bug; please report it): {', '.join(changed[:3])}"
+        )
+
+
+def _memory(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
+    """Allocator counts of steady-state steps and the device's memory (CUDA only)."""
+    if device.type != "cuda":
+        return {}
+    from accel.memory import count_allocations
+
+    torch.cuda.synchronize(device)
+    resident = torch.cuda.memory_allocated(device)
+    stats = count_allocations(call, steps=3, warmup=1, device=device)
+    return {
+        "device_allocs": stats.device_allocs or 0.0,
+        "retries": stats.retries or 0.0,
+        "requests": stats.requests,
+        "peak_bytes": float(stats.peak_bytes),
+        "resident_bytes": float(resident),
+        "reserved_bytes": float(torch.cuda.memory_reserved(device)),
+        "total_bytes": float(torch.cuda.get_device_properties(device).total_memory),
+    }
+
+
+def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float) -> dict[str, Any]:
+    """How long each batch of ``loader`` takes to arrive while the step runs on it: the wall time
+    per batch of a loop over it, beyond the step's own time."""
+    batches, fetch_s = 0, 0.0
+    iterator = iter(loader)
+    started = time.perf_counter()
+    for _ in range(8):
+        t0 = time.perf_counter()
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            break
+        fetch_s += time.perf_counter() - t0
+        runner(batch)
+        batches += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    wall_us = (time.perf_counter() - started) / max(batches, 1) * 1e6
+    return {
+        "batches": batches,
+        "wait_us": max(0.0, wall_us - step_us),
+        "fetch_us": fetch_s / max(batches, 1) * 1e6,
+        "num_workers": getattr(loader, "num_workers", None),
+        "pin_memory": getattr(loader, "pin_memory", None),
+    }
+
+
+def _breaks(step: Callable[..., Any], parts: StepParts, batch: Any):
+    from accel.doctor.check_compile import graph_breaks
+
+    runner, _ = copy_step(step, parts) if parts.all else (step, parts)
+    return graph_breaks(_call(runner, batch))

@@ -1,0 +1,137 @@
+"""A finding: what the doctor saw in a step, the evidence, the predicted gain and its cost model,
+the notebook that teaches the fix, and the change to make. The checks that produce findings read
+one :class:`Evidence` of the step; :func:`detect` runs them all and ranks what they found.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from accel.doctor.parts import StepParts
+from accel.doctor.recorder import OpRecord, Recording, Site
+from accel.doctor.timeline import Timeline
+
+__all__ = ["CHECKS", "Evidence", "Finding", "detect"]
+
+
+@dataclass
+class Finding:
+    """One problem found in a step. ``saved_us``: the predicted time saved per step by the
+    change, from ``cost_model`` (None where this machine cannot predict it, a CPU say).
+    ``fixes`` name the automatic fixes :meth:`Report.try_fixes` can apply for it."""
+
+    kind: str
+    title: str
+    evidence: str
+    cost_model: str
+    notebook: str
+    change: str
+    saved_us: float | None = None
+    sites: list[Site] = field(default_factory=list)
+    fixes: tuple[str, ...] = ()
+
+    def speedup(self, step_us: float) -> float:
+        """The step's speedup if ``saved_us`` is saved: NaN when not predicted."""
+        if self.saved_us is None or step_us <= 0:
+            return math.nan
+        left = step_us - min(self.saved_us, step_us * 0.999)
+        return step_us / left
+
+    def row(self, step_us: float) -> dict[str, Any]:
+        return {
+            "finding": self.title,
+            "kind": self.kind,
+            "evidence": self.evidence,
+            "where": "; ".join(dict.fromkeys(str(s) for s in self.sites)) or "",
+            "predicted saving (ms/step)": (
+                self.saved_us / 1e3 if self.saved_us is not None else math.nan
+            ),
+            "predicted speedup": self.speedup(step_us),
+            "cost model": self.cost_model,
+            "notebook": self.notebook,
+            "change": self.change,
+            "automatic fixes": ", ".join(self.fixes),
+        }
+
+
+@dataclass
+class Evidence:
+    """Everything measured about one step, shared by the checks. Rates and per-event costs of
+    this machine are measured on first use (:attr:`ceilings`, :attr:`costs`)."""
+
+    device: torch.device
+    parts: StepParts
+    recording: Recording
+    timeline: Timeline
+    batch: Any
+    memory: dict[str, float] = field(default_factory=dict)
+    loader: dict[str, Any] | None = None
+    graph_breaks: list[tuple[str, Site | None]] | None = None
+    measure: dict[str, Callable[[], Any]] = field(default_factory=dict, repr=False)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def step_us(self) -> float:
+        return self.timeline.step_us
+
+    @functools.cached_property
+    def ceilings(self):
+        """The copy bandwidth and bf16 (or float32 on a CPU) matrix-product rate measured here."""
+        from accel.lab.ceilings import measure_ceilings
+
+        return self.measure.get("ceilings", lambda: measure_ceilings(self.device))()
+
+    @functools.cached_property
+    def costs(self):
+        """What one launch and one host-device sync cost here (``accel.lab.costs``)."""
+        from accel.lab.costs import measure_costs
+
+        return self.measure.get("costs", lambda: measure_costs(self.device))()
+
+    def forward_ops(self) -> list[OpRecord]:
+        return [op for op in self.recording.ops if not op.backward]
+
+    @property
+    def parameter_tensors(self) -> int:
+        return len(self.parts.parameters())
+
+
+Check = Callable[[Evidence], list[Finding]]
+CHECKS: dict[str, Check] = {}
+
+
+def check(name: str) -> Callable[[Check], Check]:
+    """Register a check under ``name``; the checks run in the order they were registered."""
+
+    def register(fn: Check) -> Check:
+        CHECKS[name] = fn
+        return fn
+
+    return register
+
+
+def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[Finding]:
+    """Every registered check on ``evidence``; findings ranked by predicted saving (those
+    without a prediction last, in the checks' order)."""
+    from accel.doctor import (  # noqa: F401 - importing a check module registers its checks
+        check_attention,
+        check_compile,
+        check_host,
+        check_kernels,
+        check_memory,
+    )
+
+    found: list[Finding] = []
+    for name, fn in CHECKS.items():
+        if only is None or name in only:
+            found += fn(evidence)
+    return sorted(found, key=lambda f: -(f.saved_us if f.saved_us is not None else -1.0))

@@ -1,0 +1,241 @@
+"""The fixes the doctor can apply to a copy of a step without the user editing code, each with
+the tolerance its change to the numbers is allowed and why.
+
+A fix changes a :class:`StepCopy` in place: its copied optimizers and models (fused or foreach
+updates, ``set_to_none``, capturable state, ``compile``, checkpointed blocks), the contexts its
+calls run in (TF32, bf16 autocast, clipping forced to ``foreach``), the batch it is handed (pinned
+and copied in before the call) or the call itself (a CUDA graph). Fixes compose: applying several
+to one copy is the cumulative trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from accel.doctor.check_memory import repeated_blocks
+from accel.doctor.parts import StepParts
+
+__all__ = ["FIXES", "Fix", "FixNotApplicable", "StepCopy"]
+
+
+class FixNotApplicable(RuntimeError):
+    """The fix cannot apply to this step here; the message says why."""
+
+
+@dataclass
+class StepCopy:
+    """A copy of the user's step under construction: what each fix changes."""
+
+    step: Callable[..., Any]
+    parts: StepParts
+    batch: Any
+    device: torch.device
+    contexts: list[Callable[[], contextlib.AbstractContextManager]] = field(default_factory=list)
+    on_device_batch: bool = False  # pinned and copied in, non-blocking, before each call
+    graphed: bool = False
+    graph: Any = None  # the GraphedStep, once built (its ``reason`` says if it ran eagerly)
+
+    def build(self) -> Callable[[], Any]:
+        """The call the trials time: one step on the batch, with every fix applied."""
+        contexts, step = list(self.contexts), self.step
+
+        def inner(batch: Any) -> Any:
+            with contextlib.ExitStack() as stack:
+                for context in contexts:
+                    stack.enter_context(context())
+                return step(batch) if batch is not _NO_BATCH else step()
+
+        if self.graphed:
+            from accel.graphs import GraphedStep
+
+            inner = self.graph = GraphedStep(inner, warmup=GRAPH_WARMUP, device=self.device)
+        batch = _to_device(self.batch, self.device) if self.on_device_batch else self.batch
+        return functools.partial(inner, batch)
+
+
+_NO_BATCH = object()  # the step takes no argument
+GRAPH_WARMUP = 2  # eager calls before the capture (optimizer state is created in the first)
+
+
+@dataclass(frozen=True)
+class Fix:
+    name: str
+    label: str
+    apply: Callable[[StepCopy], None]
+    rtol: float  # relative error allowed on the step's outputs and parameters after the trial
+    why: str  # the argument for that tolerance
+    needs_cuda: bool = True
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    def move(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            return t.pin_memory().to(device, non_blocking=True)
+        return t
+
+    return tree_map(move, batch)
+
+
+# ---- optimizers -----------------------------------------------------------------------------------
+_FUSED = ("Adam", "AdamW", "SGD", "Adagrad")
+
+
+def _retune(opt: torch.optim.Optimizer, **flags: bool) -> None:
+    """Set ``flags`` on every group of ``opt`` (a copy) and move step counters where they go."""
+    for key in flags:
+        if key not in opt.defaults:
+            raise FixNotApplicable(f"{type(opt).__name__} has no {key!r} option")
+    opt.defaults.update(flags)
+    for group in opt.param_groups:
+        group.update(flags)
+    on_device = flags.get("fused") or flags.get("capturable")
+    for param, state in opt.state.items():
+        step = state.get("step") if isinstance(state, dict) else None
+        if isinstance(step, torch.Tensor) and on_device:
+            state["step"] = step.to(param.device, torch.float32)
+
+
+def _fused(copy: StepCopy) -> None:
+    opts = copy.parts.optimizers
+    if not opts:
+        raise FixNotApplicable("no optimizer found in the step")
+    for opt in opts:
+        if type(opt).__name__ not in _FUSED:
+            raise FixNotApplicable(f"{type(opt).__name__} has no fused implementation")
+        _retune(opt, fused=True, foreach=False)
+
+
+def _foreach(copy: StepCopy) -> None:
+    if not copy.parts.optimizers:
+        raise FixNotApplicable("no optimizer found in the step")
+    for opt in copy.parts.optimizers:
+        _retune(opt, foreach=True)
+
+
+def _set_to_none(copy: StepCopy) -> None:
+    for part in (*copy.parts.optimizers, *copy.parts.models):
+        part.zero_grad = functools.partial(type(part).zero_grad, part, set_to_none=True)
+
+
+_CLIP_PARTS = ("_get_total_norm", "_clip_grads_with_norm_")  # each takes foreach 4th
+
+
+def _foreach_clip(copy: StepCopy) -> None:
+    from torch.nn.utils import clip_grad
+
+    if not all(hasattr(clip_grad, name) for name in _CLIP_PARTS):
+        raise FixNotApplicable(f"torch {torch.__version__}'s clip_grad_norm_ cannot be redirected")
+    copy.contexts.append(_clip_with_foreach)
+
+
+@contextlib.contextmanager
+def _clip_with_foreach() -> Iterator[None]:
+    """``clip_grad_norm_`` however it was imported, with ``foreach=True``: the module's two
+    helpers it calls are looked up at call time."""
+    from torch.nn.utils import clip_grad
+
+    originals = {name: getattr(clip_grad, name) for name in _CLIP_PARTS}
+
+    def forced(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kwargs["foreach"] = True
+            return original(*args[:3], **kwargs)
+
+        return call
+
+    try:
+        for name, original in originals.items():
+            setattr(clip_grad, name, forced(original))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(clip_grad, name, original)
+
+
+# ---- precision, graphs, compile, memory ---------------------------------------------------------
+@contextlib.contextmanager
+def _tf32() -> Iterator[None]:
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _graph(copy: StepCopy) -> None:
+    for opt in copy.parts.optimizers:
+        if "capturable" in opt.defaults:
+            _retune(opt, capturable=True)
+    copy.on_device_batch = copy.graphed = True
+
+
+def _compile(copy: StepCopy) -> None:
+    if not copy.parts.models:
+        raise FixNotApplicable("no model found in the step to compile")
+    for model in copy.parts.models:
+        model.compile()
+
+
+def _checkpoint(copy: StepCopy) -> None:
+    from accel.recompute import checkpoint_blocks
+
+    done = False
+    for model in copy.parts.models:
+        blocks = repeated_blocks(model)
+        if blocks:
+            checkpoint_blocks(model, blocks)
+            done = True
+    if not done:
+        raise FixNotApplicable("no repeated blocks (a ModuleList of layers) to checkpoint")
+
+
+def _context(
+    factory: Callable[[], contextlib.AbstractContextManager],
+) -> Callable[[StepCopy], None]:
+    return lambda copy: copy.contexts.append(factory)
+
+
+def _autocast(copy: StepCopy) -> None:
+    copy.contexts.append(lambda: torch.autocast(copy.device.type, dtype=torch.bfloat16))
+
+
+def _pinned(copy: StepCopy) -> None:
+    copy.on_device_batch = True
+
+
+_ROUNDING = (
+    "the same arithmetic in another order: float32 rounding (1e-7 an operation), over a few steps"
+)
+FIXES: dict[str, Fix] = {
+    f.name: f
+    for f in (
+        Fix("fused_optimizer", "fused optimizer", _fused, 1e-4, _ROUNDING),
+        Fix("foreach_optimizer", "foreach optimizer", _foreach, 1e-4, _ROUNDING),
+        Fix("foreach_clip", "foreach clipping", _foreach_clip, 1e-4, _ROUNDING),
+        Fix("set_to_none", "zero_grad(set_to_none=True)", _set_to_none, 1e-6,
+            "adding a gradient to zeros or to nothing gives the same numbers", needs_cuda=False),
+        Fix("tf32", "TF32 matrix products", _context(_tf32), 2e-2,
+            "TF32 keeps 10 of float32's 23 mantissa bits in products (2^-11 relative each); "
+            "through a few layers and steps, about 1e-2"),
+        Fix("bf16_autocast", "bf16 autocast", _autocast, 5e-2,
+            "bf16 keeps 8 mantissa bits (2^-9 relative a rounding); through a few layers and "
+            "steps a few 1e-2", needs_cuda=False),
+        Fix("pinned_batch", "batch pinned and copied in first", _pinned, 1e-6,
+            "the same values, copied earlier"),
+        Fix("cuda_graph", "GraphedStep (CUDA graph)", _graph, 1e-4,
+            "the same kernels replayed; a capturable optimizer keeps its step count on the device"),
+        Fix("compile", "torch.compile", _compile, 1e-3,
+            "fused kernels round in another order (1e-7 an operation) through every layer and "
+            "a few steps", needs_cuda=False),
+        Fix("checkpointing", "activation checkpointing", _checkpoint, 1e-4,
+            "the recomputed forward is the same arithmetic", needs_cuda=False),
+    )
+}  # fmt: skip

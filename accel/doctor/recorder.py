@@ -1,0 +1,248 @@
+"""Every ATen operator one call of a step runs, with the line of the user's code that ran it.
+
+A ``TorchDispatchMode`` sees each operator below autograd, forward and backward, with its real
+tensors: shapes, dtypes, devices, whether host memory is pinned. For each it notes the first
+frame of the caller's own code (frames in torch, in the doctor and in the standard library are
+skipped) and the torch functions in between (``torch/optim/adamw.py:_single_tensor_adamw``), and
+whether autograd's backward ran it. Each operator runs inside a profiler range named after its
+index, so the profiler's time for the range (the device's kernels on CUDA, the host's on a CPU)
+joins the record.
+
+Printing a tensor reads it on the host without any operator this mode would see (``_tensor_str``
+turns dispatch modes off), so the tensor methods that format or export values are watched too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["OpRecord", "Recording", "Site", "TensorInfo", "record_step"]
+
+MARK = "accel.doctor.op"
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DOCTOR_DIR = os.path.dirname(__file__) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+_USER_FILES_IN_DOCTOR = ("zoo.py",)  # the doctor's own example models are user code
+# tensor methods that read values on the host without an operator the mode sees
+_WATCHED = ("__repr__", "__str__", "__format__", "tolist", "numpy")
+# torch's own dispatch machinery between an operator and the code that called it: not news
+_PLUMBING = ("_dynamo/", "_compile.py", "utils/_python_dispatch.py", "_ops.py")
+
+
+@dataclass(frozen=True)
+class Site:
+    """A line of the user's code."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def text(self) -> str:
+        return linecache.getline(self.file, self.line).strip()
+
+    def __str__(self) -> str:
+        return f"{_short(self.file)}:{self.line} ({self.function})"
+
+
+def _short(path: str) -> str:
+    cwd = os.getcwd() + os.sep
+    return path[len(cwd) :] if path.startswith(cwd) else path
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+    nbytes: int
+    pinned: bool  # host memory that is page-locked (always False on a device)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorInfo:
+        cpu = t.device.type == "cpu"
+        return cls(
+            tuple(t.shape),
+            t.dtype,
+            t.device.type,
+            t.numel() * t.element_size(),
+            bool(cpu and torch.cuda.is_available() and _is_pinned(t)),
+        )
+
+
+def _is_pinned(t: torch.Tensor) -> bool:
+    try:
+        return t.is_pinned()
+    except RuntimeError:  # a tensor without storage (meta, some views)
+        return False
+
+
+@dataclass
+class OpRecord:
+    index: int
+    op: str  # "aten::mm"
+    site: Site | None  # None: no user frame (autograd's worker thread on CUDA)
+    library: tuple[str, ...]  # torch functions between the op and the user's line
+    backward: bool
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    scalars: tuple[Any, ...]  # the non-tensor arguments (dims, flags)
+    time_us: float = 0.0  # the device's kernels in the op (CUDA) or the host's time (CPU)
+
+
+@dataclass(frozen=True)
+class HostRead:
+    """A tensor's values read on the host without an operator: printed, formatted, exported."""
+
+    method: str
+    site: Site | None
+    device: str
+
+
+@dataclass
+class Recording:
+    ops: list[OpRecord] = field(default_factory=list)
+    host_reads: list[HostRead] = field(default_factory=list)
+    device: str = "cpu"
+
+
+class _Frames:
+    """Which frames are the user's, decided once per code object."""
+
+    def __init__(self):
+        self._internal: dict[types.CodeType, bool] = {}
+
+    def internal(self, code: types.CodeType) -> bool:
+        known = self._internal.get(code)
+        if known is None:
+            name = code.co_filename
+            installed = "-packages" + os.sep in name  # user packages may live under stdlib
+            known = (
+                name.startswith((_TORCH_DIR, "<frozen"))
+                or (name.startswith(_STDLIB_DIR) and not installed)
+                or (name.startswith(_DOCTOR_DIR) and not name.endswith(_USER_FILES_IN_DOCTOR))
+            )
+            self._internal[code] = known
+        return known
+
+    def caller(self, start: types.FrameType | None) -> tuple[Site | None, tuple[str, ...]]:
+        """The first user frame above ``start`` and the torch functions below it (innermost
+        first)."""
+        library: list[str] = []
+        frame = start
+        while frame is not None:
+            code = frame.f_code
+            if not self.internal(code):
+                return Site(code.co_filename, frame.f_lineno, code.co_name), tuple(library)
+            if code.co_filename.startswith(_TORCH_DIR):
+                where = code.co_filename[len(_TORCH_DIR) :]
+                if not where.startswith(_PLUMBING):
+                    library.append(f"{where}:{code.co_name}")
+            frame = frame.f_back
+        return None, tuple(library)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, recording: Recording, frames: _Frames):
+        super().__init__()
+        self.recording, self.frames = recording, frames
+        self._range = getattr(torch._C._profiler, "_RecordFunctionFast", None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        index = len(self.recording.ops)
+        with self._range(f"{MARK}{index}") if self._range else contextlib.nullcontext():
+            out = func(*args, **kwargs)
+        site, library = self.frames.caller(sys._getframe(1))
+        leaves = tree_leaves((args, kwargs))
+        self.recording.ops.append(
+            OpRecord(
+                index=index,
+                op=_op_name(func),
+                site=site,
+                library=library[:12],
+                backward=torch._C._current_autograd_node() is not None,
+                inputs=tuple(TensorInfo.of(a) for a in leaves if isinstance(a, torch.Tensor)),
+                outputs=tuple(
+                    TensorInfo.of(o) for o in tree_leaves(out) if isinstance(o, torch.Tensor)
+                ),
+                scalars=tuple(a for a in leaves if isinstance(a, (int, float, bool, str)))[:8],
+            )
+        )
+        return out
+
+
+def _op_name(func) -> str:
+    packet = getattr(func, "_schema", None)
+    name = packet.name if packet is not None else str(func)
+    return name if "::" in name else f"aten::{name}"
+
+
+@contextlib.contextmanager
+def _watching_host_reads(recording: Recording, frames: _Frames) -> Iterator[None]:
+    originals = {name: getattr(torch.Tensor, name) for name in _WATCHED}
+    busy = [False]  # a read inside a watched method (format calls item) is the same read
+
+    def watched(name: str, original: Callable) -> Callable:
+        def read(self, *args, **kwargs):
+            if busy[0] or not isinstance(self, torch.Tensor):
+                return original(self, *args, **kwargs)
+            site, _ = frames.caller(sys._getframe(1))
+            recording.host_reads.append(HostRead(name, site, self.device.type))
+            busy[0] = True
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                busy[0] = False
+
+        return read
+
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, watched(name, original))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def record_step(call: Callable[[], object], device: torch.device) -> Recording:
+    """Run ``call`` once under the recorder and the profiler; every op with its line and time."""
+    from accel.profiling import quiet_profile
+
+    recording, frames = Recording(device=device.type), _Frames()
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    with quiet_profile(activities=activities) as prof:
+        with _watching_host_reads(recording, frames), _Recorder(recording, frames):
+            call()
+        if cuda:
+            torch.cuda.synchronize(device)
+    times = _range_times(prof, cuda)
+    for record in recording.ops:
+        record.time_us = times.get(record.index, 0.0)
+    return recording
+
+
+def _range_times(prof, cuda: bool) -> dict[int, float]:
+    times: dict[int, float] = {}
+    for e in prof.events():
+        if e.name.startswith(MARK):
+            index = int(e.name[len(MARK) :])
+            times[index] = e.device_time_total if cuda else e.cpu_time_total
+    return times

@@ -1,0 +1,155 @@
+"""What ``examine`` returns: the ranked findings as a table, where the step's time goes as a
+figure, ``try_fixes`` to measure the fixes, and the same as text (the command line) or as one
+HTML file that works offline."""
+
+from __future__ import annotations
+
+import html
+import math
+from pathlib import Path
+from typing import Any
+
+from accel.doctor.findings import Evidence, Finding
+from accel.doctor.parts import StepParts
+
+__all__ = ["Report"]
+
+_IDLE_NAMES = {
+    "host": "idle: waiting for the host",
+    "sync": "idle: after a sync",
+    "other": "idle: other",
+}
+
+
+class Report:
+    """The doctor's findings on one step (see :func:`accel.doctor.examine`)."""
+
+    def __init__(
+        self,
+        step: Any,
+        batch: Any,
+        parts: StepParts,
+        evidence: Evidence,
+        findings: list[Finding],
+        *,
+        warmup_s: float = 0.0,
+    ):
+        self.step, self.batch, self.parts = step, batch, parts
+        self.evidence, self.findings, self.warmup_s = evidence, findings, warmup_s
+        self.trials = None  # the DataFrame of the last try_fixes()
+
+    @property
+    def step_ms(self) -> float:
+        return self.evidence.step_us / 1e3
+
+    @property
+    def device(self) -> str:
+        return str(self.evidence.device)
+
+    def kinds(self) -> set[str]:
+        return {f.kind for f in self.findings}
+
+    def fixes(self) -> list[str]:
+        """The automatic fixes the findings name, in the findings' order."""
+        return list(dict.fromkeys(name for f in self.findings for name in f.fixes))
+
+    # ---- tables and figures ------------------------------------------------------------------
+    def table(self):
+        """The findings, ranked, one row each (pandas)."""
+        import pandas as pd
+
+        rows = [f.row(self.evidence.step_us) for f in self.findings]
+        columns = list(Finding("", "", "", "", "", "").row(1.0))
+        return pd.DataFrame(rows, columns=columns)
+
+    def breakdown(self) -> dict[str, float]:
+        """ms per step: the kernels by category, then the device's idle time by cause."""
+        t = self.evidence.timeline
+        parts = {k: v / 1e3 for k, v in sorted(t.by_category.items(), key=lambda kv: -kv[1])}
+        for cause, us in t.idle_us.items():
+            label = (
+                _IDLE_NAMES.get(cause, cause) if self.evidence.cuda else "host: Python, dispatch"
+            )
+            parts[label] = parts.get(label, 0.0) + us / 1e3
+        return parts
+
+    def figure(self):
+        """Where the time goes (one stacked bar) and each finding's predicted saving."""
+        from accel.lab.plots import doctor_figure
+
+        savings = {
+            _short(f.title): f.saved_us / 1e3 for f in self.findings if f.saved_us is not None
+        }
+        return doctor_figure(self.breakdown(), savings, self.step_ms, title=self._title())
+
+    def _title(self) -> str:
+        return f"Where a {self.step_ms:.3f} ms step goes on {self.device}"
+
+    # ---- fixes -------------------------------------------------------------------------------
+    def try_fixes(
+        self, fixes: list[str] | None = None, *, steps: int = 3, repeats: int | None = None
+    ):
+        """Apply each fix alone, then together, to copies of the step; check each against the
+        unchanged step within the fix's tolerance, time it against the unchanged step
+        (interleaved), and put the measured time beside the prediction. Returns a DataFrame
+        (kept as ``self.trials``). Your model and optimizer are never changed."""
+        from accel.doctor.trial import try_fixes
+
+        self.trials = try_fixes(self, fixes, steps=steps, repeats=repeats)
+        return self.trials
+
+    # ---- text and HTML ---------------------------------------------------------------------------
+    def summary(self) -> str:
+        t = self.evidence.timeline
+        syncs = "" if math.isnan(t.syncs) else f", {t.syncs:.0f} syncs"
+        return (
+            f"{self.device}: a step takes {self.step_ms:.3f} ms ({t.launches:.0f} launches"
+            f"{syncs}, {t.kernel_us / 1e3:.3f} ms of kernels); {len(self.findings)} finding"
+            f"{'s' * (len(self.findings) != 1)}. Examined: {self.parts.describe()}"
+        )
+
+    def __str__(self) -> str:
+        lines = [self.summary(), ""]
+        for i, f in enumerate(self.findings, 1):
+            gain = "" if f.saved_us is None else f"  [saves {f.saved_us / 1e3:.3f} ms/step, "
+            gain += "" if f.saved_us is None else f"{f.speedup(self.evidence.step_us):.2f}x]"
+            lines += [f"{i}. {f.title}{gain}  ({f.notebook})", f"   {f.evidence}"]
+            lines += [f"   where: {s}" for s in f.sites[:3]]
+            lines += ["   change: " + f.change.splitlines()[0]]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<accel.doctor.Report: {self.summary()}>"
+
+    def _repr_html_(self) -> str:
+        return self.html(plotlyjs=False)
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import HTML, display
+
+        display(HTML(f"<p>{html.escape(self.summary())}</p>"))
+        display(self.table())
+        display(self.figure())
+
+    def html(self, *, plotlyjs: bool | str = True) -> str:
+        """One HTML page: the summary, the findings, the figure (plotly.js inline by default,
+        so it opens without a network) and the trials if any."""
+        table = self.table().to_html(index=False, escape=True)
+        trials = "" if self.trials is None else self.trials.to_html(index=False)
+        figure = self.figure().to_html(full_html=False, include_plotlyjs=plotlyjs)
+        return (
+            f"<h2>accel.doctor</h2><p>{html.escape(self.summary())}</p>{figure}"
+            f"<h3>Findings</h3>{table}" + (f"<h3>Fixes tried</h3>{trials}" if trials else "")
+        )
+
+    def to_html(self, path: str | Path) -> Path:
+        from accel.files import write_text_atomic
+
+        path = Path(path)
+        page = f"<!doctype html><html><meta charset='utf-8'><body>{self.html()}</body></html>"
+        write_text_atomic(path, page)
+        return path
+
+
+def _short(title: str, width: int = 48) -> str:
+    return title if len(title) <= width else title[: width - 1] + "…"

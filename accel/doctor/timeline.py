@@ -1,0 +1,178 @@
+"""Where a step's time goes on the device: kernels, launches, syncs, and the device's idle time
+split by cause.
+
+The split follows Holistic Trace Analysis's idle-time breakdown, computed here from the profiler
+events already in memory (HTA reads trace files from disk and is not among the workbook's
+dependencies). Each gap between one kernel's end and the next one's start is
+
+- **sync**: a blocking call on the host (``cudaStreamSynchronize`` and friends, where ``.item()``
+  and ``.cpu()`` end) returned during the gap: the host waited for the device to drain, then had to
+  start the queue again;
+- **host**: a launch started during the gap: the device waited for the host to launch work;
+- **other**: the next kernel was already queued (launch latency, a dependency between streams).
+
+On a CPU there is no separate device: the "kernels" are the ATen operators that did arithmetic,
+and the rest of the step (Python, dispatch, allocation) is counted as host time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, record_function
+
+from accel.lab.profile import LAUNCH_CALLS, SYNC_CALLS, cpu_kernels, device_work, union_length
+from accel.profiling import quiet_profile
+
+__all__ = ["Timeline", "kernel_category", "profile_timeline"]
+
+_STEP = "accel.doctor.step"
+_SYNC_GRACE_US = 5.0  # a sync that returned just before the gap opened still caused it
+_CATEGORIES = (  # (category, substrings of a kernel or operator name), first match wins
+    ("communication", ("nccl", "c10d::", "allreduce", "all_gather", "reduce_scatter")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "_efficient_attention")),
+    ("matmul", ("gemm", "cutlass", "cublas", "xmma", "wgmma", "mm", "conv", "linear")),
+    ("optimizer", ("multi_tensor_apply", "adam", "sgd", "_foreach", "fused_")),
+    ("copy", ("memcpy", "copy_", "_to_copy")),
+    ("memset", ("memset", "fill_", "zero_")),
+    ("normalization", ("norm", "softmax")),
+)
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    for category, needles in _CATEGORIES:
+        if any(n in lowered for n in needles):
+            return category
+    return "elementwise and other"
+
+
+@dataclass
+class Timeline:
+    """Per-step averages over ``steps`` profiled steps (microseconds)."""
+
+    device: str
+    steps: int
+    step_us: float
+    kernel_us: float  # the kernels' durations summed (what a graph replay could not go under)
+    busy_us: float  # time in which at least one kernel ran
+    kernels: int  # per step
+    launches: float
+    syncs: float  # NaN on a CPU
+    idle_us: dict[str, float] = field(default_factory=dict)  # host, sync, other
+    by_category: dict[str, float] = field(default_factory=dict)  # kernel time per category
+    comm_us: float = 0.0
+    comm_overlap_us: float = 0.0  # communication time during which compute also ran
+    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, count, us
+
+    @property
+    def idle_fraction(self) -> float:
+        return 1 - self.busy_us / self.step_us if self.step_us > 0 else math.nan
+
+
+def profile_timeline(
+    call: Callable[[], object], device: torch.device, *, steps: int = 5
+) -> Timeline:
+    """Profile ``steps`` calls of ``call`` (already warmed up) and account for their time."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(device)
+    with quiet_profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function(_STEP):
+                call()
+        if cuda:
+            torch.cuda.synchronize(device)
+    events = list(prof.events())
+    marks = [e for e in events if e.name == _STEP and e.device_type == DeviceType.CPU]
+    t0 = min(e.time_range.start for e in marks)
+    work = device_work(events) if cuda else cpu_kernels(events)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end, e.name) for e in work if e.time_range.start >= t0
+    )
+    t1 = max([e.time_range.end for e in marks] + [end for _, end, _ in spans])
+    host = [e for e in events if e.device_type == DeviceType.CPU and e.time_range.start >= t0]
+    launches = sorted(e.time_range.start for e in host if e.name in LAUNCH_CALLS)
+    sync_ends = sorted(e.time_range.end for e in host if e.name in SYNC_CALLS)
+    idle = _idle_breakdown(spans, t0, t1, launches, sync_ends) if cuda else {}
+    busy = union_length([[a, b] for a, b, _ in spans])
+    if not cuda:
+        idle = {"host": max(0.0, (t1 - t0) - busy)}
+    comm, overlap = _communication(spans)
+    per = 1.0 / steps
+    return Timeline(
+        device=str(device),
+        steps=steps,
+        step_us=(t1 - t0) * per,
+        kernel_us=sum(b - a for a, b, _ in spans) * per,
+        busy_us=busy * per,
+        kernels=round(len(spans) * per),
+        launches=(len(launches) if cuda else len(spans)) * per,
+        syncs=len(sync_ends) * per if cuda else math.nan,
+        idle_us={k: v * per for k, v in idle.items()},
+        by_category={k: v * per for k, v in _by_category(spans).items()},
+        comm_us=comm * per,
+        comm_overlap_us=overlap * per,
+        top_kernels=_top(spans, per),
+    )
+
+
+def _idle_breakdown(spans, t0, t1, launches, sync_ends) -> dict[str, float]:
+    """Each gap in the kernels' coverage, by cause (see the module doc)."""
+    out = {"host": 0.0, "sync": 0.0, "other": 0.0}
+    covered_to = t0
+    gaps = []
+    for start, end, _ in spans:
+        if start > covered_to:
+            gaps.append((covered_to, start))
+        covered_to = max(covered_to, end)
+    if t1 > covered_to:
+        gaps.append((covered_to, t1))
+    for a, b in gaps:
+        if _any_in(sync_ends, a - _SYNC_GRACE_US, b):
+            out["sync"] += b - a
+        elif _any_in(launches, a, b):
+            out["host"] += b - a
+        else:
+            out["other"] += b - a
+    return out
+
+
+def _any_in(sorted_times: list[float], a: float, b: float) -> bool:
+    i = bisect.bisect_left(sorted_times, a)
+    return i < len(sorted_times) and sorted_times[i] < b
+
+
+def _by_category(spans) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for a, b, name in spans:
+        category = kernel_category(name)
+        out[category] = out.get(category, 0.0) + (b - a)
+    return out
+
+
+def _communication(spans) -> tuple[float, float]:
+    """Communication kernels' covered time, and how much of it compute kernels overlapped."""
+    comm = [[a, b] for a, b, n in spans if kernel_category(n) == "communication"]
+    if not comm:
+        return 0.0, 0.0
+    compute = [[a, b] for a, b, n in spans if kernel_category(n) != "communication"]
+    total = union_length(comm)
+    both = total + union_length(compute) - union_length(comm + compute)
+    return total, both
+
+
+def _top(spans, per: float, n: int = 12) -> list[tuple[str, float, float]]:
+    totals: dict[str, list[float]] = {}
+    for a, b, name in spans:
+        entry = totals.setdefault(name, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += b - a
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
+    return [(name, count * per, us * per) for name, (count, us) in ranked]

@@ -1,0 +1,170 @@
+"""``Report.try_fixes``: each fix on its own copy of the step, then the ones that helped together,
+each checked against an unchanged copy (same start, same batch, same seed) within the fix's
+tolerance and timed against it interleaved, with the findings' prediction beside the
+measurement."""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
+from accel.doctor.parts import Untouched, copy_step
+
+__all__ = ["result_error", "try_fixes"]
+
+EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
+_SEED = 1234
+
+
+def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | None):
+    import pandas as pd
+
+    names = report.fixes() if fixes is None else list(fixes)
+    unknown = [n for n in names if n not in FIXES]
+    if unknown:
+        raise ValueError(f"unknown fixes {unknown}; expected some of {', '.join(FIXES)}")
+    if not report.parts.all:
+        raise ValueError("try_fixes needs the step's model or optimizer, and none was found")
+    cuda = report.evidence.device.type == "cuda"
+    repeats = repeats or (15 if cuda else 5)
+    untouched = Untouched(report.parts)
+    rows = [_trial(report, [name], steps, repeats) for name in names]
+    helped = sorted(
+        (r for r in rows if r["status"] == "ok" and r["measured speedup"] > 1.0),
+        key=lambda r: -r["measured speedup"],
+    )
+    chosen: list[str] = []
+    for row in helped:
+        name = row["fixes"]
+        if not any(name in group and chosen_in(group, chosen) for group in EXCLUSIVE):
+            chosen.append(name)
+    if len(chosen) >= 2:
+        rows.append(_trial(report, chosen, steps, repeats))
+    changed = untouched.changed()
+    if changed:
+        raise RuntimeError(f"try_fixes changed your step's tensors in place (a bug): {changed[:3]}")
+    return pd.DataFrame(rows)
+
+
+def chosen_in(group: set[str], chosen: list[str]) -> bool:
+    return any(c in group for c in chosen)
+
+
+def _fresh(report) -> StepCopy:
+    step, parts = copy_step(report.step, report.parts)
+    return StepCopy(step, parts, report.batch, report.evidence.device)
+
+
+def _predicted_us(report, names: list[str]) -> float:
+    """The findings' predicted savings that these fixes address, each finding once."""
+    saved = [
+        f.saved_us for f in report.findings if f.saved_us is not None and set(f.fixes) & set(names)
+    ]
+    return min(sum(saved), 0.999 * report.evidence.step_us)
+
+
+def _trial(report, names: list[str], steps: int, repeats: int) -> dict[str, Any]:
+    step_us = report.evidence.step_us
+    predicted = step_us - _predicted_us(report, names)
+    row: dict[str, Any] = {
+        "fixes": "+".join(names),
+        "label": " + ".join(FIXES[n].label for n in names),
+        "mode": "alone" if len(names) == 1 else "together",
+        "status": "ok",
+        "predicted ms": predicted / 1e3,
+        "predicted speedup": step_us / predicted,
+        "unchanged ms": math.nan,
+        "measured ms": math.nan,
+        "measured speedup": math.nan,
+        "error": math.nan,
+        "tolerance": sum(FIXES[n].rtol for n in names),
+        "why": "; ".join(FIXES[n].why for n in names),
+        "first call s": math.nan,
+    }
+    skipped = [n for n in names if FIXES[n].needs_cuda and report.evidence.device.type != "cuda"]
+    if skipped:
+        return row | {"status": f"not applicable: {', '.join(skipped)} needs a CUDA GPU"}
+    try:
+        return row | _measured(report, names, steps, repeats, row["tolerance"])
+    except FixNotApplicable as error:
+        return row | {"status": f"not applicable: {error}"}
+    except Exception as error:  # a fix that breaks the user's step is a finding, not a crash
+        said = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        return row | {"status": f"failed: {type(error).__name__}: {said}"}
+
+
+def _measured(report, names: list[str], steps: int, repeats: int, tolerance: float) -> dict:
+    from accel.lab.timing import compare
+
+    base, fixed = _fresh(report), _fresh(report)
+    for name in names:
+        FIXES[name].apply(fixed)
+    base_call, fixed_call = base.build(), fixed.build()
+    checked = max(steps, GRAPH_WARMUP + 2) if fixed.graphed else steps
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error, first_s = result_error(base_call, fixed_call, base, fixed, checked)
+        timing = compare(
+            {"unchanged": base_call, "fixed": fixed_call},
+            warmup=3,
+            repeats=repeats,
+            device=report.evidence.device,
+        )
+    status = "ok" if error <= tolerance else "changes results beyond the tolerance"
+    if fixed.graph is not None and fixed.graph.reason:
+        status = f"ran eagerly: {fixed.graph.reason}"
+    elif any("GraphCapture" in type(w.message).__name__ for w in caught):
+        status = "ran eagerly: the capture failed"
+    unchanged, measured = (timing.timings[k].median_ms for k in ("unchanged", "fixed"))
+    return {
+        "status": status,
+        "unchanged ms": unchanged,
+        "measured ms": measured,
+        "measured speedup": unchanged / measured,
+        "error": error,
+        "first call s": first_s,
+    }
+
+
+def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: int):
+    """(relative error, the fixed copy's first call in s): ``steps`` steps of each from the same
+    start with the same seed; the outputs of every step and the parameters after the last,
+    compared as one vector (norm of the difference over the norm of the unchanged)."""
+    outputs = []
+    first_s = math.nan
+    for label, call in (("base", base_call), ("fixed", fixed_call)):
+        torch.manual_seed(_SEED)
+        got = []
+        for i in range(steps):
+            started = time.perf_counter()
+            got.append([_clone(t) for t in tree_leaves(call())])
+            if label == "fixed" and i == 0:
+                if fixed.device.type == "cuda":
+                    torch.cuda.synchronize(fixed.device)
+                first_s = time.perf_counter() - started
+        outputs.append(got)
+    diff = norm = 0.0
+    pairs = [
+        (a, b) for s_a, s_b in zip(*outputs, strict=True) for a, b in zip(s_b, s_a, strict=True)
+    ]
+    pairs += list(zip(_parameters(fixed), _parameters(base), strict=True))
+    for a, b in pairs:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
+            a64, b64 = a.detach().double(), b.detach().double()
+            diff += float((a64 - b64).square().sum())  # sync: once per tensor, outside timing
+            norm += float(b64.square().sum())
+    return (math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)), first_s
+
+
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _parameters(copy: StepCopy) -> list[torch.Tensor]:
+    return [p for model in copy.parts.models for p in model.parameters()]
