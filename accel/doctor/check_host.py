@@ -176,6 +176,8 @@ def capture_blockers(evidence: Evidence) -> str:
     ]
     if host:
         why.append(f"{len(host)} batch tensor(s) on the host (copy them in before the step)")
+    if evidence.loader is not None and len(evidence.loader["shapes"]) > 1:
+        why.append("the batch's shape changes between batches")
     return "; ".join(why)
 
 
@@ -226,6 +228,28 @@ def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
         saved_us=min(loader["wait_us"], evidence.step_us),
         fixes=("loader_workers",),
     )
+
+
+@check("shapes")
+def changing_shapes(evidence: Evidence) -> list[Finding]:
+    loader = evidence.loader
+    if loader is None or len(loader["shapes"]) < 2:
+        return []
+    return [
+        Finding(
+            kind="shapes",
+            title=f"the batch's shape changes: {len(loader['shapes'])} shapes in "
+            f"{loader['batches']} batches",
+            evidence="shapes seen: " + "; ".join(str(s) for s in sorted(loader["shapes"])[:4]),
+            cost_model="not predicted: a CUDA graph holds one shape (a new graph per shape), "
+            "torch.compile recompiles per shape until it goes dynamic, and the allocator's "
+            "cache fragments",
+            notebook="04_graphs",
+            change="# pad or bucket to a few lengths, e.g. to a multiple of 64:\n"
+            "x = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % 64))\n"
+            "# GraphedStep(step, on_new_shape='recapture') keeps one graph per shape",
+        )
+    ]
 
 
 @check("communication")

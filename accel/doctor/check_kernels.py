@@ -112,19 +112,22 @@ def _visible(kind: str, evidence: Evidence) -> bool:
 
 @check("loops")
 def loops(evidence: Evidence) -> list[Finding]:
-    merged: dict[tuple, tuple[list[OpRecord], str]] = {}
+    """One finding per loop: the groups of one kind in one function (the lines of a loop's
+    body) are one loop."""
+    merged: dict[tuple, tuple[list, list[OpRecord], str]] = {}
     for (site, library), ops in _loop_groups(evidence).items():
         kind = _loop_kind(library, ops)[0]
-        known, first = merged.get((site, kind), ([], library))
-        merged[(site, kind)] = (known + ops, first)
-    found = []
-    for (site, kind), (ops, library) in merged.items():
-        if _visible(kind, evidence):
-            found.append(_loop_finding(evidence, site, library, ops))
-    return found
+        key = (site.file, site.function, kind)
+        sites, known, first = merged.get(key, ([], [], library))
+        merged[key] = ([*sites, site], known + ops, first)
+    return [
+        _loop_finding(evidence, sorted(set(sites), key=lambda s: s.line), library, ops)
+        for (_, _, kind), (sites, ops, library) in merged.items()
+        if _visible(kind, evidence)
+    ]
 
 
-def _loop_finding(evidence: Evidence, site, library: str, ops: list[OpRecord]) -> Finding:
+def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:
     kind, what, change, fixes = _loop_kind(library, ops)
     if evidence.cuda:
         now, after = _foreach_us(evidence, ops)
@@ -139,14 +142,14 @@ def _loop_finding(evidence: Evidence, site, library: str, ops: list[OpRecord]) -
         saved, model = None, f"on a GPU each of the {len(ops)} ops is a kernel launch"
     return Finding(
         kind=kind,
-        title=f"{what}: {len(ops)} ops per step from one line",
+        title=f"{what}: {len(ops)} ops per step",
         evidence=f"{len(ops)} ops ({', '.join(sorted({o.op for o in ops})[:4])}) per step at "
-        f"{site}" + (f" inside {library}" if library else ""),
+        f"{', '.join(str(s) for s in sites)}" + (f" inside {library}" if library else ""),
         cost_model=model,
         notebook="02_fusion",
         change=change,
         saved_us=saved,
-        sites=[site],
+        sites=sites,
         fixes=fixes,
     )
 

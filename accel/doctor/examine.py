@@ -19,6 +19,8 @@ from accel.doctor.timeline import profile_timeline
 
 __all__ = ["examine", "step_device"]
 
+LOADER_BATCHES = 8  # batches timed through the step after the first
+
 
 def step_device(parts: StepParts, batch: Any) -> torch.device:
     """Where the step runs: its first model's parameters, else the batch's first tensor."""
@@ -142,25 +144,29 @@ def _memory(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
 def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float) -> dict[str, Any]:
     """How long each batch of ``loader`` takes to arrive while the step runs on it: the wall time
     per batch of a loop over it, beyond the step's own time."""
-    batches, fetch_s = 0, 0.0
+    batches, fetch_s, shapes = 0, 0.0, set()
     iterator = iter(loader)
+    runner(next(iterator))  # the first batch starts the workers: not a steady-state wait
     started = time.perf_counter()
-    for _ in range(8):
+    for _ in range(LOADER_BATCHES):
         t0 = time.perf_counter()
         try:
             batch = next(iterator)
         except StopIteration:
             break
         fetch_s += time.perf_counter() - t0
+        shapes.add(tuple(tuple(t.shape) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)))
         runner(batch)
         batches += 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     wall_us = (time.perf_counter() - started) / max(batches, 1) * 1e6
-    return {
+    fetch_us = fetch_s / max(batches, 1) * 1e6
+    return {  # the wait: time in next(), as far as the loop got longer than the step for it
         "batches": batches,
-        "wait_us": max(0.0, wall_us - step_us),
-        "fetch_us": fetch_s / max(batches, 1) * 1e6,
+        "wait_us": min(fetch_us, max(0.0, wall_us - step_us)),
+        "fetch_us": fetch_us,
+        "shapes": shapes,
         "num_workers": getattr(loader, "num_workers", None),
         "pin_memory": getattr(loader, "pin_memory", None),
     }

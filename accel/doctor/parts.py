@@ -97,6 +97,11 @@ def find_parts(step: Callable[..., Any]) -> StepParts:
 def _collect(parts: StepParts, value: Any, where: str) -> None:
     if _is_part(value):
         parts.add(value, where)
+    elif _holds_parts(value):  # an EMA helper, a trainer: copied with what it holds
+        parts.add(value, where)
+        for attr, item in vars(value).items():
+            if _is_part(item):
+                parts.add(item, f"{where}.{attr}")
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value[:64]):
             if _is_part(item):
@@ -105,6 +110,19 @@ def _collect(parts: StepParts, value: Any, where: str) -> None:
         for key, item in list(value.items())[:64]:
             if _is_part(item):
                 parts.add(item, f"{where}[{key!r}]")
+
+
+def _holds_parts(value: Any) -> bool:
+    """An instance (not a class, function or module) with a part among its attributes."""
+    if isinstance(value, (type, types.FunctionType, types.ModuleType, types.MethodType)):
+        return False
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict):
+        return False
+    return any(
+        _is_part(v) or (isinstance(v, (list, tuple)) and any(_is_part(i) for i in v[:64]))
+        for v in attributes.values()
+    )
 
 
 def _references(step: Any, depth: int) -> Iterator[tuple[str, Any]]:

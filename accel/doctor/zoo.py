@@ -1,0 +1,337 @@
+"""Small training steps with planted problems, each beside a clean twin: what the doctor's tests,
+its bench phase and notebook 09 examine. Written as a user would write them; every planted line
+carries a ``# planted: <kind>`` comment, so a test can check that the finding points at it.
+
+- ``gpt``: a small GPT logging ``loss.item()`` every step, clipping and updating one tensor at a
+  time (``foreach=False``), attention written out by hand, float32 products;
+- ``cnn``: a BatchNorm CNN fed by a DataLoader that builds each image in the main process and
+  hands over pageable memory;
+- ``mlp``: an MLP trained in float32 by a hand-written optimizer that loops over its tensors;
+- ``rnn``: a GRU cell stepped through time in Python, with an ``if`` on a tensor in the loop;
+- ``shapes``: a model fed sequences of a different length every batch.
+
+``build(name, planted=True, device=..., preset=...)`` returns a :class:`ZooCase`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MODELS", "ZooCase", "build", "planted_lines"]
+
+
+@dataclass
+class ZooCase:
+    name: str
+    planted: bool
+    step: Callable[..., Any]
+    batch: Any
+    loader: Iterable[Any] | None
+    expected: frozenset[str]  # finding kinds planted and visible on this device
+
+
+def planted_lines() -> dict[str, list[int]]:
+    """kind -> the lines of this file marked ``# planted: <kind>``."""
+    found: dict[str, list[int]] = {}
+    for number, line in enumerate(Path(__file__).read_text().splitlines(), 1):
+        match = re.search(r"# planted: (\w+)", line)
+        if match and not line.lstrip().startswith("#"):
+            found.setdefault(match[1], []).append(number)
+    return found
+
+
+def _sizes(preset: str, cpu: dict, gpu: dict) -> dict:
+    return gpu if preset == "gpu" else cpu
+
+
+# ---- gpt ------------------------------------------------------------------------------------------
+class ZooAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, seq: int, manual: bool):
+        super().__init__()
+        self.heads, self.manual, self.scale = heads, manual, (dim // heads) ** -0.5
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.register_buffer("future", torch.ones(seq, seq, dtype=torch.bool).triu(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.manual:
+            scores = (q @ k.transpose(-2, -1)) * self.scale  # planted: attention
+            scores = scores.masked_fill(self.future[:s, :s], float("-inf"))
+            y = scores.softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class ZooBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, seq: int, manual: bool):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = ZooAttention(dim, heads, seq, manual)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ZooGPT(nn.Module):
+    def __init__(self, vocab: int, dim: int, heads: int, layers: int, seq: int, manual: bool):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
+        self.blocks = nn.ModuleList(ZooBlock(dim, heads, seq, manual) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def _gpt(planted: bool, device: torch.device, preset: str) -> ZooCase:
+    size = _sizes(
+        preset,
+        dict(vocab=96, dim=32, heads=4, layers=2, seq=16, batch=4),
+        dict(vocab=512, dim=256, heads=8, layers=4, seq=256, batch=16),
+    )
+    batch_size = size.pop("batch")
+    model = ZooGPT(**size, manual=planted).to(device)
+    cuda = device.type == "cuda"
+    if planted:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda)
+    history: list[float] = []
+
+    def planted_step(batch):
+        tokens, targets = batch
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)  # planted: clip_loop
+        opt.step()  # planted: optimizer_loop
+        opt.zero_grad()
+        history.append(loss.item())  # planted: sync
+        return loss.detach()
+
+    def clean_step(batch):
+        tokens, targets = batch
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(size["vocab"], (batch_size, size["seq"] + 1), generator=gen)
+    tokens = tokens.to(device)
+    expected = {"sync", "attention", "optimizer_loop"} | (
+        {"clip_loop", "precision"} if cuda else set()
+    )
+    return ZooCase(
+        "gpt",
+        planted,
+        planted_step if planted else clean_step,
+        (tokens[:, :-1], tokens[:, 1:]),
+        None,
+        frozenset(expected if planted else ()),
+    )
+
+
+# ---- cnn ------------------------------------------------------------------------------------------
+class NoisyShapes(torch.utils.data.Dataset):
+    """Images made on demand in the loading process: a bright square on noise, 10 classes by
+    its place; each item costs a few small host operations, as decoding and augmenting do."""
+
+    def __init__(self, count: int, side: int):
+        self.count, self.side = count, side
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int):
+        gen = torch.Generator().manual_seed(i)
+        image = torch.randn(3, self.side, self.side, generator=gen)
+        label = i % 10
+        cell = self.side // 4
+        row, col = divmod(label % 8, 4)
+        image[:, row * cell : (row + 1) * cell, col * cell : (col + 1) * cell] += 2.0
+        for _ in range(4):  # augmentation: jitter and blur
+            image = F.avg_pool2d(image[None], 3, 1, 1)[0] + 0.1 * torch.randn_like(image)
+        return image, label
+
+
+def _cnn(planted: bool, device: torch.device, preset: str) -> ZooCase:
+    size = _sizes(preset, dict(side=32, width=16, batch=16), dict(side=128, width=64, batch=64))
+    w = size["width"]
+    model = nn.Sequential(
+        nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(),
+        nn.Conv2d(w, 2 * w, 3, stride=2, padding=1), nn.BatchNorm2d(2 * w), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * w, 10),
+    ).to(device)  # fmt: skip
+    if device.type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    data = NoisyShapes(size["batch"] * 16, size["side"])
+
+    def step(batch):
+        images, labels = batch
+        images = images.to(device)  # planted: input
+        labels = labels.to(device)
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    if planted:
+        loader = torch.utils.data.DataLoader(data, batch_size=size["batch"], shuffle=True)
+    else:  # the data made once, on the device, and served from there
+        made = torch.utils.data.default_collate([data[i] for i in range(size["batch"] * 4)])
+        images, labels = (t.to(device) for t in made)
+        loader = [
+            (images[i : i + size["batch"]], labels[i : i + size["batch"]])
+            for i in range(0, len(labels), size["batch"])
+        ]
+    expected = {"input"} if planted else set()
+    return ZooCase("cnn", planted, step, next(iter(loader)), loader, frozenset(expected))
+
+
+# ---- mlp ------------------------------------------------------------------------------------------
+class LoopMomentum(torch.optim.Optimizer):
+    """SGD with momentum written the obvious way: one update per tensor."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.9):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                buf = self.state[p].setdefault("buf", torch.zeros_like(p))
+                buf.mul_(group["momentum"]).add_(p.grad)  # planted: tensor_loop
+                p.add_(buf, alpha=-group["lr"])
+
+
+def _mlp(planted: bool, device: torch.device, preset: str) -> ZooCase:
+    size = _sizes(preset, dict(dim=64, depth=8, batch=32), dict(dim=1024, depth=12, batch=1024))
+    dim = size["dim"]
+    layers = [m for _ in range(size["depth"]) for m in (nn.Linear(dim, dim), nn.SiLU())]
+    model = nn.Sequential(*layers, nn.Linear(dim, 1)).to(device)
+    cuda = device.type == "cuda"
+    if planted:
+        opt = LoopMomentum(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=cuda or None)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(size["batch"], dim, generator=gen).to(device)
+    y = x.square().mean(1, keepdim=True)
+
+    def step(batch):
+        inputs, targets = batch
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and not planted):
+            loss = F.mse_loss(model(inputs), targets)  # planted: precision
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    expected = ({"tensor_loop"} | ({"precision"} if cuda else set())) if planted else set()
+    return ZooCase("mlp", planted, step, (x, y), None, frozenset(expected))
+
+
+# ---- rnn ------------------------------------------------------------------------------------------
+class StepwiseGRU(nn.Module):
+    def __init__(self, dim: int, planted: bool):
+        super().__init__()
+        self.planted = planted
+        self.cell = nn.GRUCell(dim, dim) if planted else None
+        self.gru = None if planted else nn.GRU(dim, dim, batch_first=True)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.planted:
+            return self.head(self.gru(x)[0].clamp(-50, 50)[:, -1])
+        h = x.new_zeros(x.shape[0], x.shape[2])
+        for t in range(x.shape[1]):
+            h = self.cell(x[:, t], h)
+            if h.abs().max() > 50:  # planted: sync
+                h = h.clamp(-50, 50)
+        return self.head(h)
+
+
+def _rnn(planted: bool, device: torch.device, preset: str) -> ZooCase:
+    size = _sizes(preset, dict(dim=16, seq=12, batch=8), dict(dim=256, seq=64, batch=64))
+    model = StepwiseGRU(size["dim"], planted).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(size["batch"], size["seq"], size["dim"], generator=gen).to(device)
+    y = x.mean((1, 2))[:, None]
+
+    def step(batch):
+        inputs, targets = batch
+        loss = F.mse_loss(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    expected = {"sync"} if planted else set()
+    return ZooCase("rnn", planted, step, (x, y), None, frozenset(expected))
+
+
+# ---- shapes ---------------------------------------------------------------------------------------
+def _shapes(planted: bool, device: torch.device, preset: str) -> ZooCase:
+    size = _sizes(preset, dict(dim=32, longest=48, batch=8), dict(dim=512, longest=512, batch=32))
+    dim, longest = size["dim"], size["longest"]
+    model = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(0)
+
+    def sequence_batch(i: int):
+        length = longest if not planted else int(longest * (0.4 + 0.6 * ((i * 7919) % 97) / 96))
+        x = torch.randn(size["batch"], length, dim, generator=gen)
+        return x.to(device), x.flip(-1).to(device)
+
+    loader = [sequence_batch(i) for i in range(8)]
+
+    def step(batch):
+        x, y = batch
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    expected = {"shapes"} if planted else set()
+    return ZooCase("shapes", planted, step, loader[0], loader, frozenset(expected))
+
+
+MODELS: dict[str, Callable[[bool, torch.device, str], ZooCase]] = {
+    "gpt": _gpt,
+    "cnn": _cnn,
+    "mlp": _mlp,
+    "rnn": _rnn,
+    "shapes": _shapes,
+}
+
+
+def build(
+    name: str, planted: bool = True, *, device: torch.device | str = "cpu", preset: str = "cpu"
+) -> ZooCase:
+    """One zoo model's step, batch and loader, planted or its clean twin, seeded."""
+    if name not in MODELS:
+        raise ValueError(f"unknown zoo model {name!r}; expected one of {', '.join(MODELS)}")
+    torch.manual_seed(0)
+    return MODELS[name](planted, torch.device(device), preset)
