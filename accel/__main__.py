@@ -1,4 +1,4 @@
-"""Command line: ``python -m accel info | bench | table``."""
+"""Command line: ``python -m accel info | bench | table | doctor``."""
 
 from __future__ import annotations
 
@@ -104,6 +104,9 @@ def parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="replace the README's table even with fewer rows"
     )
     table.set_defaults(func=_table)
+    from accel.doctor.cli import add_parser
+
+    add_parser(sub)
     return p
 
 

@@ -98,6 +98,19 @@ class Report:
         self.trials = try_fixes(self, fixes, steps=steps, repeats=repeats)
         return self.trials
 
+    def fix_flags(self) -> type:
+        """The fixes as a ``Flags`` dataclass, one checkbox each in ``lab.FeaturePanel``."""
+        from accel.doctor.toggles import fix_flags
+
+        return fix_flags(self)
+
+    def fixed_step(self, flags: Any):
+        """One call of the step on a fresh copy with the fixes ``flags`` turns on: what the
+        panel times."""
+        from accel.doctor.toggles import fixed_step
+
+        return fixed_step(self, flags)
+
     # ---- text and HTML ---------------------------------------------------------------------------
     def summary(self) -> str:
         t = self.evidence.timeline

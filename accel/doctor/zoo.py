@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "ZooCase", "build", "planted_lines"]
+__all__ = ["MODELS", "ZooCase", "build", "example", "planted_lines"]
 
 
 @dataclass
@@ -335,3 +335,9 @@ def build(
         raise ValueError(f"unknown zoo model {name!r}; expected one of {', '.join(MODELS)}")
     torch.manual_seed(0)
     return MODELS[name](planted, torch.device(device), preset)
+
+
+def example() -> ZooCase:
+    """The planted GPT on this machine's device: ``python -m accel doctor accel.doctor.zoo:example``."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return build("gpt", True, device=device, preset="gpu" if device == "cuda" else "cpu")

@@ -1,0 +1,71 @@
+"""``python -m accel doctor module:function``: ``function()`` returns the step and its batch (a
+``(step, batch)`` or ``(step, batch, loader)`` tuple, or an object with ``step``, ``batch`` and
+``loader``); the report is printed and written as one HTML file that opens offline."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from accel.errors import UsageError
+
+__all__ = ["add_parser", "load_step"]
+
+
+def load_step(target: str) -> tuple[Any, Any, Any]:
+    """(step, batch, loader) from ``module:function`` (the module importable from here)."""
+    module_name, _, function_name = target.partition(":")
+    if not module_name or not function_name:
+        raise UsageError(f"expected module:function (e.g. my_train:make_step), got {target!r}")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"cannot import {module_name!r} from {Path.cwd()}: {error}") from None
+    finally:
+        sys.path.pop(0)
+    make = getattr(module, function_name, None)
+    if not callable(make):
+        raise UsageError(f"{module_name} has no function {function_name!r}")
+    made = make()
+    if hasattr(made, "step"):
+        return made.step, getattr(made, "batch", None), getattr(made, "loader", None)
+    if isinstance(made, tuple) and len(made) in (2, 3):
+        return (*made, None) if len(made) == 2 else made
+    raise UsageError(
+        f"{target}() must return (step, batch), (step, batch, loader) or an object with "
+        f"step and batch; it returned {type(made).__name__}"
+    )
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from accel.doctor import examine
+
+    step, batch, loader = load_step(args.target)
+    report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile)
+    if args.try_fixes:
+        report.try_fixes()
+    print(report)
+    if report.trials is not None:
+        shown = ["label", "status", "predicted speedup", "measured speedup", "error"]
+        print("\nfixes tried:\n" + report.trials[shown].to_string(index=False))
+    path = report.to_html(args.out)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    doctor = sub.add_parser(
+        "doctor", help="examine your training step: findings, predicted gains, fixes measured"
+    )
+    doctor.add_argument("target", help="module:function returning (step, batch[, loader])")
+    doctor.add_argument("--out", type=Path, default=Path("doctor.html"), help="the HTML report")
+    doctor.add_argument("--steps", type=int, default=5, help="steps profiled (default 5)")
+    doctor.add_argument("--try-fixes", action="store_true", help="apply and measure the fixes")
+    doctor.add_argument(
+        "--compile", action="store_true", help="also list torch.compile's graph breaks"
+    )
+    doctor.set_defaults(func=_doctor)
