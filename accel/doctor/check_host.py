@@ -100,10 +100,12 @@ def syncs(evidence: Evidence) -> list[Finding]:
         for (site, kind), n in sites.most_common()
     ]
     if evidence.cuda:
-        saved = idle = evidence.timeline.idle_us.get("sync", 0.0)
+        idle = evidence.timeline.idle_us.get("sync", 0.0)
+        saved = total * evidence.costs.sync_us
         model = (
-            "the device's idle time right after each sync returned (the queue starting again), "
-            f"{idle / 1e3:.3f} ms per step in the profiled steps"
+            f"{total} x the measured cost of a sync on this machine ({evidence.costs.sync_us:.1f} "
+            "us: the copy, the queue draining and starting again); the profiled steps show "
+            f"{idle / 1e3:.3f} ms of device idle right after syncs"
         )
     else:
         saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"

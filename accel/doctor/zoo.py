@@ -10,7 +10,9 @@ carries a ``# planted: <kind>`` comment, so a test can check that the finding po
 - ``rnn``: a GRU cell stepped through time in Python, with an ``if`` on a tensor in the loop;
 - ``shapes``: a model fed sequences of a different length every batch.
 
-``build(name, planted=True, device=..., preset=...)`` returns a :class:`ZooCase`.
+``build(name, planted=True, device=..., preset=...)`` returns a :class:`ZooCase`; ``planted``
+may also name the kinds to plant (``{"sync"}``), so that one problem can be removed at a time and
+its gain measured against the doctor's prediction.
 """
 
 from __future__ import annotations
@@ -31,11 +33,22 @@ __all__ = ["MODELS", "ZooCase", "build", "example", "planted_lines"]
 @dataclass
 class ZooCase:
     name: str
-    planted: bool
+    planted: frozenset[str]  # the kinds planted
     step: Callable[..., Any]
     batch: Any
     loader: Iterable[Any] | None
     expected: frozenset[str]  # finding kinds planted and visible on this device
+
+
+@dataclass(frozen=True)
+class Plantable:
+    """What a zoo model can plant, and which of it a CPU run can see (the rest needs a GPU)."""
+
+    kinds: frozenset[str]
+    on_cpu: frozenset[str]
+
+    def expected(self, planted: frozenset[str], device: torch.device) -> frozenset[str]:
+        return planted if device.type == "cuda" else planted & self.on_cpu
 
 
 def planted_lines() -> dict[str, list[int]]:
@@ -98,55 +111,41 @@ class ZooGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def _gpt(planted: bool, device: torch.device, preset: str) -> ZooCase:
+def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     size = _sizes(
         preset,
         dict(vocab=96, dim=32, heads=4, layers=2, seq=16, batch=4),
-        dict(vocab=512, dim=256, heads=8, layers=4, seq=256, batch=16),
+        dict(vocab=512, dim=512, heads=8, layers=4, seq=512, batch=16),
     )
     batch_size = size.pop("batch")
-    model = ZooGPT(**size, manual=planted).to(device)
+    model = ZooGPT(**size, manual="attention" in plant).to(device)
     cuda = device.type == "cuda"
-    if planted:
+    if "optimizer_loop" in plant:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda)
+    clip_foreach = False if "clip_loop" in plant else None
+    bf16 = cuda and "precision" not in plant
     history: list[float] = []
 
-    def planted_step(batch):
+    def step(batch):
         tokens, targets = batch
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)  # planted: clip_loop
-        opt.step()  # planted: optimizer_loop
-        opt.zero_grad()
-        history.append(loss.item())  # planted: sync
-        return loss.detach()
-
-    def clean_step(batch):
-        tokens, targets = batch
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        torch.nn.utils.clip_grad_norm_(
+            model.parameters(), 1.0, foreach=clip_foreach
+        )  # planted: clip_loop
+        opt.step()  # planted: optimizer_loop
         opt.zero_grad()
+        if "sync" in plant:
+            history.append(loss.item())  # planted: sync
         return loss.detach()
 
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(size["vocab"], (batch_size, size["seq"] + 1), generator=gen)
     tokens = tokens.to(device)
-    expected = {"sync", "attention", "optimizer_loop"} | (
-        {"clip_loop", "precision"} if cuda else set()
-    )
-    return ZooCase(
-        "gpt",
-        planted,
-        planted_step if planted else clean_step,
-        (tokens[:, :-1], tokens[:, 1:]),
-        None,
-        frozenset(expected if planted else ()),
-    )
+    return ZooCase("gpt", plant, step, (tokens[:, :-1], tokens[:, 1:]), None, frozenset())
 
 
 # ---- cnn ------------------------------------------------------------------------------------------
@@ -172,7 +171,7 @@ class NoisyShapes(torch.utils.data.Dataset):
         return image, label
 
 
-def _cnn(planted: bool, device: torch.device, preset: str) -> ZooCase:
+def _cnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     size = _sizes(preset, dict(side=32, width=16, batch=16), dict(side=128, width=64, batch=64))
     w = size["width"]
     model = nn.Sequential(
@@ -195,7 +194,7 @@ def _cnn(planted: bool, device: torch.device, preset: str) -> ZooCase:
         opt.zero_grad()
         return loss.detach()
 
-    if planted:
+    if "input" in plant:
         loader = torch.utils.data.DataLoader(data, batch_size=size["batch"], shuffle=True)
     else:  # the data made once, on the device, and served from there
         made = torch.utils.data.default_collate([data[i] for i in range(size["batch"] * 4)])
@@ -204,8 +203,7 @@ def _cnn(planted: bool, device: torch.device, preset: str) -> ZooCase:
             (images[i : i + size["batch"]], labels[i : i + size["batch"]])
             for i in range(0, len(labels), size["batch"])
         ]
-    expected = {"input"} if planted else set()
-    return ZooCase("cnn", planted, step, next(iter(loader)), loader, frozenset(expected))
+    return ZooCase("cnn", plant, step, next(iter(loader)), loader, frozenset())
 
 
 # ---- mlp ------------------------------------------------------------------------------------------
@@ -224,56 +222,65 @@ class LoopMomentum(torch.optim.Optimizer):
                 p.add_(buf, alpha=-group["lr"])
 
 
-def _mlp(planted: bool, device: torch.device, preset: str) -> ZooCase:
+def _mlp(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     size = _sizes(preset, dict(dim=64, depth=8, batch=32), dict(dim=1024, depth=12, batch=1024))
     dim = size["dim"]
     layers = [m for _ in range(size["depth"]) for m in (nn.Linear(dim, dim), nn.SiLU())]
     model = nn.Sequential(*layers, nn.Linear(dim, 1)).to(device)
     cuda = device.type == "cuda"
-    if planted:
+    if "tensor_loop" in plant:
         opt = LoopMomentum(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=cuda or None)
+    bf16 = cuda and "precision" not in plant
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(size["batch"], dim, generator=gen).to(device)
     y = x.square().mean(1, keepdim=True)
 
     def step(batch):
         inputs, targets = batch
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda and not planted):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = F.mse_loss(model(inputs), targets)  # planted: precision
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss.detach()
 
-    expected = ({"tensor_loop"} | ({"precision"} if cuda else set())) if planted else set()
-    return ZooCase("mlp", planted, step, (x, y), None, frozenset(expected))
+    return ZooCase("mlp", plant, step, (x, y), None, frozenset())
 
 
 # ---- rnn ------------------------------------------------------------------------------------------
 class StepwiseGRU(nn.Module):
-    def __init__(self, dim: int, planted: bool):
+    """A GRU stepped through time by a cell in Python (``stepwise``; else cuDNN's whole-sequence
+    kernel), its state clamped when it grows: with an ``if`` on a tensor (``sync``) or without."""
+
+    def __init__(self, dim: int, stepwise: bool, check_on_host: bool):
         super().__init__()
-        self.planted = planted
-        self.cell = nn.GRUCell(dim, dim) if planted else None
-        self.gru = None if planted else nn.GRU(dim, dim, batch_first=True)
+        self.check_on_host = check_on_host
+        self.cell = nn.GRUCell(dim, dim) if stepwise else None
+        self.gru = None if stepwise else nn.GRU(dim, dim, batch_first=True)
         self.head = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.planted:
-            return self.head(self.gru(x)[0].clamp(-50, 50)[:, -1])
+        if self.cell is None:
+            h = self.gru(x)[0][:, -1]
+            return self.head(self._bounded(h))
         h = x.new_zeros(x.shape[0], x.shape[2])
         for t in range(x.shape[1]):
-            h = self.cell(x[:, t], h)
-            if h.abs().max() > 50:  # planted: sync
-                h = h.clamp(-50, 50)
+            h = self._bounded(self.cell(x[:, t], h))
         return self.head(h)
 
+    def _bounded(self, h: torch.Tensor) -> torch.Tensor:
+        if not self.check_on_host:
+            return h.clamp(-50, 50)
+        if h.abs().max() > 50:  # planted: sync
+            h = h.clamp(-50, 50)
+        return h
 
-def _rnn(planted: bool, device: torch.device, preset: str) -> ZooCase:
+
+def _rnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     size = _sizes(preset, dict(dim=16, seq=12, batch=8), dict(dim=256, seq=64, batch=64))
-    model = StepwiseGRU(size["dim"], planted).to(device)
+    model = StepwiseGRU(size["dim"], "stepwise" in plant, "sync" in plant).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(size["batch"], size["seq"], size["dim"], generator=gen).to(device)
@@ -287,20 +294,20 @@ def _rnn(planted: bool, device: torch.device, preset: str) -> ZooCase:
         opt.zero_grad()
         return loss.detach()
 
-    expected = {"sync"} if planted else set()
-    return ZooCase("rnn", planted, step, (x, y), None, frozenset(expected))
+    return ZooCase("rnn", plant, step, (x, y), None, frozenset())
 
 
 # ---- shapes ---------------------------------------------------------------------------------------
-def _shapes(planted: bool, device: torch.device, preset: str) -> ZooCase:
+def _shapes(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     size = _sizes(preset, dict(dim=32, longest=48, batch=8), dict(dim=512, longest=512, batch=32))
     dim, longest = size["dim"], size["longest"]
     model = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
+    varying = "shapes" in plant
 
     def sequence_batch(i: int):
-        length = longest if not planted else int(longest * (0.4 + 0.6 * ((i * 7919) % 97) / 96))
+        length = int(longest * (0.4 + 0.6 * ((i * 7919) % 97) / 96)) if varying else longest
         x = torch.randn(size["batch"], length, dim, generator=gen)
         return x.to(device), x.flip(-1).to(device)
 
@@ -314,27 +321,51 @@ def _shapes(planted: bool, device: torch.device, preset: str) -> ZooCase:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    expected = {"shapes"} if planted else set()
-    return ZooCase("shapes", planted, step, loader[0], loader, frozenset(expected))
+    return ZooCase("shapes", plant, step, loader[0], loader, frozenset())
 
 
-MODELS: dict[str, Callable[[bool, torch.device, str], ZooCase]] = {
-    "gpt": _gpt,
-    "cnn": _cnn,
-    "mlp": _mlp,
-    "rnn": _rnn,
-    "shapes": _shapes,
+Builder = Callable[[frozenset, torch.device, str], ZooCase]
+MODELS: dict[str, tuple[Builder, Plantable]] = {
+    "gpt": (
+        _gpt,
+        Plantable(
+            frozenset({"sync", "attention", "optimizer_loop", "clip_loop", "precision"}),
+            frozenset({"sync", "attention", "optimizer_loop"}),
+        ),
+    ),
+    "cnn": (_cnn, Plantable(frozenset({"input"}), frozenset({"input"}))),
+    "mlp": (_mlp, Plantable(frozenset({"tensor_loop", "precision"}), frozenset({"tensor_loop"}))),
+    # a stepwise loop is found as a launch-bound step, on a GPU only
+    "rnn": (_rnn, Plantable(frozenset({"sync", "stepwise"}), frozenset({"sync"}))),
+    "shapes": (_shapes, Plantable(frozenset({"shapes"}), frozenset({"shapes"}))),
 }
+FINDING_OF = {"stepwise": "launch_bound"}  # planted kind -> the finding that reports it
 
 
 def build(
-    name: str, planted: bool = True, *, device: torch.device | str = "cpu", preset: str = "cpu"
+    name: str,
+    planted: bool | Iterable[str] = True,
+    *,
+    device: torch.device | str = "cpu",
+    preset: str = "cpu",
 ) -> ZooCase:
-    """One zoo model's step, batch and loader, planted or its clean twin, seeded."""
+    """One zoo model's step, batch and loader, seeded: every problem it can plant (``True``),
+    none (``False``: the clean twin) or the kinds named."""
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}; expected one of {', '.join(MODELS)}")
+    builder, plantable = MODELS[name]
+    kinds = plantable.kinds if planted is True else frozenset(planted or ())
+    unknown = kinds - plantable.kinds
+    if unknown:
+        raise ValueError(
+            f"{name} cannot plant {sorted(unknown)}; it plants {sorted(plantable.kinds)}"
+        )
+    device = torch.device(device)
     torch.manual_seed(0)
-    return MODELS[name](planted, torch.device(device), preset)
+    case = builder(kinds, device, preset)
+    found = {FINDING_OF.get(k, k) for k in plantable.expected(kinds, device)}
+    case.expected = frozenset(found)
+    return case
 
 
 def example() -> ZooCase:
