@@ -228,7 +228,6 @@ def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
         change="DataLoader(dataset, batch_size=..., num_workers=4, pin_memory=True,\n"
         "           persistent_workers=True, prefetch_factor=4)",
         saved_us=min(loader["wait_us"], evidence.step_us),
-        fixes=("loader_workers",),
     )
 
 

@@ -41,6 +41,8 @@ def examine(
     steps: int = 5,
     warmup: int = 3,
     compile: bool = False,
+    ceilings: Any = None,
+    costs: Any = None,
 ):
     """Examine ``step(batch)`` (or ``step()`` without a batch): profile it, record every operator
     with the line that ran it, and run every check on what was measured.
@@ -49,7 +51,9 @@ def examine(
     ``self``), so your model does not train; if they cannot be copied it runs on yours, with a
     warning. ``loader``: the DataLoader that feeds it (its first batch is used when ``batch`` is
     not given), to measure how long the step waits for data. ``compile=True`` also lists where
-    ``torch.compile`` would break the step (seconds to minutes).
+    ``torch.compile`` would break the step (seconds to minutes). ``ceilings`` and ``costs``: this
+    machine's ``lab.measure_ceilings`` and ``lab.measure_costs``, if at hand (else measured
+    when a check needs them).
     """
     from accel.doctor.report import Report
 
@@ -80,6 +84,11 @@ def examine(
         memory=_memory(call, device),
         loader=_loader(loader, runner, device, timeline.step_us) if loader is not None else None,
         graph_breaks=_breaks(step, parts, batch) if compile else None,
+        measure={
+            name: (lambda value=value: value)
+            for name, value in (("ceilings", ceilings), ("costs", costs))
+            if value is not None
+        },
     )
     findings = detect(evidence)
     _check_untouched(untouched, runner is step)

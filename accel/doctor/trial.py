@@ -19,6 +19,7 @@ from accel.doctor.parts import Untouched, copy_step
 __all__ = ["result_error", "try_fixes"]
 
 EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
+NEEDS_NO_SYNC = ("cuda_graph", "compile")  # a capture fails and compile breaks at every sync
 _SEED = 1234
 
 
@@ -34,7 +35,13 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
     cuda = report.evidence.device.type == "cuda"
     repeats = repeats or (15 if cuda else 5)
     untouched = Untouched(report.parts)
-    rows = [_trial(report, [name], steps, repeats) for name in names]
+    blocked = _blocked(report) if fixes is None else ""
+    rows = [
+        _not_tried(report, name, blocked)
+        if blocked and name in NEEDS_NO_SYNC
+        else _trial(report, [name], steps, repeats)
+        for name in names
+    ]
     helped = sorted(
         (r for r in rows if r["status"] == "ok" and r["measured speedup"] > 1.0),
         key=lambda r: -r["measured speedup"],
@@ -50,6 +57,17 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
     if changed:
         raise RuntimeError(f"try_fixes changed your step's tensors in place (a bug): {changed[:3]}")
     return pd.DataFrame(rows)
+
+
+def _blocked(report) -> str:
+    """Why graphs and compile are not worth trying yet (the step syncs), or ""."""
+    syncs = [f for f in report.findings if f.kind == "sync"]
+    return f"{syncs[0].title}: remove them first" if syncs else ""
+
+
+def _not_tried(report, name: str, why: str) -> dict[str, Any]:
+    row = _trial_row(report, [name])
+    return row | {"status": f"not tried: {why}"}
 
 
 def chosen_in(group: set[str], chosen: list[str]) -> bool:
@@ -69,10 +87,10 @@ def _predicted_us(report, names: list[str]) -> float:
     return min(sum(saved), 0.999 * report.evidence.step_us)
 
 
-def _trial(report, names: list[str], steps: int, repeats: int) -> dict[str, Any]:
+def _trial_row(report, names: list[str]) -> dict[str, Any]:
     step_us = report.evidence.step_us
     predicted = step_us - _predicted_us(report, names)
-    row: dict[str, Any] = {
+    return {
         "fixes": "+".join(names),
         "label": " + ".join(FIXES[n].label for n in names),
         "mode": "alone" if len(names) == 1 else "together",
@@ -87,6 +105,10 @@ def _trial(report, names: list[str], steps: int, repeats: int) -> dict[str, Any]
         "why": "; ".join(FIXES[n].why for n in names),
         "first call s": math.nan,
     }
+
+
+def _trial(report, names: list[str], steps: int, repeats: int) -> dict[str, Any]:
+    row = _trial_row(report, names)
     skipped = [n for n in names if FIXES[n].needs_cuda and report.evidence.device.type != "cuda"]
     if skipped:
         return row | {"status": f"not applicable: {', '.join(skipped)} needs a CUDA GPU"}

@@ -46,6 +46,7 @@ PHASES: dict[str, str] = {
     "distributed": "accel.lab.cases.distributed:run",
     "notebooks": "accel.lab.cases.notebooks:run",
     "overhead": "accel.lab.cases.overhead:run",
+    "doctor": "accel.lab.cases.doctor:run",
 }
 
 COLUMNS = [

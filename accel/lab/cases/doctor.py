@@ -1,0 +1,188 @@
+"""Bench phase ``doctor``: the doctor on every zoo model (``accel.doctor.zoo``).
+
+For each model: the planted problems found, the clean twin's findings (false alarms), each
+finding's predicted saving beside the saving measured by removing that one problem from the
+planted model (the zoo plants them one kind at a time), and the fixes ``try_fixes`` applied and
+measured. The targets: every planted problem found; no finding on a clean twin; the top finding's
+predicted saving within 30% of its measured one on every model; on the planted GPT, the safe
+fixes together at least 3x its step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+from accel.doctor import examine, zoo
+from accel.lab.bench import BenchContext, Row
+from accel.lab.costs import measure_costs
+from accel.lab.timing import compare
+
+PHASE = "doctor"
+TARGET_TOP_WITHIN = 0.30  # |predicted / measured - 1| of each model's top finding
+TARGET_GPT_FIXES = 3.0  # the planted GPT's step over the step with every safe fix
+# planted kinds whose removal is exactly the change the finding proposes (a stepwise loop is
+# reported as launch-bound, whose change, a graph, is not what removing the loop does)
+MEASURABLE = frozenset(
+    {"sync", "attention", "optimizer_loop", "clip_loop", "precision", "tensor_loop", "input"}
+)
+
+
+def feeder(case: zoo.ZooCase) -> Callable[[], Any]:
+    """One training step as the user runs it: on the next batch of the loader, if there is one
+    (so waiting for data is in the time), else on the batch."""
+    if case.loader is None:
+        return lambda: case.step(case.batch)
+    batches = itertools.cycle(case.loader) if isinstance(case.loader, list) else None
+
+    def step_on_next() -> Any:
+        nonlocal batches
+        if batches is None:
+            batches = _endless(case.loader)
+        return case.step(next(batches))
+
+    return step_on_next
+
+
+def _endless(loader):
+    while True:
+        yield from loader
+
+
+def removal_saving_ms(name: str, planted: frozenset[str], kind: str, ctx: BenchContext) -> float:
+    """ms per step saved by removing ``kind`` alone from the model with ``planted``."""
+    build = dict(device=ctx.device, preset=ctx.preset)
+    with_it = zoo.build(name, planted, **build)
+    without = zoo.build(name, planted - {kind}, **build)
+    repeats = 10 if ctx.device.type == "cuda" else 3
+    timing = compare(
+        {"with": feeder(with_it), "without": feeder(without)},
+        warmup=3,
+        repeats=repeats,
+        device=ctx.device,
+    )
+    return timing.timings["with"].median_ms - timing.timings["without"].median_ms
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    costs = measure_costs(ctx.device)
+    rows: list[Row] = []
+    for name in zoo.MODELS:
+        rows += model_rows(name, ctx, costs)
+    return ctx.judge(rows)
+
+
+def model_rows(name: str, ctx: BenchContext, costs) -> list[Row]:
+    judged = ctx.judged
+    build = dict(device=ctx.device, preset=ctx.preset)
+    planted = zoo.build(name, True, **build)
+    rates = dict(ceilings=ctx.ceilings, costs=costs)
+    report = examine(planted.step, planted.batch, loader=planted.loader, **rates)
+    clean = zoo.build(name, False, **build)
+    clean_report = examine(clean.step, clean.batch, loader=clean.loader, **rates)
+    rows = [_found_row(name, planted, report, judged), _false_alarm_row(name, clean_report, judged)]
+    rows += _prediction_rows(name, planted, report, ctx)
+    rows += _fix_rows(name, report, judged)
+    return rows
+
+
+def _found_row(name: str, case: zoo.ZooCase, report, judged: bool) -> Row:
+    found = report.kinds()
+    missing, extra = case.expected - found, found - case.expected
+    return Row(
+        PHASE,
+        f"{name}: planted problems found",
+        "planted problems found by examine (those visible on this device)",
+        "count",
+        len(case.expected & found),
+        baseline=len(case.expected),
+        higher_is_better=True,
+        target="all",
+        met=not missing if judged else None,
+        note=f"planted {sorted(case.expected)}; missing {sorted(missing) or 'none'}; also "
+        f"found {sorted(extra) or 'nothing else'}; step {report.step_ms:.3f} ms",
+    )
+
+
+def _false_alarm_row(name: str, report, judged: bool) -> Row:
+    return Row(
+        PHASE,
+        f"{name}: clean twin's findings",
+        "findings on the same model without its planted problems (false alarms)",
+        "count",
+        len(report.findings),
+        target="0",
+        met=not report.findings if judged else None,
+        note="; ".join(f.title for f in report.findings) or "none",
+    )
+
+
+def _prediction_rows(name: str, case: zoo.ZooCase, report, ctx: BenchContext) -> list[Row]:
+    """Each finding with a prediction whose planted kind can be removed alone; the first (the
+    top of the ranking) judged."""
+    rows = []
+    for finding in report.findings:
+        if finding.saved_us is None or finding.kind not in MEASURABLE & case.planted:
+            continue
+        measured = removal_saving_ms(name, case.planted, finding.kind, ctx)
+        predicted = finding.saved_us / 1e3
+        top = not rows
+        off = abs(predicted / measured - 1) if measured > 0 else math.inf
+        rows.append(
+            Row(
+                PHASE,
+                f"{name}: {finding.kind} saving{' (top finding)' if top else ''}",
+                "saving per step: measured by removing the problem alone vs predicted",
+                "ms",
+                predicted,
+                baseline=measured,
+                target=f"within {TARGET_TOP_WITHIN:.0%}" if top else "",
+                met=(off <= TARGET_TOP_WITHIN) if top and ctx.judged else None,
+                note=f"baseline = measured, optimized = predicted ({off:.0%} apart); "
+                f"{finding.cost_model}",
+            )
+        )
+    return rows
+
+
+def _fix_rows(name: str, report, judged: bool) -> list[Row]:
+    trials = report.try_fixes()
+    rows = []
+    for trial in trials.to_dict("records"):
+        together = trial["mode"] == "together"
+        gpt_target = name == "gpt" and together
+        ok = trial["status"] == "ok"
+        rows.append(
+            Row(
+                PHASE,
+                f"{name}: fix {trial['fixes']}" + (" (all safe fixes)" if together else ""),
+                "time per step, unchanged vs with the fix (predicted speedup in the note)",
+                "ms",
+                trial["measured ms"],
+                baseline=trial["unchanged ms"],
+                target=f">= {TARGET_GPT_FIXES}x" if gpt_target else "",
+                met=(ok and trial["measured speedup"] >= TARGET_GPT_FIXES)
+                if gpt_target and judged
+                else None,
+                note=f"{trial['status']}; predicted {trial['predicted speedup']:.2f}x; error "
+                f"{trial['error']:.2g} (tolerance {trial['tolerance']:.0e}); first call "
+                f"{trial['first call s']:.2f} s",
+            )
+        )
+    if name == "gpt" and not (trials["mode"] == "together").any():
+        helped = trials.loc[trials["status"].eq("ok"), "fixes"].tolist()
+        rows.append(
+            Row(
+                PHASE,
+                "gpt: fix (all safe fixes)",
+                "time per step, unchanged vs with every safe fix",
+                "ms",
+                math.nan,
+                target=f">= {TARGET_GPT_FIXES}x",
+                met=False if judged else None,
+                note=f"fewer than two fixes made the step faster within tolerance: {helped}",
+            )
+        )
+    return rows
