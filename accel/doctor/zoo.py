@@ -3,7 +3,8 @@ its bench phase and notebook 09 examine. Written as a user would write them; eve
 carries a ``# planted: <kind>`` comment, so a test can check that the finding points at it.
 
 - ``gpt``: a small GPT logging ``loss.item()`` every step, clipping and updating one tensor at a
-  time (``foreach=False``), attention written out by hand, float32 products;
+  time (``foreach=False``), zeroing gradients instead of dropping them, attention written out by
+  hand, float32 products;
 - ``cnn``: a BatchNorm CNN fed by a DataLoader that builds each image in the main process and
   hands over pageable memory;
 - ``mlp``: an MLP trained in float32 by a hand-written optimizer that loops over its tensors;
@@ -125,6 +126,7 @@ def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda)
     clip_foreach = False if "clip_loop" in plant else None
+    zero_to_none = "zero_grad" not in plant
     bf16 = cuda and "precision" not in plant
     history: list[float] = []
 
@@ -137,7 +139,7 @@ def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
             model.parameters(), 1.0, foreach=clip_foreach
         )  # planted: clip_loop
         opt.step()  # planted: optimizer_loop
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=zero_to_none)  # planted: zero_grad
         if "sync" in plant:
             history.append(loss.item())  # planted: sync
         return loss.detach()
@@ -329,8 +331,10 @@ MODELS: dict[str, tuple[Builder, Plantable]] = {
     "gpt": (
         _gpt,
         Plantable(
-            frozenset({"sync", "attention", "optimizer_loop", "clip_loop", "precision"}),
-            frozenset({"sync", "attention", "optimizer_loop"}),
+            frozenset(
+                {"sync", "attention", "optimizer_loop", "clip_loop", "precision", "zero_grad"}
+            ),
+            frozenset({"sync", "attention", "optimizer_loop", "zero_grad"}),
         ),
     ),
     "cnn": (_cnn, Plantable(frozenset({"input"}), frozenset({"input"}))),

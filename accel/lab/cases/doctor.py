@@ -26,7 +26,16 @@ TARGET_GPT_FIXES = 3.0  # the planted GPT's step over the step with every safe f
 # planted kinds whose removal is exactly the change the finding proposes (a stepwise loop is
 # reported as launch-bound, whose change, a graph, is not what removing the loop does)
 MEASURABLE = frozenset(
-    {"sync", "attention", "optimizer_loop", "clip_loop", "precision", "tensor_loop", "input"}
+    {
+        "sync",
+        "attention",
+        "optimizer_loop",
+        "clip_loop",
+        "precision",
+        "tensor_loop",
+        "input",
+        "zero_grad",
+    }
 )
 
 
