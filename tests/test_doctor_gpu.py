@@ -1,0 +1,48 @@
+"""The doctor on a GPU: every zoo model at the gpu preset, planted and clean, and the fixes that
+only a GPU runs, applied to the planted GPT and checked against the unchanged step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from accel import doctor
+from accel.doctor import zoo
+from accel.doctor.parts import find_parts
+
+CUDA = torch.cuda.is_available()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none"),
+]
+
+
+@pytest.mark.parametrize("name", list(zoo.MODELS))
+def test_gpu_every_planted_problem_is_found_and_the_twin_has_none_of_them(name):
+    planted = zoo.build(name, True, device="cuda", preset="gpu")
+    yours = find_parts(planted.step).models
+    before = [p.detach().clone() for m in yours for p in m.parameters()]
+    report = doctor.examine(planted.step, planted.batch, loader=planted.loader)
+    assert planted.expected <= report.kinds(), (sorted(planted.expected), str(report))
+    after = [p for m in yours for p in m.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    clean = zoo.build(name, False, device="cuda", preset="gpu")
+    twin = doctor.examine(clean.step, clean.batch, loader=clean.loader)
+    planted_kinds = {zoo.FINDING_OF.get(k, k) for k in zoo.MODELS[name][1].kinds}
+    assert not (twin.kinds() & planted_kinds), str(twin)
+
+
+def test_gpu_fixes_on_the_planted_gpt_stay_within_their_tolerance():
+    case = zoo.build(
+        "gpt",
+        {"optimizer_loop", "clip_loop", "precision", "zero_grad"},
+        device="cuda",
+        preset="cpu",
+    )
+    report = doctor.examine(case.step, case.batch)
+    trials = report.try_fixes(
+        ["fused_optimizer", "foreach_clip", "set_to_none", "tf32", "cuda_graph"], repeats=5
+    )
+    statuses = dict(zip(trials["fixes"], trials["status"], strict=True))
+    assert all(s == "ok" for s in statuses.values()), statuses
+    assert (trials["error"] <= trials["tolerance"]).all()
