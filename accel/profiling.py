@@ -1,11 +1,19 @@
-"""torch.profiler without its own log lines: Kineto writes ``USDT: ... profiler_start`` and
-``profiler_stop`` (and at some log levels ``STAGE: ...``) straight to the process's stderr on
-every run, at every ``KINETO_LOG_LEVEL``, and a notebook shows each as a red box under the cell.
+"""torch.profiler without its own log lines, and what its events mean.
+
+Kineto writes ``USDT: ... profiler_start`` and ``profiler_stop`` (and at some log levels
+``STAGE: ...``) straight to the process's stderr on every run, at every ``KINETO_LOG_LEVEL``, and a
+notebook shows each as a red box under the cell: :func:`quiet_profile` keeps them out.
+
+On CUDA a step's "kernels" are the device's own activities (kernels, copies, memsets), launches
+are the runtime's launch calls and syncs its blocking calls (``cudaStreamSynchronize`` and
+friends, which ``.item()``, ``.cpu()`` and ``print(tensor)`` end in). On a CPU the "kernels" are
+the ATen operators that did the arithmetic themselves.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import sys
@@ -13,6 +21,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from torch.autograd import DeviceType
 from torch.profiler import profile
 
 _KINETO_LINE = re.compile(rb"^(USDT|STAGE):\S* \S+ \d+:\d+ \S+\.cpp:\d+\] ")
@@ -44,3 +53,110 @@ def _without_kineto_lines() -> Iterator[None]:
             if kept:
                 sys.stderr.write(b"".join(kept).decode(errors="replace"))
                 sys.stderr.flush()
+
+
+LAUNCH_CALLS = frozenset(
+    {
+        "cudaLaunchKernel",
+        "cudaLaunchKernelExC",
+        "cuLaunchKernel",
+        "cuLaunchKernelEx",
+        "cudaLaunchCooperativeKernel",
+        "cudaGraphLaunch",
+    }
+)
+# Calls after which the host waits for the device. cudaMemcpy (not Async) blocks too.
+SYNC_CALLS = frozenset(
+    {
+        "cudaStreamSynchronize",
+        "cudaDeviceSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+    }
+)
+HOST_READ_OP = "aten::_local_scalar_dense"  # what .item(), float(t) and int(t) end in
+# ATen ops that move no data through arithmetic: views, metadata and allocation.
+NO_WORK_OPS = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_like",
+        "aten::empty_strided",
+        "aten::as_strided",
+        "aten::view",
+        "aten::reshape",
+        "aten::_reshape_alias",
+        "aten::t",
+        "aten::transpose",
+        "aten::permute",
+        "aten::expand",
+        "aten::unsqueeze",
+        "aten::squeeze",
+        "aten::select",
+        "aten::slice",
+        "aten::alias",
+        "aten::detach",
+        "aten::detach_",
+        "aten::resolve_conj",
+        "aten::resolve_neg",
+        "aten::lift_fresh",
+        "aten::_unsafe_view",
+        "aten::unbind",
+        "aten::split",
+        "aten::chunk",
+        "aten::narrow",
+        "aten::result_type",
+        "aten::to",
+        "aten::_to_copy",
+        "aten::set_",
+        "aten::resize_",
+        "aten::contiguous",
+        "aten::view_as",
+        "aten::expand_as",
+        "aten::flatten",
+        "aten::zeros",
+        "aten::ones",
+        "aten::ones_like",
+        "aten::zeros_like",
+        "aten::full",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+        "aten::new_zeros",
+        "aten::scalar_tensor",
+    }
+)
+
+
+def device_work(events, marks: frozenset[str] = frozenset()):
+    """The device's activities, without the device-side copies of the ranges named ``marks``."""
+    return [e for e in events if e.device_type == DeviceType.CUDA and e.name not in marks]
+
+
+def cpu_kernels(events):
+    """ATen ops that do arithmetic themselves: the CPU's analogue of a kernel launch.
+
+    An op counts when it spends at least as long in its own code as in arithmetic ops it calls:
+    ``aten::mm`` counts and ``aten::matmul`` (which calls it) does not; ``aten::sum`` counts
+    although it first calls ``fill_`` on its output.
+    """
+    return [
+        e
+        for e in events
+        if e.device_type == DeviceType.CPU
+        and _is_compute(e)
+        and e.self_cpu_time_total >= sum(c.cpu_time_total for c in e.cpu_children if _is_compute(c))
+    ]
+
+
+def _is_compute(e) -> bool:
+    return e.name.startswith("aten::") and e.name not in NO_WORK_OPS
+
+
+def union_length(intervals: list[list[float]]) -> float:
+    """Total length covered by possibly overlapping intervals (kernels on several streams)."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total

@@ -26,8 +26,14 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, record_function
 
-from accel.lab.profile import LAUNCH_CALLS, SYNC_CALLS, cpu_kernels, device_work, union_length
-from accel.profiling import quiet_profile
+from accel.profiling import (
+    LAUNCH_CALLS,
+    SYNC_CALLS,
+    cpu_kernels,
+    device_work,
+    quiet_profile,
+    union_length,
+)
 
 __all__ = ["Timeline", "kernel_category", "profile_timeline"]
 
@@ -92,7 +98,7 @@ def profile_timeline(
     events = list(prof.events())
     marks = [e for e in events if e.name == _STEP and e.device_type == DeviceType.CPU]
     t0 = min(e.time_range.start for e in marks)
-    work = device_work(events) if cuda else cpu_kernels(events)
+    work = device_work(events, frozenset({_STEP})) if cuda else cpu_kernels(events)
     spans = sorted(
         (e.time_range.start, e.time_range.end, e.name) for e in work if e.time_range.start >= t0
     )

@@ -22,79 +22,18 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from accel.lab.device import default_device
-from accel.profiling import quiet_profile
+from accel.profiling import (  # noqa: F401 - HOST_READ_OP, NO_WORK_OPS and union_length re-exported
+    HOST_READ_OP,
+    LAUNCH_CALLS,
+    NO_WORK_OPS,
+    SYNC_CALLS,
+    cpu_kernels,
+    device_work,
+    quiet_profile,
+    union_length,
+)
 
 STEP_MARK = "accel.step"
-
-LAUNCH_CALLS = frozenset(
-    {
-        "cudaLaunchKernel",
-        "cudaLaunchKernelExC",
-        "cuLaunchKernel",
-        "cuLaunchKernelEx",
-        "cudaLaunchCooperativeKernel",
-        "cudaGraphLaunch",
-    }
-)
-# Calls after which the host waits for the device. cudaMemcpy (not Async) blocks too.
-SYNC_CALLS = frozenset(
-    {
-        "cudaStreamSynchronize",
-        "cudaDeviceSynchronize",
-        "cudaEventSynchronize",
-        "cudaMemcpy",
-    }
-)
-HOST_READ_OP = "aten::_local_scalar_dense"  # what .item(), float(t) and int(t) end in
-# ATen ops that move no data through arithmetic: views, metadata and allocation.
-NO_WORK_OPS = frozenset(
-    {
-        "aten::empty",
-        "aten::empty_like",
-        "aten::empty_strided",
-        "aten::as_strided",
-        "aten::view",
-        "aten::reshape",
-        "aten::_reshape_alias",
-        "aten::t",
-        "aten::transpose",
-        "aten::permute",
-        "aten::expand",
-        "aten::unsqueeze",
-        "aten::squeeze",
-        "aten::select",
-        "aten::slice",
-        "aten::alias",
-        "aten::detach",
-        "aten::detach_",
-        "aten::resolve_conj",
-        "aten::resolve_neg",
-        "aten::lift_fresh",
-        "aten::_unsafe_view",
-        "aten::unbind",
-        "aten::split",
-        "aten::chunk",
-        "aten::narrow",
-        "aten::result_type",
-        "aten::to",
-        "aten::_to_copy",
-        "aten::set_",
-        "aten::resize_",
-        "aten::contiguous",
-        "aten::view_as",
-        "aten::expand_as",
-        "aten::flatten",
-        "aten::zeros",
-        "aten::ones",
-        "aten::ones_like",
-        "aten::zeros_like",
-        "aten::full",
-        "aten::new_empty",
-        "aten::new_empty_strided",
-        "aten::new_zeros",
-        "aten::scalar_tensor",
-    }
-)
 
 
 @dataclass
@@ -167,7 +106,7 @@ def profile_step(
         raise RuntimeError("profiler recorded no step marks; was fn run under the profiler?")
     t0 = min(e.time_range.start for e in marks)
     in_steps = _inside(marks)
-    work = device_work(events) if cuda else cpu_kernels(events)
+    work = device_work(events, frozenset({STEP_MARK})) if cuda else cpu_kernels(events)
     work = [e for e in work if e.time_range.start >= t0]
     t1 = max([e.time_range.end for e in marks] + [e.time_range.end for e in work])
 
@@ -242,10 +181,6 @@ def _inside(marks) -> Callable[[object], bool]:
     return inside
 
 
-def device_work(events):
-    return [e for e in events if e.device_type == DeviceType.CUDA and e.name != STEP_MARK]
-
-
 def _kind(name: str, cuda: bool) -> str:
     if not cuda:
         return "op"
@@ -255,26 +190,6 @@ def _kind(name: str, cuda: bool) -> str:
     if lowered.startswith("memset"):
         return "memset"
     return "kernel"
-
-
-def cpu_kernels(events):
-    """ATen ops that do arithmetic themselves: the CPU's analogue of a kernel launch.
-
-    An op counts when it spends at least as long in its own code as in arithmetic ops it calls:
-    ``aten::mm`` counts and ``aten::matmul`` (which calls it) does not; ``aten::sum`` counts
-    although it first calls ``fill_`` on its output.
-    """
-    return [
-        e
-        for e in events
-        if e.device_type == DeviceType.CPU
-        and _is_compute(e)
-        and e.self_cpu_time_total >= sum(c.cpu_time_total for c in e.cpu_children if _is_compute(c))
-    ]
-
-
-def _is_compute(e) -> bool:
-    return e.name.startswith("aten::") and e.name not in NO_WORK_OPS
 
 
 def _kernel_table(timeline: pd.DataFrame, steps: int) -> pd.DataFrame:
@@ -322,14 +237,3 @@ def _memory_over_time(prof, t0: float, cuda: bool) -> pd.DataFrame:
     frame = frame.sort_values("t_us", ignore_index=True)
     frame["bytes"] = frame["delta"].cumsum()
     return frame[["t_us", "bytes"]]
-
-
-def union_length(intervals: list[list[float]]) -> float:
-    """Total length covered by possibly overlapping intervals (kernels on several streams)."""
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
