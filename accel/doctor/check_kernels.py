@@ -180,10 +180,16 @@ def matmul_flops(op: OpRecord) -> float:
 
 
 def _float32_matmuls(evidence: Evidence) -> list[OpRecord]:
+    """float32 products that run at float32's rate: matrix products unless TF32 is on for them,
+    convolutions unless cuDNN's TF32 is (its default)."""
+    tf32_convs = torch.backends.cudnn.allow_tf32
     return [
         op
         for op in evidence.recording.ops
-        if op.op in MATMUL_OPS and op.inputs and op.inputs[0].dtype == torch.float32
+        if op.op in MATMUL_OPS
+        and op.inputs
+        and op.inputs[0].dtype == torch.float32
+        and not ("convolution" in op.op and tf32_convs)
     ]
 
 
