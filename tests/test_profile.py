@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from accel.lab.profile import union_length, profile_step
+from accel.lab.profile import profile_step, union_length
 
 
 def three_matmuls(x, w):

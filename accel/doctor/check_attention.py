@@ -36,6 +36,8 @@ def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
     for i, op in enumerate(ops):
         if op.op not in _PRODUCTS or not op.outputs or len(op.outputs[0].shape) < 3:
             continue
+        if "attention" in op.api:  # SDPA's own math path: already the call to make
+            continue
         scores = op.outputs[0].shape
         soft = _next(ops, i, lambda o, s=scores: o.op in _SOFTMAX and _same_scores(o, s))
         if soft is None:

@@ -30,15 +30,16 @@ MATMUL_OPS = frozenset(
 
 
 def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
-    """Ops on parameter-shaped tensors grouped by (user line, innermost torch function), where
-    one operator repeats once per parameter or so: a loop over the model's tensors. (A loop over
-    a model's layers repeats its operators too, but on activations, a shape or two.)"""
-    shapes = {tuple(p.shape) for p in evidence.parts.parameters()}
+    """Ops that touch only parameter-shaped tensors (parameters, gradients, optimizer state,
+    scalars), grouped by (user line, innermost torch function), where one operator repeats once
+    per parameter or so: a loop over the model's tensors. A forward through the layers repeats
+    its operators over parameters too, but each reads an activation beside them."""
+    shapes = {tuple(p.shape) for p in evidence.parts.parameters()} | {()}
     groups: dict[tuple, list[OpRecord]] = defaultdict(list)
     for op in evidence.recording.ops:
         if op.site is None or op.backward or op.op.startswith("aten::_foreach"):
             continue
-        if op.op in _NO_WORK or not op.inputs or op.inputs[0].shape not in shapes:
+        if op.op in _NO_WORK or not op.inputs or any(t.shape not in shapes for t in op.inputs):
             continue
         groups[(op.site, op.library[0] if op.library else "")].append(op)
     floor = max(LOOP_MIN_OPS, evidence.parameter_tensors // 2)
@@ -170,12 +171,14 @@ def matmul_flops(op: OpRecord) -> float:
     if op.op in ("aten::bmm", "aten::baddbmm") and len(shapes) >= 2:
         a, b = shapes[-2], shapes[-1]
         return 2.0 * a[0] * a[1] * a[2] * b[2] if len(a) == 3 and len(b) == 3 else 0.0
+    if op.op == "aten::convolution_backward" and len(shapes) >= 3:
+        # (grad_output, input, weight, ...); output_mask, the last three flags, says which of
+        # the input's and the weight's gradients are computed: a forward's worth each
+        mask = [m for m in op.scalars if isinstance(m, bool)][-3:]
+        products = sum(mask[:2]) if len(mask) == 3 else 2
+        return products * 2.0 * math.prod(shapes[2][1:]) * math.prod(shapes[0])
     if "convolution" in op.op and len(shapes) >= 2 and op.outputs:
-        weight = shapes[1] if op.op != "aten::convolution_backward" else shapes[2]
-        per_output = 2.0 * math.prod(weight[1:])
-        out = op.outputs[0].shape if op.op != "aten::convolution_backward" else shapes[0]
-        factor = 2.0 if op.op == "aten::convolution_backward" else 1.0
-        return factor * per_output * math.prod(out)
+        return 2.0 * math.prod(shapes[1][1:]) * math.prod(op.outputs[0].shape)
     return 0.0
 
 

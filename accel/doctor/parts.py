@@ -15,9 +15,11 @@ same code, its closure and globals pointing at the copies. The user's objects ar
 from __future__ import annotations
 
 import copy
+import dis
 import functools
 import inspect
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,9 +160,12 @@ def _function_references(fn: types.FunctionType, depth: int) -> Iterator[tuple[s
     cells = zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)
     for name, cell in cells:
         try:
-            yield (f"closure '{name}'", cell.cell_contents)
+            value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
+        yield (f"closure '{name}'", value)
+        if depth > 0 and _same_module_function(value, fn):  # a helper defined beside the step
+            yield from _function_references(value, depth - 1)
     for name in _global_names(fn.__code__):
         if name in fn.__globals__:
             value = fn.__globals__[name]
@@ -170,7 +175,11 @@ def _function_references(fn: types.FunctionType, depth: int) -> Iterator[tuple[s
 
 
 def _global_names(code: types.CodeType) -> Iterator[str]:
-    yield from code.co_names
+    """The global names the code loads (``co_names`` also holds attribute names: ``model.train``
+    must not reach a module-level ``train``)."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            yield instruction.argval
     for const in code.co_consts:  # comprehensions, lambdas and nested functions
         if isinstance(const, types.CodeType):
             yield from _global_names(const)
@@ -193,8 +202,9 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
             f"the step's parts cannot be deep-copied ({type(error).__name__}: {error}); "
             f"found: {parts.describe()}"
         ) from error
-    for opt in (c for c in copies if isinstance(c, torch.optim.Optimizer)):
-        _unwrap_scheduler_patch(opt)
+    for original, new in zip(originals, copies, strict=True):
+        if isinstance(new, torch.optim.Optimizer):
+            _rewrap_scheduler_patch(original, new)
     swap = {id(o): c for o, c in zip(originals, copies, strict=True)}
     copied = StepParts()
     for original, new in zip(originals, copies, strict=True):
@@ -202,18 +212,31 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     return _rebuilt(step, swap, _HELPER_DEPTH), copied
 
 
-def _unwrap_scheduler_patch(opt: torch.optim.Optimizer) -> None:
-    # An LR scheduler sets `opt.step` to a wrapper holding a weak reference to the original
-    # optimizer: a deep copy would keep it and step the user's parameters.
-    if "step" in vars(opt):
-        del opt.step
+def _rewrap_scheduler_patch(original: torch.optim.Optimizer, opt: torch.optim.Optimizer) -> None:
+    """An LR scheduler sets ``opt.step`` to a wrapper holding a weak reference to the optimizer it
+    was made for: a deep copy keeps it, and would step the user's parameters. The copy gets its
+    own wrapper (so its scheduler sees its steps, and warns about nothing the user's would not)."""
+    vars(opt).pop("step", None)
+    if not getattr(vars(original).get("step"), "_wrapped_by_lr_sched", False):
+        return
+    func, owner = type(opt).step, weakref.ref(opt)
+
+    @functools.wraps(func)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        this = owner()
+        this._opt_called = True
+        return func(this, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True
+    opt.step = step
 
 
 def _swapped(value: Any, swap: dict[int, Any]) -> Any:
     if id(value) in swap:
         return swap[id(value)]
     if isinstance(value, (list, tuple)) and any(id(v) in swap for v in value):
-        return type(value)(swap.get(id(v), v) for v in value)
+        items = [swap.get(id(v), v) for v in value]
+        return type(value)._make(items) if hasattr(value, "_make") else type(value)(items)
     if isinstance(value, dict) and any(id(v) in swap for v in value.values()):
         return type(value)((k, swap.get(id(v), v)) for k, v in value.items())
     return value
@@ -251,17 +274,17 @@ def _rebuilt_function(
         return done[id(fn)]
     names = set(_global_names(fn.__code__))
     scope = dict(fn.__globals__)  # the module's namespace, copied: the user's stays as it was
-    new = types.FunctionType(
-        fn.__code__,
-        scope,
-        fn.__name__,
-        fn.__defaults__,
-        tuple(types.CellType(_swapped(_cell(c), swap)) for c in fn.__closure__ or ()),
-    )
+    cells = tuple(types.CellType() for _ in fn.__closure__ or ())
+    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
     new.__kwdefaults__ = fn.__kwdefaults__
     new.__dict__.update(fn.__dict__)
     new.__qualname__ = fn.__qualname__
     done[id(fn)] = new
+    for cell, old in zip(cells, fn.__closure__ or (), strict=True):
+        value = _cell(old)
+        if depth > 0 and _same_module_function(value, fn):
+            value = _rebuilt_function(value, swap, depth - 1, done)
+        cell.cell_contents = _swapped(value, swap)
     for name in names & scope.keys():
         value = scope[name]
         if depth > 0 and _same_module_function(value, fn):

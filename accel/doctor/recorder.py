@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -99,6 +100,7 @@ class OpRecord:
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
     scalars: tuple[Any, ...]  # the non-tensor arguments (dims, flags)
+    api: str = ""  # the torch function the user called that ran it ("scaled_dot_product_attention")
     time_us: float = 0.0  # the device's kernels in the op (CUDA) or the host's time (CPU)
 
 
@@ -154,10 +156,26 @@ class _Frames:
         return None, tuple(library)
 
 
-class _Recorder(TorchDispatchMode):
-    def __init__(self, recording: Recording, frames: _Frames):
+class _Calls(TorchFunctionMode):
+    """The torch function the user's code is inside (the mode is off while its handler runs, so
+    this is the outermost one: ``scaled_dot_product_attention``, not the ``bmm`` of its math path)."""
+
+    def __init__(self):
         super().__init__()
-        self.recording, self.frames = recording, frames
+        self.current = ""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.current = getattr(func, "__name__", "")
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.current = ""
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, recording: Recording, frames: _Frames, calls: _Calls):
+        super().__init__()
+        self.recording, self.frames, self.calls = recording, frames, calls
         self._range = getattr(torch._C._profiler, "_RecordFunctionFast", None)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -178,7 +196,8 @@ class _Recorder(TorchDispatchMode):
                 outputs=tuple(
                     TensorInfo.of(o) for o in tree_leaves(out) if isinstance(o, torch.Tensor)
                 ),
-                scalars=tuple(a for a in leaves if isinstance(a, (int, float, bool, str)))[:8],
+                scalars=tuple(a for a in leaves if isinstance(a, (int, float, bool, str)))[:32],
+                api=self.calls.current,
             )
         )
         return out
@@ -222,14 +241,14 @@ def record_step(call: Callable[[], object], device: torch.device) -> Recording:
     """Run ``call`` once under the recorder and the profiler; every op with its line and time."""
     from accel.profiling import quiet_profile
 
-    recording, frames = Recording(device=device.type), _Frames()
+    recording, frames, calls = Recording(device=device.type), _Frames(), _Calls()
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize(device)
     with quiet_profile(activities=activities) as prof:
-        with _watching_host_reads(recording, frames), _Recorder(recording, frames):
+        with _watching_host_reads(recording, frames), calls, _Recorder(recording, frames, calls):
             call()
         if cuda:
             torch.cuda.synchronize(device)

@@ -159,6 +159,7 @@ class Report:
         from accel.files import write_text_atomic
 
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         page = f"<!doctype html><html><meta charset='utf-8'><body>{self.html()}</body></html>"
         write_text_atomic(path, page)
         return path

@@ -41,9 +41,10 @@ _STEP = "accel.doctor.step"
 _SYNC_GRACE_US = 5.0  # a sync that returned just before the gap opened still caused it
 _CATEGORIES = (  # (category, substrings of a kernel or operator name), first match wins
     ("communication", ("nccl", "c10d::", "allreduce", "all_gather", "reduce_scatter")),
+    ("compiled (Triton)", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "_efficient_attention")),
     ("matmul", ("gemm", "cutlass", "cublas", "xmma", "wgmma", "mm", "conv", "linear")),
-    ("optimizer", ("multi_tensor_apply", "adam", "sgd", "_foreach", "fused_")),
+    ("optimizer", ("multi_tensor_apply", "adam", "sgd", "_foreach")),
     ("copy", ("memcpy", "copy_", "_to_copy")),
     ("memset", ("memset", "fill_", "zero_")),
     ("normalization", ("norm", "softmax")),

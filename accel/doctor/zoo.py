@@ -134,6 +134,7 @@ def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda)
     clip_foreach = False if "clip_loop" in plant else None
     zero_to_none = "zero_grad" not in plant
+    params = list(model.parameters())
     bf16 = cuda and "precision" not in plant
     history: list[float] = []
 
@@ -142,9 +143,7 @@ def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(
-            model.parameters(), 1.0, foreach=clip_foreach
-        )  # planted: clip_loop
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=clip_foreach)  # planted: clip_loop
         opt.step()  # planted: optimizer_loop
         opt.zero_grad(set_to_none=zero_to_none)  # planted: zero_grad
         if "sync" in plant:

@@ -1,0 +1,711 @@
+"""The doctor's checks on synthetic evidence: CUDA recordings, timelines and memory made by hand,
+the machine's rates injected, so the GPU-only logic runs on a CPU and nothing is timed."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from accel.doctor import (
+    check_attention,
+    check_host,
+    check_kernels,
+    check_memory,
+    findings,
+    recorder,
+    timeline,
+)
+from accel.doctor.findings import Evidence, Finding, detect
+from accel.doctor.parts import StepParts
+from accel.doctor.recorder import HostRead, OpRecord, Recording, Site, TensorInfo
+from accel.doctor.timeline import Timeline
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GIB = 2**30
+LAUNCH_US, SYNC_US, COPY_GB_S, MATMUL_TFLOP_S = 6.0, 40.0, 1000.0, 400.0
+SITE = Site("train.py", 12, "step")
+ADAMW = (
+    "optim/adamw.py:_single_tensor_adamw",
+    "optim/adamw.py:adamw",
+    "optim/optimizer.py:wrapper",
+)
+CLIP = ("nn/utils/clip_grad.py:_get_total_norm", "nn/utils/clip_grad.py:clip_grad_norm_")
+ZERO_GRAD = ("optim/optimizer.py:zero_grad",)
+
+
+def info(*shape, dtype=torch.float32, device="cuda", pinned=False) -> TensorInfo:
+    size = torch.empty((), dtype=dtype).element_size()
+    return TensorInfo(tuple(shape), dtype, device, math.prod(shape) * size, pinned)
+
+
+def op(name, *inputs, outputs=(), site=SITE, library=(), backward=False, time_us=0.0):
+    return OpRecord(
+        0, name, site, tuple(library), backward, inputs, tuple(outputs), (), time_us=time_us
+    )
+
+
+def timeline_of(step_us=1000.0, kernel_us=400.0, idle=None, comm_us=0.0, overlap_us=0.0):
+    return Timeline(
+        device="cuda:0",
+        steps=5,
+        step_us=step_us,
+        kernel_us=kernel_us,
+        busy_us=kernel_us,
+        kernels=50,
+        launches=50.0,
+        syncs=0.0,
+        idle_us=dict(idle or {}),
+        comm_us=comm_us,
+        comm_overlap_us=overlap_us,
+    )
+
+
+def untimed(*args):
+    raise AssertionError("a check timed something on synthetic evidence")
+
+
+def evidence(
+    ops=(),
+    reads=(),
+    *,
+    device="cuda",
+    tl=None,
+    parts=None,
+    batch=(),
+    memory=None,
+    loader=None,
+    attention=untimed,
+) -> Evidence:
+    return Evidence(
+        device=torch.device(device),
+        parts=parts or StepParts(),
+        recording=Recording(ops=list(ops), host_reads=list(reads), device=device),
+        timeline=tl or timeline_of(),
+        batch=batch,
+        memory=dict(memory or {}),
+        loader=loader,
+        measure={
+            "ceilings": lambda: SimpleNamespace(copy_gb_s=COPY_GB_S, matmul_tflop_s=MATMUL_TFLOP_S),
+            "costs": lambda: SimpleNamespace(launch_us=LAUNCH_US, sync_us=SYNC_US),
+            "attention": attention,
+        },
+    )
+
+
+def model_parts(model: nn.Module, **optimizer) -> StepParts:
+    parts = StepParts()
+    parts.add(model, "global 'model'")
+    parts.add(torch.optim.AdamW(model.parameters(), **optimizer), "global 'opt'")
+    return parts
+
+
+def ladder() -> nn.Module:
+    """Ten parameter tensors of ten shapes: a loop over them is one op per tensor."""
+    return nn.Sequential(*(nn.Linear(8 + 4 * i, 12 + 4 * i) for i in range(5)))
+
+
+def per_parameter(name, model, *, library=(), site=SITE, time_us=1.0, outputs=False):
+    return [
+        op(
+            name,
+            info(*p.shape),
+            outputs=(info(*p.shape),) if outputs else (),
+            site=site,
+            library=library,
+            time_us=time_us,
+        )
+        for p in model.parameters()
+    ]
+
+
+# ---- timeline ------------------------------------------------------------------------------------
+def test_idle_breakdown_splits_gaps_by_sync_launch_or_neither():
+    spans = [(0, 10, "k"), (20, 30, "k"), (50, 60, "k"), (70, 80, "k"), (74, 85, "k")]
+    launches = [40.0, 90.0]
+    sync_ends = [12.0, 66.0]
+    idle = timeline._idle_breakdown(spans, -5.0, 100.0, launches, sync_ends)
+    assert idle == pytest.approx({"host": 20 + 15, "sync": 10 + 10, "other": 5})
+
+
+def test_idle_breakdown_counts_a_sync_that_returned_just_before_the_gap():
+    spans = [(0, 10, "k"), (30, 40, "k")]
+    just_before = timeline._idle_breakdown(spans, 0.0, 40.0, [20.0], [10.0 - 4.0])
+    long_before = timeline._idle_breakdown(spans, 0.0, 40.0, [20.0], [10.0 - 6.0])
+    assert just_before == {"host": 0.0, "sync": 20.0, "other": 0.0}
+    assert long_before == {"host": 20.0, "sync": 0.0, "other": 0.0}
+
+
+def test_idle_breakdown_of_overlapping_streams_has_no_gap():
+    spans = [(0, 50, "k"), (10, 20, "k"), (30, 60, "k"), (55, 70, "k")]
+    assert timeline._idle_breakdown(spans, 0.0, 70.0, [15.0], [25.0]) == {
+        "host": 0.0,
+        "sync": 0.0,
+        "other": 0.0,
+    }
+
+
+def test_communication_overlap_is_the_compute_covered_part():
+    spans = [
+        (0, 100, "ncclDevKernel_AllReduce_Sum_f32"),
+        (50, 150, "ampere_sgemm_128x64"),
+        (200, 260, "ncclKernel_AllGather"),
+        (250, 300, "vectorized_elementwise_kernel"),
+    ]
+    assert timeline._communication(spans) == pytest.approx((160.0, 60.0))
+    assert timeline._communication([(0, 10, "sm90_xmma_gemm")]) == (0.0, 0.0)
+
+
+def test_kernel_categories_of_common_names():
+    assert timeline.kernel_category("ncclDevKernel_ReduceScatter") == "communication"
+    assert timeline.kernel_category("flash_fwd_kernel") == "attention"
+    assert timeline.kernel_category("sm90_xmma_gemm_bf16") == "matmul"
+    assert timeline.kernel_category("multi_tensor_apply_kernel") == "optimizer"
+    assert timeline.kernel_category("Memcpy HtoD (Pageable -> Device)") == "copy"
+    assert timeline.kernel_category("vectorized_elementwise_kernel") == "elementwise and other"
+
+
+def test_inductor_kernels_are_compiled_kernels_not_optimizer_kernels():
+    assert timeline.kernel_category("triton_poi_fused_add_mul_0") == "compiled (Triton)"
+    assert timeline.kernel_category("triton_red_fused_sum_1") == "compiled (Triton)"
+    assert timeline.kernel_category("multi_tensor_apply_kernel") == "optimizer"
+
+
+# ---- syncs ----------------------------------------------------------------------------------------
+def sync_count(ops=(), reads=(), device="cuda") -> int:
+    return sum(check_host.sync_sites(evidence(ops, reads, device=device)).values())
+
+
+def test_item_on_a_cuda_tensor_is_a_sync():
+    assert sync_count([op("aten::_local_scalar_dense", info())]) == 1
+
+
+def test_item_on_a_cpu_step_counter_is_no_sync_on_cuda_or_cpu():
+    counter = op("aten::_local_scalar_dense", info(device="cpu"), library=ADAMW)
+    assert sync_count([counter]) == 0
+    assert sync_count([counter], device="cpu") == 0
+
+
+def test_item_on_a_users_cpu_tensor_counts_on_cpu_only():
+    read = op("aten::_local_scalar_dense", info(device="cpu"))
+    assert sync_count([read]) == 0
+    assert sync_count([read], device="cpu") == 1
+
+
+def test_copies_to_the_host_are_syncs():
+    to_copy = op("aten::_to_copy", info(4, 4), outputs=(info(4, 4, device="cpu"),))
+    copy_in = op(
+        "aten::copy_",
+        info(4, 4, device="cpu"),
+        info(4, 4),
+        outputs=(info(4, 4, device="cpu"),),
+    )
+    assert sync_count([to_copy]) == 1
+    assert sync_count([copy_in]) == 1
+    on_device = op("aten::_to_copy", info(4, 4), outputs=(info(4, 4, dtype=torch.bfloat16),))
+    assert sync_count([on_device]) == 0
+
+
+def test_pageable_host_to_device_copy_is_a_sync_and_a_pinned_one_is_not():
+    def upload(pinned):
+        return op(
+            "aten::_to_copy",
+            info(64, 64, device="cpu", pinned=pinned),
+            outputs=(info(64, 64),),
+            time_us=25.0,
+        )
+
+    assert sync_count([upload(False)]) == 1
+    assert sync_count([upload(True)]) == 0
+    pinned_in = op("aten::copy_", info(8), info(8, device="cpu", pinned=True), outputs=(info(8),))
+    assert sync_count([pinned_in]) == 0
+    pipeline = check_host.input_pipeline(evidence([upload(False), upload(False), upload(True)]))
+    assert [f.kind for f in pipeline] == ["input"]
+    assert pipeline[0].saved_us == pytest.approx(50.0)
+    assert pipeline[0].fixes == ("pinned_batch",)
+    assert check_host.input_pipeline(evidence([upload(True)])) == []
+
+
+def test_boolean_indexing_and_data_dependent_shapes_are_syncs():
+    mask = op("aten::index", info(16), info(16, dtype=torch.bool))
+    picked = op("aten::index", info(16), info(4, dtype=torch.int64))
+    nonzero = op("aten::nonzero", info(16))
+    assert sync_count([mask]) == 1
+    assert sync_count([picked]) == 0
+    assert sync_count([nonzero]) == 1
+
+
+def test_host_reads_of_cuda_tensors_are_syncs_and_of_cpu_tensors_are_not():
+    there = HostRead("__format__", SITE, "cuda")
+    here = HostRead("__repr__", Site("train.py", 20, "step"), "cpu")
+    assert sync_count(reads=[there, here]) == 1
+    assert sync_count(reads=[there, here], device="cpu") == 2
+
+
+def test_an_fstring_and_the_item_inside_it_are_one_sync_named_by_the_fstring():
+    ops = [op("aten::_local_scalar_dense", info())]
+    sites = check_host.sync_sites(evidence(ops, [HostRead("__format__", SITE, "cuda")]))
+    assert sites == {(SITE, "a tensor in an f-string"): 1}
+
+
+def test_sync_finding_on_cuda_predicts_the_measured_cost_per_sync():
+    other = Site("train.py", 30, "step")
+    ops = [
+        op("aten::_local_scalar_dense", info()),
+        op("aten::_local_scalar_dense", info()),
+        op("aten::is_nonzero", info(), site=other),
+        op("aten::_local_scalar_dense", info(device="cpu"), library=ADAMW),
+    ]
+    (found,) = check_host.syncs(evidence(ops, tl=timeline_of(idle={"sync": 70.0})))
+    assert found.kind == "sync"
+    assert found.title == "3 host-device syncs per step"
+    assert found.saved_us == pytest.approx(3 * SYNC_US)
+    assert set(found.sites) == {SITE, other}
+    assert "2 x a host read" in found.evidence and "train.py:30" in found.evidence
+
+
+def test_sync_finding_on_cpu_predicts_nothing():
+    (found,) = check_host.syncs(
+        evidence([op("aten::_local_scalar_dense", info(device="cpu"))], device="cpu")
+    )
+    assert found.saved_us is None and found.sites == [SITE]
+    assert check_host.syncs(evidence([op("aten::add", info(3), info(3))])) == []
+
+
+# ---- launch bound ---------------------------------------------------------------------------------
+def launch_bound(ops=(), *, waiting=(250.0, 100.0), batch=(), loader=None, device="cuda"):
+    host, sync = waiting
+    tl = timeline_of(step_us=1000.0, kernel_us=300.0, idle={"host": host, "sync": sync})
+    return check_host.launch_bound(evidence(ops, tl=tl, batch=batch, loader=loader, device=device))
+
+
+def test_launch_bound_fires_above_thirty_percent_waiting_and_not_below():
+    (found,) = launch_bound(waiting=(200.0, 101.0))
+    assert found.kind == "launch_bound"
+    assert found.fixes == ("cuda_graph", "compile")
+    assert launch_bound(waiting=(200.0, 99.0)) == []
+    assert launch_bound(waiting=(0.0, 290.0)) == []
+    assert launch_bound(device="cpu") == []
+
+
+def test_launch_bound_without_blockers_predicts_a_graph_replay():
+    (found,) = launch_bound()
+    assert found.saved_us == pytest.approx(1000.0 - 300.0 * check_host.GRAPH_REPLAY_OVER_KERNELS)
+    assert "nothing seen that would stop GraphedStep" in found.evidence
+
+
+def test_launch_bound_says_what_blocks_a_cuda_graph():
+    syncing = [op("aten::_local_scalar_dense", info())]
+    (found,) = launch_bound(syncing)
+    assert found.saved_us is None
+    assert (
+        "GraphedStep cannot capture it yet: 1 sync(s), the first at train.py:12" in found.evidence
+    )
+    (found,) = launch_bound(batch=(torch.randn(4, 3), torch.randn(4)))
+    assert "2 batch tensor(s) on the host" in found.evidence and found.saved_us is None
+    loader = {"shapes": {((8, 16),), ((8, 24),)}, "batches": 8, "wait_us": 0.0}
+    (found,) = launch_bound(loader=loader)
+    assert "the batch's shape changes" in found.evidence and found.saved_us is None
+
+
+# ---- loops ----------------------------------------------------------------------------------------
+def test_optimizer_loop_on_cuda_with_the_foreach_prediction():
+    model = ladder()
+    ops = per_parameter("aten::mul_", model, library=ADAMW)
+    ops += per_parameter("aten::addcdiv_", model, library=ADAMW)
+    (found,) = check_kernels.loops(evidence(ops, parts=model_parts(model)))
+    assert found.kind == "optimizer_loop"
+    assert found.fixes == ("fused_optimizer", "foreach_optimizer")
+    assert found.sites == [SITE]
+    assert found.title.endswith(": 20 ops per step")
+    numel = sum(p.numel() for p in model.parameters())
+    now = 20 * LAUNCH_US
+    after = 2 * 4 * numel / (COPY_GB_S * 1e3) + 2 * LAUNCH_US
+    assert found.saved_us == pytest.approx(now - after)
+
+
+def test_loop_kinds_by_the_torch_function_that_ran_them():
+    model = ladder()
+    kinds = {
+        "clip_loop": CLIP,
+        "zero_grad": ZERO_GRAD,
+        "optimizer_loop": ADAMW,
+        "tensor_loop": (),
+    }
+    for kind, library in kinds.items():
+        ops = per_parameter("aten::linalg_vector_norm", model, library=library)
+        (found,) = check_kernels.loops(evidence(ops, parts=model_parts(model)))
+        assert found.kind == kind
+
+
+def test_zero_grad_loop_on_cuda_saves_all_of_its_time():
+    model = ladder()
+    ops = per_parameter("aten::zero_", model, library=ZERO_GRAD, time_us=9.0)
+    (found,) = check_kernels.loops(evidence(ops, parts=model_parts(model)))
+    assert found.fixes == ("set_to_none",)
+    assert found.saved_us == pytest.approx(10 * 9.0)
+
+
+def test_loop_lines_of_one_function_are_one_finding():
+    model = ladder()
+    lines = [Site("train.py", n, "update") for n in (41, 42, 43)]
+    ops = [o for site in lines for o in per_parameter("aten::add_", model, site=site)]
+    ops += per_parameter("aten::add_", model, site=Site("train.py", 80, "log_norms"))
+    found = check_kernels.loops(evidence(ops, parts=model_parts(model)))
+    assert sorted(len(f.sites) for f in found) == [1, 3]
+    merged = next(f for f in found if len(f.sites) == 3)
+    assert merged.sites == lines and merged.kind == "tensor_loop"
+
+
+def test_loop_over_layers_on_one_activation_shape_is_no_loop():
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(12)))
+    activation = op("aten::addmm", info(32), info(32, 32), info(32, 32))  # a parameter's shape
+    gelu = op("aten::gelu", info(32, 32))
+    parts = model_parts(model)
+    assert check_kernels.loops(evidence([activation] * 12 + [gelu] * 12, parts=parts)) == []
+    hidden = op("aten::gelu", info(5, 7, 32))
+    assert check_kernels.loops(evidence([hidden] * 12, parts=parts)) == []
+
+
+def test_forward_through_linear_layers_of_different_widths_is_no_loop():
+    widths = [64, 56, 48, 40, 32, 28, 24, 20, 16, 8]
+    model = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    linear = ("nn/modules/linear.py:forward", "nn/modules/module.py:_call_impl")
+    ops = [
+        op("aten::addmm", info(b), info(16, a), info(a, b), outputs=(info(16, b),), library=linear)
+        for a, b in itertools.pairwise(widths)
+    ]
+    assert check_kernels.loops(evidence(ops, parts=model_parts(model))) == []
+
+
+def test_few_repeats_or_views_are_no_loop():
+    model = ladder()
+    parts = model_parts(model)
+    few = per_parameter("aten::add_", model)[:7]
+    views = per_parameter("aten::view", model) + per_parameter("aten::detach", model)
+    foreach = per_parameter("aten::_foreach_add_", model)
+    backward = [
+        OpRecord(0, o.op, o.site, o.library, True, o.inputs, o.outputs, (), 1.0)
+        for o in per_parameter("aten::add_", model)
+    ]
+    for ops in (few, views, foreach, backward):
+        assert check_kernels.loops(evidence(ops, parts=parts)) == []
+
+
+def test_loops_on_cpu_only_where_the_user_asked_for_them():
+    model = ladder()
+    clip = per_parameter("aten::linalg_vector_norm", model, library=CLIP)
+    update = per_parameter("aten::mul_", model, library=ADAMW)
+    default = model_parts(model)
+    forced = model_parts(model, foreach=False)
+    assert check_kernels.loops(evidence(clip, parts=forced, device="cpu")) == []
+    assert check_kernels.loops(evidence(update, parts=default, device="cpu")) == []
+    (found,) = check_kernels.loops(evidence(update, parts=forced, device="cpu"))
+    assert found.kind == "optimizer_loop" and found.saved_us is None
+
+
+# ---- precision ------------------------------------------------------------------------------------
+def mm(m, k, n, dtype=torch.float32, time_us=60.0, site=SITE):
+    return op(
+        "aten::mm",
+        info(m, k, dtype=dtype),
+        info(k, n, dtype=dtype),
+        outputs=(info(m, n, dtype=dtype),),
+        site=site,
+        time_us=time_us,
+    )
+
+
+def test_matmul_flops_by_hand():
+    assert check_kernels.matmul_flops(mm(64, 128, 32)) == 2 * 64 * 128 * 32
+    addmm = op("aten::addmm", info(32), info(64, 128), info(128, 32), outputs=(info(64, 32),))
+    assert check_kernels.matmul_flops(addmm) == 2 * 64 * 128 * 32
+    bmm = op("aten::bmm", info(6, 16, 8), info(6, 8, 20), outputs=(info(6, 16, 20),))
+    assert check_kernels.matmul_flops(bmm) == 2 * 6 * 16 * 8 * 20
+    conv = op(
+        "aten::convolution",
+        info(2, 3, 10, 10),
+        info(5, 3, 3, 3),
+        info(5),
+        outputs=(info(2, 5, 5, 5),),
+    )
+    assert check_kernels.matmul_flops(conv) == 2 * (3 * 3 * 3) * (2 * 5 * 5 * 5)
+    back = op(
+        "aten::convolution_backward",
+        info(2, 5, 5, 5),
+        info(2, 3, 10, 10),
+        info(5, 3, 3, 3),
+        outputs=(info(2, 3, 10, 10), info(5, 3, 3, 3), info(5)),
+    )
+    assert check_kernels.matmul_flops(back) == 2 * 2 * (3 * 3 * 3) * (2 * 5 * 5 * 5)
+    assert check_kernels.matmul_flops(op("aten::add", info(4), info(4))) == 0.0
+
+
+def layers(x):
+    w = torch.randn(5, 3, 3, 3, requires_grad=True)
+    a, c = torch.randn(4, 6, 7, requires_grad=True), torch.randn(4, 7, 9, requires_grad=True)
+    lw = torch.randn(8, 54, requires_grad=True)
+    y = F.conv2d(x, w, torch.randn(5, requires_grad=True), stride=2, padding=1)
+    z = F.linear(torch.bmm(a, c).flatten(1), lw, torch.randn(8, requires_grad=True))
+    return y.square().sum() + z.square().sum()
+
+
+def recorded_and_counted_flops(x) -> tuple[float, float]:
+    recording = recorder.record_step(lambda: layers(x).backward(), torch.device("cpu"))
+    with FlopCounterMode(display=False) as counter:
+        layers(x).backward()
+    return sum(check_kernels.matmul_flops(o) for o in recording.ops), counter.get_total_flops()
+
+
+def test_matmul_flops_of_a_recorded_step_equal_torchs_flop_counter(seed):
+    recorded, counted = recorded_and_counted_flops(torch.randn(2, 3, 10, 10, requires_grad=True))
+    assert recorded == counted
+
+
+def test_matmul_flops_of_a_first_layer_convolution_equal_torchs_flop_counter(seed):
+    recorded, counted = recorded_and_counted_flops(torch.randn(2, 3, 10, 10))
+    assert recorded == counted
+
+
+def test_precision_fires_on_fp32_products_at_highest_precision(monkeypatch):
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    ops = [mm(64, 128, 32, time_us=30.0), mm(64, 128, 32, time_us=30.0, site=Site("m.py", 3, "f"))]
+    (found,) = check_kernels.precision(evidence(ops))
+    assert found.kind == "precision" and found.fixes == ("bf16_autocast", "tf32")
+    assert set(found.sites) == {SITE, Site("m.py", 3, "f")}
+    flops = 2 * 64 * 128 * 32
+    inputs, output = 4 * (64 * 128 + 128 * 32), 4 * 64 * 32
+    each = max(flops / (MATMUL_TFLOP_S * 1e6), 0.5 * (inputs + output) / (COPY_GB_S * 1e3))
+    after = 2 * each + 2 * 1.5 * inputs / (COPY_GB_S * 1e3)
+    assert found.saved_us == pytest.approx(60.0 - after)
+
+
+def test_precision_needs_highest_precision_cuda_fp32_and_five_percent(monkeypatch):
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    assert check_kernels.precision(evidence([mm(64, 128, 32, time_us=49.0)])) == []
+    assert check_kernels.precision(evidence([mm(64, 128, 32, dtype=torch.bfloat16)])) == []
+    assert check_kernels.precision(evidence([mm(64, 128, 32)], device="cpu")) == []
+    assert len(check_kernels.precision(evidence([mm(64, 128, 32, time_us=51.0)]))) == 1
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert check_kernels.precision(evidence([mm(64, 128, 32, time_us=500.0)])) == []
+
+
+# ---- attention ------------------------------------------------------------------------------------
+def attention_inputs(b=2, h=4, s=16, d=8):
+    return [torch.randn(b, h, s, d, requires_grad=True) for _ in range(3)]
+
+
+def written_out(q, k, v, layers=1):
+    out = q
+    for _ in range(layers):
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        out = scores.softmax(-1) @ v
+    return out
+
+
+def forward_ops(call) -> list[OpRecord]:
+    return [o for o in recorder.record_step(call, torch.device("cpu")).ops if not o.backward]
+
+
+def test_written_out_attention_is_found_at_its_line(seed):
+    q, k, v = attention_inputs()
+    (case,) = check_attention.find_manual_attention(
+        forward_ops(lambda: written_out(q, k, v).sum().backward())
+    )
+    assert (case.heads, case.seq_q, case.seq_k, case.head_dim) == (8, 16, 16, 8)
+    assert case.dtype == torch.float32
+    assert case.site.function == "written_out" and "softmax" not in case.site.text
+    assert "q @ k.transpose" in case.site.text
+
+
+def test_cross_attention_shapes_are_read_off_the_products(seed):
+    q = torch.randn(3, 2, 5, 16)
+    k, v = torch.randn(3, 2, 11, 16), torch.randn(3, 2, 11, 16)
+    (case,) = check_attention.find_manual_attention(forward_ops(lambda: written_out(q, k, v)))
+    assert (case.heads, case.seq_q, case.seq_k, case.head_dim) == (6, 5, 11, 16)
+
+
+def test_sdpa_is_not_written_out_attention(seed):
+    q, k, v = attention_inputs()
+    sdpa = F.scaled_dot_product_attention
+    assert (
+        check_attention.find_manual_attention(
+            forward_ops(lambda: sdpa(q, k, v, is_causal=True).sum().backward())
+        )
+        == []
+    )
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    assert (
+        check_attention.find_manual_attention(forward_ops(lambda: sdpa(q, k, v, attn_mask=mask)))
+        == []
+    )
+
+
+def test_sdpa_on_its_math_path_is_not_written_out_attention(seed):
+    q, k, v = attention_inputs()
+    ops = forward_ops(lambda: F.scaled_dot_product_attention(q, k, v, dropout_p=0.1))
+    assert check_attention.find_manual_attention(ops) == []
+
+
+def test_attention_finding_counts_calls_per_step_and_uses_the_measured_times(seed):
+    q, k, v = attention_inputs()
+    recording = recorder.record_step(
+        lambda: written_out(q, k, v, layers=3).sum().backward(), torch.device("cpu")
+    )
+    timed = []
+
+    def fake(case, device, backward):
+        timed.append((case.seq_q, device.type, backward))
+        return {"manual": 0.5, "sdpa": 0.2}
+
+    ev = evidence(recording.ops, attention=fake)
+    (found,) = check_attention.manual_attention(ev)
+    assert timed == [(16, "cuda", True)]
+    assert found.kind == "attention"
+    assert "(3 calls per step)" in found.title
+    assert found.saved_us == pytest.approx(3 * (0.5 - 0.2) * 1e3)
+    assert [s.function for s in found.sites] == ["written_out"]
+
+
+def test_attention_never_predicts_a_loss():
+    case = [
+        op("aten::bmm", info(8, 16, 8), info(8, 8, 16), outputs=(info(8, 16, 16),)),
+        op("aten::_softmax", info(8, 16, 16), outputs=(info(8, 16, 16),)),
+        op("aten::bmm", info(8, 16, 16), info(8, 16, 8), outputs=(info(8, 16, 8),)),
+    ]
+    slower = evidence(case, attention=lambda *a: {"manual": 0.1, "sdpa": 0.3})
+    (found,) = check_attention.manual_attention(slower)
+    assert found.saved_us == 0.0
+    assert "(1 call per step)" in found.title
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+def memory_of(*, total=80, resident=2.0, peak=2.0, reserved=None, allocs=0.0, retries=0.0):
+    return {
+        "device_allocs": allocs,
+        "retries": retries,
+        "requests": 100.0,
+        "peak_bytes": peak * GIB,
+        "resident_bytes": resident * GIB,
+        "reserved_bytes": (reserved if reserved is not None else resident + peak) * GIB,
+        "total_bytes": total * GIB,
+    }
+
+
+class Layered(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.GELU()) for _ in range(3))
+
+
+def memory_findings(memory, model=None, device="cuda") -> list[Finding]:
+    parts = model_parts(model or nn.Linear(4, 4))
+    return check_memory.memory(evidence(parts=parts, memory=memory, device=device))
+
+
+def test_driver_allocations_per_step_are_a_finding():
+    (found,) = memory_findings(memory_of(allocs=1.5, retries=0.5))
+    assert found.kind == "memory" and found.title.startswith("2.0 allocations")
+    assert found.saved_us is None
+    assert memory_findings(memory_of()) == []
+
+
+def test_near_capacity_is_a_finding_with_checkpointing_where_blocks_repeat():
+    (flat,) = memory_findings(memory_of(resident=30, peak=40))
+    assert flat.title == "activations are 57% of the step's peak memory"
+    assert flat.fixes == ()
+    (layered,) = memory_findings(memory_of(resident=30, peak=40), Layered())
+    assert layered.fixes == ("checkpointing",)
+    assert "'layers.0', 'layers.1', 'layers.2'" in layered.change
+
+
+def test_activations_far_from_capacity_are_no_finding():
+    assert memory_findings(memory_of(resident=2, peak=6), Layered()) == []
+    assert memory_findings(memory_of(resident=60, peak=7), Layered()) == []
+
+
+def test_reserved_unused_memory_is_a_finding_above_a_quarter():
+    (found,) = memory_findings(memory_of(resident=4, peak=4, reserved=20))
+    assert found.title == "12.00 GiB reserved by the allocator and never used"
+    assert memory_findings(memory_of(resident=4, peak=4, reserved=10)) == []
+    assert memory_findings(memory_of(resident=0.25, peak=0.25, reserved=0.7)) == []
+
+
+def test_memory_checks_need_cuda_and_measurements():
+    assert memory_findings(memory_of(allocs=3, resident=70, peak=9), device="cpu") == []
+    assert memory_findings({}) == []
+
+
+def test_repeated_blocks_are_the_longest_run_of_one_type():
+    assert check_memory.repeated_blocks(Layered()) == ["layers.0", "layers.1", "layers.2"]
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    assert check_memory.repeated_blocks(mlp) == ["0", "2", "4"]
+    assert check_memory.repeated_blocks(nn.Sequential(nn.ReLU(), nn.ReLU(), nn.Linear(2, 2))) == []
+    assert check_memory.repeated_blocks(nn.Linear(4, 4)) == []
+    nested = nn.Sequential(nn.Linear(2, 2), Layered())
+    assert check_memory.repeated_blocks(nested) == ["1.layers.0", "1.layers.1", "1.layers.2"]
+
+
+# ---- communication, shapes, ranking ---------------------------------------------------------------
+def test_communication_saves_its_exposed_time():
+    (found,) = check_host.communication(
+        evidence(tl=timeline_of(step_us=1000.0, comm_us=300.0, overlap_us=100.0))
+    )
+    assert found.kind == "communication"
+    assert found.title == "communication takes 30% of the step, 33% of it overlapped with compute"
+    assert found.saved_us == pytest.approx(200.0)
+    assert check_host.communication(evidence()) == []
+
+
+def test_changing_shapes_from_the_loader():
+    loader = {"shapes": {((8, 16),), ((8, 24),), ((8, 40),)}, "batches": 8, "wait_us": 0.0}
+    (found,) = check_host.changing_shapes(evidence(loader=loader))
+    assert found.kind == "shapes" and found.saved_us is None
+    assert found.title == "the batch's shape changes: 3 shapes in 8 batches"
+    one = {"shapes": {((8, 16),)}, "batches": 8, "wait_us": 0.0}
+    assert check_host.changing_shapes(evidence(loader=one)) == []
+    assert check_host.changing_shapes(evidence()) == []
+
+
+def test_loader_wait_over_five_percent_of_the_step_is_an_input_finding():
+    def loader(wait_us):
+        return {"shapes": {((8, 16),)}, "batches": 8, "wait_us": wait_us, "num_workers": 0,
+                "pin_memory": False}  # fmt: skip
+
+    (found,) = check_host.input_pipeline(evidence(loader=loader(80.0)))
+    assert found.kind == "input" and found.saved_us == pytest.approx(80.0)
+    assert "num_workers=0, pin_memory=False" in found.evidence
+    assert check_host.input_pipeline(evidence(loader=loader(40.0))) == []
+
+
+def finding(kind, saved_us):
+    return Finding(kind, kind, "", "", "", "", saved_us=saved_us)
+
+
+def test_detect_ranks_by_saving_with_unpredicted_last_in_check_order(monkeypatch):
+    fakes = {
+        "fake_a": lambda e: [finding("a1", None), finding("a2", 5.0)],
+        "fake_b": lambda e: [finding("b1", 50.0), finding("b2", None)],
+        "fake_c": lambda e: [finding("c1", 0.0), finding("c2", 20.0)],
+    }
+    for name, fn in fakes.items():
+        monkeypatch.setitem(findings.CHECKS, name, fn)
+    ranked = detect(evidence(), only=tuple(fakes))
+    assert [f.kind for f in ranked] == ["b1", "c2", "a2", "c1", "a1", "b2"]
+
+
+def test_detect_runs_the_registered_checks_on_synthetic_evidence():
+    ops = [op("aten::_local_scalar_dense", info())]
+    loader = {"shapes": {((8, 16),), ((8, 24),)}, "batches": 8, "wait_us": 0.0}
+    tl = timeline_of(step_us=1000.0, comm_us=300.0, overlap_us=50.0)
+    ranked = detect(evidence(ops, tl=tl, loader=loader))
+    assert [f.kind for f in ranked] == ["communication", "sync", "shapes"]
+    assert [f.saved_us for f in ranked] == [pytest.approx(250.0), pytest.approx(SYNC_US), None]

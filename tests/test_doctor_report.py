@@ -1,0 +1,277 @@
+"""accel.doctor.examine and Report on a small CPU step: the findings at the user's lines, the
+table, the text, the HTML page, the fixes tried on copies; the fixes that run on a CPU applied to
+the zoo's GPT within their tolerance."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import inspect
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from accel import doctor
+from accel.doctor import fixes, trial, zoo
+from accel.doctor.fixes import FIXES, StepCopy
+from accel.doctor.parts import copy_step, find_parts
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+COLUMNS = [
+    "finding",
+    "kind",
+    "evidence",
+    "where",
+    "predicted saving (ms/step)",
+    "predicted speedup",
+    "cost model",
+    "notebook",
+    "change",
+    "automatic fixes",
+]
+CUDA_ONLY = [name for name, fix in FIXES.items() if fix.needs_cuda]
+
+
+def logging_step():
+    """A step that reads its loss on the host three ways and zeroes its gradients in place."""
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 6), nn.ReLU(),
+        nn.Linear(6, 1),
+    )  # fmt: skip
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    log: list = []
+
+    def step(batch):
+        x, y = batch
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        log.append(loss.item())
+        print(loss.detach())
+        log.append(f"loss {loss.detach()}")
+        return loss.detach()
+
+    return step, model
+
+
+def line_of(fn, text: str) -> int:
+    lines, start = inspect.getsourcelines(fn)
+    (index,) = [i for i, line in enumerate(lines) if text in line]
+    return start + index
+
+
+def snapshot(model: nn.Module) -> list[tuple[torch.Tensor, int]]:
+    return [(t.detach().clone(), t._version) for t in model.state_dict().values()]
+
+
+def unchanged(before, model: nn.Module) -> bool:
+    after = list(model.state_dict().values())
+    return all(
+        torch.equal(value, t) and version == t._version
+        for (value, version), t in zip(before, after, strict=True)
+    )
+
+
+@pytest.fixture
+def examined(seed, capsys):
+    step, model = logging_step()
+    before = snapshot(model)
+    report = doctor.examine(step, (torch.randn(32, 8), torch.randn(32, 1)), steps=3, warmup=2)
+    assert unchanged(before, model)
+    assert "tensor(" in capsys.readouterr().out
+    return report, step, model
+
+
+def test_sync_finding_points_at_the_item_print_and_fstring_lines(examined):
+    report, step, _ = examined
+    (sync,) = [f for f in report.findings if f.kind == "sync"]
+    lines = {line_of(step, text) for text in ("loss.item()", "print(", 'f"loss')}
+    assert {s.line for s in sync.sites} == lines
+    assert {s.file for s in sync.sites} == {__file__}
+    assert sync.title == "3 host-device syncs per step"
+    for what in ("a host read", "print() of a tensor", "a tensor in an f-string"):
+        assert what in sync.evidence
+    assert sync.saved_us is None
+
+
+def test_zero_grad_finding_points_at_its_line_and_names_its_fix(examined):
+    report, step, _ = examined
+    (zeroing,) = [f for f in report.findings if f.kind == "zero_grad"]
+    assert [s.line for s in zeroing.sites] == [line_of(step, "zero_grad(")]
+    assert zeroing.fixes == ("set_to_none",)
+    assert report.kinds() == {"sync", "zero_grad"}
+    assert report.fixes() == ["set_to_none"]
+
+
+def test_table_has_one_row_per_finding_with_the_documented_columns(examined):
+    report, step, _ = examined
+    table = report.table()
+    assert list(table.columns) == COLUMNS
+    assert list(table["finding"]) == [f.title for f in report.findings]
+    assert list(table["kind"]) == [f.kind for f in report.findings]
+    assert table["predicted saving (ms/step)"].isna().all()
+    zeroing = table[table["kind"] == "zero_grad"].iloc[0]
+    assert zeroing["where"].endswith(f":{line_of(step, 'zero_grad(')} (step)")
+    assert zeroing["automatic fixes"] == "set_to_none"
+    assert zeroing["notebook"] == "02_fusion"
+
+
+def test_text_lists_every_finding(examined):
+    report, _, _ = examined
+    text = str(report)
+    assert text.startswith(report.summary())
+    assert report.summary().startswith("cpu: a step takes")
+    assert "2 findings" in report.summary()
+    for i, f in enumerate(report.findings, 1):
+        assert f"{i}. {f.title}" in text
+    assert repr(report).startswith("<accel.doctor.Report: cpu:")
+
+
+def test_html_has_the_findings_and_a_plotly_figure(examined, tmp_path):
+    report, _, _ = examined
+    page = report.html()
+    for f in report.findings:
+        assert html.escape(f.title) in page
+    assert "plotly-graph-div" in page and "Plotly.newPlot" in page
+    assert len(report._repr_html_()) < len(page)
+    path = report.to_html(tmp_path / "report.html")
+    written = path.read_text()
+    assert written.startswith("<!doctype html>") and written.endswith("</html>")
+    assert all(html.escape(f.title) in written for f in report.findings)
+    assert report.figure().data
+
+
+def test_set_to_none_fix_is_measured_on_copies(examined):
+    report, _, model = examined
+    before = snapshot(model)
+    trials = report.try_fixes(["set_to_none"], steps=2, repeats=2)
+    assert report.trials is trials
+    (row,) = trials.to_dict("records")
+    assert (row["fixes"], row["mode"], row["status"]) == ("set_to_none", "alone", "ok")
+    assert row["error"] <= row["tolerance"] == FIXES["set_to_none"].rtol
+    assert row["measured ms"] > 0 and math.isfinite(row["measured speedup"])
+    assert unchanged(before, model)
+    assert "Fixes tried" in report.html(plotlyjs=False)
+
+
+def test_fixes_that_need_cuda_are_not_applicable_on_cpu(examined):
+    report, _, model = examined
+    before = snapshot(model)
+    trials = report.try_fixes(CUDA_ONLY)
+    assert list(trials["fixes"]) == CUDA_ONLY
+    assert list(trials["status"]) == [f"not applicable: {n} needs a CUDA GPU" for n in CUDA_ONLY]
+    assert unchanged(before, model)
+
+
+def test_unknown_fix_is_refused_naming_the_known_ones(examined):
+    report, _, _ = examined
+    with pytest.raises(ValueError, match=r"unknown fixes \['nope'\]") as raised:
+        report.try_fixes(["nope"])
+    assert all(name in str(raised.value) for name in FIXES)
+
+
+def test_fix_flags_turn_fixes_on_in_a_fresh_copy(examined, capsys):
+    report, _, model = examined
+    flags = report.fix_flags()
+    assert [f.name for f in dataclasses.fields(flags)] == ["set_to_none"]
+    before = snapshot(model)
+    call = report.fixed_step(flags(set_to_none=True))
+    call()
+    assert unchanged(before, model)
+
+
+def test_bad_calls_to_examine_are_explained(seed):
+    step, _ = logging_step()
+    data = (torch.randn(4, 8), torch.randn(4, 1))
+    with pytest.raises(TypeError, match="needs the training step as a callable, got int"):
+        doctor.examine(42, data)
+    with pytest.raises(TypeError, match="got tuple"):
+        doctor.examine(data, step)
+    for kwargs in ({"steps": 0}, {"warmup": 0}, {"steps": 2.5}):
+        with pytest.raises(ValueError, match="steps and warmup must be ints >= 1"):
+            doctor.examine(step, data, **kwargs)
+
+
+def test_step_without_a_batch_and_a_step_fed_by_a_loader(seed):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(16, 4)
+
+    def step(batch=x):
+        loss = model(batch).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    before = snapshot(model)
+    report = doctor.examine(step, steps=1, warmup=1)
+    assert report.findings == [] and report.parts.models == [model]
+    loader = [torch.randn(16, 4) for _ in range(4)]
+    fed = doctor.examine(step, loader=loader, steps=1, warmup=1)
+    assert fed.batch is loader[0]
+    assert fed.evidence.loader["batches"] == 3 and len(fed.evidence.loader["shapes"]) == 1
+    assert unchanged(before, model)
+
+
+def test_examine_hands_the_given_ceilings_and_costs_to_the_checks(seed):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    ceilings = SimpleNamespace(copy_gb_s=123.0, matmul_tflop_s=4.5)
+    costs = SimpleNamespace(launch_us=7.0, sync_us=30.0)
+    report = doctor.examine(
+        step, torch.randn(8, 4), steps=1, warmup=1, ceilings=ceilings, costs=costs
+    )
+    assert report.evidence.ceilings is ceilings and report.evidence.costs is costs
+
+
+# ---- fixes that run on a CPU, on the zoo's GPT ----------------------------------------------------
+def gpt_copies(fix: str):
+    case = zoo.build("gpt", True)
+    found = find_parts(case.step)
+    base = StepCopy(*copy_step(case.step, found), case.batch, torch.device("cpu"))
+    fixed = StepCopy(*copy_step(case.step, found), case.batch, torch.device("cpu"))
+    FIXES[fix].apply(fixed)
+    return found, base, fixed
+
+
+def test_bf16_autocast_on_the_zoo_gpt_stays_within_its_tolerance():
+    found, base, fixed = gpt_copies("bf16_autocast")
+    before = snapshot(found.models[0])
+    error, first_s = trial.result_error(base.build(), fixed.build(), base, fixed, 3)
+    assert 0 < error <= FIXES["bf16_autocast"].rtol
+    assert first_s > 0
+    assert unchanged(before, found.models[0])
+
+
+def test_checkpointing_on_the_zoo_gpt_recomputes_the_same_numbers():
+    found, base, fixed = gpt_copies("checkpointing")
+    (model,) = fixed.parts.models
+    assert all("forward" in vars(block) for block in model.blocks)
+    assert not any("forward" in vars(block) for block in found.models[0].blocks)
+    error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 3)
+    assert error <= FIXES["checkpointing"].rtol
+
+
+def test_checkpointing_without_repeated_blocks_is_not_applicable(seed):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        model(x).sum().backward()
+        opt.step()
+
+    copied = StepCopy(*copy_step(step, find_parts(step)), torch.randn(3, 4), torch.device("cpu"))
+    with pytest.raises(fixes.FixNotApplicable, match="no repeated blocks"):
+        FIXES["checkpointing"].apply(copied)
