@@ -88,14 +88,16 @@ class Evidence:
         """The copy bandwidth and bf16 (or float32 on a CPU) matrix-product rate measured here."""
         from accel.lab.ceilings import measure_ceilings
 
-        return self.measure.get("ceilings", lambda: measure_ceilings(self.device))()
+        return self.measure.get(
+            "ceilings", lambda: _once("ceilings", self.device, measure_ceilings)
+        )()
 
     @functools.cached_property
     def costs(self):
         """What one launch and one host-device sync cost here (``accel.lab.costs``)."""
         from accel.lab.costs import measure_costs
 
-        return self.measure.get("costs", lambda: measure_costs(self.device))()
+        return self.measure.get("costs", lambda: _once("costs", self.device, measure_costs))()
 
     def forward_ops(self) -> list[OpRecord]:
         return [op for op in self.recording.ops if not op.backward]
@@ -103,6 +105,16 @@ class Evidence:
     @property
     def parameter_tensors(self) -> int:
         return len(self.parts.parameters())
+
+
+_MACHINE: dict[tuple[str, str], Any] = {}  # the machine's rates, measured once per process
+
+
+def _once(what: str, device: torch.device, measure: Callable[[torch.device], Any]) -> Any:
+    key = (what, str(device))
+    if key not in _MACHINE:
+        _MACHINE[key] = measure(device)
+    return _MACHINE[key]
 
 
 Check = Callable[[Evidence], list[Finding]]
