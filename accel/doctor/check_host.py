@@ -31,6 +31,7 @@ _READ_METHODS = {
     "tolist": ".tolist()",
     "numpy": ".numpy()",
 }
+PAGEABLE = "a copy from pageable host memory (blocks the host; pin it, non_blocking=True)"
 LAUNCH_BOUND_IDLE = 0.3  # share of the step the device idles, waiting for the host or a sync
 GRAPH_REPLAY_OVER_KERNELS = 1.1  # a replay's time over its kernels' sum (rows graphs replay_*)
 _SYNC_CHANGE = """\
@@ -43,7 +44,8 @@ if step % 100 == 0: print(metrics.read())   # one sync every 100 steps
 
 
 def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
-    """Why ``op`` makes the host wait for the device (on CUDA), or None."""
+    """Why ``op`` makes the host wait for the device (on CUDA), or None. A copy in from pageable
+    memory blocks the host too; the input check reports it (with the change that fixes it)."""
     if op.op in SYNC_OPS:
         on_device = any(t.device == "cuda" for t in op.inputs)
         internal = any(entry.startswith("optim/") for entry in op.library)  # CPU step counters
@@ -56,7 +58,7 @@ def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
         if src.device == "cuda" and dst.device == "cpu":
             return "a copy to the host (.cpu(), .to('cpu'), .tolist())"
         if src.device == "cpu" and dst.device == "cuda" and not src.pinned:
-            return "a copy from pageable host memory (blocks the host; pin it, non_blocking=True)"
+            return PAGEABLE
     return None
 
 
@@ -66,7 +68,7 @@ def sync_sites(evidence: Evidence) -> Counter:
     sites: Counter = Counter()
     for op in evidence.recording.ops:
         kind = _sync_kind(op, cuda)
-        if kind is not None:
+        if kind is not None and kind != PAGEABLE:
             sites[(op.site, kind)] += 1
     for read in evidence.recording.host_reads:
         if read.device == "cuda" or not cuda:
@@ -189,7 +191,7 @@ def input_pipeline(evidence: Evidence) -> list[Finding]:
     pageable = [
         op
         for op in evidence.recording.ops
-        if evidence.cuda and op.op in _COPIES and "pageable" in (_sync_kind(op, True) or "")
+        if evidence.cuda and op.op in _COPIES and _sync_kind(op, True) == PAGEABLE
     ]
     if pageable:
         copy_us = sum(op.time_us for op in pageable)
@@ -227,7 +229,7 @@ def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
         notebook="07_recipe",
         change="DataLoader(dataset, batch_size=..., num_workers=4, pin_memory=True,\n"
         "           persistent_workers=True, prefetch_factor=4)",
-        saved_us=min(loader["wait_us"], evidence.step_us),
+        saved_us=loader["wait_us"],
     )
 
 

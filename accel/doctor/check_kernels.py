@@ -14,7 +14,10 @@ from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import OpRecord
 
 LOOP_MIN_OPS = 8  # fewer repeats of one operator on one line are not a loop worth a finding
-_NO_WORK = frozenset({"aten::detach", "aten::view", "aten::t", "aten::lift_fresh", "aten::alias"})
+# no work, or a cast (autocast copies each weight once a forward: one kernel per weight, not a loop)
+_NO_WORK = frozenset(
+    {"aten::detach", "aten::view", "aten::t", "aten::lift_fresh", "aten::alias", "aten::_to_copy"}
+)
 FOREACH_TENSORS_PER_LAUNCH = 110  # about what one multi_tensor_apply launch takes
 MATMUL_OPS = frozenset(
     {
@@ -86,18 +89,33 @@ def _loop_kind(library: str, ops: list[OpRecord]) -> tuple[str, str, str, tuple[
     )
 
 
-def _foreach_us(evidence: Evidence, ops: list[OpRecord]) -> tuple[float, float]:
-    """(now, after) in us per step: the loop's kernels or its launches, whichever is longer,
-    against its bytes over the copy bandwidth plus a launch per op kind and 110 tensors."""
-    launch = evidence.costs.launch_us
-    now = max(sum(op.time_us for op in ops), len(ops) * launch)
-    moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
+def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[float, str]:
+    """(us saved per step, the cost model in words) of doing a loop's work in a few launches.
+
+    The device's part: the loop's kernels now, against its bytes at the copy bandwidth (nothing
+    at all for gradients dropped instead of zeroed). The host's part: the launches saved, at the
+    measured launch cost, which shorten the step only while the device waits for the host (its
+    idle time for the host, measured), so a device-bound step gains the device's part alone."""
+    launch, copy = evidence.costs.launch_us, evidence.ceilings.copy_gb_s
     kinds: dict[str, int] = defaultdict(int)
     for op in ops:
         kinds[op.op] += 1
-    launches = sum(math.ceil(n / FOREACH_TENSORS_PER_LAUNCH) for n in kinds.values())
-    after = moved / (evidence.ceilings.copy_gb_s * 1e3) + launches * launch
-    return now, after
+    if kind == "zero_grad":
+        launches, after = 0, 0.0
+    else:
+        launches = sum(math.ceil(n / FOREACH_TENSORS_PER_LAUNCH) for n in kinds.values())
+        moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
+        after = moved / (copy * 1e3)
+    now = sum(op.time_us for op in ops)
+    waiting = evidence.timeline.idle_us.get("host", 0.0)
+    host = min(waiting, (len(ops) - launches) * launch)
+    model = (
+        f"kernels {now / 1e3:.3f} ms now, {after / 1e3:.3f} ms after ({launches} launches"
+        + (", its bytes at the copy bandwidth" if kind != "zero_grad" else "")
+        + f"); plus {len(ops) - launches} launches at {launch:.1f} us, up to the "
+        f"{waiting / 1e3:.3f} ms the device waits for the host: {host / 1e3:.3f} ms"
+    )
+    return max(0.0, now - after) + host, model
 
 
 def _visible(kind: str, evidence: Evidence) -> bool:
@@ -130,18 +148,8 @@ def loops(evidence: Evidence) -> list[Finding]:
 
 def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:
     kind, what, change, fixes = _loop_kind(library, ops)
-    if evidence.cuda and kind == "zero_grad":  # dropped gradients need no kernel at all
-        now = _foreach_us(evidence, ops)[0]
-        saved, model = now, f"its kernels or launches, whichever is longer: {now / 1e3:.3f} ms"
-    elif evidence.cuda:
-        now, after = _foreach_us(evidence, ops)
-        saved = max(0.0, now - after)
-        model = (
-            f"now {now / 1e3:.3f} ms (its kernels, or {len(ops)} launches at "
-            f"{evidence.costs.launch_us:.1f} us if longer); one launch per op kind and "
-            f"{FOREACH_TENSORS_PER_LAUNCH} tensors, its bytes at the copy bandwidth: "
-            f"{after / 1e3:.3f} ms"
-        )
+    if evidence.cuda:
+        saved, model = loop_saving_us(evidence, ops, kind)
     else:
         saved, model = None, f"on a GPU each of the {len(ops)} ops is a kernel launch"
     return Finding(

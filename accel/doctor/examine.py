@@ -74,7 +74,7 @@ def examine(
     for _ in range(warmup):
         call()
     warm_s = time.perf_counter() - started
-    timeline = profile_timeline(call, device, steps=steps)
+    timeline = profile_timeline(call, device, steps=steps).at_step_time(_step_us(call, device))
     evidence = Evidence(
         device=device,
         parts=copied,
@@ -93,6 +93,14 @@ def examine(
     findings = detect(evidence)
     _check_untouched(untouched, runner is step)
     return Report(step, batch, parts, evidence, findings, warmup_s=warm_s)
+
+
+def _step_us(call: Callable[[], Any], device: torch.device) -> float:
+    """The step's median time without the profiler (device events on a GPU)."""
+    from accel.timer import interleaved
+
+    samples = interleaved({"step": call}, device, warmup=1, repeats=5)
+    return samples.medians()["step"] * 1e3
 
 
 def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
@@ -137,6 +145,7 @@ def _memory(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
     from accel.memory import count_allocations
 
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()  # what the doctor's own copies and measurements left reserved
     resident = torch.cuda.memory_allocated(device)
     stats = count_allocations(call, steps=3, warmup=1, device=device)
     return {

@@ -37,7 +37,8 @@ class Finding:
     fixes: tuple[str, ...] = ()
 
     def speedup(self, step_us: float) -> float:
-        """The step's speedup if ``saved_us`` is saved: NaN when not predicted."""
+        """The speedup of an iteration of ``step_us`` (the step, and its wait for data) if
+        ``saved_us`` is saved: NaN when not predicted."""
         if self.saved_us is None or step_us <= 0:
             return math.nan
         left = step_us - min(self.saved_us, step_us * 0.999)
@@ -82,6 +83,11 @@ class Evidence:
     @property
     def step_us(self) -> float:
         return self.timeline.step_us
+
+    @property
+    def iteration_us(self) -> float:
+        """The step and, when a loader feeds it, its wait for the next batch."""
+        return self.step_us + (self.loader["wait_us"] if self.loader else 0.0)
 
     @functools.cached_property
     def ceilings(self):

@@ -195,8 +195,9 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     shared), and the copied parts in the same order. Raises TypeError naming the part that cannot
     be deep-copied."""
     originals = parts.all
+    memo: dict[int, Any] = {}
     try:
-        copies = copy.deepcopy(originals)
+        copies = copy.deepcopy(originals, memo)
     except Exception as error:  # deepcopy raises whatever the object's own methods raise
         raise TypeError(
             f"the step's parts cannot be deep-copied ({type(error).__name__}: {error}); "
@@ -205,7 +206,9 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     for original, new in zip(originals, copies, strict=True):
         if isinstance(new, torch.optim.Optimizer):
             _rewrap_scheduler_patch(original, new)
-    swap = {id(o): c for o, c in zip(originals, copies, strict=True)}
+    # everything the copy made, keyed by the original's id: a step that holds a parameter or a
+    # list of them (``params = list(model.parameters())``) gets the copy's
+    swap = {key: value for key, value in memo.items() if key != id(memo)}
     copied = StepParts()
     for original, new in zip(originals, copies, strict=True):
         copied.add(new, parts.where[id(original)])

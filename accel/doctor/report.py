@@ -58,7 +58,7 @@ class Report:
         """The findings, ranked, one row each (pandas)."""
         import pandas as pd
 
-        rows = [f.row(self.evidence.step_us) for f in self.findings]
+        rows = [f.row(self.evidence.iteration_us) for f in self.findings]
         columns = list(Finding("", "", "", "", "", "").row(1.0))
         return pd.DataFrame(rows, columns=columns)
 
@@ -125,7 +125,7 @@ class Report:
         lines = [self.summary(), ""]
         for i, f in enumerate(self.findings, 1):
             gain = "" if f.saved_us is None else f"  [saves {f.saved_us / 1e3:.3f} ms/step, "
-            gain += "" if f.saved_us is None else f"{f.speedup(self.evidence.step_us):.2f}x]"
+            gain += "" if f.saved_us is None else f"{f.speedup(self.evidence.iteration_us):.2f}x]"
             lines += [f"{i}. {f.title}{gain}  ({f.notebook})", f"   {f.evidence}"]
             lines += [f"   where: {s}" for s in f.sites[:3]]
             lines += ["   change: " + f.change.splitlines()[0]]

@@ -18,6 +18,7 @@ and the rest of the step (Python, dispatch, allocation) is counted as host time.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,10 +77,25 @@ class Timeline:
     comm_us: float = 0.0
     comm_overlap_us: float = 0.0  # communication time during which compute also ran
     top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, count, us
+    profiled_step_us: float = math.nan  # the step under the profiler, which slows the host
 
     @property
     def idle_fraction(self) -> float:
         return 1 - self.busy_us / self.step_us if self.step_us > 0 else math.nan
+
+    def at_step_time(self, step_us: float) -> Timeline:
+        """This timeline with the step's time measured without the profiler: the profiler adds
+        host time to every operator, so a profiled step idles more than the real one. Kernel
+        times stand; the idle time shrinks to what the real step leaves, split as profiled."""
+        idle = max(0.0, step_us - self.busy_us)
+        profiled = sum(self.idle_us.values())
+        scale = idle / profiled if profiled > 0 else 0.0
+        return dataclasses.replace(
+            self,
+            step_us=step_us,
+            idle_us={k: v * scale for k, v in self.idle_us.items()},
+            profiled_step_us=self.step_us,
+        )
 
 
 def profile_timeline(

@@ -84,7 +84,7 @@ def _predicted_us(report, names: list[str]) -> float:
     saved = [
         f.saved_us for f in report.findings if f.saved_us is not None and set(f.fixes) & set(names)
     ]
-    return min(sum(saved), 0.999 * report.evidence.step_us)
+    return min(sum(saved), 0.999 * report.evidence.step_us)  # a trial times the step alone
 
 
 def _trial_row(report, names: list[str]) -> dict[str, Any]:
