@@ -97,3 +97,10 @@ def test_clipping_is_recorded_at_its_planted_line():
     recording = recorder.record_step(lambda: case.step(case.batch), torch.device("cpu"))
     lines = {o.site.line for o in recording.ops if any("clip_grad" in e for e in o.library)}
     assert lines and lines <= set(PLANTED["clip_loop"])
+
+
+def test_the_gpts_masked_attention_is_recognised_as_causal():
+    case = zoo.build("gpt", {"attention"})
+    report = doctor.examine(case.step, case.batch, steps=1, warmup=1)
+    (found,) = [f for f in report.findings if f.kind == "attention"]
+    assert "causal" in found.cost_model and "is_causal=True" in found.change

@@ -28,6 +28,7 @@ class ManualAttention:
     head_dim: int
     dtype: torch.dtype
     site: Site | None
+    causal: bool = False  # the scores were masked with exactly the causal mask
 
 
 def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
@@ -46,6 +47,7 @@ def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
         if mix is None:
             continue
         q = op.inputs[-2].shape if len(op.inputs) >= 2 else ()
+        causal = any("causal mask" in o.facts for o in ops[i + 1 : soft])
         found.append(
             ManualAttention(
                 heads=math.prod(scores[:-2]),
@@ -54,6 +56,7 @@ def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
                 head_dim=q[-1] if q else 0,
                 dtype=op.inputs[0].dtype,
                 site=op.site,
+                causal=causal,
             )
         )
     return found
@@ -99,9 +102,14 @@ def time_attention(case: ManualAttention, device: torch.device, backward: bool) 
             return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
         return lambda: fn(q, k, v)
 
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    def sdpa(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
+    def manual(q, k, v):
+        return attention_reference(q, k, v, causal=case.causal)
+
     timing = compare(
-        {"manual": timed(attention_reference), "sdpa": timed(sdpa)},
+        {"manual": timed(manual), "sdpa": timed(sdpa)},
         warmup=2,
         repeats=10,
         calls_per_sample=None,
@@ -128,12 +136,16 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
                 "per step) where SDPA would run",
                 evidence=f"product -> softmax -> product over ({case.heads}, {case.seq_q}, "
                 f"{case.seq_k}) scores, head dim {case.head_dim}, {case.dtype}",
-                cost_model=f"measured here at that shape, {what}: written out "
-                f"{times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
+                cost_model=f"measured here at that shape, {what}"
+                + (", causal" if case.causal else "")
+                + f": written out {times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
                 notebook="05_sdpa",
-                change="out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
-                "is_causal=True)\n# or accel.attention.sdpa(q, k, v, causal=True), which "
-                "measures SDPA's kernels once per shape",
+                change=(
+                    "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+                    + ("is_causal=True)" if case.causal else "attn_mask=mask)  # or no mask")
+                    + "\n# or accel.attention.sdpa(q, k, v, ...), which measures SDPA's kernels "
+                    "once per shape"
+                ),
                 saved_us=saved,
                 sites=[case.site] if case.site is not None else [],
             )

@@ -101,6 +101,7 @@ class OpRecord:
     outputs: tuple[TensorInfo, ...]
     scalars: tuple[Any, ...]  # the non-tensor arguments (dims, flags)
     api: str = ""  # the torch function the user called that ran it ("scaled_dot_product_attention")
+    facts: tuple[str, ...] = ()  # what its values showed: ("causal mask",)
     time_us: float = 0.0  # the device's kernels in the op (CUDA) or the host's time (CPU)
 
 
@@ -198,9 +199,25 @@ class _Recorder(TorchDispatchMode):
                 ),
                 scalars=tuple(a for a in leaves if isinstance(a, (int, float, bool, str)))[:32],
                 api=self.calls.current,
+                facts=_facts(func, args),
             )
         )
         return out
+
+
+def _facts(func, args: tuple) -> tuple[str, ...]:
+    """Values worth knowing beside the shapes: a mask that is exactly causal (query i sees keys up
+    to i), which SDPA's ``is_causal`` replaces. Reading it is one sync, in this recorded step only."""
+    if _op_name(func) != "aten::masked_fill" or len(args) < 2:
+        return ()
+    mask = args[1]
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 2:
+        return ()
+    rows, cols = mask.shape[-2:]
+    future = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).triu(1)
+    first = mask.reshape(-1, rows, cols)[0]
+    same = bool(torch.equal(first, future))  # sync: once per mask, to name the change
+    return ("causal mask",) if same and rows == cols else ()
 
 
 def _op_name(func) -> str:

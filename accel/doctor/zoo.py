@@ -123,7 +123,7 @@ def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     size = _sizes(
         preset,
         dict(vocab=96, dim=32, heads=4, layers=2, seq=16, batch=4),
-        dict(vocab=512, dim=512, heads=8, layers=4, seq=512, batch=64),
+        dict(vocab=512, dim=1024, heads=16, layers=4, seq=256, batch=64),
     )
     batch_size = size.pop("batch")
     model = ZooGPT(**size, manual="attention" in plant).to(device)
@@ -309,7 +309,7 @@ def _rnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
 
 # ---- shapes ---------------------------------------------------------------------------------------
 def _shapes(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=32, longest=48, batch=8), dict(dim=512, longest=512, batch=32))
+    size = _sizes(preset, dict(dim=32, longest=48, batch=8), dict(dim=512, longest=512, batch=256))
     dim, longest = size["dim"], size["longest"]
     model = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
