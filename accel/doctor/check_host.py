@@ -102,12 +102,15 @@ def syncs(evidence: Evidence) -> list[Finding]:
         for (site, kind), n in sites.most_common()
     ]
     if evidence.cuda:
-        idle = evidence.timeline.idle_us.get("sync", 0.0)
-        saved = total * evidence.costs.sync_us
+        t = evidence.timeline
+        idle, host = t.idle_us.get("sync", 0.0), t.idle_us.get("host", 0.0)
+        busy = t.busy_us / (t.busy_us + host) if t.busy_us + host > 0 else 0.0
+        each = total * evidence.costs.sync_us
+        saved = max(each, idle * busy)
         model = (
-            f"{total} x the measured cost of a sync on this machine ({evidence.costs.sync_us:.1f} "
-            "us: the copy, the queue draining and starting again); the profiled steps show "
-            f"{idle / 1e3:.3f} ms of device idle right after syncs"
+            f"the device's idle right after the syncs ({idle / 1e3:.3f} ms), as far as the device "
+            f"is not waiting for the host anyway ({busy:.0%} busy otherwise), and at least {total} "
+            f"x a sync's measured cost ({evidence.costs.sync_us:.1f} us): {saved / 1e3:.3f} ms"
         )
     else:
         saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"

@@ -80,7 +80,8 @@ def _capacity(evidence: Evidence, m: dict) -> list[Finding]:
             )
         )
     unused = reserved - (resident + peak)
-    if reserved > 0 and unused > UNUSED_RESERVED * reserved and unused > 0.25 * gib:
+    # memory held and unused costs nothing until the device is nearly full
+    if reserved > NEAR_CAPACITY * total and unused > UNUSED_RESERVED * reserved:
         found.append(
             Finding(
                 kind="memory",

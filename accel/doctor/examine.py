@@ -20,6 +20,9 @@ from accel.doctor.timeline import profile_timeline
 __all__ = ["examine", "step_device"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
+# steps per timed sample: a sync at a step's end idles the device until the next step starts,
+# between two calls, which a sample of one call would leave out
+CALLS = 3
 
 
 def step_device(parts: StepParts, batch: Any) -> torch.device:
@@ -96,10 +99,11 @@ def examine(
 
 
 def _step_us(call: Callable[[], Any], device: torch.device) -> float:
-    """The step's median time without the profiler (device events on a GPU)."""
+    """The step's median time without the profiler (device events on a GPU, around a few steps
+    back to back, as a training loop runs them)."""
     from accel.timer import interleaved
 
-    samples = interleaved({"step": call}, device, warmup=1, repeats=5)
+    samples = interleaved({"step": call}, device, warmup=1, repeats=5, calls_per_sample=CALLS)
     return samples.medians()["step"] * 1e3
 
 

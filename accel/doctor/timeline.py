@@ -87,12 +87,20 @@ class Timeline:
         """This timeline with the step's time measured without the profiler: the profiler adds
         host time to every operator, so a profiled step idles more than the real one. Kernel
         times stand; the idle time shrinks to what the real step leaves, split as profiled."""
-        idle = max(0.0, step_us - self.busy_us)
+        busy = self.busy_us
+        work = 1.0  # on a CPU the profiler slows the operators themselves: their share stands
+        if not self.device.startswith("cuda") and busy > 0:
+            work = step_us / self.step_us
+            busy *= work
+        idle = max(0.0, step_us - busy)
         profiled = sum(self.idle_us.values())
         scale = idle / profiled if profiled > 0 else 0.0
         return dataclasses.replace(
             self,
             step_us=step_us,
+            kernel_us=self.kernel_us * work,
+            busy_us=busy,
+            by_category={k: v * work for k, v in self.by_category.items()},
             idle_us={k: v * scale for k, v in self.idle_us.items()},
             profiled_step_us=self.step_us,
         )

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from accel.doctor.examine import CALLS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
 from accel.doctor.parts import Untouched, copy_step
 
@@ -33,7 +34,7 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
     if not report.parts.all:
         raise ValueError("try_fixes needs the step's model or optimizer, and none was found")
     cuda = report.evidence.device.type == "cuda"
-    repeats = repeats or (15 if cuda else 5)
+    repeats = repeats or (8 if cuda else 5)
     untouched = Untouched(report.parts)
     blocked = _blocked(report) if fixes is None else ""
     rows = [
@@ -136,6 +137,7 @@ def _measured(report, names: list[str], steps: int, repeats: int, tolerance: flo
             {"unchanged": base_call, "fixed": fixed_call},
             warmup=3,
             repeats=repeats,
+            calls_per_sample=CALLS,
             device=report.evidence.device,
         )
     status = "ok" if error <= tolerance else "changes results beyond the tolerance"

@@ -1,6 +1,7 @@
 """Small training steps with planted problems, each beside a clean twin: what the doctor's tests,
 its bench phase and notebook 09 examine. Written as a user would write them; every planted line
-carries a ``# planted: <kind>`` comment, so a test can check that the finding points at it.
+carries a ``# planted[<model>]: <kind>`` comment, so a test can check that the finding points at
+it (a planted float32 product has no line of its own: it is the autocast left out).
 
 - ``gpt``: a small GPT logging ``loss.item()`` every step, clipping and updating one tensor at a
   time (``foreach=False``), zeroing gradients instead of dropping them, attention written out by
@@ -52,13 +53,14 @@ class Plantable:
         return planted if device.type == "cuda" else planted & self.on_cpu
 
 
-def planted_lines() -> dict[str, list[int]]:
-    """kind -> the lines of this file marked ``# planted: <kind>``."""
+def planted_lines(model: str | None = None) -> dict[str, list[int]]:
+    """kind -> the lines of this file marked ``# planted[<model>]: <kind>`` (every model's, or
+    the one named)."""
     found: dict[str, list[int]] = {}
     for number, line in enumerate(Path(__file__).read_text().splitlines(), 1):
-        match = re.search(r"# planted: (\w+)", line)
-        if match and not line.lstrip().startswith("#"):
-            found.setdefault(match[1], []).append(number)
+        match = re.search(r"# planted\[(\w+)\]: (\w+)", line)
+        if match and not line.lstrip().startswith("#") and model in (None, match[1]):
+            found.setdefault(match[2], []).append(number)
     return found
 
 
@@ -85,7 +87,7 @@ class ZooAttention(nn.Module):
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         if self.manual:
-            scores = (q @ k.transpose(-2, -1)) * self.scale  # planted: attention
+            scores = (q @ k.transpose(-2, -1)) * self.scale  # planted[gpt]: attention
             scores = scores.masked_fill(self.future[:s, :s], float("-inf"))
             y = scores.softmax(-1) @ v
         else:
@@ -143,11 +145,11 @@ def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=clip_foreach)  # planted: clip_loop
-        opt.step()  # planted: optimizer_loop
-        opt.zero_grad(set_to_none=zero_to_none)  # planted: zero_grad
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=clip_foreach)  # planted[gpt]: clip_loop
+        opt.step()  # planted[gpt]: optimizer_loop
+        opt.zero_grad(set_to_none=zero_to_none)  # planted[gpt]: zero_grad
         if "sync" in plant:
-            history.append(loss.item())  # planted: sync
+            history.append(loss.item())  # planted[gpt]: sync
         return loss.detach()
 
     gen = torch.Generator().manual_seed(0)
@@ -194,7 +196,7 @@ def _cnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
 
     def step(batch):
         images, labels = batch
-        images = images.to(device)  # planted: input
+        images = images.to(device)  # planted[cnn]: input
         labels = labels.to(device)
         with _bf16(device):
             loss = F.cross_entropy(model(images), labels)
@@ -227,12 +229,12 @@ class LoopMomentum(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 buf = self.state[p].setdefault("buf", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(p.grad)  # planted: tensor_loop
+                buf.mul_(group["momentum"]).add_(p.grad)  # planted[mlp]: tensor_loop
                 p.add_(buf, alpha=-group["lr"])
 
 
 def _mlp(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=64, depth=8, batch=32), dict(dim=1024, depth=12, batch=16384))
+    size = _sizes(preset, dict(dim=64, depth=8, batch=32), dict(dim=1024, depth=12, batch=65536))
     dim = size["dim"]
     layers = [m for _ in range(size["depth"]) for m in (nn.Linear(dim, dim), nn.SiLU())]
     model = nn.Sequential(*layers, nn.Linear(dim, 1)).to(device)
@@ -249,7 +251,7 @@ def _mlp(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     def step(batch):
         inputs, targets = batch
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = F.mse_loss(model(inputs), targets)  # planted: precision
+            loss = F.mse_loss(model(inputs), targets)  # planted[mlp]: precision
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -282,13 +284,13 @@ class StepwiseGRU(nn.Module):
     def _bounded(self, h: torch.Tensor) -> torch.Tensor:
         if not self.check_on_host:
             return h.clamp(-50, 50)
-        if h.abs().max() > 50:  # planted: sync
+        if h.abs().max() > 50:  # planted[rnn]: sync
             h = h.clamp(-50, 50)
         return h
 
 
 def _rnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=16, seq=12, batch=8), dict(dim=1024, seq=256, batch=256))
+    size = _sizes(preset, dict(dim=16, seq=12, batch=8), dict(dim=1024, seq=256, batch=1024))
     model = StepwiseGRU(size["dim"], "stepwise" in plant, "sync" in plant).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)

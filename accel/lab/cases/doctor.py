@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from accel.doctor import examine, zoo
+from accel.doctor.examine import CALLS
 from accel.lab.bench import BenchContext, Row
 from accel.lab.costs import measure_costs
 from accel.lab.timing import compare
@@ -65,11 +66,12 @@ def removal_saving_ms(name: str, planted: frozenset[str], kind: str, ctx: BenchC
     build = dict(device=ctx.device, preset=ctx.preset)
     with_it = zoo.build(name, planted, **build)
     without = zoo.build(name, planted - {kind}, **build)
-    repeats = 10 if ctx.device.type == "cuda" else 3
+    repeats = 6 if ctx.device.type == "cuda" else 3
     timing = compare(
         {"with": feeder(with_it), "without": feeder(without)},
         warmup=3,
         repeats=repeats,
+        calls_per_sample=CALLS,
         device=ctx.device,
     )
     return timing.timings["with"].median_ms - timing.timings["without"].median_ms
