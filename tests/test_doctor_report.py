@@ -275,3 +275,22 @@ def test_checkpointing_without_repeated_blocks_is_not_applicable(seed):
     copied = StepCopy(*copy_step(step, find_parts(step)), torch.randn(3, 4), torch.device("cpu"))
     with pytest.raises(fixes.FixNotApplicable, match="no repeated blocks"):
         FIXES["checkpointing"].apply(copied)
+
+
+def test_compile_lists_the_graph_breaks_with_their_lines(seed):
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        if loss.item() > 1e6:  # a host read: dynamo breaks the graph here
+            loss = loss * 0
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(4, 8), steps=1, warmup=1, compile=True)
+    (found,) = [f for f in report.findings if f.kind == "compile"]
+    assert line_of(step, "loss.item()") in {s.line for s in found.sites}
+    assert "item" in found.evidence and found.fixes == ("compile",)
