@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from accel.doctor.findings import Evidence, detect
-from accel.doctor.fixes import _NO_BATCH
+from accel.doctor.fixes import NO_BATCH
 from accel.doctor.parts import StepParts, Untouched, copy_step, find_parts
 from accel.doctor.recorder import record_step
 from accel.doctor.timeline import profile_timeline
@@ -38,7 +38,7 @@ def step_device(parts: StepParts, batch: Any) -> torch.device:
 
 def examine(
     step: Callable[..., Any],
-    batch: Any = _NO_BATCH,
+    batch: Any = NO_BATCH,
     *,
     loader: Iterable[Any] | None = None,
     steps: int = 5,
@@ -66,17 +66,15 @@ def examine(
         )
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
-    if batch is _NO_BATCH and loader is not None:
+    if batch is NO_BATCH and loader is not None:
         batch = next(iter(loader))
     parts = find_parts(step)
     untouched = Untouched(parts)
     runner, copied = _copy_or_own(step, parts)
     device = step_device(copied, batch)
     call = _call(runner, batch)
-    started = time.perf_counter()
     for _ in range(warmup):
         call()
-    warm_s = time.perf_counter() - started
     timeline = profile_timeline(call, device, steps=steps).at_step_time(_step_us(call, device))
     evidence = Evidence(
         device=device,
@@ -95,7 +93,7 @@ def examine(
     )
     findings = detect(evidence)
     _check_untouched(untouched, runner is step)
-    return Report(step, batch, parts, evidence, findings, warmup_s=warm_s)
+    return Report(step, batch, parts, evidence, findings)
 
 
 def _step_us(call: Callable[[], Any], device: torch.device) -> float:
@@ -108,7 +106,7 @@ def _step_us(call: Callable[[], Any], device: torch.device) -> float:
 
 
 def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
-    return runner if batch is _NO_BATCH else (lambda: runner(batch))
+    return runner if batch is NO_BATCH else (lambda: runner(batch))
 
 
 def _copy_or_own(

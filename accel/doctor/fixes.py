@@ -50,7 +50,7 @@ class StepCopy:
             with contextlib.ExitStack() as stack:
                 for context in contexts:
                     stack.enter_context(context())
-                return step(batch) if batch is not _NO_BATCH else step()
+                return step(batch) if batch is not NO_BATCH else step()
 
         if self.graphed:
             from accel.graphs import GraphedStep
@@ -60,7 +60,7 @@ class StepCopy:
         return functools.partial(inner, batch)
 
 
-_NO_BATCH = object()  # the step takes no argument
+NO_BATCH = object()  # the step takes no argument
 GRAPH_WARMUP = 2  # eager calls before the capture (optimizer state is created in the first)
 
 

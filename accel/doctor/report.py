@@ -31,11 +31,9 @@ class Report:
         parts: StepParts,
         evidence: Evidence,
         findings: list[Finding],
-        *,
-        warmup_s: float = 0.0,
     ):
         self.step, self.batch, self.parts = step, batch, parts
-        self.evidence, self.findings, self.warmup_s = evidence, findings, warmup_s
+        self.evidence, self.findings = evidence, findings
         self.trials = None  # the DataFrame of the last try_fixes()
 
     @property
@@ -77,9 +75,7 @@ class Report:
         """Where the time goes (one stacked bar) and each finding's predicted saving."""
         from accel.lab.plots import doctor_figure
 
-        savings = {
-            _short(f.title): f.saved_us / 1e3 for f in self.findings if f.saved_us is not None
-        }
+        savings = {f.title: f.saved_us / 1e3 for f in self.findings if f.saved_us is not None}
         return doctor_figure(self.breakdown(), savings, self.step_ms, title=self._title())
 
     def _title(self) -> str:
@@ -163,7 +159,3 @@ class Report:
         page = f"<!doctype html><html><meta charset='utf-8'><body>{self.html()}</body></html>"
         write_text_atomic(path, page)
         return path
-
-
-def _short(title: str, width: int = 48) -> str:
-    return title if len(title) <= width else title[: width - 1] + "…"

@@ -50,7 +50,7 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
     chosen: list[str] = []
     for row in helped:
         name = row["fixes"]
-        if not any(name in group and chosen_in(group, chosen) for group in EXCLUSIVE):
+        if not any(name in group and group.intersection(chosen) for group in EXCLUSIVE):
             chosen.append(name)
     if len(chosen) >= 2:
         rows.append(_trial(report, chosen, steps, repeats))
@@ -69,10 +69,6 @@ def _blocked(report) -> str:
 def _not_tried(report, name: str, why: str) -> dict[str, Any]:
     row = _trial_row(report, [name])
     return row | {"status": f"not tried: {why}"}
-
-
-def chosen_in(group: set[str], chosen: list[str]) -> bool:
-    return any(c in group for c in chosen)
 
 
 def _fresh(report) -> StepCopy:

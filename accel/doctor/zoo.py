@@ -70,6 +70,21 @@ def _sizes(preset: str, cpu: dict, gpu: dict) -> dict:
     return gpu if preset == "gpu" else cpu
 
 
+def _regression_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device):
+    """A plain training step on a mean-squared error, in bf16 on a GPU: nothing planted."""
+
+    def step(batch):
+        inputs, targets = batch
+        with _bf16(device):
+            loss = F.mse_loss(model(inputs), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
 def _bf16(device: torch.device):
     """bf16 autocast on a GPU (the clean way to train there), nothing on a CPU."""
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -297,16 +312,7 @@ def _rnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     x = torch.randn(size["batch"], size["seq"], size["dim"], generator=gen).to(device)
     y = x.mean((1, 2))[:, None]
 
-    def step(batch):
-        inputs, targets = batch
-        with _bf16(device):
-            loss = F.mse_loss(model(inputs), targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return ZooCase("rnn", plant, step, (x, y), None, frozenset())
+    return ZooCase("rnn", plant, _regression_step(model, opt, device), (x, y), None, frozenset())
 
 
 # ---- shapes ---------------------------------------------------------------------------------------
@@ -325,15 +331,7 @@ def _shapes(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase
 
     loader = [sequence_batch(i) for i in range(8)]
 
-    def step(batch):
-        x, y = batch
-        with _bf16(device):
-            loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
+    step = _regression_step(model, opt, device)
     return ZooCase("shapes", plant, step, loader[0], loader, frozenset())
 
 

@@ -367,7 +367,9 @@ def doctor_figure(
             hovertemplate=f"{part}: %{{x:.3f}} ms<extra></extra>",
         )  # fmt: skip
     if savings:
-        labels = [wrap_label(k.replace(" ", "+"), 36).replace("+", " ") for k in savings]
+        labels = [
+            wrap_label(_short(k, 48).replace(" ", "+"), 36).replace("+", " ") for k in savings
+        ]
         fig.add_bar(
             y=labels, x=list(savings.values()), orientation="h", row=2, col=1, showlegend=False,
             text=[f"{v:.3f} ms" for v in savings.values()], textposition="outside",

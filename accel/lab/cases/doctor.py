@@ -10,7 +10,6 @@ fixes together at least 3x its step.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -45,15 +44,8 @@ def feeder(case: zoo.ZooCase) -> Callable[[], Any]:
     (so waiting for data is in the time), else on the batch."""
     if case.loader is None:
         return lambda: case.step(case.batch)
-    batches = itertools.cycle(case.loader) if isinstance(case.loader, list) else None
-
-    def step_on_next() -> Any:
-        nonlocal batches
-        if batches is None:
-            batches = _endless(case.loader)
-        return case.step(next(batches))
-
-    return step_on_next
+    batches = _endless(case.loader)  # a generator: the loader's iterator starts on first use
+    return lambda: case.step(next(batches))
 
 
 def _endless(loader):
