@@ -52,7 +52,9 @@ def op(name, *inputs, outputs=(), site=SITE, library=(), backward=False, time_us
     )
 
 
-def timeline_of(step_us=1000.0, kernel_us=400.0, idle=None, comm_us=0.0, overlap_us=0.0):
+def timeline_of(
+    step_us=1000.0, kernel_us=400.0, idle=None, comm_us=0.0, overlap_us=0.0, sync_wait_us=0.0
+):
     return Timeline(
         device="cuda:0",
         steps=5,
@@ -62,6 +64,7 @@ def timeline_of(step_us=1000.0, kernel_us=400.0, idle=None, comm_us=0.0, overlap
         kernels=50,
         launches=50.0,
         syncs=0.0,
+        sync_wait_us=sync_wait_us,
         idle_us=dict(idle or {}),
         comm_us=comm_us,
         comm_overlap_us=overlap_us,
@@ -263,8 +266,10 @@ def test_sync_finding_on_cuda_predicts_the_measured_cost_per_sync():
         op("aten::is_nonzero", info(), site=other),
         op("aten::_local_scalar_dense", info(device="cpu"), library=ADAMW),
     ]
-    (found,) = check_host.syncs(evidence(ops, tl=timeline_of(idle={"sync": 70.0})))
+    tl = timeline_of(idle={"sync": 70.0}, sync_wait_us=1700.0)
+    (found,) = check_host.syncs(evidence(ops, tl=tl))
     assert found.kind == "sync"
+    assert "the host waited 1.700 ms in them" in found.evidence
     assert found.title == "3 host-device syncs per step"
     assert found.saved_us == pytest.approx(3 * SYNC_US)
     assert set(found.sites) == {SITE, other}
@@ -301,15 +306,18 @@ def test_launch_bound_without_blockers_predicts_a_graph_replay():
     assert "nothing seen that would stop GraphedStep" in found.evidence
 
 
-def test_launch_bound_says_what_blocks_a_cuda_graph():
+def test_launch_bound_says_what_blocks_a_cuda_graph_and_predicts_past_what_can_be_removed():
+    graphed = 1000.0 - 300.0 * check_host.GRAPH_REPLAY_OVER_KERNELS
     syncing = [op("aten::_local_scalar_dense", info())]
     (found,) = launch_bound(syncing)
-    assert found.saved_us is None
+    assert found.saved_us == pytest.approx(graphed)
     assert (
         "GraphedStep cannot capture it yet: 1 sync(s), the first at train.py:12" in found.evidence
     )
+    assert "once what stops the capture is gone" in found.cost_model
     (found,) = launch_bound(batch=(torch.randn(4, 3), torch.randn(4)))
-    assert "2 batch tensor(s) on the host" in found.evidence and found.saved_us is None
+    assert "2 batch tensor(s) on the host" in found.evidence
+    assert found.saved_us == pytest.approx(graphed)
     loader = {"shapes": {((8, 16),), ((8, 24),)}, "batches": 8, "wait_us": 0.0}
     (found,) = launch_bound(loader=loader)
     assert "the batch's shape changes" in found.evidence and found.saved_us is None

@@ -46,3 +46,13 @@ def test_gpu_fixes_on_the_planted_gpt_stay_within_their_tolerance():
     statuses = dict(zip(trials["fixes"], trials["status"], strict=True))
     assert all(s == "ok" for s in statuses.values()), statuses
     assert (trials["measured speedup"] > 0).all()
+
+
+def test_gpu_a_stepwise_loop_is_captured_once_its_syncs_are_gone():
+    syncing = zoo.build("rnn", {"stepwise", "sync"}, device="cuda", preset="cpu")
+    timeline = doctor.examine(syncing.step, syncing.batch).evidence.timeline
+    assert timeline.syncs >= 12 and timeline.sync_wait_us > 0, timeline
+    free = zoo.build("rnn", {"stepwise"}, device="cuda", preset="cpu")
+    report = doctor.examine(free.step, free.batch)
+    (trial,) = report.try_fixes(["cuda_graph"], repeats=3).to_dict("records")
+    assert trial["status"] == "ok", trial

@@ -103,6 +103,7 @@ def syncs(evidence: Evidence) -> list[Finding]:
     ]
     if evidence.cuda:
         t = evidence.timeline
+        lines.append(f"the host waited {t.sync_wait_us / 1e3:.3f} ms in them")
         idle, host = t.idle_us.get("sync", 0.0), t.idle_us.get("host", 0.0)
         busy = t.busy_us / (t.busy_us + host) if t.busy_us + host > 0 else 0.0
         each = total * evidence.costs.sync_us
@@ -156,6 +157,7 @@ def launch_bound(evidence: Evidence) -> list[Finding]:
             cost_model=(
                 f"a CUDA graph replays the step's kernels with no host in between: about "
                 f"{GRAPH_REPLAY_OVER_KERNELS}x their summed time (the gaps inside a replay)"
+                + (", once what stops the capture is gone" if blockers else "")
             ),
             notebook="04_graphs",
             change=(
@@ -163,7 +165,8 @@ def launch_bound(evidence: Evidence) -> list[Finding]:
                 "step = GraphedStep(step)        # capture once, replay every later call\n"
                 "# or: model = torch.compile(model, mode='reduce-overhead')"
             ),
-            saved_us=max(0.0, t.step_us - graphed) if not blockers else None,
+            # syncs and host batches can be taken out of a step; a changing shape cannot
+            saved_us=None if _shape_changes(evidence) else max(0.0, t.step_us - graphed),
             fixes=("cuda_graph", "compile"),
         )
     ]
@@ -183,9 +186,13 @@ def capture_blockers(evidence: Evidence) -> str:
     ]
     if host:
         why.append(f"{len(host)} batch tensor(s) on the host (copy them in before the step)")
-    if evidence.loader is not None and len(evidence.loader["shapes"]) > 1:
+    if _shape_changes(evidence):
         why.append("the batch's shape changes between batches")
     return "; ".join(why)
+
+
+def _shape_changes(evidence: Evidence) -> bool:
+    return evidence.loader is not None and len(evidence.loader["shapes"]) > 1
 
 
 @check("input_pipeline")

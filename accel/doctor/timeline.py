@@ -72,6 +72,7 @@ class Timeline:
     kernels: int  # per step
     launches: float
     syncs: float  # NaN on a CPU
+    sync_wait_us: float = 0.0  # host time blocked inside the syncs' runtime calls
     idle_us: dict[str, float] = field(default_factory=dict)  # host, sync, other
     by_category: dict[str, float] = field(default_factory=dict)  # kernel time per category
     comm_us: float = 0.0
@@ -130,7 +131,8 @@ def profile_timeline(
     t1 = max([e.time_range.end for e in marks] + [end for _, end, _ in spans])
     host = [e for e in events if e.device_type == DeviceType.CPU and e.time_range.start >= t0]
     launches = sorted(e.time_range.start for e in host if e.name in LAUNCH_CALLS)
-    sync_ends = sorted(e.time_range.end for e in host if e.name in SYNC_CALLS)
+    blocking = [e.time_range for e in host if e.name in SYNC_CALLS]
+    sync_ends = sorted(r.end for r in blocking)
     idle = _idle_breakdown(spans, t0, t1, launches, sync_ends) if cuda else {}
     busy = union_length([[a, b] for a, b, _ in spans])
     if not cuda:
@@ -146,6 +148,7 @@ def profile_timeline(
         kernels=round(len(spans) * per),
         launches=(len(launches) if cuda else len(spans)) * per,
         syncs=len(sync_ends) * per if cuda else math.nan,
+        sync_wait_us=sum(r.end - r.start for r in blocking) * per,
         idle_us={k: v * per for k, v in idle.items()},
         by_category={k: v * per for k, v in _by_category(spans).items()},
         comm_us=comm * per,
