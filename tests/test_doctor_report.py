@@ -294,3 +294,33 @@ def test_compile_lists_the_graph_breaks_with_their_lines(seed):
     (found,) = [f for f in report.findings if f.kind == "compile"]
     assert line_of(step, "loss.item()") in {s.line for s in found.sites}
     assert "item" in found.evidence and found.fixes == ("compile",)
+
+
+def test_a_reordering_fix_is_allowed_16_bit_rounding_where_the_products_run_in_16_bits(seed):
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    x = torch.randn(4, 8)
+    low = doctor.examine(step, x)
+    full = doctor.examine(lambda x: _fp32(model, opt, x), x)
+    for name in ("compile", "cuda_graph"):
+        fix = FIXES[name]
+        assert trial.tolerance(low, [name]) == fix.rtol_16bit > fix.rtol
+        assert trial.tolerance(full, [name]) == fix.rtol
+    assert trial.tolerance(low, ["set_to_none"]) == FIXES["set_to_none"].rtol
+
+
+def _fp32(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.examine import CALLS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
 from accel.doctor.parts import Untouched, copy_step
 
-__all__ = ["result_error", "try_fixes"]
+__all__ = ["result_error", "tolerance", "try_fixes"]
 
 EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
 NEEDS_NO_SYNC = ("cuda_graph", "compile")  # a capture fails and compile breaks at every sync
@@ -98,10 +99,19 @@ def _trial_row(report, names: list[str]) -> dict[str, Any]:
         "measured ms": math.nan,
         "measured speedup": math.nan,
         "error": math.nan,
-        "tolerance": sum(FIXES[n].rtol for n in names),
+        "tolerance": tolerance(report, names),
         "why": "; ".join(FIXES[n].why for n in names),
         "first call s": math.nan,
     }
+
+
+def tolerance(report, names: list[str]) -> float:
+    """The relative error the fixes ``names`` together may make on this step's results."""
+    sixteen = any(
+        op.op in MATMUL_OPS and op.inputs and op.inputs[0].dtype in (torch.bfloat16, torch.float16)
+        for op in report.evidence.recording.ops
+    )
+    return sum(FIXES[n].tolerance(sixteen) for n in names)
 
 
 def _trial(report, names: list[str], steps: int, repeats: int) -> dict[str, Any]:

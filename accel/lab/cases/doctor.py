@@ -79,18 +79,24 @@ def removal_saving_ms(
     return statistics.median(a - b for a, b in pairs)
 
 
-def graph_saving_ms(name: str, planted: frozenset[str], ctx: BenchContext, costs) -> float:
-    """ms per step saved by a launch-bound finding's change: the planted kinds that stop a
-    capture removed (timed against the planted model), then ``GraphedStep`` on what is left
-    (timed by ``try_fixes``); NaN if the graph did not run."""
+def graph_saving_ms(
+    name: str, planted: frozenset[str], ctx: BenchContext, costs
+) -> tuple[float, str]:
+    """ms per step saved by a launch-bound finding's change, and how it was measured: the
+    planted kinds that stop a capture removed (timed against the planted model), then
+    ``GraphedStep`` on what is left (timed by ``try_fixes``); NaN if the graph did not run."""
     blockers = planted & CAPTURE_BLOCKERS
-    saving = removal_saving_ms(name, planted, blockers, ctx) if blockers else 0.0
+    removed = removal_saving_ms(name, planted, blockers, ctx) if blockers else 0.0
     free = zoo.build(name, planted - blockers, device=ctx.device, preset=ctx.preset)
     report = examine(free.step, free.batch, loader=free.loader, ceilings=ctx.ceilings, costs=costs)
     trial = report.try_fixes(["cuda_graph"]).iloc[0]
     if trial["status"] != "ok":
-        return math.nan
-    return saving + trial["unchanged ms"] - trial["measured ms"]
+        return math.nan, f"the graph did not run: {trial['status']}"
+    graphed = trial["unchanged ms"] - trial["measured ms"]
+    how = (
+        f"measured: {sorted(blockers)} removed {removed:.3f} ms, then GraphedStep {graphed:.3f} ms"
+    )
+    return removed + graphed, how
 
 
 def run(ctx: BenchContext) -> list[Row]:
@@ -146,12 +152,12 @@ def _false_alarm_row(name: str, report, judged: bool) -> Row:
     )
 
 
-def _measured_saving_ms(name: str, case: zoo.ZooCase, kind: str, ctx, costs) -> float | None:
-    """The measured saving of the finding ``kind`` on this model, or None where it cannot be."""
+def _measured_saving_ms(name: str, case: zoo.ZooCase, kind: str, ctx, costs):
+    """(ms, how) measured for the finding ``kind`` on this model, or None where it cannot be."""
     if kind == zoo.FINDING_OF["stepwise"] and "stepwise" in case.planted:
         return graph_saving_ms(name, case.planted, ctx, costs)
     if kind in MEASURABLE & case.planted:
-        return removal_saving_ms(name, case.planted, frozenset({kind}), ctx)
+        return removal_saving_ms(name, case.planted, frozenset({kind}), ctx), ""
     return None
 
 
@@ -160,11 +166,12 @@ def _prediction_rows(name: str, case: zoo.ZooCase, report, ctx: BenchContext, co
     top of the ranking) judged."""
     rows = []
     for finding in report.findings:
-        measured = None
+        result = None
         if finding.saved_us is not None:
-            measured = _measured_saving_ms(name, case, finding.kind, ctx, costs)
-        if measured is None:
+            result = _measured_saving_ms(name, case, finding.kind, ctx, costs)
+        if result is None:
             continue
+        measured, how = result
         predicted = finding.saved_us / 1e3
         top = not rows
         off = abs(predicted / measured - 1) if measured > 0 else math.inf
@@ -179,7 +186,7 @@ def _prediction_rows(name: str, case: zoo.ZooCase, report, ctx: BenchContext, co
                 target=f"within {TARGET_TOP_WITHIN:.0%}" if top else "",
                 met=(off <= TARGET_TOP_WITHIN) if top and ctx.judged else None,
                 note=f"baseline = measured, optimized = predicted ({off:.0%} apart); "
-                f"{finding.cost_model}",
+                f"{finding.cost_model}" + (f"; {how}" if how else ""),
             )
         )
     return rows
