@@ -56,3 +56,12 @@ def test_gpu_a_stepwise_loop_is_captured_once_its_syncs_are_gone():
     report = doctor.examine(free.step, free.batch)
     (trial,) = report.try_fixes(["cuda_graph"], repeats=3).to_dict("records")
     assert trial["status"] == "ok", trial
+
+
+def test_gpu_checkpointing_measures_the_room_it_makes_for_a_larger_batch():
+    case = zoo.build("gpt", {"precision"}, device="cuda", preset="cpu")
+    report = doctor.examine(case.step, case.batch)
+    (row,) = report.try_fixes(["checkpointing"], repeats=3).to_dict("records")
+    assert row["status"] == "ok", row
+    assert 0 < row["fixed peak MiB"] < row["unchanged peak MiB"]
+    assert row["batch room"] == row["unchanged peak MiB"] / row["fixed peak MiB"] > 1

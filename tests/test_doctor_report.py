@@ -155,6 +155,7 @@ def test_set_to_none_fix_is_measured_on_copies(examined):
     assert (row["fixes"], row["mode"], row["status"]) == ("set_to_none", "alone", "ok")
     assert row["error"] <= row["tolerance"] == FIXES["set_to_none"].rtol
     assert row["measured ms"] > 0 and math.isfinite(row["measured speedup"])
+    assert math.isnan(row["batch room"])  # a CPU's allocator keeps no peak to compare
     assert unchanged(before, model)
     assert "Fixes tried" in report.html(plotlyjs=False)
 

@@ -72,7 +72,8 @@ def _capacity(evidence: Evidence, m: dict) -> list[Finding]:
                 f"({resident / gib:.2f} GiB held before the step: weights, gradients, optimizer "
                 f"state); {len(blocks)} repeated blocks to checkpoint",
                 cost_model="checkpointing every block keeps only its input; the batch can grow "
-                "until the freed memory is used again (the fix measures the peak)",
+                "until the freed memory is used again (try_fixes measures the step's peak with "
+                "and without: its 'batch room')",
                 notebook="03_memory",
                 change="from accel.recompute import checkpoint_blocks\n"
                 f"checkpoint_blocks(model, {blocks[:3] + (['...'] if len(blocks) > 3 else [])})",
