@@ -155,7 +155,8 @@ def test_set_to_none_fix_is_measured_on_copies(examined):
     assert (row["fixes"], row["mode"], row["status"]) == ("set_to_none", "alone", "ok")
     assert row["error"] <= row["tolerance"] == FIXES["set_to_none"].rtol
     assert row["measured ms"] > 0 and math.isfinite(row["measured speedup"])
-    assert math.isnan(row["batch room"])  # a CPU's allocator keeps no peak to compare
+    assert row["unchanged peak MiB"] > 0 and row["fixed peak MiB"] > 0
+    assert row["batch room"] == row["unchanged peak MiB"] / row["fixed peak MiB"]
     assert unchanged(before, model)
     assert "Fixes tried" in report.html(plotlyjs=False)
 

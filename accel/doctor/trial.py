@@ -17,6 +17,7 @@ from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.examine import CALLS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
 from accel.doctor.parts import Untouched, copy_step
+from accel.memory import peak_memory
 
 __all__ = ["result_error", "tolerance", "try_fixes"]
 
@@ -155,9 +156,8 @@ def _measured(report, names: list[str], steps: int, repeats: int, tolerance: flo
     elif any("GraphCapture" in type(w.message).__name__ for w in caught):
         status = "ran eagerly: the capture failed"
     unchanged, measured = (timing.timings[k].median_ms for k in ("unchanged", "fixed"))
-    peaks = [
-        step_peak_bytes(call, report.evidence.device) / 2**20 for call in (base_call, fixed_call)
-    ]
+    device = report.evidence.device
+    peaks = [peak_memory(call, device=device) / 2**20 for call in (base_call, fixed_call)]
     return {
         "status": status,
         "unchanged ms": unchanged,
@@ -170,19 +170,6 @@ def _measured(report, names: list[str], steps: int, repeats: int, tolerance: flo
         # activations grow with the batch: how many times the batch fits where one did before
         "batch room": peaks[0] / peaks[1] if peaks[1] > 0 else math.nan,
     }
-
-
-def step_peak_bytes(call, device: torch.device) -> float:
-    """Memory one call of the step allocates at its peak beyond what was allocated before it
-    (its activations and temporaries); NaN off CUDA, whose allocator keeps no peak."""
-    if device.type != "cuda":
-        return math.nan
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    call()
-    torch.cuda.synchronize(device)
-    return float(torch.cuda.max_memory_allocated(device) - before)
 
 
 def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: int):
