@@ -1,6 +1,8 @@
 import collections
+import getpass
 import importlib.util
 import os
+import tempfile
 
 import pytest
 import torch
@@ -11,6 +13,14 @@ if not CUDA:
     # first imported; the kernel tests run through the interpreter here, so whichever test
     # imports triton first (torch.compile does) must already see TRITON_INTERPRET=1.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest-xdist workers compiling the same kernel share torch.compile's cache, where one can load
+# a library another is still writing ("file too short"): each worker gets its own
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER:
+    os.environ.setdefault(
+        "TORCHINDUCTOR_CACHE_DIR",
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_WORKER}"),
+    )
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
 
 
