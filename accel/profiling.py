@@ -76,6 +76,9 @@ SYNC_CALLS = frozenset(
 )
 HOST_READ_OP = "aten::_local_scalar_dense"  # what .item(), float(t) and int(t) end in
 # ATen ops that move no data through arithmetic: views, metadata and allocation.
+CPU_COLLECTIVE = (
+    "gloo:"  # a CPU process group's collective as its thread runs it ("gloo:all_reduce")
+)
 NO_WORK_OPS = frozenset(
     {
         "aten::empty",
@@ -132,7 +135,8 @@ def device_work(events, marks: frozenset[str] = frozenset()):
 
 
 def cpu_kernels(events):
-    """ATen ops that do arithmetic themselves: the CPU's analogue of a kernel launch.
+    """ATen ops that do arithmetic themselves: the CPU's analogue of a kernel launch; and the
+    collectives of a CPU process group, run on gloo's own threads (its analogue of NCCL's kernels).
 
     An op counts when it spends at least as long in its own code as in arithmetic ops it calls:
     ``aten::mm`` counts and ``aten::matmul`` (which calls it) does not; ``aten::sum`` counts
@@ -142,9 +146,13 @@ def cpu_kernels(events):
         e
         for e in events
         if e.device_type == DeviceType.CPU
-        and _is_compute(e)
-        and e.self_cpu_time_total >= sum(c.cpu_time_total for c in e.cpu_children if _is_compute(c))
+        and (e.name.startswith(CPU_COLLECTIVE) or _does_arithmetic(e))
     ]
+
+
+def _does_arithmetic(e) -> bool:
+    own = e.self_cpu_time_total
+    return _is_compute(e) and own >= sum(c.cpu_time_total for c in e.cpu_children if _is_compute(c))
 
 
 def _is_compute(e) -> bool:

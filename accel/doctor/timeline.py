@@ -41,7 +41,7 @@ __all__ = ["Timeline", "kernel_category", "profile_timeline"]
 _STEP = "accel.doctor.step"
 _SYNC_GRACE_US = 5.0  # a sync that returned just before the gap opened still caused it
 _CATEGORIES = (  # (category, substrings of a kernel or operator name), first match wins
-    ("communication", ("nccl", "c10d::", "allreduce", "all_gather", "reduce_scatter")),
+    ("communication", ("nccl", "gloo:", "c10d::", "allreduce", "all_gather", "reduce_scatter")),
     ("compiled (Triton)", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "_efficient_attention")),
     ("matmul", ("gemm", "cutlass", "cublas", "xmma", "wgmma", "mm", "conv", "linear")),
