@@ -76,8 +76,10 @@ SYNC_CALLS = frozenset(
 )
 HOST_READ_OP = "aten::_local_scalar_dense"  # what .item(), float(t) and int(t) end in
 # ATen ops that move no data through arithmetic: views, metadata and allocation.
-CPU_COLLECTIVE = (
-    "gloo:"  # a CPU process group's collective as its thread runs it ("gloo:all_reduce")
+CPU_COLLECTIVE = "gloo:"  # a CPU process group's collective, as its thread runs it
+# ops that only choose another op to do their arithmetic: never a kernel when they called one
+DISPATCHING_OPS = frozenset(
+    {"aten::matmul", "aten::linear", "aten::conv2d", "aten::convolution", "aten::_convolution"}
 )
 NO_WORK_OPS = frozenset(
     {
@@ -138,9 +140,9 @@ def cpu_kernels(events):
     """ATen ops that do arithmetic themselves: the CPU's analogue of a kernel launch; and the
     collectives of a CPU process group, run on gloo's own threads (its analogue of NCCL's kernels).
 
-    An op counts when it spends at least as long in its own code as in arithmetic ops it calls:
-    ``aten::mm`` counts and ``aten::matmul`` (which calls it) does not; ``aten::sum`` counts
-    although it first calls ``fill_`` on its output.
+    An op counts when it spends at least as long in its own code as in arithmetic ops it calls
+    (``aten::sum`` counts although it first calls ``fill_`` on its output), unless it only
+    chooses the op that does the arithmetic (``aten::matmul`` calling ``aten::mm``).
     """
     return [
         e
@@ -151,8 +153,12 @@ def cpu_kernels(events):
 
 
 def _does_arithmetic(e) -> bool:
-    own = e.self_cpu_time_total
-    return _is_compute(e) and own >= sum(c.cpu_time_total for c in e.cpu_children if _is_compute(c))
+    if not _is_compute(e):
+        return False
+    called = [c for c in e.cpu_children if _is_compute(c)]
+    if called and e.name in DISPATCHING_OPS:  # its own time is dispatch, however long it took
+        return False
+    return e.self_cpu_time_total >= sum(c.cpu_time_total for c in called)
 
 
 def _is_compute(e) -> bool:

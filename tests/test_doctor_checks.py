@@ -3,6 +3,7 @@ the machine's rates injected, so the GPU-only logic runs on a CPU and nothing is
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from types import SimpleNamespace
@@ -733,3 +734,22 @@ def test_detect_runs_the_registered_checks_on_synthetic_evidence():
     ranked = detect(evidence(ops, tl=tl, loader=loader))
     assert [f.kind for f in ranked] == ["communication", "sync", "shapes"]
     assert [f.saved_us for f in ranked] == [pytest.approx(250.0), pytest.approx(SYNC_US), None]
+
+
+def test_a_cpu_timeline_at_the_unprofiled_step_scales_its_work_and_communication():
+    profiled = dataclasses.replace(
+        timeline_of(step_us=2000.0, kernel_us=800.0, idle={"host": 1200.0}, comm_us=600.0),
+        device="cpu",
+        comm_overlap_us=200.0,
+    )
+    real = profiled.at_step_time(1000.0)
+    assert (real.step_us, real.profiled_step_us) == (1000.0, 2000.0)
+    assert (real.kernel_us, real.busy_us, real.comm_us, real.comm_overlap_us) == (
+        400.0,
+        400.0,
+        300.0,
+        100.0,
+    )
+    assert real.idle_us == {"host": 600.0}
+    gpu = timeline_of(step_us=2000.0, kernel_us=800.0, idle={"host": 1200.0}, comm_us=600.0)
+    assert gpu.at_step_time(1000.0).comm_us == 600.0  # a device's kernels take what they take

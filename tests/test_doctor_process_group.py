@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -14,6 +15,7 @@ from torch import nn
 from accel import doctor
 
 WORLD = 2
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rank(rank: int, store: str, out: str) -> None:

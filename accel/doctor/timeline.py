@@ -101,6 +101,8 @@ class Timeline:
             step_us=step_us,
             kernel_us=self.kernel_us * work,
             busy_us=busy,
+            comm_us=self.comm_us * work,
+            comm_overlap_us=self.comm_overlap_us * work,
             by_category={k: v * work for k, v in self.by_category.items()},
             idle_us={k: v * scale for k, v in self.idle_us.items()},
             profiled_step_us=self.step_us,
