@@ -33,7 +33,7 @@ def _bench(args: argparse.Namespace) -> int:
     from accel.lab.bench import run_bench
     from accel.lab.device import results_stem
 
-    frame = run_bench(args.phase, out=args.out)  # each phase written as it ends
+    frame = run_bench(args.phase, out=args.out, only=args.only)  # each phase written as it ends
     with pd.option_context("display.width", 200, "display.max_columns", 12):
         print(
             frame[
@@ -87,6 +87,14 @@ def parser() -> argparse.ArgumentParser:
         choices=list(PHASES),
         metavar="NAME",
         help=f"phases to run (default: all): {', '.join(PHASES)}",
+    )
+    bench.add_argument(
+        "--only",
+        nargs="+",
+        metavar="PART",
+        help="run only these parts of phases that run in parts (notebooks: a notebook's name or "
+        "its number, 05; overhead: components, 'attention sweep', 'diversity sweep', 'adamw "
+        "sweep'); their rows replace the same cases' rows, the phase's other rows stay",
     )
     bench.add_argument(
         "--out", type=Path, default=Path("results"), help="where to write (results/)"

@@ -103,3 +103,29 @@ def test_readme_table_keeps_sweep_points_in_the_csv_only(tmp_path):
     table = bench.results_markdown(tmp_path)
     assert "main case" in table and "sweep: worst ratio" in table
     assert "sweep S=256" not in table and "1 sweep points in the CSV" in table
+
+
+def test_write_results_by_case_replaces_only_the_cases_it_holds(tmp_path):
+    stamp = dict.fromkeys(COLUMNS[11:], "x")
+
+    def frame(*cases):
+        rows = [Row("a", case, "time", "ms", value).as_dict() | stamp for case, value in cases]
+        return pd.DataFrame(rows, columns=COLUMNS)
+
+    write_results(frame(("one", 1.0), ("two", 2.0)), tmp_path, stem="m")
+    write_results(frame(("two", 5.0), ("three", 3.0)), tmp_path, stem="m", by_case=True)
+    result = pd.read_csv(tmp_path / "m.csv").set_index("case")["optimized"].to_dict()
+    assert result == {"one": 1.0, "two": 5.0, "three": 3.0}
+    write_results(frame(("four", 4.0)), tmp_path, stem="m")  # a whole phase: the rest goes
+    assert list(pd.read_csv(tmp_path / "m.csv")["case"]) == ["four"]
+
+
+def test_only_is_refused_for_a_phase_that_runs_whole_and_for_a_part_that_is_not_there():
+    from accel.errors import UsageError
+    from accel.lab.bench import check_parts
+
+    with pytest.raises(UsageError, match="sync runs whole"):
+        check_parts(["notebooks", "sync"], ("05",))
+    with pytest.raises(UsageError, match=r"--only 99: no such part; the parts: 00_tour"):
+        check_parts(["notebooks"], ("05", "99"))
+    check_parts(["notebooks", "overhead"], ("05", "attention sweep"))

@@ -56,3 +56,42 @@ def test_on_a_gpu_a_slow_notebook_a_slow_cell_or_a_failure_misses_its_target(tmp
     slow, fine, broken, workbook = notebooks.run(ctx)
 
     assert (slow.met, fine.met, broken.met, workbook.met) == (False, True, False, False)
+
+
+def test_some_notebooks_timed_and_the_workbook_summed_with_the_others_recorded_rows(
+    tmp_path, monkeypatch
+):
+    import pandas as pd
+
+    for name in ("01_a", "02_b", "03_c"):
+        write(tmp_path / f"{name}.ipynb", "x = 1")
+    monkeypatch.setattr(notebooks, "NOTEBOOK_DIR", tmp_path)
+    assert notebooks.parts() == ["01_a", "02_b", "03_c"]
+    recorded = pd.DataFrame(
+        {
+            "phase": ["notebooks", "notebooks", "sdpa"],
+            "case": ["01_a", "02_b", "03_c"],
+            "optimized": [40.0, 50.0, 1e6],
+            "date": ["2026-11-20", "2026-11-21", "2026-11-21"],
+        }
+    )
+    ceilings = Ceilings("cpu", 10.0, 0.1, "float32", 1 << 20, 64)
+    ctx = BenchContext(torch.device("cpu"), "cpu", ceilings, only=("02", "03"), recorded=recorded)
+
+    b, c, workbook = notebooks.run(ctx)
+
+    assert (b.case, c.case) == ("02_b", "03_c")
+    assert workbook.optimized == pytest.approx(40.0 + b.optimized + c.optimized)
+    assert "2 timed in this run, the rest recorded on 2026-11-20" in workbook.note
+    ctx = BenchContext(torch.device("cpu"), "cpu", ceilings, only=("03",))
+    *_, workbook = notebooks.run(ctx)  # nothing recorded for 01 and 02: no sum yet
+    assert workbook.optimized != workbook.optimized and "not timed yet: 01_a, 02_b" in workbook.note
+
+
+def test_the_overhead_phase_runs_only_the_parts_asked_for():
+    from accel.lab.cases import overhead
+
+    only_adamw = BenchContext(torch.device("cpu"), "cpu", only=("adamw sweep",))
+    rows = overhead.run(only_adamw)
+    assert rows and all(r.case.startswith("adamw") for r in rows)
+    assert not only_adamw.selected("components") and only_adamw.selected("adamw sweep")

@@ -48,6 +48,12 @@ PHASES: dict[str, str] = {
     "overhead": "accel.lab.cases.overhead:run",
     "doctor": "accel.lab.cases.doctor:run",
 }
+# phases that can run in parts (``--only``): name -> "module:function" listing the parts, which
+# the phase's run takes from ``BenchContext.selected``
+PARTS: dict[str, str] = {
+    "notebooks": "accel.lab.cases.notebooks:parts",
+    "overhead": "accel.lab.cases.overhead:parts",
+}
 
 COLUMNS = [
     "phase",
@@ -112,6 +118,12 @@ class BenchContext:
     device: torch.device
     preset: Preset
     _ceilings: Ceilings | None = None
+    only: tuple[str, ...] = ()  # the parts to run (names or their prefixes); () runs every part
+    recorded: pd.DataFrame | None = None  # the rows already in the results file written to
+
+    def selected(self, part: str) -> bool:
+        """Whether this run takes ``part`` of a phase that runs in parts."""
+        return not self.only or any(part.startswith(name) for name in self.only)
 
     @property
     def ceilings(self) -> Ceilings:
@@ -175,8 +187,7 @@ def speedup_row(
 def phase_function(name: str) -> Callable[[BenchContext], list[Row]]:
     if name not in PHASES:
         raise ValueError(f"unknown phase {name!r}; expected one of {', '.join(PHASES)}")
-    module, func = PHASES[name].split(":")
-    return getattr(importlib.import_module(module), func)
+    return _call(PHASES[name])
 
 
 def run_bench(
@@ -185,18 +196,26 @@ def run_bench(
     device: torch.device | str | None = None,
     progress: bool = True,
     out: str | Path | None = None,
+    only: Iterable[str] | None = None,
 ) -> pd.DataFrame:
     """Run the named phases (all by default) and return their rows with the run's versions.
     With ``out``, each phase's rows are merged into ``out`` as soon as that phase ends, so an
-    interrupted run keeps the phases it finished; ``out`` is checked before anything runs."""
+    interrupted run keeps the phases it finished; ``out`` is checked before anything runs.
+    ``only``: the parts to run of phases that run in parts (:data:`PARTS`); their rows then
+    replace the rows of the same cases, and the phase's other rows stay."""
     from tqdm.auto import tqdm
 
     names = list(collection_of(phases, "phase names") if phases is not None else PHASES)
     functions = {n: phase_function(n) for n in names}  # unknown names fail before any work
+    parts = tuple(collection_of(only, "parts")) if only is not None else ()
+    if parts:
+        check_parts(names, parts)
     dev = torch.device(device) if device is not None else default_device()
-    ctx = BenchContext(dev, preset(dev))
+    ctx = BenchContext(dev, preset(dev), only=parts)
     if out is not None:
         out = prepare_out_dir(out)
+        csv = out / f"{results_stem(dev)}.csv"
+        ctx.recorded = read_results(csv) if csv.exists() else None
     info = versions(dev)
     stamp = {k: info[k] for k in ("device", "preset", "torch", "triton", "cuda", "driver")}
     stamp["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
@@ -205,8 +224,27 @@ def run_bench(
         rows = [r.as_dict() | stamp for r in functions[name](ctx)]
         frames.append(pd.DataFrame(rows, columns=COLUMNS))
         if out is not None and rows:
-            write_results(frames[-1], out, stem=results_stem(dev))
+            write_results(frames[-1], out, stem=results_stem(dev), by_case=bool(parts))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
+
+
+def check_parts(phases: list[str], only: tuple[str, ...]) -> None:
+    """A UsageError unless every phase runs in parts and every name in ``only`` picks one."""
+    whole = [p for p in phases if p not in PARTS]
+    if whole:
+        raise UsageError(
+            f"--only picks parts of the phases {', '.join(PARTS)}; {', '.join(whole)} "
+            "runs whole (leave --only out for it)"
+        )
+    known = [part for p in phases for part in _call(PARTS[p])()]
+    unknown = [o for o in only if not any(part.startswith(o) for part in known)]
+    if unknown:
+        raise UsageError(f"--only {' '.join(unknown)}: no such part; the parts: {', '.join(known)}")
+
+
+def _call(spec: str) -> Callable:
+    module, func = spec.split(":")
+    return getattr(importlib.import_module(module), func)
 
 
 def prepare_out_dir(out: str | Path) -> Path:
@@ -224,16 +262,22 @@ def prepare_out_dir(out: str | Path) -> Path:
 
 
 def write_results(
-    frame: pd.DataFrame, out_dir: str | Path, stem: str | None = None
+    frame: pd.DataFrame, out_dir: str | Path, stem: str | None = None, *, by_case: bool = False
 ) -> dict[str, Path]:
-    """Merge ``frame`` into ``<out_dir>/<stem>.csv`` (replacing the phases it holds) and write
-    the HTML report of the whole file beside it, with plotly.js."""
+    """Merge ``frame`` into ``<out_dir>/<stem>.csv`` (replacing the phases it holds, or with
+    ``by_case`` only the rows of the same phase and case) and write the HTML report of the whole
+    file beside it, with plotly.js."""
     out = prepare_out_dir(out_dir)
     stem = stem or results_stem()
     csv = out / f"{stem}.csv"
     if csv.exists():
         old = read_results(csv)
-        frame = pd.concat([old[~old["phase"].isin(frame["phase"])], frame], ignore_index=True)
+        if by_case:
+            new = set(zip(frame["phase"], frame["case"], strict=True))
+            kept = [pair not in new for pair in zip(old["phase"], old["case"], strict=True)]
+        else:
+            kept = ~old["phase"].isin(frame["phase"])
+        frame = pd.concat([old[kept], frame], ignore_index=True)
     frame = frame[COLUMNS]
     write_text_atomic(csv, frame.to_csv(index=False))
     _write_plotly_js(out)

@@ -13,7 +13,8 @@ Two measures per component, each timed interleaved with its plain counterpart:
 Targets (a CUDA GPU at the gpu preset): ``sdpa(backend="auto")`` adds at most 3 µs of host time
 to ``F.scaled_dot_product_attention``; diversity at most 20 µs of host time per call;
 ``GraphedStep`` at most 10 µs over the bare graph replay. The shape sweeps, where the other
-targets live, are ``overhead_attention``, ``overhead_diversity`` and ``overhead_adamw``.
+targets live, are ``overhead_attention``, ``overhead_diversity`` and ``overhead_adamw``; ``--only``
+runs some of the four parts (:func:`parts`).
 """
 
 from __future__ import annotations
@@ -37,15 +38,22 @@ HOST_CALLS = 50  # calls per host-clock sample
 SMALL_TENSORS = [(96, 97), (97,), (13, 96), (96,)] * 75
 
 
+def parts() -> list[str]:
+    """The parts ``--only`` can pick: the components called one at a time, and each sweep."""
+    return ["components", "attention sweep", "diversity sweep", "adamw sweep"]
+
+
 def run(ctx: BenchContext) -> list[Row]:
     from accel.lab.cases import overhead_adamw, overhead_attention, overhead_diversity
 
-    rows = sdpa_rows(ctx) + diversity_rows(ctx) + clip_rows(ctx) + adamw_rows(ctx)
-    rows += graphed_rows(ctx)
-    rows += overhead_attention.rows(ctx)
-    rows += overhead_diversity.rows(ctx)
-    rows += overhead_adamw.rows(ctx)
-    return rows
+    runs = {
+        "components": lambda: sdpa_rows(ctx) + diversity_rows(ctx) + clip_rows(ctx)
+        + adamw_rows(ctx) + graphed_rows(ctx),
+        "attention sweep": lambda: overhead_attention.rows(ctx),
+        "diversity sweep": lambda: overhead_diversity.rows(ctx),
+        "adamw sweep": lambda: overhead_adamw.rows(ctx),
+    }  # fmt: skip
+    return [row for part, rows in runs.items() if ctx.selected(part) for row in rows()]
 
 
 # ---- timing ------------------------------------------------------------------------------------
