@@ -2,8 +2,9 @@
 in one workspace, all cells run, then what shows is checked (widgets rendered, no errors in the
 browser console, no profiler noise in the outputs) and, where a notebook has a FeaturePanel, one
 checkbox toggled and Run pressed: the progress bar moves, the plot changes and the table shows
-new numbers. Screenshots of each panel before and after go to ``ACCEL_BROWSER_SHOTS`` (default
-``ci-logs/browser``).
+new numbers. Last, two notebooks with panels are left open side by side, kernels running, and the
+first one's widgets must still show when its tab comes back. Screenshots of each panel before and
+after go to ``ACCEL_BROWSER_SHOTS`` (default ``ci-logs/browser``).
 
 Needs Playwright for Python and a Chromium (Debian's ``chromium``, or ``ACCEL_CHROMIUM`` naming
 one); skipped with the reason where either is missing, failed instead where
@@ -155,6 +156,30 @@ def test_the_notebook_runs_and_shows_what_it_should(page, notebook):
         raise
 
 
+KEPT_OPEN = ("04_graphs.ipynb", "06_diversity.ipynb")  # two panels, both kernels left running
+
+
+def test_notebooks_kept_open_side_by_side_keep_their_widgets(page):
+    """A person does not close a notebook before opening the next: both stay open with their
+    kernels running, and the first one's widgets still show when its tab comes back."""
+    page.console_errors.clear()
+    for notebook in KEPT_OPEN:
+        item = page.locator(".jp-DirListing-item", has_text=notebook)
+        if not item.is_visible():  # the file browser folds away while a notebook is in front
+            page.locator(".lm-TabBar-tab[data-id='filebrowser']").first.click()
+        item.dblclick()
+        page.wait_for_selector(f"{SHOWN} .jp-Cell")
+        _run_all_cells(page)
+    first = KEPT_OPEN[0].removesuffix(".ipynb")
+    page.locator(".lm-TabBar-tab", has_text=first).first.click()
+    page.wait_for_selector(f"{SHOWN} .js-plotly-plot")
+    text = page.inner_text(f"{SHOWN} .jp-Notebook")
+    assert not [f for f in WIDGET_FAILURES if f in text], f"a widget failed to render:\n{text}"
+    assert not page.console_errors, f"browser console: {page.console_errors}"
+    for _ in KEPT_OPEN:
+        _close(page)
+
+
 def _check(page, name: str) -> None:
     page.wait_for_selector(f"{SHOWN} .jp-Cell")
     _run_all_cells(page)
@@ -222,8 +247,12 @@ def _toggle_and_run(page, panel, name: str) -> None:
 
 
 def _close(page) -> None:
-    """Shut the notebook's kernel down and close its tab, discarding the run (CI has two cores)."""
+    """Shut the notebook in front down and close its tab, discarding the run (CI has two cores)."""
+    open_now = page.locator(".jp-NotebookPanel").count()
     page.get_by_role("menuitem", name="File", exact=True).click()
     page.get_by_role("menuitem", name=re.compile(r"^Close and Shut Down")).click()
     page.locator(".jp-Dialog").get_by_role("button", name="Ok", exact=True).click()
-    page.wait_for_selector(".jp-NotebookPanel", state="detached", timeout=30_000)
+    page.wait_for_function(
+        f"() => document.querySelectorAll('.jp-NotebookPanel').length < {open_now}",
+        timeout=30_000,
+    )
