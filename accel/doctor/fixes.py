@@ -72,9 +72,8 @@ class Fix:
     rtol: float  # relative error allowed on the step's outputs and parameters after the trial
     why: str  # the argument for that tolerance
     needs_cuda: bool = True
-    rtol_16bit: float | None = (
-        None  # a fix that sums in another order, where products run in 16 bit
-    )
+    # a fix that sums in another order: its allowance where the products already run in 16 bits
+    rtol_16bit: float | None = None
 
     def tolerance(self, sixteen_bit: bool) -> float:
         """The allowance on a step whose matrix products run in 16 bits (``sixteen_bit``) or not."""

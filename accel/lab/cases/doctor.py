@@ -29,7 +29,7 @@ TARGET_TOP_WITHIN = 0.30  # |predicted / measured - 1| of each model's top findi
 TARGET_GPT_FIXES = 3.0  # the planted GPT's step over the step with every safe fix
 # planted kinds whose removal is exactly the change the finding proposes (a stepwise loop is
 # reported as launch-bound, whose change, a graph, is not what removing the loop does: that one is
-# measured by applying the graph, see graph_saving_ms)
+# measured by applying the graph, see graph_saving)
 MEASURABLE = frozenset(
     {
         "sync",

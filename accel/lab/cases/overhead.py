@@ -19,6 +19,9 @@ runs some of the four parts (:func:`parts`).
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -40,20 +43,29 @@ SMALL_TENSORS = [(96, 97), (97,), (13, 96), (96,)] * 75
 
 def parts() -> list[str]:
     """The parts ``--only`` can pick: the components called one at a time, and each sweep."""
-    return ["components", "attention sweep", "diversity sweep", "adamw sweep"]
+    return list(_PARTS)
 
 
 def run(ctx: BenchContext) -> list[Row]:
-    from accel.lab.cases import overhead_adamw, overhead_attention, overhead_diversity
+    return [row for part, rows in _PARTS.items() if ctx.selected(part) for row in rows(ctx)]
 
-    runs = {
-        "components": lambda: sdpa_rows(ctx) + diversity_rows(ctx) + clip_rows(ctx)
-        + adamw_rows(ctx) + graphed_rows(ctx),
-        "attention sweep": lambda: overhead_attention.rows(ctx),
-        "diversity sweep": lambda: overhead_diversity.rows(ctx),
-        "adamw sweep": lambda: overhead_adamw.rows(ctx),
-    }  # fmt: skip
-    return [row for part, rows in runs.items() if ctx.selected(part) for row in rows()]
+
+def _components(ctx: BenchContext) -> list[Row]:
+    rows = sdpa_rows(ctx) + diversity_rows(ctx) + clip_rows(ctx) + adamw_rows(ctx)
+    return rows + graphed_rows(ctx)
+
+
+def _sweep(module: str) -> Callable[[BenchContext], list[Row]]:
+    """A sweep's rows, its module imported when the part runs."""
+    return lambda ctx: importlib.import_module(f"accel.lab.cases.{module}").rows(ctx)
+
+
+_PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
+    "components": _components,
+    "attention sweep": _sweep("overhead_attention"),
+    "diversity sweep": _sweep("overhead_diversity"),
+    "adamw sweep": _sweep("overhead_adamw"),
+}
 
 
 # ---- timing ------------------------------------------------------------------------------------
