@@ -31,7 +31,10 @@ def test_each_notebook_gets_its_seconds_and_slowest_cell_and_the_workbook_its_su
 
     quick, broken, workbook = rows
     assert [r.case for r in rows] == ["01_quick", "02_broken", "workbook"]
-    assert quick.optimized >= 0.6 and "slowest: cell 2 of the file" in quick.note
+    assert (
+        quick.optimized >= 0.6
+        and "slowest without a progress bar: cell 2 of the file" in quick.note
+    )
     assert "FAILED" not in quick.note
     assert "FAILED" in broken.note and "the data is gone" in broken.note
     assert workbook.optimized == pytest.approx(quick.optimized + broken.optimized)
@@ -56,6 +59,22 @@ def test_on_a_gpu_a_slow_notebook_a_slow_cell_or_a_failure_misses_its_target(tmp
     slow, fine, broken, workbook = notebooks.run(ctx)
 
     assert (slow.met, fine.met, broken.met, workbook.met) == (False, True, False, False)
+
+
+def test_a_slow_cell_that_shows_a_progress_bar_is_within_its_target(tmp_path, monkeypatch):
+    bar = "import time\nfrom tqdm.auto import tqdm\nfor _ in tqdm(range(5)):\n    time.sleep(0.1)"
+    write(tmp_path / "01_with_bar.ipynb", bar)
+    write(tmp_path / "02_without.ipynb", "import time\ntime.sleep(0.5)")
+    monkeypatch.setattr(notebooks, "NOTEBOOK_DIR", tmp_path)
+    monkeypatch.setattr(notebooks, "CELL_TARGET_S", 0.3)
+    ceilings = Ceilings("cuda", 10.0, 0.1, "bfloat16", 1 << 20, 64)
+    ctx = BenchContext(torch.device("cuda"), "gpu", ceilings)  # judged; nothing runs on it
+
+    with_bar, without, _ = notebooks.run(ctx)
+
+    assert (with_bar.met, without.met) == (True, False)
+    assert "with one: cell 1" in with_bar.note
+    assert "cell 1 of the file" in without.note
 
 
 def test_some_notebooks_timed_and_the_workbook_summed_with_the_others_recorded_rows(

@@ -180,7 +180,8 @@ def measure(
     ``peak_mib``, ``compile_s``, ``val_error`` (the mean of ``reads`` reads, at ``train_steps``
     and every ``read_every`` steps before; NaN where not validated), ``val_vs_baseline`` (ratio
     to the first configuration's), ``aux_calls`` and ``train_steps`` (inverse-loss passes and
-    steps trained).
+    steps trained). ``on_progress`` hears each stage as it begins ("building <name>", "timing",
+    "training <name>"), then "done".
     """
     if validate is not None:  # before anything reads the other arguments
         validate = collection_of(validate, "configuration names")
@@ -189,14 +190,13 @@ def measure(
     first_read = train_steps - (reads - 1) * read_every
     validate = _check_measure(configs, per_sample, repeats, first_read, validate)
     dev = torch.device(device)
+    say = on_progress or (lambda stage: None)
     steps, peaks = {}, {}
     try:
         for name in names:
-            if on_progress:
-                on_progress(f"building {name}")
+            say(f"building {name}")
             steps[name], peaks[name] = _build_and_footprint(configs[name], sizes, dev, seed)
-        if on_progress:
-            on_progress("timing")
+        say("timing")
         timing = compare(
             steps,
             baseline=names[0],
@@ -209,8 +209,7 @@ def measure(
         for name, step in steps.items():
             error = math.nan
             if name in validate:
-                if on_progress:
-                    on_progress(f"training {name}")
+                say(f"training {name}")
                 error = _validation_error(step, range(first_read, train_steps + 1, read_every))
             t = timing.timings[name]
             rows.append(
@@ -233,10 +232,30 @@ def measure(
             step.close()
         steps.clear()
         _free(dev)
+    say("done")
     frame = pd.DataFrame(rows)
     frame["speedup"] = frame["samples_per_s"] / frame["samples_per_s"].iloc[0]
     frame["val_vs_baseline"] = frame["val_error"] / frame["val_error"].iloc[0]
     return frame
+
+
+def progress_bar(configs: dict[str, op.Flags]) -> Callable[[str], None]:
+    """An ``on_progress`` for :func:`measure` of ``configs`` that draws a tqdm bar: a tick as
+    each build, the timing and each training ends, the stage under way as its description."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=2 * len(configs) + 1)
+    stages: list[str] = []
+
+    def tick(stage: str) -> None:
+        if stages:  # the stage before this one has ended
+            bar.update()
+        stages.append(stage)
+        bar.set_description_str(stage)
+        if stage == "done":
+            bar.close()
+
+    return tick
 
 
 def _check_measure(

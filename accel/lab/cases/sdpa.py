@@ -17,6 +17,7 @@ TFLOP/s are compared with the measured dense matrix-product rate (``ctx.ceilings
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,7 @@ __all__ = [
     "BENCH_SIZES",
     "FLEX_SIZES",
     "MATH_SWEEP_BYTES",
+    "NOTEBOOK_SWEEP",
     "PHASE",
     "PICKED",
     "SDPA_OPS",
@@ -175,6 +177,16 @@ BENCH_SIZES = {
         repeats=7,
         vit_repeats=5,
     ),
+}
+
+# The notebook's sweep, per preset: a quarter of the bench's points (one head dimension, two
+# lengths) at half its repeats, so that it answers in seconds; the bench's rows hold the rest.
+# On a CPU, a tiny version.
+NOTEBOOK_SWEEP = {
+    "gpu": dataclasses.replace(
+        BENCH_SIZES["gpu"].sweep, seqs=(1024, 4096), head_dims=(128,), repeats=8
+    ),
+    "cpu": dataclasses.replace(BENCH_SIZES["cpu"].sweep, tokens=255, repeats=3),
 }
 
 
