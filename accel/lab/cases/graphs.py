@@ -120,25 +120,41 @@ def _step_begin(fn: Callable[..., object]) -> Callable[..., object]:
 
 
 # ---- the field-trainer window --------------------------------------------------------------------
-def window_variants(sizes: ft.Sizes, device, *, with_compile: bool = True) -> dict:
+def window_variants(
+    sizes: ft.Sizes, device, *, with_compile: bool = True, progress: bool = False
+) -> dict:
     """Eager (phases 1-3), hand-graphed and compile-reduce-overhead field-trainer steps, warmed
-    up and checked equal to the eager one. Returns {"steps": {label: step}, "compiled": ...}."""
+    up and checked equal to the eager one. Returns {"steps": {label: step}, "compiled": ...}.
+    ``progress`` draws a tqdm bar of the four stages (compile's is most of the time)."""
+    from tqdm.auto import tqdm
+
+    stages = tqdm(total=4, desc="building the windows", disable=not progress)
     kinds = REPLAYED_WINDOWS if device.type == "cuda" else {"": REPLAYED_WINDOWS[""]}
     steps = {}  # on a CPU the compiled steps would only add minutes
     for kind, (eager, graphed) in kinds.items():
         steps[f"eager{kind}"] = ft.build(eager, sizes, device=device)
         steps[f"graphed{kind}"] = ft.build(graphed, sizes, device=device)
+    _next_stage(stages, "warm-up and capture")
     for _ in range(4):  # graphed: two eager warm-ups, the capture, a replay
         for step in steps.values():
             step()
+    _next_stage(stages, "each checked against eager")
     for step in steps.values():
         reference = steps["eager"].result()
         ft.compare_results(step.result(), reference, step.flags, sizes=sizes, steps=step.windows)
+    _next_stage(stages, "compile reduce-overhead")
     compiled = compile_reduce_overhead(
         lambda: _compiled_window(sizes, device), device, enabled=with_compile
     )
     compiled.add_to(steps)
+    _next_stage(stages, "done")
+    stages.close()
     return {"steps": steps, "compiled": compiled}
+
+
+def _next_stage(bar, description: str) -> None:
+    bar.update()
+    bar.set_description_str(description)
 
 
 def _compiled_window(sizes: ft.Sizes, device) -> Callable[[], None]:
