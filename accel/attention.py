@@ -28,6 +28,7 @@ from functools import partial
 from typing import Literal, get_args
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from accel.attention_auto import (
@@ -42,6 +43,7 @@ from accel.attention_auto import (
     SignatureKey,
     TensorSig,
     _auto,
+    _plain,
     _run,
     _try,
     auto_choices,
@@ -272,6 +274,10 @@ def sdpa(
         except AttributeError:  # not tensors: the checks below say so
             hit = None
         if hit is not None:  # checked and measured before: straight to the kernel
+            if hit[1] is _plain:  # PyTorch's own pick, called here: no frame in between
+                return F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=causal, scale=scale
+                )
             return hit[1](q, k, v, mask, causal, scale)
     return _sdpa(q, k, v, mask, causal, scale, backend)[0]
 

@@ -4,6 +4,7 @@ rotary embeddings cached against recomputed, fused q/k/v against separate."""
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -194,6 +195,25 @@ def test_auto_after_its_measurement_is_one_signature_and_one_lookup(monkeypatch,
     assert (backend, kernel) == (choice.backend, choice.kernel) and torch.equal(out, first)
     A.sdpa(q, k, v, causal=True)  # a new signature takes the checked path and is measured
     assert slow_path == [1] and len(A.auto_choices()) == 2
+
+
+def test_a_cached_auto_call_of_pytorchs_pick_runs_in_two_python_functions(monkeypatch, gen):
+    """Host cost: after its measurement, a signature whose pick is PyTorch's own calls
+    ``F.scaled_dot_product_attention`` from ``sdpa`` itself, its key built by ``flat_key``; the
+    only other Python is ``torch.compiler.is_compiling``."""
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
+    first = A.sdpa(q, k, v, causal=True)
+    assert A.auto_choices()[A.signature(q, k, v, None, True)].backend == "default"
+    entered = []
+    sys.setprofile(lambda frame, event, _: event == "call" and entered.append(frame.f_code))
+    try:
+        again = A.sdpa(q, k, v, causal=True)
+    finally:
+        sys.setprofile(None)
+    ours = [c.co_name for c in entered if "accel" in c.co_filename]
+    assert ours == ["sdpa", "flat_key"], [f"{c.co_filename}:{c.co_name}" for c in entered]
+    assert {c.co_name for c in entered} <= {"sdpa", "flat_key", "is_compiling", "is_scripting"}
+    assert torch.equal(again, first)
 
 
 def _samples(**times):

@@ -49,6 +49,10 @@ class Launcher:
             device = torch._C._cuda_getDevice()
             direct = self._direct.get((key, device))
             if direct is not None:
+                if direct.tensors:  # their addresses: Triton's launcher asks the driver about
+                    args = list(args)  # each tensor it is given, not about an address
+                    for i in direct.tensors:
+                        args[i] = args[i].data_ptr()
                 direct.run(*direct.grid, torch._C._cuda_getCurrentRawStream(device),
                            direct.function, direct.packed, None, None, None, *args, *direct.tail)  # fmt: skip
                 return
@@ -65,31 +69,31 @@ class Launcher:
 
 def _hooked() -> bool:
     """A launch hook is set (a profiler's, say): it wants Triton's own launch path. Otherwise
-    the direct launch passes no hooks (an empty hook chain would be called for nothing)."""
+    the direct launch passes no hooks (an empty hook chain would be called for nothing). A hook
+    is a function, or a hook chain (Triton 3.5 and later) with a function in its ``calls``."""
     if _knobs is None:
         return True
-    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-    return _set(enter) or _set(leave)
-
-
-def _set(hook: Any) -> bool:
-    """A hook, or a hook chain (Triton 3.5 and later) with a hook in it."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+    runtime = _knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True))
+    )
 
 
 class _Direct:
     """A compiled kernel's C launcher, its grid and its constexpr values (``Launcher`` calls
     ``run`` with the stream, the arguments and these)."""
 
-    __slots__ = ("function", "grid", "packed", "run", "tail")
+    __slots__ = ("function", "grid", "packed", "run", "tail", "tensors")
 
-    def __init__(self, compiled: Any, grid: tuple[int, int, int], tail: tuple):
+    def __init__(self, compiled: Any, grid: tuple[int, int, int], tail: tuple, tensors: tuple):
         self.run, self.function, self.packed = (
             compiled.run,
             compiled.function,
             compiled.packed_metadata,
         )
         self.grid, self.tail = grid, tail
+        self.tensors = tensors  # positions of the tensor arguments
 
     @classmethod
     def of(cls, kernel, compiled, grid, args: tuple, constexprs: Mapping) -> _Direct | None:
@@ -107,7 +111,9 @@ class _Direct:
         grid = (*grid, 1, 1)[:3]
         try:
             compiled._init_handles()
-            return cls(compiled, grid, tuple(chosen[n] for n in names[len(args) :]))
+            tail = tuple(chosen[n] for n in names[len(args) :])
+            tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            return cls(compiled, grid, tail, tensors)
         except AttributeError:  # the interpreter's result, or another Triton's
             return None
 

@@ -61,7 +61,8 @@ _launch_group_mean = Launcher(_group_mean_kernel)
 FINISH_BLOCK = 128  # columns (or members) a finishing program sums at a time
 _launch_tiled = {torch.float32: Launcher(tiled_fp32), "16 bit": Launcher(tiled_16bit)}
 _launch_tiled_interpreted = Launcher(_tiled_kernel)
-# signature -> (launcher, grid, constexprs, whether the launch takes no matrix pointer)
+# signature -> (launcher, grid, constexprs, whether the launch takes no matrix pointer, the
+# launcher's key: a small int, cheaper to hash on every call than the signature again)
 _GROUP_PLANS: dict[tuple, tuple] = {}
 
 
@@ -114,17 +115,17 @@ def _run_group(
     key = _signature(x, counts, mode) if config is None else None
     plan = _GROUP_PLANS.get(key) if key is not None else None
     if plan is None:
-        plan = _group_plan(x, mode, counts is not None, config)
+        plan = (*_group_plan(x, mode, counts is not None, config), len(_GROUP_PLANS))
         if key is not None:
             _GROUP_PLANS[key] = plan
-    launch, grid, constexprs, no_matrix = plan
+    launch, grid, constexprs, no_matrix, launch_key = plan
     out, items, matrix = _group_outputs(x, mode)
     counts_or_any = counts if counts is not None else out
     if no_matrix:
         args = (x, counts_or_any, out, items, B, N, D, *x.stride(), eps)
     else:
         args = (x, counts_or_any, out, items, matrix, B, N, D, *x.stride(), eps)
-    launch(key, grid, args, constexprs)
+    launch(launch_key if key is not None else None, grid, args, constexprs)
     return out, items, matrix
 
 
