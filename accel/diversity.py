@@ -23,16 +23,19 @@ which); otherwise the PyTorch reference, after one warning that says why. The re
 here too: the naive N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
 sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2 (= ||sum_i x̂_i||^2 - N without zero rows).
 
-Host cost per call on CUDA: the input checks, one output allocation and one launch (groups of up
-to 16; larger ones take two or three) through the compiled kernel's own launcher once the shape
-has been seen (``accel.kernels.launch``); the first call of a shape compiles. Measured beside
-the compiled closed form in ``results/`` (rows ``phase=overhead``, ``host time per call``).
+Host cost per call on CUDA: the first call of a signature (shape, strides, dtype, device,
+alignment, counts' layout) checks the inputs and compiles. After it, groups of up to 16 cost a
+key, one allocation and one launch of the compiled kernel with addresses
+(``accel.kernels.pairwise_cosine.ReadyCall``); larger groups take two or three launches through
+``accel.kernels.launch``. Measured beside the compiled closed form in ``results/`` (rows
+``phase=overhead``, ``host time per call``).
 """
 
 from __future__ import annotations
 
 import types
 import warnings
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -188,8 +191,28 @@ def _kernels() -> types.ModuleType:
     return triton_support.kernel_module(KERNELS)
 
 
+# (function, what the kernels specialize on) -> the kernels' ReadyCall: a signature seen on
+# CUDA, its inputs known to pass the checks, goes from the call to the launch at once
+_READY: dict[tuple, Callable] = {}
+
+
 def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference):
     """The kernel module's ``name`` on ``x`` when Triton can run on it, else ``reference``."""
+    try:
+        key = (name, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None
+               if counts is None else (counts.shape, counts.stride(), counts.dtype, counts.device,
+                                       counts.data_ptr() % 16))  # fmt: skip
+    except AttributeError:  # not tensors: the checks below say so
+        key = None
+    ready = _READY.get(key)
+    if ready is not None and not triton_support.interpreting():
+        out = ready(x, counts)
+        if out is not None:
+            return out
+    return _checked_dispatch(x, counts, name, reference, key)
+
+
+def _checked_dispatch(x, counts, name: str, reference, key: tuple | None):
     x3, _, single = check_embeddings(x, counts)  # bad input fails the same way on every path
     # a CUDA tensor with Triton installed is the common case: decided without building a reason
     why = None if x.is_cuda and triton_support.installed() else triton_support.unavailable(x.device)
@@ -199,12 +222,18 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference
             warnings.warn(
                 f"accel.diversity: using the PyTorch reference, not the Triton kernel: {why}",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         return reference(x, counts)
+    ready = key is not None and not single and (counts is None or counts.is_contiguous())
     if counts is not None:  # the kernels read counts[b] at counts_ptr + b
         counts = counts.contiguous()
-    out = getattr(_kernels(), name)(x3, counts, eps=EPS)
+    kernels = _kernels()
+    out = getattr(kernels, name)(x3, counts, eps=EPS)
+    if ready and not kernels.INTERPRETED:
+        made = kernels.ready_call(name, x3, counts, EPS)
+        if made is not None:
+            _READY[key] = made
     return out[0] if single else out
 
 

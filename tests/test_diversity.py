@@ -11,12 +11,15 @@ memory, graph capture).
 import contextlib
 import importlib.util
 import math
+import os
+import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import accel
 from accel import diversity as dv
 from accel import triton_support
 
@@ -26,6 +29,7 @@ requires_gpu = pytest.mark.skipif(
     not (CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton; this machine lacks one"
 )
 
+PACKAGE = os.path.dirname(accel.__file__)
 FUNCTIONS = ["mean_diversity", "nearest_distances", "nearest_diversity", "pairwise_distances"]
 # Odd sizes; (3, 77) is one (N, D) set; N = 40 takes the large-set (tiled, tl.dot) kernels.
 SHAPES = [(3, 77), (2, 3, 77), (4, 5, 123), (2, 40, 77)]
@@ -536,3 +540,28 @@ def test_launches_of_a_seen_signature_go_direct_and_equal_the_references(shape, 
         check_all(x, counts)
     launchers = [kernels._launch_group, kernels._launch_pairs, kernels._launch_normalized_sum]
     assert sum(launcher.direct_launches() for launcher in launchers) > 0
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("shape", [(64, 4, 384), (33, 16, 77)], ids=str)
+def test_a_seen_signature_goes_from_the_call_to_the_launch_at_once(shape, seed):
+    """Host cost: after a signature's first call, a small group's call is a key, one allocation
+    and the launch (no checks, no plan, no argument binding), and gives the same numbers."""
+    x = embeddings(shape, device="cuda")
+    counts = random_counts(shape[0], shape[1]).cuda()
+    entered = []
+    for name in FUNCTIONS:
+        for c in (None, counts):
+            first = getattr(dv, name)(x, c)
+            entered.clear()
+            sys.setprofile(lambda frame, event, _: event == "call" and entered.append(frame.f_code))
+            try:
+                again = getattr(dv, name)(x, c)
+            finally:
+                sys.setprofile(None)
+            names = [code.co_name for code in entered if code.co_filename.startswith(PACKAGE)]
+            assert names == [name, "_dispatch", "interpreting", "__call__", "hooked", "launch"], (
+                names
+            )
+            assert torch.equal(again, first) and again.is_contiguous(), name

@@ -38,14 +38,14 @@ class Launcher:
 
     def __call__(
         self,
-        key: tuple | None,
+        key: tuple | int | None,
         grid: tuple[int, ...] | Callable[[dict], tuple[int, ...]],
         args: tuple,
         constexprs: Mapping[str, Any],
     ) -> None:
         """``kernel[grid](*args, **constexprs)``: positional runtime arguments, then every
         constexpr (and launch option) by keyword. ``key=None`` launches without caching."""
-        if key is not None and not _hooked():
+        if key is not None and not hooked():
             device = torch._C._cuda_getDevice()
             direct = self._direct.get((key, device))
             if direct is not None:
@@ -53,21 +53,24 @@ class Launcher:
                     args = list(args)  # each tensor it is given, not about an address
                     for i in direct.tensors:
                         args[i] = args[i].data_ptr()
-                direct.run(*direct.grid, torch._C._cuda_getCurrentRawStream(device),
-                           direct.function, direct.packed, None, None, None, *args, *direct.tail)  # fmt: skip
+                direct.launch(device, args)
                 return
         compiled = self.kernel[grid](*args, **constexprs)
-        if key is not None and not _hooked():
+        if key is not None and not hooked():
             direct = _Direct.of(self.kernel, compiled, grid, args, constexprs)
             if direct is not None:
                 self._direct[(key, torch._C._cuda_getDevice())] = direct
+
+    def direct(self, key: tuple | int) -> _Direct | None:
+        """The direct launch of ``key`` on the current device, once a call has made one."""
+        return self._direct.get((key, torch._C._cuda_getDevice()))
 
     def direct_launches(self) -> int:
         """How many signatures launch directly now."""
         return len(self._direct)
 
 
-def _hooked() -> bool:
+def hooked() -> bool:
     """A launch hook is set (a profiler's, say): it wants Triton's own launch path. Otherwise
     the direct launch passes no hooks (an empty hook chain would be called for nothing). A hook
     is a function, or a hook chain (Triton 3.5 and later) with a function in its ``calls``."""
@@ -95,6 +98,12 @@ class _Direct:
         self.grid, self.tail = grid, tail
         self.tensors = tensors  # positions of the tensor arguments
 
+    def launch(self, device: int, args) -> None:
+        """The kernel on ``device``'s current stream; ``args`` are the runtime arguments, with
+        addresses (ints) where the kernel takes pointers."""
+        self.run(*self.grid, torch._C._cuda_getCurrentRawStream(device), self.function,
+                 self.packed, None, None, None, *args, *self.tail)  # fmt: skip
+
     @classmethod
     def of(cls, kernel, compiled, grid, args: tuple, constexprs: Mapping) -> _Direct | None:
         """The direct launch of what ``kernel[grid](*args, **constexprs)`` just compiled, or
@@ -118,4 +127,4 @@ class _Direct:
             return None
 
 
-__all__ = ["Launcher"]
+__all__ = ["Launcher", "hooked"]
