@@ -261,10 +261,12 @@ def sdpa(
     ``mask`` may also be a mask kind (``SlidingWindow(1024)``, ``Document(lengths)``, ...): then
     :func:`masked_sdpa` runs it, with its own backends (``auto``, ``flex``, ``dense``, ``causal``).
 
-    Host cost: after its first call a signature adds one key and one lookup to
-    ``F.scaled_dot_product_attention`` (``auto`` picking the default then calls it directly); a
-    forced kernel adds the switching of PyTorch's backend flags. The first call of a signature
-    with ``auto`` measures every candidate (milliseconds to seconds, once).
+    Host cost: after its first call a signature adds one key (shapes, strides, dtype, device,
+    grad) and one lookup to ``F.scaled_dot_product_attention``, which ``sdpa`` then calls itself
+    when ``auto`` kept PyTorch's pick: a few microseconds, measured beside ``F.sdpa`` in
+    ``results/`` (rows ``phase=overhead``, ``sdpa auto``). A forced kernel adds the switching of
+    PyTorch's backend flags. The first call of a signature with ``auto`` measures every
+    candidate (milliseconds to seconds, once).
     """
     if mask is not None and not isinstance(mask, torch.Tensor):  # a mask kind: masked_sdpa
         return masked_sdpa(q, k, v, mask, causal=causal, scale=scale, backend=backend)
