@@ -198,7 +198,7 @@ def test_auto_after_its_measurement_is_one_signature_and_one_lookup(monkeypatch,
     assert slow_path == [1] and len(A.auto_choices()) == 2
 
 
-def test_a_cached_auto_call_of_pytorchs_pick_runs_in_two_python_functions(monkeypatch, gen):
+def test_a_cached_auto_call_of_pytorchs_pick_runs_in_two_python_functions(gen):
     """Host cost: after its measurement, a signature whose pick is PyTorch's own calls
     ``F.scaled_dot_product_attention`` from ``sdpa`` itself, its key built by ``flat_key``; the
     only other Python is ``torch.compiler.is_compiling``."""
