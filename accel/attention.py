@@ -33,6 +33,7 @@ from torch import nn
 
 from accel.attention_auto import (
     _AUTO_FAST,
+    _KEPT_DEFAULT,
     _UNAVAILABLE,
     AUTO_MARGIN,
     FORCED,
@@ -46,8 +47,10 @@ from accel.attention_auto import (
     _plain,
     _run,
     _try,
+    _any_autocast,
     auto_choices,
     clear_auto_cache,
+    default_key,
     flat_key,
     signature,
 )
@@ -261,13 +264,22 @@ def sdpa(
     ``mask`` may also be a mask kind (``SlidingWindow(1024)``, ``Document(lengths)``, ...): then
     :func:`masked_sdpa` runs it, with its own backends (``auto``, ``flex``, ``dense``, ``causal``).
 
-    Host cost: after its first call a signature adds one key (shapes, strides, dtype, device,
-    grad) and one lookup to ``F.scaled_dot_product_attention``, which ``sdpa`` then calls itself
-    when ``auto`` kept PyTorch's pick: a few microseconds, measured beside ``F.sdpa`` in
+    Host cost: where ``auto`` kept PyTorch's pick for every layout of these shapes measured,
+    without a mask or autocast, a call adds one short key (shapes, dtype, device, causal, grad)
+    and one set lookup to ``F.scaled_dot_product_attention``, which ``sdpa`` calls itself (a new
+    layout of such shapes is not measured again: PyTorch's pick runs it). Other measured
+    signatures add a longer key (strides, the mask's) and a lookup. Measured beside ``F.sdpa`` in
     ``results/`` (rows ``phase=overhead``, ``sdpa auto``). A forced kernel adds the switching of
     PyTorch's backend flags. The first call of a signature with ``auto`` measures every
     candidate (milliseconds to seconds, once).
     """
+    if backend == "auto" and mask is None and not _is_compiling() and not _any_autocast():
+        try:  # shapes that kept PyTorch's pick in every layout measured: call it, no more
+            kept = default_key(q, k, v, causal) in _KEPT_DEFAULT
+        except AttributeError:  # not tensors: the checks below say so
+            kept = False
+        if kept:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if mask is not None and not isinstance(mask, torch.Tensor):  # a mask kind: masked_sdpa
         return masked_sdpa(q, k, v, mask, causal=causal, scale=scale, backend=backend)
     if backend == "auto" and not _is_compiling():

@@ -10,7 +10,9 @@ default unless another kernel beats it in both by more than the measurement's ow
 
 After its measurement a signature costs one flat key and one dictionary lookup per call, and a
 choice of ``"default"`` then calls ``F.scaled_dot_product_attention`` itself: no switch is
-flipped (:func:`cached_runner`).
+flipped (:func:`cached_runner`). Without a mask or autocast, shapes whose every measured layout
+kept PyTorch's pick cost less still: a shorter key (:func:`default_key`, no strides) in one set,
+so another layout of those shapes runs PyTorch's pick without being measured.
 
 ``accel.attention`` re-exports every public name here. Importing this module costs torch only.
 """
@@ -160,6 +162,10 @@ _AUTO_CACHE: dict[SignatureKey, AutoChoice] = {}
 # flat_key -> (what auto measured, its runner): a repeated call is one key and one lookup
 _AUTO_FAST: dict[tuple, tuple[AutoChoice, Callable[..., torch.Tensor]]] = {}
 _UNAVAILABLE: dict[tuple[str, tuple], str] = {}  # "" when the backend ran
+# default_key of shapes whose every measured signature kept PyTorch's pick (unmasked, no
+# autocast): the dispatcher's cheapest path. _FORCED_SHAPES: those where one did not.
+_KEPT_DEFAULT: set[tuple] = set()
+_FORCED_SHAPES: set[tuple] = set()
 _any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 
 
@@ -177,6 +183,25 @@ def flat_key(q, k, v, mask, causal) -> tuple:
             _autocast_dtype(q.device.type))  # fmt: skip
 
 
+def default_key(q, k, v, causal) -> tuple:
+    """The key of :data:`_KEPT_DEFAULT`: shapes, dtype, device, causal and whether a backward
+    follows, without the strides, whose reading is a third of :func:`flat_key`'s cost. Only a
+    choice of PyTorch's own pick is shared across layouts: it runs any layout, as it would
+    without ``auto``."""
+    return (q.shape, k.shape, v.shape, q.dtype, q.device, causal,
+            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))  # fmt: skip
+
+
+def _keep_shapes(choice: AutoChoice, q, k, v, causal) -> None:
+    """Note an unmasked choice made without autocast under its :func:`default_key`."""
+    shapes = default_key(q, k, v, causal)
+    if choice.backend == "default" and shapes not in _FORCED_SHAPES:
+        _KEPT_DEFAULT.add(shapes)
+    elif choice.backend != "default":
+        _KEPT_DEFAULT.discard(shapes)
+        _FORCED_SHAPES.add(shapes)
+
+
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
@@ -190,6 +215,8 @@ def clear_auto_cache() -> None:
     """Forget every measurement (``auto`` measures again on the next call of each signature)."""
     _AUTO_CACHE.clear()
     _AUTO_FAST.clear()
+    _KEPT_DEFAULT.clear()
+    _FORCED_SHAPES.clear()
     _UNAVAILABLE.clear()
 
 
@@ -424,6 +451,8 @@ def _auto(key: SignatureKey, fast: tuple, q, k, v, mask, causal, scale) -> AutoC
             return AutoChoice("default", {}, default_kernel=kernel)
         choice = _AUTO_CACHE[key] = _measure(key, q, k, v, mask, causal, scale)
     _AUTO_FAST[fast] = (choice, cached_runner(choice, q, k, v, mask, causal, scale))
+    if key.mask is None and key.autocast is None:
+        _keep_shapes(choice, q, k, v, causal)
     return choice
 
 

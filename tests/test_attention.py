@@ -200,8 +200,8 @@ def test_auto_after_its_measurement_is_one_signature_and_one_lookup(monkeypatch,
 
 def test_a_cached_auto_call_of_pytorchs_pick_runs_in_two_python_functions(gen):
     """Host cost: after its measurement, a signature whose pick is PyTorch's own calls
-    ``F.scaled_dot_product_attention`` from ``sdpa`` itself, its key built by ``flat_key``; the
-    only other Python is ``torch.compiler.is_compiling``."""
+    ``F.scaled_dot_product_attention`` from ``sdpa`` itself, its key built by ``default_key``;
+    the only other Python is ``torch.compiler.is_compiling``."""
     q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
     first = A.sdpa(q, k, v, causal=True)
     assert A.auto_choices()[A.signature(q, k, v, None, True)].backend == "default"
@@ -212,9 +212,48 @@ def test_a_cached_auto_call_of_pytorchs_pick_runs_in_two_python_functions(gen):
     finally:
         sys.setprofile(None)
     ours = [c.co_name for c in entered if c.co_filename.startswith(os.path.dirname(A.__file__))]
-    assert ours == ["sdpa", "flat_key"], [f"{c.co_filename}:{c.co_name}" for c in entered]
-    assert {c.co_name for c in entered} <= {"sdpa", "flat_key", "is_compiling", "is_scripting"}
+    assert ours == ["sdpa", "default_key"], [f"{c.co_filename}:{c.co_name}" for c in entered]
+    assert {c.co_name for c in entered} <= {"sdpa", "default_key", "is_compiling", "is_scripting"}
     assert torch.equal(again, first)
+
+
+def test_shapes_that_kept_pytorchs_pick_run_it_in_another_layout_without_a_measurement(
+    monkeypatch, gen
+):
+    measured = []
+    real = AA._measure
+    monkeypatch.setattr(AA, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
+    monkeypatch.setattr(AA, "_winner", lambda *a: "default")
+    q, k, v = qkv((2, 3, 17, 16), torch.float32, "cpu", gen)
+    A.sdpa(q, k, v, causal=True)
+    # the same shapes laid out (B, S, H, D) in memory, as a projection's output viewed per head
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    assert qt.stride() != q.stride()
+    out = A.sdpa(qt, kt, vt, causal=True)
+    assert len(measured) == 1
+    torch.testing.assert_close(out, A.attention_reference(q, k, v, causal=True))
+    with pytest.raises(RuntimeError, match="same dtype"):  # no check of ours ran: PyTorch's did
+        A.sdpa(q, k.double(), v, causal=True)
+
+
+def test_shapes_where_one_layout_took_a_forced_kernel_are_keyed_by_layout_again(monkeypatch, gen):
+    measured = []
+    real = AA._measure
+    monkeypatch.setattr(AA, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
+    picks = iter(["math", "default"])
+    monkeypatch.setattr(AA, "_winner", lambda *a: next(picks))
+    forced = []
+    real_alone = AA._alone
+    monkeypatch.setattr(AA, "_alone", lambda b, *a: forced.append(b) or real_alone(b, *a))
+    q, k, v = qkv((2, 3, 17, 16), torch.float32, "cpu", gen)
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    A.sdpa(q, k, v)  # math
+    A.sdpa(qt, kt, vt)  # measured in its own layout: default
+    assert len(measured) == 2
+    forced.clear()
+    A.sdpa(q, k, v)
+    A.sdpa(qt, kt, vt)
+    assert forced == ["math"] and len(measured) == 2
 
 
 def _samples(**times):
