@@ -175,45 +175,57 @@ _GROUP_RESULTS = {
 
 class ReadyCall:
     """``name`` on inputs of one seen signature, with nothing between the call and the launch
-    but one allocation: every output the mode fills lives in one float32 buffer (the returned
-    one first, so that it starts the buffer), and the compiled kernel is launched directly with
-    addresses. Calling it returns the result, or None while a launch hook is set or another
-    device is current (then the usual path runs)."""
+    but the result's allocation: the compiled kernel is launched directly with addresses. What
+    the mode writes besides the result (the nearest distances of ``nearest_diversity``, the
+    group means of ``nearest_distances``) goes to a scratch that nothing reads (:func:`_scratch`).
+    Calling it returns the result, or None while a launch hook is set or another device is
+    current (then the usual path runs)."""
 
-    __slots__ = ("device", "direct", "offsets", "pointers", "scalars", "size", "view")
+    __slots__ = ("after", "before", "device", "direct", "index", "scalars", "scratch", "shape")
 
     def __init__(self, name: str, x: torch.Tensor, plan: tuple, direct, eps: float):
         B, N, D = x.shape
         mode, result = _GROUP_RESULTS[name]
         shapes = {"out": (B,), "items": (B, N), "matrix": (B, N, N)}
-        filled = {MODE_MEAN: ["out"], MODE_NEAREST: ["out", "items"], MODE_MATRIX: ["matrix"]}
-        offsets, size = {}, 0
-        for part in [result, *(p for p in filled[mode] if p != result)]:
-            offsets[part] = 4 * size  # bytes of float32
-            size += math.prod(shapes[part])
-        # out, items, matrix; one the mode never writes points at the buffer's start
-        self.offsets = tuple(offsets.get(part, 0) for part in ("out", "items", "matrix"))
-        self.pointers = 4 if plan[3] else 5  # X, counts, out, items (, matrix)
+        written = {MODE_MEAN: ["out"], MODE_NEAREST: ["out", "items"], MODE_MATRIX: ["matrix"]}
+        others = [part for part in written[mode] if part != result]
+        self.scratch = _scratch(x.device, sum(math.prod(shapes[part]) for part in others))
+        addresses, at = {}, self.scratch.data_ptr()
+        for part in others:
+            addresses[part] = at
+            at += 4 * math.prod(shapes[part])  # bytes of float32
+        # the pointers out, items (and matrix, unless the pairs kernel runs): the result's at
+        # each call, the others fixed; one the mode never writes points at the scratch
+        slots = ("out", "items", "matrix")[: 2 if plan[3] else 3]
+        fixed = [addresses.get(part, self.scratch.data_ptr()) for part in slots]
+        place = slots.index(result)
+        self.before, self.after = tuple(fixed[:place]), tuple(fixed[place + 1 :])
         self.scalars = (B, N, D, *x.stride(), eps)
-        self.size, self.direct = size, direct
-        self.device = torch._C._cuda_getDevice()
-        shape = shapes[result]
-        self.view = None if shape == (size,) else (shape, _contiguous(shape))
+        self.shape, self.direct = shapes[result], direct
+        self.index = torch._C._cuda_getDevice()
+        self.device = x.device
 
     def __call__(self, x: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor | None:
-        if hooked() or torch._C._cuda_getDevice() != self.device:
+        if hooked() or torch._C._cuda_getDevice() != self.index:
             return None
-        buffer = torch.empty(self.size, device=x.device, dtype=torch.float32)
-        base = buffer.data_ptr()
-        out_at, items_at, matrix_at = self.offsets
-        counts_at = base if counts is None else counts.data_ptr()
-        pointers = (x.data_ptr(), counts_at, base + out_at, base + items_at, base + matrix_at)
-        self.direct.launch(self.device, pointers[: self.pointers] + self.scalars)
-        return buffer if self.view is None else buffer.as_strided(*self.view)
+        result = torch.empty(*self.shape, device=self.device, dtype=torch.float32)
+        counts_at = self.scratch.data_ptr() if counts is None else counts.data_ptr()
+        args = (x.data_ptr(), counts_at, *self.before, result.data_ptr(), *self.after)
+        self.direct.launch(self.index, args + self.scalars)
+        return result
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+# (device, float32 elements, a power of 2) -> scratch shared by every ReadyCall of that size
+_SCRATCH: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _scratch(device: torch.device, floats: int) -> torch.Tensor:
+    """Room for outputs that kernels write and nobody reads, so any launches may share it:
+    sizes rounded up to a power of 2, so all of it together stays under 4 times the largest."""
+    size = 1 << max(0, floats - 1).bit_length()
+    if (device, size) not in _SCRATCH:
+        _SCRATCH[(device, size)] = torch.empty(size, device=device, dtype=torch.float32)
+    return _SCRATCH[(device, size)]
 
 
 def ready_call(name: str, x: torch.Tensor, counts: torch.Tensor | None, eps: float):
