@@ -83,15 +83,21 @@ class Report:
 
     # ---- fixes -------------------------------------------------------------------------------
     def try_fixes(
-        self, fixes: list[str] | None = None, *, steps: int = 3, repeats: int | None = None
+        self,
+        fixes: list[str] | None = None,
+        *,
+        steps: int = 3,
+        repeats: int | None = None,
+        progress: bool = False,
     ):
         """Apply each fix alone, then together, to copies of the step; check each against the
         unchanged step within the fix's tolerance, time it against the unchanged step
         (interleaved), and put the measured time beside the prediction. Returns a DataFrame
-        (kept as ``self.trials``). Your model and optimizer are never changed."""
+        (kept as ``self.trials``). Your model and optimizer are never changed. A fix that
+        compiles takes tens of seconds: ``progress`` shows a bar naming the fix being tried."""
         from accel.doctor.trial import try_fixes
 
-        self.trials = try_fixes(self, fixes, steps=steps, repeats=repeats)
+        self.trials = try_fixes(self, fixes, steps=steps, repeats=repeats, progress=progress)
         return self.trials
 
     def fix_flags(self) -> type:

@@ -26,8 +26,11 @@ NEEDS_NO_SYNC = ("cuda_graph", "compile")  # a capture fails and compile breaks 
 _SEED = 1234
 
 
-def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | None):
+def try_fixes(
+    report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress: bool = False
+):
     import pandas as pd
+    from tqdm.auto import tqdm
 
     names = report.fixes() if fixes is None else list(fixes)
     unknown = [n for n in names if n not in FIXES]
@@ -39,12 +42,15 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
     repeats = repeats or (8 if cuda else 5)
     untouched = Untouched(report.parts)
     blocked = _blocked(report) if fixes is None else ""
-    rows = [
-        _not_tried(report, name, blocked)
-        if blocked and name in NEEDS_NO_SYNC
-        else _trial(report, [name], steps, repeats)
-        for name in names
-    ]
+    bar = tqdm(total=len(names) + 1, desc="fixes", disable=not progress)
+    rows = []
+    for name in names:
+        bar.set_description_str(f"trying {FIXES[name].label}")
+        if blocked and name in NEEDS_NO_SYNC:
+            rows.append(_not_tried(report, name, blocked))
+        else:
+            rows.append(_trial(report, [name], steps, repeats))
+        bar.update()
     helped = sorted(
         (r for r in rows if r["status"] == "ok" and r["measured speedup"] > 1.0),
         key=lambda r: -r["measured speedup"],
@@ -55,7 +61,10 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
         if not any(name in group and group.intersection(chosen) for group in EXCLUSIVE):
             chosen.append(name)
     if len(chosen) >= 2:
+        bar.set_description_str("trying the helpful ones together")
         rows.append(_trial(report, chosen, steps, repeats))
+    bar.update()
+    bar.close()
     changed = untouched.changed()
     if changed:
         raise RuntimeError(f"try_fixes changed your step's tensors in place (a bug): {changed[:3]}")
