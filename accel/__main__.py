@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="PART",
         help="run only these parts of phases that run in parts (notebooks: a notebook's name or "
         "its number, 05; overhead: components, 'attention sweep', 'diversity sweep', 'adamw "
-        "sweep'); their rows replace the same cases' rows, the phase's other rows stay",
+        "sweep'; recipe: cumulative, alone); their rows replace the same cases' rows, the "
+        "phase's other rows stay",
     )
     bench.add_argument(
         "--out", type=Path, default=Path("results"), help="where to write (results/)"

@@ -7,6 +7,7 @@ import math
 
 import pandas as pd
 import pytest
+import torch
 
 from accel.lab.cases import recipe
 from accel.workloads import advection as op
@@ -116,3 +117,30 @@ def test_the_target_row_needs_both_speed_and_quality(speedup, quality, met):
     assert all(r.met is None for r in rows if r is not target)
     unjudged = recipe.rows(frame_of(speedup, quality), "cumulative", judged=False, target="recipe")
     assert all(r.met is None for r in unjudged)
+
+
+@pytest.mark.parametrize(
+    ("only", "groups"),
+    [((), ["cumulative", "alone"]), (("alone",), ["alone"]), (("cumulative",), ["cumulative"])],
+)
+def test_the_phase_runs_in_parts_each_with_its_own_rows(monkeypatch, only, groups):
+    from accel.lab.bench import BenchContext, check_parts
+
+    check_parts(["recipe"], only)
+    measured = []
+
+    def fake_measure(configs, sizes, device, *, validate, **kwargs):
+        measured.append((list(configs)[1], tuple(validate)))
+        return frame_of(2.6, 1.0)
+
+    monkeypatch.setattr(recipe, "measure", fake_measure)
+    ctx = BenchContext(device=torch.device("cpu"), preset="cpu", only=only)
+    rows = recipe.run(ctx)
+    ran = [g for g in ("cumulative", "alone") if any(r.case.startswith(f"{g}: ") for r in rows)]
+    assert ran == groups and len(measured) == len(groups)
+    validation = [r for r in rows if r.case == "recipe: validation error after equal steps"]
+    assert len(validation) == ("cumulative" in groups)
+    for first_changed, validated in measured:  # the progression validates its last, alone not
+        assert validated[0] == "baseline" and len(validated) == (
+            2 if first_changed.startswith("+") else 1
+        )

@@ -53,6 +53,7 @@ PHASES: dict[str, str] = {
 PARTS: dict[str, str] = {
     "notebooks": "accel.lab.cases.notebooks:parts",
     "overhead": "accel.lab.cases.overhead:parts",
+    "recipe": "accel.lab.cases.recipe:parts",
 }
 
 COLUMNS = [
