@@ -195,11 +195,11 @@ def default_key(q, k, v, causal) -> tuple:
 def _keep_shapes(choice: AutoChoice, q, k, v, causal) -> None:
     """Note an unmasked choice made without autocast under its :func:`default_key`."""
     shapes = default_key(q, k, v, causal)
-    if choice.backend == "default" and shapes not in _FORCED_SHAPES:
-        _KEPT_DEFAULT.add(shapes)
-    elif choice.backend != "default":
+    if choice.backend != "default":  # this layout wants a forced kernel: key by layout again
         _KEPT_DEFAULT.discard(shapes)
         _FORCED_SHAPES.add(shapes)
+    elif shapes not in _FORCED_SHAPES:
+        _KEPT_DEFAULT.add(shapes)
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
