@@ -112,12 +112,18 @@ def test_write_results_by_case_replaces_only_the_cases_it_holds(tmp_path):
         rows = [Row("a", case, "time", "ms", value).as_dict() | stamp for case, value in cases]
         return pd.DataFrame(rows, columns=COLUMNS)
 
-    write_results(frame(("one", 1.0), ("two", 2.0)), tmp_path, stem="m")
-    write_results(frame(("two", 5.0), ("three", 3.0)), tmp_path, stem="m", by_case=True)
-    result = pd.read_csv(tmp_path / "m.csv").set_index("case")["optimized"].to_dict()
-    assert result == {"one": 1.0, "two": 5.0, "three": 3.0}
+    write_results(frame(("one", 1.0), ("two", 2.0), ("end", 9.0)), tmp_path, stem="m")
+    b = pd.DataFrame([Row("b", "other", "time", "ms", 7.0).as_dict() | stamp], columns=COLUMNS)
+    write_results(b, tmp_path, stem="m")  # another phase after it
+    write_results(
+        frame(("two", 5.0), ("three", 3.0), ("one", 6.0)), tmp_path, stem="m", by_case=True
+    )
+    result = pd.read_csv(tmp_path / "m.csv")
+    # replaced in place, a new case after its phase's rows, the other phase untouched
+    assert list(result["case"]) == ["one", "two", "end", "three", "other"]
+    assert list(result["optimized"]) == [6.0, 5.0, 9.0, 3.0, 7.0]
     write_results(frame(("four", 4.0)), tmp_path, stem="m")  # a whole phase: the rest goes
-    assert list(pd.read_csv(tmp_path / "m.csv")["case"]) == ["four"]
+    assert list(pd.read_csv(tmp_path / "m.csv")["case"]) == ["other", "four"]
 
 
 def test_only_is_refused_for_a_phase_that_runs_whole_and_for_a_part_that_is_not_there():

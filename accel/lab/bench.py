@@ -274,17 +274,30 @@ def write_results(
     if csv.exists():
         old = read_results(csv)
         if by_case:
-            new = set(zip(frame["phase"], frame["case"], strict=True))
-            kept = [pair not in new for pair in zip(old["phase"], old["case"], strict=True)]
+            frame = _replace_cases(old, frame)
         else:
-            kept = ~old["phase"].isin(frame["phase"])
-        frame = pd.concat([old[kept], frame], ignore_index=True)
+            frame = pd.concat([old[~old["phase"].isin(frame["phase"])], frame], ignore_index=True)
     frame = frame[COLUMNS]
     write_text_atomic(csv, frame.to_csv(index=False))
     _write_plotly_js(out)
     report = out / f"{stem}.html"
     write_text_atomic(report, html_report(frame))
     return {"csv": csv, "html": report}
+
+
+def _replace_cases(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
+    """``old`` with each row of ``new`` in the place of the old row of its (phase, case), so a
+    file keeps its order from run to run; a case not there before comes after its phase's last
+    row (or at the end, for a new phase)."""
+    keys = lambda f: list(zip(f["phase"], f["case"], strict=True))  # noqa: E731
+    at = {key: float(i) for i, key in enumerate(keys(old))}
+    phase_end = {phase: float(i) for i, phase in enumerate(old["phase"])}
+    fresh = set(keys(new))
+    place = [at[key] for key in keys(old) if key not in fresh]
+    for j, key in enumerate(keys(new)):  # a new case: after its phase, in its own order
+        place.append(at.get(key, phase_end.get(key[0], len(old)) + (j + 1) / (len(new) + 1)))
+    merged = pd.concat([old[[key not in fresh for key in keys(old)]], new], ignore_index=True)
+    return merged.iloc[sorted(range(len(merged)), key=place.__getitem__)].reset_index(drop=True)
 
 
 PLOTLY_JS = "plotly.min.js"
