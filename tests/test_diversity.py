@@ -186,6 +186,37 @@ def test_every_group_kernel_variant_matches_references(kdev, variant, dtype, see
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(5, 4, 123), (9, 16, 40), (33, 2, 20), (3, 7, 200)], ids=str)
+def test_the_tensor_core_variant_matches_references(kdev, shape, dtype, seed):
+    """ "dot": the groups' rows of a program as one tile times its transpose; ragged counts (an
+    empty group, a lone member), strided groups, B not a multiple of the groups a program takes,
+    D over several chunks; float32 in three TF32 passes stays within float32 rounding."""
+    kernels, variants = dv._kernels(), triton_support.kernel_module(VARIANTS)
+    x = embeddings(shape, dtype, kdev)
+    counts = random_counts(shape[0], shape[1]).to(kdev)
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)
+    for inputs, members in ((x, None), (strided, counts)):
+        with float32_matmul("highest"):
+            expected = {
+                kernels.MODE_MEAN: (0, dv.mean_diversity_reference(inputs, members)),
+                kernels.MODE_NEAREST: (1, dv.nearest_distances_reference(inputs, members)),
+                kernels.MODE_MATRIX: (2, dv.pairwise_distances_reference(inputs, members)),
+            }
+        for tile in [(16, 32, 1, 4), (32, 64, 1, 8)]:
+            config = kernels.GroupConfig("dot", *tile)
+            for mode, (slot, ref) in expected.items():
+                got = variants.run_variant(inputs, members, mode, config, eps=dv.EPS)[slot]
+                torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
+
+
+def test_the_tensor_core_variant_refuses_a_tile_under_sixteen_rows(kdev):
+    kernels, variants = dv._kernels(), triton_support.kernel_module(VARIANTS)
+    config = kernels.GroupConfig("dot", 2, 32, 1, 1)
+    with pytest.raises(ValueError, match=r"groups \* N rows >= 16 .*got 2 x 4"):
+        variants.run_variant(embeddings((3, 4, 8), device=kdev), None, 0, config, eps=dv.EPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(5, 4, 123), (7, 3, 77), (3, 2, 40), (6, 4, 600)], ids=str)
 def test_pairs_kernel_matches_references(kdev, shape, dtype, seed):
     """The N <= 4 kernel: every tile, ragged counts (an empty group, a lone member), a zero row,
@@ -220,7 +251,7 @@ def test_pairs_kernel_refuses_groups_of_more_than_four(kdev):
 
 def test_production_launcher_refuses_the_sweep_only_variants(kdev):
     kernels = dv._kernels()
-    for variant in ("tile", "gram"):
+    for variant in ("tile", "gram", "dot"):
         config = kernels.GroupConfig(variant, 1, 128, 1, 1)
         with pytest.raises(ValueError, match=f"'{variant}' group kernel is kept for the bench"):
             kernels._run_group(embeddings((2, 4, 16), device=kdev), None, 0, config, eps=dv.EPS)

@@ -21,11 +21,12 @@ GROUP_MAX = 8  # groups per program at most
 GROUP_UNROLL = 4  # chunks of D a program loads together, at most
 # Where the group kernel sums over D: "vecsum" (production, _group_kernel) sums each chunk's
 # products over one thread's 16-byte piece; "pairs" is _pairs_kernel (groups of N <= 4, the
-# distinct dot products only); "tile" (every product, summed after the loop) and "gram" (each
-# chunk summed over D across the lanes) are kept for the bench sweep (pairwise_cosine_variants).
-GroupVariant = Literal["tile", "vecsum", "gram", "pairs"]
-GROUP_VARIANTS: tuple[str, ...] = ("tile", "vecsum", "gram", "pairs")
-SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram")  # run by pairwise_cosine_variants only
+# distinct dot products only); "tile" (every product, summed after the loop), "gram" (each chunk
+# summed over D across the lanes) and "dot" (every group's rows of a program as one tile through
+# the tensor cores) are kept for the bench sweep (pairwise_cosine_variants).
+GroupVariant = Literal["tile", "vecsum", "gram", "pairs", "dot"]
+GROUP_VARIANTS: tuple[str, ...] = ("tile", "vecsum", "gram", "pairs", "dot")
+SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram", "dot")  # run by pairwise_cosine_variants only
 PAIRS_MAX_N = 4  # the rows _pairs_kernel spells out
 
 
