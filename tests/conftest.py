@@ -21,6 +21,10 @@ if _WORKER:
         "TORCHINDUCTOR_CACHE_DIR",
         os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_WORKER}"),
     )
+# Inductor's pool of compile workers can keep a finished process alive for minutes at exit
+# (torch 2.11, after a cold start), and an xdist worker then never ends: the tests' graphs are
+# small enough to compile in the process itself.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
 
 
