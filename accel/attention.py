@@ -273,20 +273,20 @@ def sdpa(
     PyTorch's backend flags. The first call of a signature with ``auto`` measures every
     candidate (milliseconds to seconds, once).
     """
-    if backend == "auto" and mask is None and not _is_compiling() and not _any_autocast():
-        try:  # shapes that kept PyTorch's pick in every layout measured: call it, no more
-            kept = default_key(q, k, v, causal) in _KEPT_DEFAULT
-        except AttributeError:  # not tensors: the checks below say so
-            kept = False
-        if kept:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
     if mask is not None and not isinstance(mask, torch.Tensor):  # a mask kind: masked_sdpa
         return masked_sdpa(q, k, v, mask, causal=causal, scale=scale, backend=backend)
     if backend == "auto" and not _is_compiling():
-        try:
-            hit = _AUTO_FAST.get(flat_key(q, k, v, mask, causal))
+        try:  # kept: shapes that kept PyTorch's pick in every layout measured
+            kept = (
+                mask is None
+                and not _any_autocast()
+                and default_key(q, k, v, causal) in _KEPT_DEFAULT
+            )
+            hit = None if kept else _AUTO_FAST.get(flat_key(q, k, v, mask, causal))
         except AttributeError:  # not tensors: the checks below say so
-            hit = None
+            kept, hit = False, None
+        if kept:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
         if hit is not None:  # checked and measured before: straight to the kernel
             if hit[1] is _plain:  # PyTorch's own pick, called here: no frame in between
                 return F.scaled_dot_product_attention(
