@@ -289,14 +289,15 @@ def _replace_cases(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     """``old`` with each row of ``new`` in the place of the old row of its (phase, case), so a
     file keeps its order from run to run; a case not there before comes after its phase's last
     row (or at the end, for a new phase)."""
-    keys = lambda f: list(zip(f["phase"], f["case"], strict=True))  # noqa: E731
-    at = {key: float(i) for i, key in enumerate(keys(old))}
+    old_keys = list(zip(old["phase"], old["case"], strict=True))
+    new_keys = list(zip(new["phase"], new["case"], strict=True))
+    at = {key: float(i) for i, key in enumerate(old_keys)}
     phase_end = {phase: float(i) for i, phase in enumerate(old["phase"])}
-    fresh = set(keys(new))
-    place = [at[key] for key in keys(old) if key not in fresh]
-    for j, key in enumerate(keys(new)):  # a new case: after its phase, in its own order
+    fresh = set(new_keys)
+    place = [at[key] for key in old_keys if key not in fresh]
+    for j, key in enumerate(new_keys):  # a new case: after its phase, in its own order
         place.append(at.get(key, phase_end.get(key[0], len(old)) + (j + 1) / (len(new) + 1)))
-    merged = pd.concat([old[[key not in fresh for key in keys(old)]], new], ignore_index=True)
+    merged = pd.concat([old[[key not in fresh for key in old_keys]], new], ignore_index=True)
     return merged.iloc[sorted(range(len(merged)), key=place.__getitem__)].reset_index(drop=True)
 
 
