@@ -187,11 +187,11 @@ def test_every_group_kernel_variant_matches_references(kdev, variant, dtype, see
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(5, 4, 123), (9, 16, 40), (33, 2, 20), (3, 7, 200)], ids=str)
-def test_the_tensor_core_variant_matches_references(kdev, shape, dtype, seed):
+def test_the_tensor_core_kernel_matches_references(kdev, shape, dtype, seed):
     """ "dot": the groups' rows of a program as one tile times its transpose; ragged counts (an
     empty group, a lone member), strided groups, B not a multiple of the groups a program takes,
     D over several chunks; float32 in three TF32 passes stays within float32 rounding."""
-    kernels, variants = dv._kernels(), triton_support.kernel_module(VARIANTS)
+    kernels = dv._kernels()
     x = embeddings(shape, dtype, kdev)
     counts = random_counts(shape[0], shape[1]).to(kdev)
     strided = x.transpose(0, 1).contiguous().transpose(0, 1)
@@ -205,15 +205,15 @@ def test_the_tensor_core_variant_matches_references(kdev, shape, dtype, seed):
         for tile in [(16, 32, 1, 4), (32, 64, 1, 8)]:
             config = kernels.GroupConfig("dot", *tile)
             for mode, (slot, ref) in expected.items():
-                got = variants.run_variant(inputs, members, mode, config, eps=dv.EPS)[slot]
+                got = kernels._run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
                 torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
 
-def test_the_tensor_core_variant_refuses_a_tile_under_sixteen_rows(kdev):
-    kernels, variants = dv._kernels(), triton_support.kernel_module(VARIANTS)
+def test_the_tensor_core_kernel_refuses_a_tile_under_sixteen_rows(kdev):
+    kernels = dv._kernels()
     config = kernels.GroupConfig("dot", 2, 32, 1, 1)
     with pytest.raises(ValueError, match=r"groups \* N rows >= 16 .*got 2 x 4"):
-        variants.run_variant(embeddings((3, 4, 8), device=kdev), None, 0, config, eps=dv.EPS)
+        kernels._run_group(embeddings((3, 4, 8), device=kdev), None, 0, config, eps=dv.EPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -251,7 +251,7 @@ def test_pairs_kernel_refuses_groups_of_more_than_four(kdev):
 
 def test_production_launcher_refuses_the_sweep_only_variants(kdev):
     kernels = dv._kernels()
-    for variant in ("tile", "gram", "dot"):
+    for variant in ("tile", "gram"):
         config = kernels.GroupConfig(variant, 1, 128, 1, 1)
         with pytest.raises(ValueError, match=f"'{variant}' group kernel is kept for the bench"):
             kernels._run_group(embeddings((2, 4, 16), device=kdev), None, 0, config, eps=dv.EPS)
@@ -262,12 +262,21 @@ def test_group_config_takes_the_table_then_the_rule():
     tabled = kernels.group_config(4, 384, 8192, 4)
     assert tabled is kernels.GROUP_TABLE[(4, 512, 4)]
     assert tabled.meta(384, 4)["UNROLL"] <= -(-384 // tabled.block_d)  # no chunk past D
-    ruled = kernels.group_config(8, 384, 8192, 4)
-    assert (8, 512, 4) not in kernels.GROUP_TABLE and ruled.variant == "vecsum"
+    # the rule: tensor cores from 4 rows (16-bit) or 8 (float32), one 64-row tile per program
+    for block_n, itemsize, variant in [(2, 4, "vecsum"), (4, 4, "vecsum"), (8, 4, "dot"),
+                                       (2, 2, "vecsum"), (4, 2, "dot"), (16, 2, "dot")]:  # fmt: skip
+        assert (block_n, 1024, itemsize) not in kernels.GROUP_TABLE
+        ruled = kernels.group_config(block_n, 1000, 8192, itemsize)
+        assert ruled.variant == variant, (block_n, itemsize, ruled)
+        if variant == "dot":
+            assert ruled.groups * block_n == kernels.DOT_ROWS >= kernels.DOT_MIN_ROWS
     for (block_n, _, itemsize), config in kernels.GROUP_TABLE.items():
         assert config.variant in kernels.GROUP_VARIANTS and block_n <= kernels.SMALL_N
         if config.variant == "pairs":
             assert block_n <= kernels.PAIRS_MAX_N, config
+            continue
+        if config.variant == "dot":
+            assert config.groups * block_n >= kernels.DOT_MIN_ROWS, config
             continue
         # warps split the groups: one warp per row of 16-byte loads of the (group, D) plane
         vec = 16 // itemsize

@@ -1,7 +1,8 @@
 """Pairwise-cosine diversity in Triton: the launchers behind ``accel.diversity``.
 
 Groups of N <= ``SMALL_N`` rows take the group kernels (``pairwise_cosine_groups``: a few groups
-per program, every cosine in registers), launched as ``pairwise_cosine_config`` says; larger
+per program, every cosine in registers or one tensor-core product), launched as
+``pairwise_cosine_config`` says; larger
 groups take the large-set kernels (``pairwise_cosine_large``): the mean by its O(N D) closed
 form, the nearest distances and the matrix by a fused-attention-shaped tiled kernel that never
 stores the N x N matrix. Each kernel reads the embeddings from device memory once, through their
@@ -22,6 +23,7 @@ import triton
 
 from .launch import Launcher, hooked
 from .pairwise_cosine_config import (
+    DOT_MIN_ROWS,
     PAIRS_MAX_N,
     SMALL_N,
     SWEEP_VARIANTS,
@@ -30,7 +32,7 @@ from .pairwise_cosine_config import (
     block_rows,
     group_config,
 )
-from .pairwise_cosine_groups import _group_kernel, _pairs_kernel
+from .pairwise_cosine_groups import _group_dot_kernel, _group_kernel, _pairs_kernel
 from .pairwise_cosine_large import (
     INTERPRET_TILED,
     ROWS_BLOCK_D,
@@ -54,6 +56,7 @@ INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
 # One launcher per kernel: after a signature's first call, its launches skip Triton's per-call
 # argument binding (accel.kernels.launch).
 _launch_group, _launch_pairs = Launcher(_group_kernel), Launcher(_pairs_kernel)
+_launch_group_dot = Launcher(_group_dot_kernel)
 _launch_inv_norms, _launch_normalized_sum = (
     Launcher(_inv_norm_kernel),
     Launcher(_normalized_sum_kernel),
@@ -75,6 +78,14 @@ def _signature(x: torch.Tensor, counts: torch.Tensor | None, *extra) -> tuple | 
         return None
     counts_key = None if counts is None else (counts.dtype, counts.data_ptr() % 16)
     return (*extra, x.shape, x.stride(), x.dtype, x.data_ptr() % 16, counts_key)
+
+
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether tl.dot takes ``dtype``'s values as float32 (three TF32 passes): float32 inputs,
+    and bfloat16 in the interpreter, whose dot multiplies bfloat16's raw bits (Triton 3.9).
+    16-bit products are exact in float32 anyway, so the tensor cores' result differs from the
+    float32 one only in the order of the sums."""
+    return dtype == torch.float32 or (INTERPRETED and dtype == torch.bfloat16)
 
 
 def _check_runnable(x: torch.Tensor) -> None:
@@ -109,9 +120,10 @@ def _run_group(
 ):
     """(out (B,), items (B, N), matrix (B, N, N)); only the mode's outputs are filled.
 
-    ``config`` overrides the table and rule (for tests). A "pairs" configuration runs
-    :func:`_pairs_kernel`; it has no matrix mode, which then takes the rule's launch. The
-    variants kept for the bench sweep run in ``pairwise_cosine_variants``, not here.
+    ``config`` overrides the table and rule (for tests and sweeps). A "pairs" configuration runs
+    :func:`_pairs_kernel`; it has no matrix mode, which then takes the rule's launch. A "dot" one
+    runs :func:`_group_dot_kernel`. The variants kept for the bench sweep run in
+    ``pairwise_cosine_variants``, not here.
     """
     B, N, D = x.shape
     key = _signature(x, counts, mode) if config is None else None
@@ -158,6 +170,22 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
             num_warps=config.num_warps,
         )
         return _launch_pairs, grid, constexprs, True
+    if config.variant == "dot":
+        if config.groups * block_n < DOT_MIN_ROWS:
+            raise ValueError(
+                f"the 'dot' group kernel needs groups * N rows >= {DOT_MIN_ROWS} (a tensor-core "
+                f"tile), got {config.groups} x {block_n}"
+            )
+        constexprs = dict(
+            MODE=mode,
+            HAS_COUNTS=has_counts,
+            GROUPS=config.groups,
+            BLOCK_N=block_n,
+            BLOCK_D=config.block_d,
+            DOT_FP32=_dot_in_fp32(x.dtype),
+            num_warps=config.num_warps,
+        )
+        return _launch_group_dot, grid, constexprs, False
     constexprs = dict(MODE=mode, HAS_COUNTS=has_counts, BLOCK_N=block_n, **config.meta(D, itemsize))
     return _launch_group, grid, constexprs, False
 
@@ -269,11 +297,7 @@ def _run_tiled(x: torch.Tensor, counts: torch.Tensor | None, mode: int, eps: flo
         out = torch.zeros(B, N, N, device=x.device, dtype=torch.float32)
         items, matrix = inv, out
     args = (x, inv, counts if counts is not None else inv, items, matrix, N, D, *x.stride())
-    # float32 inputs take exact float32 products. So do bfloat16 ones in the interpreter, whose
-    # dot multiplies bfloat16's raw bits (Triton 3.9); bf16 x bf16 products are exact in float32
-    # anyway, so the result is the tensor cores' up to the order of the sums.
-    dot_fp32 = x.dtype == torch.float32 or (INTERPRETED and x.dtype == torch.bfloat16)
-    meta = dict(MODE=mode, HAS_COUNTS=counts is not None, DOT_FP32=dot_fp32)
+    meta = dict(MODE=mode, HAS_COUNTS=counts is not None, DOT_FP32=_dot_in_fp32(x.dtype))
     if INTERPRETED:
         grid = (triton.cdiv(N, INTERPRET_TILED["BLOCK_M"]), B)
         _launch_tiled_interpreted(None, grid, args, meta | INTERPRET_TILED)

@@ -19,15 +19,17 @@ SMALL_N = 16  # groups up to this size take the group kernels (a few groups per 
 GROUP_TILE_ELEMENTS = 8192
 GROUP_MAX = 8  # groups per program at most
 GROUP_UNROLL = 4  # chunks of D a program loads together, at most
-# Where the group kernel sums over D: "vecsum" (production, _group_kernel) sums each chunk's
+# Where the group kernel sums over D. Production: "vecsum" (_group_kernel) sums each chunk's
 # products over one thread's 16-byte piece; "pairs" is _pairs_kernel (groups of N <= 4, the
-# distinct dot products only); "tile" (every product, summed after the loop), "gram" (each chunk
-# summed over D across the lanes) and "dot" (every group's rows of a program as one tile through
-# the tensor cores) are kept for the bench sweep (pairwise_cosine_variants).
+# distinct dot products only); "dot" is _group_dot_kernel (every group's rows of a program as one
+# tile through the tensor cores). Kept for the bench sweep (pairwise_cosine_variants): "tile"
+# (every product, summed after the loop) and "gram" (each chunk summed over D across the lanes).
 GroupVariant = Literal["tile", "vecsum", "gram", "pairs", "dot"]
 GROUP_VARIANTS: tuple[str, ...] = ("tile", "vecsum", "gram", "pairs", "dot")
-SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram", "dot")  # run by pairwise_cosine_variants only
+SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram")  # run by pairwise_cosine_variants only
 PAIRS_MAX_N = 4  # the rows _pairs_kernel spells out
+DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's tile: 4 warps, one 64 x 64 product
+DOT_MIN_ROWS = 16  # the smallest tile the tensor cores take
 
 
 @dataclass(frozen=True)
@@ -87,23 +89,26 @@ GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
 def _rule_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
     """The fallback: a deterministic rule (no autotuning: the same launch compiled or interpreted).
 
-    BLOCK_D is one warp's row of 16-byte loads (128 float32), fewer for short rows or large N;
-    GROUPS fills the tile budget; UNROLL chunks of D are loaded before their products are taken.
-
-    Warps: while a group's BLOCK_N^2 x (elements per 16-byte load) products fit a thread
-    (N <= 4), as many warps as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps
-    split the groups, never the rows, and no value crosses warps before the epilogue. Beyond
-    that the rows are split anyway, and the warps follow the tile: 64 products per thread.
+    From BLOCK_N 4 (16-bit) or 8 (float32) on, the tensor-core kernel ("dot") with 64-row tiles:
+    results/*.csv, phase=overhead, cases "sweep diversity ..." show it the fastest there. Below,
+    where a group's BLOCK_N^2 x (elements per 16-byte load) products fit one thread, "vecsum":
+    BLOCK_D is one warp's row of 16-byte loads (128 float32), fewer for short rows; GROUPS fills
+    the tile budget; UNROLL chunks of D are loaded before their products are taken; as many warps
+    as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps split the groups, never the
+    rows, and no value crosses warps before the epilogue.
     """
+    if block_n >= (8 if itemsize == 4 else 4):
+        # float32 takes three TF32 passes per chunk: shorter chunks keep the tile in registers
+        block_d = 32 if itemsize == 4 else (128 if d >= 256 else 64)
+        return GroupConfig(
+            "dot", groups=DOT_ROWS // block_n, block_d=block_d, unroll=1, num_warps=4
+        )
     vec = max(1, 16 // itemsize)  # elements per 16-byte load
     block_d = min(max(16, triton.next_power_of_2(d)), 32 * 4)
     block_d = max(16, min(block_d, GROUP_TILE_ELEMENTS // (block_n * block_n)))
     groups = GROUP_TILE_ELEMENTS // (block_n * block_n * block_d)
     groups = max(1, min(groups, GROUP_MAX, triton.next_power_of_2(batch)))
-    rows_in_thread = block_n * block_n * vec <= 128
-    plane_warps = groups * block_d // (32 * vec)  # one per row of 16-byte loads of the plane
-    tile_warps = block_n * block_n * groups * block_d // (32 * 64)  # 64 products per thread
-    warps = plane_warps if rows_in_thread else tile_warps
+    warps = groups * block_d // (32 * vec)  # one per row of 16-byte loads of the plane
     return GroupConfig(
         "vecsum",
         groups=groups,

@@ -4,6 +4,11 @@
   matrix over chunks of D, takes the norms from its diagonal and reduces in the epilogue (mean
   over pairs, nearest other, or the matrix). Its launch is a ``GroupConfig``
   (``pairwise_cosine_config``).
+- ``_group_dot_kernel``: the rows of all the program's groups as one (GROUPS * BLOCK_N, D) tile
+  times its own transpose on the tensor cores (float32 in three TF32 passes); each group's Gram
+  matrix is a diagonal block of the product. It forms GROUPS times the products it needs, on
+  units with them to spare, where ``_group_kernel`` holds N^2 products per element in float32
+  registers: the faster of the two from N = 3 (16-bit) or N = 8 (float32) on.
 - ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
   products formed.
 
@@ -162,6 +167,42 @@ def _group_kernel(
             d = d0 + k * BLOCK_D
             acc += tl.sum(_chunk_products(x_rows, valid, d, D, stride_xd, BLOCK_D, VEC), axis=4)
     gram = tl.sum(acc, axis=3)  # (BLOCK_N, BLOCK_N, GROUPS)
+    _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
+
+
+@triton.jit
+def _group_dot_kernel(
+    X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
+    eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    # Tile row r is row r % BLOCK_N of the program's group r // BLOCK_N; rows past a group's
+    # count (or past B) load as zeros, so their products are zero and the epilogue skips them.
+    b, live, rows, n, valid, _ = _group_rows(
+        X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
+    )
+    r = tl.arange(0, GROUPS * BLOCK_N)
+    group_of_row = tl.program_id(0).to(tl.int64) * GROUPS + r // BLOCK_N
+    row = r % BLOCK_N
+    members = _group_counts(counts_ptr, group_of_row, group_of_row < B, N, GROUPS * BLOCK_N,
+                            HAS_COUNTS)  # fmt: skip
+    row_ok = row < members
+    x_rows = X_ptr + group_of_row[:, None] * stride_xb + row[:, None] * stride_xn
+    acc = tl.zeros([GROUPS * BLOCK_N, GROUPS * BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_rows + cols[None, :] * stride_xd, mask=row_ok[:, None] & (cols[None, :] < D),
+                    other=0.0)  # fmt: skip
+        if DOT_FP32:
+            x = x.to(tl.float32)
+            acc = tl.dot(x, tl.trans(x), acc, input_precision="tf32x3")
+        else:  # 16-bit products are exact in float32
+            acc = tl.dot(x, tl.trans(x), acc)
+    blocks = tl.reshape(acc, (GROUPS, BLOCK_N, GROUPS, BLOCK_N))
+    groups = tl.arange(0, GROUPS)
+    same = groups[:, None, None, None] == groups[None, None, :, None]
+    gram = tl.sum(tl.where(same, blocks, 0.0), axis=2)  # (GROUPS, BLOCK_N, BLOCK_N)
+    gram = tl.permute(gram, (1, 2, 0))  # (BLOCK_N, BLOCK_N, GROUPS), as the epilogue takes it
     _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
 
 

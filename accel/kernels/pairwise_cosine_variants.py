@@ -1,17 +1,13 @@
 """The group kernel's variants kept for the bench sweep, and the sweep's launcher.
 
 ``accel.lab.cases.diversity.group_kernel_sweep`` times every variant of the group kernel side by
-side; production takes "vecsum" or "pairs" (``pairwise_cosine``). The two kept here differ from
+side; production takes "vecsum", "pairs" or "dot" (``pairwise_cosine``). The two kept here differ from
 the production ``_group_kernel`` only in where the sum over D happens, i.e. what the accumulator
 holds per thread; the prologue and epilogue are the production kernel's own helpers:
 
 - "tile": every product, (N, N, GROUPS, BLOCK_D / VEC, VEC), summed after the loop: the first
   kernel, the sweep's "before";
-- "gram": each chunk summed over D at once, also across the lanes: an (N, N, GROUPS) Gram;
-- "dot": the rows of all the program's groups as one (GROUPS * N, D) tile, multiplied by its own
-  transpose on the tensor cores (float32 in three TF32 passes): each group's Gram is a diagonal
-  block of the product. It computes GROUPS times the products it needs, on units that have them
-  to spare, where the others hold N^2 products per element in float32 registers.
+- "gram": each chunk summed over D at once, also across the lanes: an (N, N, GROUPS) Gram.
 
 Their rows are in results/*.csv, phase=diversity, cases "sweep group kernel ...".
 """
@@ -31,7 +27,7 @@ from .pairwise_cosine import (
     _run_group,
 )
 from .pairwise_cosine_config import SMALL_N, SWEEP_VARIANTS, GroupConfig, block_rows
-from .pairwise_cosine_groups import _chunk_products, _group_counts, _group_epilogue, _group_rows
+from .pairwise_cosine_groups import _chunk_products, _group_epilogue, _group_rows
 
 
 @triton.jit
@@ -63,42 +59,6 @@ def _group_variant_kernel(
     _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
 
 
-@triton.jit
-def _group_dot_kernel(
-    X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
-    eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
-    # Tile row r is row r % BLOCK_N of the program's group r // BLOCK_N; rows past a group's
-    # count (or past B) load as zeros, so their products are zero and the epilogue skips them.
-    b, live, rows, n, valid, _ = _group_rows(
-        X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
-    )
-    r = tl.arange(0, GROUPS * BLOCK_N)
-    group_of_row = tl.program_id(0).to(tl.int64) * GROUPS + r // BLOCK_N
-    row = r % BLOCK_N
-    members = _group_counts(counts_ptr, group_of_row, group_of_row < B, N, GROUPS * BLOCK_N,
-                            HAS_COUNTS)  # fmt: skip
-    row_ok = row < members
-    x_rows = X_ptr + group_of_row[:, None] * stride_xb + row[:, None] * stride_xn
-    acc = tl.zeros([GROUPS * BLOCK_N, GROUPS * BLOCK_N], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(x_rows + cols[None, :] * stride_xd, mask=row_ok[:, None] & (cols[None, :] < D),
-                    other=0.0)  # fmt: skip
-        if DOT_FP32:
-            x = x.to(tl.float32)
-            acc = tl.dot(x, tl.trans(x), acc, input_precision="tf32x3")
-        else:  # 16-bit products are exact in float32
-            acc = tl.dot(x, tl.trans(x), acc)
-    blocks = tl.reshape(acc, (GROUPS, BLOCK_N, GROUPS, BLOCK_N))
-    groups = tl.arange(0, GROUPS)
-    same = groups[:, None, None, None] == groups[None, None, :, None]
-    gram = tl.sum(tl.where(same, blocks, 0.0), axis=2)  # (GROUPS, BLOCK_N, BLOCK_N)
-    gram = tl.permute(gram, (1, 2, 0))  # (BLOCK_N, BLOCK_N, GROUPS), as the epilogue takes it
-    _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
-
-
 # True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
 # as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
 INTERPRETED: bool = type(_group_variant_kernel).__name__ == "InterpretedFunction"
@@ -120,20 +80,6 @@ def run_variant(
     out, items, matrix = _group_outputs(x, mode)
     args = (x, counts if counts is not None else out, out, items, matrix, B, N, D, *x.stride(), eps)
     grid = (triton.cdiv(B, config.groups),)
-    if config.variant == "dot":
-        if config.groups * block_rows(N) < 16:
-            raise ValueError(
-                f"the 'dot' variant needs groups * N rows >= 16 (a tensor-core tile), got "
-                f"{config.groups} x {block_rows(N)}"
-            )
-        # the interpreter's dot multiplies bfloat16's raw bits (Triton 3.9): float32 there
-        dot_fp32 = x.dtype == torch.float32 or (INTERPRETED and x.dtype == torch.bfloat16)
-        _group_dot_kernel[grid](
-            *args, MODE=mode, HAS_COUNTS=counts is not None, GROUPS=config.groups,
-            BLOCK_N=block_rows(N), BLOCK_D=config.block_d, DOT_FP32=dot_fp32,
-            num_warps=config.num_warps,
-        )  # fmt: skip
-        return out, items, matrix
     _group_variant_kernel[grid](
         *args,
         MODE=mode,
