@@ -31,8 +31,9 @@ requires_gpu = pytest.mark.skipif(
 
 PACKAGE = os.path.dirname(accel.__file__)
 FUNCTIONS = ["mean_diversity", "nearest_distances", "nearest_diversity", "pairwise_distances"]
-# Odd sizes; (3, 77) is one (N, D) set; N = 40 takes the large-set (tiled, tl.dot) kernels.
-SHAPES = [(3, 77), (2, 3, 77), (4, 5, 123), (2, 40, 77)]
+# Odd sizes; (3, 77) is one (N, D) set; N = 40 takes the tensor-core group kernel, N = 70 the
+# large-set (tiled, tl.dot) kernels.
+SHAPES = [(3, 77), (2, 3, 77), (4, 5, 123), (2, 40, 77), (2, 70, 77)]
 # Kernels and references read the same 16-bit values and multiply them exactly in float32
 # (products of bf16 / fp16 numbers fit in a float32), so every dtype agrees to float32
 # rounding of sums of up to 123 products taken in another order.
@@ -121,7 +122,9 @@ def test_kernels_match_references(kdev, shape, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(5, 7, 33), (3, 37, 20)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize(
+    "shape", [(5, 7, 33), (3, 37, 20), (3, 67, 20)], ids=lambda s: "x".join(map(str, s))
+)
 def test_ragged_groups(kdev, shape, dtype, seed):
     x = embeddings(shape, dtype, kdev)
     counts = random_counts(shape[0], shape[1]).to(kdev)
@@ -296,8 +299,8 @@ def test_run_group_kernel_checks_its_arguments(kdev):
     variants = triton_support.kernel_module(VARIANTS)
     with pytest.raises(ValueError, match="reduction must be one of mean, nearest, matrix"):
         variants.run_group_kernel(embeddings((2, 4, 8), device=kdev), "max", eps=dv.EPS)
-    for shape in ((2, 17, 8), (4, 8)):
-        with pytest.raises(ValueError, match=r"\(B, N, D\) with 2 <= N <= 16"):
+    for shape in ((2, 65, 8), (4, 8)):
+        with pytest.raises(ValueError, match=r"\(B, N, D\) with 2 <= N <= 64"):
             variants.run_group_kernel(embeddings(shape, device=kdev), "mean", eps=dv.EPS)
 
 
@@ -309,7 +312,7 @@ def test_counts_are_clamped_to_the_group(kdev, seed):
         torch.testing.assert_close(getattr(dv, name)(x, clamped), getattr(dv, name)(x, expected))
 
 
-@pytest.mark.parametrize("n", [4, 40])
+@pytest.mark.parametrize("n", [4, 40, 70])
 def test_zero_vectors_give_distance_one_and_no_nan(kdev, n, seed):
     x = embeddings((2, n, 24), device=kdev)
     x[0, 1] = 0.0  # the edge case itself: the one place a zero input is the point
@@ -545,7 +548,7 @@ def test_grouped_kernel_can_be_captured_in_a_cuda_graph(seed):
     assert not torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("N", [3, 6, 40])  # the pairs kernel, the group kernel, the tiled one
+@pytest.mark.parametrize("N", [3, 6, 40, 70])  # pairs, group, tensor-core group, tiled kernels
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_a_nan_or_inf_member_makes_its_groups_nearest_distances_nan(kdev, N, bad, seed):
     # tl.max skips NaN where torch's max keeps it: the group must not look finite
@@ -578,7 +581,12 @@ def test_launches_of_a_seen_signature_go_direct_and_equal_the_references(shape, 
     for x in (aligned, aligned.clone(), shifted, embeddings(shape, device="cuda")):
         check_all(x)
         check_all(x, counts)
-    launchers = [kernels._launch_group, kernels._launch_pairs, kernels._launch_normalized_sum]
+    launchers = [
+        kernels._launch_group,
+        kernels._launch_group_dot,
+        kernels._launch_pairs,
+        kernels._launch_normalized_sum,
+    ]
     assert sum(launcher.direct_launches() for launcher in launchers) > 0
 
 

@@ -1,11 +1,11 @@
 """Pairwise-cosine diversity in Triton: the launchers behind ``accel.diversity``.
 
-Groups of N <= ``SMALL_N`` rows take the group kernels (``pairwise_cosine_groups``: a few groups
-per program, every cosine in registers or one tensor-core product), launched as
-``pairwise_cosine_config`` says; larger
-groups take the large-set kernels (``pairwise_cosine_large``): the mean by its O(N D) closed
-form, the nearest distances and the matrix by a fused-attention-shaped tiled kernel that never
-stores the N x N matrix. Each kernel reads the embeddings from device memory once, through their
+Groups of N <= ``SMALL_N`` rows take the group kernels (``pairwise_cosine_groups``: whole groups
+per program, every cosine in registers or in one tensor-core product), launched as
+``pairwise_cosine_config`` says; larger groups (and float32 means past
+``CLOSED_FORM_FP32_MEAN_N``) take the large-set kernels (``pairwise_cosine_large``): the mean by
+its O(N D) closed form, the nearest distances and the matrix by a fused-attention-shaped tiled
+kernel that never stores the N x N matrix. Each kernel reads the embeddings from device memory once, through their
 strides (non-contiguous tensors need no copy), and accumulates in float32.
 
 The functions here take embeddings ``(B, N, D)`` and ``counts`` already checked by the caller
@@ -31,6 +31,7 @@ from .pairwise_cosine_config import (
     _rule_config,
     block_rows,
     group_config,
+    group_kernel_takes_mean,
 )
 from .pairwise_cosine_groups import _group_dot_kernel, _group_kernel, _pairs_kernel
 from .pairwise_cosine_large import (
@@ -352,7 +353,7 @@ def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None, *, eps: 
     B, N, _ = x.shape
     if B == 0 or N < 2:  # no pairs anywhere: diversity 0 by definition
         return torch.zeros(B, device=x.device)
-    if N <= SMALL_N:
+    if group_kernel_takes_mean(N, x.element_size()):
         return _run_group(x, counts, MODE_MEAN, eps=eps)[0]
     return _run_closed_form_mean(x, counts, eps)
 

@@ -13,7 +13,10 @@ from typing import Literal
 
 import triton
 
-SMALL_N = 16  # groups up to this size take the group kernels (a few groups per program)
+SMALL_N = 64  # groups up to this size take the group kernels (whole groups per program)
+# A float32 mean of groups over this size takes the closed form (pairwise_cosine_large), which
+# reads them about as fast as the tensor-core group kernel, faster at D <= 256.
+CLOSED_FORM_FP32_MEAN_N = 16
 # The fallback rule keeps the group kernel's (N, N, GROUPS, BLOCK_D) product tile at or under
 # this many float32 elements, so it lives in registers: 64 per thread at 4 warps.
 GROUP_TILE_ELEMENTS = 8192
@@ -116,6 +119,11 @@ def _rule_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig
         unroll=min(GROUP_UNROLL, triton.cdiv(d, block_d)),
         num_warps=max(1, min(8, warps)),
     )
+
+
+def group_kernel_takes_mean(n: int, itemsize: int) -> bool:
+    """Whether the group kernels take the mean of groups of ``n`` rows (else the closed form)."""
+    return n <= SMALL_N and not (itemsize == 4 and n > CLOSED_FORM_FP32_MEAN_N)
 
 
 def group_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:

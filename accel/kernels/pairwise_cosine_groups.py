@@ -1,4 +1,4 @@
-"""Pairwise-cosine kernels for many small groups (N <= 16 rows each), every cosine in registers.
+"""Pairwise-cosine kernels for many small groups (N <= 64 rows each), every cosine in registers.
 
 - ``_group_kernel``: a few groups of N rows per program. It accumulates each group's N x N Gram
   matrix over chunks of D, takes the norms from its diagonal and reduces in the epilogue (mean
@@ -8,7 +8,8 @@
   times its own transpose on the tensor cores (float32 in three TF32 passes); each group's Gram
   matrix is a diagonal block of the product. It forms GROUPS times the products it needs, on
   units with them to spare, where ``_group_kernel`` holds N^2 products per element in float32
-  registers: the faster of the two from N = 3 (16-bit) or N = 8 (float32) on.
+  registers: the faster of the two from N = 3 (16-bit) or N = 8 (float32) on, and the only one
+  the rule takes past 16 rows.
 - ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
   products formed.
 
