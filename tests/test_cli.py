@@ -126,6 +126,21 @@ def test_write_results_by_case_replaces_only_the_cases_it_holds(tmp_path):
     assert list(pd.read_csv(tmp_path / "m.csv")["case"]) == ["other", "four"]
 
 
+def test_write_results_by_case_replaces_a_sweeps_points_together(tmp_path):
+    """A sweep point's name holds its shape: a rerun whose points moved leaves no stale ones."""
+    stamp = dict.fromkeys(COLUMNS[11:], "x")
+
+    def frame(*cases):
+        rows = [Row("a", case, "time", "ms", 1.0).as_dict() | stamp for case in cases]
+        return pd.DataFrame(rows, columns=COLUMNS)
+
+    old = ("one", "sweep x B=8", "sweep x B=16", "sweep y B=8", "sweep x: worst")
+    write_results(frame(*old), tmp_path, stem="m")
+    write_results(frame("sweep x B=32", "sweep x: worst"), tmp_path, stem="m", by_case=True)
+    cases = list(pd.read_csv(tmp_path / "m.csv")["case"])
+    assert cases == ["one", "sweep x B=32", "sweep y B=8", "sweep x: worst"], cases
+
+
 def test_only_is_refused_for_a_phase_that_runs_whole_and_for_a_part_that_is_not_there():
     from accel.errors import UsageError
     from accel.lab.bench import check_parts

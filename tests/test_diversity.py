@@ -205,17 +205,19 @@ def test_the_tensor_core_kernel_matches_references(kdev, shape, dtype, seed):
                 kernels.MODE_NEAREST: (1, dv.nearest_distances_reference(inputs, members)),
                 kernels.MODE_MATRIX: (2, dv.pairwise_distances_reference(inputs, members)),
             }
-        for tile in [(16, 32, 1, 4), (32, 64, 1, 8)]:
-            config = kernels.GroupConfig("dot", *tile)
+        block_n = kernels.block_rows(shape[1])
+        for rows, block_d, warps in [(64, 32, 4), (128, 64, 8)]:  # the rule's tile, the largest
+            config = kernels.GroupConfig("dot", rows // block_n, block_d, 1, warps)
             for mode, (slot, ref) in expected.items():
                 got = kernels._run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
                 torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
 
-def test_the_tensor_core_kernel_refuses_a_tile_under_sixteen_rows(kdev):
+@pytest.mark.parametrize("groups", [2, 64])
+def test_the_tensor_core_kernel_refuses_a_tile_under_16_or_over_128_rows(kdev, groups):
     kernels = dv._kernels()
-    config = kernels.GroupConfig("dot", 2, 32, 1, 1)
-    with pytest.raises(ValueError, match=r"groups \* N rows >= 16 .*got 2 x 4"):
+    config = kernels.GroupConfig("dot", groups, 32, 1, 1)
+    with pytest.raises(ValueError, match=rf"tile of 16 to 128 rows .*got {groups} x 4"):
         kernels._run_group(embeddings((3, 4, 8), device=kdev), None, 0, config, eps=dv.EPS)
 
 

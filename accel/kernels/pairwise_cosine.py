@@ -23,6 +23,7 @@ import triton
 
 from .launch import Launcher, hooked
 from .pairwise_cosine_config import (
+    DOT_MAX_ROWS,
     DOT_MIN_ROWS,
     PAIRS_MAX_N,
     SMALL_N,
@@ -172,10 +173,10 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
         )
         return _launch_pairs, grid, constexprs, True
     if config.variant == "dot":
-        if config.groups * block_n < DOT_MIN_ROWS:
+        if not DOT_MIN_ROWS <= config.groups * block_n <= DOT_MAX_ROWS:
             raise ValueError(
-                f"the 'dot' group kernel needs groups * N rows >= {DOT_MIN_ROWS} (a tensor-core "
-                f"tile), got {config.groups} x {block_n}"
+                f"the 'dot' group kernel takes a tile of {DOT_MIN_ROWS} to {DOT_MAX_ROWS} rows "
+                f"(groups x N rounded up to a power of 2), got {config.groups} x {block_n}"
             )
         constexprs = dict(
             MODE=mode,

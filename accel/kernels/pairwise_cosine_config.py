@@ -33,6 +33,7 @@ SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram")  # run by pairwise_cosine_var
 PAIRS_MAX_N = 4  # the rows _pairs_kernel spells out
 DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's tile: 4 warps, one 64 x 64 product
 DOT_MIN_ROWS = 16  # the smallest tile the tensor cores take
+DOT_MAX_ROWS = 128  # past this the product's operands outgrow shared memory (float32, H100)
 
 
 @dataclass(frozen=True)

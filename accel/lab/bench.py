@@ -288,17 +288,32 @@ def write_results(
 def _replace_cases(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     """``old`` with each row of ``new`` in the place of the old row of its (phase, case), so a
     file keeps its order from run to run; a case not there before comes after its phase's last
-    row (or at the end, for a new phase)."""
+    row (or at the end, for a new phase). A sweep's points ("sweep <name> ...": their names hold
+    their shapes) are replaced together, in the place of the first old one."""
     old_keys = list(zip(old["phase"], old["case"], strict=True))
     new_keys = list(zip(new["phase"], new["case"], strict=True))
     at = {key: float(i) for i, key in enumerate(old_keys)}
     phase_end = {phase: float(i) for i, phase in enumerate(old["phase"])}
+    family_at: dict[tuple, float] = {}
+    for i, key in enumerate(old_keys):
+        if _sweep_family(key) is not None:
+            family_at.setdefault(_sweep_family(key), float(i))
     fresh = set(new_keys)
-    place = [at[key] for key in old_keys if key not in fresh]
-    for j, key in enumerate(new_keys):  # a new case: after its phase, in its own order
-        place.append(at.get(key, phase_end.get(key[0], len(old)) + (j + 1) / (len(new) + 1)))
-    merged = pd.concat([old[[key not in fresh for key in old_keys]], new], ignore_index=True)
+    rerun = {_sweep_family(key) for key in new_keys} - {None}
+    stays = [key not in fresh and _sweep_family(key) not in rerun for key in old_keys]
+    place = [at[key] for key, kept in zip(old_keys, stays, strict=True) if kept]
+    for j, key in enumerate(new_keys):  # a new case: after its family or phase, in its order
+        before = family_at.get(_sweep_family(key), phase_end.get(key[0], len(old)))
+        place.append(at.get(key, before + (j + 1) / (len(new) + 1)))
+    merged = pd.concat([old[stays], new], ignore_index=True)
     return merged.iloc[sorted(range(len(merged)), key=place.__getitem__)].reset_index(drop=True)
+
+
+def _sweep_family(key: tuple[str, str]) -> tuple[str, str] | None:
+    """(phase, "sweep <name>") of a sweep point's (phase, case); None for any other case."""
+    phase, case = key
+    words = case.split(" ", 2)
+    return (phase, " ".join(words[:2])) if words[0] == "sweep" and len(words) > 2 else None
 
 
 PLOTLY_JS = "plotly.min.js"

@@ -3,8 +3,8 @@ at group sizes, widths, dtypes and batches they were never tuned on, beside what
 otherwise write: the closed form (mean) and the naive N x N form (nearest), ``torch.compile``'d.
 
 Points: N in 2, 3, 4, 8, 16, 32, 64 with D from 64 to 2048 in float32, bfloat16 and float16 (taken
-in turn), ragged counts on every other point, a batch that reads at least 64 MB; and each N again
-at a small batch. Judged: one call's latency >= 1.5x the compiled form's at every point; the
+in turn), ragged counts on every other point, a batch that reads at least 64 MB (ragged groups:
+the rows their counts hold, as the kernels read no others); and each N again at a small batch. Judged: one call's latency >= 1.5x the compiled form's at every point; the
 kernels' device time (CUDA-graph replays over inputs that do not fit in L2, no host time in it)
 >= 75% of the measured copy bandwidth at every point that reads >= 64 MB.
 """
@@ -30,6 +30,9 @@ GROUP_SIZES = (2, 3, 4, 8, 16, 32, 64)
 WIDTHS = (64, 256, 768, 2048)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SMALL_BATCH = 64
+# Ragged counts are uniform over 0..N, so a group holds N/2 rows on average: twice the groups,
+# and a margin, read as many bytes as the full groups of a point without counts.
+RAGGED_GROUPS = 2.1
 
 
 @dataclass(frozen=True)
@@ -40,9 +43,10 @@ class Point:
     dtype: torch.dtype
     ragged: bool
 
-    @property
-    def bytes_read(self) -> int:
-        return self.batch * self.n * self.dim * self.dtype.itemsize
+    def bytes_read(self, counts: torch.Tensor | None) -> int:
+        """Bytes the kernels read: every row, or with counts only the rows they hold."""
+        rows = self.batch * self.n if counts is None else int(counts.clamp(0, self.n).sum())
+        return rows * self.dim * self.dtype.itemsize
 
     def name(self, reduction: str) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
@@ -56,8 +60,9 @@ def points(device: torch.device) -> list[Point]:
     out = []
     for i, (n, dim) in enumerate((n, d) for n in GROUP_SIZES for d in WIDTHS):
         dtype = DTYPES[i % len(DTYPES)]
-        batch = math.ceil(LARGE_BYTES / (n * dim * dtype.itemsize))
-        out.append(Point(batch, n, dim, dtype, ragged=i % 2 == 1))
+        ragged = i % 2 == 1
+        groups = LARGE_BYTES * (RAGGED_GROUPS if ragged else 1) / (n * dim * dtype.itemsize)
+        out.append(Point(math.ceil(groups), n, dim, dtype, ragged))
     out += [Point(SMALL_BATCH, n, 384, torch.float32, False) for n in GROUP_SIZES]
     return out
 
@@ -75,14 +80,18 @@ def compiled_baselines(device: torch.device):
     )
 
 
-def measure(point: Point, device: torch.device) -> list[tuple[str, float, float, float, float]]:
-    """Per reduction: (name, our latency µs, the compiled form's µs, their round-by-round
-    ratio, our device ms per call back to back), after checking both against the reference."""
+def measure(
+    point: Point, device: torch.device
+) -> tuple[int, list[tuple[str, float, float, float, float]]]:
+    """The bytes the kernels read, and per reduction: (name, our latency µs, the compiled form's
+    µs, their round-by-round ratio, our device ms per call back to back), after checking both
+    against the reference."""
     gen = torch.Generator(device).manual_seed(point.n * point.dim)
     x = torch.randn((point.batch, point.n, point.dim), device=device, generator=gen).to(point.dtype)
     counts = None
     if point.ragged:
         counts = torch.randint(0, point.n + 1, (point.batch,), device=device, generator=gen)
+    bytes_read = point.bytes_read(counts)
     mean_cf, nearest_naive = compiled_baselines(device)
     out = []
     for reduction, ours, plain in (
@@ -96,7 +105,7 @@ def measure(point: Point, device: torch.device) -> list[tuple[str, float, float,
         }
         alone = latencies(fns, device, repeats=15)
         device_ms = math.nan
-        if point.bytes_read >= LARGE_BYTES:  # the kernels' own time: graph replays, no host
+        if bytes_read >= LARGE_BYTES:  # the kernels' own time: graph replays, no host
             buffers = rotating_inputs((point.batch, point.n, point.dim), point.dtype, device)
             calls = {"accel": lambda x, f=ours, c=counts: f(x, c)}
             device_ms = time_per_call(calls, buffers, device, repeats=10)["accel"]
@@ -107,14 +116,14 @@ def measure(point: Point, device: torch.device) -> list[tuple[str, float, float,
             alone.paired_ratio("compiled", "accel"),
             device_ms,
         ))  # fmt: skip
-    return out
+    return bytes_read, out
 
 
 def rows(ctx: BenchContext) -> list[Row]:
     out: list[Row] = []
     ratios, fractions = [], []
     for point in points(ctx.device):
-        measured = measure(point, ctx.device)
+        bytes_read, measured = measure(point, ctx.device)
         release_memory(ctx.device)
         for reduction, mine, plain, ratio, device_ms in measured:
             name = point.name(reduction)
@@ -126,13 +135,13 @@ def rows(ctx: BenchContext) -> list[Row]:
                 note=f"{ctx.where}; compiled {'closed form' if reduction == 'mean' else 'naive'}"
                 f" / accel round by round {ratio:.2f}x",
             ))  # fmt: skip
-            if point.bytes_read >= LARGE_BYTES:
-                fractions.append(ctx.ceilings.bandwidth_fraction(point.bytes_read, device_ms))
+            if bytes_read >= LARGE_BYTES:
+                fractions.append(ctx.ceilings.bandwidth_fraction(bytes_read, device_ms))
                 out.append(Row(
                     PHASE, name, "bandwidth", "fraction of copy", fractions[-1],
                     target=f">= {TARGET_BANDWIDTH}", higher_is_better=True,
                     met=fractions[-1] >= TARGET_BANDWIDTH if ctx.judged else None,
-                    note=f"{ctx.where}; {point.bytes_read / 2**20:.0f} MiB read in "
+                    note=f"{ctx.where}; {bytes_read / 2**20:.0f} MiB read in "
                     f"{device_ms * 1e3:.1f} us (CUDA-graph replays over rotating inputs); copy "
                     f"{ctx.ceilings.copy_gb_s:.0f} GB/s",
                 ))  # fmt: skip
