@@ -136,9 +136,10 @@ def test_write_results_by_case_replaces_a_sweeps_points_together(tmp_path):
 
     old = ("one", "sweep x B=8", "sweep x B=16", "sweep y B=8", "sweep x: worst")
     write_results(frame(*old), tmp_path, stem="m")
-    write_results(frame("sweep x B=32", "sweep x: worst"), tmp_path, stem="m", by_case=True)
+    rerun = ("sweep x B=32", "sweep x B=8", "sweep x: worst")  # a moved point, a kept one
+    write_results(frame(*rerun), tmp_path, stem="m", by_case=True)
     cases = list(pd.read_csv(tmp_path / "m.csv")["case"])
-    assert cases == ["one", "sweep x B=32", "sweep y B=8", "sweep x: worst"], cases
+    assert cases == ["one", "sweep x B=32", "sweep x B=8", "sweep y B=8", "sweep x: worst"], cases
 
 
 def test_only_is_refused_for_a_phase_that_runs_whole_and_for_a_part_that_is_not_there():

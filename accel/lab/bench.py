@@ -302,9 +302,13 @@ def _replace_cases(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     rerun = {_sweep_family(key) for key in new_keys} - {None}
     stays = [key not in fresh and _sweep_family(key) not in rerun for key in old_keys]
     place = [at[key] for key, kept in zip(old_keys, stays, strict=True) if kept]
-    for j, key in enumerate(new_keys):  # a new case: after its family or phase, in its order
-        before = family_at.get(_sweep_family(key), phase_end.get(key[0], len(old)))
-        place.append(at.get(key, before + (j + 1) / (len(new) + 1)))
+    for j, key in enumerate(new_keys):  # a new case or sweep: after its phase, in its order
+        family = _sweep_family(key)
+        if family in family_at:  # a sweep's points in their new order, where the sweep was
+            place.append(family_at[family] + (j + 1) / (len(new) + 1))
+        else:
+            at_end = phase_end.get(key[0], len(old)) + (j + 1) / (len(new) + 1)
+            place.append(at.get(key, at_end))
     merged = pd.concat([old[stays], new], ignore_index=True)
     return merged.iloc[sorted(range(len(merged)), key=place.__getitem__)].reset_index(drop=True)
 
