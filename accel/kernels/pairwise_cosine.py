@@ -5,8 +5,8 @@ per program, every cosine in registers or in one tensor-core product), launched 
 ``pairwise_cosine_config`` says; larger groups (and float32 means past
 ``CLOSED_FORM_FP32_MEAN_N``) take the large-set kernels (``pairwise_cosine_large``): the mean by
 its O(N D) closed form, the nearest distances and the matrix by a fused-attention-shaped tiled
-kernel that never stores the N x N matrix. Each kernel reads the embeddings from device memory once, through their
-strides (non-contiguous tensors need no copy), and accumulates in float32.
+kernel that never stores the N x N matrix. Each kernel reads the embeddings from device memory
+once, through their strides (non-contiguous tensors need no copy), and accumulates in float32.
 
 The functions here take embeddings ``(B, N, D)`` and ``counts`` already checked by the caller
 (``accel.diversity.check_embeddings``) and ``eps`` (vectors are normalized as x / max(||x||,
@@ -162,34 +162,21 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
     if config.variant == "pairs" and mode == MODE_MATRIX:
         config = _rule_config(block_n, D, B, itemsize)
     grid = (triton.cdiv(B, config.groups),)
+    common = dict(
+        MODE=mode, HAS_COUNTS=has_counts, GROUPS=config.groups, num_warps=config.num_warps
+    )
     if config.variant == "pairs":
         block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
-        constexprs = dict(
-            MODE=mode,
-            HAS_COUNTS=has_counts,
-            GROUPS=config.groups,
-            BLOCK_D=block_d,
-            num_warps=config.num_warps,
-        )
-        return _launch_pairs, grid, constexprs, True
+        return _launch_pairs, grid, common | dict(BLOCK_D=block_d), True
     if config.variant == "dot":
         if not DOT_MIN_ROWS <= config.groups * block_n <= DOT_MAX_ROWS:
             raise ValueError(
                 f"the 'dot' group kernel takes a tile of {DOT_MIN_ROWS} to {DOT_MAX_ROWS} rows "
                 f"(groups x N rounded up to a power of 2), got {config.groups} x {block_n}"
             )
-        constexprs = dict(
-            MODE=mode,
-            HAS_COUNTS=has_counts,
-            GROUPS=config.groups,
-            BLOCK_N=block_n,
-            BLOCK_D=config.block_d,
-            DOT_FP32=_dot_in_fp32(x.dtype),
-            num_warps=config.num_warps,
-        )
-        return _launch_group_dot, grid, constexprs, False
-    constexprs = dict(MODE=mode, HAS_COUNTS=has_counts, BLOCK_N=block_n, **config.meta(D, itemsize))
-    return _launch_group, grid, constexprs, False
+        tile = dict(BLOCK_N=block_n, BLOCK_D=config.block_d, DOT_FP32=_dot_in_fp32(x.dtype))
+        return _launch_group_dot, grid, common | tile, False
+    return _launch_group, grid, common | dict(BLOCK_N=block_n) | config.meta(D, itemsize), False
 
 
 # ---- a seen signature's call, at the least host work -----------------------------------------
