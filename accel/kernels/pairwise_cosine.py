@@ -17,6 +17,7 @@ eps)), and run the kernels unconditionally; ``accel.diversity`` decides whether 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -68,9 +69,19 @@ _launch_group_mean = Launcher(_group_mean_kernel)
 FINISH_BLOCK = 128  # columns (or members) a finishing program sums at a time
 _launch_tiled = {torch.float32: Launcher(tiled_fp32), "16 bit": Launcher(tiled_16bit)}
 _launch_tiled_interpreted = Launcher(_tiled_kernel)
-# signature -> (launcher, grid, constexprs, whether the launch takes no matrix pointer, the
-# launcher's key: a small int, cheaper to hash on every call than the signature again)
-_GROUP_PLANS: dict[tuple, tuple] = {}
+
+
+class GroupPlan(NamedTuple):
+    """How the group kernels launch on one signature of inputs."""
+
+    launch: Launcher
+    grid: tuple[int]
+    constexprs: dict
+    no_matrix: bool  # the pairs kernel: no matrix pointer among its arguments
+    key: int  # the launcher's key: a small int, cheaper to hash per call than the signature
+
+
+_GROUP_PLANS: dict[tuple, GroupPlan] = {}  # signature -> its plan
 
 
 def _signature(x: torch.Tensor, counts: torch.Tensor | None, *extra) -> tuple | None:
@@ -131,7 +142,7 @@ def _run_group(
     key = _signature(x, counts, mode) if config is None else None
     plan = _GROUP_PLANS.get(key) if key is not None else None
     if plan is None:
-        plan = (*_group_plan(x, mode, counts is not None, config), len(_GROUP_PLANS))
+        plan = GroupPlan(*_group_plan(x, mode, counts is not None, config), len(_GROUP_PLANS))
         if key is not None:
             _GROUP_PLANS[key] = plan
     launch, grid, constexprs, no_matrix, launch_key = plan
@@ -200,7 +211,7 @@ class ReadyCall:
 
     __slots__ = ("after", "before", "device", "direct", "index", "scalars", "scratch", "shape")
 
-    def __init__(self, name: str, x: torch.Tensor, plan: tuple, direct, eps: float):
+    def __init__(self, name: str, x: torch.Tensor, plan: GroupPlan, direct, eps: float):
         B, N, D = x.shape
         mode, result = _GROUP_RESULTS[name]
         shapes = {"out": (B,), "items": (B, N), "matrix": (B, N, N)}
@@ -213,7 +224,7 @@ class ReadyCall:
             at += 4 * math.prod(shapes[part])  # bytes of float32
         # the pointers out, items (and matrix, unless the pairs kernel runs): the result's at
         # each call, the others fixed; one the mode never writes points at the scratch
-        slots = ("out", "items", "matrix")[: 2 if plan[3] else 3]
+        slots = ("out", "items", "matrix")[: 2 if plan.no_matrix else 3]
         fixed = [addresses.get(part, self.scratch.data_ptr()) for part in slots]
         place = slots.index(result)
         self.before, self.after = tuple(fixed[:place]), tuple(fixed[place + 1 :])
@@ -255,7 +266,7 @@ def ready_call(name: str, x: torch.Tensor, counts: torch.Tensor | None, eps: flo
     plan = _GROUP_PLANS.get(_signature(x, counts, _GROUP_RESULTS[name][0]))
     if plan is None:
         return None
-    direct = plan[0].direct(plan[4])
+    direct = plan.launch.direct(plan.key)
     return None if direct is None else ReadyCall(name, x, plan, direct, eps)
 
 
