@@ -24,8 +24,8 @@ here too: the naive N x N matrix (the seed's "before") and, for the mean, the O(
 sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2 (= ||sum_i x̂_i||^2 - N without zero rows).
 
 Host cost per call on CUDA: the first call of a signature (shape, strides, dtype, device,
-alignment, counts' layout) checks the inputs and compiles. After it, groups of up to 16 cost a
-key, one allocation and one launch of the compiled kernel with addresses
+alignment, counts' layout) checks the inputs and compiles. After it, groups of up to 64 (float32
+means: up to 16) cost a key, one allocation and one launch of the compiled kernel with addresses
 (``accel.kernels.pairwise_cosine.ReadyCall``); larger groups take two or three launches through
 ``accel.kernels.launch``. Measured beside the compiled closed form in ``results/`` (rows
 ``phase=overhead``, ``host time per call``).
