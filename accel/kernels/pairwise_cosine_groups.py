@@ -8,7 +8,7 @@
   times its own transpose on the tensor cores (float32 in three TF32 passes); each group's Gram
   matrix is a diagonal block of the product. It forms GROUPS times the products it needs, on
   units with them to spare, where ``_group_kernel`` holds N^2 products per element in float32
-  registers: the faster of the two from N = 3 (16-bit) or N = 8 (float32) on, and the only one
+  registers: the faster of the two from N = 3 (16-bit) or N = 5 (float32) on, and the only one
   the rule takes past 16 rows.
 - ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
   products formed.
