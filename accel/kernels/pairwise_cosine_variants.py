@@ -1,9 +1,9 @@
 """The group kernel's variants kept for the bench sweep, and the sweep's launcher.
 
 ``accel.lab.cases.diversity.group_kernel_sweep`` times every variant of the group kernel side by
-side; production takes "vecsum", "pairs" or "dot" (``pairwise_cosine``). The two kept here differ from
-the production ``_group_kernel`` only in where the sum over D happens, i.e. what the accumulator
-holds per thread; the prologue and epilogue are the production kernel's own helpers:
+side; production takes "vecsum", "pairs" or "dot" (``pairwise_cosine``). The two kept here
+differ from the production ``_group_kernel`` only in where the sum over D happens, i.e. what the
+accumulator holds per thread; the prologue and epilogue are the production kernel's own helpers:
 
 - "tile": every product, (N, N, GROUPS, BLOCK_D / VEC, VEC), summed after the loop: the first
   kernel, the sweep's "before";
@@ -79,8 +79,7 @@ def run_variant(
     B, N, D = x.shape
     out, items, matrix = _group_outputs(x, mode)
     args = (x, counts if counts is not None else out, out, items, matrix, B, N, D, *x.stride(), eps)
-    grid = (triton.cdiv(B, config.groups),)
-    _group_variant_kernel[grid](
+    _group_variant_kernel[(triton.cdiv(B, config.groups),)](
         *args,
         MODE=mode,
         HAS_COUNTS=counts is not None,

@@ -294,17 +294,19 @@ def _replace_cases(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     new_keys = list(zip(new["phase"], new["case"], strict=True))
     at = {key: float(i) for i, key in enumerate(old_keys)}
     phase_end = {phase: float(i) for i, phase in enumerate(old["phase"])}
+    old_families = [_sweep_family(key) for key in old_keys]
+    new_families = [_sweep_family(key) for key in new_keys]
     family_at: dict[tuple, float] = {}
-    for i, key in enumerate(old_keys):
-        if _sweep_family(key) is not None:
-            family_at.setdefault(_sweep_family(key), float(i))
-    fresh = set(new_keys)
-    rerun = {_sweep_family(key) for key in new_keys} - {None}
-    stays = [key not in fresh and _sweep_family(key) not in rerun for key in old_keys]
+    for i, family in enumerate(old_families):
+        family_at.setdefault(family, float(i))
+    fresh, rerun = set(new_keys), set(new_families) - {None}
+    stays = [
+        key not in fresh and family not in rerun
+        for key, family in zip(old_keys, old_families, strict=True)
+    ]
     place = [at[key] for key, kept in zip(old_keys, stays, strict=True) if kept]
-    for j, key in enumerate(new_keys):  # a new case or sweep: after its phase, in its order
-        family = _sweep_family(key)
-        if family in family_at:  # a sweep's points in their new order, where the sweep was
+    for j, (key, family) in enumerate(zip(new_keys, new_families, strict=True)):
+        if family is not None and family in family_at:  # a sweep's points, where it stood
             place.append(family_at[family] + (j + 1) / (len(new) + 1))
         else:
             at_end = phase_end.get(key[0], len(old)) + (j + 1) / (len(new) + 1)

@@ -27,9 +27,9 @@ from accel.lab.device import default_device
 # (variant, groups, block_d, unroll, num_warps) per bytes per element, for N = 4, D = 384 (the
 # grouped case), around the fastest of the sweeps recorded in results/*.csv (phase=diversity,
 # cases "sweep group kernel ..."). Warps = groups * block_d / (32 * elements per 16-byte load)
-# keeps each group in one warp ("dot": 4 warps for a 64-row tile of groups). The first of each list, "tile G=4 BD=128 U=3", is the kernel
-# before the variants ("before" in the rows); the production configuration (GROUP_TABLE's, else
-# the rule's) is always added.
+# keeps each group in one warp ("dot": 4 warps for a 64-row tile of groups). The first of each
+# list, "tile G=4 BD=128 U=3", is the kernel before the variants ("before" in the rows); the
+# production configuration (GROUP_TABLE's, else the rule's) is always added.
 GROUP_SWEEP: dict[int, tuple[tuple[str, int, int, int, int], ...]] = {
     4: (
         ("tile", 4, 128, 3, 4),

@@ -4,9 +4,10 @@ otherwise write: the closed form (mean) and the naive N x N form (nearest), ``to
 
 Points: N in 2, 3, 4, 8, 16, 32, 64 with D from 64 to 2048 in float32, bfloat16 and float16 (taken
 in turn), ragged counts on every other point, a batch that reads at least 64 MB (ragged groups:
-the rows their counts hold, as the kernels read no others); and each N again at a small batch. Judged: one call's latency >= 1.5x the compiled form's at every point; the
-kernels' device time (CUDA-graph replays over inputs that do not fit in L2, no host time in it)
->= 75% of the measured copy bandwidth at every point that reads >= 64 MB.
+the rows their counts hold, as the kernels read no others); and each N again at a small batch.
+Judged: one call's latency >= 1.5x the compiled form's at every point; the kernels' device time
+(CUDA-graph replays over inputs that do not fit in L2, no host time in it) >= 75% of the measured
+copy bandwidth at every point that reads >= 64 MB.
 """
 
 from __future__ import annotations
