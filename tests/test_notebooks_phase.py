@@ -77,6 +77,19 @@ def test_a_slow_cell_that_shows_a_progress_bar_is_within_its_target(tmp_path, mo
     assert "cell 1 of the file" in without.note
 
 
+def test_a_run_whose_processes_cannot_cache_bytecode_says_so(tmp_path, monkeypatch, ctx):
+    """Each kernel (and every process a notebook starts) then compiles torch's source anew."""
+    write(tmp_path / "01_quick.ipynb", "x = 1")
+    monkeypatch.setattr(notebooks, "NOTEBOOK_DIR", tmp_path)
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    cached, _ = notebooks.run(ctx)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    uncached, _ = notebooks.run(ctx)
+
+    assert "bytecode" not in cached.note
+    assert "bytecode not cached" in uncached.note
+
+
 def test_some_notebooks_timed_and_the_workbook_summed_with_the_others_recorded_rows(
     tmp_path, monkeypatch
 ):

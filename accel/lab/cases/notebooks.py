@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -155,6 +156,9 @@ def _notebook_row(
     shown = [c for c in cells if c.progress and c.seconds > CELL_TARGET_S]
     if shown:
         note += "; with one: " + ", ".join(f"cell {c.index} {c.seconds:.1f} s" for c in shown)
+    if os.environ.get("PYTHONDONTWRITEBYTECODE"):  # a kernel's imports then compile anew
+        note += "; Python bytecode not cached (PYTHONDONTWRITEBYTECODE): every process compiles"
+        note += " the source it imports"
     note += f"; FAILED: {error}" if error else ""
     return Row(
         PHASE,
