@@ -186,10 +186,12 @@ def test_clip_foreach_equals_loop_and_torch(gen, case, dtype, atol, rtol, clips)
     assert after == pytest.approx(expected, rel=1e-5 if dtype == torch.float32 else 5e-3)
 
 
-@pytest.mark.parametrize("norm_type", [1.0, math.inf])
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, 0.5, math.inf, -math.inf, 0.0])
 def test_clip_other_norm_types_equal_torch(gen, norm_type):
     params = params_with_grads(gen, SHAPES["odd shapes"])
     (fast, ref, torch_norm), copies = clip_three_ways(params, 0.5, norm_type)
+    for a, b in zip(copies[0], copies[1], strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast, torch_norm, rtol=1e-5, atol=1e-6)
     for a, c in zip(copies[0], copies[2], strict=True):
