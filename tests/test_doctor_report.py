@@ -328,3 +328,49 @@ def _fp32(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torc
     opt.step()
     opt.zero_grad()
     return loss.detach()
+
+
+def test_no_fix_to_try_gives_an_empty_table_with_its_columns(examined):
+    report, _, model = examined
+    trials = report.try_fixes([])
+    assert trials.empty
+    assert {"label", "status", "predicted speedup", "measured speedup", "error"} <= set(trials)
+
+
+PLAIN_STEP = '''
+import torch
+
+
+def make():
+    """A step whose only finding (a host read) has no automatic fix."""
+    model = torch.nn.Linear(7, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        opt.zero_grad()
+        loss = model(batch).square().mean()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step, torch.randn(5, 7)
+'''
+
+
+def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
+    tmp_path, monkeypatch, capsys
+):
+    from accel.__main__ import main
+
+    (tmp_path / "plain_user_step.py").write_text(PLAIN_STEP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "report.html"
+
+    assert (
+        main(["doctor", "plain_user_step:make", "--try-fixes", "--steps", "2", "--out", str(out)])
+        == 0
+    )
+
+    printed = capsys.readouterr().out
+    assert "no automatic fix applies" in printed
+    assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()

@@ -49,7 +49,9 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.try_fixes:
         report.try_fixes()
     print(report)
-    if report.trials is not None:
+    if report.trials is not None and report.trials.empty:
+        print("\nno automatic fix applies to these findings: each one names its change")
+    elif report.trials is not None:
         shown = ["label", "status", "predicted speedup", "measured speedup", "error"]
         print("\nfixes tried:\n" + report.trials[shown].to_string(index=False))
     path = report.to_html(args.out)

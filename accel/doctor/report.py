@@ -150,7 +150,8 @@ class Report:
         """One HTML page: the summary, the findings, the figure (plotly.js inline by default,
         so it opens without a network) and the trials if any."""
         table = self.table().to_html(index=False, escape=True)
-        trials = "" if self.trials is None else self.trials.to_html(index=False)
+        tried = self.trials is not None and not self.trials.empty
+        trials = self.trials.to_html(index=False) if tried else ""
         figure = self.figure().to_html(full_html=False, include_plotlyjs=plotlyjs)
         return (
             f"<h2>accel.doctor</h2><p>{html.escape(self.summary())}</p>{figure}"

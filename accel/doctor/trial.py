@@ -68,7 +68,7 @@ def try_fixes(
     changed = untouched.changed()
     if changed:
         raise RuntimeError(f"try_fixes changed your step's tensors in place (a bug): {changed[:3]}")
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
 
 def _blocked(report) -> str:
@@ -95,26 +95,24 @@ def _predicted_us(report, names: list[str]) -> float:
     return min(sum(saved), 0.999 * report.evidence.step_us)  # a trial times the step alone
 
 
+# A trial's row: every column, NaN until measured (an empty table keeps them too)
+TRIAL_COLUMNS = ("fixes", "label", "mode", "status", "predicted ms", "predicted speedup",
+                 "unchanged ms", "measured ms", "measured speedup", "error", "tolerance", "why",
+                 "first call s", "unchanged peak MiB", "fixed peak MiB", "batch room")  # fmt: skip
+
+
 def _trial_row(report, names: list[str]) -> dict[str, Any]:
     step_us = report.evidence.step_us
     predicted = step_us - _predicted_us(report, names)
-    return {
+    return dict.fromkeys(TRIAL_COLUMNS, math.nan) | {
         "fixes": "+".join(names),
         "label": " + ".join(FIXES[n].label for n in names),
         "mode": "alone" if len(names) == 1 else "together",
         "status": "ok",
         "predicted ms": predicted / 1e3,
         "predicted speedup": step_us / predicted,
-        "unchanged ms": math.nan,
-        "measured ms": math.nan,
-        "measured speedup": math.nan,
-        "error": math.nan,
         "tolerance": tolerance(report, names),
         "why": "; ".join(FIXES[n].why for n in names),
-        "first call s": math.nan,
-        "unchanged peak MiB": math.nan,
-        "fixed peak MiB": math.nan,
-        "batch room": math.nan,
     }
 
 
