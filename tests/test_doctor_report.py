@@ -331,7 +331,7 @@ def _fp32(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torc
 
 
 def test_no_fix_to_try_gives_an_empty_table_with_its_columns(examined):
-    report, _, model = examined
+    report, _, _ = examined
     trials = report.try_fixes([])
     assert trials.empty
     assert {"label", "status", "predicted speedup", "measured speedup", "error"} <= set(trials)
