@@ -284,7 +284,10 @@ def _mask_plan(backend: str, q, k, v, mask, causal, scale) -> tuple[bool, bool]:
     makes a query that the mask leaves without keys come back 0 on the kernel that runs. The
     kernel may give 0 itself; cuDNN does for an additive mask but not for a bool one, which
     costs one conversion of the mask (kept while the mask lives) instead of a pass over the
-    output."""
+    output. While tracing nothing can be asked or probed: the rows are zeroed (the compiler
+    fuses that into the graph)."""
+    if torch.compiler.is_compiling():
+        return False, True
     if _zero_without_keys(_kernel_of(backend, q, k, v, mask, causal, scale), q, mask):
         return False, False
     if mask.dtype == torch.bool:

@@ -608,3 +608,21 @@ def test_a_kernel_that_zeroes_only_with_an_additive_mask_gets_one(monkeypatch, g
     out = A.sdpa(q, k, v, mask=keep, backend="default")
     assert seen[-1] == torch.float32
     torch.testing.assert_close(out, A.attention_reference(q, k, v, mask=keep))
+
+
+@pytest.mark.parametrize("backend", ["auto", "default"])
+@pytest.mark.parametrize("mode", ["bool mask", "float mask"])
+def test_a_mask_traces_into_one_graph_and_a_query_without_keys_gets_zero(
+    backend, mode, device, gen
+):
+    shape = (2, 3, 9, 8)
+    q, k, v = qkv(shape, torch.float32, device, gen)
+    mask = make_mask(mode, shape, torch.float32, device, gen)
+    mask[..., 4, :] = False if mask.dtype == torch.bool else -math.inf  # query 4 sees no key
+    torch._dynamo.reset()
+    traced = torch.compile(
+        lambda q, k, v, m: A.sdpa(q, k, v, mask=m, backend=backend), backend="eager", fullgraph=True
+    )
+    out = traced(q, k, v, mask)
+    torch.testing.assert_close(out.double(), exact(q, k, v, mask, False), rtol=1e-5, atol=1e-5)
+    assert not out[:, :, 4].any()
