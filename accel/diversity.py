@@ -23,6 +23,10 @@ which); otherwise the PyTorch reference, after one warning that says why. The re
 here too: the naive N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
 sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2 (= ||sum_i x̂_i||^2 - N without zero rows).
 
+Gradients: every function is differentiable in ``x``. The kernels have no backward, so on their
+path the result is the kernel's and the gradient the reference's, recomputed from ``x`` in the
+backward (the reference's forward and backward, once).
+
 Host cost per call on CUDA: the first call of a signature (shape, strides, dtype, device,
 alignment, counts' layout) checks the inputs and compiles. After it, groups of up to 64 (float32
 means: up to 16) cost a key, one allocation and one launch of the compiled kernel with addresses
@@ -205,7 +209,7 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference
     except AttributeError:  # not tensors: the checks below say so
         key = None
     ready = _READY.get(key)
-    if ready is not None and not triton_support.interpreting():
+    if ready is not None and not x.requires_grad and not triton_support.interpreting():
         out = ready(x, counts)
         if out is not None:
             return out
@@ -225,7 +229,16 @@ def _checked_dispatch(x, counts, name: str, reference, key: tuple | None):
                 stacklevel=4,
             )
         return reference(x, counts)
-    ready = key is not None and not single and (counts is None or counts.is_contiguous())
+    if x.requires_grad and torch.is_grad_enabled():
+        return _ReferenceBackward.apply(x, counts, reference, lambda: _kernel(x3, counts, name))
+    out = _kernel(x3, counts, name, key if not single else None)
+    return out[0] if single else out
+
+
+def _kernel(x3: torch.Tensor, counts: torch.Tensor | None, name: str, key: tuple | None = None):
+    """The kernel module's ``name`` on checked ``(B, N, D)`` inputs; with ``key``, its ReadyCall
+    kept for the next call of the same signature."""
+    ready = key is not None and (counts is None or counts.is_contiguous())
     if counts is not None:  # the kernels read counts[b] at counts_ptr + b
         counts = counts.contiguous()
     kernels = _kernels()
@@ -234,7 +247,27 @@ def _checked_dispatch(x, counts, name: str, reference, key: tuple | None):
         made = kernels.ready_call(name, x3, counts, EPS)
         if made is not None:
             _READY[key] = made
-    return out[0] if single else out
+    return out
+
+
+class _ReferenceBackward(torch.autograd.Function):
+    """The kernel's result forward; backward, the reference's gradient, recomputed from the
+    saved input (the kernels have no backward of their own)."""
+
+    @staticmethod
+    def forward(ctx, x, counts, reference, kernel):
+        ctx.save_for_backward(x, counts)
+        ctx.reference = reference
+        out = kernel()
+        return out[0] if x.dim() == 2 else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, counts = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            (grad_x,) = torch.autograd.grad(ctx.reference(x, counts), x, grad)
+        return grad_x, None, None, None
 
 
 def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:

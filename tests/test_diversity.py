@@ -121,6 +121,25 @@ def test_kernels_match_references(kdev, shape, dtype, seed):
     check_all(x)
 
 
+@pytest.mark.parametrize(
+    ("shape", "ragged"), [((6, 4, 33), False), ((6, 4, 33), True), ((9, 40), False)], ids=str
+)
+def test_a_loss_on_the_kernel_path_trains_with_the_reference_gradient(kdev, shape, ragged, seed):
+    """The kernels have no backward: the result is the kernel's, the gradient the reference's."""
+    x = embeddings(shape, device=kdev).requires_grad_()
+    counts = random_counts(shape[0], shape[1]).to(kdev) if ragged else None
+    for name in FUNCTIONS:
+        fast = getattr(dv, name)(x, counts)
+        weights = torch.randn(fast.shape, device=kdev)  # a loss that reads every entry
+        (grad,) = torch.autograd.grad((fast * weights).sum(), x)
+        ref = reference(name)(x, counts)
+        (expected,) = torch.autograd.grad((ref * weights).sum(), x)
+        torch.testing.assert_close(fast, ref, atol=ATOL, rtol=RTOL, msg=name)
+        torch.testing.assert_close(grad, expected, atol=ATOL, rtol=RTOL, msg=name)
+        with torch.no_grad():  # without a graph to build: the kernel's result, no grad_fn
+            assert getattr(dv, name)(x, counts).grad_fn is None
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "shape", [(5, 7, 33), (3, 37, 20), (3, 67, 20)], ids=lambda s: "x".join(map(str, s))
