@@ -448,8 +448,9 @@ def _is_capturable(optimizer: torch.optim.Optimizer) -> bool:
 class GraphedOptimizerStep:
     """``optimizer.step()`` as a CUDA graph; gradients, clipping and everything else stay eager.
 
-    The optimizer must be capturable (``AdamW(..., capturable=True)``, with ``fused=True`` or
-    not): its step counter then lives on the device. ``optimizer.load_state_dict`` copies into
+    On CUDA the optimizer must be capturable (``AdamW(..., capturable=True)``, with
+    ``fused=True`` or not): its step counter then lives on the device. Off a GPU any optimizer
+    steps eagerly (torch's AdamW cannot step capturable on a CPU). ``optimizer.load_state_dict`` copies into
     the captured state (:func:`accel.optim.load_state_in_place`), so a resumed run replays on
     it. The graph records the gradients' addresses, so they must stay put: zero them with ``zero_grad(set_to_none=False)`` (backward then
     accumulates into the same tensors) and clip them in place before the call. Every call checks
@@ -470,7 +471,7 @@ class GraphedOptimizerStep:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if not params:
             raise ValueError("GraphedOptimizerStep: the optimizer has no parameters")
-        if not _is_capturable(optimizer):
+        if params[0].device.type == "cuda" and not _is_capturable(optimizer):  # else: eager
             raise ValueError(
                 f"GraphedOptimizerStep needs a capturable optimizer (its step count on the "
                 f"device); got {type(optimizer).__name__} with capturable=False. Construct it "

@@ -269,17 +269,25 @@ def _check_hyperparameters(
 def _step_count_per_parameter(optimizer: MultiTensorAdamW, state_dict: dict) -> dict:
     """Each parameter's saved state gets its own copy of the step count: torch's AdamW, loading
     it, increments every parameter's count in place, and a shared one would advance once per
-    parameter."""
+    parameter. The groups say capturable only on CUDA: torch's AdamW refuses a capturable step
+    on a CPU."""
     state_dict["state"] = {
         k: {**v, "step": v["step"].clone()} if "step" in v else v
         for k, v in state_dict["state"].items()
     }
+    capturable = optimizer.device.type == "cuda"
+    state_dict["param_groups"] = [
+        g | {"capturable": capturable} for g in state_dict["param_groups"]
+    ]
     return state_dict
 
 
 def _share_loaded_step_count(optimizer: MultiTensorAdamW) -> None:
     """After ``load_state_dict``: the one device step count takes the loaded value, in place,
-    and every parameter's state points at it again."""
+    and every parameter's state points at it again; the groups stay capturable (ours is, by
+    construction), whatever the saved ones said."""
+    for group in optimizer.param_groups:
+        group["capturable"] = True
     states = [s for s in optimizer.state.values() if s]
     if not states:
         return

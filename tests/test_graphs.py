@@ -98,10 +98,30 @@ def test_sync_failures_are_explained():
     assert ".item()" not in graphs._explain(ValueError("shape mismatch"))
 
 
+@requires_cuda
 def test_optimizer_step_needs_a_capturable_optimizer():
-    p = nn.Parameter(torch.randn(3))
+    p = nn.Parameter(torch.randn(3, device="cuda"))
     with pytest.raises(ValueError, match=r"needs a capturable optimizer.*capturable=True"):
         GraphedOptimizerStep(torch.optim.AdamW([p]))
+
+
+def test_off_a_gpu_any_optimizer_steps_eagerly_with_one_warning(seed):
+    """torch's AdamW cannot step capturable on a CPU; nothing is captured there, so it need not."""
+    params = [nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
+    plain = [nn.Parameter(p.detach().clone()) for p in params]
+    step = GraphedOptimizerStep(torch.optim.AdamW(params, lr=0.1), warmup=1)
+    plain_opt = torch.optim.AdamW(plain, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            grads = [torch.randn(5, 3) for _ in params]
+            for p, q, g in zip(params, plain, grads, strict=True):
+                p.grad, q.grad = g.clone(), g.clone()
+            step()
+            plain_opt.step()
+    assert sum(issubclass(w.category, GraphCaptureWarning) for w in caught) == 1
+    for p, q in zip(params, plain, strict=True):
+        torch.testing.assert_close(p, q)
 
 
 def _model(seed: int, device) -> nn.Module:

@@ -265,6 +265,27 @@ def test_torch_adamw_state_resumes_in_multi_tensor_adamw_and_back(seed):
         torch.testing.assert_close(a, b, **TOL)
 
 
+@pytest.mark.parametrize("foreach", [False, None])
+def test_a_fresh_multi_tensor_adamw_state_steps_on_in_torch_adamw(seed, foreach):
+    """Saved on a CPU it says capturable=False, as torch can step it there; loading a torch
+    state leaves ours capturable, as it is by construction."""
+    start = make_params("cpu", torch.Generator().manual_seed(seed))
+    grads = _grads(start, seed + 1, steps=4)
+    whole = [p.detach().clone().requires_grad_() for p in start]
+    _step_with(torch.optim.AdamW(whole, foreach=False), whole, grads)
+    params = [p.detach().clone().requires_grad_() for p in start]
+    ours = MultiTensorAdamW(params, implementation="reference")
+    _step_with(ours, params, grads[:2])
+    theirs = torch.optim.AdamW(params, foreach=foreach)
+    theirs.load_state_dict(_through_bytes(ours.state_dict()))
+    _step_with(theirs, params, grads[2:])
+    for a, b in zip(params, whole, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    again = MultiTensorAdamW(params, implementation="reference")
+    again.load_state_dict(_through_bytes(theirs.state_dict()))
+    assert all(g["capturable"] for g in again.param_groups)
+
+
 def test_steps_that_differ_between_parameters_are_refused(seed):
     params = make_params("cpu", torch.Generator().manual_seed(seed))
     theirs = torch.optim.AdamW(params, foreach=False)
