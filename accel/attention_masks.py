@@ -172,6 +172,9 @@ def _int_tensor(value, name: str, dims: tuple[int, ...]) -> None:
             f"{name} must be a non-empty tensor of {' or '.join(map(str, dims))} dimensions, "
             f"got shape {tuple(value.shape)}"
         )
+    # checked where it costs no host read; on a GPU a check would be a sync per mask
+    if value.device.type == "cpu" and bool((value < 0).any()):
+        raise ValueError(f"{name} must be >= 0, got {int(value.min())}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,7 +183,8 @@ class Document(AttentionMask):
     only (and, with ``causal``, none after itself).
 
     ``lengths``: (n,) for every row alike, or (batch, n) per row; integers >= 0 (zero-length
-    documents are allowed), on q's device. Tokens after the last document form one more
+    documents are allowed; a negative one is refused on a CPU, not checked on a GPU, where the
+    check would read it on the host), on q's device. Tokens after the last document form one more
     document, so a row may end in padding. Built on the device, with no host read: a new
     ``Document`` per batch costs a few small kernels, not a sync. Needs Sq == Sk."""
 

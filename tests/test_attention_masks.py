@@ -177,7 +177,8 @@ def test_block_mask_is_small_and_built_without_reading_the_device(count_host_rea
     lengths = torch.tensor([[1000, 3000, 4192], [8192, 0, 0]])
     q, k, _ = qkv(2, 1, seq, seq, torch.float32, CPU, gen, head_dim=8)
     built = []
-    reads = count_host_reads(lambda: built.append(A.block_mask(Document(lengths), q, k)))
+    document = Document(lengths)  # on a CPU its lengths are checked (>= 0) here, a CPU read
+    reads = count_host_reads(lambda: built.append(A.block_mask(document, q, k)))
     assert sum(reads.values()) == 0, reads
     (blocks,) = built
     tensors = [t for t in blocks.as_tuple() if isinstance(t, torch.Tensor)]
@@ -320,8 +321,8 @@ def test_cached_calls_read_nothing_on_the_host(count_host_reads, gen):
         A.sdpa(q, k, v, mask=Causal(), backend=backend)
         reads = count_host_reads(lambda b=backend: A.sdpa(q, k, v, mask=Causal(), backend=b))
         assert sum(reads.values()) == 0, (backend, reads)
-    lengths = torch.tensor([[20, 17], [5, 32]])
-    reads = count_host_reads(lambda: A.sdpa(q, k, v, mask=Document(lengths), backend="flex"))
+    document = Document(torch.tensor([[20, 17], [5, 32]]))  # its CPU check outside the count
+    reads = count_host_reads(lambda: A.sdpa(q, k, v, mask=document, backend="flex"))
     assert sum(reads.values()) == 0, reads  # a new document: its block mask built on the device
 
 
@@ -402,6 +403,8 @@ def test_compiled_flex_on_the_cpu_equals_the_reference(monkeypatch, gen):
         (lambda: Document([3, 4]), TypeError, "lengths must be a torch.Tensor"),
         (lambda: Document(torch.tensor([3.0, 4.0])), ValueError, "must hold integers"),
         (lambda: Document(torch.zeros(2, 2, 2, dtype=torch.long)), ValueError, "1 or 2 dim"),
+        (lambda: Document(torch.tensor([-3, 5])), ValueError, r"lengths must be >= 0, got -3"),
+        (lambda: PrefixLM(torch.tensor([4, -1])), ValueError, r"prefix must be >= 0, got -1"),
         (lambda: ALiBi(ALiBi()), ValueError, "adds the bias twice"),
         (lambda: ALiBi("causal"), TypeError, "mask kind or None"),
     ],
