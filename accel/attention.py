@@ -362,6 +362,10 @@ class SelfAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, *, mask: torch.Tensor | None = None, causal: bool = False
     ) -> torch.Tensor:
+        if x.dim() != 3:
+            raise ValueError(
+                f"SelfAttention takes x of shape (batch, seq, {self.dim}), got {tuple(x.shape)}"
+            )
         batch, seq, _ = x.shape
         # (B, S, dim) -> (B, H, S, head_dim) each
         q, k, v = (

@@ -59,7 +59,11 @@ def _as_list(tensors: Tensors, what: str) -> list[torch.Tensor]:
 
 
 def _one_device(tensors: Sequence[torch.Tensor], what: str) -> torch.device:
-    devices = {t.device for t in tensors}
+    try:
+        devices = {t.device for t in tensors}
+    except AttributeError:  # checked only on the way to the error: the common call pays nothing
+        i, bad = next((i, t) for i, t in enumerate(tensors) if not isinstance(t, torch.Tensor))
+        raise TypeError(f"{what}: item {i} is a {type(bad).__name__}, not a tensor") from None
     if len(devices) > 1:
         raise ValueError(
             f"{what}: tensors are on several devices ({', '.join(sorted(map(str, devices)))}); "

@@ -186,9 +186,17 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         self.step_count.add_(1)
         lrs, wds = self._group_values("lr"), self._group_values("weight_decay")
         hyper = dict(betas=self.param_groups[0]["betas"], eps=self.param_groups[0]["eps"])
-        kernel_ready = self.uses_kernel and all(
-            g.dtype == torch.float32 and g.is_contiguous() for g in grads
-        )
+        try:
+            kernel_ready = self.uses_kernel and all(
+                g.dtype == torch.float32 and g.is_contiguous() for g in grads
+            )
+        except RuntimeError:  # a sparse gradient has no strides
+            kernel_ready = False
+        if not kernel_ready and any(g.layout != torch.strided for g in grads):
+            raise RuntimeError(
+                "MultiTensorAdamW does not support sparse gradients (nor does torch's AdamW); "
+                "step those parameters with torch.optim.SparseAdam"
+            )
         if self.uses_kernel and not kernel_ready and not self._warned:
             warnings.warn(
                 "MultiTensorAdamW: a gradient is not contiguous float32; this step uses the "

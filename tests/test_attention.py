@@ -626,3 +626,9 @@ def test_a_mask_traces_into_one_graph_and_a_query_without_keys_gets_zero(
     out = traced(q, k, v, mask)
     torch.testing.assert_close(out.double(), exact(q, k, v, mask, False), rtol=1e-5, atol=1e-5)
     assert not out[:, :, 4].any()
+
+
+def test_self_attention_names_the_shape_it_takes():
+    layer = A.SelfAttention(12, 3)
+    with pytest.raises(ValueError, match=r"x of shape \(batch, seq, 12\), got \(7, 12\)"):
+        layer(torch.randn(7, 12))

@@ -275,6 +275,12 @@ def test_clip_bad_input(gen, call, match):
         call(params_with_grads(gen, [(3,)]))
 
 
+def test_clip_refuses_a_nested_list_naming_the_item(gen):
+    params = params_with_grads(gen, [(3,), (4,)])
+    with pytest.raises(TypeError, match=r"item 1 is a list, not a tensor"):
+        fusion.clip_grad_norm_([params[0], [params[1]]], 1.0)
+
+
 def test_clip_accepts_a_single_tensor(gen):
     (p,) = params_with_grads(gen, [(50,)], scale=3.0)
     expected = float(p.grad.norm())

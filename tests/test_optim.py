@@ -148,6 +148,15 @@ def test_bad_arguments(kwargs, match, seed):
         MultiTensorAdamW(make_params("cpu", torch.Generator().manual_seed(seed)), **kwargs)
 
 
+@pytest.mark.parametrize("implementation", ["auto", "reference"])
+def test_sparse_gradients_are_refused_as_torch_adamw_refuses_them(implementation, recwarn):
+    embedding = torch.nn.Embedding(11, 4, sparse=True)
+    opt = MultiTensorAdamW(embedding.parameters(), implementation=implementation)
+    embedding(torch.tensor([1, 5, 5])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"sparse gradients.*SparseAdam"):
+        opt.step()
+
+
 def test_a_group_with_a_negative_learning_rate_is_refused(seed):
     groups = groups_of(make_params("cpu", torch.Generator().manual_seed(seed)), lrs=(1e-3, -1e-3))
     with pytest.raises(ValueError, match=r"expected lr >= 0, got -0\.001"):
