@@ -374,3 +374,14 @@ def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
     printed = capsys.readouterr().out
     assert "no automatic fix applies" in printed
     assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()
+
+
+def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):
+    from accel.doctor.cli import load_step
+
+    path = tmp_path / "plain_user_file.py"
+    path.write_text(PLAIN_STEP)
+    step, batch, loader = load_step(f"{path}:make")
+    assert callable(step) and batch.shape == (5, 7) and loader is None
+    with pytest.raises(doctor.cli.UsageError, match=r"no such file.*absent\.py"):
+        load_step(f"{tmp_path / 'absent.py'}:make")

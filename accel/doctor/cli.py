@@ -1,4 +1,4 @@
-"""``python -m accel doctor module:function``: ``function()`` returns the step and its batch (a
+"""``python -m accel doctor module:function`` (or ``file.py:function``): ``function()`` returns the step and its batch (a
 ``(step, batch)`` or ``(step, batch, loader)`` tuple, or an object with ``step``, ``batch`` and
 ``loader``); the report is printed and written as one HTML file that opens offline."""
 
@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,17 +17,14 @@ __all__ = ["add_parser", "load_step"]
 
 
 def load_step(target: str) -> tuple[Any, Any, Any]:
-    """(step, batch, loader) from ``module:function`` (the module importable from here)."""
-    module_name, _, function_name = target.partition(":")
+    """(step, batch, loader) from ``module:function`` (the module importable from here) or
+    ``path/to/file.py:function``."""
+    module_name, _, function_name = target.rpartition(":")
     if not module_name or not function_name:
-        raise UsageError(f"expected module:function (e.g. my_train:make_step), got {target!r}")
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise UsageError(f"cannot import {module_name!r} from {Path.cwd()}: {error}") from None
-    finally:
-        sys.path.pop(0)
+        raise UsageError(
+            f"expected module:function or file.py:function (e.g. my_train:make_step), got {target!r}"
+        )
+    module = _load_file(Path(module_name)) if module_name.endswith(".py") else _import(module_name)
     make = getattr(module, function_name, None)
     if not callable(make):
         raise UsageError(f"{module_name} has no function {function_name!r}")
@@ -39,6 +37,30 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
         f"{target}() must return (step, batch), (step, batch, loader) or an object with "
         f"step and batch; it returned {type(made).__name__}"
     )
+
+
+def _import(module_name: str) -> Any:
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        raise UsageError(f"cannot import {module_name!r} from {Path.cwd()}: {error}") from None
+    finally:
+        sys.path.pop(0)
+
+
+def _load_file(path: Path) -> Any:
+    """The file as a module, its folder importable while it runs (for its own imports)."""
+    if not path.is_file():
+        raise UsageError(f"no such file: {path}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(path.resolve().parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -63,7 +85,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     doctor = sub.add_parser(
         "doctor", help="examine your training step: findings, predicted gains, fixes measured"
     )
-    doctor.add_argument("target", help="module:function returning (step, batch[, loader])")
+    doctor.add_argument(
+        "target", help="module:function or file.py:function returning (step, batch[, loader])"
+    )
     doctor.add_argument("--out", type=Path, default=Path("doctor.html"), help="the HTML report")
     doctor.add_argument("--steps", type=int, default=5, help="steps profiled (default 5)")
     doctor.add_argument("--try-fixes", action="store_true", help="apply and measure the fixes")
