@@ -1,6 +1,7 @@
-"""``python -m accel doctor module:function`` (or ``file.py:function``): ``function()`` returns the step and its batch (a
-``(step, batch)`` or ``(step, batch, loader)`` tuple, or an object with ``step``, ``batch`` and
-``loader``); the report is printed and written as one HTML file that opens offline."""
+"""``python -m accel doctor module:function`` (or ``file.py:function``): ``function()`` returns
+the step and its batch (a ``(step, batch)`` or ``(step, batch, loader)`` tuple, or an object with
+``step``, ``batch`` and ``loader``); the report is printed and written as one HTML file that opens
+offline."""
 
 from __future__ import annotations
 
