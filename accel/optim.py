@@ -183,9 +183,6 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 groups.append(k)
         if not params:
             return loss
-        self.step_count.add_(1)
-        lrs, wds = self._group_values("lr"), self._group_values("weight_decay")
-        hyper = dict(betas=self.param_groups[0]["betas"], eps=self.param_groups[0]["eps"])
         try:
             kernel_ready = self.uses_kernel and all(
                 g.dtype == torch.float32 and g.is_contiguous() for g in grads
@@ -197,6 +194,9 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 "MultiTensorAdamW does not support sparse gradients (nor does torch's AdamW); "
                 "step those parameters with torch.optim.SparseAdam"
             )
+        self.step_count.add_(1)
+        lrs, wds = self._group_values("lr"), self._group_values("weight_decay")
+        hyper = dict(betas=self.param_groups[0]["betas"], eps=self.param_groups[0]["eps"])
         if self.uses_kernel and not kernel_ready and not self._warned:
             warnings.warn(
                 "MultiTensorAdamW: a gradient is not contiguous float32; this step uses the "

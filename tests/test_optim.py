@@ -155,6 +155,7 @@ def test_sparse_gradients_are_refused_as_torch_adamw_refuses_them(implementation
     embedding(torch.tensor([1, 5, 5])).sum().backward()
     with pytest.raises(RuntimeError, match=r"sparse gradients.*SparseAdam"):
         opt.step()
+    assert float(opt.step_count) == 0  # nothing stepped
 
 
 def test_a_group_with_a_negative_learning_rate_is_refused(seed):
