@@ -454,10 +454,10 @@ class GraphedOptimizerStep:
     copies into the captured state (:func:`accel.optim.load_state_in_place`), so a resumed run
     replays on it. The graph records the gradients' addresses, so they must stay put: zero them
     with ``zero_grad(set_to_none=False)`` (backward then accumulates into the same tensors) and
-    clip them in place before the call. Every call checks
-    that, and that no learning rate changed under the graph (a float learning rate is baked into
-    the graph; use a 0-d device tensor and update it in place): a moved gradient or a changed
-    rate raises :class:`GraphInputError` instead of silently training on stale memory.
+    clip them in place before the call. Every call checks that, and that no learning rate
+    changed under the graph (a float learning rate is baked into the graph; use a 0-d device
+    tensor and update it in place): a moved gradient or a changed rate raises
+    :class:`GraphInputError` instead of silently training on stale memory.
     ``check=False`` skips those host-side checks (about a microsecond per tensor).
     """
 
