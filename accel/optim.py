@@ -102,20 +102,9 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 f"implementation must be 'auto', 'triton' or 'reference', got {implementation!r}"
             )
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=True)
-        super().__init__(params, defaults)
-        for g in self.param_groups:  # groups may carry their own values
-            _check_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
-        shared = {(tuple(g["betas"]), g["eps"]) for g in self.param_groups}
-        if len(shared) > 1:
-            raise ValueError(
-                f"MultiTensorAdamW: every group must share betas and eps (one launch takes them "
-                f"once); got {sorted(shared)}"
-            )
+        super().__init__(params, defaults)  # each group through add_param_group's checks
         tensors = [p for g in self.param_groups for p in g["params"]]
-        devices = {p.device for p in tensors}
-        if len(devices) != 1:
-            raise ValueError(f"MultiTensorAdamW: parameters on one device expected, got {devices}")
-        self.device = devices.pop()
+        self.device = tensors[0].device
         why = triton_support.unavailable(self.device) if implementation != "reference" else None
         odd = [p for p in tensors if p.dtype != torch.float32 or not p.is_contiguous()]
         if why is None and odd and implementation != "reference":
@@ -146,6 +135,17 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             host = torch.tensor(values, dtype=torch.float32)
             self._constants[values] = to_device_without_sync(host, self.device)
         return self._constants[values]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then what one launch for every group needs: the group's hyperparameters
+        checked, betas and eps shared with the other groups, every parameter on one device. A
+        group refused is not added."""
+        super().add_param_group(param_group)
+        try:
+            _check_groups(self.param_groups)
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     def _group_values(self, name: str) -> torch.Tensor:
         values = [g[name] for g in self.param_groups]
@@ -274,6 +274,21 @@ def _check_hyperparameters(
         raise ValueError(f"expected weight_decay >= 0, got {weight_decay}")
 
 
+def _check_groups(groups: list[dict[str, Any]]) -> None:
+    """The newest group's hyperparameters, and what every group must share."""
+    g = groups[-1]  # groups may carry their own values
+    _check_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+    shared = {(tuple(g["betas"]), g["eps"]) for g in groups}
+    if len(shared) > 1:
+        raise ValueError(
+            f"MultiTensorAdamW: every group must share betas and eps (one launch takes them "
+            f"once); got {sorted(shared)}"
+        )
+    devices = {p.device for g in groups for p in g["params"]}
+    if len(devices) > 1:
+        raise ValueError(f"MultiTensorAdamW: parameters on one device expected, got {devices}")
+
+
 def _step_count_per_parameter(optimizer: MultiTensorAdamW, state_dict: dict) -> dict:
     """Each parameter's saved state gets its own copy of the step count: torch's AdamW, loading
     it, increments every parameter's count in place, and a shared one would advance once per
@@ -294,6 +309,7 @@ def _share_loaded_step_count(optimizer: MultiTensorAdamW) -> None:
     """After ``load_state_dict``: the one device step count takes the loaded value, in place,
     and every parameter's state points at it again; the groups stay capturable (ours is, by
     construction), whatever the saved ones said."""
+    _check_groups(optimizer.param_groups)  # a loaded group with its own betas would be ignored
     for group in optimizer.param_groups:
         group["capturable"] = True
     states = [s for s in optimizer.state.values() if s]

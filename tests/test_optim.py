@@ -158,6 +158,28 @@ def test_sparse_gradients_are_refused_as_torch_adamw_refuses_them(implementation
     assert float(opt.step_count) == 0  # nothing stepped
 
 
+def test_a_group_added_later_is_checked_as_the_first_ones(recwarn):
+    """One launch takes betas and eps once: a later group with its own would be stepped with the
+    first group's, so it is refused, and the optimizer stays as it was."""
+    opt = MultiTensorAdamW([torch.nn.Parameter(torch.randn(3))], implementation="reference")
+    for bad, match in [
+        ({"betas": (0.5, 0.6)}, "every group must share betas and eps"),
+        ({"eps": 1e-3}, "every group must share betas and eps"),
+        ({"lr": -1.0}, r"expected lr >= 0"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], **bad})
+        assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match="parameters on one device"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, device="meta"))]})
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "lr": 0.5})
+    assert len(opt.param_groups) == 2
+    theirs = torch.optim.AdamW([{"params": g["params"]} for g in opt.param_groups])
+    theirs.param_groups[1]["betas"] = (0.5, 0.6)
+    with pytest.raises(ValueError, match="every group must share betas and eps"):
+        opt.load_state_dict(theirs.state_dict())
+
+
 def test_a_group_with_a_negative_learning_rate_is_refused(seed):
     groups = groups_of(make_params("cpu", torch.Generator().manual_seed(seed)), lrs=(1e-3, -1e-3))
     with pytest.raises(ValueError, match=r"expected lr >= 0, got -0\.001"):
