@@ -283,11 +283,20 @@ def _check_finite(total: torch.Tensor, grads: list[torch.Tensor]) -> None:
 def _clip_grad_norm_loop(
     grads: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
 ) -> torch.Tensor:
-    """The common version: a norm per tensor, the norm of those norms (torch's rule for every
-    norm type, 0 and -inf included); the coefficient tested on the host (one sync per call); a
-    multiply per tensor."""
-    norms = [_norm_of(g, norm_type) for g in grads]
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    """The common version: a norm, a power and an add per tensor; the coefficient tested on the
+    host (one sync per call); a multiply per tensor."""
+    if norm_type == 0 or norm_type == -math.inf:  # no power sum: torch's norm of the norms
+        norms = [_norm_of(g, norm_type) for g in grads]
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    elif math.isinf(norm_type):
+        total = torch.zeros((), device=grads[0].device)
+        for g in grads:
+            total = torch.maximum(total, _norm_of(g, norm_type))
+    else:
+        total = torch.zeros((), device=grads[0].device)
+        for g in grads:
+            total = total + _norm_of(g, norm_type) ** norm_type
+        total = total ** (1.0 / norm_type)
     if error_if_nonfinite:
         _check_finite(total, grads)
     coef = max_norm / (total + 1e-6)
