@@ -291,9 +291,7 @@ def count_allocations(
     # The last warm-up step runs under the profiler too: the profiler sees no free of a block
     # allocated before it started, so tensors from that step (gradients, say) freed during the
     # counted steps would otherwise never leave the running total.
-    events, start = _cpu_memory_events(
-        lambda: [fn() for _ in range(steps)], lead=fn if warmup else None
-    )
+    events, start = _cpu_memory_events(lambda: _repeat(fn, steps), lead=fn if warmup else None)
     counted = [(t, n) for t, n in events if t >= start]
     allocs = [n for _, n in counted if n > 0]
     return AllocationStats(
@@ -312,6 +310,13 @@ def _default_device() -> torch.device:
 
 
 MARK = "accel.memory.window"
+
+
+def _repeat(fn: Callable[[], object], times: int) -> None:
+    """``fn`` called ``times`` times, each result dropped before the next call (a list of them
+    would hold every step's outputs at once)."""
+    for _ in range(times):
+        fn()
 
 
 def _cpu_memory_events(

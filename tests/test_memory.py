@@ -98,6 +98,16 @@ def test_buffer_cache_hands_out_the_same_tensor():
 
 
 # ---- counting allocations and peaks -------------------------------------------------------------
+def test_a_steps_returned_tensor_is_freed_before_the_next_step(gen):
+    """The peak is one step's, however many steps are counted: nothing keeps the results."""
+    a, b = torch.randn(300, 70, generator=gen), torch.randn(70, 90, generator=gen)
+    peaks = [
+        memory.count_allocations(lambda: a @ b, steps=steps, device="cpu").peak_bytes
+        for steps in (1, 4)
+    ]
+    assert peaks[0] == peaks[1] == 300 * 90 * 4
+
+
 def test_count_allocations_sees_fresh_tensors_not_in_place_work(gen):
     x, y = torch.randn(256, 256, generator=gen), torch.rand(256, 256, generator=gen)
     buf = torch.empty_like(x)
