@@ -35,6 +35,17 @@ def test_describe_needs_a_dataclass_type():
         describe(Demo())
 
 
+def test_a_flags_class_must_be_frozen():
+    """A panel keeps one built step per flag set, keyed by the flags: they must be hashable."""
+
+    @dataclass
+    class Loose:
+        fast: bool = flag("go fast", "fusion")
+
+    with pytest.raises(TypeError, match=r"Loose must be a frozen dataclass.*frozen=True"):
+        describe(Loose)
+
+
 def test_option_default_must_be_a_choice():
     with pytest.raises(ValueError, match="not among the choices"):
         option("x", "p", default=3, choices=(1, 2))

@@ -50,10 +50,24 @@ def test_toggle_and_click_rerun_and_update_the_figure():
     assert builds == [tiny_mlp.Flags(), tiny_mlp.Flags(fused_adamw=True)]
 
 
+def test_run_takes_a_flag_set_from_code_and_shows_it():
+    """Outside a notebook: the configuration passed is set on the controls, then timed."""
+    panel, _ = make_panel(profile=False)
+    chosen = tiny_mlp.Flags(fused_adamw=True, set_to_none=True)
+    summary = panel.run(chosen)
+    assert panel.flags() == chosen
+    assert list(panel.results["label"]) == ["baseline", "fused_adamw+set_to_none"]
+    assert summary["speedup"] > 0
+    with pytest.raises(TypeError, match=r"expected a Flags instance, got dict"):
+        panel.run({"fused_adamw": True})
+
+
 def test_auto_run_reruns_on_toggle():
     panel, _ = make_panel(auto_run=True, profile=False)
     panel.controls["set_to_none"].value = True
     assert list(panel.results["label"]) == ["baseline", "set_to_none"]
+    panel.run(tiny_mlp.Flags(fused_adamw=True, set_to_none=True))  # one run, not one per control
+    assert list(panel.results["label"]) == ["baseline", "set_to_none", "fused_adamw+set_to_none"]
 
 
 def test_a_failing_run_shows_its_error_in_the_panel():

@@ -4,6 +4,7 @@
     panel                                   # shows it in a notebook
     panel.controls["fused_adamw"].value = True
     panel.run_button.click()                # or panel.run(); works without a browser
+    panel.run(tiny_mlp.Flags(fused_adamw=True))   # a flag set from code, shown on the controls
     panel.results                           # every configuration run so far, against the baseline
 
 Each run times the baseline (all flags off) and the chosen configuration interleaved, so their
@@ -35,6 +36,15 @@ BASELINE = "baseline"
 
 
 class FeaturePanel:
+    """A checkbox (or dropdown) per field of a frozen ``Flags`` dataclass declared with
+    ``flag()``/``option()``, a Run button, live plots of each run against the baseline (every
+    flag at its default) and a table of every configuration run so far (:attr:`results`).
+
+    ``build(flags)`` returns a step: a callable of no arguments, timed as it is (built once per
+    flag set and kept). In a notebook, display the panel and click; in code, ``run(flags)``
+    times that flag set (the controls then show it), ``run()`` the one the controls show.
+    """
+
     def __init__(
         self,
         flags_type: type,
@@ -98,9 +108,12 @@ class FeaturePanel:
         children += [self.kernels_figure] if profile else []
         children += [self.table]
         self.widget = widgets.VBox(children)
+        self._showing = False  # controls being set from code: no auto run per control
         if auto_run:
             for control in self.controls.values():
-                control.observe(lambda _: self._run_from_widget(), names="value")
+                control.observe(
+                    lambda _: None if self._showing else self._run_from_widget(), names="value"
+                )
 
     # ---- flags <-> widgets -------------------------------------------------------------------
     def _control(self, info: FlagInfo) -> widgets.ValueWidget:
@@ -138,6 +151,19 @@ class FeaturePanel:
         """The flags the controls show now."""
         return self.flags_type(**{name: c.value for name, c in self.controls.items()})
 
+    def show(self, flags: Any) -> None:
+        """Set the controls to ``flags`` (a ``Flags`` instance)."""
+        if not isinstance(flags, self.flags_type):
+            raise TypeError(
+                f"expected a {self.flags_type.__name__} instance, got {type(flags).__name__}"
+            )
+        self._showing = True
+        try:
+            for name, control in self.controls.items():
+                control.value = getattr(flags, name)
+        finally:
+            self._showing = False
+
     def step_for(self, flags: Any) -> Callable[[], object]:
         """The built step for ``flags``, built once and kept."""
         if flags not in self._steps:
@@ -145,8 +171,11 @@ class FeaturePanel:
         return self._steps[flags]
 
     # ---- running -----------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        """Time the shown configuration against the baseline, profile it, update the plots."""
+    def run(self, flags: Any = None) -> dict[str, Any]:
+        """Time ``flags`` (by default the shown configuration) against the baseline, profile
+        it, update the plots; returns its row of :attr:`results`."""
+        if flags is not None:
+            self.show(flags)
         flags, baseline = self.flags(), self.flags_type()
         blocked = [
             f.name

@@ -69,6 +69,11 @@ def describe(flags_type: type) -> list[FlagInfo]:
     """The flags of a ``Flags`` dataclass, in declaration order; checks the contract."""
     if not (dataclasses.is_dataclass(flags_type) and isinstance(flags_type, type)):
         raise TypeError(f"expected a Flags dataclass type, got {flags_type!r}")
+    if not flags_type.__dataclass_params__.frozen:  # a panel keys its built steps by the flags
+        raise TypeError(
+            f"{flags_type.__name__} must be a frozen dataclass (@dataclass(frozen=True)): "
+            "a flag set is a key, one built step kept per set"
+        )
     infos = []
     for f in dataclasses.fields(flags_type):
         if "phase" not in f.metadata:
