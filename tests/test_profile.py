@@ -1,6 +1,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from accel.lab.profile import profile_step, union_length
@@ -61,3 +62,8 @@ def test_trace_export_is_chrome_json(tmp_path, device):
 def test_union_length_merges_overlaps():
     assert union_length([[0, 2], [1, 3], [5, 6], [5.5, 5.7]]) == 4
     assert union_length([]) == 0
+
+
+def test_profile_step_names_a_step_that_is_not_callable():
+    with pytest.raises(TypeError, match=r"profile_step needs the step function.*got 42 \(int\)"):
+        profile_step(42)

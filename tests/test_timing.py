@@ -187,3 +187,9 @@ def test_a_candidate_that_raises_is_named(when):
 def test_a_mapping_is_expected():
     with pytest.raises(TypeError, match=r"a mapping of label to callable.*got a list"):
         compare([lambda: None], device="cpu")
+
+
+def test_a_speedup_of_an_unknown_label_names_the_labels():
+    result = compare({"before": lambda: None, "after": lambda: None}, repeats=2)
+    with pytest.raises(KeyError, match=r"no candidate 'zz'.*'before', 'after'"):
+        result.speedup("zz")

@@ -64,6 +64,7 @@ class ProfileReport:
         return self.window_us / self.steps
 
     def summary(self) -> dict[str, float | int | str]:
+        """Per step: kernels, launches, syncs, idle share, peak memory; one flat dict."""
         return {
             "device": self.device,
             "steps": self.steps,
@@ -88,6 +89,11 @@ def profile_step(
 
     ``trace_path`` also writes the Chrome/Perfetto trace JSON there (open it in ui.perfetto.dev).
     """
+    if not callable(fn):
+        raise TypeError(
+            f"profile_step needs the step function, not its result: got {fn!r} "
+            f"({type(fn).__name__})"
+        )
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     dev = torch.device(device) if device is not None else default_device()

@@ -86,6 +86,10 @@ class Comparison:
 
     def speedup(self, label: str) -> float:
         """Baseline median over ``label``'s median: above 1 means ``label`` is faster."""
+        if label not in self.timings:
+            raise KeyError(
+                f"no candidate {label!r}; the candidates: {', '.join(map(repr, self.timings))}"
+            )
         return self.timings[self.baseline].median_ms / self.timings[label].median_ms
 
     def paired_ratio(self, slow: str, fast: str) -> float:
@@ -93,9 +97,11 @@ class Comparison:
         return paired_ratio({k: t.times_ms for k, t in self.timings.items()}, slow, fast)
 
     def rows(self) -> list[dict[str, float | int | str]]:
+        """One summary per candidate (label, median, IQR, ...) with its speedup."""
         return [t.summary() | {"speedup": self.speedup(k)} for k, t in self.timings.items()]
 
     def to_frame(self):
+        """:meth:`rows` as a DataFrame indexed by label."""
         import pandas as pd
 
         return pd.DataFrame(self.rows()).set_index("label")
