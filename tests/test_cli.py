@@ -103,6 +103,7 @@ def test_readme_table_keeps_sweep_points_in_the_csv_only(tmp_path):
     table = bench.results_markdown(tmp_path)
     assert "main case" in table and "sweep: worst ratio" in table
     assert "sweep S=256" not in table and "1 sweep points in the CSV" in table
+    assert f"`{tmp_path.name}/m.csv`" in table  # the folder the table was read from
 
 
 def test_write_results_by_case_replaces_only_the_cases_it_holds(tmp_path):

@@ -434,7 +434,7 @@ def results_markdown(results_dir: str | Path | None = None) -> str:
         points = frame["case"].str.startswith("sweep ")
         lines += [
             f"**{first['device']}** (preset {first['preset']}, torch {first['torch']}, "
-            f"measured {frame['date'].max()}, `results/{csv.name}`"
+            f"measured {frame['date'].max()}, `{directory.name}/{csv.name}`"
             + (f"; {points.sum()} sweep points in the CSV" if points.any() else "")
             + ")",
             "",
