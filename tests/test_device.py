@@ -44,3 +44,15 @@ def test_slug(name, expected):
 
 def test_cpu_results_stem_is_marked_cpu():
     assert d.results_stem("cpu").startswith("cpu-")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU setup leaves the threads alone")
+def test_setup_on_a_cpu_says_it_runs_torch_on_one_thread(capsys):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        here = d.setup()
+        assert torch.get_num_threads() == 1 and not here.on_gpu
+        assert "torch on 1 thread (was 2)" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)

@@ -79,13 +79,17 @@ def setup(*, interpret_triton: bool = False) -> Setup:
     device = default_device()
     name = preset(device)
     here = Setup(device, name, device.type == "cuda", targets_judged(device, name))
+    threads = ""
     if not here.on_gpu:
+        if torch.get_num_threads() != 1:
+            threads = f", torch on 1 thread (was {torch.get_num_threads()})"
         torch.set_num_threads(1)
         if interpret_triton:
             os.environ["TRITON_INTERPRET"] = "1"
     verdict = "judged" if here.judged else "not judged (they are for a CUDA GPU, gpu preset)"
     print(
         f"{versions(device)['device']} ({device.type}), preset {here.preset!r}, targets {verdict}"
+        + threads
     )
     return here
 
