@@ -8,7 +8,7 @@ or ``(N, D)`` (one set), in float32, bfloat16 or float16:
   :func:`nearest_diversity`: the group mean of those;
 - :func:`pairwise_distances`: the matrix 1 - cos(x_i, x_j) itself (for small N).
 
-``counts`` (integer, shape ``(B,)``) makes groups ragged: group b is its first ``counts[b]``
+``counts`` (integer, shape ``(B,)``; for one set also a scalar) makes groups ragged: group b is its first ``counts[b]``
 rows (clamped to [0, N]; the rest are ignored, never read by the kernels). Results are float32.
 A group with fewer than two members has no pairs: its diversity and its distances are 0 (and
 so are matrix entries and distances outside a group's count). Vectors are normalized as
@@ -80,6 +80,8 @@ def check_embeddings(
             raise TypeError(f"counts must be a tensor, got {type(counts).__name__}")
         if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
             raise TypeError(f"counts must be an integer tensor, got {counts.dtype}")
+        if single and counts.dim() == 0:  # one set's count, as a scalar
+            counts = counts.reshape(1)
         if counts.shape != (x3.shape[0],):
             raise ValueError(
                 f"counts must have shape ({x3.shape[0]},), one per group, got {tuple(counts.shape)}"
@@ -217,7 +219,7 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference
 
 
 def _checked_dispatch(x, counts, name: str, reference, key: tuple | None):
-    x3, _, single = check_embeddings(x, counts)  # bad input fails the same way on every path
+    x3, counts, single = check_embeddings(x, counts)  # bad input fails the same way on every path
     # a CUDA tensor with Triton installed is the common case: decided without building a reason
     why = None if x.is_cuda and triton_support.installed() else triton_support.unavailable(x.device)
     if why is not None:

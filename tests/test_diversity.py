@@ -121,6 +121,15 @@ def test_kernels_match_references(kdev, shape, dtype, seed):
     check_all(x)
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernels"])
+def test_one_set_takes_its_count_as_a_scalar_too(kernels, request, seed):
+    where = request.getfixturevalue("kdev") if kernels else "cpu"
+    x = embeddings((9, 40), device=where)
+    for name in FUNCTIONS:
+        scalar = getattr(dv, name)(x, torch.tensor(5, device=where))
+        torch.testing.assert_close(scalar, getattr(dv, name)(x, torch.tensor([5], device=where)))
+
+
 @pytest.mark.parametrize(
     ("shape", "ragged"), [((6, 4, 33), False), ((6, 4, 33), True), ((9, 40), False)], ids=str
 )
