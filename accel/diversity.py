@@ -40,6 +40,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Callable
+from functools import partial
 from typing import Literal
 
 import torch
@@ -231,15 +232,17 @@ def _checked_dispatch(x, counts, name: str, reference, key: tuple | None):
                 stacklevel=4,
             )
         return reference(x, counts)
+    key = None if single else key  # one set's calls stay on this path
     if x.requires_grad and torch.is_grad_enabled():
-        return _ReferenceBackward.apply(x, counts, reference, lambda: _kernel(x3, counts, name))
-    out = _kernel(x3, counts, name, key if not single else None)
-    return out[0] if single else out
+        run = partial(_kernel, x3, counts, name, key, single)
+        return _ReferenceBackward.apply(x, counts, reference, run)
+    return _kernel(x3, counts, name, key, single)
 
 
-def _kernel(x3: torch.Tensor, counts: torch.Tensor | None, name: str, key: tuple | None = None):
-    """The kernel module's ``name`` on checked ``(B, N, D)`` inputs; with ``key``, its ReadyCall
-    kept for the next call of the same signature."""
+def _kernel(x3: torch.Tensor, counts: torch.Tensor | None, name: str, key: tuple | None,
+            single: bool):  # fmt: skip
+    """The kernel module's ``name`` on checked ``(B, N, D)`` inputs (one set's result as one
+    set's); with ``key``, its ReadyCall kept for the next call of the same signature."""
     ready = key is not None and (counts is None or counts.is_contiguous())
     if counts is not None:  # the kernels read counts[b] at counts_ptr + b
         counts = counts.contiguous()
@@ -249,7 +252,7 @@ def _kernel(x3: torch.Tensor, counts: torch.Tensor | None, name: str, key: tuple
         made = kernels.ready_call(name, x3, counts, EPS)
         if made is not None:
             _READY[key] = made
-    return out
+    return out[0] if single else out
 
 
 class _ReferenceBackward(torch.autograd.Function):
@@ -260,8 +263,7 @@ class _ReferenceBackward(torch.autograd.Function):
     def forward(ctx, x, counts, reference, kernel):
         ctx.save_for_backward(x, counts)
         ctx.reference = reference
-        out = kernel()
-        return out[0] if x.dim() == 2 else out
+        return kernel()
 
     @staticmethod
     def backward(ctx, grad):
