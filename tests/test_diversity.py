@@ -295,14 +295,21 @@ def test_group_config_takes_the_table_then_the_rule():
     tabled = kernels.group_config(4, 384, 8192, 4)
     assert tabled is kernels.GROUP_TABLE[(4, 512, 4)]
     assert tabled.meta(384, 4)["UNROLL"] <= -(-384 // tabled.block_d)  # no chunk past D
-    # the rule: tensor cores from 4 rows (16-bit) or 8 (float32), one 64-row tile per program
-    for block_n, itemsize, variant in [(2, 4, "vecsum"), (4, 4, "vecsum"), (8, 4, "dot"),
-                                       (2, 2, "vecsum"), (4, 2, "dot"), (16, 2, "dot")]:  # fmt: skip
-        assert (block_n, 1024, itemsize) not in kernels.GROUP_TABLE
-        ruled = kernels.group_config(block_n, 1000, 8192, itemsize)
+    # the rule: the distinct pairs up to 4 rows, then tensor cores: float32 in 32-row tiles on 2
+    # warps, 16-bit in 64-row tiles on 4; the matrix mode, which "pairs" cannot write, as before
+    for block_n, itemsize, variant in [(2, 4, "pairs"), (4, 4, "pairs"), (8, 4, "dot"),
+                                       (2, 2, "vecsum"), (4, 2, "pairs"), (16, 2, "dot")]:  # fmt: skip
+        assert (block_n, 2048, itemsize) not in kernels.GROUP_TABLE
+        ruled = kernels.group_config(block_n, 2000, 8192, itemsize)
         assert ruled.variant == variant, (block_n, itemsize, ruled)
         if variant == "dot":
-            assert ruled.groups * block_n == kernels.DOT_ROWS >= kernels.DOT_MIN_ROWS
+            rows = kernels.DOT_ROWS_FP32 if itemsize == 4 else kernels.DOT_ROWS
+            assert ruled.groups * block_n == rows >= kernels.DOT_MIN_ROWS
+    for block_n, itemsize, variant in [(2, 4, "vecsum"), (4, 4, "vecsum"), (2, 2, "vecsum"),
+                                       (4, 2, "dot")]:  # fmt: skip
+        assert kernels._rule_config(block_n, 1000, 8192, itemsize, pairs=False).variant == variant
+    # groups of 64 rows fill a 64-row tile, on 4 warps, in float32 too
+    assert kernels.group_config(64, 1000, 8192, 4).num_warps == 4
     for (block_n, _, itemsize), config in kernels.GROUP_TABLE.items():
         assert config.variant in kernels.GROUP_VARIANTS and block_n <= kernels.SMALL_N
         if config.variant == "pairs":

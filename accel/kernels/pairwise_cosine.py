@@ -171,7 +171,7 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
     if config.variant == "pairs" and N > PAIRS_MAX_N:
         raise ValueError(f"the 'pairs' group kernel takes N <= {PAIRS_MAX_N}, got N={N}")
     if config.variant == "pairs" and mode == MODE_MATRIX:
-        config = _rule_config(block_n, D, B, itemsize)
+        config = _rule_config(block_n, D, B, itemsize, pairs=False)
     grid = (triton.cdiv(B, config.groups),)
     common = dict(
         MODE=mode, HAS_COUNTS=has_counts, GROUPS=config.groups, num_warps=config.num_warps

@@ -31,7 +31,11 @@ GroupVariant = Literal["tile", "vecsum", "gram", "pairs", "dot"]
 GROUP_VARIANTS: tuple[str, ...] = ("tile", "vecsum", "gram", "pairs", "dot")
 SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram")  # run by pairwise_cosine_variants only
 PAIRS_MAX_N = 4  # the rows _pairs_kernel spells out
-DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's tile: 4 warps, one 64 x 64 product
+PAIRS_PROGRAM_BYTES = 8192  # the "pairs" rule's groups per program read about this much
+PAIRS_GROUP_MAX = 16
+PAIRS_MAX_WARPS = 4
+DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 warps
+DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
 DOT_MIN_ROWS = 16  # the smallest tile the tensor cores take
 DOT_MAX_ROWS = 128  # past this the product's operands outgrow shared memory (float32, H100)
 
@@ -82,32 +86,47 @@ class GroupConfig:
 
 
 # The fastest configuration group_kernel_sweep (accel.lab.cases.diversity) measured per
-# (BLOCK_N, D rounded up to a power of 2, bytes per element); its rows are in results/*.csv,
-# phase=diversity, cases "sweep group kernel ...". Every other shape takes _rule_config's.
+# (BLOCK_N, D rounded up to a power of 2, bytes per element): results/*.csv, phase=diversity,
+# cases "sweep group kernel ...", and results/diversity-group-rule-nvidia-h100.txt. Every other
+# shape takes _rule_config's.
 GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
     (4, 512, 4): GroupConfig("pairs", groups=1, block_d=128, unroll=1, num_warps=1),
     (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
+    (2, 1024, 2): GroupConfig("pairs", groups=1, block_d=256, unroll=1, num_warps=1),
 }
 
 
-def _rule_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
+def _rule_config(
+    block_n: int, d: int, batch: int, itemsize: int, *, pairs: bool = True
+) -> GroupConfig:
     """The fallback: a deterministic rule (no autotuning: the same launch compiled or interpreted).
 
-    From BLOCK_N 4 (16-bit) or 8 (float32) on, the tensor-core kernel ("dot") with 64-row tiles:
-    results/*.csv, phase=overhead, cases "sweep diversity ..." show it the fastest there. Below,
-    where a group's BLOCK_N^2 x (elements per 16-byte load) products fit one thread, "vecsum":
-    BLOCK_D is one warp's row of 16-byte loads (128 float32), fewer for short rows; GROUPS fills
-    the tile budget; UNROLL chunks of D are loaded before their products are taken; as many warps
-    as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps split the groups, never the
-    rows, and no value crosses warps before the epilogue.
+    Groups of up to 4 rows: "pairs" (only the distinct dot products), about 8 KB of groups per
+    program; except pairs of 16-bit rows, which read faster through "vecsum". From 8 rows: the
+    tensor-core kernel ("dot"), float32 in 32-row tiles on 2 warps (it takes three TF32 passes
+    per chunk; a larger tile or more warps read at about half the rate), 16-bit in 64-row tiles
+    on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes "dot" from 4
+    rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt has the
+    measurements behind each choice.
     """
-    if block_n >= (8 if itemsize == 4 else 4):
-        # float32 takes three TF32 passes per chunk: shorter chunks keep the tile in registers
-        block_d = 32 if itemsize == 4 else (128 if d >= 256 else 64)
-        return GroupConfig(
-            "dot", groups=DOT_ROWS // block_n, block_d=block_d, unroll=1, num_warps=4
-        )
     vec = max(1, 16 // itemsize)  # elements per 16-byte load
+    if pairs and block_n <= PAIRS_MAX_N and (itemsize == 4 or block_n > 2):
+        block_d = min(max(16, triton.next_power_of_2(d)), 32 * vec)  # one warp's row of loads
+        groups = _power_of_2_at_most(PAIRS_PROGRAM_BYTES // (block_n * d * itemsize))
+        groups = max(1, min(groups, PAIRS_GROUP_MAX, triton.next_power_of_2(batch)))
+        warps = max(1, min(PAIRS_MAX_WARPS, groups * block_d // (32 * vec)))
+        return GroupConfig("pairs", groups=groups, block_d=block_d, unroll=1, num_warps=warps)
+    if block_n >= (8 if itemsize == 4 else 4):
+        rows = max(block_n, DOT_ROWS_FP32 if itemsize == 4 else DOT_ROWS)
+        block_d = 32 if itemsize == 4 else (128 if d >= 256 else 64)
+        warps = 2 if rows <= DOT_ROWS_FP32 else 4
+        return GroupConfig(
+            "dot", groups=rows // block_n, block_d=block_d, unroll=1, num_warps=warps
+        )
+    # "vecsum": BLOCK_D is one warp's row of 16-byte loads (128 float32), fewer for short rows;
+    # GROUPS fills the tile budget; UNROLL chunks of D are loaded before their products are
+    # taken; as many warps as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps
+    # split the groups, never the rows, and no value crosses warps before the epilogue.
     block_d = min(max(16, triton.next_power_of_2(d)), 32 * 4)
     block_d = max(16, min(block_d, GROUP_TILE_ELEMENTS // (block_n * block_n)))
     groups = GROUP_TILE_ELEMENTS // (block_n * block_n * block_d)
@@ -120,6 +139,10 @@ def _rule_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig
         unroll=min(GROUP_UNROLL, triton.cdiv(d, block_d)),
         num_warps=max(1, min(8, warps)),
     )
+
+
+def _power_of_2_at_most(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n >= 1 else 0
 
 
 def group_kernel_takes_mean(n: int, itemsize: int) -> bool:
