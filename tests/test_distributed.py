@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,8 +108,9 @@ def spawning_task(preset: str, seed: int) -> D.Task:
 
     def batch(step, rank, world, device):
         if os.environ.get("RANK") == "1" and step >= 1:
+            mark = os.environ.get("ACCEL_TEST_MARK", "")  # the launching test's, for leftovers
             subprocess.Popen(
-                [sys.executable, "-c", "import time; time.sleep(600)  # accel-test-grandchild"],
+                [sys.executable, "-c", f"import time; time.sleep(600)  # {mark}"],
                 start_new_session=True,
             )
             time.sleep(3600)
@@ -251,7 +253,7 @@ def test_a_failing_rank_surfaces_its_traceback_and_leaves_no_processes():
 
 
 def leftovers(*markers: bytes) -> list[bytes]:
-    """Command lines of live processes that carry any of ``markers``."""
+    """Command lines of live processes that carry any of ``markers`` (:func:`process_mark`)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit() or int(proc.name) == os.getpid():
@@ -265,6 +267,16 @@ def leftovers(*markers: bytes) -> list[bytes]:
     return found
 
 
+def process_mark(folder: Path, patch: pytest.MonkeyPatch) -> bytes:
+    """What every process of the launches that follow carries in its command line, and no other
+    test's: their run folders go under ``folder`` (torchrun's and each rank's ``--config``), and
+    a process a rank starts is given it (``ACCEL_TEST_MARK``). Tests in other pytest-xdist
+    workers launch beside this one."""
+    patch.setattr(tempfile, "tempdir", str(folder))
+    patch.setenv("ACCEL_TEST_MARK", f"accel-test-mark {folder}")
+    return str(folder).encode()
+
+
 @pytest.fixture
 def tests_on_rank_path(monkeypatch):
     """The ranks import this module: put tests/ on their path."""
@@ -274,39 +286,44 @@ def tests_on_rank_path(monkeypatch):
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
 @pytest.mark.parametrize("task", ["hanging_task", "spawning_task"])
-def test_a_hanging_rank_ends_in_a_timeout_that_kills_every_process(task, tests_on_rank_path):
+def test_a_hanging_rank_ends_in_a_timeout_that_kills_every_process(
+    task, tests_on_rank_path, tmp_path, monkeypatch
+):
+    mark = process_mark(tmp_path, monkeypatch)
     before = children_of_this_process()
     started = time.monotonic()
     with pytest.raises(D.LaunchTimeout, match="ran past timeout=8 s"):
         D.launch(f"{__name__}:{task}", nprocs=2, wrapper="ddp", steps=3, timeout=8)
     assert time.monotonic() - started < 25
     assert children_of_this_process() == before
-    # no rank of any run, nor a process a rank started, is left anywhere
-    assert leftovers(b"accel-distributed-", b"accel-test-grandchild") == []
+    # no rank of the run, nor a process a rank started, is left anywhere
+    assert leftovers(mark) == []
 
 
 @pytest.fixture(scope="module")
 def killed(runs, tmp_path_factory):
-    """The DDP run of ``runs``, checkpointed every 2 steps, with rank 1 killed in step 5."""
+    """The DDP run of ``runs``, checkpointed every 2 steps, with rank 1 killed in step 5: the
+    error, the checkpoints' folder and the run's :func:`process_mark`."""
     root = tmp_path_factory.mktemp("killed")
     here = str(Path(__file__).parent)
     with pytest.MonkeyPatch.context() as patch:
+        mark = process_mark(tmp_path_factory.mktemp("killed-run"), patch)
         patch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
         with pytest.raises(D.RankFailed) as caught:
             D.launch(
                 f"{__name__}:dying_task", nprocs=2, wrapper="ddp", steps=STEPS, preset="cpu",
                 seed=3, checkpoint_dir=root, checkpoint_every=2,
             )  # fmt: skip
-    return caught.value, root
+    return caught.value, root, mark
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
 def test_a_killed_rank_is_named_with_its_signal_and_nothing_is_left(killed):
-    error, root = killed
+    error, root, mark = killed
     first_line = str(error).splitlines()[0]
     assert "rank 1 of 2" in first_line and "SIGKILL" in first_line, first_line
     assert error.rank == 1
-    assert leftovers(b"accel-distributed-") == []
+    assert leftovers(mark) == []
     steps = sorted(D.checkpoint_meta(p)["step"] for p in root.iterdir())
     assert steps == [2, 4]  # every 2 steps, until the kill in step 5
     assert D.latest_checkpoint(root).name == "step-000004"
@@ -316,7 +333,7 @@ def test_a_killed_rank_is_named_with_its_signal_and_nothing_is_left(killed):
 def test_resuming_after_the_kill_gives_the_uninterrupted_losses(runs, killed, nprocs, monkeypatch):
     here = str(Path(__file__).parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    _, root = killed
+    _, root, _ = killed
     resumed = D.launch(
         f"{__name__}:dying_task", nprocs=nprocs, wrapper="ddp" if nprocs > 1 else "none",
         steps=STEPS - 4, preset="cpu", seed=3, load_from=root,
