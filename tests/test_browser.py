@@ -2,8 +2,9 @@
 in one workspace, all cells run, then what shows is checked (widgets rendered, no errors in the
 browser console, no profiler noise in the outputs) and, where a notebook has a FeaturePanel, one
 checkbox toggled and Run pressed: the progress bar moves, the plot changes and the table shows
-new numbers. Last, two notebooks with panels are left open side by side, kernels running, and the
-first one's widgets must still show when its tab comes back. Screenshots of each panel before and
+new numbers. Then two notebooks with panels are left open side by side, kernels running, and the
+first one's widgets must still show when its tab comes back; last, a saved notebook's page is
+reloaded with its kernel running, and its panel must still work. Screenshots of each panel before and
 after go to ``ACCEL_BROWSER_SHOTS`` (default ``ci-logs/browser``).
 
 Needs Playwright for Python and a Chromium (Debian's ``chromium``, or ``ACCEL_CHROMIUM`` naming
@@ -37,6 +38,7 @@ PANEL_TIMEOUT_S = 180
 WIDGET_FAILURES = ("Error displaying widget", "model not found", "Failed to load model class")
 TEXT_FALLBACK = re.compile(r"^(FigureWidget|VBox|HBox)\(", re.M)
 SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front, not the ones behind it
+DRAWN = ".point, .trace.bars path"  # what plotly draws for data: markers and bars
 PROFILER_NOISE = re.compile(r"\b(USDT|STAGE):\S* .*\.cpp:\d+\]")
 SETTINGS = {  # no news pop-up over the page, and the notebook's kernel starts without asking
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": (
@@ -180,6 +182,37 @@ def test_notebooks_kept_open_side_by_side_keep_their_widgets(page):
         _close(page)
 
 
+RELOADED = "04_graphs.ipynb"
+
+
+def test_a_saved_notebook_reloaded_with_its_kernel_running_keeps_a_working_panel(page):
+    """The page reloaded (F5) after a run and a save, the kernel still running: the outputs come
+    back from the file, the panel's widgets attach to the kernel's live ones, and a toggle and
+    Run still change its plot. (Unsaved outputs are not in the file: they are gone after a
+    reload, as for any notebook; the kernel keeps its state, and running the cells shows them.)"""
+    page.console_errors.clear()
+    item = page.locator(".jp-DirListing-item", has_text=RELOADED)
+    if not item.is_visible():
+        page.locator(".lm-TabBar-tab[data-id='filebrowser']").first.click()
+    item.dblclick()
+    page.wait_for_selector(f"{SHOWN} .jp-Cell")
+    _run_all_cells(page)
+    page.keyboard.press("Control+s")
+    dirty = page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text=RELOADED)
+    dirty.wait_for(state="detached")  # saved: the tab lost its unsaved mark
+    page.reload()
+    page.wait_for_selector(f"{SHOWN} .jp-Cell")
+    panel = page.locator(f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)")
+    panel.first.wait_for()
+    text = page.inner_text(f"{SHOWN} .jp-Notebook")
+    assert not [f for f in WIDGET_FAILURES if f in text], f"a widget failed to render:\n{text}"
+    drawn = panel.first.locator(f".js-plotly-plot :is({DRAWN})")
+    drawn.first.wait_for(timeout=10_000)  # the last run's figure, not the empty one it began as
+    _toggle_and_run(page, panel.first, RELOADED.removesuffix(".ipynb") + "-reloaded")
+    assert not page.console_errors, f"browser console: {page.console_errors}"
+    _close(page)
+
+
 def _check(page, name: str) -> None:
     page.wait_for_selector(f"{SHOWN} .jp-Cell")
     _run_all_cells(page)
@@ -243,6 +276,7 @@ def _toggle_and_run(page, panel, name: str) -> None:
     widths = page.evaluate("window.__widths")
     assert any(0 < w < 100 for w in widths), f"the progress bar did not move: {widths}"
     assert plot.inner_html() != plot_before, "the plot did not change"
+    assert plot.locator(DRAWN).count(), "the plot draws no bar or point (a blank figure)"
     assert table.inner_text() != table_before, "the table shows no new numbers"
 
 

@@ -14,6 +14,7 @@ kept per flag combination: compiled or graphed steps are expensive to rebuild.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import html
 import traceback
@@ -238,6 +239,8 @@ class FeaturePanel:
                 self.kernels_figure.layout.title = fresh.layout.title
                 self.kernels_figure.layout.margin.t = 30 + 22 * (1 + title.count("<br>"))
         self._refresh_summary()
+        for figure in (self.figure, self.kernels_figure):
+            _keep_for_reload(figure)
         self.progress.description = "done"
         return self._rows[name]
 
@@ -299,3 +302,14 @@ class FeaturePanel:
         from IPython.display import display
 
         display(self.widget)
+
+
+def _keep_for_reload(figure: go.FigureWidget) -> None:
+    """Store the figure as it is now in the widget state a page reload renders from.
+
+    A FigureWidget sends edits as one-off messages and keeps its full state (``_widget_data``,
+    ``_widget_layout``) as it was when first shown; a child of a panel is never shown itself, so
+    a reloaded page would draw the empty figure the panel started with, and nothing after it.
+    """
+    figure._widget_layout = copy.deepcopy(figure._layout_obj._props)
+    figure._widget_data = copy.deepcopy(figure._data)
