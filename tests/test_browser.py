@@ -4,8 +4,8 @@ browser console, no profiler noise in the outputs) and, where a notebook has a F
 checkbox toggled and Run pressed: the progress bar moves, the plot changes and the table shows
 new numbers. Then two notebooks with panels are left open side by side, kernels running, and the
 first one's widgets must still show when its tab comes back; last, a saved notebook's page is
-reloaded with its kernel running, and its panel must still work. Screenshots of each panel before and
-after go to ``ACCEL_BROWSER_SHOTS`` (default ``ci-logs/browser``).
+reloaded with its kernel running, and its panel must still work. Screenshots of each panel
+before and after go to ``ACCEL_BROWSER_SHOTS`` (default ``ci-logs/browser``).
 
 Needs Playwright for Python and a Chromium (Debian's ``chromium``, or ``ACCEL_CHROMIUM`` naming
 one); skipped with the reason where either is missing, failed instead where
@@ -38,6 +38,7 @@ PANEL_TIMEOUT_S = 180
 WIDGET_FAILURES = ("Error displaying widget", "model not found", "Failed to load model class")
 TEXT_FALLBACK = re.compile(r"^(FigureWidget|VBox|HBox)\(", re.M)
 SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front, not the ones behind it
+PANEL = f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)"
 DRAWN = ".point, .trace.bars path"  # what plotly draws for data: markers and bars
 PROFILER_NOISE = re.compile(r"\b(USDT|STAGE):\S* .*\.cpp:\d+\]")
 SETTINGS = {  # no news pop-up over the page, and the notebook's kernel starts without asking
@@ -166,17 +167,11 @@ def test_notebooks_kept_open_side_by_side_keep_their_widgets(page):
     kernels running, and the first one's widgets still show when its tab comes back."""
     page.console_errors.clear()
     for notebook in KEPT_OPEN:
-        item = page.locator(".jp-DirListing-item", has_text=notebook)
-        if not item.is_visible():  # the file browser folds away while a notebook is in front
-            page.locator(".lm-TabBar-tab[data-id='filebrowser']").first.click()
-        item.dblclick()
-        page.wait_for_selector(f"{SHOWN} .jp-Cell")
-        _run_all_cells(page)
+        _open_and_run(page, notebook)
     first = KEPT_OPEN[0].removesuffix(".ipynb")
     page.locator(".lm-TabBar-tab", has_text=first).first.click()
     page.wait_for_selector(f"{SHOWN} .js-plotly-plot")
-    text = page.inner_text(f"{SHOWN} .jp-Notebook")
-    assert not [f for f in WIDGET_FAILURES if f in text], f"a widget failed to render:\n{text}"
+    _assert_widgets_render(page)
     assert not page.console_errors, f"browser console: {page.console_errors}"
     for _ in KEPT_OPEN:
         _close(page)
@@ -191,21 +186,15 @@ def test_a_saved_notebook_reloaded_with_its_kernel_running_keeps_a_working_panel
     Run still change its plot. (Unsaved outputs are not in the file: they are gone after a
     reload, as for any notebook; the kernel keeps its state, and running the cells shows them.)"""
     page.console_errors.clear()
-    item = page.locator(".jp-DirListing-item", has_text=RELOADED)
-    if not item.is_visible():
-        page.locator(".lm-TabBar-tab[data-id='filebrowser']").first.click()
-    item.dblclick()
-    page.wait_for_selector(f"{SHOWN} .jp-Cell")
-    _run_all_cells(page)
+    _open_and_run(page, RELOADED)
     page.keyboard.press("Control+s")
     dirty = page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text=RELOADED)
     dirty.wait_for(state="detached")  # saved: the tab lost its unsaved mark
     page.reload()
     page.wait_for_selector(f"{SHOWN} .jp-Cell")
-    panel = page.locator(f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)")
+    panel = page.locator(PANEL)
     panel.first.wait_for()
-    text = page.inner_text(f"{SHOWN} .jp-Notebook")
-    assert not [f for f in WIDGET_FAILURES if f in text], f"a widget failed to render:\n{text}"
+    _assert_widgets_render(page)
     drawn = panel.first.locator(f".js-plotly-plot :is({DRAWN})")
     drawn.first.wait_for(timeout=10_000)  # the last run's figure, not the empty one it began as
     _toggle_and_run(page, panel.first, RELOADED.removesuffix(".ipynb") + "-reloaded")
@@ -217,15 +206,31 @@ def _check(page, name: str) -> None:
     page.wait_for_selector(f"{SHOWN} .jp-Cell")
     _run_all_cells(page)
 
-    text = page.inner_text(f"{SHOWN} .jp-Notebook")
-    assert not [f for f in WIDGET_FAILURES if f in text], f"a widget failed to render:\n{text}"
+    text = _assert_widgets_render(page)
     assert not TEXT_FALLBACK.search(text), "a widget showed as plain text (no widget manager)"
     assert not PROFILER_NOISE.search(text), "the profiler's own log lines show in an output"
     assert not page.console_errors, f"browser console: {page.console_errors}"
 
-    panel = page.locator(f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)")
+    panel = page.locator(PANEL)
     if panel.count():
         _toggle_and_run(page, panel.first, name)
+
+
+def _open_and_run(page, notebook: str) -> None:
+    """Open ``notebook`` from the file browser, as a person does, and run all its cells."""
+    item = page.locator(".jp-DirListing-item", has_text=notebook)
+    if not item.is_visible():  # the file browser folds away while a notebook is in front
+        page.locator(".lm-TabBar-tab[data-id='filebrowser']").first.click()
+    item.dblclick()
+    page.wait_for_selector(f"{SHOWN} .jp-Cell")
+    _run_all_cells(page)
+
+
+def _assert_widgets_render(page) -> str:
+    """The text of the notebook in front, after checking that no widget failed to render."""
+    text = page.inner_text(f"{SHOWN} .jp-Notebook")
+    assert not [f for f in WIDGET_FAILURES if f in text], f"a widget failed to render:\n{text}"
+    return text
 
 
 def _run_all_cells(page) -> None:

@@ -112,8 +112,8 @@ def _rule_config(
     vec = max(1, 16 // itemsize)  # elements per 16-byte load
     if pairs and block_n <= PAIRS_MAX_N and (itemsize == 4 or block_n > 2):
         block_d = min(max(16, triton.next_power_of_2(d)), 32 * vec)  # one warp's row of loads
-        groups = _power_of_2_at_most(PAIRS_PROGRAM_BYTES // (block_n * d * itemsize))
-        groups = max(1, min(groups, PAIRS_GROUP_MAX, triton.next_power_of_2(batch)))
+        fit = max(1, PAIRS_PROGRAM_BYTES // (block_n * d * itemsize))
+        groups = min(1 << (fit.bit_length() - 1), PAIRS_GROUP_MAX, triton.next_power_of_2(batch))
         warps = max(1, min(PAIRS_MAX_WARPS, groups * block_d // (32 * vec)))
         return GroupConfig("pairs", groups=groups, block_d=block_d, unroll=1, num_warps=warps)
     if block_n >= (8 if itemsize == 4 else 4):
@@ -139,10 +139,6 @@ def _rule_config(
         unroll=min(GROUP_UNROLL, triton.cdiv(d, block_d)),
         num_warps=max(1, min(8, warps)),
     )
-
-
-def _power_of_2_at_most(n: int) -> int:
-    return 1 << (n.bit_length() - 1) if n >= 1 else 0
 
 
 def group_kernel_takes_mean(n: int, itemsize: int) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
+import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -195,8 +196,8 @@ def measure(
         validate = collection_of(validate, "configuration names")
     names = list(configs)
     per_sample = sizes.epoch_batches * epochs_per_sample
-    first_read = train_steps - (reads - 1) * read_every
-    validate = _check_measure(configs, per_sample, repeats, first_read, validate)
+    reads_at = _read_steps(train_steps, reads, read_every)
+    validate = _check_measure(configs, per_sample, repeats, reads_at[0], validate)
     dev = torch.device(device)
     say = on_progress or (lambda stage: None)
     steps, peaks = {}, {}
@@ -218,7 +219,7 @@ def measure(
             error = math.nan
             if name in validate:
                 say(f"training {name}")
-                error = _validation_error(step, range(first_read, train_steps + 1, read_every))
+                error = _validation_error(step, reads_at)
             t = timing.timings[name]
             rows.append(
                 {
@@ -294,6 +295,11 @@ def _check_measure(
             f"got {sorted(validate)}"
         )
     return validate
+
+
+def _read_steps(train_steps: int, reads: int, read_every: int) -> range:
+    """The steps the validation error is read at: ``reads`` of them, the last at ``train_steps``."""
+    return range(train_steps - (reads - 1) * read_every, train_steps + 1, read_every)
 
 
 def _validation_error(step: op.Step, reads_at: range) -> float:
@@ -457,7 +463,7 @@ def validation_errors(
     validation error, the mean of ``reads`` reads ``read_every`` steps apart (as :func:`measure`
     reads it; no timing)."""
     dev, say = torch.device(device), on_progress or (lambda stage: None)
-    reads_at = range(train_steps - (reads - 1) * read_every, train_steps + 1, read_every)
+    reads_at = _read_steps(train_steps, reads, read_every)
     errors = {}
     for name, flags in configs.items():
         say(f"training {name} from seed {seed}")
@@ -470,13 +476,19 @@ def validation_errors(
     return errors
 
 
+def _validation_metric(bench: BenchSizes) -> str:
+    return (
+        f"relative L2 error of the field after {bench.train_steps} steps (mean of "
+        f"{bench.reads} reads, {bench.read_every} steps apart)"
+    )
+
+
 def _seed_row(ctx: BenchContext, seed: int, errors: dict[str, float], bench: BenchSizes) -> Row:
     (base_name, base), (name, recipe) = errors.items()
     return Row(
         PHASE,
         _seed_part(seed),
-        f"relative L2 error of the field after {bench.train_steps} steps (mean of "
-        f"{bench.reads} reads, {bench.read_every} steps apart)",
+        _validation_metric(bench),
         "",
         recipe,
         baseline=base,
@@ -500,7 +512,7 @@ def _seeds_row(ctx: BenchContext, out: list[Row]) -> Row:
             if case not in ratios:
                 ratios[case] = value / base
                 dates.add(date)
-    median = float(pd.Series(list(ratios.values()), dtype=float).median())
+    median = statistics.median(ratios.values())
     each = ", ".join(f"{'seed 0' if c == VALIDATION_CASE else c[len('validation '):]}: {v:.3f}"
                      for c, v in ratios.items())  # fmt: skip
     note = f"{ctx.where}; recipe error / baseline error by seed: {each}"
@@ -532,8 +544,7 @@ def _validation_row(
     return Row(
         PHASE,
         VALIDATION_CASE,
-        f"relative L2 error of the field after {bench.train_steps} steps (mean of "
-        f"{bench.reads} reads, {bench.read_every} steps apart)",
+        _validation_metric(bench),
         "",
         cumulative["val_error"].iloc[-1],
         baseline=cumulative["val_error"].iloc[0],
