@@ -106,6 +106,15 @@ def test_readme_table_keeps_sweep_points_in_the_csv_only(tmp_path):
     assert f"`{tmp_path.name}/m.csv`" in table  # the folder the table was read from
 
 
+def test_readme_table_names_a_machine_of_several_gpus_by_its_count(tmp_path):
+    stamp = dict.fromkeys(COLUMNS[11:], "x") | {"device": "NVIDIA H100", "date": "2026-01-01"}
+    row = Row("p", "c", "rate", "TFLOP/s", 2.0, baseline=1.0).as_dict() | stamp
+    for stem in ("nvidia-h100", "nvidia-h100-x2"):
+        write_results(pd.DataFrame([row], columns=COLUMNS), tmp_path, stem=stem)
+    headings = [line for line in bench.results_markdown(tmp_path).splitlines() if line[:2] == "**"]
+    assert sorted(h.split(" (")[0] for h in headings) == ["**2 x NVIDIA H100**", "**NVIDIA H100**"]
+
+
 def test_write_results_by_case_replaces_only_the_cases_it_holds(tmp_path):
     stamp = dict.fromkeys(COLUMNS[11:], "x")
 

@@ -26,6 +26,7 @@ from accel.lab.ceilings import Ceilings, measure_ceilings
 from accel.lab.device import (
     Preset,
     default_device,
+    gpus_of_stem,
     preset,
     results_stem,
     targets_judged,
@@ -432,8 +433,10 @@ def results_markdown(results_dir: str | Path | None = None) -> str:
         frame = read_results(csv)
         first = frame.iloc[0]
         points = frame["case"].str.startswith("sweep ")
+        gpus = gpus_of_stem(csv.stem)
+        machine = f"{gpus} x {first['device']}" if gpus > 1 else first["device"]
         lines += [
-            f"**{first['device']}** (preset {first['preset']}, torch {first['torch']}, "
+            f"**{machine}** (preset {first['preset']}, torch {first['torch']}, "
             f"measured {frame['date'].max()}, `{directory.name}/{csv.name}`"
             + (f"; {points.sum()} sweep points in the CSV" if points.any() else "")
             + ")",

@@ -119,6 +119,12 @@ def results_stem(device: torch.device | str | None = None) -> str:
     return f"{name}-x{count}" if count > 1 else name
 
 
+def gpus_of_stem(stem: str) -> int:
+    """How many GPUs the machine of a :func:`results_stem` has (1 without an '-xN')."""
+    match = re.fullmatch(r".+-x(\d+)", stem)
+    return int(match.group(1)) if match else 1
+
+
 @functools.cache
 def _cpu_model() -> str:
     try:

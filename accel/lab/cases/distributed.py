@@ -54,7 +54,9 @@ class BenchSizes:
 
 
 BENCH_SIZES = {
-    "gpu": BenchSizes(steps=30, warmup=5, scaling="weak", autocast="bf16"),
+    # one process's step time swings by a quarter between stretches of steps: a short window
+    # picks one stretch and cannot resolve the 1.8x target
+    "gpu": BenchSizes(steps=120, warmup=20, scaling="weak", autocast="bf16"),
     "cpu": BenchSizes(steps=8, warmup=2, scaling="strong", autocast=None),
 }
 
