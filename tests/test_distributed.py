@@ -150,6 +150,54 @@ def test_two_ranks_give_the_loss_of_one_process(runs, wrapper):
     assert len(steps(run)) == STEPS and steps(run)["warmup"].sum() == 2
 
 
+def test_runs_sharing_a_launch_train_as_each_launched_alone(runs):
+    wrapped = {"ddp": {"wrapper": "ddp"}, "fsdp2": {"wrapper": "fsdp2"}}
+    series = D.launch_series(wrapped, nprocs=2, steps=STEPS, preset="cpu", seed=3)
+    assert list(series) == ["ddp", "fsdp2"]
+    for name, run in series.items():
+        assert run.config.wrapper == name and len(run.ranks) == 2
+        alone = torch.tensor(steps(runs[name])["loss"].to_numpy())
+        torch.testing.assert_close(torch.tensor(steps(run)["loss"].to_numpy()), alone, **LOSS_TOL)
+        assert run.summary["validation_error"] == pytest.approx(
+            runs[name].summary["validation_error"], rel=1e-4
+        )
+    # one launch: the same rank processes trained both
+    assert series["ddp"].pids == series["fsdp2"].pids and len(series["ddp"].pids) == 2
+    assert [r["pid"] for r in series["ddp"].ranks] == [r["pid"] for r in series["fsdp2"].ranks]
+
+
+@pytest.mark.parametrize(
+    ("series", "message"),
+    [
+        ({}, "runs must name at least one run"),
+        (
+            {"a": {"wrapper": "ddp"}, "b": {"wrapper": "ddp", "nccl_env": {"NCCL_ALGO": "Ring"}}},
+            "NCCL reads its environment once per process",
+        ),
+        ({"a": {"wrapper": "ddp", "nprocs": 4}}, "'nprocs' is the series'"),
+        ({"a": {"wrapper": "ddp", "stepz": 4}}, "run 'a': unexpected argument 'stepz'"),
+        ({"a": {"wrapper": "ddp", "in_process": True}}, "unexpected argument 'in_process'"),
+        ({"a": {"wrapper": "ddp", "steps": 0}}, "run 'a': expected steps >= 1"),
+    ],
+)
+def test_a_series_is_refused_before_launch_where_its_runs_cannot_share_processes(
+    series, message, no_launch
+):
+    with pytest.raises(ValueError, match=message):
+        D.launch_series(nprocs=2, runs=series, steps=3, preset="cpu")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+def test_a_failing_run_of_a_series_is_raised_with_its_own_name(tmp_path, monkeypatch):
+    mark = process_mark(tmp_path, monkeypatch)
+    broken = {"wrapper": "ddp", "task": "accel.distributed:broken_toy_task"}
+    with pytest.raises(D.RankFailed) as caught:
+        D.launch_series(nprocs=2, runs={"fine": {"wrapper": "ddp"}, "broken": broken}, steps=4)
+    assert "rank 1 of 2 raised ValueError" in str(caught.value)
+    assert "broken_toy_task (run 'broken')" in str(caught.value).splitlines()[0]
+    assert leftovers(mark) == []
+
+
 def test_results_are_plain_rows_a_frame_only_in_the_lab(runs):
     run = runs["ddp"]
     assert isinstance(run.steps, list) and all(isinstance(row, dict) for row in run.steps)
@@ -523,6 +571,32 @@ def test_bench_baseline_is_the_faster_of_two_launches_around_the_others(monkeypa
     assert rows["one_gpu throughput"].optimized == 100.0
     assert rows["ddp x2 throughput"].speedup == pytest.approx(3.0)  # 300 / 100, not 300 / 80
     assert "80 and 100 samples/s, the faster is the baseline" in rows["ddp x2 throughput"].note
+
+
+def test_measure_as_series_launches_once_per_nccl_setting_and_keeps_the_order(monkeypatch):
+    launched = []
+
+    def fake_launch(task, nprocs, *, wrapper, **options):
+        launched.append(("launch", nprocs, wrapper))
+        return fake_run(wrapper, nprocs, 100.0, 12.0)
+
+    def fake_series(runs, task, nprocs, **common):
+        launched.append(("series", nprocs, tuple(runs)))
+        return {k: fake_run(r["wrapper"], nprocs, 150.0, 12.0) for k, r in runs.items()}
+
+    monkeypatch.setattr(D, "launch", fake_launch)
+    monkeypatch.setattr(D, "launch_series", fake_series)
+    sizes = bench.BENCH_SIZES["cpu"]
+    seen = []
+    runs = bench.measure(
+        "task", 2, preset="cpu", sizes=sizes, series=True, on_run=lambda k, r: seen.append(k)
+    )
+    assert launched == [
+        ("launch", 1, "none"),
+        ("series", 2, ("ddp", "fsdp2")),
+        ("series", 2, ("ddp tuned", "fsdp2 tuned")),
+    ]
+    assert list(runs) == list(bench.CONFIGS) and sorted(seen) == sorted(bench.CONFIGS)
 
 
 def test_the_cause_is_the_killed_rank_then_the_raising_one_never_torchruns_sigterm(tmp_path):

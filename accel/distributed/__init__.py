@@ -12,6 +12,8 @@ a factory named ``"module:function"``. :func:`launch` checks its arguments, then
 a temporary folder, or, if it raises, its traceback, which :func:`launch` raises as
 :class:`RankFailed` once torchrun has ended the other ranks. One process with ``wrapper="none"``
 (the reference every wrapper must match) runs in this process by default, with the same metrics.
+:func:`launch_series` trains several runs on one launch, each rank running them in order, so
+torchrun's start and the ranks' imports are paid once.
 
 Modules, one job each: ``config`` (RunConfig, RunResult, the tuned settings), ``tasks`` (Task, the
 toy task), ``costs`` (the byte cost model), ``launcher`` (:func:`launch`, its checks),
@@ -35,7 +37,7 @@ from accel.distributed.config import (
 )
 from accel.distributed.costs import allreduce_bytes, fsdp_bytes, state_bytes_per_rank
 from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout, RankFailed
-from accel.distributed.launcher import gpus_present, launch
+from accel.distributed.launcher import gpus_present, launch, launch_series
 from accel.distributed.processes import process_alive
 from accel.distributed.rank import run_rank
 from accel.distributed.tasks import (
@@ -78,6 +80,7 @@ __all__ = [
     "gpus_present",
     "latest_checkpoint",
     "launch",
+    "launch_series",
     "launcher_command",
     "load_task",
     "process_alive",

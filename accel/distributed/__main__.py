@@ -1,5 +1,5 @@
-"""One rank of a run: ``python -m accel.distributed --config FILE``, what torchrun starts on every
-rank (see :mod:`accel.distributed.torchrun`)."""
+"""One rank of a launch: ``python -m accel.distributed --config FILE``, what torchrun starts on
+every rank (see :mod:`accel.distributed.torchrun`). FILE holds the runs, in order."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from accel.distributed.rank import run_rank
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one rank of accel.distributed.launch")
-    parser.add_argument("--config", required=True, help="the run's config.json")
+    parser.add_argument("--config", required=True, help="the launch's config.json: its runs")
     args = parser.parse_args(argv)
-    fields = json.loads(Path(args.config).read_text())
+    path = Path(args.config)
     try:
-        run_rank(RunConfig(**fields))
+        run_rank([RunConfig(**fields) for fields in json.loads(path.read_text())], path.parent)
         code = 0
     except BaseException:
         traceback.print_exc()  # into torchrun's output too; the error file has it already

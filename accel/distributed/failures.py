@@ -13,7 +13,13 @@ from accel.distributed.errors import RankFailed
 
 
 def rank_failure(
-    config: RunConfig, out: Path, output: str, exitcode: int, pids: dict[int, int]
+    config: RunConfig,
+    out: Path,
+    output: str,
+    exitcode: int,
+    pids: dict[int, int],
+    *,
+    what: str | None = None,
 ) -> RankFailed:
     """The failing rank's error, its cause in the first line: a rank that died without a Python
     error (killed, out of memory, crashed) when torchrun saw one first, else the first rank that
@@ -21,7 +27,7 @@ def rank_failure(
     errors = sorted(
         (json.loads(p.read_text()) for p in out.glob("rank*.error.json")), key=lambda e: e["time"]
     )
-    what = f"{config.wrapper} x{config.nprocs} of {config.task}"
+    what = what or f"{config.wrapper} x{config.nprocs} of {config.task}"
     raised = {e["rank"] for e in errors}
     killed = {r: why for r, why in _killed_ranks(output).items() if r not in raised}
     # torchrun ends the other ranks with SIGTERM, a consequence: a rank killed otherwise (SIGKILL,

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
+import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -93,12 +95,80 @@ def launch(
     if in_process:
         if wrapper != "none":
             raise ValueError(f"in_process runs wrapper 'none' only, got {wrapper!r}")
-        record = train(config, rank=0, world=1, local_rank=0, distributed=False)
-        return RunResult.from_records(config, [record], output="")
+        return RunResult.from_records(config, [train(config)], output="")
     command = launcher_command(launcher)
     _check_task(config)
     with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
-        return run_torchrun(dataclasses.replace(config, out_dir=tmp), command)
+        return run_torchrun([dataclasses.replace(config, out_dir=tmp)], Path(tmp), command)[0]
+
+
+def launch_series(
+    runs: Mapping[str, Mapping[str, Any]],
+    task: str = DEFAULT_TASK,
+    nprocs: int = 1,
+    *,
+    launcher: str | Sequence[str] | None = None,
+    **common: Any,
+) -> dict[str, RunResult]:
+    """Several runs on one torchrun launch: every rank trains them in order in one process
+    group, so the launch's cost (torchrun and each rank importing torch, the group's setup) is
+    paid once. ``runs`` maps a name to that run's :func:`launch` arguments, which update
+    ``common``'s; all share ``nprocs``, the backend and ``nccl_env`` (NCCL reads its environment
+    once per process: runs with other settings need a launch of their own).
+
+    Returns name -> :class:`RunResult`, in the order of ``runs``. Raises as :func:`launch` does,
+    before anything starts for a bad argument (naming the run); a failed run's error names it,
+    and the runs after it do not start.
+    """
+    if not runs:
+        raise ValueError("runs must name at least one run (name -> its launch arguments)")
+    _check_series_keys("launch_series", common)
+    configs = []
+    for name, own in runs.items():
+        _check_series_keys(f"run {name!r}", own)
+        arguments = _LAUNCH_DEFAULTS | {"task": task} | common | dict(own) | {"nprocs": nprocs}
+        try:
+            configs.append(_config(arguments))
+        except ValueError as error:
+            raise ValueError(f"run {name!r}: {error}") from None
+    shared = {json.dumps([c.backend, c.nccl_env], sort_keys=True) for c in configs}
+    if len(shared) > 1:
+        raise ValueError(
+            "the runs of one launch share its processes, and NCCL reads its environment once per "
+            "process: their backend and nccl_env must be equal; launch the others apart"
+        )
+    command = launcher_command(launcher)
+    for config in {(c.task, c.preset, c.seed, c.scaling): c for c in configs}.values():
+        _check_task(config)
+    with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
+        folders = [Path(tmp) / f"run{i}" for i in range(len(configs))]
+        for folder in folders:
+            folder.mkdir()
+        placed = [
+            dataclasses.replace(c, out_dir=str(f)) for c, f in zip(configs, folders, strict=True)
+        ]
+        results = run_torchrun(placed, Path(tmp), command, labels=list(runs))
+    return dict(zip(runs, results, strict=True))
+
+
+# launch()'s defaults of the run's settings (RunConfig's fields), for launch_series
+_LAUNCH_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(launch).parameters.items()
+    if name in {f.name for f in dataclasses.fields(RunConfig)}
+}
+
+
+def _check_series_keys(where: str, arguments: Mapping[str, Any]) -> None:
+    """A series' arguments are the run settings of :func:`launch`; ``nprocs`` is the series'."""
+    for key in arguments:
+        if key == "nprocs":
+            raise ValueError(f"{where}: 'nprocs' is the series' (its runs share the processes)")
+        if key not in _LAUNCH_DEFAULTS:
+            raise ValueError(
+                f"{where}: unexpected argument {key!r}; expected launch()'s run settings: "
+                + ", ".join(k for k in _LAUNCH_DEFAULTS if k != "nprocs")
+            )
 
 
 def _config(arguments: dict[str, Any]) -> RunConfig:

@@ -1,7 +1,7 @@
-"""What every rank runs: :func:`run_rank` under torchrun (or :func:`train` in the launching
-process for one plain process), the timed training loop, and the rank's measurements (loss over
-ranks, throughput over the timed window, memory, one all-reduce alone). A rank's record is plain
-JSON: ``{"summary": {...}, "steps": [{...}, ...]}``."""
+"""What every rank runs: :func:`run_rank` under torchrun, one run or several in one process group
+(or :func:`train` in the launching process for one plain process), the timed training loop, and
+the rank's measurements (loss over ranks, throughput over the timed window, memory, one
+all-reduce alone). A run's record is plain JSON: ``{"summary": {...}, "steps": [{...}, ...]}``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 import traceback
+from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -27,20 +28,22 @@ from accel.distributed.wrappers import wrap
 from accel.files import write_text_atomic
 
 
-def run_rank(config: RunConfig) -> dict:
-    """One rank's whole run under torchrun (reads RANK, WORLD_SIZE, LOCAL_RANK); writes its
-    record, or its traceback, to ``config.out_dir``."""
+def run_rank(configs: Sequence[RunConfig], out: Path) -> list[dict]:
+    """One rank's runs under torchrun (reads RANK, WORLD_SIZE, LOCAL_RANK), in order in one
+    process group: each run's record, or the traceback of the run that raised, written to that
+    run's ``out_dir``; this process's pid to ``out``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    out = Path(config.out_dir)
     write_text_atomic(out / f"rank{rank}.pid", str(os.getpid()))
+    device = _device(configs[0], int(os.environ["LOCAL_RANK"]))
+    import torch.distributed as dist
+
+    records, config = [], configs[0]
     try:
-        record = train(
-            config,
-            rank=rank,
-            world=world,
-            local_rank=int(os.environ["LOCAL_RANK"]),
-            distributed=True,
-        )
+        timeout = datetime.timedelta(seconds=max(c.timeout for c in configs))
+        dist.init_process_group(config.backend, timeout=timeout)
+        for config in configs:
+            records.append(_train_steps(config, rank, world, device, distributed=True))
+            write_text_atomic(Path(config.out_dir) / f"rank{rank}.json", json.dumps(records[-1]))
     except BaseException as error:
         failure = {
             "rank": rank,
@@ -50,29 +53,29 @@ def run_rank(config: RunConfig) -> dict:
             "message": str(error),
             "traceback": traceback.format_exc(),
         }
-        write_text_atomic(out / f"rank{rank}.error.json", json.dumps(failure))
+        write_text_atomic(Path(config.out_dir) / f"rank{rank}.error.json", json.dumps(failure))
         raise
-    write_text_atomic(out / f"rank{rank}.json", json.dumps(record))
-    return record
+    # only after success: with a collective in flight it could wait forever
+    dist.destroy_process_group()
+    return records
 
 
-def train(config: RunConfig, *, rank: int, world: int, local_rank: int, distributed: bool) -> dict:
-    """This rank's record; ``distributed`` joins the process group (torchrun's env) first."""
-    device = torch.device("cuda", local_rank) if config.backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    import torch.distributed as dist
+def train(config: RunConfig) -> dict:
+    """One plain process's run, here in this process: the record a rank would write."""
+    return _train_steps(config, 0, 1, _device(config, 0), distributed=False)
 
-    if distributed:
-        dist.init_process_group(config.backend, timeout=datetime.timedelta(seconds=config.timeout))
-    record = _train_steps(config, rank, world, device, distributed)
-    if distributed:  # only after success: with a collective in flight it could wait forever
-        dist.destroy_process_group()
-    return record
+
+def _device(config: RunConfig, local_rank: int) -> torch.device:
+    """This rank's GPU with nccl (made current), else the CPU."""
+    if config.backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def _train_steps(
-    config: RunConfig, rank: int, world: int, device: torch.device, distributed: bool
+    config: RunConfig, rank: int, world: int, device: torch.device, *, distributed: bool
 ) -> dict:
     """The task built, wrapped and loaded if asked, trained for ``config.steps`` steps, measured."""
     task = build_task(config)

@@ -52,21 +52,52 @@ def launcher_command(launcher: str | Sequence[str] | None = None) -> list[str]:
     return command
 
 
-def run_torchrun(config: RunConfig, command: list[str]) -> RunResult:
-    """Run ``config`` (``out_dir`` set: a fresh folder) on torchrun started by ``command``; every
-    process of the run has ended when it returns or raises."""
-    config_path = Path(config.out_dir) / "config.json"
-    config_path.write_text(json.dumps(dataclasses.asdict(config)))
-    exitcode, pids = _run_and_end(config, _torchrun_command(command, config, config_path))
-    return _collect(config, exitcode, pids)
+def run_torchrun(
+    configs: Sequence[RunConfig],
+    out: Path,
+    command: list[str],
+    labels: Sequence[str] | None = None,
+) -> list[RunResult]:
+    """Run ``configs`` in order on one torchrun started by ``command`` (they share its processes:
+    the same ``nprocs`` and ``nccl_env``); ``out`` is a fresh folder and each run's ``out_dir``
+    one inside it; ``labels`` name the runs in errors. Every process of the launch has ended
+    when it returns or raises."""
+    config_path = out / "config.json"
+    config_path.write_text(json.dumps([dataclasses.asdict(c) for c in configs]))
+    command = _torchrun_command(command, configs, config_path)
+    exitcode, pids = _run_and_end(configs, out, command, labels)
+    output = (out / "launcher.log").read_text(errors="replace")
+    for i, config in enumerate(configs):  # the first run that did not finish failed the launch
+        if exitcode != 0 and not _finished(config):
+            what = describe([config]) + (f" (run {labels[i]!r})" if labels else "")
+            raise rank_failure(config, Path(config.out_dir), output, exitcode, pids, what=what)
+    return [_collect(config, exitcode, pids, output) for config in configs]
 
 
-def _torchrun_command(command: list[str], config: RunConfig, config_path: Path) -> list[str]:
+def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:
+    """What a launch runs, for its errors: ``ddp x2 of TASK``, or its runs' names."""
+    if len(configs) == 1:
+        first = configs[0]
+        return f"{first.wrapper} x{first.nprocs} of {first.task}"
+    names = labels or [describe([c]) for c in configs]
+    return f"the runs {', '.join(map(str, names))} x{configs[0].nprocs} on one launch"
+
+
+def _finished(config: RunConfig) -> bool:
+    """Every rank wrote the run's record and none its error."""
+    out = Path(config.out_dir)
+    written = all((out / f"rank{rank}.json").is_file() for rank in range(config.nprocs))
+    return written and not any(out.glob("rank*.error.json"))
+
+
+def _torchrun_command(
+    command: list[str], configs: Sequence[RunConfig], config_path: Path
+) -> list[str]:
     return [
         *command,
         "--standalone",
         "--nproc-per-node",
-        str(config.nprocs),
+        str(configs[0].nprocs),
         "-m",
         RANK_MODULE,
         "--config",
@@ -74,38 +105,43 @@ def _torchrun_command(command: list[str], config: RunConfig, config_path: Path) 
     ]
 
 
-def _environment(config: RunConfig) -> dict[str, str]:
+def _environment(first: RunConfig) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(config.nccl_env)
+    env.update(first.nccl_env)
     # Ranks must import accel and the task's module as this process does.
     paths = [str(Path(__file__).resolve().parents[2]), os.getcwd(), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     # torchrun would set 1 and print a banner about it; share the cores instead
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nprocs)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // first.nprocs)))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
-def _run_and_end(config: RunConfig, command: list[str]) -> tuple[int, dict[int, int]]:
-    """torchrun run until it exits, then whatever is left of the run ended (killed at once past
-    ``config.timeout`` or on any exception, e.g. Ctrl-C); its exit code and the ranks' pids."""
-    out = Path(config.out_dir)
+def _run_and_end(
+    configs: Sequence[RunConfig], out: Path, command: list[str], labels: Sequence[str] | None
+) -> tuple[int, dict[int, int]]:
+    """torchrun run until it exits, then whatever is left of the launch ended (killed at once
+    past the runs' timeouts summed or on any exception, e.g. Ctrl-C); its exit code and the
+    ranks' pids."""
     marker = str(out / "config.json")  # in every rank's command line
-    env = _environment(config)
+    timeout = sum(c.timeout for c in configs)
     log_path = out / "launcher.log"
     with open(log_path, "wb") as log:
         # Its own session: on a timeout the whole group is killed, torchrun and all.
         proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_environment(configs[0]),
+            start_new_session=True,
         )
         try:
-            exitcode = proc.wait(timeout=config.timeout)
+            exitcode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             end_run(proc, marker, _rank_pids(out).values())
             raise LaunchTimeout(
-                f"{config.wrapper} x{config.nprocs} of {config.task} ran past timeout="
-                f"{config.timeout:g} s; every process was killed. Output ends with:\n"
-                + _tail(log_path)
+                f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process was killed. "
+                "Output ends with:\n" + _tail(log_path)
             ) from None
         except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
             end_run(proc, marker, _rank_pids(out).values())
@@ -116,15 +152,11 @@ def _run_and_end(config: RunConfig, command: list[str]) -> tuple[int, dict[int, 
     return exitcode, pids
 
 
-def _collect(config: RunConfig, exitcode: int, pids: dict[int, int]) -> RunResult:
-    """Every rank's record, or the error of the rank that failed, or of the run."""
-    out = Path(config.out_dir)
-    output = (out / "launcher.log").read_text(errors="replace")
-    paths = [out / f"rank{rank}.json" for rank in range(config.nprocs)]
-    finished = all(p.is_file() for p in paths) and not any(out.glob("rank*.error.json"))
-    if exitcode != 0 and not finished:
-        raise rank_failure(config, out, output, exitcode, pids)
-    if not finished:
+def _collect(config: RunConfig, exitcode: int, pids: dict[int, int], output: str) -> RunResult:
+    """One run's records from every rank (a failed rank was raised before), or the error of a
+    run that wrote nothing."""
+    paths = [Path(config.out_dir) / f"rank{rank}.json" for rank in range(config.nprocs)]
+    if not _finished(config):
         missing = [p.stem for p in paths if not p.is_file()]
         raise LaunchError(
             f"torchrun exited 0 but {', '.join(missing)} wrote no results; output:\n"
@@ -134,7 +166,7 @@ def _collect(config: RunConfig, exitcode: int, pids: dict[int, int]) -> RunResul
         warnings.warn(
             f"torchrun exited {exitcode} after every rank wrote its results; they are returned. "
             f"Output ends with:\n{output[-1500:]}",
-            stacklevel=4,  # launch's caller
+            stacklevel=5,  # launch's caller
         )
     records = [json.loads(p.read_text()) for p in paths]
     return RunResult.from_records(config, records, output=output, pids=tuple(pids.values()))

@@ -13,6 +13,7 @@ GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,29 +81,43 @@ def measure(
     sizes: BenchSizes,
     configs: dict[str, dict[str, Any]] | None = None,
     one_in_process: bool = False,
+    series: bool = False,
     on_run: Callable[[str, RunResult], None] | None = None,
     **options: Any,
 ) -> dict[str, RunResult]:
     """Launch every configuration (``"one"`` on one process, the rest on ``nprocs``), one after
-    another; ``options`` go to every :func:`accel.distributed.launch` (checkpoints, backend)."""
-    runs = {}
-    for label, config in (configs or CONFIGS).items():
-        single = config["wrapper"] == "none"
-        runs[label] = distributed.launch(
-            task,
-            1 if single else nprocs,
-            steps=sizes.steps,
-            warmup=sizes.warmup,
-            preset=preset,
-            scaling=sizes.scaling,
-            autocast=sizes.autocast,
-            in_process=one_in_process if single else False,
-            **config,
-            **options,
-        )
-        if on_run is not None:
-            on_run(label, runs[label])
-    return runs
+    another, or with ``series`` the wrapped ones of equal NCCL settings on one launch each (a
+    launch's start paid once); ``options`` go to every launch (checkpoints, backend). Returns
+    the runs in the order of ``configs``."""
+    configs = configs or CONFIGS
+    common = {
+        "steps": sizes.steps,
+        "warmup": sizes.warmup,
+        "preset": preset,
+        "scaling": sizes.scaling,
+        "autocast": sizes.autocast,
+        **options,
+    }
+    runs: dict[str, RunResult] = {}
+
+    def finished(found: dict[str, RunResult]) -> None:
+        runs.update(found)
+        for label, run in found.items():
+            if on_run is not None:
+                on_run(label, run)
+
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    for label, config in configs.items():
+        if config["wrapper"] == "none":
+            one = distributed.launch(task, 1, **common, in_process=one_in_process, **config)
+            finished({label: one})
+        elif series:
+            groups.setdefault(json.dumps(config.get("nccl_env"), sort_keys=True), {})[label] = config
+        else:
+            finished({label: distributed.launch(task, nprocs, **common, **config)})
+    for runs_of_a_launch in groups.values():
+        finished(distributed.launch_series(runs_of_a_launch, task, nprocs, **common))
+    return {label: runs[label] for label in configs}
 
 
 def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
