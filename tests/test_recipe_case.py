@@ -175,13 +175,22 @@ def test_the_phase_runs_in_parts_each_with_its_own_rows(monkeypatch, only, group
 def test_validation_errors_train_each_configuration_from_the_seed():
     pair = {"baseline": op.Flags(), "every 2nd": op.Flags(aux_loss_every=2)}
 
+    said = []
+
     def run(seed):
         return recipe.validation_errors(
-            pair, TINY, "cpu", seed=seed, train_steps=4, reads=2, read_every=2
-        )
+            pair, TINY, "cpu", seed=seed, train_steps=4, reads=2, read_every=2,
+            on_progress=said.append, report_every=2,
+        )  # fmt: skip
 
     first, again, other = run(5), run(5), run(6)
     assert list(first) == list(pair) and all(math.isfinite(e) and e > 0 for e in first.values())
+    # how far each training is, as it goes
+    assert said[:3] == [
+        "training baseline from seed 5",
+        "training baseline from seed 5: step 2 of 4",
+        "training baseline from seed 5: step 4 of 4",
+    ]
     assert first == again  # on a CPU the same seed trains the same
     assert first != other
 

@@ -302,12 +302,17 @@ def _read_steps(train_steps: int, reads: int, read_every: int) -> range:
     return range(train_steps - (reads - 1) * read_every, train_steps + 1, read_every)
 
 
-def _validation_error(step: op.Step, reads_at: range) -> float:
-    """Train ``step`` on, reading its validation error at each step of ``reads_at``; the mean."""
+def _validation_error(
+    step: op.Step, reads_at: range, tell: Callable[[int], None] | None = None, every: int = 1
+) -> float:
+    """Train ``step`` on, reading its validation error at each step of ``reads_at``; the mean.
+    ``tell`` gets the step count every ``every`` steps."""
     errors = []
     for at in reads_at:
         while step.count < at:
             step()
+            if tell is not None and step.count % every == 0:
+                tell(step.count)
         errors.append(step.validation_error())
     return sum(errors) / len(errors)
 
@@ -458,18 +463,25 @@ def validation_errors(
     reads: int = 1,
     read_every: int = 1,
     on_progress: Callable[[str], None] | None = None,
+    report_every: int = 500,
 ) -> dict[str, float]:
     """Each configuration trained from ``seed`` to ``train_steps`` steps, one at a time: its
     validation error, the mean of ``reads`` reads ``read_every`` steps apart (as :func:`measure`
-    reads it; no timing)."""
+    reads it; no timing). ``on_progress`` hears each training start and every ``report_every``
+    of its steps."""
     dev, say = torch.device(device), on_progress or (lambda stage: None)
     reads_at = _read_steps(train_steps, reads, read_every)
     errors = {}
     for name, flags in configs.items():
-        say(f"training {name} from seed {seed}")
+        stage = f"training {name} from seed {seed}"
+        say(stage)
         step = op.build(flags, sizes, device=dev, seed=seed)
+
+        def tell(count: int, stage: str = stage) -> None:
+            say(f"{stage}: step {count} of {train_steps}")
+
         try:
-            errors[name] = _validation_error(step, reads_at)
+            errors[name] = _validation_error(step, reads_at, tell, report_every)
         finally:
             step.close()
             _free(dev)
