@@ -193,3 +193,14 @@ def test_a_speedup_of_an_unknown_label_names_the_labels():
     result = compare({"before": lambda: None, "after": lambda: None}, repeats=2)
     with pytest.raises(KeyError, match=r"no candidate 'zz'.*'before', 'after'"):
         result.speedup("zz")
+
+
+def test_ratio_band_is_the_spread_of_the_round_by_round_ratios():
+    from accel.lab.timing import Comparison
+
+    slow = Timing("slow", [2.0, 4.0, 6.0, 8.0, 10.0])
+    fast = Timing("fast", [1.0, 1.0, 2.0, 2.0, 2.0])  # ratios 2, 4, 3, 4, 5
+    c = Comparison({"slow": slow, "fast": fast}, baseline="slow", schedule=())
+    assert c.ratio_band("slow", "fast", 0.0, 1.0) == (2.0, 5.0)
+    low, high = c.ratio_band("slow", "fast")
+    assert 2.0 < low < c.paired_ratio("slow", "fast") == 4.0 <= high < 5.0

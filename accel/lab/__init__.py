@@ -6,7 +6,8 @@ whether targets are judged), then reaches what it needs as ``lab.compare``, ``la
 no plotly and ``lab.compare`` no ipywidgets.
 
 Submodules, lightest first: ``device`` (presets, versions), ``timing``, ``ceilings``, ``costs``,
-``profile`` (pandas), ``plots`` (plotly), ``panel`` (ipywidgets), ``bench``, ``cases.<phase>``.
+``profile`` (pandas), ``plots`` (plotly), ``panel`` (ipywidgets), ``bench``, ``recorded`` (a quick figure beside the bench's),
+``cases.<phase>``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ _PUBLIC = {
     "profile_step": "profile",
     "FeaturePanel": "panel",
     "recorded_results": "bench",
+    "beside_recorded": "recorded",
     "ceilings_frame": "bench",
     "run_bench": "bench",
 }
@@ -40,6 +42,7 @@ _SUBMODULES = (
     "plots",
     "panel",
     "bench",
+    "recorded",
     "cases",
 )
 

@@ -96,6 +96,17 @@ class Comparison:
         """``slow``'s time over ``fast``'s, round by round (:func:`accel.timer.paired_ratio`)."""
         return paired_ratio({k: t.times_ms for k, t in self.timings.items()}, slow, fast)
 
+    def ratio_band(
+        self, slow: str, fast: str, low: float = 0.1, high: float = 0.9
+    ) -> tuple[float, float]:
+        """The ``low`` and ``high`` quantiles of ``slow``'s time over ``fast``'s, round by round:
+        the spread around :meth:`paired_ratio`."""
+        ratios = [
+            a / b
+            for a, b in zip(self.timings[slow].times_ms, self.timings[fast].times_ms, strict=True)
+        ]
+        return _quantile(ratios, low), _quantile(ratios, high)
+
     def rows(self) -> list[dict[str, float | int | str]]:
         """One summary per candidate (label, median, IQR, ...) with its speedup."""
         return [t.summary() | {"speedup": self.speedup(k)} for k, t in self.timings.items()]

@@ -112,7 +112,8 @@ def measure(
             one = distributed.launch(task, 1, **common, in_process=one_in_process, **config)
             finished({label: one})
         elif series:
-            groups.setdefault(json.dumps(config.get("nccl_env"), sort_keys=True), {})[label] = config
+            nccl = json.dumps(config.get("nccl_env"), sort_keys=True)
+            groups.setdefault(nccl, {})[label] = config
         else:
             finished({label: distributed.launch(task, nprocs, **common, **config)})
     for runs_of_a_launch in groups.values():
