@@ -1,5 +1,7 @@
 """The overhead phase's diversity sweep: what its points read (no GPU needed)."""
 
+import math
+
 import torch
 
 from accel.lab.cases import overhead_diversity as sweep
@@ -20,3 +22,15 @@ def test_every_large_point_reads_64_mb_ragged_or_not():
         gen = torch.Generator().manual_seed(p.n * p.dim)
         counts = torch.randint(0, p.n + 1, (p.batch,), generator=gen) if p.ragged else None
         assert p.bytes_read(counts) >= sweep.LARGE_BYTES, p
+
+
+def test_a_large_point_times_the_kernels_beside_the_same_rows_read_alone(kdev, monkeypatch):
+    monkeypatch.setattr(sweep, "LARGE_BYTES", 1)  # every point "large": its device time taken
+    monkeypatch.setattr(sweep, "rotating_inputs", lambda shape, dtype, device: [
+        torch.randn(shape, device=device).to(dtype) for _ in range(2)
+    ])  # fmt: skip
+    point = sweep.Point(6, 5, 24, torch.float32, ragged=True)
+    bytes_read, measured = sweep.measure(point, torch.device(kdev))
+    assert bytes_read > 0 and [m[0] for m in measured] == ["mean", "nearest"]
+    for _, mine, plain, ratio, device_ms, read_ms in measured:
+        assert all(v > 0 and math.isfinite(v) for v in (mine, plain, ratio, device_ms, read_ms))

@@ -7,7 +7,8 @@ in turn), ragged counts on every other point, a batch that reads at least 64 MB 
 the rows their counts hold, as the kernels read no others); and each N again at a small batch.
 Judged: one call's latency >= 1.5x the compiled form's at every point; the kernels' device time
 (CUDA-graph replays over inputs that do not fit in L2, no host time in it) >= 75% of the measured
-copy bandwidth at every point that reads >= 64 MB.
+copy bandwidth at every point that reads >= 64 MB; beside it, the same rows read alone by a kernel
+that only reads them (``accel.kernels.read_rows``), the ceiling of reads in that layout.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from accel import diversity as dv
+from accel import triton_support
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.diversity_measure import rotating_inputs, time_per_call
 from accel.lab.cases.overhead import PHASE, latencies
@@ -34,6 +36,9 @@ SMALL_BATCH = 64
 # Ragged counts are uniform over 0..N, so a group holds N/2 rows on average: twice the groups,
 # and a margin, read as many bytes as the full groups of a point without counts.
 RAGGED_GROUPS = 2.1
+# The reads' own ceiling, timed beside the kernels: the held rows read and summed, nothing else
+# (a ragged batch's skipped rows are holes in the stream that a contiguous copy does not have).
+READ_ALONE = "rows read alone"
 
 
 @dataclass(frozen=True)
@@ -105,19 +110,29 @@ def measure(
             "accel": lambda f=ours, x=x, c=counts: f(x, c),
         }
         alone = latencies(fns, device, repeats=15)
-        device_ms = math.nan
+        device_ms = read_ms = math.nan
         if bytes_read >= LARGE_BYTES:  # the kernels' own time: graph replays, no host
             buffers = rotating_inputs((point.batch, point.n, point.dim), point.dtype, device)
-            calls = {"accel": lambda x, f=ours, c=counts: f(x, c)}
-            device_ms = time_per_call(calls, buffers, device, repeats=10)["accel"]
+            calls = {
+                "accel": lambda x, f=ours, c=counts: f(x, c),
+                READ_ALONE: lambda x, c=counts: read_rows().sum_rows_partials(x, c),
+            }
+            times = time_per_call(calls, buffers, device, repeats=10)
+            device_ms, read_ms = times["accel"], times[READ_ALONE]
         out.append((
             reduction,
             alone.timings["accel"].median_ms * 1e3,
             alone.timings["compiled"].median_ms * 1e3,
             alone.paired_ratio("compiled", "accel"),
             device_ms,
+            read_ms,
         ))  # fmt: skip
     return bytes_read, out
+
+
+def read_rows():
+    """The kernel that reads the same rows and nothing else: the reads' own ceiling."""
+    return triton_support.kernel_module("accel.kernels.read_rows")
 
 
 def rows(ctx: BenchContext) -> list[Row]:
@@ -126,7 +141,7 @@ def rows(ctx: BenchContext) -> list[Row]:
     for point in points(ctx.device):
         bytes_read, measured = measure(point, ctx.device)
         release_memory(ctx.device)
-        for reduction, mine, plain, ratio, device_ms in measured:
+        for reduction, mine, plain, ratio, device_ms, read_ms in measured:
             name = point.name(reduction)
             ratios.append(ratio)
             out.append(Row(
@@ -138,13 +153,16 @@ def rows(ctx: BenchContext) -> list[Row]:
             ))  # fmt: skip
             if bytes_read >= LARGE_BYTES:
                 fractions.append(ctx.ceilings.bandwidth_fraction(bytes_read, device_ms))
+                read = ctx.ceilings.bandwidth_fraction(bytes_read, read_ms)
                 out.append(Row(
                     PHASE, name, "bandwidth", "fraction of copy", fractions[-1],
                     target=f">= {TARGET_BANDWIDTH}", higher_is_better=True,
                     met=fractions[-1] >= TARGET_BANDWIDTH if ctx.judged else None,
                     note=f"{ctx.where}; {bytes_read / 2**20:.0f} MiB read in "
                     f"{device_ms * 1e3:.1f} us (CUDA-graph replays over rotating inputs); copy "
-                    f"{ctx.ceilings.copy_gb_s:.0f} GB/s",
+                    f"{ctx.ceilings.copy_gb_s:.0f} GB/s; the same rows read alone "
+                    f"({READ_ALONE}, interleaved): {read:.2f} of copy, the kernel at "
+                    f"{fractions[-1] / read:.2f} of that",
                 ))  # fmt: skip
     summaries = [("single-call latency", "x", ratios, TARGET_VS_COMPILED),
                  ("bandwidth", "fraction of copy", fractions, TARGET_BANDWIDTH)]  # fmt: skip
