@@ -71,7 +71,10 @@ def run_torchrun(
         if exitcode != 0 and not _finished(config):
             what = describe([config]) + (f" (run {labels[i]!r})" if labels else "")
             raise rank_failure(config, Path(config.out_dir), output, exitcode, pids, what=what)
-    return [_collect(config, exitcode, pids, output) for config in configs]
+    results = []
+    for config in configs:  # a loop, not a comprehension: _collect's warning names our caller
+        results.append(_collect(config, exitcode, pids, output))
+    return results
 
 
 def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:
@@ -140,8 +143,8 @@ def _run_and_end(
         except subprocess.TimeoutExpired:
             end_run(proc, marker, _rank_pids(out).values())
             raise LaunchTimeout(
-                f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process was killed. "
-                "Output ends with:\n" + _tail(log_path)
+                f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process "
+                "was killed. Output ends with:\n" + _tail(log_path)
             ) from None
         except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
             end_run(proc, marker, _rank_pids(out).values())
@@ -166,7 +169,7 @@ def _collect(config: RunConfig, exitcode: int, pids: dict[int, int], output: str
         warnings.warn(
             f"torchrun exited {exitcode} after every rank wrote its results; they are returned. "
             f"Output ends with:\n{output[-1500:]}",
-            stacklevel=5,  # launch's caller
+            stacklevel=4,  # launch's caller
         )
     records = [json.loads(p.read_text()) for p in paths]
     return RunResult.from_records(config, records, output=output, pids=tuple(pids.values()))
