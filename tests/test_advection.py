@@ -156,14 +156,24 @@ def test_query_subsample_and_batch_multiplier_shapes():
     assert step.next_batch()["inputs"].shape == (2 * SIZES.batch, SIZES.grid + SIZES.queries, 3)
 
 
-def test_it_learns_the_field(seed):
+def learns_the_field(seed: int) -> None:
     step = run(steps=0, sizes=op.Sizes.preset("cpu"), seed=seed)
     before = step.validation_error()
     assert before > 0.9  # untrained: about as far off as the field is large (zero gives 1.0)
-    for _ in range(150):
+    for _ in range(300):
         step()
-    # over 8 seeds: 0.26 to 0.68 after 150 steps (predicting zero everywhere would give 1.0)
-    assert step.validation_error() < 0.85
+    # over 25 seeds: 0.12 to 0.59 after 300 steps, at most 0.40 of the untrained error
+    # (predicting zero everywhere would give 1.0); 150 steps are too few for a slow start
+    after = step.validation_error()
+    assert after < 0.75 and after < 0.5 * before, (before, after)
+
+
+def test_it_learns_the_field(seed):
+    learns_the_field(seed)
+
+
+def test_it_learns_the_field_from_a_slow_start():
+    learns_the_field(1753093512)  # the slowest seen: 2.17 untrained, still 0.998 at step 150
 
 
 @pytest.mark.parametrize(
