@@ -91,11 +91,12 @@ def test_two_adamw_runs_drift_apart_by_at_most_the_bound_and_nearly_reach_it(ste
 
 def test_it_learns_the_shapes(seed):
     step = run(seed=seed, steps=0, sizes=vit.Sizes(batches=8))
-    for _ in range(100):
+    for _ in range(150):
         step()
     first = torch.stack(step.losses[:8]).mean().item()
-    # over 16 seeds the last 8 losses were 0.32 to 0.51 of the first 8 (log 8 = 2.08 at start)
-    assert step.mean_loss(last=8) < 0.7 * first, (first, step.mean_loss(last=8))
+    # over 60 seeds the last 8 losses were at most 0.32 of the first 8 (log 8 = 2.08 at start);
+    # after 100 steps up to 0.63 over 100 seeds, too near any bound
+    assert step.mean_loss(last=8) < 0.6 * first, (first, step.mean_loss(last=8))
 
 
 def test_images_are_random_shapes_with_balanced_labels():
