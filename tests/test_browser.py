@@ -280,9 +280,25 @@ def _toggle_and_run(page, panel, name: str) -> None:
     assert status.inner_text().strip() == "done", panel.inner_text()
     widths = page.evaluate("window.__widths")
     assert any(0 < w < 100 for w in widths), f"the progress bar did not move: {widths}"
-    assert plot.inner_html() != plot_before, "the plot did not change"
+    # plotly redraws asynchronously: the figure may change a moment after the label says done
+    _wait_for_change(page, plot, "innerHTML", plot_before, "the plot did not change")
     assert plot.locator(DRAWN).count(), "the plot draws no bar or point (a blank figure)"
-    assert table.inner_text() != table_before, "the table shows no new numbers"
+    _wait_for_change(page, table, "innerText", table_before, "the table shows no new numbers")
+
+
+def _wait_for_change(page, element, prop: str, before: str, failure: str) -> None:
+    """Wait until ``element``'s ``prop`` differs from ``before``; ``failure`` after 15 s."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(
+            f"([el, before]) => el.{prop} !== before",
+            arg=[element.element_handle(), before],
+            polling=100,
+            timeout=15_000,
+        )
+    except PlaywrightTimeout:
+        raise AssertionError(f"{failure} within 15 s of the run's end") from None
 
 
 def _close(page) -> None:
