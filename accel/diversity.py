@@ -11,10 +11,10 @@ or ``(N, D)`` (one set), in float32, bfloat16 or float16:
 ``counts`` (integer, shape ``(B,)``; for one set also a scalar) makes groups ragged: group b is
 its first ``counts[b]`` rows (clamped to [0, N]; the rest are ignored, never read by the
 kernels). Results are float32. A group with fewer than two members has no pairs: its diversity
-and its distances are 0 (and so are matrix entries and distances outside a group's count). Vectors are normalized as
-``F.normalize`` does, x / max(||x||, eps), so a zero vector has cosine 0 with everything: its
-distance to every other member is 1, never NaN. Non-contiguous inputs are fine: the kernels
-read them through their strides, without a copy.
+and its distances are 0 (and so are matrix entries and distances outside a group's count).
+Vectors are normalized as ``F.normalize`` does, x / max(||x||, eps), so a zero vector has
+cosine 0 with everything: its distance to every other member is 1, never NaN. Non-contiguous
+inputs are fine: the kernels read them through their strides, without a copy.
 
 Each function checks its inputs, then dispatches: the Triton kernels
 (``accel.kernels.pairwise_cosine``) on CUDA tensors, or on any tensors through Triton's

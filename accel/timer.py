@@ -66,7 +66,12 @@ def paired_ratio(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -
     of two medians keeps it; NaN if either was not timed."""
     if slow not in samples or fast not in samples:
         return math.nan
-    return statistics.median(a / b for a, b in zip(samples[slow], samples[fast], strict=True))
+    return statistics.median(round_ratios(samples, slow, fast))
+
+
+def round_ratios(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -> list[float]:
+    """``slow``'s time over ``fast``'s in each round."""
+    return [a / b for a, b in zip(samples[slow], samples[fast], strict=True)]
 
 
 def round_order(names: Sequence[str], r: int) -> list[str]:

@@ -9,6 +9,7 @@ leaving the reader to notice.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +93,4 @@ def beside_recorded(
     last = mine.iloc[-1]
     if last[metric] is None or pd.isna(last[metric]):  # a row without that figure: none
         return agreement
-    return Agreement(
-        agreement.what, measured, band, here, float(last[metric]), str(last["date"]), elsewhere
-    )
+    return dataclasses.replace(agreement, recorded=float(last[metric]), date=str(last["date"]))

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 import torch
 
 from accel.lab.device import default_device
-from accel.timer import CandidateError, Clock, SampleCallback, interleaved, paired_ratio
+from accel.timer import (
+    CandidateError,
+    Clock,
+    SampleCallback,
+    interleaved,
+    paired_ratio,
+    round_ratios,
+)
 
 __all__ = ["CandidateError", "Comparison", "SampleCallback", "Timing", "compare", "time_fn"]
 
@@ -101,10 +108,7 @@ class Comparison:
     ) -> tuple[float, float]:
         """The ``low`` and ``high`` quantiles of ``slow``'s time over ``fast``'s, round by round:
         the spread around :meth:`paired_ratio`."""
-        ratios = [
-            a / b
-            for a, b in zip(self.timings[slow].times_ms, self.timings[fast].times_ms, strict=True)
-        ]
+        ratios = round_ratios({k: t.times_ms for k, t in self.timings.items()}, slow, fast)
         return _quantile(ratios, low), _quantile(ratios, high)
 
     def rows(self) -> list[dict[str, float | int | str]]:
