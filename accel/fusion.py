@@ -72,33 +72,37 @@ def _one_device(tensors: Sequence[torch.Tensor], what: str) -> torch.device:
     return devices.pop()
 
 
-def group_by_device_and_dtype(
-    tensors: Sequence[torch.Tensor],
-) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    """Indices of ``tensors`` per (device, dtype): a foreach op takes one such bucket at a time."""
-    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+def group_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """Indices of ``tensors`` (on one device) per dtype: a foreach op takes one dtype at a time."""
+    buckets: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
-        buckets.setdefault((t.device, t.dtype), []).append(i)
+        buckets.setdefault(t.dtype, []).append(i)
     return buckets
 
 
+def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:
+    # a set of dtypes costs a third of the per-dtype index lists, which the common call skips
+    return len({t.dtype for t in tensors}) == 1
+
+
 def _foreach_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Per-tensor float32 norms in input order: one ``_foreach_norm`` per (device, dtype). An
-    empty tensor's norm is 0 for every norm type (torch refuses the infinity norm of one)."""
+    """Per-tensor float32 norms in input order, the tensors on one device: one ``_foreach_norm``
+    per dtype. An empty tensor's norm is 0 for every norm type (torch gives 0 for finite ones and
+    refuses the infinity norm of one, so only that is filtered)."""
+    # dtype=float32: bf16/fp16 tensors are summed in fp32 (their own dtype loses ~3 digits)
+    if not math.isinf(norm_type) and _one_dtype(tensors):
+        return list(torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32))
     norms: list[torch.Tensor | None] = [None] * len(tensors)
-    for indices in group_by_device_and_dtype(tensors).values():
-        full = [i for i in indices if tensors[i].numel()]
-        for i in indices:
-            if not tensors[i].numel():
-                norms[i] = torch.zeros((), dtype=torch.float32, device=tensors[i].device)
-        if not full:
-            continue
-        bucket = [tensors[i] for i in full]
-        # dtype=float32: bf16/fp16 tensors are summed in fp32 (their own dtype loses ~3 digits)
-        for i, n in zip(
-            full, torch._foreach_norm(bucket, norm_type, dtype=torch.float32), strict=True
-        ):
-            norms[i] = n
+    for indices in group_by_dtype(tensors).values():
+        if math.isinf(norm_type):
+            for i in indices:
+                if not tensors[i].numel():
+                    norms[i] = torch.zeros((), dtype=torch.float32, device=tensors[i].device)
+            indices = [i for i in indices if norms[i] is None]
+        if indices:
+            bucket = [tensors[i] for i in indices]
+            for i, n in zip(indices, torch._foreach_norm(bucket, norm_type, dtype=torch.float32)):
+                norms[i] = n
     return norms  # type: ignore[return-value]
 
 
@@ -317,7 +321,10 @@ def _clip_grad_norm_foreach(
     if error_if_nonfinite:
         _check_finite(total, grads)
     coef = (max_norm / (total + 1e-6)).clamp_(max=1.0)  # multiplying by 1 beats a host test
-    for indices in group_by_device_and_dtype(grads).values():
+    if _one_dtype(grads):
+        torch._foreach_mul_(grads, coef)
+        return total
+    for indices in group_by_dtype(grads).values():
         torch._foreach_mul_([grads[i] for i in indices], coef)
     return total
 
