@@ -3,9 +3,10 @@
 Forcing one kernel flips PyTorch's SDPA enable switches around the call (lean private switches
 in eager mode, the public ``sdpa_kernel`` while tracing); a backend that cannot run says why, in
 PyTorch's own words (:class:`BackendUnavailableError`). ``auto`` times PyTorch's own pick
-(``"default"``) against every other kernel that can run an input :func:`signature`, interleaved
-with ``accel.timer``, both back to back and one call at a time from an idle GPU, and keeps the
-default unless another kernel beats it in both by more than the measurement's own spread
+(``"default"``) against every kernel that can run an input :func:`signature` forced (its own
+pick among them: forcing can change a kernel's speed), interleaved with ``accel.timer``, both
+back to back and one call at a time from an idle GPU, and keeps the default unless a forced
+kernel beats it in both by more than the measurement's own spread
 (:class:`AutoChoice`, :func:`auto_choices`, :func:`clear_auto_cache`).
 
 After its measurement a signature costs one flat key and one dictionary lookup per call, and a
@@ -470,7 +471,7 @@ def cached_runner(choice: AutoChoice, q, k, v, mask, causal, scale):
 
 
 def _measure(key: SignatureKey, q, k, v, mask, causal, scale) -> AutoChoice:
-    """PyTorch's own pick and every other kernel that can run these inputs, timed interleaved
+    """PyTorch's own pick and every kernel that can run these inputs forced, timed interleaved
     back to back and (on CUDA) one call at a time from an idle GPU; a forced kernel wins only if
     it beats the default in both by more than :data:`AUTO_MARGIN` or the default's spread
     against its own second copy, whichever is wider.
