@@ -106,3 +106,13 @@ def test_cuda_only_flags_are_disabled_on_cpu_with_the_reason():
     panel.controls["graph"].value = True
     with pytest.raises(ValueError, match=r"\['graph'\] cannot run on cpu"):
         panel.run()
+
+
+def test_the_last_run_keeps_its_comparison_for_the_spread_of_its_speedup():
+    panel, _ = make_panel()
+    assert panel.comparison is None
+    row = panel.run(tiny_mlp.Flags(fused_adamw=True))
+    low, high = panel.comparison.ratio_band("baseline", "fused_adamw")
+    assert 0 < low <= high
+    assert panel.comparison.speedup("fused_adamw") == row["speedup"]
+    assert len(panel.comparison.timings["baseline"].times_ms) == 3

@@ -30,7 +30,7 @@ from plotly.subplots import make_subplots
 from accel.lab import plots
 from accel.lab.device import default_device
 from accel.lab.profile import profile_step
-from accel.lab.timing import compare
+from accel.lab.timing import Comparison, compare
 from accel.workloads.flags import FlagInfo, describe, label, unavailable
 
 BASELINE = "baseline"
@@ -68,6 +68,8 @@ class FeaturePanel:
         self.disabled = unavailable(flags_type, self.device)
         self._steps: dict[Any, Callable[[], object]] = {}
         self._rows: dict[str, dict[str, Any]] = {}
+        # the last run's timings, round by round: the spread of its speedup (ratio_band)
+        self.comparison: Comparison | None = None
 
         self.controls = {info.name: self._control(info) for info in self.infos}
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
@@ -206,7 +208,7 @@ class FeaturePanel:
             self.figure.data[0 if who == BASELINE else 1].y = live[who]
             self.progress.value += 1
 
-        result = compare(
+        result = self.comparison = compare(
             candidates,
             baseline=BASELINE,
             warmup=self.warmup,
