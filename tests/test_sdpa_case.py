@@ -161,13 +161,15 @@ def test_paired_ratio_is_the_median_of_round_ratios():
     assert math.isnan(sdpa.paired_ratio(samples, "b", "missing"))
 
 
-def _point_frame(versus_auto: dict[str, float], ms: dict[str, float]) -> pd.DataFrame:
+def _point_frame(
+    versus_auto: dict[str, float], ms: dict[str, float], control: float = 1.0
+) -> pd.DataFrame:
     rows = [
         {
             "S": 64, "D": 16, "B": 1, "H": 2, "causal": False, "direction": "fwd",
             "backend": b, "ms": t, "flops": 1e9, "tflop_s": 1e9 / (t * 1e-3) / 1e12,
             "skipped": "", "picked": "cudnn", "picked_ms": ms["cudnn"], "decision": "cudnn=1ms",
-            "versus_auto": versus_auto[b], "control": 1.0,
+            "versus_auto": versus_auto[b], "control": control,
         }
         for b, t in ms.items()
     ]  # fmt: skip
@@ -190,3 +192,14 @@ def test_sweep_is_judged_on_round_by_round_ratios():
     (row,) = sdpa.sweep_rows(frame, ctx, judged=True)
     assert row.met is False
     assert summary["sweep: worst auto / default"].met is True
+
+
+def test_a_point_whose_own_spread_is_wider_than_the_margin_says_so():
+    ms = {"default": 1.0, "auto": 1.0, "cudnn": 0.97, "flash": 2.0}
+    versus = {"default": 1.0, "auto": 1.0, "cudnn": 0.97, "flash": 2.0}
+    ctx = BenchContext(CPU, "cpu", FAKE_CEILINGS)
+    (steady,) = sdpa.sweep_rows(_point_frame(versus, ms, control=0.995), ctx, judged=True)
+    (noisy,) = sdpa.sweep_rows(_point_frame(versus, ms, control=0.962), ctx, judged=True)
+    assert steady.met is noisy.met is False  # the verdict stays what was measured
+    assert "margin" not in steady.note
+    assert "the same kernel twice differs by 3.8%, more than the target's 2% margin" in noisy.note

@@ -132,6 +132,18 @@ def _pick_note(part: pd.DataFrame) -> tuple[str, float, float]:
     )
 
 
+def _spread_note(control: float) -> str:
+    """Said where the same kernel timed twice differs by more than the target's margin: there
+    the point's verdict lies inside the measurement's own spread."""
+    margin = 1 - TARGET_VS_BEST
+    if math.isnan(control) or abs(control - 1) <= margin:
+        return ""
+    return (
+        f"; the same kernel twice differs by {abs(control - 1):.1%}, more than the target's "
+        f"{margin:.0%} margin: this point's verdict is inside the measurement's spread"
+    )
+
+
 def _sweep_case(direction: str, causal: bool, d: int, s: int) -> str:
     return f"sweep {direction} {'causal' if causal else 'full'} D={d} S={s}"
 
@@ -159,7 +171,8 @@ def sweep_rows(frame: pd.DataFrame, ctx: BenchContext, judged: bool) -> list[Row
             f"; judged round by round: auto / default = {vs_default:.3f}, "
             f"auto / best forced ({best}) = {vs_best:.3f}"
         )
-        note += _pick_note(part)[0]
+        pick_note, _, control = _pick_note(part)
+        note += pick_note + _spread_note(control)
         first = part.iloc[0]
         rows.append(
             Row(
