@@ -438,11 +438,11 @@ def test_the_first_group_stats_call_is_sync_free_too(gen):
 
 @pytest.mark.parametrize("foreach", [True, False])
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
-def test_an_empty_tensor_adds_nothing_to_a_norm(foreach, norm_type, seed):
+def test_an_empty_tensor_adds_nothing_to_a_norm(foreach, norm_type, seed, device):
     # torch refuses the infinity norm of an empty tensor ("no identity"); a norm is >= 0, so an
     # empty gradient (a parameter of size 0) contributes 0
-    full = torch.randn(5, 3, generator=torch.Generator().manual_seed(seed))
-    empty = torch.randn(0, 3)
+    full = torch.randn(5, 3, generator=torch.Generator().manual_seed(seed)).to(device)
+    empty = torch.randn(0, 3, device=device)
     expected = torch.linalg.vector_norm(full, norm_type)
     got = fusion.global_norm([empty, full], norm_type, foreach=foreach)
     torch.testing.assert_close(got, expected)
