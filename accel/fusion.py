@@ -101,7 +101,8 @@ def _foreach_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
             indices = [i for i in indices if norms[i] is None]
         if indices:
             bucket = [tensors[i] for i in indices]
-            for i, n in zip(indices, torch._foreach_norm(bucket, norm_type, dtype=torch.float32)):
+            bucket_norms = torch._foreach_norm(bucket, norm_type, dtype=torch.float32)
+            for i, n in zip(indices, bucket_norms, strict=True):
                 norms[i] = n
     return norms  # type: ignore[return-value]
 
