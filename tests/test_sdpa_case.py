@@ -122,6 +122,8 @@ def test_sweep_records_auto_pick_and_a_second_copy_of_it():
     point = frame[(frame["direction"] == "fwd") & ~frame["causal"]]
     assert point["picked"].iloc[0] in ("default", "math")
     assert (point["picked_ms"] > 0).all() and "ms" in point["decision"].iloc[0]
+    # what the pick was held to: the larger of auto's margin and the default's own spread
+    assert "kept unless beaten by" in point["decision"].iloc[0]
     rows = sdpa.sweep_rows(frame, BenchContext(CPU, "cpu", FAKE_CEILINGS), judged=False)
     assert all("auto picked" in r.note and "forced again" in r.note for r in rows)
     back = sdpa.sweep_frame(pd.DataFrame([r.as_dict() | {"device": "cpu"} for r in rows]))

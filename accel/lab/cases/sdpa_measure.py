@@ -172,7 +172,7 @@ class PointTimes:
     times: dict[str, float]
     skipped: dict[str, str]
     picked: str = ""
-    decision_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    decision: str = ""  # auto's own timing of the signature (:func:`decision_text`)
     # per variant: its time over auto's, round by round (paired_ratio); > 1: auto was faster
     versus_auto: dict[str, float] = dataclasses.field(default_factory=dict)
     control: float = math.nan  # the pick forced over its second copy, round by round
@@ -230,10 +230,22 @@ def measure_point(
         times,
         skipped,
         picked,
-        dict(choice.times_ms) if choice else {},
+        decision_text(choice) if choice else "",
         versus_auto,
         paired_ratio(samples, picked, PICKED) if picked else math.nan,
     )
+
+
+def decision_text(choice: attention.AutoChoice) -> str:
+    """What ``auto`` timed for one signature: back to back, one call at a time where that was a
+    measurement of its own (on a GPU), and the share a forced kernel had to win by in both."""
+    text = " ".join(f"{b}={t:.3g}ms" for b, t in choice.times_ms.items())
+    if choice.latency_ms and choice.latency_ms != choice.times_ms:
+        text += "; alone " + " ".join(f"{b}={t:.3g}ms" for b, t in choice.latency_ms.items())
+    if choice.note:
+        return f"{text}; {choice.note}"
+    margin = max(attention.AUTO_MARGIN, choice.spread)
+    return f"{text}; default kept unless beaten by {margin:.1%} in both"
 
 
 def release_memory(device: torch.device) -> None:

@@ -67,7 +67,6 @@ def sweep(
             on_point(case)
         point = measure_point(case, device, variants, repeats=sizes.repeats)
         times, skipped = point.times, point.skipped
-        decision = " ".join(f"{b}={t:.3g}ms" for b, t in point.decision_ms.items())
         for variant in variants:
             ms = times.get(variant, math.nan)
             rows.append(
@@ -85,7 +84,7 @@ def sweep(
                     "skipped": skipped.get(variant, ""),
                     "picked": point.picked,
                     "picked_ms": times.get(PICKED, math.nan),
-                    "decision": decision,
+                    "decision": point.decision,
                     "versus_auto": point.versus_auto.get(variant, math.nan),
                     "control": point.control,
                 }
