@@ -81,7 +81,7 @@ def group_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[in
 
 
 def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:
-    # a set of dtypes costs a third of the per-dtype index lists, which the common call skips
+    # one set of dtypes is cheaper than per-dtype index lists, which the common call skips
     return len({t.dtype for t in tensors}) == 1
 
 
