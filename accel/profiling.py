@@ -2,7 +2,8 @@
 
 Kineto writes ``USDT: ... profiler_start`` and ``profiler_stop`` (and at some log levels
 ``STAGE: ...``) straight to the process's stderr on every run, at every ``KINETO_LOG_LEVEL``, and a
-notebook shows each as a red box under the cell: :func:`quiet_profile` keeps them out.
+notebook shows each as a red box under the cell: :func:`quiet_profile` keeps them out, with c10's
+note on memory allocated before the profile started.
 
 On CUDA a step's "kernels" are the device's own activities (kernels, copies, memsets), launches
 are the runtime's launch calls and syncs its blocking calls (``cudaStreamSynchronize`` and
@@ -24,7 +25,12 @@ from typing import Any
 from torch.autograd import DeviceType
 from torch.profiler import profile
 
-_KINETO_LINE = re.compile(rb"^(USDT|STAGE):\S* \S+ \d+:\d+ \S+\.cpp:\d+\] ")
+# Kineto's start and stop lines, and c10's note that a block allocated before the profile was freed
+# inside it (the profile's own bookkeeping: nothing the profiled code can act on)
+_PROFILER_LINE = re.compile(
+    rb"^((USDT|STAGE):\S* \S+ \d+:\d+ \S+\.cpp:\d+\] "
+    rb"|\[W\S* \S+ CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before)"
+)
 
 
 @contextlib.contextmanager
@@ -49,7 +55,9 @@ def _without_kineto_lines() -> Iterator[None]:
             os.dup2(saved, 2)
             os.close(saved)
             caught.seek(0)
-            kept = [line for line in caught.read().splitlines(True) if not _KINETO_LINE.match(line)]
+            kept = [
+                line for line in caught.read().splitlines(True) if not _PROFILER_LINE.match(line)
+            ]
             if kept:
                 sys.stderr.write(b"".join(kept).decode(errors="replace"))
                 sys.stderr.flush()

@@ -40,7 +40,9 @@ TEXT_FALLBACK = re.compile(r"^(FigureWidget|VBox|HBox)\(", re.M)
 SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front, not the ones behind it
 PANEL = f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)"
 DRAWN = ".point, .trace.bars path"  # what plotly draws for data: markers and bars
-PROFILER_NOISE = re.compile(r"\b(USDT|STAGE):\S* .*\.cpp:\d+\]")
+PROFILER_NOISE = re.compile(
+    r"\b(USDT|STAGE):\S* .*\.cpp:\d+\]|Memory block of unknown size was allocated before the prof"
+)
 SETTINGS = {  # no news pop-up over the page, and the notebook's kernel starts without asking
     "@jupyterlab/apputils-extension/notification.jupyterlab-settings": (
         '{"fetchNews": "false", "checkForUpdates": false}'

@@ -31,3 +31,16 @@ def test_other_lines_written_to_stderr_while_profiling_still_come_through(capfd)
         )
     err = capfd.readouterr().err
     assert err == "a warning worth seeing\n"
+
+
+def test_the_profilers_note_on_memory_allocated_before_it_started_is_kept_off_stderr(capfd):
+    # c10's note when a block allocated before the profile is freed inside it: about the
+    # profile's own bookkeeping, nothing the profiled code can act on
+    note = (
+        b"[W1126 01:03:22.590173902 CPUAllocator.cpp:245] Memory block of unknown size was "
+        b"allocated before the profiling started, profiler results will not include the "
+        b"deallocation event\n"
+    )
+    with quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        os.write(2, note + b"[W1126 01:03:22.1 Foo.cpp:1] a warning worth seeing\n")
+    assert capfd.readouterr().err == "[W1126 01:03:22.1 Foo.cpp:1] a warning worth seeing\n"
