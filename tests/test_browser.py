@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,9 @@ CELLS_TIMEOUT_S = 300
 PANEL_TIMEOUT_S = 180
 # What a person would see where a widget failed to render, or where its text fallback shows.
 WIDGET_FAILURES = ("Error displaying widget", "model not found", "Failed to load model class")
-TEXT_FALLBACK = re.compile(r"^(FigureWidget|VBox|HBox)\(", re.M)
+TEXT_FALLBACK = re.compile(
+    r"^(FigureWidget|VBox|HBox)\(|^plotly figure\b.*needs plotly's renderer", re.M
+)
 SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front, not the ones behind it
 PANEL = f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)"
 DRAWN = ".point, .trace.bars path"  # what plotly draws for data: markers and bars
@@ -145,42 +146,21 @@ def page(lab_url):
         browser.close()
 
 
-# With both cores busy, a panel's plotly figure has missed its updates in the browser (a blank
-# figure; after a reload, the run before it), while its table updated: a known defect of the
-# figure's view, not yet mended. Only on that miss, the notebook is opened and run once more, with
-# a warning in the log; a figure that misses twice fails.
-PLOT_MISSED = "the plot did not change"
-
-
-def _once_more_if_the_plot_missed(attempt, what: str) -> None:
-    try:
-        attempt()
-    except AssertionError as miss:
-        if PLOT_MISSED not in str(miss):
-            raise
-        warnings.warn(f"{what}: {miss}; opened and run once more", stacklevel=2)
-        attempt()
-
-
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_the_notebook_runs_and_shows_what_it_should(page, notebook):
     name = notebook.removesuffix(".ipynb")
-
-    def attempt():
-        page.console_errors.clear()
-        # Opened from the file browser, as a person moving through the workbook does.
-        page.locator(".jp-DirListing-item", has_text=notebook).dblclick()
-        try:
-            _check(page, name)
+    page.console_errors.clear()
+    # Opened from the file browser, as a person moving through the workbook does.
+    page.locator(".jp-DirListing-item", has_text=notebook).dblclick()
+    try:
+        _check(page, name)
+        _close(page)
+    except BaseException:
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=SHOTS / f"{name}-failed.png")
+        with contextlib.suppress(Exception):  # so the next notebook starts from a clean page
             _close(page)
-        except BaseException:
-            SHOTS.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=SHOTS / f"{name}-failed.png")
-            with contextlib.suppress(Exception):  # so the next notebook starts from a clean page
-                _close(page)
-            raise
-
-    _once_more_if_the_plot_missed(attempt, name)
+        raise
 
 
 KEPT_OPEN = ("04_graphs.ipynb", "06_diversity.ipynb")  # two panels, both kernels left running
@@ -202,6 +182,13 @@ def test_notebooks_kept_open_side_by_side_keep_their_widgets(page):
 
 
 RELOADED = "04_graphs.ipynb"
+# After the reload, every anywidget's script loads "too late": anywidget gives a model 2 s to load
+# its script and then drops every message the kernel sends it (plotly's FigureWidget, 5 MB of
+# script, stopped updating so on a busy machine). Here each such deadline passes at once.
+LATE_SCRIPTS = """{
+    const timeout = AbortSignal.timeout.bind(AbortSignal);
+    AbortSignal.timeout = ms => timeout(ms === 2000 ? 0 : ms);
+}"""
 
 
 def test_a_saved_notebook_reloaded_with_its_kernel_running_keeps_a_working_panel(page):
@@ -210,26 +197,24 @@ def test_a_saved_notebook_reloaded_with_its_kernel_running_keeps_a_working_panel
     Run still change its plot. (Unsaved outputs are not in the file: they are gone after a
     reload, as for any notebook; the kernel keeps its state, and running the cells shows them.)"""
 
-    def attempt():
-        page.console_errors.clear()
-        _open_and_run(page, RELOADED)
-        page.keyboard.press("Control+s")
-        dirty = page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text=RELOADED)
-        dirty.wait_for(state="detached")  # saved: the tab lost its unsaved mark
-        page.reload()
-        page.wait_for_selector(f"{SHOWN} .jp-Cell")
-        panel = page.locator(PANEL)
-        panel.first.wait_for()
-        _assert_widgets_render(page)
-        drawn = panel.first.locator(f".js-plotly-plot :is({DRAWN})")
-        drawn.first.wait_for(timeout=10_000)  # the last run's figure, not the empty one it began as
-        try:
-            _toggle_and_run(page, panel.first, RELOADED.removesuffix(".ipynb") + "-reloaded")
-            assert not page.console_errors, f"browser console: {page.console_errors}"
-        finally:
-            _close(page)
-
-    _once_more_if_the_plot_missed(attempt, RELOADED)
+    page.console_errors.clear()
+    _open_and_run(page, RELOADED)
+    page.keyboard.press("Control+s")
+    dirty = page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text=RELOADED)
+    dirty.wait_for(state="detached")  # saved: the tab lost its unsaved mark
+    page.add_init_script(LATE_SCRIPTS)
+    page.reload()
+    page.wait_for_selector(f"{SHOWN} .jp-Cell")
+    panel = page.locator(PANEL)
+    panel.first.wait_for()
+    _assert_widgets_render(page)
+    drawn = panel.first.locator(f".js-plotly-plot :is({DRAWN})")
+    drawn.first.wait_for(timeout=10_000)  # the last run's figure, not the empty one it began as
+    try:
+        _toggle_and_run(page, panel.first, RELOADED.removesuffix(".ipynb") + "-reloaded")
+        assert not page.console_errors, f"browser console: {page.console_errors}"
+    finally:
+        _close(page)
 
 
 def _check(page, name: str) -> None:
@@ -276,8 +261,9 @@ def _run_all_cells(page) -> None:
 def _toggle_and_run(page, panel, name: str) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     panel.scroll_into_view_if_needed()
-    plot, table = panel.locator(".js-plotly-plot").first, panel.locator("table").last
+    plot, table = panel.locator(".js-plotly-plot").first, panel.locator("table.dataframe")
     plot_before, table_before = plot.inner_html(), table.inner_text() if table.count() else ""
+    panel_handle = panel.element_handle()
     panel.screenshot(path=SHOTS / f"{name}-before.png")
 
     # Every width of the progress bar and every word of its label while the run goes, recorded in
@@ -311,24 +297,28 @@ def _toggle_and_run(page, panel, name: str) -> None:
     widths = page.evaluate("window.__widths")
     assert any(0 < w < 100 for w in widths), f"the progress bar did not move: {widths}"
     # plotly redraws asynchronously: the figure may change a moment after the label says done
-    _wait_for_change(page, plot, "innerHTML", plot_before, "the plot did not change")
+    _wait_for_change(page, panel_handle, ".js-plotly-plot", "innerHTML", plot_before, "the plot")
     assert plot.locator(DRAWN).count(), "the plot draws no bar or point (a blank figure)"
-    _wait_for_change(page, table, "innerText", table_before, "the table shows no new numbers")
+    _wait_for_change(page, panel_handle, "table.dataframe", "innerText", table_before, "the table")
 
 
-def _wait_for_change(page, element, prop: str, before: str, failure: str) -> None:
-    """Wait until ``element``'s ``prop`` differs from ``before``; ``failure`` after 15 s."""
+def _wait_for_change(page, panel, selector: str, prop: str, before: str, what: str) -> None:
+    """Wait until the first ``selector`` in ``panel`` (looked up afresh: a redraw replaces it)
+    has a ``prop`` other than ``before``; fail after 15 s."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     try:
         page.wait_for_function(
-            f"([el, before]) => el.{prop} !== before",
-            arg=[element.element_handle(), before],
+            f"""([panel, before]) => {{
+                const now = panel.querySelector({selector!r});
+                return now !== null && now.{prop} !== before;
+            }}""",
+            arg=[panel, before],
             polling=100,
             timeout=15_000,
         )
     except PlaywrightTimeout:
-        raise AssertionError(f"{failure} within 15 s of the run's end") from None
+        raise AssertionError(f"{what} did not change within 15 s of the run's end") from None
 
 
 def _close(page) -> None:

@@ -50,16 +50,23 @@ def test_toggle_and_click_rerun_and_update_the_figure():
     assert builds == [tiny_mlp.Flags(), tiny_mlp.Flags(fused_adamw=True)]
 
 
+def _shown(live) -> dict:
+    """The figure a page draws from ``live``'s widget state (as after a reload)."""
+    (output,) = live.widget.outputs
+    assert output["output_type"] == "display_data"
+    return output["data"]["application/vnd.plotly.v1+json"]
+
+
 def test_a_run_leaves_its_figures_in_the_state_a_reloaded_page_draws():
-    """A reloaded page draws a FigureWidget from its full widget state, not from the edits sent
-    since it was shown: after a run that state holds the run's figures."""
+    """The page draws each figure from its widget's state, whole, never from edits sent before
+    it loaded (a late or reloaded page would miss those): after a run that state holds the run."""
     panel, _ = make_panel()
-    assert not any(len(t.get("y", ())) for t in panel.figure._widget_data)  # as built
+    assert not any(len(t.get("y", ())) for t in _shown(panel.live)["data"])  # as built
     panel.run(tiny_mlp.Flags(fused_adamw=True))
-    state = panel.figure._widget_data
-    assert [list(t["y"]) for t in state] == [list(t.y) for t in panel.figure.data]
-    assert len(state[1]["y"]) == 3 and state[2]["x"]  # the live samples and the bars
-    assert len(panel.kernels_figure._widget_data[0]["x"]) > 0
+    shown = _shown(panel.live)["data"]
+    assert [list(t["y"]) for t in shown] == [list(t.y) for t in panel.figure.data]
+    assert len(shown[1]["y"]) == 3 and shown[2]["x"]  # the live samples and the bars
+    assert len(_shown(panel.kernels_live)["data"][0]["x"]) > 0
 
 
 def test_run_takes_a_flag_set_from_code_and_shows_it():

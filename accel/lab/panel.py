@@ -14,7 +14,6 @@ kept per flag combination: compiled or graphed steps are expensive to rebuild.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import html
 import traceback
@@ -29,11 +28,13 @@ from plotly.subplots import make_subplots
 
 from accel.lab import plots
 from accel.lab.device import default_device
+from accel.lab.live_figure import LiveFigure
 from accel.lab.profile import profile_step
 from accel.lab.timing import Comparison, compare
 from accel.workloads.flags import FlagInfo, describe, label, unavailable
 
 BASELINE = "baseline"
+LIVE_DRAW_INTERVAL_S = 0.25  # while timing: a redraw of the whole figure at most this often
 
 
 class FeaturePanel:
@@ -77,10 +78,10 @@ class FeaturePanel:
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="idle")
         self.status = widgets.HTML()
         # Stacked, the bars horizontal: configuration labels are long ("a+b+c") and stay readable.
-        self.figure = go.FigureWidget(make_subplots(rows=2, cols=1, vertical_spacing=0.15))
-        self.figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
-        self.figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
-        self.figure.add_bar(
+        figure = make_subplots(rows=2, cols=1, vertical_spacing=0.15)
+        figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
+        figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
+        figure.add_bar(
             x=[],
             y=[],
             orientation="h",
@@ -90,16 +91,17 @@ class FeaturePanel:
             row=2,
             col=1,
         )
-        self.figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
-        self.figure.update_xaxes(title_text="median ms by configuration (IQR bars)", row=2, col=1)
-        self.figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
-        self.figure.update_layout(
+        figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
+        figure.update_xaxes(title_text="median ms by configuration (IQR bars)", row=2, col=1)
+        figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
+        figure.update_layout(
             template="plotly_white",
             height=520,
             margin=dict(t=40, b=40),
             legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"),
         )
-        self.kernels_figure = go.FigureWidget(
+        self.live = LiveFigure(figure)
+        self.kernels_live = LiveFigure(
             plots.kernel_breakdown(pd.DataFrame(columns=["name", "count", "total_us", "share"]))
         )
         self.table = widgets.HTML()
@@ -107,8 +109,8 @@ class FeaturePanel:
         header = f"<b>{html.escape(title)}</b>" if title else ""
         children = [widgets.HTML(header)] if header else []
         children += self._control_rows()
-        children += [widgets.HBox([self.run_button, self.progress]), self.status, self.figure]
-        children += [self.kernels_figure] if profile else []
+        children += [widgets.HBox([self.run_button, self.progress]), self.status, self.live.widget]
+        children += [self.kernels_live.widget] if profile else []
         children += [self.table]
         self.widget = widgets.VBox(children)
         self._showing = False  # controls being set from code: no auto run per control
@@ -196,16 +198,16 @@ class FeaturePanel:
             candidates[name] = self.step_for(flags)
 
         live = {k: [] for k in candidates}
-        with self.figure.batch_update():
-            self.figure.data[0].y, self.figure.data[1].y = [], []
-            # both names again: a page that re-renders the figure from its last update has them
-            self.figure.data[0].name, self.figure.data[1].name = BASELINE, name
+        with self.live.batch_update() as figure:
+            figure.data[0].y, figure.data[1].y = [], []
+            figure.data[0].name, figure.data[1].name = BASELINE, name
         self.progress.max, self.progress.value = self.repeats * len(candidates), 0
         self.progress.description = "timing"
 
         def on_sample(who: str, _round: int, ms: float) -> None:
             live[who].append(ms)
             self.figure.data[0 if who == BASELINE else 1].y = live[who]
+            self.live.draw(at_most_every_s=LIVE_DRAW_INTERVAL_S)  # the summary draws the last
             self.progress.value += 1
 
         result = self.comparison = compare(
@@ -236,13 +238,11 @@ class FeaturePanel:
             }
             title = f"Where the time goes:<br>{plots.wrap_label(name, 70)}"
             fresh = plots.kernel_breakdown(report.kernels, title=title)
-            with self.kernels_figure.batch_update():
-                self.kernels_figure.data[0].update(fresh.data[0])
-                self.kernels_figure.layout.title = fresh.layout.title
-                self.kernels_figure.layout.margin.t = 30 + 22 * (1 + title.count("<br>"))
+            with self.kernels_live.batch_update() as kernels:
+                kernels.data[0].update(fresh.data[0])
+                kernels.layout.title = fresh.layout.title
+                kernels.layout.margin.t = 30 + 22 * (1 + title.count("<br>"))
         self._refresh_summary()
-        for figure in (self.figure, self.kernels_figure):
-            _keep_for_reload(figure)
         self.progress.description = "done"
         return self._rows[name]
 
@@ -262,8 +262,8 @@ class FeaturePanel:
 
     def _refresh_summary(self) -> None:
         frame = self.results
-        with self.figure.batch_update():
-            bars = self.figure.data[2]
+        with self.live.batch_update() as figure:
+            bars = figure.data[2]
             bars.y = [plots.wrap_label(x) for x in frame["label"]]
             bars.x = list(frame["median_ms"])
             bars.text = [f"{s:.2f}x" for s in frame["speedup"]]
@@ -274,9 +274,7 @@ class FeaturePanel:
                 arrayminus=list(frame["median_ms"] - frame["q25_ms"]),
             )
             # the bars get under half the figure: twice their own height, on top of the lines
-            self.figure.layout.height = max(
-                520, 300 + 2 * plots.bars_height(list(frame["label"]), 0)
-            )
+            figure.layout.height = max(520, 300 + 2 * plots.bars_height(list(frame["label"]), 0))
         shown = [
             c
             for c in (
@@ -300,18 +298,17 @@ class FeaturePanel:
         """One row per configuration run so far (latest run wins), baseline first."""
         return pd.DataFrame(list(self._rows.values()))
 
+    @property
+    def figure(self) -> go.Figure:
+        """The timings figure: this run's samples (top), every configuration's median (bars)."""
+        return self.live.figure
+
+    @property
+    def kernels_figure(self) -> go.Figure:
+        """The profiler's kernel breakdown of the last configuration run."""
+        return self.kernels_live.figure
+
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
         display(self.widget)
-
-
-def _keep_for_reload(figure: go.FigureWidget) -> None:
-    """Store the figure as it is now in the widget state a page reload renders from.
-
-    A FigureWidget sends edits as one-off messages and keeps its full state (``_widget_data``,
-    ``_widget_layout``) as it was when first shown; a child of a panel is never shown itself, so
-    a reloaded page would draw the empty figure the panel started with, and nothing after it.
-    """
-    figure._widget_layout = copy.deepcopy(figure._layout_obj._props)
-    figure._widget_data = copy.deepcopy(figure._data)

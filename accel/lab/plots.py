@@ -1,6 +1,6 @@
 """Plots: pure functions from the lab's DataFrames to plotly figures. The caller shows them.
 
-Every function returns a ``go.Figure``; wrap it in ``go.FigureWidget(fig)`` to update it live.
+Every function returns a ``go.Figure``; ``lab.LiveFigure(fig)`` shows one that is redrawn as it changes.
 """
 
 from __future__ import annotations

@@ -1,0 +1,37 @@
+"""LiveFigure: every draw puts the whole figure in the output widget's state."""
+
+import plotly.graph_objects as go
+import pytest
+
+from accel.lab.live_figure import MIMETYPE, LiveFigure
+
+
+def _shown(live: LiveFigure) -> dict:
+    (output,) = live.widget.outputs
+    return output["data"][MIMETYPE]
+
+
+def test_a_batch_of_edits_is_drawn_once_whole():
+    live = LiveFigure(go.Figure(go.Scatter(y=[]), layout=dict(height=300, title="t")))
+    assert _shown(live)["data"][0]["y"] == []
+    with live.batch_update() as figure:
+        figure.data[0].y = [3.0, 1.5]
+        assert _shown(live)["data"][0]["y"] == []  # not yet: drawn at the block's end
+    assert _shown(live)["data"][0]["y"] == [3.0, 1.5]
+    assert _shown(live)["layout"]["title"]["text"] == "t"
+    assert live.widget.layout.min_height == "300px"
+    assert "plotly figure: t" in live.widget.outputs[0]["data"]["text/plain"]
+
+
+def test_a_throttled_draw_waits_for_its_interval():
+    live = LiveFigure(go.Figure(go.Scatter(y=[])))
+    live.figure.data[0].y = [1.0]
+    live.draw(at_most_every_s=3600)  # drawn a moment ago, at construction: skipped
+    assert _shown(live)["data"][0]["y"] == []
+    live.draw()
+    assert _shown(live)["data"][0]["y"] == [1.0]
+
+
+def test_it_takes_a_figure_not_a_dict():
+    with pytest.raises(TypeError, match=r"expected a plotly go.Figure, got dict"):
+        LiveFigure({"data": []})
