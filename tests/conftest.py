@@ -2,6 +2,7 @@ import collections
 import getpass
 import importlib.util
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -26,6 +27,38 @@ if _WORKER:
 # small enough to compile in the process itself.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
+
+
+def chromium() -> str | None:
+    """The Chromium the browser test drives: ``ACCEL_CHROMIUM``, else Debian's on the PATH."""
+    return (
+        os.environ.get("ACCEL_CHROMIUM")
+        or shutil.which("chromium")
+        or shutil.which("chromium-browser")
+    )
+
+
+def browser_missing() -> str | None:
+    """Why the browser test cannot run here, or None where it can."""
+    if importlib.util.find_spec("jupyterlab") is None:
+        return "the notebook stack is not installed"
+    if importlib.util.find_spec("playwright") is None:
+        return "Playwright is not installed"
+    if chromium() is None:
+        return "no Chromium found (install Debian's chromium or set ACCEL_CHROMIUM)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each notebook runs once per session. Where the browser test runs (it runs every cell of
+    every notebook in JupyterLab and fails on a traceback), nbval's run of the same notebooks is
+    left out; elsewhere (no browser here, or ``-m "not browser"``) nbval runs them."""
+    if not any(item.get_closest_marker("browser") for item in items) or browser_missing():
+        return
+    nbval = [item for item in items if item.path.suffix == ".ipynb"]
+    if nbval:
+        config.hook.pytest_deselected(items=nbval)
+        items[:] = [item for item in items if item.path.suffix != ".ipynb"]
 
 
 @pytest.fixture

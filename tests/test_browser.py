@@ -1,6 +1,6 @@
 """Every notebook as a person sees it: opened in JupyterLab in headless Chromium, one after another
-in one workspace, all cells run, then what shows is checked (widgets rendered, no errors in the
-browser console, no profiler noise in the outputs) and, where a notebook has a FeaturePanel, one
+in one workspace, all cells run, then what shows is checked (no cell raised, widgets rendered, no
+errors in the browser console, no profiler noise in the outputs) and, where a notebook has a FeaturePanel, one
 checkbox toggled and Run pressed: the progress bar moves, the plot changes and the table shows
 new numbers. Then two notebooks with panels are left open side by side, kernels running, and the
 first one's widgets must still show when its tab comes back; last, a saved notebook's page is
@@ -9,13 +9,13 @@ before and after go to ``ACCEL_BROWSER_SHOTS`` (default ``ci-logs/browser``).
 
 Needs Playwright for Python and a Chromium (Debian's ``chromium``, or ``ACCEL_CHROMIUM`` naming
 one); skipped with the reason where either is missing, failed instead where
-``ACCEL_REQUIRE_BROWSER=1`` (CI sets it, so the check cannot quietly stop running).
+``ACCEL_REQUIRE_BROWSER=1`` (CI sets it, so the check cannot quietly stop running). Where it
+runs, nbval does not run the same notebooks again (``conftest.pytest_collection_modifyitems``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import re
 import shutil
@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import browser_missing, chromium
 
 pytestmark = pytest.mark.browser
 
@@ -39,6 +40,7 @@ WIDGET_FAILURES = ("Error displaying widget", "model not found", "Failed to load
 TEXT_FALLBACK = re.compile(
     r"^(FigureWidget|VBox|HBox)\(|^plotly figure\b.*needs plotly's renderer", re.M
 )
+TRACEBACK = "Traceback (most recent call last)"  # the head of IPython's error output
 SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front, not the ones behind it
 PANEL = f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)"
 DRAWN = ".point, .trace.bars path"  # what plotly draws for data: markers and bars
@@ -59,14 +61,6 @@ def _missing(reason: str):
     pytest.skip(reason)
 
 
-def _chromium() -> str | None:
-    return (
-        os.environ.get("ACCEL_CHROMIUM")
-        or shutil.which("chromium")
-        or shutil.which("chromium-browser")
-    )
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,8 +70,9 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def lab_url(tmp_path_factory):
     """JupyterLab serving a copy of the notebooks (its autosave must not touch the repository)."""
-    if importlib.util.find_spec("jupyterlab") is None:
-        _missing("the notebook stack is not installed")
+    reason = browser_missing()
+    if reason:
+        _missing(reason)
     root = tmp_path_factory.mktemp("lab")
     shutil.copytree(ROOT / "notebooks", root / "notebooks", ignore=shutil.ignore_patterns(".*"))
     settings = root / ".settings"
@@ -125,15 +120,10 @@ def lab_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def page(lab_url):
     """One browser tab for the whole workbook, as a person moving through it uses one."""
-    if importlib.util.find_spec("playwright") is None:
-        _missing("Playwright is not installed")
-    chromium = _chromium()
-    if chromium is None:
-        _missing("no Chromium found (install Debian's chromium or set ACCEL_CHROMIUM)")
     from playwright import sync_api
 
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        browser = p.chromium.launch(executable_path=chromium(), args=["--no-sandbox"])
         tab = browser.new_page(viewport={"width": 1400, "height": 2400})
         tab.console_errors = []
         tab.on("console", lambda m: m.type == "error" and tab.console_errors.append(m.text))
@@ -224,6 +214,7 @@ def _check(page, name: str) -> None:
     text = _assert_widgets_render(page)
     assert not TEXT_FALLBACK.search(text), "a widget showed as plain text (no widget manager)"
     assert not PROFILER_NOISE.search(text), "the profiler's own log lines show in an output"
+    assert TRACEBACK not in text, f"a cell raised:\n{text[text.index(TRACEBACK) - 200 :]}"
     assert not page.console_errors, f"browser console: {page.console_errors}"
 
     panel = page.locator(PANEL)
