@@ -40,7 +40,9 @@ WIDGET_FAILURES = ("Error displaying widget", "model not found", "Failed to load
 TEXT_FALLBACK = re.compile(
     r"^(FigureWidget|VBox|HBox)\(|^plotly figure\b.*needs plotly's renderer", re.M
 )
-TRACEBACK = "Traceback (most recent call last)"  # the head of IPython's error output
+# A cell's error shows as stderr (as warnings do) headed by this; printed text is stdout.
+STDERR = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+TRACEBACK = "Traceback (most recent call last)"
 SHOWN = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook in front, not the ones behind it
 PANEL = f"{SHOWN} .jp-OutputArea-output:has(.widget-checkbox):has(.widget-button)"
 DRAWN = ".point, .trace.bars path"  # what plotly draws for data: markers and bars
@@ -214,7 +216,8 @@ def _check(page, name: str) -> None:
     text = _assert_widgets_render(page)
     assert not TEXT_FALLBACK.search(text), "a widget showed as plain text (no widget manager)"
     assert not PROFILER_NOISE.search(text), "the profiler's own log lines show in an output"
-    assert TRACEBACK not in text, f"a cell raised:\n{text[text.index(TRACEBACK) - 200 :]}"
+    raised = [t for t in page.locator(f"{SHOWN} {STDERR}").all_inner_texts() if TRACEBACK in t]
+    assert not raised, f"a cell raised:\n{raised[0]}"
     assert not page.console_errors, f"browser console: {page.console_errors}"
 
     panel = page.locator(PANEL)
