@@ -50,6 +50,22 @@ def test_toggle_and_click_rerun_and_update_the_figure():
     assert builds == [tiny_mlp.Flags(), tiny_mlp.Flags(fused_adamw=True)]
 
 
+def test_the_bars_show_each_speedup_against_the_baseline_timed_beside_it():
+    """Runs at different times see different machine load: each bar is a configuration's
+    speedup over the baseline interleaved with it in its own run, never a time beside another
+    run's baseline."""
+    panel, _ = make_panel(profile=False)
+    panel.run(tiny_mlp.Flags(fused_adamw=True))
+    panel.run(tiny_mlp.Flags(set_to_none=True))
+    frame = panel.results
+    bars = panel.figure.data[2]
+    assert list(bars.x) == pytest.approx(list(frame["speedup"]))
+    assert bars.x[0] == 1.0  # the baseline against itself
+    assert min(bars.error_x.arrayminus) >= 0 and min(bars.error_x.array) >= 0
+    low, high = frame.loc[1, ["speedup_q25", "speedup_q75"]]
+    assert low <= high and low > 0
+
+
 def _shown(live) -> dict:
     """The figure a page draws from ``live``'s widget state (as after a reload)."""
     (output,) = live.widget.outputs

@@ -92,7 +92,12 @@ class FeaturePanel:
             col=1,
         )
         figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
-        figure.update_xaxes(title_text="median ms by configuration (IQR bars)", row=2, col=1)
+        figure.update_xaxes(
+            title_text="speedup over the baseline timed beside it (bars: middle half of rounds)",
+            row=2,
+            col=1,
+        )
+        figure.add_vline(x=1, line_dash="dot", line_color="gray", row=2, col=1)
         figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
         figure.update_layout(
             template="plotly_white",
@@ -225,6 +230,9 @@ class FeaturePanel:
                 **dataclasses.asdict(key_flags),
                 **timing.summary(),
                 "speedup": result.speedup(key),
+                **dict(
+                    zip(("speedup_q25", "speedup_q75"), _speedup_band(result, key), strict=True)
+                ),
             }
         if self.profile:
             self.progress.description = "profiling"
@@ -265,13 +273,16 @@ class FeaturePanel:
         with self.live.batch_update() as figure:
             bars = figure.data[2]
             bars.y = [plots.wrap_label(x) for x in frame["label"]]
-            bars.x = list(frame["median_ms"])
-            bars.text = [f"{s:.2f}x" for s in frame["speedup"]]
+            bars.x = list(frame["speedup"])
+            bars.text = [
+                f"{s:.2f}x ({ms:.3g} ms)"
+                for s, ms in zip(frame["speedup"], frame["median_ms"], strict=True)
+            ]
             bars.error_x = dict(
                 type="data",
                 symmetric=False,
-                array=list(frame["q75_ms"] - frame["median_ms"]),
-                arrayminus=list(frame["median_ms"] - frame["q25_ms"]),
+                array=list((frame["speedup_q75"] - frame["speedup"]).clip(lower=0)),
+                arrayminus=list((frame["speedup"] - frame["speedup_q25"]).clip(lower=0)),
             )
             # the bars get under half the figure: twice their own height, on top of the lines
             figure.layout.height = max(520, 300 + 2 * plots.bars_height(list(frame["label"]), 0))
@@ -312,3 +323,10 @@ class FeaturePanel:
         from IPython.display import display
 
         display(self.widget)
+
+
+def _speedup_band(result: Comparison, key: str) -> tuple[float, float]:
+    """The middle half of ``key``'s speedups over the baseline, round by round."""
+    if key == result.baseline:
+        return 1.0, 1.0
+    return result.ratio_band(result.baseline, key, 0.25, 0.75)
