@@ -74,6 +74,12 @@ def round_ratios(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -
     return [a / b for a, b in zip(samples[slow], samples[fast], strict=True)]
 
 
+def round_differences(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -> list[float]:
+    """``slow``'s time minus ``fast``'s in each round: what ``slow`` adds, free of the drift
+    that moves both samples of a round alike."""
+    return [a - b for a, b in zip(samples[slow], samples[fast], strict=True)]
+
+
 def round_order(names: Sequence[str], r: int) -> list[str]:
     """The order of round ``r``: ``names`` turned by ``r // 2`` places, reversed when ``r`` is
     odd."""
