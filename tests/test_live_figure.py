@@ -35,3 +35,16 @@ def test_a_throttled_draw_waits_for_its_interval():
 def test_it_takes_a_figure_not_a_dict():
     with pytest.raises(TypeError, match=r"expected a plotly go.Figure, got dict"):
         LiveFigure({"data": []})
+
+
+def test_numpy_and_pandas_values_reach_the_widget_state_as_json():
+    """The output's state goes to the page as JSON: arrays and timestamps must survive it."""
+    import json
+
+    import numpy as np
+    import pandas as pd
+
+    x = pd.date_range("2026-01-01", periods=3)
+    live = LiveFigure(go.Figure(go.Scatter(x=x, y=np.random.default_rng(0).random(3))))
+    shown = json.loads(json.dumps(live.widget.outputs))[0]["data"][MIMETYPE]["data"][0]
+    assert shown["x"][0].startswith("2026-01-01") and shown["y"]  # y: plotly's typed-array form
