@@ -6,8 +6,8 @@ whether targets are judged), then reaches what it needs as ``lab.compare``, ``la
 no plotly and ``lab.compare`` no ipywidgets.
 
 Submodules, lightest first: ``device`` (presets, versions), ``timing``, ``ceilings``, ``costs``,
-``profile`` (pandas), ``plots`` (plotly), ``live_figure`` and ``panel`` (ipywidgets), ``bench``, ``recorded`` (a
-quick figure beside the bench's), ``cases.<phase>``.
+``profile`` (pandas), ``plots`` (plotly), ``live_figure`` and ``panel`` (ipywidgets), ``bench``,
+``recorded`` (a quick figure beside the bench's), ``cases.<phase>``.
 """
 
 from __future__ import annotations

@@ -202,7 +202,7 @@ class FeaturePanel:
         if name != BASELINE:
             candidates[name] = self.step_for(flags)
 
-        live = {k: [] for k in candidates}
+        samples = {k: [] for k in candidates}
         with self.live.batch_update() as figure:
             figure.data[0].y, figure.data[1].y = [], []
             figure.data[0].name, figure.data[1].name = BASELINE, name
@@ -210,8 +210,8 @@ class FeaturePanel:
         self.progress.description = "timing"
 
         def on_sample(who: str, _round: int, ms: float) -> None:
-            live[who].append(ms)
-            self.figure.data[0 if who == BASELINE else 1].y = live[who]
+            samples[who].append(ms)
+            self.figure.data[0 if who == BASELINE else 1].y = samples[who]
             self.live.draw(at_most_every_s=LIVE_DRAW_INTERVAL_S)  # the summary draws the last
             self.progress.value += 1
 
@@ -225,14 +225,14 @@ class FeaturePanel:
         )
         for key, timing in result.timings.items():
             key_flags = baseline if key == BASELINE else flags
+            low, high = _speedup_band(result, key)
             self._rows[key] = self._rows.get(key, {}) | {
                 "label": key,
                 **dataclasses.asdict(key_flags),
                 **timing.summary(),
                 "speedup": result.speedup(key),
-                **dict(
-                    zip(("speedup_q25", "speedup_q75"), _speedup_band(result, key), strict=True)
-                ),
+                "speedup_q25": low,
+                "speedup_q75": high,
             }
         if self.profile:
             self.progress.description = "profiling"
@@ -311,7 +311,7 @@ class FeaturePanel:
 
     @property
     def figure(self) -> go.Figure:
-        """The timings figure: this run's samples (top), every configuration's median (bars)."""
+        """The timings figure: this run's samples (top), every configuration's speedup (bars)."""
         return self.live.figure
 
     @property
