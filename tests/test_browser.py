@@ -1,10 +1,11 @@
 """Every notebook as a person sees it: opened in JupyterLab in headless Chromium, one after another
 in one workspace, all cells run, then what shows is checked (no cell raised, widgets rendered, no
-errors in the browser console, no profiler noise in the outputs) and, where a notebook has a FeaturePanel, one
-checkbox toggled and Run pressed: the progress bar moves, the plot changes and the table shows
-new numbers. Then two notebooks with panels are left open side by side, kernels running, and the
-first one's widgets must still show when its tab comes back; last, a saved notebook's page is
-reloaded with its kernel running, and its panel must still work. Screenshots of each panel
+errors in the browser console, no profiler noise in the outputs) and, where a notebook has a
+FeaturePanel, one checkbox toggled and Run pressed: the progress bar moves, the plot changes and
+the table shows new numbers. Then two notebooks with panels are left open side by side, kernels
+running, and the first one's widgets must still show when its tab comes back; last, a saved
+notebook's page is reloaded with its kernel running, its widget scripts loading late, and its
+panel must still work. Screenshots of each panel
 before and after go to ``ACCEL_BROWSER_SHOTS`` (default ``ci-logs/browser``).
 
 Needs Playwright for Python and a Chromium (Debian's ``chromium``, or ``ACCEL_CHROMIUM`` naming
