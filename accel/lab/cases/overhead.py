@@ -6,7 +6,8 @@ Two measures per component, each timed interleaved with its plain counterpart:
 - **host time per call**: the Python call to its return, each sample started from an idle GPU
   on inputs small enough that the GPU is never the bottleneck (``accel.timer``'s ``"host"``
   clock). It is the part of a step that a profiler's kernel table does not show, and what a
-  launch-bound model pays on every layer;
+  launch-bound model pays on every layer. The time one adds is taken within each round, as the
+  host's pace drifts between rounds;
 - **single-call latency**: one call from an idle GPU, CUDA events around it, host time included
   (the ``"latency"`` clock), judged round by round.
 
