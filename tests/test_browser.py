@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 from conftest import browser_missing, chromium
 
+from accel.lab.live_figure import NO_RENDERER
+
 pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +41,7 @@ PANEL_TIMEOUT_S = 180
 # What a person would see where a widget failed to render, or where its text fallback shows.
 WIDGET_FAILURES = ("Error displaying widget", "model not found", "Failed to load model class")
 TEXT_FALLBACK = re.compile(
-    r"^(FigureWidget|VBox|HBox)\(|^plotly figure\b.*needs plotly's renderer", re.M
+    rf"^(FigureWidget|VBox|HBox)\(|^plotly figure\b.*{re.escape(NO_RENDERER)}", re.M
 )
 # A cell's error shows as stderr (as warnings do) headed by this; printed text is stdout.
 STDERR = ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"

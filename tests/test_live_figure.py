@@ -3,7 +3,7 @@
 import plotly.graph_objects as go
 import pytest
 
-from accel.lab.live_figure import MIMETYPE, LiveFigure
+from accel.lab.live_figure import MIMETYPE, NO_RENDERER, LiveFigure
 
 
 def _shown(live: LiveFigure) -> dict:
@@ -20,7 +20,7 @@ def test_a_batch_of_edits_is_drawn_once_whole():
     assert _shown(live)["data"][0]["y"] == [3.0, 1.5]
     assert _shown(live)["layout"]["title"]["text"] == "t"
     assert live.widget.layout.min_height == "300px"
-    assert "plotly figure: t" in live.widget.outputs[0]["data"]["text/plain"]
+    assert live.widget.outputs[0]["data"]["text/plain"] == f"plotly figure: t {NO_RENDERER}"
 
 
 def test_a_throttled_draw_waits_for_its_interval():

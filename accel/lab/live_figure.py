@@ -26,6 +26,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 
 MIMETYPE = "application/vnd.plotly.v1+json"
+# What a frontend without plotly's renderer shows instead of the figure.
+NO_RENDERER = "(needs plotly's renderer)"
 
 
 class LiveFigure:
@@ -53,9 +55,7 @@ class LiveFigure:
             return
         bundle = pio.renderers["plotly_mimetype"].to_mimebundle(self.figure.to_dict())
         title = self.figure.layout.title.text
-        bundle["text/plain"] = (
-            f"plotly figure{f': {title}' if title else ''} (needs plotly's renderer)"
-        )
+        bundle["text/plain"] = f"plotly figure{f': {title}' if title else ''} {NO_RENDERER}"
         # The output keeps its height while the renderer replaces the plot: no jump on the page.
         height = self.figure.layout.height
         self.widget.layout.min_height = f"{height}px" if height else None
