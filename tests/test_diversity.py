@@ -54,6 +54,9 @@ def embeddings(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     return torch.randn(shape).to(device=device, dtype=dtype)  # random; never zeros
 
 
+FLOAT_OF_SIZE = {4: torch.float32, 2: torch.bfloat16}
+
+
 def check_all(x: torch.Tensor, counts: torch.Tensor | None = None) -> None:
     for name in FUNCTIONS:
         fast = getattr(dv, name)(x, counts)
@@ -299,8 +302,8 @@ def test_group_config_takes_the_table_then_the_rule():
     # warps, 16-bit in 64-row tiles on 4; the matrix mode, which "pairs" cannot write, as before
     for block_n, itemsize, variant in [(2, 4, "pairs"), (4, 4, "pairs"), (8, 4, "dot"),
                                        (2, 2, "vecsum"), (4, 2, "pairs"), (16, 2, "dot")]:  # fmt: skip
-        assert (block_n, 2048, itemsize) not in kernels.GROUP_TABLE
-        ruled = kernels.group_config(block_n, 2000, 8192, itemsize)
+        assert (block_n, 4096, itemsize) not in kernels.GROUP_TABLE
+        ruled = kernels.group_config(block_n, 3000, 8192, itemsize)
         assert ruled.variant == variant, (block_n, itemsize, ruled)
         if variant == "dot":
             rows = kernels.DOT_ROWS_FP32 if itemsize == 4 else kernels.DOT_ROWS
@@ -318,9 +321,22 @@ def test_group_config_takes_the_table_then_the_rule():
         if config.variant == "dot":
             assert config.groups * block_n >= kernels.DOT_MIN_ROWS, config
             continue
-        # warps split the groups: one warp per row of 16-byte loads of the (group, D) plane
+        # one warp per row of 16-byte loads of the (group, D) plane, or two for a long row
         vec = 16 // itemsize
-        assert config.num_warps * 32 * vec == config.groups * config.block_d, config
+        plane = config.groups * config.block_d
+        assert config.num_warps * 32 * vec in (plane, 2 * plane), config
+
+
+def test_every_measured_launch_of_the_table_matches_references(kdev, seed):
+    """Each GROUP_TABLE entry at a shape that takes it (N and D inside its buckets), with and
+    without ragged counts, B not a multiple of its groups, through the public functions."""
+    rules = pytest.importorskip(CONFIG)
+    for (block_n, bucket, itemsize), config in rules.GROUP_TABLE.items():
+        n, d = max(2, block_n - 1), bucket * 3 // 4 + 1
+        assert rules.group_config(rules.block_rows(n), d, 9, itemsize) is config
+        x = embeddings((2 * config.groups + 1, n, d), FLOAT_OF_SIZE[itemsize], kdev)
+        check_all(x)
+        check_all(x, random_counts(x.shape[0], n).to(kdev))
 
 
 @pytest.mark.parametrize(

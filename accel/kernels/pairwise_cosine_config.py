@@ -85,14 +85,19 @@ class GroupConfig:
         )
 
 
-# The fastest configuration group_kernel_sweep (accel.lab.cases.diversity) measured per
-# (BLOCK_N, D rounded up to a power of 2, bytes per element): results/*.csv, phase=diversity,
-# cases "sweep group kernel ...", and results/diversity-group-rule-nvidia-h100.txt. Every other
-# shape takes _rule_config's.
+# The fastest configuration measured per (BLOCK_N, D rounded up to a power of 2, bytes per
+# element), by group_kernel_sweep (accel.lab.cases.diversity): results/*.csv, phase=diversity,
+# cases "sweep group kernel ...", results/diversity-group-rule-nvidia-h100.txt and
+# results/diversity-group-table-nvidia-h200.txt. Every other shape takes _rule_config's. Long
+# float32 rows (D past 1024) read fastest one group a program, its row on two warps.
 GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
     (4, 512, 4): GroupConfig("pairs", groups=1, block_d=128, unroll=1, num_warps=1),
     (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
     (2, 1024, 2): GroupConfig("pairs", groups=1, block_d=256, unroll=1, num_warps=1),
+    (2, 2048, 4): GroupConfig("vecsum", groups=1, block_d=128, unroll=4, num_warps=2),
+    (8, 2048, 4): GroupConfig("vecsum", groups=1, block_d=128, unroll=1, num_warps=2),
+    (8, 256, 2): GroupConfig("dot", groups=8, block_d=64, unroll=1, num_warps=4),
+    (32, 64, 2): GroupConfig("dot", groups=1, block_d=64, unroll=1, num_warps=2),
 }
 
 
