@@ -23,6 +23,7 @@ from accel.timer import (
     SampleCallback,
     interleaved,
     paired_ratio,
+    round_differences,
     round_ratios,
 )
 
@@ -102,6 +103,12 @@ class Comparison:
     def paired_ratio(self, slow: str, fast: str) -> float:
         """``slow``'s time over ``fast``'s, round by round (:func:`accel.timer.paired_ratio`)."""
         return paired_ratio({k: t.times_ms for k, t in self.timings.items()}, slow, fast)
+
+    def paired_difference(self, slow: str, fast: str) -> float:
+        """Median over rounds of ``slow``'s time minus ``fast``'s in the same round, in ms: what
+        ``slow`` adds, free of the drift that moves both samples of a round alike."""
+        samples = {k: t.times_ms for k, t in self.timings.items()}
+        return statistics.median(round_differences(samples, slow, fast))
 
     def ratio_band(
         self, slow: str, fast: str, low: float = 0.1, high: float = 0.9
