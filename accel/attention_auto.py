@@ -527,8 +527,8 @@ def _candidates(key: SignatureKey, default_kernel: str, q, k, v, mask, causal, s
         first = _run("default", q, k, v, mask, causal, scale)
     candidates = {"default": runs["default"]}
     for backend in FORCED:
-        # PyTorch's pick is timed forced too: forcing it can change its speed (the sdpa
-        # phase's sweep rows show cuDNN faster forced than picked at some shapes)
+        # PyTorch's pick is a candidate forced too, judged like the rest (forced and picked,
+        # cuDNN ran the same kernels in the same time: results/sdpa-auto-host-cost-*.txt)
         if backend == "math" and _math_bytes(key) > MATH_CANDIDATE_BYTES:
             skipped[backend] = (
                 f"would materialize {_math_bytes(key) / 2**30:.1f} GiB of float32 scores; "
