@@ -46,7 +46,9 @@ class GroupConfig:
 
     ``num_warps`` should be ``groups * block_d / (32 * elements per 16-byte load)`` (one warp
     per row of 16-byte loads of the (group, feature) plane) so that warps split the groups,
-    never the rows or D; other values are correct but exchange values through shared memory.
+    never the rows or D; other values are correct but exchange values through shared memory,
+    which long float32 rows (D past 1024, one group a program) repay: there two warps a row
+    read faster than one.
     """
 
     variant: GroupVariant
@@ -86,10 +88,9 @@ class GroupConfig:
 
 
 # The fastest configuration measured per (BLOCK_N, D rounded up to a power of 2, bytes per
-# element), by group_kernel_sweep (accel.lab.cases.diversity): results/*.csv, phase=diversity,
-# cases "sweep group kernel ...", results/diversity-group-rule-nvidia-h100.txt and
-# results/diversity-group-table-nvidia-h200.txt. Every other shape takes _rule_config's. Long
-# float32 rows (D past 1024) read fastest one group a program, its row on two warps.
+# element): group_kernel_sweep's rows (accel.lab.cases.diversity; results/*.csv, phase=diversity,
+# cases "sweep group kernel ..."), results/diversity-group-rule-nvidia-h100.txt and
+# results/diversity-group-table-nvidia-h200.txt. Every other shape takes _rule_config's.
 GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
     (4, 512, 4): GroupConfig("pairs", groups=1, block_d=128, unroll=1, num_warps=1),
     (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
