@@ -100,22 +100,26 @@ class Comparison:
             )
         return self.timings[self.baseline].median_ms / self.timings[label].median_ms
 
+    @property
+    def samples(self) -> dict[str, tuple[float, ...]]:
+        """Each candidate's per-call times (ms), sample ``r`` of each from round ``r``."""
+        return {k: t.times_ms for k, t in self.timings.items()}
+
     def paired_ratio(self, slow: str, fast: str) -> float:
         """``slow``'s time over ``fast``'s, round by round (:func:`accel.timer.paired_ratio`)."""
-        return paired_ratio({k: t.times_ms for k, t in self.timings.items()}, slow, fast)
+        return paired_ratio(self.samples, slow, fast)
 
     def paired_difference(self, slow: str, fast: str) -> float:
         """Median over rounds of ``slow``'s time minus ``fast``'s in the same round, in ms: what
         ``slow`` adds, free of the drift that moves both samples of a round alike."""
-        samples = {k: t.times_ms for k, t in self.timings.items()}
-        return statistics.median(round_differences(samples, slow, fast))
+        return statistics.median(round_differences(self.samples, slow, fast))
 
     def ratio_band(
         self, slow: str, fast: str, low: float = 0.1, high: float = 0.9
     ) -> tuple[float, float]:
         """The ``low`` and ``high`` quantiles of ``slow``'s time over ``fast``'s, round by round:
         the spread around :meth:`paired_ratio`."""
-        ratios = round_ratios({k: t.times_ms for k, t in self.timings.items()}, slow, fast)
+        ratios = round_ratios(self.samples, slow, fast)
         return _quantile(ratios, low), _quantile(ratios, high)
 
     def rows(self) -> list[dict[str, float | int | str]]:

@@ -100,8 +100,7 @@ def host_rows(ctx: BenchContext, case: str, timing: Comparison, ours: str, *, ad
     )]  # fmt: skip
     if added_us is None:
         return rows
-    samples = {k: t.times_ms for k, t in timing.timings.items()}
-    added = [ms * 1e3 for ms in round_differences(samples, ours, timing.baseline)]
+    added = [ms * 1e3 for ms in round_differences(timing.samples, ours, timing.baseline)]
     typical = timing.paired_difference(ours, timing.baseline) * 1e3
     low, _, high = statistics.quantiles(added, n=4) if len(added) > 1 else (typical,) * 3
     spread = (f"; the rounds spread wider than the {added_us:g} us target: the verdict is inside"
