@@ -80,6 +80,19 @@ def test_a_phase_judged_after_an_unjudged_one_keeps_met_as_true_or_false(tmp_pat
     assert list(recorded_results(results_dir=tmp_path)["met"]) == [None, True, False]
 
 
+def test_rewriting_a_result_file_keeps_the_other_phases_rows_to_the_last_digit(tmp_path):
+    stamp = dict.fromkeys(COLUMNS[11:], "x")
+
+    def frame(phase, value):
+        rows = [Row(phase, "case", "time", "ms", value, baseline=1.0).as_dict() | stamp]
+        return pd.DataFrame(rows, columns=COLUMNS)
+
+    write_results(frame("a", 0.9846581923255463), tmp_path, stem="m")
+    before = (tmp_path / "m.csv").read_text()
+    write_results(frame("b", 2.0), tmp_path, stem="m")
+    assert (tmp_path / "m.csv").read_text().splitlines()[1] == before.splitlines()[1]
+
+
 @pytest.mark.parametrize(("higher", "expected"), [(False, 4.0), (True, 0.25)])
 def test_row_speedup_direction(higher, expected):
     assert (
