@@ -382,16 +382,20 @@ def default_results_dir() -> Path:
     return beside_package if beside_package.is_dir() else Path("results")
 
 
-# pandas 2 parses floats to within a unit in the last place unless asked; 3 parses them exactly
-# and deprecates the switch
-_EXACT_FLOATS = {"float_precision": "round_trip"} if int(pd.__version__.split(".")[0]) < 3 else {}
+NUMBER_COLUMNS = ("baseline", "optimized", "speedup", "fraction_of_ceiling")
+
+
+def _exact_float(text: str) -> float:
+    return float(text) if text else math.nan
 
 
 def read_results(csv: str | Path) -> pd.DataFrame:
     """A result file's rows, ``met`` as True, False or None: read as text, since pandas makes a
-    column whose every ``met`` is empty float and would turn a later True into 1.0. Floats are
-    read back exactly, so rewriting a file leaves the rows it keeps as they were."""
-    frame = pd.read_csv(csv, dtype={"met": object}, **_EXACT_FLOATS)
+    column whose every ``met`` is empty float and would turn a later True into 1.0. Numbers are
+    parsed by Python, exactly (some pandas versions' parser is off by a unit in the last place),
+    so rewriting a file leaves the rows it keeps as they were."""
+    converters = dict.fromkeys(NUMBER_COLUMNS, _exact_float)
+    frame = pd.read_csv(csv, dtype={"met": object}, converters=converters)
     frame["met"] = [{"True": True, "False": False}.get(met) for met in frame["met"]]
     return frame
 
