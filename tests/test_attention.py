@@ -281,6 +281,28 @@ def test_auto_keeps_pytorchs_pick_unless_a_forced_kernel_wins_both_ways_by_the_m
     assert AA._winner(*views, max(AA.AUTO_MARGIN, spread)) == expected
 
 
+@pytest.mark.parametrize(
+    ("default_ms", "host_share", "expected"),
+    [
+        (0.1, 0.2, "short"),  # too short to tell kernels apart
+        (0.3, 0.9, "host"),  # the GPU waits on the host for most of the call
+        (0.3, 0.4, ""),  # the kernels take most of the call: compared
+        (5.0, 0.9, ""),  # longer than any host part of a call: not asked
+    ],
+)
+def test_auto_keeps_pytorchs_pick_without_comparing_calls_too_short_or_bound_by_the_host(
+    monkeypatch, default_ms, host_share, expected
+):
+    asked = []
+    monkeypatch.setattr(AA, "host_share", lambda call, device: asked.append(call) or host_share)
+    back_to_back = _samples(default=[default_ms] * 4)
+    notes = {"short": AA.SHORT_CALL_NOTE, "host": AA.HOST_BOUND_NOTE, "": ""}
+    kept = AA._kept_without_comparing(back_to_back, "call", torch.device("cuda"))
+    assert kept == notes[expected]
+    assert asked == (["call"] if AA.SHORT_CALL_MS <= default_ms < AA.HOST_BOUND_CHECK_MS else [])
+    assert AA._kept_without_comparing(back_to_back, "call", torch.device("cpu")) == ""
+
+
 def test_auto_picking_the_default_calls_pytorch_directly_and_a_forced_pick_flips_switches(
     monkeypatch, gen
 ):
