@@ -269,9 +269,11 @@ def sdpa(
     and one set lookup to ``F.scaled_dot_product_attention``, which ``sdpa`` calls itself (a new
     layout of such shapes is not measured again: PyTorch's pick runs it). Other measured
     signatures add a longer key (strides, the mask's) and a lookup. Measured beside ``F.sdpa`` in
-    ``results/`` (rows ``phase=overhead``, ``sdpa auto``): about 2 µs a call on the GPU hosts
-    measured, more than 3% of a call under about 70 µs
-    (``results/sdpa-auto-host-cost-nvidia-h200.txt``); under ``torch.compile`` auto traces to
+    ``results/`` (rows ``phase=overhead``, ``sdpa auto``): 1.3-2 µs of host time a call on the
+    GPU hosts measured, and 3-6 µs added to one call's latency from an idle GPU, more than 3% of
+    a call under about 100-170 µs (``results/sdpa-auto-host-cost-nvidia-h200.txt``). A call whose
+    host time is most of its time on the GPU keeps PyTorch's pick (a short forward and backward,
+    whose autograd host work outlasts the kernels). Under ``torch.compile`` auto traces to
     PyTorch's pick and adds nothing. A forced kernel adds the switching of PyTorch's backend
     flags. The first call of a signature with ``auto`` measures every candidate (milliseconds to
     seconds, once).
