@@ -21,7 +21,6 @@ so another layout of those shapes runs PyTorch's pick without being measured.
 from __future__ import annotations
 
 import math
-import statistics
 import warnings
 import weakref
 from collections.abc import Callable
@@ -33,6 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from accel.attention_auto_rules import (
+    AUTO_MARGIN,
+    DEFAULT_AGAIN,
+    kept_without_comparing,
+    winner,
+)
 from accel.timer import Samples, interleaved
 
 __all__ = [
@@ -67,11 +72,6 @@ TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 # math materializes the scores in float32 (and their gradient when training): above this it is
 # left out of ``auto``'s candidates when a fused backend can run.
 MATH_CANDIDATE_BYTES = 2 << 30
-# A forced kernel replaces PyTorch's pick only when it is faster by more than this share (or the
-# measured spread of the pick against itself, if wider) both back to back and called alone:
-# forcing costs host time per call, and a coin-flip win is not worth it. So auto stays within
-# this share of the fastest kernel where the measurement is steadier than it.
-AUTO_MARGIN = 0.02
 # SDPBackend values as torch._fused_sdp_choice returns them
 _KERNEL_NAMES = {int(b): name for name, b in FORCED.items()}
 
@@ -144,8 +144,8 @@ class AutoChoice:
     with its host time (on a CPU the two are one measurement); ``skipped`` gives the reason of
     each kernel left out. ``spread`` is the default against its own second copy, round by round:
     how far the measurement moves for the same kernel. On a GPU, a default shorter than
-    :data:`SHORT_CALL_MS`, or one whose host time is most of its time there
-    (:data:`HOST_BOUND_SHARE`), is kept without the comparison alone (``note`` says why)."""
+    ``SHORT_CALL_MS``, or one whose host time is most of its time there (``HOST_BOUND_SHARE``,
+    ``accel.attention_auto_rules``), is kept without the comparison alone (``note`` says why)."""
 
     backend: str
     times_ms: dict[str, float]
@@ -490,7 +490,7 @@ def _measure(key: SignatureKey, q, k, v, mask, causal, scale) -> AutoChoice:
     fns = {"default": candidates["default"], DEFAULT_AGAIN: candidates["default"], **candidates}
     back_to_back = interleaved(fns, q.device, warmup=2, repeats=10)
     spread = abs(back_to_back.paired_ratio(DEFAULT_AGAIN, "default") - 1)
-    kept = _kept_without_comparing(back_to_back, candidates["default"], q.device)
+    kept = kept_without_comparing(back_to_back, candidates["default"], q.device)
     if kept:
         return AutoChoice("default", _medians(back_to_back), skipped, {}, default_kernel, spread,
                           note=kept)  # fmt: skip
@@ -499,57 +499,13 @@ def _measure(key: SignatureKey, q, k, v, mask, causal, scale) -> AutoChoice:
         alone = interleaved(fns, q.device, warmup=0, repeats=10, clock="latency")
         spread = max(spread, abs(alone.paired_ratio(DEFAULT_AGAIN, "default") - 1))
     return AutoChoice(
-        _winner(back_to_back, alone, max(AUTO_MARGIN, spread)),
+        winner(back_to_back, alone, max(AUTO_MARGIN, spread)),
         _medians(back_to_back),
         skipped,
         _medians(alone),
         default_kernel,
         spread,
     )
-
-
-DEFAULT_AGAIN = "default again"
-# Under this a call is mostly host time: a forced kernel's switching costs more than it could
-# gain on the GPU, and single calls are too noisy to tell kernels apart.
-SHORT_CALL_MS = 0.2
-SHORT_CALL_NOTE = f"calls under {SHORT_CALL_MS} ms keep PyTorch's pick (host time dominates them)"
-# A call whose host time is at least this share of its time on the GPU back to back keeps the
-# GPU waiting on the host (a short forward and backward: autograd's host work outlasts the
-# kernels): a faster kernel cannot shorten it and forcing one adds host time.
-HOST_BOUND_SHARE = 0.75
-HOST_BOUND_CHECK_MS = 1.0  # longer calls are not asked: an SDPA call's host part is far shorter
-HOST_BOUND_CALLS = 5  # calls a sample, so the device clock sees the GPU wait between calls
-HOST_BOUND_NOTE = (
-    f"the host takes over {HOST_BOUND_SHARE:.0%} of a call's time on the GPU: PyTorch's pick "
-    "kept (a faster kernel cannot shorten the call; forcing one adds host time)"
-)
-
-
-def _kept_without_comparing(back_to_back: Samples, default_call, device: torch.device) -> str:
-    """Why PyTorch's pick is kept before the kernels are compared one call at a time (its note),
-    or "": on CUDA, calls too short to tell kernels apart and calls bound by the host."""
-    if device.type != "cuda":
-        return ""
-    default_ms = back_to_back.medians()["default"]
-    if default_ms < SHORT_CALL_MS:
-        return SHORT_CALL_NOTE
-    if default_ms < HOST_BOUND_CHECK_MS and host_share(default_call, device) >= HOST_BOUND_SHARE:
-        return HOST_BOUND_NOTE
-    return ""
-
-
-def host_share(call: Callable[[], object], device: torch.device) -> float:
-    """``call``'s host time per call over its time per call on ``device`` back to back, both
-    over :data:`HOST_BOUND_CALLS` calls a sample: near 1 where the GPU waits on the host."""
-
-    def per_call(clock: str) -> float:
-        samples = interleaved(
-            {"call": call}, device, warmup=1, repeats=5, calls_per_sample=HOST_BOUND_CALLS,
-            clock=clock,
-        )  # fmt: skip
-        return statistics.median(samples.times_ms["call"])
-
-    return per_call("host") / per_call("device")
 
 
 def _candidates(key: SignatureKey, default_kernel: str, q, k, v, mask, causal, scale):
@@ -589,19 +545,6 @@ def _candidates(key: SignatureKey, default_kernel: str, q, k, v, mask, causal, s
         else:
             candidates[backend] = runs[backend]
     return candidates, skipped
-
-
-def _winner(back_to_back: Samples, alone: Samples, margin: float) -> str:
-    """The forced kernel that beats the default by the most, in the worse of the two views,
-    if that is more than ``margin``; else ``"default"``."""
-    best, best_gain = "default", 1.0 + margin
-    for name in back_to_back.times_ms:
-        if name in ("default", DEFAULT_AGAIN):
-            continue
-        gain = min(t.paired_ratio("default", name) for t in (back_to_back, alone))
-        if gain > best_gain:
-            best, best_gain = name, gain
-    return best
 
 
 def _medians(samples: Samples) -> dict[str, float]:

@@ -12,6 +12,7 @@ import torch
 
 from accel import attention as A
 from accel import attention_auto as AA
+from accel import attention_auto_rules as AR
 from accel.timer import Samples, round_order
 
 CUDA = torch.cuda.is_available()
@@ -223,7 +224,7 @@ def test_shapes_that_kept_pytorchs_pick_run_it_in_another_layout_without_a_measu
     measured = []
     real = AA._measure
     monkeypatch.setattr(AA, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
-    monkeypatch.setattr(AA, "_winner", lambda *a: "default")
+    monkeypatch.setattr(AA, "winner", lambda *a: "default")
     q, k, v = qkv((2, 3, 17, 16), torch.float32, "cpu", gen)
     A.sdpa(q, k, v, causal=True)
     # the same shapes laid out (B, S, H, D) in memory, as a projection's output viewed per head
@@ -241,7 +242,7 @@ def test_shapes_where_one_layout_took_a_forced_kernel_are_keyed_by_layout_again(
     real = AA._measure
     monkeypatch.setattr(AA, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
     picks = iter(["math", "default"])
-    monkeypatch.setattr(AA, "_winner", lambda *a: next(picks))
+    monkeypatch.setattr(AA, "winner", lambda *a: next(picks))
     forced = []
     real_alone = AA._alone
     monkeypatch.setattr(AA, "_alone", lambda b, *a: forced.append(b) or real_alone(b, *a))
@@ -278,7 +279,7 @@ def test_auto_keeps_pytorchs_pick_unless_a_forced_kernel_wins_both_ways_by_the_m
         _samples(default=rounds, math=[t * ratio for t in rounds])
         for ratio in (forced_back_to_back, forced_alone)
     ]
-    assert AA._winner(*views, max(AA.AUTO_MARGIN, spread)) == expected
+    assert AR.winner(*views, max(AR.AUTO_MARGIN, spread)) == expected
 
 
 @pytest.mark.parametrize(
@@ -294,13 +295,13 @@ def test_auto_keeps_pytorchs_pick_without_comparing_calls_too_short_or_bound_by_
     monkeypatch, default_ms, host_share, expected
 ):
     asked = []
-    monkeypatch.setattr(AA, "host_share", lambda call, device: asked.append(call) or host_share)
+    monkeypatch.setattr(AR, "host_share", lambda call, device: asked.append(call) or host_share)
     back_to_back = _samples(default=[default_ms] * 4)
-    notes = {"short": AA.SHORT_CALL_NOTE, "host": AA.HOST_BOUND_NOTE, "": ""}
-    kept = AA._kept_without_comparing(back_to_back, "call", torch.device("cuda"))
+    notes = {"short": AR.SHORT_CALL_NOTE, "host": AR.HOST_BOUND_NOTE, "": ""}
+    kept = AR.kept_without_comparing(back_to_back, "call", torch.device("cuda"))
     assert kept == notes[expected]
-    assert asked == (["call"] if AA.SHORT_CALL_MS <= default_ms < AA.HOST_BOUND_CHECK_MS else [])
-    assert AA._kept_without_comparing(back_to_back, "call", torch.device("cpu")) == ""
+    assert asked == (["call"] if AR.SHORT_CALL_MS <= default_ms < AR.HOST_BOUND_CHECK_MS else [])
+    assert AR.kept_without_comparing(back_to_back, "call", torch.device("cpu")) == ""
 
 
 def test_auto_picking_the_default_calls_pytorch_directly_and_a_forced_pick_flips_switches(
@@ -310,13 +311,13 @@ def test_auto_picking_the_default_calls_pytorch_directly_and_a_forced_pick_flips
     forced = []
     real_alone = AA._alone
     monkeypatch.setattr(AA, "_alone", lambda b, *a: forced.append(b) or real_alone(b, *a))
-    monkeypatch.setattr(AA, "_winner", lambda *a: "default")
+    monkeypatch.setattr(AA, "winner", lambda *a: "default")
     A.sdpa(q, k, v)  # measured
     forced.clear()
     torch.testing.assert_close(A.sdpa(q, k, v), A.attention_reference(q, k, v))
     assert forced == []
     A.clear_auto_cache()
-    monkeypatch.setattr(AA, "_winner", lambda *a: "math")
+    monkeypatch.setattr(AA, "winner", lambda *a: "math")
     A.sdpa(q, k, v)
     forced.clear()
     torch.testing.assert_close(A.sdpa(q, k, v), A.attention_reference(q, k, v))

@@ -277,6 +277,63 @@ def test_pairs_kernel_matches_references(kdev, shape, dtype, seed):
                 torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(5, 8, 123), (9, 16, 40), (7, 40, 77), (3, 64, 200), (6, 12, 600)], ids=str
+)
+def test_the_closed_form_kernel_matches_the_mean_reference(kdev, shape, dtype, seed):
+    """ "closed": the mean from the normalized rows' sum, whole rows a step; ragged counts (an
+    empty group, a lone member), a zero row, strided groups, several groups a step with B not a
+    multiple of them, a group over several steps."""
+    kernels = dv._kernels()
+    config_module = pytest.importorskip(CONFIG)
+    x = embeddings(shape, dtype, kdev)
+    x[0, 1] = 0  # a zero vector: cosine 0 with every other, no NaN
+    counts = random_counts(shape[0], shape[1]).to(kdev)
+    strided = x.transpose(0, 1).contiguous().transpose(0, 1)
+    block_n, block_d = kernels.block_rows(shape[1]), 1 << (shape[2] - 1).bit_length()
+    configs = [
+        config_module.closed_form_config(block_n, shape[2], shape[0]),
+        kernels.GroupConfig("closed", 1, block_d, 1, 1),
+        kernels.GroupConfig("closed", 4, block_d, 1, 4),
+    ]
+    for inputs, members in ((x, None), (x, counts), (strided, counts)):
+        with float32_matmul("highest"):
+            ref = dv.mean_diversity_reference(inputs, members)
+        for config in configs:
+            got = kernels._run_group(inputs, members, kernels.MODE_MEAN, config, eps=dv.EPS)[0]
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=str(config))
+
+
+def test_the_closed_form_kernel_takes_the_mean_only_of_rows_that_fit(kdev):
+    kernels = dv._kernels()
+    x = embeddings((2, 8, 40), device=kdev)
+    with pytest.raises(
+        ValueError, match="mean only, of rows no longer than its block_d; got mode 1"
+    ):
+        kernels._run_group(
+            x, None, kernels.MODE_NEAREST, kernels.GroupConfig("closed", 1, 64, 1, 1), eps=dv.EPS
+        )
+    with pytest.raises(ValueError, match="D=40 for block_d=32"):
+        kernels._run_group(
+            x, None, kernels.MODE_MEAN, kernels.GroupConfig("closed", 1, 32, 1, 1), eps=dv.EPS
+        )
+
+
+def test_float32_means_from_eight_rows_take_the_closed_form_where_whole_rows_fit():
+    config = pytest.importorskip(CONFIG)
+    assert config.mean_config(8, 64, 4096, 4).variant == "closed"
+    assert config.mean_config(64, 2048, 269, 4).variant == "closed"
+    assert config.mean_config(4, 64, 4096, 4).variant != "closed"  # fewer rows: pairs
+    assert config.mean_config(8, 64, 4096, 2).variant != "closed"  # 16 bit: the tensor cores
+    assert config.mean_config(16, 16384, 64, 4).variant != "closed"  # rows past a step
+    assert config.group_kernel_takes_mean(64, 2048, 4)
+    assert not config.group_kernel_takes_mean(32, 16384, 4)  # the large-set closed form
+    assert config.group_kernel_takes_mean(16, 16384, 4)  # the Gram, over chunks of D
+    assert not config.group_kernel_takes_mean(65, 64, 2)
+
+
 def test_pairs_kernel_refuses_groups_of_more_than_four(kdev):
     kernels = dv._kernels()
     config = kernels.GroupConfig("pairs", 1, 128, 1, 1)

@@ -153,8 +153,10 @@ def test_compile_is_cuda_only_and_auto_is_tuned_outside_the_steps():
     assert "compile" in unavailable(vit.Flags, "cpu")
     step = vit.build(vit.Flags(sdpa=True), SIZES)
     assert step.tuning_seconds > 0 and step.count == 0 and step.losses == []
+    # the CPU's kernels: PyTorch's pick is flash, timed forced as well, so on a busy host
+    # forced flash can win by noise; which one auto keeps is a measurement, not asserted here
     assert all(
-        a.last_backend in ("default", "math") and a.last_kernel in ("flash", "math")
+        a.last_backend in ("default", "flash", "math") and a.last_kernel in ("flash", "math")
         for a in step.model.attention_modules()
     )
     assert all(p.grad is None for p in step.model.parameters())

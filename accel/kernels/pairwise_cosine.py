@@ -1,11 +1,12 @@
 """Pairwise-cosine diversity in Triton: the launchers behind ``accel.diversity``.
 
 Groups of N <= ``SMALL_N`` rows take the group kernels (``pairwise_cosine_groups``: whole groups
-per program, every cosine in registers or in one tensor-core product), launched as
-``pairwise_cosine_config`` says; larger groups (and float32 means past
-``CLOSED_FORM_FP32_MEAN_N``) take the large-set kernels (``pairwise_cosine_large``): the mean by
-its O(N D) closed form, the nearest distances and the matrix by a fused-attention-shaped tiled
-kernel that never stores the N x N matrix. Each kernel reads the embeddings from device memory
+per program, every cosine in registers or in one tensor-core product; float32 means from
+``CLOSED_FORM_MIN_N`` rows by the O(N D) closed form over whole rows), launched as
+``pairwise_cosine_config`` says; larger groups (and float32 means past ``CLOSED_FORM_LARGE_N``
+rows too long for one step) take the large-set kernels (``pairwise_cosine_large``): the mean by
+the closed form with a group's rows split over programs, the nearest distances and the matrix by
+a fused-attention-shaped tiled kernel that never stores the N x N matrix. Each kernel reads the embeddings from device memory
 once, through their strides (non-contiguous tensors need no copy), and accumulates in float32.
 
 The functions here take embeddings ``(B, N, D)`` and ``counts`` already checked by the caller
@@ -32,10 +33,17 @@ from .pairwise_cosine_config import (
     GroupConfig,
     _rule_config,
     block_rows,
+    closed_form_rows,
     group_config,
     group_kernel_takes_mean,
+    mean_config,
 )
-from .pairwise_cosine_groups import _group_dot_kernel, _group_kernel, _pairs_kernel
+from .pairwise_cosine_groups import (
+    _closed_form_kernel,
+    _group_dot_kernel,
+    _group_kernel,
+    _pairs_kernel,
+)
 from .pairwise_cosine_large import (
     INTERPRET_TILED,
     ROWS_BLOCK_D,
@@ -60,6 +68,7 @@ INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
 # argument binding (accel.kernels.launch).
 _launch_group, _launch_pairs = Launcher(_group_kernel), Launcher(_pairs_kernel)
 _launch_group_dot = Launcher(_group_dot_kernel)
+_launch_closed_form = Launcher(_closed_form_kernel)
 _launch_inv_norms, _launch_normalized_sum = (
     Launcher(_inv_norm_kernel),
     Launcher(_normalized_sum_kernel),
@@ -162,7 +171,7 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
     block_n = block_rows(N)
     itemsize = x.element_size()
     if config is None:
-        config = group_config(block_n, D, B, itemsize)
+        config = (mean_config if mode == MODE_MEAN else group_config)(block_n, D, B, itemsize)
     if config.variant in SWEEP_VARIANTS:
         raise ValueError(
             f"the {config.variant!r} group kernel is kept for the bench sweep: launch it with "
@@ -179,6 +188,14 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
     if config.variant == "pairs":
         block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
         return _launch_pairs, grid, common | dict(BLOCK_D=block_d), True
+    if config.variant == "closed":
+        if mode != MODE_MEAN or config.block_d < D:
+            raise ValueError(
+                "the 'closed' group kernel takes the mean only, of rows no longer than its "
+                f"block_d; got mode {mode} and D={D} for block_d={config.block_d}"
+            )
+        rows = dict(BLOCK_N=closed_form_rows(block_n, config), BLOCK_D=config.block_d)
+        return _launch_closed_form, grid, common | rows, True
     if config.variant == "dot":
         if not DOT_MIN_ROWS <= config.groups * block_n <= DOT_MAX_ROWS:
             raise ValueError(
@@ -349,10 +366,10 @@ def _group_means(items: torch.Tensor, counts: torch.Tensor | None, x: torch.Tens
 def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None, *, eps: float):
     """1 - mean cosine over pairs i != j of each group: (B,)."""
     _check_runnable(x)
-    B, N, _ = x.shape
+    B, N, D = x.shape
     if B == 0 or N < 2:  # no pairs anywhere: diversity 0 by definition
         return torch.zeros(B, device=x.device)
-    if group_kernel_takes_mean(N, x.element_size()):
+    if group_kernel_takes_mean(N, D, x.element_size()):
         return _run_group(x, counts, MODE_MEAN, eps=eps)[0]
     return _run_closed_form_mean(x, counts, eps)
 

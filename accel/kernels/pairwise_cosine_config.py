@@ -14,9 +14,12 @@ from typing import Literal
 import triton
 
 SMALL_N = 64  # groups up to this size take the group kernels (whole groups per program)
-# A float32 mean of groups over this size takes the closed form (pairwise_cosine_large), which
-# reads them about as fast as the tensor-core group kernel, faster at D <= 256.
-CLOSED_FORM_FP32_MEAN_N = 16
+# A float32 mean of groups from this size takes the closed form, one pass over whole rows in
+# registers (the "closed" group kernel), where the Gram matrix costs three TF32 passes of
+# N^2 D products; rows too long for one step, in groups over CLOSED_FORM_LARGE_N, take the
+# large-set closed form (pairwise_cosine_large), which splits a group's rows over programs.
+CLOSED_FORM_MIN_N = 8
+CLOSED_FORM_LARGE_N = 16
 # The fallback rule keeps the group kernel's (N, N, GROUPS, BLOCK_D) product tile at or under
 # this many float32 elements, so it lives in registers: 64 per thread at 4 warps.
 GROUP_TILE_ELEMENTS = 8192
@@ -27,8 +30,10 @@ GROUP_UNROLL = 4  # chunks of D a program loads together, at most
 # distinct dot products only); "dot" is _group_dot_kernel (every group's rows of a program as one
 # tile through the tensor cores). Kept for the bench sweep (pairwise_cosine_variants): "tile"
 # (every product, summed after the loop) and "gram" (each chunk summed over D across the lanes).
-GroupVariant = Literal["tile", "vecsum", "gram", "pairs", "dot"]
-GROUP_VARIANTS: tuple[str, ...] = ("tile", "vecsum", "gram", "pairs", "dot")
+# "closed" (_closed_form_kernel) takes the mean only, by its closed form: BLOCK_D is the whole
+# row, and a step holds as many rows as fit GROUP_TILE_ELEMENTS.
+GroupVariant = Literal["tile", "vecsum", "gram", "pairs", "dot", "closed"]
+GROUP_VARIANTS: tuple[str, ...] = ("tile", "vecsum", "gram", "pairs", "dot", "closed")
 SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram")  # run by pairwise_cosine_variants only
 PAIRS_MAX_N = 4  # the rows _pairs_kernel spells out
 PAIRS_PROGRAM_BYTES = 8192  # the "pairs" rule's groups per program read about this much
@@ -147,15 +152,45 @@ def _rule_config(
     )
 
 
-def group_kernel_takes_mean(n: int, itemsize: int) -> bool:
-    """Whether the group kernels take the mean of groups of ``n`` rows (else the closed form)."""
-    return n <= SMALL_N and not (itemsize == 4 and n > CLOSED_FORM_FP32_MEAN_N)
+def _whole_rows_fit(d: int) -> bool:
+    return triton.next_power_of_2(d) <= GROUP_TILE_ELEMENTS
+
+
+def group_kernel_takes_mean(n: int, d: int, itemsize: int) -> bool:
+    """Whether the group kernels take the mean of groups of ``n`` rows of ``d`` elements (else
+    the large-set closed form)."""
+    fp32_large = itemsize == 4 and n > CLOSED_FORM_LARGE_N
+    return n <= SMALL_N and not (fp32_large and not _whole_rows_fit(d))
 
 
 def group_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
     """The configuration the group kernel launches with: the table's, else the rule's."""
     table = GROUP_TABLE.get((block_n, triton.next_power_of_2(d), itemsize))
     return table if table is not None else _rule_config(block_n, d, batch, itemsize)
+
+
+def mean_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
+    """The configuration of the mean: the closed form's for float32 groups from
+    :data:`CLOSED_FORM_MIN_N` rows whose rows fit a step, else :func:`group_config`."""
+    if itemsize == 4 and block_n >= CLOSED_FORM_MIN_N and _whole_rows_fit(d):
+        return closed_form_config(block_n, d, batch)
+    return group_config(block_n, d, batch, itemsize)
+
+
+def closed_form_config(block_n: int, d: int, batch: int) -> GroupConfig:
+    """The "closed" kernel's launch: whole rows (BLOCK_D the next power of 2 of ``d``); as many
+    groups a step as fit :data:`GROUP_TILE_ELEMENTS` where a whole group does, else one group
+    whose rows go :func:`closed_form_rows` at a time; one warp per 512 elements, up to 4."""
+    block_d = max(16, triton.next_power_of_2(d))
+    fits = GROUP_TILE_ELEMENTS // (block_n * block_d)
+    groups = max(1, min(fits, GROUP_MAX, triton.next_power_of_2(batch)))
+    tile = groups * min(block_n, GROUP_TILE_ELEMENTS // block_d) * block_d
+    return GroupConfig("closed", groups, block_d, unroll=1, num_warps=max(1, min(4, tile // 512)))
+
+
+def closed_form_rows(block_n: int, config: GroupConfig) -> int:
+    """Rows of each group a step of the "closed" kernel holds (BLOCK_N)."""
+    return max(1, min(block_n, GROUP_TILE_ELEMENTS // (config.groups * config.block_d)))
 
 
 def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:

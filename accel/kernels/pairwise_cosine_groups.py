@@ -12,6 +12,8 @@
   the rule takes past 16 rows.
 - ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
   products formed.
+- ``_closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
+  registers a step, each read once, O(N D) work): float32 groups from 8 rows.
 
 The prologue (``_group_rows``), a chunk's products (``_chunk_products``) and the epilogue
 (``_group_epilogue``) are shared with the variants the bench sweep compares
@@ -296,3 +298,37 @@ def _pairs_kernel(
 # True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
 # as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
 INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
+
+
+@triton.jit
+def _closed_form_kernel(
+    X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
+    MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # The mean only (MODE 0), by its closed form: sum_{i != j} cos_ij = ||sum_i x̂_i||^2 -
+    # sum_i ||x̂_i||^2. Each step holds BLOCK_N whole rows of GROUPS groups, (GROUPS, BLOCK_N,
+    # BLOCK_D): their norms come from registers, so every row is read once, and O(N D) work
+    # replaces the N^2 D of a Gram matrix (three TF32 passes of it in float32).
+    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    live = b < B
+    n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
+    cols = tl.arange(0, BLOCK_D)
+    x_groups = X_ptr + b[:, None, None] * stride_xb + cols[None, None, :] * stride_xd
+    column_sums = tl.zeros([GROUPS, BLOCK_D], dtype=tl.float32)  # sum_i x̂_i
+    own = tl.zeros([GROUPS], dtype=tl.float32)  # sum_i ||x̂_i||^2
+    for n0 in range(0, N, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        member = rows[None, :] < n[:, None]  # (GROUPS, BLOCK_N); rows past a count: not read
+        x = tl.load(
+            x_groups + rows[None, :, None] * stride_xn,
+            mask=member[:, :, None] & (cols[None, None, :] < D),
+            other=0.0,
+        ).to(tl.float32)
+        squares = tl.sum(x * x, axis=2)
+        inv = 1.0 / tl.maximum(tl.sqrt(squares), eps)
+        own += tl.sum(squares * inv * inv, axis=1)
+        column_sums += tl.sum(x * inv[:, :, None], axis=1)
+    pairs = tl.sum(column_sums * column_sums, axis=1) - own
+    mean_cos = pairs / tl.maximum(n * (n - 1), 1)
+    tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
