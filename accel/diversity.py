@@ -28,10 +28,10 @@ path the result is the kernel's and the gradient the reference's, recomputed fro
 backward (the reference's forward and backward, once).
 
 Host cost per call on CUDA: the first call of a signature (shape, strides, dtype, device,
-alignment, counts' layout) checks the inputs and compiles. After it, groups of up to 64 (float32
-means: up to 16) cost a key, one allocation and one launch of the compiled kernel with addresses
-(``accel.kernels.pairwise_cosine.ReadyCall``); larger groups take two or three launches through
-``accel.kernels.launch``. Measured beside the compiled closed form in ``results/`` (rows
+alignment, counts' layout) checks the inputs and compiles. After it, groups of up to 64 cost a
+key, one allocation and one launch of the compiled kernel with addresses
+(``accel.kernels.pairwise_cosine.ReadyCall``); larger groups (and float32 means over 16 rows of
+more than 8192 elements) take two or three launches through ``accel.kernels.launch``. Measured beside the compiled closed form in ``results/`` (rows
 ``phase=overhead``, ``host time per call``).
 """
 
