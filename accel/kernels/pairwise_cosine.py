@@ -6,8 +6,9 @@ per program, every cosine in registers or in one tensor-core product; float32 me
 ``pairwise_cosine_config`` says; larger groups (and float32 means past ``CLOSED_FORM_LARGE_N``
 rows too long for one step) take the large-set kernels (``pairwise_cosine_large``): the mean by
 the closed form with a group's rows split over programs, the nearest distances and the matrix by
-a fused-attention-shaped tiled kernel that never stores the N x N matrix. Each kernel reads the embeddings from device memory
-once, through their strides (non-contiguous tensors need no copy), and accumulates in float32.
+a fused-attention-shaped tiled kernel that never stores the N x N matrix. Each kernel reads the
+embeddings from device memory once, through their strides (non-contiguous tensors need no
+copy), and accumulates in float32.
 
 The functions here take embeddings ``(B, N, D)`` and ``counts`` already checked by the caller
 (``accel.diversity.check_embeddings``) and ``eps`` (vectors are normalized as x / max(||x||,

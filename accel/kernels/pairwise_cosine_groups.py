@@ -295,11 +295,6 @@ def _pairs_kernel(
         tl.store(out_ptr + b, tl.where(many, group_mean, 0.0), mask=live)
 
 
-# True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
-# as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
-INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
-
-
 @triton.jit
 def _closed_form_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
@@ -332,3 +327,8 @@ def _closed_form_kernel(
     pairs = tl.sum(column_sums * column_sums, axis=1) - own
     mean_cos = pairs / tl.maximum(n * (n - 1), 1)
     tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
+
+
+# True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
+# as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
+INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
