@@ -31,8 +31,9 @@ Host cost per call on CUDA: the first call of a signature (shape, strides, dtype
 alignment, counts' layout) checks the inputs and compiles. After it, groups of up to 64 cost a
 key, one allocation and one launch of the compiled kernel with addresses
 (``accel.kernels.pairwise_cosine.ReadyCall``); larger groups (and float32 means over 16 rows of
-more than 8192 elements) take two or three launches through ``accel.kernels.launch``. Measured beside the compiled closed form in ``results/`` (rows
-``phase=overhead``, ``host time per call``).
+more than 8192 elements) take two or three launches through ``accel.kernels.launch``. Measured
+beside the compiled closed form in ``results/`` (rows ``phase=overhead``, ``host time per
+call``).
 """
 
 from __future__ import annotations

@@ -184,13 +184,17 @@ def closed_form_config(block_n: int, d: int, batch: int) -> GroupConfig:
     block_d = max(16, triton.next_power_of_2(d))
     fits = GROUP_TILE_ELEMENTS // (block_n * block_d)
     groups = max(1, min(fits, GROUP_MAX, triton.next_power_of_2(batch)))
-    tile = groups * min(block_n, GROUP_TILE_ELEMENTS // block_d) * block_d
+    tile = groups * _rows_a_step(block_n, groups, block_d) * block_d
     return GroupConfig("closed", groups, block_d, unroll=1, num_warps=max(1, min(4, tile // 512)))
 
 
 def closed_form_rows(block_n: int, config: GroupConfig) -> int:
     """Rows of each group a step of the "closed" kernel holds (BLOCK_N)."""
-    return max(1, min(block_n, GROUP_TILE_ELEMENTS // (config.groups * config.block_d)))
+    return _rows_a_step(block_n, config.groups, config.block_d)
+
+
+def _rows_a_step(block_n: int, groups: int, block_d: int) -> int:
+    return max(1, min(block_n, GROUP_TILE_ELEMENTS // (groups * block_d)))
 
 
 def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:
