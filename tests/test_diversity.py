@@ -384,6 +384,23 @@ def test_group_config_takes_the_table_then_the_rule():
         assert config.num_warps * 32 * vec in (plane, 2 * plane), config
 
 
+def test_ragged_16_bit_groups_take_short_chunks_on_the_tensor_cores():
+    """With counts, 16-bit rows are read in chunks of 64 through the tensor-core tile (its 128
+    reads slower past the holes), groups of 3-4 long rows too; without counts, as before."""
+    rules = pytest.importorskip(CONFIG)
+    for block_n, d in [(16, 256), (16, 2048), (32, 2048), (64, 256), (4, 2048), (4, 3000)]:
+        ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
+        assert (ragged.variant, ragged.block_d) == ("dot", 64), (block_n, d, ragged)
+        assert ragged.groups * block_n == rules.DOT_ROWS and ragged.num_warps == 4
+        assert rules.mean_config(block_n, d, 8192, 2, ragged=True) == ragged
+        assert rules.group_config(block_n, d, 8192, 2) != ragged  # full groups: as before
+    for block_n, d, itemsize in [(4, 1024, 2), (2, 2048, 2), (4, 2048, 4), (16, 256, 4)]:
+        assert rules.group_config(block_n, d, 8192, itemsize, ragged=True) == rules.group_config(
+            block_n, d, 8192, itemsize
+        ), (block_n, d, itemsize)
+    assert rules.mean_config(16, 256, 8192, 4, ragged=True).variant == "closed"
+
+
 def test_every_measured_launch_of_the_table_matches_references(kdev, seed):
     """Each GROUP_TABLE entry at a shape that takes it (N and D inside its buckets), with and
     without ragged counts, B not a multiple of its groups, through the public functions."""

@@ -37,6 +37,31 @@ def test_a_large_point_times_the_kernels_beside_the_same_rows_read_alone(kdev, m
         assert all(v > 0 and math.isfinite(v) for v in (mine, plain, ratio, device_ms, read_ms))
 
 
+def test_the_rows_read_alone_are_timed_at_each_launch_shape_and_the_fastest_kept(kdev, monkeypatch):
+    monkeypatch.setattr(sweep, "LARGE_BYTES", 1)
+    monkeypatch.setattr(sweep, "rotating_inputs", lambda shape, dtype, device: [
+        torch.randn(shape, device=device).to(dtype) for _ in range(2)
+    ])  # fmt: skip
+    timed = []
+
+    def time_per_call(calls, buffers, device, repeats):
+        timed.append(sorted(calls))
+        reads = sorted(n for n in calls if n != "accel")
+        return {"accel": 3.0} | {n: 1.0 + len(timed) + i for i, n in enumerate(reads)}
+
+    monkeypatch.setattr(sweep, "time_per_call", time_per_call)
+    point = sweep.Point(6, 3, 24, torch.float32, ragged=True)
+    _, measured = sweep.measure(point, torch.device(kdev))
+    tiles = sweep.read_rows().TILE_BYTES_TRIED
+    assert len(tiles) >= 2 and all(len(t) == 1 + len(tiles) for t in timed)
+    assert [m[4:] for m in measured] == [(3.0, 2.0), (3.0, 3.0)]  # (ours, the fastest read)
+
+
+def test_a_point_whose_own_reads_miss_the_target_says_so():
+    assert sweep.layout_bound(sweep.TARGET_BANDWIDTH) == ""
+    assert "the layout's bound" in sweep.layout_bound(sweep.TARGET_BANDWIDTH - 0.01)
+
+
 def _host_rows(plain_us, ours_us):
     from accel.lab.bench import BenchContext
     from accel.lab.cases import overhead

@@ -172,7 +172,8 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
     block_n = block_rows(N)
     itemsize = x.element_size()
     if config is None:
-        config = (mean_config if mode == MODE_MEAN else group_config)(block_n, D, B, itemsize)
+        choose = mean_config if mode == MODE_MEAN else group_config
+        config = choose(block_n, D, B, itemsize, ragged=has_counts)
     if config.variant in SWEEP_VARIANTS:
         raise ValueError(
             f"the {config.variant!r} group kernel is kept for the bench sweep: launch it with "

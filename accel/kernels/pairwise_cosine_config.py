@@ -43,6 +43,11 @@ DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 w
 DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
 DOT_MIN_ROWS = 16  # the smallest tile the tensor cores take
 DOT_MAX_ROWS = 128  # past this the product's operands outgrow shared memory (float32, H100)
+# Ragged 16-bit groups (counts given): the tensor-core tile reads chunks of this many elements,
+# which read faster than 128 past the holes that counts leave; and groups of 3-4 rows from this
+# long take that tile rather than the pairs kernel. results/diversity-ragged-reads-nvidia-h200.txt
+RAGGED_BLOCK_D = 64
+RAGGED_DOT_MIN_D = 2048
 
 
 @dataclass(frozen=True)
@@ -163,18 +168,39 @@ def group_kernel_takes_mean(n: int, d: int, itemsize: int) -> bool:
     return n <= SMALL_N and not (fp32_large and not _whole_rows_fit(d))
 
 
-def group_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
-    """The configuration the group kernel launches with: the table's, else the rule's."""
-    table = GROUP_TABLE.get((block_n, triton.next_power_of_2(d), itemsize))
-    return table if table is not None else _rule_config(block_n, d, batch, itemsize)
+def group_config(
+    block_n: int, d: int, batch: int, itemsize: int, *, ragged: bool = False
+) -> GroupConfig:
+    """The configuration the group kernel launches with: the table's, else the rule's; for
+    ragged 16-bit groups (``ragged``: counts given), :func:`_ragged_config`'s where it has one."""
+    config = GROUP_TABLE.get((block_n, triton.next_power_of_2(d), itemsize))
+    if config is None:
+        config = _rule_config(block_n, d, batch, itemsize)
+    if ragged and itemsize == 2:
+        return _ragged_config(config, block_n, d)
+    return config
 
 
-def mean_config(block_n: int, d: int, batch: int, itemsize: int) -> GroupConfig:
+def _ragged_config(config: GroupConfig, block_n: int, d: int) -> GroupConfig:
+    """A 16-bit launch for groups with holes: the tensor-core tile in chunks of
+    :data:`RAGGED_BLOCK_D`, taken by groups of 3-4 rows from :data:`RAGGED_DOT_MIN_D` long."""
+    if config.variant == "pairs" and d >= RAGGED_DOT_MIN_D:
+        return GroupConfig("dot", DOT_ROWS // block_n, RAGGED_BLOCK_D, unroll=1, num_warps=4)
+    if config.variant == "dot":
+        return GroupConfig(
+            "dot", config.groups, RAGGED_BLOCK_D, unroll=1, num_warps=config.num_warps
+        )
+    return config
+
+
+def mean_config(
+    block_n: int, d: int, batch: int, itemsize: int, *, ragged: bool = False
+) -> GroupConfig:
     """The configuration of the mean: the closed form's for float32 groups from
     :data:`CLOSED_FORM_MIN_N` rows whose rows fit a step, else :func:`group_config`."""
     if itemsize == 4 and block_n >= CLOSED_FORM_MIN_N and _whole_rows_fit(d):
         return closed_form_config(block_n, d, batch)
-    return group_config(block_n, d, batch, itemsize)
+    return group_config(block_n, d, batch, itemsize, ragged=ragged)
 
 
 def closed_form_config(block_n: int, d: int, batch: int) -> GroupConfig:

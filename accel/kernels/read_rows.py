@@ -3,7 +3,9 @@
 No component uses it. It is the lab's ceiling for a diversity kernel's reads: on ragged counts the
 rows past a set's count are holes in the stream that a contiguous copy does not have, so the time
 to read just the held rows, in the same layout, is what such a kernel can approach. Programs split
-the batch by sets and each set by blocks of rows, so a few large sets still fill the device.
+the batch by sets and each set by blocks of rows, so a few large sets still fill the device. No
+one launch shape reads every layout fastest (past holes, small tiles often win), so the lab times
+each of :data:`TILE_BYTES_TRIED` and takes the fastest as the ceiling.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-# Elements a program loads per step: 16 KB of float32 or of 16-bit values in flight.
-TILE_BYTES = 16 << 10
+# Bytes a program loads per step, the launch shapes tried: 16 KB reads full sets at the copy's
+# pace; 4 KB reads ragged sets faster at most widths (results/diversity-ragged-reads-*.txt).
+TILE_BYTES_TRIED = (16 << 10, 4 << 10)
+TILE_BYTES = TILE_BYTES_TRIED[0]
 ROWS_PER_PROGRAM = 16  # at most: larger sets are split over programs
 
 
@@ -55,21 +59,26 @@ def _sum_rows_kernel(
     tl.store(out_ptr + sets * blocks + block, tl.sum(tl.sum(acc, axis=2), axis=1), mask=set_ok)
 
 
-def launch_shape(n: int, d: int, itemsize: int) -> tuple[int, int, int]:
+def launch_shape(
+    n: int, d: int, itemsize: int, tile_bytes: int = TILE_BYTES
+) -> tuple[int, int, int]:
     """(sets per program, rows per program, columns per step): a power of 2 each, together
-    :data:`TILE_BYTES` of loads per step where the set allows."""
-    elements = TILE_BYTES // itemsize
+    ``tile_bytes`` of loads per step where the set allows."""
+    elements = tile_bytes // itemsize
     rows = min(triton.next_power_of_2(n), ROWS_PER_PROGRAM)
     block_d = min(triton.next_power_of_2(d), max(16, elements // rows))
     sets = max(1, elements // (rows * block_d))
     return sets, rows, block_d
 
 
-def sum_rows_partials(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+def sum_rows_partials(
+    x: torch.Tensor, counts: torch.Tensor | None = None, *, tile_bytes: int = TILE_BYTES
+) -> torch.Tensor:
     """Per set of ``x`` (B, N, D) and block of rows, the sum of the rows ``counts`` (B,) holds
-    (all N without counts; counts clamped to [0, N]), in float32: (B, row blocks)."""
+    (all N without counts; counts clamped to [0, N]), in float32: (B, row blocks); each program
+    loads ``tile_bytes`` a step where the set allows."""
     batch, n, d = x.shape
-    sets, rows, block_d = launch_shape(n, d, x.element_size())
+    sets, rows, block_d = launch_shape(n, d, x.element_size(), tile_bytes)
     out = torch.empty((batch, triton.cdiv(n, rows)), device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(batch, sets), out.shape[1])
     _sum_rows_kernel[grid](
