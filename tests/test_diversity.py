@@ -154,7 +154,9 @@ def test_a_loss_on_the_kernel_path_trains_with_the_reference_gradient(kdev, shap
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
-    "shape", [(5, 7, 33), (3, 37, 20), (3, 67, 20)], ids=lambda s: "x".join(map(str, s))
+    "shape",
+    [(5, 7, 33), (3, 37, 20), (3, 67, 20), (5, 3, 2050)],  # the last: long rows, 16-bit on "dot"
+    ids=lambda s: "x".join(map(str, s)),
 )
 def test_ragged_groups(kdev, shape, dtype, seed):
     x = embeddings(shape, dtype, kdev)
