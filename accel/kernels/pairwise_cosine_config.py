@@ -3,7 +3,8 @@
 A :class:`GroupConfig` says how a program of the group kernel (``pairwise_cosine_groups``) is laid
 out: where it sums over D (its variant), groups per program, chunk of D, unroll and warps.
 :func:`group_config` takes it from :data:`GROUP_TABLE`, measured per (N, D bucket, dtype size),
-else from a deterministic rule on N and D (no autotuning: the same launch compiled or interpreted).
+else from a deterministic rule on N and D (no autotuning: the same launch compiled or interpreted);
+ragged 16-bit groups (counts given) then take the launches that read past holes faster.
 """
 
 from __future__ import annotations
