@@ -205,3 +205,15 @@ def test_a_point_whose_own_spread_is_wider_than_the_margin_says_so():
     assert steady.met is noisy.met is False  # the verdict stays what was measured
     assert "margin" not in steady.note
     assert "the same kernel twice differs by 3.8%, more than the target's 2% margin" in noisy.note
+
+
+def test_an_attention_sweep_point_says_when_its_own_noise_hides_the_target():
+    """F.sdpa against its copy: a median within 3% but rounds so spread that the median's 95%
+    interval passes 3% is named as noise, as a median off by more than 3% is; a tight one is
+    not."""
+    from accel.lab.cases import overhead_attention as sweep
+
+    assert sweep.noise_note(1.0, (0.99, 1.01)) == ""
+    for ratio, interval in ((1.0, (0.95, 1.02)), (1.0, (0.99, 1.04)), (1.04, (1.035, 1.05))):
+        note = sweep.noise_note(ratio, interval)
+        assert "inside this point's noise" in note and f"{interval[0]:.3f}" in note, note

@@ -204,3 +204,22 @@ def test_ratio_band_is_the_spread_of_the_round_by_round_ratios():
     assert c.ratio_band("slow", "fast", 0.0, 1.0) == (2.0, 5.0)
     low, high = c.ratio_band("slow", "fast")
     assert 2.0 < low < c.paired_ratio("slow", "fast") == 4.0 <= high < 5.0
+
+
+def test_the_median_ratios_interval_is_between_order_statistics_that_cover_95_percent():
+    """15 rounds: the 4th and 12th smallest ratios bound the median with 96.5% confidence (a
+    binomial tail of 1.8% on each side); 5 rounds cannot reach 95%: the whole range."""
+    from accel.lab.timing import Comparison
+
+    fast = Timing("fast", [1.0] * 15)
+    slow = Timing(
+        "slow", [1.0 + r / 100 for r in (7, 0, 14, 3, 10, 1, 12, 5, 8, 2, 13, 6, 9, 4, 11)]
+    )
+    c = Comparison({"slow": slow, "fast": fast}, baseline="slow", schedule=())
+    assert c.median_ratio_interval("slow", "fast") == pytest.approx((1.03, 1.11))
+    few = Comparison(
+        {"slow": Timing("slow", [3.0, 1.0, 2.0, 5.0, 4.0]), "fast": Timing("fast", [1.0] * 5)},
+        baseline="slow",
+        schedule=(),
+    )
+    assert few.median_ratio_interval("slow", "fast") == (1.0, 5.0)

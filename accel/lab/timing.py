@@ -10,6 +10,7 @@ waiting for launches is.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -122,6 +123,13 @@ class Comparison:
         ratios = round_ratios(self.samples, slow, fast)
         return _quantile(ratios, low), _quantile(ratios, high)
 
+    def median_ratio_interval(
+        self, slow: str, fast: str, confidence: float = 0.95
+    ) -> tuple[float, float]:
+        """Where the median of ``slow``'s time over ``fast``'s, round by round, lies with at least
+        ``confidence`` (:func:`median_interval`): how far :meth:`paired_ratio` can be trusted."""
+        return median_interval(round_ratios(self.samples, slow, fast), confidence)
+
     def rows(self) -> list[dict[str, float | int | str]]:
         """One summary per candidate (label, median, IQR, ...) with its speedup."""
         return [t.summary() | {"speedup": self.speedup(k)} for k, t in self.timings.items()]
@@ -131,6 +139,24 @@ class Comparison:
         import pandas as pd
 
         return pd.DataFrame(self.rows()).set_index("label")
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval holding the median of what ``values`` sample with at least
+    ``confidence``: the k-th smallest and k-th largest value, k the largest whose binomial tail
+    P(Bin(n, 1/2) < k) stays within (1 - confidence) / 2; the whole range when none does."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise ValueError("median_interval needs at least one value, got none")
+    tail, k = 0.0, 0
+    while k < n // 2:
+        tail += math.comb(n, k) / 2**n  # P(Bin(n, 1/2) = k), added: P(... <= k)
+        if tail > (1 - confidence) / 2:
+            break
+        k += 1
+    k = max(k, 1)  # 1-based: the smallest value at least
+    return ordered[k - 1], ordered[n - k]
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
