@@ -9,7 +9,7 @@ ragged 16-bit groups (counts given) then take the launches that read past holes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import triton
@@ -188,9 +188,7 @@ def _ragged_config(config: GroupConfig, block_n: int, d: int) -> GroupConfig:
     if config.variant == "pairs" and d >= RAGGED_DOT_MIN_D:
         return GroupConfig("dot", DOT_ROWS // block_n, RAGGED_BLOCK_D, unroll=1, num_warps=4)
     if config.variant == "dot":
-        return GroupConfig(
-            "dot", config.groups, RAGGED_BLOCK_D, unroll=1, num_warps=config.num_warps
-        )
+        return replace(config, block_d=RAGGED_BLOCK_D)
     return config
 
 

@@ -115,9 +115,10 @@ def measure(
         if bytes_read >= LARGE_BYTES:  # the kernels' own time: graph replays, no host
             buffers = rotating_inputs((point.batch, point.n, point.dim), point.dtype, device)
             calls = {"accel": lambda x, f=ours, c=counts: f(x, c)}
-            for tile in read_rows().TILE_BYTES_TRIED:
-                calls[f"{READ_ALONE} {tile}"] = lambda x, c=counts, t=tile: (
-                    read_rows().sum_rows_partials(x, c, tile_bytes=t)
+            reader = read_rows()
+            for tile in reader.TILE_BYTES_TRIED:
+                calls[f"{READ_ALONE} {tile}"] = lambda x, c=counts, t=tile, r=reader: (
+                    r.sum_rows_partials(x, c, tile_bytes=t)
                 )
             times = time_per_call(calls, buffers, device, repeats=10)
             device_ms = times.pop("accel")
