@@ -189,7 +189,7 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
     )
     if config.variant == "pairs":
         block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
-        return _launch_pairs, grid, common | dict(BLOCK_D=block_d), True
+        return _launch_pairs, grid, common | dict(BLOCK_D=block_d, ROWS=max(N, 2)), True
     if config.variant == "closed":
         if mode != MODE_MEAN or config.block_d < D:
             raise ValueError(

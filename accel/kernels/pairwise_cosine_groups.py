@@ -236,11 +236,14 @@ def _max3(a, b, c):
 def _pairs_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
     MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr,
 ):  # fmt: skip
-    # Groups of N <= 4: each row a tensor of its own, (GROUPS, BLOCK_D) with D along the lanes,
-    # so only the 10 distinct dot products x_i . x_j (i <= j) are formed: 2.5 multiply-adds per
-    # element read, in registers, where the (row, row, ...) tiles of _group_kernel take 4 and
-    # rearrange registers for the transpose. The sums over D cross the lanes once per chunk.
+    # Groups of N = ROWS <= 4: each row a tensor of its own, (GROUPS, BLOCK_D) with D along the
+    # lanes, so only the distinct dot products x_i . x_j (i <= j) are formed: (ROWS + 1) / 2
+    # multiply-adds per element read, in registers, where the (row, row, ...) tiles of
+    # _group_kernel take ROWS and rearrange registers for the transpose. Rows past ROWS are
+    # neither loaded nor multiplied (their products stay 0). The sums over D cross the lanes
+    # once per chunk.
     b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     live = b < B
     n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
@@ -251,18 +254,20 @@ def _pairs_kernel(
     for d0 in range(0, D, BLOCK_D):
         x0 = _load_row(x_groups, 0, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
         x1 = _load_row(x_groups, 1, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
-        x2 = _load_row(x_groups, 2, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
-        x3 = _load_row(x_groups, 3, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
         d00 += tl.sum(x0 * x0, axis=1)
         d11 += tl.sum(x1 * x1, axis=1)
-        d22 += tl.sum(x2 * x2, axis=1)
-        d33 += tl.sum(x3 * x3, axis=1)
         d01 += tl.sum(x0 * x1, axis=1)
-        d02 += tl.sum(x0 * x2, axis=1)
-        d03 += tl.sum(x0 * x3, axis=1)
-        d12 += tl.sum(x1 * x2, axis=1)
-        d13 += tl.sum(x1 * x3, axis=1)
-        d23 += tl.sum(x2 * x3, axis=1)
+        if ROWS > 2:
+            x2 = _load_row(x_groups, 2, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+            d22 += tl.sum(x2 * x2, axis=1)
+            d02 += tl.sum(x0 * x2, axis=1)
+            d12 += tl.sum(x1 * x2, axis=1)
+            if ROWS > 3:
+                x3 = _load_row(x_groups, 3, n, live, d0, D, stride_xn, stride_xd, BLOCK_D)
+                d33 += tl.sum(x3 * x3, axis=1)
+                d03 += tl.sum(x0 * x3, axis=1)
+                d13 += tl.sum(x1 * x3, axis=1)
+                d23 += tl.sum(x2 * x3, axis=1)
     i0 = 1.0 / tl.maximum(tl.sqrt(d00), eps)
     i1 = 1.0 / tl.maximum(tl.sqrt(d11), eps)
     i2 = 1.0 / tl.maximum(tl.sqrt(d22), eps)
@@ -285,12 +290,13 @@ def _pairs_kernel(
         dist1 = tl.where(many, 1.0 - _max3(c01, c12, c13), 0.0)
         dist2 = tl.where(many & (n > 2), 1.0 - _max3(c02, c12, c23), 0.0)
         dist3 = tl.where(many & (n > 3), 1.0 - _max3(c03, c13, c23), 0.0)
-        items = items_ptr + b * N
-        width = tl.full([GROUPS], N, tl.int32)  # rows per group in items (N, not the count)
+        items = items_ptr + b * ROWS  # ROWS per group in items (N, not the count)
         tl.store(items, dist0, mask=live)
         tl.store(items + 1, dist1, mask=live)
-        tl.store(items + 2, dist2, mask=live & (width > 2))
-        tl.store(items + 3, dist3, mask=live & (width > 3))
+        if ROWS > 2:
+            tl.store(items + 2, dist2, mask=live)
+        if ROWS > 3:
+            tl.store(items + 3, dist3, mask=live)
         group_mean = (dist0 + dist1 + dist2 + dist3) / tl.maximum(n, 1)
         tl.store(out_ptr + b, tl.where(many, group_mean, 0.0), mask=live)
 
