@@ -357,10 +357,11 @@ def test_group_config_takes_the_table_then_the_rule():
     tabled = kernels.group_config(4, 384, 8192, 4)
     assert tabled is kernels.GROUP_TABLE[(4, 512, 4)]
     assert tabled.meta(384, 4)["UNROLL"] <= -(-384 // tabled.block_d)  # no chunk past D
-    # the rule: the distinct pairs up to 4 rows, then tensor cores: float32 in 32-row tiles on 2
-    # warps, 16-bit in 64-row tiles on 4; the matrix mode, which "pairs" cannot write, as before
+    # the rule: the distinct pairs up to 4 rows (in 16 bits too), then tensor cores: float32 in
+    # 32-row tiles on 2 warps, 16-bit in 64-row tiles on 4; the matrix mode, which "pairs"
+    # cannot write, as before
     for block_n, itemsize, variant in [(2, 4, "pairs"), (4, 4, "pairs"), (8, 4, "dot"),
-                                       (2, 2, "vecsum"), (4, 2, "pairs"), (16, 2, "dot")]:  # fmt: skip
+                                       (2, 2, "pairs"), (4, 2, "pairs"), (16, 2, "dot")]:  # fmt: skip
         assert (block_n, 4096, itemsize) not in kernels.GROUP_TABLE
         ruled = kernels.group_config(block_n, 3000, 8192, itemsize)
         assert ruled.variant == variant, (block_n, itemsize, ruled)
@@ -403,15 +404,36 @@ def test_ragged_16_bit_groups_take_short_chunks_on_the_tensor_cores():
     assert rules.mean_config(16, 256, 8192, 4, ragged=True).variant == "closed"
 
 
+def test_ragged_16_bit_groups_of_up_to_4_rows_under_512_bytes_read_half_a_warp_a_row():
+    """With counts, 16-bit groups of 2-4 rows of 129-256 elements take the measured ragged launch
+    (pairs in chunks of 128, 4 groups on 2 warps); full groups and float32 rows as before."""
+    rules = pytest.importorskip(CONFIG)
+    for block_n, d in [(2, 256), (4, 129), (4, 256)]:
+        ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
+        assert ragged == rules.GroupConfig("pairs", 4, 128, 1, 2), (block_n, d, ragged)
+        assert rules.mean_config(block_n, d, 8192, 2, ragged=True) == ragged
+        assert rules.group_config(block_n, d, 8192, 2).block_d == 256  # full groups: a warp a row
+    for block_n, d, itemsize in [(2, 256, 4), (2, 128, 2), (2, 257, 2)]:
+        assert rules.group_config(block_n, d, 8192, itemsize, ragged=True) == rules.group_config(
+            block_n, d, 8192, itemsize
+        ), (block_n, d, itemsize)
+
+
 def test_every_measured_launch_of_the_table_matches_references(kdev, seed):
     """Each GROUP_TABLE entry at a shape that takes it (N and D inside its buckets), with and
-    without ragged counts, B not a multiple of its groups, through the public functions."""
+    without ragged counts, and each RAGGED_TABLE entry with counts, B not a multiple of its
+    groups, through the public functions."""
     rules = pytest.importorskip(CONFIG)
     for (block_n, bucket, itemsize), config in rules.GROUP_TABLE.items():
         n, d = max(2, block_n - 1), bucket * 3 // 4 + 1
         assert rules.group_config(rules.block_rows(n), d, 9, itemsize) is config
         x = embeddings((2 * config.groups + 1, n, d), FLOAT_OF_SIZE[itemsize], kdev)
         check_all(x)
+        check_all(x, random_counts(x.shape[0], n).to(kdev))
+    for (block_n, bucket, itemsize), config in rules.RAGGED_TABLE.items():
+        n, d = max(2, block_n - 1), bucket * 3 // 4 + 1
+        assert rules.group_config(rules.block_rows(n), d, 9, itemsize, ragged=True) is config
+        x = embeddings((2 * config.groups + 1, n, d), FLOAT_OF_SIZE[itemsize], kdev)
         check_all(x, random_counts(x.shape[0], n).to(kdev))
 
 

@@ -4,7 +4,8 @@ A :class:`GroupConfig` says how a program of the group kernel (``pairwise_cosine
 out: where it sums over D (its variant), groups per program, chunk of D, unroll and warps.
 :func:`group_config` takes it from :data:`GROUP_TABLE`, measured per (N, D bucket, dtype size),
 else from a deterministic rule on N and D (no autotuning: the same launch compiled or interpreted);
-ragged 16-bit groups (counts given) then take the launches that read past holes faster.
+ragged 16-bit groups (counts given) then take the launches that read past holes faster
+(:data:`RAGGED_TABLE`, then a rule).
 """
 
 from __future__ import annotations
@@ -113,13 +114,22 @@ GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
 }
 
 
+# Ragged 16-bit groups (counts given) of up to 4 rows of 129-256 elements: half a warp's row
+# of 16-byte loads a chunk, which reads faster past the holes than the full groups' launch
+# (a warp a row); results/diversity-pairs-rows-nvidia-h100.txt.
+RAGGED_TABLE: dict[tuple[int, int, int], GroupConfig] = {
+    (2, 256, 2): GroupConfig("pairs", groups=4, block_d=128, unroll=1, num_warps=2),
+    (4, 256, 2): GroupConfig("pairs", groups=4, block_d=128, unroll=1, num_warps=2),
+}
+
+
 def _rule_config(
     block_n: int, d: int, batch: int, itemsize: int, *, pairs: bool = True
 ) -> GroupConfig:
     """The fallback: a deterministic rule (no autotuning: the same launch compiled or interpreted).
 
     Groups of up to 4 rows: "pairs" (only the distinct dot products), about 8 KB of groups per
-    program; except pairs of 16-bit rows, which read faster through "vecsum". From 8 rows: the
+    program, one warp per row of 16-byte loads of the (group, feature) plane. From 8 rows: the
     tensor-core kernel ("dot"), float32 in 32-row tiles on 2 warps (it takes three TF32 passes
     per chunk; a larger tile or more warps read at about half the rate), 16-bit in 64-row tiles
     on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes "dot" from 4
@@ -127,7 +137,7 @@ def _rule_config(
     measurements behind each choice.
     """
     vec = max(1, 16 // itemsize)  # elements per 16-byte load
-    if pairs and block_n <= PAIRS_MAX_N and (itemsize == 4 or block_n > 2):
+    if pairs and block_n <= PAIRS_MAX_N:
         block_d = min(max(16, triton.next_power_of_2(d)), 32 * vec)  # one warp's row of loads
         fit = max(1, PAIRS_PROGRAM_BYTES // (block_n * d * itemsize))
         groups = min(1 << (fit.bit_length() - 1), PAIRS_GROUP_MAX, triton.next_power_of_2(batch))
@@ -183,9 +193,13 @@ def group_config(
 
 
 def _ragged_config(config: GroupConfig, block_n: int, d: int) -> GroupConfig:
-    """A 16-bit launch for groups with holes: the tensor-core tile in chunks of
-    :data:`RAGGED_BLOCK_D`, taken by groups of 3-4 rows from :data:`RAGGED_DOT_MIN_D` long."""
-    if config.variant == "pairs" and d >= RAGGED_DOT_MIN_D:
+    """A 16-bit launch for groups with holes: :data:`RAGGED_TABLE`'s, else the tensor-core tile
+    in chunks of :data:`RAGGED_BLOCK_D`, taken by groups of 3-4 rows from
+    :data:`RAGGED_DOT_MIN_D` long."""
+    tabled = RAGGED_TABLE.get((block_n, triton.next_power_of_2(d), 2))
+    if tabled is not None:
+        return tabled
+    if config.variant == "pairs" and block_n > 2 and d >= RAGGED_DOT_MIN_D:
         return GroupConfig("dot", DOT_ROWS // block_n, RAGGED_BLOCK_D, unroll=1, num_warps=4)
     if config.variant == "dot":
         return replace(config, block_d=RAGGED_BLOCK_D)
