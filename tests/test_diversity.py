@@ -226,7 +226,7 @@ def test_every_group_kernel_variant_matches_references(kdev, variant, dtype, see
 def test_the_tensor_core_kernel_matches_references(kdev, shape, dtype, seed):
     """ "dot": the groups' rows of a program as one tile times its transpose; ragged counts (an
     empty group, a lone member), strided groups, B not a multiple of the groups a program takes,
-    D over several chunks; float32 in three TF32 passes stays within float32 rounding."""
+    D over several chunks; float32 in two TF32 passes stays within float32 rounding."""
     kernels = dv._kernels()
     x = embeddings(shape, dtype, kdev)
     counts = random_counts(shape[0], shape[1]).to(kdev)

@@ -104,7 +104,7 @@ def _signature(x: torch.Tensor, counts: torch.Tensor | None, *extra) -> tuple | 
 
 
 def _dot_in_fp32(dtype: torch.dtype) -> bool:
-    """Whether tl.dot takes ``dtype``'s values as float32 (three TF32 passes): float32 inputs,
+    """Whether tl.dot takes ``dtype``'s values as float32 (two TF32 passes): float32 inputs,
     and bfloat16 in the interpreter, whose dot multiplies bfloat16's raw bits (Triton 3.9).
     16-bit products are exact in float32 anyway, so the tensor cores' result differs from the
     float32 one only in the order of the sums."""

@@ -17,7 +17,7 @@ import triton
 
 SMALL_N = 64  # groups up to this size take the group kernels (whole groups per program)
 # A float32 mean of groups from this size takes the closed form, one pass over whole rows in
-# registers (the "closed" group kernel), where the Gram matrix costs three TF32 passes of
+# registers (the "closed" group kernel), where the Gram matrix costs two TF32 passes of
 # N^2 D products; rows too long for one step, in groups over CLOSED_FORM_LARGE_N, take the
 # large-set closed form (pairwise_cosine_large), which splits a group's rows over programs.
 CLOSED_FORM_MIN_N = 8
@@ -130,7 +130,7 @@ def _rule_config(
 
     Groups of up to 4 rows: "pairs" (only the distinct dot products), about 8 KB of groups per
     program, one warp per row of 16-byte loads of the (group, feature) plane. From 8 rows: the
-    tensor-core kernel ("dot"), float32 in 32-row tiles on 2 warps (it takes three TF32 passes
+    tensor-core kernel ("dot"), float32 in 32-row tiles on 2 warps (it takes two TF32 passes
     per chunk; a larger tile or more warps read at about half the rate), 16-bit in 64-row tiles
     on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes "dot" from 4
     rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt has the

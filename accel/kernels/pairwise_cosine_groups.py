@@ -5,8 +5,8 @@
   over pairs, nearest other, or the matrix). Its launch is a ``GroupConfig``
   (``pairwise_cosine_config``).
 - ``_group_dot_kernel``: the rows of all the program's groups as one (GROUPS * BLOCK_N, D) tile
-  times its own transpose on the tensor cores (float32 in three TF32 passes); each group's Gram
-  matrix is a diagonal block of the product. It forms GROUPS times the products it needs, on
+  times its own transpose on the tensor cores (float32 in two TF32 passes, ``_gram_fp32``); each
+  group's Gram matrix is a diagonal block of the product. It forms GROUPS times the products it needs, on
   units with them to spare, where ``_group_kernel`` holds N^2 products per element in float32
   registers: the faster of the two from N = 3 (16-bit) or N = 5 (float32) on, and the only one
   the rule takes past 16 rows.
@@ -174,6 +174,27 @@ def _group_kernel(
 
 
 @triton.jit
+def _tf32_high(x):
+    """``x`` (float32) rounded to TF32's 10-bit mantissa, so the tensor cores take it exactly;
+    ``x - _tf32_high(x)`` is exact in float32 and under 2^-11 of ``x``."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return ((bits + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gram_fp32(x, acc):
+    """``acc`` + h h^T + h (2 l)^T for float32 ``x`` = h + l, h exact in TF32: two TF32 passes.
+
+    That sum M is not the Gram matrix, but (M + M^T) / 2 is, to float32 rounding: x x^T = h h^T +
+    h l^T + (h l^T)^T + l l^T, and l l^T (under 2^-22 of it) is dropped, as three TF32 passes (the
+    general product's h h^T, h l^T and l h^T) drop it. The caller symmetrizes once, after the
+    last chunk."""
+    high = _tf32_high(x)
+    acc = tl.dot(high, tl.trans(high), acc, input_precision="tf32")
+    return tl.dot(high, tl.trans(2.0 * (x - high)), acc, input_precision="tf32")
+
+
+@triton.jit
 def _group_dot_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
     eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
@@ -196,11 +217,10 @@ def _group_dot_kernel(
         cols = d0 + tl.arange(0, BLOCK_D)
         x = tl.load(x_rows + cols[None, :] * stride_xd, mask=row_ok[:, None] & (cols[None, :] < D),
                     other=0.0)  # fmt: skip
-        if DOT_FP32:
-            x = x.to(tl.float32)
-            acc = tl.dot(x, tl.trans(x), acc, input_precision="tf32x3")
-        else:  # 16-bit products are exact in float32
-            acc = tl.dot(x, tl.trans(x), acc)
+        # 16-bit products are exact in float32; float32 takes two TF32 passes
+        acc = _gram_fp32(x.to(tl.float32), acc) if DOT_FP32 else tl.dot(x, tl.trans(x), acc)
+    if DOT_FP32:
+        acc = (acc + tl.trans(acc)) * 0.5
     blocks = tl.reshape(acc, (GROUPS, BLOCK_N, GROUPS, BLOCK_N))
     groups = tl.arange(0, GROUPS)
     same = groups[:, None, None, None] == groups[None, None, :, None]
@@ -310,7 +330,7 @@ def _closed_form_kernel(
     # The mean only (MODE 0), by its closed form: sum_{i != j} cos_ij = ||sum_i x̂_i||^2 -
     # sum_i ||x̂_i||^2. Each step holds BLOCK_N whole rows of GROUPS groups, (GROUPS, BLOCK_N,
     # BLOCK_D): their norms come from registers, so every row is read once, and O(N D) work
-    # replaces the N^2 D of a Gram matrix (three TF32 passes of it in float32).
+    # replaces the N^2 D of a Gram matrix (two TF32 passes of it in float32).
     b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
     live = b < B
     n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
