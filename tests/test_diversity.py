@@ -336,12 +336,13 @@ def test_float32_means_from_eight_rows_take_the_closed_form_where_whole_rows_fit
     assert not config.group_kernel_takes_mean(65, 64, 2)
 
 
-def test_pairs_kernel_refuses_groups_of_more_than_four(kdev):
+@pytest.mark.parametrize("n", [1, 5])
+def test_pairs_kernel_refuses_groups_of_fewer_than_two_or_more_than_four(kdev, n):
     kernels = dv._kernels()
     config = kernels.GroupConfig("pairs", 1, 128, 1, 1)
-    with pytest.raises(ValueError, match="'pairs' group kernel takes N <= 4, got N=5"):
-        x = embeddings((2, 5, 16), device=kdev)
-        kernels._run_group(x, None, kernels.MODE_MEAN, config, eps=dv.EPS)
+    with pytest.raises(ValueError, match=f"'pairs' group kernel takes 2 <= N <= 4, got N={n}"):
+        x = embeddings((2, n, 16), device=kdev)
+        kernels._run_group(x, None, kernels.MODE_NEAREST, config, eps=dv.EPS)
 
 
 def test_production_launcher_refuses_the_sweep_only_variants(kdev):

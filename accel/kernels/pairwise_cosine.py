@@ -179,17 +179,17 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
             f"the {config.variant!r} group kernel is kept for the bench sweep: launch it with "
             "accel.kernels.pairwise_cosine_variants.run_variant"
         )
-    if config.variant == "pairs" and N > PAIRS_MAX_N:
-        raise ValueError(f"the 'pairs' group kernel takes N <= {PAIRS_MAX_N}, got N={N}")
     if config.variant == "pairs" and mode == MODE_MATRIX:
         config = _rule_config(block_n, D, B, itemsize, pairs=False)
+    if config.variant == "pairs" and not 2 <= N <= PAIRS_MAX_N:
+        raise ValueError(f"the 'pairs' group kernel takes 2 <= N <= {PAIRS_MAX_N}, got N={N}")
     grid = (triton.cdiv(B, config.groups),)
     common = dict(
         MODE=mode, HAS_COUNTS=has_counts, GROUPS=config.groups, num_warps=config.num_warps
     )
     if config.variant == "pairs":
         block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
-        return _launch_pairs, grid, common | dict(BLOCK_D=block_d, ROWS=max(N, 2)), True
+        return _launch_pairs, grid, common | dict(BLOCK_D=block_d, ROWS=N), True
     if config.variant == "closed":
         if mode != MODE_MEAN or config.block_d < D:
             raise ValueError(

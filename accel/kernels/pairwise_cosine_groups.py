@@ -6,10 +6,10 @@
   (``pairwise_cosine_config``).
 - ``_group_dot_kernel``: the rows of all the program's groups as one (GROUPS * BLOCK_N, D) tile
   times its own transpose on the tensor cores (float32 in two TF32 passes, ``_gram_fp32``); each
-  group's Gram matrix is a diagonal block of the product. It forms GROUPS times the products it needs, on
-  units with them to spare, where ``_group_kernel`` holds N^2 products per element in float32
-  registers: the faster of the two from N = 3 (16-bit) or N = 5 (float32) on, and the only one
-  the rule takes past 16 rows.
+  group's Gram matrix is a diagonal block of the product. It forms GROUPS times the products it
+  needs, on units with them to spare, where ``_group_kernel`` holds N^2 products per element in
+  float32 registers: the faster of the two from N = 3 (16-bit) or N = 5 (float32) on, and the
+  only one the rule takes past 16 rows.
 - ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
   products formed.
 - ``_closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
