@@ -15,7 +15,7 @@
 - ``_closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
   registers a step, each read once, O(N D) work): float32 groups from 8 rows.
 
-The prologue (``_group_rows``), a chunk's products (``_chunk_products``) and the epilogue
+The prologues (``_program_groups``, ``_group_rows``), a chunk's products (``_chunk_products``) and the epilogue
 (``_group_epilogue``) are shared with the variants the bench sweep compares
 (``pairwise_cosine_variants``). Both accumulate in float32 whatever the input dtype and
 normalize as ``F.normalize`` does, x / max(||x||, eps); rows past a group's count are never read.
@@ -37,6 +37,16 @@ def _group_counts(counts_ptr, b, live, N, GROUPS: tl.constexpr, HAS_COUNTS: tl.c
     else:
         n = tl.full([GROUPS], N, tl.int32)
     return tl.where(live, n, 0)
+
+
+@triton.jit
+def _program_groups(counts_ptr, B, N, GROUPS: tl.constexpr, HAS_COUNTS: tl.constexpr):
+    """This program's groups ``b`` (GROUPS,), which exist (``live``: the last program may hold
+    fewer than GROUPS) and their members ``n`` (0 for the groups past B)."""
+    # int64: b * stride_xb may pass 2**31 elements.
+    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
+    live = b < B
+    return b, live, _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
 
 
 @triton.jit
@@ -80,11 +90,8 @@ def _group_rows(
     """This program's groups ``b`` (GROUPS,), which exist (``live``), the row numbers, each
     group's members ``n``, which rows are members (``valid``, (BLOCK_N, GROUPS)) and the rows'
     addresses, (row, 1, group, 1, 1) as :func:`_load_chunk` takes them."""
-    # int64: b * stride_xb may pass 2**31 elements.
-    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    live = b < B  # the last program may hold fewer than GROUPS groups
+    b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     rows = tl.arange(0, BLOCK_N)
-    n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
     valid = rows[:, None] < n[None, :]  # (BLOCK_N, GROUPS)
     x_rows = (
         X_ptr
@@ -264,9 +271,7 @@ def _pairs_kernel(
     # _group_kernel take ROWS and rearrange registers for the transpose. Rows past ROWS are
     # neither loaded nor multiplied (their products stay 0). The sums over D cross the lanes
     # once per chunk.
-    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    live = b < B
-    n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
+    b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     x_groups = X_ptr + b[:, None] * stride_xb
     d00 = tl.zeros([GROUPS], dtype=tl.float32)
     d11, d22, d33 = d00, d00, d00
@@ -331,9 +336,7 @@ def _closed_form_kernel(
     # sum_i ||x̂_i||^2. Each step holds BLOCK_N whole rows of GROUPS groups, (GROUPS, BLOCK_N,
     # BLOCK_D): their norms come from registers, so every row is read once, and O(N D) work
     # replaces the N^2 D of a Gram matrix (two TF32 passes of it in float32).
-    b = tl.program_id(0).to(tl.int64) * GROUPS + tl.arange(0, GROUPS)
-    live = b < B
-    n = _group_counts(counts_ptr, b, live, N, GROUPS, HAS_COUNTS)
+    b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     cols = tl.arange(0, BLOCK_D)
     x_groups = X_ptr + b[:, None, None] * stride_xb + cols[None, None, :] * stride_xd
     column_sums = tl.zeros([GROUPS, BLOCK_D], dtype=tl.float32)  # sum_i x̂_i
