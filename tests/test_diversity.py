@@ -388,6 +388,25 @@ def test_group_config_takes_the_table_then_the_rule():
         assert config.num_warps * 32 * vec in (plane, 2 * plane), config
 
 
+def test_float32_64_row_tiles_load_without_a_pipeline():
+    """The float32 tensor-core tile of 64 rows loads each chunk straight into registers (one
+    stage: it splits the chunk into TF32 halves there), in chunks of 32 up to 768 elements and
+    64 past; 32-row tiles and 16-bit tiles keep Triton's pipeline."""
+    rules = pytest.importorskip(CONFIG)
+    for block_n, d, block_d in [(64, 64, 32), (64, 100, 32), (64, 768, 32), (64, 769, 64),
+                                (64, 2048, 64)]:  # fmt: skip
+        for ragged in (False, True):
+            config = rules.group_config(block_n, d, 8192, 4, ragged=ragged)
+            assert (config.variant, config.groups, config.num_warps) == ("dot", 1, 4), config
+            assert (config.block_d, config.num_stages) == (block_d, 1), (d, config)
+        assert rules.mean_config(block_n, d, 8192, 4).variant == "closed"
+    for block_n, itemsize in [(32, 4), (8, 4), (64, 2), (16, 2)]:
+        assert rules.group_config(block_n, 512, 8192, itemsize).num_stages is None
+    assert rules.GroupConfig("dot", 1, 32, 1, 4, num_stages=1).name.endswith("S=1")
+    with pytest.raises(ValueError, match="num_stages"):
+        rules.GroupConfig("dot", 1, 32, 1, 4, num_stages=0)
+
+
 def test_ragged_16_bit_groups_take_short_chunks_on_the_tensor_cores():
     """With counts, 16-bit rows are read in chunks of 64 through the tensor-core tile (its 128
     reads slower past the holes), groups of 3-4 long rows too; without counts, as before."""

@@ -25,6 +25,18 @@ def test_every_large_point_reads_64_mb_ragged_or_not():
         assert p.bytes_read(counts) >= sweep.LARGE_BYTES, p
 
 
+def test_the_sweep_has_shapes_off_the_powers_of_two():
+    """A user's rows are as often 100 or 300 long as 256, and groups of 6 or 40 rows: such
+    points (whose rows are not a multiple of 16 bytes, or whose groups pad the tiles) are swept
+    too, in each dtype, with and without counts."""
+    large = [p for p in sweep.points(torch.device("cuda")) if p.batch != sweep.SMALL_BATCH]
+    odd = [p for p in large if p.dim not in sweep.WIDTHS]
+    assert any((p.dim * p.dtype.itemsize) % 16 for p in odd)
+    assert any(p.n & (p.n - 1) and p.n > 32 for p in odd)
+    assert {p.dtype for p in odd} == set(sweep.DTYPES)
+    assert {p.ragged for p in odd} == {True, False}
+
+
 def test_a_large_point_times_the_kernels_beside_the_same_rows_read_alone(kdev, monkeypatch):
     monkeypatch.setattr(sweep, "LARGE_BYTES", 1)  # every point "large": its device time taken
     monkeypatch.setattr(sweep, "rotating_inputs", lambda shape, dtype, device: [

@@ -184,9 +184,7 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
     if config.variant == "pairs" and not 2 <= N <= PAIRS_MAX_N:
         raise ValueError(f"the 'pairs' group kernel takes 2 <= N <= {PAIRS_MAX_N}, got N={N}")
     grid = (triton.cdiv(B, config.groups),)
-    common = dict(
-        MODE=mode, HAS_COUNTS=has_counts, GROUPS=config.groups, num_warps=config.num_warps
-    )
+    common = dict(MODE=mode, HAS_COUNTS=has_counts, GROUPS=config.groups) | config.options()
     if config.variant == "pairs":
         block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
         return _launch_pairs, grid, common | dict(BLOCK_D=block_d, ROWS=N), True

@@ -43,6 +43,12 @@ PAIRS_GROUP_MAX = 16
 PAIRS_MAX_WARPS = 4
 DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 warps
 DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
+# The float32 tile of 64 rows loads each chunk straight into registers (one pipeline stage):
+# it splits the chunk into TF32 halves there, and Triton's pipeline would first stage the chunk
+# through shared memory, which that tile is bound by. Chunks of 32 elements up to this long a
+# row, 64 past. results/diversity-fp32-stages-nvidia-h100.txt
+DOT_FP32_WIDE_STAGES = 1
+DOT_FP32_WIDE_SHORT_D = 768
 DOT_MIN_ROWS = 16  # the smallest tile the tensor cores take
 DOT_MAX_ROWS = 128  # past this the product's operands outgrow shared memory (float32, H100)
 # Ragged 16-bit groups (counts given): the tensor-core tile reads chunks of this many elements,
@@ -68,6 +74,7 @@ class GroupConfig:
     block_d: int  # features per chunk (a power of 2, >= 16)
     unroll: int  # chunks of D loaded together, at most
     num_warps: int
+    num_stages: int | None = None  # software-pipeline stages of the loop over D; Triton's if None
 
     def __post_init__(self):
         if self.variant not in GROUP_VARIANTS:
@@ -81,12 +88,21 @@ class GroupConfig:
                 "groups, block_d and num_warps must be powers of 2, block_d >= 16 and unroll "
                 f">= 1; got {self}"
             )
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"num_stages must be None or >= 1, got {self.num_stages}")
 
     @property
     def name(self) -> str:
+        stages = "" if self.num_stages is None else f" S={self.num_stages}"
         return (
             f"{self.variant} G={self.groups} BD={self.block_d} U={self.unroll} W={self.num_warps}"
+            + stages
         )
+
+    def options(self) -> dict:
+        """Triton's launch options: ``num_warps``, and ``num_stages`` where set."""
+        stages = {} if self.num_stages is None else {"num_stages": self.num_stages}
+        return {"num_warps": self.num_warps} | stages
 
     def meta(self, d: int, itemsize: int) -> dict:
         """The kernel's launch keywords for rows of ``d`` elements of ``itemsize`` bytes."""
@@ -131,8 +147,9 @@ def _rule_config(
     Groups of up to 4 rows: "pairs" (only the distinct dot products), about 8 KB of groups per
     program, one warp per row of 16-byte loads of the (group, feature) plane. From 8 rows: the
     tensor-core kernel ("dot"), float32 in 32-row tiles on 2 warps (it takes two TF32 passes
-    per chunk; a larger tile or more warps read at about half the rate), 16-bit in 64-row tiles
-    on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes "dot" from 4
+    per chunk; a larger tile or more warps read at about half the rate), 64-row float32 groups
+    in one tile on 4 warps without a pipeline (:data:`DOT_FP32_WIDE_STAGES`), 16-bit in 64-row
+    tiles on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes "dot" from 4
     rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt has the
     measurements behind each choice.
     """
@@ -145,6 +162,9 @@ def _rule_config(
         return GroupConfig("pairs", groups=groups, block_d=block_d, unroll=1, num_warps=warps)
     if block_n >= (8 if itemsize == 4 else 4):
         rows = max(block_n, DOT_ROWS_FP32 if itemsize == 4 else DOT_ROWS)
+        if itemsize == 4 and rows > DOT_ROWS_FP32:
+            block_d = 32 if d <= DOT_FP32_WIDE_SHORT_D else 64
+            return GroupConfig("dot", 1, block_d, 1, num_warps=4, num_stages=DOT_FP32_WIDE_STAGES)
         block_d = 32 if itemsize == 4 else (128 if d >= 256 else 64)
         warps = 2 if rows <= DOT_ROWS_FP32 else 4
         return GroupConfig(

@@ -15,8 +15,8 @@
 - ``_closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
   registers a step, each read once, O(N D) work): float32 groups from 8 rows.
 
-The prologues (``_program_groups``, ``_group_rows``), a chunk's products (``_chunk_products``) and the epilogue
-(``_group_epilogue``) are shared with the variants the bench sweep compares
+The prologues (``_program_groups``, ``_group_rows``), a chunk's products (``_chunk_products``)
+and the epilogue (``_group_epilogue``) are shared with the variants the bench sweep compares
 (``pairwise_cosine_variants``). Both accumulate in float32 whatever the input dtype and
 normalize as ``F.normalize`` does, x / max(||x||, eps); rows past a group's count are never read.
 """
@@ -109,10 +109,10 @@ def _group_epilogue(
     cosines, and the reduction of ``MODE`` stored."""
     row_i = rows[:, None, None]
     row_j = rows[None, :, None]
-    diagonal = tl.where(row_i == row_j, gram, 0.0)
-    inv_rows = 1.0 / tl.maximum(tl.sqrt(tl.sum(diagonal, axis=1)), eps)  # (BLOCK_N, GROUPS)
-    inv_cols = 1.0 / tl.maximum(tl.sqrt(tl.sum(diagonal, axis=0)), eps)
-    cos = gram * inv_rows[:, None, :] * inv_cols[None, :, :]
+    squares = tl.sum(tl.where(row_i == row_j, gram, 0.0), axis=1)  # (BLOCK_N, GROUPS)
+    inverse_norms = 1.0 / tl.maximum(tl.sqrt(squares), eps)
+    # one reduction of the tile: the columns' norms are the rows' (a relayout of BLOCK_N values)
+    cos = gram * inverse_norms[:, None, :] * inverse_norms[None, :, :]
     inside = valid[:, None, :] & valid[None, :, :]
     pair = inside & (row_i != row_j)
     if MODE == 0:  # mean over the n (n - 1) ordered pairs
@@ -123,7 +123,7 @@ def _group_epilogue(
         best = tl.max(tl.where(pair, cos, float("-inf")), axis=1)  # (BLOCK_N, GROUPS)
         # tl.max skips NaN; a member that is NaN or inf makes every nearest distance of its
         # group NaN, as torch's max does: its squared norm times 0 is NaN, else 0
-        poison = tl.sum(tl.where(valid, tl.sum(diagonal, axis=1) * 0.0, 0.0), axis=0)
+        poison = tl.sum(tl.where(valid, squares * 0.0, 0.0), axis=0)
         dist = tl.where(valid & (n >= 2)[None, :], 1.0 - best + poison[None, :], 0.0)
         tl.store(
             items_ptr + b[None, :] * N + rows[:, None],
@@ -226,13 +226,16 @@ def _group_dot_kernel(
                     other=0.0)  # fmt: skip
         # 16-bit products are exact in float32; float32 takes two TF32 passes
         acc = _gram_fp32(x.to(tl.float32), acc) if DOT_FP32 else tl.dot(x, tl.trans(x), acc)
-    if DOT_FP32:
-        acc = (acc + tl.trans(acc)) * 0.5
-    blocks = tl.reshape(acc, (GROUPS, BLOCK_N, GROUPS, BLOCK_N))
-    groups = tl.arange(0, GROUPS)
-    same = groups[:, None, None, None] == groups[None, None, :, None]
-    gram = tl.sum(tl.where(same, blocks, 0.0), axis=2)  # (GROUPS, BLOCK_N, BLOCK_N)
-    gram = tl.permute(gram, (1, 2, 0))  # (BLOCK_N, BLOCK_N, GROUPS), as the epilogue takes it
+    if GROUPS == 1:
+        gram = tl.reshape(acc, (BLOCK_N, BLOCK_N, 1))
+    else:
+        blocks = tl.reshape(acc, (GROUPS, BLOCK_N, GROUPS, BLOCK_N))
+        groups = tl.arange(0, GROUPS)
+        same = groups[:, None, None, None] == groups[None, None, :, None]
+        gram = tl.sum(tl.where(same, blocks, 0.0), axis=2)  # (GROUPS, BLOCK_N, BLOCK_N)
+        gram = tl.permute(gram, (1, 2, 0))  # (BLOCK_N, BLOCK_N, GROUPS), as the epilogue takes it
+    if DOT_FP32:  # the groups' blocks only: GROUPS times less to transpose than the tile
+        gram = (gram + tl.permute(gram, (1, 0, 2))) * 0.5
     _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
 
 
