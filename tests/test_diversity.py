@@ -407,6 +407,43 @@ def test_float32_64_row_tiles_load_without_a_pipeline():
         rules.GroupConfig("dot", 1, 32, 1, 4, num_stages=0)
 
 
+def test_rows_off_16_bytes_are_loaded_in_the_largest_pieces_they_allow():
+    """Triton sees a stride or width as 16-aligned only when it is a multiple of 16 elements; the
+    alignment the rows do have (D = 100 in float32: 16 bytes; in 16 bits: 8) is told to the
+    kernel, none where Triton sees it anyway or the rows are strided along D."""
+    from accel.kernels.launch import row_alignment
+
+    def rows(shape, dtype=torch.float32):
+        return torch.empty(shape, dtype=dtype)
+
+    assert row_alignment(rows((3, 5, 100))) == 4  # 16 bytes
+    assert row_alignment(rows((3, 5, 100), torch.bfloat16)) == 4  # 8 bytes
+    assert row_alignment(rows((3, 5, 300), torch.float16)) == 4
+    assert row_alignment(rows((3, 5, 50), torch.bfloat16)) == 2
+    assert row_alignment(rows((3, 5, 99))) == 1
+    assert row_alignment(rows((3, 5, 256), torch.bfloat16)) == 1  # Triton's own
+    assert row_alignment(rows((3, 5, 64))) == 1
+    assert row_alignment(rows((3, 5, 128))[..., :100]) == 4  # a view: strides of 128
+    assert row_alignment(rows((3, 5, 102))[..., :100]) == 2  # rows 102 apart
+    assert row_alignment(rows((3, 100, 5)).transpose(1, 2)) == 1  # strided along D
+    assert row_alignment(rows((3, 5, 104))[..., 4:]) == 4
+    assert row_alignment(rows((3, 5, 104))[..., 1:101]) == 1  # starts 4 bytes past 16
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_every_group_launch_is_told_its_rows_alignment(mode):
+    kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
+    from accel.kernels.launch import row_alignment
+
+    for n, d, dtype in [(2, 100, torch.float32), (3, 300, torch.float16), (8, 100, torch.float32),
+                        (40, 100, torch.bfloat16), (12, 1000, torch.float32), (4, 64, torch.float32),
+                        (16, 50, torch.bfloat16)]:  # fmt: skip
+        x = torch.randn((9, n, d)).to(dtype)
+        for has_counts in (False, True):
+            constexprs = kernels._group_plan(x, mode, has_counts, None)[2]
+            assert constexprs["ALIGN"] == row_alignment(x), (n, d, dtype, constexprs)
+
+
 def test_ragged_16_bit_groups_take_short_chunks_on_the_tensor_cores():
     """With counts, 16-bit rows are read in chunks of 64 through the tensor-core tile (its 128
     reads slower past the holes), groups of 3-4 long rows too; without counts, as before."""

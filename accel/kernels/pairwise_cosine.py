@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from .launch import Launcher, hooked
+from .launch import Launcher, hooked, row_alignment
 from .pairwise_cosine_config import (
     DOT_MAX_ROWS,
     DOT_MIN_ROWS,
@@ -63,7 +63,6 @@ MODE_MEAN, MODE_NEAREST, MODE_MATRIX = 0, 1, 2
 # True when the kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it as it
 # decorates); accel.triton_support.kernel_module keeps one set of kernel modules per mode.
 INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
-
 
 # One launcher per kernel: after a signature's first call, its launches skip Triton's per-call
 # argument binding (accel.kernels.launch).
@@ -184,7 +183,8 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
     if config.variant == "pairs" and not 2 <= N <= PAIRS_MAX_N:
         raise ValueError(f"the 'pairs' group kernel takes 2 <= N <= {PAIRS_MAX_N}, got N={N}")
     grid = (triton.cdiv(B, config.groups),)
-    common = dict(MODE=mode, HAS_COUNTS=has_counts, GROUPS=config.groups) | config.options()
+    common = dict(MODE=mode, HAS_COUNTS=has_counts, GROUPS=config.groups, ALIGN=row_alignment(x))
+    common |= config.options()
     if config.variant == "pairs":
         block_d = min(config.block_d, max(16, triton.next_power_of_2(D)))
         return _launch_pairs, grid, common | dict(BLOCK_D=block_d, ROWS=N), True

@@ -50,6 +50,17 @@ def _program_groups(counts_ptr, B, N, GROUPS: tl.constexpr, HAS_COUNTS: tl.const
 
 
 @triton.jit
+def _aligned_rows(D, stride_xb, stride_xn, ALIGN: tl.constexpr):
+    """The row width and strides, multiples of ALIGN (the launcher's ``row_alignment``),
+    written so that the compiler sees it: rows then load ALIGN elements at a time, not one."""
+    if ALIGN > 1:
+        D = D // ALIGN * ALIGN
+        stride_xb = stride_xb // ALIGN * ALIGN
+        stride_xn = stride_xn // ALIGN * ALIGN
+    return D, stride_xb, stride_xn
+
+
+@triton.jit
 def _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
     """One chunk of D of every row, (row, 1, group, 16-byte piece, element), as float32.
 
@@ -161,6 +172,7 @@ def _group_kernel(
     BLOCK_D: tl.constexpr,
     VEC: tl.constexpr,
     UNROLL: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     # Tiles are (row, group, feature): D is the fastest axis, so a warp's lanes take 16-byte
     # pieces of one row, and the groups come next, so the launcher's warps split the groups
@@ -168,6 +180,7 @@ def _group_kernel(
     # x_i * x_j need no exchange between threads and the sum over D none between warps.
     # Each chunk's products are summed over the thread's own 16-byte piece at once (in-thread
     # adds), so the accumulator holds (N, N, GROUPS, BLOCK_D / VEC) floats, not every product.
+    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, rows, n, valid, x_rows = _group_rows(
         X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
     )
@@ -205,10 +218,11 @@ def _gram_fp32(x, acc):
 def _group_dot_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
     eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     # Tile row r is row r % BLOCK_N of the program's group r // BLOCK_N; rows past a group's
     # count (or past B) load as zeros, so their products are zero and the epilogue skips them.
+    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, rows, n, valid, _ = _group_rows(
         X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
     )
@@ -266,7 +280,7 @@ def _max3(a, b, c):
 def _pairs_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
     MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr,
+    ROWS: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     # Groups of N = ROWS <= 4: each row a tensor of its own, (GROUPS, BLOCK_D) with D along the
     # lanes, so only the distinct dot products x_i . x_j (i <= j) are formed: (ROWS + 1) / 2
@@ -274,6 +288,7 @@ def _pairs_kernel(
     # _group_kernel take ROWS and rearrange registers for the transpose. Rows past ROWS are
     # neither loaded nor multiplied (their products stay 0). The sums over D cross the lanes
     # once per chunk.
+    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     x_groups = X_ptr + b[:, None] * stride_xb
     d00 = tl.zeros([GROUPS], dtype=tl.float32)
@@ -333,12 +348,13 @@ def _pairs_kernel(
 def _closed_form_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
     MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
     # The mean only (MODE 0), by its closed form: sum_{i != j} cos_ij = ||sum_i x̂_i||^2 -
     # sum_i ||x̂_i||^2. Each step holds BLOCK_N whole rows of GROUPS groups, (GROUPS, BLOCK_N,
     # BLOCK_D): their norms come from registers, so every row is read once, and O(N D) work
     # replaces the N^2 D of a Gram matrix (two TF32 passes of it in float32).
+    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     cols = tl.arange(0, BLOCK_D)
     x_groups = X_ptr + b[:, None, None] * stride_xb + cols[None, None, :] * stride_xd

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import row_alignment
+
 # Bytes a program loads per step, the launch shapes tried: 16 KB reads full sets at the copy's
 # pace; 4 KB reads ragged sets faster at most widths (results/diversity-ragged-reads-*.txt).
 TILE_BYTES_TRIED = (16 << 10, 4 << 10)
@@ -36,9 +38,14 @@ def _sum_rows_kernel(
     G: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Program (i, j): sets i*G.. of the batch, their rows j*ROWS..; one partial sum per set
-    and row block, in ``out`` (B, row blocks)."""
+    and row block, in ``out`` (B, row blocks). D and the strides are multiples of ALIGN
+    (``row_alignment``), written so that the compiler sees it, as the diversity kernels do."""
+    if ALIGN > 1:
+        D = D // ALIGN * ALIGN
+        stride_b, stride_n = stride_b // ALIGN * ALIGN, stride_n // ALIGN * ALIGN
     sets = tl.program_id(0) * G + tl.arange(0, G)
     block = tl.program_id(1)
     set_ok = sets < B
@@ -93,6 +100,7 @@ def sum_rows_partials(
         G=sets,
         ROWS=rows,
         BLOCK_D=block_d,
+        ALIGN=row_alignment(x),
         num_warps=4,
     )
     return out
