@@ -435,9 +435,9 @@ def test_every_group_launch_is_told_its_rows_alignment(mode):
     kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
     from accel.kernels.launch import row_alignment
 
-    for n, d, dtype in [(2, 100, torch.float32), (3, 300, torch.float16), (8, 100, torch.float32),
-                        (40, 100, torch.bfloat16), (12, 1000, torch.float32), (4, 64, torch.float32),
-                        (16, 50, torch.bfloat16)]:  # fmt: skip
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    for n, d, dtype in [(2, 100, f32), (3, 300, f16), (8, 100, f32), (40, 100, bf16),
+                        (12, 1000, f32), (4, 64, f32), (16, 50, bf16)]:  # fmt: skip
         x = torch.randn((9, n, d)).to(dtype)
         for has_counts in (False, True):
             constexprs = kernels._group_plan(x, mode, has_counts, None)[2]

@@ -147,10 +147,10 @@ def _rule_config(
     Groups of up to 4 rows: "pairs" (only the distinct dot products), about 8 KB of groups per
     program, one warp per row of 16-byte loads of the (group, feature) plane. From 8 rows: the
     tensor-core kernel ("dot"), float32 in 32-row tiles on 2 warps (it takes two TF32 passes
-    per chunk; a larger tile or more warps read at about half the rate), 64-row float32 groups
-    in one tile on 4 warps without a pipeline (:data:`DOT_FP32_WIDE_STAGES`), 16-bit in 64-row
-    tiles on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes "dot" from 4
-    rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt has the
+    per chunk; a larger tile or more warps read at about half the rate) and groups of 33-64
+    float32 rows in one 64-row tile on 4 warps without a pipeline
+    (:data:`DOT_FP32_WIDE_STAGES`), 16-bit in 64-row tiles on 4 warps. ``pairs=False`` (the
+    matrix mode, which "pairs" cannot write) takes "dot" from 4 rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt has the
     measurements behind each choice.
     """
     vec = max(1, 16 // itemsize)  # elements per 16-byte load
