@@ -14,7 +14,10 @@ kernels). Results are float32. A group with fewer than two members has no pairs:
 and its distances are 0 (and so are matrix entries and distances outside a group's count).
 Vectors are normalized as ``F.normalize`` does, x / max(||x||, eps), so a zero vector has
 cosine 0 with everything: its distance to every other member is 1, never NaN. Non-contiguous
-inputs are fine: the kernels read them through their strides, without a copy.
+inputs are fine: the kernels read them through their strides, without a copy. Each load takes
+as many elements as D, the strides and the start allow, up to 16 bytes
+(``accel.kernels.launch.row_alignment``): rows whose width and strides are multiples of 16
+bytes read fastest, and rows strided along D, or odd in 16 bits, one element at a time.
 
 Each function checks its inputs, then dispatches: the Triton kernels
 (``accel.kernels.pairwise_cosine``) on CUDA tensors, or on any tensors through Triton's
