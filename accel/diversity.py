@@ -17,7 +17,7 @@ cosine 0 with everything: its distance to every other member is 1, never NaN. No
 inputs are fine: the kernels read them through their strides, without a copy. Each load takes
 as many elements as D, the strides and the start allow, up to 16 bytes
 (``accel.kernels.launch.row_alignment``): rows whose width and strides are multiples of 16
-bytes read fastest, and rows strided along D, or odd in 16 bits, one element at a time.
+bytes read fastest, and rows strided along D, or of an odd width, one element at a time.
 
 Each function checks its inputs, then dispatches: the Triton kernels
 (``accel.kernels.pairwise_cosine``) on CUDA tensors, or on any tensors through Triton's
