@@ -432,6 +432,7 @@ def test_rows_off_16_bytes_are_loaded_in_the_largest_pieces_they_allow():
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_every_group_launch_is_told_its_rows_alignment(mode):
+    """Whichever kernel the rule picks (pairs, register Gram, tensor cores, closed form)."""
     kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
     from accel.kernels.launch import row_alignment
 
@@ -442,6 +443,22 @@ def test_every_group_launch_is_told_its_rows_alignment(mode):
         for has_counts in (False, True):
             constexprs = kernels._group_plan(x, mode, has_counts, None)[2]
             assert constexprs["ALIGN"] == row_alignment(x), (n, d, dtype, constexprs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [2, 5, 40])
+def test_rows_loaded_several_elements_at_a_time_match_the_references(kdev, n, dtype, seed):
+    """Views of wider rows (rows 104 apart, 100 long: 4 elements a load) and rows of 50 (2),
+    through every kernel the rule picks, with and without counts."""
+    from accel.kernels.launch import row_alignment
+
+    wide = embeddings((7, n, 104), dtype, kdev)[..., 2:102]  # starts 4-8 bytes past 16: no hint
+    for x in (embeddings((7, n, 104), dtype, kdev)[..., :100], embeddings((7, n, 50), dtype, kdev)):
+        assert row_alignment(x) > 1
+        check_all(x)
+        check_all(x, random_counts(x.shape[0], n).to(kdev))
+    assert row_alignment(wide) == 1
+    check_all(wide)
 
 
 def test_ragged_16_bit_groups_take_short_chunks_on_the_tensor_cores():
