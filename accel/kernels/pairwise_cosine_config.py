@@ -111,8 +111,7 @@ class GroupConfig:
             BLOCK_D=self.block_d,
             VEC=min(max(1, 16 // itemsize), self.block_d),  # elements per 16-byte load
             UNROLL=max(1, min(self.unroll, triton.cdiv(d, self.block_d))),
-            num_warps=self.num_warps,
-        )
+        ) | self.options()
 
 
 # The fastest configuration measured per (BLOCK_N, D rounded up to a power of 2, bytes per
@@ -150,8 +149,8 @@ def _rule_config(
     per chunk; a larger tile or more warps read at about half the rate) and groups of 33-64
     float32 rows in one 64-row tile on 4 warps without a pipeline
     (:data:`DOT_FP32_WIDE_STAGES`), 16-bit in 64-row tiles on 4 warps. ``pairs=False`` (the
-    matrix mode, which "pairs" cannot write) takes "dot" from 4 rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt has the
-    measurements behind each choice.
+    matrix mode, which "pairs" cannot write) takes "dot" from 4 rows in 16 bits, "vecsum" below.
+    results/diversity-group-rule-nvidia-h100.txt has the measurements behind each choice.
     """
     vec = max(1, 16 // itemsize)  # elements per 16-byte load
     if pairs and block_n <= PAIRS_MAX_N:

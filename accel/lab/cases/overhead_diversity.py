@@ -36,7 +36,7 @@ GROUP_SIZES = (2, 3, 4, 8, 16, 32, 64)
 WIDTHS = (64, 256, 768, 2048)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # (N, D, dtype, ragged) off the powers of two: 16-bit rows of 200 and 600 bytes (no 16-byte
-# loads), and groups that fill 8 of 16 and 40 of 64 tile rows.
+# loads), and groups of 6-40 rows, which pad their tiles to 8-64.
 OFF_POWER_POINTS = (
     (6, 100, torch.bfloat16, False),
     (12, 1000, torch.float32, False),
