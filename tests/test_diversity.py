@@ -359,9 +359,9 @@ def test_group_config_takes_the_table_then_the_rule():
     assert tabled is kernels.GROUP_TABLE[(4, 512, 4)]
     assert tabled.meta(384, 4)["UNROLL"] <= -(-384 // tabled.block_d)  # no chunk past D
     # the rule: the distinct pairs up to 4 rows (in 16 bits too), then tensor cores: float32 in
-    # 32-row tiles on 2 warps, 16-bit in 64-row tiles on 4; the matrix mode, which "pairs"
-    # cannot write, as before
-    for block_n, itemsize, variant in [(2, 4, "pairs"), (4, 4, "pairs"), (8, 4, "dot"),
+    # 32-row tiles on 2 warps (16-row tiles on one past groups of 16 rows at most), 16-bit in
+    # 64-row tiles on 4; the matrix mode, which "pairs" cannot write, as before
+    for block_n, itemsize, variant in [(2, 4, "pairs"), (4, 4, "pairs"), (32, 4, "dot"),
                                        (2, 2, "pairs"), (4, 2, "pairs"), (16, 2, "dot")]:  # fmt: skip
         assert (block_n, 4096, itemsize) not in kernels.GROUP_TABLE
         ruled = kernels.group_config(block_n, 3000, 8192, itemsize)
@@ -405,6 +405,44 @@ def test_float32_64_row_tiles_load_without_a_pipeline():
     assert rules.GroupConfig("dot", 1, 32, 1, 4, num_stages=1).name.endswith("S=1")
     with pytest.raises(ValueError, match="num_stages"):
         rules.GroupConfig("dot", 1, 32, 1, 4, num_stages=0)
+
+
+def test_float32_groups_of_up_to_16_rows_take_a_16_row_tile_on_one_warp():
+    """Groups of 5-16 float32 rows: the 16-row tensor-core tile on one warp (a larger tile or
+    more warps stage more through shared memory), in chunks of 32 up to 256 elements and 64
+    past, with or without counts and in the matrix mode too."""
+    rules = pytest.importorskip(CONFIG)
+    for block_n in (8, 16):
+        for d, block_d in [(64, 32), (256, 32), (257, 64), (1000, 64), (2048, 64)]:
+            for ragged in (False, True):
+                config = rules.group_config(block_n, d, 8192, 4, ragged=ragged)
+                shape = (config.variant, config.groups * block_n, config.num_warps)
+                assert shape == ("dot", rules.DOT_ROWS_FP32_SMALL, 1), (block_n, d, config)
+                assert config.block_d == block_d, (block_n, d, config)
+            assert rules._rule_config(block_n, d, 8192, 4, pairs=False) == config
+    assert rules.DOT_ROWS_FP32_SMALL == 16 == rules.DOT_MIN_ROWS
+
+
+def test_ragged_float32_means_step_through_eight_rows_of_several_groups():
+    """With counts, the closed form holds at most 8 rows of a group a step and as many groups as
+    fill half the tile budget (its steps stop at the program's largest count, so short steps
+    skip the holes); without counts, whole groups as before."""
+    rules = pytest.importorskip(CONFIG)
+    for block_n, d, groups, rows in [(64, 100, 4, 8), (32, 256, 2, 8), (64, 2048, 1, 4),
+                                     (8, 2048, 1, 4), (8, 64, 8, 8), (16, 64, 8, 8)]:  # fmt: skip
+        config = rules.mean_config(block_n, d, 8192, 4, ragged=True)
+        assert config.variant == "closed", config
+        assert config.groups == groups, (block_n, d, config)
+        assert rules.closed_form_rows(block_n, config, ragged=True) == rows, (block_n, d, config)
+    for block_n, d in [(64, 100), (32, 256), (8, 64)]:
+        full = rules.mean_config(block_n, d, 8192, 4)
+        assert rules.closed_form_rows(block_n, full) == min(
+            block_n, rules.GROUP_TILE_ELEMENTS // (full.groups * full.block_d)
+        )
+        assert full.groups * rules.closed_form_rows(block_n, full) * full.block_d <= (
+            rules.GROUP_TILE_ELEMENTS
+        )
+    assert rules.mean_config(64, 100, 2, 4, ragged=True).groups == 2  # no more than the batch
 
 
 def test_rows_off_16_bytes_are_loaded_in_the_largest_pieces_they_allow():

@@ -195,7 +195,8 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
                 "the 'closed' group kernel takes the mean only, of rows no longer than its "
                 f"block_d; got mode {mode} and D={D} for block_d={config.block_d}"
             )
-        rows = dict(BLOCK_N=closed_form_rows(block_n, config), BLOCK_D=config.block_d)
+        step = closed_form_rows(block_n, config, ragged=has_counts)
+        rows = dict(BLOCK_N=step, BLOCK_D=config.block_d)
         return _launch_closed_form, grid, common | rows, True
     if config.variant == "dot":
         if not DOT_MIN_ROWS <= config.groups * block_n <= DOT_MAX_ROWS:

@@ -22,6 +22,10 @@ SMALL_N = 64  # groups up to this size take the group kernels (whole groups per 
 # large-set closed form (pairwise_cosine_large), which splits a group's rows over programs.
 CLOSED_FORM_MIN_N = 8
 CLOSED_FORM_LARGE_N = 16
+# With counts, the closed form's steps stop at the largest count among a program's groups: steps
+# of at most this many rows of a group, several groups filling half the tile budget, then skip
+# most of the holes. results/diversity-closed-form-steps-nvidia-h100.txt
+CLOSED_FORM_RAGGED_ROWS = 8
 # The fallback rule keeps the group kernel's (N, N, GROUPS, BLOCK_D) product tile at or under
 # this many float32 elements, so it lives in registers: 64 per thread at 4 warps.
 GROUP_TILE_ELEMENTS = 8192
@@ -43,6 +47,11 @@ PAIRS_GROUP_MAX = 16
 PAIRS_MAX_WARPS = 4
 DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 warps
 DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
+# Groups of up to 16 float32 rows: a 16-row tile on one warp, in chunks of 32 elements up to this
+# long a row, 64 past (the 32-row tile on two warps stages twice the rows through shared memory
+# for the same groups). results/diversity-fp32-small-tiles-nvidia-h100.txt
+DOT_ROWS_FP32_SMALL = 16
+DOT_FP32_SMALL_SHORT_D = 256
 # The float32 tile of 64 rows loads each chunk straight into registers (one pipeline stage):
 # it splits the chunk into TF32 halves there, and Triton's pipeline would first stage the chunk
 # through shared memory, which that tile is bound by. Chunks of 32 elements up to this long a
@@ -123,7 +132,6 @@ GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
     (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
     (2, 1024, 2): GroupConfig("pairs", groups=1, block_d=256, unroll=1, num_warps=1),
     (2, 2048, 4): GroupConfig("vecsum", groups=1, block_d=128, unroll=4, num_warps=2),
-    (8, 2048, 4): GroupConfig("vecsum", groups=1, block_d=128, unroll=1, num_warps=2),
     (8, 256, 2): GroupConfig("dot", groups=8, block_d=64, unroll=1, num_warps=4),
     (32, 64, 2): GroupConfig("dot", groups=1, block_d=64, unroll=1, num_warps=2),
 }
@@ -145,12 +153,13 @@ def _rule_config(
 
     Groups of up to 4 rows: "pairs" (only the distinct dot products), about 8 KB of groups per
     program, one warp per row of 16-byte loads of the (group, feature) plane. From 8 rows: the
-    tensor-core kernel ("dot"), float32 in 32-row tiles on 2 warps (it takes two TF32 passes
-    per chunk; a larger tile or more warps read at about half the rate) and groups of 33-64
-    float32 rows in one 64-row tile on 4 warps without a pipeline
-    (:data:`DOT_FP32_WIDE_STAGES`), 16-bit in 64-row tiles on 4 warps. ``pairs=False`` (the
-    matrix mode, which "pairs" cannot write) takes "dot" from 4 rows in 16 bits, "vecsum" below.
-    results/diversity-group-rule-nvidia-h100.txt has the measurements behind each choice.
+    tensor-core kernel ("dot"). Float32 takes two TF32 passes per chunk, and the tile is bound
+    by what it stages through shared memory, so it stays small: groups of up to 16 rows in a
+    16-row tile on one warp (:data:`DOT_ROWS_FP32_SMALL`), of 17-32 in a 32-row tile on 2, of
+    33-64 in one 64-row tile on 4 without a pipeline (:data:`DOT_FP32_WIDE_STAGES`). 16-bit:
+    64-row tiles on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes
+    "dot" from 4 rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt
+    and the files named beside the constants have the measurements behind each choice.
     """
     vec = max(1, 16 // itemsize)  # elements per 16-byte load
     if pairs and block_n <= PAIRS_MAX_N:
@@ -164,6 +173,9 @@ def _rule_config(
         if itemsize == 4 and rows > DOT_ROWS_FP32:
             block_d = 32 if d <= DOT_FP32_WIDE_SHORT_D else 64
             return GroupConfig("dot", 1, block_d, 1, num_warps=4, num_stages=DOT_FP32_WIDE_STAGES)
+        if itemsize == 4 and block_n <= DOT_ROWS_FP32_SMALL:
+            block_d = 32 if d <= DOT_FP32_SMALL_SHORT_D else 64
+            return GroupConfig("dot", DOT_ROWS_FP32_SMALL // block_n, block_d, 1, num_warps=1)
         block_d = 32 if itemsize == 4 else (128 if d >= 256 else 64)
         warps = 2 if rows <= DOT_ROWS_FP32 else 4
         return GroupConfig(
@@ -231,28 +243,36 @@ def mean_config(
     """The configuration of the mean: the closed form's for float32 groups from
     :data:`CLOSED_FORM_MIN_N` rows whose rows fit a step, else :func:`group_config`."""
     if itemsize == 4 and block_n >= CLOSED_FORM_MIN_N and _whole_rows_fit(d):
-        return closed_form_config(block_n, d, batch)
+        return closed_form_config(block_n, d, batch, ragged=ragged)
     return group_config(block_n, d, batch, itemsize, ragged=ragged)
 
 
-def closed_form_config(block_n: int, d: int, batch: int) -> GroupConfig:
+def closed_form_config(block_n: int, d: int, batch: int, *, ragged: bool = False) -> GroupConfig:
     """The "closed" kernel's launch: whole rows (BLOCK_D the next power of 2 of ``d``); as many
     groups a step as fit :data:`GROUP_TILE_ELEMENTS` where a whole group does, else one group
-    whose rows go :func:`closed_form_rows` at a time; one warp per 512 elements, up to 4."""
+    whose rows go :func:`closed_form_rows` at a time; one warp per 512 elements, up to 4. With
+    counts (``ragged``), steps of at most :data:`CLOSED_FORM_RAGGED_ROWS` rows of each group, and
+    as many groups as fill half the budget."""
     block_d = max(16, triton.next_power_of_2(d))
-    fits = GROUP_TILE_ELEMENTS // (block_n * block_d)
+    if ragged:
+        fits = GROUP_TILE_ELEMENTS // 2 // (_rows_a_step(block_n, 1, block_d, ragged) * block_d)
+    else:
+        fits = GROUP_TILE_ELEMENTS // (block_n * block_d)
     groups = max(1, min(fits, GROUP_MAX, triton.next_power_of_2(batch)))
-    tile = groups * _rows_a_step(block_n, groups, block_d) * block_d
+    tile = groups * _rows_a_step(block_n, groups, block_d, ragged) * block_d
     return GroupConfig("closed", groups, block_d, unroll=1, num_warps=max(1, min(4, tile // 512)))
 
 
-def closed_form_rows(block_n: int, config: GroupConfig) -> int:
+def closed_form_rows(block_n: int, config: GroupConfig, *, ragged: bool = False) -> int:
     """Rows of each group a step of the "closed" kernel holds (BLOCK_N)."""
-    return _rows_a_step(block_n, config.groups, config.block_d)
+    return _rows_a_step(block_n, config.groups, config.block_d, ragged)
 
 
-def _rows_a_step(block_n: int, groups: int, block_d: int) -> int:
-    return max(1, min(block_n, GROUP_TILE_ELEMENTS // (groups * block_d)))
+def _rows_a_step(block_n: int, groups: int, block_d: int, ragged: bool) -> int:
+    rows = GROUP_TILE_ELEMENTS // (groups * block_d)
+    if ragged:
+        rows = min(CLOSED_FORM_RAGGED_ROWS, GROUP_TILE_ELEMENTS // block_d)
+    return max(1, min(block_n, rows))
 
 
 def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:

@@ -360,7 +360,8 @@ def _closed_form_kernel(
     x_groups = X_ptr + b[:, None, None] * stride_xb + cols[None, None, :] * stride_xd
     column_sums = tl.zeros([GROUPS, BLOCK_D], dtype=tl.float32)  # sum_i x̂_i
     own = tl.zeros([GROUPS], dtype=tl.float32)  # sum_i ||x̂_i||^2
-    for n0 in range(0, N, BLOCK_N):
+    # steps up to the largest count of the program's groups: a ragged batch skips its holes
+    for n0 in range(0, tl.max(n, axis=0), BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         member = rows[None, :] < n[:, None]  # (GROUPS, BLOCK_N); rows past a count: not read
         x = tl.load(
