@@ -69,9 +69,46 @@ def test_the_rows_read_alone_are_timed_at_each_launch_shape_and_the_fastest_kept
     assert [m[4:] for m in measured] == [(3.0, 2.0), (3.0, 3.0)]  # (ours, the fastest read)
 
 
-def test_a_point_whose_own_reads_miss_the_target_says_so():
-    assert sweep.layout_bound(sweep.TARGET_BANDWIDTH) == ""
-    assert "the layout's bound" in sweep.layout_bound(sweep.TARGET_BANDWIDTH - 0.01)
+def test_a_missed_point_says_whether_the_layout_or_the_kernels_own_work_bounds_it():
+    """The rows read alone set the layout's bound; the kernel's distance from that read says
+    whether its own work costs more than the read."""
+    target, near = sweep.TARGET_BANDWIDTH, sweep.KERNEL_NEAR_READ
+    assert sweep.miss_cause(target, 0.9) is None  # met: nothing to explain
+    assert sweep.miss_cause(0.6, 0.7) == "layout"  # the kernel within reach of its own read
+    assert sweep.miss_cause(0.7 * near - 0.01, 0.7) == "layout and kernel"
+    assert sweep.miss_cause(0.7, 0.9) == "kernel"
+    assert sweep.miss_cause(0.7 * near, 0.7) == "layout"
+    for cause in ("layout", "layout and kernel", "kernel"):
+        assert sweep.MISS_CAUSES[cause].startswith("; ")
+    assert "under 0.75 of copy: the layout's bound" in sweep.MISS_CAUSES["layout"]
+
+
+def test_the_sweeps_summary_counts_the_misses_by_cause(monkeypatch):
+    """The summary row says how many misses each cause explains."""
+    from accel.lab.bench import BenchContext
+
+    fractions = {"mean": (0.8, 0.9), "nearest": (0.5, 0.9)}  # (kernel, read alone)
+
+    def measure(point, device):
+        return 64 << 20, [(r, 1.0, 3.0, 3.0, *fractions[r]) for r in ("mean", "nearest")]
+
+    class Ceilings:
+        copy_gb_s = 1000.0
+
+        def bandwidth_fraction(self, bytes_read, ms):
+            return ms  # the fractions pass through as "times"
+
+    monkeypatch.setattr(sweep, "points", lambda device: [sweep.Point(4, 2, 8, torch.float32, False)])
+    monkeypatch.setattr(sweep, "measure", measure)
+    ctx = BenchContext(torch.device("cuda"), "gpu")  # judged; nothing runs
+    ctx._ceilings = Ceilings()
+    rows = sweep.rows(ctx)
+    summary = next(r for r in rows if r.case.startswith("diversity sweep: worst bandwidth"))
+    assert "1 point(s) missed: 0 bound by the layout, 1 by the kernel's own work, 0 by both" in (
+        summary.note
+    )
+    nearest = next(r for r in rows if r.metric == "bandwidth" and "nearest" in r.case)
+    assert nearest.note.endswith(sweep.MISS_CAUSES["kernel"])
 
 
 def _host_rows(plain_us, ours_us):

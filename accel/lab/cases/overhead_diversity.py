@@ -146,11 +146,27 @@ def measure(
     return bytes_read, out
 
 
-def layout_bound(read_fraction: float) -> str:
-    """What a row's note adds where reading the rows alone, at its fastest, misses the target."""
+# A missed point whose kernel reaches this share of its own rows' read alone is bound by what
+# reading them costs; further from it, the kernel's own work (the Gram tile, its epilogue) costs
+# more than the read. The reads' cost is the layout's where they stay under the target alone.
+KERNEL_NEAR_READ = 0.85
+_UNDER = f"read alone these rows stay under {TARGET_BANDWIDTH} of copy"
+MISS_CAUSES = {
+    "layout": f"; {_UNDER}: the layout's bound",
+    "layout and kernel": f"; {_UNDER}, and the kernel is under {KERNEL_NEAR_READ} of that read: "
+    "bound by the layout and by its own work",
+    "kernel": f"; read alone these rows reach {TARGET_BANDWIDTH} of copy: the kernel's own work "
+    "is the bound",
+}
+
+
+def miss_cause(kernel_fraction: float, read_fraction: float) -> str | None:
+    """Why a point misses the bandwidth target (a key of :data:`MISS_CAUSES`), None if met."""
+    if kernel_fraction >= TARGET_BANDWIDTH:
+        return None
     if read_fraction >= TARGET_BANDWIDTH:
-        return ""
-    return f"; read alone these rows stay under {TARGET_BANDWIDTH} of copy: the layout's bound"
+        return "kernel"
+    return "layout" if kernel_fraction >= KERNEL_NEAR_READ * read_fraction else "layout and kernel"
 
 
 def read_rows():
@@ -160,7 +176,7 @@ def read_rows():
 
 def rows(ctx: BenchContext) -> list[Row]:
     out: list[Row] = []
-    ratios, fractions = [], []
+    ratios, fractions, causes = [], [], []
     for point in points(ctx.device):
         bytes_read, measured = measure(point, ctx.device)
         release_memory(ctx.device)
@@ -177,6 +193,7 @@ def rows(ctx: BenchContext) -> list[Row]:
             if bytes_read >= LARGE_BYTES:
                 fractions.append(ctx.ceilings.bandwidth_fraction(bytes_read, device_ms))
                 read = ctx.ceilings.bandwidth_fraction(bytes_read, read_ms)
+                causes.append(miss_cause(fractions[-1], read))
                 out.append(Row(
                     PHASE, name, "bandwidth", "fraction of copy", fractions[-1],
                     target=f">= {TARGET_BANDWIDTH}", higher_is_better=True,
@@ -185,16 +202,21 @@ def rows(ctx: BenchContext) -> list[Row]:
                     f"{device_ms * 1e3:.1f} us (CUDA-graph replays over rotating inputs); copy "
                     f"{ctx.ceilings.copy_gb_s:.0f} GB/s; the same rows read alone "
                     f"({READ_ALONE}, interleaved): {read:.2f} of copy, the kernel at "
-                    f"{fractions[-1] / read:.2f} of that{layout_bound(read)}",
+                    f"{fractions[-1] / read:.2f} of that{MISS_CAUSES.get(causes[-1], '')}",
                 ))  # fmt: skip
     summaries = [("single-call latency", "x", ratios, TARGET_VS_COMPILED),
                  ("bandwidth", "fraction of copy", fractions, TARGET_BANDWIDTH)]  # fmt: skip
     for metric, unit, values, target in summaries:
         missed = sum(v < target for v in values)
+        why = ""
+        if metric == "bandwidth" and missed:
+            count = {cause: causes.count(cause) for cause in MISS_CAUSES}
+            why = (f": {count['layout']} bound by the layout, {count['kernel']} by the kernel's "
+                   f"own work, {count['layout and kernel']} by both")  # fmt: skip
         out.append(Row(
             PHASE, f"diversity sweep: worst {metric} of {len(values)} points", metric, unit,
             min(values, default=math.nan), target=f">= {target}", higher_is_better=True,
             met=missed == 0 if ctx.judged and values else None,
-            note=f"{ctx.where}; {missed} point(s) missed",
+            note=f"{ctx.where}; {missed} point(s) missed{why}",
         ))  # fmt: skip
     return out
