@@ -9,6 +9,7 @@ memory, graph capture).
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import math
 import os
@@ -358,11 +359,11 @@ def test_group_config_takes_the_table_then_the_rule():
     tabled = kernels.group_config(4, 384, 8192, 4)
     assert tabled is kernels.GROUP_TABLE[(4, 512, 4)]
     assert tabled.meta(384, 4)["UNROLL"] <= -(-384 // tabled.block_d)  # no chunk past D
-    # the rule: the distinct pairs up to 4 rows (in 16 bits too), then tensor cores: float32 in
-    # 32-row tiles on 2 warps (16-row tiles on one past groups of 16 rows at most), 16-bit in
-    # 64-row tiles on 4; the matrix mode, which "pairs" cannot write, as before
+    # the rule: the distinct pairs up to 4 rows (in 16 bits too), then tensor cores: float32
+    # groups of 17-32 rows in 32-row tiles on 2 warps, 16-bit groups of 33-64 in 64-row tiles on
+    # 4 (smaller groups: the tests below); the matrix mode, which "pairs" cannot write, as before
     for block_n, itemsize, variant in [(2, 4, "pairs"), (4, 4, "pairs"), (32, 4, "dot"),
-                                       (2, 2, "pairs"), (4, 2, "pairs"), (16, 2, "dot")]:  # fmt: skip
+                                       (2, 2, "pairs"), (4, 2, "pairs"), (64, 2, "dot")]:  # fmt: skip
         assert (block_n, 4096, itemsize) not in kernels.GROUP_TABLE
         ruled = kernels.group_config(block_n, 3000, 8192, itemsize)
         assert ruled.variant == variant, (block_n, itemsize, ruled)
@@ -421,6 +422,24 @@ def test_float32_groups_of_up_to_16_rows_take_a_16_row_tile_on_one_warp():
                 assert config.block_d == block_d, (block_n, d, config)
             assert rules._rule_config(block_n, d, 8192, 4, pairs=False) == config
     assert rules.DOT_ROWS_FP32_SMALL == 16 == rules.DOT_MIN_ROWS
+
+
+def test_16_bit_groups_of_5_to_32_rows_take_the_smallest_whole_group_tile_on_one_warp():
+    """16-bit groups of 5-32 rows: a 16-row tile (32 for groups past 16 rows) on one warp, in
+    chunks of 64 (128 for full groups from 1024 long), in the matrix mode too; groups of 33-64
+    rows keep the 64-row tile on 4 warps, and groups of 3-4 rows the pairs kernel (the 64-row
+    tile where it cannot run)."""
+    rules = pytest.importorskip(CONFIG)
+    for block_n, rows in [(8, 16), (16, 16), (32, 32)]:
+        for d, block_d in [(64, 64), (100, 64), (256, 64), (768, 64), (1024, 128), (2048, 128)]:
+            for ragged in (True, False):
+                config = rules.group_config(block_n, d, 8192, 2, ragged=ragged)
+                shape = (config.variant, config.groups * block_n, config.num_warps, config.block_d)
+                chunk = 64 if ragged else block_d
+                assert shape == ("dot", rows, 1, chunk), (block_n, d, ragged, config)
+            assert rules._rule_config(block_n, d, 8192, 2, pairs=False) == config  # full groups
+    assert rules.group_config(64, 256, 8192, 2).num_warps == 4
+    assert rules._rule_config(4, 256, 8192, 2, pairs=False).groups * 4 == rules.DOT_ROWS
 
 
 def test_ragged_float32_means_step_through_eight_rows_of_several_groups():
@@ -503,12 +522,18 @@ def test_ragged_16_bit_groups_take_short_chunks_on_the_tensor_cores():
     """With counts, 16-bit rows are read in chunks of 64 through the tensor-core tile (its 128
     reads slower past the holes), groups of 3-4 long rows too; without counts, as before."""
     rules = pytest.importorskip(CONFIG)
-    for block_n, d in [(16, 256), (16, 2048), (32, 2048), (64, 256), (4, 2048), (4, 3000)]:
+    for block_n, d in [(64, 256), (64, 2048), (4, 2048), (4, 3000)]:
         ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
         assert (ragged.variant, ragged.block_d) == ("dot", 64), (block_n, d, ragged)
         assert ragged.groups * block_n == rules.DOT_ROWS and ragged.num_warps == 4
         assert rules.mean_config(block_n, d, 8192, 2, ragged=True) == ragged
         assert rules.group_config(block_n, d, 8192, 2) != ragged  # full groups: as before
+    for block_n, d in [(16, 256), (8, 768)]:  # chunks of 64 either way
+        ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
+        assert ragged == rules.group_config(block_n, d, 8192, 2) and ragged.block_d == 64
+    for block_n, d in [(16, 2048), (32, 2048)]:
+        ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
+        assert ragged == dataclasses.replace(rules.group_config(block_n, d, 8192, 2), block_d=64)
     for block_n, d, itemsize in [(4, 1024, 2), (2, 2048, 2), (4, 2048, 4), (16, 256, 4)]:
         assert rules.group_config(block_n, d, 8192, itemsize, ragged=True) == rules.group_config(
             block_n, d, 8192, itemsize

@@ -46,6 +46,12 @@ PAIRS_PROGRAM_BYTES = 8192  # the "pairs" rule's groups per program read about t
 PAIRS_GROUP_MAX = 16
 PAIRS_MAX_WARPS = 4
 DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 warps
+# 16-bit groups of 5-32 rows: the smallest tile holding whole groups (16 or 32 rows) on one warp,
+# in chunks of 64, 128 from rows this long; the 64-row tile on 4 warps spends more on its epilogue
+# (the groups' blocks cut out of the product) than the rows cost to read.
+# results/diversity-16-bit-small-tiles-nvidia-h100.txt
+DOT_ONE_WARP_MAX_ROWS = 32
+DOT_ONE_WARP_LONG_D = 1024
 DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
 # Groups of up to 16 float32 rows: a 16-row tile on one warp, in chunks of 32 elements up to this
 # long a row, 64 past (the 32-row tile on two warps stages twice the rows through shared memory
@@ -132,8 +138,6 @@ GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
     (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
     (2, 1024, 2): GroupConfig("pairs", groups=1, block_d=256, unroll=1, num_warps=1),
     (2, 2048, 4): GroupConfig("vecsum", groups=1, block_d=128, unroll=4, num_warps=2),
-    (8, 256, 2): GroupConfig("dot", groups=8, block_d=64, unroll=1, num_warps=4),
-    (32, 64, 2): GroupConfig("dot", groups=1, block_d=64, unroll=1, num_warps=2),
 }
 
 
@@ -157,7 +161,9 @@ def _rule_config(
     by what it stages through shared memory, so it stays small: groups of up to 16 rows in a
     16-row tile on one warp (:data:`DOT_ROWS_FP32_SMALL`), of 17-32 in a 32-row tile on 2, of
     33-64 in one 64-row tile on 4 without a pipeline (:data:`DOT_FP32_WIDE_STAGES`). 16-bit:
-    64-row tiles on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes
+    groups of 5-32 rows in the smallest tile holding whole groups on one warp
+    (:data:`DOT_ONE_WARP_MAX_ROWS`), of 33-64 rows (and 3-4, where "pairs" cannot run) in 64-row
+    tiles on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes
     "dot" from 4 rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt
     and the files named beside the constants have the measurements behind each choice.
     """
@@ -176,6 +182,10 @@ def _rule_config(
         if itemsize == 4 and block_n <= DOT_ROWS_FP32_SMALL:
             block_d = 32 if d <= DOT_FP32_SMALL_SHORT_D else 64
             return GroupConfig("dot", DOT_ROWS_FP32_SMALL // block_n, block_d, 1, num_warps=1)
+        if itemsize == 2 and 8 <= block_n <= DOT_ONE_WARP_MAX_ROWS:
+            groups = max(1, DOT_MIN_ROWS // block_n)
+            block_d = 128 if d >= DOT_ONE_WARP_LONG_D else 64
+            return GroupConfig("dot", groups, block_d, unroll=1, num_warps=1)
         block_d = 32 if itemsize == 4 else (128 if d >= 256 else 64)
         warps = 2 if rows <= DOT_ROWS_FP32 else 4
         return GroupConfig(
