@@ -98,7 +98,9 @@ def test_the_sweeps_summary_counts_the_misses_by_cause(monkeypatch):
         def bandwidth_fraction(self, bytes_read, ms):
             return ms  # the fractions pass through as "times"
 
-    monkeypatch.setattr(sweep, "points", lambda device: [sweep.Point(4, 2, 8, torch.float32, False)])
+    monkeypatch.setattr(
+        sweep, "points", lambda device: [sweep.Point(4, 2, 8, torch.float32, False)]
+    )
     monkeypatch.setattr(sweep, "measure", measure)
     ctx = BenchContext(torch.device("cuda"), "gpu")  # judged; nothing runs
     ctx._ceilings = Ceilings()

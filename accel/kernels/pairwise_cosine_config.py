@@ -47,15 +47,14 @@ PAIRS_GROUP_MAX = 16
 PAIRS_MAX_WARPS = 4
 DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 warps
 # 16-bit groups of 5-32 rows: the smallest tile holding whole groups (16 or 32 rows) on one warp,
-# in chunks of 64, 128 from rows this long; the 64-row tile on 4 warps spends more on its epilogue
-# (the groups' blocks cut out of the product) than the rows cost to read.
-# results/diversity-16-bit-small-tiles-nvidia-h100.txt
+# in chunks of 64, 128 from rows this long: faster than the 64-row tile on 4 warps (or the same
+# tile on 2) at every such point measured. results/diversity-16-bit-small-tiles-nvidia-h100.txt
 DOT_ONE_WARP_MAX_ROWS = 32
 DOT_ONE_WARP_LONG_D = 1024
 DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
 # Groups of up to 16 float32 rows: a 16-row tile on one warp, in chunks of 32 elements up to this
-# long a row, 64 past (the 32-row tile on two warps stages twice the rows through shared memory
-# for the same groups). results/diversity-fp32-small-tiles-nvidia-h100.txt
+# long a row, 64 past: faster than the 32-row tile on two warps (or more warps on either) at
+# every such point measured. results/diversity-fp32-small-tiles-nvidia-h100.txt
 DOT_ROWS_FP32_SMALL = 16
 DOT_FP32_SMALL_SHORT_D = 256
 # The float32 tile of 64 rows loads each chunk straight into registers (one pipeline stage):
@@ -121,12 +120,15 @@ class GroupConfig:
 
     def meta(self, d: int, itemsize: int) -> dict:
         """The kernel's launch keywords for rows of ``d`` elements of ``itemsize`` bytes."""
-        return dict(
-            GROUPS=self.groups,
-            BLOCK_D=self.block_d,
-            VEC=min(max(1, 16 // itemsize), self.block_d),  # elements per 16-byte load
-            UNROLL=max(1, min(self.unroll, triton.cdiv(d, self.block_d))),
-        ) | self.options()
+        return (
+            dict(
+                GROUPS=self.groups,
+                BLOCK_D=self.block_d,
+                VEC=min(max(1, 16 // itemsize), self.block_d),  # elements per 16-byte load
+                UNROLL=max(1, min(self.unroll, triton.cdiv(d, self.block_d))),
+            )
+            | self.options()
+        )
 
 
 # The fastest configuration measured per (BLOCK_N, D rounded up to a power of 2, bytes per
