@@ -48,7 +48,8 @@ PAIRS_MAX_WARPS = 4
 DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 warps
 # 16-bit groups of 5-32 rows: the smallest tile holding whole groups (16 or 32 rows) on one warp,
 # in chunks of 64, 128 from rows this long: faster than the 64-row tile on 4 warps (or the same
-# tile on 2) at every such point measured. results/diversity-16-bit-small-tiles-nvidia-h100.txt
+# tile on 2) at every such point measured but one (N=32 D=2048 ragged, 0.02-0.04 of copy slower).
+# results/diversity-16-bit-small-tiles-nvidia-h100.txt
 DOT_ONE_WARP_MAX_ROWS = 32
 DOT_ONE_WARP_LONG_D = 1024
 DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
