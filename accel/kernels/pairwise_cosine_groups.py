@@ -13,7 +13,7 @@
 - ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
   products formed.
 - ``_closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
-  registers a step, each read once, O(N D) work): float32 groups from 8 rows.
+  registers a step, each read once, O(N D) work): float32 groups from 5 rows (8 padded).
 
 The prologues (``_program_groups``, ``_group_rows``), a chunk's products (``_chunk_products``)
 and the epilogue (``_group_epilogue``) are shared with the variants the bench sweep compares
