@@ -177,23 +177,21 @@ def _rule_config(
         groups = min(1 << (fit.bit_length() - 1), PAIRS_GROUP_MAX, triton.next_power_of_2(batch))
         warps = max(1, min(PAIRS_MAX_WARPS, groups * block_d // (32 * vec)))
         return GroupConfig("pairs", groups=groups, block_d=block_d, unroll=1, num_warps=warps)
-    if block_n >= (8 if itemsize == 4 else 4):
-        rows = max(block_n, DOT_ROWS_FP32 if itemsize == 4 else DOT_ROWS)
-        if itemsize == 4 and rows > DOT_ROWS_FP32:
-            block_d = 32 if d <= DOT_FP32_WIDE_SHORT_D else 64
-            return GroupConfig("dot", 1, block_d, 1, num_warps=4, num_stages=DOT_FP32_WIDE_STAGES)
-        if itemsize == 4 and block_n <= DOT_ROWS_FP32_SMALL:
+    if itemsize == 4 and block_n >= 8:  # float32: the smallest tile, fewest warps, that fit
+        if block_n <= DOT_ROWS_FP32_SMALL:
             block_d = 32 if d <= DOT_FP32_SMALL_SHORT_D else 64
             return GroupConfig("dot", DOT_ROWS_FP32_SMALL // block_n, block_d, 1, num_warps=1)
-        if itemsize == 2 and 8 <= block_n <= DOT_ONE_WARP_MAX_ROWS:
-            groups = max(1, DOT_MIN_ROWS // block_n)
-            block_d = 128 if d >= DOT_ONE_WARP_LONG_D else 64
-            return GroupConfig("dot", groups, block_d, unroll=1, num_warps=1)
-        block_d = 32 if itemsize == 4 else (128 if d >= 256 else 64)
-        warps = 2 if rows <= DOT_ROWS_FP32 else 4
-        return GroupConfig(
-            "dot", groups=rows // block_n, block_d=block_d, unroll=1, num_warps=warps
-        )
+        if block_n <= DOT_ROWS_FP32:
+            return GroupConfig("dot", DOT_ROWS_FP32 // block_n, 32, 1, num_warps=2)
+        block_d = 32 if d <= DOT_FP32_WIDE_SHORT_D else 64
+        return GroupConfig("dot", 1, block_d, 1, num_warps=4, num_stages=DOT_FP32_WIDE_STAGES)
+    if itemsize == 2 and 8 <= block_n <= DOT_ONE_WARP_MAX_ROWS:
+        groups = max(1, DOT_MIN_ROWS // block_n)
+        block_d = 128 if d >= DOT_ONE_WARP_LONG_D else 64
+        return GroupConfig("dot", groups, block_d, unroll=1, num_warps=1)
+    if itemsize == 2 and block_n >= 4:  # 3-4 rows where "pairs" cannot run, or 33-64
+        block_d = 128 if d >= 256 else 64
+        return GroupConfig("dot", DOT_ROWS // block_n, block_d, unroll=1, num_warps=4)
     # "vecsum": BLOCK_D is one warp's row of 16-byte loads (128 float32), fewer for short rows;
     # GROUPS fills the tile budget; UNROLL chunks of D are loaded before their products are
     # taken; as many warps as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps
