@@ -296,8 +296,10 @@ def test_the_closed_form_kernel_matches_the_mean_reference(kdev, shape, dtype, s
     strided = x.transpose(0, 1).contiguous().transpose(0, 1)
     block_n, block_d = kernels.block_rows(shape[1]), 1 << (shape[2] - 1).bit_length()
     configs = [
-        config_module.closed_form_config(block_n, shape[2], shape[0]),
+        config_module.closed_form_config(block_n, shape[2], shape[0], x.element_size()),
+        config_module.closed_form_config(block_n, shape[2], 1, x.element_size(), ragged=True),
         kernels.GroupConfig("closed", 1, block_d, 1, 1),
+        kernels.GroupConfig("closed", 2, block_d, 1, 1, step_rows=2),
         kernels.GroupConfig("closed", 4, block_d, 1, 4),
     ]
     for inputs, members in ((x, None), (x, counts), (strided, counts)):
@@ -329,7 +331,6 @@ def test_float32_means_from_eight_rows_take_the_closed_form_where_whole_rows_fit
     assert config.mean_config(8, 64, 4096, 4).variant == "closed"
     assert config.mean_config(64, 2048, 269, 4).variant == "closed"
     assert config.mean_config(4, 64, 4096, 4).variant != "closed"  # fewer rows: pairs
-    assert config.mean_config(8, 64, 4096, 2).variant != "closed"  # 16 bit: the tensor cores
     assert config.mean_config(16, 16384, 64, 4).variant != "closed"  # rows past a step
     assert config.group_kernel_takes_mean(64, 2048, 4)
     assert not config.group_kernel_takes_mean(32, 16384, 4)  # the large-set closed form
@@ -442,6 +443,35 @@ def test_16_bit_groups_of_5_to_32_rows_take_the_smallest_whole_group_tile_on_one
     assert rules._rule_config(4, 256, 8192, 2, pairs=False).groups * 4 == rules.DOT_ROWS
 
 
+def test_16_bit_means_from_eight_rows_take_the_closed_form_in_small_steps():
+    """16-bit means of groups padded to 8-64 rows take the closed form: a warp per 256 elements
+    of a row (up to 4), a step of 1024 elements a warp (2048 for rows from 2048 long), whole
+    groups filling at least 2048 elements a program, with counts at most half a group's padded
+    rows a step. Groups of 17-64 rows of 1024 elements or more stay on the tensor cores, and
+    groups of up to 4 rows on the pairs kernel."""
+    rules = pytest.importorskip(CONFIG)
+    for block_n, d, ragged, groups, rows, warps in [
+        (8, 100, False, 2, 8, 1), (8, 100, True, 2, 4, 1), (16, 64, False, 2, 16, 1),
+        (32, 64, False, 1, 16, 1), (64, 64, True, 1, 16, 1), (32, 300, False, 1, 4, 2),
+        (32, 300, True, 1, 4, 2), (64, 256, True, 1, 4, 1), (8, 50, False, 4, 8, 1),
+        (16, 1000, False, 1, 4, 4), (16, 2048, True, 1, 4, 4), (8, 768, False, 1, 4, 4),
+        (8, 4096, False, 1, 2, 4), (8, 8000, True, 1, 1, 4),
+    ]:  # fmt: skip
+        config = rules.mean_config(block_n, d, 8192, 2, ragged=ragged)
+        step = rules.closed_form_rows(block_n, config, ragged=ragged)
+        assert config.variant == "closed", (block_n, d, ragged, config)
+        assert (config.groups, step, config.num_warps) == (groups, rows, warps), (block_n, d, config)
+        assert config.block_d == max(16, 1 << (d - 1).bit_length())
+    for block_n, d in [(32, 768), (64, 768), (32, 2048), (64, 4000)]:
+        for ragged in (False, True):
+            assert rules.mean_config(block_n, d, 8192, 2, ragged=ragged).variant == "dot"
+    assert rules.mean_config(4, 100, 8192, 2).variant == "pairs"
+    assert rules.mean_config(8, 100, 1, 2).groups == 1  # no more than the batch
+    assert rules.mean_config(8, 64, 4096, 4) != rules.mean_config(8, 64, 4096, 2)  # float32's own
+    with pytest.raises(ValueError, match="step_rows must be None, or >= 1 for 'closed'"):
+        rules.GroupConfig("dot", 1, 64, 1, 1, step_rows=2)
+
+
 def test_ragged_float32_means_step_through_eight_rows_of_several_groups():
     """With counts, the closed form holds at most 8 rows of a group a step and as many groups as
     fill half the tile budget (its steps stop at the program's largest count, so short steps
@@ -526,7 +556,8 @@ def test_ragged_16_bit_groups_take_short_chunks_on_the_tensor_cores():
         ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
         assert (ragged.variant, ragged.block_d) == ("dot", 64), (block_n, d, ragged)
         assert ragged.groups * block_n == rules.DOT_ROWS and ragged.num_warps == 4
-        assert rules.mean_config(block_n, d, 8192, 2, ragged=True) == ragged
+        mean = rules.mean_config(block_n, d, 8192, 2, ragged=True)
+        assert mean.variant == "closed" if d <= 512 else mean == ragged  # short rows: closed form
         assert rules.group_config(block_n, d, 8192, 2) != ragged  # full groups: as before
     for block_n, d in [(16, 256), (8, 768)]:  # chunks of 64 either way
         ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)

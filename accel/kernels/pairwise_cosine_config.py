@@ -26,6 +26,17 @@ CLOSED_FORM_LARGE_N = 16
 # of at most this many rows of a group, several groups filling half the tile budget, then skip
 # most of the holes. results/diversity-closed-form-steps-nvidia-h100.txt
 CLOSED_FORM_RAGGED_ROWS = 8
+# 16-bit means take the closed form in smaller steps: a warp per 256 elements of a row (one
+# 16-byte load a lane), up to 4; a step of CLOSED_FORM_16_BIT_WARP_STEP elements a warp (twice
+# that for rows from 2048 long); whole groups (no counts) fill at least
+# CLOSED_FORM_16_BIT_MIN_PROGRAM elements a program; with counts, at most half a group's padded
+# rows a step. Groups padded past CLOSED_FORM_16_BIT_WIDE_MAX_N rows of CLOSED_FORM_16_BIT_WIDE_D
+# elements or more keep the tensor-core Gram, which reads them faster.
+# results/diversity-16-bit-closed-form-nvidia-h100.txt
+CLOSED_FORM_16_BIT_WARP_STEP = 1024
+CLOSED_FORM_16_BIT_MIN_PROGRAM = 2048
+CLOSED_FORM_16_BIT_WIDE_D = 1024
+CLOSED_FORM_16_BIT_WIDE_MAX_N = 16
 # The fallback rule keeps the group kernel's (N, N, GROUPS, BLOCK_D) product tile at or under
 # this many float32 elements, so it lives in registers: 64 per thread at 4 warps.
 GROUP_TILE_ELEMENTS = 8192
@@ -90,6 +101,7 @@ class GroupConfig:
     unroll: int  # chunks of D loaded together, at most
     num_warps: int
     num_stages: int | None = None  # software-pipeline stages of the loop over D; Triton's if None
+    step_rows: int | None = None  # "closed": rows of each group a step; None: as many as fit
 
     def __post_init__(self):
         if self.variant not in GROUP_VARIANTS:
@@ -105,13 +117,17 @@ class GroupConfig:
             )
         if self.num_stages is not None and self.num_stages < 1:
             raise ValueError(f"num_stages must be None or >= 1, got {self.num_stages}")
+        if self.step_rows is not None and (self.variant != "closed" or self.step_rows < 1):
+            raise ValueError(f"step_rows must be None, or >= 1 for 'closed'; got {self}")
 
     @property
     def name(self) -> str:
         stages = "" if self.num_stages is None else f" S={self.num_stages}"
+        step = "" if self.step_rows is None else f" R={self.step_rows}"
         return (
             f"{self.variant} G={self.groups} BD={self.block_d} U={self.unroll} W={self.num_warps}"
             + stages
+            + step
         )
 
     def options(self) -> dict:
@@ -251,31 +267,57 @@ def _ragged_config(config: GroupConfig, block_n: int, d: int) -> GroupConfig:
 def mean_config(
     block_n: int, d: int, batch: int, itemsize: int, *, ragged: bool = False
 ) -> GroupConfig:
-    """The configuration of the mean: the closed form's for float32 groups from
-    :data:`CLOSED_FORM_MIN_N` rows whose rows fit a step, else :func:`group_config`."""
-    if itemsize == 4 and block_n >= CLOSED_FORM_MIN_N and _whole_rows_fit(d):
-        return closed_form_config(block_n, d, batch, ragged=ragged)
+    """The configuration of the mean: the closed form's (:func:`closed_form_config`) for groups
+    from :data:`CLOSED_FORM_MIN_N` rows whose rows fit a step, but 16-bit groups padded past
+    :data:`CLOSED_FORM_16_BIT_WIDE_MAX_N` rows of :data:`CLOSED_FORM_16_BIT_WIDE_D` elements or
+    more; else :func:`group_config`."""
+    if block_n >= CLOSED_FORM_MIN_N and _whole_rows_fit(d):
+        wide = triton.next_power_of_2(d) >= CLOSED_FORM_16_BIT_WIDE_D
+        if itemsize == 4 or not (wide and block_n > CLOSED_FORM_16_BIT_WIDE_MAX_N):
+            return closed_form_config(block_n, d, batch, itemsize, ragged=ragged)
     return group_config(block_n, d, batch, itemsize, ragged=ragged)
 
 
-def closed_form_config(block_n: int, d: int, batch: int, *, ragged: bool = False) -> GroupConfig:
-    """The "closed" kernel's launch: whole rows (BLOCK_D the next power of 2 of ``d``); as many
-    groups a step as fit :data:`GROUP_TILE_ELEMENTS` where a whole group does, else one group
-    whose rows go :func:`closed_form_rows` at a time; one warp per 512 elements, up to 4. With
-    counts (``ragged``), steps of at most :data:`CLOSED_FORM_RAGGED_ROWS` rows of each group, and
-    as many groups as fill half the budget."""
+def closed_form_config(
+    block_n: int, d: int, batch: int, itemsize: int = 4, *, ragged: bool = False
+) -> GroupConfig:
+    """The "closed" kernel's launch: whole rows (BLOCK_D the next power of 2 of ``d``).
+
+    Float32: as many groups a step as fit :data:`GROUP_TILE_ELEMENTS` where a whole group does,
+    else one group whose rows go as many at a time as fit; one warp per 512 elements, up to 4.
+    With counts (``ragged``), steps of at most :data:`CLOSED_FORM_RAGGED_ROWS` rows of each
+    group, and as many groups as fill half the budget. 16 bits: the smaller steps of
+    :data:`CLOSED_FORM_16_BIT_WARP_STEP`."""
     block_d = max(16, triton.next_power_of_2(d))
+    if itemsize == 2:
+        return _closed_form_16_bit_config(block_n, block_d, batch, ragged)
     if ragged:
         fits = GROUP_TILE_ELEMENTS // 2 // (_rows_a_step(block_n, 1, block_d, ragged) * block_d)
     else:
         fits = GROUP_TILE_ELEMENTS // (block_n * block_d)
     groups = max(1, min(fits, GROUP_MAX, triton.next_power_of_2(batch)))
-    tile = groups * _rows_a_step(block_n, groups, block_d, ragged) * block_d
-    return GroupConfig("closed", groups, block_d, unroll=1, num_warps=max(1, min(4, tile // 512)))
+    rows = _rows_a_step(block_n, groups, block_d, ragged)
+    warps = max(1, min(4, groups * rows * block_d // 512))
+    return GroupConfig("closed", groups, block_d, unroll=1, num_warps=warps, step_rows=rows)
+
+
+def _closed_form_16_bit_config(
+    block_n: int, block_d: int, batch: int, ragged: bool
+) -> GroupConfig:
+    warps = max(1, min(4, block_d // 256))
+    step = CLOSED_FORM_16_BIT_WARP_STEP * warps * (2 if block_d >= 2048 else 1)
+    rows = max(1, min(block_n // 2 if ragged else block_n, step // block_d))
+    if rows == block_n:  # whole groups
+        step = max(step, CLOSED_FORM_16_BIT_MIN_PROGRAM)
+    groups = max(1, min(step // (rows * block_d), GROUP_MAX, triton.next_power_of_2(batch)))
+    return GroupConfig("closed", groups, block_d, unroll=1, num_warps=warps, step_rows=rows)
 
 
 def closed_form_rows(block_n: int, config: GroupConfig, *, ragged: bool = False) -> int:
-    """Rows of each group a step of the "closed" kernel holds (BLOCK_N)."""
+    """Rows of each group a step of the "closed" kernel holds (BLOCK_N): the configuration's
+    ``step_rows``, else as many as fit :data:`GROUP_TILE_ELEMENTS`."""
+    if config.step_rows is not None:
+        return min(block_n, config.step_rows)
     return _rows_a_step(block_n, config.groups, config.block_d, ragged)
 
 
