@@ -460,7 +460,11 @@ def test_16_bit_means_from_eight_rows_take_the_closed_form_in_small_steps():
         config = rules.mean_config(block_n, d, 8192, 2, ragged=ragged)
         step = rules.closed_form_rows(block_n, config, ragged=ragged)
         assert config.variant == "closed", (block_n, d, ragged, config)
-        assert (config.groups, step, config.num_warps) == (groups, rows, warps), (block_n, d, config)
+        assert (config.groups, step, config.num_warps) == (groups, rows, warps), (
+            block_n,
+            d,
+            config,
+        )
         assert config.block_d == max(16, 1 << (d - 1).bit_length())
     for block_n, d in [(32, 768), (64, 768), (32, 2048), (64, 4000)]:
         for ragged in (False, True):

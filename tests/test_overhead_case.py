@@ -78,7 +78,9 @@ def test_a_missed_point_says_whether_the_layout_or_the_kernels_own_work_bounds_i
     assert sweep.miss_cause(0.7 * near - 0.01, 0.7) == "layout and kernel"
     assert sweep.miss_cause(0.7, 0.9) == "kernel"
     assert sweep.miss_cause(0.7 * near, 0.7) == "layout"
-    for cause in ("layout", "layout and kernel", "kernel"):
+    assert sweep.miss_cause(0.72, 0.53) == "past the read"  # faster than the read alone
+    assert sweep.miss_cause(0.53, 0.53) == "layout"
+    for cause in ("layout", "layout and kernel", "kernel", "past the read"):
         assert sweep.MISS_CAUSES[cause].startswith("; ")
     assert "under 0.75 of copy: the layout's bound" in sweep.MISS_CAUSES["layout"]
 
@@ -106,8 +108,9 @@ def test_the_sweeps_summary_counts_the_misses_by_cause(monkeypatch):
     ctx._ceilings = Ceilings()
     rows = sweep.rows(ctx)
     summary = next(r for r in rows if r.case.startswith("diversity sweep: worst bandwidth"))
-    assert "1 point(s) missed: 0 bound by the layout, 1 by the kernel's own work, 0 by both" in (
-        summary.note
+    assert (
+        "1 point(s) missed: 0 bound by the layout, 1 by the kernel's own work, 0 by both, 0 past "
+        "their read alone" in summary.note
     )
     nearest = next(r for r in rows if r.metric == "bandwidth" and "nearest" in r.case)
     assert nearest.note.endswith(sweep.MISS_CAUSES["kernel"])

@@ -301,9 +301,7 @@ def closed_form_config(
     return GroupConfig("closed", groups, block_d, unroll=1, num_warps=warps, step_rows=rows)
 
 
-def _closed_form_16_bit_config(
-    block_n: int, block_d: int, batch: int, ragged: bool
-) -> GroupConfig:
+def _closed_form_16_bit_config(block_n: int, block_d: int, batch: int, ragged: bool) -> GroupConfig:
     warps = max(1, min(4, block_d // 256))
     step = CLOSED_FORM_16_BIT_WARP_STEP * warps * (2 if block_d >= 2048 else 1)
     rows = max(1, min(block_n // 2 if ragged else block_n, step // block_d))
