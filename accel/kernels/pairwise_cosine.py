@@ -1,8 +1,8 @@
 """Pairwise-cosine diversity in Triton: the launchers behind ``accel.diversity``.
 
 Groups of N <= ``SMALL_N`` rows take the group kernels (``pairwise_cosine_groups``: whole groups
-per program, every cosine in registers or in one tensor-core product; float32 means of groups
-padded to ``CLOSED_FORM_MIN_N`` rows by the O(N D) closed form over whole rows), launched as
+per program, every cosine in registers or in one tensor-core product; means of groups padded to
+``CLOSED_FORM_MIN_N`` rows by the O(N D) closed form over whole rows), launched as
 ``pairwise_cosine_config`` says; larger groups (and float32 means past ``CLOSED_FORM_LARGE_N``
 rows too long for one step) take the large-set kernels (``pairwise_cosine_large``): the mean by
 the closed form with a group's rows split over programs, the nearest distances and the matrix by

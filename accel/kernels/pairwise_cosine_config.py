@@ -16,10 +16,11 @@ from typing import Literal
 import triton
 
 SMALL_N = 64  # groups up to this size take the group kernels (whole groups per program)
-# A float32 mean of groups padded to this many rows (N >= 5) takes the closed form, one pass over
-# whole rows in registers (the "closed" group kernel), where the Gram matrix costs two TF32
-# passes of N^2 D products; rows too long for one step, in groups over CLOSED_FORM_LARGE_N, take
-# the large-set closed form (pairwise_cosine_large), which splits a group's rows over programs.
+# A mean of groups padded to this many rows (N >= 5) takes the closed form, one pass over whole
+# rows in registers (the "closed" group kernel), where the Gram matrix costs N^2 D products (in
+# float32 two TF32 passes of them; 16 bits: below); float32 rows too long for one step, in
+# groups over CLOSED_FORM_LARGE_N, take the large-set closed form (pairwise_cosine_large), which
+# splits a group's rows over programs.
 CLOSED_FORM_MIN_N = 8
 CLOSED_FORM_LARGE_N = 16
 # With counts, the closed form's steps stop at the largest count among a program's groups: steps
