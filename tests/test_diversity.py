@@ -476,6 +476,43 @@ def test_16_bit_means_from_eight_rows_take_the_closed_form_in_small_steps():
         rules.GroupConfig("dot", 1, 64, 1, 1, step_rows=2)
 
 
+def test_one_group_tiles_take_half_the_rows_for_a_count_that_fits_them():
+    """With counts, a tensor-core tile of one group of 32-64 padded rows takes a tile of half the
+    rows (a quarter of the products) for a group whose count fits it; never without counts, in
+    the matrix mode (which writes every row) or for tiles of several groups or 16 rows."""
+    kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
+    f32, bf16 = torch.float32, torch.bfloat16
+    for n, d, dtype, mode, counts, half in [
+        (40, 100, f32, 1, True, True), (64, 256, bf16, 1, True, True), (20, 64, f32, 1, True, True),
+        (40, 2048, bf16, 0, True, True), (40, 100, f32, 1, False, False),
+        (40, 100, f32, 2, True, False), (12, 100, f32, 1, True, False),
+        (12, 100, bf16, 1, True, False),
+    ]:  # fmt: skip
+        x = torch.randn((9, n, d)).to(dtype)
+        launch, _, constexprs, _ = kernels._group_plan(x, mode, counts, None)[:4]
+        if launch is not kernels._launch_group_dot:
+            assert not half, (n, d, dtype, mode, constexprs)
+            continue
+        assert constexprs["HALF_TILE"] == half, (n, d, dtype, mode, counts, constexprs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [20, 40, 64])
+def test_half_tiles_of_ragged_groups_match_the_references(kdev, n, dtype, seed):
+    """Counts on both sides of half the padded rows (every row past a short count written as
+    zero up to N), a zero row, strided groups; the nearest, its distances and the mean."""
+    x = embeddings((11, n, 300), dtype, kdev)
+    x[2, 0] = 0
+    half = kernels_block_rows(n) // 2
+    counts = torch.tensor([0, 1, n, half, half + 1, 2, half - 1, n - 1, 3, half, n])
+    for inputs in (x, x.transpose(0, 1).contiguous().transpose(0, 1)):
+        check_all(inputs, counts.to(kdev))
+
+
+def kernels_block_rows(n: int) -> int:
+    return max(2, 1 << (n - 1).bit_length())
+
+
 def test_ragged_float32_means_step_through_eight_rows_of_several_groups():
     """With counts, the closed form holds at most 8 rows of a group a step and as many groups as
     fill half the tile budget (its steps stop at the program's largest count, so short steps

@@ -219,10 +219,41 @@ def _group_dot_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
     eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, ALIGN: tl.constexpr,
+    HALF_TILE: tl.constexpr,
+):  # fmt: skip
+    # HALF_TILE (one group a program, counts given, not the matrix): a group whose count fits
+    # half the rows takes a tile of half the rows, a quarter of the products; its rows past
+    # that half are written as the epilogue writes rows past a count.
+    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
+    if HALF_TILE:
+        group = tl.program_id(0).to(tl.int64)
+        count = tl.minimum(tl.maximum(tl.load(counts_ptr + group).to(tl.int32), 0), N)
+        if count <= BLOCK_N // 2:
+            _group_dot(X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb,
+                       stride_xn, stride_xd, eps, MODE, HAS_COUNTS, GROUPS, BLOCK_N // 2,
+                       BLOCK_D, DOT_FP32)  # fmt: skip
+            rest = BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2)
+            if MODE == 1:
+                tl.store(items_ptr + group * N + rest, tl.zeros([BLOCK_N // 2], tl.float32),
+                         mask=rest < N)  # fmt: skip
+        else:
+            _group_dot(X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb,
+                       stride_xn, stride_xd, eps, MODE, HAS_COUNTS, GROUPS, BLOCK_N, BLOCK_D,
+                       DOT_FP32)  # fmt: skip
+    else:
+        _group_dot(X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb,
+                   stride_xn, stride_xd, eps, MODE, HAS_COUNTS, GROUPS, BLOCK_N, BLOCK_D,
+                   DOT_FP32)  # fmt: skip
+
+
+@triton.jit
+def _group_dot(
+    X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
+    eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     # Tile row r is row r % BLOCK_N of the program's group r // BLOCK_N; rows past a group's
     # count (or past B) load as zeros, so their products are zero and the epilogue skips them.
-    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, rows, n, valid, _ = _group_rows(
         X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
     )
