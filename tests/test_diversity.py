@@ -477,13 +477,15 @@ def test_16_bit_means_from_eight_rows_take_the_closed_form_in_small_steps():
 
 
 def test_one_group_tiles_take_half_the_rows_for_a_count_that_fits_them():
-    """With counts, a tensor-core tile of one group of 32-64 padded rows takes a tile of half the
-    rows (a quarter of the products) for a group whose count fits it; never without counts, in
-    the matrix mode (which writes every row) or for tiles of several groups or 16 rows."""
+    """With counts, a 16-bit tensor-core tile of one group of 32-64 padded rows takes a tile of
+    half the rows (a quarter of the products) for a group whose count fits it; never without
+    counts, in the matrix mode (which writes every row), for tiles of several groups or 16 rows,
+    or in float32."""
     kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
     f32, bf16 = torch.float32, torch.bfloat16
     for n, d, dtype, mode, counts, half in [
-        (40, 100, f32, 1, True, True), (64, 256, bf16, 1, True, True), (20, 64, f32, 1, True, True),
+        (40, 100, f32, 1, True, False), (64, 256, bf16, 1, True, True), (20, 64, bf16, 1, True, True),
+        (20, 64, f32, 1, True, False),
         (40, 2048, bf16, 0, True, True), (40, 100, f32, 1, False, False),
         (40, 100, f32, 2, True, False), (12, 100, f32, 1, True, False),
         (12, 100, bf16, 1, True, False),

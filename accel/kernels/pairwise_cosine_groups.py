@@ -221,9 +221,10 @@ def _group_dot_kernel(
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, ALIGN: tl.constexpr,
     HALF_TILE: tl.constexpr,
 ):  # fmt: skip
-    # HALF_TILE (one group a program, counts given, not the matrix): a group whose count fits
-    # half the rows takes a tile of half the rows, a quarter of the products; its rows past
-    # that half are written as the epilogue writes rows past a count.
+    # HALF_TILE (one group a program, counts given, not the matrix; the launcher sets it for
+    # 16-bit tiles): a group whose count fits half the rows takes a tile of half the rows, a
+    # quarter of the products; its rows past that half are written as the epilogue writes rows
+    # past a count.
     D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     if HALF_TILE:
         group = tl.program_id(0).to(tl.int64)
