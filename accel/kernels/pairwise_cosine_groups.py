@@ -9,11 +9,12 @@
   group's Gram matrix is a diagonal block of the product. It forms GROUPS times the products it
   needs, on units with them to spare, where ``_group_kernel`` holds N^2 products per element in
   float32 registers: the faster of the two from N = 3 (16-bit) or N = 5 (float32) on, and the
-  only one the rule takes past 16 rows.
+  only one the rule takes past 16 rows. A tile of one group with counts (16-bit) takes half its
+  rows for a group whose count fits them.
 - ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
   products formed.
 - ``_closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
-  registers a step, each read once, O(N D) work): float32 groups from 5 rows (8 padded).
+  registers a step, each read once, O(N D) work): groups from 5 rows (8 padded).
 
 The prologues (``_program_groups``, ``_group_rows``), a chunk's products (``_chunk_products``)
 and the epilogue (``_group_epilogue``) are shared with the variants the bench sweep compares
