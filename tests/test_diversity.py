@@ -458,13 +458,9 @@ def test_16_bit_means_from_eight_rows_take_the_closed_form_in_small_steps():
         (8, 4096, False, 1, 2, 4), (8, 8000, True, 1, 1, 4),
     ]:  # fmt: skip
         config = rules.mean_config(block_n, d, 8192, 2, ragged=ragged)
-        step = rules.closed_form_rows(block_n, config, ragged=ragged)
+        launch = (config.groups, rules.closed_form_rows(block_n, config, ragged=ragged))
         assert config.variant == "closed", (block_n, d, ragged, config)
-        assert (config.groups, step, config.num_warps) == (groups, rows, warps), (
-            block_n,
-            d,
-            config,
-        )
+        assert (*launch, config.num_warps) == (groups, rows, warps), (block_n, d, config)
         assert config.block_d == max(16, 1 << (d - 1).bit_length())
     for block_n, d in [(32, 768), (64, 768), (32, 2048), (64, 4000)]:
         for ragged in (False, True):
@@ -484,11 +480,10 @@ def test_one_group_tiles_take_half_the_rows_for_a_count_that_fits_them():
     kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
     f32, bf16 = torch.float32, torch.bfloat16
     for n, d, dtype, mode, counts, half in [
-        (40, 100, f32, 1, True, False), (64, 256, bf16, 1, True, True), (20, 64, bf16, 1, True, True),
-        (20, 64, f32, 1, True, False),
-        (40, 2048, bf16, 0, True, True), (40, 100, f32, 1, False, False),
-        (40, 100, f32, 2, True, False), (12, 100, f32, 1, True, False),
-        (12, 100, bf16, 1, True, False),
+        (64, 256, bf16, 1, True, True), (20, 64, bf16, 1, True, True),
+        (40, 2048, bf16, 0, True, True), (40, 100, f32, 1, True, False),
+        (20, 64, f32, 1, True, False), (40, 100, bf16, 1, False, False),
+        (40, 100, bf16, 2, True, False), (12, 100, bf16, 1, True, False),
     ]:  # fmt: skip
         x = torch.randn((9, n, d)).to(dtype)
         launch, _, constexprs, _ = kernels._group_plan(x, mode, counts, None)[:4]
@@ -505,14 +500,10 @@ def test_half_tiles_of_ragged_groups_match_the_references(kdev, n, dtype, seed):
     zero up to N), a zero row, strided groups; the nearest, its distances and the mean."""
     x = embeddings((11, n, 300), dtype, kdev)
     x[2, 0] = 0
-    half = kernels_block_rows(n) // 2
+    half = pytest.importorskip(CONFIG).block_rows(n) // 2
     counts = torch.tensor([0, 1, n, half, half + 1, 2, half - 1, n - 1, 3, half, n])
     for inputs in (x, x.transpose(0, 1).contiguous().transpose(0, 1)):
         check_all(inputs, counts.to(kdev))
-
-
-def kernels_block_rows(n: int) -> int:
-    return max(2, 1 << (n - 1).bit_length())
 
 
 def test_ragged_float32_means_step_through_eight_rows_of_several_groups():
