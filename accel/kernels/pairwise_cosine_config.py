@@ -29,12 +29,13 @@ CLOSED_FORM_LARGE_N = 16
 CLOSED_FORM_RAGGED_ROWS = 8
 # 16-bit means take the closed form in smaller steps: a warp per 256 elements of a row (one
 # 16-byte load a lane), up to 4; a step of CLOSED_FORM_16_BIT_WARP_STEP elements a warp (twice
-# that for rows from 2048 long); whole groups (no counts) fill at least
+# that for rows from CLOSED_FORM_16_BIT_LONG_D long); whole groups (no counts) fill at least
 # CLOSED_FORM_16_BIT_MIN_PROGRAM elements a program; with counts, at most half a group's padded
 # rows a step. Groups padded past CLOSED_FORM_16_BIT_WIDE_MAX_N rows of CLOSED_FORM_16_BIT_WIDE_D
 # elements or more keep the tensor-core Gram, which reads them faster.
 # results/diversity-16-bit-closed-form-nvidia-h100.txt
 CLOSED_FORM_16_BIT_WARP_STEP = 1024
+CLOSED_FORM_16_BIT_LONG_D = 2048
 CLOSED_FORM_16_BIT_MIN_PROGRAM = 2048
 CLOSED_FORM_16_BIT_WIDE_D = 1024
 CLOSED_FORM_16_BIT_WIDE_MAX_N = 16
@@ -304,7 +305,7 @@ def closed_form_config(
 
 def _closed_form_16_bit_config(block_n: int, block_d: int, batch: int, ragged: bool) -> GroupConfig:
     warps = max(1, min(4, block_d // 256))
-    step = CLOSED_FORM_16_BIT_WARP_STEP * warps * (2 if block_d >= 2048 else 1)
+    step = CLOSED_FORM_16_BIT_WARP_STEP * warps * (2 if block_d >= CLOSED_FORM_16_BIT_LONG_D else 1)
     rows = max(1, min(block_n // 2 if ragged else block_n, step // block_d))
     if rows == block_n:  # whole groups
         step = max(step, CLOSED_FORM_16_BIT_MIN_PROGRAM)
