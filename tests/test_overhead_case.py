@@ -82,6 +82,7 @@ def test_a_missed_point_says_whether_the_layout_or_the_kernels_own_work_bounds_i
     assert sweep.miss_cause(0.53, 0.53) == "layout"
     for cause in ("layout", "layout and kernel", "kernel", "past the read"):
         assert sweep.MISS_CAUSES[cause].startswith("; ")
+    assert sweep.MISS_COUNTED.keys() == sweep.MISS_CAUSES.keys()  # the summary counts each
     assert "under 0.75 of copy: the layout's bound" in sweep.MISS_CAUSES["layout"]
 
 

@@ -64,7 +64,6 @@ MODE_MEAN, MODE_NEAREST, MODE_MATRIX = 0, 1, 2
 # decorates); accel.triton_support.kernel_module keeps one set of kernel modules per mode.
 INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
 
-
 # One launcher per kernel: after a signature's first call, its launches skip Triton's per-call
 # argument binding (accel.kernels.launch).
 _launch_group, _launch_pairs = Launcher(_group_kernel), Launcher(_pairs_kernel)

@@ -161,6 +161,13 @@ MISS_CAUSES = {
     "past the read": f"; {_UNDER}, and the kernel reads them faster than that: no ceiling "
     "measured for them",
 }
+# How the summary row counts the misses of each cause.
+MISS_COUNTED = {
+    "layout": "bound by the layout",
+    "kernel": "by the kernel's own work",
+    "layout and kernel": "by both",
+    "past the read": "past their read alone",
+}
 
 
 def miss_cause(kernel_fraction: float, read_fraction: float) -> str | None:
@@ -215,10 +222,7 @@ def rows(ctx: BenchContext) -> list[Row]:
         missed = sum(v < target for v in values)
         why = ""
         if metric == "bandwidth" and missed:
-            count = {cause: causes.count(cause) for cause in MISS_CAUSES}
-            why = (f": {count['layout']} bound by the layout, {count['kernel']} by the kernel's "
-                   f"own work, {count['layout and kernel']} by both, {count['past the read']} "
-                   "past their read alone")  # fmt: skip
+            why = ": " + ", ".join(f"{causes.count(c)} {how}" for c, how in MISS_COUNTED.items())
         out.append(Row(
             PHASE, f"diversity sweep: worst {metric} of {len(values)} points", metric, unit,
             min(values, default=math.nan), target=f">= {target}", higher_is_better=True,
