@@ -33,6 +33,7 @@ from torch import nn
 
 from accel.attention_auto import (
     _AUTO_FAST,
+    _FORCED_SHAPES,
     _KEPT_DEFAULT,
     _UNAVAILABLE,
     AUTO_MARGIN,
@@ -267,7 +268,9 @@ def sdpa(
     Host cost: where ``auto`` kept PyTorch's pick for every layout of these shapes measured,
     without a mask or autocast, a call adds one short key (shapes, dtype, device, causal, grad)
     and one set lookup to ``F.scaled_dot_product_attention``, which ``sdpa`` calls itself (a new
-    layout of such shapes is not measured again: PyTorch's pick runs it). Other measured
+    layout of such shapes is not measured again: PyTorch's pick runs it). While no unmasked
+    signature measured took a forced kernel, that kernel is launched before the key is read:
+    a single call then pays the key only where the kernel is shorter than it. Other measured
     signatures add a longer key (strides, the mask's) and a lookup. Measured beside ``F.sdpa`` in
     ``results/`` (rows ``phase=overhead``, ``sdpa auto``): 1.3-2 µs of host time a call on the
     GPU hosts measured, and 3-6 µs added to one call's latency from an idle GPU, more than 3% of
@@ -281,6 +284,16 @@ def sdpa(
     if mask is not None and not isinstance(mask, torch.Tensor):  # a mask kind: masked_sdpa
         return masked_sdpa(q, k, v, mask, causal=causal, scale=scale, backend=backend)
     if backend == "auto" and not _is_compiling():
+        if mask is None and not _FORCED_SHAPES and not _any_autocast():
+            # every unmasked signature measured kept PyTorch's pick: launch it, then read the
+            # key while the kernel runs (a new signature is measured after it)
+            try:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+            except (RuntimeError, TypeError, ValueError, AttributeError):
+                return _sdpa(q, k, v, mask, causal, scale, backend)[0]  # our checks say why
+            if default_key(q, k, v, causal) in _KEPT_DEFAULT:
+                return out
+            return _measured_after_launch(out, q, k, v, causal, scale)
         try:  # kept: shapes that kept PyTorch's pick in every layout measured
             kept = (
                 mask is None
@@ -299,6 +312,18 @@ def sdpa(
                 )
             return hit[1](q, k, v, mask, causal, scale)
     return _sdpa(q, k, v, mask, causal, scale, backend)[0]
+
+
+def _measured_after_launch(out: torch.Tensor, q, k, v, causal, scale) -> torch.Tensor:
+    """A new unmasked signature whose PyTorch pick ``out`` already ran: checked and measured
+    now; the chosen kernel's output if a forced kernel won (every call of a signature returns
+    its choice's), else ``out``."""
+    key = _checked_key(q, k, v, None, causal)
+    hit = _AUTO_FAST.get(key)
+    choice = hit[0] if hit else _auto(signature(q, k, v, None, causal), key, q, k, v, None,
+                                      causal, scale)  # fmt: skip
+    return out if choice.backend == "default" else _run(choice.backend, q, k, v, None, causal,
+                                                         scale)  # fmt: skip
 
 
 def _sdpa(q, k, v, mask, causal, scale, backend: str) -> tuple[torch.Tensor, str, str]:

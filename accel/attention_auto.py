@@ -13,7 +13,9 @@ After its measurement a signature costs one flat key and one dictionary lookup p
 choice of ``"default"`` then calls ``F.scaled_dot_product_attention`` itself: no switch is
 flipped (:func:`cached_runner`). Without a mask or autocast, shapes whose every measured layout
 kept PyTorch's pick cost less still: a shorter key (:func:`default_key`, no strides) in one set,
-so another layout of those shapes runs PyTorch's pick without being measured.
+so another layout of those shapes runs PyTorch's pick without being measured; and while no
+unmasked signature took a forced kernel, ``sdpa`` launches PyTorch's pick before it reads that
+key, so the key's host time runs beside the kernel.
 
 ``accel.attention`` re-exports every public name here. Importing this module costs torch only.
 """

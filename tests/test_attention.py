@@ -218,6 +218,61 @@ def test_a_cached_auto_call_of_pytorchs_pick_runs_in_two_python_functions(gen):
     assert torch.equal(again, first)
 
 
+def _order_of_calls(fn):
+    """The Python functions and builtins ``fn`` enters, in order."""
+    entered = []
+
+    def note(frame, event, arg):
+        if event == "call":
+            entered.append(frame.f_code.co_name)
+        elif event == "c_call":
+            entered.append(getattr(arg, "__name__", repr(arg)))
+
+    sys.setprofile(note)
+    try:
+        out = fn()
+    finally:
+        sys.setprofile(None)
+    return out, entered
+
+
+def test_a_cached_call_of_pytorchs_pick_launches_it_before_building_its_key(monkeypatch, gen):
+    """While every unmasked signature measured kept PyTorch's pick, its kernel is launched
+    before the key is read: the key's host time runs beside the kernel, not ahead of it."""
+    monkeypatch.setattr(AA, "winner", lambda *a: "default")
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
+    first = A.sdpa(q, k, v)
+    assert A.auto_choices()[A.signature(q, k, v)].backend == "default"
+    again, entered = _order_of_calls(lambda: A.sdpa(q, k, v))
+    assert entered.index("scaled_dot_product_attention") < entered.index("default_key"), entered
+    assert entered.count("scaled_dot_product_attention") == 1
+    assert torch.equal(again, first)
+
+
+def test_a_new_signature_launched_ahead_is_still_checked_measured_and_run_as_chosen(
+    monkeypatch, gen
+):
+    monkeypatch.setattr(A, "_CHECKED", set())
+    measured = []
+    real = AA._measure
+    monkeypatch.setattr(AA, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
+    q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
+    A.sdpa(q, k, v)  # kept PyTorch's pick: later unmasked calls launch it first
+    with pytest.raises(ValueError, match="nothing to attend to"):  # PyTorch runs it; we do not
+        A.sdpa(q, k[:, :, :0], v[:, :, :0])
+    monkeypatch.setattr(AA, "winner", lambda *a: "math")
+    forced = []
+    real_alone = AA._alone
+    monkeypatch.setattr(AA, "_alone", lambda b, *a: forced.append(b) or real_alone(b, *a))
+    q2, k2, v2 = qkv((1, 2, 19, 16), torch.float32, "cpu", gen)
+    out = A.sdpa(q2, k2, v2)  # new: measured, and its first call returns the chosen kernel's
+    assert len(measured) == 2 and forced[-1] == "math"
+    assert torch.equal(out, AA._alone("math", q2, k2, v2, None, False, None))
+    forced.clear()
+    A.sdpa(q2, k2, v2)  # a forced pick exists now: its key is read before any launch
+    assert forced == ["math"] and len(measured) == 2
+
+
 def test_shapes_that_kept_pytorchs_pick_run_it_in_another_layout_without_a_measurement(
     monkeypatch, gen
 ):
