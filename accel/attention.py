@@ -273,8 +273,9 @@ def sdpa(
     a single call then pays the key only where the kernel is shorter than it. Other measured
     signatures add a longer key (strides, the mask's) and a lookup. Measured beside ``F.sdpa`` in
     ``results/`` (rows ``phase=overhead``, ``sdpa auto``): 1.3-2 µs of host time a call on the
-    GPU hosts measured, and 3-6 µs added to one call's latency from an idle GPU, more than 3% of
-    a call under about 100-170 µs (``results/sdpa-auto-host-cost-nvidia-h200.txt``). A call whose
+    GPU hosts measured. One call from an idle GPU pays it in full where the kernel ends before
+    the host returns: 3-5 µs, 0.90-0.92 of ``F.sdpa``'s latency at calls of 30-60 µs, within 3%
+    from about 70 µs on an H100 (``results/sdpa-launch-first-nvidia-h100.txt``). A call whose
     host time is most of its time on the GPU keeps PyTorch's pick (a short forward and backward,
     whose autograd host work outlasts the kernels). Under ``torch.compile`` auto traces to
     PyTorch's pick and adds nothing. A forced kernel adds the switching of PyTorch's backend

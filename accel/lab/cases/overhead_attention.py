@@ -129,7 +129,7 @@ def noise_note(self_ratio: float, interval: tuple[float, float]) -> str:
 
 
 def rows(ctx: BenchContext) -> list[Row]:
-    repeats = 15 if ctx.device.type == "cuda" else 5
+    repeats = 41 if ctx.device.type == "cuda" else 5  # one call of 30 µs moves by several %
     out, worst = [], math.inf
     for point in points(ctx.device):
         ratio, self_ratio, interval, medians, picked = measure(point, ctx.device, repeats)
