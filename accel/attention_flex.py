@@ -40,6 +40,7 @@ from accel.attention_auto import (
     AutoChoice,
     BackendUnavailableError,
     SignatureKey,
+    flat_key,
     signature,
 )
 from accel.attention_masks import AttentionMask, dense_mask
@@ -88,10 +89,14 @@ class MaskedChoice(AutoChoice):
 _CHOICES: dict[MaskedKey, MaskedChoice] = {}
 _FAST: dict[MaskedKey, str] = {}  # key -> auto's backend once measured
 _FLEX_REASONS: dict[MaskedKey, str] = {}  # forced flex: "" once it ran, else why it cannot
-_CHECKED: set[tuple[str, MaskedKey]] = set()
+_CHECKED: set[tuple[str, bool, MaskedKey]] = set()  # (backend, causal, key) that passed
 _BLOCK_MASKS: dict[Hashable, Any] = {}
 _DENSE_MASKS: dict[Hashable, torch.Tensor] = {}
 _FLEX: dict[str, Callable[..., torch.Tensor]] = {}  # "cuda", "cpu", "uncompiled" -> the call
+# (backend, mask.cache_key, the inputs' flat_key) -> (q, k, v, scale) -> out: a repeated call's
+# path with its block mask bound, so it costs one key and one lookup
+_READY: dict[tuple, Callable[..., torch.Tensor]] = {}
+_READY_KEPT = 32
 _warned: set[str] = set()
 
 
@@ -102,7 +107,7 @@ def masked_choices() -> dict[MaskedKey, MaskedChoice]:
 
 def clear_masked_cache() -> None:
     """Forget every measurement, block mask and dense mask kept."""
-    for cache in (_CHOICES, _FAST, _FLEX_REASONS, _BLOCK_MASKS, _DENSE_MASKS):
+    for cache in (_CHOICES, _FAST, _FLEX_REASONS, _BLOCK_MASKS, _DENSE_MASKS, _READY):
         cache.clear()
 
 
@@ -217,9 +222,13 @@ def _run_causal(q, k, v, mask, scale) -> torch.Tensor:
     return sdpa(q, k, v, causal=True, scale=scale)
 
 
+def _block_key(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor) -> Hashable:
+    return (mask.cache_key, q.shape[2], k.shape[2], q.device)
+
+
 def _run_flex(q, k, v, mask, scale) -> torch.Tensor:
-    key = (mask.cache_key, q.shape[2], k.shape[2], q.device)
-    blocks = _kept(_BLOCK_MASKS, key, partial(block_mask, mask, q, k), _BLOCK_MASKS_KEPT)
+    blocks = _kept(_BLOCK_MASKS, _block_key(mask, q, k), partial(block_mask, mask, q, k),
+                   _BLOCK_MASKS_KEPT)  # fmt: skip
     flex = _flex_function(q.device)
     return flex(q, k, v, score_mod=mask.score_mod(q.shape[1]), block_mask=blocks, scale=scale)
 
@@ -327,9 +336,18 @@ def masked_sdpa(
     causal kernel, for ``Causal()``)."""
     if torch.compiler.is_compiling():
         return _traced(q, k, v, mask, causal, scale, backend)
+    try:
+        ready_key = (backend, mask.cache_key, flat_key(q, k, v, None, causal))
+    except AttributeError:  # not tensors, or not a mask kind: the checks say so
+        ready_key = None
+    ready = _READY.get(ready_key)
+    if ready is not None:
+        return ready(q, k, v, scale)
     key = _checked_key(q, k, v, mask, causal, backend)
+    path, keep = backend, True
     if backend == "auto":
-        backend = _FAST.get(key) or _auto(key, q, k, v, mask, scale)
+        path = _FAST.get(key) or _auto(key, q, k, v, mask, scale)
+        keep = key in _FAST  # not while a CUDA graph is captured: nothing was measured
     elif backend == "flex":
         known = _FLEX_REASONS.get(key)
         if known is None:  # first call of this signature: run it, keeping the reason it failed
@@ -339,10 +357,30 @@ def masked_sdpa(
                 out, known = _first_call("flex", partial(_run_flex, q, k, v, mask, scale))
             _FLEX_REASONS[key] = known
             if out is not None:
+                _kept(_READY, ready_key, partial(_bound, path, q, k, v, mask), _READY_KEPT)
                 return out
         if known:
             raise BackendUnavailableError("flex", known)
-    return _RUNNERS[backend](q, k, v, mask, scale)
+    if keep:
+        _kept(_READY, ready_key, partial(_bound, path, q, k, v, mask), _READY_KEPT)
+    return _RUNNERS[path](q, k, v, mask, scale)
+
+
+def _bound(path: str, q, k, v, mask: AttentionMask) -> Callable[..., torch.Tensor]:
+    """``path`` for inputs of this signature and ``mask``, ``(q, k, v, scale) -> out``: flex
+    with its block mask and score_mod bound; dense and causal as they run (a dense mask is too
+    large to keep beyond its own cache)."""
+    if path != "flex":
+        return partial(_without_mask, _RUNNERS[path], mask)
+    blocks = _kept(_BLOCK_MASKS, _block_key(mask, q, k), partial(block_mask, mask, q, k),
+                   _BLOCK_MASKS_KEPT)  # fmt: skip
+    flex, score_mod = _flex_function(q.device), mask.score_mod(q.shape[1])
+    return lambda q, k, v, scale: flex(q, k, v, score_mod=score_mod, block_mask=blocks,
+                                       scale=scale)  # fmt: skip
+
+
+def _without_mask(run, mask, q, k, v, scale) -> torch.Tensor:
+    return run(q, k, v, mask, scale)
 
 
 def _check_kind(mask: object) -> None:
@@ -360,9 +398,9 @@ def _checked_key(q, k, v, mask, causal, backend) -> MaskedKey:
         key = (mask.signature, signature(q, k, v))
     except AttributeError:  # not tensors: the checks say so
         key = None
-    if key is None or (backend, key) not in _CHECKED:
+    if key is None or (backend, causal, key) not in _CHECKED:
         _check(q, k, v, mask, causal, backend)
-        _CHECKED.add((backend, key))
+        _CHECKED.add((backend, causal, key))
     return key  # type: ignore[return-value]
 
 

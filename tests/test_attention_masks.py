@@ -5,7 +5,9 @@ backward, ``auto``'s choices and caches, bad inputs. On the CPU FlexAttention ru
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import warnings
 
 import pytest
@@ -324,6 +326,48 @@ def test_cached_calls_read_nothing_on_the_host(count_host_reads, gen):
     document = Document(torch.tensor([[20, 17], [5, 32]]))  # its CPU check outside the count
     reads = count_host_reads(lambda: A.sdpa(q, k, v, mask=document, backend="flex"))
     assert sum(reads.values()) == 0, reads  # a new document: its block mask built on the device
+
+
+def test_a_repeated_masked_call_is_one_key_and_one_lookup(gen):
+    """After its first call a masked signature runs its path with what it needs bound: no
+    checks, no signature built, no choice or block mask looked up again."""
+    q, k, v = qkv(2, 2, 37, 37, torch.float32, CPU, gen)
+    for backend in ("flex", "dense", "causal", "auto"):
+        first = A.sdpa(q, k, v, mask=Causal(), backend=backend)
+        entered = []
+
+        def note(frame, event, _, entered=entered):
+            if event == "call":
+                entered.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+
+        sys.setprofile(note)
+        try:
+            again = A.sdpa(q, k, v, mask=Causal(), backend=backend)
+        finally:
+            sys.setprofile(None)
+        slow = {("attention_flex.py", n) for n in ("_checked_key", "_check", "_auto", "_block_key")}
+        slow.add(("attention_auto.py", "signature"))
+        assert not slow & set(entered), (backend, entered)
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+        with pytest.raises(ValueError, match="not both"):  # what the bound call skips: checked
+            A.sdpa(q, k, v, mask=Causal(), causal=True, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["auto", "flex", "dense"])
+def test_causal_with_a_mask_kind_is_refused_after_the_same_inputs_ran_without_it(backend, gen):
+    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
+    A.sdpa(q, k, v, mask=SlidingWindow(4), backend=backend)
+    with pytest.raises(ValueError, match="either a mask or causal=True, not both"):
+        A.sdpa(q, k, v, mask=SlidingWindow(4), causal=True, backend=backend)
+
+
+def test_repeated_calls_are_kept_for_a_bounded_number_of_masks(gen):
+    q, k, v = qkv(1, 2, 37, 37, torch.float32, CPU, gen)
+    for split in range(1, 37):  # a new Document per batch: each its own bound call
+        A.sdpa(q, k, v, mask=Document(torch.tensor([split, 37 - split])), backend="dense")
+    assert 0 < len(AF._READY) <= AF._READY_KEPT < 36
+    A.clear_masked_cache()
+    assert AF._READY == {}
 
 
 def test_sdpa_hands_mask_kinds_on_and_tensors_not(gen):

@@ -11,6 +11,9 @@ Two measures per component, each timed interleaved with its plain counterpart:
 - **single-call latency**: one call from an idle GPU, CUDA events around it, host time included
   (the ``"latency"`` clock), judged round by round.
 
+``sdpa`` with a mask kind (``masked_sdpa``) stands beside the FlexAttention a user would compile
+themselves, without a target.
+
 Targets (a CUDA GPU at the gpu preset): ``sdpa(backend="auto")`` adds at most 3 µs of host time
 to ``F.scaled_dot_product_attention``; diversity at most 20 µs of host time per call;
 ``GraphedStep`` at most 10 µs over the bare graph replay. The shape sweeps, where the other
@@ -28,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from accel import attention, diversity, fusion
+from accel.attention_flex import clear_masked_cache, masked_choices
+from accel.attention_masks import SlidingWindow
 from accel.graphs import GraphedStep
 from accel.lab.bench import BenchContext, Row
 from accel.lab.timing import Comparison, compare
@@ -42,6 +47,7 @@ HOST_CALLS = 50  # calls per host-clock sample
 # A model's parameters as a few hundred small tensors of odd sizes (a few layers' weights,
 # biases and norms): where per-tensor host work shows.
 SMALL_TENSORS = [(96, 97), (97,), (13, 96), (96,)] * 75
+MASK_WINDOW = 64  # keys a query sees in the masked row: a quarter of its 256
 
 
 def parts() -> list[str]:
@@ -54,8 +60,8 @@ def run(ctx: BenchContext) -> list[Row]:
 
 
 def _components(ctx: BenchContext) -> list[Row]:
-    rows = sdpa_rows(ctx) + diversity_rows(ctx) + clip_rows(ctx) + adamw_rows(ctx)
-    return rows + graphed_rows(ctx)
+    rows = sdpa_rows(ctx) + masked_rows(ctx) + diversity_rows(ctx) + clip_rows(ctx)
+    return rows + adamw_rows(ctx) + graphed_rows(ctx)
 
 
 def _sweep(module: str) -> Callable[[BenchContext], list[Row]]:
@@ -158,6 +164,46 @@ def sdpa_rows(ctx: BenchContext) -> list[Row]:
         target = SDPA_ADDED_US if m is None else None
         rows += host_rows(ctx, f"sdpa auto {label}", timing, "sdpa auto", added_us=target,
                           note=note)  # fmt: skip
+    return rows
+
+
+def masked_rows(ctx: BenchContext) -> list[Row]:
+    """``sdpa`` with a mask kind (``SlidingWindow``, through ``masked_sdpa``), as ``auto`` picks
+    and forced to FlexAttention, beside the FlexAttention a user would write: ``flex_attention``
+    compiled once, its block mask made once by ``create_block_mask``. Host time per call on a
+    small input (forced to flex, both run the same kernel: the rest is the dispatcher), and one
+    call's latency. No target: reported beside its plain counterpart."""
+    device = ctx.device
+    case = f"sdpa SlidingWindow({MASK_WINDOW})"
+    if device.type != "cuda":
+        return [Row(PHASE, case, "host time per call", "us", float("nan"),
+                    note=f"{ctx.where}; FlexAttention compiles for CUDA only here")]  # fmt: skip
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    gen = torch.Generator(device).manual_seed(0)
+    shape = (2, 4, 256, 64)
+    q, k, v = torch.randn(3, *shape, device=device, dtype=torch.bfloat16, generator=gen).unbind(0)
+    window = SlidingWindow(MASK_WINDOW)
+    blocks = create_block_mask(window.mask_mod(shape[2], shape[2], device), None, None, shape[2],
+                               shape[2], device=device)  # fmt: skip
+    flex = torch.compile(flex_attention)
+    fns = {
+        "compiled flex_attention": lambda: flex(q, k, v, block_mask=blocks),
+        "sdpa auto": lambda: attention.sdpa(q, k, v, mask=window),
+        "sdpa flex": lambda: attention.sdpa(q, k, v, mask=window, backend="flex"),
+    }
+    clear_masked_cache()  # one signature measured: the pick named is this input's
+    with torch.no_grad():
+        for fn in fns.values():  # compiled and measured once, outside the timing
+            fn()
+        picked = ", ".join(sorted({c.backend for c in masked_choices().values()}))
+        host, alone = host_times(fns, device), latencies(fns, device)
+    note = f"; auto picked {picked}; {shape} bfloat16"
+    rows = []
+    for ours in ("sdpa auto", "sdpa flex"):
+        label = f"{case} {ours.removeprefix('sdpa ')}"
+        rows += host_rows(ctx, label, host, ours, note=note)
+        rows.append(latency_row(ctx, label, alone, ours, note=note))
     return rows
 
 
