@@ -333,7 +333,15 @@ def masked_sdpa(
     FlexAttention cannot run, one warning says why), ``"flex"`` (FlexAttention;
     :class:`BackendUnavailableError` with the reason where it cannot run), ``"dense"`` (SDPA on
     the dense mask, accel's own SDPA ``auto`` picking its kernel), ``"causal"`` (plain SDPA's
-    causal kernel, for ``Causal()``)."""
+    causal kernel, for ``Causal()``).
+
+    Host cost: after the first call of a signature (checks, ``auto``'s measurement, compiles),
+    a call costs the mask's cache key, the inputs' key (shapes, strides, dtype, device, grad)
+    and one lookup, then its path with what it needs bound (FlexAttention's block mask and
+    compiled call; the dense mask's own cache; :func:`accel.attention.sdpa`'s for causal).
+    Beside ``torch.compile(flex_attention)`` with a block mask made once, forced ``"flex"``
+    added 8-14 µs of host time a call on an H100's host (``results/masked-sdpa-host-*.txt``;
+    rows ``phase=overhead``, ``sdpa SlidingWindow``)."""
     if torch.compiler.is_compiling():
         return _traced(q, k, v, mask, causal, scale, backend)
     try:
