@@ -379,7 +379,7 @@ def _bound(path: str, q, k, v, mask: AttentionMask) -> Callable[..., torch.Tenso
     with its block mask and score_mod bound; dense and causal as they run (a dense mask is too
     large to keep beyond its own cache)."""
     if path != "flex":
-        return partial(_without_mask, _RUNNERS[path], mask)
+        return partial(_with_bound_mask, _RUNNERS[path], mask)
     blocks = _kept(_BLOCK_MASKS, _block_key(mask, q, k), partial(block_mask, mask, q, k),
                    _BLOCK_MASKS_KEPT)  # fmt: skip
     flex, score_mod = _flex_function(q.device), mask.score_mod(q.shape[1])
@@ -387,7 +387,7 @@ def _bound(path: str, q, k, v, mask: AttentionMask) -> Callable[..., torch.Tenso
                                        scale=scale)  # fmt: skip
 
 
-def _without_mask(run, mask, q, k, v, scale) -> torch.Tensor:
+def _with_bound_mask(run, mask, q, k, v, scale) -> torch.Tensor:
     return run(q, k, v, mask, scale)
 
 
