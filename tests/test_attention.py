@@ -258,8 +258,8 @@ def test_a_new_signature_launched_ahead_is_still_checked_measured_and_run_as_cho
     monkeypatch.setattr(AA, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
     q, k, v = qkv((1, 2, 17, 16), torch.float32, "cpu", gen)
     A.sdpa(q, k, v)  # kept PyTorch's pick: later unmasked calls launch it first
-    with pytest.raises(ValueError, match="nothing to attend to"):  # PyTorch runs it; we do not
-        A.sdpa(q, k[:, :, :0], v[:, :, :0])
+    with pytest.raises(ValueError, match="nothing to attend to"):  # F.sdpa takes an empty k
+        A.sdpa(q, k[:, :, :0], v[:, :, :0])  # and ran it: a new signature is checked after
     monkeypatch.setattr(AA, "winner", lambda *a: "math")
     forced = []
     real_alone = AA._alone
