@@ -352,7 +352,7 @@ def masked_sdpa(
     if ready is not None:
         return ready(q, k, v, scale)
     key = _checked_key(q, k, v, mask, causal, backend)
-    path, keep = backend, True
+    path, keep, out = backend, True, None
     if backend == "auto":
         path = _FAST.get(key) or _auto(key, q, k, v, mask, scale)
         keep = key in _FAST  # not while a CUDA graph is captured: nothing was measured
@@ -360,18 +360,14 @@ def masked_sdpa(
         known = _FLEX_REASONS.get(key)
         if known is None:  # first call of this signature: run it, keeping the reason it failed
             known = flex_unavailable(q.device, key[1].grad) or ""
-            out = None
             if not known:
                 out, known = _first_call("flex", partial(_run_flex, q, k, v, mask, scale))
             _FLEX_REASONS[key] = known
-            if out is not None:
-                _kept(_READY, ready_key, partial(_bound, path, q, k, v, mask), _READY_KEPT)
-                return out
         if known:
             raise BackendUnavailableError("flex", known)
     if keep:
         _kept(_READY, ready_key, partial(_bound, path, q, k, v, mask), _READY_KEPT)
-    return _RUNNERS[path](q, k, v, mask, scale)
+    return _RUNNERS[path](q, k, v, mask, scale) if out is None else out
 
 
 def _bound(path: str, q, k, v, mask: AttentionMask) -> Callable[..., torch.Tensor]:

@@ -225,6 +225,7 @@ def test_a_missed_attention_sweep_point_says_what_bounds_it():
     its copy moves past 3%, on both, or else on the microseconds auto adds; a met point has
     none."""
     from accel.lab.cases import overhead_attention as sweep
+    from accel.lab.cases.overhead import misses_summary
 
     assert sweep.miss_cause(0.98, host_share=0.9, noisy=True) is None
     assert sweep.miss_cause(0.90, host_share=0.9, noisy=False) == "host"
@@ -232,7 +233,8 @@ def test_a_missed_attention_sweep_point_says_what_bounds_it():
     assert sweep.miss_cause(0.90, host_share=0.4, noisy=True) == "noise"
     assert sweep.miss_cause(0.96, host_share=0.4, noisy=False) == "added"
     assert set(sweep.MISS_CAUSES) == set(sweep.MISS_COUNTED)
-    summary = sweep.misses_summary(["host", "host", "host and noise", "noise", None, "added"])
+    causes = ["host", "host", "host and noise", "noise", None, "added"]
+    summary = misses_summary(causes, sweep.MISS_COUNTED)
     assert summary == (
         "5 point(s) missed: 2 bound by the host, 1 by the host and inside their noise, "
         "1 inside their noise, 1 by auto's added time"

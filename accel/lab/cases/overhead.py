@@ -78,6 +78,14 @@ _PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
 }
 
 
+def misses_summary(causes: list[str | None], counted: dict[str, str]) -> str:
+    """A sweep summary's count of its missed points, by cause: ``causes`` one per point (None
+    where met), ``counted`` each cause's words."""
+    missed = [c for c in causes if c is not None]
+    why = ", ".join(f"{missed.count(c)} {how}" for c, how in counted.items())
+    return f"{len(missed)} point(s) missed" + (f": {why}" if missed else "")
+
+
 # ---- timing ------------------------------------------------------------------------------------
 def host_times(fns: dict, device: torch.device, repeats: int = 15) -> Comparison:
     """Host time per call of each of ``fns`` (the first is the baseline), interleaved."""

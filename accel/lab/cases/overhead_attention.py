@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from accel import attention
 from accel.attention_auto_rules import HOST_BOUND_SHARE, host_share
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.overhead import PHASE, latencies
+from accel.lab.cases.overhead import PHASE, latencies, misses_summary
 from accel.lab.cases.sdpa_measure import release_memory
 
 TARGET_VS_PLAIN = 0.97
@@ -161,13 +161,6 @@ def miss_cause(ratio: float, *, host_share: float, noisy: bool) -> str | None:
     return "noise" if noisy else "added"
 
 
-def misses_summary(causes: list[str | None]) -> str:
-    """The summary row's count of missed points by cause."""
-    missed = [c for c in causes if c is not None]
-    why = ", ".join(f"{missed.count(c)} {how}" for c, how in MISS_COUNTED.items())
-    return f"{len(missed)} point(s) missed" + (f": {why}" if missed else "")
-
-
 def rows(ctx: BenchContext) -> list[Row]:
     repeats = 41 if ctx.device.type == "cuda" else 5  # one call of 30 µs moves by several %
     out, worst, causes = [], math.inf, []
@@ -195,6 +188,6 @@ def rows(ctx: BenchContext) -> list[Row]:
         PHASE, f"attention sweep: worst F.sdpa / auto of {len(out)} points", "speedup", "x",
         worst, target=f">= {TARGET_VS_PLAIN}x", higher_is_better=True,
         met=all(r.met for r in judged) if ctx.judged else None,
-        note=f"{ctx.where}; single-call latency, round by round; {misses_summary(causes)}",
+        note=f"{ctx.where}; single-call latency, round by round; {misses_summary(causes, MISS_COUNTED)}",
     ))  # fmt: skip
     return out

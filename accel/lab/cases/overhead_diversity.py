@@ -26,7 +26,7 @@ from accel import diversity as dv
 from accel import triton_support
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.diversity_measure import rotating_inputs, time_per_call
-from accel.lab.cases.overhead import PHASE, latencies
+from accel.lab.cases.overhead import PHASE, latencies, misses_summary
 from accel.lab.cases.sdpa_measure import release_memory
 
 TARGET_VS_COMPILED = 1.5
@@ -220,13 +220,12 @@ def rows(ctx: BenchContext) -> list[Row]:
                  ("bandwidth", "fraction of copy", fractions, TARGET_BANDWIDTH)]  # fmt: skip
     for metric, unit, values, target in summaries:
         missed = sum(v < target for v in values)
-        why = ""
-        if metric == "bandwidth" and missed:
-            why = ": " + ", ".join(f"{causes.count(c)} {how}" for c, how in MISS_COUNTED.items())
+        summary = (misses_summary(causes, MISS_COUNTED) if metric == "bandwidth"
+                   else f"{missed} point(s) missed")  # fmt: skip
         out.append(Row(
             PHASE, f"diversity sweep: worst {metric} of {len(values)} points", metric, unit,
             min(values, default=math.nan), target=f">= {target}", higher_is_better=True,
             met=missed == 0 if ctx.judged and values else None,
-            note=f"{ctx.where}; {missed} point(s) missed{why}",
+            note=f"{ctx.where}; {summary}",
         ))  # fmt: skip
     return out
