@@ -274,8 +274,9 @@ def sdpa(
     signatures add a longer key (strides, the mask's) and a lookup. Measured beside ``F.sdpa`` in
     ``results/`` (rows ``phase=overhead``, ``sdpa auto``): 1.3-2 µs of host time a call on most
     GPU hosts measured, 3.4-4.4 µs on a slower H100 host (2026-11-26, the run replaced). One
-    call from an idle GPU pays it in full where the kernel ends before the host returns: 3-5 µs, 0.90-0.92 of ``F.sdpa``'s latency at calls of 30-60 µs, within 3%
-    from about 70 µs on an H100 (``results/sdpa-launch-first-nvidia-h100.txt``). A call whose
+    call from an idle GPU pays it in full where the kernel ends before the host returns: 3-5
+    µs, 0.90-0.92 of ``F.sdpa``'s latency at calls of 30-60 µs, within 3% from about 70 µs on
+    an H100 (``results/sdpa-launch-first-nvidia-h100.txt``). A call whose
     host time is most of its time on the GPU keeps PyTorch's pick (a short forward and backward,
     whose autograd host work outlasts the kernels). Under ``torch.compile`` auto traces to
     PyTorch's pick and adds nothing. A forced kernel adds the switching of PyTorch's backend

@@ -188,6 +188,7 @@ def rows(ctx: BenchContext) -> list[Row]:
         PHASE, f"attention sweep: worst F.sdpa / auto of {len(out)} points", "speedup", "x",
         worst, target=f">= {TARGET_VS_PLAIN}x", higher_is_better=True,
         met=all(r.met for r in judged) if ctx.judged else None,
-        note=f"{ctx.where}; single-call latency, round by round; {misses_summary(causes, MISS_COUNTED)}",
+        note=f"{ctx.where}; single-call latency, round by round; "
+        f"{misses_summary(causes, MISS_COUNTED)}",
     ))  # fmt: skip
     return out
