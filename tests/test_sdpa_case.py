@@ -221,21 +221,38 @@ def test_an_attention_sweep_point_says_when_its_own_noise_hides_the_target():
 
 def test_a_missed_attention_sweep_point_says_what_bounds_it():
     """A miss is put on the host where F.sdpa's host time is most of its time on the GPU back to
-    back (auto's microseconds then land on the call), on the point's noise where F.sdpa against
-    its copy moves past 3%, on both, or else on the microseconds auto adds; a met point has
-    none."""
+    back and the latency auto adds is no more than the host time it adds there (within the
+    point's 3%); on the point's noise where F.sdpa against its copy moves past 3%; on both; on
+    the pairing of rounds where auto's median call is not the slower; or else on the microseconds
+    auto adds. A met point has none."""
     from accel.lab.cases import overhead_attention as sweep
     from accel.lab.cases.overhead import misses_summary
 
-    assert sweep.miss_cause(0.98, host_share=0.9, noisy=True) is None
-    assert sweep.miss_cause(0.90, host_share=0.9, noisy=False) == "host"
-    assert sweep.miss_cause(0.90, host_share=0.9, noisy=True) == "host and noise"
-    assert sweep.miss_cause(0.90, host_share=0.4, noisy=True) == "noise"
-    assert sweep.miss_cause(0.96, host_share=0.4, noisy=False) == "added"
+    def cause(ratio, share, noisy, added=3.5, host_added=3.0, call=30.0):
+        return sweep.miss_cause(ratio, host_share=share, noisy=noisy, added_us=added,
+                                host_added_us=host_added, call_us=call)  # fmt: skip
+
+    assert cause(0.98, 0.9, True) is None
+    assert cause(0.90, 0.9, False) == "host"
+    assert cause(0.90, 0.9, True) == "host and noise"
+    assert cause(0.90, 0.4, True) == "noise"
+    assert cause(0.96, 0.4, False) == "added"
+    # the host cannot explain more latency than the host time auto adds, past the point's 3%
+    assert cause(0.96, 0.95, True, added=17.0, host_added=2.0, call=400.0) == "noise"
+    assert cause(0.96, 0.95, False, added=17.0, host_added=2.0, call=400.0) == "added"
+    assert cause(0.96, 0.95, False, added=13.0, host_added=2.0, call=400.0) == "host"
+    # auto's median call not the slower: the rounds' pairing, not auto's time, missed
+    assert cause(0.96, 0.85, True, added=-4.7) == "not slower"
+    assert cause(0.96, 0.4, False, added=0.0) == "not slower"
     assert set(sweep.MISS_CAUSES) == set(sweep.MISS_COUNTED)
-    causes = ["host", "host", "host and noise", "noise", None, "added"]
+    for name, words in sweep.MISS_CAUSES.items():  # every note's words fill in
+        assert words.startswith("; ") and "{" not in words.format(
+            share=0.9, added=4.0, host_added=3.0, plain=30.0
+        ), name
+    causes = ["host", "host", "host and noise", "noise", None, "added", "not slower"]
     summary = misses_summary(causes, sweep.MISS_COUNTED)
     assert summary == (
-        "5 point(s) missed: 2 bound by the host, 1 by the host and inside their noise, "
-        "1 inside their noise, 1 by auto's added time"
+        "6 point(s) missed: 2 bound by the host, 1 by the host and inside their noise, "
+        "1 inside their noise, 1 by auto's added time, 1 by the pairing of rounds "
+        "(auto's median not the slower)"
     )

@@ -8,13 +8,16 @@ second copy of ``F.sdpa`` are timed one call at a time from an idle GPU, interle
 latency ratio F.sdpa / auto, taken round by round, >= 0.97 at every point; where ``F.sdpa``
 against its own copy moves by more than 3%, or its rounds spread so that the median's 95%
 interval reaches past 3%, the row says the target sits inside that noise. A missed point says
-what bounds it (:func:`miss_cause`): the host, where F.sdpa's host time is most of its time on
-the GPU back to back; that noise; both; or else the microseconds auto adds.
+what bounds it (:func:`miss_cause`, from what is measured at that point): the host, where
+F.sdpa's host time is most of its time on the GPU back to back and the latency auto adds is the
+host time it adds; that noise; both; the pairing of rounds, where auto's median call is not the
+slower; or else the microseconds auto adds.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,8 +27,9 @@ import torch.nn.functional as F
 from accel import attention
 from accel.attention_auto_rules import HOST_BOUND_SHARE, host_share
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.overhead import PHASE, latencies, misses_summary
+from accel.lab.cases.overhead import PHASE, host_times, latencies, misses_summary
 from accel.lab.cases.sdpa_measure import release_memory
+from accel.timer import round_differences
 
 TARGET_VS_PLAIN = 0.97
 NOISE = 0.03  # F.sdpa against itself beyond this (its median or the median's interval): said
@@ -107,9 +111,9 @@ def _calls(point: Point, device: torch.device) -> dict:
 
 def measure(
     point: Point, device: torch.device, repeats: int
-) -> tuple[float, float, tuple[float, float], dict, str, Callable[[], object]]:
+) -> tuple[float, float, tuple[float, float], dict, str, dict[str, Callable[[], object]]]:
     """(F.sdpa / auto, F.sdpa / its copy, that ratio's 95% interval, medians in µs, what auto
-    picked, the F.sdpa call) at one point."""
+    picked, the calls timed) at one point."""
     attention.clear_auto_cache()  # one signature at a time: the pick named is this point's
     fns = _calls(point, device)
     fns["auto"]()  # auto measures here, outside the timing
@@ -120,7 +124,7 @@ def measure(
     self_ratio = timing.paired_ratio(AGAIN, "F.sdpa")
     interval = timing.median_ratio_interval(AGAIN, "F.sdpa")
     return (timing.paired_ratio("F.sdpa", "auto"), self_ratio, interval, medians, picked,
-            fns["F.sdpa"])  # fmt: skip
+            fns)  # fmt: skip
 
 
 def noise_note(self_ratio: float, interval: tuple[float, float]) -> str:
@@ -135,45 +139,69 @@ def noise_note(self_ratio: float, interval: tuple[float, float]) -> str:
 
 # Why a point misses: its note's words, and how the summary row counts each cause.
 _HOST = ("bound by the host: F.sdpa's host time is {share:.0%} of its time on the GPU back to "
-         "back, so the {added:.1f} us auto adds land on the call")  # fmt: skip
+         "back, so the {host_added:.1f} us of host time auto adds land on the call "
+         "(+{added:.1f} us)")  # fmt: skip
 MISS_CAUSES = {
     "host": f"; {_HOST}",
     "host and noise": f"; {_HOST}; and inside the noise named above",
     "noise": "; inside the noise named above",
-    "added": "; auto adds {added:.1f} us to a call of {plain:.0f} us",
+    "added": "; auto adds {added:.1f} us to a call of {plain:.0f} us ({host_added:.1f} us of "
+    "host time)",
+    "not slower": "; auto's median call is not the slower ({added:+.1f} us): the miss is in the "
+    "pairing of rounds",
 }
 MISS_COUNTED = {
     "host": "bound by the host",
     "host and noise": "by the host and inside their noise",
     "noise": "inside their noise",
     "added": "by auto's added time",
+    "not slower": "by the pairing of rounds (auto's median not the slower)",
 }
 
 
-def miss_cause(ratio: float, *, host_share: float, noisy: bool) -> str | None:
+def miss_cause(ratio: float, *, host_share: float, noisy: bool, added_us: float,
+               host_added_us: float, call_us: float) -> str | None:  # fmt: skip
     """Why a point's F.sdpa / auto ``ratio`` misses the target (a key of :data:`MISS_CAUSES`),
-    None if met: the host where F.sdpa's host time is at least ``HOST_BOUND_SHARE`` of its time
-    on the GPU back to back, the point's noise (``noisy``), both, or the time auto adds."""
+    None if met. The host, where F.sdpa's host time is at least ``HOST_BOUND_SHARE`` of its time
+    on the GPU back to back and the latency auto adds (``added_us``, median against median) is
+    no more than the host time it adds at the point (``host_added_us``) and the point's
+    :data:`NOISE` of ``call_us``; the point's noise (``noisy``); both; the pairing of rounds,
+    where auto's median call is not the slower; or else the time auto adds."""
     if ratio >= TARGET_VS_PLAIN:
         return None
-    if host_share >= HOST_BOUND_SHARE:
+    if host_share >= HOST_BOUND_SHARE and 0 < added_us <= host_added_us + NOISE * call_us:
         return "host and noise" if noisy else "host"
+    if added_us <= 0:
+        return "not slower"
     return "noise" if noisy else "added"
+
+
+def host_added(fns: dict, device: torch.device) -> float:
+    """The host µs auto adds to F.sdpa a call at one point, round by round (median)."""
+    timing = host_times({"F.sdpa": fns["F.sdpa"], "auto": fns["auto"]}, device)
+    return statistics.median(round_differences(timing.samples, "auto", "F.sdpa")) * 1e3
 
 
 def rows(ctx: BenchContext) -> list[Row]:
     repeats = 41 if ctx.device.type == "cuda" else 5  # one call of 30 µs moves by several %
     out, worst, causes = [], math.inf, []
     for point in points(ctx.device):
-        ratio, self_ratio, interval, medians, picked, plain = measure(point, ctx.device, repeats)
+        ratio, self_ratio, interval, medians, picked, fns = measure(point, ctx.device, repeats)
         noise = noise_note(self_ratio, interval)
         why = ""
-        if ctx.judged and ratio < TARGET_VS_PLAIN:  # what bounds it: the host's share of F.sdpa
-            share = host_share(plain, ctx.device)
-            causes.append(miss_cause(ratio, host_share=share, noisy=bool(noise)))
-            why = MISS_CAUSES[causes[-1]].format(
-                share=share, added=medians["auto"] - medians["F.sdpa"], plain=medians["F.sdpa"]
+        if ctx.judged and ratio < TARGET_VS_PLAIN:  # what bounds it, measured at this point
+            evidence = dict(
+                share=host_share(fns["F.sdpa"], ctx.device),
+                added=medians["auto"] - medians["F.sdpa"],
+                host_added=host_added(fns, ctx.device),
+                plain=medians["F.sdpa"],
             )
+            causes.append(miss_cause(
+                ratio, host_share=evidence["share"], noisy=bool(noise),
+                added_us=evidence["added"], host_added_us=evidence["host_added"],
+                call_us=evidence["plain"],
+            ))  # fmt: skip
+            why = MISS_CAUSES[causes[-1]].format(**evidence)
         release_memory(ctx.device)
         worst = min(worst, ratio)
         out.append(Row(
