@@ -221,7 +221,7 @@ def test_an_attention_sweep_point_says_when_its_own_noise_hides_the_target():
 
 def test_a_missed_attention_sweep_point_says_what_bounds_it():
     """A miss is put on the host where F.sdpa's host time is most of its time on the GPU back to
-    back and the latency auto adds is no more than the host time it adds there (within the
+    back and the latency auto adds is no more than the host time it adds to a call (within the
     point's 3%); on the point's noise where F.sdpa against its copy moves past 3%; on both; on
     the pairing of rounds where auto's median call is not the slower; or else on the microseconds
     auto adds. A met point has none."""

@@ -10,7 +10,7 @@ against its own copy moves by more than 3%, or its rounds spread so that the med
 interval reaches past 3%, the row says the target sits inside that noise. A missed point says
 what bounds it (:func:`miss_cause`, from what is measured at that point): the host, where
 F.sdpa's host time is most of its time on the GPU back to back and the latency auto adds is the
-host time it adds; that noise; both; the pairing of rounds, where auto's median call is not the
+host time it adds to one call from an idle GPU; that noise; both; the pairing of rounds, where auto's median call is not the
 slower; or else the microseconds auto adds.
 """
 
@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from accel import attention
 from accel.attention_auto_rules import HOST_BOUND_SHARE, host_share
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.overhead import PHASE, host_times, latencies, misses_summary
+from accel.lab.cases.overhead import PHASE, latencies, misses_summary
 from accel.lab.cases.sdpa_measure import release_memory
+from accel.lab.timing import compare
 from accel.timer import round_differences
 
 TARGET_VS_PLAIN = 0.97
@@ -164,7 +165,7 @@ def miss_cause(ratio: float, *, host_share: float, noisy: bool, added_us: float,
     """Why a point's F.sdpa / auto ``ratio`` misses the target (a key of :data:`MISS_CAUSES`),
     None if met. The host, where F.sdpa's host time is at least ``HOST_BOUND_SHARE`` of its time
     on the GPU back to back and the latency auto adds (``added_us``, median against median) is
-    no more than the host time it adds at the point (``host_added_us``) and the point's
+    no more than the host time it adds to one call from idle (``host_added_us``) and the point's
     :data:`NOISE` of ``call_us``; the point's noise (``noisy``); both; the pairing of rounds,
     where auto's median call is not the slower; or else the time auto adds."""
     if ratio >= TARGET_VS_PLAIN:
@@ -176,9 +177,12 @@ def miss_cause(ratio: float, *, host_share: float, noisy: bool, added_us: float,
     return "noise" if noisy else "added"
 
 
-def host_added(fns: dict, device: torch.device) -> float:
-    """The host µs auto adds to F.sdpa a call at one point, round by round (median)."""
-    timing = host_times({"F.sdpa": fns["F.sdpa"], "auto": fns["auto"]}, device)
+def host_added(fns: dict, device: torch.device, repeats: int) -> float:
+    """The host µs auto adds to one F.sdpa call from an idle GPU at one point, round by round
+    (median): what lands on the latency of a call the GPU finishes before the host returns (a
+    call from idle costs the host more than one of many back to back)."""
+    timing = compare({"F.sdpa": fns["F.sdpa"], "auto": fns["auto"]}, repeats=repeats, warmup=3,
+                     device=device, clock="host")  # fmt: skip
     return statistics.median(round_differences(timing.samples, "auto", "F.sdpa")) * 1e3
 
 
@@ -193,7 +197,7 @@ def rows(ctx: BenchContext) -> list[Row]:
             evidence = dict(
                 share=host_share(fns["F.sdpa"], ctx.device),
                 added=medians["auto"] - medians["F.sdpa"],
-                host_added=host_added(fns, ctx.device),
+                host_added=host_added(fns, ctx.device, repeats),
                 plain=medians["F.sdpa"],
             )
             causes.append(miss_cause(
