@@ -129,7 +129,7 @@ def signature(
     causal: bool = False,
 ) -> SignatureKey:
     """The cache key of these inputs, for ``auto`` and for forced-backend availability."""
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     autocast = _autocast_dtype(q.device.type)
     return SignatureKey(
         _sig(q), _sig(k), _sig(v), None if mask is None else _sig(mask), causal, grad, autocast
@@ -179,7 +179,7 @@ def flat_key(q, k, v, mask, causal) -> tuple:
     key of the dispatcher's hot path. k's and v's dtype and device are q's once the inputs were
     checked (PyTorch raises otherwise); the mask and the autocast dtype are looked at only when
     there is a mask or autocast is on somewhere."""
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     if mask is None and not _any_autocast():
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
                 causal, grad)  # fmt: skip
@@ -190,11 +190,12 @@ def flat_key(q, k, v, mask, causal) -> tuple:
 
 def default_key(q, k, v, causal) -> tuple:
     """The key of :data:`_KEPT_DEFAULT`: shapes, dtype, device, causal and whether a backward
-    follows, without the strides, whose reading is a third of :func:`flat_key`'s cost. Only a
+    follows (the inputs asked first: without gradients, the common call, grad mode is not read),
+    without the strides, whose reading is a third of :func:`flat_key`'s cost. Only a
     choice of PyTorch's own pick is shared across layouts: it runs any layout, as it would
     without ``auto``."""
     return (q.shape, k.shape, v.shape, q.dtype, q.device, causal,
-            torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))  # fmt: skip
+            (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled())  # fmt: skip
 
 
 def _keep_shapes(choice: AutoChoice, q, k, v, causal) -> None:
