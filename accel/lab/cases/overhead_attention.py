@@ -85,9 +85,10 @@ def points(device: torch.device) -> list[Point]:
     return out
 
 
-def _calls(point: Point, device: torch.device) -> dict:
+def _calls(point: Point, device: torch.device) -> tuple[dict, dict]:
     """F.sdpa, auto and F.sdpa again on one set of inputs (random; a key-padding mask keeps
-    each row's first key and a random share of the rest)."""
+    each row's first key and a random share of the rest), and the forward calls of F.sdpa and
+    auto alone (the part of a call auto runs)."""
     gen = torch.Generator(device).manual_seed(point.seq)
     shape = (point.batch, point.heads, point.seq, point.head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=point.dtype, generator=gen)
@@ -105,18 +106,24 @@ def _calls(point: Point, device: torch.device) -> dict:
             return lambda: torch.autograd.grad(fn(), (q, k, v), grad)
         return lambda: fn().detach()
 
-    plain = timed(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal))
-    auto = timed(lambda: attention.sdpa(q, k, v, mask=mask, causal=causal))
-    return {"F.sdpa": plain, "auto": auto, AGAIN: plain}
+    def plain_forward():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+
+    def auto_forward():
+        return attention.sdpa(q, k, v, mask=mask, causal=causal)
+
+    plain = timed(plain_forward)
+    return ({"F.sdpa": plain, "auto": timed(auto_forward), AGAIN: plain},
+            {"F.sdpa": plain_forward, "auto": auto_forward})  # fmt: skip
 
 
-def measure(
-    point: Point, device: torch.device, repeats: int
-) -> tuple[float, float, tuple[float, float], dict, str, dict[str, Callable[[], object]]]:
+def measure(point: Point, device: torch.device, repeats: int) -> tuple[
+    float, float, tuple[float, float], dict, str, dict[str, Callable[[], object]], dict
+]:  # fmt: skip
     """(F.sdpa / auto, F.sdpa / its copy, that ratio's 95% interval, medians in µs, what auto
-    picked, the calls timed) at one point."""
+    picked, the calls timed, their forward calls alone) at one point."""
     attention.clear_auto_cache()  # one signature at a time: the pick named is this point's
-    fns = _calls(point, device)
+    fns, forwards = _calls(point, device)
     fns["auto"]()  # auto measures here, outside the timing
     choices = attention.auto_choices()
     picked = ", ".join(sorted({f"{c.backend} ({c.kernel})" for c in choices.values()}))
@@ -125,7 +132,7 @@ def measure(
     self_ratio = timing.paired_ratio(AGAIN, "F.sdpa")
     interval = timing.median_ratio_interval(AGAIN, "F.sdpa")
     return (timing.paired_ratio("F.sdpa", "auto"), self_ratio, interval, medians, picked,
-            fns)  # fmt: skip
+            fns, forwards)  # fmt: skip
 
 
 def noise_note(self_ratio: float, interval: tuple[float, float]) -> str:
@@ -180,12 +187,12 @@ def miss_cause(ratio: float, *, host_share: float, noisy: bool, added_us: float,
     return "noise" if noisy else "added"
 
 
-def host_added(fns: dict, device: torch.device, repeats: int) -> float:
+def host_added(forwards: dict, device: torch.device, repeats: int) -> float:
     """The host µs auto adds to one F.sdpa call from an idle GPU at one point, round by round
-    (median): what lands on the latency of a call the GPU finishes before the host returns (a
-    call from idle costs the host more than one of many back to back)."""
-    timing = compare({"F.sdpa": fns["F.sdpa"], "auto": fns["auto"]}, repeats=repeats, warmup=3,
-                     device=device, clock="host")  # fmt: skip
+    (median), on the forward calls (``forwards``: auto runs no part of a backward, whose host
+    time would only add its spread): what lands on the latency of a call the GPU finishes before
+    the host returns (a call from idle costs the host more than one of many back to back)."""
+    timing = compare(forwards, repeats=repeats, warmup=3, device=device, clock="host")
     return statistics.median(round_differences(timing.samples, "auto", "F.sdpa")) * 1e3
 
 
@@ -193,14 +200,16 @@ def rows(ctx: BenchContext) -> list[Row]:
     repeats = 41 if ctx.device.type == "cuda" else 5  # one call of 30 µs moves by several %
     out, worst, causes = [], math.inf, []
     for point in points(ctx.device):
-        ratio, self_ratio, interval, medians, picked, fns = measure(point, ctx.device, repeats)
+        ratio, self_ratio, interval, medians, picked, fns, forwards = measure(
+            point, ctx.device, repeats
+        )
         noise = noise_note(self_ratio, interval)
         why = ""
         if ctx.judged and ratio < TARGET_VS_PLAIN:  # what bounds it, measured at this point
             evidence = dict(
                 share=host_share(fns["F.sdpa"], ctx.device),
                 added=medians["auto"] - medians["F.sdpa"],
-                host_added=host_added(fns, ctx.device, repeats),
+                host_added=host_added(forwards, ctx.device, repeats),
                 plain=medians["F.sdpa"],
             )
             causes.append(miss_cause(
