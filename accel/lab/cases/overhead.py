@@ -44,6 +44,7 @@ SDPA_ADDED_US = 3.0
 DIVERSITY_HOST_US = 20.0
 GRAPHED_ADDED_US = 10.0
 HOST_CALLS = 50  # calls per host-clock sample
+HOST_ROUNDS = 41  # a host's pace drifts: the median of many rounds outlasts a slow spell
 # A model's parameters as a few hundred small tensors of odd sizes (a few layers' weights,
 # biases and norms): where per-tensor host work shows.
 SMALL_TENSORS = [(96, 97), (97,), (13, 96), (96,)] * 75
@@ -87,7 +88,7 @@ def misses_summary(causes: list[str | None], counted: dict[str, str]) -> str:
 
 
 # ---- timing ------------------------------------------------------------------------------------
-def host_times(fns: dict, device: torch.device, repeats: int = 15) -> Comparison:
+def host_times(fns: dict, device: torch.device, repeats: int = HOST_ROUNDS) -> Comparison:
     """Host time per call of each of ``fns`` (the first is the baseline), interleaved."""
     return compare(fns, repeats=repeats, warmup=10, calls_per_sample=HOST_CALLS, device=device,
                    clock="host")  # fmt: skip
@@ -169,7 +170,7 @@ def sdpa_rows(ctx: BenchContext) -> list[Row]:
             }
             fns["sdpa auto"]()  # measured once, outside the timing
             choice = attention.auto_choices()[attention.signature(q, k, v, m, causal)]
-            timing = host_times(fns, device, repeats=41)  # the µs judged are a tenth of a call
+            timing = host_times(fns, device)
         note = f"; auto picked {choice.backend} ({choice.kernel}); {tuple(q.shape)} {dtype}"
         target = SDPA_ADDED_US if m is None else None
         rows += host_rows(ctx, f"sdpa auto {label}", timing, "sdpa auto", added_us=target,
