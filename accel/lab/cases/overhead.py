@@ -7,7 +7,8 @@ Two measures per component, each timed interleaved with its plain counterpart:
   on inputs small enough that the GPU is never the bottleneck (``accel.timer``'s ``"host"``
   clock). It is the part of a step that a profiler's kernel table does not show, and what a
   launch-bound model pays on every layer. The time one adds is taken within each round, as the
-  host's pace drifts between rounds;
+  host's pace drifts between rounds, and from run to run: the components open with that pace, a
+  small ``torch.add``'s host time (:func:`host_pace_row`), which every host time moves with;
 - **single-call latency**: one call from an idle GPU, CUDA events around it, host time included
   (the ``"latency"`` clock), judged round by round.
 
@@ -61,7 +62,8 @@ def run(ctx: BenchContext) -> list[Row]:
 
 
 def _components(ctx: BenchContext) -> list[Row]:
-    rows = sdpa_rows(ctx) + diversity_rows(ctx) + clip_rows(ctx) + adamw_rows(ctx)
+    rows = [host_pace_row(ctx), *sdpa_rows(ctx), *diversity_rows(ctx), *clip_rows(ctx)]
+    rows += adamw_rows(ctx)
     # last: compiling FlexAttention leaves compile workers busy on the host for a while
     return rows + graphed_rows(ctx) + masked_rows(ctx)
 
@@ -147,6 +149,22 @@ def latency_row(ctx: BenchContext, case: str, timing: Comparison, ours: str, *,
 
 
 # ---- the components ----------------------------------------------------------------------------
+def host_pace_row(ctx: BenchContext) -> Row:
+    """The host's pace in this run: the host time per call of one small ``torch.add``, the least
+    a PyTorch op costs the host. Every host time of a run moves with it, so a run on a slower
+    host (or the same one at a busier moment) is read against it."""
+    gen = torch.Generator(ctx.device).manual_seed(0)
+    a, b = torch.randn(2, 64, device=ctx.device, generator=gen).unbind(0)
+    out = torch.empty_like(a)
+    timing = host_times({"torch.add": lambda: torch.add(a, b, out=out)}, ctx.device)
+    return Row(
+        PHASE, "host pace: torch.add of 64 elements", "host time per call", "us",
+        timing.timings["torch.add"].median_ms * 1e3,
+        note=f"{ctx.where}; {HOST_CALLS} calls a sample from an idle GPU; every host time of "
+        "this run moves with it",
+    )  # fmt: skip
+
+
 def sdpa_rows(ctx: BenchContext) -> list[Row]:
     """``sdpa(backend="auto")`` against ``F.scaled_dot_product_attention`` on a small input,
     full and causal, and with a key-padding mask (whose fully masked queries auto zeroes where
