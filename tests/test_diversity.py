@@ -426,18 +426,20 @@ def test_float32_groups_of_up_to_16_rows_take_a_16_row_tile_on_one_warp():
 
 
 def test_16_bit_groups_of_5_to_32_rows_take_the_smallest_whole_group_tile_on_one_warp():
-    """16-bit groups of 5-32 rows: a 16-row tile (32 for groups past 16 rows) on one warp, in
-    chunks of 64 (128 for full groups from 1024 long), in the matrix mode too; groups of 33-64
-    rows keep the 64-row tile on 4 warps, and groups of 3-4 rows the pairs kernel (the 64-row
-    tile where it cannot run)."""
+    """16-bit groups of 5-32 rows: a 16-row tile (32 for groups past 16 rows, and for rows of at
+    most one 64-element chunk) on one warp, in chunks of 64 (128 for full groups from 1024
+    long), in the matrix mode too; groups of 33-64 rows keep the 64-row tile on 4 warps, and
+    groups of 3-4 rows the pairs kernel (the 64-row tile where it cannot run)."""
     rules = pytest.importorskip(CONFIG)
-    for block_n, rows in [(8, 16), (16, 16), (32, 32)]:
-        for d, block_d in [(64, 64), (100, 64), (256, 64), (768, 64), (1024, 128), (2048, 128)]:
+    for block_n, short_rows, rows in [(8, 32, 16), (16, 32, 16), (32, 32, 32)]:
+        for d, block_d in [(32, 64), (48, 64), (64, 64), (100, 64), (256, 64), (768, 64),
+                           (1024, 128), (2048, 128)]:  # fmt: skip
             for ragged in (True, False):
                 config = rules.group_config(block_n, d, 8192, 2, ragged=ragged)
+                tile = short_rows if d <= 64 else rows
                 shape = (config.variant, config.groups * block_n, config.num_warps, config.block_d)
                 chunk = 64 if ragged else block_d
-                assert shape == ("dot", rows, 1, chunk), (block_n, d, ragged, config)
+                assert shape == ("dot", tile, 1, chunk), (block_n, d, ragged, config)
             assert rules._rule_config(block_n, d, 8192, 2, pairs=False) == config  # full groups
     assert rules.group_config(64, 256, 8192, 2).num_warps == 4
     assert rules._rule_config(4, 256, 8192, 2, pairs=False).groups * 4 == rules.DOT_ROWS

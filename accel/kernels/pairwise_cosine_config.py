@@ -65,6 +65,12 @@ DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 w
 # results/diversity-16-bit-small-tiles-nvidia-h100.txt
 DOT_ONE_WARP_MAX_ROWS = 32
 DOT_ONE_WARP_LONG_D = 1024
+# Rows of at most one 64-element chunk leave a 16-row program too little to do: a 32-row tile
+# (two groups of 9-16 rows, four of 5-8) is faster or level at every such point measured, full
+# or ragged, on an H100 and an H200; past one chunk it is slower.
+# results/diversity-16-bit-short-rows-nvidia-h200.txt (and -nvidia-h100.txt)
+DOT_ONE_WARP_SHORT_D = 64
+DOT_ONE_WARP_SHORT_ROWS = 32
 DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
 # Groups of up to 16 float32 rows: a 16-row tile on one warp, in chunks of 32 elements up to this
 # long a row, 64 past: faster than the 32-row tile on two warps (or more warps on either) at
@@ -183,7 +189,8 @@ def _rule_config(
     16-row tile on one warp (:data:`DOT_ROWS_FP32_SMALL`), of 17-32 in a 32-row tile on 2, of
     33-64 in one 64-row tile on 4 without a pipeline (:data:`DOT_FP32_WIDE_STAGES`). 16-bit:
     groups of 5-32 rows in the smallest tile holding whole groups on one warp
-    (:data:`DOT_ONE_WARP_MAX_ROWS`), of 33-64 rows (and 3-4, where "pairs" cannot run) in 64-row
+    (:data:`DOT_ONE_WARP_MAX_ROWS`; a 32-row tile for rows of one chunk,
+    :data:`DOT_ONE_WARP_SHORT_D`), of 33-64 rows (and 3-4, where "pairs" cannot run) in 64-row
     tiles on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes
     "dot" from 4 rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt
     and the files named beside the constants have the measurements behind each choice.
@@ -204,7 +211,8 @@ def _rule_config(
         block_d = 32 if d <= DOT_FP32_WIDE_SHORT_D else 64
         return GroupConfig("dot", 1, block_d, 1, num_warps=4, num_stages=DOT_FP32_WIDE_STAGES)
     if itemsize == 2 and 8 <= block_n <= DOT_ONE_WARP_MAX_ROWS:
-        groups = max(1, DOT_MIN_ROWS // block_n)
+        rows = DOT_ONE_WARP_SHORT_ROWS if d <= DOT_ONE_WARP_SHORT_D else DOT_MIN_ROWS
+        groups = max(1, rows // block_n)
         block_d = 128 if d >= DOT_ONE_WARP_LONG_D else 64
         return GroupConfig("dot", groups, block_d, unroll=1, num_warps=1)
     if itemsize == 2 and block_n >= 4:  # 3-4 rows where "pairs" cannot run, or 33-64
