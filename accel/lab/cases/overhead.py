@@ -127,9 +127,9 @@ def host_rows(ctx: BenchContext, case: str, timing: Comparison, ours: str, *, ad
         PHASE, case, "host time added per call", "us", typical,
         target=f"<= {added_us:g} us over {timing.baseline}",
         met=typical <= added_us if ctx.judged else None,
-        note=f"{ctx.where}; {ours} over {timing.baseline}'s {plain:.1f} us ({typical / plain:.0%} of"
-        " it), round by round "
-        f"(middle half of rounds {low:+.1f} to {high:+.1f} us){spread}; {sampled}{note}",
+        note=f"{ctx.where}; {ours} over {timing.baseline}'s {plain:.1f} us "
+        f"({typical / plain:.0%} of it), round by round (middle half of rounds {low:+.1f} to "
+        f"{high:+.1f} us){spread}; {sampled}{note}",
     ))  # fmt: skip
     return rows
 

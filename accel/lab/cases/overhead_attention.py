@@ -9,9 +9,9 @@ latency ratio F.sdpa / auto, taken round by round, >= 0.97 at every point; where
 against its own copy moves by more than 3%, or its rounds spread so that the median's 95%
 interval reaches past 3%, the row says the target sits inside that noise. A missed point says
 what bounds it (:func:`miss_cause`, from what is measured at that point): the host, where
-F.sdpa's host time is most of its time on the GPU back to back and the host time auto adds to one
-call from an idle GPU is itself past the 3% the target allows; that noise; both; the pairing of rounds, where auto's median call is not the
-slower; or else the microseconds auto adds.
+F.sdpa's host time is most of its time on the GPU back to back and the host time auto adds to
+one call from an idle GPU is itself past the 3% the target allows; that noise; both; the pairing
+of rounds, where auto's median call is not the slower; or else the microseconds auto adds.
 """
 
 from __future__ import annotations
