@@ -272,9 +272,9 @@ def sdpa(
     signature measured took a forced kernel, that kernel is launched before the key is read:
     a single call then pays the key only where the kernel is shorter than it. Other measured
     signatures add a longer key (strides, the mask's) and a lookup. Measured beside ``F.sdpa`` in
-    ``results/`` (rows ``phase=overhead``, ``sdpa auto``): 9-13% of ``F.sdpa``'s own host time,
-    so it follows the host's pace: 1.3-2.7 µs a call where ``F.sdpa`` takes 13-22 µs, 2.8-3.6 µs
-    where it takes 26-31 µs (H100 and H200 hosts, 2026-11-26). One call from an idle GPU pays
+    ``results/`` (rows ``phase=overhead``, ``sdpa auto``): 9-14% of ``F.sdpa``'s own host time,
+    so it follows the host's pace: 1.3-2.7 µs a call where ``F.sdpa`` takes 13-22 µs, 2.8-4.6 µs
+    where it takes 26-32 µs (H100 and H200 hosts, 2026-11-26). One call from an idle GPU pays
     it in full where the kernel ends before the host returns: 3-5 µs, 0.88-0.92 of ``F.sdpa``'s
     latency at calls of 30-50 µs, within 3% from about 70 µs
     (``results/sdpa-auto-latency-parts-nvidia-h200.txt``). A call whose
