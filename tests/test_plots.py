@@ -145,3 +145,14 @@ def test_a_long_configuration_label_wraps_after_a_plus_and_keeps_every_part():
     assert all(len(line) <= 32 or "+" not in line for line in lines)
     assert plots.wrap_label("baseline") == "baseline"
     assert plots.bars_height([label], 100) > plots.bars_height(["baseline"], 100)
+
+
+def test_call_costs_leave_a_missing_bar_unlabelled():
+    """A row with one of its bars missing (the host's pace has no plain PyTorch beside it) shows
+    no number for it, not "nan"."""
+    frame = pd.DataFrame(
+        {"label": ["sdpa auto", "host pace"], "optimized": [21.5, 6.4], "baseline": [19.2, None]}
+    )
+    fig = plots.call_costs(frame, bars={"optimized": "accel", "baseline": "plain PyTorch"})
+    assert list(fig.data[0].text) == ["21.5", "6.4"]
+    assert list(fig.data[1].text) == ["19.2", ""]
