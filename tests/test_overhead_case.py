@@ -162,8 +162,7 @@ def test_the_components_open_with_the_hosts_pace(monkeypatch):
     for part in ("sdpa_rows", "diversity_rows", "clip_rows", "adamw_rows", "graphed_rows",
                  "masked_rows"):  # fmt: skip
         monkeypatch.setattr(overhead, part, lambda ctx: [])
-    ctx = BenchContext(torch.device("cpu"), "cpu")
-    (pace,) = overhead.run(BenchContext(ctx.device, ctx.preset, only=("components",)))
+    (pace,) = overhead.run(BenchContext(torch.device("cpu"), "cpu", only=("components",)))
     assert pace.case.startswith("host pace") and pace.metric == "host time per call"
     assert pace.unit == "us" and 0 < pace.optimized < 1e4 and pace.met is None
     assert "every host time of this run moves with it" in pace.note

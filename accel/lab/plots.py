@@ -192,7 +192,7 @@ def call_costs(
     for column, name in bars.items():
         fig.add_bar(
             y=frame["label"], x=frame[column], name=name, orientation="h",
-            text=["" if pd.isna(v) else f"{v:.1f}" for v in frame[column]],  # a row with one bar
+            text=["" if pd.isna(v) else f"{v:.1f}" for v in frame[column]],  # missing: no number
             textposition="outside",
         )  # fmt: skip
     height = bars_height(list(frame["label"]), 160) + 20 * len(frame)
