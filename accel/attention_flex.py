@@ -222,13 +222,14 @@ def _run_causal(q, k, v, mask, scale) -> torch.Tensor:
     return sdpa(q, k, v, causal=True, scale=scale)
 
 
-def _block_key(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor) -> Hashable:
-    return (mask.cache_key, q.shape[2], k.shape[2], q.device)
+def _kept_block_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor):
+    """``mask``'s block mask for these query and key lengths, made once and kept."""
+    key = (mask.cache_key, q.shape[2], k.shape[2], q.device)
+    return _kept(_BLOCK_MASKS, key, partial(block_mask, mask, q, k), _BLOCK_MASKS_KEPT)
 
 
 def _run_flex(q, k, v, mask, scale) -> torch.Tensor:
-    blocks = _kept(_BLOCK_MASKS, _block_key(mask, q, k), partial(block_mask, mask, q, k),
-                   _BLOCK_MASKS_KEPT)  # fmt: skip
+    blocks = _kept_block_mask(mask, q, k)
     flex = _flex_function(q.device)
     return flex(q, k, v, score_mod=mask.score_mod(q.shape[1]), block_mask=blocks, scale=scale)
 
@@ -376,8 +377,7 @@ def _bound(path: str, q, k, v, mask: AttentionMask) -> Callable[..., torch.Tenso
     large to keep beyond its own cache)."""
     if path != "flex":
         return partial(_with_bound_mask, _RUNNERS[path], mask)
-    blocks = _kept(_BLOCK_MASKS, _block_key(mask, q, k), partial(block_mask, mask, q, k),
-                   _BLOCK_MASKS_KEPT)  # fmt: skip
+    blocks = _kept_block_mask(mask, q, k)
     flex, score_mod = _flex_function(q.device), mask.score_mod(q.shape[1])
     return lambda q, k, v, scale: flex(q, k, v, score_mod=score_mod, block_mask=blocks,
                                        scale=scale)  # fmt: skip
