@@ -166,7 +166,7 @@ def test_fixes_that_need_cuda_are_not_applicable_on_cpu(examined, capsys):
     before = snapshot(model)
     trials = report.try_fixes(CUDA_ONLY, progress=True)
     bar = capsys.readouterr().err  # tqdm's text bar, off a notebook
-    assert f"{len(CUDA_ONLY) + 1}/{len(CUDA_ONLY) + 1}" in bar and "trying" in bar
+    assert f"{len(CUDA_ONLY) + 2}/{len(CUDA_ONLY) + 2}" in bar and "trying" in bar
     assert list(trials["fixes"]) == CUDA_ONLY
     assert list(trials["status"]) == [f"not applicable: {n} needs a CUDA GPU" for n in CUDA_ONLY]
     assert unchanged(before, model)

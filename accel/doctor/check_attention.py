@@ -29,6 +29,7 @@ class ManualAttention:
     dtype: torch.dtype
     site: Site | None
     causal: bool = False  # the scores were masked with exactly the causal mask
+    values_site: Site | None = None  # the line of the product with the values
 
 
 def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
@@ -57,6 +58,7 @@ def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
                 dtype=op.inputs[0].dtype,
                 site=op.site,
                 causal=causal,
+                values_site=ops[mix].site,
             )
         )
     return found
@@ -143,11 +145,11 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
                 change=(
                     "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
                     + ("is_causal=True)" if case.causal else "attn_mask=mask)  # or no mask")
-                    + "\n# or accel.attention.sdpa(q, k, v, ...), which measures SDPA's kernels "
-                    "once per shape"
                 ),
                 saved_us=saved,
                 sites=[case.site] if case.site is not None else [],
+                fixes=("sdpa_attention",) if case.site and case.values_site else (),
+                detail=case,
             )
         )
     return found

@@ -40,7 +40,7 @@ def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
     shapes = {tuple(p.shape) for p in evidence.parts.parameters()} | {()}
     groups: dict[tuple, list[OpRecord]] = defaultdict(list)
     for op in evidence.recording.ops:
-        if op.site is None or op.backward or op.op.startswith("aten::_foreach"):
+        if op.site is None or op.backward or _many_tensor_foreach(op):
             continue
         if op.op in _NO_WORK or not op.inputs or any(t.shape not in shapes for t in op.inputs):
             continue
@@ -52,6 +52,12 @@ def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
         if repeats >= floor and len({op.inputs[0].shape for op in ops}) >= 3:
             loops[key] = ops
     return loops
+
+
+def _many_tensor_foreach(op: OpRecord) -> bool:
+    """A foreach operator over several tensors: the loop's cure, not a loop. One over a single
+    tensor (``clip_grad_norm_([p])`` in a loop over parameters) is one turn of a loop."""
+    return op.op.startswith("aten::_foreach") and len(op.inputs) > 2
 
 
 def _loop_kind(library: str, ops: list[OpRecord]) -> tuple[str, str, str, tuple[str, ...]]:
@@ -212,13 +218,24 @@ def precision(evidence: Evidence) -> list[Finding]:
     now = sum(op.time_us for op in ops)
     if not ops or now < 0.05 * evidence.step_us:
         return []
+    from accel.doctor.products import time_products
+
     flops = sum(matmul_flops(op) for op in ops)
     moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
-    rate, bandwidth = evidence.ceilings.matmul_tflop_s, evidence.ceilings.copy_gb_s
-    # bf16 halves the bytes; autocast adds a cast of each float32 input (read 4, write 2 bytes)
-    after = sum(
-        max(matmul_flops(op) / (rate * 1e6), 0.5 * _bytes(op) / (bandwidth * 1e3)) for op in ops
-    ) + 1.5 * sum(t.nbytes for op in ops for t in op.inputs) / (bandwidth * 1e3)
+    after = evidence.measure.get("products", time_products)(
+        ops,
+        evidence.device,
+        {
+            "bf16_autocast": lambda shapes, _: (shapes, torch.bfloat16, False),
+            "tf32": lambda shapes, dtype: (shapes, dtype, True),
+        },
+    )
+    # autocast casts each float32 input of a product once a step (read 4 bytes, write 2)
+    casts = 1.5 * sum(t.nbytes for op in ops for t in op.inputs) / (evidence.ceilings.copy_gb_s * 1e3)
+    saved = {
+        "bf16_autocast": max(0.0, now - after["bf16_autocast"] - casts),
+        "tf32": max(0.0, now - after["tf32"]),
+    }
     return [
         Finding(
             kind="precision",
@@ -226,18 +243,16 @@ def precision(evidence: Evidence) -> list[Finding]:
             "(TF32 off, no autocast)",
             evidence=f"{len(ops)} float32 products and convolutions per step: "
             f"{flops / 1e9:.2f} GFLOP, {moved / 2**20:.1f} MiB, {now / 1e3:.3f} ms on the device",
-            cost_model=f"at the measured bf16 rate ({rate:,.0f} TFLOP/s) or half their bytes at "
-            f"the copy bandwidth, whichever is longer, plus the casts: {after / 1e3:.3f} ms",
+            cost_model="the step's largest products timed here in float32, bf16 and TF32 at their "
+            f"shapes (the rest at their mean ratio): bf16 {after['bf16_autocast'] / 1e3:.3f} ms "
+            f"plus {casts / 1e3:.3f} ms of casts, TF32 {after['tf32'] / 1e3:.3f} ms",
             notebook="07_recipe",
             change="with torch.autocast('cuda', dtype=torch.bfloat16):\n"
             "    loss = loss_fn(model(x), y)\n"
             "# or, keeping float32 storage: torch.set_float32_matmul_precision('high')  # TF32",
-            saved_us=max(0.0, now - after),
+            saved_us=max(saved.values()),
             sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:5],
             fixes=("bf16_autocast", "tf32"),
+            saved_by_fix=saved,
         )
     ]
-
-
-def _bytes(op: OpRecord) -> int:
-    return sum(t.nbytes for t in (*op.inputs, *op.outputs))

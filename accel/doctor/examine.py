@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from accel.doctor.findings import Evidence, detect
+from accel.doctor.detect import detect
+from accel.doctor.findings import Evidence
 from accel.doctor.fixes import NO_BATCH
 from accel.doctor.parts import StepParts, Untouched, copy_step, find_parts
 from accel.doctor.recorder import record_step

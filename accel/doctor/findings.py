@@ -1,6 +1,6 @@
 """A finding: what the doctor saw in a step, the evidence, the predicted gain and its cost model,
 the notebook that teaches the fix, and the change to make. The checks that produce findings read
-one :class:`Evidence` of the step; :func:`detect` runs them all and ranks what they found.
+one :class:`Evidence` of the step; :func:`accel.doctor.detect.detect` runs them all.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from accel.doctor.parts import StepParts
 from accel.doctor.recorder import OpRecord, Recording, Site
 from accel.doctor.timeline import Timeline
 
-__all__ = ["CHECKS", "Evidence", "Finding", "detect"]
+__all__ = ["CHECKS", "Evidence", "Finding", "check"]
 
 
 @dataclass
@@ -35,6 +35,9 @@ class Finding:
     saved_us: float | None = None
     sites: list[Site] = field(default_factory=list)
     fixes: tuple[str, ...] = ()
+    saved_by_fix: dict[str, float] = field(default_factory=dict)  # where its fixes differ
+    detail: Any = None  # what the check found, for the fixes that act on it (a chain's lines)
+    measured_us: float | None = None  # the saving its best fix measured, once tried
 
     def speedup(self, step_us: float) -> float:
         """The speedup of an iteration of ``step_us`` (the step, and its wait for data) if
@@ -135,21 +138,3 @@ def check(name: str) -> Callable[[Check], Check]:
         return fn
 
     return register
-
-
-def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[Finding]:
-    """Every registered check on ``evidence``; findings ranked by predicted saving (those
-    without a prediction last, in the checks' order)."""
-    from accel.doctor import (  # noqa: F401 - importing a check module registers its checks
-        check_attention,
-        check_compile,
-        check_host,
-        check_kernels,
-        check_memory,
-    )
-
-    found: list[Finding] = []
-    for name, fn in CHECKS.items():
-        if only is None or name in only:
-            found += fn(evidence)
-    return sorted(found, key=lambda f: -(f.saved_us if f.saved_us is not None else -1.0))

@@ -41,6 +41,9 @@ class StepCopy:
     on_device_batch: bool = False  # pinned and copied in, non-blocking, before each call
     graphed: bool = False
     graph: Any = None  # the GraphedStep, once built (its ``reason`` says if it ran eagerly)
+    channels_last: bool = False  # 4-d batch tensors in channels-last memory
+    findings: list[Any] = field(default_factory=list)  # the report's, for fixes that need them
+    edits: list[str] = field(default_factory=list)  # the code changes made, as diffs to paste
 
     def build(self) -> Callable[[], Any]:
         """The call the trials time: one step on the batch, with every fix applied."""
@@ -56,7 +59,8 @@ class StepCopy:
             from accel.graphs import GraphedStep
 
             inner = self.graph = GraphedStep(inner, warmup=GRAPH_WARMUP, device=self.device)
-        batch = _to_device(self.batch, self.device) if self.on_device_batch else self.batch
+        batch = _channels_last(self.batch) if self.channels_last else self.batch
+        batch = _to_device(batch, self.device) if self.on_device_batch else batch
         return functools.partial(inner, batch)
 
 
@@ -87,6 +91,15 @@ def _to_device(batch: Any, device: torch.device) -> Any:
         return t
 
     return tree_map(move, batch)
+
+
+def _channels_last(batch: Any) -> Any:
+    def convert(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point():
+            return t.contiguous(memory_format=torch.channels_last)
+        return t
+
+    return tree_map(convert, batch)
 
 
 # ---- optimizers -----------------------------------------------------------------------------------
@@ -203,6 +216,52 @@ def _checkpoint(copy: StepCopy) -> None:
         raise FixNotApplicable("no repeated blocks (a ModuleList of layers) to checkpoint")
 
 
+def _sdpa(copy: StepCopy) -> None:
+    """Each written-out attention the attention check found, rewritten as SDPA in the copied
+    models (:mod:`accel.doctor.rewrite`); the diffs are the edit to paste."""
+    from accel.doctor.rewrite import NotRewritable, rewrite_attention
+
+    chains = [f.detail for f in copy.findings if f.kind == "attention" and f.detail is not None]
+    if not chains:
+        raise FixNotApplicable("no written-out attention found at a line of your code")
+    for chain in dict.fromkeys(chains):
+        lines = [(s.file, s.line) for s in (chain.site, chain.values_site)]
+        try:
+            rewrite = rewrite_attention(copy.parts.models, *lines, chain.causal)
+        except NotRewritable as error:
+            raise FixNotApplicable(f"the attention at {chain.site}: {error}") from None
+        if not sum(rewrite.apply(model) for model in copy.parts.models):
+            raise FixNotApplicable(f"no copied module runs the attention at {chain.site}")
+        copy.edits.append(rewrite.diff)
+
+
+def _deferred_reads(copy: StepCopy) -> None:
+    from accel.doctor.deferred import deferred_item_reads
+
+    copy.contexts.append(deferred_item_reads)
+
+
+@contextlib.contextmanager
+def _cudnn_benchmark() -> Iterator[None]:
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
+def _to_channels_last(copy: StepCopy) -> None:
+    convs = [
+        m for model in copy.parts.models for m in model.modules() if isinstance(m, torch.nn.Conv2d)
+    ]
+    if not convs:
+        raise FixNotApplicable("no Conv2d in the step's models")
+    for model in copy.parts.models:
+        model.to(memory_format=torch.channels_last)
+    copy.channels_last = True
+
+
 def _context(
     factory: Callable[[], contextlib.AbstractContextManager],
 ) -> Callable[[StepCopy], None]:
@@ -248,5 +307,16 @@ FIXES: dict[str, Fix] = {
             rtol_16bit=2e-2),
         Fix("checkpointing", "activation checkpointing", _checkpoint, 1e-4,
             "the recomputed forward is the same arithmetic", needs_cuda=False),
+        Fix("sdpa_attention", "attention rewritten as SDPA", _sdpa, 1e-3,
+            "the same attention by a fused kernel that sums in another order: " + _REORDERED,
+            needs_cuda=False, rtol_16bit=2e-2),
+        Fix("deferred_reads", ".item() read later (no wait in the step)", _deferred_reads, 1e-6,
+            "the same values, read after the step instead of inside it"),
+        Fix("cudnn_benchmark", "cudnn.benchmark", _context(_cudnn_benchmark), 1e-3,
+            "cuDNN picks the fastest convolution algorithm, which sums in another order: "
+            + _REORDERED, rtol_16bit=2e-2),
+        Fix("channels_last", "channels-last convolutions", _to_channels_last, 1e-3,
+            "the same convolutions on another memory layout, summed in another order: "
+            + _REORDERED, rtol_16bit=2e-2),
     )
 }  # fmt: skip

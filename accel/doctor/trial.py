@@ -1,7 +1,17 @@
-"""``Report.try_fixes``: each fix on its own copy of the step, then the ones that helped together,
-each checked against an unchanged copy (same start, same batch, same seed) within the fix's
-tolerance and timed against it interleaved, with the findings' prediction beside the
-measurement."""
+"""``Report.try_fixes``: each fix on its own copy of the step, then the best set of the ones that
+helped, each checked against an unchanged copy (same start, same batch, same seed) and timed
+against it interleaved, with the prediction beside the measurement.
+
+A fix's numbers may differ from the unchanged step's by its argued tolerance, or by
+:data:`SPREAD_MULTIPLE` times the difference between two runs of the unchanged step itself
+(cuDNN's backward, atomics: a step that is not deterministic), whichever is larger; the row says
+which. A fix measured slower than the unchanged step beyond the timing's spread is "slower here"
+and stays out of the combined trial. The combined trial starts from every fix that helped and drops
+the least helpful while it is slower than the best single fix, so the best set is never below it.
+Its prediction comes from the fixes measured alone: each fix's saving spread over the parts of the
+step it acts on (:data:`ACTS_ON`), and fixes acting on the same part each take their share of
+what the others left, not of the whole.
+"""
 
 from __future__ import annotations
 
@@ -19,11 +29,32 @@ from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
 from accel.doctor.parts import Untouched, copy_step
 from accel.memory import peak_memory
 
-__all__ = ["result_error", "tolerance", "try_fixes"]
+__all__ = ["ACTS_ON", "combined_prediction_us", "result_error", "tolerance", "try_fixes"]
 
 EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
-NEEDS_NO_SYNC = ("cuda_graph", "compile")  # a capture fails and compile breaks at every sync
+SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchanged step's own spread
+COMBINED_TRIES = 3  # combined trials at most, each without the least helpful fix of the last
 _SEED = 1234
+JUDGED_ROUNDS = 6  # fewer rounds give no 95% interval of the median ratio: slower is not judged
+_KERNELS = ("matmul", "attention", "normalization", "elementwise and other", "compiled (Triton)")
+# the parts of a step's time (the timeline's kernel categories, "idle <cause>") each fix acts on
+ACTS_ON: dict[str, tuple[str, ...]] = {
+    "tf32": ("matmul",),
+    "bf16_autocast": _KERNELS,
+    "sdpa_attention": _KERNELS,
+    "compile": ("elementwise and other", "normalization", "idle host", "idle other"),
+    "cuda_graph": ("idle host", "idle sync", "idle other"),
+    "deferred_reads": ("idle sync",),
+    "pinned_batch": ("copy", "idle sync"),
+    "fused_optimizer": ("optimizer", "idle host"),
+    "foreach_optimizer": ("optimizer", "idle host"),
+    "foreach_clip": ("elementwise and other", "idle host"),
+    "set_to_none": ("memset", "idle host"),
+    "channels_last": ("matmul", "elementwise and other"),
+    "cudnn_benchmark": ("matmul",),
+    "checkpointing": (),
+}
+_MAX_SHARE = 0.95  # no fix removes all of a part of the step
 
 
 def try_fixes(
@@ -41,16 +72,36 @@ def try_fixes(
     cuda = report.evidence.device.type == "cuda"
     repeats = repeats or (8 if cuda else 5)
     untouched = Untouched(report.parts)
-    blocked = _blocked(report) if fixes is None else ""
-    bar = tqdm(total=len(names) + 1, desc="fixes", disable=not progress)
+    bar = tqdm(total=len(names) + 2, desc="fixes", disable=not progress)
+    bar.set_description_str("running the unchanged step twice")
+    spread = own_spread(report, steps)
+    bar.update()
     rows = []
     for name in names:
         bar.set_description_str(f"trying {FIXES[name].label}")
-        if blocked and name in NEEDS_NO_SYNC:
-            rows.append(_not_tried(report, name, blocked))
-        else:
-            rows.append(_trial(report, [name], steps, repeats))
+        rows.append(_trial(report, [name], steps, repeats, spread))
         bar.update()
+    bar.set_description_str("trying the helpful ones together")
+    rows += _together(report, rows, steps, repeats, spread)
+    bar.update()
+    bar.close()
+    _record_measured(report, rows)
+    changed = untouched.changed()
+    if changed:
+        raise RuntimeError(f"try_fixes changed your step's tensors in place (a bug): {changed[:3]}")
+    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+
+
+def own_spread(report, steps: int) -> float:
+    """The relative difference between two runs of the unchanged step from the same start."""
+    first, second = _fresh(report), _fresh(report)
+    error, _ = result_error(first.build(), second.build(), first, second, steps)
+    return error
+
+
+def _together(report, rows: list[dict], steps: int, repeats: int, spread: float) -> list[dict]:
+    """Combined trials of the fixes that helped; the best row (a combined one, or the best fix
+    alone where no combination beat it) is marked ``best set``."""
     helped = sorted(
         (r for r in rows if r["status"] == "ok" and r["measured speedup"] > 1.0),
         key=lambda r: -r["measured speedup"],
@@ -60,59 +111,117 @@ def try_fixes(
         name = row["fixes"]
         if not any(name in group and group.intersection(chosen) for group in EXCLUSIVE):
             chosen.append(name)
-    if len(chosen) >= 2:
-        bar.set_description_str("trying the helpful ones together")
-        rows.append(_trial(report, chosen, steps, repeats))
-    bar.update()
-    bar.close()
-    changed = untouched.changed()
-    if changed:
-        raise RuntimeError(f"try_fixes changed your step's tensors in place (a bug): {changed[:3]}")
-    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+    out: list[dict] = []
+    while len(chosen) >= 2 and len(out) < COMBINED_TRIES:
+        predicted = combined_prediction_us(report, rows, chosen)
+        out.append(_trial(report, chosen, steps, repeats, spread, predicted_us=predicted))
+        if (
+            out[-1]["status"] == "ok"
+            and out[-1]["measured speedup"] >= helped[0]["measured speedup"]
+        ):
+            break
+        chosen = chosen[:-1]
+    candidates = [r for r in (*out, *helped[:1]) if r["status"] == "ok"]
+    if candidates:
+        max(candidates, key=lambda r: r["measured speedup"])["best set"] = True
+    return out
 
 
-def _blocked(report) -> str:
-    """Why graphs and compile are not worth trying yet (the step syncs), or ""."""
-    syncs = [f for f in report.findings if f.kind == "sync"]
-    return f"{syncs[0].title}: remove them first" if syncs else ""
+def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
+    """The step's time with ``names`` together, predicted from their rows measured alone: each
+    fix's saving is spread over the parts of the step it acts on (in proportion to their time),
+    and a part's time left is what every fix acting on it leaves of it in turn."""
+    t = report.evidence.timeline
+    parts = {k: v for k, v in t.by_category.items()} | {
+        f"idle {cause}": us for cause, us in t.idle_us.items()
+    }
+    left = dict(parts)
+    step_us, unexplained = t.step_us, 0.0
+    alone = {r["fixes"]: r for r in rows if r["mode"] == "alone"}
+    for name in names:
+        row = alone[name]
+        saved = step_us * (1 - row["measured ms"] / row["unchanged ms"])
+        acts = [p for p in ACTS_ON.get(name, ()) if parts.get(p, 0.0) > 0]
+        total = sum(parts[p] for p in acts)
+        if total <= 0:
+            unexplained += saved
+            continue
+        for p in acts:
+            share = min(_MAX_SHARE, saved * parts[p] / total / parts[p])
+            left[p] *= 1 - share
+    return max(step_us - sum(parts.values()) + sum(left.values()) - unexplained, 0.0) or math.nan
 
 
-def _not_tried(report, name: str, why: str) -> dict[str, Any]:
-    row = _trial_row(report, [name])
-    return row | {"status": f"not tried: {why}"}
+def _record_measured(report, rows: list[dict]) -> None:
+    """Each finding's measured saving (its best fix's, alone), and the findings ranked by it
+    (those measured first)."""
+    step_us = report.evidence.step_us
+    saved = {
+        r["fixes"]: step_us * (1 - r["measured ms"] / r["unchanged ms"])
+        for r in rows
+        if r["mode"] == "alone" and r["status"] in ("ok", "slower here")
+    }
+    for finding in report.findings:
+        tried = [saved[n] for n in finding.fixes if n in saved]
+        finding.measured_us = max(tried) if tried else None
+    report.findings.sort(
+        key=lambda f: (
+            f.measured_us is None,
+            -(f.measured_us if f.measured_us is not None else (f.saved_us or -1.0)),
+        )
+    )
 
 
 def _fresh(report) -> StepCopy:
     step, parts = copy_step(report.step, report.parts)
-    return StepCopy(step, parts, report.batch, report.evidence.device)
+    return StepCopy(step, parts, report.batch, report.evidence.device, findings=report.findings)
 
 
 def _predicted_us(report, names: list[str]) -> float:
     """The findings' predicted savings that these fixes address, each finding once."""
     saved = [
-        f.saved_us for f in report.findings if f.saved_us is not None and set(f.fixes) & set(names)
+        max(f.saved_by_fix.get(n, f.saved_us) for n in set(f.fixes) & set(names))
+        for f in report.findings
+        if f.saved_us is not None and set(f.fixes) & set(names)
     ]
     return min(sum(saved), 0.999 * report.evidence.step_us)  # a trial times the step alone
 
 
 # A trial's row: every column, NaN until measured (an empty table keeps them too)
-TRIAL_COLUMNS = ("fixes", "label", "mode", "status", "predicted ms", "predicted speedup",
-                 "unchanged ms", "measured ms", "measured speedup", "error", "tolerance", "why",
-                 "first call s", "unchanged peak MiB", "fixed peak MiB", "batch room")  # fmt: skip
+TRIAL_COLUMNS = ("fixes", "label", "mode", "best set", "status", "predicted ms",
+                 "predicted speedup", "predicted from", "unchanged ms", "measured ms",
+                 "measured speedup", "speedup interval", "error", "allowance", "allowed by",
+                 "tolerance", "why", "edit", "first call s", "unchanged peak MiB",
+                 "fixed peak MiB", "batch room")  # fmt: skip
 
 
-def _trial_row(report, names: list[str]) -> dict[str, Any]:
+def _trial_row(report, names: list[str], spread: float, predicted_us: float | None) -> dict:
     step_us = report.evidence.step_us
-    predicted = step_us - _predicted_us(report, names)
+    if predicted_us is None:
+        predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
+    else:
+        predicted, source = (
+            predicted_us,
+            "the fixes measured alone, overlapping where they share time",
+        )
+    argued = tolerance(report, names)
+    allowance = max(argued, SPREAD_MULTIPLE * spread)
     return dict.fromkeys(TRIAL_COLUMNS, math.nan) | {
         "fixes": "+".join(names),
         "label": " + ".join(FIXES[n].label for n in names),
         "mode": "alone" if len(names) == 1 else "together",
+        "best set": False,
         "status": "ok",
         "predicted ms": predicted / 1e3,
-        "predicted speedup": step_us / predicted,
-        "tolerance": tolerance(report, names),
+        "predicted speedup": step_us / predicted if predicted > 0 else math.nan,
+        "predicted from": source,
+        "allowance": allowance,
+        "allowed by": "the fixes' tolerance"
+        if allowance == argued
+        else f"{SPREAD_MULTIPLE:g}x the unchanged step's own spread ({spread:.1e})",
+        "tolerance": argued,
         "why": "; ".join(FIXES[n].why for n in names),
+        "edit": "",
     }
 
 
@@ -125,13 +234,15 @@ def tolerance(report, names: list[str]) -> float:
     return sum(FIXES[n].tolerance(sixteen) for n in names)
 
 
-def _trial(report, names: list[str], steps: int, repeats: int) -> dict[str, Any]:
-    row = _trial_row(report, names)
+def _trial(
+    report, names: list[str], steps: int, repeats: int, spread: float, predicted_us=None
+) -> dict[str, Any]:
+    row = _trial_row(report, names, spread, predicted_us)
     skipped = [n for n in names if FIXES[n].needs_cuda and report.evidence.device.type != "cuda"]
     if skipped:
         return row | {"status": f"not applicable: {', '.join(skipped)} needs a CUDA GPU"}
     try:
-        return row | _measured(report, names, steps, repeats, row["tolerance"])
+        return row | _measured(report, names, steps, repeats, row["allowance"])
     except FixNotApplicable as error:
         return row | {"status": f"not applicable: {error}"}
     except Exception as error:  # a fix that breaks the user's step is a finding, not a crash
@@ -139,7 +250,7 @@ def _trial(report, names: list[str], steps: int, repeats: int) -> dict[str, Any]
         return row | {"status": f"failed: {type(error).__name__}: {said}"}
 
 
-def _measured(report, names: list[str], steps: int, repeats: int, tolerance: float) -> dict:
+def _measured(report, names: list[str], steps: int, repeats: int, allowance: float) -> dict:
     from accel.lab.timing import compare
 
     base, fixed = _fresh(report), _fresh(report)
@@ -157,12 +268,13 @@ def _measured(report, names: list[str], steps: int, repeats: int, tolerance: flo
             calls_per_sample=CALLS,
             device=report.evidence.device,
         )
-    status = "ok" if error <= tolerance else "changes results beyond the tolerance"
-    if fixed.graph is not None and fixed.graph.reason:
-        status = f"ran eagerly: {fixed.graph.reason}"
-    elif any("GraphCapture" in type(w.message).__name__ for w in caught):
-        status = "ran eagerly: the capture failed"
     unchanged, measured = (timing.timings[k].median_ms for k in ("unchanged", "fixed"))
+    low, high = (
+        timing.median_ratio_interval("unchanged", "fixed")
+        if repeats >= JUDGED_ROUNDS
+        else (math.nan, math.nan)
+    )
+    status = _status(error, allowance, high, fixed, caught)
     device = report.evidence.device
     peaks = [peak_memory(call, device=device) / 2**20 for call in (base_call, fixed_call)]
     return {
@@ -170,13 +282,27 @@ def _measured(report, names: list[str], steps: int, repeats: int, tolerance: flo
         "unchanged ms": unchanged,
         "measured ms": measured,
         "measured speedup": unchanged / measured,
+        "speedup interval": f"{low:.2f}-{high:.2f}",
         "error": error,
+        "edit": "\n".join(fixed.edits),
         "first call s": first_s,
         "unchanged peak MiB": peaks[0],
         "fixed peak MiB": peaks[1],
         # activations grow with the batch: how many times the batch fits where one did before
         "batch room": peaks[0] / peaks[1] if peaks[1] > 0 else math.nan,
     }
+
+
+def _status(error: float, allowance: float, high: float, fixed: StepCopy, caught) -> str:
+    if fixed.graph is not None and fixed.graph.reason:
+        return f"ran eagerly: {fixed.graph.reason}"
+    if any("GraphCapture" in type(w.message).__name__ for w in caught):
+        return "ran eagerly: the capture failed"
+    if not error <= allowance:  # NaN too
+        return "changes results beyond the allowance"
+    if high < 1.0:  # the whole 95% interval of the ratio below 1
+        return "slower here"
+    return "ok"
 
 
 def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: int):

@@ -1,0 +1,232 @@
+"""Checks of how a step bound by its kernels spends them: memory-bound kernels that
+``torch.compile`` would fuse, a matrix dimension that is not a multiple of 64, convolutions left
+to cuDNN's default algorithm and layout, and an optimizer that is not fused."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from accel.doctor.check_kernels import MATMUL_OPS
+from accel.doctor.findings import Evidence, Finding, check
+from accel.doctor.recorder import OpRecord
+
+FUSION_MIN_SHARE = 0.10  # memory-bound kernels under this share of the step: not worth a finding
+PAD_TO = 64  # tensor cores and cuBLAS's tiles take dimensions in multiples of this
+PAD_MIN_DIM = 512  # smaller odd dimensions cost little padded or not
+PAD_MIN_SHARE = 0.02  # the odd products' measured gain, as a share of the step, to be reported
+# operators that are not memory-bound elementwise or reduction work
+_NOT_FUSIBLE = MATMUL_OPS | {
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_cudnn_attention", "aten::_to_copy", "aten::copy_", "aten::embedding",
+    "aten::embedding_dense_backward", "aten::nll_loss_forward", "aten::nll_loss_backward",
+}  # fmt: skip
+_FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
+# bytes an element of a parameter moves in one update: read and written, float32
+_UPDATE_BYTES = {"Adam": 28, "AdamW": 28, "SGD": 20, "Adagrad": 20}
+
+
+def _memory_bound(ops: list[OpRecord]) -> list[list[OpRecord]]:
+    """Runs of consecutive memory-bound operators (elementwise, normalisations, reductions)."""
+    runs: list[list[OpRecord]] = []
+    last = -2
+    for op in ops:
+        if op.time_us <= 0 or op.op in _NOT_FUSIBLE or (op.library and "optim/" in op.library[0]):
+            continue
+        if op.op.startswith("aten::_foreach") or "attention" in op.api:
+            continue
+        if op.index == last + 1 and runs and runs[-1][-1].backward == op.backward:
+            runs[-1].append(op)
+        else:
+            runs.append([op])
+        last = op.index
+    return runs
+
+
+@check("fusion")
+def fusion(evidence: Evidence) -> list[Finding]:
+    """Memory-bound kernels in a step without compiled kernels: each run of them, fused, moves
+    about what its largest member moves, at the measured copy rate."""
+    t = evidence.timeline
+    if not evidence.cuda or t.by_category.get("compiled (Triton)", 0.0) > 0:
+        return []
+    runs = [run for run in _memory_bound(evidence.recording.ops) if len(run) >= 2]
+    now = sum(op.time_us for run in runs for op in run)
+    if now < FUSION_MIN_SHARE * t.step_us:
+        return []
+    copy = evidence.ceilings.copy_gb_s
+    fused = sum(max(_bytes(op) for op in run) for run in runs) / (copy * 1e3)
+    kernels = sum(len(run) for run in runs)
+    sites = sorted({op.site for run in runs for op in run if op.site is not None}, key=str)
+    return [
+        Finding(
+            kind="fusion",
+            title=f"{kernels} memory-bound kernels take {now / t.step_us:.0%} of the step "
+            "(normalisations, activations, softmax, masks) where compiled code would fuse them",
+            evidence=f"{len(runs)} runs of consecutive elementwise and reduction operators, "
+            f"{kernels} kernels, {now / 1e3:.3f} ms per step on the device",
+            cost_model=f"each run fused into one kernel that moves about what its largest member "
+            f"moves, at the measured copy rate ({copy:,.0f} GB/s): {fused / 1e3:.3f} ms",
+            notebook="02_fusion",
+            change="model = torch.compile(model)  # fuses the elementwise work between products",
+            saved_us=max(0.0, now - fused),
+            sites=sites[:5],
+            fixes=("compile",),
+        )
+    ]
+
+
+def _bytes(op: OpRecord) -> int:
+    return sum(t.nbytes for t in (*op.inputs, *op.outputs))
+
+
+def _odd_products(evidence: Evidence) -> dict[int, list[OpRecord]]:
+    """Odd dimension -> the products (forward and backward) with an operand dimension that is
+    large and not a multiple of :data:`PAD_TO`."""
+    from accel.doctor.products import PRODUCTS
+
+    odd: dict[int, list[OpRecord]] = {}
+    for op in evidence.recording.ops:
+        if op.op not in PRODUCTS:
+            continue
+        dims = {d for t in op.inputs[-2:] for d in t.shape[-2:]}
+        for d in dims:
+            if d >= PAD_MIN_DIM and d % PAD_TO:
+                odd.setdefault(d, []).append(op)
+    return odd
+
+
+def _padded(d: int) -> int:
+    return math.ceil(d / PAD_TO) * PAD_TO
+
+
+@check("odd_shape")
+def odd_shape(evidence: Evidence) -> list[Finding]:
+    """A large product dimension that is not a multiple of 64 (a vocabulary of 50257): the
+    products timed here at their shapes and padded."""
+    if not evidence.cuda:
+        return []
+    from accel.doctor.products import time_products
+
+    found = []
+    for d, ops in _odd_products(evidence).items():
+        now = sum(op.time_us for op in ops)
+        if now < PAD_MIN_SHARE * evidence.step_us:
+            continue
+        p = _padded(d)
+
+        def pad(shapes, dtype, d=d, p=p):
+            return [tuple(p if x == d else x for x in s) for s in shapes], dtype, False
+
+        after = evidence.measure.get("products", time_products)(ops, evidence.device, {"pad": pad})
+        saved = now - after["pad"]
+        if saved < PAD_MIN_SHARE * evidence.step_us:
+            continue
+        sites = sorted({op.site for op in ops if op.site is not None}, key=str)
+        found.append(
+            Finding(
+                kind="odd_shape",
+                title=f"a dimension of {d} (not a multiple of {PAD_TO}) in products taking "
+                f"{now / evidence.step_us:.0%} of the step",
+                evidence=f"{len(ops)} products per step with a dimension of {d}, "
+                f"{now / 1e3:.3f} ms on the device",
+                cost_model=f"the products timed here at their shapes and with {d} padded to {p}: "
+                f"{after['pad'] / 1e3:.3f} ms padded (more work, better tiles)",
+                notebook="02_fusion",
+                change=f"# pad the dimension to a multiple of {PAD_TO}, e.g. a vocabulary:\n"
+                f"vocab_size = {p}  # was {d}: the extra rows are never a target",
+                saved_us=saved,
+                sites=sites[:3],
+            )
+        )
+    return found
+
+
+@check("conv_layout")
+def conv_layout(evidence: Evidence) -> list[Finding]:
+    """Convolutions on a GPU with cuDNN's heuristic algorithm (``cudnn.benchmark`` off) or in the
+    channels-first layout, where tensor cores want channels last."""
+    if not evidence.cuda:
+        return []
+    convs = [op for op in evidence.recording.ops if "convolution" in op.op and op.inputs]
+    now = sum(op.time_us for op in convs)
+    if not convs or now < 0.05 * evidence.step_us:
+        return []
+    nchw = [op for op in convs if not op.backward and not _channels_last(evidence, op)]
+    fixes = (() if torch.backends.cudnn.benchmark else ("cudnn_benchmark",)) + (
+        ("channels_last",) if nchw else ()
+    )
+    if not fixes:
+        return []
+    said = ", ".join(
+        ["cudnn.benchmark off"] * ("cudnn_benchmark" in fixes) + ["channels first"] * bool(nchw)
+    )
+    return [
+        Finding(
+            kind="conv_layout",
+            title=f"convolutions take {now / evidence.step_us:.0%} of the step ({said})",
+            evidence=f"{len(convs)} convolution operators per step, {now / 1e3:.3f} ms on the device",
+            cost_model="not predicted: cuDNN's algorithms and layouts are measured by trying them",
+            notebook="07_recipe",
+            change="torch.backends.cudnn.benchmark = True  # input shapes fixed from step to step\n"
+            "model = model.to(memory_format=torch.channels_last)\n"
+            "x = x.to(device, memory_format=torch.channels_last, non_blocking=True)",
+            sites=sorted({op.site for op in convs if op.site is not None}, key=str)[:3],
+            fixes=fixes,
+        )
+    ]
+
+
+def _channels_last(evidence: Evidence, op: OpRecord) -> bool:
+    """Whether a convolution's weight is stored channels last (the model was converted)."""
+    for model in evidence.parts.models:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Conv2d) and tuple(m.weight.shape) in {
+                t.shape for t in op.inputs
+            }:
+                return m.weight.is_contiguous(memory_format=torch.channels_last)
+    return False
+
+
+@check("optimizer_unfused")
+def optimizer_unfused(evidence: Evidence) -> list[Finding]:
+    """An optimizer with a fused implementation, not asked for it (torch's default on CUDA is the
+    foreach one: a few passes over the state per step where fused makes one)."""
+    if not evidence.cuda:
+        return []
+    slow = [
+        o
+        for o in evidence.parts.optimizers
+        if type(o).__name__ in _FUSED_OPTIMIZERS
+        and not o.defaults.get("fused")
+        and o.defaults.get("foreach") is not False  # a per-tensor loop is the loops check's
+    ]
+    ops = [op for op in evidence.recording.ops if op.library and "optim/" in " ".join(op.library)]
+    now = sum(op.time_us for op in ops)
+    if not slow or now <= 0:
+        return []
+    elements = sum(p.numel() for o in slow for g in o.param_groups for p in g["params"])
+    moved = sum(
+        _UPDATE_BYTES.get(type(o).__name__, 28) * p.numel()
+        for o in slow
+        for g in o.param_groups
+        for p in g["params"]
+    )
+    after = moved / (evidence.ceilings.copy_gb_s * 1e3)
+    names = ", ".join(sorted({type(o).__name__ for o in slow}))
+    return [
+        Finding(
+            kind="optimizer_unfused",
+            title=f"{names} without fused=True: {now / 1e3:.3f} ms of optimizer kernels per step",
+            evidence=f"{len(ops)} optimizer operators per step over {elements / 1e6:.1f} M "
+            "parameters (foreach: several passes over the state)",
+            cost_model=f"one fused pass reading and writing the state once ({moved / 2**20:.0f} "
+            f"MiB) at the measured copy rate: {after / 1e3:.3f} ms",
+            notebook="02_fusion",
+            change=f"torch.optim.{type(slow[0]).__name__}(model.parameters(), ..., fused=True)",
+            saved_us=max(0.0, now - after),
+            sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:2],
+            fixes=("fused_optimizer",),
+        )
+    ]

@@ -1,0 +1,113 @@
+"""``.item()`` of a CUDA tensor read later: the step's logged number copied to pinned host memory
+without waiting, and the wait paid only where the number is used (notebook 01's change, applied
+to the doctor's copy of a step without editing it).
+
+Inside :func:`deferred_item_reads`, ``tensor.item()`` of a one-element CUDA tensor returns a
+:class:`DeferredScalar`: a number that behaves as the Python float or int it stands for (arithmetic,
+comparisons, ``float()``, formatting) and waits for the device only when one of those asks for
+its value. A step that appends its loss to a log never asks, so it no longer syncs; a step whose
+Python branches on the value still waits there, as before, and gains nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["DeferredScalar", "deferred_item_reads"]
+
+
+class DeferredScalar:
+    """The value of a one-element CUDA tensor, copied to the host without waiting for it."""
+
+    __slots__ = ("_event", "_host", "_value")
+
+    def __init__(self, tensor: torch.Tensor):
+        self._host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor.detach().reshape(()), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        self._value = None
+
+    def value(self) -> float | int | bool:
+        """The number (waits for the copy the first time)."""
+        if self._value is None:
+            self._event.synchronize()  # sync: here, where the value is used
+            self._value = self._host.item()
+        return self._value
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+    def __int__(self) -> int:
+        return int(self.value())
+
+    def __index__(self) -> int:
+        return operator.index(self.value())
+
+    def __bool__(self) -> bool:
+        return bool(self.value())
+
+    def __hash__(self) -> int:
+        return hash(self.value())
+
+    def __round__(self, digits: int | None = None):
+        return round(self.value(), digits)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value(), spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value())
+
+    __str__ = __repr__
+
+    def __neg__(self):
+        return -self.value()
+
+    def __abs__(self):
+        return abs(self.value())
+
+
+def _binary(op, reflected: bool = False):
+    def method(self: DeferredScalar, other):
+        other = other.value() if isinstance(other, DeferredScalar) else other
+        return op(other, self.value()) if reflected else op(self.value(), other)
+
+    return method
+
+
+for _name, _op in {
+    "add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+    "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow,
+}.items():  # fmt: skip
+    setattr(DeferredScalar, f"__{_name}__", _binary(_op))
+    setattr(DeferredScalar, f"__r{_name}__", _binary(_op, reflected=True))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
+    setattr(DeferredScalar, f"__{_name}__", _binary(getattr(operator, _name)))
+
+
+@contextlib.contextmanager
+def deferred_item_reads() -> Iterator[None]:
+    """While inside, ``.item()`` of a one-element CUDA tensor returns a :class:`DeferredScalar`
+    (outside a CUDA graph capture and torch.compile's tracing, which keep their own rules)."""
+    original = torch.Tensor.item
+
+    def item(self: torch.Tensor):
+        if (
+            self.is_cuda
+            and self.numel() == 1
+            and not torch.cuda.is_current_stream_capturing()
+            and not torch.compiler.is_compiling()
+        ):
+            return DeferredScalar(self)
+        return original(self)
+
+    torch.Tensor.item = item
+    try:
+        yield
+    finally:
+        torch.Tensor.item = original

@@ -1,0 +1,362 @@
+"""Attention written out by hand, rewritten as one ``scaled_dot_product_attention`` call in a copy of
+the module that runs it: the change the attention finding proposes, tried on the doctor's copy and
+handed to the user as a diff of their own ``forward``.
+
+The recorder gives the line of the scores' product and of the values' product. Between them the
+``forward``'s statements must read as a chain on one variable, each kind at most once::
+
+    att = (q @ k.transpose(-2, -1)) * scale          # or / scale, or torch.matmul(...)
+    att = att.masked_fill(cond, float("-inf"))        # or att + additive_mask
+    att = F.softmax(att, dim=-1)                      # or att.softmax(-1), torch.softmax
+    att = self.attn_dropout(att)                      # a dropout module or F.dropout
+    y = att @ v
+
+which is ``y = F.scaled_dot_product_attention(q, k, v, attn_mask=~cond, scale=scale)`` (an
+exactly causal mask, as the recorder saw it, becomes ``is_causal=True``). Anything else is not
+rewritten: the fix then says which statement it could not read.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import textwrap
+import types
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+__all__ = ["AttentionRewrite", "NotRewritable", "rewrite_attention"]
+
+_SDPA = "torch.nn.functional.scaled_dot_product_attention"
+_SOFTMAX_NAMES = ("softmax", "_softmax")
+
+
+class NotRewritable(ValueError):
+    """The written-out attention is not in a form this rewrite reads; the message says why."""
+
+
+@dataclass(frozen=True)
+class AttentionRewrite:
+    """A module class's ``forward`` with its written-out attention replaced by SDPA."""
+
+    cls: type
+    function: types.FunctionType  # the new forward, unbound
+    diff: str  # the user's edit, as a unified diff of their forward
+
+    def apply(self, model: nn.Module) -> int:
+        """Bind the new forward on every submodule of ``model`` of this class; how many."""
+        count = 0
+        for module in model.modules():
+            if type(module) is self.cls:
+                module.forward = types.MethodType(self.function, module)
+                count += 1
+        return count
+
+
+def rewrite_attention(
+    models: list[nn.Module],
+    scores_line: tuple[str, int],
+    values_line: tuple[str, int],
+    causal: bool,
+) -> AttentionRewrite:
+    """The rewrite of the ``forward`` (of a submodule class of ``models``) that holds the lines
+    ``(file, line)`` of the scores' and the values' products."""
+    cls = _owner(models, *scores_line)
+    forward = cls.forward
+    if forward.__code__.co_freevars:
+        raise NotRewritable(
+            f"{cls.__name__}.forward uses a closure ({forward.__code__.co_freevars})"
+        )
+    if not isinstance(forward.__globals__.get("torch"), types.ModuleType):
+        raise NotRewritable(f"{cls.__name__}'s module does not import torch by that name")
+    lines, first = inspect.getsourcelines(forward)
+    source = textwrap.dedent("".join(lines))
+    tree = ast.parse(source)
+    function = tree.body[0]
+    offset = first - 1
+    body, start, stop = _chain_span(function, scores_line[1] - offset, values_line[1] - offset)
+    call = _sdpa_statement(body[start : stop + 1], causal)
+    replaced = body[start : stop + 1]
+    body[start : stop + 1] = [call]
+    ast.fix_missing_locations(tree)
+    source_lines = source.splitlines(keepends=True)
+    indent = source_lines[replaced[0].lineno - 1][: replaced[0].col_offset]
+    new_source = "".join(
+        [
+            *source_lines[: replaced[0].lineno - 1],
+            indent + ast.unparse(call) + "\n",
+            *source_lines[replaced[-1].end_lineno :],
+        ]
+    )
+    namespace: dict[str, Any] = {}
+    code = compile(tree, f"<accel.doctor rewrite of {cls.__name__}.forward>", "exec")
+    exec(code, forward.__globals__, namespace)  # defines the function only; runs nothing
+    new = namespace[function.name]
+    new.__defaults__, new.__kwdefaults__ = forward.__defaults__, forward.__kwdefaults__
+    diff = "".join(
+        difflib.unified_diff(
+            source.splitlines(keepends=True),
+            new_source.splitlines(keepends=True),
+            fromfile=f"{inspect.getsourcefile(forward)}:{first}",
+            tofile="with SDPA",
+        )
+    )
+    return AttentionRewrite(cls, new, diff)
+
+
+def _owner(models: list[nn.Module], file: str, line: int) -> type:
+    """The class, among the models' submodules, whose ``forward`` spans ``file:line``."""
+    for model in models:
+        for module in model.modules():
+            code = getattr(type(module).forward, "__code__", None)
+            if code is None or code.co_filename != file:
+                continue
+            lines = [n for _, _, n in code.co_lines() if n is not None]
+            if lines and min(lines) <= line <= max(lines):
+                return type(module)
+    raise NotRewritable(f"no module's forward holds {file}:{line}")
+
+
+def _chain_span(function: ast.FunctionDef, first: int, last: int) -> tuple[list, int, int]:
+    """(the statement list, index of the scores' statement, index of the values') in the one
+    block of ``function`` that holds both lines."""
+    for block in _blocks(function):
+        at = [i for i, s in enumerate(block) if s.lineno <= first <= s.end_lineno]
+        end = [i for i, s in enumerate(block) if s.lineno <= last <= s.end_lineno]
+        if at and end:
+            return block, at[0], end[0]
+    raise NotRewritable("the scores' and values' products are not in one block of the forward")
+
+
+def _blocks(node: ast.AST):
+    for child in ast.walk(node):
+        for name in ("body", "orelse", "finalbody"):
+            block = getattr(child, name, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+def _sdpa_statement(statements: list[ast.stmt], causal: bool) -> ast.stmt:
+    """The chain ``statements`` as one assignment of the SDPA call."""
+    chain = _Chain()
+    for statement in statements:
+        if not (
+            isinstance(statement, ast.Assign)
+            and len(statement.targets) == 1
+            and isinstance(statement.targets[0], (ast.Name, ast.Attribute, ast.Subscript))
+        ):
+            raise NotRewritable(f"not one assignment: {ast.unparse(statement)}")
+        chain.read(statement.targets[0], statement.value)
+    return chain.statement(causal)
+
+
+class _Chain:
+    """What the chain's statements said, read one at a time."""
+
+    def __init__(self):
+        self.name: str | None = None  # the scores' variable
+        self.q = self.k = self.v = self.scale = self.cond = self.additive = None
+        self.dropout: ast.expr | None = None
+        self.softmax = False
+        self.target: ast.expr | None = None
+
+    def read(self, target: ast.expr, value: ast.expr) -> None:
+        if self.name is None:
+            self._scores(target, value)
+        elif self.target is not None:
+            raise NotRewritable(f"a statement after the values' product: {ast.unparse(value)}")
+        elif self._is_values_product(value):
+            self.target = target
+        else:
+            self._step(target, value)
+
+    def _scores(self, target: ast.expr, value: ast.expr) -> None:
+        if not isinstance(target, ast.Name):
+            raise NotRewritable(f"the scores are not kept in a variable: {ast.unparse(target)}")
+        self.name = target.id
+        product, scale = value, None
+        if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div)):
+            if _product(value.left) is not None:
+                product, scale = value.left, value.right
+            elif isinstance(value.op, ast.Mult) and _product(value.right) is not None:
+                product, scale = value.right, value.left
+        operands = _product(product)
+        if operands is None:
+            raise NotRewritable(f"the scores are not q @ k^T: {ast.unparse(value)}")
+        self.q, kt = operands
+        self.k = _untransposed(kt)
+        if scale is not None and isinstance(value.op, ast.Div):
+            scale = ast.BinOp(ast.Constant(1.0), ast.Div(), scale)
+        self.scale = scale
+
+    def _is_values_product(self, value: ast.expr) -> bool:
+        operands = _product(value)
+        if operands is None or not self.softmax:
+            return False
+        left, self.v = operands
+        if not _is_name(left, self.name):
+            raise NotRewritable(
+                f"the values' product does not read the scores: {ast.unparse(value)}"
+            )
+        return True
+
+    def _step(self, target: ast.expr, value: ast.expr) -> None:
+        if not isinstance(target, ast.Name):
+            raise NotRewritable(f"the chain leaves its variable: {ast.unparse(target)}")
+        self._read_step(value)
+        self.name = target.id  # a step may rename the scores (probs = softmax(scores))
+
+    def _read_step(self, value: ast.expr) -> None:
+        if self.softmax:
+            self._after_softmax(value)
+        elif isinstance(value, ast.Call) and _attribute(value.func) == "masked_fill":
+            if self.cond is not None or not _is_name(value.func.value, self.name):
+                raise NotRewritable(f"a second or foreign mask: {ast.unparse(value)}")
+            if not _minus_infinity(value.args[1] if len(value.args) > 1 else None):
+                raise NotRewritable(f"a mask filled with a finite value: {ast.unparse(value)}")
+            self.cond = value.args[0]
+        elif isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
+            other = _other_operand(value, self.name)
+            if other is None or self.additive is not None:
+                raise NotRewritable(f"not scores + mask: {ast.unparse(value)}")
+            self.additive = other
+        elif self._rescaled(value):
+            pass
+        elif _is_softmax(value, self.name):
+            self.softmax = True
+        else:
+            raise NotRewritable(
+                f"a step of the chain the rewrite does not read: {ast.unparse(value)}"
+            )
+
+    def _rescaled(self, value: ast.expr) -> bool:
+        """``att = att / s`` or ``att * s`` before any mask: the scale, once."""
+        if not (isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div))):
+            return False
+        if not _is_name(value.left, self.name) or self.scale is not None:
+            return False
+        if self.cond is not None or self.additive is not None:
+            return False
+        by = value.right
+        self.scale = (
+            ast.BinOp(ast.Constant(1.0), ast.Div(), by) if isinstance(value.op, ast.Div) else by
+        )
+        return True
+
+    def _after_softmax(self, value: ast.expr) -> None:
+        call = value if isinstance(value, ast.Call) else None
+        if call is None or self.dropout is not None:
+            raise NotRewritable(f"after the softmax, not one dropout: {ast.unparse(value)}")
+        name = _attribute(call.func) or ""
+        if "drop" not in name.lower() or not call.args or not _is_name(call.args[0], self.name):
+            raise NotRewritable(f"after the softmax, not a dropout: {ast.unparse(value)}")
+        if (
+            isinstance(call.func, ast.Attribute) and name == "dropout"
+        ):  # F.dropout(att, p, training)
+            p = _keyword(call, "p", 1) or ast.Constant(0.5)
+            training = _keyword(call, "training", 2) or ast.Constant(True)
+        else:  # a dropout module
+            p = ast.Attribute(call.func, "p", ast.Load())
+            training = ast.Attribute(call.func, "training", ast.Load())
+        self.dropout = ast.IfExp(training, p, ast.Constant(0.0))
+
+    def statement(self, causal: bool) -> ast.stmt:
+        if self.target is None or not self.softmax:
+            raise NotRewritable("the chain has no softmax and values' product where expected")
+        keywords = []
+        if self.cond is not None and self.additive is not None:
+            raise NotRewritable("both a masked_fill and an additive mask")
+        if self.cond is not None and not causal:
+            keywords.append(ast.keyword("attn_mask", ast.UnaryOp(ast.Invert(), self.cond)))
+        elif self.additive is not None:
+            keywords.append(ast.keyword("attn_mask", self.additive))
+        if self.dropout is not None:
+            keywords.append(ast.keyword("dropout_p", self.dropout))
+        if self.cond is not None and causal:
+            keywords.append(ast.keyword("is_causal", ast.Constant(True)))
+        keywords.append(ast.keyword("scale", self.scale or ast.Constant(1.0)))
+        call = ast.Call(ast.parse(_SDPA, mode="eval").body, [self.q, self.k, self.v], keywords)
+        return ast.Assign([self.target], call)
+
+
+def _product(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
+    """(a, b) of ``a @ b`` or ``torch.matmul(a, b)``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
+        return node.left, node.right
+    if (
+        isinstance(node, ast.Call)
+        and _attribute(node.func) in ("matmul", "bmm")
+        and len(node.args) == 2
+    ):
+        return node.args[0], node.args[1]
+    return None
+
+
+def _untransposed(node: ast.expr) -> ast.expr:
+    """``k`` of ``k.transpose(-2, -1)``, ``k.transpose(2, 3)``, ``k.mT``."""
+    if isinstance(node, ast.Attribute) and node.attr == "mT":
+        return node.value
+    if isinstance(node, ast.Call) and _attribute(node.func) == "transpose" and len(node.args) == 2:
+        dims = [_constant(a) for a in node.args]
+        if sorted(d for d in dims if d is not None) in ([-2, -1], [2, 3]):
+            return node.func.value
+    raise NotRewritable(f"the keys are not transposed in the last two dims: {ast.unparse(node)}")
+
+
+def _constant(node: ast.expr) -> int | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        inner = _constant(node.operand)
+        return -inner if inner is not None else None
+    return None
+
+
+def _attribute(func: ast.expr) -> str | None:
+    if isinstance(func, ast.Attribute):
+        return func.attr
+    return func.id if isinstance(func, ast.Name) else None
+
+
+def _is_name(node: ast.expr, name: str | None) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _other_operand(node: ast.BinOp, name: str | None) -> ast.expr | None:
+    if _is_name(node.left, name):
+        return node.right
+    return node.left if _is_name(node.right, name) else None
+
+
+def _is_softmax(value: ast.expr, name: str | None) -> bool:
+    if not isinstance(value, ast.Call) or _attribute(value.func) not in _SOFTMAX_NAMES:
+        return False
+    method = isinstance(value.func, ast.Attribute) and _is_name(value.func.value, name)
+    argument = bool(value.args) and _is_name(value.args[0], name)
+    dim = _keyword(value, "dim", 0 if method else 1)
+    return (method or argument) and dim is not None and _constant(dim) in (-1, 3)
+
+
+def _keyword(call: ast.Call, name: str, position: int) -> ast.expr | None:
+    for keyword in call.keywords:
+        if keyword.arg == name:
+            return keyword.value
+    return call.args[position] if len(call.args) > position else None
+
+
+def _minus_infinity(node: ast.expr | None) -> bool:
+    """``float('-inf')``, ``-float('inf')``, ``-math.inf``, ``-torch.inf``, or a finite
+    value at least 1e4 in size (``-1e9``, ``torch.finfo(...).min``), which softmax turns to 0."""
+    if node is None:
+        return False
+    text = ast.unparse(node).replace(" ", "")
+    if text in ("float('-inf')", '-float("inf")', "-float('inf')", "-math.inf", "-torch.inf",
+                "float(\"-inf\")") or ".finfo(" in text:  # fmt: skip
+        return True
+    try:
+        return float(ast.literal_eval(node)) <= -1e4
+    except (ValueError, TypeError, SyntaxError):
+        return False
