@@ -231,7 +231,9 @@ def precision(evidence: Evidence) -> list[Finding]:
         },
     )
     # autocast casts each float32 input of a product once a step (read 4 bytes, write 2)
-    casts = 1.5 * sum(t.nbytes for op in ops for t in op.inputs) / (evidence.ceilings.copy_gb_s * 1e3)
+    casts = (
+        1.5 * sum(t.nbytes for op in ops for t in op.inputs) / (evidence.ceilings.copy_gb_s * 1e3)
+    )
     saved = {
         "bf16_autocast": max(0.0, now - after["bf16_autocast"] - casts),
         "tf32": max(0.0, now - after["tf32"]),

@@ -1,0 +1,270 @@
+"""The doctor's code changes tried on a copy (the written-out attention rewritten as SDPA), the
+reads it defers, and how try_fixes judges a fix: the allowance from the step's own spread, the
+best set never below its best fix, the combined prediction from the fixes measured alone."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from accel import doctor
+from accel.doctor import trial
+from accel.doctor.deferred import deferred_item_reads
+from accel.doctor.fixes import FIXES, FixNotApplicable, StepCopy
+from accel.doctor.parts import copy_step
+from accel.doctor.rewrite import NotRewritable, rewrite_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class NanoAttention(nn.Module):
+    """nanoGPT's first attention: a causal masked_fill on a tril buffer."""
+
+    def __init__(self, width=32, heads=4, length=16, dropout=0.0):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+        self.drop = nn.Dropout(dropout)
+        self.register_buffer(
+            "bias", torch.tril(torch.ones(length, length)).view(1, 1, length, length)
+        )
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        att = self.drop(att)
+        y = att @ v
+        return y.transpose(1, 2).reshape(B, T, C)
+
+
+class BertAttention(nn.Module):
+    """An encoder's attention as BERT writes it: scaled in its own statement, an additive mask,
+    the probabilities renamed."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.q, self.k, self.v, self.heads = (*(nn.Linear(width, width) for _ in range(3)), heads)
+
+    def split(self, x):
+        B, T, C = x.shape
+        return x.view(B, T, self.heads, C // self.heads).permute(0, 2, 1, 3)
+
+    def forward(self, x, mask):
+        q, k, v = self.split(self.q(x)), self.split(self.k(x)), self.split(self.v(x))
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores = scores / math.sqrt(q.shape[-1])
+        scores = scores + mask
+        probs = nn.functional.softmax(scores, dim=-1)
+        context = torch.matmul(probs, v)
+        return context
+
+
+class Unreadable(nn.Module):
+    def forward(self, q, k, v):
+        att = q @ k.transpose(-2, -1)
+        att = torch.tanh(att)  # not a step of attention's chain
+        att = att.softmax(-1)
+        return att @ v
+
+
+def lines(cls, first: str, last: str) -> tuple[tuple[str, int], tuple[str, int]]:
+    import inspect
+
+    source, start = inspect.getsourcelines(cls.forward)
+    file = inspect.getsourcefile(cls)
+    at = [start + i for i, line in enumerate(source) if first in line or last in line]
+    return (file, at[0]), (file, at[-1])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_nanogpt_attention_rewritten_as_sdpa_computes_the_same(seed, causal):
+    model = nn.Sequential(NanoAttention(), NanoAttention())
+    rewrite = rewrite_attention([model], *lines(NanoAttention, "q @ k", "att @ v"), causal)
+    fixed = copy.deepcopy(model)
+    assert rewrite.apply(fixed) == 2
+    x = torch.randn(3, 16, 32)
+    torch.testing.assert_close(fixed(x), model(x), rtol=1e-5, atol=1e-6)
+    assert "scaled_dot_product_attention" in rewrite.diff and "-    att = F.softmax" in rewrite.diff
+    assert ("is_causal=True" in rewrite.diff) == causal
+    assert type(model[0]).forward is NanoAttention.forward  # the class is left as it was
+
+
+def test_bert_attention_with_an_additive_mask_rewritten_as_sdpa(seed):
+    model = BertAttention()
+    rewrite = rewrite_attention([model], *lines(BertAttention, "matmul(q", "matmul(probs"), False)
+    fixed = copy.deepcopy(model)
+    rewrite.apply(fixed)
+    x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 1, 16)
+    mask[0, ..., 11:] = -10000.0  # padding
+    torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_nan_in_the_inputs_reaches_the_output_of_the_rewrite_as_of_the_original(seed):
+    model = NanoAttention()
+    rewrite = rewrite_attention([model], *lines(NanoAttention, "q @ k", "att @ v"), True)
+    fixed = copy.deepcopy(model)
+    rewrite.apply(fixed)
+    x = torch.randn(2, 16, 32)
+    x[0, 3, 5] = math.nan
+    assert torch.equal(fixed(x).isnan(), model(x).isnan())
+
+
+def test_a_chain_with_a_step_it_cannot_read_is_not_rewritten_and_says_which():
+    with pytest.raises(NotRewritable, match="tanh"):
+        rewrite_attention([Unreadable()], *lines(Unreadable, "q @ k", "att @ v"), False)
+
+
+def test_lines_outside_every_models_forward_are_refused():
+    with pytest.raises(NotRewritable, match="no module's forward"):
+        rewrite_attention([nn.Linear(2, 2)], ("elsewhere.py", 1), ("elsewhere.py", 2), False)
+
+
+def gpt_step(attention: type[nn.Module] = NanoAttention):
+    model = nn.Sequential(nn.Linear(32, 32), attention(), nn.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step, model
+
+
+def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
+    step, model = gpt_step()
+    before = [p.detach().clone() for p in model.parameters()]
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    (finding,) = [f for f in report.findings if f.kind == "attention"]
+    assert finding.fixes == ("sdpa_attention",)
+    (row,) = report.try_fixes(["sdpa_attention"], steps=2, repeats=2).to_dict("records")
+    assert row["status"] == "ok" and row["error"] <= row["allowance"]
+    assert "scaled_dot_product_attention" in row["edit"]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert model[1].forward.__func__ is NanoAttention.forward
+
+
+def test_sdpa_fix_without_an_attention_finding_is_not_applicable(seed):
+    step, _ = gpt_step()
+    parts = doctor.parts.find_parts(step)
+    step_copy, parts_copy = copy_step(step, parts)
+    with pytest.raises(FixNotApplicable, match="no written-out attention"):
+        FIXES["sdpa_attention"].apply(StepCopy(step_copy, parts_copy, None, torch.device("cpu")))
+
+
+def test_deferred_reads_leave_host_tensors_alone_and_restore_item():
+    original = torch.Tensor.item
+    with deferred_item_reads():
+        assert torch.tensor(2.5).item() == 2.5 and isinstance(torch.tensor(2.5).item(), float)
+    assert torch.Tensor.item is original
+
+
+@pytest.mark.gpu
+def test_deferred_read_of_a_cuda_tensor_is_the_number_it_stands_for(seed):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: the read deferred is a device-to-host copy")
+    value = torch.randn((), device="cuda")
+    with deferred_item_reads():
+        read = value.item()
+    expected = value.cpu().item()
+    assert float(read) == expected and f"{read:.4f}" == f"{expected:.4f}"
+    assert read + 1 == expected + 1 and 2 * read == 2 * expected and (read < expected + 1)
+    assert sum([read, read]) == 2 * expected
+
+
+# ---- how try_fixes judges --------------------------------------------------------------------
+def noisy_step():
+    """A step whose result moves by about 1e-5 from run to run (as cuDNN's backward does)."""
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = [0]
+
+    def step(x):
+        calls[0] += 1
+        loss = model(x).square().mean() * (1 + 1e-5 * (calls[0] % 3))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def test_a_fix_is_allowed_a_multiple_of_the_unchanged_steps_own_spread(seed):
+    report = doctor.examine(noisy_step(), torch.randn(16, 8), steps=1, warmup=1)
+    spread = trial.own_spread(report, steps=2)
+    assert spread > FIXES["set_to_none"].rtol
+    (row,) = report.try_fixes(["set_to_none"], steps=2, repeats=2).to_dict("records")
+    assert row["allowance"] == pytest.approx(trial.SPREAD_MULTIPLE * spread, rel=0.5)
+    assert "spread" in row["allowed by"] and row["status"] == "ok"
+
+
+def fake_rows(speedups: dict[str, float]) -> list[dict]:
+    return [
+        {"fixes": n, "mode": "alone", "status": "ok", "measured speedup": s,
+         "measured ms": 10.0 / s, "unchanged ms": 10.0, "best set": False}
+        for n, s in speedups.items()
+    ]  # fmt: skip
+
+
+def test_the_best_set_is_never_below_the_best_fix_alone(monkeypatch):
+    """Together slower than bf16 alone: the least helpful fix is dropped, and where no
+    combination wins, bf16 alone is the best set."""
+    tried = []
+
+    def together(report, names, steps, repeats, spread, predicted_us=None):
+        tried.append(list(names))
+        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
+                "measured speedup": 2.5, "best set": False}  # fmt: skip
+
+    monkeypatch.setattr(trial, "_trial", together)
+    monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    rows = fake_rows({"bf16_autocast": 2.8, "tf32": 2.6, "pinned_batch": 1.1})
+    combined = trial._together(None, rows, 1, 1, 0.0)
+    assert tried == [["bf16_autocast", "tf32", "pinned_batch"], ["bf16_autocast", "tf32"]]
+    best = [r for r in rows + combined if r["best set"]]
+    assert [r["fixes"] for r in best] == ["bf16_autocast"]
+
+
+def test_fixes_that_exclude_each_other_are_not_combined(monkeypatch):
+    monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    tried = []
+
+    def together(report, names, *args, **kwargs):
+        tried.append(list(names))
+        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
+                "measured speedup": 9.0, "best set": False}  # fmt: skip
+
+    monkeypatch.setattr(trial, "_trial", together)
+    rows = fake_rows({"compile": 3.0, "cuda_graph": 2.0, "fused_optimizer": 1.5})
+    trial._together(None, rows, 1, 1, 0.0)
+    assert tried == [["compile", "fused_optimizer"]]
+
+
+def timeline_report(by_category: dict[str, float], idle: dict[str, float]):
+    step_us = sum(by_category.values()) + sum(idle.values())
+    t = SimpleNamespace(by_category=by_category, idle_us=idle, step_us=step_us)
+    return SimpleNamespace(evidence=SimpleNamespace(timeline=t))
+
+
+def test_combined_prediction_adds_fixes_on_separate_time_and_overlaps_shared_time():
+    report = timeline_report({"matmul": 60.0, "elementwise and other": 20.0}, {"sync": 20.0})
+    rows = fake_rows({"tf32": 100 / 70, "deferred_reads": 100 / 85, "bf16_autocast": 100 / 60})
+    # separate parts: 30 saved on the products and 15 on the sync's idle add up
+    assert trial.combined_prediction_us(report, rows, ["tf32", "deferred_reads"]) == pytest.approx(
+        55
+    )
+    # tf32 takes half of the products; bf16 40% of every kernel, of what tf32 left of them
+    both = trial.combined_prediction_us(report, rows, ["tf32", "bf16_autocast"])
+    assert both == pytest.approx(20 + 30 * 0.5 + 20 * 0.5)
+    assert both > 100 - 30 - 40  # not the sum of the savings: they share the products' time
