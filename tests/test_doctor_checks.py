@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from accel.doctor import (
     check_attention,
+    check_compute,
     check_host,
     check_kernels,
     check_memory,
@@ -768,3 +769,66 @@ def test_a_cpu_timeline_at_the_unprofiled_step_scales_its_work_and_communication
     assert real.idle_us == {"host": 600.0}
     gpu = timeline_of(step_us=2000.0, kernel_us=800.0, idle={"host": 1200.0}, comm_us=600.0)
     assert gpu.at_step_time(1000.0).comm_us == 600.0  # a device's kernels take what they take
+
+
+# ---- compute: fusion, odd shapes, convolutions, unfused optimizers --------------------------------
+def indexed(ops):
+    return [dataclasses.replace(o, index=i) for i, o in enumerate(ops)]
+
+
+def test_runs_of_memory_bound_kernels_are_predicted_fused_at_the_copy_rate():
+    x = info(1024, 1024)  # 4 MiB
+    ops = indexed(
+        [mm(1024, 1024, 1024, time_us=100.0)]
+        + [
+            op(name, x, outputs=(x,), time_us=20.0)
+            for name in ("aten::add", "aten::gelu", "aten::mul")
+        ]
+        + [mm(1024, 1024, 1024, time_us=100.0), op("aten::add", x, outputs=(x,), time_us=20.0)]
+    )
+    (found,) = check_compute.fusion(evidence(ops, tl=timeline_of(step_us=400.0)))
+    # one run of three (a lone kernel has nothing to fuse with): 60 us now, 8 MiB after
+    assert found.kind == "fusion" and found.fixes == ("compile",)
+    assert found.saved_us == pytest.approx(60.0 - 2 * x.nbytes / (COPY_GB_S * 1e3))
+
+
+def test_no_fusion_finding_when_compiled_little_memory_bound_or_on_a_cpu():
+    x = info(256, 256)
+    ops = indexed([op("aten::add", x, outputs=(x,), time_us=5.0)] * 2)
+    assert check_compute.fusion(evidence(ops, tl=timeline_of(step_us=1000.0))) == []  # 1%
+    compiled = timeline_of(step_us=10.0)
+    compiled.by_category["compiled (Triton)"] = 5.0
+    assert check_compute.fusion(evidence(ops, tl=compiled)) == []
+    assert check_compute.fusion(evidence(ops, device="cpu", tl=timeline_of(step_us=10.0))) == []
+
+
+def test_an_odd_vocabulary_in_the_largest_product_is_found_with_its_padded_gain():
+    head = mm(8192, 768, 50257, time_us=400.0, site=Site("gpt.py", 40, "forward"))
+    small = mm(64, 100, 64, time_us=400.0)  # odd but small: not worth padding
+    (found,) = check_compute.odd_shape(evidence([head, small], tl=timeline_of(step_us=2000.0)))
+    assert found.kind == "odd_shape" and "50304" in found.change
+    assert found.sites == [Site("gpt.py", 40, "forward")]
+    assert found.saved_us == pytest.approx(300.0)  # the stand-in times padded at a quarter
+
+
+def test_convolutions_without_benchmark_or_channels_last_name_both_fixes(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    model = nn.Conv2d(3, 8, 3)
+    conv = op("aten::convolution", info(4, 3, 16, 16), info(8, 3, 3, 3), time_us=200.0)
+    (found,) = check_compute.conv_layout(evidence([conv], parts=model_parts(model)))
+    assert found.fixes == ("cudnn_benchmark", "channels_last") and found.saved_us is None
+    model.to(memory_format=torch.channels_last)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    assert check_compute.conv_layout(evidence([conv], parts=model_parts(model))) == []
+
+
+def test_a_default_adamw_on_cuda_is_compared_with_the_fused_one():
+    model = ladder()
+    parts = model_parts(model, lr=1e-3)
+    ops = per_parameter("aten::_foreach_mul_", model, library=ADAMW, time_us=10.0)
+    (found,) = check_compute.optimizer_unfused(evidence(ops, parts=parts))
+    elements = sum(p.numel() for p in model.parameters())
+    assert found.fixes == ("fused_optimizer",) and "fused=True" in found.change
+    assert found.saved_us == pytest.approx(100.0 - 28 * elements / (COPY_GB_S * 1e3))
+    fused = model_parts(model, lr=1e-3, fused=True)
+    assert check_compute.optimizer_unfused(evidence(ops, parts=fused)) == []
