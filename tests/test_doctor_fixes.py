@@ -5,6 +5,7 @@ best set never below its best fix, the combined prediction from the fixes measur
 from __future__ import annotations
 
 import copy
+import html
 import math
 from types import SimpleNamespace
 
@@ -268,3 +269,16 @@ def test_combined_prediction_adds_fixes_on_separate_time_and_overlaps_shared_tim
     both = trial.combined_prediction_us(report, rows, ["tf32", "bf16_autocast"])
     assert both == pytest.approx(20 + 30 * 0.5 + 20 * 0.5)
     assert both > 100 - 30 - 40  # not the sum of the savings: they share the products' time
+
+
+def test_the_report_ends_with_how_far_the_fixes_took_the_step(seed):
+    step, _ = gpt_step()
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    assert "try_fixes()" in report.reached()
+    trials = report.try_fixes(["sdpa_attention"], steps=2, repeats=2)
+    said = report.reached()
+    if trials["best set"].any():
+        assert "reached" in said and "attention rewritten as SDPA" in said
+    else:
+        assert "no fix made the step faster" in said
+    assert said in html.unescape(report.html(plotlyjs=False))

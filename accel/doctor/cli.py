@@ -75,8 +75,10 @@ def _doctor(args: argparse.Namespace) -> int:
     if report.trials is not None and report.trials.empty:
         print("\nno automatic fix applies to these findings: each one names its change")
     elif report.trials is not None:
-        shown = ["label", "status", "predicted speedup", "measured speedup", "error"]
+        shown = ["label", "status", "predicted speedup", "measured speedup", "best set"]
         print("\nfixes tried:\n" + report.trials[shown].to_string(index=False))
+    if report.trials is not None:
+        print(f"\nreached: {report.reached()}")
     path = report.to_html(args.out)
     print(f"\nwrote {path}")
     return 0

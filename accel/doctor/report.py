@@ -100,6 +100,34 @@ class Report:
         self.trials = try_fixes(self, fixes, steps=steps, repeats=repeats, progress=progress)
         return self.trials
 
+    def reached(self) -> str:
+        """After :meth:`try_fixes`: how far the best set of fixes took the step, and what the
+        findings it could not try still predict (their change is an edit of your code)."""
+        if self.trials is None:
+            return "no fixes tried yet: report.try_fixes() measures them"
+        best = self.trials[self.trials["best set"].eq(True)]
+        if best.empty:
+            said = "no fix made the step faster within its allowance"
+        else:
+            row = best.iloc[0]
+            said = (
+                f"the fixes reached {row['measured speedup']:.2f}x ({row['unchanged ms']:.3f} -> "
+                f"{row['measured ms']:.3f} ms a step) with {row['label']}"
+            )
+        tried = set("+".join(self.trials["fixes"]).split("+"))
+        open_ = [
+            f
+            for f in self.findings
+            if f.saved_us is not None and f.measured_us is None and not set(f.fixes) & tried
+        ]
+        if open_:
+            more = sum(f.saved_us for f in open_) / 1e3
+            said += (
+                f"; the findings with no automatic fix predict up to {more:.3f} ms more, with "
+                f"your edit: {'; '.join(f.title for f in open_[:3])}"
+            )
+        return said
+
     def fix_flags(self) -> type:
         """The fixes as a ``Flags`` dataclass, one checkbox each in ``lab.FeaturePanel``."""
         from accel.doctor.toggles import fix_flags
@@ -155,7 +183,12 @@ class Report:
         figure = self.figure().to_html(full_html=False, include_plotlyjs=plotlyjs)
         return (
             f"<h2>accel.doctor</h2><p>{html.escape(self.summary())}</p>{figure}"
-            f"<h3>Findings</h3>{table}" + (f"<h3>Fixes tried</h3>{trials}" if trials else "")
+            f"<h3>Findings</h3>{table}"
+            + (
+                f"<h3>Fixes tried</h3>{trials}<p>{html.escape(self.reached())}</p>"
+                if trials
+                else ""
+            )
         )
 
     def to_html(self, path: str | Path) -> Path:

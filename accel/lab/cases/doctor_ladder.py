@@ -1,0 +1,198 @@
+"""Bench phase ``doctor``, part ``ladder <script>``: the doctor on training scripts as people first
+write them (``accel.doctor.ladder``), against each script's hand-optimized twin.
+
+For each script: the twin's speedup over the script as written (the headroom there was), timed
+interleaved; ``examine`` and ``try_fixes()`` on the script as written, and the best set's speedup
+as a share of the twin's; each ground-truth change found (at its line, for the kinds a line names:
+a sync, a copy, an attention, a loop; by kind for those about the whole model) and tried; each
+fix's predicted saving beside its measured one, and the combined prediction beside the best set;
+examine's time; the findings on the twin whose fix does not pay. The targets are the doctor's:
+the best set at least 0.8x of the twin's speedup on every script and 0.9x as the geometric mean,
+every ground-truth change found and tried, predictions within 30%, examine under 30 s, no finding
+on a twin whose fix pays under 5%.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from accel.doctor import examine, ladder
+from accel.doctor.examine import CALLS
+from accel.lab.bench import BenchContext, Row
+from accel.lab.timing import compare
+
+PHASE = "doctor"
+TARGET_SHARE = 0.8  # the best set's speedup over the twin's, each script
+TARGET_GEOMEAN = 0.9  # ... as the geometric mean over the ladder
+TARGET_WITHIN = 0.30  # |predicted / measured - 1| of a fix's saving
+TARGET_EXAMINE_S = 30.0
+TARGET_TWIN_PAYS = 1.05  # a finding on a twin is a false alarm unless its fix pays this much
+LINE_KINDS = frozenset({"attention", "sync", "input", "clip_loop", "optimizer_loop"})
+REPEATS = 6  # rounds of each timing (the fewest that give a 95% interval of the median ratio)
+
+
+def parts() -> list[str]:
+    return [f"ladder {name}" for name in ladder.SCRIPTS]
+
+
+def run_script(name: str, ctx: BenchContext, costs) -> list[Row]:
+    preset = "gpu" if ctx.preset == "gpu" else "cpu"
+    first = ladder.build(name, device=ctx.device, preset=preset)
+    twin = ladder.build(name, optimized=True, device=ctx.device, preset=preset)
+    hand = _hand_speedup(first, twin, ctx)
+    started = time.perf_counter()
+    report = examine(first.step, first.batch, ceilings=ctx.ceilings, costs=costs)
+    examine_s = time.perf_counter() - started
+    trials = report.try_fixes(repeats=REPEATS, steps=2)
+    rows = [
+        *_speedup_rows(name, hand, trials, ctx),
+        *_truth_rows(name, report, trials, ctx),
+        *_prediction_rows(name, report, trials, ctx),
+        _examine_row(name, examine_s, ctx),
+        _twin_row(name, twin, ctx, costs),
+    ]
+    return rows
+
+
+def _hand_speedup(first, twin, ctx: BenchContext) -> dict:
+    timing = compare(
+        {"as written": lambda: first.step(first.batch), "hand-optimized": lambda: twin.step(twin.batch)},
+        warmup=3,  # the twin compiles in its first calls
+        repeats=REPEATS,
+        calls_per_sample=CALLS,
+        device=ctx.device,
+    )  # fmt: skip
+    t = timing.timings
+    return {
+        "written ms": t["as written"].median_ms,
+        "hand ms": t["hand-optimized"].median_ms,
+        "speedup": timing.paired_ratio("as written", "hand-optimized"),
+    }
+
+
+def _best(trials):
+    best = trials[trials["best set"].eq(True)]
+    return best.iloc[0] if len(best) else None
+
+
+def _speedup_rows(name: str, hand: dict, trials, ctx: BenchContext) -> list[Row]:
+    best = _best(trials)
+    doctor = best["measured speedup"] if best is not None else 1.0
+    share = doctor / hand["speedup"]
+    label = best["label"] if best is not None else "no fix helped"
+    return [
+        Row(PHASE, f"ladder {name}: hand-optimized", "time per step, as written vs the "
+            "hand-optimized twin", "ms", hand["hand ms"], baseline=hand["written ms"],
+            note=f"the headroom there was: {hand['speedup']:.2f}x (paired rounds)"),
+        Row(PHASE, f"ladder {name}: doctor's best set", "time per step, unchanged copy vs the "
+            "best set of try_fixes()", "ms", best["measured ms"] if best is not None else math.nan,
+            baseline=best["unchanged ms"] if best is not None else math.nan,
+            note=f"{label}: {doctor:.2f}x; {best['status'] if best is not None else ''}"),
+        Row(PHASE, f"ladder {name}: share of the hand-optimized speedup", "the best set's "
+            "speedup over the twin's", "ratio", share, higher_is_better=True,
+            target=f">= {TARGET_SHARE}", met=share >= TARGET_SHARE if ctx.judged else None,
+            note=f"doctor {doctor:.2f}x, hand-optimized {hand['speedup']:.2f}x"),
+    ]  # fmt: skip
+
+
+def _found(kind: str, lines: list[int], report) -> bool:
+    findings = [f for f in report.findings if f.kind == kind]
+    if kind not in LINE_KINDS:
+        return bool(findings)
+    return any(s.line in lines for f in findings for s in f.sites)
+
+
+def _truth_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
+    truth = ladder.ground_truth(name)
+    measured = set(trials.loc[trials["status"].isin(["ok", "slower here"]), "fixes"])
+    found, tried, missing, untried = [], [], [], []
+    for kind, lines in truth.items():
+        (found if _found(kind, lines, report) else missing).append(kind)
+        fixes = {n for f in report.findings if f.kind == kind for n in f.fixes}
+        (tried if fixes & measured else untried).append(kind)
+    n = len(truth)
+    return [
+        Row(PHASE, f"ladder {name}: ground truth found", "changes of the hand-optimization "
+            "found (at their line where a line names them)", "count", len(found), baseline=n,
+            higher_is_better=True, target="all", met=not missing if ctx.judged else None,
+            note=f"found {sorted(found)}; missing {sorted(missing) or 'none'}"),
+        Row(PHASE, f"ladder {name}: ground truth tried", "changes of the hand-optimization "
+            "tried on the copy and measured", "count", len(tried), baseline=n,
+            higher_is_better=True, target="all", met=not untried if ctx.judged else None,
+            note=f"not tried: {_why_not(untried, report, trials)}"),
+    ]  # fmt: skip
+
+
+def _why_not(kinds: list[str], report, trials) -> str:
+    said = []
+    for kind in sorted(kinds):
+        fixes = [n for f in report.findings if f.kind == kind for n in f.fixes]
+        statuses = trials.loc[trials["fixes"].isin(fixes), "status"].tolist()
+        said.append(f"{kind} ({'; '.join(statuses) if statuses else 'no automatic fix'})")
+    return ", ".join(said) or "none"
+
+
+def _prediction_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
+    rows = []
+    for trial in trials.to_dict("records"):
+        if trial["status"] != "ok" or not math.isfinite(trial["predicted ms"]):
+            continue
+        predicted = 1 - trial["predicted ms"] / (report.evidence.step_us / 1e3)
+        measured = 1 - trial["measured ms"] / trial["unchanged ms"]
+        if trial["mode"] == "alone" and predicted <= 0:
+            continue  # no finding predicted this fix's saving
+        off = abs(predicted / measured - 1) if measured > 0 else math.inf
+        rows.append(
+            Row(PHASE, f"ladder {name}: prediction {trial['fixes']}", "saving as a share of the "
+                f"step, measured vs predicted (from {trial['predicted from']})", "%",
+                100 * predicted, baseline=100 * measured, target=f"within {TARGET_WITHIN:.0%}",
+                met=off <= TARGET_WITHIN if ctx.judged else None,
+                note=f"{off:.0%} apart; {trial['label']}")
+        )  # fmt: skip
+    return rows
+
+
+def _examine_row(name: str, seconds: float, ctx: BenchContext) -> Row:
+    return Row(PHASE, f"ladder {name}: examine time", "seconds examine took (no compiling)", "s",
+               seconds, target=f"<= {TARGET_EXAMINE_S:g} s",
+               met=seconds <= TARGET_EXAMINE_S if ctx.judged else None)  # fmt: skip
+
+
+def _twin_row(name: str, twin, ctx: BenchContext, costs) -> Row:
+    """The twin examined, and each of its findings' fixes tried: a finding whose fix does not pay
+    5% is a false alarm."""
+    report = examine(twin.step, twin.batch, ceilings=ctx.ceilings, costs=costs)
+    fixes = report.fixes()
+    trials = report.try_fixes(fixes, repeats=REPEATS, steps=2) if fixes else None
+    alarms = []
+    for finding in report.findings:
+        tried = trials[trials["fixes"].isin(finding.fixes)] if trials is not None else None
+        pays = tried is not None and (tried["measured speedup"] >= TARGET_TWIN_PAYS).any()
+        if not pays:
+            alarms.append(finding.title)
+    return Row(PHASE, f"ladder {name}: twin's findings that do not pay", "findings on the "
+               "hand-optimized twin whose fix does not pay 5%", "count", len(alarms), target="0",
+               met=not alarms if ctx.judged else None,
+               note="; ".join(alarms) or "none")  # fmt: skip
+
+
+def geomean_row(rows: list[Row], ctx: BenchContext) -> Row | None:
+    """The geometric mean of the scripts' shares, from this run's rows and those recorded."""
+    shares = {
+        r.case: r.optimized for r in rows if r.case.endswith("share of the hand-optimized speedup")
+    }
+    recorded = ctx.recorded
+    if recorded is not None and len(recorded):
+        kept = recorded[recorded["case"].str.endswith("share of the hand-optimized speedup")]
+        for case, value in zip(kept["case"], kept["optimized"], strict=True):
+            shares.setdefault(case, float(value))
+    values = [v for v in shares.values() if v > 0 and math.isfinite(v)]
+    if not values:
+        return None
+    mean = statistics.geometric_mean(values)
+    return Row(PHASE, "ladder: geometric mean share", "the best sets' speedups over the twins', "
+               "geometric mean over the scripts measured", "ratio", mean, higher_is_better=True,
+               target=f">= {TARGET_GEOMEAN}", met=mean >= TARGET_GEOMEAN if ctx.judged else None,
+               note=f"over {len(values)} of {len(ladder.SCRIPTS)} scripts")  # fmt: skip
