@@ -121,14 +121,19 @@ def _owner(models: list[nn.Module], file: str, line: int) -> type:
 
 
 def _chain_span(function: ast.FunctionDef, first: int, last: int) -> tuple[list, int, int]:
-    """(the statement list, index of the scores' statement, index of the values') in the one
-    block of ``function`` that holds both lines."""
+    """(the statement list, index of the scores' statement, index of the values') in the
+    innermost block of ``function`` that holds both lines (an attention inside an ``else:``)."""
+    spans = []
     for block in _blocks(function):
         at = [i for i, s in enumerate(block) if s.lineno <= first <= s.end_lineno]
         end = [i for i, s in enumerate(block) if s.lineno <= last <= s.end_lineno]
         if at and end:
-            return block, at[0], end[0]
-    raise NotRewritable("the scores' and values' products are not in one block of the forward")
+            size = block[end[0]].end_lineno - block[at[0]].lineno
+            spans.append((size, block, at[0], end[0]))
+    if not spans:
+        raise NotRewritable("the scores' and values' products are not in one block of the forward")
+    _, block, start, stop = min(spans, key=lambda span: span[0])
+    return block, start, stop
 
 
 def _blocks(node: ast.AST):
