@@ -35,7 +35,8 @@ MARK = "accel.doctor.op"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DOCTOR_DIR = os.path.dirname(__file__) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
-_USER_FILES_IN_DOCTOR = ("zoo.py",)  # the doctor's own example models are user code
+# the doctor's own example models and scripts are user code
+_USER_CODE_IN_DOCTOR = (_DOCTOR_DIR + "zoo.py", _DOCTOR_DIR + "ladder" + os.sep)
 # tensor methods that read values on the host without an operator the mode sees
 _WATCHED = ("__repr__", "__str__", "__format__", "tolist", "numpy")
 # torch's own dispatch machinery between an operator and the code that called it: not news
@@ -135,7 +136,7 @@ class _Frames:
             known = (
                 name.startswith((_TORCH_DIR, "<frozen"))
                 or (name.startswith(_STDLIB_DIR) and not installed)
-                or (name.startswith(_DOCTOR_DIR) and not name.endswith(_USER_FILES_IN_DOCTOR))
+                or (name.startswith(_DOCTOR_DIR) and not name.startswith(_USER_CODE_IN_DOCTOR))
             )
             self._internal[code] = known
         return known
