@@ -13,7 +13,8 @@ objects never train); ``timeline`` profiles a few steps (kernels, launches, sync
 idle time by cause); ``recorder`` records every operator of one step with the line of your code
 that ran it; the ``check_*`` modules turn that evidence into :class:`Finding`\\ s, each with a
 predicted saving from a stated cost model; ``fixes`` and ``trial`` apply and measure the fixes;
-``report`` shows it all; ``zoo`` holds small models with planted problems and clean twins.
+``report`` shows it all; ``zoo`` holds small models with planted problems and clean twins;
+``ladder`` holds training scripts as first written beside their hand-optimized twins.
 """
 
 from accel.doctor.examine import examine

@@ -1,0 +1,110 @@
+"""A ladder of training scripts as people write them, each beside its hand-optimized twin: what
+the doctor's fixes are measured against (the twin's speedup is the headroom there was).
+
+Each module is one script with two builders of the same signature, ``first_written(device,
+preset)`` (the step as a tutorial's first commit writes it) and ``hand_optimized(device,
+preset)`` (the same model, sizes, data and initial weights, written as the field's best public
+version writes it), both returning a :class:`Script`. Every line the hand-optimization changes
+carries ``# ground truth: <kind>`` (the doctor's finding kinds); :func:`ground_truth` reads them.
+
+- ``gpt2``: GPT-2 small in nanoGPT's lineage;
+- ``resnet``: a ResNet-18 with BatchNorm and a torchvision-reference loop;
+- ``bert``: a BERT-base masked-LM step with a padding mask;
+- ``vit``: a ViT-S/16 with per-parameter gradient clipping;
+- ``rnn_lm``: PyTorch's word-language-model LSTM.
+
+Presets: ``"gpu"`` (the real sizes) and ``"cpu"`` (tiny, for tests). No script draws from the
+global random state (data from a seeded generator, weights made inside ``fork_rng``), and a
+twin's ``torch.backends`` settings hold only during its step's calls (:func:`tuned_backends`).
+Dropout is left out everywhere: it would draw from the caller's random state, and it costs both
+versions alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["PRESETS", "SCRIPTS", "Script", "build", "ground_truth", "sizes", "tuned_backends"]
+
+SCRIPTS = ("gpt2", "resnet", "bert", "vit", "rnn_lm")
+PRESETS = ("gpu", "cpu")
+
+
+@dataclass
+class Script:
+    name: str
+    step: Callable[[Any], Any]  # one training step: step(batch) -> the loss tensor
+    batch: Any  # what step takes (host tensors where the script moves them itself)
+    compiled: bool = False  # whether step compiles on its first calls (time it after warm-up)
+
+
+def build(
+    name: str,
+    *,
+    optimized: bool = False,
+    device: torch.device | str | None = None,
+    preset: str = "gpu",
+) -> Script:
+    """Script ``name`` as first written, or its hand-optimized twin (``optimized=True``), on
+    ``device`` (this machine's GPU if there is one, else the CPU)."""
+    if name not in SCRIPTS:
+        raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    module = importlib.import_module(f"{__name__}.{name}")
+    builder = module.hand_optimized if optimized else module.first_written
+    return builder(torch.device(device), preset)
+
+
+def ground_truth(name: str) -> dict[str, list[int]]:
+    """kind -> the line numbers in script ``name``'s file marked ``# ground truth: <kind>`` (a
+    line may carry several kinds, comma-separated)."""
+    if name not in SCRIPTS:
+        raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
+    found: dict[str, list[int]] = {}
+    text = (Path(__file__).parent / f"{name}.py").read_text()
+    for number, line in enumerate(text.splitlines(), 1):
+        match = re.search(r"# ground truth: ([\w, ]+)$", line)
+        if match and not line.lstrip().startswith("#"):
+            for kind in match[1].split(","):
+                found.setdefault(kind.strip(), []).append(number)
+    return found
+
+
+def sizes(preset: str, *, gpu: dict, cpu: dict) -> dict:
+    """The preset's sizes (a copy): ``gpu`` the script's real ones, ``cpu`` a step well under
+    half a second on a CPU."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    return dict(gpu if preset == "gpu" else cpu)
+
+
+@contextlib.contextmanager
+def tuned_backends(*, cudnn_benchmark: bool = False) -> Iterator[None]:
+    """TF32 products (and cuDNN's autotuner if asked), as a hand-optimized script sets them at
+    its top, here for one call only: the caller's settings come back after it."""
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    if cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.benchmark,
+        ) = saved
