@@ -189,6 +189,7 @@ def test_a_failing_run_of_a_series_is_raised_with_its_own_name(tmp_path, monkeyp
     assert "rank 1 of 2 raised ValueError" in str(caught.value)
     assert "broken_toy_task (run 'broken')" in str(caught.value).splitlines()[0]
     assert leftovers(mark) == []
+    assert list(tmp_path.iterdir()) == []  # no run folder, no torchelastic_* folder
 
 
 def test_results_are_plain_rows_a_frame_only_in_the_lab(runs):
@@ -312,8 +313,10 @@ def process_mark(folder: Path, patch: pytest.MonkeyPatch) -> bytes:
     """What every process of the launches that follow carries in its command line, and no other
     test's: their run folders go under ``folder`` (torchrun's and each rank's ``--config``), and
     a process a rank starts is given it (``ACCEL_TEST_MARK``). Tests in other pytest-xdist
-    workers launch beside this one."""
+    workers launch beside this one. ``folder`` is also the temporary folder of every process
+    started (TMPDIR): what a launch leaves in it is seen."""
     patch.setattr(tempfile, "tempdir", str(folder))
+    patch.setenv("TMPDIR", str(folder))
     patch.setenv("ACCEL_TEST_MARK", f"accel-test-mark {folder}")
     return str(folder).encode()
 
@@ -339,6 +342,55 @@ def test_a_hanging_rank_ends_in_a_timeout_that_kills_every_process(
     assert children_of_this_process() == before
     # no rank of the run, nor a process a rank started, is left anywhere
     assert leftovers(mark) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def kill_leftovers(mark: bytes) -> None:
+    """SIGKILL whatever carries ``mark``: a failed test leaves nothing running."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if mark in (proc / "cmdline").read_bytes():
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except OSError:
+                continue
+
+
+def wait_for(condition, seconds: float) -> bool:
+    """Whether ``condition()`` came true within ``seconds`` (polled)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+def test_the_ranks_die_with_the_process_that_launched_them(
+    tests_on_rank_path, tmp_path, monkeypatch
+):
+    """A notebook's kernel killed (SIGKILL, out of memory) while its run hangs: torchrun, the
+    ranks and the launch's folders go with it."""
+    mark = process_mark(tmp_path, monkeypatch)
+    code = (
+        "from accel import distributed as D; "
+        f"D.launch('{__name__}:hanging_task', nprocs=2, wrapper='ddp', steps=3, preset='cpu', "
+        "backend='gloo')"
+    )
+    root = str(Path(D.__file__).resolve().parents[2])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([root, os.environ["PYTHONPATH"]])}
+    kernel = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        both_ranks = lambda: len(list(tmp_path.glob("accel-distributed-*/rank*.pid"))) == 2  # noqa: E731
+        assert wait_for(both_ranks, 120), "the ranks did not start"
+        os.kill(kernel.pid, signal.SIGKILL)
+        kernel.wait()
+        assert wait_for(lambda: not leftovers(mark), 10), leftovers(mark)
+        assert wait_for(lambda: not list(tmp_path.iterdir()), 5), list(tmp_path.iterdir())
+    finally:
+        kernel.kill()
+        kill_leftovers(mark)
 
 
 @pytest.fixture(scope="module")
@@ -365,6 +417,7 @@ def test_a_killed_rank_is_named_with_its_signal_and_nothing_is_left(killed):
     assert "rank 1 of 2" in first_line and "SIGKILL" in first_line, first_line
     assert error.rank == 1
     assert leftovers(mark) == []
+    assert list(Path(mark.decode()).iterdir()) == []  # the launch's folders are gone
     steps = sorted(D.checkpoint_meta(p)["step"] for p in root.iterdir())
     assert steps == [2, 4]  # every 2 steps, until the kill in step 5
     assert D.latest_checkpoint(root).name == "step-000004"
