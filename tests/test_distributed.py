@@ -8,10 +8,13 @@ then the checkpoints are loaded in this process. Every other test launches at mo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -264,6 +267,67 @@ def test_loading_another_tasks_checkpoint_says_whose_it_is(runs):
     saved = runs["one"].config.checkpoint_dir
     with pytest.raises(ValueError, match=r"saved by task 'accel\.distributed:toy_task'"):
         D.launch(f"{__name__}:hanging_task", steps=1, preset="cpu", load_from=saved)
+
+
+class Planted:
+    """Unpickled, it makes the folder ``path``: a stand-in for code a crafted checkpoint runs."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+@pytest.fixture
+def no_checkpoint_read(monkeypatch):
+    """Fails the test if torch.distributed.checkpoint loads anything."""
+    import torch.distributed.checkpoint as dcp
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.distributed.checkpoint read the checkpoint")
+
+    monkeypatch.setattr(dcp, "load", refuse)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("planted metadata", r"\.metadata does not match the SHA-256 digest"),
+        ("changed data", r"__0_0\.distcp does not match the SHA-256 digest"),
+        ("no accel-meta.json", "no accel-meta.json: not saved by accel.distributed"),
+        ("no digests", "records no SHA-256 digest of its files"),
+    ],
+)
+def test_a_checkpoint_not_as_its_save_wrote_it_is_refused_before_anything_is_unpickled(
+    runs, tmp_path, change, message, no_checkpoint_read
+):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(runs["one"].config.checkpoint_dir, folder)
+    ran = tmp_path / "code-ran"
+    meta_path = folder / D.META
+    if change == "changed data":
+        data = bytearray((folder / "__0_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (folder / "__0_0.distcp").write_bytes(data)
+    else:
+        (folder / ".metadata").write_bytes(pickle.dumps(Planted(str(ran))))
+    if change == "no accel-meta.json":
+        meta_path.unlink()
+    elif change == "no digests":  # as an older save wrote it
+        meta = json.loads(meta_path.read_text())
+        meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "sha256"}))
+    with pytest.raises(ValueError, match=message):
+        D.launch(steps=1, preset="cpu", seed=3, load_from=folder)
+    assert not ran.exists()
+
+
+def test_a_save_records_the_digest_of_every_file_it_wrote(runs):
+    folder = Path(runs["fsdp2"].config.checkpoint_dir)
+    digests = D.checkpoint_meta(folder)["sha256"]
+    written = {p.name for p in folder.iterdir() if p.name != D.META}
+    assert set(digests) == written and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= written
+    assert digests[".metadata"] == hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
 
 
 def children_of_this_process() -> list[int]:
