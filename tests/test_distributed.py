@@ -173,7 +173,8 @@ def test_the_runs_of_one_launch_ran_on_the_same_ranks(runs):
         ({"a": {"wrapper": "ddp", "nprocs": 4}}, "'nprocs' is the series'"),
         ({"a": {"wrapper": "ddp", "stepz": 4}}, "run 'a': unexpected argument 'stepz'"),
         ({"a": {"wrapper": "ddp", "in_process": True}}, "unexpected argument 'in_process'"),
-        ({"a": {"wrapper": "ddp", "steps": 0}}, "run 'a': expected steps >= 1"),
+        ({"a": {"wrapper": "ddp", "steps": 0}}, "run 'a': steps must be an int >= 1, got 0"),
+        ({"a": {"wrapper": "ddp"}, "b": {"wrapper": "ddp", "lr": -1}}, "run 'b': Invalid learn"),
     ],
 )
 def test_a_series_is_refused_before_launch_where_its_runs_cannot_share_processes(
@@ -563,11 +564,40 @@ def test_bad_arguments_are_refused_before_launch(kwargs, message, no_launch):
         ({"nprocs": 3}, ValueError, "global batch 8 does not split over 3 ranks"),
         ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be >= 1"),
         ({"checkpoint_every": 2}, ValueError, "checkpoint_every needs checkpoint_dir"),
+        # what a rank would refuse, refused here first
+        ({"lr": -1}, ValueError, "Invalid learning rate: -1"),
+        ({"lr": float("nan")}, ValueError, "Invalid learning rate: nan"),
+        ({"steps": 2.5}, ValueError, "steps must be an int >= 1, got 2.5"),
+        ({"warmup": 1.5}, ValueError, "warmup must be an int >= 0, got 1.5"),
+        ({"seed": "0"}, ValueError, "seed must be an int, got '0'"),
+        ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
+        ({"bucket_cap_mb": -1}, ValueError, "bucket_cap_mb must be None or > 0, got -1"),
+        ({"nccl_env": {"NCCL_MIN_NCHANNELS": 4}}, ValueError, "nccl_env must map str to str"),
     ],
 )
 def test_task_and_sizes_are_checked_before_torchrun_starts(kwargs, error, message, no_launch):
     with pytest.raises(error, match=message):
         D.launch(**{"nprocs": 2, "wrapper": "ddp", "steps": 2, "preset": "cpu"} | kwargs)
+
+
+@pytest.mark.parametrize("nprocs", [2, 1])
+def test_a_refused_launch_creates_no_checkpoint_folder(nprocs, tmp_path, no_launch):
+    where = tmp_path / "new" / "ckpt"
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        D.launch(
+            nprocs=nprocs, wrapper="ddp" if nprocs > 1 else "none", preset="huge",
+            checkpoint_dir=where,
+        )  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_another_tasks_checkpoint_on_two_ranks_is_refused_before_launch(runs, no_launch):
+    saved = runs["one"].config.checkpoint_dir
+    with pytest.raises(ValueError, match=r"saved by task 'accel\.distributed:toy_task'"):
+        D.launch(
+            f"{__name__}:hanging_task", nprocs=2, wrapper="ddp", steps=1, preset="cpu",
+            load_from=saved,
+        )  # fmt: skip
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_before_launch(tmp_path, no_launch):
