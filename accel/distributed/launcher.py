@@ -77,16 +77,23 @@ def launch(
     and optimizer after step ``checkpoint_at`` (default: the last), or with ``checkpoint_every=k``
     after every k-th step into ``checkpoint_dir/step-NNNNNN``; ``load_from`` resumes from such a
     checkpoint at its step (given the directory of several, from the latest complete one).
+    Loading a checkpoint unpickles its files, which can run any code: ``load_from`` takes only a
+    checkpoint this package saved, every file as its save wrote it (the SHA-256 digests in its
+    ``accel-meta.json``), and refuses any other before reading it; anyone able to write a folder
+    can write a matching ``accel-meta.json`` too, so load only checkpoints you trust.
     ``warmup`` first steps are left out of the throughput. ``in_process`` (default: for one
     process with ``wrapper="none"``) trains in this process, with the same metrics and no
     ``timeout``.
 
-    Raises before launching: ValueError for bad arguments, a task that cannot be built with this
-    preset or split over ``nprocs`` ranks (it is built once here to check), an unwritable
-    ``checkpoint_dir`` or more processes than GPUs; :class:`LauncherNotFound`. After:
-    :class:`RankFailed` with the first failing rank's error in its first line, then its
-    traceback; :class:`LaunchTimeout` after ``timeout`` seconds. Either way, and on Ctrl-C, every
-    process of the run (ranks and what they started) is gone when it returns or raises.
+    Raises before launching, having created nothing: ValueError for bad arguments, a task that
+    cannot be built with this preset or split over ``nprocs`` ranks, an optimizer setting torch
+    refuses (the task and its optimizer are built once here to check), a checkpoint to load that
+    is refused or another task's, an unwritable ``checkpoint_dir`` or more processes than GPUs;
+    :class:`LauncherNotFound`. After: :class:`RankFailed` with the first failing rank's error in
+    its first line, then its traceback; :class:`LaunchTimeout` after ``timeout`` seconds. Either
+    way, and on Ctrl-C, every process of the run (ranks and what they started) is gone when it
+    returns or raises, and so is the launch's temporary folder (torchrun's and the ranks' TMPDIR).
+    If this process dies first (killed, out of memory), a watchdog ends them and removes it.
     """
     arguments = locals()  # every argument but in_process and launcher is a RunConfig field
     fields = {f.name for f in dataclasses.fields(RunConfig)}
