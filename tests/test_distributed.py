@@ -301,7 +301,7 @@ def no_checkpoint_read(monkeypatch):
     ],
 )
 def test_a_checkpoint_not_as_its_save_wrote_it_is_refused_before_anything_is_unpickled(
-    runs, tmp_path, change, message, no_checkpoint_read
+    runs, tmp_path, change, message, no_checkpoint_read, no_launch
 ):
     folder = tmp_path / "ckpt"
     shutil.copytree(runs["one"].config.checkpoint_dir, folder)
@@ -318,8 +318,10 @@ def test_a_checkpoint_not_as_its_save_wrote_it_is_refused_before_anything_is_unp
     elif change == "no digests":  # as an older save wrote it
         meta = json.loads(meta_path.read_text())
         meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "sha256"}))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message):  # here, and before torchrun starts
         D.launch(steps=1, preset="cpu", seed=3, load_from=folder)
+    with pytest.raises(ValueError, match=message):
+        D.launch(nprocs=2, wrapper="ddp", steps=1, preset="cpu", seed=3, load_from=folder)
     assert not ran.exists()
 
 
