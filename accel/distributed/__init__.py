@@ -21,8 +21,8 @@ toy task), ``costs`` (the byte cost model), ``launcher`` (:func:`launch`, its ch
 ``processes`` (ending a run's processes; the watchdog that ends them if the launching process
 dies), ``errors``, ``rank`` (what every rank runs), ``wrappers`` (DDP, FSDP2), ``checkpoint``
 (DCP saves: N ranks save, M load; the digests of their files, checked before a load unpickles
-anything), ``__main__`` (one rank's command line). They import torch and the standard library only; ``torch.distributed`` is
-imported when a run needs it.
+anything), ``__main__`` (one rank's command line). They import torch and the standard library
+only; ``torch.distributed`` is imported when a run needs it.
 """
 
 from accel.distributed.checkpoint import META, checkpoint_meta, latest_checkpoint
