@@ -8,10 +8,13 @@ then the checkpoints are loaded in this process. Every other test launches at mo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -170,7 +173,8 @@ def test_the_runs_of_one_launch_ran_on_the_same_ranks(runs):
         ({"a": {"wrapper": "ddp", "nprocs": 4}}, "'nprocs' is the series'"),
         ({"a": {"wrapper": "ddp", "stepz": 4}}, "run 'a': unexpected argument 'stepz'"),
         ({"a": {"wrapper": "ddp", "in_process": True}}, "unexpected argument 'in_process'"),
-        ({"a": {"wrapper": "ddp", "steps": 0}}, "run 'a': expected steps >= 1"),
+        ({"a": {"wrapper": "ddp", "steps": 0}}, "run 'a': steps must be an int >= 1, got 0"),
+        ({"a": {"wrapper": "ddp"}, "b": {"wrapper": "ddp", "lr": -1}}, "run 'b': Invalid learn"),
     ],
 )
 def test_a_series_is_refused_before_launch_where_its_runs_cannot_share_processes(
@@ -189,6 +193,7 @@ def test_a_failing_run_of_a_series_is_raised_with_its_own_name(tmp_path, monkeyp
     assert "rank 1 of 2 raised ValueError" in str(caught.value)
     assert "broken_toy_task (run 'broken')" in str(caught.value).splitlines()[0]
     assert leftovers(mark) == []
+    assert left_in_temp(tmp_path) == []  # no run folder, no torchelastic_* folder
 
 
 def test_results_are_plain_rows_a_frame_only_in_the_lab(runs):
@@ -265,6 +270,69 @@ def test_loading_another_tasks_checkpoint_says_whose_it_is(runs):
         D.launch(f"{__name__}:hanging_task", steps=1, preset="cpu", load_from=saved)
 
 
+class Planted:
+    """Unpickled, it makes the folder ``path``: a stand-in for code a crafted checkpoint runs."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+@pytest.fixture
+def no_checkpoint_read(monkeypatch):
+    """Fails the test if torch.distributed.checkpoint loads anything."""
+    import torch.distributed.checkpoint as dcp
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.distributed.checkpoint read the checkpoint")
+
+    monkeypatch.setattr(dcp, "load", refuse)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("planted metadata", r"\.metadata does not match the SHA-256 digest"),
+        ("changed data", r"__0_0\.distcp does not match the SHA-256 digest"),
+        ("no accel-meta.json", "no accel-meta.json: not saved by accel.distributed"),
+        ("no digests", "records no SHA-256 digest of its files"),
+    ],
+)
+def test_a_checkpoint_not_as_its_save_wrote_it_is_refused_before_anything_is_unpickled(
+    runs, tmp_path, change, message, no_checkpoint_read, no_launch
+):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(runs["one"].config.checkpoint_dir, folder)
+    ran = tmp_path / "code-ran"
+    meta_path = folder / D.META
+    if change == "changed data":
+        data = bytearray((folder / "__0_0.distcp").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (folder / "__0_0.distcp").write_bytes(data)
+    else:
+        (folder / ".metadata").write_bytes(pickle.dumps(Planted(str(ran))))
+    if change == "no accel-meta.json":
+        meta_path.unlink()
+    elif change == "no digests":  # as an older save wrote it
+        meta = json.loads(meta_path.read_text())
+        meta_path.write_text(json.dumps({k: v for k, v in meta.items() if k != "sha256"}))
+    with pytest.raises(ValueError, match=message):  # here, and before torchrun starts
+        D.launch(steps=1, preset="cpu", seed=3, load_from=folder)
+    with pytest.raises(ValueError, match=message):
+        D.launch(nprocs=2, wrapper="ddp", steps=1, preset="cpu", seed=3, load_from=folder)
+    assert not ran.exists()
+
+
+def test_a_save_records_the_digest_of_every_file_it_wrote(runs):
+    folder = Path(runs["fsdp2"].config.checkpoint_dir)
+    digests = D.checkpoint_meta(folder)["sha256"]
+    written = {p.name for p in folder.iterdir() if p.name != D.META}
+    assert set(digests) == written and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= written
+    assert digests[".metadata"] == hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
+
+
 def children_of_this_process() -> list[int]:
     me, found = str(os.getpid()), []
     for entry in Path("/proc").iterdir():
@@ -312,10 +380,18 @@ def process_mark(folder: Path, patch: pytest.MonkeyPatch) -> bytes:
     """What every process of the launches that follow carries in its command line, and no other
     test's: their run folders go under ``folder`` (torchrun's and each rank's ``--config``), and
     a process a rank starts is given it (``ACCEL_TEST_MARK``). Tests in other pytest-xdist
-    workers launch beside this one."""
+    workers launch beside this one. ``folder`` is also the temporary folder of every process
+    started (TMPDIR): what a launch leaves in it is seen."""
     patch.setattr(tempfile, "tempdir", str(folder))
+    patch.setenv("TMPDIR", str(folder))
     patch.setenv("ACCEL_TEST_MARK", f"accel-test-mark {folder}")
     return str(folder).encode()
+
+
+def left_in_temp(folder: Path) -> list[str]:
+    """What is in the temporary folder ``folder`` but torch's compile cache, which importing
+    torch._dynamo makes in any process (the launching one too: it builds the run's optimizer)."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.startswith("torchinductor_"))
 
 
 @pytest.fixture
@@ -339,6 +415,55 @@ def test_a_hanging_rank_ends_in_a_timeout_that_kills_every_process(
     assert children_of_this_process() == before
     # no rank of the run, nor a process a rank started, is left anywhere
     assert leftovers(mark) == []
+    assert left_in_temp(tmp_path) == []
+
+
+def kill_leftovers(mark: bytes) -> None:
+    """SIGKILL whatever carries ``mark``: a failed test leaves nothing running."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if mark in (proc / "cmdline").read_bytes():
+                    os.kill(int(proc.name), signal.SIGKILL)
+            except OSError:
+                continue
+
+
+def wait_for(condition, seconds: float) -> bool:
+    """Whether ``condition()`` came true within ``seconds`` (polled)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc (Linux)")
+def test_the_ranks_die_with_the_process_that_launched_them(
+    tests_on_rank_path, tmp_path, monkeypatch
+):
+    """A notebook's kernel killed (SIGKILL, out of memory) while its run hangs: torchrun, the
+    ranks, what a rank started in a session of its own and the launch's folders go with it."""
+    mark = process_mark(tmp_path, monkeypatch)
+    code = (
+        "from accel import distributed as D; "
+        f"D.launch('{__name__}:spawning_task', nprocs=2, wrapper='ddp', steps=3, preset='cpu', "
+        "backend='gloo')"
+    )
+    root = str(Path(D.__file__).resolve().parents[2])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([root, os.environ["PYTHONPATH"]])}
+    kernel = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        spawned = lambda: any(b"time.sleep(600)" in line for line in leftovers(mark))  # noqa: E731
+        assert wait_for(spawned, 120), "rank 1 did not reach its step 1"
+        os.kill(kernel.pid, signal.SIGKILL)
+        kernel.wait()
+        assert wait_for(lambda: not leftovers(mark), 10), leftovers(mark)
+        assert wait_for(lambda: not left_in_temp(tmp_path), 5), left_in_temp(tmp_path)
+    finally:
+        kernel.kill()
+        kill_leftovers(mark)
 
 
 @pytest.fixture(scope="module")
@@ -365,6 +490,7 @@ def test_a_killed_rank_is_named_with_its_signal_and_nothing_is_left(killed):
     assert "rank 1 of 2" in first_line and "SIGKILL" in first_line, first_line
     assert error.rank == 1
     assert leftovers(mark) == []
+    assert left_in_temp(Path(mark.decode())) == []  # the launch's folders are gone
     steps = sorted(D.checkpoint_meta(p)["step"] for p in root.iterdir())
     assert steps == [2, 4]  # every 2 steps, until the kill in step 5
     assert D.latest_checkpoint(root).name == "step-000004"
@@ -446,11 +572,40 @@ def test_bad_arguments_are_refused_before_launch(kwargs, message, no_launch):
         ({"nprocs": 3}, ValueError, "global batch 8 does not split over 3 ranks"),
         ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be >= 1"),
         ({"checkpoint_every": 2}, ValueError, "checkpoint_every needs checkpoint_dir"),
+        # what a rank would refuse, refused here first
+        ({"lr": -1}, ValueError, "Invalid learning rate: -1"),
+        ({"lr": float("nan")}, ValueError, "Invalid learning rate: nan"),
+        ({"steps": 2.5}, ValueError, "steps must be an int >= 1, got 2.5"),
+        ({"warmup": 1.5}, ValueError, "warmup must be an int >= 0, got 1.5"),
+        ({"seed": "0"}, ValueError, "seed must be an int, got '0'"),
+        ({"timeout": 0}, ValueError, "timeout must be a number of seconds > 0, got 0"),
+        ({"bucket_cap_mb": -1}, ValueError, "bucket_cap_mb must be None or > 0, got -1"),
+        ({"nccl_env": {"NCCL_MIN_NCHANNELS": 4}}, ValueError, "nccl_env must map str to str"),
     ],
 )
 def test_task_and_sizes_are_checked_before_torchrun_starts(kwargs, error, message, no_launch):
     with pytest.raises(error, match=message):
         D.launch(**{"nprocs": 2, "wrapper": "ddp", "steps": 2, "preset": "cpu"} | kwargs)
+
+
+@pytest.mark.parametrize("nprocs", [2, 1])
+def test_a_refused_launch_creates_no_checkpoint_folder(nprocs, tmp_path, no_launch):
+    where = tmp_path / "new" / "ckpt"
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        D.launch(
+            nprocs=nprocs, wrapper="ddp" if nprocs > 1 else "none", preset="huge",
+            checkpoint_dir=where,
+        )  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_loading_another_tasks_checkpoint_on_two_ranks_is_refused_before_launch(runs, no_launch):
+    saved = runs["one"].config.checkpoint_dir
+    with pytest.raises(ValueError, match=r"saved by task 'accel\.distributed:toy_task'"):
+        D.launch(
+            f"{__name__}:hanging_task", nprocs=2, wrapper="ddp", steps=1, preset="cpu",
+            load_from=saved,
+        )  # fmt: skip
 
 
 def test_an_unwritable_checkpoint_dir_is_refused_before_launch(tmp_path, no_launch):

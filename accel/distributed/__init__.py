@@ -18,10 +18,11 @@ torchrun's start and the ranks' imports are paid once.
 Modules, one job each: ``config`` (RunConfig, RunResult, the tuned settings), ``tasks`` (Task, the
 toy task), ``costs`` (the byte cost model), ``launcher`` (:func:`launch`, its checks),
 ``torchrun`` (a run on torchrun, read back), ``failures`` (the cause of a failed run),
-``processes`` (ending a run's processes), ``errors``, ``rank`` (what every rank runs),
-``wrappers`` (DDP, FSDP2), ``checkpoint`` (DCP saves: N ranks save, M load), ``__main__`` (one
-rank's command line). They import torch and the standard library only; ``torch.distributed`` is
-imported when a run needs it.
+``processes`` (ending a run's processes; the watchdog that ends them if the launching process
+dies), ``errors``, ``rank`` (what every rank runs), ``wrappers`` (DDP, FSDP2), ``checkpoint``
+(DCP saves: N ranks save, M load; the digests of their files, checked before a load unpickles
+anything), ``__main__`` (one rank's command line). They import torch and the standard library
+only; ``torch.distributed`` is imported when a run needs it.
 """
 
 from accel.distributed.checkpoint import META, checkpoint_meta, latest_checkpoint

@@ -1,11 +1,18 @@
 """Checkpoints through ``torch.distributed.checkpoint`` (DCP) with ``get_state_dict`` and
 ``set_state_dict``, which name tensors by the unwrapped module's names: a save on N ranks loads on
-M, and a DDP save loads into FSDP2 and back. A meta file, written last, marks a checkpoint complete
-and says what saved it."""
+M, and a DDP save loads into FSDP2 and back. A meta file, written last, marks a checkpoint complete,
+says what saved it and holds the SHA-256 digest of every file the save wrote.
+
+Loading a DCP checkpoint unpickles its ``.metadata`` (and objects in its data files), which can
+run any code: a checkpoint is loaded only if its meta file is there and every file matches its
+digest, checked before DCP reads anything. That refuses a folder this package did not save and
+a file changed after the save; it cannot refuse a folder whose author also wrote a matching meta
+file, so load only checkpoints you trust."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import warnings
@@ -32,7 +39,8 @@ def save(
     world: int,
     directory: Path,
 ) -> None:
-    """A DCP checkpoint into ``directory``; its meta file, written last, marks it complete."""
+    """A DCP checkpoint into ``directory`` (made if missing); its meta file, written last with
+    the digests of DCP's files, marks it complete."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -47,6 +55,8 @@ def save(
             "wrapper": config.wrapper,
             "world_size": world,
             "step": step,
+            # rank 0 writes .metadata once every rank's data files are written
+            "sha256": _digests(directory),
         }
         write_text_atomic(directory / META, json.dumps(meta))
 
@@ -56,13 +66,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig) 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    meta = checkpoint_meta(config.load_from)
-    for key in ("task", "preset"):
-        if meta[key] != getattr(config, key):
-            raise ValueError(
-                f"checkpoint {config.load_from} was saved by {key} {meta[key]!r}; this run has "
-                f"{key} {getattr(config, key)!r}"
-            )
+    meta = check_loadable(config)
     model_state, optim_state = get_state_dict(model, optimizer)  # shapes and shards to fill
     state = {"model": model_state, "optim": optim_state}
     with _single_process_quiet():
@@ -73,11 +77,30 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig) 
     return int(meta["step"])
 
 
+def check_loadable(config: RunConfig) -> dict:
+    """The meta of ``config.load_from`` if this run may load it: saved by this package, every
+    file as the save wrote it (nothing of it read but the meta file and the bytes digested), by
+    the run's task and preset. Else a ValueError saying why."""
+    meta = _verified_meta(Path(config.load_from))
+    for key in ("task", "preset"):
+        if meta.get(key) != getattr(config, key):
+            raise ValueError(
+                f"checkpoint {config.load_from} was saved by {key} {meta.get(key)!r}; this run has "
+                f"{key} {getattr(config, key)!r}"
+            )
+    return meta
+
+
 def latest_checkpoint(path: str | os.PathLike) -> Path:
     """``path`` if it is a complete checkpoint, else the complete ``step-NNNNNN`` checkpoint
     under it with the highest step (one interrupted while saving has no meta file yet)."""
     path = Path(path)
-    if (path / ".metadata").is_file() and (path / META).is_file():
+    if (path / ".metadata").is_file():
+        if not (path / META).is_file():
+            raise ValueError(
+                f"load_from={str(path)!r} holds a DCP checkpoint with no {META}: not saved by "
+                f"accel.distributed, or its save was interrupted. {_UNPICKLES}"
+            )
         return path
     steps = [p for p in path.glob("step-*") if (p / ".metadata").is_file() and (p / META).is_file()]
     if not steps:
@@ -89,11 +112,57 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def checkpoint_meta(path: str | os.PathLike) -> dict:
-    """What saved a checkpoint: task, preset, seed, wrapper, world_size and step."""
+    """What saved a checkpoint: task, preset, seed, wrapper, world_size, step, and the SHA-256
+    digest of each file (``sha256``: name -> hex digest). Read as JSON; nothing is verified."""
     meta = Path(path) / META
     if not meta.is_file():
         raise ValueError(f"{path} was not saved by accel.distributed (no {META})")
     return json.loads(meta.read_text())
+
+
+_UNPICKLES = "Refused: loading it would unpickle its files, which can run any code."
+
+
+def _verified_meta(path: Path) -> dict:
+    """The meta of the checkpoint at ``path`` if every file it records matches its digest."""
+    try:
+        meta = checkpoint_meta(path)
+        digests = meta.get("sha256")
+    except (ValueError, AttributeError):
+        raise ValueError(
+            f"checkpoint {path}: no readable {META}: not saved by accel.distributed. {_UNPICKLES}"
+        ) from None
+    if not isinstance(digests, dict) or ".metadata" not in digests:
+        raise ValueError(
+            f"checkpoint {path}: its {META} records no SHA-256 digest of its files (saved by an "
+            f"older accel.distributed, or not by it). {_UNPICKLES}"
+        )
+    for name, expected in digests.items():
+        file = path / str(name)
+        if Path(str(name)).name != name or not file.is_file() or _sha256(file) != expected:
+            raise ValueError(
+                f"checkpoint {path}: {name} does not match the SHA-256 digest its {META} "
+                f"recorded: changed (or removed) since it was saved. {_UNPICKLES}"
+            )
+    return meta
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    """The SHA-256 of every file DCP wrote into ``directory``: its ``.metadata`` and data files
+    (not the meta file, nor another hidden file, e.g. one being written)."""
+    return {
+        p.name: _sha256(p)
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != META and (p.name == ".metadata" or p.name[0] != ".")
+    }
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 @contextlib.contextmanager

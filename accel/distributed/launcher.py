@@ -8,6 +8,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import math
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 import torch
 
-from accel.distributed.checkpoint import latest_checkpoint
+from accel.distributed.checkpoint import check_loadable, latest_checkpoint
 from accel.distributed.config import (
     DEFAULT_TASK,
     WRAPPERS,
@@ -25,8 +26,8 @@ from accel.distributed.config import (
     Scaling,
     Wrapper,
 )
-from accel.distributed.rank import train
-from accel.distributed.tasks import build_task, split_task_name
+from accel.distributed.rank import make_optimizer, train
+from accel.distributed.tasks import Task, build_task, split_task_name
 from accel.distributed.torchrun import launcher_command, run_torchrun
 
 
@@ -76,16 +77,23 @@ def launch(
     and optimizer after step ``checkpoint_at`` (default: the last), or with ``checkpoint_every=k``
     after every k-th step into ``checkpoint_dir/step-NNNNNN``; ``load_from`` resumes from such a
     checkpoint at its step (given the directory of several, from the latest complete one).
+    Loading a checkpoint unpickles its files, which can run any code: ``load_from`` takes only a
+    checkpoint this package saved, every file as its save wrote it (the SHA-256 digests in its
+    ``accel-meta.json``), and refuses any other before reading it; anyone able to write a folder
+    can write a matching ``accel-meta.json`` too, so load only checkpoints you trust.
     ``warmup`` first steps are left out of the throughput. ``in_process`` (default: for one
     process with ``wrapper="none"``) trains in this process, with the same metrics and no
     ``timeout``.
 
-    Raises before launching: ValueError for bad arguments, a task that cannot be built with this
-    preset or split over ``nprocs`` ranks (it is built once here to check), an unwritable
-    ``checkpoint_dir`` or more processes than GPUs; :class:`LauncherNotFound`. After:
-    :class:`RankFailed` with the first failing rank's error in its first line, then its
-    traceback; :class:`LaunchTimeout` after ``timeout`` seconds. Either way, and on Ctrl-C, every
-    process of the run (ranks and what they started) is gone when it returns or raises.
+    Raises before launching, having created nothing: ValueError for bad arguments, a task that
+    cannot be built with this preset or split over ``nprocs`` ranks, an optimizer setting torch
+    refuses (the task and its optimizer are built once here to check), a checkpoint to load that
+    is refused or another task's, an unwritable ``checkpoint_dir`` or more processes than GPUs;
+    :class:`LauncherNotFound`. After: :class:`RankFailed` with the first failing rank's error in
+    its first line, then its traceback; :class:`LaunchTimeout` after ``timeout`` seconds. Either
+    way, and on Ctrl-C, every process of the run (ranks and what they started) is gone when it
+    returns or raises, and so is the launch's temporary folder (torchrun's and the ranks' TMPDIR).
+    If this process dies first (killed, out of memory), a watchdog ends them and removes it.
     """
     arguments = locals()  # every argument but in_process and launcher is a RunConfig field
     fields = {f.name for f in dataclasses.fields(RunConfig)}
@@ -97,7 +105,7 @@ def launch(
             raise ValueError(f"in_process runs wrapper 'none' only, got {wrapper!r}")
         return RunResult.from_records(config, [train(config)], output="")
     command = launcher_command(launcher)
-    _check_task(config)
+    _check_tasks([config])
     with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
         return run_torchrun([dataclasses.replace(config, out_dir=tmp)], Path(tmp), command)[0]
 
@@ -138,8 +146,7 @@ def launch_series(
             "process: their backend and nccl_env must be equal; launch the others apart"
         )
     command = launcher_command(launcher)
-    for config in {(c.task, c.preset, c.seed, c.scaling): c for c in configs}.values():
-        _check_task(config)
+    _check_tasks(configs, labels=list(runs))
     with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
         folders = [Path(tmp) / f"run{i}" for i in range(len(configs))]
         for folder in folders:
@@ -198,9 +205,13 @@ def _check_arguments(
     nprocs: int,
     steps: int,
     warmup: int,
+    seed: int,
     scaling: str,
     autocast: str | None,
     mixed_precision: str | None,
+    timeout: float,
+    bucket_cap_mb: float | None,
+    nccl_env: dict[str, str] | None,
     **_: Any,
 ) -> None:
     if wrapper not in WRAPPERS:
@@ -209,13 +220,35 @@ def _check_arguments(
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if wrapper == "none" and nprocs != 1:
         raise ValueError(f"wrapper 'none' trains on one process; got nprocs={nprocs} (use ddp)")
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"expected steps >= 1 and warmup >= 0, got {steps=} {warmup=}")
+    _check_int("steps", steps, minimum=1)
+    _check_int("warmup", warmup, minimum=0)
+    _check_int("seed", seed)
     if scaling not in ("strong", "weak"):
         raise ValueError(f"scaling must be 'strong' or 'weak', got {scaling!r}")
     for name, value in (("autocast", autocast), ("mixed_precision", mixed_precision)):
         if value not in (None, "bf16"):
             raise ValueError(f"{name} must be None or 'bf16', got {value!r}")
+    if not (_is_number(timeout) and 0 < timeout < math.inf):
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if bucket_cap_mb is not None and not (_is_number(bucket_cap_mb) and bucket_cap_mb > 0):
+        raise ValueError(f"bucket_cap_mb must be None or > 0, got {bucket_cap_mb!r}")
+    if nccl_env is not None and not (
+        isinstance(nccl_env, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in nccl_env.items())
+    ):
+        raise ValueError(f"nccl_env must map str to str (environment variables), got {nccl_env!r}")
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        expected = f"an int >= {minimum}" if minimum is not None else "an int"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_checkpoints(
@@ -226,9 +259,12 @@ def _check_checkpoints(
     checkpoint_every: int | None,
     **_: Any,
 ) -> None:
-    if checkpoint_at is not None and not 1 <= checkpoint_at <= steps:
-        raise ValueError(f"checkpoint_at must be within 1..steps={steps}, got {checkpoint_at}")
+    if checkpoint_at is not None:
+        _check_int("checkpoint_at", checkpoint_at)
+        if not 1 <= checkpoint_at <= steps:
+            raise ValueError(f"checkpoint_at must be within 1..steps={steps}, got {checkpoint_at}")
     if checkpoint_every is not None:
+        _check_int("checkpoint_every", checkpoint_every)
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         if checkpoint_dir is None or checkpoint_at is not None:
@@ -241,15 +277,21 @@ def _check_checkpoints(
 
 
 def _check_writable(directory: Path) -> None:
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise ValueError(
-            f"checkpoint_dir {directory}: cannot write there ({e.strerror or e}); the run would "
-            "fail at its first checkpoint"
-        ) from None
+    """That the first save can make ``directory`` (or write into it), creating nothing: a
+    refused launch leaves no folder behind."""
+    existing = directory.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        why = f"{existing} is not a folder"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    else:
+        return
+    raise ValueError(
+        f"checkpoint_dir {directory}: cannot write there ({why}); the run would fail at its "
+        "first checkpoint"
+    )
 
 
 def _check_task_module(task: str) -> None:
@@ -278,15 +320,33 @@ def _backend(backend: str | None, nprocs: int) -> str:
     return backend
 
 
-def _check_task(config: RunConfig) -> None:
-    """What every rank will do first, done once here: a mistake in the task, its preset or its
-    split over the ranks is raised before torchrun starts, not from inside a rank."""
+def _check_tasks(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> None:
+    """What every rank will do first, done once here: a mistake in the task, its preset, its
+    split over the ranks, the optimizer's settings or the checkpoint to load is raised before
+    torchrun starts, not from inside a rank (a series' error names its run)."""
+    built: dict[tuple, Task] = {}
+    for i, config in enumerate(configs):
+        try:
+            _check_task(config, built)
+        except ValueError as error:
+            if labels is None:
+                raise
+            raise ValueError(f"run {labels[i]!r}: {error}") from None
+
+
+def _check_task(config: RunConfig, built: dict[tuple, Task]) -> None:
+    """One run's :func:`_check_tasks`; ``built`` keeps the tasks built so far, by their key."""
     if config.preset == "gpu" and config.backend == "gloo":
         raise ValueError(
             "preset 'gpu' sizes the task for a GPU, and backend 'gloo' trains on the CPU: use "
             "preset='cpu', or backend='nccl' on a machine with GPUs"
         )
+    key = (config.task, config.preset, config.seed, config.scaling)
     with torch.random.fork_rng(devices=[]):  # a task seeds torch; leave the caller's alone
-        task = build_task(config)
-        if config.scaling == "strong":
-            task.batch(0, 0, config.nprocs, torch.device("cpu"))
+        if key not in built:
+            built[key] = build_task(config)
+            if config.scaling == "strong":
+                built[key].batch(0, 0, config.nprocs, torch.device("cpu"))
+        make_optimizer(built[key].model, config)
+    if config.load_from is not None:
+        check_loadable(config)

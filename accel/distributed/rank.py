@@ -65,6 +65,11 @@ def train(config: RunConfig) -> dict:
     return _train_steps(config, 0, 1, _device(config, 0), distributed=False)
 
 
+def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
+    """The run's optimizer; torch checks its settings (the launcher builds one to check them)."""
+    return torch.optim.AdamW(model.parameters(), lr=config.lr)
+
+
 def _device(config: RunConfig, local_rank: int) -> torch.device:
     """This rank's GPU with nccl (made current), else the CPU."""
     if config.backend != "nccl":
@@ -80,7 +85,7 @@ def _train_steps(
     """The task built, wrapped and loaded if asked, trained for ``config.steps`` steps, measured."""
     task = build_task(config)
     model, notes = wrap(task.model.to(device), config, device, world)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    optimizer = make_optimizer(model, config)
     start = load(model, optimizer, config) if config.load_from else 0
     clock, losses, samples = _run_steps(
         task, model, optimizer, config, start=start, rank=rank, world=world, device=device

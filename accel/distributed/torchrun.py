@@ -1,7 +1,8 @@
 """A run under torchrun (``python -m torch.distributed.run --standalone``): its command and
 environment, the run watched until it exits or times out, every process of it ended (by
-:mod:`accel.distributed.processes`), and what the ranks left read back as a :class:`RunResult` or
-raised as the error of the rank that failed."""
+:mod:`accel.distributed.processes`; by its watchdog if this process dies first), and what the
+ranks left read back as a :class:`RunResult` or raised as the error of the rank that failed.
+torchrun and the ranks get the launch's folder as their temporary folder, removed with it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 from accel.distributed.config import RunConfig, RunResult
 from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout
 from accel.distributed.failures import rank_failure
-from accel.distributed.processes import end_run
+from accel.distributed.processes import end_run, ended_with_this_process, rank_pids
 
 # What every rank runs: this package's __main__, which reads the config file and calls run_rank.
 RANK_MODULE = "accel.distributed"
@@ -108,9 +109,10 @@ def _torchrun_command(
     ]
 
 
-def _environment(first: RunConfig) -> dict[str, str]:
+def _environment(first: RunConfig, tmp: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(first.nccl_env)
+    env["TMPDIR"] = str(tmp)  # torchrun's torchelastic_* folder and the ranks' files go there
     # Ranks must import accel and the task's module as this process does.
     paths = [str(Path(__file__).resolve().parents[2]), os.getcwd(), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -129,29 +131,32 @@ def _run_and_end(
     marker = str(out / "config.json")  # in every rank's command line
     timeout = sum(c.timeout for c in configs)
     log_path = out / "launcher.log"
-    with open(log_path, "wb") as log:
+    tmp = out / "tmp"
+    tmp.mkdir()
+    with open(log_path, "wb") as log, ended_with_this_process(marker, out) as watched:
         # Its own session: on a timeout the whole group is killed, torchrun and all.
         proc = subprocess.Popen(
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_environment(configs[0]),
+            env=_environment(configs[0], tmp),
             start_new_session=True,
         )
+        watched(proc.pid)
         try:
             exitcode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            end_run(proc, marker, _rank_pids(out).values())
+            end_run(proc, marker, rank_pids(out).values())
             raise LaunchTimeout(
                 f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process "
                 "was killed. Output ends with:\n" + _tail(log_path)
             ) from None
         except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
-            end_run(proc, marker, _rank_pids(out).values())
+            end_run(proc, marker, rank_pids(out).values())
             raise
-    # torchrun ends the other ranks when one fails; make sure nothing of the run is left
-    pids = _rank_pids(out)
-    end_run(proc, marker, _rank_pids(out).values())
+        # torchrun ends the other ranks when one fails; make sure nothing of the run is left
+        pids = rank_pids(out)
+        end_run(proc, marker, rank_pids(out).values())
     return exitcode, pids
 
 
@@ -180,13 +185,3 @@ def _tail(path: Path, chars: int = 4000) -> str:
         return path.read_text(errors="replace")[-chars:]
     except OSError:
         return ""
-
-
-def _rank_pids(out: Path) -> dict[int, int]:
-    pids = {}
-    for path in out.glob("rank*.pid"):
-        try:
-            pids[int(path.stem.removeprefix("rank"))] = int(path.read_text())
-        except ValueError:
-            continue  # written as we read it: that rank started after the end, never ran
-    return dict(sorted(pids.items()))
