@@ -125,8 +125,19 @@ def syncs(evidence: Evidence) -> list[Finding]:
             change=_SYNC_CHANGE,
             saved_us=saved,
             sites=[s for s, _ in sites if s is not None],
+            # a read kept for later; the other syncs (an `if` on a tensor) need your edit
+            fixes=("deferred_reads",) if _reads_items(evidence) else (),
         )
     ]
+
+
+def _reads_items(evidence: Evidence) -> bool:
+    """Whether a sync of the step is a ``.item()`` (the read that :mod:`deferred` defers; a
+    ``float(t)`` or an ``if`` makes the same operator, so the line says which)."""
+    return any(
+        op.op == "aten::_local_scalar_dense" and op.site is not None and ".item()" in op.site.text
+        for op in evidence.recording.ops
+    )
 
 
 @check("launch_bound")

@@ -196,25 +196,20 @@ def matmul_flops(op: OpRecord) -> float:
     return 0.0
 
 
-def _float32_matmuls(evidence: Evidence) -> list[OpRecord]:
-    """float32 products that run at float32's rate: matrix products unless TF32 is on for them,
-    convolutions unless cuDNN's TF32 is (its default)."""
-    tf32_convs = torch.backends.cudnn.allow_tf32
+def _float32_products(evidence: Evidence) -> list[OpRecord]:
+    """Matrix products and convolutions in float32, with or without TF32 (bf16 beats both)."""
     return [
         op
         for op in evidence.recording.ops
-        if op.op in MATMUL_OPS
-        and op.inputs
-        and op.inputs[0].dtype == torch.float32
-        and not ("convolution" in op.op and tf32_convs)
+        if op.op in MATMUL_OPS and op.inputs and op.inputs[0].dtype == torch.float32
     ]
 
 
 @check("precision")
 def precision(evidence: Evidence) -> list[Finding]:
-    if not evidence.cuda or torch.get_float32_matmul_precision() != "highest":
+    if not evidence.cuda:
         return []
-    ops = _float32_matmuls(evidence)
+    ops = _float32_products(evidence)
     now = sum(op.time_us for op in ops)
     if not ops or now < 0.05 * evidence.step_us:
         return []
@@ -234,27 +229,29 @@ def precision(evidence: Evidence) -> list[Finding]:
     casts = (
         1.5 * sum(t.nbytes for op in ops for t in op.inputs) / (evidence.ceilings.copy_gb_s * 1e3)
     )
-    saved = {
-        "bf16_autocast": max(0.0, now - after["bf16_autocast"] - casts),
-        "tf32": max(0.0, now - after["tf32"]),
-    }
+    saved = {"bf16_autocast": max(0.0, now - after["bf16_autocast"] - casts)}
+    full = [op for op in ops if "tf32" not in op.facts]  # float32's own rate: TF32 would help
+    if full:
+        saved["tf32"] = max(0.0, now - after["tf32"])
+    tf32 = "TF32 off" if len(full) == len(ops) else "TF32 on" if not full else "TF32 on for some"
     return [
         Finding(
             kind="precision",
             title=f"float32 matrix products take {now / evidence.step_us:.0%} of the step "
-            "(TF32 off, no autocast)",
+            f"({tf32}, no autocast)",
             evidence=f"{len(ops)} float32 products and convolutions per step: "
             f"{flops / 1e9:.2f} GFLOP, {moved / 2**20:.1f} MiB, {now / 1e3:.3f} ms on the device",
-            cost_model="the step's largest products timed here in float32, bf16 and TF32 at their "
-            f"shapes (the rest at their mean ratio): bf16 {after['bf16_autocast'] / 1e3:.3f} ms "
-            f"plus {casts / 1e3:.3f} ms of casts, TF32 {after['tf32'] / 1e3:.3f} ms",
+            cost_model="the step's largest products timed here as they ran, in bf16 and in TF32, "
+            f"at their shapes (the rest at their mean ratio): bf16 "
+            f"{after['bf16_autocast'] / 1e3:.3f} ms plus {casts / 1e3:.3f} ms of casts"
+            + (f", TF32 {after['tf32'] / 1e3:.3f} ms" if full else ""),
             notebook="07_recipe",
             change="with torch.autocast('cuda', dtype=torch.bfloat16):\n"
             "    loss = loss_fn(model(x), y)\n"
             "# or, keeping float32 storage: torch.set_float32_matmul_precision('high')  # TF32",
             saved_us=max(saved.values()),
             sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:5],
-            fixes=("bf16_autocast", "tf32"),
+            fixes=tuple(saved),
             saved_by_fix=saved,
         )
     ]

@@ -15,6 +15,7 @@ from accel.doctor.recorder import OpRecord
 __all__ = ["PRODUCTS", "product_call", "time_products"]
 
 PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+CONVOLUTION = "aten::convolution"  # forward only: its backward takes the timed ones' ratio
 MOST_SHAPES = 8  # distinct products timed per step (the rest take their mean ratio)
 
 
@@ -25,23 +26,50 @@ def _operands(op: OpRecord) -> list[tuple[int, ...]]:
     return shapes[:2]
 
 
+def _conv_settings(op: OpRecord) -> tuple | None:
+    """(stride, padding, dilation, groups) of a 2-d convolution, from its recorded scalars."""
+    s = op.scalars
+    if len(op.inputs) < 2 or len(op.inputs[0].shape) != 4 or len(s) < 10 or s[6]:
+        return None  # not 2-d, or transposed
+    return (tuple(s[0:2]), tuple(s[2:4]), tuple(s[4:6]), s[9])
+
+
+def _key(op: OpRecord) -> tuple | None:
+    """What makes two recorded products the same call to time."""
+    tf32 = "tf32" in op.facts
+    if op.op in PRODUCTS and op.inputs:
+        return ("product", tuple(_operands(op)), op.inputs[0].dtype, tf32, None)
+    if op.op == CONVOLUTION:
+        settings = _conv_settings(op)
+        shapes = tuple(t.shape for t in op.inputs[:2])
+        return ("conv", shapes, op.inputs[0].dtype, tf32, settings) if settings else None
+    return None
+
+
 def product_call(
-    shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device
+    shapes: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    device: torch.device,
+    conv: tuple | None = None,
 ) -> Callable[[], torch.Tensor]:
-    """A product of random operands of ``shapes`` (2-d: mm, 3-d: bmm) in ``dtype``."""
+    """A product (2-d: mm, 3-d: bmm) or, with ``conv``'s settings, a 2-d convolution of random
+    operands of ``shapes`` in ``dtype``."""
     gen = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
+    if conv is not None:
+        stride, padding, dilation, groups = conv
+        return lambda: torch.nn.functional.conv2d(a, b, None, stride, padding, dilation, groups)
     return (lambda: torch.bmm(a, b)) if a.dim() == 3 else (lambda: torch.mm(a, b))
 
 
 @contextlib.contextmanager
 def _tf32(on: bool) -> Iterator[None]:
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = on
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _with_tf32(call: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
@@ -55,33 +83,39 @@ def _with_tf32(call: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch
 def time_products(
     ops: list[OpRecord], device: torch.device, variants: dict[str, Callable]
 ) -> dict[str, float]:
-    """The recorded time of ``ops`` (products only) as it would be under each variant: the
-    largest distinct products are timed as recorded and as each variant makes them
-    (``variant(shapes, dtype) -> (shapes, dtype, tf32)``), their recorded time scaled by the
-    ratio; the rest by the timed ones' overall ratio. Returns variant -> us."""
+    """The recorded time of ``ops`` (products and convolutions) as it would be under each
+    variant: the largest distinct ones are timed as recorded and as each variant makes them
+    (``variant(shapes, dtype) -> (shapes, dtype, tf32)``), interleaved, their recorded time scaled
+    by the ratio; the rest by the timed ones' overall ratio. Returns variant -> us."""
     from accel.lab.timing import compare
 
-    by_shape: dict[tuple, float] = defaultdict(float)
+    by_key: dict[tuple, float] = defaultdict(float)
+    rest = 0.0
     for op in ops:
-        if op.op in PRODUCTS and op.inputs:
-            by_shape[(tuple(_operands(op)), op.inputs[0].dtype)] += op.time_us
-    total = sum(by_shape.values())
-    top = sorted(by_shape, key=lambda k: -by_shape[k])[:MOST_SHAPES]
+        key = _key(op)
+        if key is None:
+            rest += op.time_us
+        else:
+            by_key[key] += op.time_us
+    top = sorted(by_key, key=lambda k: -by_key[k])[:MOST_SHAPES]
+    rest += sum(by_key.values()) - sum(by_key[k] for k in top)
     after = dict.fromkeys(variants, 0.0)
     timed_now = 0.0
-    for shapes, dtype in top:
-        calls = {"as recorded": (list(shapes), dtype, False)}
+    for key in top:
+        _, shapes, dtype, tf32, conv = key
+        calls = {"as recorded": (list(shapes), dtype, tf32)}
         calls |= {name: make(list(shapes), dtype) for name, make in variants.items()}
         timing = compare(
-            {name: _with_tf32(product_call(s, d, device), tf32) for name, (s, d, tf32) in calls.items()},
+            {
+                name: _with_tf32(product_call(s, d, device, conv), t)
+                for name, (s, d, t) in calls.items()
+            },
             warmup=3, repeats=7, calls_per_sample=None, device=device,
         )  # fmt: skip
         now = timing.timings["as recorded"].median_ms
-        timed_now += by_shape[(shapes, dtype)]
+        timed_now += by_key[key]
         for name in variants:
-            after[name] += by_shape[(shapes, dtype)] * timing.timings[name].median_ms / now
-    rest = total - timed_now
+            after[name] += by_key[key] * timing.timings[name].median_ms / now
     for name in variants:
-        ratio = after[name] / timed_now if timed_now > 0 else 1.0
-        after[name] += rest * ratio
+        after[name] += rest * (after[name] / timed_now if timed_now > 0 else 1.0)
     return after

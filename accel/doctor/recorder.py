@@ -41,6 +41,7 @@ _USER_CODE_IN_DOCTOR = (_DOCTOR_DIR + "zoo.py", _DOCTOR_DIR + "ladder" + os.sep)
 _WATCHED = ("__repr__", "__str__", "__format__", "tolist", "numpy")
 # torch's own dispatch machinery between an operator and the code that called it: not news
 _PLUMBING = ("_dynamo/", "_compile.py", "utils/_python_dispatch.py", "_ops.py")
+_PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 
 
 @dataclass(frozen=True)
@@ -208,8 +209,16 @@ class _Recorder(TorchDispatchMode):
 
 def _facts(func, args: tuple) -> tuple[str, ...]:
     """Values worth knowing beside the shapes: a mask that is exactly causal (query i sees keys up
-    to i), which SDPA's ``is_causal`` replaces. Reading it is one sync, in this recorded step only."""
-    if _op_name(func) != "aten::masked_fill" or len(args) < 2:
+    to i), which SDPA's ``is_causal`` replaces (reading it is one sync, in this recorded step
+    only); the backend settings a product or convolution ran under, as the step had them."""
+    name = _op_name(func)
+    if "convolution" in name:
+        return ("tf32",) * torch.backends.cudnn.allow_tf32 + (
+            "cudnn.benchmark",
+        ) * torch.backends.cudnn.benchmark
+    if name in _PRODUCTS:
+        return ("tf32",) if torch.backends.cuda.matmul.allow_tf32 else ()
+    if name != "aten::masked_fill" or len(args) < 2:
         return ()
     mask = args[1]
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 2:

