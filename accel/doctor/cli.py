@@ -66,7 +66,9 @@ def _load_file(path: Path) -> Any:
 
 def _doctor(args: argparse.Namespace) -> int:
     from accel.doctor import examine
+    from accel.files import check_writable
 
+    check_writable(args.out, "--out")  # before the examination, which takes a while
     step, batch, loader = load_step(args.target)
     report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile)
     if args.try_fixes:

@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from accel.errors import UsageError, collection_of
-from accel.files import write_text_atomic
+from accel.files import check_writable, write_text_atomic
 from accel.lab.ceilings import Ceilings, measure_ceilings
 from accel.lab.device import (
     Preset,
@@ -215,9 +215,11 @@ def run_bench(
     dev = torch.device(device) if device is not None else default_device()
     ctx = BenchContext(dev, preset(dev), only=parts)
     if out is not None:
+        files = result_files(Path(out), results_stem(dev))
+        for path in files:  # before any folder is made or phase run
+            check_writable(path, "--out")
         out = prepare_out_dir(out)
-        csv = out / f"{results_stem(dev)}.csv"
-        ctx.recorded = read_results(csv) if csv.exists() else None
+        ctx.recorded = read_results(files[0]) if files[0].exists() else None
     info = versions(dev)
     stamp = {k: info[k] for k in ("device", "preset", "torch", "triton", "cuda", "driver")}
     stamp["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
@@ -263,6 +265,11 @@ def prepare_out_dir(out: str | Path) -> Path:
     return path
 
 
+def result_files(out: Path, stem: str) -> tuple[Path, Path, Path]:
+    """What a bench run writes in ``out``: its rows, their report and the report's plotly.js."""
+    return out / f"{stem}.csv", out / f"{stem}.html", out / PLOTLY_JS
+
+
 def write_results(
     frame: pd.DataFrame, out_dir: str | Path, stem: str | None = None, *, by_case: bool = False
 ) -> dict[str, Path]:
@@ -270,8 +277,7 @@ def write_results(
     ``by_case`` only the rows of the same phase and case) and write the HTML report of the whole
     file beside it, with plotly.js."""
     out = prepare_out_dir(out_dir)
-    stem = stem or results_stem()
-    csv = out / f"{stem}.csv"
+    csv, report, _ = result_files(out, stem or results_stem())
     if csv.exists():
         old = read_results(csv)
         if by_case:
@@ -281,7 +287,6 @@ def write_results(
     frame = frame[COLUMNS]
     write_text_atomic(csv, frame.to_csv(index=False))
     _write_plotly_js(out)
-    report = out / f"{stem}.html"
     write_text_atomic(report, html_report(frame))
     return {"csv": csv, "html": report}
 
