@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import importlib
+import io
 import math
+import re
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -388,6 +390,8 @@ def default_results_dir() -> Path:
 
 
 NUMBER_COLUMNS = ("baseline", "optimized", "speedup", "fraction_of_ceiling")
+# the lines git leaves in a file whose merge conflicted
+CONFLICT_MARKER = re.compile(r"(<{7}|={7}|>{7}|\|{7})( |$)")
 
 
 def _exact_float(text: str) -> float:
@@ -398,9 +402,17 @@ def read_results(csv: str | Path) -> pd.DataFrame:
     """A result file's rows, ``met`` as True, False or None: read as text, since pandas makes a
     column whose every ``met`` is empty float and would turn a later True into 1.0. Numbers are
     parsed by Python, exactly (some pandas versions' parser is off by a unit in the last place),
-    so rewriting a file leaves the rows it keeps as they were."""
+    so rewriting a file leaves the rows it keeps as they were. A file with a merge's conflict
+    markers is refused with the marker's line."""
+    text = Path(csv).read_text(encoding="utf-8")
+    for number, line in enumerate(text.splitlines(), 1):
+        if CONFLICT_MARKER.match(line):
+            raise UsageError(
+                f"{csv}:{number}: a merge-conflict marker ({line[:7]}); expected rows only: "
+                "resolve the conflict (keep one side's rows, or rerun the phase) first"
+            )
     converters = dict.fromkeys(NUMBER_COLUMNS, _exact_float)
-    frame = pd.read_csv(csv, dtype={"met": object}, converters=converters)
+    frame = pd.read_csv(io.StringIO(text), dtype={"met": object}, converters=converters)
     frame["met"] = [{"True": True, "False": False}.get(met) for met in frame["met"]]
     return frame
 
