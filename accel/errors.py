@@ -29,3 +29,14 @@ def collection_of(
             if not isinstance(item, str):
                 raise TypeError(f"{what} must be strings, got {item!r} ({type(item).__name__})")
     return items
+
+
+def checked_count(value: Any, name: str, *, at_least: int = 0) -> int:
+    """``value`` as an int if it is a whole number >= ``at_least``, else a TypeError (not a whole
+    number; a bool is not a count) or a ValueError, either naming ``name``."""
+    expected = f"{name} must be an int >= {at_least}"
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{expected}, got {value!r} ({type(value).__name__})")
+    if value < at_least:
+        raise ValueError(f"{expected}, got {value}")
+    return int(value)
