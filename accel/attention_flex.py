@@ -396,7 +396,8 @@ def _check_kind(mask: object) -> None:
 
 
 def _checked_key(q, k, v, mask, causal, backend) -> MaskedKey:
-    """The signature, after the checks the first time it is seen with ``backend``."""
+    """The signature, after the checks the first time it is seen with ``backend``; a mask made
+    from data is checked against q and k with each new mask (its values may not fit)."""
     _check_kind(mask)
     try:
         key = (mask.signature, signature(q, k, v))
@@ -405,6 +406,8 @@ def _checked_key(q, k, v, mask, causal, backend) -> MaskedKey:
     if key is None or (backend, causal, key) not in _CHECKED:
         _check(q, k, v, mask, causal, backend)
         _CHECKED.add((backend, causal, key))
+    elif mask.data() is not None:
+        mask.check(q, k)
     return key  # type: ignore[return-value]
 
 

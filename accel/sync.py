@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -378,12 +379,15 @@ def apply_givens(v: torch.Tensor, planes: torch.Tensor, theta: torch.Tensor) -> 
     """Rotate the last dimension of ``v`` in each plane (i, j) by its angle, layer after layer.
 
     ``planes``: (layers, k, 2) long on ``v``'s device, disjoint within a layer (see
-    :func:`check_planes`); ``theta``: (layers, k). In plane (i, j):
+    :func:`check_planes`; a ValueError otherwise); ``theta``: (layers, k). In plane (i, j):
     ``v_i, v_j <- c v_i - s v_j, s v_i + c v_j`` with ``c, s = cos, sin(theta)``. One gather,
-    one rotation and one scatter per layer, whatever k: no Python loop over planes, no sync.
-    Returns a new tensor.
+    one rotation and one scatter per layer, whatever k: no Python loop over planes, no sync
+    once a planes tensor has been checked (its first call, and after it changes in place, reads
+    it on the host once). Returns a new tensor.
     """
     _check_rotor_args(v, planes, theta)
+    if not torch.compiler.is_compiling():
+        _check_planes_once(planes, v.shape[-1])
     c, s = theta.cos().to(v.dtype), theta.sin().to(v.dtype)  # (layers, k)
     k = planes.shape[1]
     for layer in range(planes.shape[0]):
@@ -394,6 +398,21 @@ def apply_givens(v: torch.Tensor, planes: torch.Tensor, theta: torch.Tensor) -> 
         rotated = torch.stack((cl * vi - sl * vj, sl * vi + cl * vj), dim=-1).flatten(-2)
         v = v.index_copy(-1, pairs, rotated)
     return v
+
+
+_CHECKED_PLANES: dict[int, tuple] = {}  # id -> (weak reference, version, dim) of checked planes
+
+
+def _check_planes_once(planes: torch.Tensor, dim: int) -> None:
+    """:func:`check_planes` on a planes tensor the first time it is seen with ``dim`` or after it
+    changed in place; later calls read nothing (a loop passes the same tensor every step)."""
+    key = id(planes)
+    seen = _CHECKED_PLANES.get(key)
+    if seen is not None and seen[0]() is planes and seen[1:] == (planes._version, dim):
+        return
+    check_planes(planes, dim)
+    gone = weakref.ref(planes, lambda _, key=key: _CHECKED_PLANES.pop(key, None))
+    _CHECKED_PLANES[key] = (gone, planes._version, dim)
 
 
 def apply_givens_reference(v: torch.Tensor, planes: Any, theta: torch.Tensor) -> torch.Tensor:
