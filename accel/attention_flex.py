@@ -44,6 +44,7 @@ from accel.attention_auto import (
     signature,
 )
 from accel.attention_masks import AttentionMask, dense_mask
+from accel.errors import checked_count
 from accel.timer import interleaved
 
 __all__ = [
@@ -137,6 +138,7 @@ def block_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor, *, block_s
     evaluates the mask at every one of the S x S positions)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    block_size = checked_count(block_size, "block_size", at_least=1)
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     partial, full = _block_states(mask, seq_q, seq_k, q.device, block_size)
     kv_partial, kv_full = _ordered(partial), _ordered(full)

@@ -194,6 +194,10 @@ class Document(AttentionMask):
 
     def __post_init__(self):
         _int_tensor(self.lengths, "lengths", (1, 2))
+        if not isinstance(self.causal, bool):
+            raise TypeError(
+                f"causal must be True or False, got {self.causal!r} ({type(self.causal).__name__})"
+            )
 
     @property
     def rows(self):

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from accel.errors import collection_of
+from accel.errors import checked_callable, checked_count, collection_of
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's sync-debug-mode text
 
@@ -60,6 +60,11 @@ def read_scalars(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
     Values of one dtype are read in that dtype; mixed dtypes are read as float64 (exact for
     float32, bfloat16 and integers below 2**53).
     """
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            "read_scalars: expected a mapping of names to tensors (a dict), got "
+            f"{type(values).__name__}"
+        )
     if not values:
         return {}
     names = list(values)
@@ -162,8 +167,7 @@ class ProgressLog:
         dtype: torch.dtype = torch.float32,
     ):
         self.names = collection_of(names, "column names")
-        if capacity < 1:
-            raise ValueError(f"ProgressLog capacity must be >= 1, got {capacity}")
+        capacity = checked_count(capacity, "ProgressLog capacity", at_least=1)
         self.rows = torch.zeros(capacity, len(self.names), device=device, dtype=dtype)
         self._cuda = self.rows.device.type == "cuda"
         self._filled = 0
@@ -238,6 +242,7 @@ def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None
     Without CUDA there is no device to wait for: ``fn`` still runs, the result is ``None``, and
     a :class:`SyncCheckUnavailableWarning` says so (once per process).
     """
+    checked_callable(fn, "count_syncs(fn)")
     if not torch.cuda.is_available():
         _warn_once(
             "count",
@@ -315,6 +320,7 @@ def check_planes(planes: Any, dim: int) -> torch.Tensor:
     must be disjoint (they commute, so :func:`apply_givens` applies them at once), hence
     ``1 <= k <= dim // 2``. Reads the values on the host: call it once, outside the loop.
     """
+    dim = checked_count(dim, "dim", at_least=2)
     t = torch.as_tensor(planes)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"planes must hold integer coordinates, got dtype {t.dtype}")

@@ -142,7 +142,7 @@ BLOCK_SHAPES = [(300, 300), (256, 256), (200, 330), (330, 200)]
 BLOCK_KINDS = {
     **KINDS,
     "window over tiles": lambda dev: SlidingWindow(150),
-    "document with whole tiles": lambda dev: Document(
+    "document with whole tiles": lambda dev: Document(  # fills the 300 positions exactly
         torch.tensor([[260, 40], [5, 295]], device=dev), causal=False
     ),
     "prefix over a tile": lambda dev: PrefixLM(140),
@@ -154,7 +154,7 @@ BLOCK_KINDS = {
     [
         (kind, shape)
         for kind in BLOCK_KINDS
-        for shape in (BLOCK_SHAPES[:2] if "document" in kind else BLOCK_SHAPES)
+        for shape in BLOCK_SHAPES[: 1 if "whole tiles" in kind else 2 if "document" in kind else 4]
     ],
     ids=str,
 )

@@ -201,3 +201,31 @@ def test_bench_refuses_to_merge_into_a_results_file_with_merge_markers(tmp_path,
     with pytest.raises(bench.UsageError, match=r"nvidia-h200\.csv:3: "):
         write_results(pd.read_csv(ROOT / "results" / "nvidia-h200.csv"), tmp_path, "nvidia-h200")
     assert ran == [] and csv.read_text() == before
+
+
+NOT_A_STEP = """
+def make():
+    return 3, None
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "--steps 0: expected a number of steps >= 1"),
+        (["--steps", "-2"], "--steps -2: expected a number of steps >= 1"),
+        ([], "not_a_step.py:make() returned a step of type int; expected the training step"),
+    ],
+    ids=["no steps", "negative steps", "a step that is not a function"],
+)
+def test_doctor_refuses_a_mistake_in_one_line_before_examining(
+    accel_cli, tmp_path, monkeypatch, args, message
+):
+    examined = []
+    monkeypatch.setattr("accel.doctor.examine", lambda *a, **k: examined.append(a))
+    (tmp_path / "not_a_step.py").write_text(NOT_A_STEP)
+    run = accel_cli("doctor", "not_a_step.py:make", *args, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert examined == []

@@ -65,7 +65,7 @@ def test_union_length_merges_overlaps():
 
 
 def test_profile_step_names_a_step_that_is_not_callable():
-    with pytest.raises(TypeError, match=r"profile_step needs the step function.*got 42 \(int\)"):
+    with pytest.raises(TypeError, match=r"profile_step\(fn\): expected a function.*got 42 \(int\)"):
         profile_step(42)
 
 

@@ -32,7 +32,8 @@ def save(
     world: int,
     directory: Path,
 ) -> None:
-    """A DCP checkpoint into ``directory``; its meta file, written last, marks it complete."""
+    """A DCP checkpoint into ``directory``; its meta file, written last, marks it complete and
+    lists the checkpoint's files with their sizes (every rank's are written when DCP returns)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -47,6 +48,9 @@ def save(
             "wrapper": config.wrapper,
             "world_size": world,
             "step": step,
+            "files": {
+                p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META
+            },
         }
         write_text_atomic(directory / META, json.dumps(meta))
 
@@ -57,6 +61,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig) 
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     meta = checkpoint_meta(config.load_from)
+    check_files(config.load_from)
     for key in ("task", "preset"):
         if meta[key] != getattr(config, key):
             raise ValueError(
@@ -75,17 +80,37 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig) 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path:
     """``path`` if it is a complete checkpoint, else the complete ``step-NNNNNN`` checkpoint
-    under it with the highest step (one interrupted while saving has no meta file yet)."""
+    under it with the highest step (one interrupted while saving has no meta file yet); a
+    ValueError naming the file if one of its files is missing or truncated."""
     path = Path(path)
-    if (path / ".metadata").is_file() and (path / META).is_file():
-        return path
-    steps = [p for p in path.glob("step-*") if (p / ".metadata").is_file() and (p / META).is_file()]
+    steps = (
+        [path]
+        if (path / META).is_file()
+        else [p for p in path.glob("step-*/") if (p / META).is_file()]
+    )
     if not steps:
         raise ValueError(
             f"load_from={str(path)!r} holds no complete DCP checkpoint (no .metadata and {META}, "
             "there or in a step-NNNNNN directory under it)"
         )
-    return max(steps, key=lambda p: checkpoint_meta(p)["step"])
+    latest = max(steps, key=lambda p: checkpoint_meta(p)["step"])
+    check_files(latest)
+    return latest
+
+
+def check_files(path: str | os.PathLike) -> None:
+    """A ValueError naming the first file of the checkpoint at ``path`` that is missing or
+    shorter than when it was saved (a copy cut short, a full disk), before DCP reads any."""
+    sizes = checkpoint_meta(path).get("files", {".metadata": 0})  # saved before sizes were kept
+    for name, size in sizes.items():
+        file = Path(path) / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint {path}: {name} is missing (saved with {size} bytes)")
+        if file.stat().st_size < size:
+            raise ValueError(
+                f"checkpoint {path}: {name} is truncated: {file.stat().st_size} of the {size} "
+                "bytes saved"
+            )
 
 
 def checkpoint_meta(path: str | os.PathLike) -> dict:

@@ -21,7 +21,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from accel.errors import checked_count
+from accel.errors import checked_callable, checked_count
 from accel.files import check_writable
 from accel.lab.device import default_device
 from accel.profiling import (  # noqa: F401 - HOST_READ_OP, NO_WORK_OPS and union_length re-exported
@@ -93,11 +93,7 @@ def profile_step(
     a file's name (its folders are made); a folder or a read-only file is refused before the step
     runs.
     """
-    if not callable(fn):
-        raise TypeError(
-            f"profile_step needs the step function, not its result: got {fn!r} "
-            f"({type(fn).__name__})"
-        )
+    checked_callable(fn, "profile_step(fn)")
     steps = checked_count(steps, "steps", at_least=1)
     warmup = checked_count(warmup, "warmup")
     if trace_path is not None:
