@@ -61,9 +61,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _table(args: argparse.Namespace) -> int:
+    from accel.files import check_writable
     from accel.lab.bench import results_markdown, update_readme
 
     if args.readme:
+        check_writable(args.readme, "--readme")
         changed = update_readme(args.readme, args.results, force=args.force)
         print(f"{args.readme}: {'updated' if changed else 'already up to date'}")
     else:

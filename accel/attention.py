@@ -183,7 +183,10 @@ def attention_reference(
     """Attention written out: softmax(q k^T * scale + mask) v, materializing the S x S scores.
 
     Same semantics as SDPA: ``causal`` keeps key j <= query i (top-left aligned when Sq != Sk);
-    a bool mask keeps True; a float mask is added; rows with no key left give 0.
+    a bool mask keeps True; a float mask is added. A query whose every score is -inf (the mask
+    left it no key) gives 0, as in SDPA; NaN and inf reach the output of every other query that
+    sees them. A key the mask hides (False, or -inf in a float mask) is never read, as in SDPA's
+    causal kernels and FlexAttention (SDPA's math path adds -inf, so a NaN there reaches it).
     """
     check_inputs(q, k, v, mask, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -196,11 +199,10 @@ def attention_reference(
     elif mask is not None and mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, -math.inf)
     elif mask is not None:
-        scores = scores + mask
+        scores = (scores + mask).masked_fill(torch.isneginf(mask), -math.inf)
     weights = scores.softmax(dim=-1)
-    if mask is not None:
-        weights = weights.nan_to_num(0.0)  # a fully masked row: SDPA returns 0, softmax NaN
-    return weights @ v
+    no_key = torch.isneginf(scores).all(dim=-1, keepdim=True)  # softmax gives NaN there, SDPA 0
+    return weights.masked_fill(no_key, 0.0) @ v
 
 
 # ---- the "after": SDPA with a chosen or measured backend -----------------------------------------

@@ -44,6 +44,7 @@ from accel.attention_auto import (
     signature,
 )
 from accel.attention_masks import AttentionMask, dense_mask
+from accel.errors import checked_count
 from accel.timer import interleaved
 
 __all__ = [
@@ -137,6 +138,7 @@ def block_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor, *, block_s
     evaluates the mask at every one of the S x S positions)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    block_size = checked_count(block_size, "block_size", at_least=1)
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     partial, full = _block_states(mask, seq_q, seq_k, q.device, block_size)
     kv_partial, kv_full = _ordered(partial), _ordered(full)
@@ -396,7 +398,8 @@ def _check_kind(mask: object) -> None:
 
 
 def _checked_key(q, k, v, mask, causal, backend) -> MaskedKey:
-    """The signature, after the checks the first time it is seen with ``backend``."""
+    """The signature, after the checks the first time it is seen with ``backend``; a mask made
+    from data is checked against q and k with each new mask (its values may not fit)."""
     _check_kind(mask)
     try:
         key = (mask.signature, signature(q, k, v))
@@ -405,6 +408,8 @@ def _checked_key(q, k, v, mask, causal, backend) -> MaskedKey:
     if key is None or (backend, causal, key) not in _CHECKED:
         _check(q, k, v, mask, causal, backend)
         _CHECKED.add((backend, causal, key))
+    elif mask.data() is not None:
+        mask.check(q, k)
     return key  # type: ignore[return-value]
 
 

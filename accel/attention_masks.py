@@ -183,9 +183,9 @@ class Document(AttentionMask):
     only (and, with ``causal``, none after itself).
 
     ``lengths``: (n,) for every row alike, or (batch, n) per row; integers >= 0 (zero-length
-    documents are allowed; a negative one is refused on a CPU, not checked on a GPU, where the
-    check would read it on the host), on q's device. Tokens after the last document form one more
-    document, so a row may end in padding. Built on the device, with no host read: a new
+    documents are allowed; a negative one, or lengths summing past the sequence, are refused on
+    a CPU, not checked on a GPU, where the check would read them on the host), on q's device.
+    Tokens after the last document form one more document, so a row may end in padding. Built on the device, with no host read: a new
     ``Document`` per batch costs a few small kernels, not a sync. Needs Sq == Sk."""
 
     lengths: torch.Tensor
@@ -194,6 +194,10 @@ class Document(AttentionMask):
 
     def __post_init__(self):
         _int_tensor(self.lengths, "lengths", (1, 2))
+        if not isinstance(self.causal, bool):
+            raise TypeError(
+                f"causal must be True or False, got {self.causal!r} ({type(self.causal).__name__})"
+            )
 
     @property
     def rows(self):
@@ -212,6 +216,22 @@ class Document(AttentionMask):
                 f"Document needs as many queries as keys (self-attention over packed "
                 f"sequences), got Sq={q.shape[2]}, Sk={k.shape[2]}"
             )
+        self._check_fits(q.shape[2])
+
+    def _check_fits(self, seq: int) -> None:
+        """A ValueError unless every row's documents fit in ``seq`` positions (else the last
+        would be cut without a word); lengths on a GPU are not read (a sync)."""
+        if self.lengths.device.type != "cpu" or torch.compiler.is_compiling():
+            return
+        totals = self.lengths.reshape(-1, self.lengths.shape[-1]).sum(-1)
+        over = (totals > seq).nonzero()
+        if len(over):
+            row = int(over[0, 0])
+            raise ValueError(
+                f"Document lengths sum to {int(totals[row])} in batch row {row}, past the {seq} "
+                f"positions of the sequence: expected a sum <= {seq} (positions after the last "
+                "document form one more)"
+            )
 
     def _spans(self, seq: int, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(document id, first key, end key) of every position, each (rows or 1, seq) int32."""
@@ -219,6 +239,7 @@ class Document(AttentionMask):
         if key not in self._ranges:
             lengths = self.lengths.reshape(-1, self.lengths.shape[-1]).to(device, torch.int32)
             ends = lengths.cumsum(-1, dtype=torch.int32)  # (R, n)
+            self._check_fits(seq)
             pos = _positions(seq, device).expand(ends.shape[0], seq).contiguous()
             doc = torch.searchsorted(ends, pos, right=True, out_int32=True)  # (R, S) in [0, n]
             starts = torch.cat([ends - lengths, ends[:, -1:]], -1)  # the trailing padding last

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from accel.errors import checked_count
+
 __all__ = ["QKVProjection", "RotaryEmbedding", "apply_rope", "rope_cos_sin"]
 
 
@@ -23,6 +25,8 @@ def rope_cos_sin(
     Pair i of the head dimension turns by position * base^(-2i / head_dim); the halves layout
     (dims i and i + head_dim/2 form a pair) matches :func:`apply_rope`.
     """
+    seq_len = checked_count(seq_len, "seq_len")
+    _check_head_dim(head_dim)
     inv_freq = 1.0 / base ** (
         torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim
     )
@@ -38,6 +42,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def _check_head_dim(head_dim: int) -> None:
+    if checked_count(head_dim, "head_dim", at_least=1) % 2:
+        raise ValueError(f"rotary embeddings need an even head_dim > 0, got {head_dim}")
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding of queries and keys (B, H, S, head_dim).
 
@@ -50,10 +59,8 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_seq_len: int, *, base: float = 10_000.0, cached: bool = True
     ):
         super().__init__()
-        if head_dim <= 0 or head_dim % 2:
-            raise ValueError(f"rotary embeddings need an even head_dim > 0, got {head_dim}")
-        if max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        _check_head_dim(head_dim)
+        checked_count(max_seq_len, "max_seq_len", at_least=1)
         self.head_dim, self.max_seq_len, self.base, self.cached = (
             head_dim,
             max_seq_len,

@@ -3,7 +3,8 @@ package."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import reprlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -29,3 +30,47 @@ def collection_of(
             if not isinstance(item, str):
                 raise TypeError(f"{what} must be strings, got {item!r} ({type(item).__name__})")
     return items
+
+
+def checked_count(value: Any, name: str, *, at_least: int = 0) -> int:
+    """``value`` as an int if it is a whole number >= ``at_least``, else a TypeError (not a whole
+    number; a bool is not a count) or a ValueError, either naming ``name``."""
+    expected = f"{name} must be an int >= {at_least}"
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{expected}, got {reprlib.repr(value)} ({type(value).__name__})")
+    if value < at_least:
+        raise ValueError(f"{expected}, got {value}")
+    return int(value)
+
+
+def checked_number(value: Any, name: str) -> float:
+    """``value`` (a Python number, or a one-element tensor) as a float, else a TypeError naming
+    ``name``: a string or a bool is refused though ``float`` would take it."""
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"{name} must be a number, got {reprlib.repr(value)} ({type(value).__name__})")
+
+
+def checked_callable(value: Any, name: str) -> Callable:
+    """``value`` if it can be called, else a TypeError naming ``name`` (e.g.
+    ``"peak_memory(fn)"``): the usual slip is passing a function's result, not the function."""
+    if not callable(value):
+        raise TypeError(
+            f"{name}: expected a function to call, got {reprlib.repr(value)} "
+            f"({type(value).__name__}); pass the function itself, not its result"
+        )
+    return value
+
+
+def checked_instance(value: Any, kind: type, name: str, kind_name: str = "") -> Any:
+    """``value`` if it is a ``kind``, else a TypeError naming ``name`` and the kind expected
+    (``kind_name``, e.g. ``"torch.nn.Module"``, else the class's name)."""
+    if not isinstance(value, kind):
+        raise TypeError(
+            f"{name} must be a {kind_name or kind.__name__}, got {reprlib.repr(value)} "
+            f"({type(value).__name__})"
+        )
+    return value

@@ -1,15 +1,76 @@
-"""Files written whole: a reader, or a crash, never sees half of one. Standard library only."""
+"""Files written whole, and only where asked: a reader, or a crash, never sees half of one, and no
+write follows a link planted beside the target. Standard library only."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
+import tempfile
 from pathlib import Path
+
+from accel.errors import UsageError
+
+WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+
+
+def check_writable(path: str | os.PathLike, what: str = "") -> Path:
+    """The real file ``path`` names (a link followed to its target), or a :class:`UsageError`
+    (``what``, e.g. ``"--out"``, in front of the path) saying why text cannot be written there:
+    a folder at that name, a read-only file (its mode asks that it not change: it is refused,
+    never rewritten with another mode), or a folder above it that is a file or not writable.
+    Creates nothing, so a command checks its destinations before its work."""
+    name = f"{what} {path}" if what else str(path)
+    real = Path(os.path.realpath(path))
+    if real.is_dir():
+        raise UsageError(f"{name}: expected a file to write, found a folder")
+    if real.exists():
+        mode = stat.S_IMODE(real.stat().st_mode)
+        if not mode & WRITE_BITS or not os.access(real, os.W_OK):
+            raise UsageError(
+                f"{name} is read-only (mode {mode:#o}): expected a file accel may rewrite "
+                "(make it writable to let it)"
+            )
+    folder = next(p for p in real.parents if p.exists())
+    if not folder.is_dir():
+        raise UsageError(f"{name}: cannot write there, {folder} is a file")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{name}: cannot write there, the folder {folder} is not writable")
+    return real
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to a hidden file beside ``path``, then rename it over ``path`` (atomic on
-    one file system); the hidden name matches no glob of the visible ones."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write ``text`` (UTF-8) to ``path`` whole: into a new file of an unpredictable name, opened
+    exclusively in the real target's folder (so a link planted at a temporary name is never
+    followed), then renamed over the target (atomic on one file system). A link at ``path`` is
+    written through and stays a link; a rewritten file keeps its mode; what
+    :func:`check_writable` refuses is refused. A failed write leaves the target as it was and no
+    temporary file."""
+    real = check_writable(path)
+    fd, tmp = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+            _take_mode(file.fileno(), real)
+        os.replace(tmp, real)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _take_mode(fd: int, target: Path) -> None:
+    """The target's mode and owner for its replacement (mkstemp's file is private); a new file
+    gets the mode ``open`` would give it."""
+    try:
+        old = target.stat()
+    except FileNotFoundError:
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        return
+    os.fchmod(fd, stat.S_IMODE(old.st_mode))
+    with contextlib.suppress(PermissionError):
+        os.fchown(fd, old.st_uid, old.st_gid)

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import functools
 import math
+import reprlib
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
+from accel.errors import checked_callable, checked_count, checked_number
 from accel.sync import to_device_without_sync
 
 Tensors = torch.Tensor | Iterable[torch.Tensor]
@@ -43,8 +45,20 @@ class NonFiniteGradientError(RuntimeError):
 
 
 # ---- grouping ----------------------------------------------------------------------------------
+def _listed(tensors: Tensors, what: str) -> list[Any]:
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    try:
+        return list(tensors)
+    except TypeError:
+        raise TypeError(
+            f"{what}: expected a tensor or an iterable of tensors, got "
+            f"{reprlib.repr(tensors)} ({type(tensors).__name__})"
+        ) from None
+
+
 def _as_list(tensors: Tensors, what: str) -> list[torch.Tensor]:
-    out = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    out = _listed(tensors, what)
     if not out:
         raise ValueError(
             f"{what}: got no tensors (an empty list, or a generator such as "
@@ -85,32 +99,43 @@ def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:
     return len({t.dtype for t in tensors}) == 1
 
 
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a norm is summed in: float32 for 16-bit tensors (their own dtype loses ~3 digits),
+    float64 for float64 ones (as torch's clip_grad_norm_)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _foreach_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Per-tensor float32 norms in input order, the tensors on one device: one ``_foreach_norm``
-    per dtype. An empty tensor's norm is 0 for every norm type (torch gives 0 for finite ones and
-    refuses the infinity norm of one, so only that is filtered)."""
-    # dtype=float32: bf16/fp16 tensors are summed in fp32 (their own dtype loses ~3 digits)
+    """Per-tensor norms (:func:`_norm_dtype`) in input order, the tensors on one device: one
+    ``_foreach_norm`` per dtype. An empty tensor's norm is 0 for every norm type (torch gives 0
+    for finite ones and refuses the infinity norm of one, so only that is filtered)."""
     if not math.isinf(norm_type) and _one_dtype(tensors):
-        return list(torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32))
+        dtype = _norm_dtype(tensors[0].dtype)
+        return list(torch._foreach_norm(list(tensors), norm_type, dtype=dtype))
     norms: list[torch.Tensor | None] = [None] * len(tensors)
     for indices in group_by_dtype(tensors).values():
         if math.isinf(norm_type):
             for i in indices:
                 if not tensors[i].numel():
-                    norms[i] = torch.zeros((), dtype=torch.float32, device=tensors[i].device)
+                    norms[i] = _zero_norm(tensors[i])
             indices = [i for i in indices if norms[i] is None]
         if indices:
             bucket = [tensors[i] for i in indices]
-            bucket_norms = torch._foreach_norm(bucket, norm_type, dtype=torch.float32)
+            dtype = _norm_dtype(bucket[0].dtype)
+            bucket_norms = torch._foreach_norm(bucket, norm_type, dtype=dtype)
             for i, n in zip(indices, bucket_norms, strict=True):
                 norms[i] = n
     return norms  # type: ignore[return-value]
 
 
+def _zero_norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=_norm_dtype(t.dtype), device=t.device)
+
+
 def _norm_of(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     if not t.numel():  # 0 for every norm type, as in _foreach_norms
-        return torch.zeros((), dtype=torch.float32, device=t.device)
-    return torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
+        return _zero_norm(t)
+    return torch.linalg.vector_norm(t, norm_type, dtype=_norm_dtype(t.dtype))
 
 
 # ---- group statistics --------------------------------------------------------------------------
@@ -172,7 +197,7 @@ def _group_stats_foreach(
     grads = [p.grad for p, h in zip(flat, has_grad, strict=True) if h]
     norms = _foreach_norms(grads + flat, 2.0)
     zero = torch.zeros((), device=device)  # the norm of a missing gradient, and the padding
-    squares = torch.stack([*norms, zero]).square_()
+    squares = torch.stack([*norms, zero]).float().square_()  # float64 norms: stats are float32
     index = _group_index(device, tuple(len(g) for g in groups), has_grad)
     sums = squares[index].sum(-1)  # (stat, group)
     if out is None:
@@ -210,7 +235,7 @@ def _group_index(
 
 # ---- clipping -----------------------------------------------------------------------------------
 def _grads_of(parameters: Tensors, what: str) -> tuple[list[torch.Tensor], torch.device]:
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    params = _listed(parameters, what)
     if not params:
         raise ValueError(
             f"{what}: got no parameters (an empty list, or a generator such as "
@@ -222,7 +247,8 @@ def _grads_of(parameters: Tensors, what: str) -> tuple[list[torch.Tensor], torch
 
 
 def global_norm(tensors: Tensors, norm_type: float = 2.0, *, foreach: bool = True) -> torch.Tensor:
-    """The norm of all ``tensors`` taken together, as a float32 0-d tensor on their device."""
+    """The norm of all ``tensors`` taken together, as a 0-d tensor on their device: float32, or
+    float64 where a tensor is."""
     tensors = _as_list(tensors, "global_norm")
     _one_device(tensors, "global_norm")
     with torch.no_grad():
@@ -244,8 +270,9 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale the gradients in place so that their total norm is at most ``max_norm``.
 
-    Returns the total norm before clipping (float32, 0-d, on the gradients' device), like
-    ``torch.nn.utils.clip_grad_norm_``, whose results this matches: the coefficient is
+    Returns the total norm before clipping (0-d, on the gradients' device; float32, or float64
+    where a gradient is), like ``torch.nn.utils.clip_grad_norm_``, whose results this matches
+    (``norm_type`` may be ``"inf"`` there too): the coefficient is
     ``min(1, max_norm / (total + 1e-6))``. The fast form computes it and multiplies every gradient
     by it on the device: no host read. Parameters without a gradient are skipped; with none at
     all the norm is 0 and nothing changes.
@@ -261,8 +288,10 @@ def clip_grad_norm_(
     foreach multiply per dtype, as torch's ``foreach=True``; beside it in ``results/`` (rows
     ``phase=overhead``, ``clip_grad_norm_``).
     """
-    if not math.isfinite(max_norm) or max_norm <= 0:
-        raise ValueError(f"clip_grad_norm_: max_norm must be finite and > 0, got {max_norm}")
+    max_norm = checked_max_norm(max_norm, "clip_grad_norm_: max_norm")
+    norm_type = (
+        math.inf if norm_type == "inf" else checked_number(norm_type, "clip_grad_norm_: norm_type")
+    )
     grads, device = _grads_of(parameters, "clip_grad_norm_")
     if not grads:
         return torch.zeros((), device=device)
@@ -270,6 +299,14 @@ def clip_grad_norm_(
     with torch.no_grad():
         total = impl(grads, max_norm, norm_type, error_if_nonfinite)
     return total
+
+
+def checked_max_norm(max_norm: Any, name: str) -> float:
+    """``max_norm`` as a float, or an error naming ``name`` unless it is a finite number > 0."""
+    max_norm = checked_number(max_norm, name)
+    if not math.isfinite(max_norm) or max_norm <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {max_norm}")
+    return max_norm
 
 
 def _check_finite(total: torch.Tensor, grads: list[torch.Tensor]) -> None:
@@ -400,8 +437,8 @@ class CompiledFunction:
         max_compiles: int = 8,
         direct: bool = False,
     ):
-        self.fn = fn
-        self.max_compiles = max_compiles
+        self.fn = checked_callable(fn, "CompiledFunction(fn)")
+        self.max_compiles = checked_count(max_compiles, "max_compiles", at_least=1)
         self.direct = direct
         self.compiles = 0
         self.calls = 0

@@ -33,7 +33,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from accel import sync
-from accel.fusion import clip_grad_norm_
+from accel.errors import checked_callable, checked_instance
+from accel.fusion import checked_max_norm, clip_grad_norm_
 from accel.optim import load_state_in_place
 
 __all__ = [
@@ -161,8 +162,7 @@ class GraphedStep:
         pool: Any = None,
         name: str | None = None,
     ):
-        if not callable(fn):
-            raise TypeError(f"GraphedStep needs a callable step function, got {type(fn).__name__}")
+        checked_callable(fn, "GraphedStep(fn)")
         if not isinstance(warmup, int) or warmup < 1:
             raise ValueError(
                 f"warmup must be an int >= 1 (eager calls before capture; lazy state must exist "
@@ -469,6 +469,7 @@ class GraphedOptimizerStep:
         check: bool = True,
         fallback: Literal["warn", "raise"] = "warn",
     ):
+        checked_instance(optimizer, torch.optim.Optimizer, "optimizer", "torch.optim.Optimizer")
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if not params:
             raise ValueError("GraphedOptimizerStep: the optimizer has no parameters")
@@ -548,6 +549,13 @@ def training_step(
     gradient norm to ``max_grad_norm`` on the device (no host read) and steps the optimizer.
     Returns the loss, detached. Wrap it: ``GraphedStep(training_step(...))``; the optimizer must
     be capturable for that (it need not be eagerly)."""
+    checked_instance(model, torch.nn.Module, "training_step: model", "torch.nn.Module")
+    checked_callable(loss_fn, "training_step(loss_fn)")
+    checked_instance(
+        optimizer, torch.optim.Optimizer, "training_step: optimizer", "torch.optim.Optimizer"
+    )
+    if max_grad_norm is not None:
+        max_grad_norm = checked_max_norm(max_grad_norm, "training_step: max_grad_norm")
     params = [p for p in model.parameters() if p.requires_grad]
     load_state_in_place(optimizer)  # a resumed state reaches the captured graph
 

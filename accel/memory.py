@@ -22,6 +22,7 @@ memory events instead, and the CUDA-only parts say so. Torch only.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any
 
 import torch
 
+from accel.errors import checked_callable, checked_count, checked_instance, checked_number
 from accel.recompute import (  # public here: this module measures what they save
     SELECTIVE_SAVE as SELECTIVE_SAVE,
 )
@@ -107,7 +109,8 @@ class CacheCleaner:
     ``stalls_avoided`` counts the calls on which a fixed schedule (``empty_cache`` every
     ``naive_every`` calls, skipping the first) would have emptied and this cleaner did not.
     ``state`` and ``empty`` are injectable, so the policy runs anywhere; on a non-CUDA device
-    without them, :meth:`step` only counts.
+    without them, :meth:`step` only counts. A CUDA device on a machine without one is refused
+    when the cleaner is made (without ``state``), not at its first step.
     """
 
     def __init__(
@@ -119,12 +122,16 @@ class CacheCleaner:
         state: Callable[[], MemoryState] | None = None,
         empty: Callable[[], None] | None = None,
     ):
-        if naive_every < 1:
-            raise ValueError(f"naive_every must be >= 1, got {naive_every}")
         self.device = torch.device(device)
-        self.policy = policy
-        self.naive_every = naive_every
+        self.policy = checked_instance(policy, CleanupPolicy, "policy")
+        self.naive_every = checked_count(naive_every, "naive_every", at_least=1)
         cuda = self.device.type == "cuda"
+        if cuda and state is None and not torch.cuda.is_available():
+            raise ValueError(
+                f"CacheCleaner: device {str(device)!r} needs a CUDA GPU and this machine has "
+                "none; expected device='cpu' (it only counts there) or state= and empty= to "
+                "run the policy on numbers of your own"
+            )
         self._state = state or ((lambda: MemoryState.read(self.device)) if cuda else None)
         self._empty = empty or (torch.cuda.empty_cache if cuda else None)
         self.calls = 0
@@ -267,8 +274,9 @@ def count_allocations(
     there a Python number in an op (``x * 2``) shows as an 8-byte host allocation, which CUDA's
     device counters do not see.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    checked_callable(fn, "count_allocations(fn)")
+    steps = checked_count(steps, "steps", at_least=1)
+    warmup = checked_count(warmup, "warmup")
     dev = torch.device(device) if device is not None else _default_device()
     cuda = dev.type == "cuda"
     for _ in range(warmup if cuda else max(warmup - 1, 0)):
@@ -366,6 +374,7 @@ def peak_memory(fn: Callable[[], object], *, device: torch.device | str | None =
     allocation and free records (what torch's CPU allocator handed out); the profiler sees no
     free of a block allocated before it started, so a ``fn`` that frees such tensors reads high.
     """
+    checked_callable(fn, "peak_memory(fn)")
     dev = torch.device(device) if device is not None else _default_device()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -480,11 +489,13 @@ def largest_batch(
     (the cache is emptied before the next probe). Returns 0 as ``batch`` if ``start`` does not
     fit.
     """
-    if budget_bytes <= 0 or start < 1 or limit < start:
-        raise ValueError(
-            f"largest_batch: need budget_bytes > 0 and 1 <= start <= limit, got "
-            f"{budget_bytes=}, {start=}, {limit=}"
-        )
+    checked_callable(run, "largest_batch(run)")
+    if not checked_number(budget_bytes, "budget_bytes") > 0:  # 8e9 is a budget too
+        raise ValueError(f"largest_batch: budget_bytes must be a number > 0, got {budget_bytes}")
+    checked_number(resident_bytes, "resident_bytes")
+    start = checked_count(start, "start", at_least=1)
+    if checked_count(limit, "limit") < start:
+        raise ValueError(f"largest_batch: need start <= limit, got {start=}, {limit=}")
     dev = torch.device(device) if device is not None else _default_device()
     result = BatchSearch(0, budget_bytes)
 
@@ -521,6 +532,11 @@ def largest_batch(
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes held by ``tensors`` (each storage counted once)."""
     seen: dict[int, int] = {}
+    if not isinstance(tensors, Iterable):
+        raise TypeError(
+            f"tensor_bytes: expected an iterable of tensors, got {reprlib.repr(tensors)} "
+            f"({type(tensors).__name__})"
+        )
     for t in tensors:
         if isinstance(t, torch.Tensor):
             storage = t.untyped_storage()

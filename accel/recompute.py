@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from accel.errors import collection_of
+from accel.errors import checked_instance, collection_of
 
 
 class CheckpointedBlocks:
@@ -93,6 +93,7 @@ def checkpoint_blocks(
     ValueError listing close ones; a block already checkpointed raises too. Returns a handle
     whose ``remove()`` (or ``with``-exit) undoes it.
     """
+    checked_instance(model, nn.Module, "checkpoint_blocks: model", "torch.nn.Module")
     names = list(dict.fromkeys(collection_of(names, "submodule names", strings=False)))
     known = dict(model.named_modules())
     for name in names:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from accel.errors import collection_of
+from accel.errors import checked_callable, checked_count, collection_of
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's sync-debug-mode text
 
@@ -59,6 +60,11 @@ def read_scalars(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
     Values of one dtype are read in that dtype; mixed dtypes are read as float64 (exact for
     float32, bfloat16 and integers below 2**53).
     """
+    if not isinstance(values, Mapping):
+        raise TypeError(
+            "read_scalars: expected a mapping of names to tensors (a dict), got "
+            f"{type(values).__name__}"
+        )
     if not values:
         return {}
     names = list(values)
@@ -161,8 +167,7 @@ class ProgressLog:
         dtype: torch.dtype = torch.float32,
     ):
         self.names = collection_of(names, "column names")
-        if capacity < 1:
-            raise ValueError(f"ProgressLog capacity must be >= 1, got {capacity}")
+        capacity = checked_count(capacity, "ProgressLog capacity", at_least=1)
         self.rows = torch.zeros(capacity, len(self.names), device=device, dtype=dtype)
         self._cuda = self.rows.device.type == "cuda"
         self._filled = 0
@@ -237,6 +242,7 @@ def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None
     Without CUDA there is no device to wait for: ``fn`` still runs, the result is ``None``, and
     a :class:`SyncCheckUnavailableWarning` says so (once per process).
     """
+    checked_callable(fn, "count_syncs(fn)")
     if not torch.cuda.is_available():
         _warn_once(
             "count",
@@ -314,6 +320,7 @@ def check_planes(planes: Any, dim: int) -> torch.Tensor:
     must be disjoint (they commute, so :func:`apply_givens` applies them at once), hence
     ``1 <= k <= dim // 2``. Reads the values on the host: call it once, outside the loop.
     """
+    dim = checked_count(dim, "dim", at_least=2)
     t = torch.as_tensor(planes)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"planes must hold integer coordinates, got dtype {t.dtype}")
@@ -378,12 +385,15 @@ def apply_givens(v: torch.Tensor, planes: torch.Tensor, theta: torch.Tensor) -> 
     """Rotate the last dimension of ``v`` in each plane (i, j) by its angle, layer after layer.
 
     ``planes``: (layers, k, 2) long on ``v``'s device, disjoint within a layer (see
-    :func:`check_planes`); ``theta``: (layers, k). In plane (i, j):
+    :func:`check_planes`; a ValueError otherwise); ``theta``: (layers, k). In plane (i, j):
     ``v_i, v_j <- c v_i - s v_j, s v_i + c v_j`` with ``c, s = cos, sin(theta)``. One gather,
-    one rotation and one scatter per layer, whatever k: no Python loop over planes, no sync.
-    Returns a new tensor.
+    one rotation and one scatter per layer, whatever k: no Python loop over planes, no sync
+    once a planes tensor has been checked (its first call, and after it changes in place, reads
+    it on the host once). Returns a new tensor.
     """
     _check_rotor_args(v, planes, theta)
+    if not torch.compiler.is_compiling():
+        _check_planes_once(planes, v.shape[-1])
     c, s = theta.cos().to(v.dtype), theta.sin().to(v.dtype)  # (layers, k)
     k = planes.shape[1]
     for layer in range(planes.shape[0]):
@@ -394,6 +404,21 @@ def apply_givens(v: torch.Tensor, planes: torch.Tensor, theta: torch.Tensor) -> 
         rotated = torch.stack((cl * vi - sl * vj, sl * vi + cl * vj), dim=-1).flatten(-2)
         v = v.index_copy(-1, pairs, rotated)
     return v
+
+
+_CHECKED_PLANES: dict[int, tuple] = {}  # id -> (weak reference, version, dim) of checked planes
+
+
+def _check_planes_once(planes: torch.Tensor, dim: int) -> None:
+    """:func:`check_planes` on a planes tensor the first time it is seen with ``dim`` or after it
+    changed in place; later calls read nothing (a loop passes the same tensor every step)."""
+    key = id(planes)
+    seen = _CHECKED_PLANES.get(key)
+    if seen is not None and seen[0]() is planes and seen[1:] == (planes._version, dim):
+        return
+    check_planes(planes, dim)
+    gone = weakref.ref(planes, lambda _, key=key: _CHECKED_PLANES.pop(key, None))
+    _CHECKED_PLANES[key] = (gone, planes._version, dim)
 
 
 def apply_givens_reference(v: torch.Tensor, planes: Any, theta: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,8 @@ from typing import Literal, get_args
 
 import torch
 
+from accel.errors import checked_callable, checked_count
+
 SampleCallback = Callable[[str, int, float], None]
 Clock = Literal["device", "latency", "host"]
 CLOCKS: tuple[str, ...] = get_args(Clock)
@@ -143,10 +145,12 @@ def interleaved(
     ``clock`` says what a sample measures (the module's docstring). Without ``on_sample`` and
     with the ``"device"`` clock this waits for the GPU once, at the end.
     """
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"expected repeats >= 1 and warmup >= 0, got {repeats=} {warmup=}")
-    if calls_per_sample is not None and calls_per_sample < 1:
-        raise ValueError(f"calls_per_sample must be >= 1 or None, got {calls_per_sample}")
+    repeats = checked_count(repeats, "repeats", at_least=1)
+    warmup = checked_count(warmup, "warmup")
+    if calls_per_sample is not None:
+        calls_per_sample = checked_count(calls_per_sample, "calls_per_sample", at_least=1)
+    for name, fn in fns.items():
+        checked_callable(fn, f"interleaved(fns[{name!r}])")
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     names = list(fns)

@@ -144,6 +144,35 @@ def test_fully_masked_row_gives_zero_like_sdpa(device, gen):
     torch.testing.assert_close(A.sdpa(q, k, v, mask=keep, backend="math"), ref)
 
 
+# an inf in q also meets the keys a mask hides, which SDPA's math path reads and the reference not
+BAD_INPUTS = [("q", math.nan), *((t, x) for t in "kv" for x in (math.nan, math.inf, -math.inf))]
+
+
+@pytest.mark.parametrize(("where", "bad"), BAD_INPUTS, ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_nan_and_inf_reach_the_reference_output_as_they_reach_sdpas(mode, where, bad, gen):
+    shape = (2, 2, 9, 8)
+    q, k, v = qkv(shape, torch.float32, "cpu", gen)
+    mask, causal = make_mask(mode, shape, torch.float32, "cpu", gen), mode == "causal"
+    tensor = {"q": q, "k": k, "v": v}[where]
+    tensor[0, 1, 0, 3] = bad  # query or key 0: every query sees key 0
+    tensor[1, 0, 0, 5] = math.nan
+    expected = A.sdpa(q, k, v, mask=mask, causal=causal, backend="math")
+    assert expected.isnan().any()
+    got = A.attention_reference(q, k, v, mask=mask, causal=causal)
+    torch.testing.assert_close(got, expected, equal_nan=True)
+
+
+def test_only_a_query_with_no_key_becomes_zero_in_the_reference(gen):
+    q, k, v = qkv((1, 2, 6, 8), torch.float32, "cpu", gen)
+    keep = torch.rand(6, 6, generator=gen) < 0.7
+    keep[:, 0], keep[4] = True, False  # query 4 sees no key
+    q[0, 0, 1, 2] = math.nan
+    out = A.attention_reference(q, k, v, mask=keep)
+    assert out[0, 0, 1].isnan().all() and not out[0, 1].isnan().any()
+    assert torch.equal(out[:, :, 4], torch.zeros(1, 2, 8))
+
+
 @pytest.mark.parametrize("shape", [(0, 2, 5, 8), (1, 2, 0, 8)], ids=str)
 def test_empty_batch_or_queries(shape, gen):
     q = torch.randn(shape, generator=gen)

@@ -5,6 +5,7 @@ backward, ``auto``'s choices and caches, bad inputs. On the CPU FlexAttention ru
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -141,7 +142,7 @@ BLOCK_SHAPES = [(300, 300), (256, 256), (200, 330), (330, 200)]
 BLOCK_KINDS = {
     **KINDS,
     "window over tiles": lambda dev: SlidingWindow(150),
-    "document with whole tiles": lambda dev: Document(
+    "document with whole tiles": lambda dev: Document(  # fills the 300 positions exactly
         torch.tensor([[260, 40], [5, 295]], device=dev), causal=False
     ),
     "prefix over a tile": lambda dev: PrefixLM(140),
@@ -153,7 +154,7 @@ BLOCK_KINDS = {
     [
         (kind, shape)
         for kind in BLOCK_KINDS
-        for shape in (BLOCK_SHAPES[:2] if "document" in kind else BLOCK_SHAPES)
+        for shape in BLOCK_SHAPES[: 1 if "whole tiles" in kind else 2 if "document" in kind else 4]
     ],
     ids=str,
 )
@@ -223,6 +224,30 @@ def test_a_query_with_no_key_gets_zero_on_every_path(gen):
         out = A.sdpa(q, k, v, mask=mask, backend=backend)
         assert torch.equal(out[:, :, 12:], torch.zeros_like(out[:, :, 12:])), backend
     assert torch.equal(A.masked_reference(q, k, v, mask)[:, :, 12:], torch.zeros(1, 2, 8, 16))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+@pytest.mark.parametrize("kind", ["window", "document per row", "prefix per row", "alibi window"])
+def test_the_reference_gives_nan_to_the_queries_that_see_nan_or_inf(kind, bad, gen):
+    mask, seq = KINDS[kind](CPU), 37
+    q, k, v = qkv(2, 2, seq, seq, torch.float32, CPU, gen)
+    clean = A.masked_reference(q, k, v, mask)
+    q[0, 0, 5, 1] = bad  # query 5 sees its own key at least: its row is NaN
+    k[1, 1, 20, 3] = math.nan  # every query that sees key 20 gets NaN
+    out = A.masked_reference(q, k, v, mask)
+    expected = torch.zeros(2, 2, seq, dtype=torch.bool)
+    expected[0, 0, 5] = True
+    expected[1, 1] = loop_mask(mask, 2, seq, seq)[1, :, 20]
+    assert torch.equal(out.isnan().all(-1), expected) and torch.equal(out.isnan().any(-1), expected)
+    torch.testing.assert_close(out[~expected], clean[~expected], rtol=0, atol=0)
+
+
+def test_a_query_with_no_key_stays_zero_beside_a_nan_key(gen):
+    q, k, v = qkv(1, 2, 20, 10, torch.float32, CPU, gen)
+    k[0, 1, 9, 0] = math.nan
+    out = A.masked_reference(q, k, v, SlidingWindow(3))  # queries 12.. see no key
+    assert torch.equal(out[:, :, 12:], torch.zeros(1, 2, 8, 16))
+    assert out[0, 1, 9:12].isnan().all() and not out[0, 0].isnan().any()
 
 
 @pytest.mark.parametrize("kind", ["window", "document per row", "prefix per row", "alibi"])
@@ -502,6 +527,28 @@ def test_bad_calls_raise_clear_errors(call, error, match, gen):
     q, k, v = qkv(2, 2, 7, 7, torch.float32, CPU, gen)
     with pytest.raises(error, match=match):
         call(q, k, v)
+
+
+TOO_LONG = r"Document lengths sum to {} in batch row {}, past the 7 positions of the sequence"
+
+
+@pytest.mark.parametrize(
+    ("lengths", "match"),
+    [([3, 5], TOO_LONG.format(8, 0)), ([[3, 4], [2, 6]], TOO_LONG.format(8, 1))],
+    ids=["shared", "per row"],
+)
+@pytest.mark.parametrize("path", ["reference", "dense", "flex", "auto", "dense_mask"])
+def test_documents_longer_than_the_sequence_are_refused_on_every_path(lengths, match, path, gen):
+    q, k, v = qkv(2, 2, 7, 7, torch.float32, CPU, gen)
+    mask = Document(torch.tensor(lengths))
+    with pytest.raises(ValueError, match=match):
+        if path == "reference":
+            A.masked_reference(q, k, v, mask)
+        elif path == "dense_mask":
+            dense_mask(mask, q, k)
+        else:
+            A.sdpa(q, k, v, mask=mask, backend=path)
+    A.sdpa(q, k, v, mask=Document(torch.tensor([3, 4])))  # exactly the sequence: fine
 
 
 @pytest.mark.gpu

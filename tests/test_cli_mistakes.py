@@ -169,3 +169,63 @@ def test_the_cli_refuses_a_bad_preset_in_one_line(tmp_path):
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "unknown preset 'bogus'" in run.stderr and "cpu, gpu" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def _conflicted_results(folder: Path) -> Path:
+    """A results file as git leaves it after a conflicting merge."""
+    lines = (ROOT / "results" / "nvidia-h200.csv").read_text().splitlines(keepends=True)
+    csv = folder / "nvidia-h200.csv"
+    csv.write_text("".join([*lines[:2], "<<<<<<< HEAD\n", lines[2], "=======\n", lines[3]]))
+    with csv.open("a") as file:
+        file.write(">>>>>>> other-machine\n" + "".join(lines[4:]))
+    return csv
+
+
+def test_table_refuses_a_results_file_with_merge_markers_naming_its_line(accel_cli, tmp_path):
+    csv = _conflicted_results(tmp_path)
+    run = accel_cli("table", "--results", str(tmp_path))
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    assert f"{csv}:3: a merge-conflict marker" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_bench_refuses_to_merge_into_a_results_file_with_merge_markers(tmp_path, monkeypatch):
+    ran = []
+    monkeypatch.setitem(bench.PHASES, "fake", "x:y")
+    monkeypatch.setattr(bench, "phase_function", lambda name: lambda ctx: ran.append(name) or [])
+    monkeypatch.setattr(bench, "results_stem", lambda device=None: "nvidia-h200")
+    csv = _conflicted_results(tmp_path)
+    before = csv.read_text()
+    with pytest.raises(bench.UsageError, match=r"nvidia-h200\.csv:3: a merge-conflict marker"):
+        bench.run_bench(["fake"], device="cpu", progress=False, out=tmp_path)
+    with pytest.raises(bench.UsageError, match=r"nvidia-h200\.csv:3: "):
+        write_results(pd.read_csv(ROOT / "results" / "nvidia-h200.csv"), tmp_path, "nvidia-h200")
+    assert ran == [] and csv.read_text() == before
+
+
+NOT_A_STEP = """
+def make():
+    return 3, None
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "--steps 0: expected a number of steps >= 1"),
+        (["--steps", "-2"], "--steps -2: expected a number of steps >= 1"),
+        ([], "not_a_step.py:make() returned a step of type int; expected the training step"),
+    ],
+    ids=["no steps", "negative steps", "a step that is not a function"],
+)
+def test_doctor_refuses_a_mistake_in_one_line_before_examining(
+    accel_cli, tmp_path, monkeypatch, args, message
+):
+    examined = []
+    monkeypatch.setattr("accel.doctor.examine", lambda *a, **k: examined.append(a))
+    (tmp_path / "not_a_step.py").write_text(NOT_A_STEP)
+    run = accel_cli("doctor", "not_a_step.py:make", *args, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert examined == []

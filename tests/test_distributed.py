@@ -294,7 +294,7 @@ def no_checkpoint_read(monkeypatch):
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ("planted metadata", r"\.metadata does not match the SHA-256 digest"),
+        ("planted metadata", r"\.metadata (does not match the SHA-256 digest|is truncated)"),
         ("changed data", r"__0_0\.distcp does not match the SHA-256 digest"),
         ("no accel-meta.json", "no accel-meta.json: not saved by accel.distributed"),
         ("no digests", "records no SHA-256 digest of its files"),
@@ -560,6 +560,37 @@ def test_a_missing_launcher_is_a_clear_error(monkeypatch, no_launch):
 def test_bad_arguments_are_refused_before_launch(kwargs, message, no_launch):
     with pytest.raises(ValueError, match=message):
         D.launch(**kwargs)
+
+
+def _saved_checkpoint(root: Path) -> Path:
+    """A checkpoint of a small model saved in this process, as a rank saves it."""
+    from accel.distributed import checkpoint
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    directory = root / "step-000002"
+    checkpoint.save(model, optimizer, D.RunConfig(), 2, 0, 1, directory)
+    return directory
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+@pytest.mark.parametrize("which", [".metadata", ".distcp"])
+def test_a_damaged_checkpoint_is_refused_before_launch_naming_the_file(
+    tmp_path, damage, which, no_launch
+):
+    directory = _saved_checkpoint(tmp_path)
+    (damaged,) = [p for p in directory.iterdir() if p.name.endswith(which)]
+    if damage == "missing":
+        damaged.unlink()
+    else:
+        damaged.write_bytes(damaged.read_bytes()[:-10])
+    pattern = rf"checkpoint {directory}: {damaged.name} is {damage}"
+    with pytest.raises(ValueError, match=pattern):
+        D.launch(load_from=tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        D.latest_checkpoint(directory)
 
 
 @pytest.mark.parametrize(

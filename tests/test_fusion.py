@@ -214,6 +214,34 @@ def test_clip_mixed_dtypes_and_missing_grads(gen):
     )
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("mixed", [False, True], ids=["float64", "float64 and float32"])
+def test_clip_float64_gradients_like_torch(gen, mixed, norm_type):
+    params = params_with_grads(gen, SHAPES["odd shapes"], torch.float64)
+    if mixed:
+        params += params_with_grads(gen, [(7, 5)])
+    max_norm = 0.3 * float64_norm([p.grad for p in params])
+    (fast, ref, torch_norm), copies = clip_three_ways(params, max_norm, norm_type)
+    assert fast.dtype == ref.dtype == torch_norm.dtype == torch.float64
+    rtol = 1e-6 if mixed else 1e-12  # float32 norms, summed in another order than torch's
+    torch.testing.assert_close(fast, torch_norm, rtol=rtol, atol=0)
+    torch.testing.assert_close(ref, torch_norm, rtol=rtol, atol=0)
+    for a, b, c in zip(*copies, strict=True):
+        torch.testing.assert_close(a.grad, c.grad, rtol=1e-6, atol=0)
+        torch.testing.assert_close(b.grad, c.grad, rtol=1e-6, atol=0)
+
+
+def test_float64_norms_and_group_stats(gen):
+    tensors = [torch.randn(s, generator=gen, dtype=torch.float64) for s in [(3, 4), (5,)]]
+    expected = torch.linalg.vector_norm(torch.cat([t.flatten() for t in tensors]))
+    for foreach in (True, False):
+        torch.testing.assert_close(fusion.global_norm(tensors, foreach=foreach), expected)
+    params = params_with_grads(gen, [(3, 4), (5,)], torch.float64)
+    stats = fusion.group_stats([params[:1], params[1:]])
+    assert stats.dtype == torch.float32
+    torch.testing.assert_close(stats, fusion.group_stats([params[:1], params[1:]], foreach=False))
+
+
 def test_clip_without_any_gradient_returns_zero(gen):
     params = params_with_grads(gen, [(3,), (4,)], missing={0, 1})
     for foreach in (True, False):

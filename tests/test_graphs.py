@@ -40,7 +40,7 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def test_a_step_must_be_callable():
-    with pytest.raises(TypeError, match="needs a callable step function, got int"):
+    with pytest.raises(TypeError, match=r"GraphedStep\(fn\): expected a function to call, got 3"):
         GraphedStep(3)
 
 

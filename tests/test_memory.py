@@ -78,7 +78,7 @@ def test_cleaner_on_cpu_only_counts():
 
 
 def test_cleaner_rejects_bad_schedule():
-    with pytest.raises(ValueError, match="naive_every must be >= 1"):
+    with pytest.raises(ValueError, match="naive_every must be an int >= 1, got 0"):
         memory.CacheCleaner("cpu", naive_every=0)
 
 
@@ -119,7 +119,7 @@ def test_count_allocations_sees_fresh_tensors_not_in_place_work(gen):
     assert in_place.requests == 0 and in_place.peak_bytes == 0
     if not CUDA:
         assert fresh.device_allocs is None and fresh.retries is None
-    with pytest.raises(ValueError, match="steps must be >= 1"):
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
         memory.count_allocations(lambda: None, steps=0)
 
 
@@ -285,7 +285,7 @@ def test_largest_batch_against_a_budget(budget, resident, expected):
 def test_largest_batch_stops_at_the_limit():
     search = memory.largest_batch(allocating(16), 1 * GiB, limit=40, device="cpu")
     assert search.batch == 40
-    with pytest.raises(ValueError, match="budget_bytes > 0"):
+    with pytest.raises(ValueError, match="budget_bytes must be a number > 0, got 0"):
         memory.largest_batch(allocating(16), 0)
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from accel import memory, sync
+from accel import attention, fusion, graphs, memory, sync, timer
+from accel.attention_masks import Document, SlidingWindow
 from accel.lab import bench
 from accel.lab.cases import fusion as fusion_case
 from accel.lab.cases import recipe as recipe_case
@@ -52,3 +53,149 @@ def test_collections_of_names_still_work():
     assert sync.MetricAccumulator({"loss": 0, "lr": 1}.keys()).names == ("loss", "lr")
     handle = memory.checkpoint_blocks(_model(), ["0", "1"])
     handle.remove()
+
+
+# ---- a mistaken argument is refused at once, naming it, with what came and what was expected ----
+def _step():
+    return torch.randn(4, 4).sum()
+
+
+def _grads() -> list[torch.Tensor]:
+    model = _model()
+    model(torch.randn(2, 3)).sum().backward()
+    return list(model.parameters())
+
+
+def _trainable() -> tuple:
+    model = _model()
+    return model, nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+NOT_A_FUNCTION = r"expected a function to call, got 3 \(int\); pass the function itself"
+MISTAKES = {
+    "clip_grad_norm_ max_norm string": (
+        lambda: fusion.clip_grad_norm_(_grads(), "1.0"),
+        TypeError,
+        r"max_norm must be a number, got '1\.0' \(str\)",
+    ),
+    "clip_grad_norm_ norm_type string": (
+        lambda: fusion.clip_grad_norm_(_grads(), 1.0, "two"),
+        TypeError,
+        r"norm_type must be a number, got 'two' \(str\)",
+    ),
+    "global_norm of a number": (
+        lambda: fusion.global_norm(3),
+        TypeError,
+        r"global_norm: expected a tensor or an iterable of tensors, got 3 \(int\)",
+    ),
+    "compile_per_shape(3)": (lambda: fusion.compile_per_shape(3), TypeError, NOT_A_FUNCTION),
+    "peak_memory(3)": (lambda: memory.peak_memory(3), TypeError, r"peak_memory\(fn\): expected a"),
+    "count_allocations(3)": (
+        lambda: memory.count_allocations(3, device="cpu"),
+        TypeError,
+        r"count_allocations\(fn\): expected a",
+    ),
+    "count_allocations warmup": (
+        lambda: memory.count_allocations(_step, warmup=-1, device="cpu"),
+        ValueError,
+        r"warmup must be an int >= 0, got -1",
+    ),
+    "largest_batch(3)": (
+        lambda: memory.largest_batch(3, 1000, device="cpu"),
+        TypeError,
+        r"largest_batch\(run\): expected a",
+    ),
+    "largest_batch budget string": (
+        lambda: memory.largest_batch(torch.randn, "1e6", device="cpu"),
+        TypeError,
+        r"budget_bytes must be a number, got '1e6' \(str\)",
+    ),
+    "CacheCleaner naive_every string": (
+        lambda: memory.CacheCleaner("cpu", naive_every="3"),
+        TypeError,
+        r"naive_every must be an int >= 1, got '3' \(str\)",
+    ),
+    "CacheCleaner policy": (
+        lambda: memory.CacheCleaner("cpu", policy="often"),
+        TypeError,
+        r"policy must be a CleanupPolicy, got 'often' \(str\)",
+    ),
+    "checkpoint_blocks of a number": (
+        lambda: memory.checkpoint_blocks(3, ["0"]),
+        TypeError,
+        r"checkpoint_blocks: model must be a torch\.nn\.Module, got 3 \(int\)",
+    ),
+    "tensor_bytes of a number": (
+        lambda: memory.tensor_bytes(3),
+        TypeError,
+        r"tensor_bytes: expected an iterable of tensors, got 3 \(int\)",
+    ),
+    "ProgressLog capacity string": (
+        lambda: sync.ProgressLog(["a"], capacity="3"),
+        TypeError,
+        r"capacity must be an int >= 1, got '3' \(str\)",
+    ),
+    "count_syncs(3)": (lambda: sync.count_syncs(3), TypeError, r"count_syncs\(fn\): expected a"),
+    "read_scalars of a list": (
+        lambda: sync.read_scalars([torch.tensor(1.0)]),
+        TypeError,
+        r"read_scalars: expected a mapping of names to tensors \(a dict\), got list",
+    ),
+    "check_planes dim string": (
+        lambda: sync.check_planes([[0, 1]], "4"),
+        TypeError,
+        r"dim must be an int >= 2, got '4' \(str\)",
+    ),
+    "GraphedOptimizerStep of a string": (
+        lambda: graphs.GraphedOptimizerStep("adam"),
+        TypeError,
+        r"optimizer must be a torch\.optim\.Optimizer, got 'adam' \(str\)",
+    ),
+    "training_step max_grad_norm string": (
+        lambda: graphs.training_step(*_trainable(), max_grad_norm="1"),
+        TypeError,
+        r"max_grad_norm must be a number, got '1' \(str\)",
+    ),
+    "rope_cos_sin negative": (
+        lambda: attention.rope_cos_sin(-1, 8),
+        ValueError,
+        r"seq_len must be an int >= 0, got -1",
+    ),
+    "block_mask block_size 0": (
+        lambda: attention.block_mask(
+            SlidingWindow(2), *[torch.randn(1, 1, 4, 8)] * 2, block_size=0
+        ),
+        ValueError,
+        r"block_size must be an int >= 1, got 0",
+    ),
+    "Document causal string": (
+        lambda: Document(torch.tensor([3]), causal="no"),
+        TypeError,
+        r"causal must be True or False, got 'no' \(str\)",
+    ),
+    "interleaved non-callable": (
+        lambda: timer.interleaved({"a": 3}, "cpu", warmup=1, repeats=1),
+        TypeError,
+        r"interleaved\(fns\['a'\]\): expected a",
+    ),
+    "interleaved repeats string": (
+        lambda: timer.interleaved({"a": _step}, "cpu", warmup=1, repeats="3"),
+        TypeError,
+        r"repeats must be an int >= 1, got '3' \(str\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES.values(), ids=MISTAKES.keys())
+def test_a_mistaken_argument_is_named_with_what_came_and_what_was_expected(mistake):
+    call, error, match = mistake
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_a_cache_cleaner_for_cuda_without_cuda_is_refused_when_made_not_at_its_first_step():
+    with pytest.raises(ValueError, match=r"CacheCleaner: device 'cuda' needs a CUDA GPU"):
+        memory.CacheCleaner("cuda")
+    counting = memory.CacheCleaner("cuda", state=lambda: memory.MemoryState(1, 2, 4))
+    assert counting.step() is False  # the policy, injected, runs anywhere

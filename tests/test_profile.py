@@ -65,5 +65,31 @@ def test_union_length_merges_overlaps():
 
 
 def test_profile_step_names_a_step_that_is_not_callable():
-    with pytest.raises(TypeError, match=r"profile_step needs the step function.*got 42 \(int\)"):
+    with pytest.raises(TypeError, match=r"profile_step\(fn\): expected a function.*got 42 \(int\)"):
         profile_step(42)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"warmup": -5}, ValueError, r"warmup must be an int >= 0, got -5"),
+        ({"steps": 0}, ValueError, r"steps must be an int >= 1, got 0"),
+        ({"steps": 2.5}, TypeError, r"steps must be an int >= 1, got 2\.5 \(float\)"),
+        ({"warmup": "2"}, TypeError, r"warmup must be an int >= 0, got '2' \(str\)"),
+        ({"steps": True}, TypeError, r"steps must be an int >= 1, got True \(bool\)"),
+    ],
+)
+def test_profile_step_refuses_bad_counts_before_running_the_step(kwargs, error, message):
+    ran = []
+    with pytest.raises(error, match=message):
+        profile_step(lambda: ran.append(1), device="cpu", **kwargs)
+    assert ran == []
+
+
+def test_profile_step_refuses_a_folder_as_trace_path_before_running_the_step(tmp_path):
+    ran = []
+    with pytest.raises(
+        ValueError, match=r"trace_path .*: expected a file to write, found a folder"
+    ):
+        profile_step(lambda: ran.append(1), steps=1, warmup=0, device="cpu", trace_path=tmp_path)
+    assert ran == [] and list(tmp_path.iterdir()) == []

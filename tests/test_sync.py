@@ -148,6 +148,7 @@ def test_sync_free_components_pass_the_guard(gen):
         sync.MetricAccumulator(["a"], device="cuda"),
         sync.ProgressLog(["a"], 2, device="cuda"),
     )
+    sync.apply_givens(v, planes, theta)  # the planes' one check, a host read
     torch.cuda.synchronize()
     with sync.no_sync():
         v = sync.apply_givens(v, planes, theta)
@@ -211,6 +212,20 @@ def test_apply_givens_rejects_bad_arguments(gen):
         sync.apply_givens(v, planes, randn(gen, 1, 2))
     with pytest.raises(TypeError, match="floating-point"):
         sync.apply_givens(v.long(), planes, theta)
+
+
+def test_apply_givens_refuses_planes_that_overlap_or_leave_the_vector(gen):
+    v = randn(gen, 3, 4)
+    overlapping = torch.tensor([[[0, 1], [1, 2]]])  # not through check_planes
+    with pytest.raises(ValueError, match=r"layer 0 uses coordinate\(s\) \[1\] in more than one"):
+        sync.apply_givens(v, overlapping, randn(gen, 1, 2))
+    with pytest.raises(ValueError, match=r"coordinates must be in 0\.\.3"):
+        sync.apply_givens(v, torch.tensor([[[0, 4]]]), randn(gen, 1, 1))
+    planes = torch.tensor([[[0, 1], [2, 3]]])
+    sync.apply_givens(v, planes, randn(gen, 1, 2))  # disjoint: fine, and remembered
+    planes[0, 1, 0] = 1  # changed in place: checked again
+    with pytest.raises(ValueError, match="must be disjoint"):
+        sync.apply_givens(v, planes, randn(gen, 1, 2))
 
 
 @pytest.mark.parametrize(

@@ -123,8 +123,8 @@ def test_on_sample_reports_every_sample():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(repeats=0), "repeats >= 1"),
-        (dict(warmup=-1), "warmup >= 0"),
+        (dict(repeats=0), "repeats must be an int >= 1, got 0"),
+        (dict(warmup=-1), "warmup must be an int >= 0, got -1"),
         (dict(calls_per_sample=0), "calls_per_sample"),
         (dict(baseline="zzz"), "baseline 'zzz' is not a candidate"),
     ],
@@ -159,7 +159,9 @@ def test_cuda_without_cuda_says_so(monkeypatch):
 
 
 def test_a_candidate_that_is_not_callable_is_named():
-    with pytest.raises(TypeError, match=r"candidate 'a' is not callable: got 42 \(int\)"):
+    with pytest.raises(
+        TypeError, match=r"compare: candidate 'a': expected a function to call, got 42 \(int\)"
+    ):
         compare({"a": 42}, repeats=1, device="cpu")
 
 

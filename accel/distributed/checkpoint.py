@@ -39,8 +39,8 @@ def save(
     world: int,
     directory: Path,
 ) -> None:
-    """A DCP checkpoint into ``directory`` (made if missing); its meta file, written last with
-    the digests of DCP's files, marks it complete."""
+    """A DCP checkpoint into ``directory`` (made if missing); its meta file, written last, marks
+    it complete and records the size and SHA-256 digest of each of DCP's files."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -57,6 +57,9 @@ def save(
             "step": step,
             # rank 0 writes .metadata once every rank's data files are written
             "sha256": _digests(directory),
+            "files": {
+                p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META
+            },
         }
         write_text_atomic(directory / META, json.dumps(meta))
 
@@ -93,22 +96,42 @@ def check_loadable(config: RunConfig) -> dict:
 
 def latest_checkpoint(path: str | os.PathLike) -> Path:
     """``path`` if it is a complete checkpoint, else the complete ``step-NNNNNN`` checkpoint
-    under it with the highest step (one interrupted while saving has no meta file yet)."""
+    under it with the highest step (one interrupted while saving has no meta file yet); a
+    ValueError naming the file if one of its files is missing, truncated or changed."""
     path = Path(path)
-    if (path / ".metadata").is_file():
-        if not (path / META).is_file():
-            raise ValueError(
-                f"load_from={str(path)!r} holds a DCP checkpoint with no {META}: not saved by "
-                f"accel.distributed, or its save was interrupted. {_UNPICKLES}"
-            )
-        return path
-    steps = [p for p in path.glob("step-*") if (p / ".metadata").is_file() and (p / META).is_file()]
+    if (path / ".metadata").is_file() and not (path / META).is_file():
+        raise ValueError(
+            f"load_from={str(path)!r} holds a DCP checkpoint with no {META}: not saved by "
+            f"accel.distributed, or its save was interrupted. {_UNPICKLES}"
+        )
+    steps = (
+        [path]
+        if (path / META).is_file()
+        else [p for p in path.glob("step-*/") if (p / META).is_file()]
+    )
     if not steps:
         raise ValueError(
             f"load_from={str(path)!r} holds no complete DCP checkpoint (no .metadata and {META}, "
             "there or in a step-NNNNNN directory under it)"
         )
-    return max(steps, key=lambda p: checkpoint_meta(p)["step"])
+    latest = max(steps, key=lambda p: checkpoint_meta(p)["step"])
+    _verified_meta(latest)
+    return latest
+
+
+def check_files(path: str | os.PathLike) -> None:
+    """A ValueError naming the first file of the checkpoint at ``path`` that is missing or
+    shorter than when it was saved (a copy cut short, a full disk), before DCP reads any."""
+    sizes = checkpoint_meta(path).get("files", {".metadata": 0})  # saved before sizes were kept
+    for name, size in sizes.items():
+        file = Path(path) / name
+        if not file.is_file():
+            raise ValueError(f"checkpoint {path}: {name} is missing (saved with {size} bytes)")
+        if file.stat().st_size < size:
+            raise ValueError(
+                f"checkpoint {path}: {name} is truncated: {file.stat().st_size} of the {size} "
+                "bytes saved"
+            )
 
 
 def checkpoint_meta(path: str | os.PathLike) -> dict:
@@ -140,6 +163,7 @@ def _verified_meta(path: Path) -> dict:
     for name, expected in digests.items():
         file = path / str(name)
         if Path(str(name)).name != name or not file.is_file() or _sha256(file) != expected:
+            check_files(path)  # a file missing or cut short is named as such
             raise ValueError(
                 f"checkpoint {path}: {name} does not match the SHA-256 digest its {META} "
                 f"recorded: changed (or removed) since it was saved. {_UNPICKLES}"

@@ -31,13 +31,20 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
         raise UsageError(f"{module_name} has no function {function_name!r}")
     made = make()
     if hasattr(made, "step"):
-        return made.step, getattr(made, "batch", None), getattr(made, "loader", None)
-    if isinstance(made, tuple) and len(made) in (2, 3):
-        return (*made, None) if len(made) == 2 else made
-    raise UsageError(
-        f"{target}() must return (step, batch), (step, batch, loader) or an object with "
-        f"step and batch; it returned {type(made).__name__}"
-    )
+        parts = made.step, getattr(made, "batch", None), getattr(made, "loader", None)
+    elif isinstance(made, tuple) and len(made) in (2, 3):
+        parts = (*made, None) if len(made) == 2 else made
+    else:
+        raise UsageError(
+            f"{target}() must return (step, batch), (step, batch, loader) or an object with "
+            f"step and batch; it returned {type(made).__name__}"
+        )
+    if not callable(parts[0]):
+        raise UsageError(
+            f"{target}() returned a step of type {type(parts[0]).__name__}; expected the "
+            "training step, a function (step(batch)), not its result"
+        )
+    return parts
 
 
 def _import(module_name: str) -> Any:
@@ -66,7 +73,11 @@ def _load_file(path: Path) -> Any:
 
 def _doctor(args: argparse.Namespace) -> int:
     from accel.doctor import examine
+    from accel.files import check_writable
 
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
+    check_writable(args.out, "--out")  # before the examination, which takes a while
     step, batch, loader = load_step(args.target)
     report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile)
     if args.try_fixes:

@@ -192,9 +192,10 @@ class Report:
         )
 
     def to_html(self, path: str | Path) -> Path:
-        from accel.files import write_text_atomic
+        from accel.files import check_writable, write_text_atomic
 
         path = Path(path)
+        check_writable(path)  # before creating its folders
         path.parent.mkdir(parents=True, exist_ok=True)
         page = f"<!doctype html><html><meta charset='utf-8'><body>{self.html()}</body></html>"
         write_text_atomic(path, page)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import importlib
+import io
 import math
+import re
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -21,7 +23,7 @@ import pandas as pd
 import torch
 
 from accel.errors import UsageError, collection_of
-from accel.files import write_text_atomic
+from accel.files import check_writable, write_text_atomic
 from accel.lab.ceilings import Ceilings, measure_ceilings
 from accel.lab.device import (
     Preset,
@@ -216,9 +218,11 @@ def run_bench(
     dev = torch.device(device) if device is not None else default_device()
     ctx = BenchContext(dev, preset(dev), only=parts)
     if out is not None:
+        files = result_files(Path(out), results_stem(dev))
+        for path in files:  # before any folder is made or phase run
+            check_writable(path, "--out")
         out = prepare_out_dir(out)
-        csv = out / f"{results_stem(dev)}.csv"
-        ctx.recorded = read_results(csv) if csv.exists() else None
+        ctx.recorded = read_results(files[0]) if files[0].exists() else None
     info = versions(dev)
     stamp = {k: info[k] for k in ("device", "preset", "torch", "triton", "cuda", "driver")}
     stamp["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
@@ -264,6 +268,11 @@ def prepare_out_dir(out: str | Path) -> Path:
     return path
 
 
+def result_files(out: Path, stem: str) -> tuple[Path, Path, Path]:
+    """What a bench run writes in ``out``: its rows, their report and the report's plotly.js."""
+    return out / f"{stem}.csv", out / f"{stem}.html", out / PLOTLY_JS
+
+
 def write_results(
     frame: pd.DataFrame, out_dir: str | Path, stem: str | None = None, *, by_case: bool = False
 ) -> dict[str, Path]:
@@ -271,8 +280,7 @@ def write_results(
     ``by_case`` only the rows of the same phase and case) and write the HTML report of the whole
     file beside it, with plotly.js."""
     out = prepare_out_dir(out_dir)
-    stem = stem or results_stem()
-    csv = out / f"{stem}.csv"
+    csv, report, _ = result_files(out, stem or results_stem())
     if csv.exists():
         old = read_results(csv)
         if by_case:
@@ -282,7 +290,6 @@ def write_results(
     frame = frame[COLUMNS]
     write_text_atomic(csv, frame.to_csv(index=False))
     _write_plotly_js(out)
-    report = out / f"{stem}.html"
     write_text_atomic(report, html_report(frame))
     return {"csv": csv, "html": report}
 
@@ -384,6 +391,8 @@ def default_results_dir() -> Path:
 
 
 NUMBER_COLUMNS = ("baseline", "optimized", "speedup", "fraction_of_ceiling")
+# the lines git leaves in a file whose merge conflicted
+CONFLICT_MARKER = re.compile(r"(<{7}|={7}|>{7}|\|{7})( |$)")
 
 
 def _exact_float(text: str) -> float:
@@ -394,9 +403,17 @@ def read_results(csv: str | Path) -> pd.DataFrame:
     """A result file's rows, ``met`` as True, False or None: read as text, since pandas makes a
     column whose every ``met`` is empty float and would turn a later True into 1.0. Numbers are
     parsed by Python, exactly (some pandas versions' parser is off by a unit in the last place),
-    so rewriting a file leaves the rows it keeps as they were."""
+    so rewriting a file leaves the rows it keeps as they were. A file with a merge's conflict
+    markers is refused with the marker's line."""
+    text = Path(csv).read_text(encoding="utf-8")
+    for number, line in enumerate(text.splitlines(), 1):
+        if CONFLICT_MARKER.match(line):
+            raise UsageError(
+                f"{csv}:{number}: a merge-conflict marker ({line[:7]}); expected rows only: "
+                "resolve the conflict (keep one side's rows, or rerun the phase) first"
+            )
     converters = dict.fromkeys(NUMBER_COLUMNS, _exact_float)
-    frame = pd.read_csv(csv, dtype={"met": object}, converters=converters)
+    frame = pd.read_csv(io.StringIO(text), dtype={"met": object}, converters=converters)
     frame["met"] = [{"True": True, "False": False}.get(met) for met in frame["met"]]
     return frame
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from accel.errors import checked_callable, checked_count
+from accel.files import check_writable, write_text_atomic
 from accel.lab.device import default_device
 from accel.profiling import (  # noqa: F401 - HOST_READ_OP, NO_WORK_OPS and union_length re-exported
     HOST_READ_OP,
@@ -87,15 +90,16 @@ def profile_step(
 ) -> ProfileReport:
     """Profile ``steps`` calls of ``fn`` (after ``warmup`` unprofiled ones) and tabulate them.
 
-    ``trace_path`` also writes the Chrome/Perfetto trace JSON there (open it in ui.perfetto.dev).
+    ``trace_path`` also writes the Chrome/Perfetto trace JSON there (open it in ui.perfetto.dev):
+    a file's name (its folders are made); a folder or a read-only file is refused before the step
+    runs.
     """
-    if not callable(fn):
-        raise TypeError(
-            f"profile_step needs the step function, not its result: got {fn!r} "
-            f"({type(fn).__name__})"
-        )
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
+    checked_callable(fn, "profile_step(fn)")
+    steps = checked_count(steps, "steps", at_least=1)
+    warmup = checked_count(warmup, "warmup")
+    if trace_path is not None:
+        trace_path = Path(trace_path)
+        check_writable(trace_path, "trace_path")
     dev = torch.device(device) if device is not None else default_device()
     cuda = dev.type == "cuda"
     for _ in range(warmup):
@@ -103,9 +107,7 @@ def profile_step(
     prof, start_bytes = _record(fn, steps, dev)
     events = list(prof.events())
     if trace_path is not None:
-        trace_path = Path(trace_path)
-        trace_path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(trace_path))
+        _write_trace(prof, trace_path)
 
     marks = [e for e in events if e.name == STEP_MARK and e.device_type == DeviceType.CPU]
     if not marks:
@@ -154,6 +156,15 @@ def profile_step(
         trace_path=trace_path,
         notes=notes,
     )
+
+
+def _write_trace(prof: profile, path: Path) -> None:
+    """The Chrome trace, written whole as every file accel writes (the profiler writes in place)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder:
+        exported = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(exported))
+        write_text_atomic(path, exported.read_text(encoding="utf-8"))
 
 
 def _record(fn: Callable[[], object], steps: int, dev: torch.device) -> tuple[profile, int]:

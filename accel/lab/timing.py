@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from accel.errors import checked_callable
 from accel.lab.device import default_device
 from accel.timer import (
     CandidateError,
@@ -210,11 +211,7 @@ def compare(
     if not candidates:
         raise ValueError("compare() needs at least one candidate, got none")
     for label, fn in candidates.items():
-        if not callable(fn):
-            raise TypeError(
-                f"candidate {label!r} is not callable: got {fn!r} ({type(fn).__name__}); pass "
-                "the function, not its result"
-            )
+        checked_callable(fn, f"compare: candidate {label!r}")
     labels = list(candidates)
     baseline = labels[0] if baseline is None else baseline
     if baseline not in candidates:
