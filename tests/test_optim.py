@@ -507,9 +507,7 @@ def assert_as_torch(ours, theirs, opt, ref):
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b.to(a.device), **TOL)
         for key in ("step", "exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(
-                opt.state[a][key], ref.state[b][key].to(a.device), **TOL
-            )
+            torch.testing.assert_close(opt.state[a][key], ref.state[b][key].to(a.device), **TOL)
 
 
 @pytest.mark.parametrize("implementation", ["auto", "reference"])
@@ -544,3 +542,29 @@ def test_parameters_that_skip_steps_equal_torch_adamw(kdev, seed, implementation
     run_steps(ref, theirs, torch.Generator().manual_seed(seed + 1), steps=9, between=freeze_some)
     assert_as_torch(ours, theirs, opt, ref)
     assert [float(opt.state[p]["step"]) for p in ours] == [3, 9, 6, 9]
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"amsgrad": True}, r"does not implement amsgrad=True"),
+        ({"maximize": True}, r"does not implement maximize=True"),
+        ({"decoupled_weight_decay": False}, r"decoupled_weight_decay=False and weight_decay=0.1"),
+    ],
+)
+def test_options_it_does_not_implement_are_refused_not_ignored(option, match, seed):
+    """In a group given to it, added later, or in a loaded state (torch.optim.Adam's is AdamW's
+    with weight decay as an L2 penalty): before anything changes."""
+    params = make_params("cpu", torch.Generator().manual_seed(seed))
+    with pytest.raises(ValueError, match=match):
+        MultiTensorAdamW([{"params": params, "weight_decay": 0.1, **option}])
+    opt = MultiTensorAdamW(params[:2], weight_decay=0.1, implementation="reference")
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": params[2:], **option})
+    assert len(opt.param_groups) == 1
+    adam = torch.optim.Adam if "decoupled_weight_decay" in option else torch.optim.AdamW
+    theirs = adam(params[:2], weight_decay=0.1, **option)
+    _step_with(theirs, params[:2], _grads(params[:2], seed, steps=1))
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(theirs.state_dict())
+    assert not opt.state and not any(k in opt.param_groups[0] for k in option)
