@@ -128,7 +128,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         self.register_state_dict_post_hook(_capturable_where_torch_can_step_it)
         # the kernel reads the state's addresses and a captured graph holds them: a load is
         # checked against the parameters first, then copied into the tensors the state has
-        self.register_load_state_dict_pre_hook(_check_loaded_state)
+        self.register_load_state_dict_pre_hook(_checked_loaded_state)
         load_state_in_place(self)
         self.register_load_state_dict_post_hook(_own_loaded_state, prepend=True)
         self._plan = None
@@ -232,7 +232,7 @@ class MultiTensorAdamW(torch.optim.Optimizer):
     def _check_state(self, params, exp_avgs, exp_avg_sqs, steps, *, kernel: bool) -> None:
         """Before the tensors are stepped: each moment the parameter's shape on its device (the
         kernel's also contiguous float32), each count a 0-d float32 tensor there. A state set by
-        hand can break that; a load cannot (:func:`_check_loaded_state`)."""
+        hand can break that; a load cannot (:func:`_checked_loaded_state`)."""
         for p, m, v, step in zip(params, exp_avgs, exp_avg_sqs, steps, strict=True):
             for key, t in (("exp_avg", m), ("exp_avg_sq", v)):
                 fits = t.shape == p.shape and t.device == p.device
@@ -259,8 +259,9 @@ class MultiTensorAdamW(torch.optim.Optimizer):
 def load_state_in_place(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer.load_state_dict`` copy into the state tensors it already has (moments,
     step counts, tensor learning rates) instead of replacing them, so that a CUDA graph captured
-    earlier reads the loaded values. A loaded tensor whose shape differs from the one it would
-    be copied into is refused before anything changes. Returns the optimizer; a second call
+    earlier reads the loaded values. A loaded state without a tensor the optimizer holds, or
+    with one of another shape, is refused before anything changes (dropped, a held tensor
+    would leave a graph writing into freed memory). Returns the optimizer; a second call
     changes nothing."""
     if getattr(optimizer, "_accel_loads_in_place", False):
         return optimizer
@@ -268,11 +269,17 @@ def load_state_in_place(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
     before: dict[str, Any] = {}
 
     def remember(opt: torch.optim.Optimizer, state_dict: dict) -> None:
-        for where, p, saved in _saved_states(opt, state_dict):
-            for key, kept in opt.state.get(p, {}).items():
-                loaded = saved.get(key)
-                if not (isinstance(kept, torch.Tensor) and isinstance(loaded, torch.Tensor)):
-                    continue
+        for where, p, saved, _ in _saved_states(opt, state_dict):
+            held = {k: t for k, t in opt.state.get(p, {}).items() if isinstance(t, torch.Tensor)}
+            missing = [k for k in held if not isinstance(saved.get(k), torch.Tensor)]
+            if missing:
+                raise ValueError(
+                    f"load_state_dict: {where} has its {missing} held in place (a captured "
+                    f"graph reads them there) and the loaded state has no {missing} for it; "
+                    "load a state that has them, or build a new optimizer"
+                )
+            for key, kept in held.items():
+                loaded = saved[key]
                 if kept.shape != loaded.shape:
                     raise ValueError(
                         f"load_state_dict: state {key!r} of {where} has shape "
@@ -302,9 +309,9 @@ def load_state_in_place(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
 
 
 def _saved_states(optimizer: torch.optim.Optimizer, state_dict: dict):
-    """(``"parameter i of group k"``, the parameter, its saved state) for each parameter with a
-    saved state, paired as ``torch.optim.Optimizer.load_state_dict`` pairs them (group by group,
-    in order). Nothing where the groups do not pair up: torch's load refuses that itself."""
+    """(``"parameter i of group k"``, the parameter, its saved state or ``{}``, its saved id) for
+    each parameter, paired as ``torch.optim.Optimizer.load_state_dict`` pairs them (group by
+    group, in order). Nothing where the groups do not pair up: torch's load refuses that."""
     saved_groups = state_dict.get("param_groups", [])
     saved = state_dict.get("state", {})
     if len(saved_groups) != len(optimizer.param_groups) or any(
@@ -314,8 +321,7 @@ def _saved_states(optimizer: torch.optim.Optimizer, state_dict: dict):
         return
     for k, (mine, theirs) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
         for i, (p, saved_id) in enumerate(zip(mine["params"], theirs["params"], strict=True)):
-            if saved.get(saved_id):
-                yield f"parameter {i} of group {k}", p, saved[saved_id]
+            yield f"parameter {i} of group {k}", p, saved.get(saved_id) or {}, saved_id
 
 
 def _check_hyperparameters(
@@ -374,15 +380,24 @@ def _capturable_where_torch_can_step_it(optimizer: MultiTensorAdamW, state_dict:
     return state_dict
 
 
-def _check_loaded_state(optimizer: MultiTensorAdamW, state_dict: dict) -> None:
+def _checked_loaded_state(optimizer: MultiTensorAdamW, state_dict: dict) -> dict:
     """Before ``load_state_dict`` changes anything: the saved groups as :meth:`add_param_group`
     checks them, and each saved state torch's AdamW's (a step count, two moments of the
     parameter's shape; torch would refuse the moments at the first step, the kernel would read
-    and write past a smaller moment's end)."""
+    and write past a smaller moment's end). A parameter with a state here and none saved gets
+    a fresh one (zeros, step 0: what torch's AdamW starts it from) to be copied in place."""
     for group in state_dict.get("param_groups", []):
         _check_group(group)
     _check_groups_agree(state_dict.get("param_groups", []), devices=False)
-    for where, p, saved in _saved_states(optimizer, state_dict):
+    fresh = {}
+    for where, p, saved, saved_id in _saved_states(optimizer, state_dict):
+        if not saved:
+            if optimizer.state.get(p):
+                fresh[saved_id] = {"step": torch.zeros(())} | {
+                    k: torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    for k in ("exp_avg", "exp_avg_sq")
+                }
+            continue
         missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved]
         if missing:
             raise ValueError(
@@ -404,6 +419,7 @@ def _check_loaded_state(optimizer: MultiTensorAdamW, state_dict: dict) -> None:
                 f"MultiTensorAdamW.load_state_dict: the state's 'step' of {where} has shape "
                 f"{_shape(step)}; expected one number (a 0-d tensor, as torch.optim.AdamW saves)"
             )
+    return {**state_dict, "state": {**state_dict.get("state", {}), **fresh}}
 
 
 def _own_loaded_state(optimizer: MultiTensorAdamW) -> None:

@@ -568,3 +568,52 @@ def test_options_it_does_not_implement_are_refused_not_ignored(option, match, se
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(theirs.state_dict())
     assert not opt.state and not any(k in opt.param_groups[0] for k in option)
+
+
+# ---- a load into state tensors held in place (a captured graph reads their addresses) ----------
+def test_a_loaded_state_without_a_parameter_starts_it_afresh_in_the_tensors_it_has(seed):
+    """Rolled back to a state saved before parameter 1 had a gradient: its counts and moments
+    are zeroed where they are (freed, a captured graph would write into reused memory), and the
+    run goes on as torch's AdamW loaded with the same state."""
+    start = make_params("cpu", torch.Generator().manual_seed(seed))
+    grads = _grads(start, seed + 1, steps=5)
+    early = [p.detach().clone().requires_grad_() for p in start]
+    theirs = torch.optim.AdamW(early, foreach=False)
+    _step_with(
+        theirs, early, [[None if i == 1 else g for i, g in enumerate(gs)] for gs in grads[:2]]
+    )
+    saved = _through_bytes(theirs.state_dict())
+    assert 1 not in saved["state"]
+    params = [p.detach().clone().requires_grad_() for p in start]
+    ours = MultiTensorAdamW(params, implementation="reference")
+    _step_with(ours, params, grads[:3])
+    held = {id(p): {k: id(t) for k, t in s.items()} for p, s in ours.state.items()}
+    ours.load_state_dict(saved)
+    assert {id(p): {k: id(t) for k, t in s.items()} for p, s in ours.state.items()} == held
+    assert float(ours.state[params[1]]["step"]) == 0
+    assert not ours.state[params[1]]["exp_avg"].any()
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    theirs = torch.optim.AdamW(copies, foreach=False)
+    theirs.load_state_dict(saved)
+    _step_with(ours, params, grads[3:])
+    _step_with(theirs, copies, grads[3:])
+    for a, b in zip(params, copies, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_a_load_in_place_refuses_a_state_without_a_held_tensor(seed):
+    """torch's optimizer wrapped to load in place: a state that has nothing for a tensor it holds
+    cannot be copied into it (and dropping it would leave a graph on freed memory)."""
+    params = make_params("cpu", torch.Generator().manual_seed(seed))
+    early = torch.optim.AdamW(params, foreach=False)
+    _step_with(early, params, [[None, *gs[1:]] for gs in _grads(params, seed, steps=1)])
+    saved = _through_bytes(early.state_dict())
+    opt = load_state_in_place(torch.optim.AdamW(params, foreach=False))
+    _step_with(opt, params, _grads(params, seed + 1, steps=1))
+    held = {id(t) for s in opt.state.values() for t in s.values()}
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 0 of group 0 has its \[.step., .exp_avg., .exp_avg_sq.\] held in place",
+    ):
+        opt.load_state_dict(saved)
+    assert {id(t) for s in opt.state.values() for t in s.values()} == held
