@@ -230,19 +230,24 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         return loss
 
     def _check_state(self, params, exp_avgs, exp_avg_sqs, steps, *, kernel: bool) -> None:
-        """Before the tensors are stepped: each moment the parameter's shape on its device (the
-        kernel's also contiguous float32), each count a 0-d float32 tensor there. A state set by
-        hand can break that; a load cannot (:func:`_checked_loaded_state`)."""
+        """Before the tensors are stepped: each moment of the parameter's shape, dtype and
+        device (the kernel's contiguous float32, as its parameter), each count a 0-d float32
+        tensor there. A state set by hand can break that, or a parameter's data replaced; a
+        load cannot (:func:`_checked_loaded_state`)."""
         for p, m, v, step in zip(params, exp_avgs, exp_avg_sqs, steps, strict=True):
+            if kernel and not (p.dtype == torch.float32 and p.is_contiguous()):
+                raise ValueError(
+                    f"MultiTensorAdamW: {_position(self, p)} is now {_describe(p)}; the kernel "
+                    "it was built for steps contiguous float32 (build it again, or with "
+                    "implementation='reference')"
+                )
             for key, t in (("exp_avg", m), ("exp_avg_sq", v)):
-                fits = t.shape == p.shape and t.device == p.device
-                if fits and kernel:
-                    fits = t.dtype == torch.float32 and t.is_contiguous()
-                if not fits:
+                fits = (t.shape, t.dtype, t.device) == (p.shape, p.dtype, p.device)
+                if not fits or (kernel and not t.is_contiguous()):
                     raise ValueError(
                         f"MultiTensorAdamW: {_position(self, p)} is {_describe(p)}, but its "
-                        f"state's {key!r} is {_describe(t)}; expected the parameter's shape on "
-                        f"its device{', contiguous float32' if kernel else ''}"
+                        f"state's {key!r} is {_describe(t)}; expected the parameter's shape, "
+                        f"dtype and device{', contiguous' if kernel else ''}"
                     )
             if not (
                 isinstance(step, torch.Tensor)

@@ -488,15 +488,28 @@ def test_a_state_saved_for_other_shapes_is_refused_before_any_change(
 
 
 @pytest.mark.parametrize("implementation", ["auto", "reference"])
-def test_a_moment_of_another_size_put_in_the_state_is_refused_before_the_step(
-    kdev, seed, implementation
+@pytest.mark.parametrize(
+    ("moment", "match"),
+    [
+        (
+            lambda m: torch.rand(3, 1499).to(m) + 0.5,
+            r"\(3, 1500\) float32.*'exp_avg_sq' is \(3, 1499\)",
+        ),
+        (lambda m: m.double(), r"\(3, 1500\) float32.*'exp_avg_sq' is \(3, 1500\) float64"),
+    ],
+    ids=["smaller", "float64"],
+)
+def test_a_moment_put_in_the_state_by_hand_is_checked_before_the_step(
+    kdev, seed, implementation, moment, match
 ):
+    """The kernel would read and write past a smaller moment's end, or read float64 as float32;
+    torch's ops would fail half-way through the tensors."""
     params = make_params(kdev, torch.Generator().manual_seed(seed))
     opt = MultiTensorAdamW(groups_of(params), implementation=implementation)
     _step_with(opt, params, _grads(params, seed, steps=1))
-    opt.state[params[3]]["exp_avg_sq"] = torch.rand(3, 1499, device=kdev) + 0.5
+    opt.state[params[3]]["exp_avg_sq"] = moment(opt.state[params[3]]["exp_avg_sq"])
     before = [p.detach().clone() for p in params]
-    with pytest.raises(ValueError, match=r"parameter 1 of group 1.*\(3, 1500\).*\(3, 1499\)"):
+    with pytest.raises(ValueError, match=rf"parameter 1 of group 1 is {match}"):
         _step_with(opt, params, _grads(params, seed + 1, steps=1))
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
     assert all(float(s["step"]) == 1 for s in opt.state.values())

@@ -12,9 +12,10 @@ itself (torch's fused AdamW launches a step-count kernel per group before its up
 read back, so the step can be captured in a CUDA graph.
 
 Each tensor's count advances once every program updating it has read it: the programs of a
-tensor of several blocks count themselves in an atomic counter, and the last one to arrive
-writes the new count (its acquire follows the others' reads) and resets the counter for the
-next launch.
+tensor of several blocks count themselves in an atomic counter once all their warps have read
+it (a barrier), and the last one to arrive writes the new count (its acquire follows the
+others' release) and resets the counter for the next launch. A tensor of one block writes its
+count itself. One atomic per 1024 elements of a large tensor; no launch more.
 
 The math is torch's AdamW (``torch/optim/adamw.py``, capturable form), in float32:
 ``t += 1; p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g;
@@ -118,7 +119,8 @@ def _adamw_kernel(
                 weight2, eps, MASKED=True)  # fmt: skip
     if n <= BLOCK:  # this tensor's one program (an empty tensor has one too)
         tl.store(step_ptr, step)
-    else:
+    else:  # every warp of this program has read the count, then one thread counts it in
+        tl.debug_barrier()
         arrived = tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel")
         if arrived == tl.cdiv(n, BLOCK) - 1:  # every other program of it has read the count
             tl.store(step_ptr, step)
