@@ -454,10 +454,11 @@ class GraphedOptimizerStep:
     copies into the captured state (:func:`accel.optim.load_state_in_place`), so a resumed run
     replays on it. The graph records the gradients' addresses, so they must stay put: zero them
     with ``zero_grad(set_to_none=False)`` (backward then accumulates into the same tensors) and
-    clip them in place before the call. Every call checks that, and that no learning rate
+    clip them in place before the call. Every call checks that, that no learning rate
     changed under the graph (a float learning rate is baked into the graph; use a 0-d device
-    tensor and update it in place): a moved gradient or a changed rate raises
-    :class:`GraphInputError` instead of silently training on stale memory.
+    tensor and update it in place) and that no parameter was added (``reset()`` captures them
+    again): a moved gradient, a changed rate or a new group raises :class:`GraphInputError`
+    instead of silently training on stale memory.
     ``check=False`` skips those host-side checks (about a microsecond per tensor).
     """
 
@@ -500,6 +501,16 @@ class GraphedOptimizerStep:
             self._lrs = [_lr_token(g["lr"]) for g in self.optimizer.param_groups]
 
     def _check_unchanged(self) -> None:
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self._lrs or ()) or sum(len(g["params"]) for g in groups) != len(
+            self.params
+        ):
+            raise GraphInputError(
+                f"GraphedOptimizerStep: the optimizer's parameter groups changed after capture "
+                f"({len(self._lrs or ())} groups of {len(self.params)} parameters then, "
+                f"{len(groups)} of {sum(len(g['params']) for g in groups)} now); the graph "
+                "would step only the ones it was captured with. Call reset() to capture again"
+            )
         for i, (p, ptr) in enumerate(zip(self.params, self._grad_ptrs or (), strict=False)):
             if _ptr(p.grad) != ptr:
                 raise GraphInputError(
@@ -523,8 +534,11 @@ class GraphedOptimizerStep:
         return self._graphed
 
     def reset(self) -> None:
+        """Drop the graph; the next calls warm up and capture again, over the optimizer's
+        parameters as they are then."""
         self._graphed.reset()
         self._grad_ptrs = self._lrs = None
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
 
 
 def _ptr(t: torch.Tensor | None) -> int:

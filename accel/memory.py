@@ -159,13 +159,30 @@ class CacheCleaner:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The counters of :meth:`state_dict`, checked whole before any is set."""
         expected = {"calls", "emptied", "stalls_avoided"}
         if set(state) != expected:
             raise ValueError(
                 f"expected a CacheCleaner state with keys {sorted(expected)}, got {sorted(state)}"
             )
-        self.calls, self.stalls_avoided = int(state["calls"]), int(state["stalls_avoided"])
-        self.emptied = [(int(call), str(reason)) for call, reason in state["emptied"]]
+        calls, stalls_avoided = state["calls"], state["stalls_avoided"]
+        for name, value in (("calls", calls), ("stalls_avoided", stalls_avoided)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"CacheCleaner state: {name!r} must be a count >= 0, got {value!r}"
+                )
+        if not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in state["emptied"]):
+            raise ValueError(
+                f"CacheCleaner state: 'emptied' must be (call, reason) pairs, got "
+                f"{state['emptied']!r}"
+            )
+        emptied = [(int(call), str(reason)) for call, reason in state["emptied"]]
+        late = [call for call, _ in emptied if not 0 <= call < calls]
+        if late:
+            raise ValueError(
+                f"CacheCleaner state: 'emptied' call {late[0]} is not before the {calls} calls"
+            )
+        self.calls, self.stalls_avoided, self.emptied = calls, stalls_avoided, emptied
 
     def __repr__(self) -> str:
         return (

@@ -1,22 +1,26 @@
 """AdamW whose step is one kernel launch for every parameter group.
 
-``MultiTensorAdamW`` is ``torch.optim.AdamW`` (decoupled weight decay, no amsgrad) for float32
-parameters on one CUDA device, stepped by :mod:`accel.kernels.adamw`: one Triton launch updates
-every tensor of every group, with per-group learning rates and weight decays read on the device,
-where ``AdamW(fused=True)`` launches per group. It is capturable by construction (the step count
-lives on the device): wrap ``step`` in :class:`accel.graphs.GraphedOptimizerStep`.
+``MultiTensorAdamW`` is ``torch.optim.AdamW`` (decoupled weight decay; no amsgrad, no maximize:
+those are refused) for float32 parameters on one CUDA device, stepped by
+:mod:`accel.kernels.adamw`: one Triton launch updates every tensor of every group and advances
+its step count, with per-group learning rates and weight decays read on the device, where
+``AdamW(fused=True)`` launches per group. It is capturable by construction (the step counts live
+on the device): wrap ``step`` in :class:`accel.graphs.GraphedOptimizerStep`.
+
+As torch's, it keeps a step count per parameter that advances only on the steps where the
+parameter has a gradient: a group added later starts at step 1, a frozen parameter keeps its
+count until it is unfrozen. ``betas`` and ``eps`` are shared by all groups (the launch takes them
+once).
 
 The plain reference, :func:`adamw_reference`, is torch's per-tensor capturable AdamW written out;
 it runs where the kernel cannot (no CUDA and no ``TRITON_INTERPRET=1``, or a tensor that is not
 contiguous float32), after one warning that says why.
 
-Differences from ``torch.optim.AdamW``, by design: one step count for all parameters (a
-parameter whose gradient is None on some step is skipped, but the count still advances for it),
-and ``betas`` and ``eps`` shared by all groups (the launch takes them once).
-
 Its ``state_dict`` has torch's AdamW layout (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter),
 so a checkpoint resumes exactly, also through ``torch.distributed.checkpoint``, and moves between
-the two optimizers; a state whose parameters have different step counts is refused.
+the two optimizers. A loaded state is checked against the parameters before anything changes (a
+moment of another shape, a missing step count, amsgrad or maximize, Adam's L2 weight decay:
+``ValueError`` naming the parameter); so is the state before each new launch plan.
 """
 
 from __future__ import annotations
@@ -39,21 +43,24 @@ def adamw_reference(
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
     groups: list[int],
     *,
-    step: torch.Tensor,
     lrs: torch.Tensor,
     weight_decays: torch.Tensor,
     betas: tuple[float, float],
     eps: float,
 ) -> None:
-    """One AdamW update per tensor, in place: torch's single-tensor capturable AdamW. ``step``
-    is the count after this step; ``lrs`` and ``weight_decays`` hold one value per group, and
-    ``groups[i]`` is tensor i's group."""
+    """One AdamW update per tensor, in place: torch's single-tensor capturable AdamW. Each
+    tensor's count in ``steps`` (0-d float32) advances by one first; ``lrs`` and
+    ``weight_decays`` hold one value per group, and ``groups[i]`` is tensor i's group."""
     beta1, beta2 = betas
-    bias_correction1 = one_minus_power(beta1, step)
-    bias_correction2_sqrt = one_minus_power(beta2, step).sqrt()
-    for p, g, m, v, k in zip(params, grads, exp_avgs, exp_avg_sqs, groups, strict=True):
+    for p, g, m, v, step, k in zip(
+        params, grads, exp_avgs, exp_avg_sqs, steps, groups, strict=True
+    ):
+        step.add_(1)
+        bias_correction1 = one_minus_power(beta1, step)
+        bias_correction2_sqrt = one_minus_power(beta2, step).sqrt()
         lr = lrs[k]
         p.mul_(1 - lr * weight_decays[k])
         m.lerp_(g, 1 - beta1)
@@ -118,13 +125,12 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 stacklevel=2,
             )
         self.uses_kernel = implementation != "reference" and why is None
-        # One count for every parameter, on the device: the kernel reads it and a captured graph
-        # holds its address, so a load copies into it and never replaces it.
-        self.step_count = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.register_state_dict_post_hook(_step_count_per_parameter)
+        self.register_state_dict_post_hook(_capturable_where_torch_can_step_it)
+        # the kernel reads the state's addresses and a captured graph holds them: a load is
+        # checked against the parameters first, then copied into the tensors the state has
+        self.register_load_state_dict_pre_hook(_checked_loaded_state)
         load_state_in_place(self)
-        # first: it checks the loaded counts are one, before copies merge them into step_count
-        self.register_load_state_dict_post_hook(_share_loaded_step_count, prepend=True)
+        self.register_load_state_dict_post_hook(_own_loaded_state, prepend=True)
         self._plan = None
         self._warned = False
         self._constants: dict[tuple, torch.Tensor] = {}
@@ -142,7 +148,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         group refused is not added."""
         super().add_param_group(param_group)
         try:
-            _check_groups(self.param_groups)
+            _check_group(self.param_groups[-1])
+            _check_groups_agree(self.param_groups)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -166,20 +173,21 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params, grads, exp_avgs, exp_avg_sqs, groups = [], [], [], [], []
+        params, grads, exp_avgs, exp_avg_sqs, steps, groups = [], [], [], [], [], []
         for k, group in enumerate(self.param_groups):
             for p in group["params"]:
                 if p.grad is None:
-                    continue
+                    continue  # and its count stays, as torch's
                 state = self.state[p]
                 if not state:
-                    state["step"] = self.step_count  # saved with each parameter, as torch's
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
                 params.append(p)
                 grads.append(p.grad)
                 exp_avgs.append(state["exp_avg"])
                 exp_avg_sqs.append(state["exp_avg_sq"])
+                steps.append(state["step"])
                 groups.append(k)
         if not params:
             return loss
@@ -194,7 +202,6 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                 "MultiTensorAdamW does not support sparse gradients (nor does torch's AdamW); "
                 "step those parameters with torch.optim.SparseAdam"
             )
-        self.step_count.add_(1)
         lrs, wds = self._group_values("lr"), self._group_values("weight_decay")
         hyper = dict(betas=self.param_groups[0]["betas"], eps=self.param_groups[0]["eps"])
         if self.uses_kernel and not kernel_ready and not self._warned:
@@ -206,45 +213,93 @@ class MultiTensorAdamW(torch.optim.Optimizer):
             )
             self._warned = True
         if not kernel_ready:
+            self._check_state(params, exp_avgs, exp_avg_sqs, steps, kernel=False)
             adamw_reference(
-                params, grads, exp_avgs, exp_avg_sqs, groups,
-                step=self.step_count, lrs=lrs, weight_decays=wds, **hyper,
+                params, grads, exp_avgs, exp_avg_sqs, steps, groups,
+                lrs=lrs, weight_decays=wds, **hyper,
             )  # fmt: skip
             return loss
         from accel.kernels.adamw import AdamWPlan
 
-        key = tuple(t.data_ptr() for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts)
+        lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
+        key = tuple(t.data_ptr() for ts in lists for t in ts)
         if self._plan is None or self._plan.key != key:  # built once while nothing moves
-            self._plan = AdamWPlan(params, grads, exp_avgs, exp_avg_sqs, groups)
-        self._plan.launch(self.step_count, lrs, wds, **hyper)
+            self._check_state(params, exp_avgs, exp_avg_sqs, steps, kernel=True)
+            self._plan = AdamWPlan(params, grads, exp_avgs, exp_avg_sqs, steps, groups)
+        self._plan.launch(lrs, wds, **hyper)
         return loss
+
+    def _check_state(self, params, exp_avgs, exp_avg_sqs, steps, *, kernel: bool) -> None:
+        """Before the tensors are stepped: each moment of the parameter's shape, dtype and
+        device (the kernel's contiguous float32, as its parameter), each count a 0-d float32
+        tensor there. A state set by hand can break that, or a parameter's data replaced; a
+        load cannot (:func:`_checked_loaded_state`)."""
+        for p, m, v, step in zip(params, exp_avgs, exp_avg_sqs, steps, strict=True):
+            if kernel and not (p.dtype == torch.float32 and p.is_contiguous()):
+                raise ValueError(
+                    f"MultiTensorAdamW: {_position(self, p)} is now {_describe(p)}; the kernel "
+                    "it was built for steps contiguous float32 (build it again, or with "
+                    "implementation='reference')"
+                )
+            for key, t in (("exp_avg", m), ("exp_avg_sq", v)):
+                fits = (t.shape, t.dtype, t.device) == (p.shape, p.dtype, p.device)
+                if not fits or (kernel and not t.is_contiguous()):
+                    raise ValueError(
+                        f"MultiTensorAdamW: {_position(self, p)} is {_describe(p)}, but its "
+                        f"state's {key!r} is {_describe(t)}; expected the parameter's shape, "
+                        f"dtype and device{', contiguous' if kernel else ''}"
+                    )
+            if not (
+                isinstance(step, torch.Tensor)
+                and step.shape == ()
+                and step.dtype == torch.float32
+                and step.device == p.device
+            ):
+                raise ValueError(
+                    f"MultiTensorAdamW: {_position(self, p)}'s state 'step' is "
+                    f"{_describe(step)}; expected a 0-d float32 tensor on {p.device}"
+                )
 
 
 def load_state_in_place(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer.load_state_dict`` copy into the state tensors it already has (moments,
     step counts, tensor learning rates) instead of replacing them, so that a CUDA graph captured
-    earlier reads the loaded values. Returns the optimizer; a second call changes nothing."""
+    earlier reads the loaded values. A loaded state without a tensor the optimizer holds, or
+    with one of another shape, is refused before anything changes (dropped, a held tensor
+    would leave a graph writing into freed memory). Returns the optimizer; a second call
+    changes nothing."""
     if getattr(optimizer, "_accel_loads_in_place", False):
         return optimizer
     optimizer._accel_loads_in_place = True
     before: dict[str, Any] = {}
 
     def remember(opt: torch.optim.Optimizer, state_dict: dict) -> None:
+        for where, p, saved, _ in _saved_states(opt, state_dict):
+            held = {k: t for k, t in opt.state.get(p, {}).items() if isinstance(t, torch.Tensor)}
+            missing = [k for k in held if not isinstance(saved.get(k), torch.Tensor)]
+            if missing:
+                raise ValueError(
+                    f"load_state_dict: {where} has its {missing} held in place (a captured "
+                    f"graph reads them there) and the loaded state has no {missing} for it; "
+                    "load a state that has them, or build a new optimizer"
+                )
+            for key, kept in held.items():
+                loaded = saved[key]
+                if kept.shape != loaded.shape:
+                    raise ValueError(
+                        f"load_state_dict: state {key!r} of {where} has shape "
+                        f"{tuple(loaded.shape)}, expected {tuple(kept.shape)} (another model?)"
+                    )
         before["state"] = {p: dict(s) for p, s in opt.state.items()}
         before["lrs"] = [g.get("lr") for g in opt.param_groups]
 
     def copy_back(opt: torch.optim.Optimizer) -> None:
-        for i, (p, old) in enumerate(before.pop("state").items()):
+        for p, old in before.pop("state").items():
             new = opt.state.get(p)
             for key, kept in old.items():
                 loaded = None if new is None else new.get(key)
                 if not (isinstance(kept, torch.Tensor) and isinstance(loaded, torch.Tensor)):
                     continue
-                if kept.shape != loaded.shape:
-                    raise ValueError(
-                        f"load_state_dict: state {key!r} of parameter {i} has shape "
-                        f"{tuple(loaded.shape)}, expected {tuple(kept.shape)} (another model?)"
-                    )
                 if kept is not loaded:
                     kept.copy_(loaded)
                     new[key] = kept
@@ -256,6 +311,22 @@ def load_state_in_place(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
     optimizer.register_load_state_dict_pre_hook(remember)
     optimizer.register_load_state_dict_post_hook(copy_back)
     return optimizer
+
+
+def _saved_states(optimizer: torch.optim.Optimizer, state_dict: dict):
+    """(``"parameter i of group k"``, the parameter, its saved state or ``{}``, its saved id) for
+    each parameter, paired as ``torch.optim.Optimizer.load_state_dict`` pairs them (group by
+    group, in order). Nothing where the groups do not pair up: torch's load refuses that."""
+    saved_groups = state_dict.get("param_groups", [])
+    saved = state_dict.get("state", {})
+    if len(saved_groups) != len(optimizer.param_groups) or any(
+        len(a["params"]) != len(b["params"])
+        for a, b in zip(saved_groups, optimizer.param_groups, strict=True)
+    ):
+        return
+    for k, (mine, theirs) in enumerate(zip(optimizer.param_groups, saved_groups, strict=True)):
+        for i, (p, saved_id) in enumerate(zip(mine["params"], theirs["params"], strict=True)):
+            yield f"parameter {i} of group {k}", p, saved.get(saved_id) or {}, saved_id
 
 
 def _check_hyperparameters(
@@ -274,30 +345,39 @@ def _check_hyperparameters(
         raise ValueError(f"expected weight_decay >= 0, got {weight_decay}")
 
 
-def _check_groups(groups: list[dict[str, Any]]) -> None:
-    """The newest group's hyperparameters, and what every group must share."""
-    g = groups[-1]  # groups may carry their own values
-    _check_hyperparameters(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+def _check_group(group: dict[str, Any]) -> None:
+    """One group's hyperparameters, and no option the kernel does not implement."""
+    _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    unsupported = [f"{k}=True" for k in ("amsgrad", "maximize") if group.get(k)]
+    if unsupported:
+        raise ValueError(
+            f"MultiTensorAdamW does not implement {' or '.join(unsupported)}; use "
+            "torch.optim.AdamW for it"
+        )
+    if group.get("decoupled_weight_decay") is False and group["weight_decay"] != 0:
+        raise ValueError(
+            f"MultiTensorAdamW decays weights as AdamW does (decoupled); got a group with "
+            f"decoupled_weight_decay=False and weight_decay={group['weight_decay']} "
+            "(torch.optim.Adam's L2 penalty)"
+        )
+
+
+def _check_groups_agree(groups: list[dict[str, Any]], *, devices: bool = True) -> None:
+    """What every group must share: betas and eps, and the parameters' device."""
     shared = {(tuple(g["betas"]), g["eps"]) for g in groups}
     if len(shared) > 1:
         raise ValueError(
             f"MultiTensorAdamW: every group must share betas and eps (one launch takes them "
             f"once); got {sorted(shared)}"
         )
-    devices = {p.device for g in groups for p in g["params"]}
-    if len(devices) > 1:
-        raise ValueError(f"MultiTensorAdamW: parameters on one device expected, got {devices}")
+    found = {p.device for g in groups for p in g["params"]} if devices else set()
+    if len(found) > 1:
+        raise ValueError(f"MultiTensorAdamW: parameters on one device expected, got {found}")
 
 
-def _step_count_per_parameter(optimizer: MultiTensorAdamW, state_dict: dict) -> dict:
-    """Each parameter's saved state gets its own copy of the step count: torch's AdamW, loading
-    it, increments every parameter's count in place, and a shared one would advance once per
-    parameter. The groups say capturable only on CUDA: torch's AdamW refuses a capturable step
-    on a CPU."""
-    state_dict["state"] = {
-        k: {**v, "step": v["step"].clone()} if "step" in v else v
-        for k, v in state_dict["state"].items()
-    }
+def _capturable_where_torch_can_step_it(optimizer: MultiTensorAdamW, state_dict: dict) -> dict:
+    """The saved groups say capturable only on CUDA: torch's AdamW refuses a capturable step on
+    a CPU."""
     capturable = optimizer.device.type == "cuda"
     state_dict["param_groups"] = [
         g | {"capturable": capturable} for g in state_dict["param_groups"]
@@ -305,29 +385,84 @@ def _step_count_per_parameter(optimizer: MultiTensorAdamW, state_dict: dict) -> 
     return state_dict
 
 
-def _share_loaded_step_count(optimizer: MultiTensorAdamW) -> None:
-    """After ``load_state_dict``: the one device step count takes the loaded value, in place,
-    and every parameter's state points at it again; the groups stay capturable (ours is, by
-    construction), whatever the saved ones said."""
-    _check_groups(optimizer.param_groups)  # a loaded group with its own betas would be ignored
+def _checked_loaded_state(optimizer: MultiTensorAdamW, state_dict: dict) -> dict:
+    """Before ``load_state_dict`` changes anything: the saved groups as :meth:`add_param_group`
+    checks them, and each saved state torch's AdamW's (a step count, two moments of the
+    parameter's shape; torch would refuse the moments at the first step, the kernel would read
+    and write past a smaller moment's end). A parameter with a state here and none saved gets
+    a fresh one (zeros, step 0: what torch's AdamW starts it from) to be copied in place."""
+    for group in state_dict.get("param_groups", []):
+        _check_group(group)
+    _check_groups_agree(state_dict.get("param_groups", []), devices=False)
+    fresh = {}
+    for where, p, saved, saved_id in _saved_states(optimizer, state_dict):
+        if not saved:
+            if optimizer.state.get(p):
+                fresh[saved_id] = {"step": torch.zeros(())} | {
+                    k: torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    for k in ("exp_avg", "exp_avg_sq")
+                }
+            continue
+        missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in saved]
+        if missing:
+            raise ValueError(
+                f"MultiTensorAdamW.load_state_dict: the state of {where} has no {missing} "
+                "(expected 'step', 'exp_avg' and 'exp_avg_sq', as torch.optim.AdamW saves them; "
+                "without the step count the bias correction would restart at step 1)"
+            )
+        for key in ("exp_avg", "exp_avg_sq"):
+            t = saved[key]
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                raise ValueError(
+                    f"MultiTensorAdamW.load_state_dict: {where} has shape {tuple(p.shape)}, "
+                    f"but the state's {key!r} for it has shape {_shape(t)} (a state saved for "
+                    "another model?)"
+                )
+        step = saved["step"]
+        if not isinstance(step, (int, float)) and _shape(step) != ():
+            raise ValueError(
+                f"MultiTensorAdamW.load_state_dict: the state's 'step' of {where} has shape "
+                f"{_shape(step)}; expected one number (a 0-d tensor, as torch.optim.AdamW saves)"
+            )
+    return {**state_dict, "state": {**state_dict.get("state", {}), **fresh}}
+
+
+def _own_loaded_state(optimizer: MultiTensorAdamW) -> None:
+    """After ``load_state_dict`` (torch's has cast the moments to the parameters' dtype and
+    device): each count a 0-d float32 tensor on the device, each tensor contiguous and of one
+    parameter's state only (the kernel advances a count once per tensor in the table, and a load
+    may share them); the groups stay capturable (ours are, by construction)."""
     for group in optimizer.param_groups:
         group["capturable"] = True
-    states = [s for s in optimizer.state.values() if s]
-    if not states:
-        return
-    if any("step" not in s for s in states):
-        raise ValueError(
-            "MultiTensorAdamW.load_state_dict: the state has no step count for some parameters "
-            "(expected 'step' beside 'exp_avg' and 'exp_avg_sq', as torch.optim.AdamW saves it); "
-            "without it the bias correction would restart at step 1"
-        )
-    steps = {float(s["step"]) for s in states}  # sync: loading only
-    if len(steps) > 1:
-        raise ValueError(
-            f"MultiTensorAdamW keeps one step count for every parameter; the state has "
-            f"{len(steps)} different ones ({sorted(steps)[:4]}...), e.g. from a torch.optim.AdamW "
-            f"whose parameters skipped different steps"
-        )
-    optimizer.step_count.fill_(steps.pop())
-    for state in states:
-        state["step"] = optimizer.step_count
+    held = {p.data_ptr() for g in optimizer.param_groups for p in g["params"]}
+    for state in optimizer.state.values():
+        if not state:
+            continue
+        state["step"] = torch.as_tensor(
+            state["step"], dtype=torch.float32, device=optimizer.device
+        ).reshape(())
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            t = state[key]
+            if t.data_ptr() in held or not t.is_contiguous():
+                t = t.clone(memory_format=torch.contiguous_format)
+            held.add(t.data_ptr())
+            state[key] = t
+
+
+def _position(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> str:
+    for k, group in enumerate(optimizer.param_groups):
+        for i, q in enumerate(group["params"]):
+            if q is p:
+                return f"parameter {i} of group {k}"
+    return "a parameter in no group"
+
+
+def _shape(value: Any) -> tuple[int, ...] | str:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _describe(t: Any) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    layout = "" if t.is_contiguous() else ", not contiguous"
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}{layout}"

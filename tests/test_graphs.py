@@ -392,6 +392,30 @@ def test_graphed_optimizer_step_refuses_moved_gradients_and_new_float_lrs(seed):
 
 
 @requires_cuda
+def test_graphed_optimizer_step_refuses_a_group_added_after_capture(seed):
+    """The graph steps the parameters it was captured with: a group added later would never be
+    stepped. After reset() the next calls capture again, the new group included."""
+    model, _, opt, _ = _capturable_pair(seed, 1e-2)
+    step = GraphedOptimizerStep(opt, warmup=1)
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
+    for _ in range(3):
+        opt.zero_grad(set_to_none=False)
+        _backward(model, x, y)
+        step()
+    assert step.graphed.graphs == 1
+    extra = nn.Parameter(torch.randn(5, device="cuda"))
+    extra.grad = torch.randn(5, device="cuda")
+    opt.add_param_group({"params": [extra]})
+    with pytest.raises(GraphInputError, match=r"groups changed after capture \(1 groups of 4"):
+        step()
+    step.reset()
+    before = extra.detach().clone()
+    for _ in range(3):
+        step()
+    assert step.graphed.graphs == 1 and not torch.equal(extra, before)
+
+
+@requires_cuda
 def test_whole_training_step_graphed_equals_eager(seed):
     model, reference, opt, ref_opt = _capturable_pair(seed, 1e-2)
     graphed = GraphedStep(

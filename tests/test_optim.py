@@ -64,7 +64,7 @@ def test_equals_torch_adamw_over_several_steps(kdev, seed, implementation):
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b, **TOL)
         torch.testing.assert_close(opt.state[a]["exp_avg_sq"], ref.state[b]["exp_avg_sq"], **TOL)
-    assert float(opt.step_count) == 4
+    assert all(float(opt.state[p]["step"]) == 4 for p in ours)
 
 
 def test_tensor_learning_rates_can_change_between_steps(kdev, seed):
@@ -102,18 +102,18 @@ def test_reference_equals_torch_on_one_tensor(seed):
     gen = torch.Generator().manual_seed(seed)
     p = torch.randn(33, generator=gen)
     q = p.clone().requires_grad_()
-    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.tensor(0.0)
     torch_opt = torch.optim.AdamW([q], lr=1e-2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.3)
-    for step in range(1, 4):
+    for _ in range(3):
         g = torch.randn(33, generator=gen)
         q.grad = g.clone()
         torch_opt.step()
         adamw_reference(
-            [p], [g], [m], [v], [0],
-            step=torch.tensor(float(step)), lrs=torch.tensor([1e-2]),
+            [p], [g], [m], [v], [step], [0], lrs=torch.tensor([1e-2]),
             weight_decays=torch.tensor([0.3]), betas=(0.8, 0.9), eps=1e-6,
         )  # fmt: skip
     torch.testing.assert_close(p, q.detach(), **TOL)
+    assert float(step) == 3
 
 
 def test_falls_back_to_the_reference_with_a_warning(monkeypatch, seed):
@@ -155,7 +155,7 @@ def test_sparse_gradients_are_refused_as_torch_adamw_refuses_them(implementation
     embedding(torch.tensor([1, 5, 5])).sum().backward()
     with pytest.raises(RuntimeError, match=r"sparse gradients.*SparseAdam"):
         opt.step()
-    assert float(opt.step_count) == 0  # nothing stepped
+    assert all(float(s["step"]) == 0 for s in opt.state.values())  # nothing stepped
 
 
 def test_a_group_added_later_is_checked_as_the_first_ones(recwarn):
@@ -225,9 +225,10 @@ def _grads(params, seed, steps):
 
 
 def _step_with(optimizer, params, grads):
+    """A step per list of gradients; a None gradient skips its parameter on that step."""
     for g_list in grads:
         for p, g in zip(params, g_list, strict=True):
-            p.grad = g.clone()
+            p.grad = None if g is None else g.clone()
         optimizer.step()
 
 
@@ -261,7 +262,7 @@ def test_saved_and_resumed_equals_uninterrupted(kdev, seed, implementation, tens
     resumed = [p.detach().clone().requires_grad_() for p in first]
     opt = fresh(resumed)
     opt.load_state_dict(saved)
-    assert float(opt.step_count) == 5
+    assert all(float(s["step"]) == 5 for s in opt.state.values())
     _step_with(opt, resumed, grads[5:])
     for a, b in zip(resumed, whole, strict=True):
         assert torch.equal(a, b)
@@ -274,7 +275,7 @@ def test_a_state_without_its_step_count_is_refused(seed):
     saved = opt.state_dict()
     for state in saved["state"].values():
         del state["step"]
-    with pytest.raises(ValueError, match="no step count"):
+    with pytest.raises(ValueError, match=r"parameter 0 of group 0 has no \['step'\]"):
         MultiTensorAdamW(params, implementation="reference").load_state_dict(saved)
 
 
@@ -318,18 +319,24 @@ def test_a_fresh_multi_tensor_adamw_state_steps_on_in_torch_adamw(seed, foreach)
     assert all(g["capturable"] for g in again.param_groups)
 
 
-def test_steps_that_differ_between_parameters_are_refused(seed):
-    params = make_params("cpu", torch.Generator().manual_seed(seed))
+def test_a_torch_state_whose_parameters_skipped_steps_resumes_as_torch(seed):
+    """Parameters with their own step counts (some had no gradient on some steps) resume in
+    MultiTensorAdamW each with its own, as in torch's AdamW."""
+    start = make_params("cpu", torch.Generator().manual_seed(seed))
+    grads = _grads(start, seed + 1, steps=5)
+    for g_list in grads[:2]:
+        g_list[1] = None  # skipped by both
+    whole = [p.detach().clone().requires_grad_() for p in start]
+    _step_with(torch.optim.AdamW(whole, foreach=False), whole, grads)
+    params = [p.detach().clone().requires_grad_() for p in start]
     theirs = torch.optim.AdamW(params, foreach=False)
-    _step_with(theirs, params, _grads(params, seed, steps=2))
-    saved = theirs.state_dict()
-    saved["state"][0]["step"] = torch.tensor(1.0)
-    with pytest.raises(ValueError, match="one step count"):
-        MultiTensorAdamW(params, implementation="reference").load_state_dict(saved)
-    stepped = MultiTensorAdamW(params, implementation="reference")  # with a state of its own
-    _step_with(stepped, params, _grads(params, seed, steps=1))
-    with pytest.raises(ValueError, match="one step count"):
-        stepped.load_state_dict(saved)
+    _step_with(theirs, params, grads[:3])
+    ours = MultiTensorAdamW(params, implementation="reference")
+    ours.load_state_dict(_through_bytes(theirs.state_dict()))
+    assert [float(ours.state[p]["step"]) for p in params] == [3, 1, 3, 3]
+    _step_with(ours, params, grads[3:])
+    for a, b in zip(params, whole, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
 
 
 @pytest.mark.parametrize("make", ["ours", "torch"])
@@ -388,7 +395,7 @@ def test_resumed_through_distributed_checkpoint_equals_uninterrupted(tmp_path, s
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=tmp_path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    assert float(opt.step_count) == 3
+    assert all(float(s["step"]) == 3 for s in opt.state.values())
     _step_with(opt, list(model.parameters()), grads[3:])
     for a, b in zip(model.parameters(), whole.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -430,3 +437,196 @@ def test_a_graph_captured_before_a_load_resumes_from_the_loaded_state(make, seed
     assert graphed.graphed.graphs == 1
     for a, b in zip(params, uninterrupted, strict=True):
         assert torch.equal(a, b)
+
+
+# ---- a loaded state must fit its parameters -----------------------------------------------------
+def mlp(hidden: int, device, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 3)
+    )
+    return model.to(device)
+
+
+def train(model, optimizer, seed, steps=2):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(5, 4, generator=gen).to(next(model.parameters()).device)
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("implementation", ["auto", "reference"])
+@pytest.mark.parametrize(("saved", "loading"), [(7, 8), (8, 7)])
+@pytest.mark.parametrize("stepped", [False, True])
+def test_a_state_saved_for_other_shapes_is_refused_before_any_change(
+    kdev, seed, implementation, saved, loading, stepped
+):
+    """A hidden-7 model's state in a hidden-8 model's optimizer (the kernel would update 8 rows
+    of moments that hold 7), and the reverse (it would step with another model's moments)."""
+    source = mlp(saved, kdev, seed)
+    opt = MultiTensorAdamW(source.parameters(), implementation=implementation)
+    train(source, opt, seed)
+    state = _through_bytes(opt.state_dict())
+    target = mlp(loading, kdev, seed + 1)
+    loads = MultiTensorAdamW(target.parameters(), implementation=implementation)
+    if stepped:
+        train(target, loads, seed + 2)
+    kept = {id(p): {k: (id(t), t.clone()) for k, t in s.items()} for p, s in loads.state.items()}
+    with pytest.raises(
+        ValueError,
+        match=rf"parameter 0 of group 0 has shape \({loading}, 4\).*'exp_avg' for it has shape "
+        rf"\({saved}, 4\)",
+    ):
+        loads.load_state_dict(state)
+    now = {id(p): {k: (id(t), t) for k, t in s.items()} for p, s in loads.state.items()}
+    assert now.keys() == kept.keys()  # the state as it was: same tensors, same values
+    for p, s in now.items():
+        assert all(s[k][0] == i and torch.equal(s[k][1], v) for k, (i, v) in kept[p].items())
+    train(target, loads, seed + 3)  # and it still steps
+
+
+@pytest.mark.parametrize("implementation", ["auto", "reference"])
+@pytest.mark.parametrize(
+    ("moment", "match"),
+    [
+        (
+            lambda m: torch.rand(3, 1499).to(m) + 0.5,
+            r"\(3, 1500\) float32.*'exp_avg_sq' is \(3, 1499\)",
+        ),
+        (lambda m: m.double(), r"\(3, 1500\) float32.*'exp_avg_sq' is \(3, 1500\) float64"),
+    ],
+    ids=["smaller", "float64"],
+)
+def test_a_moment_put_in_the_state_by_hand_is_checked_before_the_step(
+    kdev, seed, implementation, moment, match
+):
+    """The kernel would read and write past a smaller moment's end, or read float64 as float32;
+    torch's ops would fail half-way through the tensors."""
+    params = make_params(kdev, torch.Generator().manual_seed(seed))
+    opt = MultiTensorAdamW(groups_of(params), implementation=implementation)
+    _step_with(opt, params, _grads(params, seed, steps=1))
+    opt.state[params[3]]["exp_avg_sq"] = moment(opt.state[params[3]]["exp_avg_sq"])
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"parameter 1 of group 1 is {match}"):
+        _step_with(opt, params, _grads(params, seed + 1, steps=1))
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+    assert all(float(s["step"]) == 1 for s in opt.state.values())
+
+
+# ---- a step count per parameter, as torch's AdamW keeps -----------------------------------------
+def assert_as_torch(ours, theirs, opt, ref):
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b.to(a.device), **TOL)
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(opt.state[a][key], ref.state[b][key].to(a.device), **TOL)
+
+
+@pytest.mark.parametrize("implementation", ["auto", "reference"])
+def test_a_group_added_after_ten_steps_equals_torch_adamw(kdev, seed, implementation):
+    ours, theirs, opt, ref = twins(kdev, seed, implementation=implementation)
+    gen = torch.Generator().manual_seed(seed + 1)
+    run_steps(opt, ours, gen, steps=10)
+    run_steps(ref, theirs, torch.Generator().manual_seed(seed + 1), steps=10)
+    late = make_params(kdev, torch.Generator().manual_seed(seed + 2), shapes=[(5,), (33, 2)])
+    late_theirs = [p.detach().clone().requires_grad_() for p in late]
+    opt.add_param_group({"params": late, "lr": 2e-2, "weight_decay": 0.05})
+    ref.add_param_group({"params": late_theirs, "lr": 2e-2, "weight_decay": 0.05})
+    run_steps(opt, ours + late, torch.Generator().manual_seed(seed + 3), steps=3)
+    run_steps(ref, theirs + late_theirs, torch.Generator().manual_seed(seed + 3), steps=3)
+    assert_as_torch(ours + late, theirs + late_theirs, opt, ref)
+    assert float(opt.state[late[0]]["step"]) == 3 and float(opt.state[ours[0]]["step"]) == 13
+
+
+@pytest.mark.parametrize("implementation", ["auto", "reference"])
+def test_parameters_that_skip_steps_equal_torch_adamw(kdev, seed, implementation):
+    """Frozen, then unfrozen (a fine-tuning pattern): a parameter's count advances only on the
+    steps where it has a gradient."""
+    ours, theirs, opt, ref = twins(kdev, seed, implementation=implementation)
+
+    def freeze_some(optimizer, i):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        for k, p in enumerate(params):
+            if (k == 0 and i < 6) or (k == 2 and i % 3 == 1):
+                p.grad = None
+
+    run_steps(opt, ours, torch.Generator().manual_seed(seed + 1), steps=9, between=freeze_some)
+    run_steps(ref, theirs, torch.Generator().manual_seed(seed + 1), steps=9, between=freeze_some)
+    assert_as_torch(ours, theirs, opt, ref)
+    assert [float(opt.state[p]["step"]) for p in ours] == [3, 9, 6, 9]
+
+
+@pytest.mark.parametrize(
+    ("option", "match"),
+    [
+        ({"amsgrad": True}, r"does not implement amsgrad=True"),
+        ({"maximize": True}, r"does not implement maximize=True"),
+        ({"decoupled_weight_decay": False}, r"decoupled_weight_decay=False and weight_decay=0.1"),
+    ],
+)
+def test_options_it_does_not_implement_are_refused_not_ignored(option, match, seed):
+    """In a group given to it, added later, or in a loaded state (torch.optim.Adam's is AdamW's
+    with weight decay as an L2 penalty): before anything changes."""
+    params = make_params("cpu", torch.Generator().manual_seed(seed))
+    with pytest.raises(ValueError, match=match):
+        MultiTensorAdamW([{"params": params, "weight_decay": 0.1, **option}])
+    opt = MultiTensorAdamW(params[:2], weight_decay=0.1, implementation="reference")
+    with pytest.raises(ValueError, match=match):
+        opt.add_param_group({"params": params[2:], **option})
+    assert len(opt.param_groups) == 1
+    adam = torch.optim.Adam if "decoupled_weight_decay" in option else torch.optim.AdamW
+    theirs = adam(params[:2], weight_decay=0.1, **option)
+    _step_with(theirs, params[:2], _grads(params[:2], seed, steps=1))
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(theirs.state_dict())
+    assert not opt.state and not any(k in opt.param_groups[0] for k in option)
+
+
+# ---- a load into state tensors held in place (a captured graph reads their addresses) ----------
+def test_a_loaded_state_without_a_parameter_starts_it_afresh_in_the_tensors_it_has(seed):
+    """Rolled back to a state saved before parameter 1 had a gradient: its counts and moments
+    are zeroed where they are (freed, a captured graph would write into reused memory), and the
+    run goes on as torch's AdamW loaded with the same state."""
+    start = make_params("cpu", torch.Generator().manual_seed(seed))
+    grads = _grads(start, seed + 1, steps=5)
+    early = [p.detach().clone().requires_grad_() for p in start]
+    theirs = torch.optim.AdamW(early, foreach=False)
+    _step_with(
+        theirs, early, [[None if i == 1 else g for i, g in enumerate(gs)] for gs in grads[:2]]
+    )
+    saved = _through_bytes(theirs.state_dict())
+    assert 1 not in saved["state"]
+    params = [p.detach().clone().requires_grad_() for p in start]
+    ours = MultiTensorAdamW(params, implementation="reference")
+    _step_with(ours, params, grads[:3])
+    held = {id(p): {k: id(t) for k, t in s.items()} for p, s in ours.state.items()}
+    ours.load_state_dict(saved)
+    assert {id(p): {k: id(t) for k, t in s.items()} for p, s in ours.state.items()} == held
+    assert float(ours.state[params[1]]["step"]) == 0
+    assert not ours.state[params[1]]["exp_avg"].any()
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    theirs = torch.optim.AdamW(copies, foreach=False)
+    theirs.load_state_dict(saved)
+    _step_with(ours, params, grads[3:])
+    _step_with(theirs, copies, grads[3:])
+    for a, b in zip(params, copies, strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_a_load_in_place_refuses_a_state_without_a_held_tensor(seed):
+    """torch's optimizer wrapped to load in place: a state that has nothing for a tensor it holds
+    cannot be copied into it (and dropping it would leave a graph on freed memory)."""
+    params = make_params("cpu", torch.Generator().manual_seed(seed))
+    early = torch.optim.AdamW(params, foreach=False)
+    _step_with(early, params, [[None, *gs[1:]] for gs in _grads(params, seed, steps=1)])
+    saved = _through_bytes(early.state_dict())
+    opt = load_state_in_place(torch.optim.AdamW(params, foreach=False))
+    _step_with(opt, params, _grads(params, seed + 1, steps=1))
+    held = {id(t) for s in opt.state.values() for t in s.values()}
+    with pytest.raises(
+        ValueError,
+        match=r"parameter 0 of group 0 has its \[.step., .exp_avg., .exp_avg_sq.\] held in place",
+    ):
+        opt.load_state_dict(saved)
+    assert {id(t) for s in opt.state.values() for t in s.values()} == held

@@ -66,6 +66,24 @@ def test_cache_cleaner_refuses_a_state_of_something_else():
         memory.CacheCleaner("cpu").load_state_dict({"step": 3})
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"calls": -1}, r"'calls' must be a count >= 0, got -1"),
+        ({"emptied": [[2, "pressure", "extra"]]}, r"'emptied' must be \(call, reason\) pairs"),
+        ({"emptied": [[9, "pressure"]]}, r"call 9 is not before the 5 calls"),
+    ],
+)
+def test_cache_cleaner_refuses_counters_that_cannot_be_and_keeps_its_own(change, match):
+    cleaner = memory.CacheCleaner("cpu", state=lambda: memory.MemoryState(0, 0, 1), empty=None)
+    for _ in range(2):
+        cleaner.step()
+    state = {"calls": 5, "emptied": [[1, "pressure"]], "stalls_avoided": 0} | change
+    with pytest.raises(ValueError, match=match):
+        cleaner.load_state_dict(state)
+    assert (cleaner.calls, cleaner.emptied, cleaner.stalls_avoided) == (2, [], 0)
+
+
 CASES = {
     "baseline": no.Flags(),
     "fast": no.Flags(

@@ -5,15 +5,23 @@ rate and weight decay are arguments of the launch), plus a step-count kernel per
 whose learning rates are set per group (the nested optimizer's controller: 14 groups) pays those
 launches, and in a CUDA graph each launch still costs its ramp-up and tail. ``_adamw_kernel``
 updates every tensor of every group in one launch: a table holds, per tensor, the addresses of
-its parameter, gradient and two moments, its length and its group; a second table maps each
-program to (tensor, first element). Learning rates and weight decays are read per group from
-device tensors, the step count from the device: nothing is read back, so the step can be
-captured in a CUDA graph.
+its parameter, gradient, two moments and step count, its length and its group; a second table
+maps each program to (tensor, first element). Learning rates and weight decays are read per group
+from device tensors, each tensor's step count from the device, and the kernel advances the counts
+itself (torch's fused AdamW launches a step-count kernel per group before its update): nothing is
+read back, so the step can be captured in a CUDA graph.
+
+Each tensor's count advances once every program updating it has read it: the programs of a
+tensor of several blocks count themselves in an atomic counter once all their warps have read
+it (a barrier), and the last one to arrive writes the new count (its acquire follows the
+others' release) and resets the counter for the next launch. A tensor of one block writes its
+count itself. One atomic per 1024 elements of a large tensor; no launch more.
 
 The math is torch's AdamW (``torch/optim/adamw.py``, capturable form), in float32:
-``p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g;
-p -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``, with ``1 - b**t`` taken
-without cancellation (:func:`_one_minus_power`).
+``t += 1; p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2*v + (1-b2)*g*g;
+p -= lr / (1 - b1**t) * m / (sqrt(v) / sqrt(1 - b2**t) + eps)``, with torch's two-sided ``lerp``
+(so inf gradients give torch's NaN or inf) and ``1 - b**t`` taken without cancellation
+(:func:`_one_minus_power`).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import triton.language as tl
 # the copy bandwidth is in results/*.csv, phase=graphs, case optimizer_step_vs_bytes.
 BLOCK = 1024
 NUM_WARPS = 8
-FIELDS = 6  # table rows: parameter, gradient, exp_avg, exp_avg_sq addresses; numel; group
+FIELDS = 7  # table rows: parameter, gradient, exp_avg, exp_avg_sq, step addresses; numel; group
 
 
 @triton.jit
@@ -43,18 +51,19 @@ def _one_minus_power(log_beta, step):
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, beta1, beta2, eps,
-            MASKED: tl.constexpr):  # fmt: skip
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, weight1, beta2,
+            weight2, eps, MASKED: tl.constexpr):  # fmt: skip
     """One block of one tensor: loads, the AdamW update, stores (masked only at a tensor's end,
-    so whole blocks keep 16-byte accesses)."""
+    so whole blocks keep 16-byte accesses). ``weight1``, ``weight2``: 1 - beta, rounded once
+    from float64 as torch's scalars are; the first moment's lerp is ATen's, from the nearer end."""
     mask = offs < n if MASKED else None
     p = tl.load(p_ptr + offs, mask=mask)
     g = tl.load(g_ptr + offs, mask=mask)
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
     p = p * (1.0 - lr * wd)
-    m = m + (1.0 - beta1) * (g - m)  # lerp(m, g, 1 - beta1)
-    v = v * beta2 + (1.0 - beta2) * g * g
+    m = tl.where(weight1 < 0.5, m + weight1 * (g - m), g - (g - m) * (1.0 - weight1))
+    v = v * beta2 + weight2 * g * g
     p = p - step_size * (m / (tl.sqrt(v) / bc2_sqrt + eps))
     tl.store(p_ptr + offs, p, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
@@ -66,12 +75,13 @@ def _adamw_kernel(
     table_ptr,  # (FIELDS, T) int64
     block_tensor_ptr,  # (programs,) int32: the tensor each program updates
     block_start_ptr,  # (programs,) int64: its first element
-    step_ptr,  # () float32: the step count, already advanced for this step
+    arrived_ptr,  # (T,) int32: programs of each tensor that have read its count; 0 between launches
     lr_ptr,  # (groups,) float32
     wd_ptr,  # (groups,) float32
     T,
-    beta1,
+    weight1,  # 1 - beta1
     beta2,
+    weight2,  # 1 - beta2
     log_beta1,  # log(beta) in float64 on the host: -inf for beta 0
     log_beta2,
     eps,
@@ -90,22 +100,31 @@ def _adamw_kernel(
         g_ptr = tl.multiple_of(g_ptr, 16)
         m_ptr = tl.multiple_of(m_ptr, 16)
         v_ptr = tl.multiple_of(v_ptr, 16)
-    n = tl.load(table_ptr + 4 * T + t)
-    group = tl.load(table_ptr + 5 * T + t)
+    step_ptr = tl.load(table_ptr + 4 * T + t).to(tl.pointer_type(tl.float32))
+    n = tl.load(table_ptr + 5 * T + t)
+    group = tl.load(table_ptr + 6 * T + t)
     lr = tl.load(lr_ptr + group)
     wd = tl.load(wd_ptr + group)
-    step = tl.load(step_ptr)
+    step = tl.load(step_ptr) + 1.0
     bias_correction1 = _one_minus_power(log_beta1, step)
     bias_correction2 = _one_minus_power(log_beta2, step)
     step_size = lr / bias_correction1
     bc2_sqrt = tl.sqrt(bias_correction2)
     offs = tl.multiple_of(start, BLOCK) + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, beta1, beta2,
-                eps, MASKED=False)  # fmt: skip
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, weight1, beta2,
+                weight2, eps, MASKED=False)  # fmt: skip
     else:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, beta1, beta2,
-                eps, MASKED=True)  # fmt: skip
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, weight1, beta2,
+                weight2, eps, MASKED=True)  # fmt: skip
+    if n <= BLOCK:  # this tensor's one program (an empty tensor has one too)
+        tl.store(step_ptr, step)
+    else:  # every warp of this program has read the count, then one thread counts it in
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrived_ptr + t, 1, sem="acq_rel")
+        if arrived == tl.cdiv(n, BLOCK) - 1:  # every other program of it has read the count
+            tl.store(step_ptr, step)
+            tl.store(arrived_ptr + t, 0)
 
 
 def _log(beta: float) -> float:
@@ -123,8 +142,10 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 class AdamWPlan:
     """The launch for one set of tensors: the address table and the program -> block map.
 
-    Built once per set of (parameter, gradient, moments) tensors; a step then launches one kernel.
-    ``key`` identifies the tensors by address: a plan is valid while none of them moves.
+    Built once per set of (parameter, gradient, moments, step count) tensors, which the caller
+    has checked (float32, contiguous, moments the parameter's size, counts of one element, all
+    on one device); a step then launches one kernel. ``key`` identifies the tensors by address: a
+    plan is valid while none of them moves.
     """
 
     def __init__(
@@ -133,38 +154,42 @@ class AdamWPlan:
         grads: list[torch.Tensor],
         exp_avgs: list[torch.Tensor],
         exp_avg_sqs: list[torch.Tensor],
+        steps: list[torch.Tensor],
         groups: list[int],
         *,
         block: int = BLOCK,
         num_warps: int = NUM_WARPS,
     ):
         device = params[0].device
-        lists = (params, grads, exp_avgs, exp_avg_sqs)
+        lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
         self.key = tuple(t.data_ptr() for ts in lists for t in ts)
         numels = [p.numel() for p in params]
         rows = [[t.data_ptr() for t in ts] for ts in lists] + [numels, list(groups)]
         self.table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-        blocks = [triton.cdiv(n, block) for n in numels]
+        blocks = [max(1, triton.cdiv(n, block)) for n in numels]  # an empty tensor's count too
         owner = torch.repeat_interleave(torch.arange(len(params)), torch.tensor(blocks))
         first = torch.cat([torch.arange(b, dtype=torch.int64) * block for b in blocks])
         self.block_tensor = _to_device(owner.to(torch.int32), device)
         self.block_start = _to_device(first, device)
-        self.aligned = all(a % 16 == 0 for a in self.key)
+        self.arrived = torch.zeros(len(params), dtype=torch.int32, device=device)
+        self.aligned = all(t.data_ptr() % 16 == 0 for ts in lists[:4] for t in ts)
         self.tensors = len(params)
         self.block, self.num_warps = block, num_warps
 
-    def launch(self, step: torch.Tensor, lrs: torch.Tensor, wds: torch.Tensor, betas, eps) -> None:
+    def launch(self, lrs: torch.Tensor, wds: torch.Tensor, betas, eps) -> None:
+        """One step of every tensor: each one's count advanced, its update with the new count."""
         grid = (self.block_tensor.numel(),)
         _adamw_kernel[grid](
             self.table,
             self.block_tensor,
             self.block_start,
-            step,
+            self.arrived,
             lrs,
             wds,
             self.tensors,
-            float(betas[0]),
+            1.0 - betas[0],
             float(betas[1]),
+            1.0 - betas[1],
             _log(betas[0]),
             _log(betas[1]),
             float(eps),
