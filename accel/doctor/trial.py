@@ -16,10 +16,13 @@ from torch.utils._pytree import tree_leaves
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.examine import CALLS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
-from accel.doctor.parts import Untouched, copy_step
+from accel.doctor.isolation import Session
+from accel.doctor.parts import copy_step
+from accel.doctor.untouched import Untouched
+from accel.errors import UsageError
 from accel.memory import peak_memory
 
-__all__ = ["result_error", "tolerance", "try_fixes"]
+__all__ = ["fix_names", "result_error", "tolerance", "try_fixes"]
 
 EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
 NEEDS_NO_SYNC = ("cuda_graph", "compile")  # a capture fails and compile breaks at every sync
@@ -30,18 +33,29 @@ def try_fixes(
     report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress: bool = False
 ):
     import pandas as pd
-    from tqdm.auto import tqdm
 
-    names = report.fixes() if fixes is None else list(fixes)
-    unknown = [n for n in names if n not in FIXES]
-    if unknown:
-        raise ValueError(f"unknown fixes {unknown}; expected some of {', '.join(FIXES)}")
+    names = report.fixes() if fixes is None else fix_names(fixes)
+    for what, value in (("steps", steps), ("repeats", 1 if repeats is None else repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"try_fixes needs {what} as an int >= 1, got {value!r}")
     if not report.parts.all:
         raise ValueError("try_fixes needs the step's model or optimizer, and none was found")
+    if report.evidence.parts is report.parts:  # examine ran on the user's own objects
+        raise UsageError("try_fixes needs copies of what the step trains, and they cannot be made")
     cuda = report.evidence.device.type == "cuda"
     repeats = repeats or (8 if cuda else 5)
-    untouched = Untouched(report.parts)
     blocked = _blocked(report) if fixes is None else ""
+    with Session() as session:  # the random generators put back (the trials seed them)
+        untouched = Untouched(report.parts, report.batch)
+        rows = _trials(report, names, blocked, steps, repeats, progress)
+    _name_side_effects(report, session.effects() + untouched.report())
+    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+
+
+def _trials(report, names: list[str], blocked: str, steps: int, repeats: int, progress: bool):
+    """The rows of each fix alone, then of the ones that helped, together."""
+    from tqdm.auto import tqdm
+
     bar = tqdm(total=len(names) + 1, desc="fixes", disable=not progress)
     rows = []
     for name in names:
@@ -65,10 +79,29 @@ def try_fixes(
         rows.append(_trial(report, chosen, steps, repeats))
     bar.update()
     bar.close()
-    changed = untouched.changed()
-    if changed:
-        raise RuntimeError(f"try_fixes changed your step's tensors in place (a bug): {changed[:3]}")
-    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+    return rows
+
+
+def fix_names(fixes: Any) -> list[str]:
+    """``fixes`` as a list of known fix names (one name may come as a string)."""
+    names = [fixes] if isinstance(fixes, str) else fixes
+    try:
+        names = list(names)
+    except TypeError:
+        raise UsageError(f"fixes must be a fix name or a list of them, got {fixes!r}") from None
+    unknown = [n for n in names if not isinstance(n, str) or n not in FIXES]
+    if unknown:
+        raise UsageError(f"unknown fixes {unknown}; expected some of {', '.join(FIXES)}")
+    return names
+
+
+def _name_side_effects(report, found: list[str]) -> None:
+    """What the trials changed that they could not keep from changing: warned now, and named
+    first in the report's summary."""
+    new = [what for what in found if what not in report.side_effects]
+    if new:
+        report.side_effects += new
+        warnings.warn("accel.doctor's trials: " + "; ".join(new), RuntimeWarning, stacklevel=4)
 
 
 def _blocked(report) -> str:
