@@ -83,6 +83,7 @@ def examine(
         if batch is NO_BATCH and loader is not None:
             batch = next(iter(loader))
         parts = find_parts(step)
+        session.watch(parts.reach.objects.values())
         untouched = Untouched(parts, batch)
         runner, copied, cautions = _copy_or_own(step, parts, allow_training)
         device = step_device(copied, batch)

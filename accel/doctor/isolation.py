@@ -6,7 +6,8 @@ for the report's first line.
 
 Files and sockets are seen through Python's audit hooks (``sys.addaudithook``): one hook for the
 process, installed at the first session, which does nothing unless a session is open in the
-running thread (a hook cannot be removed). ``torch.save`` to a path opens its file in C++, where
+running thread (a hook cannot be removed), and counts an event only where the step's own code is
+on the stack (not the doctor's measuring). ``torch.save`` to a path opens its file in C++, where
 no audit event is raised: during a session it raises the one ``open()`` would. Writes by
 PyTorch's compilers (their caches) and by the import system (bytecode) are not the step's.
 """
@@ -19,7 +20,8 @@ import inspect
 import os
 import random
 import sys
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from accel.errors import UsageError
 
 __all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step"]
 
-_RECORD: contextvars.ContextVar[collections.Counter | None] = contextvars.ContextVar(
+_RECORD: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar(
     "accel_doctor_record", default=None
 )
 _HOOKED: list[bool] = []  # the process's hook is installed once
@@ -40,26 +42,41 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 def record(what: str) -> None:
     """Count ``what`` (a side effect, in words) for the open session, if any."""
-    found = _RECORD.get()
-    if found is not None:
-        found[what] += 1
+    recording = _RECORD.get()
+    if recording is not None:
+        recording.found[what] += 1
+
+
+class _Recording:
+    def __init__(self) -> None:
+        self.found: collections.Counter[str] = collections.Counter()
+        self.codes: set[types.CodeType] = set()  # a file opened under one of them: the step's
 
 
 class Session:
-    """While open: side effects recorded (:meth:`effects`); on closing, the random generators
-    put back as they were when it opened."""
+    """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
+    what :meth:`watch` is given); on closing, the random generators put back as they were when
+    it opened."""
 
     def __init__(self) -> None:
-        self._found: collections.Counter[str] = collections.Counter()
+        self._recording = _Recording()
+        self._found = self._recording.found
 
     def __enter__(self) -> Session:
         if not _HOOKED:
             sys.addaudithook(_audit)
             _HOOKED.append(True)
         self._generators = _Generators()
-        self._token = _RECORD.set(self._found)
+        self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
         return self
+
+    def watch(self, functions: Iterable[Any]) -> None:
+        """Count what happens while one of ``functions`` runs (the step's, found by the walk):
+        not what the doctor's own measuring does (a profiler's temporary file, say)."""
+        self._recording.codes.update(
+            f.__code__ for f in functions if isinstance(f, types.FunctionType)
+        )
 
     def __exit__(self, *exc: Any) -> None:
         self._save.close()
@@ -100,15 +117,15 @@ def _cuda_started() -> bool:
 
 # ---- files, sockets, processes -----------------------------------------------------------------------
 def _audit(event: str, args: tuple) -> None:
-    found = _RECORD.get()
-    if found is None:
+    recording = _RECORD.get()
+    if recording is None:
         return
     describe = _EVENTS.get(event)
     if describe is None:
         return
     what = describe(*args)
-    if what and not _by_machinery():
-        found[what] += 1
+    if what and _caused_by_step(recording.codes):
+        recording.found[what] += 1
 
 
 def _opened(path: Any, mode: Any, flags: Any) -> str | None:
@@ -143,16 +160,22 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
 }
 
 
-def _by_machinery() -> bool:
-    """Whether the code that caused the event, past the standard library's frames, is a
-    compiler's or the import system's."""
-    frame = sys._getframe(2)
+def _caused_by_step(codes: set[types.CodeType]) -> bool:
+    """Whether the event came from the step's code (one of ``codes`` on the stack), and not
+    from a compiler or the import system it called (the innermost frame past the standard
+    library's tells)."""
+    frame, inner = sys._getframe(2), None
     while frame is not None:
-        module = frame.f_globals.get("__name__", "") or ""
-        if module.startswith("importlib"):
+        if inner is None:
+            module = frame.f_globals.get("__name__", "") or ""
+            if module.startswith("importlib"):
+                return False
+            if module != __name__ and module.split(".")[0] not in sys.stdlib_module_names:
+                inner = module
+                if inner.startswith(_MACHINERY):
+                    return False
+        if frame.f_code in codes:
             return True
-        if module != __name__ and module.split(".")[0] not in sys.stdlib_module_names:
-            return module.startswith(_MACHINERY)
         frame = frame.f_back
     return False
 

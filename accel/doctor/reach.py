@@ -268,6 +268,14 @@ def _function_edges(fn: types.FunctionType, names: set[str]) -> Iterator[Edge]:
             yield Edge("global", name, fn.__globals__[name])
 
 
+# what runs when an object is made, shown or pickled, not when a step runs it
+_NOT_STEP_CODE = frozenset((
+    "__init__", "__new__", "__init_subclass__", "__post_init__", "__class_getitem__",
+    "__set_name__", "__repr__", "__str__", "__format__", "__getstate__", "__setstate__",
+    "__reduce__", "__reduce_ex__", "__copy__", "__deepcopy__", "__del__",
+))  # fmt: skip
+
+
 def _class_edges(cls: type) -> Iterator[Edge]:
     """The class attributes and methods ``cls`` and its bases of the user's code define, each
     name once (the first along the method resolution order)."""
@@ -278,7 +286,7 @@ def _class_edges(cls: type) -> Iterator[Edge]:
         for name, value in list(vars(klass).items()):
             dunder = name.startswith("__") and name.endswith("__")
             code = isinstance(value, (types.FunctionType, staticmethod, classmethod, property))
-            if name in seen or (dunder and not code):
+            if name in seen or (dunder and not code) or name in _NOT_STEP_CODE:
                 continue
             seen.add(name)
             yield Edge("cattr", name, value)

@@ -6,6 +6,7 @@ measurement."""
 from __future__ import annotations
 
 import math
+import re
 import time
 import warnings
 from typing import Any
@@ -46,6 +47,7 @@ def try_fixes(
     repeats = repeats or (8 if cuda else 5)
     blocked = _blocked(report) if fixes is None else ""
     with Session() as session:  # the random generators put back (the trials seed them)
+        session.watch(report.parts.reach.objects.values())
         untouched = Untouched(report.parts, report.batch)
         rows = _trials(report, names, blocked, steps, repeats, progress)
     _name_side_effects(report, session.effects() + untouched.report())
@@ -97,11 +99,15 @@ def fix_names(fixes: Any) -> list[str]:
 
 def _name_side_effects(report, found: list[str]) -> None:
     """What the trials changed that they could not keep from changing: warned now, and named
-    first in the report's summary."""
-    new = [what for what in found if what not in report.side_effects]
-    if new:
-        report.side_effects += new
-        warnings.warn("accel.doctor's trials: " + "; ".join(new), RuntimeWarning, stacklevel=4)
+    first in the report's summary (once: examining may have named it already)."""
+    if found:
+        warnings.warn("accel.doctor's trials: " + "; ".join(found), RuntimeWarning, stacklevel=4)
+    said = {_uncounted(what) for what in report.side_effects}
+    report.side_effects += [what for what in found if _uncounted(what) not in said]
+
+
+def _uncounted(what: str) -> str:
+    return re.sub(r" \(\d+ times\)$", "", what)
 
 
 def _blocked(report) -> str:

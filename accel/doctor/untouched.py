@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import functools
 import gc
+import itertools
 import math
 import sys
 from collections.abc import Callable
@@ -72,11 +73,7 @@ class Untouched:
 
     # ---- what is recorded ---------------------------------------------------------------------
     def _process_wide(self, parts: StepParts) -> None:
-        everything = gc.get_objects()  # by type: isinstance may run an object's __class__
-        modules = [o for o in everything if issubclass(type(o), nn.Module)]
-        optimizers = [o for o in everything if issubclass(type(o), torch.optim.Optimizer)]
-        grads = [o for o in everything if issubclass(type(o), torch.Tensor) and _leaf_with_grad(o)]
-        del everything
+        modules, optimizers, grads = _alive_in_process()
         main = {id(v): k for k, v in vars(sys.modules.get("__main__", sys)).items()}
         seen: set[int] = set()
         inner = {id(m) for module in modules for m in _submodules(module)}
@@ -128,6 +125,24 @@ class Untouched:
 
 
 # ---- summaries that compare ---------------------------------------------------------------------
+def _alive_in_process() -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[torch.Tensor]]:
+    """Every module, optimizer and tensor requiring grad of its own the garbage collector knows
+    (sorted by type, in C loops: ``isinstance`` would run a Python loop over every object, and
+    may run an object's ``__class__``)."""
+    everything = gc.get_objects()
+    kinds = set(map(type, everything))
+    wanted = {cls for cls in kinds if issubclass(cls, _KINDS)}
+    found = list(itertools.compress(everything, map(wanted.__contains__, map(type, everything))))
+    del everything
+    modules = [o for o in found if issubclass(type(o), nn.Module)]
+    optimizers = [o for o in found if issubclass(type(o), torch.optim.Optimizer)]
+    tensors = [o for o in found if issubclass(type(o), torch.Tensor) and _leaf_with_grad(o)]
+    return modules, optimizers, tensors
+
+
+_KINDS = (nn.Module, torch.optim.Optimizer, torch.Tensor)
+
+
 def _submodules(module: nn.Module) -> list[nn.Module]:
     held = (instance_dict(module) or {}).get("_modules") or {}  # none in one half made
     return [m for m in held.values() if m is not None]
