@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import requires_cuda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -287,6 +288,44 @@ def test_globals_iterators_and_random_generators_are_the_copies_own(seed):
     assert not first_line(report).startswith("Caution")
 
 
+def test_random_generator_objects_the_step_draws_from_are_the_copies_own(seed):
+    model, opt = small()
+    drawn = {"numpy": np.random.default_rng(1), "python": random.Random(2)}
+    generator = torch.Generator().manual_seed(3)
+
+    def step(x):
+        noise = torch.rand(x.shape, generator=generator) + drawn["numpy"].random()
+        loss = model(x + 0 * noise).square().mean() + 0 * drawn["python"].random()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    states = (drawn["numpy"].bit_generator.state, drawn["python"].getstate(), generator.get_state())
+    report = examined(step, torch.randn(5, 4))
+    assert drawn["numpy"].bit_generator.state == states[0]
+    assert drawn["python"].getstate() == states[1]
+    assert torch.equal(generator.get_state(), states[2])
+    assert not first_line(report).startswith("Caution")
+
+
+def test_an_open_file_the_step_writes_to_is_named_first(seed, tmp_path):
+    model, opt = small()
+    log = open(tmp_path / "log.txt", "a")  # noqa: SIM115 - held open, as a notebook's log is
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log.write(f"{loss.item()}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    log.close()
+    assert named_before_numbers(report, "changed closure 'log'")
+
+
 def test_try_fixes_puts_the_random_generators_back(seed):
     model, opt = small()
 
@@ -301,6 +340,29 @@ def test_try_fixes_puts_the_random_generators_back(seed):
     before = held(model, opt)
     report.try_fixes("set_to_none", steps=1, repeats=1)
     assert differences(before, model, opt) == []
+
+
+@requires_cuda
+def test_the_cuda_generator_and_model_are_as_they_were_after_examine_and_try_fixes(seed):
+    cuda = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)).to(cuda)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(x):
+        loss = model(x).square().mean() + 0 * torch.rand((), device=cuda)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    x = torch.randn(5, 4, device=cuda)
+    trained_once_on = [p.detach().clone() for p in model.parameters()]
+    generator = torch.cuda.get_rng_state()
+    report = examined(step, x)
+    report.try_fixes(["set_to_none", "cuda_graph"], steps=1, repeats=1)
+    assert torch.equal(torch.cuda.get_rng_state(), generator)
+    assert all(torch.equal(a, b) for a, b in zip(trained_once_on, model.parameters(), strict=True))
+    assert not first_line(report).startswith("Caution")
 
 
 def test_an_iterator_that_cannot_be_copied_is_named_with_what_it_lost(seed):

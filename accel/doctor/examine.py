@@ -145,14 +145,11 @@ def _copy_or_own(
         if not allow_training:
             raise UsageError(
                 f"accel.doctor would train your own objects: {error}. Pass allow_training=True "
-                "to examine the step on them anyway, or hold what it trains where the doctor "
-                "can copy it (a closure, a global, an attribute)"
+                "(--allow-training) to examine the step on them anyway, or hold what it trains "
+                "where the doctor can copy it (a closure, a global, an attribute)"
             ) from error
-        return (
-            step,
-            parts,
-            [f"ran on your own objects (allow_training=True), which trained: {error}"],
-        )
+        said = f"ran on your own objects (allow_training=True), which trained: {error}"
+        return step, parts, [said]
     return runner, copied, []
 
 

@@ -165,7 +165,7 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     for original, new in zip(originals, copies, strict=True):
         if isinstance(new, torch.optim.Optimizer):
             _rewrap_scheduler_patch(original, new)
-    memo.pop(id(memo), None)  # deepcopy's list of what it kept alive
+    # the memo keeps deepcopy's list of what it kept alive: no id in it is reused meanwhile
     runner = step
     if parts.reach is not None:
         if not _same_callable(step, parts.reach.root):
@@ -229,12 +229,8 @@ class _Rebuild:
     pointed at the copies (``memo`` starts with the deep copies of the parts, by original id)."""
 
     def __init__(self, parts: StepParts, memo: dict[int, Any]):
-        self.reach, self.needs, self.carries, self.memo = (
-            parts.reach,
-            parts.needs,
-            parts.carries,
-            memo,
-        )
+        self.reach, self.memo = parts.reach, memo
+        self.needs, self.carries = parts.needs, parts.carries
         self.unpatched = {key for key in memo if key in self.needs}  # deep copies to point
         self.scopes: dict[int, dict[str, Any]] = {}  # id of a module's globals: the copies'
         self.busy: set[int] = set()
@@ -364,6 +360,7 @@ class _Rebuild:
             {k: self.new(v) for k, v in kwdefaults.items()} if kwdefaults else None
         )
         made.__dict__.update(fn.__dict__)
+        made.__annotations__ = fn.__annotations__
         made.__qualname__, made.__doc__, made.__module__ = (
             fn.__qualname__,
             fn.__doc__,

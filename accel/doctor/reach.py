@@ -234,7 +234,7 @@ def attributes_of(value: Any) -> Iterator[tuple[str, Any]]:
             continue
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)
 def slot_names(cls: type) -> tuple[str, ...]:
     """The attribute names the ``__slots__`` of ``cls`` and its bases declare (mangled)."""
     found = []
