@@ -204,7 +204,11 @@ def _held(value: Any) -> Iterator[Edge]:
         if isinstance(value, nn.Module):
             yield from (Edge("module", n, m) for n, m in value._modules.items() if m is not None)
         skipped = skipped_attributes(value)
-        yield from (Edge("attr", n, v) for n, v in attributes_of(value) if n not in skipped)
+        for name, item in attributes_of(value):
+            # a part's empty hook tables: copied with it, and holding nothing to follow
+            empty = skipped and isinstance(item, (dict, list, set)) and not item
+            if name not in skipped and not empty:
+                yield Edge("attr", name, item)
         if not is_library(type(value)):
             yield Edge("class", None, type(value))
 

@@ -7,19 +7,21 @@ the step reaches besides: plain tensors, containers, objects of the user's class
 generator objects, the globals its functions assign, open files, the batch's tensors.
 :meth:`Untouched.changed` names what is different since.
 
-A tensor's values are compared through its version counter (every in-place write) and two float64
-sums (its sum and its norm: a write through ``.data``, which the counter does not see).
+A tensor's values are compared through its version counter (every in-place write) and two sums
+in float64 (of its magnitudes and of their squares: a write through ``.data``, which the counter
+does not see).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import gc
 import itertools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,20 +41,21 @@ class Untouched:
         self._alive: list[Any] = []  # what a record names by id: kept, so no id is reused
         self._tensors: list[tuple[str, torch.Tensor]] = []
         self._probes: list[tuple[str, Callable[[], Any]]] = []
-        self._process_wide(parts)
-        if parts.reach is not None:
-            self._reached(parts)
-        self._tensors += [
-            ("the batch", t) for t in tree_leaves(batch) if isinstance(t, torch.Tensor)
-        ]
-        self._tensor_states = _states([t for _, t in self._tensors], self._alive)
-        self._values = [probe() for _, probe in self._probes]
+        with _collector_paused():
+            self._process_wide(parts)
+            if parts.reach is not None:
+                self._reached(parts)
+            leaves = [t for t in tree_leaves(batch) if isinstance(t, torch.Tensor)]
+            self._tensors += [("the batch", t) for t in leaves]
+            self._tensor_states = _states([t for _, t in self._tensors], self._alive)
+            self._values = [probe() for _, probe in self._probes]
 
     def changed(self) -> list[str]:
         """Where a change happened since this was made (``"closure 'model': 0.weight"``,
         ``"closure 'model': 0.weight.grad"``, ``"global 'losses'"``)."""
         found = []
-        after = _states([t for _, t in self._tensors], self._alive)
+        with _collector_paused():
+            after = _states([t for _, t in self._tensors], self._alive)
         for (label, _), before, now in zip(self._tensors, self._tensor_states, after, strict=True):
             if before[0] != now[0]:
                 found.append(label)
@@ -125,6 +128,19 @@ class Untouched:
 
 
 # ---- summaries that compare ---------------------------------------------------------------------
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused: each of its passes over a large process's objects
+    would cost more than the records being made."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _alive_in_process() -> tuple[list[nn.Module], list[torch.optim.Optimizer], list[torch.Tensor]]:
     """Every module, optimizer and tensor requiring grad of its own the garbage collector knows
     (sorted by type, in C loops: ``isinstance`` would run a Python loop over every object, and
@@ -196,24 +212,29 @@ def _version(t: torch.Tensor) -> int:
 
 
 def _fingerprints(tensors: list[torch.Tensor]) -> list[tuple | None]:
-    """(sum, norm) in float64 of each tensor, read from the device once per device."""
-    sums: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    """(sum of magnitudes, norm) of each tensor in float64: for floating tensors in one launch
+    per device and dtype, read from the device once per group."""
+    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    found: list[tuple | None] = [None] * len(tensors)
     for i, t in enumerate(tensors):
         plain = type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
         if not plain or t.device.type == "meta":
             continue  # a subclass's sum may communicate (a DTensor's); its version is compared
         x = t.detach()
         x = torch.view_as_real(x) if x.is_complex() else x
-        x = x if x.is_floating_point() else x.to(torch.float64)
-        pair = torch.stack([torch.sum(x, dtype=torch.float64),
-                            torch.linalg.vector_norm(x, dtype=torch.float64)])  # fmt: skip
-        sums.setdefault(t.device, []).append((i, pair))
-    found: list[tuple | None] = [None] * len(tensors)
-    for pairs in sums.values():
-        values = torch.stack([p for _, p in pairs]).tolist()  # sync: once per device
-        for (i, _), pair in zip(pairs, values, strict=True):
-            found[i] = tuple("nan" if math.isnan(v) else v for v in pair)
-    return found
+        if x.is_floating_point():
+            groups.setdefault((x.device, x.dtype), []).append((i, x))
+        else:  # an integer or boolean buffer (a count): few and small
+            x = x.to(torch.float64)
+            found[i] = tuple(torch.stack([x.abs().sum(), x.norm()]).tolist())
+    for members in groups.values():
+        group = [x for _, x in members]
+        sums = torch._foreach_norm(group, 1, dtype=torch.float64)
+        norms = torch._foreach_norm(group, 2, dtype=torch.float64)
+        values = torch.stack([*sums, *norms]).tolist()  # sync: once per group
+        for j, (i, _) in enumerate(members):
+            found[i] = (values[j], values[len(members) + j])
+    return [None if f is None else tuple("nan" if math.isnan(v) else v for v in f) for f in found]
 
 
 def _plain(value: Any, alive: list[Any]) -> Any:
