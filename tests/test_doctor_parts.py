@@ -17,7 +17,9 @@ from torch import nn
 
 from accel import doctor
 from accel.doctor import parts as parts_module
-from accel.doctor.parts import StepParts, Untouched, copy_step, find_parts
+from accel.doctor.parts import StepParts, copy_step, find_parts
+from accel.doctor.untouched import Untouched
+from accel.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,7 +164,10 @@ def test_bound_method_of_a_trainer_trains_copies_only(seed):
     trainer = Trainer()
     found = trains_copies_only(trainer.train_step, [trainer.net])
     assert where(found) == {"self.net": "Sequential", "self.optim": "SGD"}
-    assert len(trainer.losses) == 2
+    assert trainer.losses == []  # the copy's list gained the losses, not the trainer's
+    rebuilt, _ = copy_step(trainer.train_step, found)
+    rebuilt(batch())
+    assert len(rebuilt.__self__.losses) == 1 and trainer.losses == []
 
 
 def test_callable_object_trains_copies_only(seed):
@@ -213,13 +218,13 @@ def test_object_holding_the_model_is_copied_with_it(seed):
 
     found = trains_copies_only(step, [model, ema.shadow])
     assert where(found) == {
-        "closure 'ema'": "EMA",
         "closure 'ema'.model": "Sequential",
         "closure 'ema'.shadow": "Sequential",
         "closure 'opt'": "SGD",
     }
-    _, copied = copy_step(step, found)
-    (copied_ema,) = (o for o in copied.others if isinstance(o, EMA))
+    rebuilt, copied = copy_step(step, found)
+    copied_ema = rebuilt.__closure__[step.__code__.co_freevars.index("ema")].cell_contents
+    assert isinstance(copied_ema, EMA) and copied_ema is not ema
     assert copied_ema.model is copied.models[0] and copied_ema.shadow is copied.models[1]
 
 
@@ -481,13 +486,20 @@ def test_uncopyable_part_raises_type_error_naming_it(seed):
     assert "_thread.lock" in str(raised.value)
 
 
-def test_examine_warns_and_runs_on_the_users_model_when_parts_cannot_be_copied(seed):
+def test_examine_refuses_to_train_parts_it_cannot_copy_unless_allowed(seed):
     step, model = locked_step()
     before = snapshot([model])
-    with pytest.warns(RuntimeWarning, match="cannot be deep-copied.*trains"):
-        report = doctor.examine(step, batch(), steps=1, warmup=1)
+    with pytest.raises(UsageError, match=r"cannot be deep-copied.*allow_training=True"):
+        doctor.examine(step, batch(), steps=1, warmup=1)
+    assert unchanged(before, [model])
+    report = doctor.examine(step, batch(), steps=1, warmup=1, allow_training=True)
     assert not unchanged(before, [model])
     assert report.parts.models == [model]
+    first = str(report).splitlines()[0]
+    assert first.startswith("Caution: ran on your own objects (allow_training=True), which trained")
+    assert first.index("Locked (closure 'model')") < first.index(" ms ")
+    with pytest.raises(UsageError, match="try_fixes needs copies"):
+        report.try_fixes(["set_to_none"])
 
 
 def test_examine_warns_when_the_step_reaches_no_parts(seed):

@@ -10,7 +10,8 @@ import torch
 
 from accel import doctor
 from accel.doctor import recorder, zoo
-from accel.doctor.parts import Untouched, find_parts
+from accel.doctor.parts import find_parts
+from accel.doctor.untouched import Untouched
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,8 +8,9 @@
 ``python -m accel doctor my_module:make_step`` does the same from a shell (``make_step()``
 returns the step and its batch) and writes the report as one HTML file.
 
-How it works: ``parts`` finds the model and optimizer the step reaches and copies them (your
-objects never train); ``timeline`` profiles a few steps (kernels, launches, syncs, the device's
+How it works: ``reach`` and ``parts`` find everything the step reaches and run it on copies
+(your objects never train); ``isolation`` puts the random generators back and names what cannot
+be copied (files written), ``untouched`` proves the rest unchanged; ``timeline`` profiles a few steps (kernels, launches, syncs, the device's
 idle time by cause); ``recorder`` records every operator of one step with the line of your code
 that ran it; the ``check_*`` modules turn that evidence into :class:`Finding`\\ s, each with a
 predicted saving from a stated cost model; ``fixes`` and ``trial`` apply and measure the fixes;

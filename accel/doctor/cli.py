@@ -79,7 +79,14 @@ def _doctor(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
     check_writable(args.out, "--out")  # before the examination, which takes a while
     step, batch, loader = load_step(args.target)
-    report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile)
+    report = examine(
+        step,
+        batch,
+        loader=loader,
+        steps=args.steps,
+        compile=args.compile,
+        allow_training=args.allow_training,
+    )
     if args.try_fixes:
         report.try_fixes()
     print(report)
@@ -107,5 +114,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     doctor.add_argument("--try-fixes", action="store_true", help="apply and measure the fixes")
     doctor.add_argument(
         "--compile", action="store_true", help="also list torch.compile's graph breaks"
+    )
+    doctor.add_argument(
+        "--allow-training",
+        action="store_true",
+        help="run on your own model where the doctor cannot copy what the step trains",
     )
     doctor.set_defaults(func=_doctor)

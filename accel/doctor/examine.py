@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -14,9 +14,12 @@ from torch.utils._pytree import tree_leaves
 from accel.doctor.detect import detect
 from accel.doctor.findings import Evidence
 from accel.doctor.fixes import NO_BATCH
-from accel.doctor.parts import StepParts, Untouched, copy_step, find_parts
+from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
+from accel.doctor.parts import StepParts, copy_step, find_parts
 from accel.doctor.recorder import record_step
 from accel.doctor.timeline import profile_timeline
+from accel.doctor.untouched import Untouched
+from accel.errors import UsageError
 
 __all__ = ["examine", "step_device"]
 
@@ -47,17 +50,21 @@ def examine(
     compile: bool = False,
     ceilings: Any = None,
     costs: Any = None,
+    allow_training: bool = False,
 ):
     """Examine ``step(batch)`` (or ``step()`` without a batch): profile it, record every operator
     with the line that ran it, and run every check on what was measured.
 
-    The step runs on deep copies of the models and optimizers it reaches (closure, globals,
-    ``self``), so your model does not train; if they cannot be copied it runs on yours, with a
-    warning. ``loader``: the DataLoader that feeds it (its first batch is used when ``batch`` is
-    not given), to measure how long the step waits for data. ``compile=True`` also lists where
-    ``torch.compile`` would break the step (seconds to minutes). ``ceilings`` and ``costs``: this
-    machine's ``lab.measure_ceilings`` and ``lab.measure_costs``, if at hand (else measured
-    when a check needs them).
+    The step runs on copies of everything it can reach and change (models, optimizers,
+    containers, objects, iterators: :mod:`accel.doctor.parts`), so your model does not train;
+    where something it trains cannot be copied, examining is refused unless
+    ``allow_training=True`` (then it runs on your objects, and the report's first line says so).
+    The random generators are put back as they were; what cannot be (files written, a network)
+    is named in the report's first line. ``loader``: the DataLoader that feeds it (its first batch
+    is used when ``batch`` is not given), to measure how long the step waits for data.
+    ``compile=True`` also lists where ``torch.compile`` would break the step (seconds to
+    minutes). ``ceilings`` and ``costs``: this machine's ``lab.measure_ceilings`` and
+    ``lab.measure_costs``, if at hand (else measured when a check needs them).
     """
     from accel.doctor.report import Report
 
@@ -65,36 +72,47 @@ def examine(
         raise TypeError(
             f"examine() needs the training step as a callable, got {type(step).__name__}"
         )
+    refuse_unplain_step(step)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
-    if batch is NO_BATCH and loader is not None:
-        batch = next(iter(loader))
-    parts = find_parts(step)
-    untouched = Untouched(parts)
-    runner, copied = _copy_or_own(step, parts)
-    device = step_device(copied, batch)
-    call = _call(runner, batch)
-    for _ in range(warmup):
-        call()
-    timeline = profile_timeline(call, device, steps=steps).at_step_time(_step_us(call, device))
-    evidence = Evidence(
-        device=device,
-        parts=copied,
-        recording=record_step(call, device),
-        timeline=timeline,
-        batch=batch,
-        memory=_memory(call, device),
-        loader=_loader(loader, runner, device, timeline.step_us) if loader is not None else None,
-        graph_breaks=_breaks(step, parts, batch) if compile else None,
-        measure={
-            name: (lambda value=value: value)
-            for name, value in (("ceilings", ceilings), ("costs", costs))
-            if value is not None
-        },
-    )
-    findings = detect(evidence)
-    _check_untouched(untouched, runner is step)
-    return Report(step, batch, parts, evidence, findings)
+    if isinstance(loader, Iterator):
+        raise UsageError(
+            f"loader must be an iterable the doctor can start again (a DataLoader), got an "
+            f"iterator ({type(loader).__name__}), whose batches it would use up"
+        )
+    with Session() as session:  # the random generators put back; files written recorded
+        if batch is NO_BATCH and loader is not None:
+            batch = next(iter(loader))
+        parts = find_parts(step)
+        session.watch(parts.reach.objects.values())
+        untouched = Untouched(parts, batch)
+        runner, copied, cautions = _copy_or_own(step, parts, allow_training)
+        device = step_device(copied, batch)
+        call = _call(runner, batch)
+        refuse_unplain_result(call())
+        for _ in range(warmup - 1):
+            call()
+        timeline = profile_timeline(call, device, steps=steps).at_step_time(_step_us(call, device))
+        evidence = Evidence(
+            device=device,
+            parts=copied,
+            recording=record_step(call, device),
+            timeline=timeline,
+            batch=batch,
+            memory=_memory(call, device),
+            loader=_loader(loader, runner, device, timeline.step_us)
+            if loader is not None
+            else None,
+            graph_breaks=_breaks(step, parts, batch, runner is step) if compile else None,
+            measure={
+                name: (lambda value=value: value)
+                for name, value in (("ceilings", ceilings), ("costs", costs))
+                if value is not None
+            },
+        )
+        findings = detect(evidence)
+    cautions += session.effects() + untouched.report()
+    return Report(step, batch, parts, evidence, findings, side_effects=cautions)
 
 
 def _step_us(call: Callable[[], Any], device: torch.device) -> float:
@@ -111,34 +129,29 @@ def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
 
 
 def _copy_or_own(
-    step: Callable[..., Any], parts: StepParts
-) -> tuple[Callable[..., Any], StepParts]:
+    step: Callable[..., Any], parts: StepParts, allow_training: bool
+) -> tuple[Callable[..., Any], StepParts, list[str]]:
+    """The step rebuilt around copies and the copied parts; or, where what it trains cannot be
+    copied and ``allow_training``, the step itself, saying so."""
     if not parts.all:
         warnings.warn(
-            "accel.doctor: found no model or optimizer in the step (closure, globals, self): "
-            "it runs as it is, and the fixes that change a model or optimizer cannot apply",
+            "accel.doctor: found no model or optimizer in what the step reaches: the fixes that "
+            "change a model or optimizer cannot apply",
             RuntimeWarning,
             stacklevel=3,
         )
-        return step, parts
     try:
-        return copy_step(step, parts)
+        runner, copied = copy_step(step, parts)
     except TypeError as error:
-        warnings.warn(
-            f"accel.doctor: {error}; examining runs your step on your own model, which trains",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return step, parts
-
-
-def _check_untouched(untouched: Untouched, ran_on_own: bool) -> None:
-    changed = untouched.changed()
-    if changed and not ran_on_own:
-        raise RuntimeError(
-            "accel.doctor changed tensors of your step in place although it ran on copies "
-            f"(a bug; please report it): {', '.join(changed[:3])}"
-        )
+        if not allow_training:
+            raise UsageError(
+                f"accel.doctor would train your own objects: {error}. Pass allow_training=True "
+                "(--allow-training) to examine the step on them anyway, or hold what it trains "
+                "where the doctor can copy it (a closure, a global, an attribute)"
+            ) from error
+        said = f"ran on your own objects (allow_training=True), which trained: {error}"
+        return step, parts, [said]
+    return runner, copied, []
 
 
 def _memory(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
@@ -197,8 +210,8 @@ def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float)
     }
 
 
-def _breaks(step: Callable[..., Any], parts: StepParts, batch: Any):
+def _breaks(step: Callable[..., Any], parts: StepParts, batch: Any, own: bool):
     from accel.doctor.check_compile import graph_breaks
 
-    runner, _ = copy_step(step, parts) if parts.all else (step, parts)
+    runner = step if own else copy_step(step, parts)[0]
     return graph_breaks(_call(runner, batch))

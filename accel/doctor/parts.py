@@ -1,43 +1,68 @@
 """What a user's training step is made of, and a copy of the step that trains copies of it.
 
-A step is any callable: a function that reads ``model`` and ``opt`` from its closure or its
-module's globals, a bound method of a trainer object, a ``functools.partial``, or an object with
-``__call__``. :func:`find_parts` looks where the step's code looks (closure cells, the global
-names its code uses, the attributes of ``self``, one level into containers and same-module helper
-functions) and collects the modules, optimizers, schedulers and gradient scalers it finds.
+A step is any callable: a function that reads ``model`` and ``opt`` from its closure or the
+globals of its module, a bound method of a trainer object, a ``functools.partial``, or an object
+with ``__call__``. :func:`find_parts` follows everything the step can reach
+(:mod:`accel.doctor.reach`: closures, globals of any module, defaults, attributes, class
+attributes, helpers at any depth) and collects the modules, optimizers, schedulers, gradient
+scalers and tensors of its own that require grad.
 
 :func:`copy_step` deep-copies those parts together (one memo, so each copied optimizer holds the
-copied model's parameters) and rebuilds the step around the copies: a new function object with the
-same code, its closure and globals pointing at the copies. The user's objects are never trained:
-:class:`Untouched` records every tensor's version counter and says which one changed.
+copied model's parameters) and rebuilds, around the copies, every object on a path from the step
+to something it could change: functions get new closures and a copy of their module's globals,
+objects and containers shallow copies, classes a subclass holding the copied class attributes,
+random generators copies, iterators copies, or a read-through (:class:`~.isolation.Drawn`) where
+they cannot be copied. What cannot be rebuilt on the way to a part is refused (a TypeError naming
+it); what cannot be rebuilt on the way to anything else stays shared, and
+:class:`~.untouched.Untouched` names it if it changed.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
-import dis
 import functools
-import inspect
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["StepParts", "Untouched", "copy_step", "find_parts"]
+from accel.doctor.isolation import Drawn
+from accel.doctor.reach import (
+    Reach,
+    attributes_of,
+    global_names,
+    is_library,
+    kind,
+    skipped_attributes,
+    walk,
+)
 
-_HELPER_DEPTH = 2  # same-module functions called by the step, and the ones they call
+__all__ = ["StepParts", "copy_step", "find_parts"]
 
-
-def _is_part(value: Any) -> bool:
-    from torch.optim.lr_scheduler import LRScheduler
-
-    scaler = getattr(torch.amp, "GradScaler", None)
-    kinds = (nn.Module, torch.optim.Optimizer, LRScheduler) + ((scaler,) if scaler else ())
-    return isinstance(value, kinds)
+_COPYABLE_ITERATORS = frozenset(
+    type(iter(x))
+    for x in (
+        [],
+        (),
+        range(0),
+        range(2**64),
+        "",
+        "é",
+        b"",
+        bytearray(),
+        {},
+        set(),
+        {}.values(),
+        {}.items(),
+        reversed([]),
+    )
+)  # fmt: skip  (built-in iterators a shallow copy makes independent)
+_TARGETS = ("part", "grad", "rng", "state", "iterator", "writes")  # rebuilt, with their holders
 
 
 @dataclass
@@ -47,153 +72,87 @@ class StepParts:
     models: list[nn.Module] = field(default_factory=list)
     optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
     others: list[Any] = field(default_factory=list)  # schedulers, gradient scalers
+    tensors: list[torch.Tensor] = field(default_factory=list)  # requiring grad, of no model
     where: dict[int, str] = field(default_factory=dict)
+    blocked: list[str] = field(default_factory=list)  # what trains and cannot be copied
+    reach: Reach | None = field(default=None, repr=False)  # what the step reaches (originals)
+    needs: set[int] = field(default_factory=set, repr=False)  # ids rebuilt by copy_step
+    carries: set[int] = field(default_factory=set, repr=False)  # ids that lead to a part
 
     def add(self, value: Any, where: str) -> None:
         if id(value) in self.where:
             return
         if isinstance(value, nn.Module):
-            if any(value is m or _contains(m, value) for m in self.models):
-                return
-            self.models[:] = [m for m in self.models if not _contains(value, m)]
             self.models.append(value)
         elif isinstance(value, torch.optim.Optimizer):
             self.optimizers.append(value)
+        elif isinstance(value, torch.Tensor):
+            self.tensors.append(value)
         else:
             self.others.append(value)
         self.where[id(value)] = where
 
     @property
     def all(self) -> list[Any]:
-        return [*self.models, *self.optimizers, *self.others]
+        return [*self.models, *self.optimizers, *self.others, *self.tensors]
 
-    def parameters(self) -> list[nn.Parameter]:
-        seen: dict[int, nn.Parameter] = {}
+    def parameters(self) -> list[torch.Tensor]:
+        seen: dict[int, torch.Tensor] = {}
         for m in self.models:
             seen.update((id(p), p) for p in m.parameters())
         for opt in self.optimizers:
             for group in opt.param_groups:
                 seen.update((id(p), p) for p in group["params"])
+        seen.update((id(t), t) for t in self.tensors)
         return list(seen.values())
 
     def describe(self) -> str:
         """One line: what was found and where, for the report."""
         if not self.all:
-            return "no model or optimizer found in the step's closure, globals or self"
+            return "no model or optimizer found in what the step reaches"
         return "; ".join(f"{type(v).__name__} ({self.where[id(v)]})" for v in self.all)
-
-
-def _contains(outer: nn.Module, inner: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
 
 
 # ---- finding -------------------------------------------------------------------------------------
 def find_parts(step: Callable[..., Any]) -> StepParts:
-    """The modules, optimizers, schedulers and scalers ``step`` reaches (see the module doc)."""
-    parts = StepParts()
-    for name, value in _references(step, _HELPER_DEPTH):
-        _collect(parts, value, name)
+    """The modules, optimizers, schedulers, scalers and tensors requiring grad ``step`` reaches
+    (see the module doc); ``blocked`` says what trains and cannot be copied."""
+    reach = walk(step)
+    kinds = {key: kind(value) for key, value in reach.objects.items()}
+    inside = {id(e.child) for edges in reach.edges.values() for e in edges if e.kind == "module"}
+    parts = StepParts(reach=reach)
+    for key, value in reach.objects.items():
+        where = "the step itself" if value is step else reach.where[key]
+        if kinds[key] == "part" and key not in inside:
+            parts.add(value, where)
+        elif kinds[key] == "computed":
+            parts.blocked.append(
+                f"{where} (a tensor computed with gradients, whose graph leads to tensors the "
+                "doctor cannot copy)"
+            )
+    owned = {id(p) for m in parts.models for p in m.parameters()}
+    for key, value in reach.objects.items():
+        if kinds[key] == "grad" and key not in owned:
+            parts.add(value, reach.where[key])
+    owned |= {id(t) for t in parts.tensors}
+    for opt in parts.optimizers:
+        if any(id(p) not in owned for group in opt.param_groups for p in group["params"]):
+            parts.blocked.append(
+                f"the model whose parameters {type(opt).__name__} ({parts.where[id(opt)]}) "
+                "updates: the step reaches it where the doctor cannot follow"
+            )
+    parts.needs = reach.ancestors({k for k, what in kinds.items() if what in _TARGETS})
+    parts.carries = reach.ancestors({k for k, what in kinds.items() if what in ("part", "grad")})
     return parts
-
-
-def _collect(parts: StepParts, value: Any, where: str) -> None:
-    if _is_part(value):
-        parts.add(value, where)
-    elif _holds_parts(value):  # an EMA helper, a trainer: copied with what it holds
-        parts.add(value, where)
-        for attr, item in vars(value).items():
-            if _is_part(item):
-                parts.add(item, f"{where}.{attr}")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value[:64]):
-            if _is_part(item):
-                parts.add(item, f"{where}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in list(value.items())[:64]:
-            if _is_part(item):
-                parts.add(item, f"{where}[{key!r}]")
-
-
-def _holds_parts(value: Any) -> bool:
-    """An instance (not a class, function or module) with a part among its attributes."""
-    if isinstance(value, (type, types.FunctionType, types.ModuleType, types.MethodType)):
-        return False
-    attributes = getattr(value, "__dict__", None)
-    if not isinstance(attributes, dict):
-        return False
-    return any(
-        _is_part(v) or (isinstance(v, (list, tuple)) and any(_is_part(i) for i in v[:64]))
-        for v in attributes.values()
-    )
-
-
-def _references(step: Any, depth: int) -> Iterator[tuple[str, Any]]:
-    """(where, value) of everything the step's code can reach by name."""
-    if isinstance(step, functools.partial):
-        yield from ((f"partial argument {i}", a) for i, a in enumerate(step.args))
-        yield from ((f"partial argument {k!r}", a) for k, a in step.keywords.items())
-        yield from _references(step.func, depth)
-        return
-    if isinstance(step, types.MethodType):
-        yield from _attributes(step.__self__, "self")
-        yield from _references(step.__func__, depth)
-        return
-    if isinstance(step, types.FunctionType):
-        yield from _function_references(step, depth)
-        return
-    if callable(step):  # an object with __call__ (an nn.Module included)
-        if _is_part(step):
-            yield ("the step itself", step)
-        yield from _attributes(step, "self")
-        method = "forward" if isinstance(step, nn.Module) else "__call__"
-        call = inspect.getattr_static(type(step), method, None)
-        if isinstance(call, types.FunctionType):
-            yield from _function_references(call, depth)
-
-
-def _attributes(obj: Any, name: str) -> Iterator[tuple[str, Any]]:
-    for attr, value in getattr(obj, "__dict__", {}).items():
-        yield (f"{name}.{attr}", value)
-
-
-def _function_references(fn: types.FunctionType, depth: int) -> Iterator[tuple[str, Any]]:
-    cells = zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True)
-    for name, cell in cells:
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        yield (f"closure '{name}'", value)
-        if depth > 0 and _same_module_function(value, fn):  # a helper defined beside the step
-            yield from _function_references(value, depth - 1)
-    for name in _global_names(fn.__code__):
-        if name in fn.__globals__:
-            value = fn.__globals__[name]
-            yield (f"global '{name}'", value)
-            if depth > 0 and _same_module_function(value, fn):
-                yield from _function_references(value, depth - 1)
-
-
-def _global_names(code: types.CodeType) -> Iterator[str]:
-    """The global names the code loads (``co_names`` also holds attribute names: ``model.train``
-    must not reach a module-level ``train``)."""
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            yield instruction.argval
-    for const in code.co_consts:  # comprehensions, lambdas and nested functions
-        if isinstance(const, types.CodeType):
-            yield from _global_names(const)
-
-
-def _same_module_function(value: Any, fn: types.FunctionType) -> bool:
-    return isinstance(value, types.FunctionType) and value.__globals__ is fn.__globals__
 
 
 # ---- copying ---------------------------------------------------------------------------------
 def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[..., Any], StepParts]:
     """``step`` rebuilt around deep copies of ``parts`` (copied together, so shared tensors stay
-    shared), and the copied parts in the same order. Raises TypeError naming the part that cannot
-    be deep-copied."""
+    shared), and the copied parts in the same order. Raises TypeError naming what trains and
+    cannot be copied."""
+    if parts.blocked:
+        raise TypeError("the step trains what cannot be copied: " + "; ".join(parts.blocked))
     originals = parts.all
     memo: dict[int, Any] = {}
     try:
@@ -206,13 +165,24 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     for original, new in zip(originals, copies, strict=True):
         if isinstance(new, torch.optim.Optimizer):
             _rewrap_scheduler_patch(original, new)
-    # everything the copy made, keyed by the original's id: a step that holds a parameter or a
-    # list of them (``params = list(model.parameters())``) gets the copy's
-    swap = {key: value for key, value in memo.items() if key != id(memo)}
+    # the memo keeps deepcopy's list of what it kept alive: no id in it is reused meanwhile
+    runner = step
+    if parts.reach is not None:
+        if not _same_callable(step, parts.reach.root):
+            raise ValueError("copy_step needs the step whose parts these are")
+        runner = _Rebuild(parts, memo).new(parts.reach.root)
     copied = StepParts()
     for original, new in zip(originals, copies, strict=True):
         copied.add(new, parts.where[id(original)])
-    return _rebuilt(step, swap, _HELPER_DEPTH), copied
+    return runner, copied
+
+
+def _same_callable(a: Any, b: Any) -> bool:
+    """``a is b``, or two bound methods of one function and object (``obj.step`` makes a new
+    one at each access)."""
+    if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
+        return a.__func__ is b.__func__ and a.__self__ is b.__self__
+    return a is b
 
 
 def _rewrap_scheduler_patch(original: torch.optim.Optimizer, opt: torch.optim.Optimizer) -> None:
@@ -234,97 +204,189 @@ def _rewrap_scheduler_patch(original: torch.optim.Optimizer, opt: torch.optim.Op
     opt.step = step
 
 
-def _swapped(value: Any, swap: dict[int, Any]) -> Any:
-    if id(value) in swap:
-        return swap[id(value)]
-    if isinstance(value, (list, tuple)) and any(id(v) in swap for v in value):
-        items = [swap.get(id(v), v) for v in value]
-        return type(value)._make(items) if hasattr(value, "_make") else type(value)(items)
-    if isinstance(value, dict) and any(id(v) in swap for v in value.values()):
-        return type(value)((k, swap.get(id(v), v)) for k, v in value.items())
-    return value
+class _Uncopyable(TypeError):
+    """Something on the way from the step to a part cannot be rebuilt."""
 
 
-def _rebuilt(step: Any, swap: dict[int, Any], depth: int) -> Any:
-    if isinstance(step, functools.partial):
-        args = tuple(_swapped(a, swap) for a in step.args)
-        kwargs = {k: _swapped(v, swap) for k, v in step.keywords.items()}
-        return functools.partial(_rebuilt(step.func, swap, depth), *args, **kwargs)
-    if isinstance(step, types.MethodType):
-        owner = _shallow_with(step.__self__, swap)
-        return types.MethodType(_rebuilt(step.__func__, swap, depth), owner)
-    if isinstance(step, types.FunctionType):
-        return _rebuilt_function(step, swap, depth, {})
-    if id(step) in swap:
-        return swap[id(step)]
-    return _shallow_with(step, swap)
+class _ModuleView(types.ModuleType):
+    """A module as the copies see it: its attributes read from (and written to) the copy of its
+    namespace that the copies' functions use as globals."""
+
+    def __init__(self, module: types.ModuleType, scope: dict[str, Any]):
+        super().__init__(module.__name__, module.__doc__)
+        object.__setattr__(self, "_accel_scope", scope)
+
+    def __getattribute__(self, name: str) -> Any:
+        scope = object.__getattribute__(self, "_accel_scope")
+        return scope[name] if name in scope else object.__getattribute__(self, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__getattribute__(self, "_accel_scope")[name] = value
 
 
-def _shallow_with(obj: Any, swap: dict[int, Any]) -> Any:
-    """A shallow copy of ``obj`` whose attributes that are parts point at their copies."""
-    new = copy.copy(obj)
-    for attr, value in getattr(obj, "__dict__", {}).items():
-        swapped = _swapped(value, swap)
-        if swapped is not value:
-            object.__setattr__(new, attr, swapped)
-    return new
+class _Rebuild:
+    """Each object on a path from the step to something it could change, copied once and
+    pointed at the copies (``memo`` starts with the deep copies of the parts, by original id)."""
 
+    def __init__(self, parts: StepParts, memo: dict[int, Any]):
+        self.reach, self.memo = parts.reach, memo
+        self.needs, self.carries = parts.needs, parts.carries
+        self.unpatched = {key for key in memo if key in self.needs}  # deep copies to point
+        self.scopes: dict[int, dict[str, Any]] = {}  # id of a module's globals: the copies'
+        self.busy: set[int] = set()
 
-def _rebuilt_function(
-    fn: types.FunctionType, swap: dict[int, Any], depth: int, done: dict[int, Any]
-) -> types.FunctionType:
-    if id(fn) in done:
-        return done[id(fn)]
-    names = set(_global_names(fn.__code__))
-    scope = dict(fn.__globals__)  # the module's namespace, copied: the user's stays as it was
-    cells = tuple(types.CellType() for _ in fn.__closure__ or ())
-    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, cells)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    new.__dict__.update(fn.__dict__)
-    new.__qualname__ = fn.__qualname__
-    done[id(fn)] = new
-    for cell, old in zip(cells, fn.__closure__ or (), strict=True):
-        value = _cell(old)
-        if depth > 0 and _same_module_function(value, fn):
-            value = _rebuilt_function(value, swap, depth - 1, done)
-        cell.cell_contents = _swapped(value, swap)
-    for name in names & scope.keys():
-        value = scope[name]
-        if depth > 0 and _same_module_function(value, fn):
-            scope[name] = _rebuilt_function(value, swap, depth - 1, done)
-        else:
-            scope[name] = _swapped(value, swap)
-    return new
+    def new(self, value: Any) -> Any:
+        key = id(value)
+        if key in self.memo:
+            made = self.memo[key]
+            if key in self.unpatched:  # a deep copy holding a function, say, to rebuild
+                self.unpatched.discard(key)
+                self._point(value, made)
+            return made
+        if key not in self.needs or key in self.busy:
+            return value
+        self.busy.add(key)
+        try:
+            made = self._make(value)
+        except _Uncopyable:
+            raise
+        except Exception as error:
+            if key in self.carries:
+                where = self.reach.where.get(key) or "the step"
+                raise _Uncopyable(
+                    f"{where} ({type(value).__name__}) cannot be copied ({type(error).__name__}: "
+                    f"{error}), and the step reaches a part it trains through it"
+                ) from error
+            made = value  # shared; Untouched names it if it changes
+        finally:
+            self.busy.discard(key)
+        self.memo[key] = made
+        return made
 
+    def _make(self, value: Any) -> Any:
+        what = kind(value)
+        if what == "rng":
+            return copy.deepcopy(value)
+        if what == "iterator":
+            if type(value) in _COPYABLE_ITERATORS:
+                return copy.copy(value)
+            return Drawn(value, self.reach.where.get(id(value)) or "the step")
+        if isinstance(value, types.FunctionType):
+            return self._function(value)
+        if isinstance(value, types.MethodType):
+            return types.MethodType(self.new(value.__func__), self.new(value.__self__))
+        if isinstance(value, types.BuiltinMethodType):
+            return getattr(self.new(value.__self__), value.__name__)
+        if isinstance(value, functools.partial):
+            keywords = {k: self.new(v) for k, v in value.keywords.items()}
+            return type(value)(self.new(value.func), *map(self.new, value.args), **keywords)
+        if isinstance(value, (staticmethod, classmethod)):
+            return type(value)(self.new(value.__func__))
+        if isinstance(value, property):
+            accessors = (value.fget, value.fset, value.fdel)
+            return type(value)(*(self.new(f) if f else None for f in accessors), value.__doc__)
+        if isinstance(value, types.ModuleType):
+            return self._module(value)
+        if isinstance(value, type):
+            return self._class(value)
+        if isinstance(value, (tuple, frozenset)):
+            items = [self.new(v) for v in value]
+            if all(a is b for a, b in zip(items, value, strict=True)):
+                return value
+            return type(value)._make(items) if hasattr(value, "_make") else type(value)(items)
+        made = copy.copy(value)
+        if made is value:
+            raise TypeError("copy.copy returned the object itself")
+        self.memo[id(value)] = made  # before its items: they may lead back to it
+        self._point(value, made)
+        return made
 
-def _cell(cell: types.CellType) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return None
+    def _point(self, original: Any, made: Any) -> None:
+        """Point ``made`` (a shallow or deep copy of ``original``) at the copies of what
+        ``original`` holds, where they were rebuilt (what was not stays as the copy has it)."""
+        if isinstance(original, (list, collections.deque)):
+            for i, item in enumerate(list(original)):
+                if (new := self.new(item)) is not item and i < len(made):
+                    made[i] = new
+        elif isinstance(original, dict):
+            for key, item in list(original.items()):
+                if (new := self.new(item)) is not item:
+                    made[key] = new
+        elif isinstance(original, set):
+            for item in list(original):
+                if (new := self.new(item)) is not item and item in made:
+                    made.discard(item)
+                    made.add(new)
+        elif not isinstance(original, (bytearray, torch.Tensor)):
+            self._point_attributes(original, made)
 
+    def _point_attributes(self, original: Any, made: Any) -> None:
+        if isinstance(original, nn.Module):
+            for name, sub in original._modules.items():
+                if sub is not None and (new := self.new(sub)) is not sub:
+                    made._modules[name] = new
+        skipped = skipped_attributes(original)
+        for name, item in attributes_of(original):
+            if name not in skipped and (new := self.new(item)) is not item:
+                object.__setattr__(made, name, new)
+        cls = type(original)
+        if (new_class := self.new(cls)) is not cls:
+            made.__class__ = new_class
 
-# ---- proving the user's objects were not touched -------------------------------------------------
-class Untouched:
-    """The version counter of every tensor of the user's parts, recorded now; :meth:`changed`
-    lists where an in-place write happened since (a parameter, a gradient, optimizer state)."""
+    def _scope(self, globals_: dict[str, Any]) -> dict[str, Any]:
+        """The copies' globals of a module: its namespace copied once, shared by the copies of
+        all its functions (so one that assigns a global is seen by the others, not by yours)."""
+        key = id(globals_)
+        if key not in self.scopes:
+            self.scopes[key] = dict(globals_)
+        return self.scopes[key]
 
-    def __init__(self, parts: StepParts):
-        self._tensors = dict(_named_tensors(parts))
-        self._versions = {name: t._version for name, t in self._tensors.items()}
+    def _function(self, fn: types.FunctionType) -> types.FunctionType:
+        library = is_library(fn)
+        scope = fn.__globals__ if library else self._scope(fn.__globals__)
+        old_cells = fn.__closure__ or ()
+        cells = tuple(types.CellType() for _ in old_cells)
+        made = types.FunctionType(fn.__code__, scope, fn.__name__, None, cells)
+        self.memo[id(fn)] = made  # before its cells and globals: they may lead back to it
+        for name, old, cell in zip(fn.__code__.co_freevars, old_cells, cells, strict=True):
+            try:
+                value = old.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            cell.cell_contents = value if name == "__class__" else self.new(value)
+        made.__defaults__ = tuple(map(self.new, fn.__defaults__)) if fn.__defaults__ else None
+        kwdefaults = fn.__kwdefaults__
+        made.__kwdefaults__ = (
+            {k: self.new(v) for k, v in kwdefaults.items()} if kwdefaults else None
+        )
+        made.__dict__.update(fn.__dict__)
+        made.__annotations__ = fn.__annotations__
+        made.__qualname__, made.__doc__, made.__module__ = (
+            fn.__qualname__,
+            fn.__doc__,
+            fn.__module__,
+        )
+        if not library:
+            for name in global_names(fn.__code__):
+                if name in fn.__globals__:
+                    scope[name] = self.new(fn.__globals__[name])
+        return made
 
-    def changed(self) -> list[str]:
-        return [n for n, t in self._tensors.items() if t._version != self._versions[n]]
+    def _module(self, module: types.ModuleType) -> types.ModuleType:
+        scope = self._scope(vars(module))
+        made = self.memo[id(module)] = _ModuleView(module, scope)
+        for edge in self.reach.edges.get(id(module), ()):
+            if edge.kind == "mattr" and edge.key in vars(module):
+                scope[edge.key] = self.new(vars(module)[edge.key])
+        return made
 
-
-def _named_tensors(parts: StepParts) -> Iterator[tuple[str, torch.Tensor]]:
-    for m in parts.models:
-        label = parts.where[id(m)]
-        for name, t in [*m.named_parameters(), *m.named_buffers()]:
-            yield (f"{label}: {name}", t)
-    for opt in parts.optimizers:
-        label = parts.where[id(opt)]
-        for i, state in enumerate(opt.state.values()):
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    yield (f"{label}: state[{i}][{key!r}]", value)
+    def _class(self, cls: type) -> type:
+        """A subclass with the same name whose class attributes and methods are the copies'
+        (an instance's class is switched to it, so ``isinstance`` holds)."""
+        namespace = {"__slots__": (), "__module__": cls.__module__,
+                     "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}  # fmt: skip
+        made = self.memo[id(cls)] = type(cls)(cls.__name__, (cls,), namespace)
+        for edge in self.reach.edges.get(id(cls), ()):
+            if edge.kind == "cattr" and (new := self.new(edge.child)) is not edge.child:
+                setattr(made, edge.key, new)
+        return made

@@ -31,10 +31,13 @@ class Report:
         parts: StepParts,
         evidence: Evidence,
         findings: list[Finding],
+        side_effects: list[str] | None = None,
     ):
         self.step, self.batch, self.parts = step, batch, parts
         self.evidence, self.findings = evidence, findings
         self.trials = None  # the DataFrame of the last try_fixes()
+        # what examining changed that it could not keep from changing: the summary names it first
+        self.side_effects = list(side_effects or [])
 
     @property
     def step_ms(self) -> float:
@@ -145,7 +148,8 @@ class Report:
     def summary(self) -> str:
         t = self.evidence.timeline
         syncs = "" if math.isnan(t.syncs) else f", {t.syncs:.0f} syncs"
-        return (
+        caution = f"Caution: {'; '.join(self.side_effects)}. " if self.side_effects else ""
+        return caution + (
             f"{self.device}: a step takes {self.step_ms:.3f} ms ({t.launches:.0f} launches"
             f"{syncs}, {t.kernel_us / 1e3:.3f} ms of kernels); {len(self.findings)} finding"
             f"{'s' * (len(self.findings) != 1)}. Examined: {self.parts.describe()}"

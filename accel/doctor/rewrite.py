@@ -50,7 +50,7 @@ class AttentionRewrite:
         """Bind the new forward on every submodule of ``model`` of this class; how many."""
         count = 0
         for module in model.modules():
-            if type(module) is self.cls:
+            if isinstance(module, self.cls):  # the doctor may rebuild a class as a subclass
                 module.forward = types.MethodType(self.function, module)
                 count += 1
         return count

@@ -16,6 +16,7 @@ what the others left, not of the whole.
 from __future__ import annotations
 
 import math
+import re
 import time
 import warnings
 from typing import Any
@@ -26,10 +27,20 @@ from torch.utils._pytree import tree_leaves
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.examine import CALLS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
-from accel.doctor.parts import Untouched, copy_step
+from accel.doctor.isolation import Session
+from accel.doctor.parts import copy_step
+from accel.doctor.untouched import Untouched
+from accel.errors import UsageError
 from accel.memory import peak_memory
 
-__all__ = ["ACTS_ON", "combined_prediction_us", "result_error", "tolerance", "try_fixes"]
+__all__ = [
+    "ACTS_ON",
+    "combined_prediction_us",
+    "fix_names",
+    "result_error",
+    "tolerance",
+    "try_fixes",
+]
 
 EXCLUSIVE = ({"cuda_graph", "graph_model", "compile"}, {"fused_optimizer", "foreach_optimizer"})
 SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchanged step's own spread
@@ -63,17 +74,30 @@ def try_fixes(
     report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress: bool = False
 ):
     import pandas as pd
-    from tqdm.auto import tqdm
 
-    names = report.fixes() if fixes is None else list(fixes)
-    unknown = [n for n in names if n not in FIXES]
-    if unknown:
-        raise ValueError(f"unknown fixes {unknown}; expected some of {', '.join(FIXES)}")
+    names = report.fixes() if fixes is None else fix_names(fixes)
+    for what, value in (("steps", steps), ("repeats", 1 if repeats is None else repeats)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"try_fixes needs {what} as an int >= 1, got {value!r}")
     if not report.parts.all:
         raise ValueError("try_fixes needs the step's model or optimizer, and none was found")
+    if report.evidence.parts is report.parts:  # examine ran on the user's own objects
+        raise UsageError("try_fixes needs copies of what the step trains, and they cannot be made")
     cuda = report.evidence.device.type == "cuda"
     repeats = repeats or (8 if cuda else 5)
-    untouched = Untouched(report.parts)
+    with Session() as session:  # the random generators put back (the trials seed them)
+        session.watch(report.parts.reach.objects.values())
+        untouched = Untouched(report.parts, report.batch)
+        rows = _trials(report, names, steps, repeats, progress)
+    _record_measured(report, rows)
+    _name_side_effects(report, session.effects() + untouched.report())
+    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+
+
+def _trials(report, names: list[str], steps: int, repeats: int, progress: bool):
+    """The unchanged step's own spread, each fix alone, then the best set of them."""
+    from tqdm.auto import tqdm
+
     bar = tqdm(total=len(names) + 2, desc="fixes", disable=not progress)
     bar.set_description_str("running the unchanged step twice")
     spread = own_spread(report, steps)
@@ -87,11 +111,33 @@ def try_fixes(
     rows += _together(report, rows, steps, repeats, spread)
     bar.update()
     bar.close()
-    _record_measured(report, rows)
-    changed = untouched.changed()
-    if changed:
-        raise RuntimeError(f"try_fixes changed your step's tensors in place (a bug): {changed[:3]}")
-    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+    return rows
+
+
+def fix_names(fixes: Any) -> list[str]:
+    """``fixes`` as a list of known fix names (one name may come as a string)."""
+    names = [fixes] if isinstance(fixes, str) else fixes
+    try:
+        names = list(names)
+    except TypeError:
+        raise UsageError(f"fixes must be a fix name or a list of them, got {fixes!r}") from None
+    unknown = [n for n in names if not isinstance(n, str) or n not in FIXES]
+    if unknown:
+        raise UsageError(f"unknown fixes {unknown}; expected some of {', '.join(FIXES)}")
+    return names
+
+
+def _name_side_effects(report, found: list[str]) -> None:
+    """What the trials changed that they could not keep from changing: warned now, and named
+    first in the report's summary (once: examining may have named it already)."""
+    if found:
+        warnings.warn("accel.doctor's trials: " + "; ".join(found), RuntimeWarning, stacklevel=4)
+    said = {_uncounted(what) for what in report.side_effects}
+    report.side_effects += [what for what in found if _uncounted(what) not in said]
+
+
+def _uncounted(what: str) -> str:
+    return re.sub(r" \(\d+ times\)$", "", what)
 
 
 def own_spread(report, steps: int) -> float:

@@ -1,0 +1,266 @@
+"""What a doctor's run gives back and what it names: the random generators are put back as they
+were (torch's on the CPU and every CUDA device, Python's ``random``, NumPy's global one), and
+what cannot be put back (a file written, removed or renamed, a connection, a process started, an
+item taken from an iterator that cannot be copied) is recorded while a :class:`Session` is open,
+for the report's first line.
+
+Files and sockets are seen through Python's audit hooks (``sys.addaudithook``): one hook for the
+process, installed at the first session, which does nothing unless a session is open in the
+running thread (a hook cannot be removed), and counts an event only where the step's own code is
+on the stack (not the doctor's measuring). ``torch.save`` to a path opens its file in C++, where
+no audit event is raised: during a session it raises the one ``open()`` would. Writes by
+PyTorch's compilers (their caches) and by the import system (bytecode) are not the step's.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextvars
+import inspect
+import os
+import random
+import sys
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from accel.errors import UsageError
+
+__all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step"]
+
+_RECORD: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar(
+    "accel_doctor_record", default=None
+)
+_HOOKED: list[bool] = []  # the process's hook is installed once
+# code that writes on its own account while a step runs (caches, bytecode): not the step's
+_MACHINERY = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.utils.cpp_extension",
+              "triton", "torch._logging")  # fmt: skip
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+
+
+def record(what: str) -> None:
+    """Count ``what`` (a side effect, in words) for the open session, if any."""
+    recording = _RECORD.get()
+    if recording is not None:
+        recording.found[what] += 1
+
+
+class _Recording:
+    def __init__(self) -> None:
+        self.found: collections.Counter[str] = collections.Counter()
+        self.codes: set[types.CodeType] = set()  # a file opened under one of them: the step's
+
+
+class Session:
+    """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
+    what :meth:`watch` is given); on closing, the random generators put back as they were when
+    it opened."""
+
+    def __init__(self) -> None:
+        self._recording = _Recording()
+        self._found = self._recording.found
+
+    def __enter__(self) -> Session:
+        if not _HOOKED:
+            sys.addaudithook(_audit)
+            _HOOKED.append(True)
+        self._generators = _Generators()
+        self._token = _RECORD.set(self._recording)
+        self._save = _AuditedSave()
+        return self
+
+    def watch(self, functions: Iterable[Any]) -> None:
+        """Count what happens while one of ``functions`` runs (the step's, found by the walk):
+        not what the doctor's own measuring does (a profiler's temporary file, say)."""
+        self._recording.codes.update(
+            f.__code__ for f in functions if isinstance(f, types.FunctionType)
+        )
+
+    def __exit__(self, *exc: Any) -> None:
+        self._save.close()
+        _RECORD.reset(self._token)
+        self._generators.restore()
+
+    def effects(self) -> list[str]:
+        """Each side effect once, with how many times it happened."""
+        return [what + (f" ({n} times)" if n > 1 else "") for what, n in self._found.items()]
+
+
+# ---- random generators -----------------------------------------------------------------------------
+class _Generators:
+    """The state of the process's random generators, to put back."""
+
+    def __init__(self) -> None:
+        self.torch = torch.get_rng_state()
+        self.seed = torch.initial_seed()
+        self.cuda = _cuda_started() and torch.cuda.get_rng_state_all()
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = numpy.random.get_state() if numpy is not None else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.torch)
+        if self.cuda:
+            torch.cuda.set_rng_state_all(self.cuda)
+        elif _cuda_started():  # started during the run: as its first use would have seeded it
+            torch.cuda.manual_seed_all(self.seed)
+        random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
+
+
+def _cuda_started() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+# ---- files, sockets, processes -----------------------------------------------------------------------
+def _audit(event: str, args: tuple) -> None:
+    recording = _RECORD.get()
+    if recording is None:
+        return
+    describe = _EVENTS.get(event)
+    if describe is None:
+        return
+    what = describe(*args)
+    if what and _caused_by_step(recording.codes):
+        recording.found[what] += 1
+
+
+def _opened(path: Any, mode: Any, flags: Any) -> str | None:
+    if isinstance(path, int) or path is None:  # an open descriptor: its opening was seen
+        return None
+    writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & _WRITE_FLAGS)
+    path = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
+    return f"wrote {path}" if writes and path != os.devnull else None
+
+
+_EVENTS: dict[str, Callable[..., str | None]] = {
+    "open": _opened,
+    "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",
+    "os.rename": lambda src, dst, *_: f"renamed {os.fsdecode(src)} to {os.fsdecode(dst)}",
+    "os.rmdir": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
+    "shutil.rmtree": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
+    "os.mkdir": lambda path, *_: f"made the folder {os.fsdecode(path)}",
+    "os.truncate": lambda path, *_: f"truncated {path}",
+    "os.symlink": lambda src, dst, *_: f"linked {os.fsdecode(dst)}",
+    "os.link": lambda src, dst, *_: f"linked {os.fsdecode(dst)}",
+    "os.chmod": lambda path, *_: f"changed the mode of {path}",
+    "socket.connect": lambda sock, address: f"connected to {address}",
+    "socket.sendto": lambda sock, address: f"sent to {address}",
+    "socket.bind": lambda sock, address: f"listened on {address}",
+    "urllib.Request": lambda url, *_: f"requested {url}",
+    "subprocess.Popen": lambda executable, args, *_: f"started the process {executable}",
+    "os.system": lambda command: f"ran {command}",
+    "os.posix_spawn": lambda path, *_: f"started the process {os.fsdecode(path)}",
+    "os.exec": lambda path, *_: f"replaced the process with {os.fsdecode(path)}",
+    "os.fork": lambda: "forked the process",
+    "os.kill": lambda pid, sig: f"sent signal {sig} to process {pid}",
+}
+
+
+def _caused_by_step(codes: set[types.CodeType]) -> bool:
+    """Whether the event came from the step's code (one of ``codes`` on the stack), and not
+    from a compiler or the import system it called (the innermost frame past the standard
+    library's tells)."""
+    frame, inner = sys._getframe(2), None
+    while frame is not None:
+        if inner is None:
+            module = frame.f_globals.get("__name__", "") or ""
+            if module.startswith("importlib"):
+                return False
+            if module != __name__ and module.split(".")[0] not in sys.stdlib_module_names:
+                inner = module
+                if inner.startswith(_MACHINERY):
+                    return False
+        if frame.f_code in codes:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _AuditedSave:
+    """While open: ``torch.save`` to a path raises the audit event ``open()`` raises."""
+
+    def __init__(self) -> None:
+        import torch.serialization as serialization
+
+        self._module, self._original = serialization, serialization._open_zipfile_writer
+        if getattr(self._original, "_accel_audited", False):  # a session is already open
+            self._module = None
+            return
+        original = self._original
+
+        def open_writer(name_or_buffer: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(name_or_buffer, (str, bytes, os.PathLike)):
+                sys.audit("open", name_or_buffer, "wb", 0)
+            return original(name_or_buffer, *args, **kwargs)
+
+        open_writer._accel_audited = True
+        serialization._open_zipfile_writer = open_writer
+
+    def close(self) -> None:
+        if self._module is not None:
+            self._module._open_zipfile_writer = self._original
+
+
+# ---- iterators that cannot be copied --------------------------------------------------------------
+class Drawn:
+    """An iterator of the user's that cannot be copied (a generator, a data loader's), read
+    through: each item the copy takes is one the user's iterator no longer has, and is counted
+    for the report."""
+
+    def __init__(self, iterator: Any, where: str):
+        self._iterator, self._what = iterator, f"took items from {where} ({_named(iterator)})"
+
+    def __iter__(self) -> Drawn:
+        return self
+
+    def __next__(self) -> Any:
+        item = next(self._iterator)
+        record(self._what)
+        return item
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._iterator, name)
+
+
+def _named(iterator: Any) -> str:
+    return f"a {type(iterator).__name__}, which cannot be copied"
+
+
+# ---- a step is a plain callable that returns a result ---------------------------------------------
+_NOT_PLAIN = (
+    (inspect.isgeneratorfunction, "a generator function (calling it runs none of its body)"),
+    (inspect.isasyncgenfunction, "an async generator function (calling it runs none of it)"),
+    (inspect.iscoroutinefunction, "a coroutine function (calling it runs none of its body)"),
+)
+
+
+def refuse_unplain_step(step: Callable[..., Any]) -> None:
+    """UsageError unless calling ``step`` runs it: a generator or coroutine function only makes
+    an object that would have to be iterated or awaited."""
+    call = step
+    if not inspect.isfunction(step) and not inspect.ismethod(step):
+        method = "forward" if isinstance(step, torch.nn.Module) else "__call__"
+        call = inspect.getattr_static(type(step), method, step)
+    for test, what in _NOT_PLAIN:
+        if test(call) or test(step):
+            raise UsageError(
+                f"the step must be a plain function that runs one training step and returns its "
+                f"result; {getattr(step, '__qualname__', type(step).__name__)} is {what}"
+            )
+
+
+def refuse_unplain_result(result: Any) -> Any:
+    """``result``, or UsageError if the step handed back a generator or coroutine instead of
+    running (it is closed first, so nothing warns that it was never awaited)."""
+    if inspect.isgenerator(result) or inspect.iscoroutine(result) or inspect.isasyncgen(result):
+        if not inspect.isasyncgen(result):  # an async generator never started warns of nothing
+            result.close()
+        raise UsageError(
+            f"the step returned a {type(result).__name__} instead of running: it must be a plain "
+            "function that runs one training step and returns its result"
+        )
+    return result

@@ -1,0 +1,592 @@
+"""accel.doctor leaves the user's process as it found it: models and optimizers reached however
+deep (class attributes, other modules, helpers of helpers) are copied or the doctor refuses; the
+lists, iterators and random generators a step touches are the copies' own or put back; what
+cannot be kept (files written) is named first in the report; only a plain step is examined.
+
+The property test writes generated steps into modules of their own and checks, after the doctor
+ran each, that parameters, gradients, optimizer state, random generators, globals and files are
+exactly as they were, or that the report's first line names what changed."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import functools
+import importlib
+import itertools
+import random
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import requires_cuda
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from accel import doctor
+from accel.errors import UsageError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_modules = itertools.count()
+
+
+def first_line(report) -> str:
+    return str(report).splitlines()[0]
+
+
+def named_before_numbers(report, what: str) -> bool:
+    """``what`` is in the report's first line, before its first measured number."""
+    line = first_line(report)
+    return what in line and line.index(what) < line.index(" ms ")
+
+
+def write_module(folder: Path, source: str, stem: str = "user_step"):
+    """``source`` as a module of its own, imported from ``folder``."""
+    name = f"{stem}_{next(_modules)}"
+    (folder / f"{name}.py").write_text(textwrap.dedent(source))
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+
+
+# ---- what the user holds, before and after -----------------------------------------------------
+def held(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Every value the doctor must leave alone: parameters, gradients, optimizer state, random
+    generators."""
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "grads": [
+            None if p.grad is None else (id(p.grad), p.grad.clone()) for p in model.parameters()
+        ],
+        "opt": copy.deepcopy(opt.state_dict()),
+        "torch": torch.get_rng_state(),
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def same(a, b) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def differences(before: dict, model: nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    after = held(model, opt)
+    return [key for key in before if not same(before[key], after[key])]
+
+
+def trained_once(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The user's own start: optimizer state made, gradients left in ``.grad``."""
+    x = torch.randn(5, 4)
+    model(x).square().mean().backward()
+    opt.step()
+    model(x).square().mean().backward()
+
+
+def small() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    trained_once(model, opt)
+    return model, opt
+
+
+def examined(step, *args, **kwargs):
+    return doctor.examine(step, *args, steps=1, warmup=1, **kwargs)
+
+
+# ---- reached however deep ----------------------------------------------------------------------
+class Holder:
+    model: nn.Module | None = None
+    opt: torch.optim.Optimizer | None = None
+
+
+def test_a_model_held_as_a_class_attribute_is_copied(seed, monkeypatch):
+    model, opt = small()
+    monkeypatch.setattr(Holder, "model", model)
+    monkeypatch.setattr(Holder, "opt", opt)
+
+    def step(x):
+        loss = Holder.model(x).square().mean()
+        loss.backward()
+        Holder.opt.step()
+        Holder.opt.zero_grad()
+        return loss.detach()
+
+    x = torch.randn(5, 4)
+    before = held(model, opt)
+    report = examined(step, x)
+    assert differences(before, model, opt) == []
+    assert "Sequential (Holder.model)" in report.parts.describe()
+    assert Holder.model is model and not first_line(report).startswith("Caution")
+
+
+def test_a_model_in_another_modules_function_is_copied(seed, tmp_path):
+    other = write_module(
+        tmp_path,
+        """
+        import torch
+        from torch import nn
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def train(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        """,
+        "helpers",
+    )
+    trained_once(other.model, other.opt)
+    train = other.train
+
+    def step(x):  # the helper reached through this module's globals... or a closure
+        return train(x)
+
+    x = torch.randn(5, 4)
+    before = held(other.model, other.opt)
+    report = examined(step, x)
+    assert differences(before, other.model, other.opt) == []
+    assert f"Sequential ({other.__name__}.model)" in report.parts.describe()
+
+
+def test_a_model_four_helpers_deep_is_copied(seed):
+    model, opt = small()
+
+    def forward(x):
+        return model(x)
+
+    def loss_of(x):
+        return forward(x).square().mean()
+
+    def backward(x):
+        loss = loss_of(x)
+        loss.backward()
+        return loss
+
+    def update(x):
+        loss = backward(x)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def step(x):
+        return update(x).detach()
+
+    x = torch.randn(5, 4)
+    before = held(model, opt)
+    report = examined(step, x)
+    assert differences(before, model, opt) == []
+    assert len(report.parts.models) == 1 and len(report.parts.optimizers) == 1
+
+
+def test_an_optimizer_whose_model_cannot_be_found_is_refused_unless_training_is_allowed(seed):
+    model, opt = small()
+    hidden = {"name": "model"}
+    sys.modules[__name__].hidden_model = model  # reached by a name computed at run time
+
+    def step(x):
+        found = getattr(sys.modules[__name__], "hidden_" + hidden["name"])
+        loss = found(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    x = torch.randn(5, 4)
+    before = held(model, opt)
+    with pytest.raises(UsageError, match=r"Adam \(closure 'opt'\) updates.*allow_training=True"):
+        examined(step, x)
+    assert differences(before, model, opt) == []
+    report = examined(step, x, allow_training=True)
+    assert named_before_numbers(report, "ran on your own objects (allow_training=True)")
+    assert "params" in differences(before, model, opt)
+    del sys.modules[__name__].hidden_model
+
+
+# ---- what Untouched sees -------------------------------------------------------------------------
+def test_untouched_sees_gradients_and_optimizer_state(seed):
+    from accel.doctor.parts import find_parts
+    from accel.doctor.untouched import Untouched
+
+    model, opt = small()
+
+    def step(x):
+        return model(x).sum()
+
+    def changed_by(change) -> list[str]:
+        untouched = Untouched(find_parts(step))
+        change()
+        return untouched.changed()
+
+    weight = model[0].weight
+    assert changed_by(lambda: None) == []
+    assert changed_by(lambda: weight.grad.add_(1.0)) == ["closure 'model': 0.weight.grad"]
+    grad = weight.grad
+    assert changed_by(lambda: setattr(weight, "grad", grad.clone())) == [
+        "closure 'model': 0.weight.grad"  # the same values in another tensor
+    ]
+    assert changed_by(lambda: setattr(weight, "grad", None)) == ["closure 'model': 0.weight.grad"]
+    assert changed_by(lambda: weight.data.mul_(2.0)) == ["closure 'model': 0.weight"]
+    (changed,) = changed_by(lambda: opt.param_groups[0].update(lr=0.5))
+    assert changed.endswith("not found in the step: param_groups")
+    assert any(": state[" in c for c in changed_by(opt.step))
+
+
+def test_untouched_names_a_model_the_step_never_showed(seed):
+    from accel.doctor.parts import find_parts
+    from accel.doctor.untouched import Untouched
+
+    model, _ = small()
+    untouched = Untouched(find_parts(lambda x: x))
+    model(torch.randn(5, 4)).sum().backward()
+    assert "not found in the step" in untouched.report()[0]
+    assert "0.weight.grad" in untouched.report()[0]
+
+
+# ---- what the step touches besides them ------------------------------------------------------------
+def test_globals_iterators_and_random_generators_are_the_copies_own(seed):
+    model, opt = small()
+    losses: list[float] = []
+    batches = iter([torch.randn(5, 4) for _ in range(500)])
+    counts = {"steps": 0}
+
+    def step():
+        x = next(batches)
+        loss = model(x).square().mean() + 0 * torch.rand(()) + 0 * random.random()
+        loss = loss + 0 * float(np.random.rand())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        counts["steps"] += 1
+        return loss.detach()
+
+    first = batches.__reduce__()[-1]  # how far the list iterator has got
+    before = held(model, opt)
+    report = examined(step)
+    assert differences(before, model, opt) == []
+    assert losses == [] and counts == {"steps": 0}
+    assert batches.__reduce__()[-1] == first
+    assert not first_line(report).startswith("Caution")
+
+
+def test_random_generator_objects_the_step_draws_from_are_the_copies_own(seed):
+    model, opt = small()
+    drawn = {"numpy": np.random.default_rng(1), "python": random.Random(2)}
+    generator = torch.Generator().manual_seed(3)
+
+    def step(x):
+        noise = torch.rand(x.shape, generator=generator) + drawn["numpy"].random()
+        loss = model(x + 0 * noise).square().mean() + 0 * drawn["python"].random()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    states = (drawn["numpy"].bit_generator.state, drawn["python"].getstate(), generator.get_state())
+    report = examined(step, torch.randn(5, 4))
+    assert drawn["numpy"].bit_generator.state == states[0]
+    assert drawn["python"].getstate() == states[1]
+    assert torch.equal(generator.get_state(), states[2])
+    assert not first_line(report).startswith("Caution")
+
+
+def test_an_open_file_the_step_writes_to_is_named_first(seed, tmp_path):
+    model, opt = small()
+    log = open(tmp_path / "log.txt", "a")  # noqa: SIM115 - held open, as a notebook's log is
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log.write(f"{loss.item()}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    log.close()
+    assert named_before_numbers(report, "changed closure 'log'")
+
+
+def test_try_fixes_puts_the_random_generators_back(seed):
+    model, opt = small()
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    before = held(model, opt)
+    report.try_fixes("set_to_none", steps=1, repeats=1)
+    assert differences(before, model, opt) == []
+
+
+@requires_cuda
+def test_the_cuda_generator_and_model_are_as_they_were_after_examine_and_try_fixes(seed):
+    cuda = torch.device("cuda")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2)).to(cuda)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(x):
+        loss = model(x).square().mean() + 0 * torch.rand((), device=cuda)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    x = torch.randn(5, 4, device=cuda)
+    trained_once_on = [p.detach().clone() for p in model.parameters()]
+    generator = torch.cuda.get_rng_state()
+    report = examined(step, x)
+    report.try_fixes(["set_to_none", "cuda_graph"], steps=1, repeats=1)
+    assert torch.equal(torch.cuda.get_rng_state(), generator)
+    assert all(torch.equal(a, b) for a, b in zip(trained_once_on, model.parameters(), strict=True))
+    assert not first_line(report).startswith("Caution")
+
+
+def test_an_iterator_that_cannot_be_copied_is_named_with_what_it_lost(seed):
+    model, opt = small()
+    batches = (torch.randn(5, 4) for _ in range(500))
+
+    def step():
+        loss = model(next(batches)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = examined(step)
+    assert named_before_numbers(report, "took items from closure 'batches' (a generator")
+
+
+def test_files_the_step_writes_are_named_first(seed, tmp_path):
+    model, opt = small()
+    log, checkpoint, scratch = tmp_path / "log.txt", tmp_path / "ckpt.pt", tmp_path / "scratch"
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with open(log, "a") as out:
+            out.write(f"{loss.item()}\n")
+        torch.save(model.state_dict(), checkpoint)
+        scratch.write_text("x")
+        scratch.unlink()
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    for what in (f"wrote {log}", f"wrote {checkpoint}", f"removed {scratch}"):
+        assert named_before_numbers(report, what)
+    trials = len(report.side_effects)
+    with pytest.warns(RuntimeWarning, match="trials.*wrote"):
+        report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert len(report.side_effects) == trials  # the same files again: named once
+
+
+def test_the_audit_hook_records_nothing_outside_a_doctor_run(tmp_path):
+    from accel.doctor.isolation import Session
+
+    with Session() as session:
+        pass
+    (tmp_path / "after.txt").write_text("x")
+    assert session.effects() == []
+
+
+# ---- only a plain step -----------------------------------------------------------------------------
+def generator_step(x):
+    yield x.sum()
+
+
+async def coroutine_step(x):
+    return x.sum()
+
+
+class GeneratorCall:
+    def __call__(self, x):
+        yield x
+
+
+@pytest.mark.filterwarnings("ignore:accel.doctor. found no model:RuntimeWarning")
+@pytest.mark.parametrize(
+    ("step", "said"),
+    [
+        (generator_step, "a generator function"),
+        (functools.partial(generator_step), "a generator function"),
+        (coroutine_step, "a coroutine function"),
+        (GeneratorCall(), "a generator function"),
+        (lambda x: (v for v in [x]), "returned a generator"),
+        (lambda x: asyncio.sleep(0), "returned a coroutine"),
+    ],
+)
+def test_a_step_that_does_not_run_when_called_is_refused(step, said):
+    with pytest.raises(UsageError, match=said):
+        examined(step, torch.randn(3))
+
+
+def test_try_fixes_refuses_counts_below_one_and_takes_a_name_as_one_name(seed):
+    model, opt = small()
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(UsageError, match=f"steps as an int >= 1, got {bad!r}"):
+            report.try_fixes(["set_to_none"], steps=bad)
+    with pytest.raises(UsageError, match="repeats as an int >= 1, got 0"):
+        report.try_fixes(["set_to_none"], repeats=0)
+    with pytest.raises(
+        UsageError, match=r"unknown fixes \['set_to_nothing'\]; expected .*set_to_none"
+    ):
+        report.try_fixes("set_to_nothing")
+    trials = report.try_fixes("set_to_none", steps=1, repeats=1)
+    assert list(trials["fixes"]) == ["set_to_none"]
+
+
+def test_a_loader_given_as_an_iterator_is_refused(seed):
+    model, _ = small()
+    with pytest.raises(UsageError, match=r"loader must be an iterable.*got an iterator"):
+        doctor.examine(lambda x: model(x).sum(), loader=iter([torch.randn(5, 4)]))
+
+
+# ---- the property: generated steps ------------------------------------------------------------------
+HOLDERS = ("closure", "global", "class", "instance", "module attribute", "module function")
+EXTRAS = {
+    "append": "losses.append(loss.item())",
+    "random": "torch.rand(1); random.random(); np.random.rand()",
+    "iterator": "next(stream)",
+    "generator": "next(drawn)",
+    "counter": "global count\ncount += 1",
+    "file": "with open(LOG, 'a') as log:\n    log.write('step\\n')",
+    "save": "torch.save({'loss': loss.detach()}, CKPT)",
+}
+NAMED = {"generator": "took items from", "file": "LOG", "save": "CKPT"}  # may be named instead
+
+
+def generated_source(holder, depth, extras, call, other, log, ckpt) -> str:
+    """A module whose ``make()`` returns (the step, its batch, the model, the optimizer)."""
+    model = "nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))"
+    defines = {
+        "global": f"model = {model}\nopt = torch.optim.Adam(model.parameters(), lr=1e-2)",
+        "class": f"class Holder:\n    model = {model}\n"
+        "    opt = torch.optim.Adam(model.parameters(), lr=1e-2)",
+        "instance": f"class Holder:\n    def __init__(self):\n        self.model = {model}\n"
+        "        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)\nholder = Holder()",
+    }
+    names = {"global": ("model", "opt"), "class": ("Holder.model", "Holder.opt"),
+             "instance": ("holder.model", "holder.opt"), "closure": ("model", "opt"),
+             "module attribute": ("other.model", "other.opt"),
+             "module function": ("other.model", "other.opt")}  # fmt: skip
+    net, opt = names[holder]
+    forward = "forward(x)" if holder == "module function" else f"{net}(x)"
+    helpers = [f"def level_0(x):\n    return {forward}"]
+    helpers += [f"def level_{i}(x):\n    return level_{i - 1}(x)" for i in range(1, depth + 1)]
+    lines = [f"loss = level_{depth}(x).square().mean()", "loss.backward()"]
+    lines += (
+        ["update()"] if holder == "module function" else [f"{opt}.step()", f"{opt}.zero_grad()"]
+    )
+    counter = [EXTRAS["counter"]] if "counter" in extras else []
+    lines = (
+        counter + lines + [EXTRAS[e] for e in extras if e != "counter"] + ["return loss.detach()"]
+    )
+    body = (
+        "\n".join(helpers)
+        + "\n\ndef step(x, scale=1.0):\n"
+        + textwrap.indent("\n".join(lines), "    ")
+        + "\n"
+    )
+    made = {"function": "step", "partial": "functools.partial(step, scale=1.0)",
+            "method": "Runner().run"}[call]  # fmt: skip
+    runner = "class Runner:\n    def run(self, x):\n        return step(x)\n"
+    inside = (f"model = {model}\nopt = torch.optim.Adam(model.parameters(), lr=1e-2)\n" + body
+              if holder == "closure" else "")  # fmt: skip
+    make = (f"def make():\n{textwrap.indent(inside + runner, '    ')}\n"
+            f"    return {made}, torch.randn(5, 4), {net}, {opt}\n")  # fmt: skip
+    head = [
+        "import functools, random",
+        "import numpy as np",
+        "import torch",
+        "from torch import nn",
+    ]
+    if holder in ("module attribute", "module function"):
+        head += [f"import {other} as other", f"from {other} import forward, update"]
+    head += ["losses = []", "stream = iter(list(range(1000)))",
+             "drawn = (i for i in range(10**6))", "count = 0", f"LOG = {str(log)!r}",
+             f"CKPT = {str(ckpt)!r}", defines.get(holder, "")]  # fmt: skip
+    return "\n".join(head) + "\n\n" + ("" if holder == "closure" else body) + "\n\n" + make
+
+
+OTHER = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+def forward(x):
+    return model(x)
+
+def update():
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@settings(
+    max_examples=24,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    holder=st.sampled_from(HOLDERS),
+    depth=st.integers(0, 4),
+    extras=st.lists(st.sampled_from(sorted(EXTRAS)), unique=True, max_size=4),
+    call=st.sampled_from(("function", "partial", "method")),
+)
+def test_the_doctor_leaves_a_generated_steps_world_as_it_was(
+    tmp_path_factory, holder, depth, extras, call
+):
+    folder = tmp_path_factory.mktemp("generated")
+    log, ckpt = folder / "log.txt", folder / "ckpt.pt"
+    other = write_module(folder, OTHER, "other").__name__
+    module = write_module(folder, generated_source(holder, depth, extras, call, other, log, ckpt))
+    step, batch, model, opt = module.make()
+    torch.manual_seed(0)
+    trained_once(model, opt)
+    before = held(model, opt)
+
+    report = examined(step, batch)
+
+    assert differences(before, model, opt) == [], first_line(report)
+    assert module.losses == [] and module.count == 0 and next(module.stream) == 0
+    assert next(module.drawn) == 0 or named_before_numbers(report, "took items from")
+    for path in (log, ckpt):
+        assert not path.exists() or named_before_numbers(report, f"wrote {path}")
+    assert len(report.parts.models) == 1 and len(report.parts.optimizers) == 1
+    for extra in set(extras) - set(NAMED):
+        assert extra not in first_line(report).split(". ")[0]  # isolated, so nothing to name
