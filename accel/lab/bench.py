@@ -55,6 +55,7 @@ PARTS: dict[str, str] = {
     "notebooks": "accel.lab.cases.notebooks:parts",
     "overhead": "accel.lab.cases.overhead:parts",
     "recipe": "accel.lab.cases.recipe:parts",
+    "sdpa": "accel.lab.cases.sdpa:parts",
 }
 
 COLUMNS = [

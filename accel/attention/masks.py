@@ -3,7 +3,7 @@ dense mask for SDPA and the manual reference all read.
 
 Every kind here gives each query one contiguous range of keys ``[lo, hi)`` (:meth:`bounds`). A
 block mask is built from those ranges with work and memory of ``Sq x Sk / 128``, never ``S x S``
-(``accel.attention_flex.block_mask``), and the dense mask of SDPA and the reference from the same
+(``accel.attention.block_mask``), and the dense mask of SDPA and the reference from the same
 ranges (:func:`dense_mask`). ``mask_mod`` is the same rule in the form FlexAttention evaluates
 inside its kernel, on the blocks that are only partly kept (attention-gym's style).
 
