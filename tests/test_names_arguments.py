@@ -26,7 +26,7 @@ CALLS = {
     "run_bench": lambda: bench.run_bench("ceilings", progress=False),
     "nested_optimizer.build": lambda: no.build(checkpoint="blocks.0"),
     "op_counts": lambda: fusion_case.op_counts(None, "aten::mm"),
-    "sweep variants": lambda: sdpa_case.measure_point(None, torch.device("cpu"), "auto"),
+    "sweep variants": lambda: sdpa_case.measure_point(None, torch.device("cpu"), "default"),
     "recipe validate": lambda: recipe_case.measure({}, None, "cpu", validate="baseline"),
 }
 

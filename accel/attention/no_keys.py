@@ -30,7 +30,7 @@ _GIVES_ZERO: dict[tuple, bool] = {}  # (kernel, device, dtype, bool mask) -> pro
 def run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
     """SDPA with ``backend`` forced, or PyTorch's pick for ``"default"``; a query that the mask
     leaves without keys gets 0."""
-    if mask is None or q.device.type == "cpu":  # the CPU's kernels give 0 themselves
+    if mask is None:
         return _call(backend, q, k, v, mask, causal, scale)
     additive, zero_rows = _mask_plan(backend, q, k, v, mask, causal, scale)
     if additive:
@@ -91,9 +91,11 @@ def _zero_rows_without_keys(out: torch.Tensor, mask: torch.Tensor) -> torch.Tens
 
 
 def _zero_without_keys(kernel: str, q: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether ``kernel`` itself returns 0 for a query whose mask leaves it no key, probed once
-    per (kernel, device, dtype, mask kind). While a CUDA graph is being captured nothing is
-    probed: the answer is False, and the rows are zeroed."""
+    """Whether ``kernel`` itself returns 0 for a query whose mask leaves it no key: the CPU's
+    kernels do; elsewhere probed once per (kernel, device, dtype, mask kind). While a CUDA graph
+    is being captured nothing is probed: the answer is False, and the rows are zeroed."""
+    if q.device.type == "cpu":
+        return True
     key = (kernel, q.device, q.dtype, mask.dtype == torch.bool)
     known = _GIVES_ZERO.get(key)
     if known is None:

@@ -31,8 +31,9 @@ __all__ = ["BACKENDS", "Backend", "sdpa", "unavailable_reason"]
 
 Backend = Literal["default", "flash", "efficient", "cudnn", "math"]
 BACKENDS: tuple[str, ...] = get_args(Backend)
-_UNAVAILABLE: dict[tuple, str] = {}  # (backend, the inputs' key) -> "" once it ran, else why not
-_UNAVAILABLE_KEPT = 256
+# (backend, the inputs' key) -> "" once checked and run, else why the forced kernel cannot run
+_SEEN: dict[tuple, str] = {}
+_SEEN_KEPT = 256
 _RAISED = (RuntimeError, TypeError, ValueError, AttributeError, IndexError)
 
 
@@ -60,8 +61,13 @@ def sdpa(
     (``SlidingWindow(1024)``, ``Document(lengths)``, ``PrefixLM(n)``, ``Causal()``, ``ALiBi()``),
     which :func:`accel.attention.masked_sdpa` runs (``backend`` then one of ``"default"``,
     ``"flex"``, ``"dense"``). A query that a tensor mask leaves without keys gets 0, as in the
-    reference, on every kernel. Inputs PyTorch refuses get a message of ours naming the
-    argument (:func:`accel.attention.check_inputs`).
+    reference, on every kernel.
+
+    Checks: without a mask, the inputs go to PyTorch as they come, so what
+    ``F.scaled_dot_product_attention`` takes works as it does there (a batch of 1 broadcast,
+    3-D inputs), and what it refuses gets a message of ours naming the argument
+    (:func:`accel.attention.check_inputs`). With a tensor mask or a forced kernel, the first
+    call of each input key is checked by ``check_inputs`` before it runs.
     """
     if backend == "default" and mask is None:
         try:
@@ -72,13 +78,7 @@ def sdpa(
     if mask is not None and not isinstance(mask, torch.Tensor):
         return masked_sdpa(q, k, v, mask, causal=causal, scale=scale, backend=backend)
     check_backend(backend)
-    if backend == "default":
-        try:
-            return run("default", q, k, v, mask, causal, scale)
-        except _RAISED:
-            check_inputs(q, k, v, mask, causal)
-            raise
-    return _forced(backend, q, k, v, mask, causal, scale)
+    return _checked_run(backend, q, k, v, mask, causal, scale)
 
 
 def check_backend(backend: object) -> None:
@@ -102,23 +102,30 @@ def _key(q, k, v, mask, causal) -> tuple:
             masked, causal, grad)  # fmt: skip
 
 
-def _forced(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
-    """``backend`` forced. The first call of an input key checks the inputs and runs it,
-    keeping PyTorch's reason if it fails; later calls of that key run it or raise that reason."""
+def _checked_run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
+    """``backend`` (PyTorch's pick with a tensor mask, or a forced kernel) on inputs checked
+    once per key: the first call of a key checks them and, for a forced kernel, runs it keeping
+    PyTorch's reason if it fails; later calls of that key run it or raise that reason. While
+    tracing nothing is kept: the checks are traced with the call."""
+    if torch.compiler.is_compiling():
+        check_inputs(q, k, v, mask, causal)
+        return run(backend, q, k, v, mask, causal, scale)
     try:
         key = (backend, _key(q, k, v, mask, causal))
     except AttributeError:  # not tensors: the checks say so
         check_inputs(q, k, v, mask, causal)
         raise
-    known = _UNAVAILABLE.get(key)
+    known = _SEEN.get(key)
     if known is None:
         check_inputs(q, k, v, mask, causal)
-        out, known = try_once(backend, partial(run, backend, q, k, v, mask, causal, scale), q,
-                              mask)  # fmt: skip
-        if len(_UNAVAILABLE) >= _UNAVAILABLE_KEPT:
-            del _UNAVAILABLE[next(iter(_UNAVAILABLE))]
-        _UNAVAILABLE[key] = known
-        if not known:
+        out, known = None, ""
+        if backend in FORCED:  # run it now, keeping PyTorch's reasons if it cannot
+            call = partial(run, backend, q, k, v, mask, causal, scale)
+            out, known = try_once(backend, call, q, mask)
+        if len(_SEEN) >= _SEEN_KEPT:
+            del _SEEN[next(iter(_SEEN))]
+        _SEEN[key] = known
+        if out is not None:
             return out  # type: ignore[return-value]
     if known:
         raise BackendUnavailableError(backend, known)
@@ -141,7 +148,7 @@ def unavailable_reason(
         return None
     with torch.no_grad():
         try:
-            _forced(backend, q, k, v, mask, causal, None)
+            _checked_run(backend, q, k, v, mask, causal, None)
         except BackendUnavailableError as error:
             return error.reason
     return None

@@ -67,7 +67,7 @@ def sdpa_backends(
         if not reasons[backend]:
             calls[backend] = _timed(backend, q, k, v, mask, causal, backward)
     timing = compare(calls, warmup=warmup, repeats=repeats, device=q.device)
-    spread = abs(timing.paired_ratio(AGAIN, "default") - 1)
+    spread = abs(timing.paired_ratio("default", AGAIN) - 1)
     picked = picked_kernel(q, k, v, mask, causal)
     rows = []
     for backend in ("default", AGAIN, *FORCED):
