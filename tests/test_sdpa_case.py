@@ -208,3 +208,17 @@ def test_a_masked_sweep_point_whose_outputs_differ_is_not_timed(monkeypatch):
     rows = sweep.rows(BenchContext(CPU, "cpu", FAKE_CEILINGS))
     assert all(math.isnan(r.optimized) and r.met is False for r in rows[:-1])
     assert "NOT timed" in rows[0].note and rows[-1].met is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+def test_gpu_sdpa_backends_times_the_fused_kernels_beside_pytorchs_pick():
+    from accel import lab
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = torch.randn(3, 2, 8, 1024, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rows = lab.sdpa_backends(q, k, v, causal=True, backward=True, repeats=5).set_index("backend")
+    assert rows.loc["default", "kernel"] in A.FORCED
+    assert (rows.loc[["flash", "efficient"], "reason"] == "").all(), rows["reason"]
+    timed = rows[rows["reason"] == ""]
+    assert (timed["ms"] > 0).all() and (timed["speedup"] > 0).all()

@@ -59,7 +59,9 @@ class MaskedSweepSizes:
 
 MASKED_SWEEP = {
     "gpu": MaskedSweepSizes(
-        seqs=(1024, 4096, 16384, 32768), head_dims=(64, 128), heads=16, tokens=32768,
+        # 64k tokens: two rows at S=32k, so every point's masks are per row (one compiled
+        # variant per kind, not a second one for a single row)
+        seqs=(1024, 4096, 16384, 32768), head_dims=(64, 128), heads=16, tokens=65536,
         dtype=torch.bfloat16, window=1024, documents=8, repeats=10,
     ),
     "cpu": MaskedSweepSizes(
