@@ -8,7 +8,7 @@ ranges (:func:`dense_mask`). ``mask_mod`` is the same rule in the form FlexAtten
 inside its kernel, on the blocks that are only partly kept (attention-gym's style).
 
     mask = SlidingWindow(1024)            # each query sees itself and the 1023 keys before it
-    out = attention.sdpa(q, k, v, mask=mask)   # FlexAttention, the dense mask or plain SDPA
+    out = attention.sdpa(q, k, v, mask=mask)   # compiled FlexAttention on the block mask
     keep = dense_mask(mask, q, k)         # (1, 1, Sq, Sk) bool, True = attend
 
 The kinds: :class:`Causal`, :class:`SlidingWindow`, :class:`Document` (sequences packed in one row,
