@@ -95,9 +95,9 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         metavar="PART",
         help="run only these parts of phases that run in parts (notebooks: a notebook's name or "
-        "its number, 05; overhead: components, 'attention sweep', 'diversity sweep', 'adamw "
-        "sweep'; recipe: cumulative, alone); their rows replace the same cases' rows, the "
-        "phase's other rows stay",
+        "its number, 05; overhead: components, 'diversity sweep', 'adamw "
+        "sweep'; recipe: cumulative, alone; sdpa: headline, flex, 'masked sweep', vit); their "
+        "rows replace the same cases' rows, the phase's other rows stay",
     )
     bench.add_argument(
         "--out", type=Path, default=Path("results"), help="where to write (results/)"

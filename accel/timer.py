@@ -18,8 +18,7 @@ all three read the host's.
     samples = interleaved({"a": f, "b": g}, device, warmup=2, repeats=12)
     samples.medians()                                  # {"a": ms per call, "b": ...}
 
-Torch only: the SDPA auto-tuner (``accel.attention_auto``) uses it directly; the lab's
-``accel.lab.timing.compare`` builds its timings and comparisons on it.
+Torch only: the lab's ``accel.lab.timing.compare`` builds its timings and comparisons on it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Masked attention: every mask kind against its rule written as a loop, its block mask against
 ``create_block_mask``, FlexAttention and the dense mask against attention in float64, forward and
-backward, ``auto``'s choices and caches, bad inputs. On the CPU FlexAttention runs uncompiled
-(forward only, PyTorch's limit) and once compiled; compiled on a GPU in the tests marked gpu."""
+backward, the default path (compiled FlexAttention, its fallback), caches, bad inputs. On the CPU
+FlexAttention runs uncompiled when forced (forward only, PyTorch's limit) and once compiled;
+compiled on a GPU in the tests marked gpu."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 from accel import attention as A
-from accel import attention_flex as AF
-from accel.attention_masks import ALiBi, Causal, Document, PrefixLM, SlidingWindow, dense_mask
+from accel.attention import ALiBi, Causal, Document, PrefixLM, SlidingWindow, dense_mask
+from accel.attention import flex as AF
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
@@ -98,10 +99,16 @@ def gen(seed) -> torch.Generator:
 @pytest.fixture(autouse=True)
 def fresh_caches():
     A.clear_masked_cache()
-    A.clear_auto_cache()
     yield
     A.clear_masked_cache()
-    A.clear_auto_cache()
+
+
+@pytest.fixture
+def quiet_fallback():
+    """The CPU's default path takes the dense mask after one warning: not what these tests ask."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "accel.attention: FlexAttention cannot run here")
+        yield
 
 
 def exact(q, k, v, mask):
@@ -190,12 +197,11 @@ def test_block_mask_is_small_and_built_without_reading_the_device(count_host_rea
 
 # ---- every path against attention in float64 ------------------------------------------------
 @pytest.mark.parametrize(("kind", "shape"), CASES, ids=str)
-def test_every_path_equals_the_float64_reference(kind, shape, gen):
+def test_every_path_equals_the_float64_reference(kind, shape, gen, quiet_fallback):
     mask, (seq_q, seq_k) = KINDS[kind](CPU), shape
     q, k, v = qkv(2, 3, seq_q, seq_k, torch.float32, CPU, gen)
     expected = exact(q, k, v, mask)
-    backends = ["flex", "dense", "causal"] if mask.is_causal else ["flex", "dense"]
-    for backend in backends:
+    for backend in A.MASKED_BACKENDS:
         out = A.sdpa(q, k, v, mask=mask, backend=backend)
         assert out.shape == q.shape and out.dtype == q.dtype
         torch.testing.assert_close(
@@ -262,44 +268,72 @@ def test_dense_path_gradients_match_the_reference(kind, gen):
         torch.testing.assert_close(g.double(), r, **A.TOLERANCES[torch.float32])
 
 
-# ---- auto, caches, the CPU's limits -----------------------------------------------------------
-def test_auto_measures_once_per_signature_not_per_document(monkeypatch, gen):
-    measured = []
-    real = AF._measure
-    monkeypatch.setattr(AF, "_measure", lambda key, *a: measured.append(key) or real(key, *a))
+# ---- the default path, caches, the CPU's limits --------------------------------------------
+def test_the_default_path_is_flex_attention_with_a_block_mask_made_once(monkeypatch, gen):
+    """What a user writes with attention-gym: the compiled flex_attention called with the mask's
+    block mask, made on the first call and kept for later calls of the same mask and shapes."""
+    calls = []
+
+    def flex(q, k, v, **kwargs):
+        calls.append(kwargs)
+        return AF._uncompiled(q, k, v, **kwargs)
+
+    monkeypatch.setattr(AF, "FLEX_COMPILE_ON_CPU", True)
+    monkeypatch.setitem(AF._FLEX, "cpu", flex)
+    built = []
+    real = AF.block_mask
+    monkeypatch.setattr(AF, "block_mask", lambda *a, **kw: built.append(1) or real(*a, **kw))
     q, k, v = qkv(2, 2, 37, 37, torch.float32, CPU, gen)
-    for split in (10, 20, 30):  # a new Document per batch, as packing makes them
-        lengths = torch.tensor([[split, 37 - split], [37 - split, split]])
-        out = A.sdpa(q, k, v, mask=Document(lengths))
-        expected = exact(q, k, v, Document(lengths))
-        torch.testing.assert_close(out.double(), expected, **A.TOLERANCES[q.dtype])
-    assert len(measured) == 1
-    A.sdpa(q[:, :, :30], k[:, :, :30], v[:, :, :30], mask=Document(torch.tensor([30])))
-    A.sdpa(q, k, v, mask=Causal())
-    assert len(measured) == 3 == len(A.masked_choices())
-    document, _, causal = A.masked_choices().values()
-    assert set(document.times_ms) == {"flex", "dense"} and document.backend in document.times_ms
-    assert set(causal.times_ms) == {"flex", "dense", "causal"}
-    assert all(t > 0 for t in causal.times_ms.values()) and set(causal.first_call_s) == {
-        "flex",
-        "dense",
-        "causal",
-    }
-    A.clear_masked_cache()
-    assert A.masked_choices() == {}
+    for mask in (SlidingWindow(5), SlidingWindow(5), ALiBi(SlidingWindow(5))):
+        out = A.sdpa(q, k, v, mask=mask)
+        torch.testing.assert_close(out.double(), exact(q, k, v, mask), **A.TOLERANCES[q.dtype])
+    assert len(built) == 2  # equal kinds share one block mask; ALiBi's is its inner window's
+    assert [set(c) for c in calls] == [{"block_mask", "scale"}] * 2 + [
+        {"block_mask", "scale", "score_mod"}
+    ]
+    assert calls[0]["block_mask"] is calls[1]["block_mask"]
 
 
-def test_flex_has_no_backward_on_the_cpu_so_auto_says_so_once_and_takes_the_dense_mask(gen):
+def test_causal_alone_runs_sdpas_causal_kernel(monkeypatch, gen):
+    q, k, v = qkv(2, 2, 29, 45, torch.float32, CPU, gen)
+    monkeypatch.setattr(AF, "_flex_function", lambda device: pytest.fail("flex was called"))
+    out = A.sdpa(q, k, v, mask=Causal())
+    assert torch.equal(
+        out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    )
+
+
+def test_where_flex_cannot_run_the_default_path_warns_once_and_takes_the_dense_mask(gen):
     q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen, grad=True)
-    AF._warned.discard("FlexAttention has no backward on the CPU (a limit of PyTorch's)")
-    with pytest.warns(RuntimeWarning, match="no backward on the CPU.*using dense"):
+    AF._warned.clear()
+    with pytest.warns(RuntimeWarning, match="FlexAttention cannot run here.*dense mask"):
         out = A.sdpa(q, k, v, mask=SlidingWindow(4))
     out.sum().backward()
-    (choice,) = A.masked_choices().values()
-    assert choice.backend == "dense" and "no backward" in choice.skipped["flex"]
+    torch.testing.assert_close(
+        out.double(), exact(q, k, v, SlidingWindow(4)), **A.TOLERANCES[q.dtype]
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        A.sdpa(q, k, v, mask=SlidingWindow(5))  # another signature, the same reason: no warning
+        A.sdpa(q, k, v, mask=SlidingWindow(5))  # another mask, the same reason: no warning
+
+
+def test_a_compile_that_fails_falls_back_to_the_dense_mask_with_its_reason(monkeypatch, gen):
+    def broken(q, k, v, **kwargs):
+        raise RuntimeError("no kernel for this head size\nmore lines")
+
+    monkeypatch.setattr(AF, "FLEX_COMPILE_ON_CPU", True)
+    monkeypatch.setitem(AF._FLEX, "cpu", broken)
+    AF._warned.clear()
+    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
+    with pytest.warns(RuntimeWarning, match=r"RuntimeError: no kernel for this head size\)"):
+        out = A.sdpa(q, k, v, mask=SlidingWindow(4))
+    torch.testing.assert_close(out, A.sdpa(q, k, v, mask=SlidingWindow(4), backend="dense"))
+    with pytest.raises(A.BackendUnavailableError, match=r"'flex' cannot run.*head size"):
+        A.sdpa(q, k, v, mask=SlidingWindow(4), backend="flex")
+
+
+def test_flex_has_no_backward_on_the_cpu_so_forcing_it_says_so(gen):
+    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen, grad=True)
     with pytest.raises(A.BackendUnavailableError, match=r"'flex' cannot run.*no backward"):
         A.sdpa(q, k, v, mask=SlidingWindow(4), backend="flex")
 
@@ -323,28 +357,9 @@ def test_block_masks_are_cached_per_mask_and_rebuilt_when_its_data_changes(gen):
     assert len(AF._BLOCK_MASKS) == 3
 
 
-def test_auto_keeps_no_dense_mask_for_a_path_it_did_not_take(monkeypatch, gen):
-    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
-    times = {"flex": 1.0, "dense": 2.0, "causal": 0.5}
-    monkeypatch.setattr(
-        AF, "interleaved", lambda fns, *a, **kw: type("S", (), {"medians": lambda s: times})()
-    )
-    A.sdpa(q, k, v, mask=Causal())
-    (choice,) = A.masked_choices().values()
-    assert choice.backend == "causal" and AF._DENSE_MASKS == {}
-
-
-def test_auto_leaves_out_a_dense_mask_too_large_when_flex_runs(monkeypatch, gen):
-    monkeypatch.setattr(AF, "DENSE_MASK_CANDIDATE_BYTES", 100)
-    q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
-    A.sdpa(q, k, v, mask=SlidingWindow(4))
-    (choice,) = A.masked_choices().values()
-    assert choice.backend == "flex" and "GiB; FlexAttention can run" in choice.skipped["dense"]
-
-
 def test_cached_calls_read_nothing_on_the_host(count_host_reads, gen):
     q, k, v = qkv(2, 2, 37, 37, torch.float32, CPU, gen)
-    for backend in ("flex", "dense", "causal", "auto"):
+    for backend in A.MASKED_BACKENDS:
         A.sdpa(q, k, v, mask=Causal(), backend=backend)
         reads = count_host_reads(lambda b=backend: A.sdpa(q, k, v, mask=Causal(), backend=b))
         assert sum(reads.values()) == 0, (backend, reads)
@@ -354,11 +369,11 @@ def test_cached_calls_read_nothing_on_the_host(count_host_reads, gen):
 
 
 def test_a_repeated_masked_call_is_one_key_and_one_lookup(gen):
-    """After its first call a masked signature runs its path with what it needs bound: no
-    checks, no signature built, no choice or block mask looked up again."""
+    """After its first call a masked key runs its path with what it needs bound: no checks, no
+    block mask looked up again."""
     q, k, v = qkv(2, 2, 37, 37, torch.float32, CPU, gen)
-    for backend in ("flex", "dense", "causal", "auto"):
-        first = A.sdpa(q, k, v, mask=Causal(), backend=backend)
+    for backend in ("flex", "dense"):
+        first = A.sdpa(q, k, v, mask=SlidingWindow(5), backend=backend)
         entered = []
 
         def note(frame, event, _, entered=entered):
@@ -367,29 +382,29 @@ def test_a_repeated_masked_call_is_one_key_and_one_lookup(gen):
 
         sys.setprofile(note)
         try:
-            again = A.sdpa(q, k, v, mask=Causal(), backend=backend)
+            again = A.sdpa(q, k, v, mask=SlidingWindow(5), backend=backend)
         finally:
             sys.setprofile(None)
-        slow = {
-            ("attention_flex.py", n)
-            for n in ("_checked_key", "_check", "_auto", "_kept_block_mask")
-        }
-        slow.add(("attention_auto.py", "signature"))
+        slow = {("flex.py", n) for n in ("_check", "_ready", "_kept_block_mask", "block_mask")}
+        slow.add(("reference.py", "check_inputs"))
         assert not slow & set(entered), (backend, entered)
         torch.testing.assert_close(again, first, rtol=0, atol=0)
         with pytest.raises(ValueError, match="not both"):  # what the bound call skips: checked
-            A.sdpa(q, k, v, mask=Causal(), causal=True, backend=backend)
+            A.sdpa(q, k, v, mask=SlidingWindow(5), causal=True, backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["auto", "flex", "dense"])
-def test_causal_with_a_mask_kind_is_refused_after_the_same_inputs_ran_without_it(backend, gen):
+@pytest.mark.parametrize("backend", A.MASKED_BACKENDS)
+def test_causal_with_a_mask_kind_is_refused_after_the_same_inputs_ran_without_it(
+    backend, gen, quiet_fallback
+):
     q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
     A.sdpa(q, k, v, mask=SlidingWindow(4), backend=backend)
     with pytest.raises(ValueError, match="either a mask or causal=True, not both"):
         A.sdpa(q, k, v, mask=SlidingWindow(4), causal=True, backend=backend)
 
 
-def test_repeated_calls_are_kept_for_a_bounded_number_of_masks(gen):
+def test_repeated_calls_are_kept_for_a_bounded_number_of_masks(monkeypatch, gen):
+    monkeypatch.setattr(AF, "_READY_KEPT", 8)
     q, k, v = qkv(1, 2, 37, 37, torch.float32, CPU, gen)
     for split in range(1, 37):  # a new Document per batch: each its own bound call
         A.sdpa(q, k, v, mask=Document(torch.tensor([split, 37 - split])), backend="dense")
@@ -403,7 +418,7 @@ def test_sdpa_hands_mask_kinds_on_and_tensors_not(gen):
     kind = A.sdpa(q, k, v, mask=SlidingWindow(4), backend="dense")
     tensor = A.sdpa(q, k, v, mask=dense_mask(SlidingWindow(4), q, k))
     torch.testing.assert_close(kind, tensor)
-    assert A.auto_choices() and len(A.masked_choices()) == 0  # the dense path ran SDPA's auto
+    assert AF._DENSE_MASKS and not AF._BLOCK_MASKS  # the kind's dense mask, made and kept
 
 
 def test_inside_torch_compile_nothing_is_timed_and_the_answer_holds(gen):
@@ -415,7 +430,7 @@ def test_inside_torch_compile_nothing_is_timed_and_the_answer_holds(gen):
     out = torch.compile(attend, backend="eager")(q, k, v)
     expected = exact(q, k, v, SlidingWindow(5)) + exact(q, k, v, Causal())
     torch.testing.assert_close(out.double(), expected, **A.TOLERANCES[torch.float32])
-    assert A.masked_choices() == {}
+    assert AF._READY == {} and AF._BLOCK_MASKS == {}
 
 
 # ---- compiled FlexAttention: guards, room to compile, and once for real on the CPU -----------
@@ -494,12 +509,7 @@ def test_bad_masks_raise_clear_errors(make, error, match):
         (
             lambda q, k, v: A.sdpa(q, k, v, mask=SlidingWindow(3), backend="flash"),
             ValueError,
-            "takes no mask kind; with one, expected one of auto, flex, dense, causal",
-        ),
-        (
-            lambda q, k, v: A.sdpa(q, k, v, mask=SlidingWindow(3), backend="causal"),
-            ValueError,
-            "runs Causal\\(\\) only",
+            "takes no mask kind; with one, expected one of default, flex, dense",
         ),
         (
             lambda q, k, v: A.sdpa(q, k[:, :, :5], v[:, :, :5], mask=Document(torch.tensor([7]))),
@@ -537,7 +547,7 @@ TOO_LONG = r"Document lengths sum to {} in batch row {}, past the 7 positions of
     [([3, 5], TOO_LONG.format(8, 0)), ([[3, 4], [2, 6]], TOO_LONG.format(8, 1))],
     ids=["shared", "per row"],
 )
-@pytest.mark.parametrize("path", ["reference", "dense", "flex", "auto", "dense_mask"])
+@pytest.mark.parametrize("path", ["reference", "dense", "flex", "default", "dense_mask"])
 def test_documents_longer_than_the_sequence_are_refused_on_every_path(lengths, match, path, gen):
     q, k, v = qkv(2, 2, 7, 7, torch.float32, CPU, gen)
     mask = Document(torch.tensor(lengths))
@@ -584,7 +594,7 @@ def test_gpu_every_path_equals_the_float64_reference(kind, shape, dtype, gen):
         mask = Document(mask.lengths * 8, causal=mask.causal)  # 37 tokens become 296 of 300
     q, k, v = qkv(2, 3, seq_q, seq_k, dtype, "cuda", gen, head_dim=64)
     expected = exact(q, k, v, mask)
-    for backend in ("flex", "dense", "auto"):
+    for backend in A.MASKED_BACKENDS:
         out = A.sdpa(q, k, v, mask=mask, backend=backend)
         torch.testing.assert_close(
             out.double(), expected, **A.TOLERANCES[dtype], msg=lambda m, b=backend: f"{b}: {m}"
@@ -611,13 +621,23 @@ def test_gpu_flex_gradients_match_the_reference(kind, dtype, gen):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_auto_times_every_path_and_reports_the_compile_apart(gen):
-    q, k, v = qkv(1, 4, 1024, 1024, torch.bfloat16, "cuda", gen, head_dim=64, grad=True)
-    A.sdpa(q, k, v, mask=Causal())
-    (choice,) = A.masked_choices().values()
-    assert set(choice.times_ms) == {"flex", "dense", "causal"}, choice.skipped
-    assert choice.backend == min(choice.times_ms, key=choice.times_ms.__getitem__)
-    assert choice.first_call_s["flex"] > 0
+def test_gpu_the_default_path_compiles_flex_once_and_matches_the_users_own(gen):
+    """sdpa(mask=kind) on a GPU is torch.compile(flex_attention) on a block mask made once: the
+    same numbers as a user's own compiled flex_attention with create_block_mask's block mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q, k, v = qkv(2, 4, 1000, 1000, torch.bfloat16, "cuda", gen, head_dim=64, grad=True)
+    mask = Document(torch.tensor([[300, 700], [999, 1]], device="cuda"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = A.sdpa(q, k, v, mask=mask)
+    assert not [w for w in caught if "accel.attention" in str(w.message)]  # no fallback
+    blocks = create_block_mask(mask.mask_mod(1000, 1000, "cuda"), 2, None, 1000, 1000, "cuda")
+    theirs = torch.compile(flex_attention)(q, k, v, block_mask=blocks)
+    torch.testing.assert_close(out, theirs, **A.TOLERANCES[torch.bfloat16])
+    assert len(AF._BLOCK_MASKS) == 1 and len(AF._READY) == 1
+    A.sdpa(q, k, v, mask=mask).sum().backward()
+    assert all(t.grad is not None for t in (q, k, v))
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from accel import attention, fusion, graphs, memory, sync, timer
-from accel.attention_masks import Document, SlidingWindow
+from accel.attention.masks import Document, SlidingWindow
 from accel.lab import bench
 from accel.lab.cases import fusion as fusion_case
 from accel.lab.cases import recipe as recipe_case
@@ -27,7 +27,7 @@ CALLS = {
     "run_bench": lambda: bench.run_bench("ceilings", progress=False),
     "nested_optimizer.build": lambda: no.build(checkpoint="blocks.0"),
     "op_counts": lambda: fusion_case.op_counts(None, "aten::mm"),
-    "sweep variants": lambda: sdpa_case.measure_point(None, torch.device("cpu"), "auto"),
+    "sweep variants": lambda: sdpa_case.measure_point(None, torch.device("cpu"), "default"),
     "recipe validate": lambda: recipe_case.measure({}, None, "cpu", validate="baseline"),
 }
 

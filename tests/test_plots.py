@@ -151,7 +151,7 @@ def test_call_costs_leave_a_missing_bar_unlabelled():
     """A row with one of its bars missing (the host's pace has no plain PyTorch beside it) shows
     no number for it, not "nan"."""
     frame = pd.DataFrame(
-        {"label": ["sdpa auto", "host pace"], "optimized": [21.5, 6.4], "baseline": [19.2, None]}
+        {"label": ["sdpa", "host pace"], "optimized": [21.5, 6.4], "baseline": [19.2, None]}
     )
     fig = plots.call_costs(frame, bars={"optimized": "accel", "baseline": "plain PyTorch"})
     assert list(fig.data[0].text) == ["21.5", "6.4"]

@@ -91,7 +91,7 @@ def test_diversity_propagates_nan_and_inf_as_its_reference(kdev, N, D, where):
         torch.testing.assert_close(fast(x), reference(x), **DIVERSITY_TOL, equal_nan=True)
 
 
-# ---- attention: SDPA (auto and PyTorch's default) against softmax(q k^T) v written out ---------
+# ---- attention: SDPA (PyTorch's pick and math forced) against softmax(q k^T) v written out ------
 @settings(**{**SETTINGS, "max_examples": 20})
 @given(
     B=st.integers(1, 2),
@@ -102,7 +102,7 @@ def test_diversity_propagates_nan_and_inf_as_its_reference(kdev, N, D, where):
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     layout=st.sampled_from(("contiguous", "transposed")),
     masking=st.sampled_from(["none", "causal", "bool", "float", "empty row"]),
-    backend=st.sampled_from(["auto", "default"]),
+    backend=st.sampled_from(["default", "math"]),
     seed=st.integers(0, 2**16),
 )
 def test_sdpa_equals_the_reference(device, B, H, Sq, Sk, D, dtype, layout, masking, backend, seed):

@@ -1,10 +1,10 @@
-"""The sdpa bench phase and its helpers: cost model, profiler read-out, sweep rows round trip."""
+"""The sdpa bench phase and its helpers: cost model, profiler read-out, every kernel measured at a
+shape (``lab.sdpa_backends``), the phase's parts, the masked sweep's rows."""
 
 from __future__ import annotations
 
 import math
 
-import pandas as pd
 import pytest
 import torch
 
@@ -17,6 +17,8 @@ from accel.workloads import vit
 
 CPU = torch.device("cpu")
 FAKE_CEILINGS = Ceilings("cpu", 10.0, 0.5, "float32", 1 << 20, 256)
+# the CPU's masked default path takes the dense mask after one warning: expected here
+QUIET_FALLBACK = pytest.mark.filterwarnings("ignore:accel.attention. FlexAttention cannot run here")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,77 +66,96 @@ def test_check_backends_table(seed):
 
 def test_measure_point_skips_with_reasons():
     case = sdpa.AttnCase(2, 2, 31, 16, causal=True, backward=True, dtype=torch.float32)
-    point = sdpa.measure_point(case, CPU, ("manual", "auto", "cudnn", "math"), repeats=2)
-    assert set(point.times) >= {"manual", "auto", "math"} and "cudnn" not in point.times
+    point = sdpa.measure_point(case, CPU, ("manual", "default", "cudnn", "math"), repeats=2)
+    assert set(point.times) >= {"manual", "default", "math"} and "cudnn" not in point.times
     assert all(t > 0 for t in point.times.values())
     assert "CPU" in point.skipped["cudnn"]
     point = sdpa.measure_point(case, CPU, ("math",), repeats=1, math_bytes=0)
     assert "GiB" in point.skipped["math"]
 
 
-def test_sweep_rows_round_trip_through_recorded_results():
-    sizes = sdpa.SweepSizes((15,), (8,), heads=2, tokens=30, dtype=torch.float32, repeats=2)
-    frame = sdpa.sweep(CPU, sizes, variants=("default", "auto", "flash", "cudnn"))
-    assert (
-        len(frame) == 4 * 4 and frame["skipped"][frame["backend"] == "cudnn"].str.len().gt(0).all()
-    )
-    ctx = BenchContext(CPU, "cpu", FAKE_CEILINGS)
-    rows = sdpa.sweep_rows(frame, ctx, judged=False)
-    assert len(rows) == 4 and all(r.met is None for r in rows)
-    recorded = pd.DataFrame([r.as_dict() | {"device": "cpu"} for r in rows])
-    back = sdpa.sweep_frame(recorded)
-    ran = frame[frame["skipped"] == ""]
-    merged = ran.merge(back, on=["S", "D", "causal", "direction", "backend"], suffixes=("", "_rec"))
-    assert len(merged) == len(ran)
-    assert ((merged["tflop_s"] - merged["tflop_s_rec"]).abs() <= 1e-3 * merged["tflop_s"]).all()
-    fig = plots.sdpa_sweep(back, ceiling_tflop_s=0.5)
-    assert len(fig.data) == 3 * 4  # 3 backends that ran x (2 directions x 2 masks) panels
+def test_sdpa_backends_measures_every_kernel_beside_pytorchs_pick(seed):
+    from accel import lab
+
+    q, k, v = (torch.randn(1, 2, 33, 16, requires_grad=True) for _ in range(3))
+    state = torch.random.get_rng_state()
+    rows = lab.sdpa_backends(q, k, v, causal=True, backward=True, repeats=3).set_index("backend")
+    assert torch.equal(torch.random.get_rng_state(), state)  # no generator drawn from
+    assert all(t.grad is None for t in (q, k, v))  # the backward ran on copies
+    assert list(rows.index) == ["default", "default again", *A.FORCED]
+    assert rows.loc["default", "kernel"] == A.picked_kernel(q, k, v, causal=True) == "flash"
+    assert rows.loc["default", "speedup"] == 1.0 and rows.loc["default again", "speedup"] > 0
+    timed = rows[rows["reason"] == ""]
+    assert set(timed.index) == {"default", "default again", "flash", "math"}
+    assert (timed["ms"] > 0).all() and (timed["speedup"] > 0).all()
+    assert "CPU" in rows.loc["cudnn", "reason"] and math.isnan(rows.loc["cudnn", "ms"])
+    spread = abs(rows.loc["default again", "speedup"] - 1)
+    assert rows["spread"].tolist() == pytest.approx([spread] * len(rows))
 
 
+def test_sdpa_backends_times_no_kernel_whose_output_differs(monkeypatch):
+    from accel.lab import attention as lab_attention
+
+    real = lab_attention.sdpa
+
+    def off_by_one(q, k, v, *, backend="default", **kw):
+        out = real(q, k, v, backend=backend, **kw)
+        return out + 1.0 if backend == "math" else out
+
+    monkeypatch.setattr(lab_attention, "sdpa", off_by_one)
+    q, k, v = (torch.randn(1, 2, 17, 16) for _ in range(3))
+    rows = lab_attention.sdpa_backends(q, k, v, repeats=2).set_index("backend")
+    assert rows.loc["math", "reason"].startswith("output differs from the default's by up to 1")
+    assert math.isnan(rows.loc["math", "ms"])
+
+
+def test_backend_frame_is_the_figures_long_format():
+    cases = [sdpa.AttnCase(1, 2, s, 8, causal=True, dtype=torch.float32) for s in (15, 31)]
+    frame = sdpa.backend_frame(CPU, cases, repeats=2)
+    assert set(frame["S"]) == {15, 31} and (frame["direction"] == "fwd").all()
+    ran = frame[frame["reason"] == ""]
+    assert (ran["tflop_s"] > 0).all()
+    fig = plots.sdpa_sweep(ran[ran["backend"] != "default again"], ceiling_tflop_s=0.5)
+    assert len(fig.data) == 3  # default, flash, math in the one (fwd, causal) panel
+
+
+@QUIET_FALLBACK
 def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
     tiny = sdpa.BenchSizes(
-        headline=sdpa.AttnCase(1, 2, 17, 8, dtype=torch.float32),
-        sweep=sdpa.SweepSizes((9,), (8,), heads=2, tokens=18, dtype=torch.float32, repeats=1),
-        repeats=1,
-        vit_repeats=1,
+        headline=sdpa.AttnCase(1, 2, 17, 8, dtype=torch.float32), repeats=1, vit_repeats=1
     )
     monkeypatch.setitem(sdpa.BENCH_SIZES, "cpu", tiny)
     small = vit.Sizes(image=8, patch=4, dim=8, heads=2, depth=1, classes=2, batch=2, batches=1)
     monkeypatch.setitem(vit.Sizes.PRESETS, "cpu", small)
     flex = sdpa.FlexSizes(1, 2, 8, torch.float32, 5, (17,), (17,), 2, 17, 17, repeats=1)
     monkeypatch.setitem(sdpa.FLEX_SIZES, "cpu", flex)
+    masked = sdpa.MaskedSweepSizes((16,), (8,), 2, 16, torch.float32, 4, 2, 1, directions=(False,))
+    monkeypatch.setitem(sdpa.MASKED_SWEEP, "cpu", masked)
     rows = sdpa.run(BenchContext(CPU, "cpu", FAKE_CEILINGS))
     assert {r.phase for r in rows} == {"sdpa"}
     assert all(r.met is None and r.note.startswith("not judged") for r in rows)
     cases = [r.case for r in rows]
-    assert "vit step: all but compile" in cases and "sweep fwd causal D=8 S=9" in cases
+    assert "vit step: all but compile" in cases and "sweep masked window fwd D=8 S=16" in cases
     assert "flex sliding window 5 B=1 H=2 S=17 D=8 fwd" in cases
-    auto = next(r for r in rows if r.case == "B=1 H=2 S=17 D=8 full fwd auto")
-    assert auto.optimized > 0 and not math.isnan(auto.fraction_of_ceiling)
-    assert "profiler: " in auto.note
+    default = next(r for r in rows if r.case == "B=1 H=2 S=17 D=8 full fwd default")
+    assert default.optimized > 0 and not math.isnan(default.fraction_of_ceiling)
+    assert "profiler: flash ran" in default.note and default.target.startswith(">= 640")
+    assert "B=1 H=2 S=17 D=8 causal fwd+bwd default" in cases
+    assert any(c.startswith("B=1 H=2 S=17 D=8 full fwd default vs best forced") for c in cases)
     equal = [r for r in rows if r.case.startswith("vit step")]
     assert all("result equal" in r.note for r in equal), [r.note for r in equal]
 
 
-def test_sweep_records_auto_pick_and_a_second_copy_of_it():
-    sizes = sdpa.SweepSizes((15,), (8,), heads=2, tokens=30, dtype=torch.float32, repeats=3)
-    frame = sdpa.sweep(CPU, sizes, variants=("default", "auto", "flash", "math"))
-    point = frame[(frame["direction"] == "fwd") & ~frame["causal"]]
-    assert point["picked"].iloc[0] in ("default", "math")
-    assert (point["picked_ms"] > 0).all() and "ms" in point["decision"].iloc[0]
-    # what the pick was held to: the larger of auto's margin and the default's own spread
-    assert "kept unless beaten by" in point["decision"].iloc[0]
-    rows = sdpa.sweep_rows(frame, BenchContext(CPU, "cpu", FAKE_CEILINGS), judged=False)
-    assert all("auto picked" in r.note and "forced again" in r.note for r in rows)
-    back = sdpa.sweep_frame(pd.DataFrame([r.as_dict() | {"device": "cpu"} for r in rows]))
-    assert set(back["backend"]) == {"default", "auto", "flash", "math"}  # the copy is no line
-    summary = {r.case: r for r in sdpa.sweep_summary_rows(frame, judged=False)}
-    assert {
-        "sweep: worst auto / the same backend forced",
-        "sweep: worst the pick forced again / forced",
-        "sweep: worst auto / default",
-    } <= set(summary)
-    assert summary["sweep: worst auto / the same backend forced"].optimized > 0
+def test_the_phase_runs_in_parts(monkeypatch):
+    from accel.lab import bench
+
+    assert sdpa.parts() == ["headline", "flex", "masked sweep", "vit"]
+    assert bench.PARTS["sdpa"] == "accel.lab.cases.sdpa:parts"
+    ran = []
+    for part in sdpa.parts():
+        monkeypatch.setitem(sdpa._PARTS, part, lambda ctx, part=part: ran.append(part) or [])
+    sdpa.run(BenchContext(CPU, "cpu", FAKE_CEILINGS, only=("masked sweep", "vit")))
+    assert ran == ["masked sweep", "vit"]
 
 
 def test_measure_point_times_variants_in_the_timers_rotated_and_reversed_rounds(monkeypatch):
@@ -144,118 +165,60 @@ def test_measure_point_times_variants_in_the_timers_rotated_and_reversed_rounds(
         sdpa_measure, "interleaved", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1]
     )
     case = sdpa.AttnCase(1, 2, 15, 8, dtype=torch.float32)
-    point = sdpa.measure_point(case, CPU, ("default", "auto", "flash", "math"), repeats=4)
+    point = sdpa.measure_point(case, CPU, ("default", "flash", "math"), repeats=4)
     (samples,) = taken
     names = list(samples.times_ms)
-    assert names == ["default", "auto", "flash", "math", sdpa.PICKED]
+    assert names == ["default", "flash", "math"]
     # round r: turned by r // 2 places, reversed when r is odd
     turned = names[1:] + names[:1]
     rounds = [names, names[::-1], turned, turned[::-1]]
     assert list(samples.schedule) == [name for order in rounds for name in order]
     assert all(len(t) == 4 for t in samples.times_ms.values())  # one sample per round, aligned
-    assert point.times == samples.medians() and point.picked in ("default", "math")
+    assert point.times == samples.medians()
 
 
-def test_paired_ratio_is_the_median_of_round_ratios():
-    # the clock falls over the point: medians of each would say b is 1.25x slower than a
-    samples = {"a": [1.0, 2.0, 4.0, 8.0], "b": [1.01, 2.02, 4.04, 8.08]}
-    assert sdpa.paired_ratio(samples, "b", "a") == pytest.approx(1.01)
-    assert math.isnan(sdpa.paired_ratio(samples, "b", "missing"))
+@QUIET_FALLBACK
+def test_a_masked_sweep_point_is_sdpa_beside_the_users_own_flex_attention(monkeypatch):
+    from accel.lab.cases import sdpa_masked_sweep as sweep
+
+    tiny = sdpa.MaskedSweepSizes((16, 40), (8,), 2, 40, torch.float32, 4, 2, 1, directions=(False,))
+    monkeypatch.setitem(sweep.MASKED_SWEEP, "cpu", tiny)
+    rows = sweep.rows(BenchContext(CPU, "cpu", FAKE_CEILINGS))
+    points = [r for r in rows if r.case.startswith("sweep masked ")]
+    assert [r.case for r in points] == [
+        f"sweep masked {kind} fwd D=8 S={s}" for kind in sweep.KINDS for s in (16, 40)
+    ]
+    assert all(r.optimized > 0 and r.baseline > 0 and "largest difference" in r.note
+               for r in points)  # fmt: skip
+    assert all("B=" in r.note and "round by round" in r.note for r in points)
+    (summary,) = [r for r in rows if r not in points]
+    assert summary.case.startswith("masked sweep: ") and "over 6 points" in summary.case
+    assert summary.target == "median >= 0.95x, every point >= 0.9x" and summary.met is None
 
 
-def _point_frame(
-    versus_auto: dict[str, float], ms: dict[str, float], control: float = 1.0
-) -> pd.DataFrame:
-    rows = [
-        {
-            "S": 64, "D": 16, "B": 1, "H": 2, "causal": False, "direction": "fwd",
-            "backend": b, "ms": t, "flops": 1e9, "tflop_s": 1e9 / (t * 1e-3) / 1e12,
-            "skipped": "", "picked": "cudnn", "picked_ms": ms["cudnn"], "decision": "cudnn=1ms",
-            "versus_auto": versus_auto[b], "control": control,
-        }
-        for b, t in ms.items()
-    ]  # fmt: skip
-    return pd.DataFrame(rows)
+@QUIET_FALLBACK
+def test_a_masked_sweep_point_whose_outputs_differ_is_not_timed(monkeypatch):
+    from accel.lab.cases import sdpa_masked_sweep as sweep
+
+    real = sweep.attention.sdpa
+    monkeypatch.setattr(sweep.attention, "sdpa", lambda *a, **kw: real(*a, **kw) + 1.0)
+    tiny = sdpa.MaskedSweepSizes((16,), (8,), 2, 16, torch.float32, 4, 2, 1, directions=(False,))
+    monkeypatch.setitem(sweep.MASKED_SWEEP, "cpu", tiny)
+    monkeypatch.setattr(BenchContext, "judged", property(lambda self: True))
+    rows = sweep.rows(BenchContext(CPU, "cpu", FAKE_CEILINGS))
+    assert all(math.isnan(r.optimized) and r.met is False for r in rows[:-1])
+    assert "NOT timed" in rows[0].note and rows[-1].met is False
 
 
-def test_sweep_is_judged_on_round_by_round_ratios():
-    # by medians auto is 0.95x default; round by round it is 0.99x default and 1.0x cudnn
-    ms = {"default": 0.95, "auto": 1.0, "cudnn": 1.0, "flash": 2.0}
-    frame = _point_frame({"default": 0.99, "auto": 1.0, "cudnn": 1.0, "flash": 2.0}, ms)
-    ctx = BenchContext(CPU, "cpu", FAKE_CEILINGS)
-    (row,) = sdpa.sweep_rows(frame, ctx, judged=True)
-    assert row.met is True and "auto / default = 0.990" in row.note
-    assert "auto / best forced (cudnn) = 1.000" in row.note
-    summary = {r.case: r for r in sdpa.sweep_summary_rows(frame, judged=True)}
-    assert summary["sweep: worst auto / default"].optimized == pytest.approx(0.99)
-    assert summary["sweep: worst auto / best forced backend"].met is True
-    # a point where auto is really 3% behind the best forced backend fails
-    frame = _point_frame({"default": 1.0, "auto": 1.0, "cudnn": 0.97, "flash": 2.0}, ms)
-    (row,) = sdpa.sweep_rows(frame, ctx, judged=True)
-    assert row.met is False
-    assert summary["sweep: worst auto / default"].met is True
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
+def test_gpu_sdpa_backends_times_the_fused_kernels_beside_pytorchs_pick():
+    from accel import lab
 
-
-def test_a_point_whose_own_spread_is_wider_than_the_margin_says_so():
-    ms = {"default": 1.0, "auto": 1.0, "cudnn": 0.97, "flash": 2.0}
-    versus = {"default": 1.0, "auto": 1.0, "cudnn": 0.97, "flash": 2.0}
-    ctx = BenchContext(CPU, "cpu", FAKE_CEILINGS)
-    (steady,) = sdpa.sweep_rows(_point_frame(versus, ms, control=0.995), ctx, judged=True)
-    (noisy,) = sdpa.sweep_rows(_point_frame(versus, ms, control=0.962), ctx, judged=True)
-    assert steady.met is noisy.met is False  # the verdict stays what was measured
-    assert "margin" not in steady.note
-    assert "the same kernel twice differs by 3.8%, more than the target's 2% margin" in noisy.note
-
-
-def test_an_attention_sweep_point_says_when_its_own_noise_hides_the_target():
-    """F.sdpa against its copy: a median within 3% but rounds so spread that the median's 95%
-    interval passes 3% is named as noise, as a median off by more than 3% is; a tight one is
-    not."""
-    from accel.lab.cases import overhead_attention as sweep
-
-    assert sweep.noise_note(1.0, (0.99, 1.01)) == ""
-    for ratio, interval in ((1.0, (0.95, 1.02)), (1.0, (0.99, 1.04)), (1.04, (1.035, 1.05))):
-        note = sweep.noise_note(ratio, interval)
-        assert "inside this point's noise" in note and f"{interval[0]:.3f}" in note, note
-
-
-def test_a_missed_attention_sweep_point_says_what_bounds_it():
-    """A miss is put on the host where F.sdpa's host time is most of its time on the GPU back to
-    back and the host time auto adds to a call is itself past the 3% of it the target allows; on
-    the point's noise where F.sdpa against its copy moves past 3%; on both; on the pairing of
-    rounds where auto's median call is not the slower; or else on the microseconds auto adds. A
-    met point has none."""
-    from accel.lab.cases import overhead_attention as sweep
-    from accel.lab.cases.overhead import misses_summary
-
-    def cause(ratio, share, noisy, added=3.5, host_added=3.0, call=30.0):
-        return sweep.miss_cause(ratio, host_share=share, noisy=noisy, added_us=added,
-                                host_added_us=host_added, call_us=call)  # fmt: skip
-
-    assert cause(0.98, 0.9, True) is None
-    assert cause(0.90, 0.9, False) == "host"
-    assert cause(0.90, 0.9, True) == "host and noise"
-    assert cause(0.90, 0.4, True) == "noise"
-    assert cause(0.96, 0.4, False) == "added"
-    # a host-bound call whose added host time fits the 3% it allows: the host does not explain it
-    assert cause(0.96, 0.95, True, added=17.0, host_added=2.0, call=400.0) == "noise"
-    assert cause(0.96, 0.95, False, added=17.0, host_added=2.0, call=400.0) == "added"
-    assert cause(0.96, 0.95, False, added=17.0, host_added=12.5, call=400.0) == "host"
-    assert cause(0.90, 0.9, False, added=3.5, host_added=0.8, call=30.0) == "added"
-    # past its 3%, the host time lands whole, whatever the latency's own spread adds to it
-    assert cause(0.88, 0.9, False, added=5.0, host_added=2.0, call=30.0) == "host"
-    # auto's median call not the slower: the rounds' pairing, not auto's time, missed
-    assert cause(0.96, 0.85, True, added=-4.7) == "not slower"
-    assert cause(0.96, 0.4, False, added=0.0) == "not slower"
-    assert set(sweep.MISS_CAUSES) == set(sweep.MISS_COUNTED)
-    for name, words in sweep.MISS_CAUSES.items():  # every note's words fill in
-        assert words.startswith("; ") and "{" not in words.format(
-            share=0.9, added=4.0, host_added=3.0, plain=30.0
-        ), name
-    causes = ["host", "host", "host and noise", "noise", None, "added", "not slower"]
-    summary = misses_summary(causes, sweep.MISS_COUNTED)
-    assert summary == (
-        "6 point(s) missed: 2 bound by the host, 1 by the host and inside their noise, "
-        "1 inside their noise, 1 by auto's added time, 1 by the pairing of rounds "
-        "(auto's median not the slower)"
-    )
+    gen = torch.Generator("cuda").manual_seed(0)
+    q, k, v = torch.randn(3, 2, 8, 1024, 64, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rows = lab.sdpa_backends(q, k, v, causal=True, backward=True, repeats=5).set_index("backend")
+    assert rows.loc["default", "kernel"] in A.FORCED
+    assert (rows.loc[["flash", "efficient"], "reason"] == "").all(), rows["reason"]
+    timed = rows[rows["reason"] == ""]
+    assert (timed["ms"] > 0).all() and (timed["speedup"] > 0).all()

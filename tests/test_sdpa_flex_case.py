@@ -55,13 +55,15 @@ def test_check_masked_says_which_path_is_wrong(monkeypatch):
     q.requires_grad_(True)  # FlexAttention has no backward on the CPU: said, not raised
     assert "no backward on the CPU" in sdpa.check_masked(q, k, v, mask, ("flex",))["flex"]
     q.requires_grad_(False)
-    real = sdpa.attention.sdpa
+    from accel.lab.cases import sdpa_flex
 
-    def off_by_one(q, k, v, *, mask=None, backend="auto", **kw):
+    real = sdpa_flex.attention.sdpa
+
+    def off_by_one(q, k, v, *, mask=None, backend="default", **kw):
         out = real(q, k, v, mask=mask, backend=backend, **kw)
         return out + 1.0 if backend == "dense" else out
 
-    monkeypatch.setattr(sdpa.attention, "sdpa", off_by_one)
+    monkeypatch.setattr(sdpa_flex.attention, "sdpa", off_by_one)
     point = sdpa.measure_masked(mask, case, CPU, ("flex", "dense"), repeats=2)
     assert point.checked["dense"].startswith("differs from float64 by up to 1")
     assert set(point.times) == {"flex"}  # a wrong path is never timed
@@ -79,7 +81,8 @@ def test_flex_rows_on_cpu_and_their_figures_read_back(monkeypatch):
     memory = by_case["flex sliding window 5 S=33 mask memory"]
     assert memory.baseline == pytest.approx(33 * 33 / 2**20)
     assert "flex causal document x3 B=1 H=2 S=33 D=8 fwd" in by_case
-    assert by_case["flex causal B=1 H=2 S=33 D=8 fwd+bwd auto"].note.startswith("auto kept causal")
+    causal = by_case["flex causal B=1 H=2 S=33 D=8 fwd+bwd"]
+    assert causal.metric.endswith("vs SDPA causal kernel") and "default: error" in causal.note
     assert by_case["flex causal first call fwd"].unit == "s"
     recorded = pd.DataFrame([r.as_dict() | {"device": "cpu"} for r in rows])
     frame = sdpa.flex_frame(recorded)
@@ -106,4 +109,6 @@ def test_the_panel_toggles_dense_and_flex():
     panel.controls["flex"].value = True
     panel.run()
     assert list(panel.results["label"]) == ["baseline", "flex"]
-    assert len(A.masked_choices()) == 0  # each path forced, nothing measured by auto
+    from accel.attention import flex
+
+    assert flex._DENSE_MASKS and flex._BLOCK_MASKS  # each path ran, its mask made once

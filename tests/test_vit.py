@@ -149,16 +149,12 @@ def test_a_forced_backend_that_cannot_run_says_so_at_the_first_step():
         step()  # float32 without autocast: CUDA's flash kernel takes fp16 and bf16 only
 
 
-def test_compile_is_cuda_only_and_auto_is_tuned_outside_the_steps():
+def test_compile_is_cuda_only_and_sdpa_is_pytorchs_pick_by_default():
     assert "compile" in unavailable(vit.Flags, "cpu")
+    assert vit.Flags().backend == "default"
     step = vit.build(vit.Flags(sdpa=True), SIZES)
-    assert step.tuning_seconds > 0 and step.count == 0 and step.losses == []
-    # the CPU's kernels: PyTorch's pick is flash, timed forced as well, so on a busy host
-    # forced flash can win by noise; which one auto keeps is a measurement, not asserted here
-    assert all(
-        a.last_backend in ("default", "flash", "math") and a.last_kernel in ("flash", "math")
-        for a in step.model.attention_modules()
-    )
+    assert step.count == 0 and step.losses == []  # building runs no step
+    assert all(a.backend == "default" for a in step.model.attention_modules())
     assert all(p.grad is None for p in step.model.parameters())
 
 

@@ -6,7 +6,7 @@ whether targets are judged), then reaches what it needs as ``lab.compare``, ``la
 no plotly and ``lab.compare`` no ipywidgets.
 
 Submodules, lightest first: ``device`` (presets, versions), ``timing``, ``ceilings``, ``costs``,
-``profile`` (pandas), ``plots`` (plotly), ``live_figure`` and ``panel`` (ipywidgets), ``bench``,
+``profile`` (pandas), ``attention`` (SDPA's kernels at a shape), ``plots`` (plotly), ``live_figure`` and ``panel`` (ipywidgets), ``bench``,
 ``recorded`` (a quick figure beside the bench's), ``cases.<phase>``.
 """
 
@@ -27,6 +27,7 @@ _PUBLIC = {
     "measure_ceilings": "ceilings",
     "measure_costs": "costs",
     "profile_step": "profile",
+    "sdpa_backends": "attention",
     "LiveFigure": "live_figure",
     "FeaturePanel": "panel",
     "recorded_results": "bench",

@@ -58,6 +58,7 @@ PARTS: dict[str, str] = {
     "overhead": "accel.lab.cases.overhead:parts",
     "recipe": "accel.lab.cases.recipe:parts",
     "doctor": "accel.lab.cases.doctor:parts",
+    "sdpa": "accel.lab.cases.sdpa:parts",
 }
 
 COLUMNS = [

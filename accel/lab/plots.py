@@ -230,7 +230,7 @@ def sdpa_sweep(
     (direction, causal); the dotted line is the measured matrix-product ceiling.
 
     ``frame``: one row per (point, backend) with ``S``, ``D``, ``causal``, ``direction``,
-    ``backend``, ``tflop_s`` (``accel.lab.cases.sdpa.sweep`` or ``sweep_frame``)."""
+    ``backend``, ``tflop_s`` (``accel.lab.cases.sdpa.backend_frame``)."""
     import plotly.express as px  # heavier than graph_objects: loaded when this figure is drawn
 
     data = frame.dropna(subset=["tflop_s"]).assign(

@@ -57,10 +57,10 @@ class Flags:
         "sdpa",
     )
     backend: str = option(
-        "SDPA backend when sdpa is on: auto times each once per shape and keeps the fastest; "
-        "default is PyTorch's own pick; the others force one kernel",
+        "SDPA backend when sdpa is on: default is PyTorch's own pick; the others force one "
+        "kernel (lab.sdpa_backends measures them at a shape)",
         "sdpa",
-        default="auto",
+        default="default",
         choices=BACKENDS,
     )
     cached_rope: bool = flag(
@@ -240,7 +240,7 @@ class Step:
     """One training step per call. Losses stay on the device (one host read in ``mean_loss``)."""
 
     def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
-        if flags.backend != "auto" and not flags.sdpa:
+        if flags.backend != "default" and not flags.sdpa:
             raise ValueError(f"backend={flags.backend!r} needs sdpa=True: the manual path has none")
         self.flags, self.sizes, self.device = flags, sizes, device
         gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -268,13 +268,9 @@ class Step:
         )
         self.losses: list[torch.Tensor] = []  # device scalars: no sync per step
         self.count = 0
-        self.tuning_seconds = self.compile_seconds = 0.0
+        self.compile_seconds = 0.0
         self.forward = self.model
-        if flags.sdpa and flags.backend == "auto":
-            self.tuning_seconds = self._untimed_pass()  # auto measures here, not in a step
         if flags.compile:
-            for attn in self.model.attention_modules():
-                attn.pin_backend()  # the compiled graph keeps the kernel auto picked
             self.forward = torch.compile(self.model)
             self.compile_seconds = self._untimed_pass()
 

@@ -15,37 +15,37 @@ Two measures per component, each timed interleaved with its plain counterpart:
 ``sdpa`` with a mask kind (``masked_sdpa``) stands beside the FlexAttention a user would compile
 themselves, without a target.
 
-Targets (a CUDA GPU at the gpu preset): ``sdpa(backend="auto")`` adds at most 3 µs of host time
-to ``F.scaled_dot_product_attention``; diversity at most 20 µs of host time per call;
-``GraphedStep`` at most 10 µs over the bare graph replay. The shape sweeps, where the other
-targets live, are ``overhead_attention``, ``overhead_diversity`` and ``overhead_adamw``; ``--only``
-runs some of the four parts (:func:`parts`).
+Targets (a CUDA GPU at the gpu preset): ``sdpa`` (PyTorch's pick, called as it is) adds at most
+1 µs of host time to ``F.scaled_dot_product_attention`` without a mask; diversity at most 20 µs
+of host time per call; ``GraphedStep`` at most 10 µs over the bare graph replay. The shape
+sweeps, where the other targets live, are ``overhead_diversity`` and ``overhead_adamw``;
+``--only`` runs some of the three parts (:func:`parts`).
 """
 
 from __future__ import annotations
 
 import importlib
-import statistics
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from accel import attention, diversity, fusion
-from accel.attention_flex import clear_masked_cache, masked_choices
-from accel.attention_masks import SlidingWindow
 from accel.graphs import GraphedStep
 from accel.lab.bench import BenchContext, Row
-from accel.lab.timing import Comparison, compare
+from accel.lab.cases.overhead_timing import (
+    HOST_CALLS,
+    PHASE,
+    host_rows,
+    host_times,
+    latencies,
+    latency_row,
+)
 from accel.optim import MultiTensorAdamW
-from accel.timer import round_differences
 
-PHASE = "overhead"
-SDPA_ADDED_US = 3.0
+SDPA_ADDED_US = 1.0
 DIVERSITY_HOST_US = 20.0
 GRAPHED_ADDED_US = 10.0
-HOST_CALLS = 50  # calls per host-clock sample
-HOST_ROUNDS = 41  # a host's pace drifts: the median of many rounds outlasts a slow spell
 # A model's parameters as a few hundred small tensors of odd sizes (a few layers' weights,
 # biases and norms): where per-tensor host work shows.
 SMALL_TENSORS = [(96, 97), (97,), (13, 96), (96,)] * 75
@@ -75,77 +75,9 @@ def _sweep(module: str) -> Callable[[BenchContext], list[Row]]:
 
 _PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
     "components": _components,
-    "attention sweep": _sweep("overhead_attention"),
     "diversity sweep": _sweep("overhead_diversity"),
     "adamw sweep": _sweep("overhead_adamw"),
 }
-
-
-def misses_summary(causes: list[str | None], counted: dict[str, str]) -> str:
-    """A sweep summary's count of its missed points, by cause: ``causes`` one per point (None
-    where met), ``counted`` each cause's words."""
-    missed = [c for c in causes if c is not None]
-    why = ", ".join(f"{missed.count(c)} {how}" for c, how in counted.items())
-    return f"{len(missed)} point(s) missed" + (f": {why}" if missed else "")
-
-
-# ---- timing ------------------------------------------------------------------------------------
-def host_times(fns: dict, device: torch.device, repeats: int = HOST_ROUNDS) -> Comparison:
-    """Host time per call of each of ``fns`` (the first is the baseline), interleaved."""
-    return compare(fns, repeats=repeats, warmup=10, calls_per_sample=HOST_CALLS, device=device,
-                   clock="host")  # fmt: skip
-
-
-def latencies(fns: dict, device: torch.device, repeats: int = 25) -> Comparison:
-    """One call's latency from an idle GPU, of each of ``fns`` (the first is the baseline)."""
-    return compare(fns, repeats=repeats, warmup=3, device=device, clock="latency")
-
-
-def host_rows(ctx: BenchContext, case: str, timing: Comparison, ours: str, *, added_us=None,
-              most_us=None, note: str = "") -> list[Row]:  # fmt: skip
-    """Host µs per call of ``ours`` beside the baseline's, judged on its own µs against
-    ``most_us``; with ``added_us``, a second row of the µs it adds, taken within each round (the
-    host's pace drifts between rounds) and judged against ``added_us``: its note gives the middle
-    half of the rounds and says when they spread wider than the target."""
-    mine = timing.timings[ours].median_ms * 1e3
-    plain = timing.timings[timing.baseline].median_ms * 1e3
-    sampled = f"{HOST_CALLS} calls a sample from an idle GPU"
-    rows = [Row(
-        PHASE, case, "host time per call", "us", mine, baseline=plain,
-        target=f"<= {most_us:g} us" if most_us is not None else "",
-        met=mine <= most_us if ctx.judged and most_us is not None else None,
-        note=f"{ctx.where}; {sampled}{note}",
-    )]  # fmt: skip
-    if added_us is None:
-        return rows
-    added = [ms * 1e3 for ms in round_differences(timing.samples, ours, timing.baseline)]
-    typical = statistics.median(added)
-    low, _, high = statistics.quantiles(added, n=4) if len(added) > 1 else (typical,) * 3
-    spread = (f"; the rounds spread wider than the {added_us:g} us target: the verdict is inside"
-              " it" if high - low > added_us else "")  # fmt: skip
-    rows.append(Row(
-        PHASE, case, "host time added per call", "us", typical,
-        target=f"<= {added_us:g} us over {timing.baseline}",
-        met=typical <= added_us if ctx.judged else None,
-        note=f"{ctx.where}; {ours} over {timing.baseline}'s {plain:.1f} us "
-        f"({typical / plain:.0%} of it), round by round (middle half of rounds {low:+.1f} to "
-        f"{high:+.1f} us){spread}; {sampled}{note}",
-    ))  # fmt: skip
-    return rows
-
-
-def latency_row(ctx: BenchContext, case: str, timing: Comparison, ours: str, *,
-                at_least: float | None = None, note: str = "") -> Row:  # fmt: skip
-    """One call's latency of ``ours`` beside the baseline's; the speedup judged round by round
-    against ``at_least`` where given."""
-    paired = timing.paired_ratio(timing.baseline, ours)
-    return Row(
-        PHASE, case, "single-call latency", "us", timing.timings[ours].median_ms * 1e3,
-        baseline=timing.timings[timing.baseline].median_ms * 1e3,
-        target=f">= {at_least:g}x" if at_least is not None else "",
-        met=paired >= at_least if ctx.judged and at_least is not None else None,
-        note=f"{ctx.where}; {timing.baseline} / {ours} round by round {paired:.3f}x{note}",
-    )  # fmt: skip
 
 
 # ---- the components ----------------------------------------------------------------------------
@@ -166,9 +98,9 @@ def host_pace_row(ctx: BenchContext) -> Row:
 
 
 def sdpa_rows(ctx: BenchContext) -> list[Row]:
-    """``sdpa(backend="auto")`` against ``F.scaled_dot_product_attention`` on a small input,
-    full and causal, and with a key-padding mask (whose fully masked queries auto zeroes where
-    the kernel does not)."""
+    """``sdpa`` against ``F.scaled_dot_product_attention`` on a small input, full and causal
+    (judged: PyTorch's pick called as it is), and with a key-padding mask (whose queries without
+    keys ``sdpa`` gives 0 where the kernel does not: no target)."""
     device = ctx.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device).manual_seed(0)
@@ -177,31 +109,26 @@ def sdpa_rows(ctx: BenchContext) -> list[Row]:
     rows = []
     for label, causal, m in [("full", False, None), ("causal", True, None),
                              ("key-padding mask", False, mask)]:  # fmt: skip
+        fns = {
+            "F.sdpa": lambda m=m, causal=causal: F.scaled_dot_product_attention(
+                q, k, v, attn_mask=m, is_causal=causal
+            ),
+            "sdpa": lambda m=m, causal=causal: attention.sdpa(q, k, v, mask=m, causal=causal),
+        }
         with torch.no_grad():
-            fns = {
-                "F.sdpa": lambda m=m, causal=causal: F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=m, is_causal=causal
-                ),
-                "sdpa auto": lambda m=m, causal=causal: attention.sdpa(
-                    q, k, v, mask=m, causal=causal
-                ),
-            }
-            fns["sdpa auto"]()  # measured once, outside the timing
-            choice = attention.auto_choices()[attention.signature(q, k, v, m, causal)]
             timing = host_times(fns, device)
-        note = f"; auto picked {choice.backend} ({choice.kernel}); {tuple(q.shape)} {dtype}"
+        note = f"; {tuple(q.shape)} {dtype}"
         target = SDPA_ADDED_US if m is None else None
-        rows += host_rows(ctx, f"sdpa auto {label}", timing, "sdpa auto", added_us=target,
-                          note=note)  # fmt: skip
+        rows += host_rows(ctx, f"sdpa {label}", timing, "sdpa", added_us=target, note=note)
     return rows
 
 
 def masked_rows(ctx: BenchContext) -> list[Row]:
-    """``sdpa`` with a mask kind (``SlidingWindow``, through ``masked_sdpa``), as ``auto`` picks
-    and forced to FlexAttention, beside the FlexAttention a user would write: ``flex_attention``
-    compiled once, its block mask made once by ``create_block_mask``. Host time per call on a
-    small input (forced to flex, both run the same kernel: the rest is the dispatcher), and one
-    call's latency. No target: reported beside its plain counterpart."""
+    """``sdpa`` with a mask kind (``SlidingWindow``: FlexAttention) beside the FlexAttention a
+    user would write: ``flex_attention`` compiled once, its block mask made once by
+    ``create_block_mask``. Host time per call on a small input (both run the same kernel: the
+    rest is the dispatcher), and one call's latency. No target: reported beside its plain
+    counterpart."""
     device = ctx.device
     case = f"sdpa SlidingWindow({MASK_WINDOW})"
     if device.type != "cuda":
@@ -212,28 +139,22 @@ def masked_rows(ctx: BenchContext) -> list[Row]:
     gen = torch.Generator(device).manual_seed(0)
     shape = (2, 4, 256, 64)
     q, k, v = torch.randn(3, *shape, device=device, dtype=torch.bfloat16, generator=gen).unbind(0)
-    window = SlidingWindow(MASK_WINDOW)
+    window = attention.SlidingWindow(MASK_WINDOW)
     blocks = create_block_mask(window.mask_mod(shape[2], shape[2], device), None, None, shape[2],
                                shape[2], device=device)  # fmt: skip
     flex = torch.compile(flex_attention)
     fns = {
         "compiled flex_attention": lambda: flex(q, k, v, block_mask=blocks),
-        "sdpa auto": lambda: attention.sdpa(q, k, v, mask=window),
-        "sdpa flex": lambda: attention.sdpa(q, k, v, mask=window, backend="flex"),
+        "sdpa": lambda: attention.sdpa(q, k, v, mask=window),
     }
-    clear_masked_cache()  # one signature measured: the pick named is this input's
+    attention.clear_masked_cache()
     with torch.no_grad():
-        for fn in fns.values():  # compiled and measured once, outside the timing
+        for fn in fns.values():  # compiled once, outside the timing
             fn()
-        picked = ", ".join(sorted({c.backend for c in masked_choices().values()}))
         host, alone = host_times(fns, device), latencies(fns, device)
-    note = f"; auto picked {picked}; {shape} bfloat16"
-    rows = []
-    for ours in ("sdpa auto", "sdpa flex"):
-        label = f"{case} {ours.removeprefix('sdpa ')}"
-        rows += host_rows(ctx, label, host, ours, note=note)
-        rows.append(latency_row(ctx, label, alone, ours, note=note))
-    return rows
+    note = f"; {shape} bfloat16"
+    return [*host_rows(ctx, case, host, "sdpa", note=note),
+            latency_row(ctx, case, alone, "sdpa", note=note)]  # fmt: skip
 
 
 def diversity_rows(ctx: BenchContext) -> list[Row]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.overhead import PHASE, SMALL_TENSORS, latencies
+from accel.lab.cases.overhead import SMALL_TENSORS
+from accel.lab.cases.overhead_timing import PHASE, latencies
 from accel.lab.cases.sdpa_measure import release_memory
 from accel.lab.timing import compare
 from accel.optim import MultiTensorAdamW

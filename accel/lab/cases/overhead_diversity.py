@@ -26,7 +26,7 @@ from accel import diversity as dv
 from accel import triton_support
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.diversity_measure import rotating_inputs, time_per_call
-from accel.lab.cases.overhead import PHASE, latencies, misses_summary
+from accel.lab.cases.overhead_timing import PHASE, latencies, misses_summary
 from accel.lab.cases.sdpa_measure import release_memory
 
 TARGET_VS_COMPILED = 1.5

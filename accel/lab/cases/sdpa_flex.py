@@ -1,14 +1,15 @@
 """The sdpa phase's masked rows (cases ``flex ...``): FlexAttention against SDPA with the dense
 boolean mask for a sliding window over long sequences and for packed documents, and against
-SDPA's causal kernel for a plain causal mask; every path checked against attention in float64
-before it is timed, its first call (FlexAttention compiles) timed apart, the mask's memory
-(BlockMask against the dense mask) and the block sparsity that predicts the gain.
+SDPA's causal kernel for a plain causal mask (what ``sdpa(mask=Causal())`` runs); every path
+checked against attention in float64 before it is timed, its first call (FlexAttention
+compiles) timed apart, the mask's memory (BlockMask against the dense mask) and the block
+sparsity that predicts the gain.
 
 Cost model: FlexAttention computes only the 128 x 128 tiles of the scores that keep a key, SDPA
 with a dense mask computes them all. At the same rate per tile, FlexAttention is faster by
 1 / (fraction of tiles kept); a sliding window of 1024 over S = 16384 keeps about 1/8 of the
-causal half. The dense path here is accel's SDPA ``auto`` on the dense mask (the fastest SDPA
-kernel that takes one), built once and kept, as a user would.
+causal half. The dense path here is PyTorch's pick of SDPA kernel on the dense mask, built once
+and kept, as a user would.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pandas as pd
 import torch
 
 from accel import attention
-from accel.attention_masks import AttentionMask, dense_mask
+from accel.attention import AttentionMask, dense_mask
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.sdpa_measure import (
     PHASE,
@@ -243,8 +244,7 @@ def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     rows += _mask_rows(label, documents, sizes.batch, sizes.document_seq, judged)
     for backward in (False, True):
         case = sizes.case(sizes.causal_seq, backward)
-        rows += point("causal", attention.Causal(), case, "causal", TARGET_CAUSAL_VS_SDPA)
-        rows.append(_auto_row(case, ctx.device))
+        rows += point("causal", attention.Causal(), case, "default", TARGET_CAUSAL_VS_SDPA)
     rows += [_compile_row(name, direction, seen) for (name, direction), seen in firsts.items()]
     attention.clear_masked_cache()
     return rows
@@ -253,7 +253,8 @@ def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
 def _point_rows(
     device, repeats, judged, firsts, label, mask, case, other, target, *, peak=False
 ) -> list[Row]:
-    """One case measured: FlexAttention against ``other`` ("dense" or "causal"), its first call
+    """One case measured: FlexAttention against ``other`` ("dense", or "default": SDPA's causal
+    kernel, which ``sdpa(mask=Causal())`` runs), its first call
     noted in ``firsts``; with ``peak``, a peak-memory row too."""
     point = measure_masked(mask, case, device, ("flex", other), repeats=repeats, peak=peak)
     seen = firsts.setdefault((label, case.direction), [])
@@ -274,7 +275,6 @@ def _time_rows(label, case, point: MaskedPoint, baseline: str, target, judged) -
         for p, c in point.checked.items()
     )
     firsts = " ".join(f"{p}={s:.2f}s" for p, s in point.first_call_s.items())
-    dense_pick = _dense_pick(case) if baseline == "dense" else ""
     met = None
     if judged and target is not None:
         met = not math.isnan(flex) and base / flex >= target
@@ -288,21 +288,9 @@ def _time_rows(label, case, point: MaskedPoint, baseline: str, target, judged) -
             baseline=base,
             target=f">= {target:g}x" if target is not None else "",
             met=met,
-            note=f"{str(case.dtype).removeprefix('torch.')}; against float64 on one (batch, head): {checks}; first calls (compile, not in the median): {firsts}{dense_pick}",
+            note=f"{str(case.dtype).removeprefix('torch.')}; against float64 on one (batch, head): {checks}; first calls (compile, not in the median): {firsts}",
         )
     ]
-
-
-def _dense_pick(case: AttnCase) -> str:
-    """Which SDPA kernel the dense path's own auto picked, from its cache."""
-    picks = {
-        c.backend
-        for key, c in attention.auto_choices().items()
-        if key.mask is not None
-        and key.shapes[0] == (case.batch, case.heads, case.seq, case.head_dim)
-        and key.grad == case.backward
-    }
-    return f"; dense: SDPA auto picked {','.join(sorted(picks))}" if picks else ""
 
 
 def _peak_row(label: str, case: AttnCase, point: MaskedPoint) -> Row:
@@ -346,31 +334,6 @@ def _mask_rows(label: str, mask: AttentionMask, batch: int, seq: int, judged: bo
             note=f"cost model: FlexAttention computes {costs['tiles kept']:.3f} of the tiles a dense mask computes, so at an equal rate per tile it is {costs['predicted speedup']:.1f}x faster",
         ),
     ]
-
-
-def _auto_row(case: AttnCase, device: torch.device) -> Row:
-    """What masked ``auto`` measured and kept for Causal() at ``case``."""
-    q, k, v, grad = make_inputs(case, device)
-    masked_fn("auto", attention.Causal(), case, q, k, v, grad)()
-    choice = next(
-        c
-        for key, c in attention.masked_choices().items()
-        if key[0] == ("Causal",)
-        and key[1].shapes[0] == tuple(q.shape)
-        and key[1].grad == case.backward
-    )
-    del q, k, v, grad
-    release_memory(device)
-    measured = " ".join(f"{p}={t:.3g}ms" for p, t in choice.times_ms.items())
-    return Row(
-        PHASE,
-        _case_name("causal", case) + " auto",
-        "time per call of the path auto kept vs SDPA causal kernel, in auto's own measurement",
-        "ms",
-        choice.times_ms[choice.backend],
-        baseline=choice.times_ms.get("causal", math.nan),
-        note=f"auto kept {choice.backend} ({measured}); skipped: {choice.skipped or 'none'}",
-    )
 
 
 def _compile_row(label: str, direction: str, seen: list[tuple[int, float]]) -> Row:

@@ -1,7 +1,8 @@
-"""The sdpa phase's ground: its targets, one attention case (:class:`AttnCase`) and its cost
-model, and how a case is measured: every variant timed interleaved by ``accel.timer``, which
-backend a call really ran (read from the profiler), peak memory, and every backend's error
-against attention in float64.
+"""The sdpa phase's ground: its targets and sizes, one attention case (:class:`AttnCase`) and its
+cost model, and how a case is measured: every variant timed interleaved by ``accel.timer``, every
+kernel at a shape by ``lab.sdpa_backends`` (:func:`backend_frame`), which backend a call really
+ran (read from the profiler), peak memory, and every backend's error against attention in
+float64.
 
 FLOPs follow the FlashAttention papers: a forward is two products of 2 Sq Sk D each; a backward
 five (2.5x the forward, recomputation not counted); causal halves both.
@@ -9,34 +10,26 @@ five (2.5x the forward, recomputation not counted); causal halves both.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import math
-import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 
 from accel import attention
 from accel.errors import collection_of
+from accel.lab.attention import sdpa_backends
 from accel.lab.profile import profile_step
-from accel.timer import interleaved, paired_ratio
+from accel.timer import interleaved
 
 PHASE = "sdpa"
 # Targets, judged on a CUDA GPU with the gpu preset only.
-TARGET_AUTO_TFLOP_S = 640.0  # B=4 H=16 S=4096 D=128 bf16 forward
+TARGET_TFLOP_S = 640.0  # sdpa as a user calls it (PyTorch's pick), B=4 H=16 S=4096 D=128 bf16 fwd
 TARGET_VS_MANUAL = 6.0
-TARGET_VS_BEST = 0.98  # auto against PyTorch's default and against the best forced backend
 TARGET_CAUSAL_TRAIN_TFLOP_S = 450.0
 TARGET_VIT = 2.5
-MATH_SWEEP_BYTES = 1 << 30  # math joins a sweep point only if its float32 scores fit in this
-# A second copy of the forced backend ``auto`` picked, timed in the same comparison at another
-# place in the order: auto against it is auto's own cost; it against the first copy is the
-# measurement's (same kernel, same call, other neighbours).
-PICKED = "pick again"
+MATH_SWEEP_BYTES = 1 << 30  # math joins a point only if its float32 scores fit in this
 # The ATen op each backend dispatches to: what the profiler shows for "which one really ran".
 SDPA_OPS = {
     "aten::_scaled_dot_product_flash_attention": "flash",
@@ -123,6 +116,21 @@ class AttnCase:
         return self.batch * self.heads * self.seq * self.seq * 4
 
 
+@dataclass(frozen=True)
+class BenchSizes:
+    headline: AttnCase
+    repeats: int
+    vit_repeats: int
+
+
+BENCH_SIZES = {
+    "gpu": BenchSizes(headline=AttnCase(4, 16, 4096, 128), repeats=20, vit_repeats=10),
+    "cpu": BenchSizes(
+        headline=AttnCase(1, 2, 255, 32, dtype=torch.float32), repeats=7, vit_repeats=5
+    ),
+}
+
+
 def make_inputs(case: AttnCase, device: torch.device, seed: int = 0):
     """Random q, k, v (B, H, S, D) and, for a backward, a random incoming gradient."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -138,15 +146,13 @@ def make_inputs(case: AttnCase, device: torch.device, seed: int = 0):
 
 
 def variant_fn(variant: str, case: AttnCase, q, k, v, grad) -> Callable[[], object]:
-    """One call of ``variant`` ("manual", "default" = plain ``F.scaled_dot_product_attention``,
-    or an ``accel.attention.sdpa`` backend) on the inputs: a forward without autograd, or a
-    forward and the backward to q, k and v."""
+    """One call of ``variant`` ("manual", or an ``accel.attention.sdpa`` backend: "default" is
+    PyTorch's pick, as ``F.scaled_dot_product_attention`` runs it) on the inputs: a forward
+    without autograd, or a forward and the backward to q, k and v."""
 
     def forward():
         if variant == "manual":
             return attention.attention_reference(q, k, v, causal=case.causal)
-        if variant == "default":  # what a user calls: no accel wrapper, PyTorch's own pick
-            return F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
         return attention.sdpa(q, k, v, causal=case.causal, backend=variant)
 
     return as_timed(forward, case, (q, k, v), grad)
@@ -166,24 +172,10 @@ def as_timed(forward: Callable[[], torch.Tensor], case: AttnCase, inputs, grad) 
 
 @dataclass(frozen=True)
 class PointTimes:
-    """One case measured: median ms per variant, the reason of each one skipped, the backend
-    ``auto`` picked and what its own measurement saw (ms per candidate)."""
+    """One case measured: median ms per variant, the reason of each one skipped."""
 
     times: dict[str, float]
     skipped: dict[str, str]
-    picked: str = ""
-    decision: str = ""  # auto's own timing of the signature (:func:`decision_text`)
-    # per variant: its time over auto's, round by round (paired_ratio); > 1: auto was faster
-    versus_auto: dict[str, float] = dataclasses.field(default_factory=dict)
-    control: float = math.nan  # the pick forced over its second copy, round by round
-
-
-def auto_choice(case: AttnCase, q, k, v) -> attention.AutoChoice | None:
-    """What ``auto`` measured for these inputs as :func:`variant_fn` calls them (None if it has
-    not run them yet)."""
-    with torch.set_grad_enabled(case.backward):
-        key = attention.signature(q, k, v, causal=case.causal)
-    return attention.auto_choices().get(key)
 
 
 def measure_point(
@@ -196,10 +188,9 @@ def measure_point(
     seed: int = 0,
     math_bytes: int = MATH_SWEEP_BYTES,
 ) -> PointTimes:
-    """Median ms of each variant that can run ``case`` and the reason of each one skipped, with
-    what ``auto`` picked (it measures during the warm-up): when auto and its pick both run, a
-    second copy of the pick (``PICKED``) is timed too, all in one interleaved measurement
-    (``accel.timer``: the order rotated and reversed round by round, samples aligned by round)."""
+    """Median ms of each variant that can run ``case`` and the reason of each one skipped, all
+    in one interleaved measurement (``accel.timer``: the order rotated and reversed round by
+    round)."""
     variants = collection_of(variants, "variant names")
     q, k, v, grad = make_inputs(case, device, seed)
     fns, skipped = {}, {}
@@ -214,38 +205,39 @@ def measure_point(
             skipped[variant] = getattr(error, "reason", str(error))
             continue
         fns[variant] = fn
-    choice = auto_choice(case, q, k, v) if "auto" in fns else None
-    picked = choice.backend if choice is not None else ""
-    if picked in fns:
-        fns[PICKED] = variant_fn(picked, case, q, k, v, grad)
-    samples: Mapping[str, Sequence[float]] = {}
+    times = {}
     if fns:
         timed = interleaved(fns, device, warmup=warmup, repeats=repeats, name_errors=True)
-        samples = timed.times_ms
-    times = {k: statistics.median(v) for k, v in samples.items()}
-    versus_auto = {k: paired_ratio(samples, k, "auto") for k in samples if "auto" in samples}
+        times = timed.medians()
     del q, k, v, grad, fns
     release_memory(device)
-    return PointTimes(
-        times,
-        skipped,
-        picked,
-        decision_text(choice) if choice else "",
-        versus_auto,
-        paired_ratio(samples, picked, PICKED) if picked else math.nan,
-    )
+    return PointTimes(times, skipped)
 
 
-def decision_text(choice: attention.AutoChoice) -> str:
-    """What ``auto`` timed for one signature: back to back, one call at a time where that was a
-    measurement of its own (on a GPU), and the share a forced kernel had to win by in both."""
-    text = " ".join(f"{b}={t:.3g}ms" for b, t in choice.times_ms.items())
-    if choice.latency_ms and choice.latency_ms != choice.times_ms:
-        text += "; alone " + " ".join(f"{b}={t:.3g}ms" for b, t in choice.latency_ms.items())
-    if choice.note:
-        return f"{text}; {choice.note}"
-    margin = max(attention.AUTO_MARGIN, choice.spread)
-    return f"{text}; default kept unless beaten by {margin:.1%} in both"
+def backend_frame(
+    device: torch.device, cases: Iterable[AttnCase], *, repeats: int = 10
+) -> pd.DataFrame:
+    """Every SDPA kernel at each of ``cases`` (``lab.sdpa_backends``): one row per (case,
+    backend) with its ``ms``, ``tflop_s``, ``speedup`` over PyTorch's pick (round by round),
+    the measurement's ``spread`` and the ``reason`` of a kernel not timed."""
+    frames = []
+    for case in cases:
+        q, k, v, _ = make_inputs(case, device)
+        rows = sdpa_backends(q, k, v, causal=case.causal, backward=case.backward, repeats=repeats)
+        frames.append(
+            rows.assign(
+                S=case.seq,
+                D=case.head_dim,
+                B=case.batch,
+                H=case.heads,
+                causal=case.causal,
+                direction=case.direction,
+                tflop_s=case.flops / (rows["ms"] * 1e-3) / 1e12,
+            )
+        )
+        del q, k, v
+        release_memory(device)
+    return pd.concat(frames, ignore_index=True)
 
 
 def release_memory(device: torch.device) -> None:
@@ -272,7 +264,7 @@ def which_backend(fn: Callable[[], object], device: torch.device) -> dict[str, s
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Most bytes allocated during one call above what was allocated before it."""
     if device.type == "cuda":
-        fn()  # warm-up: auto measures, cuDNN builds its plan, the allocator settles
+        fn()  # warm-up: cuDNN builds its plan, the allocator settles
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)

@@ -5,18 +5,20 @@ configuration checked equal to the baseline before it is timed, interleaved agai
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.sdpa_measure import PHASE, TARGET_VIT, release_memory, which_backend
+from accel.lab.cases.sdpa_measure import (
+    PHASE,
+    TARGET_VIT,
+    BenchSizes,
+    release_memory,
+    which_backend,
+)
 from accel.lab.timing import compare
 from accel.workloads import vit
 from accel.workloads.flags import all_on, label
-
-if TYPE_CHECKING:
-    from accel.lab.cases.sdpa import BenchSizes
 
 
 def vit_configs(device: torch.device) -> dict[str, vit.Flags]:
@@ -90,7 +92,7 @@ def vit_rows(ctx: BenchContext, sizes: BenchSizes, judged: bool, check_steps: in
                 "first forward + backward (compile), outside every step time",
                 "s",
                 compiled.compile_seconds,
-                note=f"torch.compile default mode; auto tuning {compiled.tuning_seconds:.2f} s",
+                note="torch.compile default mode",
             )
         )
     del steps

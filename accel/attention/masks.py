@@ -3,12 +3,12 @@ dense mask for SDPA and the manual reference all read.
 
 Every kind here gives each query one contiguous range of keys ``[lo, hi)`` (:meth:`bounds`). A
 block mask is built from those ranges with work and memory of ``Sq x Sk / 128``, never ``S x S``
-(``accel.attention_flex.block_mask``), and the dense mask of SDPA and the reference from the same
+(``accel.attention.block_mask``), and the dense mask of SDPA and the reference from the same
 ranges (:func:`dense_mask`). ``mask_mod`` is the same rule in the form FlexAttention evaluates
 inside its kernel, on the blocks that are only partly kept (attention-gym's style).
 
     mask = SlidingWindow(1024)            # each query sees itself and the 1023 keys before it
-    out = attention.sdpa(q, k, v, mask=mask)   # FlexAttention, the dense mask or plain SDPA
+    out = attention.sdpa(q, k, v, mask=mask)   # compiled FlexAttention on the block mask
     keep = dense_mask(mask, q, k)         # (1, 1, Sq, Sk) bool, True = attend
 
 The kinds: :class:`Causal`, :class:`SlidingWindow`, :class:`Document` (sequences packed in one row,

@@ -1,0 +1,154 @@
+"""``sdpa``: fused scaled_dot_product_attention (SDPA) as PyTorch picks it, or one kernel forced.
+
+The manual path (:func:`accel.attention.attention_reference`) is four steps, each a full pass
+over a (batch, heads, S, S) score matrix in memory. SDPA computes the same numbers in one fused
+kernel that keeps each block of scores on chip, so memory grows with S, not S^2, and the matrix
+units stay busy. Which fused kernel runs is PyTorch's pick (its priority order and each kernel's
+limits); ``sdpa`` calls it as it is, and forcing one kernel is a choice the caller makes after
+measuring it at their own shape (``accel.lab.sdpa_backends``).
+
+    out = sdpa(q, k, v, causal=True)                    # (B, H, S, D) in, (B, H, S, D) out
+    out = sdpa(q, k, v, mask=SlidingWindow(1024))       # a mask kind: FlexAttention
+    out = sdpa(q, k, v, backend="cudnn")                # one kernel, or PyTorch's reason why not
+
+Importing this module costs torch only.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Literal, get_args
+
+import torch
+import torch.nn.functional as F
+
+from accel.attention.backends import AUTO_IS_GONE, FORCED, BackendUnavailableError, try_once
+from accel.attention.flex import MASKED_BACKENDS, masked_sdpa
+from accel.attention.no_keys import run
+from accel.attention.reference import check_inputs
+
+__all__ = ["BACKENDS", "Backend", "sdpa", "unavailable_reason"]
+
+Backend = Literal["default", "flash", "efficient", "cudnn", "math"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
+# (backend, the inputs' key) -> "" once checked and run, else why the forced kernel cannot run
+_SEEN: dict[tuple, str] = {}
+_SEEN_KEPT = 256
+_RAISED = (RuntimeError, TypeError, ValueError, AttributeError, IndexError)
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str = "default",
+) -> torch.Tensor:
+    """Fused attention, equal to :func:`accel.attention.attention_reference` within the dtype's
+    rounding. q (B, H, Sq, D), k (B, H, Sk, D), v (B, H, Sk, Dv) -> (B, H, Sq, Dv).
+
+    ``backend``: ``"default"``, PyTorch's own pick: without a mask this is
+    ``F.scaled_dot_product_attention`` called as it is, nothing measured or cached, so it adds
+    two comparisons to its host time; or one forced kernel, ``"flash"``, ``"efficient"``,
+    ``"cudnn"``, ``"math"``, which raises :class:`BackendUnavailableError` with PyTorch's
+    reason where it cannot run the inputs. Which is fastest at a shape is measured by
+    ``accel.lab.sdpa_backends(q, k, v)``, not here.
+
+    ``mask``: a tensor (bool, True = attend, or additive of q's dtype) or a mask kind
+    (``SlidingWindow(1024)``, ``Document(lengths)``, ``PrefixLM(n)``, ``Causal()``, ``ALiBi()``),
+    which :func:`accel.attention.masked_sdpa` runs (``backend`` then one of ``"default"``,
+    ``"flex"``, ``"dense"``). A query that a tensor mask leaves without keys gets 0, as in the
+    reference, on every kernel.
+
+    Checks: without a mask, the inputs go to PyTorch as they come, so what
+    ``F.scaled_dot_product_attention`` takes works as it does there (a batch of 1 broadcast,
+    3-D inputs), and what it refuses gets a message of ours naming the argument
+    (:func:`accel.attention.check_inputs`). With a tensor mask or a forced kernel, the first
+    call of each input key is checked by ``check_inputs`` before it runs.
+    """
+    if backend == "default" and mask is None:
+        try:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+        except _RAISED:
+            check_inputs(q, k, v, None, causal)  # our words for what PyTorch refused
+            raise
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return masked_sdpa(q, k, v, mask, causal=causal, scale=scale, backend=backend)
+    check_backend(backend)
+    return _checked_run(backend, q, k, v, mask, causal, scale)
+
+
+def check_backend(backend: object) -> None:
+    """A ValueError unless ``backend`` is one of :data:`BACKENDS`."""
+    if backend in BACKENDS:
+        return
+    if backend == "auto":
+        raise ValueError(AUTO_IS_GONE)
+    raise ValueError(
+        f"unknown SDPA backend {backend!r}; expected one of {', '.join(BACKENDS)} (with a mask "
+        f"kind: {', '.join(MASKED_BACKENDS)})"
+    )
+
+
+def _key(q, k, v, mask, causal) -> tuple:
+    """What decides whether a forced kernel can run: shapes, strides, dtype, device, the
+    mask's, causal, and whether a backward follows."""
+    grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+    masked = None if mask is None else (mask.shape, mask.stride(), mask.dtype)
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+            masked, causal, grad)  # fmt: skip
+
+
+def _checked_run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
+    """``backend`` (PyTorch's pick with a tensor mask, or a forced kernel) on inputs checked
+    once per key: the first call of a key checks them and, for a forced kernel, runs it keeping
+    PyTorch's reason if it fails; later calls of that key run it or raise that reason. While
+    tracing nothing is kept: the checks are traced with the call."""
+    if torch.compiler.is_compiling():
+        check_inputs(q, k, v, mask, causal)
+        return run(backend, q, k, v, mask, causal, scale)
+    try:
+        key = (backend, _key(q, k, v, mask, causal))
+    except AttributeError:  # not tensors: the checks say so
+        check_inputs(q, k, v, mask, causal)
+        raise
+    known = _SEEN.get(key)
+    if known is None:
+        check_inputs(q, k, v, mask, causal)
+        out, known = None, ""
+        if backend in FORCED:  # run it now, keeping PyTorch's reasons if it cannot
+            call = partial(run, backend, q, k, v, mask, causal, scale)
+            out, known = try_once(backend, call, q, mask)
+        if len(_SEEN) >= _SEEN_KEPT:
+            del _SEEN[next(iter(_SEEN))]
+        _SEEN[key] = known
+        if out is not None:
+            return out  # type: ignore[return-value]
+    if known:
+        raise BackendUnavailableError(backend, known)
+    return run(backend, q, k, v, mask, causal, scale)
+
+
+def unavailable_reason(
+    backend: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> str | None:
+    """Why a forced ``backend`` cannot run these inputs, or None if it can (``"default"``
+    always can). The first query of a key runs the backend once (forward only, no gradients)."""
+    check_backend(backend)
+    if backend not in FORCED:
+        return None
+    with torch.no_grad():
+        try:
+            _checked_run(backend, q, k, v, mask, causal, None)
+        except BackendUnavailableError as error:
+            return error.reason
+    return None
