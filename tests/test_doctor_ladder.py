@@ -30,7 +30,7 @@ MARKED = {
     "resnet": {"fusion", "optimizer_unfused", "input", "precision", "conv_layout", "sync"},
     "bert": {"odd_shape", "attention", "fusion", "optimizer_unfused", "input", "precision", "sync"},
     "vit": {"attention", "fusion", "optimizer_unfused", "input", "precision", "clip_loop", "sync"},
-    "rnn_lm": {"input", "precision", "optimizer_loop", "sync"},
+    "rnn_lm": {"input", "precision", "tensor_loop", "sync"},
 }
 LINE_SAYS = {  # what the line of each kind must hold
     "precision": r"\bmodel\(",
@@ -41,7 +41,7 @@ LINE_SAYS = {  # what the line of each kind must hold
     "fusion": r"^\s*model = \w+\(",
     "odd_shape": r"vocab_size: int = \d+",
     "optimizer_unfused": r"= torch\.optim\.\w+\(\s*model\.parameters\(\)",
-    "optimizer_loop": r"for p in|p\.data\.add_\(p\.grad",
+    "tensor_loop": r"for p in|p\.data\.add_\(p\.grad",
     "clip_loop": r"clip_grad_norm_\(\[p\]",
 }
 

@@ -513,3 +513,26 @@ def test_examine_warns_when_the_step_reaches_no_parts(seed):
     assert report.parts.all == []
     with pytest.raises(ValueError, match="needs the step's model or optimizer"):
         report.try_fixes(["set_to_none"])
+
+
+def test_a_state_carried_from_step_to_step_with_its_graph_is_copied_without_it(seed):
+    """An RNN's hidden state, kept from the last step and detached in the next (PyTorch's
+    word-language-model example): the copy starts from its values, the user's stays as it was."""
+    from accel import doctor
+
+    rnn = torch.nn.GRU(4, 8, batch_first=True)
+    opt = torch.optim.SGD(rnn.parameters(), lr=0.1)
+    hidden = rnn(torch.randn(2, 3, 4))[1]  # computed with gradients
+
+    def step(x):
+        nonlocal hidden
+        out, hidden = rnn(x, hidden.detach())
+        loss = out.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    before = hidden
+    report = doctor.examine(step, torch.randn(2, 3, 4), steps=1, warmup=1)
+    assert report.step_ms > 0 and hidden is before

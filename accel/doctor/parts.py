@@ -62,7 +62,7 @@ _COPYABLE_ITERATORS = frozenset(
         reversed([]),
     )
 )  # fmt: skip  (built-in iterators a shallow copy makes independent)
-_TARGETS = ("part", "grad", "rng", "state", "iterator", "writes")  # rebuilt, with their holders
+_TARGETS = ("part", "grad", "computed", "rng", "state", "iterator", "writes")  # rebuilt, with their holders
 
 
 @dataclass
@@ -125,11 +125,6 @@ def find_parts(step: Callable[..., Any]) -> StepParts:
         where = "the step itself" if value is step else reach.where[key]
         if kinds[key] == "part" and key not in inside:
             parts.add(value, where)
-        elif kinds[key] == "computed":
-            parts.blocked.append(
-                f"{where} (a tensor computed with gradients, whose graph leads to tensors the "
-                "doctor cannot copy)"
-            )
     owned = {id(p) for m in parts.models for p in m.parameters()}
     for key, value in reach.objects.items():
         if kinds[key] == "grad" and key not in owned:
@@ -265,6 +260,10 @@ class _Rebuild:
 
     def _make(self, value: Any) -> Any:
         what = kind(value)
+        if what == "computed":  # a state carried from step to step (an RNN's hidden state): the
+            # copy starts from its values without the graph that made it, which a step reading it
+            # again detaches first (backpropagating into it twice fails on the user's objects too)
+            return value.detach().clone()
         if what == "rng":
             return copy.deepcopy(value)
         if what == "iterator":

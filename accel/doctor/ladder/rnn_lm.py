@@ -110,7 +110,7 @@ def first_written(device: torch.device, preset: str) -> Script:
         # against exploding gradients
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         for p in model.parameters():
-            p.data.add_(p.grad, alpha=-lr)  # ground truth: optimizer_loop
+            p.data.add_(p.grad, alpha=-lr)  # ground truth: tensor_loop
         total_loss += loss.item()  # ground truth: sync
         return loss
 

@@ -30,7 +30,7 @@ TARGET_GEOMEAN = 0.9  # ... as the geometric mean over the ladder
 TARGET_WITHIN = 0.30  # |predicted / measured - 1| of a fix's saving
 TARGET_EXAMINE_S = 30.0
 TARGET_TWIN_PAYS = 1.05  # a finding on a twin is a false alarm unless its fix pays this much
-LINE_KINDS = frozenset({"attention", "sync", "input", "clip_loop", "optimizer_loop"})
+LINE_KINDS = frozenset({"attention", "sync", "input", "clip_loop", "optimizer_loop", "tensor_loop"})
 JUDGED_SHARE = 0.03  # a saving under this share of the step is inside the timing's spread
 REPEATS = 6  # rounds of each timing (the fewest that give a 95% interval of the median ratio)
 
