@@ -661,6 +661,7 @@ def test_driver_allocations_per_step_are_a_finding():
     assert found.kind == "memory" and found.title.startswith("2.0 allocations")
     assert found.saved_us is None
     assert memory_findings(memory_of()) == []
+    assert memory_findings(memory_of(allocs=0.3)) == []  # now and then: not every step
 
 
 def test_near_capacity_is_a_finding_with_checkpointing_where_blocks_repeat():

@@ -14,7 +14,7 @@ from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import OpRecord
 
-FUSION_MIN_SHARE = 0.10  # memory-bound kernels under this share of the step: not worth a finding
+FUSION_MIN_SHARE = 0.05  # memory-bound kernels under this share of the step: not worth a finding
 PAD_TO = 64  # tensor cores and cuBLAS's tiles take dimensions in multiples of this
 PAD_MIN_DIM = 512  # smaller odd dimensions cost little padded or not
 PAD_MIN_SHARE = 0.02  # the odd products' measured gain, as a share of the step, to be reported

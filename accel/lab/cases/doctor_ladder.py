@@ -91,12 +91,24 @@ def _speedup_rows(name: str, hand: dict, trials, ctx: BenchContext) -> list[Row]
         Row(PHASE, f"ladder {name}: doctor's best set", "time per step, unchanged copy vs the "
             "best set of try_fixes()", "ms", best["measured ms"] if best is not None else math.nan,
             baseline=best["unchanged ms"] if best is not None else math.nan,
-            note=f"{label}: {doctor:.2f}x; {best['status'] if best is not None else ''}"),
+            note=f"{label}: {doctor:.2f}x; {best['status'] if best is not None else ''}; "
+                 f"combined trials: {_combined(trials)}"),
         Row(PHASE, f"ladder {name}: share of the hand-optimized speedup", "the best set's "
             "speedup over the twin's", "ratio", share, higher_is_better=True,
             target=f">= {TARGET_SHARE}", met=share >= TARGET_SHARE if ctx.judged else None,
             note=f"doctor {doctor:.2f}x, hand-optimized {hand['speedup']:.2f}x"),
     ]  # fmt: skip
+
+
+def _combined(trials) -> str:
+    together = trials[trials["mode"] == "together"]
+    said = [
+        f"{r['fixes']} {r['status']} {r['measured speedup']:.2f}x"
+        for r in together.to_dict("records")
+    ]
+    alone = trials[(trials["mode"] == "alone") & ~trials["status"].isin(["ok"])]
+    said += [f"{r['fixes']} alone: {r['status']}" for r in alone.to_dict("records")]
+    return "; ".join(said) or "none"
 
 
 def _found(kind: str, lines: list[int], report) -> bool:
