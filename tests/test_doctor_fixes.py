@@ -283,3 +283,38 @@ def test_the_report_ends_with_how_far_the_fixes_took_the_step(seed):
     else:
         assert "no fix made the step faster" in said
     assert said in html.unescape(report.html(plotlyjs=False))
+
+
+def test_per_tensor_clipping_batched_equals_the_loop_and_returns_each_norm(seed):
+    from accel.doctor.batched_clip import batched_clipping
+
+    def grads():
+        gen = torch.Generator().manual_seed(seed)
+        params = [nn.Parameter(torch.zeros(s)) for s in [(3, 4), (7,), (2, 2, 2), (1,)]]
+        for p, scale in zip(params, [10.0, 0.01, 3.0, 100.0], strict=True):
+            p.grad = scale * torch.randn(p.shape, generator=gen)
+        params[1].grad[0] = math.inf  # a non-finite gradient: as the loop has it
+        return params
+
+    looped, batched = grads(), grads()
+    expected = [torch.nn.utils.clip_grad_norm_([p], 1.0) for p in looped]
+    with batched_clipping():
+        returned = [torch.nn.utils.clip_grad_norm_([p], 1.0) for p in batched]
+        assert torch.equal(batched[0].grad, grads()[0].grad)  # not yet: before the next step
+    for a, b in zip(looped, batched, strict=True):
+        torch.testing.assert_close(b.grad, a.grad, equal_nan=True)
+    torch.testing.assert_close(torch.stack(returned), torch.stack(expected), equal_nan=True)
+    assert torch.nn.utils.clip_grad._get_total_norm.__module__ == "torch.nn.utils.clip_grad"
+
+
+def test_batched_clips_run_before_the_optimizer_steps(seed):
+    from accel.doctor.batched_clip import batched_clipping
+
+    p = nn.Parameter(torch.randn(5))
+    p.grad = 50 * torch.randn(5)
+    opt = torch.optim.SGD([p], lr=1.0)
+    reference = p.detach() - p.grad * (1.0 / (p.grad.norm() + 1e-6))
+    with batched_clipping():
+        torch.nn.utils.clip_grad_norm_([p], 1.0)
+        opt.step()
+    torch.testing.assert_close(p.detach(), reference)

@@ -69,7 +69,7 @@ def _loop_kind(library: str, ops: list[OpRecord]) -> tuple[str, str, str, tuple[
             "gradient clipping one tensor at a time",
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)\n"
             "# or accel.fusion.clip_grad_norm_(model.parameters(), max_norm)",
-            ("foreach_clip",),
+            ("batched_clip", "foreach_clip"),
         )
     if "zero_grad" in chain:
         return (

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import os
+import sys
 from collections.abc import Iterator
 
 import torch
 
 __all__ = ["DeferredScalar", "deferred_item_reads"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # a compiler reading a number needs it now
 
 
 class DeferredScalar:
@@ -92,13 +96,15 @@ for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
 
 @contextlib.contextmanager
 def deferred_item_reads() -> Iterator[None]:
-    """While inside, ``.item()`` of a one-element CUDA tensor returns a :class:`DeferredScalar`
-    (outside a CUDA graph capture and torch.compile's tracing, which keep their own rules)."""
+    """While inside, ``.item()`` of a one-element CUDA tensor called from the user's code returns
+    a :class:`DeferredScalar` (torch's own calls, a CUDA graph capture and torch.compile's tracing
+    keep the number)."""
     original = torch.Tensor.item
 
     def item(self: torch.Tensor):
         if (
-            self.is_cuda
+            not sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR)  # torch's own reads
+            and self.is_cuda
             and self.numel() == 1
             and not torch.cuda.is_current_stream_capturing()
             and not torch.compiler.is_compiling()

@@ -178,6 +178,12 @@ def _clip_with_foreach() -> Iterator[None]:
             setattr(clip_grad, name, original)
 
 
+def _batched_clip(copy: StepCopy) -> None:
+    from accel.doctor.batched_clip import batched_clipping
+
+    copy.contexts.append(batched_clipping)
+
+
 # ---- precision, graphs, compile, memory ---------------------------------------------------------
 @contextlib.contextmanager
 def _tf32() -> Iterator[None]:
@@ -286,6 +292,11 @@ def _to_channels_last(copy: StepCopy) -> None:
         raise FixNotApplicable("no Conv2d in the step's models")
     for model in copy.parts.models:
         model.to(memory_format=torch.channels_last)
+    for opt in copy.parts.optimizers:  # a fused update wants its state laid out as its parameter
+        for state in opt.state.values():
+            for name, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.dim() == 4:
+                    state[name] = value.contiguous(memory_format=torch.channels_last)
     copy.channels_last = True
 
 
@@ -319,6 +330,7 @@ FIXES: dict[str, Fix] = {
         Fix("fused_optimizer", "fused optimizer", _fused, 1e-4, _ROUNDING),
         Fix("foreach_optimizer", "foreach optimizer", _foreach, 1e-4, _ROUNDING),
         Fix("foreach_clip", "foreach clipping", _foreach_clip, 1e-4, _ROUNDING),
+        Fix("batched_clip", "per-tensor clipping batched", _batched_clip, 1e-4, _ROUNDING),
         Fix("set_to_none", "zero_grad(set_to_none=True)", _set_to_none, 1e-6,
             "adding a gradient to zeros or to nothing gives the same numbers", needs_cuda=False),
         Fix("tf32", "TF32 matrix products", _context(_tf32), 2e-2,

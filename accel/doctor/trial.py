@@ -62,6 +62,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "fused_optimizer": ("optimizer", "idle host"),
     "foreach_optimizer": ("optimizer", "idle host"),
     "foreach_clip": ("elementwise and other", "idle host"),
+    "batched_clip": ("elementwise and other", "idle host"),
     "set_to_none": ("memset", "idle host"),
     "channels_last": ("matmul", "elementwise and other"),
     "cudnn_benchmark": ("matmul",),

@@ -1,0 +1,88 @@
+"""Gradient clipping one tensor at a time, done for all of them at once: the same arithmetic as
+``for p in params: clip_grad_norm_([p], max_norm)``, in a few launches instead of several per
+tensor (the doctor's copy of a step, without editing it).
+
+Inside :func:`batched_clipping`, a ``clip_grad_norm_`` of one gradient records it and returns a
+0-d tensor that will hold its norm; the recorded clips run together (one foreach norm, one foreach
+multiply) before the next ``optimizer.step()`` and at the end. A clip of several tensors at once,
+or one asked to raise on a non-finite norm, runs at once as written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn.utils import clip_grad
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["batched_clipping"]
+
+_EPS = 1e-6  # clip_grad_norm_'s own, added to the norm before dividing
+
+
+@dataclass
+class _Pending:
+    grads: list[torch.Tensor] = field(default_factory=list)
+    norms: list[torch.Tensor] = field(default_factory=list)  # what each call returned
+    max_norms: list[float] = field(default_factory=list)
+    norm_type: float = 2.0
+
+    def flush(self) -> None:
+        if not self.grads:
+            return
+        norms = torch._foreach_norm(self.grads, self.norm_type)
+        torch._foreach_copy_(self.norms, norms)
+        limits = torch.tensor(self.max_norms, device=self.grads[0].device, dtype=torch.float32)
+        coefs = (limits / (torch.stack(norms).float() + _EPS)).clamp(max=1.0)
+        torch._foreach_mul_(
+            self.grads, [c.to(g.dtype) for c, g in zip(coefs.unbind(), self.grads, strict=True)]
+        )
+        self.grads, self.norms, self.max_norms = [], [], []
+
+
+@contextlib.contextmanager
+def batched_clipping() -> Iterator[None]:
+    """While inside, single-tensor ``clip_grad_norm_`` calls are recorded and run together."""
+    total_norm, clip_with_norm = clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_
+    pending: dict[tuple, _Pending] = {}
+    placeholders: dict[int, tuple[tuple, torch.Tensor]] = {}
+
+    def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if len(grads) != 1 or error_if_nonfinite or torch.compiler.is_compiling():
+            return total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        grad = grads[0]
+        key = (grad.device, float(norm_type))
+        out = torch.empty((), device=grad.device, dtype=grad.dtype)
+        placeholders[id(out)] = (key, grad)
+        return out
+
+    def clip_grads_with_norm(parameters, max_norm, total, foreach=None):
+        known = placeholders.pop(id(total), None)
+        if known is None:
+            return clip_with_norm(parameters, max_norm, total, foreach)
+        key, grad = known
+        batch = pending.setdefault(key, _Pending(norm_type=key[1]))
+        batch.grads.append(grad)
+        batch.norms.append(total)
+        batch.max_norms.append(float(max_norm))
+        return None
+
+    def flush(*_: object) -> None:
+        for batch in pending.values():
+            batch.flush()
+
+    clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_ = (
+        get_total_norm,
+        clip_grads_with_norm,
+    )
+    hook = register_optimizer_step_pre_hook(lambda *a: flush())
+    try:
+        yield
+        flush()
+    finally:
+        hook.remove()
+        clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_ = total_norm, clip_with_norm
