@@ -1,5 +1,6 @@
 """Project-level promises: light imports, one dependency list, clean notebooks, honest README."""
 
+import importlib.util
 import json
 import pkgutil
 import re
@@ -15,31 +16,46 @@ from accel.lab.bench import README_END, README_START, results_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("plotly", "ipywidgets", "pandas")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def core_modules() -> list[str]:
-    """Every module outside the lab and the CLI: what a user imports into training code."""
-    names = ["accel"]
-    for info in pkgutil.walk_packages(accel.__path__, "accel."):
-        if not info.name.startswith(("accel.lab", "accel.__main__")):
-            names.append(info.name)
-    return names
+KERNELS = "accel.kernels."  # Triton's own modules: imported only when a kernel is about to run
 
 
-def test_importing_a_component_pulls_in_no_notebook_stack():
-    # One fresh interpreter imports the modules one by one and checks after each: the first that
-    # pulls in a heavy package is named (a process per module would cost a torch import each).
+def all_modules() -> list[str]:
+    return ["accel"] + [info.name for info in pkgutil.walk_packages(accel.__path__, "accel.")]
+
+
+def first_import_of(names: list[str], heavy: tuple[str, ...]) -> str:
+    """Imports ``names`` one by one in one fresh interpreter (a process per module would cost a
+    torch import each) and says which first pulled in a ``heavy`` package ("" if none did)."""
     code = f"""
 import importlib, sys
-for name in {core_modules()!r}:
+for name in {names!r}:
     importlib.import_module(name)
-    heavy = [m for m in {HEAVY!r} if m in sys.modules]
+    heavy = [m for m in {heavy!r} if m in sys.modules]
     if heavy:
         print(name, "imported", ",".join(heavy))
         break
 """
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert run.stdout.strip() == ""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+def test_importing_a_component_pulls_in_no_notebook_stack():
+    # every module outside the lab and the CLI: what a user imports into training code
+    names = [n for n in all_modules() if not n.startswith(("accel.lab", "accel.__main__"))]
+    if not HAS_TRITON:
+        names = [n for n in names if not n.startswith(KERNELS)]
+    assert first_import_of(names, HEAVY) == ""
+
+
+@pytest.mark.triton
+def test_no_module_but_a_kernel_imports_triton():
+    """Triton is optional: the components, the lab, the doctor and the command line import and
+    decide their path without it (``accel.triton_support``); only a kernel about to run does."""
+    assert first_import_of([n for n in all_modules() if not n.startswith(KERNELS)], ("triton",)) == ""
 
 
 def test_environment_yml_installs_extras_that_exist():
