@@ -89,7 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     doctor.add_argument(
         "target", help="module:function or file.py:function returning (step, batch[, loader])"
     )
-    doctor.add_argument("--out", type=Path, default=Path("doctor.html"), help="the HTML report")
+    doctor.add_argument(
+        "--out", type=Path, default=Path("doctor.html"), help="the HTML report (default: %(default)s)"
+    )
     doctor.add_argument("--steps", type=int, default=5, help="steps profiled (default 5)")
     doctor.add_argument("--try-fixes", action="store_true", help="apply and measure the fixes")
     doctor.add_argument(
