@@ -66,6 +66,7 @@ def _load_file(path: Path) -> Any:
 
 def _doctor(args: argparse.Namespace) -> int:
     from accel.doctor import examine
+    from accel.doctor.page import trials_text
 
     step, batch, loader = load_step(args.target)
     report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile)
@@ -75,8 +76,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if report.trials is not None and report.trials.empty:
         print("\nno automatic fix applies to these findings: each one names its change")
     elif report.trials is not None:
-        shown = ["label", "status", "predicted speedup", "measured speedup", "error"]
-        print("\nfixes tried:\n" + report.trials[shown].to_string(index=False))
+        print("\nfixes tried:\n" + trials_text(report))
     path = report.to_html(args.out)
     print(f"\nwrote {path}")
     return 0
