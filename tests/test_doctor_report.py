@@ -18,6 +18,7 @@ from accel import doctor
 from accel.doctor import fixes, trial, zoo
 from accel.doctor.fixes import FIXES, StepCopy
 from accel.doctor.parts import copy_step, find_parts
+from accel.workloads.flags import describe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -212,6 +213,8 @@ def test_fix_flags_turn_fixes_on_in_a_fresh_copy(examined, capsys):
     report, _, model = examined
     flags = report.fix_flags()
     assert [f.name for f in dataclasses.fields(flags)] == ["set_to_none"]
+    # grouped as every panel groups its flags: by phase ("fusion"), not by notebook file
+    assert [i.phase for i in describe(flags)] == ["fusion"]
     before = snapshot(model)
     call = report.fixed_step(flags(set_to_none=True))
     call()

@@ -100,11 +100,15 @@ def kernel_breakdown(
             y=[_short(n) for n in head["name"]],
             orientation="h",
             text=[f"{c} calls, {s:.0%}" for c, s in zip(head["count"], head["share"], strict=True)],
-            textposition="auto",
+            textposition="outside",  # beside the bar at full size: inside, a short bar shrinks it
+            cliponaxis=False,
             hovertext=head["name"],
         )
     )
-    return fig.update_layout(**_LAYOUT, title=title, xaxis_title="total µs in the window")
+    margin = {**_LAYOUT["margin"], "r": 110}  # room for the longest bar's text
+    return fig.update_layout(
+        **{**_LAYOUT, "margin": margin}, title=title, xaxis_title="total µs in the window"
+    )
 
 
 def timeline(
