@@ -45,7 +45,8 @@ VARIANTS = "accel.kernels.pairwise_cosine_variants"
 CONFIG = "accel.kernels.pairwise_cosine_config"
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# every path of accel.diversity depends on whether Triton is installed
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.triton]
 
 
 def reference(name: str):

@@ -117,6 +117,7 @@ def test_reference_equals_torch_on_one_tensor(seed):
     torch.testing.assert_close(p, q.detach(), **TOL)
 
 
+@pytest.mark.triton
 def test_falls_back_to_the_reference_with_a_warning(monkeypatch, seed):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     gen = torch.Generator().manual_seed(seed)

@@ -28,6 +28,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from accel.lab import plots
+from accel.lab.bench import readable
 from accel.lab.device import default_device
 from accel.lab.live_figure import LiveFigure
 from accel.lab.profile import profile_step
@@ -79,38 +80,7 @@ class FeaturePanel:
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="idle")
         self.status = widgets.HTML()
         self.notes = widgets.HTML()  # what a reader should know before the next run (note())
-        # Stacked, the bars horizontal: configuration labels are long ("a+b+c") and stay readable.
-        figure = make_subplots(rows=2, cols=1, vertical_spacing=0.15)
-        figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
-        figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
-        figure.add_bar(
-            x=[],
-            y=[],
-            orientation="h",
-            textposition="inside",
-            insidetextanchor="start",
-            constraintext="none",  # full size, past a short bar's end, never shrunk unreadable
-            showlegend=False,
-            row=2,
-            col=1,
-        )
-        figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
-        figure.update_xaxes(title_text="round", rangemode="tozero", row=1, col=1)
-        figure.update_xaxes(
-            title_text="speedup over the baseline timed beside it in the same run<br>"
-            "(text: that run's ms vs its baseline's; bars: middle half of rounds)",
-            row=2,
-            col=1,
-        )
-        figure.add_vline(x=1, line_dash="dot", line_color="gray", row=2, col=1)
-        figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
-        figure.update_layout(
-            template="plotly_white",
-            height=520,
-            margin=dict(t=40, b=40),
-            legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"),
-        )
-        self.live = LiveFigure(figure)
+        self.live = LiveFigure(_timings_figure())
         self.kernels_live = LiveFigure(
             plots.kernel_breakdown(pd.DataFrame(columns=["name", "count", "total_us", "share"]))
         )
@@ -327,6 +297,42 @@ class FeaturePanel:
         display(self.widget)
 
 
+def _timings_figure() -> go.Figure:
+    """This run's samples (top) and every configuration's speedup (bars), empty."""
+    # Stacked, the bars horizontal: configuration labels are long ("a+b+c") and stay readable.
+    figure = make_subplots(rows=2, cols=1, vertical_spacing=0.15)
+    figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
+    figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
+    figure.add_bar(
+        x=[],
+        y=[],
+        orientation="h",
+        textposition="inside",
+        insidetextanchor="start",
+        constraintext="none",  # full size, past a short bar's end, never shrunk unreadable
+        showlegend=False,
+        row=2,
+        col=1,
+    )
+    figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
+    figure.update_xaxes(title_text="round", rangemode="tozero", row=1, col=1)
+    figure.update_xaxes(
+        title_text="speedup over the baseline timed beside it in the same run<br>"
+        "(text: that run's ms vs its baseline's; bars: middle half of rounds)",
+        row=2,
+        col=1,
+    )
+    figure.add_vline(x=1, line_dash="dot", line_color="gray", row=2, col=1)
+    figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
+    figure.update_layout(
+        template="plotly_white",
+        height=520,
+        margin=dict(t=40, b=40),
+        legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"),
+    )
+    return figure
+
+
 # the table's columns and their headings: short words that wrap, so it fits a notebook's width
 TABLE = {
     "label": "configuration",
@@ -341,15 +347,15 @@ TABLE = {
 }
 TABLE_STYLE = (
     "<style>.accel-results td, .accel-results th {padding: 2px 8px; text-align: right;}"
-    " .accel-results td:first-child {text-align: left; overflow-wrap: anywhere;}</style>"
+    " .accel-results :is(td, th):first-child {text-align: left; overflow-wrap: anywhere;}</style>"
 )
 
 
 def results_table(frame: pd.DataFrame) -> str:
-    """Every configuration run so far as a narrow HTML table: numbers to 3 figures, a long
+    """Every configuration run so far as a narrow HTML table: numbers as the bench's, a long
     configuration label breaking after each "+"."""
     shown = frame[[c for c in TABLE if c in frame]]
-    formats = {c: "{:.3g}".format for c in shown.columns if c != "label"}
+    formats = {c: readable for c in shown.columns if c != "label"}
     formats["label"] = lambda s: html.escape(s).replace("+", "+<wbr>")
     formats["speedup"] = "{:.2f}x".format
     if "idle_fraction" in shown:
