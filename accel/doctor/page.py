@@ -115,12 +115,19 @@ def predicted(report, row: dict[str, Any]) -> str | None:
     return f"{row['predicted speedup']:.2f}x"
 
 
+def best_set(row: dict[str, Any]) -> bool:
+    """The trial that made the step fastest within its allowance (where trials say so): True or
+    numpy's True, never NaN, which is truthy."""
+    return row.get("best set") in (True,)
+
+
 def trials_html(report) -> str:
     """One row per trial of ``report.trials``; where nothing was measured, one cell says why."""
     head = "".join(f"<th>{h}</th>" for h in TRIAL_HEADER)
     body = []
     for row in report.trials.to_dict("records"):
-        fix = f"{_esc(row['label'])}" + (" <i>(together)</i>" if row["mode"] == "together" else "")
+        fix = _esc(row["label"]) + (" <i>(together)</i>" if row["mode"] == "together" else "")
+        fix += " <b>(best set)</b>" if best_set(row) else ""
         if absent(row["measured speedup"]):
             rest = f"<td colspan='4'>{missing(row['status'])}</td>"
         else:
@@ -143,7 +150,8 @@ def trials_text(report) -> str:
     lines = []
     for row in report.trials.to_dict("records"):
         guess = predicted(report, row) or f"{DASH} (not predicted on {report.device})"
-        head = f"{row['label']} ({row['mode']}): predicted {guess}, "
+        best = ", the best set" if best_set(row) else ""
+        head = f"{row['label']} ({row['mode']}{best}): predicted {guess}, "
         if absent(row["measured speedup"]):
             lines.append(head + f"measured {DASH} ({row['status']})")
             continue
