@@ -11,7 +11,6 @@ from typing import Any
 
 from accel.doctor import page
 from accel.doctor.findings import Evidence, Finding
-from accel.doctor.page import change_text
 from accel.doctor.parts import StepParts
 
 __all__ = ["Report"]
@@ -132,7 +131,7 @@ class Report:
             gain += "" if f.saved_us is None else f"{f.speedup(self.evidence.iteration_us):.2f}x]"
             lines += [f"{i}. {f.title}{gain}  ({f.notebook})", f"   {f.evidence}"]
             lines += [f"   where: {s}" for s in f.sites[:3]]
-            lines += change_text(f.change)
+            lines += page.change_text(f.change)
         return "\n".join(lines)
 
     def __repr__(self) -> str:

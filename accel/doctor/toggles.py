@@ -1,6 +1,6 @@
 """The fixes a report names, as a ``Flags`` dataclass for ``lab.FeaturePanel``: one checkbox per
-fix, grouped by the phase whose notebook teaches it, and a build function that applies the checked ones
-to a fresh copy of the step."""
+fix, grouped by the phase whose notebook teaches it, and a build function that applies the
+checked ones to a fresh copy of the step."""
 
 from __future__ import annotations
 
