@@ -28,28 +28,11 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import pandas as pd
-
-    from accel.lab.bench import run_bench
+    from accel.lab.bench import console_table, run_bench
     from accel.lab.device import results_stem
 
     frame = run_bench(args.phase, out=args.out, only=args.only)  # each phase written as it ends
-    with pd.option_context("display.width", 200, "display.max_columns", 12):
-        print(
-            frame[
-                [
-                    "phase",
-                    "case",
-                    "metric",
-                    "baseline",
-                    "optimized",
-                    "unit",
-                    "speedup",
-                    "target",
-                    "met",
-                ]
-            ].to_string(index=False)
-        )
+    print(console_table(frame))
     paths = [args.out / f"{results_stem()}.{ext}" for ext in ("csv", "html")]
     print("wrote " + ", ".join(str(p) for p in paths))
     missed = frame[frame["met"].eq(False)]
@@ -73,10 +56,15 @@ def _table(args: argparse.Namespace) -> int:
     return 0
 
 
+def plain(doc: str) -> str:
+    """A docstring as a terminal shows it: the double backticks of its code dropped."""
+    return doc.replace("``", "")
+
+
 def parser() -> argparse.ArgumentParser:
     from accel.lab.bench import PHASES
 
-    p = argparse.ArgumentParser(prog="python -m accel", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m accel", description=plain(__doc__))
     sub = p.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="device, versions, preset and measured ceilings")
     info.add_argument("--no-ceilings", action="store_true", help="skip measuring the ceilings")

@@ -1,4 +1,5 @@
 import collections
+import functools
 import getpass
 import importlib.util
 import os
@@ -49,7 +50,29 @@ def browser_missing() -> str | None:
     return None
 
 
+# What decides that a test's behaviour depends on whether Triton is installed (marker `triton`,
+# which CI runs again with Triton): the fixtures that run the kernels, and a notebook that asks
+# for Triton's interpreter. Tests that check a fallback or a reason are marked where they stand.
+TRITON_FIXTURES = {"kdev", "triton_here"}
+TRITON_NOTEBOOK = "interpret_triton=True"
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    """Marks first (before ``-m`` selects), then, on what was selected, each notebook once."""
+    for item in items:
+        if TRITON_FIXTURES & set(getattr(item, "fixturenames", ())) or _asks_for_triton(item.path):
+            item.add_marker(pytest.mark.triton)
+    yield
+    _one_run_per_notebook(config, items)
+
+
+@functools.cache
+def _asks_for_triton(path) -> bool:
+    return path.suffix == ".ipynb" and TRITON_NOTEBOOK in path.read_text()
+
+
+def _one_run_per_notebook(config, items):
     """Each notebook runs once per session. Where the browser test runs (it runs every cell of
     every notebook in JupyterLab and fails on a traceback), nbval's run of the same notebooks is
     left out; elsewhere (no browser here, or ``-m "not browser"``) nbval runs them."""

@@ -2,10 +2,11 @@
 in one workspace, all cells run, then what shows is checked (no cell raised, widgets rendered, no
 errors in the browser console, no profiler noise in the outputs) and, where a notebook has a
 FeaturePanel, one checkbox toggled and Run pressed: the progress bar moves, the plot changes and
-the table shows new numbers. Then two notebooks with panels are left open side by side, kernels
-running, and the first one's widgets must still show when its tab comes back; last, a saved
+the table shows new numbers. Two notebooks with panels are left open, kernels running, while the
+others run, and the first one's widgets must still show when its tab comes back; then that saved
 notebook's page is reloaded with its kernel running, its widget scripts loading late, and its
-panel must still work. Screenshots of each panel
+panel must still work. Last, the doctor's HTML report as the command line writes it, opened at a
+notebook's width. Screenshots of each panel
 before and after go to ``ACCEL_BROWSER_SHOTS`` (default ``ci-logs/browser``).
 
 Needs Playwright for Python and a Chromium (Debian's ``chromium``, or ``ACCEL_CHROMIUM`` naming
@@ -141,15 +142,21 @@ def page(lab_url):
         browser.close()
 
 
+# Two notebooks with panels stay open, kernels running, after their own check (as a person
+# leaves them open while reading on); the tests after the last notebook come back to them
+# instead of running them again.
+KEPT_OPEN = ("04_graphs.ipynb", "06_diversity.ipynb")
+
+
 @pytest.mark.parametrize("notebook", NOTEBOOKS)
 def test_the_notebook_runs_and_shows_what_it_should(page, notebook):
     name = notebook.removesuffix(".ipynb")
     page.console_errors.clear()
-    # Opened from the file browser, as a person moving through the workbook does.
-    page.locator(".jp-DirListing-item", has_text=notebook).dblclick()
+    _open(page, notebook)  # from the file browser, as a person moving through the workbook does
     try:
         _check(page, name)
-        _close(page)
+        if notebook not in KEPT_OPEN:
+            _close(page)
     except BaseException:
         SHOTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=SHOTS / f"{name}-failed.png")
@@ -158,25 +165,22 @@ def test_the_notebook_runs_and_shows_what_it_should(page, notebook):
         raise
 
 
-KEPT_OPEN = ("04_graphs.ipynb", "06_diversity.ipynb")  # two panels, both kernels left running
-
-
 def test_notebooks_kept_open_side_by_side_keep_their_widgets(page):
     """A person does not close a notebook before opening the next: both stay open with their
-    kernels running, and the first one's widgets still show when its tab comes back."""
+    kernels running, others opened and closed in between, and the first one's widgets still
+    show when its tab comes back."""
     page.console_errors.clear()
     for notebook in KEPT_OPEN:
-        _open_and_run(page, notebook)
-    first = KEPT_OPEN[0].removesuffix(".ipynb")
-    page.locator(".lm-TabBar-tab", has_text=first).first.click()
+        _front(page, notebook)
+    _front(page, KEPT_OPEN[0])
     page.wait_for_selector(f"{SHOWN} .js-plotly-plot")
     _assert_widgets_render(page)
     assert not page.console_errors, f"browser console: {page.console_errors}"
-    for _ in KEPT_OPEN:
-        _close(page)
+    _front(page, KEPT_OPEN[1])
+    _close(page)  # the first stays open for the reload below
 
 
-RELOADED = "04_graphs.ipynb"
+RELOADED = KEPT_OPEN[0]
 # After the reload, every anywidget's script loads "too late": anywidget gives a model 2 s to load
 # its script and then drops every message the kernel sends it (plotly's FigureWidget, 5 MB of
 # script, stopped updating so on a busy machine). Here each such deadline passes at once.
@@ -193,7 +197,7 @@ def test_a_saved_notebook_reloaded_with_its_kernel_running_keeps_a_working_panel
     reload, as for any notebook; the kernel keeps its state, and running the cells shows them.)"""
 
     page.console_errors.clear()
-    _open_and_run(page, RELOADED)
+    _front(page, RELOADED)
     page.keyboard.press("Control+s")
     dirty = page.locator(".lm-TabBar-tab.jp-mod-dirty", has_text=RELOADED)
     dirty.wait_for(state="detached")  # saved: the tab lost its unsaved mark
@@ -212,6 +216,63 @@ def test_a_saved_notebook_reloaded_with_its_kernel_running_keeps_a_working_panel
         _close(page)
 
 
+# A user's module for `python -m accel doctor`: a small step with problems the doctor names
+# (a host read each step, zeros written into the gradients, an optimizer one tensor at a time).
+USER_STEP = """
+import torch
+from torch import nn
+
+
+def make_step():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
+    losses = []
+
+    def step(batch):
+        x, y = batch
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses.append(loss.item())
+        return loss.detach()
+
+    return step, (torch.randn(64, 32), torch.randn(64, 1))
+"""
+PAGE_WIDTH = 968  # the width the notebooks' outputs get in the screenshots
+
+
+def test_the_doctors_page_reads_as_a_report(page, tmp_path):
+    """``python -m accel doctor my_module:make_step --try-fixes`` as the README gives it, and its
+    ``doctor.html`` opened at a notebook's width: no table or figure runs off the page, no NaN or
+    escaped newline, each finding's change a code block, the legend clear of the axis title."""
+    (tmp_path / "my_module.py").write_text(USER_STEP)
+    run = subprocess.run(
+        [sys.executable, "-m", "accel", "doctor", "my_module:make_step", "--try-fixes"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = page.context.browser.new_page(viewport={"width": PAGE_WIDTH, "height": 1200})
+    try:
+        report.goto((tmp_path / "doctor.html").as_uri())
+        report.wait_for_selector(".js-plotly-plot .legend")
+        SHOTS.mkdir(parents=True, exist_ok=True)
+        report.screenshot(path=SHOTS / "doctor-page.png", full_page=True)
+        text = report.inner_text("body")
+        assert "NaN" not in text and "\\n" not in text
+        width = report.evaluate("document.documentElement.scrollWidth")
+        assert width <= PAGE_WIDTH, f"the page is {width} px wide at a {PAGE_WIDTH} px window"
+        findings = report.locator(".finding")
+        assert findings.count() >= 2 and findings.locator("pre").count() == findings.count()
+        assert "\u2014 not predicted on cpu" in text  # a missing number: a dash and why
+        # the bottom axis's title: "xtitle", or "x2title" under a second row of subplots
+        xtitle = "text[class^='x'][class$='title']"
+        legend, title = (report.locator(s).first.bounding_box() for s in (".legend", xtitle))
+        assert legend["y"] >= title["y"] + title["height"], "the legend sits on the axis title"
+    finally:
+        report.close()
+
+
 def _check(page, name: str) -> None:
     page.wait_for_selector(f"{SHOWN} .jp-Cell")
     _run_all_cells(page)
@@ -228,12 +289,22 @@ def _check(page, name: str) -> None:
         _toggle_and_run(page, panel.first, name)
 
 
-def _open_and_run(page, notebook: str) -> None:
-    """Open ``notebook`` from the file browser, as a person does, and run all its cells."""
+def _open(page, notebook: str) -> None:
+    """Open ``notebook`` from the file browser, as a person does."""
     item = page.locator(".jp-DirListing-item", has_text=notebook)
     if not item.is_visible():  # the file browser folds away while a notebook is in front
         page.locator(".lm-TabBar-tab[data-id='filebrowser']").first.click()
     item.dblclick()
+
+
+def _front(page, notebook: str) -> None:
+    """``notebook`` in front: its tab clicked where it is open, else opened and run."""
+    tab = page.locator(".lm-TabBar-tab", has_text=notebook.removesuffix(".ipynb"))
+    if tab.count():
+        tab.first.click()
+        page.wait_for_selector(f"{SHOWN} .jp-Cell")
+        return
+    _open(page, notebook)  # run alone (pytest -k): the notebook was not left open before
     page.wait_for_selector(f"{SHOWN} .jp-Cell")
     _run_all_cells(page)
 
@@ -297,6 +368,19 @@ def _toggle_and_run(page, panel, name: str) -> None:
     _wait_for_change(page, panel_handle, ".js-plotly-plot", "innerHTML", plot_before, "the plot")
     assert plot.locator(DRAWN).count(), "the plot draws no bar or point (a blank figure)"
     _wait_for_change(page, panel_handle, "table.dataframe", "innerText", table_before, "the table")
+    _assert_readable(panel)
+
+
+def _assert_readable(panel) -> None:
+    """What the panel shows fits its width, and the text on its bars is large enough to read."""
+    right = panel.bounding_box()["x"] + panel.bounding_box()["width"]
+    for part in (panel.locator("table.dataframe").first, *panel.locator(".js-plotly-plot").all()):
+        box = part.bounding_box()
+        assert box["x"] + box["width"] <= right + 1, f"{box['width']:.0f} px runs off the panel"
+    heights = panel.locator(".js-plotly-plot .bars text").evaluate_all(
+        "texts => texts.map(t => t.getBoundingClientRect().height)"
+    )
+    assert min(heights, default=12) >= 9, f"bar text {min(heights):.0f} px high: too small to read"
 
 
 def _wait_for_change(page, panel, selector: str, prop: str, before: str, what: str) -> None:

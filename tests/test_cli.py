@@ -1,5 +1,6 @@
 import subprocess
 import sys
+import warnings
 
 import pandas as pd
 import pytest
@@ -174,3 +175,50 @@ def test_only_is_refused_for_a_phase_that_runs_whole_and_for_a_part_that_is_not_
     with pytest.raises(UsageError, match=r"--only 99: no such part; the parts: 00_tour"):
         check_parts(["notebooks"], ("05", "99"))
     check_parts(["notebooks", "overhead", "sdpa"], ("05", "diversity sweep", "masked sweep"))
+
+
+# ---- what a person reads in a terminal ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["doctor", "--help"], ["bench", "--help"]])
+def test_help_reads_plainly(argv, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(argv)
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out  # docstring markup, not what a terminal shows
+    if argv[0] == "doctor":
+        assert "(default: doctor.html)" in " ".join(out.split())
+
+
+def test_bench_table_rounds_and_says_why_rows_are_not_judged():
+    stamp = dict.fromkeys(COLUMNS[11:], "x")
+    why = "not judged: the targets are for a CUDA GPU with the gpu preset, this is cpu"
+    rows = [
+        Row("p", "judged", "time", "ms", 23.17524049, baseline=90.6758075, target=">= 1.2x", met=True),
+        Row("p", "missed", "time", "ms", 2.0, baseline=1.0, target=">= 1.2x", met=False),
+        Row("p", "cpu", "time", "ms", 1.0, baseline=3.0, target=">= 1.2x", note=f"{why}; 16 steps"),
+        Row("p", "cpu 2", "count", "n", 0.0, baseline=37.0, target="0", note=f"{why}; no syncs"),
+        Row("p", "untargeted", "time", "ms", 1.0, baseline=1.5),
+    ]  # fmt: skip
+    frame = pd.DataFrame([r.as_dict() | stamp for r in rows], columns=COLUMNS)
+    lines = bench.console_table(frame).splitlines()
+    table = {line.split()[1]: line.split() for line in lines[1:6]}
+    assert table["judged"][3:7] == ["90.7", "23.2", "ms", "3.91"]
+    assert "23.17524" not in "\n".join(lines) and "None" not in "\n".join(lines)
+    assert lines[1].endswith("yes") and lines[2].endswith("no")
+    assert lines[3].endswith("not judged") and lines[4].endswith("not judged")
+    assert not lines[5].rstrip().endswith(("yes", "no", "judged"))  # no target, no verdict
+    assert lines[6:] == [why]  # the reason, once
+
+
+def test_a_warning_during_the_bench_is_one_line_above_the_bar(monkeypatch, capsys):
+    def phase(ctx):
+        warnings.warn("no CUDA device here: nothing to count", UserWarning, stacklevel=1)
+        return [Row("p", "c", "time", "ms", 1.0)]
+
+    monkeypatch.setattr(bench, "phase_function", lambda name: phase)
+    bench.run_bench(["sync"], device="cpu")
+    err = capsys.readouterr().err
+    assert "UserWarning: no CUDA device here: nothing to count\n" in err
+    assert "warnings.warn(" not in err and "test_cli.py" not in err  # no source line

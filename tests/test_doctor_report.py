@@ -18,6 +18,7 @@ from accel import doctor
 from accel.doctor import fixes, trial, zoo
 from accel.doctor.fixes import FIXES, StepCopy
 from accel.doctor.parts import copy_step, find_parts
+from accel.workloads.flags import describe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,6 +147,37 @@ def test_html_has_the_findings_and_a_plotly_figure(examined, tmp_path):
     assert report.figure().data
 
 
+def test_html_reads_as_a_report(examined):
+    """Each finding with its evidence, its gain (a dash and the reason where none is predicted)
+    and its change as a code block; the trials rounded, with why nothing was measured."""
+    report, _, _ = examined
+    report.try_fixes(["set_to_none", "cuda_graph"], steps=2, repeats=2)
+    page = report.html(plotlyjs=False)
+    for f in report.findings:
+        assert f"<pre><code>{html.escape(f.change)}</code></pre>" in page
+        assert html.escape(f.evidence) in page
+    assert "\\n" not in page and "NaN" not in page and "<table border" not in page
+    assert "— not predicted on cpu: " in page  # the sync finding: no prediction on a CPU
+    assert "— not applicable: cuda_graph needs a CUDA GPU" in page
+    (row,) = report.trials[report.trials["fixes"] == "set_to_none"].to_dict("records")
+    assert (
+        f"{row['measured speedup']:.2f}x" in page and f"{row['measured speedup']:.6f}" not in page
+    )
+
+
+def test_text_gives_each_change_whole(examined):
+    report, _, _ = examined
+    text = str(report)
+    for f in report.findings:
+        assert all(line in text for line in f.change.splitlines())
+
+
+def test_optimizer_fixes_run_on_a_cpu_too(examined):
+    report, _, _ = examined
+    trials = report.try_fixes(["foreach_optimizer", "fused_optimizer"], steps=2, repeats=2)
+    assert list(trials["status"]) == ["ok", "ok"]
+
+
 def test_set_to_none_fix_is_measured_on_copies(examined):
     report, _, model = examined
     before = snapshot(model)
@@ -183,6 +215,11 @@ def test_fix_flags_turn_fixes_on_in_a_fresh_copy(examined, capsys):
     report, _, model = examined
     flags = report.fix_flags()
     assert {f.name for f in dataclasses.fields(flags)} == {"set_to_none", "deferred_reads"}
+    # grouped as every panel groups its flags: by phase ("fusion"), not by notebook file
+    phases = {
+        f.name: i.phase for f, i in zip(dataclasses.fields(flags), describe(flags), strict=True)
+    }
+    assert phases["set_to_none"] == "fusion"
     before = snapshot(model)
     call = report.fixed_step(flags(set_to_none=True))
     call()

@@ -66,6 +66,28 @@ def test_the_bars_show_each_speedup_against_the_baseline_timed_beside_it():
     assert low <= high and low > 0
 
 
+def test_each_bar_says_which_baseline_it_was_timed_against():
+    """A rerun times the baseline again: the older bars keep their ratio against the baseline
+    of their own run, and say that baseline's time, not the latest one's."""
+    panel, _ = make_panel(profile=False)
+    panel.run(tiny_mlp.Flags(fused_adamw=True))
+    first_baseline = panel.comparison.timings["baseline"].median_ms
+    panel.run(tiny_mlp.Flags(fused_adamw=True, set_to_none=True))
+    frame = panel.results.set_index("label")
+    assert frame.loc["fused_adamw", "baseline_ms"] == first_baseline
+    assert frame.loc["baseline", "median_ms"] == panel.comparison.timings["baseline"].median_ms
+    text = dict(zip(panel.figure.data[2].y, panel.figure.data[2].text, strict=True))
+    fused = frame.loc["fused_adamw"]
+    assert text["fused_adamw"].endswith(
+        f"{fused['median_ms']:.3g} vs {first_baseline:.3g} ms"
+    )
+    assert text["baseline"].endswith("(last run)")
+    assert panel.figure.layout.xaxis.dtick == 1  # 3 rounds: whole rounds on the axis
+    table = panel.table.value
+    assert "fused_adamw+<wbr>set_to_none" in table  # a long label breaks after a "+"
+    assert "its baseline ms" in table and "median_ms" not in table
+
+
 def _shown(live) -> dict:
     """The figure a page draws from ``live``'s widget state (as after a reload)."""
     (output,) = live.widget.outputs
@@ -139,3 +161,12 @@ def test_the_last_run_keeps_its_comparison_for_the_spread_of_its_speedup():
     assert 0 < low <= high
     assert panel.comparison.speedup("fused_adamw") == row["speedup"]
     assert len(panel.comparison.timings["baseline"].times_ms) == 3
+
+
+def test_a_note_shows_in_the_panel_before_the_run_it_is_about():
+    panel, _ = make_panel(profile=False)
+    panel.note("bf16 <loses> on a CPU")
+    assert "bf16 &lt;loses&gt; on a CPU" in panel.notes.value
+    children = list(panel.widget.children)
+    run_row = next(i for i, c in enumerate(children) if panel.run_button in getattr(c, "children", ()))
+    assert children.index(panel.notes) < run_row  # shown, above the Run button

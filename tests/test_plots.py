@@ -156,3 +156,12 @@ def test_call_costs_leave_a_missing_bar_unlabelled():
     fig = plots.call_costs(frame, bars={"optimized": "accel", "baseline": "plain PyTorch"})
     assert list(fig.data[0].text) == ["21.5", "6.4"]
     assert list(fig.data[1].text) == ["19.2", ""]
+
+
+def test_doctor_figure_keeps_its_legend_off_the_axis_title():
+    fig = plots.doctor_figure({"matmul": 2.0, "host": 1.0}, {"a finding": 0.5}, 3.0)
+    legend = fig.layout.legend
+    # at the foot of the whole figure, in a bottom margin deeper than the axis title needs
+    assert (legend.yref, legend.y, legend.yanchor) == ("container", 0, "bottom")
+    assert fig.layout.margin.b >= 100
+    assert list(fig.data[-1].text) == ["0.5 ms"]  # rounded, not 0.500

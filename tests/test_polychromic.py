@@ -12,6 +12,7 @@ import importlib.util
 import pytest
 import torch
 
+from accel import triton_support
 from accel.workloads import polychromic as pc
 from accel.workloads.flags import describe, unavailable
 
@@ -64,7 +65,9 @@ def test_replies_to_one_prompt_differ_and_scores_are_finite():
 
 
 @pytest.mark.parametrize(
-    "flags", FLAG_SETS, ids=lambda f: "+".join(k for k, v in dataclasses.asdict(f).items() if v)
+    "flags",
+    [pytest.param(f, marks=pytest.mark.triton) if f.triton_diversity else f for f in FLAG_SETS],
+    ids=lambda f: "+".join(k for k, v in dataclasses.asdict(f).items() if v),
 )
 @pytest.mark.parametrize("seed", [3, 4])
 def test_every_flag_keeps_the_baseline_result(flags, seed, request):
@@ -94,9 +97,11 @@ def test_flags_contract_and_presets():
     assert pc.Sizes.preset("gpu").embed_dim == 384
 
 
+@pytest.mark.triton
 def test_triton_flag_unavailable_on_cpu_without_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert "triton_diversity" in unavailable(pc.Flags, "cpu")
+    # the reason is the one place's that decides: Triton missing, or no GPU and no interpreter
+    assert unavailable(pc.Flags, "cpu")["triton_diversity"] == triton_support.unavailable("cpu")
 
 
 def test_result_before_a_step_is_an_error():

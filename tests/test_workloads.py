@@ -64,8 +64,15 @@ def flag_sets(name: str) -> list:
     return [*alone, Flags(**together)]
 
 
+def needs_triton(flags) -> list:
+    """The ``triton`` mark where a flag that runs a Triton kernel is on (its path here depends
+    on whether Triton is installed)."""
+    on = [i for i in describe(type(flags)) if getattr(flags, i.name) != i.default]
+    return [pytest.mark.triton] if any(i.requires == "triton" for i in on) else []
+
+
 CASES = [
-    pytest.param(name, flags, id=f"{name}-{label(flags)}")
+    pytest.param(name, flags, id=f"{name}-{label(flags)}", marks=needs_triton(flags))
     for name in WORKLOADS
     for flags in dict.fromkeys(flag_sets(name))  # all together may be one flag alone
 ]

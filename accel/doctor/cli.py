@@ -73,6 +73,7 @@ def _load_file(path: Path) -> Any:
 
 def _doctor(args: argparse.Namespace) -> int:
     from accel.doctor import examine
+    from accel.doctor.page import trials_text
     from accel.files import check_writable
 
     if args.steps < 1:
@@ -93,8 +94,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if report.trials is not None and report.trials.empty:
         print("\nno automatic fix applies to these findings: each one names its change")
     elif report.trials is not None:
-        shown = ["label", "status", "predicted speedup", "measured speedup", "best set"]
-        print("\nfixes tried:\n" + report.trials[shown].to_string(index=False))
+        print("\nfixes tried:\n" + trials_text(report))
     if report.trials is not None:
         print(f"\nreached: {report.reached()}")
     path = report.to_html(args.out)
@@ -109,7 +109,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     doctor.add_argument(
         "target", help="module:function or file.py:function returning (step, batch[, loader])"
     )
-    doctor.add_argument("--out", type=Path, default=Path("doctor.html"), help="the HTML report")
+    doctor.add_argument(
+        "--out",
+        type=Path,
+        default=Path("doctor.html"),
+        help="the HTML report (default: %(default)s)",
+    )
     doctor.add_argument("--steps", type=int, default=5, help="steps profiled (default 5)")
     doctor.add_argument("--try-fixes", action="store_true", help="apply and measure the fixes")
     doctor.add_argument(

@@ -327,9 +327,10 @@ _ROUNDING = (
 FIXES: dict[str, Fix] = {
     f.name: f
     for f in (
-        Fix("fused_optimizer", "fused optimizer", _fused, 1e-4, _ROUNDING),
-        Fix("foreach_optimizer", "foreach optimizer", _foreach, 1e-4, _ROUNDING),
-        Fix("foreach_clip", "foreach clipping", _foreach_clip, 1e-4, _ROUNDING),
+        # torch's fused (since 2.4) and foreach optimizers, and foreach norms, run on a CPU too
+        Fix("fused_optimizer", "fused optimizer", _fused, 1e-4, _ROUNDING, needs_cuda=False),
+        Fix("foreach_optimizer", "foreach optimizer", _foreach, 1e-4, _ROUNDING, needs_cuda=False),
+        Fix("foreach_clip", "foreach clipping", _foreach_clip, 1e-4, _ROUNDING, needs_cuda=False),
         Fix("batched_clip", "per-tensor clipping batched", _batched_clip, 1e-4, _ROUNDING,
             needs_cuda=False),
         Fix("set_to_none", "zero_grad(set_to_none=True)", _set_to_none, 1e-6,

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from accel.doctor import page
 from accel.doctor.findings import Evidence, Finding
 from accel.doctor.parts import StepParts
 
@@ -162,7 +163,7 @@ class Report:
             gain += "" if f.saved_us is None else f"{f.speedup(self.evidence.iteration_us):.2f}x]"
             lines += [f"{i}. {f.title}{gain}  ({f.notebook})", f"   {f.evidence}"]
             lines += [f"   where: {s}" for s in f.sites[:3]]
-            lines += ["   change: " + f.change.splitlines()[0]]
+            lines += page.change_text(f.change)
         return "\n".join(lines)
 
     def __repr__(self) -> str:
@@ -174,25 +175,26 @@ class Report:
     def _ipython_display_(self) -> None:
         from IPython.display import HTML, display
 
-        display(HTML(f"<p>{html.escape(self.summary())}</p>"))
-        display(self.table())
+        display(HTML(f"{page.STYLE}<div class='accel-doctor'><p>{html.escape(self.summary())}</p>"
+                     f"{page.findings_html(self)}</div>"))  # fmt: skip
         display(self.figure())
 
     def html(self, *, plotlyjs: bool | str = True) -> str:
-        """One HTML page: the summary, the findings, the figure (plotly.js inline by default,
-        so it opens without a network) and the trials if any."""
-        table = self.table().to_html(index=False, escape=True)
+        """One HTML page: the summary, the figure (plotly.js inline by default, so it opens
+        without a network), each finding, and the trials if any."""
         tried = self.trials is not None and not self.trials.empty
-        trials = self.trials.to_html(index=False) if tried else ""
+        trials = page.trials_html(self) if tried else ""
         figure = self.figure().to_html(full_html=False, include_plotlyjs=plotlyjs)
         return (
-            f"<h2>accel.doctor</h2><p>{html.escape(self.summary())}</p>{figure}"
-            f"<h3>Findings</h3>{table}"
+            f"{page.STYLE}<div class='accel-doctor'><h2>accel.doctor</h2>"
+            f"<p>{html.escape(self.summary())}</p>{figure}"
+            f"<h3>Findings</h3>{page.findings_html(self)}"
             + (
                 f"<h3>Fixes tried</h3>{trials}<p>{html.escape(self.reached())}</p>"
                 if trials
                 else ""
             )
+            + "</div>"
         )
 
     def to_html(self, path: str | Path) -> Path:

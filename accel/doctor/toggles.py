@@ -1,6 +1,6 @@
 """The fixes a report names, as a ``Flags`` dataclass for ``lab.FeaturePanel``: one checkbox per
-fix, grouped by the notebook that teaches it, and a build function that applies the checked ones
-to a fresh copy of the step."""
+fix, grouped by the phase whose notebook teaches it, and a build function that applies the
+checked ones to a fresh copy of the step."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def fix_flags(report) -> type:
         fix = FIXES[name]
         help_text = f"{fix.label}: for '{finding.title}'"
         requires = "cuda" if fix.needs_cuda else None
-        fields.append((name, bool, flag(help_text, finding.notebook, requires=requires)))
+        phase = finding.notebook.partition("_")[2] or finding.notebook  # "02_fusion": fusion
+        fields.append((name, bool, flag(help_text, phase, requires=requires)))
     return dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
 
 

@@ -5,15 +5,14 @@ out: where it sums over D (its variant), groups per program, chunk of D, unroll 
 :func:`group_config` takes it from :data:`GROUP_TABLE`, measured per (N, D bucket, dtype size),
 else from a deterministic rule on N and D (no autotuning: the same launch compiled or interpreted);
 ragged 16-bit groups (counts given) then take the launches that read past holes faster
-(:data:`RAGGED_TABLE`, then a rule).
+(:data:`RAGGED_TABLE`, then a rule). Plain integer arithmetic, no Triton: the rule says which
+launch a shape would get on a machine that cannot run the kernels too (notebook 06 on a CPU).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Literal
-
-import triton
 
 SMALL_N = 64  # groups up to this size take the group kernels (whole groups per program)
 # A mean of groups padded to this many rows (N >= 5) takes the closed form, one pass over whole
@@ -150,7 +149,7 @@ class GroupConfig:
                 GROUPS=self.groups,
                 BLOCK_D=self.block_d,
                 VEC=min(max(1, 16 // itemsize), self.block_d),  # elements per 16-byte load
-                UNROLL=max(1, min(self.unroll, triton.cdiv(d, self.block_d))),
+                UNROLL=max(1, min(self.unroll, cdiv(d, self.block_d))),
             )
             | self.options()
         )
@@ -197,9 +196,9 @@ def _rule_config(
     """
     vec = max(1, 16 // itemsize)  # elements per 16-byte load
     if pairs and block_n <= PAIRS_MAX_N:
-        block_d = min(max(16, triton.next_power_of_2(d)), 32 * vec)  # one warp's row of loads
+        block_d = min(max(16, next_power_of_2(d)), 32 * vec)  # one warp's row of loads
         fit = max(1, PAIRS_PROGRAM_BYTES // (block_n * d * itemsize))
-        groups = min(1 << (fit.bit_length() - 1), PAIRS_GROUP_MAX, triton.next_power_of_2(batch))
+        groups = min(1 << (fit.bit_length() - 1), PAIRS_GROUP_MAX, next_power_of_2(batch))
         warps = max(1, min(PAIRS_MAX_WARPS, groups * block_d // (32 * vec)))
         return GroupConfig("pairs", groups=groups, block_d=block_d, unroll=1, num_warps=warps)
     if itemsize == 4 and block_n >= 8:  # float32: the smallest tile, fewest warps, that fit
@@ -222,22 +221,22 @@ def _rule_config(
     # GROUPS fills the tile budget; UNROLL chunks of D are loaded before their products are
     # taken; as many warps as the (GROUPS, BLOCK_D) plane has rows of 16-byte loads, so warps
     # split the groups, never the rows, and no value crosses warps before the epilogue.
-    block_d = min(max(16, triton.next_power_of_2(d)), 32 * 4)
+    block_d = min(max(16, next_power_of_2(d)), 32 * 4)
     block_d = max(16, min(block_d, GROUP_TILE_ELEMENTS // (block_n * block_n)))
     groups = GROUP_TILE_ELEMENTS // (block_n * block_n * block_d)
-    groups = max(1, min(groups, GROUP_MAX, triton.next_power_of_2(batch)))
+    groups = max(1, min(groups, GROUP_MAX, next_power_of_2(batch)))
     warps = groups * block_d // (32 * vec)  # one per row of 16-byte loads of the plane
     return GroupConfig(
         "vecsum",
         groups=groups,
         block_d=block_d,
-        unroll=min(GROUP_UNROLL, triton.cdiv(d, block_d)),
+        unroll=min(GROUP_UNROLL, cdiv(d, block_d)),
         num_warps=max(1, min(8, warps)),
     )
 
 
 def _whole_rows_fit(d: int) -> bool:
-    return triton.next_power_of_2(d) <= GROUP_TILE_ELEMENTS
+    return next_power_of_2(d) <= GROUP_TILE_ELEMENTS
 
 
 def group_kernel_takes_mean(n: int, d: int, itemsize: int) -> bool:
@@ -252,7 +251,7 @@ def group_config(
 ) -> GroupConfig:
     """The configuration the group kernel launches with: the table's, else the rule's; for
     ragged 16-bit groups (``ragged``: counts given), :func:`_ragged_config`'s where it has one."""
-    config = GROUP_TABLE.get((block_n, triton.next_power_of_2(d), itemsize))
+    config = GROUP_TABLE.get((block_n, next_power_of_2(d), itemsize))
     if config is None:
         config = _rule_config(block_n, d, batch, itemsize)
     if ragged and itemsize == 2:
@@ -264,7 +263,7 @@ def _ragged_config(config: GroupConfig, block_n: int, d: int) -> GroupConfig:
     """A 16-bit launch for groups with holes: :data:`RAGGED_TABLE`'s, else the tensor-core tile
     in chunks of :data:`RAGGED_BLOCK_D`, taken by groups of 3-4 rows from
     :data:`RAGGED_DOT_MIN_D` long."""
-    tabled = RAGGED_TABLE.get((block_n, triton.next_power_of_2(d), 2))
+    tabled = RAGGED_TABLE.get((block_n, next_power_of_2(d), 2))
     if tabled is not None:
         return tabled
     if config.variant == "pairs" and block_n > 2 and d >= RAGGED_DOT_MIN_D:
@@ -282,7 +281,7 @@ def mean_config(
     :data:`CLOSED_FORM_16_BIT_WIDE_MAX_N` rows of :data:`CLOSED_FORM_16_BIT_WIDE_D` elements or
     more; else :func:`group_config`."""
     if block_n >= CLOSED_FORM_MIN_N and _whole_rows_fit(d):
-        wide = triton.next_power_of_2(d) >= CLOSED_FORM_16_BIT_WIDE_D
+        wide = next_power_of_2(d) >= CLOSED_FORM_16_BIT_WIDE_D
         if itemsize == 4 or not (wide and block_n > CLOSED_FORM_16_BIT_WIDE_MAX_N):
             return closed_form_config(block_n, d, batch, itemsize, ragged=ragged)
     return group_config(block_n, d, batch, itemsize, ragged=ragged)
@@ -298,14 +297,14 @@ def closed_form_config(
     With counts (``ragged``), steps of at most :data:`CLOSED_FORM_RAGGED_ROWS` rows of each
     group, and as many groups as fill half the budget. 16 bits: the smaller steps of
     :data:`CLOSED_FORM_16_BIT_WARP_STEP`."""
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, next_power_of_2(d))
     if itemsize == 2:
         return _closed_form_16_bit_config(block_n, block_d, batch, ragged)
     if ragged:
         fits = GROUP_TILE_ELEMENTS // 2 // (_rows_a_step(block_n, 1, block_d, ragged) * block_d)
     else:
         fits = GROUP_TILE_ELEMENTS // (block_n * block_d)
-    groups = max(1, min(fits, GROUP_MAX, triton.next_power_of_2(batch)))
+    groups = max(1, min(fits, GROUP_MAX, next_power_of_2(batch)))
     rows = _rows_a_step(block_n, groups, block_d, ragged)
     warps = max(1, min(4, groups * rows * block_d // 512))
     return GroupConfig("closed", groups, block_d, unroll=1, num_warps=warps, step_rows=rows)
@@ -317,7 +316,7 @@ def _closed_form_16_bit_config(block_n: int, block_d: int, batch: int, ragged: b
     rows = max(1, min(block_n // 2 if ragged else block_n, step // block_d))
     if rows == block_n:  # whole groups
         step = max(step, CLOSED_FORM_16_BIT_MIN_PROGRAM)
-    groups = max(1, min(step // (rows * block_d), GROUP_MAX, triton.next_power_of_2(batch)))
+    groups = max(1, min(step // (rows * block_d), GROUP_MAX, next_power_of_2(batch)))
     return GroupConfig("closed", groups, block_d, unroll=1, num_warps=warps, step_rows=rows)
 
 
@@ -343,4 +342,14 @@ def _group_config(block_n: int, d: int, batch: int, itemsize: int) -> dict:
 
 def block_rows(n: int) -> int:
     """BLOCK_N of groups of ``n`` rows: the next power of 2, at least 2."""
-    return max(2, triton.next_power_of_2(n))
+    return max(2, next_power_of_2(n))
+
+
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` (the smallest power of 2 >= n; 0 for 0), without Triton."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv``: a / b rounded up."""
+    return -(-a // b)

@@ -14,7 +14,9 @@ import importlib
 import io
 import math
 import re
+import sys
 import tempfile
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -228,11 +230,15 @@ def run_bench(
     stamp = {k: info[k] for k in ("device", "preset", "torch", "triton", "cuda", "driver")}
     stamp["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
     frames = []
-    for name in tqdm(names, desc="bench", disable=not progress):
-        rows = [r.as_dict() | stamp for r in functions[name](ctx)]
-        frames.append(pd.DataFrame(rows, columns=COLUMNS))
-        if out is not None and rows:
-            write_results(frames[-1], out, stem=results_stem(dev), by_case=bool(parts))
+    with warnings.catch_warnings():  # a warning as one line above the bar, not inside it
+        warnings.showwarning = lambda message, category, *_, **__: tqdm.write(
+            f"{category.__name__}: {message}", file=sys.stderr
+        )
+        for name in tqdm(names, desc="bench", disable=not progress):
+            rows = [r.as_dict() | stamp for r in functions[name](ctx)]
+            frames.append(pd.DataFrame(rows, columns=COLUMNS))
+            if out is not None and rows:
+                write_results(frames[-1], out, stem=results_stem(dev), by_case=bool(parts))
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
 
 
@@ -435,12 +441,29 @@ def recorded_results(
     return frame if phase is None else frame[frame["phase"] == phase].reset_index(drop=True)
 
 
-def _fmt(value) -> str:
+SHOWN = ["phase", "case", "metric", "baseline", "optimized", "unit", "speedup", "target", "met"]
+
+
+def readable(value) -> str:
+    """A value as a person reads it: a number to three significant figures (thousands grouped,
+    no trailing digits), nothing where there is none."""
     if isinstance(value, float):
         if math.isnan(value):
             return ""
         return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return "" if value is None else str(value)
+
+
+def console_table(frame: pd.DataFrame) -> str:
+    """The rows as the command line prints them: numbers as in the README's table, ``met`` as
+    yes, no or "not judged" (a target without a verdict), and why not judged said once below:
+    the first clause of those rows' notes (each CSV row keeps its whole note)."""
+    shown = frame[SHOWN].apply(lambda column: column.map(readable))
+    unjudged = frame["met"].isna() & frame["target"].fillna("").ne("")
+    shown["met"] = ["not judged" if u else "" if pd.isna(m) else "yes" if m else "no"
+                    for m, u in zip(frame["met"], unjudged, strict=True)]  # fmt: skip
+    reasons = dict.fromkeys(str(note).split(";")[0] for note in frame.loc[unjudged, "note"])
+    return "\n".join([shown.to_string(index=False), *reasons])
 
 
 def results_markdown(results_dir: str | Path | None = None) -> str:
@@ -456,7 +479,6 @@ def results_markdown(results_dir: str | Path | None = None) -> str:
     files = sorted(directory.glob("*.csv"))
     if not files:
         return "_No results recorded yet: run `python -m accel bench` on a GPU._\n"
-    shown = ["phase", "case", "metric", "baseline", "optimized", "unit", "speedup", "target", "met"]
     lines = []
     for csv in files:
         frame = read_results(csv)
@@ -470,11 +492,11 @@ def results_markdown(results_dir: str | Path | None = None) -> str:
             + (f"; {points.sum()} sweep points in the CSV" if points.any() else "")
             + ")",
             "",
-            "| " + " | ".join(shown) + " |",
-            "|" + "---|" * len(shown),
+            "| " + " | ".join(SHOWN) + " |",
+            "|" + "---|" * len(SHOWN),
         ]
         for _, row in frame[~points].iterrows():
-            lines.append("| " + " | ".join(_fmt(row[c]) for c in shown) + " |")
+            lines.append("| " + " | ".join(readable(row[c]) for c in SHOWN) + " |")
         lines.append("")
     return "\n".join(lines)
 

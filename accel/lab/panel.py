@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import math
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from accel.lab import plots
+from accel.lab.bench import readable
 from accel.lab.device import default_device
 from accel.lab.live_figure import LiveFigure
 from accel.lab.profile import profile_step
@@ -77,35 +79,8 @@ class FeaturePanel:
         self.run_button.on_click(lambda _: self._run_from_widget())
         self.progress = widgets.IntProgress(value=0, min=0, max=1, description="idle")
         self.status = widgets.HTML()
-        # Stacked, the bars horizontal: configuration labels are long ("a+b+c") and stay readable.
-        figure = make_subplots(rows=2, cols=1, vertical_spacing=0.15)
-        figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
-        figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
-        figure.add_bar(
-            x=[],
-            y=[],
-            orientation="h",
-            textposition="inside",
-            insidetextanchor="start",
-            showlegend=False,
-            row=2,
-            col=1,
-        )
-        figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
-        figure.update_xaxes(
-            title_text="speedup over the baseline timed beside it (bars: middle half of rounds)",
-            row=2,
-            col=1,
-        )
-        figure.add_vline(x=1, line_dash="dot", line_color="gray", row=2, col=1)
-        figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
-        figure.update_layout(
-            template="plotly_white",
-            height=520,
-            margin=dict(t=40, b=40),
-            legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"),
-        )
-        self.live = LiveFigure(figure)
+        self.notes = widgets.HTML()  # what a reader should know before the next run (note())
+        self.live = LiveFigure(_timings_figure())
         self.kernels_live = LiveFigure(
             plots.kernel_breakdown(pd.DataFrame(columns=["name", "count", "total_us", "share"]))
         )
@@ -114,7 +89,8 @@ class FeaturePanel:
         header = f"<b>{html.escape(title)}</b>" if title else ""
         children = [widgets.HTML(header)] if header else []
         children += self._control_rows()
-        children += [widgets.HBox([self.run_button, self.progress]), self.status, self.live.widget]
+        children += [self.notes, widgets.HBox([self.run_button, self.progress]), self.status]
+        children += [self.live.widget]
         children += [self.kernels_live.widget] if profile else []
         children += [self.table]
         self.widget = widgets.VBox(children)
@@ -156,6 +132,11 @@ class FeaturePanel:
         if notes:
             rows.append(widgets.HTML("<small>disabled here: " + "; ".join(notes) + "</small>"))
         return rows
+
+    def note(self, text: str) -> None:
+        """Show ``text`` in the panel above its Run button, beside the notes before it: what to
+        expect of a run here before it is made (a flag that loses on this device, say)."""
+        self.notes.value += f"<div><i>{html.escape(text)}</i></div>"
 
     def flags(self) -> Any:
         """The flags the controls show now."""
@@ -206,6 +187,8 @@ class FeaturePanel:
         with self.live.batch_update() as figure:
             figure.data[0].y, figure.data[1].y = [], []
             figure.data[0].name, figure.data[1].name = BASELINE, name
+            # whole rounds on the axis: a tick every round for a short run, fewer for a long one
+            figure.layout.xaxis.dtick = max(1, math.ceil(self.repeats / 10))
         self.progress.max, self.progress.value = self.repeats * len(candidates), 0
         self.progress.description = "timing"
 
@@ -230,6 +213,7 @@ class FeaturePanel:
                 "label": key,
                 **dataclasses.asdict(key_flags),
                 **timing.summary(),
+                "baseline_ms": result.timings[BASELINE].median_ms,  # of the run that timed it
                 "speedup": result.speedup(key),
                 "speedup_q25": low,
                 "speedup_q75": high,
@@ -275,9 +259,13 @@ class FeaturePanel:
             bars.y = [plots.wrap_label(x) for x in frame["label"]]
             bars.x = list(frame["speedup"])
             bars.text = [
-                f"{s:.2f}x ({ms:.3g} ms)"
-                for s, ms in zip(frame["speedup"], frame["median_ms"], strict=True)
-            ]
+                f"{s:.2f}x: {ms:.3g} ms (last run)" if label == BASELINE
+                else f"{s:.2f}x: {ms:.3g} vs {base:.3g} ms"
+                for label, s, ms, base in zip(
+                    frame["label"], frame["speedup"], frame["median_ms"], frame["baseline_ms"],
+                    strict=True,
+                )
+            ]  # fmt: skip
             bars.error_x = dict(
                 type="data",
                 symmetric=False,
@@ -286,23 +274,7 @@ class FeaturePanel:
             )
             # the bars get under half the figure: twice their own height, on top of the lines
             figure.layout.height = max(520, 300 + 2 * plots.bars_height(list(frame["label"]), 0))
-        shown = [
-            c
-            for c in (
-                "label",
-                "median_ms",
-                "iqr_ms",
-                "speedup",
-                "kernels_per_step",
-                "launches_per_step",
-                "syncs_per_step",
-                "idle_fraction",
-            )
-            if c in frame
-        ]
-        self.table.value = frame[shown].to_html(
-            index=False, float_format=lambda v: f"{v:.4g}", na_rep=""
-        )
+        self.table.value = results_table(frame)
 
     @property
     def results(self) -> pd.DataFrame:
@@ -323,6 +295,76 @@ class FeaturePanel:
         from IPython.display import display
 
         display(self.widget)
+
+
+def _timings_figure() -> go.Figure:
+    """This run's samples (top) and every configuration's speedup (bars), empty."""
+    # Stacked, the bars horizontal: configuration labels are long ("a+b+c") and stay readable.
+    figure = make_subplots(rows=2, cols=1, vertical_spacing=0.15)
+    figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
+    figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
+    figure.add_bar(
+        x=[],
+        y=[],
+        orientation="h",
+        textposition="inside",
+        insidetextanchor="start",
+        constraintext="none",  # full size, past a short bar's end, never shrunk unreadable
+        showlegend=False,
+        row=2,
+        col=1,
+    )
+    figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
+    figure.update_xaxes(title_text="round", rangemode="tozero", row=1, col=1)
+    figure.update_xaxes(
+        title_text="speedup over the baseline timed beside it in the same run<br>"
+        "(text: that run's ms vs its baseline's; bars: middle half of rounds)",
+        row=2,
+        col=1,
+    )
+    figure.add_vline(x=1, line_dash="dot", line_color="gray", row=2, col=1)
+    figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
+    figure.update_layout(
+        template="plotly_white",
+        height=520,
+        margin=dict(t=40, b=40),
+        legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"),
+    )
+    return figure
+
+
+# the table's columns and their headings: short words that wrap, so it fits a notebook's width
+TABLE = {
+    "label": "configuration",
+    "median_ms": "median ms",
+    "iqr_ms": "IQR ms",
+    "baseline_ms": "its baseline ms",
+    "speedup": "speedup",
+    "kernels_per_step": "kernels a step",
+    "launches_per_step": "launches a step",
+    "syncs_per_step": "syncs a step",
+    "idle_fraction": "device idle",
+}
+TABLE_STYLE = (
+    "<style>.accel-results td, .accel-results th {padding: 2px 8px; text-align: right;}"
+    " .accel-results :is(td, th):first-child {text-align: left; overflow-wrap: anywhere;}</style>"
+)
+
+
+def results_table(frame: pd.DataFrame) -> str:
+    """Every configuration run so far as a narrow HTML table: numbers as the bench's, a long
+    configuration label breaking after each "+"."""
+    shown = frame[[c for c in TABLE if c in frame]]
+    formats = {c: readable for c in shown.columns if c != "label"}
+    formats["label"] = lambda s: html.escape(s).replace("+", "+<wbr>")
+    formats["speedup"] = "{:.2f}x".format
+    if "idle_fraction" in shown:
+        formats["idle_fraction"] = "{:.0%}".format
+    table = shown.rename(columns=TABLE).to_html(
+        index=False, escape=False, border=0, classes="accel-results", na_rep="",
+        formatters={TABLE[c]: f for c, f in formats.items()},
+    )  # fmt: skip
+    return TABLE_STYLE + table
 
 
 def _speedup_band(result: Comparison, key: str) -> tuple[float, float]:

@@ -100,11 +100,15 @@ def kernel_breakdown(
             y=[_short(n) for n in head["name"]],
             orientation="h",
             text=[f"{c} calls, {s:.0%}" for c, s in zip(head["count"], head["share"], strict=True)],
-            textposition="auto",
+            textposition="outside",  # beside the bar at full size: inside, a short bar shrinks it
+            cliponaxis=False,
             hovertext=head["name"],
         )
     )
-    return fig.update_layout(**_LAYOUT, title=title, xaxis_title="total µs in the window")
+    margin = {**_LAYOUT["margin"], "r": 110}  # room for the longest bar's text
+    return fig.update_layout(
+        **{**_LAYOUT, "margin": margin}, title=title, xaxis_title="total µs in the window"
+    )
 
 
 def timeline(
@@ -373,17 +377,18 @@ def doctor_figure(
         ]
         fig.add_bar(
             y=labels, x=list(savings.values()), orientation="h", row=2, col=1, showlegend=False,
-            text=[f"{v:.3f} ms" for v in savings.values()], textposition="outside",
-            marker_color="#636efa",
+            text=[f"{v:.3g} ms" for v in savings.values()], textposition="outside",
+            cliponaxis=False, marker_color="#636efa",
         )  # fmt: skip
         fig.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
     fig.add_vline(x=step_ms, line_dash="dot", line_color="gray")
-    height = 220 + (bars_height(list(savings), 40) if savings else 0)
+    # the legend (the step's parts) at the figure's foot, below the axis title, in its own margin
+    height = 260 + (bars_height(list(savings), 40) if savings else 0)
     return fig.update_layout(
-        **{**_LAYOUT, "height": height},
+        **{**_LAYOUT, "height": height, "margin": {**_LAYOUT["margin"], "b": 110}},
         barmode="stack",
         title=title,
-        legend=dict(orientation="h", y=-0.15),
+        legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0),
         xaxis_title="ms per step" if rows == 1 else None,
     ).update_xaxes(title_text="ms per step", row=rows, col=1)
 

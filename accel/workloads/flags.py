@@ -105,7 +105,7 @@ def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
         if info.requires == "cuda" and device.type != "cuda":
             reasons[info.name] = f"needs a CUDA GPU; this run is on {device.type}"
         elif info.requires == "triton" and triton_support.unavailable(device) is not None:
-            reasons[info.name] = "needs Triton on a CUDA GPU (or TRITON_INTERPRET=1)"
+            reasons[info.name] = triton_support.unavailable(device)  # not installed, or no GPU
         elif info.requires == "torchao" and device.type != "cuda":
             reasons[info.name] = f"needs a CUDA GPU and torchao; this run is on {device.type}"
         elif info.requires == "torchao" and importlib.util.find_spec("torchao") is None:
