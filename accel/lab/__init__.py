@@ -34,6 +34,7 @@ _PUBLIC = {
     "beside_recorded": "recorded",
     "ceilings_frame": "bench",
     "run_bench": "bench",
+    "ladder_table": "cases.doctor_ladder",
 }
 _SUBMODULES = (
     "device",

@@ -212,3 +212,33 @@ def geomean_row(rows: list[Row], ctx: BenchContext) -> Row | None:
                "geometric mean over the scripts measured", "ratio", mean, higher_is_better=True,
                target=f">= {TARGET_GEOMEAN}", met=mean >= TARGET_GEOMEAN if ctx.judged else None,
                note=f"over {len(values)} of {len(ladder.SCRIPTS)} scripts")  # fmt: skip
+
+
+def ladder_table(rows):
+    """Recorded ladder rows (a DataFrame of ``results/``) as one row per script and device: the
+    twin's speedup, the doctor's best set, the share and the gap it leaves."""
+    import pandas as pd
+
+    out = []
+    for (device, script), group in rows.groupby(
+        [rows["device"], rows["case"].str.extract(r"^ladder (\w+):")[0]]
+    ):
+        by = {
+            case.split(": ", 1)[1]: r
+            for case, r in zip(group["case"], group.to_dict("records"), strict=True)
+        }
+        hand, best, share = (
+            by.get(k)
+            for k in ("hand-optimized", "doctor's best set", "share of the hand-optimized speedup")
+        )
+        if not (hand and best and share):
+            continue
+        hand_x = float(hand["baseline"]) / float(hand["optimized"])
+        doctor_x = float(best["baseline"]) / float(best["optimized"])
+        out.append({
+            "device": device, "script": script, "hand-optimized": round(hand_x, 2),
+            "doctor": round(doctor_x, 2), "share": round(float(share["optimized"]), 3),
+            "target met": share["met"], "gap left": round(hand_x / doctor_x, 2),
+            "best set": str(best["note"]).split(":")[0],
+        })  # fmt: skip
+    return pd.DataFrame(out)

@@ -1,0 +1,45 @@
+"""The ladder's bench part on what it reads: the ground truth found by kind or at its line, and
+the recorded rows as one row per script."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from accel.doctor.recorder import Site
+from accel.lab.cases import doctor_ladder
+
+
+def report_of(*findings):
+    return SimpleNamespace(findings=list(findings))
+
+
+def finding(kind, *lines):
+    return SimpleNamespace(kind=kind, sites=[Site("s.py", n, "f") for n in lines], fixes=())
+
+
+def test_a_change_a_line_names_is_found_only_at_that_line():
+    assert doctor_ladder._found("sync", [12], report_of(finding("sync", 12)))
+    assert not doctor_ladder._found("sync", [12], report_of(finding("sync", 40)))
+    # about the whole model: found by its kind wherever the products ran
+    assert doctor_ladder._found("precision", [5], report_of(finding("precision", 99)))
+    assert not doctor_ladder._found("precision", [5], report_of(finding("sync", 5)))
+
+
+def test_recorded_rows_become_one_row_per_script_with_the_gap_left():
+    def row(case, baseline, optimized, met="", note=""):
+        return {"device": "GPU", "case": f"ladder gpt2: {case}", "baseline": baseline,
+                "optimized": optimized, "met": met, "note": note}  # fmt: skip
+
+    rows = pd.DataFrame(
+        [
+            row("hand-optimized", 200.0, 25.0),
+            row("doctor's best set", 200.0, 40.0, note="bf16 autocast + compile: 5.00x; ok"),
+            row("share of the hand-optimized speedup", float("nan"), 0.625, met=False),
+        ]
+    )
+    (shown,) = doctor_ladder.ladder_table(rows).to_dict("records")
+    assert (shown["hand-optimized"], shown["doctor"], shown["share"]) == (8.0, 5.0, 0.625)
+    assert shown["gap left"] == pytest.approx(1.6) and shown["best set"] == "bf16 autocast + compile"
