@@ -169,3 +169,64 @@ def test_code_and_notebooks_speak_of_the_project_not_of_issues():
             if re.search(r"\bissues?\b|issue #\d", line, re.IGNORECASE):
                 found.append(f"{_rel(path)}:{number}: {line.strip()[:80]}")
     assert not found, "\n".join(found)
+
+
+# ---- the import graph: one direction, public names only ------------------------------------------
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(path: Path, modules: set[str]) -> list[tuple[str, str]]:
+    """(module of the package, name taken from it) for each import in ``path``, at the top or
+    inside a function, relative imports resolved; the name is "" for ``import x``."""
+    here = _module_name(path)
+    package = here if path.name == "__init__.py" else here.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, "") for a in node.names if a.name in modules]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            for alias in node.names:
+                whole = f"{base}.{alias.name}"
+                if whole in modules:
+                    found.append((whole, ""))
+                elif base in modules:
+                    found.append((base, alias.name))
+    return [(m, name) for m, name in found if m != here]
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in _modules()}
+    return {m: {t for t, _ in _imported(p, set(paths))} for m, p in paths.items()}
+
+
+def test_no_module_imports_another_that_leads_back_to_it():
+    graph = _graph()
+    cycles = []
+    for start in graph:
+        seen, todo = set(), [(start, (start,))]
+        while todo:
+            node, path = todo.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join((*path, start)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    todo.append((nxt, (*path, nxt)))
+    assert not cycles, cycles[:5]
+
+
+def test_no_private_name_is_taken_from_another_module():
+    modules = set(_graph())
+    taken = [
+        f"{_rel(p)} takes {name} from {module}"
+        for p in _modules()
+        for module, name in _imported(p, modules)
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert not taken, taken

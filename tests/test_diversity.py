@@ -245,7 +245,7 @@ def test_the_tensor_core_kernel_matches_references(kdev, shape, dtype, seed):
         for rows, block_d, warps in [(64, 32, 4), (128, 64, 8)]:  # the rule's tile, the largest
             config = kernels.GroupConfig("dot", rows // block_n, block_d, 1, warps)
             for mode, (slot, ref) in expected.items():
-                got = kernels._run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
+                got = kernels.run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
                 torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
 
@@ -254,7 +254,7 @@ def test_the_tensor_core_kernel_refuses_a_tile_under_16_or_over_128_rows(kdev, g
     kernels = dv._kernels()
     config = kernels.GroupConfig("dot", groups, 32, 1, 1)
     with pytest.raises(ValueError, match=rf"tile of 16 to 128 rows .*got {groups} x 4"):
-        kernels._run_group(embeddings((3, 4, 8), device=kdev), None, 0, config, eps=dv.EPS)
+        kernels.run_group(embeddings((3, 4, 8), device=kdev), None, 0, config, eps=dv.EPS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -277,7 +277,7 @@ def test_pairs_kernel_matches_references(kdev, shape, dtype, seed):
         for tile in [(1, 512, 1, 1), (4, 64, 1, 2), (2, 128, 1, 4)]:
             config = kernels.GroupConfig("pairs", *tile)
             for mode, (slot, ref) in expected.items():
-                got = kernels._run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
+                got = kernels.run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
                 assert torch.isfinite(got).all()
                 torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
@@ -308,7 +308,7 @@ def test_the_closed_form_kernel_matches_the_mean_reference(kdev, shape, dtype, s
         with float32_matmul("highest"):
             ref = dv.mean_diversity_reference(inputs, members)
         for config in configs:
-            got = kernels._run_group(inputs, members, kernels.MODE_MEAN, config, eps=dv.EPS)[0]
+            got = kernels.run_group(inputs, members, kernels.MODE_MEAN, config, eps=dv.EPS)[0]
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=str(config))
 
@@ -319,11 +319,11 @@ def test_the_closed_form_kernel_takes_the_mean_only_of_rows_that_fit(kdev):
     with pytest.raises(
         ValueError, match="mean only, of rows no longer than its block_d; got mode 1"
     ):
-        kernels._run_group(
+        kernels.run_group(
             x, None, kernels.MODE_NEAREST, kernels.GroupConfig("closed", 1, 64, 1, 1), eps=dv.EPS
         )
     with pytest.raises(ValueError, match="D=40 for block_d=32"):
-        kernels._run_group(
+        kernels.run_group(
             x, None, kernels.MODE_MEAN, kernels.GroupConfig("closed", 1, 32, 1, 1), eps=dv.EPS
         )
 
@@ -346,7 +346,7 @@ def test_pairs_kernel_refuses_groups_of_fewer_than_two_or_more_than_four(kdev, n
     config = kernels.GroupConfig("pairs", 1, 128, 1, 1)
     with pytest.raises(ValueError, match=f"'pairs' group kernel takes 2 <= N <= 4, got N={n}"):
         x = embeddings((2, n, 16), device=kdev)
-        kernels._run_group(x, None, kernels.MODE_NEAREST, config, eps=dv.EPS)
+        kernels.run_group(x, None, kernels.MODE_NEAREST, config, eps=dv.EPS)
 
 
 def test_production_launcher_refuses_the_sweep_only_variants(kdev):
@@ -354,7 +354,7 @@ def test_production_launcher_refuses_the_sweep_only_variants(kdev):
     for variant in ("tile", "gram"):
         config = kernels.GroupConfig(variant, 1, 128, 1, 1)
         with pytest.raises(ValueError, match=f"'{variant}' group kernel is kept for the bench"):
-            kernels._run_group(embeddings((2, 4, 16), device=kdev), None, 0, config, eps=dv.EPS)
+            kernels.run_group(embeddings((2, 4, 16), device=kdev), None, 0, config, eps=dv.EPS)
 
 
 def test_group_config_takes_the_table_then_the_rule():
@@ -375,7 +375,7 @@ def test_group_config_takes_the_table_then_the_rule():
             assert ruled.groups * block_n == rows >= kernels.DOT_MIN_ROWS
     for block_n, itemsize, variant in [(2, 4, "vecsum"), (4, 4, "vecsum"), (2, 2, "vecsum"),
                                        (4, 2, "dot")]:  # fmt: skip
-        assert kernels._rule_config(block_n, 1000, 8192, itemsize, pairs=False).variant == variant
+        assert kernels.rule_config(block_n, 1000, 8192, itemsize, pairs=False).variant == variant
     # groups of 64 rows fill a 64-row tile, on 4 warps, in float32 too
     assert kernels.group_config(64, 1000, 8192, 4).num_warps == 4
     for (block_n, _, itemsize), config in kernels.GROUP_TABLE.items():
@@ -423,7 +423,7 @@ def test_float32_groups_of_up_to_16_rows_take_a_16_row_tile_on_one_warp():
                 shape = (config.variant, config.groups * block_n, config.num_warps)
                 assert shape == ("dot", rules.DOT_ROWS_FP32_SMALL, 1), (block_n, d, config)
                 assert config.block_d == block_d, (block_n, d, config)
-            assert rules._rule_config(block_n, d, 8192, 4, pairs=False) == config
+            assert rules.rule_config(block_n, d, 8192, 4, pairs=False) == config
     assert rules.DOT_ROWS_FP32_SMALL == 16 == rules.DOT_MIN_ROWS
 
 
@@ -442,9 +442,9 @@ def test_16_bit_groups_of_5_to_32_rows_take_the_smallest_whole_group_tile_on_one
                 shape = (config.variant, config.groups * block_n, config.num_warps, config.block_d)
                 chunk = 64 if ragged else block_d
                 assert shape == ("dot", tile, 1, chunk), (block_n, d, ragged, config)
-            assert rules._rule_config(block_n, d, 8192, 2, pairs=False) == config  # full groups
+            assert rules.rule_config(block_n, d, 8192, 2, pairs=False) == config  # full groups
     assert rules.group_config(64, 256, 8192, 2).num_warps == 4
-    assert rules._rule_config(4, 256, 8192, 2, pairs=False).groups * 4 == rules.DOT_ROWS
+    assert rules.rule_config(4, 256, 8192, 2, pairs=False).groups * 4 == rules.DOT_ROWS
 
 
 def test_16_bit_means_from_eight_rows_take_the_closed_form_in_small_steps():
@@ -778,8 +778,8 @@ def test_kernel_module_follows_the_environment_at_call_time(monkeypatch):
     assert (compiled.INTERPRETED, interpreted.INTERPRETED) == (False, True)
     assert (compiled_variants.INTERPRETED, interpreted_variants.INTERPRETED) == (False, True)
     # a mode's modules import each other, never the other mode's
-    assert compiled_variants._run_group is compiled._run_group
-    assert interpreted_variants._run_group is interpreted._run_group
+    assert compiled_variants.run_group is compiled.run_group
+    assert interpreted_variants.run_group is interpreted.run_group
     assert dv._kernels() is interpreted  # kept, not rebuilt
     if not CUDA:  # the compiled kernels refuse CPU tensors with a reason, never a wrong answer
         with pytest.raises(ValueError, match=r"need a CUDA tensor.*TRITON_INTERPRET=1"):

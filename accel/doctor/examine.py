@@ -17,16 +17,13 @@ from accel.doctor.fixes import NO_BATCH
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.parts import StepParts, copy_step, find_parts
 from accel.doctor.recorder import record_step
-from accel.doctor.timeline import profile_timeline
+from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 
 __all__ = ["examine", "step_device"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
-# steps per timed sample: a sync at a step's end idles the device until the next step starts,
-# between two calls, which a sample of one call would leave out
-CALLS = 3
 
 
 def step_device(parts: StepParts, batch: Any) -> torch.device:

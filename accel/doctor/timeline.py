@@ -36,9 +36,12 @@ from accel.profiling import (
     union_length,
 )
 
-__all__ = ["Timeline", "kernel_category", "profile_timeline"]
+__all__ = ["CALLS", "Timeline", "kernel_category", "profile_timeline"]
 
 _STEP = "accel.doctor.step"
+# steps per timed sample: a sync at a step's end idles the device until the next step starts,
+# between two calls, which a sample of one call would leave out
+CALLS = 3
 _SYNC_GRACE_US = 5.0  # a sync that returned just before the gap opened still caused it
 _CATEGORIES = (  # (category, substrings of a kernel or operator name), first match wins
     ("communication", ("nccl", "gloo:", "c10d::", "allreduce", "all_gather", "reduce_scatter")),

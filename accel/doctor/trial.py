@@ -25,10 +25,10 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from accel.doctor.check_kernels import MATMUL_OPS
-from accel.doctor.examine import CALLS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
 from accel.doctor.isolation import Session
 from accel.doctor.parts import copy_step
+from accel.doctor.timeline import CALLS
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 from accel.memory import peak_memory

@@ -32,52 +32,52 @@ from .pairwise_cosine_config import (
     SMALL_N,
     SWEEP_VARIANTS,
     GroupConfig,
-    _rule_config,
     block_rows,
     closed_form_rows,
     group_config,
     group_kernel_takes_mean,
     mean_config,
+    rule_config,
 )
 from .pairwise_cosine_groups import (
-    _closed_form_kernel,
-    _group_dot_kernel,
-    _group_kernel,
-    _pairs_kernel,
+    closed_form_kernel,
+    group_dot_kernel,
+    group_kernel,
+    pairs_kernel,
 )
 from .pairwise_cosine_large import (
     INTERPRET_TILED,
     ROWS_BLOCK_D,
     ROWS_BLOCK_M,
-    _group_mean_kernel,
-    _inv_norm_kernel,
-    _mean_from_partials_kernel,
-    _normalized_sum_kernel,
-    _tiled_kernel,
+    group_mean_kernel,
+    inv_norm_kernel,
+    mean_from_partials_kernel,
+    normalized_sum_kernel,
     tiled_16bit,
     tiled_fp32,
+    tiled_kernel,
 )
 
 MODE_MEAN, MODE_NEAREST, MODE_MATRIX = 0, 1, 2
 
 # True when the kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it as it
 # decorates); accel.triton_support.kernel_module keeps one set of kernel modules per mode.
-INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
+INTERPRETED: bool = type(group_kernel).__name__ == "InterpretedFunction"
 
 # One launcher per kernel: after a signature's first call, its launches skip Triton's per-call
 # argument binding (accel.kernels.launch).
-_launch_group, _launch_pairs = Launcher(_group_kernel), Launcher(_pairs_kernel)
-_launch_group_dot = Launcher(_group_dot_kernel)
-_launch_closed_form = Launcher(_closed_form_kernel)
+_launch_group, _launch_pairs = Launcher(group_kernel), Launcher(pairs_kernel)
+_launch_group_dot = Launcher(group_dot_kernel)
+_launch_closed_form = Launcher(closed_form_kernel)
 _launch_inv_norms, _launch_normalized_sum = (
-    Launcher(_inv_norm_kernel),
-    Launcher(_normalized_sum_kernel),
+    Launcher(inv_norm_kernel),
+    Launcher(normalized_sum_kernel),
 )
-_launch_mean_from_partials = Launcher(_mean_from_partials_kernel)
-_launch_group_mean = Launcher(_group_mean_kernel)
+_launch_mean_from_partials = Launcher(mean_from_partials_kernel)
+_launch_group_mean = Launcher(group_mean_kernel)
 FINISH_BLOCK = 128  # columns (or members) a finishing program sums at a time
 _launch_tiled = {torch.float32: Launcher(tiled_fp32), "16 bit": Launcher(tiled_16bit)}
-_launch_tiled_interpreted = Launcher(_tiled_kernel)
+_launch_tiled_interpreted = Launcher(tiled_kernel)
 
 
 class GroupPlan(NamedTuple):
@@ -110,7 +110,7 @@ def _dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (INTERPRETED and dtype == torch.bfloat16)
 
 
-def _check_runnable(x: torch.Tensor) -> None:
+def check_runnable(x: torch.Tensor) -> None:
     if not (INTERPRETED or x.is_cuda):
         raise ValueError(
             f"the Triton kernels need a CUDA tensor, got one on {x.device.type} (set "
@@ -121,7 +121,7 @@ def _check_runnable(x: torch.Tensor) -> None:
 # ---- groups of N <= SMALL_N ------------------------------------------------------------------
 
 
-def _group_outputs(x: torch.Tensor, mode: int):
+def group_outputs(x: torch.Tensor, mode: int):
     """(out (B,), items (B, N), matrix (B, N, N)) float32; those the mode does not fill are
     ``out`` itself, passed where the kernel wants a pointer it never writes."""
     B, N, _ = x.shape
@@ -132,7 +132,7 @@ def _group_outputs(x: torch.Tensor, mode: int):
     return out, items, matrix
 
 
-def _run_group(
+def run_group(
     x: torch.Tensor,
     counts: torch.Tensor | None,
     mode: int,
@@ -143,8 +143,8 @@ def _run_group(
     """(out (B,), items (B, N), matrix (B, N, N)); only the mode's outputs are filled.
 
     ``config`` overrides the table and rule (for tests and sweeps). A "pairs" configuration runs
-    :func:`_pairs_kernel`; it has no matrix mode, which then takes the rule's launch. A "dot" one
-    runs :func:`_group_dot_kernel`. The variants kept for the bench sweep run in
+    :func:`pairs_kernel`; it has no matrix mode, which then takes the rule's launch. A "dot" one
+    runs :func:`group_dot_kernel`. The variants kept for the bench sweep run in
     ``pairwise_cosine_variants``, not here.
     """
     B, N, D = x.shape
@@ -155,7 +155,7 @@ def _run_group(
         if key is not None:
             _GROUP_PLANS[key] = plan
     launch, grid, constexprs, no_matrix, launch_key = plan
-    out, items, matrix = _group_outputs(x, mode)
+    out, items, matrix = group_outputs(x, mode)
     counts_or_any = counts if counts is not None else out
     if no_matrix:
         args = (x, counts_or_any, out, items, B, N, D, *x.stride(), eps)
@@ -179,7 +179,7 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
             "accel.kernels.pairwise_cosine_variants.run_variant"
         )
     if config.variant == "pairs" and mode == MODE_MATRIX:
-        config = _rule_config(block_n, D, B, itemsize, pairs=False)
+        config = rule_config(block_n, D, B, itemsize, pairs=False)
     if config.variant == "pairs" and not 2 <= N <= PAIRS_MAX_N:
         raise ValueError(f"the 'pairs' group kernel takes 2 <= N <= {PAIRS_MAX_N}, got N={N}")
     grid = (triton.cdiv(B, config.groups),)
@@ -370,43 +370,43 @@ def _group_means(items: torch.Tensor, counts: torch.Tensor | None, x: torch.Tens
 
 def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None, *, eps: float):
     """1 - mean cosine over pairs i != j of each group: (B,)."""
-    _check_runnable(x)
+    check_runnable(x)
     B, N, D = x.shape
     if B == 0 or N < 2:  # no pairs anywhere: diversity 0 by definition
         return torch.zeros(B, device=x.device)
     if group_kernel_takes_mean(N, D, x.element_size()):
-        return _run_group(x, counts, MODE_MEAN, eps=eps)[0]
+        return run_group(x, counts, MODE_MEAN, eps=eps)[0]
     return _run_closed_form_mean(x, counts, eps)
 
 
 def nearest_distances(x: torch.Tensor, counts: torch.Tensor | None = None, *, eps: float):
     """Cosine distance from each member to its nearest other member: (B, N)."""
-    _check_runnable(x)
+    check_runnable(x)
     B, N, _ = x.shape
     if B == 0 or N < 2:
         return torch.zeros(B, N, device=x.device)
     if N <= SMALL_N:
-        return _run_group(x, counts, MODE_NEAREST, eps=eps)[1]
+        return run_group(x, counts, MODE_NEAREST, eps=eps)[1]
     return _run_tiled(x, counts, MODE_NEAREST, eps)
 
 
 def nearest_diversity(x: torch.Tensor, counts: torch.Tensor | None = None, *, eps: float):
     """Group mean of the nearest-other distances: (B,)."""
-    _check_runnable(x)
+    check_runnable(x)
     B, N, _ = x.shape
     if B == 0 or N < 2:
         return torch.zeros(B, device=x.device)
     if N <= SMALL_N:
-        return _run_group(x, counts, MODE_NEAREST, eps=eps)[0]
+        return run_group(x, counts, MODE_NEAREST, eps=eps)[0]
     return _group_means(_run_tiled(x, counts, MODE_NEAREST, eps), counts, x)
 
 
 def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None, *, eps: float):
     """The matrix 1 - cos(x_i, x_j): (B, N, N); zero outside each group's count."""
-    _check_runnable(x)
+    check_runnable(x)
     B, N, _ = x.shape
     if B == 0 or N == 0:
         return torch.zeros(B, N, N, device=x.device)
     if N <= SMALL_N:
-        return _run_group(x, counts, MODE_MATRIX, eps=eps)[2]
+        return run_group(x, counts, MODE_MATRIX, eps=eps)[2]
     return _run_tiled(x, counts, MODE_MATRIX, eps)

@@ -43,17 +43,17 @@ CLOSED_FORM_16_BIT_WIDE_MAX_N = 16
 GROUP_TILE_ELEMENTS = 8192
 GROUP_MAX = 8  # groups per program at most
 GROUP_UNROLL = 4  # chunks of D a program loads together, at most
-# Where the group kernel sums over D. Production: "vecsum" (_group_kernel) sums each chunk's
-# products over one thread's 16-byte piece; "pairs" is _pairs_kernel (groups of N <= 4, the
-# distinct dot products only); "dot" is _group_dot_kernel (every group's rows of a program as one
+# Where the group kernel sums over D. Production: "vecsum" (group_kernel) sums each chunk's
+# products over one thread's 16-byte piece; "pairs" is pairs_kernel (groups of N <= 4, the
+# distinct dot products only); "dot" is group_dot_kernel (every group's rows of a program as one
 # tile through the tensor cores). Kept for the bench sweep (pairwise_cosine_variants): "tile"
 # (every product, summed after the loop) and "gram" (each chunk summed over D across the lanes).
-# "closed" (_closed_form_kernel) takes the mean only, by its closed form: BLOCK_D is the whole
+# "closed" (closed_form_kernel) takes the mean only, by its closed form: BLOCK_D is the whole
 # row, and a step holds as many rows as fit GROUP_TILE_ELEMENTS.
 GroupVariant = Literal["tile", "vecsum", "gram", "pairs", "dot", "closed"]
 GROUP_VARIANTS: tuple[str, ...] = ("tile", "vecsum", "gram", "pairs", "dot", "closed")
 SWEEP_VARIANTS: tuple[str, ...] = ("tile", "gram")  # run by pairwise_cosine_variants only
-PAIRS_MAX_N = 4  # the rows _pairs_kernel spells out
+PAIRS_MAX_N = 4  # the rows pairs_kernel spells out
 PAIRS_PROGRAM_BYTES = 8192  # the "pairs" rule's groups per program read about this much
 PAIRS_GROUP_MAX = 16
 PAIRS_MAX_WARPS = 4
@@ -158,7 +158,7 @@ class GroupConfig:
 # The fastest configuration measured per (BLOCK_N, D rounded up to a power of 2, bytes per
 # element): group_kernel_sweep's rows (accel.lab.cases.diversity; results/*.csv, phase=diversity,
 # cases "sweep group kernel ..."), results/diversity-group-rule-nvidia-h100.txt and
-# results/diversity-group-table-nvidia-h200.txt. Every other shape takes _rule_config's.
+# results/diversity-group-table-nvidia-h200.txt. Every other shape takes rule_config's.
 GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
     (4, 512, 4): GroupConfig("pairs", groups=1, block_d=128, unroll=1, num_warps=1),
     (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
@@ -176,7 +176,7 @@ RAGGED_TABLE: dict[tuple[int, int, int], GroupConfig] = {
 }
 
 
-def _rule_config(
+def rule_config(
     block_n: int, d: int, batch: int, itemsize: int, *, pairs: bool = True
 ) -> GroupConfig:
     """The fallback: a deterministic rule (no autotuning: the same launch compiled or interpreted).
@@ -253,7 +253,7 @@ def group_config(
     ragged 16-bit groups (``ragged``: counts given), :func:`_ragged_config`'s where it has one."""
     config = GROUP_TABLE.get((block_n, next_power_of_2(d), itemsize))
     if config is None:
-        config = _rule_config(block_n, d, batch, itemsize)
+        config = rule_config(block_n, d, batch, itemsize)
     if ragged and itemsize == 2:
         return _ragged_config(config, block_n, d)
     return config

@@ -1,23 +1,23 @@
 """Pairwise-cosine kernels for many small groups (N <= 64 rows each), every cosine in registers.
 
-- ``_group_kernel``: a few groups of N rows per program. It accumulates each group's N x N Gram
+- ``group_kernel``: a few groups of N rows per program. It accumulates each group's N x N Gram
   matrix over chunks of D, takes the norms from its diagonal and reduces in the epilogue (mean
   over pairs, nearest other, or the matrix). Its launch is a ``GroupConfig``
   (``pairwise_cosine_config``).
-- ``_group_dot_kernel``: the rows of all the program's groups as one (GROUPS * BLOCK_N, D) tile
+- ``group_dot_kernel``: the rows of all the program's groups as one (GROUPS * BLOCK_N, D) tile
   times its own transpose on the tensor cores (float32 in two TF32 passes, ``_gram_fp32``); each
   group's Gram matrix is a diagonal block of the product. It forms GROUPS times the products it
-  needs, on units with them to spare, where ``_group_kernel`` holds N^2 products per element in
+  needs, on units with them to spare, where ``group_kernel`` holds N^2 products per element in
   float32 registers: the faster of the two from N = 3 (16-bit) or N = 5 (float32) on, and the
   only one the rule takes past 16 rows. A tile of one group with counts (16-bit) takes half its
   rows for a group whose count fits them.
-- ``_pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
+- ``pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
   products formed.
-- ``_closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
+- ``closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
   registers a step, each read once, O(N D) work): groups from 5 rows (8 padded).
 
-The prologues (``_program_groups``, ``_group_rows``), a chunk's products (``_chunk_products``)
-and the epilogue (``_group_epilogue``) are shared with the variants the bench sweep compares
+The prologues (``_program_groups``, ``group_rows``), a chunk's products (``chunk_products``)
+and the epilogue (``group_epilogue``) are shared with the variants the bench sweep compares
 (``pairwise_cosine_variants``). Both accumulate in float32 whatever the input dtype and
 normalize as ``F.normalize`` does, x / max(||x||, eps); rows past a group's count are never read.
 """
@@ -51,7 +51,7 @@ def _program_groups(counts_ptr, B, N, GROUPS: tl.constexpr, HAS_COUNTS: tl.const
 
 
 @triton.jit
-def _aligned_rows(D, stride_xb, stride_xn, ALIGN: tl.constexpr):
+def aligned_rows(D, stride_xb, stride_xn, ALIGN: tl.constexpr):
     """The row width and strides, multiples of ALIGN (the launcher's ``row_alignment``),
     written so that the compiler sees it: rows then load ALIGN elements at a time, not one."""
     if ALIGN > 1:
@@ -81,14 +81,14 @@ def _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.
 
 
 @triton.jit
-def _chunk_products(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
+def chunk_products(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
     """Every product x_i * x_j of one chunk: (row i, row j, group, piece, element)."""
     x = _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D, VEC)
     return x * tl.permute(x, (1, 0, 2, 3, 4))
 
 
 @triton.jit
-def _group_rows(
+def group_rows(
     X_ptr,
     counts_ptr,
     B,
@@ -114,7 +114,7 @@ def _group_rows(
 
 
 @triton.jit
-def _group_epilogue(
+def group_epilogue(
     gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE: tl.constexpr
 ):
     """Per group, from its Gram matrix (BLOCK_N, BLOCK_N, GROUPS): norms from the diagonal,
@@ -153,7 +153,7 @@ def _group_epilogue(
 
 
 @triton.jit
-def _group_kernel(
+def group_kernel(
     X_ptr,
     counts_ptr,
     out_ptr,
@@ -181,17 +181,17 @@ def _group_kernel(
     # x_i * x_j need no exchange between threads and the sum over D none between warps.
     # Each chunk's products are summed over the thread's own 16-byte piece at once (in-thread
     # adds), so the accumulator holds (N, N, GROUPS, BLOCK_D / VEC) floats, not every product.
-    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
-    b, live, rows, n, valid, x_rows = _group_rows(
+    D, stride_xb, stride_xn = aligned_rows(D, stride_xb, stride_xn, ALIGN)
+    b, live, rows, n, valid, x_rows = group_rows(
         X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
     )
     acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS, BLOCK_D // VEC], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D * UNROLL):
         for k in tl.static_range(UNROLL):
             d = d0 + k * BLOCK_D
-            acc += tl.sum(_chunk_products(x_rows, valid, d, D, stride_xd, BLOCK_D, VEC), axis=4)
+            acc += tl.sum(chunk_products(x_rows, valid, d, D, stride_xd, BLOCK_D, VEC), axis=4)
     gram = tl.sum(acc, axis=3)  # (BLOCK_N, BLOCK_N, GROUPS)
-    _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
+    group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
 
 
 @triton.jit
@@ -216,7 +216,7 @@ def _gram_fp32(x, acc):
 
 
 @triton.jit
-def _group_dot_kernel(
+def group_dot_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
     eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, ALIGN: tl.constexpr,
@@ -226,7 +226,7 @@ def _group_dot_kernel(
     # 16-bit tiles): a group whose count fits half the rows takes a tile of half the rows, a
     # quarter of the products; its rows past that half are written as the epilogue writes rows
     # past a count.
-    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
+    D, stride_xb, stride_xn = aligned_rows(D, stride_xb, stride_xn, ALIGN)
     if HALF_TILE:
         group = tl.program_id(0).to(tl.int64)
         count = tl.minimum(tl.maximum(tl.load(counts_ptr + group).to(tl.int32), 0), N)
@@ -256,7 +256,7 @@ def _group_dot(
 ):  # fmt: skip
     # Tile row r is row r % BLOCK_N of the program's group r // BLOCK_N; rows past a group's
     # count (or past B) load as zeros, so their products are zero and the epilogue skips them.
-    b, live, rows, n, valid, _ = _group_rows(
+    b, live, rows, n, valid, _ = group_rows(
         X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
     )
     r = tl.arange(0, GROUPS * BLOCK_N)
@@ -283,7 +283,7 @@ def _group_dot(
         gram = tl.permute(gram, (1, 2, 0))  # (BLOCK_N, BLOCK_N, GROUPS), as the epilogue takes it
     if DOT_FP32:  # the groups' blocks only: GROUPS times less to transpose than the tile
         gram = (gram + tl.permute(gram, (1, 0, 2))) * 0.5
-    _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
+    group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
 
 
 @triton.jit
@@ -310,7 +310,7 @@ def _max3(a, b, c):
 
 
 @triton.jit
-def _pairs_kernel(
+def pairs_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
     MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_D: tl.constexpr,
     ROWS: tl.constexpr, ALIGN: tl.constexpr,
@@ -318,10 +318,10 @@ def _pairs_kernel(
     # Groups of N = ROWS <= 4: each row a tensor of its own, (GROUPS, BLOCK_D) with D along the
     # lanes, so only the distinct dot products x_i . x_j (i <= j) are formed: (ROWS + 1) / 2
     # multiply-adds per element read, in registers, where the (row, row, ...) tiles of
-    # _group_kernel take ROWS and rearrange registers for the transpose. Rows past ROWS are
+    # group_kernel take ROWS and rearrange registers for the transpose. Rows past ROWS are
     # neither loaded nor multiplied (their products stay 0). The sums over D cross the lanes
     # once per chunk.
-    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
+    D, stride_xb, stride_xn = aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     x_groups = X_ptr + b[:, None] * stride_xb
     d00 = tl.zeros([GROUPS], dtype=tl.float32)
@@ -378,7 +378,7 @@ def _pairs_kernel(
 
 
 @triton.jit
-def _closed_form_kernel(
+def closed_form_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
     MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
@@ -387,7 +387,7 @@ def _closed_form_kernel(
     # sum_i ||x̂_i||^2. Each step holds BLOCK_N whole rows of GROUPS groups, (GROUPS, BLOCK_N,
     # BLOCK_D): their norms come from registers, so every row is read once, and O(N D) work
     # replaces the N^2 D of a Gram matrix (two TF32 passes of it in float32).
-    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
+    D, stride_xb, stride_xn = aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     cols = tl.arange(0, BLOCK_D)
     x_groups = X_ptr + b[:, None, None] * stride_xb + cols[None, None, :] * stride_xd
@@ -413,4 +413,4 @@ def _closed_form_kernel(
 
 # True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
 # as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
-INTERPRETED: bool = type(_group_kernel).__name__ == "InterpretedFunction"
+INTERPRETED: bool = type(group_kernel).__name__ == "InterpretedFunction"

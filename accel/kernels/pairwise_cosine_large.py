@@ -1,14 +1,14 @@
 """Pairwise-cosine kernels for large sets: the nearest other member and the mean over pairs.
 
-- ``_tiled_kernel``: the structure of fused attention. A program keeps one block of rows, streams
+- ``tiled_kernel``: the structure of fused attention. A program keeps one block of rows, streams
   blocks of columns past it, forms their dot products with ``tl.dot`` (a GEMM over chunks of D,
   in one flat pipelined loop) and folds each tile into a running maximum per row (or stores it,
   for the distance matrix), so the N x N matrix never exists in device memory.
-  ``_inv_norm_kernel`` first writes the N inverse norms it scales by.
-- ``_normalized_sum_kernel``: the mean over pairs by its closed form,
+  ``inv_norm_kernel`` first writes the N inverse norms it scales by.
+- ``normalized_sum_kernel``: the mean over pairs by its closed form,
   sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2, in O(N D): partial sums of the
-  normalized rows per block of rows, which ``_mean_from_partials_kernel`` finishes per group.
-- ``_group_mean_kernel``: a group's mean of its members' nearest distances.
+  normalized rows per block of rows, which ``mean_from_partials_kernel`` finishes per group.
+- ``group_mean_kernel``: a group's mean of its members' nearest distances.
 
 All accumulate in float32 and normalize as ``F.normalize`` does, x / max(||x||, eps).
 """
@@ -55,7 +55,7 @@ def _row_sq_norms(
 
 
 @triton.jit
-def _inv_norm_kernel(
+def inv_norm_kernel(
     X_ptr,
     inv_ptr,
     N,
@@ -77,7 +77,7 @@ def _inv_norm_kernel(
 
 
 @triton.jit
-def _tiled_kernel(
+def tiled_kernel(
     X_ptr,
     inv_ptr,
     counts_ptr,
@@ -153,7 +153,7 @@ def _tiled_kernel(
 
 
 @triton.jit
-def _normalized_sum_kernel(
+def normalized_sum_kernel(
     X_ptr,
     counts_ptr,
     partial_ptr,
@@ -186,7 +186,7 @@ def _normalized_sum_kernel(
 
 
 @triton.jit
-def _mean_from_partials_kernel(
+def mean_from_partials_kernel(
     partial_ptr,
     partial_sq_ptr,
     counts_ptr,
@@ -218,7 +218,7 @@ def _mean_from_partials_kernel(
 
 
 @triton.jit
-def _group_mean_kernel(
+def group_mean_kernel(
     items_ptr, counts_ptr, out_ptr, N, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Group b's mean of its members' values (B, N), 0 for fewer than two members; values past
@@ -249,10 +249,10 @@ TILED_FP32 = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 32}, num_warps=8, num_stages=2),
 ]
 tiled_16bit = triton.autotune(configs=TILED_16BIT, key=["N", "D", "MODE", "HAS_COUNTS"])(
-    _tiled_kernel
+    tiled_kernel
 )
 tiled_fp32 = triton.autotune(configs=TILED_FP32, key=["N", "D", "MODE", "HAS_COUNTS"])(
-    _tiled_kernel
+    tiled_kernel
 )
 
 # Under TRITON_INTERPRET=1 (CPU tests) nothing is tuned: small fixed tiles keep it quick.
@@ -262,4 +262,4 @@ ROWS_BLOCK_M, ROWS_BLOCK_D = 32, 128
 
 # True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
 # as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
-INTERPRETED: bool = type(_tiled_kernel).__name__ == "InterpretedFunction"
+INTERPRETED: bool = type(tiled_kernel).__name__ == "InterpretedFunction"

@@ -2,7 +2,7 @@
 
 ``accel.lab.cases.diversity.group_kernel_sweep`` times every variant of the group kernel side by
 side; production takes "vecsum", "pairs" or "dot" (``pairwise_cosine``). The two kept here
-differ from the production ``_group_kernel`` only in where the sum over D happens, i.e. what the
+differ from the production ``group_kernel`` only in where the sum over D happens, i.e. what the
 accumulator holds per thread; the prologue and epilogue are the production kernel's own helpers:
 
 - "tile": every product, (N, N, GROUPS, BLOCK_D / VEC, VEC), summed after the loop: the first
@@ -22,12 +22,12 @@ from .pairwise_cosine import (
     MODE_MATRIX,
     MODE_MEAN,
     MODE_NEAREST,
-    _check_runnable,
-    _group_outputs,
-    _run_group,
+    check_runnable,
+    group_outputs,
+    run_group,
 )
 from .pairwise_cosine_config import SMALL_N, SWEEP_VARIANTS, GroupConfig, block_rows
-from .pairwise_cosine_groups import _chunk_products, _group_epilogue, _group_rows
+from .pairwise_cosine_groups import chunk_products, group_epilogue, group_rows
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _group_variant_kernel(
     UNROLL: tl.constexpr,
 ):  # fmt: skip
     # VARIANT 0 is "tile", 1 is "gram" (the module docstring says what each accumulates).
-    b, live, rows, n, valid, x_rows = _group_rows(
+    b, live, rows, n, valid, x_rows = group_rows(
         X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
     )
     if VARIANT == 0:
@@ -47,7 +47,7 @@ def _group_variant_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D * UNROLL):
         for k in tl.static_range(UNROLL):
-            products = _chunk_products(x_rows, valid, d0 + k * BLOCK_D, D, stride_xd, BLOCK_D, VEC)
+            products = chunk_products(x_rows, valid, d0 + k * BLOCK_D, D, stride_xd, BLOCK_D, VEC)
             if VARIANT == 0:
                 acc += products
             else:
@@ -56,7 +56,7 @@ def _group_variant_kernel(
         gram = tl.sum(tl.sum(acc, axis=4), axis=3)  # (BLOCK_N, BLOCK_N, GROUPS)
     else:
         gram = acc
-    _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
+    group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
 
 
 # True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
@@ -75,9 +75,9 @@ def run_variant(
     """(out (B,), items (B, N), matrix (B, N, N)) of the group kernel launched as ``config``
     says, whatever its variant (None: the production one); only the mode's outputs are filled."""
     if config is None or config.variant not in SWEEP_VARIANTS:
-        return _run_group(x, counts, mode, config, eps=eps)
+        return run_group(x, counts, mode, config, eps=eps)
     B, N, D = x.shape
-    out, items, matrix = _group_outputs(x, mode)
+    out, items, matrix = group_outputs(x, mode)
     args = (x, counts if counts is not None else out, out, items, matrix, B, N, D, *x.stride(), eps)
     _group_variant_kernel[(triton.cdiv(B, config.groups),)](
         *args,
@@ -99,7 +99,7 @@ def run_group_kernel(
     modes = {"mean": MODE_MEAN, "nearest": MODE_NEAREST, "matrix": MODE_MATRIX}
     if reduction not in modes:
         raise ValueError(f"reduction must be one of {', '.join(modes)}, got {reduction!r}")
-    _check_runnable(x)
+    check_runnable(x)
     if x.dim() != 3 or not 2 <= x.shape[1] <= SMALL_N:
         raise ValueError(
             f"the group kernel takes (B, N, D) with 2 <= N <= {SMALL_N}, got {tuple(x.shape)}"

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .launch import row_alignment
-from .pairwise_cosine_groups import _aligned_rows
+from .pairwise_cosine_groups import aligned_rows
 
 # Bytes a program loads per step, the launch shapes tried: 16 KB reads full sets at the copy's
 # pace; 4 KB reads ragged sets faster at most widths (results/diversity-ragged-reads-*.txt).
@@ -44,7 +44,7 @@ def _sum_rows_kernel(
     """Program (i, j): sets i*G.. of the batch, their rows j*ROWS..; one partial sum per set
     and row block, in ``out`` (B, row blocks). Rows load ALIGN elements at a time, as the
     diversity kernels' do."""
-    D, stride_b, stride_n = _aligned_rows(D, stride_b, stride_n, ALIGN)
+    D, stride_b, stride_n = aligned_rows(D, stride_b, stride_n, ALIGN)
     sets = tl.program_id(0) * G + tl.arange(0, G)
     block = tl.program_id(1)
     set_ok = sets < B

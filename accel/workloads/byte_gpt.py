@@ -8,14 +8,21 @@ import inspect
 import math
 import sysconfig
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from accel.workloads.nested_optimizer import Sizes
+
+class Sizes(Protocol):
+    """What the model and its text read of a workload's sizes (``nested_optimizer.Sizes``)."""
+
+    context: int
+    heads: int
+    layers: int
+    text_bytes: int
+    width: int
 
 VOCAB = 256  # bytes
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel.doctor import examine, zoo
-from accel.doctor.examine import CALLS
+from accel.doctor.timeline import CALLS
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases import doctor_ladder
 from accel.lab.costs import measure_costs

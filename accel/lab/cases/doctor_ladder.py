@@ -20,7 +20,7 @@ import statistics
 import time
 
 from accel.doctor import examine, ladder
-from accel.doctor.examine import CALLS
+from accel.doctor.timeline import CALLS
 from accel.lab.bench import BenchContext, Row
 from accel.lab.timing import compare
 
