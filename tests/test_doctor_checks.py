@@ -303,7 +303,7 @@ def launch_bound(ops=(), *, waiting=(250.0, 100.0), batch=(), loader=None, devic
 def test_launch_bound_fires_above_thirty_percent_waiting_and_not_below():
     (found,) = launch_bound(waiting=(200.0, 101.0))
     assert found.kind == "launch_bound"
-    assert found.fixes == ("cuda_graph", "graph_model", "compile")
+    assert found.fixes == ("cuda_graph", "compile")
     assert launch_bound(waiting=(200.0, 99.0)) == []
     assert launch_bound(waiting=(0.0, 290.0)) == []
     assert launch_bound(device="cpu") == []

@@ -178,8 +178,7 @@ def launch_bound(evidence: Evidence) -> list[Finding]:
             ),
             # syncs and host batches can be taken out of a step; a changing shape cannot
             saved_us=None if _shape_changes(evidence) else max(0.0, t.step_us - graphed),
-            # graph_model captures the model alone: a sync in the step around it does not stop it
-            fixes=("cuda_graph", "graph_model", "compile"),
+            fixes=("cuda_graph", "compile"),
         )
     ]
 

@@ -202,33 +202,6 @@ def _graph(copy: StepCopy) -> None:
     copy.on_device_batch = copy.graphed = True
 
 
-class _GraphedOnFirstCall:
-    """A model's forward and backward captured as CUDA graphs (``make_graphed_callables``) on its
-    first call, with that call's tensors as the static inputs; the step around it stays as
-    written, syncs included."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.forward = model, model.forward
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        tensors = all(isinstance(a, torch.Tensor) for a in args)
-        if kwargs or not args or not tensors:
-            raise FixNotApplicable(
-                "the model is called with keyword or non-tensor arguments, which "
-                "make_graphed_callables cannot capture"
-            )
-        del self.model.forward  # make_graphed_callables sets its own
-        torch.cuda.make_graphed_callables(self.model, tuple(args))
-        return self.model(*args)
-
-
-def _graph_models(copy: StepCopy) -> None:
-    if not copy.parts.models:
-        raise FixNotApplicable("no model found in the step to capture")
-    for model in copy.parts.models:
-        model.forward = _GraphedOnFirstCall(model)
-
-
 def _compile(copy: StepCopy) -> None:
     if not copy.parts.models:
         raise FixNotApplicable("no model found in the step to compile")
@@ -307,10 +280,7 @@ def _context(
 
 
 def _autocast(copy: StepCopy) -> None:
-    # no cast cache: a captured model (graph_model) must cast inside its graph
-    copy.contexts.append(
-        lambda: torch.autocast(copy.device.type, dtype=torch.bfloat16, cache_enabled=False)
-    )
+    copy.contexts.append(lambda: torch.autocast(copy.device.type, dtype=torch.bfloat16))
 
 
 def _pinned(copy: StepCopy) -> None:
@@ -346,9 +316,6 @@ FIXES: dict[str, Fix] = {
         Fix("cuda_graph", "GraphedStep (CUDA graph)", _graph, 1e-3,
             "the same operations replayed, but cuBLAS may pick another kernel for a product while "
             "capturing, summing in another order: " + _REORDERED, rtol_16bit=2e-2),
-        Fix("graph_model", "the model's forward and backward as CUDA graphs", _graph_models,
-            1e-3, "the same operations replayed, but cuBLAS may pick another kernel while "
-            "capturing: " + _REORDERED, rtol_16bit=2e-2),
         Fix("compile", "torch.compile", _compile, 1e-3,
             "fused kernels sum in another order: " + _REORDERED, needs_cuda=False,
             rtol_16bit=2e-2),

@@ -62,7 +62,8 @@ _COPYABLE_ITERATORS = frozenset(
         reversed([]),
     )
 )  # fmt: skip  (built-in iterators a shallow copy makes independent)
-_TARGETS = ("part", "grad", "computed", "rng", "state", "iterator", "writes")  # rebuilt, with their holders
+# rebuilt, with their holders
+_TARGETS = ("part", "grad", "computed", "rng", "state", "iterator", "writes")
 
 
 @dataclass

@@ -42,7 +42,7 @@ __all__ = [
     "try_fixes",
 ]
 
-EXCLUSIVE = ({"cuda_graph", "graph_model", "compile"}, {"fused_optimizer", "foreach_optimizer"})
+EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
 SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchanged step's own spread
 COMBINED_TRIES = 3  # combined trials at most, each without the least helpful fix of the last
 NEUTRAL = 0.98  # a fix measured at least this fast alone may still help beside the others
@@ -56,7 +56,6 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "sdpa_attention": _KERNELS,
     "compile": ("elementwise and other", "normalization", "idle host", "idle other"),
     "cuda_graph": ("idle host", "idle sync", "idle other"),
-    "graph_model": ("idle host", "idle other"),
     "deferred_reads": ("idle sync",),
     "pinned_batch": ("copy", "idle sync"),
     "fused_optimizer": ("optimizer", "idle host"),
