@@ -318,3 +318,14 @@ def test_batched_clips_run_before_the_optimizer_steps(seed):
         torch.nn.utils.clip_grad_norm_([p], 1.0)
         opt.step()
     torch.testing.assert_close(p.detach(), reference)
+
+
+def test_backend_flags_are_put_back_after_an_error():
+    from accel.doctor.products import backend_flags
+
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark)
+    with pytest.raises(RuntimeError), backend_flags(tf32=not before[0], cudnn_benchmark=True):
+        assert torch.backends.cuda.matmul.allow_tf32 is (not before[0])
+        assert torch.backends.cudnn.allow_tf32 is (not before[0]) and torch.backends.cudnn.benchmark
+        raise RuntimeError("the step failed")
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark) == before

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_map
 
 from accel.doctor.check_memory import repeated_blocks
 from accel.doctor.parts import StepParts
+from accel.doctor.products import backend_flags
 
 __all__ = ["FIXES", "Fix", "FixNotApplicable", "StepCopy"]
 
@@ -185,16 +186,6 @@ def _batched_clip(copy: StepCopy) -> None:
 
 
 # ---- precision, graphs, compile, memory ---------------------------------------------------------
-@contextlib.contextmanager
-def _tf32() -> Iterator[None]:
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
-
-
 def _graph(copy: StepCopy) -> None:
     for opt in copy.parts.optimizers:
         if "capturable" in opt.defaults:
@@ -247,16 +238,6 @@ def _deferred_reads(copy: StepCopy) -> None:
     copy.contexts.append(deferred_item_reads)
 
 
-@contextlib.contextmanager
-def _cudnn_benchmark() -> Iterator[None]:
-    saved = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = saved
-
-
 def _to_channels_last(copy: StepCopy) -> None:
     convs = [
         m for model in copy.parts.models for m in model.modules() if isinstance(m, torch.nn.Conv2d)
@@ -305,7 +286,7 @@ FIXES: dict[str, Fix] = {
             needs_cuda=False),
         Fix("set_to_none", "zero_grad(set_to_none=True)", _set_to_none, 1e-6,
             "adding a gradient to zeros or to nothing gives the same numbers", needs_cuda=False),
-        Fix("tf32", "TF32 matrix products", _context(_tf32), 2e-2,
+        Fix("tf32", "TF32 matrix products", _context(functools.partial(backend_flags, tf32=True)), 2e-2,
             "TF32 keeps 10 of float32's 23 mantissa bits in products (2^-11 relative each); "
             "through a few layers and steps, about 1e-2"),
         Fix("bf16_autocast", "bf16 autocast", _autocast, 5e-2,
@@ -326,7 +307,7 @@ FIXES: dict[str, Fix] = {
             needs_cuda=False, rtol_16bit=2e-2),
         Fix("deferred_reads", ".item() read later (no wait in the step)", _deferred_reads, 1e-6,
             "the same values, read after the step instead of inside it"),
-        Fix("cudnn_benchmark", "cudnn.benchmark", _context(_cudnn_benchmark), 1e-3,
+        Fix("cudnn_benchmark", "cudnn.benchmark", _context(functools.partial(backend_flags, cudnn_benchmark=True)), 1e-3,
             "cuDNN picks the fastest convolution algorithm, which sums in another order: "
             + _REORDERED, rtol_16bit=2e-2),
         Fix("channels_last", "channels-last convolutions", _to_channels_last, 1e-3,

@@ -12,7 +12,7 @@ import torch
 
 from accel.doctor.recorder import OpRecord
 
-__all__ = ["PRODUCTS", "product_call", "time_products"]
+__all__ = ["PRODUCTS", "backend_flags", "product_call", "time_products"]
 
 PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 CONVOLUTION = "aten::convolution"  # forward only: its backward takes the timed ones' ratio
@@ -62,19 +62,33 @@ def product_call(
     return (lambda: torch.bmm(a, b)) if a.dim() == 3 else (lambda: torch.mm(a, b))
 
 
+# the torch.backends settings a step's products run under, by name
+_BACKEND_FLAGS = {
+    "tf32": ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32")),
+    "cudnn_benchmark": ((torch.backends.cudnn, "benchmark"),),
+}
+
+
 @contextlib.contextmanager
-def _tf32(on: bool) -> Iterator[None]:
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
+def backend_flags(**settings: bool) -> Iterator[None]:
+    """``torch.backends`` flags set while inside (``tf32=True``, ``cudnn_benchmark=True``), and
+    put back as they were after."""
+    places = [
+        (where, attr, on) for name, on in settings.items() for where, attr in _BACKEND_FLAGS[name]
+    ]
+    saved = [(where, attr, getattr(where, attr)) for where, attr, _ in places]
     try:
+        for where, attr, on in places:
+            setattr(where, attr, on)
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        for where, attr, value in saved:
+            setattr(where, attr, value)
 
 
 def _with_tf32(call: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
-        with _tf32(on):
+        with backend_flags(tf32=on):
             return call()
 
     return run

@@ -185,24 +185,26 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     fix's saving is spread over the parts of the step it acts on (in proportion to their time),
     and a part's time left is what every fix acting on it leaves of it in turn."""
     t = report.evidence.timeline
-    parts = {k: v for k, v in t.by_category.items()} | {
-        f"idle {cause}": us for cause, us in t.idle_us.items()
-    }
+    parts = dict(t.by_category) | {f"idle {cause}": us for cause, us in t.idle_us.items()}
     left = dict(parts)
-    step_us, unexplained = t.step_us, 0.0
+    unexplained = 0.0
     alone = {r["fixes"]: r for r in rows if r["mode"] == "alone"}
     for name in names:
-        row = alone[name]
-        saved = step_us * (1 - row["measured ms"] / row["unchanged ms"])
+        saved = _saved_us(t.step_us, alone[name])
         acts = [p for p in ACTS_ON.get(name, ()) if parts.get(p, 0.0) > 0]
         total = sum(parts[p] for p in acts)
         if total <= 0:
             unexplained += saved
             continue
+        share = min(_MAX_SHARE, saved / total)  # the same share of each part it acts on
         for p in acts:
-            share = min(_MAX_SHARE, saved * parts[p] / total / parts[p])
             left[p] *= 1 - share
-    return max(step_us - sum(parts.values()) + sum(left.values()) - unexplained, 0.0) or math.nan
+    return max(t.step_us - sum(parts.values()) + sum(left.values()) - unexplained, 0.0) or math.nan
+
+
+def _saved_us(step_us: float, row: dict) -> float:
+    """A trial's measured saving on a step of ``step_us`` (its ratio: the trial timed its own)."""
+    return step_us * (1 - row["measured ms"] / row["unchanged ms"])
 
 
 def _record_measured(report, rows: list[dict]) -> None:
@@ -210,7 +212,7 @@ def _record_measured(report, rows: list[dict]) -> None:
     (those measured first)."""
     step_us = report.evidence.step_us
     saved = {
-        r["fixes"]: step_us * (1 - r["measured ms"] / r["unchanged ms"])
+        r["fixes"]: _saved_us(step_us, r)
         for r in rows
         if r["mode"] == "alone" and r["status"] in ("ok", "slower here")
     }
