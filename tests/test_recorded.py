@@ -5,7 +5,7 @@ import pytest
 
 from accel.lab.bench import COLUMNS, Row, write_results
 from accel.lab.device import device_name
-from accel.lab.recorded import beside_recorded
+from accel.lab.recorded import beside_recorded, result_sentence
 
 HERE = device_name("cpu")
 
@@ -47,3 +47,22 @@ def test_an_unknown_metric_names_the_columns(tmp_path):
     record(tmp_path, HERE, 2.0, "2026-01-01", "a")
     with pytest.raises(ValueError, match=r"metric must be a results column .*speedup"):
         beside_recorded("sync", "window", 2.0, None, device="cpu", metric="x", results_dir=tmp_path)
+
+
+def test_the_result_sentence_names_each_gpus_latest_row_and_its_verdict(tmp_path):
+    def gpu_row(device, optimized, met, date, stem):
+        row = Row("sync", "window", "time", "ms", optimized, baseline=10.0, target=">= 1.6x",
+                  met=met).as_dict()  # fmt: skip
+        row |= dict.fromkeys(COLUMNS[11:], "x") | {"device": device, "date": date}
+        write_results(pd.DataFrame([row], columns=COLUMNS), tmp_path, stem=stem)
+
+    gpu_row("GPU A", 5.0, True, "2026-01-01", "a")
+    gpu_row("GPU A", 4.0, True, "2026-02-01", "b")  # the latest of GPU A
+    gpu_row("GPU B", 8.0, False, "2026-01-01", "c")
+    said = result_sentence("sync", "window", results_dir=tmp_path)
+    assert said == (
+        "on the GPU A (2026-02-01): 2.5x (4 ms), target >= 1.6x met; "
+        "on the GPU B (2026-01-01): 1.25x (8 ms), target >= 1.6x missed"
+    )
+    with pytest.raises(LookupError, match="no row 'sync' / 'other'"):
+        result_sentence("sync", "other", results_dir=tmp_path)

@@ -32,6 +32,7 @@ _PUBLIC = {
     "FeaturePanel": "panel",
     "recorded_results": "bench",
     "beside_recorded": "recorded",
+    "result_sentence": "recorded",
     "ceilings_frame": "bench",
     "run_bench": "bench",
     "ladder_table": "cases.doctor_ladder",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from accel.lab.bench import recorded_results
+from accel.lab.bench import readable, recorded_results
 from accel.lab.device import device_name
 
 
@@ -94,3 +94,37 @@ def beside_recorded(
     if last[metric] is None or pd.isna(last[metric]):  # a row without that figure: none
         return agreement
     return dataclasses.replace(agreement, recorded=float(last[metric]), date=str(last["date"]))
+
+
+def result_sentence(
+    phase: str, case: str, *, metric: str = "speedup", results_dir: str | Path | None = None
+) -> str:
+    """What the bench recorded for ``phase``/``case`` on every GPU, as one sentence a notebook
+    prints, so that its prose cannot disagree with the rows: "on the NVIDIA H100 80GB HBM3
+    (2026-11-24): 9.41x (9.45 ms), target >= 1.6x met; on the NVIDIA H200 (...): ...".
+
+    ``metric`` is the column read first (``speedup`` or ``optimized``); a row without it gives
+    the other. Raises where no GPU recorded the case: a notebook must not quote a missing row."""
+    rows = recorded_results(phase, results_dir)
+    rows = rows[rows["case"] == case]
+    if rows.empty:
+        raise LookupError(f"no row {phase!r} / {case!r} recorded under results/")
+    parts = []
+    for device, part in rows.groupby("device", sort=True):
+        last = part.sort_values("date").iloc[-1]
+        parts.append(f"on the {device} ({last['date']}): {_figure(last, metric)}{_verdict(last)}")
+    return "; ".join(parts)
+
+
+def _figure(row: pd.Series, metric: str) -> str:
+    optimized = f"{readable(row['optimized'])} {row['unit']}".strip()
+    if metric == "speedup" and not pd.isna(row["speedup"]):
+        return f"{readable(row['speedup'])}x ({optimized})"
+    return optimized
+
+
+def _verdict(row: pd.Series) -> str:
+    if pd.isna(row["target"]) or not str(row["target"]).strip():
+        return ""
+    judged = "not judged" if pd.isna(row["met"]) else "met" if row["met"] else "missed"
+    return f", target {row['target']} {judged}"
