@@ -100,8 +100,8 @@ def result_sentence(
     phase: str, case: str, *, metric: str = "speedup", results_dir: str | Path | None = None
 ) -> str:
     """What the bench recorded for ``phase``/``case`` on every GPU, as one sentence a notebook
-    prints, so that its prose cannot disagree with the rows: "on the NVIDIA H100 80GB HBM3
-    (2026-11-24): 9.41x (9.45 ms), target >= 1.6x met; on the NVIDIA H200 (...): ...".
+    prints, so that its prose cannot disagree with the rows: "on the <GPU> (<date>): <speedup>x
+    (<figure> <unit>), target <target> met; on the <other GPU> ...".
 
     ``metric`` is the column read first (``speedup`` or ``optimized``); a row without it gives
     the other. Raises where no GPU recorded the case: a notebook must not quote a missing row."""
