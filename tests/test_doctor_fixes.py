@@ -237,8 +237,9 @@ def test_the_best_set_is_never_below_the_best_fix_alone(monkeypatch):
 
     monkeypatch.setattr(trial, "_trial", together)
     monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a: 0.0)  # nothing left out to retry
     rows = fake_rows({"bf16_autocast": 2.8, "tf32": 2.6, "pinned_batch": 1.1})
-    combined = trial._together(None, rows, 1, 1, 0.0)
+    combined = trial._together(step_of(100.0), rows, 1, 1, 0.0)
     assert tried == [["bf16_autocast", "tf32", "pinned_batch"], ["bf16_autocast", "tf32"]]
     best = [r for r in rows + combined if r["best set"]]
     assert [r["fixes"] for r in best] == ["bf16_autocast"]
@@ -254,9 +255,41 @@ def test_fixes_that_exclude_each_other_are_not_combined(monkeypatch):
                 "measured speedup": 9.0, "best set": False}  # fmt: skip
 
     monkeypatch.setattr(trial, "_trial", together)
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a: 50.0)  # cuda_graph predicted to pay
     rows = fake_rows({"compile": 3.0, "cuda_graph": 2.0, "fused_optimizer": 1.5})
-    trial._together(None, rows, 1, 1, 0.0)
+    trial._together(step_of(100.0), rows, 1, 1, 0.0)
     assert tried == [["compile", "fused_optimizer"]]
+
+
+def step_of(step_us: float):
+    return SimpleNamespace(evidence=SimpleNamespace(step_us=step_us))
+
+
+@pytest.mark.parametrize(("retried_speedup", "best"), [(3.0, "retried"), (2.0, "combined")])
+def test_a_predicted_fix_that_lost_alone_is_retried_on_the_best_set(
+    monkeypatch, retried_speedup, best
+):
+    """bf16 measured slower alone on a step the host held back; once the batched clip frees
+    the host it may pay: the best set is tried with it, and kept only if faster."""
+    tried = []
+
+    def together(report, names, *args, **kwargs):
+        tried.append(list(names))
+        speedup = retried_speedup if "bf16_autocast" in names else 2.4
+        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
+                "measured speedup": speedup, "best set": False}  # fmt: skip
+
+    monkeypatch.setattr(trial, "_trial", together)
+    monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    predicted = {"bf16_autocast": 30.0, "pinned_batch": 1.0}  # pinned: under 3% of the step
+    monkeypatch.setattr(trial, "_predicted_us", lambda report, names: predicted[names[0]])
+    rows = fake_rows({"batched_clip": 2.0, "compile": 1.3, "bf16_autocast": 0.8, "pinned_batch": 0.9})
+    rows[2]["status"] = "slower here"
+    combined = trial._together(step_of(100.0), rows, 1, 1, 0.0)
+    assert tried == [["batched_clip", "compile"], ["batched_clip", "compile", "bf16_autocast"]]
+    chosen = [r["fixes"] for r in rows + combined if r["best set"]]
+    expected = "batched_clip+compile" + ("+bf16_autocast" if best == "retried" else "")
+    assert chosen == [expected]
 
 
 def timeline_report(by_category: dict[str, float], idle: dict[str, float]):
