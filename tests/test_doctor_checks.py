@@ -815,6 +815,7 @@ def test_an_odd_vocabulary_in_the_largest_product_is_found_with_its_padded_gain(
     assert found.kind == "odd_shape" and "50304" in found.change
     assert found.sites == [Site("gpt.py", 40, "forward")]
     assert found.saved_us == pytest.approx(300.0)  # the stand-in times padded at a quarter
+    assert found.fixes == ("padded_products",) and found.detail == (50257, 50304)
 
 
 def test_convolutions_without_benchmark_or_channels_last_name_both_fixes():

@@ -164,6 +164,71 @@ def test_sdpa_fix_without_an_attention_finding_is_not_applicable(seed):
         FIXES["sdpa_attention"].apply(StepCopy(step_copy, parts_copy, None, torch.device("cpu")))
 
 
+class TiedHead(nn.Module):
+    """A language model's tied embedding and head over a vocabulary of 101 (not a multiple of
+    64)."""
+
+    def __init__(self, vocab: int = 101, width: int = 16, bias: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, vocab, bias=bias)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.embed(tokens)))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), tokens.view(-1))
+
+
+def odd_shape_finding(d: int, p: int):
+    return SimpleNamespace(kind="odd_shape", detail=(d, p), change=f"vocab_size = {p}")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_padded_products_give_the_same_loss_and_updates_as_the_odd_width(seed, bias):
+    """The head run at the padded width and sliced: the same loss, gradients and steps (to
+    float32 rounding) on fresh random tokens, the tied weight kept at its own shape."""
+    model = TiedHead(bias=bias)
+    if bias:
+        nn.init.normal_(model.head.bias)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def step(tokens):
+        opt.zero_grad()
+        loss = model(tokens)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    parts = doctor.parts.find_parts(step)
+    copies = [copy_step(step, parts) for _ in range(2)]
+    padded = StepCopy(*copies[1], None, torch.device("cpu"), findings=[odd_shape_finding(101, 128)])
+    FIXES["padded_products"].apply(padded)
+    assert padded.edits == ["vocab_size = 128"]
+    for _ in range(3):
+        tokens = torch.randint(101, (4, 12))
+        plain, fixed = copies[0][0](tokens), padded.step(tokens)
+        torch.testing.assert_close(fixed, plain, rtol=1e-5, atol=1e-6)
+    for a, b in zip(copies[1][1].models[0].parameters(), copies[0][1].models[0].parameters(),
+                    strict=True):  # fmt: skip
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    head = copies[1][1].models[0].head
+    assert head.weight is copies[1][1].models[0].embed.weight  # still tied
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    assert model.head.forward.__func__ is nn.Linear.forward  # the user's head: not padded
+
+
+def test_padded_products_without_an_odd_linear_is_not_applicable(seed):
+    model = nn.Linear(8, 64)
+    step = lambda x: model(x).sum().backward()  # noqa: E731
+    step_copy, parts_copy = copy_step(step, doctor.parts.find_parts(step))
+    copy = StepCopy(step_copy, parts_copy, None, torch.device("cpu"),
+                    findings=[odd_shape_finding(101, 128)])  # fmt: skip
+    with pytest.raises(FixNotApplicable, match=r"no nn\.Linear with 101 outputs"):
+        FIXES["padded_products"].apply(copy)
+
+
 def test_deferred_reads_leave_host_tensors_alone_and_restore_item():
     original = torch.Tensor.item
     with deferred_item_reads():

@@ -163,6 +163,8 @@ def odd_shape(evidence: Evidence) -> list[Finding]:
                 f"vocab_size = {p}  # was {d}: the extra rows are never a target",
                 saved_us=saved,
                 sites=sites[:3],
+                fixes=("padded_products",),
+                detail=(d, p),
             )
         )
     return found

@@ -232,6 +232,38 @@ def _sdpa(copy: StepCopy) -> None:
         copy.edits.append(rewrite.diff)
 
 
+def _padded_products(copy: StepCopy) -> None:
+    """Each ``nn.Linear`` with an odd number of outputs the odd_shape check found (a vocabulary's
+    head) run at the padded width and sliced back: zero rows added to its weight give zero
+    logits that are cut off, so the numbers are the same, at shapes the tensor cores tile."""
+    odd = dict(f.detail for f in copy.findings if f.kind == "odd_shape" and f.detail is not None)
+    linears = [
+        m
+        for model in copy.parts.models
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear) and m.out_features in odd
+    ]
+    if not linears:
+        raise FixNotApplicable(
+            f"no nn.Linear with {' or '.join(map(str, odd)) or 'an odd number of'} outputs to "
+            "pad: pad the dimension where your code sets it"
+        )
+    for module in linears:
+        module.forward = _padded_linear(module, odd[module.out_features])
+    copy.edits += [f.change for f in copy.findings if f.kind == "odd_shape"]
+
+
+def _padded_linear(module: torch.nn.Linear, width: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    extra = width - module.out_features
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = torch.nn.functional.pad(module.weight, (0, 0, 0, extra))
+        bias = None if module.bias is None else torch.nn.functional.pad(module.bias, (0, extra))
+        return torch.nn.functional.linear(x, weight, bias)[..., : module.out_features]
+
+    return forward
+
+
 def _deferred_reads(copy: StepCopy) -> None:
     from accel.doctor.deferred import deferred_item_reads
 
@@ -305,6 +337,10 @@ FIXES: dict[str, Fix] = {
         Fix("sdpa_attention", "attention rewritten as SDPA", _sdpa, 1e-3,
             "the same attention by a fused kernel that sums in another order: " + _REORDERED,
             needs_cuda=False, rtol_16bit=2e-2),
+        Fix("padded_products", "odd product dimension padded", _padded_products, 1e-4,
+            "the same products at a wider shape, which cuBLAS may tile and sum in another order: "
+            "float32 rounding (1e-7 an operation) over a few steps", needs_cuda=False,
+            rtol_16bit=2e-2),
         Fix("deferred_reads", ".item() read later (no wait in the step)", _deferred_reads, 1e-6,
             "the same values, read after the step instead of inside it"),
         Fix("cudnn_benchmark", "cudnn.benchmark", _context(functools.partial(backend_flags, cudnn_benchmark=True)), 1e-3,

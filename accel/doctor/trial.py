@@ -66,6 +66,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "set_to_none": ("memset", "idle host"),
     "channels_last": ("matmul", "elementwise and other"),
     "cudnn_benchmark": ("matmul",),
+    "padded_products": ("matmul",),
     "checkpointing": (),
 }
 _MAX_SHARE = 0.95  # no fix removes all of a part of the step
