@@ -411,7 +411,7 @@ def record_memory_history(
 ) -> Iterator[dict[str, Any]]:
     """Record the CUDA allocator's events inside the block; the yielded dict gets the snapshot
     (``torch.cuda.memory._snapshot()``) under ``"snapshot"`` at exit. Stack traces are not
-    recorded (they cost ~2 µs per event). CUDA only: elsewhere a RuntimeError says so.
+    recorded (gathering one adds host time to every event). CUDA only: elsewhere a RuntimeError says so.
 
         with record_memory_history() as rec:
             step()

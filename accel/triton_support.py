@@ -27,12 +27,12 @@ INSTALL_HINT = "pip install 'accel[kernels]'"
 
 @functools.cache
 def installed() -> bool:
-    """Triton can be imported (looked up once: ~10 µs a call)."""
+    """Triton can be imported (looked up once: the lookup searches the import path)."""
     return importlib.util.find_spec("triton") is not None
 
 
-# os.environ.get raises and catches a KeyError inside when the variable is unset (~0.7 µs, on
-# every kernel call); on POSIX its backing dict of bytes, which os.environ keeps up to date, is
+# os.environ.get raises and catches a KeyError inside when the variable is unset, on every
+# kernel call, which a host-bound call pays; on POSIX its backing dict of bytes, which os.environ keeps up to date, is
 # read directly instead.
 _ENVIRON_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
 

@@ -4,10 +4,12 @@ door that imports lazily, notebooks that start short."""
 from __future__ import annotations
 
 import ast
+import io
 import json
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -230,3 +232,107 @@ def test_no_private_name_is_taken_from_another_module():
         if name.startswith("_") and not name.startswith("__")
     ]
     assert not taken, taken
+
+
+# ---- code text states why, results/ states what was measured ---------------------------------------
+DATE = re.compile(r"\b20\d\d-[01]\d-[0-3]\d\b")
+# a number, or a range of two, with the unit of a timing, a rate or a ratio
+FIGURE = re.compile(
+    r"(?<![\w.^/])\d+(?:\.\d+)?(?:\s?[-–]\s?\d+(?:\.\d+)?)?\s?"
+    r"(?:x|ms|us|µs|μs|GB/s|TB/s|TFLOP/s|%|of (?:the )?copy)(?![\w/^])"
+)
+# words that say a sentence reports a run
+MEASURED = re.compile(r"\b(?:measured|recorded|[HAB]\d00|on (?:the|this) (?:GPU|card))\b", re.I)
+# what makes a figure a target, a threshold or a bound rather than a result: a comparator in its
+# clause before it, or "or more" in its clause after it
+BOUND_BEFORE = re.compile(
+    r"(?:>=|<=|≥|≤|[<>]|\bat (?:least|most)\b|\btargets?\b|\bwithin\b|\bunder\b|\bbelow\b|"
+    r"\babove\b|\bdefaults?\b)[^,;:()]*$",
+    re.I,
+)
+BOUND_AFTER = re.compile(r"^[^,;:()]*?\b(?:or (?:more|less|fewer)|targets?)\b", re.I)
+SENTENCE = re.compile(r"(?:[^.!?]|[.!?](?!\s|$))+[.!?]?", re.S)  # a point inside 1.5x ends none
+
+
+def code_text(path: Path) -> list[tuple[int, str]]:
+    """(first line, text) of each comment block (consecutive comment lines) and docstring."""
+    source = path.read_text()
+    blocks: list[tuple[int, list[str]]] = []
+    last = -1
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, text = token.start[0], token.string.lstrip("#").strip()
+            if blocks and row == last + 1:
+                blocks[-1][1].append(text)
+            else:
+                blocks.append((row, [text]))
+            last = row
+    found = [(row, "\n".join(lines)) for row, lines in blocks]
+    for node in ast.walk(ast.parse(source)):
+        documented = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+        if isinstance(node, documented) and (doc := ast.get_docstring(node, clean=False)):
+            found.append((node.body[0].lineno, doc))
+    return found
+
+
+def measured_figures(text: str) -> list[tuple[int, str]]:
+    """(line within ``text``, what) for each date and each measured figure: a number with a unit
+    in a sentence that speaks of a run, unless a comparator makes it a target or a bound."""
+    found = [(text.count("\n", 0, m.start()), m.group()) for m in DATE.finditer(text)]
+    for sentence in SENTENCE.finditer(text):
+        if not MEASURED.search(sentence.group()):
+            continue
+        for figure in FIGURE.finditer(sentence.group()):
+            before = sentence.group()[: figure.start()]
+            after = sentence.group()[figure.end() :]
+            if not BOUND_BEFORE.search(before) and not BOUND_AFTER.search(after):
+                start = sentence.start() + figure.start()
+                found.append((text.count("\n", 0, start), figure.group()))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("text", "caught"),
+    [
+        ("Measured on an H100 (2026-11-24): 3.2x the loop.", ["2026-11-24", "3.2x"]),
+        ("the pipelined launch took 7x\nat D=100, as measured", ["7x"]),
+        ("reads at 0.61-0.98 of copy on the H200", ["0.61-0.98 of copy"]),
+        ("a launch costs 5 us on the GPU; the next one 4.1 µs", ["5 us", "4.1 µs"]),
+        ("padded on the host, 15% of the tokens masked", []),
+        ("Target on an H100: >= 1.5x the compiled form.", []),
+        ("measured is 3% of the step or more", []),
+        ("recorded at most 20 µs a call, within 1.3x of the copy", []),
+        ("a 4x MLP, 128 x 128 tiles, the default 64 rows", []),
+        ("42 rows, 3 warps: measured, not assumed", []),
+    ],
+)
+def test_the_measured_figure_rule_tells_a_result_from_a_target(text, caught):
+    assert [what for _, what in measured_figures(text)] == caught
+
+
+def test_code_text_states_no_measured_figure_or_date():
+    """A figure measured on some GPU on some day ages in a comment; its place is the bench's rows
+    and ``results/<phase>-notes.md``, which a comment may point at."""
+    found = [
+        f"{_rel(path)}:{first + offset}: {what}"
+        for path in _modules()
+        for first, text in code_text(path)
+        for offset, what in measured_figures(text)
+    ]
+    assert not found, "measured figures or dates in comments and docstrings:\n" + "\n".join(found)
+
+
+def test_every_results_file_named_exists():
+    """A pointer into results/ from code, tests, notebooks or the two maps names a file that is
+    there (``*`` matches; a placeholder such as ``<phase>`` is not a name)."""
+    texts = [*_modules(), *sorted((ROOT / "tests").glob("*.py"))]
+    texts += [*sorted((ROOT / "notebooks").glob("*.ipynb")), ROOT / "README.md"]
+    texts.append(ROOT / "ARCHITECTURE.md")
+    missing = [
+        f"{_rel(path)}:{number}: results/{name}"
+        for path in texts
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        for name in re.findall(r"results/([\w.*-]+\.(?:md|csv|html|txt|json))", line)
+        if not any((ROOT / "results").glob(name))
+    ]
+    assert not missing, "\n".join(missing)

@@ -163,7 +163,7 @@ def test_compile_is_cuda_only_and_sdpa_is_pytorchs_pick_by_default():
 def test_bf16_configurations_at_the_gpu_preset_stay_within_the_bound():
     # 224 px, 12 blocks: logits of bf16 configurations differ from float32's by 1-4 bf16 units in
     # relative norm, and element by element by more than an elementwise bound allows
-    # (results/vit-numerics-nvidia-h100.json)
+    # (results/sdpa-notes.md)
     sizes = vit.Sizes.preset("gpu")
     base = run(sizes=sizes, device="cuda").result()
     for flags in (vit.Flags(bf16_autocast=True, channels_last=True), all_on(vit.Flags, "cuda")):

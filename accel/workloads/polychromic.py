@@ -79,7 +79,8 @@ class Sizes(Presets):
 Sizes.PRESETS = {
     "cpu": Sizes(),
     # 64 replies of 24 tokens: the baseline decodes them one by one (about 1.6k small forward
-    # passes), which takes of the order of a second on an H100; D = 384 as all-MiniLM-L6-v2.
+    # passes), a baseline long enough to time against its batched form; D = 384 as
+    # all-MiniLM-L6-v2.
     "gpu": Sizes(
         prompts=16,
         replies=4,

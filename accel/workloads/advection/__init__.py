@@ -13,7 +13,7 @@ for ``u`` at ``queries`` random points ``(x, t)``, t in [0, 1]:
 - the auxiliary "inverse" loss: a second transformer (``inverse_depth`` self-attention blocks)
   reads the *predicted* field at a subsample of the query points and recovers ``c`` and the
   Fourier coefficients of ``u0`` from it. Its attention is quadratic in the queries it sees,
-  which makes it 30-50% of a step at the presets, as the write-up says of its inverse losses.
+  which makes it a large share of a step at the presets (its rows: results/recipe-notes.md).
 
 The data come through a real ``torch.utils.data.DataLoader`` over :class:`AdvectionDataset`,
 whose samples are computed on the CPU when asked for (tens of microseconds each): a function
