@@ -205,7 +205,7 @@ def _group_plan(x: torch.Tensor, mode: int, has_counts: bool, config: GroupConfi
             )
         tile = dict(BLOCK_N=block_n, BLOCK_D=config.block_d, DOT_FP32=_dot_in_fp32(x.dtype))
         # 16 bits only: the float32 tile of 64 rows ran slower with the branch, even untaken
-        # (results/diversity-half-tile-nvidia-h100.txt)
+        # (results/diversity-notes.md)
         half = has_counts and config.groups == 1 and block_n >= 2 * DOT_MIN_ROWS
         tile["HALF_TILE"] = half and mode != MODE_MATRIX and itemsize == 2
         return _launch_group_dot, grid, common | tile, False

@@ -24,7 +24,7 @@ CLOSED_FORM_MIN_N = 8
 CLOSED_FORM_LARGE_N = 16
 # With counts, the closed form's steps stop at the largest count among a program's groups: steps
 # of at most this many rows of a group, several groups filling half the tile budget, then skip
-# most of the holes. results/diversity-closed-form-steps-nvidia-h100.txt
+# most of the holes. results/diversity-notes.md
 CLOSED_FORM_RAGGED_ROWS = 8
 # 16-bit means take the closed form in smaller steps: a warp per 256 elements of a row (one
 # 16-byte load a lane), up to 4; a step of CLOSED_FORM_16_BIT_WARP_STEP elements a warp (twice
@@ -32,7 +32,7 @@ CLOSED_FORM_RAGGED_ROWS = 8
 # CLOSED_FORM_16_BIT_MIN_PROGRAM elements a program; with counts, at most half a group's padded
 # rows a step. Groups padded past CLOSED_FORM_16_BIT_WIDE_MAX_N rows of CLOSED_FORM_16_BIT_WIDE_D
 # elements or more keep the tensor-core Gram, which reads them faster.
-# results/diversity-16-bit-closed-form-nvidia-h100.txt
+# results/diversity-notes.md
 CLOSED_FORM_16_BIT_WARP_STEP = 1024
 CLOSED_FORM_16_BIT_LONG_D = 2048
 CLOSED_FORM_16_BIT_MIN_PROGRAM = 2048
@@ -60,33 +60,33 @@ PAIRS_MAX_WARPS = 4
 DOT_ROWS = 64  # rows (groups x BLOCK_N) of the "dot" rule's 16-bit tile, on 4 warps
 # 16-bit groups of 5-32 rows: the smallest tile holding whole groups (16 or 32 rows) on one warp,
 # in chunks of 64, 128 from rows this long: faster than the 64-row tile on 4 warps (or the same
-# tile on 2) at every such point measured but one (N=32 D=2048 ragged, 0.02-0.04 of copy slower).
-# results/diversity-16-bit-small-tiles-nvidia-h100.txt
+# tile on 2) at every such point measured but one (results/diversity-notes.md).
+# results/diversity-notes.md
 DOT_ONE_WARP_MAX_ROWS = 32
 DOT_ONE_WARP_LONG_D = 1024
 # Rows of at most one 64-element chunk leave a 16-row program too little to do: a 32-row tile
 # (two groups of 9-16 rows, four of 5-8) is faster or level at every such point measured, full
 # or ragged, on an H100 and an H200; past one chunk it is slower.
-# results/diversity-16-bit-short-rows-nvidia-h200.txt (and -nvidia-h100.txt)
+# results/diversity-notes.md
 DOT_ONE_WARP_SHORT_D = 64
 DOT_ONE_WARP_SHORT_ROWS = 32
 DOT_ROWS_FP32 = 32  # the float32 tile's rows, on 2 warps (64 rows, past 32-row groups: 4)
 # Groups of up to 16 float32 rows: a 16-row tile on one warp, in chunks of 32 elements up to this
 # long a row, 64 past: faster than the 32-row tile on two warps (or more warps on either) at
-# every such point measured. results/diversity-fp32-small-tiles-nvidia-h100.txt
+# every such point measured. results/diversity-notes.md
 DOT_ROWS_FP32_SMALL = 16
 DOT_FP32_SMALL_SHORT_D = 256
 # The float32 tile of 64 rows loads each chunk straight into registers (one pipeline stage):
 # it splits the chunk into TF32 halves there, and Triton's pipeline would first stage the chunk
 # through shared memory, which that tile is bound by. Chunks of 32 elements up to this long a
-# row, 64 past. results/diversity-fp32-stages-nvidia-h100.txt
+# row, 64 past. results/diversity-notes.md
 DOT_FP32_WIDE_STAGES = 1
 DOT_FP32_WIDE_SHORT_D = 768
 DOT_MIN_ROWS = 16  # the smallest tile the tensor cores take
 DOT_MAX_ROWS = 128  # past this the product's operands outgrow shared memory (float32, H100)
 # Ragged 16-bit groups (counts given): the tensor-core tile reads chunks of this many elements,
 # which read faster than 128 past the holes that counts leave; and groups of 3-4 rows from this
-# long take that tile rather than the pairs kernel. results/diversity-ragged-reads-nvidia-h200.txt
+# long take that tile rather than the pairs kernel. results/diversity-notes.md
 RAGGED_BLOCK_D = 64
 RAGGED_DOT_MIN_D = 2048
 
@@ -157,8 +157,8 @@ class GroupConfig:
 
 # The fastest configuration measured per (BLOCK_N, D rounded up to a power of 2, bytes per
 # element): group_kernel_sweep's rows (accel.lab.cases.diversity; results/*.csv, phase=diversity,
-# cases "sweep group kernel ..."), results/diversity-group-rule-nvidia-h100.txt and
-# results/diversity-group-table-nvidia-h200.txt. Every other shape takes rule_config's.
+# cases "sweep group kernel ..."), results/diversity-notes.md and
+# results/diversity-notes.md. Every other shape takes rule_config's.
 GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
     (4, 512, 4): GroupConfig("pairs", groups=1, block_d=128, unroll=1, num_warps=1),
     (4, 512, 2): GroupConfig("pairs", groups=1, block_d=512, unroll=1, num_warps=1),
@@ -169,7 +169,7 @@ GROUP_TABLE: dict[tuple[int, int, int], GroupConfig] = {
 
 # Ragged 16-bit groups (counts given) of up to 4 rows of 129-256 elements: half a warp's row
 # of 16-byte loads a chunk, which reads faster past the holes than the full groups' launch
-# (a warp a row); results/diversity-pairs-rows-nvidia-h100.txt.
+# (a warp a row); results/diversity-notes.md.
 RAGGED_TABLE: dict[tuple[int, int, int], GroupConfig] = {
     (2, 256, 2): GroupConfig("pairs", groups=4, block_d=128, unroll=1, num_warps=2),
     (4, 256, 2): GroupConfig("pairs", groups=4, block_d=128, unroll=1, num_warps=2),
@@ -191,7 +191,7 @@ def rule_config(
     (:data:`DOT_ONE_WARP_MAX_ROWS`; a 32-row tile for rows of one chunk,
     :data:`DOT_ONE_WARP_SHORT_D`), of 33-64 rows (and 3-4, where "pairs" cannot run) in 64-row
     tiles on 4 warps. ``pairs=False`` (the matrix mode, which "pairs" cannot write) takes
-    "dot" from 4 rows in 16 bits, "vecsum" below. results/diversity-group-rule-nvidia-h100.txt
+    "dot" from 4 rows in 16 bits, "vecsum" below. results/diversity-notes.md
     and the files named beside the constants have the measurements behind each choice.
     """
     vec = max(1, 16 // itemsize)  # elements per 16-byte load

@@ -18,7 +18,7 @@ from .launch import row_alignment
 from .pairwise_cosine_groups import aligned_rows
 
 # Bytes a program loads per step, the launch shapes tried: 16 KB reads full sets at the copy's
-# pace; 4 KB reads ragged sets faster at most widths (results/diversity-ragged-reads-*.txt).
+# pace; 4 KB reads ragged sets faster at most widths (results/diversity-notes.md).
 TILE_BYTES_TRIED = (16 << 10, 4 << 10)
 TILE_BYTES = TILE_BYTES_TRIED[0]
 ROWS_PER_PROGRAM = 16  # at most: larger sets are split over programs
