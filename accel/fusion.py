@@ -172,7 +172,7 @@ def group_stats(
 def _group_stats_loop(
     groups: list[list[torch.Tensor]], device: torch.device, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """The seed's "before": pow and sum per tensor (4 kernels per parameter), then per group a
+    """The plain version: pow and sum per tensor (4 kernels per parameter), then per group a
     stack, a sum and a sqrt per statistic."""
     stats = torch.zeros(len(groups), 2, device=device) if out is None else out.zero_()
     for i, params in enumerate(groups):

@@ -15,7 +15,7 @@ not device work: Python, host reads, allocations, CPU tensors. So a graph needs:
 :class:`GraphedStep` wraps any step function that way (warm-up on a persistent side stream,
 capture on that stream with ``capture_error_mode="thread_local"`` so that another thread, say a
 plot refreshing, cannot break it). :class:`GraphedOptimizerStep` graphs ``optimizer.step()``
-alone with clipping left outside, as the DeepNestedOptimizer write-up did, and
+alone with clipping left outside, and
 :func:`training_step` builds a step (zero grads, forward, backward, clip, optimizer step) whose
 graph owns the gradients, so all of it can be captured. ``torch.compile(mode="reduce-overhead")``
 does the same job automatically (CUDA graph trees); the bench and notebook 04 compare them.

@@ -10,7 +10,7 @@ Wrapper = Literal["none", "ddp", "fsdp2"]
 WRAPPERS: tuple[str, ...] = ("none", "ddp", "fsdp2")
 Scaling = Literal["strong", "weak"]
 
-# The write-up's "Phase 1" NCCL settings (scripts/vast_launch.py). Within one NVLink host only
+# NCCL settings multi-host launch scripts commonly export. Within one NVLink host only
 # NCCL_MIN_NCHANNELS can change anything: the socket settings are for TCP transport between hosts,
 # and P2P/IB "disable=0" are NCCL's defaults already.
 WRITEUP_NCCL_ENV: dict[str, str] = {

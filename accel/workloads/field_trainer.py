@@ -51,7 +51,7 @@ METRICS = ("lior", "R", "spd")
 # the loop used Python floats) change the last bits; the dynamics are damped, so the difference
 # does not grow over windows.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls (the seed's schedule)
+CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls (the plain trainer's schedule)
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def _in_range(name: str, value: int, lo: int, hi: int | None = None, why: str = 
 Sizes.PRESETS = {
     # A window in milliseconds on a CPU core: every notebook and test runs in CI.
     "cpu": Sizes(batch=8, dim=16, bank=16, steps_per_window=16, progress_every=4, rotor_k=3),
-    # The seed's defaults (64 steps, progress every 8, rotor_k 6); small tensors: launch-bound.
+    # The plain trainer's defaults (64 steps, progress every 8, rotor_k 6); small tensors: launch-bound.
     "gpu": Sizes(),
 }
 

@@ -11,7 +11,7 @@ Gumbel noise g drawn up front for every prompt, reply, position and vocabulary e
 sampling from softmax(logits), yet each decision is a deterministic argmax of the same numbers
 whichever way the replies are batched, so batched decoding reproduces one-at-a-time decoding.
 
-Flags, all off = the seed's "before":
+Flags, all off = the step as first written:
 
 - ``batched_generation``: all N replies of all B prompts in one decode of B N sequences with a
   static KV cache, instead of one reply at a time (each with its own cache, as a ``generate()``
@@ -252,7 +252,7 @@ class Step:
         return torch.cat(tokens, 1), torch.stack(logps, 1), torch.stack(margins, 1)
 
     def _generate_one_at_a_time(self, prompts, noise):
-        """The seed's loop: a generate() call per reply, each prefilling its own cache."""
+        """The plain loop: a generate() call per reply, each prefilling its own cache."""
         B, N, L, _ = noise.shape
         outs = [
             self._decode(prompts[b : b + 1], noise[b, r : r + 1], self.cache)

@@ -6,7 +6,7 @@ head, AdamW. The images are drawn here, no downloads: each shows one of up to ei
 square, ring, diamond, bars, cross, triangle) at a random place, size and colour on a random
 background with noise; the class is the shape, so a model has to learn shape, not colour.
 
-Flags, all off = the guide's "before": manual attention (matmul, scale, softmax, matmul), RoPE
+Flags, all off = the step as first written: manual attention (matmul, scale, softmax, matmul), RoPE
 recomputed every forward, three q/k/v projections, float32, AdamW's default (foreach) step,
 contiguous (NCHW) images, eager. Each flag switches one of its optimizations on.
 """

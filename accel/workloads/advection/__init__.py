@@ -1,6 +1,6 @@
 """A transformer neural operator for 1-D advection, trained on data generated on the fly.
 
-The physics-transformer recipe's workload [training-speed write-up]. Each sample is one solution
+The workload of the training recipe (notebook 07). Each sample is one solution
 of ``u_t + c u_x = 0`` on the periodic interval [0, 1): a random smooth initial condition
 ``u0(x) = sum_k (a_k sin 2 pi k x + b_k cos 2 pi k x) / k`` (a few modes, a and b standard
 normal) and a random speed ``c`` in [-1, 1]; the exact solution is ``u(x, t) = u0(x - c t)``.
@@ -19,7 +19,7 @@ The data come through a real ``torch.utils.data.DataLoader`` over :class:`Advect
 whose samples are computed on the CPU when asked for (tens of microseconds each): a function
 of ``(seed, index)`` only, so every loader setting and every rank sees the same samples.
 
-``Flags()`` is the write-up's "before": eager, every activation stored, the inverse loss on
+``Flags()`` is the step as first written: eager, every activation stored, the inverse loss on
 every step over every query, the batches generated in the training loop and copied with a
 blocking copy, float32, AdamW's default (foreach) step with its state on the device.
 
