@@ -8,14 +8,14 @@ from pathlib import Path
 
 
 def _info(args: argparse.Namespace) -> int:
-    from accel.lab.device import versions
+    from accel.measure.device import versions
 
     info = versions()
     width = max(map(len, info))
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
     if not args.no_ceilings:
-        from accel.lab.ceilings import measure_ceilings
+        from accel.measure.ceilings import measure_ceilings
 
         c = measure_ceilings()
         print(
@@ -29,7 +29,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from accel.lab.bench import console_table, run_bench
-    from accel.lab.device import results_stem
+    from accel.measure.device import results_stem
 
     frame = run_bench(args.phase, out=args.out, only=args.only)  # each phase written as it ends
     print(console_table(frame))

@@ -14,8 +14,8 @@ import pytest
 
 from accel.__main__ import main
 from accel.lab import bench
-from accel.lab import device as d
 from accel.lab.bench import COLUMNS, Row, write_results
+from accel.measure import device as d
 
 ROOT = Path(__file__).resolve().parents[1]
 

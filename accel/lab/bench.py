@@ -26,8 +26,8 @@ import torch
 
 from accel.errors import UsageError, collection_of
 from accel.files import check_writable, write_text_atomic
-from accel.lab.ceilings import Ceilings, measure_ceilings
-from accel.lab.device import (
+from accel.measure.ceilings import Ceilings, measure_ceilings
+from accel.measure.device import (
     Preset,
     default_device,
     gpus_of_stem,
@@ -36,7 +36,8 @@ from accel.lab.device import (
     targets_judged,
     versions,
 )
-from accel.lab.timing import Comparison
+from accel.measure.show import readable
+from accel.measure.timer import Comparison
 
 # name -> "module:function"; imported only when the phase runs. A new phase adds its line.
 PHASES: dict[str, str] = {
@@ -442,16 +443,6 @@ def recorded_results(
 
 
 SHOWN = ["phase", "case", "metric", "baseline", "optimized", "unit", "speedup", "target", "met"]
-
-
-def readable(value) -> str:
-    """A value as a person reads it: a number to three significant figures (thousands grouped,
-    no trailing digits), nothing where there is none."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return ""
-        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return "" if value is None else str(value)
 
 
 def console_table(frame: pd.DataFrame) -> str:

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from accel.errors import checked_callable, checked_count
 from accel.files import check_writable, write_text_atomic
-from accel.lab.device import default_device
+from accel.measure.device import default_device
 from accel.profiling import (  # noqa: F401 - HOST_READ_OP, NO_WORK_OPS and union_length re-exported
     HOST_READ_OP,
     LAUNCH_CALLS,
