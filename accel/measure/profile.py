@@ -1,11 +1,8 @@
-"""The profiler as data: run a callable under torch.profiler and get DataFrames back.
+"""The profiler as data: a step run under ``accel.profiling.profile_steps``, as DataFrames.
 
-On CUDA the "kernels" are the device's own activities (kernels, copies, memsets), launches are the
-runtime's launch calls and syncs its blocking calls (``cudaStreamSynchronize`` and friends, which
-``.item()``, ``.cpu()`` and ``print(tensor)`` end in). On a CPU there is no separate device: the
-"kernels" are the ATen operators that did the arithmetic (the innermost ones that are not mere
-views or allocations), and "idle" is the share of the step spent outside them, in Python and
-dispatch. Host-device syncs do not exist there and are reported as NaN.
+What the events mean (a CUDA device's kernels, launches and syncs; a CPU's "kernels", the ATen
+operators that did arithmetic) is ``accel.profiling``'s. On a CPU "idle" is the share of the step
+spent outside those operators, in Python and dispatch, and syncs are reported as NaN.
 """
 
 from __future__ import annotations
@@ -24,12 +21,9 @@ from torch.profiler import profile
 from accel.errors import checked_callable, checked_count
 from accel.files import check_writable, write_text_atomic
 from accel.measure.device import default_device
-from accel.profiling import (  # noqa: F401 - HOST_READ_OP and NO_WORK_OPS re-exported
-    HOST_READ_OP,
-    NO_WORK_OPS,
-    profile_steps,
-    union_length,
-)
+
+# HOST_READ_OP: notebooks read it as lab.profile.HOST_READ_OP
+from accel.profiling import HOST_READ_OP, profile_steps, union_length  # noqa: F401
 
 CPU_NOTE = (
     "CPU: kernels are the ATen ops that did arithmetic themselves; "
