@@ -28,9 +28,7 @@ class Phase:
 
 
 PHASES: tuple[Phase, ...] = (
-    Phase(
-        "ceilings"
-    ),  # this machine's copy and matmul rates, the figures the rows are read against
+    Phase("ceilings"),  # this machine's copy and matmul rates, which rows are read against
     Phase("sync", "01_sync", workbook=True),
     Phase("fusion", "02_fusion", workbook=True),
     Phase("memory", "03_memory", workbook=True),
@@ -38,12 +36,13 @@ PHASES: tuple[Phase, ...] = (
     Phase("sdpa", "05_sdpa", workbook=True),
     Phase("diversity", "06_diversity", workbook=True),
     Phase("recipe", "07_recipe"),
-    # the recipe's own steps: what the neural operator's flags are grouped by (with memory)
+    # the recipe's own steps, which group the neural operator's flags, in the recipe's order
+    # (memory, its step 2, is the workbook's): the recipe case measures them together
     Phase("compile", "07_recipe", bench=False),
     Phase("loss", "07_recipe", bench=False),
     Phase("data", "07_recipe", bench=False),
-    Phase("precision", "07_recipe", bench=False),
     Phase("optimizer", "07_recipe", bench=False),
+    Phase("precision", "07_recipe", bench=False),
     Phase("distributed", "08_distributed"),
     Phase("doctor", "09_doctor"),
     Phase("overhead"),  # each component as a user calls it, beside the plain PyTorch it replaces
