@@ -1,5 +1,5 @@
 """The sdpa phase's ground: its targets and sizes, one attention case (:class:`AttnCase`) and its
-cost model, and how a case is measured: every variant timed interleaved by ``accel.measure.timer``, every
+cost model, and how a case is measured: every variant timed interleaved by ``measure.timer``, every
 kernel at a shape by ``lab.sdpa_backends`` (:func:`backend_frame`), which backend a call really
 ran (read from the profiler), peak memory, and every backend's error against attention in
 float64.
