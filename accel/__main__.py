@@ -8,14 +8,14 @@ from pathlib import Path
 
 
 def _info(args: argparse.Namespace) -> int:
-    from accel.lab.device import versions
+    from accel.measure.device import versions
 
     info = versions()
     width = max(map(len, info))
     for key, value in info.items():
         print(f"{key:<{width}}  {value}")
     if not args.no_ceilings:
-        from accel.lab.ceilings import measure_ceilings
+        from accel.measure.ceilings import measure_ceilings
 
         c = measure_ceilings()
         print(
@@ -29,7 +29,7 @@ def _info(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from accel.lab.bench import console_table, run_bench
-    from accel.lab.device import results_stem
+    from accel.measure.device import results_stem
 
     frame = run_bench(args.phase, out=args.out, only=args.only)  # each phase written as it ends
     print(console_table(frame))
@@ -62,7 +62,7 @@ def plain(doc: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    from accel.lab.bench import PHASES
+    from accel.phases import BENCH
 
     p = argparse.ArgumentParser(prog="python -m accel", description=plain(__doc__))
     sub = p.add_subparsers(dest="command", required=True)
@@ -74,18 +74,17 @@ def parser() -> argparse.ArgumentParser:
         "--phase",
         nargs="+",
         action="extend",
-        choices=list(PHASES),
+        choices=BENCH,
         metavar="NAME",
-        help=f"phases to run (default: all): {', '.join(PHASES)}",
+        help=f"phases to run (default: all, in this order): {', '.join(BENCH)}",
     )
     bench.add_argument(
         "--only",
         nargs="+",
         metavar="PART",
-        help="run only these parts of phases that run in parts (notebooks: a notebook's name or "
-        "its number, 05; overhead: components, 'diversity sweep', 'adamw "
-        "sweep'; recipe: cumulative, alone; sdpa: headline, flex, 'masked sweep', vit); their "
-        "rows replace the same cases' rows, the phase's other rows stay",
+        help="run only these parts of phases that run in parts (a part's name or its start: 05 for "
+        "notebook 05; a name that picks none is refused with the phase's parts); their rows "
+        "replace the same cases' rows, the phase's other rows stay",
     )
     bench.add_argument(
         "--out", type=Path, default=Path("results"), help="where to write (results/)"

@@ -1,4 +1,6 @@
-"""torch.profiler without its own log lines, and what its events mean.
+"""torch.profiler without its own log lines, what its events mean, and one pipeline for profiling
+a step: :func:`profile_steps` (under the lab's ``profile_step`` and the doctor's timeline) and
+:func:`device_profile` (under the doctor's recorded operators too).
 
 Kineto writes ``USDT: ... profiler_start`` and ``profiler_stop`` (and at some log levels
 ``STAGE: ...``) straight to the process's stderr on every run, at every ``KINETO_LOG_LEVEL``, and a
@@ -13,17 +15,20 @@ the ATen operators that did the arithmetic themselves.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import math
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.autograd import DeviceType
-from torch.profiler import profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 # Kineto's start and stop lines, and c10's note that a block allocated before the profile was freed
 # inside it (the profile's own bookkeeping: nothing the profiled code can act on)
@@ -39,6 +44,85 @@ def quiet_profile(**kwargs: Any) -> Iterator[profile]:
     line written to stderr meanwhile (a warning from the profiled code) is passed on after."""
     with _without_kineto_lines(), profile(**kwargs) as prof:
         yield prof
+
+
+@contextlib.contextmanager
+def device_profile(device: torch.device, **kwargs: Any) -> Iterator[profile]:
+    """:func:`quiet_profile` of the host and, on CUDA, the device, from an idle GPU to one that
+    has finished what the block queued."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize(device)
+    with quiet_profile(activities=activities, **kwargs) as prof:
+        yield prof
+        if cuda:
+            torch.cuda.synchronize(device)
+
+
+STEP_MARK = "accel.step"
+
+
+@dataclass
+class ProfiledSteps:
+    """``steps`` calls of a step under the profiler, each inside a :data:`STEP_MARK` range.
+    Times in microseconds on the profiler's clock; the window runs from the first step's start
+    to the last step's or the last kernel's end."""
+
+    profile: profile
+    cuda: bool
+    steps: int
+    start_us: float
+    end_us: float
+    work: list  # kernels (CUDA) or ATen ops that did arithmetic (CPU) in the window, by start
+    host: list  # the host's events inside the steps (runtime calls, ATen ops as it saw them)
+
+    @property
+    def launches(self) -> list:
+        """The runtime's launch calls; on a CPU every operator that did arithmetic."""
+        return [e for e in self.host if e.name in LAUNCH_CALLS] if self.cuda else self.work
+
+    @property
+    def syncs(self) -> list:
+        """The host's blocking calls (none on a CPU: there is no separate device to wait for)."""
+        return [e for e in self.host if e.name in SYNC_CALLS] if self.cuda else []
+
+
+def profile_steps(
+    call: Callable[[], object], device: torch.device, steps: int, **kwargs: Any
+) -> ProfiledSteps:
+    """Profile ``steps`` calls of ``call`` (warmed up already), each inside a step mark; ``kwargs``
+    go to the profiler (``profile_memory=True``)."""
+    with device_profile(device, **kwargs) as prof:
+        for _ in range(steps):
+            with record_function(STEP_MARK):
+                call()
+    events = list(prof.events())
+    marks = [e for e in events if e.name == STEP_MARK and e.device_type == DeviceType.CPU]
+    if not marks:
+        raise RuntimeError("profiler recorded no step marks; was the step run under the profiler?")
+    cuda = device.type == "cuda"
+    start = min(e.time_range.start for e in marks)
+    work = device_work(events, frozenset({STEP_MARK})) if cuda else cpu_kernels(events)
+    work = sorted(
+        (e for e in work if e.time_range.start >= start), key=lambda e: e.time_range.start
+    )
+    end = max(e.time_range.end for e in [*marks, *work])
+    inside = _inside(marks)
+    host = [e for e in events if e.device_type == DeviceType.CPU and inside(e)]
+    return ProfiledSteps(prof, cuda, steps, start, end, work, host)
+
+
+def _inside(marks) -> Callable[[object], bool]:
+    """Whether an event starts inside one of the (non-overlapping) step marks."""
+    spans = sorted((m.time_range.start, m.time_range.end) for m in marks)
+    starts = [a for a, _ in spans]
+
+    def inside(e) -> bool:
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        return i >= 0 and e.time_range.start <= spans[i][1]
+
+    return inside
 
 
 @contextlib.contextmanager

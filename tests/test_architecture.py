@@ -27,9 +27,9 @@ def _modules(under: Path = PACKAGE) -> list[Path]:
 
 
 def _components() -> list[Path]:
-    """The package minus the lab, the workloads, the doctor (which measures with the lab) and the
+    """The package minus the measuring library, the bench, the workloads, the doctor and the
     command line: what a user imports."""
-    skip = {PACKAGE / "lab", PACKAGE / "workloads", PACKAGE / "doctor"}
+    skip = {PACKAGE / "measure", PACKAGE / "lab", PACKAGE / "workloads", PACKAGE / "doctor"}
     return [
         p for p in _modules() if not skip.intersection(p.parents) and p != PACKAGE / "__main__.py"
     ]
@@ -84,9 +84,21 @@ def test_components_import_neither_the_lab_nor_its_viewers():
         bad = {
             m
             for m in _imports(path)
-            if m.startswith(("accel.lab", "accel.workloads", "accel.doctor"))
+            if m.startswith(("accel.measure", "accel.lab", "accel.workloads", "accel.doctor"))
             or m.split(".")[0] in VIEWERS
         }
+        assert not bad, f"{_rel(path)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize(
+    ("layer", "below"),
+    [("measure", ("accel.lab", "accel.doctor")), ("doctor", ("accel.lab",))],
+)
+def test_the_measuring_library_is_below_the_doctor_and_the_doctor_below_the_bench(layer, below):
+    """The doctor measures with ``accel.measure`` and never imports the bench (``accel.lab``),
+    whose doctor case imports the doctor; the measuring library imports neither."""
+    for path in _modules(PACKAGE / layer):
+        bad = {m for m in _imports(path) if m.startswith(below)}
         assert not bad, f"{_rel(path)} imports {sorted(bad)}"
 
 

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from accel.lab.ceilings import CEILING_SIZES, Ceilings, CeilingSizes, measure_ceilings
+from accel.measure.ceilings import CEILING_SIZES, Ceilings, CeilingSizes, measure_ceilings
 
 
 def test_measured_ceilings_are_positive_and_finite(device):

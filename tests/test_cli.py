@@ -31,7 +31,7 @@ def test_phase_function_rejects_unknown_names():
 
 @pytest.fixture
 def small_ceilings(monkeypatch):
-    from accel.lab import ceilings
+    from accel.measure import ceilings
 
     small = ceilings.CeilingSizes(copy_bytes=4 << 20, matmul_n=128, repeats=3)
     monkeypatch.setitem(ceilings.CEILING_SIZES, "cpu", small)

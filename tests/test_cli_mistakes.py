@@ -12,10 +12,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from accel import phases
 from accel.__main__ import main
 from accel.lab import bench
-from accel.lab import device as d
 from accel.lab.bench import COLUMNS, Row, write_results
+from accel.measure import device as d
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +114,7 @@ def test_a_readme_without_the_markers_is_one_line(accel_cli, tmp_path):
 
 def test_an_unwritable_out_is_refused_before_any_phase_runs(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setitem(bench.PHASES, "fake", "x:y")
+    monkeypatch.setattr(phases, "BENCH", (*phases.BENCH, "fake"))
     monkeypatch.setattr(bench, "phase_function", lambda name: lambda ctx: ran.append(name) or [])
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -129,8 +130,7 @@ def test_each_phase_is_written_as_soon_as_it_ends(tmp_path, monkeypatch):
         raise KeyboardInterrupt
 
     functions = {"first": phase("first", 1.0), "second": phase("second", 2.0), "third": crashing}
-    for name in functions:
-        monkeypatch.setitem(bench.PHASES, name, "x:y")
+    monkeypatch.setattr(phases, "BENCH", (*phases.BENCH, *functions))
     monkeypatch.setattr(bench, "phase_function", functions.__getitem__)
     with pytest.raises(KeyboardInterrupt):
         bench.run_bench(["first", "second", "third"], device="cpu", progress=False, out=tmp_path)
@@ -191,7 +191,7 @@ def test_table_refuses_a_results_file_with_merge_markers_naming_its_line(accel_c
 
 def test_bench_refuses_to_merge_into_a_results_file_with_merge_markers(tmp_path, monkeypatch):
     ran = []
-    monkeypatch.setitem(bench.PHASES, "fake", "x:y")
+    monkeypatch.setattr(phases, "BENCH", (*phases.BENCH, "fake"))
     monkeypatch.setattr(bench, "phase_function", lambda name: lambda ctx: ran.append(name) or [])
     monkeypatch.setattr(bench, "results_stem", lambda device=None: "nvidia-h200")
     csv = _conflicted_results(tmp_path)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from accel.lab import device as d
+from accel.measure import device as d
 
 
 def test_preset_follows_the_device(monkeypatch):

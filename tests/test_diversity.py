@@ -812,7 +812,7 @@ def test_importing_diversity_imports_no_triton():
 def test_bench_phase_runs_and_marks_cpu_rows(monkeypatch):
     from accel.lab.bench import BenchContext
     from accel.lab.cases import diversity as case
-    from accel.lab.ceilings import Ceilings
+    from accel.measure.ceilings import Ceilings
 
     tiny = (case.GroupCase(8, 4, 16, torch.float32), case.LargeCase(40, 16, torch.bfloat16))
     monkeypatch.setitem(case.CASES, "cpu", tiny)
@@ -831,7 +831,7 @@ def test_bench_phase_runs_and_marks_cpu_rows(monkeypatch):
 
 def test_group_kernel_sweep_runs_and_names_its_rows(kdev):
     from accel.lab.cases import diversity as case
-    from accel.lab.ceilings import Ceilings
+    from accel.measure.ceilings import Ceilings
 
     ceilings = Ceilings("cpu", 10.0, 0.1, "float32", 1 << 20, 64)  # made up: no measuring here
     configs = {4: (("tile", 4, 128, 3, 4), ("gram", 2, 32, 2, 1))}

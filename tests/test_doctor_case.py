@@ -10,7 +10,7 @@ import torch
 
 from accel.lab.bench import BenchContext
 from accel.lab.cases import doctor
-from accel.lab.costs import measure_costs
+from accel.measure.costs import measure_costs
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("one_thread")

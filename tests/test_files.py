@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from accel import phases
 from accel.__main__ import main
 from accel.errors import UsageError
 from accel.files import check_writable, write_text_atomic
@@ -99,7 +100,7 @@ def nothing_runs(monkeypatch):
     monkeypatch.setattr(
         "accel.doctor.cli.load_step", lambda target: ran.append("load") or (print, None, None)
     )
-    monkeypatch.setitem(bench.PHASES, "fake", "x:y")
+    monkeypatch.setattr(phases, "BENCH", (*phases.BENCH, "fake"))
     monkeypatch.setattr(bench, "phase_function", lambda name: lambda ctx: ran.append(name) or [])
     return ran
 
@@ -126,7 +127,7 @@ def test_doctor_refuses_an_unwritable_out_before_examining(tmp_path, nothing_run
 
 
 def test_bench_refuses_a_read_only_results_file_before_any_phase(tmp_path, nothing_runs, capsys):
-    from accel.lab.device import results_stem
+    from accel.measure.device import results_stem
 
     csv = tmp_path / f"{results_stem()}.csv"
     csv.write_text(",".join(bench.COLUMNS) + "\n")
@@ -137,7 +138,7 @@ def test_bench_refuses_a_read_only_results_file_before_any_phase(tmp_path, nothi
 
 
 def test_bench_refuses_a_folder_at_the_report_name_before_any_phase(tmp_path, nothing_runs, capsys):
-    from accel.lab.device import results_stem
+    from accel.measure.device import results_stem
 
     (tmp_path / f"{results_stem()}.html").mkdir()
     code = main(["bench", "--phase", "fake", "--out", str(tmp_path)])

@@ -6,12 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from accel import attention, fusion, graphs, memory, sync, timer
+from accel import attention, fusion, graphs, memory, sync
 from accel.attention.masks import Document, SlidingWindow
 from accel.lab import bench
 from accel.lab.cases import fusion as fusion_case
 from accel.lab.cases import recipe as recipe_case
 from accel.lab.cases import sdpa as sdpa_case
+from accel.measure import timer
 from accel.workloads import nested_optimizer as no
 
 
@@ -176,7 +177,7 @@ MISTAKES = {
     "interleaved non-callable": (
         lambda: timer.interleaved({"a": 3}, "cpu", warmup=1, repeats=1),
         TypeError,
-        r"interleaved\(fns\['a'\]\): expected a",
+        r"interleaved: candidate 'a': expected a",
     ),
     "interleaved repeats string": (
         lambda: timer.interleaved({"a": _step}, "cpu", warmup=1, repeats="3"),

@@ -4,7 +4,7 @@ import torch
 
 from accel.lab.bench import BenchContext
 from accel.lab.cases import notebooks
-from accel.lab.ceilings import Ceilings
+from accel.measure.ceilings import Ceilings
 
 
 def write(path, *sources):

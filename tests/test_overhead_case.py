@@ -120,7 +120,7 @@ def test_the_sweeps_summary_counts_the_misses_by_cause(monkeypatch):
 def _host_rows(plain_us, ours_us):
     from accel.lab.bench import BenchContext
     from accel.lab.cases import overhead
-    from accel.lab.timing import Comparison, Timing
+    from accel.measure.timer import Comparison, Timing
 
     ms = lambda us: tuple(u / 1e3 for u in us)  # noqa: E731
     timing = Comparison(

@@ -2,6 +2,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
+from accel.doctor.figure import doctor_figure
 from accel.lab import plots
 
 
@@ -159,7 +160,7 @@ def test_call_costs_leave_a_missing_bar_unlabelled():
 
 
 def test_doctor_figure_keeps_its_legend_off_the_axis_title():
-    fig = plots.doctor_figure({"matmul": 2.0, "host": 1.0}, {"a finding": 0.5}, 3.0)
+    fig = doctor_figure({"matmul": 2.0, "host": 1.0}, {"a finding": 0.5}, 3.0)
     legend = fig.layout.legend
     # at the foot of the whole figure, in a bottom margin deeper than the axis title needs
     assert (legend.yref, legend.y, legend.yanchor) == ("container", 0, "bottom")

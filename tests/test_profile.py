@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from accel.lab.profile import profile_step, union_length
+from accel.measure.profile import profile_step
+from accel.profiling import union_length
 
 
 def three_matmuls(x, w):

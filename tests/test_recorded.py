@@ -4,8 +4,8 @@ import pandas as pd
 import pytest
 
 from accel.lab.bench import COLUMNS, Row, write_results
-from accel.lab.device import device_name
 from accel.lab.recorded import beside_recorded, result_sentence
+from accel.measure.device import device_name
 
 HERE = device_name("cpu")
 

@@ -12,7 +12,7 @@ from accel import attention as A
 from accel.lab import plots
 from accel.lab.bench import BenchContext
 from accel.lab.cases import sdpa, sdpa_measure
-from accel.lab.ceilings import Ceilings
+from accel.measure.ceilings import Ceilings
 from accel.workloads import vit
 
 CPU = torch.device("cpu")
@@ -94,7 +94,7 @@ def test_sdpa_backends_measures_every_kernel_beside_pytorchs_pick(seed):
 
 
 def test_sdpa_backends_times_no_kernel_whose_output_differs(monkeypatch):
-    from accel.lab import attention as lab_attention
+    from accel.measure import attention as lab_attention
 
     real = lab_attention.sdpa
 
@@ -150,7 +150,7 @@ def test_the_phase_runs_in_parts(monkeypatch):
     from accel.lab import bench
 
     assert sdpa.parts() == ["headline", "flex", "masked sweep", "vit"]
-    assert bench.PARTS["sdpa"] == "accel.lab.cases.sdpa:parts"
+    assert bench.phase_parts("sdpa") == sdpa.parts()
     ran = []
     for part in sdpa.parts():
         monkeypatch.setitem(sdpa._PARTS, part, lambda ctx, part=part: ran.append(part) or [])
@@ -167,13 +167,13 @@ def test_measure_point_times_variants_in_the_timers_rotated_and_reversed_rounds(
     case = sdpa.AttnCase(1, 2, 15, 8, dtype=torch.float32)
     point = sdpa.measure_point(case, CPU, ("default", "flash", "math"), repeats=4)
     (samples,) = taken
-    names = list(samples.times_ms)
+    names = list(samples.samples)
     assert names == ["default", "flash", "math"]
     # round r: turned by r // 2 places, reversed when r is odd
     turned = names[1:] + names[:1]
     rounds = [names, names[::-1], turned, turned[::-1]]
     assert list(samples.schedule) == [name for order in rounds for name in order]
-    assert all(len(t) == 4 for t in samples.times_ms.values())  # one sample per round, aligned
+    assert all(len(t) == 4 for t in samples.samples.values())  # one sample per round, aligned
     assert point.times == samples.medians()
 
 

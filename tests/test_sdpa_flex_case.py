@@ -12,7 +12,7 @@ import torch
 from accel import attention as A
 from accel.lab.bench import BenchContext
 from accel.lab.cases import sdpa
-from accel.lab.ceilings import Ceilings
+from accel.measure.ceilings import Ceilings
 
 CPU = torch.device("cpu")
 FAKE_CEILINGS = Ceilings("cpu", 10.0, 0.5, "float32", 1 << 20, 256)

@@ -7,8 +7,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accel.lab.timing import Timing, compare, time_fn
-from accel.timer import CLOCKS, CandidateError, interleaved, paired_ratio, round_order
+from accel.measure.timer import (
+    CLOCKS,
+    CandidateError,
+    Timing,
+    compare,
+    interleaved,
+    paired_ratio,
+    round_order,
+    time_fn,
+)
 
 
 def test_time_fn_gives_positive_median_with_spread(device, seed):
@@ -51,8 +59,9 @@ def test_over_two_n_rounds_each_candidate_holds_every_place_twice_behind_both_ne
 
 def test_interleaved_gives_rounds_aligned_samples_and_medians():
     samples = interleaved({"a": lambda: None, "b": lambda: None}, "cpu", warmup=0, repeats=5)
-    assert [len(t) for t in samples.times_ms.values()] == [5, 5]
-    assert samples.calls_per_sample == {"a": 1, "b": 1} and set(samples.medians()) == {"a", "b"}
+    assert [len(t) for t in samples.samples.values()] == [5, 5]
+    assert [t.calls_per_sample for t in samples.timings.values()] == [1, 1]
+    assert set(samples.medians()) == {"a", "b"} and samples.baseline == "a"
 
 
 def test_paired_ratio_is_taken_round_by_round_not_from_two_medians():
@@ -67,7 +76,7 @@ def test_every_clock_times_what_runs_on_a_cpu(clock):
     samples = interleaved(
         {"sleep": lambda: time.sleep(0.002)}, "cpu", warmup=0, repeats=3, clock=clock
     )
-    assert all(1.9 <= t < 20 for t in samples.times_ms["sleep"])
+    assert all(1.9 <= t < 20 for t in samples.samples["sleep"])
 
 
 def test_an_unknown_clock_is_refused_naming_the_clocks():
@@ -198,7 +207,7 @@ def test_a_speedup_of_an_unknown_label_names_the_labels():
 
 
 def test_ratio_band_is_the_spread_of_the_round_by_round_ratios():
-    from accel.lab.timing import Comparison
+    from accel.measure.timer import Comparison
 
     slow = Timing("slow", [2.0, 4.0, 6.0, 8.0, 10.0])
     fast = Timing("fast", [1.0, 1.0, 2.0, 2.0, 2.0])  # ratios 2, 4, 3, 4, 5
@@ -211,7 +220,7 @@ def test_ratio_band_is_the_spread_of_the_round_by_round_ratios():
 def test_the_median_ratios_interval_is_between_order_statistics_that_cover_95_percent():
     """15 rounds: the 4th and 12th smallest ratios bound the median with 96.5% confidence (a
     binomial tail of 1.8% on each side); 5 rounds cannot reach 95%: the whole range."""
-    from accel.lab.timing import Comparison
+    from accel.measure.timer import Comparison
 
     fast = Timing("fast", [1.0] * 15)
     slow = Timing(

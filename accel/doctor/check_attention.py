@@ -88,7 +88,7 @@ def _reads_scores(op: OpRecord, scores: tuple[int, ...]) -> bool:
 def time_attention(case: ManualAttention, device: torch.device, backward: bool) -> dict[str, float]:
     """ms per call of the written-out attention and of SDPA at ``case``'s shape, interleaved."""
     from accel.attention import attention_reference
-    from accel.lab.timing import compare
+    from accel.measure.timer import compare
 
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (1, case.heads, case.seq_q, case.head_dim)

@@ -115,7 +115,7 @@ def examine(
 def _step_us(call: Callable[[], Any], device: torch.device) -> float:
     """The step's median time without the profiler (device events on a GPU, around a few steps
     back to back, as a training loop runs them)."""
-    from accel.timer import interleaved
+    from accel.measure.timer import interleaved
 
     samples = interleaved({"step": call}, device, warmup=1, repeats=5, calls_per_sample=CALLS)
     return samples.medians()["step"] * 1e3

@@ -95,7 +95,7 @@ class Evidence:
     @functools.cached_property
     def ceilings(self):
         """The copy bandwidth and bf16 (or float32 on a CPU) matrix-product rate measured here."""
-        from accel.lab.ceilings import measure_ceilings
+        from accel.measure.ceilings import measure_ceilings
 
         return self.measure.get(
             "ceilings", lambda: _once("ceilings", self.device, measure_ceilings)
@@ -103,8 +103,8 @@ class Evidence:
 
     @functools.cached_property
     def costs(self):
-        """What one launch and one host-device sync cost here (``accel.lab.costs``)."""
-        from accel.lab.costs import measure_costs
+        """What one launch and one host-device sync cost here (``accel.measure.costs``)."""
+        from accel.measure.costs import measure_costs
 
         return self.measure.get("costs", lambda: _once("costs", self.device, measure_costs))()
 

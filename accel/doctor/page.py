@@ -35,7 +35,7 @@ def _esc(value: Any) -> str:
 def rounded(value: float) -> str:
     """A number rounded as the bench's tables round it (pandas comes with them: imported on the
     first render, not with the doctor)."""
-    from accel.lab.bench import readable
+    from accel.measure.show import readable
 
     return readable(value)
 

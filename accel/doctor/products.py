@@ -101,7 +101,7 @@ def time_products(
     variant: the largest distinct ones are timed as recorded and as each variant makes them
     (``variant(shapes, dtype) -> (shapes, dtype, tf32)``), interleaved, their recorded time scaled
     by the ratio; the rest by the timed ones' overall ratio. Returns variant -> us."""
-    from accel.lab.timing import compare
+    from accel.measure.timer import compare
 
     by_key: dict[tuple, float] = defaultdict(float)
     rest = 0.0

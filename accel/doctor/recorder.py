@@ -266,20 +266,13 @@ def _watching_host_reads(recording: Recording, frames: _Frames) -> Iterator[None
 
 def record_step(call: Callable[[], object], device: torch.device) -> Recording:
     """Run ``call`` once under the recorder and the profiler; every op with its line and time."""
-    from accel.profiling import quiet_profile
+    from accel.profiling import device_profile
 
     recording, frames, calls = Recording(device=device.type), _Frames(), _Calls()
-    cuda = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.synchronize(device)
-    with quiet_profile(activities=activities) as prof:
-        with _watching_host_reads(recording, frames), calls, _Recorder(recording, frames, calls):
-            call()
-        if cuda:
-            torch.cuda.synchronize(device)
-    times = _range_times(prof, cuda)
+    recorder = _Recorder(recording, frames, calls)
+    with device_profile(device) as prof, _watching_host_reads(recording, frames), calls, recorder:
+        call()
+    times = _range_times(prof, device.type == "cuda")
     for record in recording.ops:
         record.time_us = times.get(record.index, 0.0)
     return recording

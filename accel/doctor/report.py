@@ -77,7 +77,7 @@ class Report:
 
     def figure(self):
         """Where the time goes (one stacked bar) and each finding's predicted saving."""
-        from accel.lab.plots import doctor_figure
+        from accel.doctor.figure import doctor_figure
 
         savings = {f.title: f.saved_us / 1e3 for f in self.findings if f.saved_us is not None}
         return doctor_figure(self.breakdown(), savings, self.step_ms, title=self._title())

@@ -24,21 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, record_function
 
-from accel.profiling import (
-    LAUNCH_CALLS,
-    SYNC_CALLS,
-    cpu_kernels,
-    device_work,
-    quiet_profile,
-    union_length,
-)
+from accel.profiling import profile_steps, union_length
 
 __all__ = ["CALLS", "Timeline", "kernel_category", "profile_timeline"]
 
-_STEP = "accel.doctor.step"
 # steps per timed sample: a sync at a step's end idles the device until the next step starts,
 # between two calls, which a sample of one call would leave out
 CALLS = 3
@@ -116,31 +106,16 @@ def profile_timeline(
     call: Callable[[], object], device: torch.device, *, steps: int = 5
 ) -> Timeline:
     """Profile ``steps`` calls of ``call`` (already warmed up) and account for their time."""
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    if cuda:
-        torch.cuda.synchronize(device)
-    with quiet_profile(activities=activities) as prof:
-        for _ in range(steps):
-            with record_function(_STEP):
-                call()
-        if cuda:
-            torch.cuda.synchronize(device)
-    events = list(prof.events())
-    marks = [e for e in events if e.name == _STEP and e.device_type == DeviceType.CPU]
-    t0 = min(e.time_range.start for e in marks)
-    work = device_work(events, frozenset({_STEP})) if cuda else cpu_kernels(events)
-    spans = sorted(
-        (e.time_range.start, e.time_range.end, e.name) for e in work if e.time_range.start >= t0
-    )
-    t1 = max([e.time_range.end for e in marks] + [end for _, end, _ in spans])
-    host = [e for e in events if e.device_type == DeviceType.CPU and e.time_range.start >= t0]
-    launches = sorted(e.time_range.start for e in host if e.name in LAUNCH_CALLS)
-    blocking = [e.time_range for e in host if e.name in SYNC_CALLS]
+    run = profile_steps(call, device, steps)
+    cuda, t0, t1 = run.cuda, run.start_us, run.end_us
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in run.work]
+    launches = sorted(e.time_range.start for e in run.launches)
+    blocking = [e.time_range for e in run.syncs]
     sync_ends = sorted(r.end for r in blocking)
-    idle = _idle_breakdown(spans, t0, t1, launches, sync_ends) if cuda else {}
     busy = union_length([[a, b] for a, b, _ in spans])
-    if not cuda:
+    if cuda:
+        idle = _idle_breakdown(spans, t0, t1, launches, sync_ends)
+    else:
         idle = {"host": max(0.0, (t1 - t0) - busy)}
     comm, overlap = _communication(spans)
     per = 1.0 / steps
@@ -151,7 +126,7 @@ def profile_timeline(
         kernel_us=sum(b - a for a, b, _ in spans) * per,
         busy_us=busy * per,
         kernels=round(len(spans) * per),
-        launches=(len(launches) if cuda else len(spans)) * per,
+        launches=len(launches) * per,
         syncs=len(sync_ends) * per if cuda else math.nan,
         sync_wait_us=sum(r.end - r.start for r in blocking) * per,
         idle_us={k: v * per for k, v in idle.items()},

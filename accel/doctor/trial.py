@@ -335,7 +335,7 @@ def _trial(
 
 
 def _measured(report, names: list[str], steps: int, repeats: int, allowance: float) -> dict:
-    from accel.lab.timing import compare
+    from accel.measure.timer import compare
 
     base, fixed = _fresh(report), _fresh(report)
     for name in names:

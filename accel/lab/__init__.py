@@ -2,12 +2,15 @@
 
 A notebook starts with ``from accel import lab`` and ``here = lab.setup()`` (device, preset,
 whether targets are judged), then reaches what it needs as ``lab.compare``, ``lab.plots``,
-``lab.FeaturePanel`` ... Each name is imported on first use, so ``import accel.lab.timing`` costs
-no plotly and ``lab.compare`` no ipywidgets.
+``lab.FeaturePanel`` ... Each name is imported on first use, so ``lab.compare`` costs no plotly
+and no ipywidgets.
 
-Submodules, lightest first: ``device`` (presets, versions), ``timing``, ``ceilings``, ``costs``,
-``profile`` (pandas), ``attention`` (SDPA's kernels at a shape), ``plots`` (plotly), ``live_figure`` and ``panel`` (ipywidgets), ``bench``,
-``recorded`` (a quick figure beside the bench's), ``cases.<phase>``.
+Two layers stand behind this door. The measuring library, ``accel.measure`` (which the doctor
+uses too): ``device`` (presets, versions), ``timer``, ``ceilings``, ``costs``, ``profile``
+(pandas), ``attention`` (SDPA's kernels at a shape), ``show`` (numbers as tables print them).
+The bench on top of it, here: ``bench`` (the registry's runs, rows and result files),
+``plots`` (plotly), ``live_figure`` and ``panel`` (ipywidgets), ``recorded`` (a quick figure
+beside the bench's), ``cases.<phase>``.
 """
 
 from __future__ import annotations
@@ -15,50 +18,51 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# public name -> the submodule that defines it
+# public name -> the module that defines it
 _PUBLIC = {
-    "setup": "device",
-    "Setup": "device",
-    "default_device": "device",
-    "preset": "device",
-    "versions": "device",
-    "compare": "timing",
-    "time_fn": "timing",
-    "measure_ceilings": "ceilings",
-    "measure_costs": "costs",
-    "profile_step": "profile",
-    "sdpa_backends": "attention",
-    "LiveFigure": "live_figure",
-    "FeaturePanel": "panel",
-    "recorded_results": "bench",
-    "beside_recorded": "recorded",
-    "result_sentence": "recorded",
-    "ceilings_frame": "bench",
-    "run_bench": "bench",
-    "ladder_table": "cases.doctor_ladder",
+    "setup": "accel.measure.device",
+    "Setup": "accel.measure.device",
+    "default_device": "accel.measure.device",
+    "preset": "accel.measure.device",
+    "versions": "accel.measure.device",
+    "compare": "accel.measure.timer",
+    "time_fn": "accel.measure.timer",
+    "measure_ceilings": "accel.measure.ceilings",
+    "measure_costs": "accel.measure.costs",
+    "profile_step": "accel.measure.profile",
+    "sdpa_backends": "accel.measure.attention",
+    "LiveFigure": "accel.lab.live_figure",
+    "FeaturePanel": "accel.lab.panel",
+    "recorded_results": "accel.lab.bench",
+    "beside_recorded": "accel.lab.recorded",
+    "result_sentence": "accel.lab.recorded",
+    "ceilings_frame": "accel.lab.bench",
+    "run_bench": "accel.lab.bench",
+    "ladder_table": "accel.lab.cases.doctor_ladder",
 }
-_SUBMODULES = (
-    "device",
-    "timing",
-    "ceilings",
-    "costs",
-    "profile",
-    "plots",
-    "live_figure",
-    "panel",
-    "bench",
-    "recorded",
-    "cases",
-)
+# submodule name -> the module (the measuring library's keep their short names here)
+_SUBMODULES = {
+    "device": "accel.measure.device",
+    "timing": "accel.measure.timer",
+    "ceilings": "accel.measure.ceilings",
+    "costs": "accel.measure.costs",
+    "profile": "accel.measure.profile",
+    "plots": "accel.lab.plots",
+    "live_figure": "accel.lab.live_figure",
+    "panel": "accel.lab.panel",
+    "bench": "accel.lab.bench",
+    "recorded": "accel.lab.recorded",
+    "cases": "accel.lab.cases",
+}
 
 __all__ = [*_PUBLIC, *_SUBMODULES]
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     if name in _PUBLIC:
-        return getattr(importlib.import_module(f"{__name__}.{_PUBLIC[name]}"), name)
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

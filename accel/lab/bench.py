@@ -1,6 +1,8 @@
-"""The bench command's machinery: a registry of phase benchmarks, their rows, the result files.
+"""The bench command's machinery: the phases' runs, their rows, the result files.
 
-Each phase registers one function that takes a :class:`BenchContext` and returns :class:`Row`\\ s.
+Each bench phase of ``accel.phases.PHASES`` has a case module whose ``run`` takes a
+:class:`BenchContext` and returns :class:`Row`\\ s (and whose ``parts()``, where it has one,
+names what ``--only`` can pick); a case is imported only when its phase runs.
 Results are written in long format, one row per (phase, case), to ``<out>/<machine>.csv``
 (rows of phases not run this time are kept), each phase's as soon as it ends, with an HTML report
 of the figures beside it that loads plotly.js from the same directory (no network needed).
@@ -24,10 +26,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from accel import phases as registry
 from accel.errors import UsageError, collection_of
 from accel.files import check_writable, write_text_atomic
-from accel.lab.ceilings import Ceilings, measure_ceilings
-from accel.lab.device import (
+from accel.measure.ceilings import Ceilings, measure_ceilings
+from accel.measure.device import (
     Preset,
     default_device,
     gpus_of_stem,
@@ -36,32 +39,8 @@ from accel.lab.device import (
     targets_judged,
     versions,
 )
-from accel.lab.timing import Comparison
-
-# name -> "module:function"; imported only when the phase runs. A new phase adds its line.
-PHASES: dict[str, str] = {
-    "ceilings": "accel.lab.cases.ceilings:run",
-    "sync": "accel.lab.cases.sync:run",
-    "fusion": "accel.lab.cases.fusion:run",
-    "memory": "accel.lab.cases.memory:run",
-    "sdpa": "accel.lab.cases.sdpa:run",
-    "diversity": "accel.lab.cases.diversity:run",
-    "graphs": "accel.lab.cases.graphs:run",
-    "recipe": "accel.lab.cases.recipe:run",
-    "distributed": "accel.lab.cases.distributed:run",
-    "notebooks": "accel.lab.cases.notebooks:run",
-    "overhead": "accel.lab.cases.overhead:run",
-    "doctor": "accel.lab.cases.doctor:run",
-}
-# phases that can run in parts (``--only``): name -> "module:function" listing the parts, which
-# the phase's run takes from ``BenchContext.selected``
-PARTS: dict[str, str] = {
-    "notebooks": "accel.lab.cases.notebooks:parts",
-    "overhead": "accel.lab.cases.overhead:parts",
-    "recipe": "accel.lab.cases.recipe:parts",
-    "doctor": "accel.lab.cases.doctor:parts",
-    "sdpa": "accel.lab.cases.sdpa:parts",
-}
+from accel.measure.show import readable
+from accel.measure.timer import Comparison
 
 COLUMNS = [
     "phase",
@@ -193,9 +172,18 @@ def speedup_row(
 
 
 def phase_function(name: str) -> Callable[[BenchContext], list[Row]]:
-    if name not in PHASES:
-        raise ValueError(f"unknown phase {name!r}; expected one of {', '.join(PHASES)}")
-    return _call(PHASES[name])
+    return _case(name).run
+
+
+def phase_parts(name: str) -> list[str] | None:
+    """The parts ``--only`` can pick of phase ``name``; None where it runs whole."""
+    parts = getattr(_case(name), "parts", None)
+    return parts() if parts is not None else None
+
+
+def _case(name: str):
+    registry.checked_phase(name, registry.BENCH)
+    return importlib.import_module(registry.BY_NAME[name].case)
 
 
 def run_bench(
@@ -206,14 +194,15 @@ def run_bench(
     out: str | Path | None = None,
     only: Iterable[str] | None = None,
 ) -> pd.DataFrame:
-    """Run the named phases (all by default) and return their rows with the run's versions.
+    """Run the named phases (every bench phase by default) and return their rows with the run's
+    versions.
     With ``out``, each phase's rows are merged into ``out`` as soon as that phase ends, so an
     interrupted run keeps the phases it finished; ``out`` is checked before anything runs.
-    ``only``: the parts to run of phases that run in parts (:data:`PARTS`); their rows then
+    ``only``: the parts to run of phases that run in parts (:func:`phase_parts`); their rows then
     replace the rows of the same cases, and the phase's other rows stay."""
     from tqdm.auto import tqdm
 
-    names = list(collection_of(phases, "phase names") if phases is not None else PHASES)
+    names = list(collection_of(phases, "phase names") if phases is not None else registry.BENCH)
     functions = {n: phase_function(n) for n in names}  # unknown names fail before any work
     parts = tuple(collection_of(only, "parts")) if only is not None else ()
     if parts:
@@ -242,23 +231,20 @@ def run_bench(
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
 
 
-def check_parts(phases: list[str], only: tuple[str, ...]) -> None:
+def check_parts(names: list[str], only: tuple[str, ...]) -> None:
     """A UsageError unless every phase runs in parts and every name in ``only`` picks one."""
-    whole = [p for p in phases if p not in PARTS]
+    parts = {name: phase_parts(name) for name in names}
+    whole = [name for name, its in parts.items() if its is None]
     if whole:
+        in_parts = [name for name in registry.BENCH if phase_parts(name) is not None]
         raise UsageError(
-            f"--only picks parts of the phases {', '.join(PARTS)}; {', '.join(whole)} "
+            f"--only picks parts of the phases {', '.join(in_parts)}; {', '.join(whole)} "
             "runs whole (leave --only out for it)"
         )
-    known = [part for p in phases for part in _call(PARTS[p])()]
+    known = [part for its in parts.values() for part in its]
     unknown = [o for o in only if not any(part.startswith(o) for part in known)]
     if unknown:
         raise UsageError(f"--only {' '.join(unknown)}: no such part; the parts: {', '.join(known)}")
-
-
-def _call(spec: str) -> Callable:
-    module, func = spec.split(":")
-    return getattr(importlib.import_module(module), func)
 
 
 def prepare_out_dir(out: str | Path) -> Path:
@@ -442,16 +428,6 @@ def recorded_results(
 
 
 SHOWN = ["phase", "case", "metric", "baseline", "optimized", "unit", "speedup", "target", "met"]
-
-
-def readable(value) -> str:
-    """A value as a person reads it: a number to three significant figures (thousands grouped,
-    no trailing digits), nothing where there is none."""
-    if isinstance(value, float):
-        if math.isnan(value):
-            return ""
-        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    return "" if value is None else str(value)
 
 
 def console_table(frame: pd.DataFrame) -> str:

@@ -28,11 +28,11 @@ import torch
 from plotly.subplots import make_subplots
 
 from accel.lab import plots
-from accel.lab.bench import readable
-from accel.lab.device import default_device
 from accel.lab.live_figure import LiveFigure
-from accel.lab.profile import profile_step
-from accel.lab.timing import Comparison, compare
+from accel.measure.device import default_device
+from accel.measure.profile import profile_step
+from accel.measure.show import readable
+from accel.measure.timer import Comparison, compare
 from accel.workloads.flags import FlagInfo, describe, label, unavailable
 
 BASELINE = "baseline"

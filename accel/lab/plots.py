@@ -9,7 +9,7 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-_LAYOUT = dict(template="plotly_white", margin=dict(l=60, r=20, t=50, b=40), height=360)
+from accel.measure.show import LAYOUT, bars_height, short, wrap_label
 
 
 def ceilings(frame: pd.DataFrame) -> go.Figure:
@@ -30,7 +30,7 @@ def ceilings(frame: pd.DataFrame) -> go.Figure:
         values = frame[column]
         text = [fmt.format(v) for v in values]
         fig.add_bar(x=labels, y=values, name=name, row=1, col=col, text=text, textposition="auto")
-    return fig.update_layout(**_LAYOUT, showlegend=False, title="What this machine can do")
+    return fig.update_layout(**LAYOUT, showlegend=False, title="What this machine can do")
 
 
 def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
@@ -55,9 +55,9 @@ def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
             ),
         )
     fig.update_yaxes(autorange="reversed", automargin=True)
-    height = max(_LAYOUT["height"], bars_height(list(frame["label"]), 120))
+    height = max(LAYOUT["height"], bars_height(list(frame["label"]), 120))
     return fig.update_layout(
-        **{**_LAYOUT, "height": height}, title=title, xaxis_title="median ms (IQR bars)"
+        **{**LAYOUT, "height": height}, title=title, xaxis_title="median ms (IQR bars)"
     )
 
 
@@ -78,7 +78,7 @@ def replay_split(frame: pd.DataFrame, *, title: str = "What a replay spends") ->
         text=[f"{r:.2f}x the kernels" for r in frame["ratio"]],
         textposition="outside",
     )
-    return fig.update_layout(**_LAYOUT, barmode="stack", title=title, yaxis_title="ms a window")
+    return fig.update_layout(**LAYOUT, barmode="stack", title=title, yaxis_title="ms a window")
 
 
 def samples(series: dict[str, list[float]], *, title: str = "Per-step times") -> go.Figure:
@@ -86,7 +86,7 @@ def samples(series: dict[str, list[float]], *, title: str = "Per-step times") ->
     fig = go.Figure()
     for label, values in series.items():
         fig.add_scatter(y=values, mode="lines+markers", name=label)
-    return fig.update_layout(**_LAYOUT, title=title, xaxis_title="sample", yaxis_title="ms")
+    return fig.update_layout(**LAYOUT, title=title, xaxis_title="sample", yaxis_title="ms")
 
 
 def kernel_breakdown(
@@ -97,7 +97,7 @@ def kernel_breakdown(
     fig = go.Figure(
         go.Bar(
             x=head["total_us"],
-            y=[_short(n) for n in head["name"]],
+            y=[short(n) for n in head["name"]],
             orientation="h",
             text=[f"{c} calls, {s:.0%}" for c, s in zip(head["count"], head["share"], strict=True)],
             textposition="outside",  # beside the bar at full size: inside, a short bar shrinks it
@@ -105,9 +105,9 @@ def kernel_breakdown(
             hovertext=head["name"],
         )
     )
-    margin = {**_LAYOUT["margin"], "r": 110}  # room for the longest bar's text
+    margin = {**LAYOUT["margin"], "r": 110}  # room for the longest bar's text
     return fig.update_layout(
-        **{**_LAYOUT, "margin": margin}, title=title, xaxis_title="total µs in the window"
+        **{**LAYOUT, "margin": margin}, title=title, xaxis_title="total µs in the window"
     )
 
 
@@ -132,7 +132,7 @@ def timeline(
     if idle_fraction is not None:
         title = f"{title}: idle {idle_fraction:.0%} of the window"
     return fig.update_layout(
-        **(_LAYOUT | dict(height=240)),
+        **(LAYOUT | dict(height=240)),
         title=title,
         barmode="overlay",
         xaxis_title="µs from the first step",
@@ -145,7 +145,7 @@ def memory_over_time(frame: pd.DataFrame, *, title: str = "Allocated memory") ->
         go.Scatter(x=frame["t_us"], y=frame["bytes"] / 2**20, mode="lines", line_shape="hv")
     )
     return fig.update_layout(
-        **_LAYOUT,
+        **LAYOUT,
         title=title,
         xaxis_title="µs from the first step",
         yaxis_title="MiB (relative to the start)",
@@ -180,7 +180,7 @@ def speedups(frame: pd.DataFrame, *, title: str = "Speedup over the baseline") -
                 marker=dict(symbol="line-ew-open", size=30, line_width=3),
             )
     fig.add_hline(y=1.0, line_dash="dot")
-    return fig.update_layout(**_LAYOUT, title=title, yaxis_title="x baseline")
+    return fig.update_layout(**LAYOUT, title=title, yaxis_title="x baseline")
 
 
 CALL_BARS = {"host_us": "host time per call", "alone_us": "one call, idle device"}
@@ -200,30 +200,8 @@ def call_costs(
             textposition="outside",
         )  # fmt: skip
     height = bars_height(list(frame["label"]), 160) + 20 * len(frame)
-    layout = {**_LAYOUT, "height": height}
+    layout = {**LAYOUT, "height": height}
     return fig.update_layout(**layout, title=title, barmode="group", xaxis_title="µs")
-
-
-def _short(name: str, width: int = 60) -> str:
-    return name if len(name) <= width else name[: width - 1] + "…"
-
-
-def wrap_label(label: str, width: int = 32) -> str:
-    """A configuration label ("a+b=2+c") broken after a "+" into lines of about ``width``
-    characters (plotly's ``<br>``), so a long one does not squeeze the plot beside it."""
-    lines = [""]
-    for part in label.split("+"):
-        piece = f"+{part}" if lines[-1] else part
-        if lines[-1] and len(lines[-1]) + len(piece) > width:
-            lines.append(piece)
-        else:
-            lines[-1] += piece
-    return "<br>".join(lines)
-
-
-def bars_height(labels: list[str], base: int) -> int:
-    """Figure height for horizontal bars of wrapped ``labels``: ``base`` plus room per line."""
-    return base + sum(18 * (1 + wrap_label(x).count("<br>")) + 10 for x in labels)
 
 
 # ---- sdpa ----------------------------------------------------------------------------------------
@@ -290,7 +268,7 @@ def diversity_sweep(
         part = part.sort_values(x)
         fig.add_scatter(x=part[x], y=part[y], mode="lines+markers", name=name)
     fig.add_hline(y=ceiling, line_dash="dash", annotation_text=ceiling_name)
-    return fig.update_layout(**_LAYOUT, title=title, xaxis_title=x, yaxis_title=y, xaxis_type="log")
+    return fig.update_layout(**LAYOUT, title=title, xaxis_title=x, yaxis_title=y, xaxis_type="log")
 
 
 def recipe_progression(
@@ -317,7 +295,7 @@ def recipe_progression(
     )
     fig.update_yaxes(title_text="samples/s", secondary_y=False)
     fig.update_yaxes(title_text="relative L2 error", secondary_y=True, rangemode="tozero")
-    return fig.update_layout(**{**_LAYOUT, "height": 420}, title=title)
+    return fig.update_layout(**{**LAYOUT, "height": 420}, title=title)
 
 
 def distributed_scaling(frame: pd.DataFrame, *, title: str = "") -> dict[str, go.Figure]:
@@ -347,50 +325,8 @@ def distributed_scaling(frame: pd.DataFrame, *, title: str = "") -> dict[str, go
         title=f"{title}memory per rank (MiB)",
     )
     for fig in (throughput, efficiency, memory):
-        fig.update_layout(**{**_LAYOUT, "height": 320})
+        fig.update_layout(**{**LAYOUT, "height": 320})
     return {"throughput": throughput, "efficiency": efficiency, "memory": memory}
-
-
-# ---- doctor --------------------------------------------------------------------------------------
-def doctor_figure(
-    breakdown: dict[str, float], savings: dict[str, float], step_ms: float, *, title: str = ""
-) -> go.Figure:
-    """Where a step's time goes (one stacked bar, ms per part) above each finding's predicted
-    saving (ms per step), on one time axis."""
-    rows = 2 if savings else 1
-    fig = make_subplots(
-        rows=rows,
-        cols=1,
-        shared_xaxes=True,
-        row_heights=[0.35, 0.65][:rows] if rows == 2 else [1.0],
-        subplot_titles=("the step", "predicted saving of each finding")[:rows],
-        vertical_spacing=0.18,
-    )
-    for part, ms in breakdown.items():
-        fig.add_bar(
-            y=["step"], x=[ms], name=part, orientation="h", row=1, col=1,
-            hovertemplate=f"{part}: %{{x:.3f}} ms<extra></extra>",
-        )  # fmt: skip
-    if savings:
-        labels = [
-            wrap_label(_short(k, 48).replace(" ", "+"), 36).replace("+", " ") for k in savings
-        ]
-        fig.add_bar(
-            y=labels, x=list(savings.values()), orientation="h", row=2, col=1, showlegend=False,
-            text=[f"{v:.3g} ms" for v in savings.values()], textposition="outside",
-            cliponaxis=False, marker_color="#636efa",
-        )  # fmt: skip
-        fig.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
-    fig.add_vline(x=step_ms, line_dash="dot", line_color="gray")
-    # the legend (the step's parts) at the figure's foot, below the axis title, in its own margin
-    height = 260 + (bars_height(list(savings), 40) if savings else 0)
-    return fig.update_layout(
-        **{**_LAYOUT, "height": height, "margin": {**_LAYOUT["margin"], "b": 110}},
-        barmode="stack",
-        title=title,
-        legend=dict(orientation="h", yref="container", y=0, yanchor="bottom", x=0),
-        xaxis_title="ms per step" if rows == 1 else None,
-    ).update_xaxes(title_text="ms per step", row=rows, col=1)
 
 
 def predicted_measured(
@@ -405,7 +341,7 @@ def predicted_measured(
         )  # fmt: skip
     fig.add_vline(x=1.0, line_dash="dot", line_color="gray")
     fig.update_yaxes(autorange="reversed", automargin=True)
-    height = max(_LAYOUT["height"], bars_height(list(frame["label"]), 140) + 20 * len(frame))
+    height = max(LAYOUT["height"], bars_height(list(frame["label"]), 140) + 20 * len(frame))
     return fig.update_layout(
-        **{**_LAYOUT, "height": height}, title=title, barmode="group", xaxis_title="speedup"
+        **{**LAYOUT, "height": height}, title=title, barmode="group", xaxis_title="speedup"
     )

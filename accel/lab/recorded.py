@@ -16,8 +16,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from accel.lab.bench import readable, recorded_results
-from accel.lab.device import device_name
+from accel.lab.bench import recorded_results
+from accel.measure.device import device_name
+from accel.measure.show import readable
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,9 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from accel import triton_support
+from accel.phases import WORKBOOK, checked_phase
 
 Requirement = Literal["cuda", "triton", "torchao"]  # torchao: a CUDA GPU and torchao
-
-# The workbook's phases in notebook order (01_sync ... 06_diversity): each builds on the ones before.
-PHASES = ("sync", "fusion", "memory", "graphs", "sdpa", "diversity")
 
 
 def flag(
@@ -28,8 +26,14 @@ def flag(
 
     ``adopted=False`` marks an alternative the phase explores but does not keep (another route to
     the same gain, or one that changes numerics): later phases start from the adopted flags only.
+    ``phase``: one of ``accel.phases.PHASES``.
     """
-    metadata = {"help": help, "phase": phase, "requires": requires, "adopted": adopted}
+    metadata = {
+        "help": help,
+        "phase": checked_phase(phase),
+        "requires": requires,
+        "adopted": adopted,
+    }
     return field(default=default, metadata=metadata)
 
 
@@ -46,7 +50,12 @@ def option(
         raise ValueError(f"default {default!r} is not among the choices {choices}")
     return field(
         default=default,
-        metadata={"help": help, "phase": phase, "requires": requires, "choices": tuple(choices)},
+        metadata={
+            "help": help,
+            "phase": checked_phase(phase),
+            "requires": requires,
+            "choices": tuple(choices),
+        },
     )
 
 
@@ -133,10 +142,9 @@ def all_on(flags_type: type, device: torch.device | str | None = None) -> Any:
 
 def through_phase(flags_type: type, phase: str) -> Any:
     """The flags a workbook phase starts the next one from: every adopted boolean flag of
-    ``phase`` and of the phases before it (``PHASES`` order) on, everything else at its default."""
-    if phase not in PHASES:
-        raise ValueError(f"unknown phase {phase!r}; expected one of {', '.join(PHASES)}")
-    before = PHASES[: PHASES.index(phase) + 1]
+    ``phase`` and of the phases before it (``accel.phases.WORKBOOK`` order) on, everything else at
+    its default."""
+    before = WORKBOOK[: WORKBOOK.index(checked_phase(phase, WORKBOOK)) + 1]
     on = [i.name for i in describe(flags_type) if i.is_bool and i.adopted and i.phase in before]
     return flags_type(**dict.fromkeys(on, True))
 

@@ -50,7 +50,7 @@ from accel.lab.cases.diversity_sweep import (
     large_sweep,
     sweep_table,
 )
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 from accel.workloads import polychromic
 from accel.workloads.flags import all_on, label
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from accel import diversity as dv
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 
 PHASE = "diversity"
 BANDWIDTH_TARGET = 0.8

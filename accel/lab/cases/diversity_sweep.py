@@ -19,8 +19,8 @@ from accel.lab.cases.diversity_measure import (
     rotating_inputs,
     time_per_call,
 )
-from accel.lab.ceilings import Ceilings, measure_ceilings
-from accel.lab.device import default_device
+from accel.measure.ceilings import Ceilings, measure_ceilings
+from accel.measure.device import default_device
 
 # ---- the group kernel's variants and tiles, side by side -----------------------------------------
 

@@ -22,8 +22,8 @@ from accel.doctor import examine, zoo
 from accel.doctor.timeline import CALLS
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases import doctor_ladder
-from accel.lab.costs import measure_costs
-from accel.lab.timing import compare
+from accel.measure.costs import measure_costs
+from accel.measure.timer import compare
 
 PHASE = "doctor"
 TARGET_TOP_WITHIN = 0.30  # |predicted / measured - 1| of each model's top finding

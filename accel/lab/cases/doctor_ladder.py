@@ -22,7 +22,7 @@ import time
 from accel.doctor import examine, ladder
 from accel.doctor.timeline import CALLS
 from accel.lab.bench import BenchContext, Row
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 
 PHASE = "doctor"
 TARGET_SHARE = 0.8  # the best set's speedup over the twin's, each script

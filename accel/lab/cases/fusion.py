@@ -19,9 +19,9 @@ import torch
 from accel import fusion
 from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row, speedup_row
-from accel.lab.costs import CostModel, measure_costs
-from accel.lab.profile import ProfileReport, profile_step
-from accel.lab.timing import Comparison, compare
+from accel.measure.costs import CostModel, measure_costs
+from accel.measure.profile import ProfileReport, profile_step
+from accel.measure.timer import Comparison, compare
 from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase

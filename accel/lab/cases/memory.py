@@ -20,8 +20,8 @@ import torch
 
 from accel import memory
 from accel.lab.bench import BenchContext, Row
-from accel.lab.profile import profile_step
-from accel.lab.timing import Comparison, compare
+from accel.measure.profile import profile_step
+from accel.measure.timer import Comparison, compare
 from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase

@@ -4,7 +4,7 @@ they would otherwise write.
 Two measures per component, each timed interleaved with its plain counterpart:
 
 - **host time per call**: the Python call to its return, each sample started from an idle GPU
-  on inputs small enough that the GPU is never the bottleneck (``accel.timer``'s ``"host"``
+  on inputs small enough that the GPU is never the bottleneck (``accel.measure.timer``'s ``"host"``
   clock). It is the part of a step that a profiler's kernel table does not show, and what a
   launch-bound model pays on every layer. The time one adds is taken within each round, as the
   host's pace drifts between rounds, and from run to run: the components open with that pace, a

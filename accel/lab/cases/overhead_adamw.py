@@ -19,7 +19,7 @@ from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.overhead import SMALL_TENSORS
 from accel.lab.cases.overhead_timing import PHASE, latencies
 from accel.lab.cases.sdpa_measure import release_memory
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 from accel.optim import MultiTensorAdamW
 
 BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (float32)

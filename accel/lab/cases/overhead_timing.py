@@ -8,8 +8,7 @@ import statistics
 import torch
 
 from accel.lab.bench import BenchContext, Row
-from accel.lab.timing import Comparison, compare
-from accel.timer import round_differences
+from accel.measure.timer import Comparison, compare, round_differences
 
 PHASE = "overhead"
 HOST_CALLS = 50  # calls per host-clock sample

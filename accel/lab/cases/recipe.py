@@ -39,7 +39,7 @@ import torch
 from accel import memory
 from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 from accel.workloads import advection as op
 from accel.workloads.flags import label
 

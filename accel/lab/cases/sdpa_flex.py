@@ -36,7 +36,7 @@ from accel.lab.cases.sdpa_measure import (
     peak_memory_bytes,
     release_memory,
 )
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 from accel.workloads.flags import flag
 
 # Targets (bf16, B=4 H=16 D=128), judged on a CUDA GPU with the gpu preset only.

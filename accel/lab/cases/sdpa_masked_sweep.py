@@ -29,7 +29,7 @@ from accel.attention.flex import room_to_compile
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.sdpa_flex import document_lengths
 from accel.lab.cases.sdpa_measure import PHASE, AttnCase, as_timed, make_inputs, release_memory
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 
 TARGET_MEDIAN = 0.95  # compiled flex_attention's time over sdpa's, median over the points
 TARGET_WORST = 0.90  # ... at every point

@@ -1,5 +1,5 @@
 """The sdpa phase's ground: its targets and sizes, one attention case (:class:`AttnCase`) and its
-cost model, and how a case is measured: every variant timed interleaved by ``accel.timer``, every
+cost model, and how a case is measured: every variant timed interleaved by ``measure.timer``, every
 kernel at a shape by ``lab.sdpa_backends`` (:func:`backend_frame`), which backend a call really
 ran (read from the profiler), peak memory, and every backend's error against attention in
 float64.
@@ -19,9 +19,9 @@ import torch
 
 from accel import attention
 from accel.errors import collection_of
-from accel.lab.attention import sdpa_backends
-from accel.lab.profile import profile_step
-from accel.timer import interleaved
+from accel.measure.attention import sdpa_backends
+from accel.measure.profile import profile_step
+from accel.measure.timer import interleaved
 
 PHASE = "sdpa"
 # Targets, judged on a CUDA GPU with the gpu preset only.
@@ -189,7 +189,7 @@ def measure_point(
     math_bytes: int = MATH_SWEEP_BYTES,
 ) -> PointTimes:
     """Median ms of each variant that can run ``case`` and the reason of each one skipped, all
-    in one interleaved measurement (``accel.timer``: the order rotated and reversed round by
+    in one interleaved measurement (``accel.measure.timer``: the order rotated and reversed round by
     round)."""
     variants = collection_of(variants, "variant names")
     q, k, v, grad = make_inputs(case, device, seed)

@@ -16,7 +16,7 @@ from accel.lab.cases.sdpa_measure import (
     release_memory,
     which_backend,
 )
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 from accel.workloads import vit
 from accel.workloads.flags import all_on, label
 

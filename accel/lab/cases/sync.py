@@ -1,6 +1,6 @@
 """Bench phase ``sync``: the field trainer's window before and after phase 1, and its syncs.
 
-The cost model that predicts its gain lives in ``accel.lab.costs``.
+The cost model that predicts its gain lives in ``accel.measure.costs``.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from accel.lab.bench import BenchContext, Row
-from accel.lab.costs import measure_costs
-from accel.lab.profile import HOST_READ_OP, ProfileReport, profile_step
-from accel.lab.timing import compare
+from accel.measure.costs import measure_costs
+from accel.measure.profile import HOST_READ_OP, ProfileReport, profile_step
+from accel.measure.timer import compare
 from accel.sync import count_syncs
 from accel.workloads import field_trainer as ft
 from accel.workloads.flags import through_phase

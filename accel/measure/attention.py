@@ -24,7 +24,7 @@ from accel.attention import (
     sdpa,
     unavailable_reason,
 )
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 
 __all__ = ["AGAIN", "COLUMNS", "MATH_BYTES", "sdpa_backends"]
 

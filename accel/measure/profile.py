@@ -1,16 +1,12 @@
-"""The profiler as data: run a callable under torch.profiler and get DataFrames back.
+"""The profiler as data: a step run under ``accel.profiling.profile_steps``, as DataFrames.
 
-On CUDA the "kernels" are the device's own activities (kernels, copies, memsets), launches are the
-runtime's launch calls and syncs its blocking calls (``cudaStreamSynchronize`` and friends, which
-``.item()``, ``.cpu()`` and ``print(tensor)`` end in). On a CPU there is no separate device: the
-"kernels" are the ATen operators that did the arithmetic (the innermost ones that are not mere
-views or allocations), and "idle" is the share of the step spent outside them, in Python and
-dispatch. Host-device syncs do not exist there and are reported as NaN.
+What the events mean (a CUDA device's kernels, launches and syncs; a CPU's "kernels", the ATen
+operators that did arithmetic) is ``accel.profiling``'s. On a CPU "idle" is the share of the step
+spent outside those operators, in Python and dispatch, and syncs are reported as NaN.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import tempfile
 from collections.abc import Callable
@@ -20,23 +16,19 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import profile
 
 from accel.errors import checked_callable, checked_count
 from accel.files import check_writable, write_text_atomic
-from accel.lab.device import default_device
-from accel.profiling import (  # noqa: F401 - HOST_READ_OP, NO_WORK_OPS and union_length re-exported
-    HOST_READ_OP,
-    LAUNCH_CALLS,
-    NO_WORK_OPS,
-    SYNC_CALLS,
-    cpu_kernels,
-    device_work,
-    quiet_profile,
-    union_length,
-)
+from accel.measure.device import default_device
 
-STEP_MARK = "accel.step"
+# HOST_READ_OP: notebooks read it as lab.profile.HOST_READ_OP
+from accel.profiling import HOST_READ_OP, profile_steps, union_length  # noqa: F401
+
+CPU_NOTE = (
+    "CPU: kernels are the ATen ops that did arithmetic themselves; "
+    "host-device syncs do not apply (NaN)."
+)
 
 
 @dataclass
@@ -104,57 +96,41 @@ def profile_step(
     cuda = dev.type == "cuda"
     for _ in range(warmup):
         fn()
-    prof, start_bytes = _record(fn, steps, dev)
-    events = list(prof.events())
+    start_bytes = 0
+    if cuda:  # the peak is measured from here
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        start_bytes = torch.cuda.memory_allocated(dev)
+    run = profile_steps(fn, dev, steps, profile_memory=True)
     if trace_path is not None:
-        _write_trace(prof, trace_path)
-
-    marks = [e for e in events if e.name == STEP_MARK and e.device_type == DeviceType.CPU]
-    if not marks:
-        raise RuntimeError("profiler recorded no step marks; was fn run under the profiler?")
-    t0 = min(e.time_range.start for e in marks)
-    in_steps = _inside(marks)
-    work = device_work(events, frozenset({STEP_MARK})) if cuda else cpu_kernels(events)
-    work = [e for e in work if e.time_range.start >= t0]
-    t1 = max([e.time_range.end for e in marks] + [e.time_range.end for e in work])
-
+        _write_trace(run.profile, trace_path)
+    t0 = run.start_us
     timeline = pd.DataFrame(
         [
             (e.name, _kind(e.name, cuda), e.time_range.start - t0, e.time_range.end - t0)
-            for e in work
+            for e in run.work
         ],
         columns=["name", "kind", "start_us", "end_us"],
-    ).sort_values("start_us", ignore_index=True)
-    runtime = [e for e in events if e.device_type == DeviceType.CPU and in_steps(e)]
-    launches = sum(e.name in LAUNCH_CALLS for e in runtime) if cuda else len(work)
-    syncs = sum(e.name in SYNC_CALLS for e in runtime) / steps if cuda else math.nan
-    memory = _memory_over_time(prof, t0, cuda)
+    )
+    memory = _memory_over_time(run.profile, t0, cuda)
     if cuda:  # the allocator's own peak is exact; the profiler's records are the CPU's only view
         peak = torch.cuda.max_memory_allocated(dev) - start_bytes
     else:
         peak = max(0, int(memory["bytes"].max())) if len(memory) else 0
-    notes = (
-        []
-        if cuda
-        else [
-            "CPU: kernels are the ATen ops that did arithmetic themselves; "
-            "host-device syncs do not apply (NaN)."
-        ]
-    )
     return ProfileReport(
         steps=steps,
         device=str(dev),
         kernels=_kernel_table(timeline, steps),
-        ops=_op_table(events, in_steps),
+        ops=_op_table(run.host),
         timeline=timeline,
         memory=memory,
-        launches_per_step=launches / steps,
-        syncs_per_step=syncs,
-        window_us=t1 - t0,
+        launches_per_step=len(run.launches) / steps,
+        syncs_per_step=len(run.syncs) / steps if cuda else math.nan,
+        window_us=run.end_us - t0,
         busy_us=union_length(timeline[["start_us", "end_us"]].to_numpy().tolist()),
         peak_memory_bytes=int(peak),
         trace_path=trace_path,
-        notes=notes,
+        notes=[] if cuda else [CPU_NOTE],
     )
 
 
@@ -165,37 +141,6 @@ def _write_trace(prof: profile, path: Path) -> None:
         exported = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(exported))
         write_text_atomic(path, exported.read_text(encoding="utf-8"))
-
-
-def _record(fn: Callable[[], object], steps: int, dev: torch.device) -> tuple[profile, int]:
-    """Run ``steps`` calls of ``fn`` under the profiler, each inside a step mark; the profiler
-    and, on CUDA, the bytes allocated before (the peak is measured from there)."""
-    cuda = dev.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    start_bytes = 0
-    if cuda:
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        start_bytes = torch.cuda.memory_allocated(dev)
-    with quiet_profile(activities=activities, profile_memory=True) as prof:
-        for _ in range(steps):
-            with record_function(STEP_MARK):
-                fn()
-        if cuda:
-            torch.cuda.synchronize(dev)
-    return prof, start_bytes
-
-
-def _inside(marks) -> Callable[[object], bool]:
-    """Whether an event starts inside one of the (non-overlapping) step marks."""
-    spans = sorted((m.time_range.start, m.time_range.end) for m in marks)
-    starts = [a for a, _ in spans]
-
-    def inside(e) -> bool:
-        i = bisect.bisect_right(starts, e.time_range.start) - 1
-        return i >= 0 and e.time_range.start <= spans[i][1]
-
-    return inside
 
 
 def _kind(name: str, cuda: bool) -> str:
@@ -223,10 +168,10 @@ def _kernel_table(timeline: pd.DataFrame, steps: int) -> pd.DataFrame:
     return table.sort_values("total_us", ascending=False, ignore_index=True)[columns]
 
 
-def _op_table(events, in_steps) -> pd.DataFrame:
+def _op_table(host) -> pd.DataFrame:
     rows: dict[str, list[float]] = {}
-    for e in events:
-        if e.device_type == DeviceType.CPU and e.name.startswith("aten::") and in_steps(e):
+    for e in host:
+        if e.name.startswith("aten::"):
             row = rows.setdefault(e.name, [0, 0.0])
             row[0] += 1
             row[1] += e.self_cpu_time_total

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accel.lab.timing import compare
+from accel.measure.timer import compare
 
 
 @dataclass(frozen=True)

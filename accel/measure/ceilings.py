@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from accel.lab.device import Preset, default_device, device_name, preset
-from accel.lab.timing import time_fn
+from accel.measure.device import Preset, default_device, device_name, preset
+from accel.measure.timer import time_fn
 
 
 @dataclass(frozen=True)
