@@ -66,3 +66,19 @@ def test_the_result_sentence_names_each_gpus_latest_row_and_its_verdict(tmp_path
     )
     with pytest.raises(LookupError, match="no row 'sync' / 'other'"):
         result_sentence("sync", "other", results_dir=tmp_path)
+
+
+def test_the_result_sentence_skips_rows_not_run_and_asks_which_metric(tmp_path):
+    def gpu_row(metric, optimized, date, stem):
+        row = Row("sync", "window", metric, "ms", optimized, baseline=10.0).as_dict()
+        row |= dict.fromkeys(COLUMNS[11:], "x") | {"device": "GPU A", "date": date}
+        write_results(pd.DataFrame([row], columns=COLUMNS), tmp_path, stem=stem)
+
+    gpu_row("time", 5.0, "2026-01-01", "a")
+    gpu_row("time", float("nan"), "2026-02-01", "b")  # recorded as not run: no figure
+    assert result_sentence("sync", "window", results_dir=tmp_path).endswith("2x (5 ms)")
+    gpu_row("latency", 4.0, "2026-01-01", "c")
+    with pytest.raises(ValueError, match="pass metric= one of 'latency', 'time'"):
+        result_sentence("sync", "window", results_dir=tmp_path)
+    said = result_sentence("sync", "window", metric="latency", figure="optimized", results_dir=tmp_path)
+    assert said == "on the GPU A (2026-01-01): 4 ms"

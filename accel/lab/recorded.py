@@ -98,28 +98,47 @@ def beside_recorded(
 
 
 def result_sentence(
-    phase: str, case: str, *, metric: str = "speedup", results_dir: str | Path | None = None
+    phase: str,
+    case: str,
+    *,
+    metric: str | None = None,
+    figure: str = "speedup",
+    results_dir: str | Path | None = None,
 ) -> str:
     """What the bench recorded for ``phase``/``case`` on every GPU, as one sentence a notebook
     prints, so that its prose cannot disagree with the rows: "on the <GPU> (<date>): <speedup>x
     (<figure> <unit>), target <target> met; on the <other GPU> ...".
 
-    ``metric`` is the column read first (``speedup`` or ``optimized``); a row without it gives
-    the other. Raises where no GPU recorded the case: a notebook must not quote a missing row."""
+    ``metric`` picks one of the case's measured quantities (the rows' ``metric`` column) where it
+    has several; ``figure`` is the column shown first (``speedup`` or ``optimized``; a row without
+    a speedup shows the other). Each GPU's latest row with a figure counts (a row recorded as not
+    run does not hide an earlier measurement). Raises where no GPU recorded the case: a notebook
+    must not quote a missing row."""
     rows = recorded_results(phase, results_dir)
-    rows = rows[rows["case"] == case]
+    rows = rows[(rows["case"] == case) & rows["optimized"].notna()]
+    if metric is not None:
+        rows = rows[rows["metric"] == metric]
     if rows.empty:
-        raise LookupError(f"no row {phase!r} / {case!r} recorded under results/")
+        raise LookupError(
+            f"no row {phase!r} / {case!r}" + (f" / {metric!r}" if metric else "")
+            + " with a figure recorded under results/"
+        )  # fmt: skip
+    if metric is None and rows["metric"].nunique() > 1:
+        raise ValueError(
+            f"{phase!r} / {case!r} has rows of several metrics; pass metric= one of "
+            + ", ".join(map(repr, sorted(rows["metric"].unique())))
+        )
     parts = []
     for device, part in rows.groupby("device", sort=True):
-        last = part.sort_values("date").iloc[-1]
-        parts.append(f"on the {device} ({last['date']}): {_figure(last, metric)}{_verdict(last)}")
+        last = part.sort_values("date", kind="stable").iloc[-1]  # the last written of a date
+        parts.append(f"on the {device} ({last['date']}): {_figure(last, figure)}{_verdict(last)}")
     return "; ".join(parts)
 
 
-def _figure(row: pd.Series, metric: str) -> str:
-    optimized = f"{readable(row['optimized'])} {row['unit']}".strip()
-    if metric == "speedup" and not pd.isna(row["speedup"]):
+def _figure(row: pd.Series, figure: str) -> str:
+    unit = "" if pd.isna(row["unit"]) else row["unit"]
+    optimized = f"{readable(row['optimized'])} {unit}".strip()
+    if figure == "speedup" and not pd.isna(row["speedup"]):
         return f"{readable(row['speedup'])}x ({optimized})"
     return optimized
 
