@@ -84,7 +84,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="PART",
         help="run only these parts of phases that run in parts (notebooks: a notebook's name or "
         "its number, 05; overhead: components, 'diversity sweep', 'adamw "
-        "sweep'; recipe: cumulative, alone; sdpa: headline, flex, 'masked sweep', vit); their "
+        "sweep'; memory: allocations, checkpointing, accumulate; recipe: cumulative, alone; "
+        "sdpa: headline, flex, 'masked sweep', vit); their "
         "rows replace the same cases' rows, the phase's other rows stay",
     )
     bench.add_argument(

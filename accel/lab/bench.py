@@ -61,6 +61,7 @@ PARTS: dict[str, str] = {
     "recipe": "accel.lab.cases.recipe:parts",
     "doctor": "accel.lab.cases.doctor:parts",
     "sdpa": "accel.lab.cases.sdpa:parts",
+    "memory": "accel.lab.cases.memory:parts",
 }
 
 COLUMNS = [
