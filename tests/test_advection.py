@@ -174,6 +174,19 @@ def test_grad_accumulation_trains_as_the_large_batch(k, extra, seed):
     op.compare_results(accumulated.result(), large.result(), reference, sizes=SIZES, steps=STEPS)
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_mode", ["none", "default", "reduce-overhead"])
+def test_grad_accumulation_trains_as_the_large_batch_on_cuda(compile_mode, seed):
+    """Under reduce-overhead each micro-batch is a replay of the compiled graphs: the
+    gradients must add up outside the graphs' memory, which the next replay overwrites."""
+    flags = {"compile": compile_mode, "aux_loss_every": 2}
+    large = run(op.Flags(batch_multiplier=4, **flags), seed=seed, device="cuda")
+    accumulated = run(op.Flags(grad_accumulation=4, **flags), seed=seed, device="cuda")
+    reference = op.Flags(compile=compile_mode)
+    op.compare_results(accumulated.result(), large.result(), reference, sizes=SIZES, steps=STEPS)
+
+
 def learns_the_field(seed: int) -> None:
     step = run(steps=0, sizes=op.Sizes.preset("cpu"), seed=seed)
     before = step.validation_error()
