@@ -217,14 +217,31 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
         acc.large_batch(_mse(models["large"]), batch)
         acc.accumulate(loss_fn, acc.split_batch(batch, 4), model=models["accumulated"])
         grads = {k: [p.grad.tolist() for p in m.parameters()] for k, m in models.items()}
+        result = {"seen": seen, "reduces": reduces, "grads": grads} | _fsdp2(batch)
         with open(f"{out}.{rank}", "w") as f:
-            json.dump({"seen": seen, "reduces": reduces, "grads": grads}, f)
+            json.dump(result, f)
     finally:
         dist.destroy_process_group()
 
 
+def _fsdp2(batch) -> dict:
+    """The same under FSDP2 (``fully_shard``): the sync asked for on each micro-batch, and the
+    full gradients of both."""
+    from torch.distributed.fsdp import fully_shard
+
+    models = {kind: fully_shard(_model(12)) for kind in ("large", "accumulated")}
+    asked = []
+    model = models["accumulated"]
+    switch = model.set_requires_gradient_sync
+    model.set_requires_gradient_sync = lambda on, **kw: asked.append(on) or switch(on, **kw)
+    acc.large_batch(_mse(models["large"]), batch)
+    acc.accumulate(_mse(model), acc.split_batch(batch, 4), model=model)
+    full = {k: [p.grad.full_tensor().tolist() for p in m.parameters()] for k, m in models.items()}
+    return {"fsdp2_asked": asked, "fsdp2_grads": full}
+
+
 @pytest.mark.usefixtures("one_thread")
-def test_ddp_all_reduces_only_on_the_last_micro_batch(tmp_path):
+def test_ddp_and_fsdp2_sync_only_on_the_last_micro_batch(tmp_path):
     out = tmp_path / "rank"
     mp.spawn(_ddp_rank, args=(str(tmp_path / "store"), str(out)), nprocs=WORLD)
     per_rank = [json.loads(out.with_name(f"rank.{r}").read_text()) for r in range(WORLD)]
@@ -237,6 +254,11 @@ def test_ddp_all_reduces_only_on_the_last_micro_batch(tmp_path):
     # after the all-reduce every rank holds the same (averaged) gradients
     first, second = (torch.tensor(r["grads"]["accumulated"][0]) for r in per_rank)
     torch.testing.assert_close(first, second)
+    for seen in per_rank:  # FSDP2: the sync off but on the last, the large batch's gradients
+        assert seen["fsdp2_asked"] == [False, False, False, True]
+        large, accumulated = seen["fsdp2_grads"]["large"], seen["fsdp2_grads"]["accumulated"]
+        for a, b in zip(accumulated, large, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), **GRAD_TOL)
 
 
 def test_split_batch_returns_views_of_every_tensor():
