@@ -24,6 +24,7 @@ STEPS = 3
 CPU_FLAG_SETS = [
     op.Flags(activation_checkpointing=True),
     op.Flags(batch_multiplier=2),
+    op.Flags(grad_accumulation=2),
     op.Flags(aux_loss_every=2),
     op.Flags(query_subsample=4),
     op.Flags(loader_workers=2, persistent_workers=True, prefetch=4),
@@ -116,6 +117,7 @@ def test_changed_numerics_really_change_the_result(seed):
         op.Flags(precision="bf16"),
         op.Flags(aux_loss_every=2),
         op.Flags(batch_multiplier=2),
+        op.Flags(grad_accumulation=2),
     ):
         got = run(flags, seed=seed).result()
         assert not torch.allclose(got["params"], base["params"], rtol=0, atol=1e-7), label(flags)
@@ -154,6 +156,35 @@ def test_query_subsample_and_batch_multiplier_shapes():
     assert step.aux_queries == SIZES.queries // 4
     assert step.samples_per_step == 2 * SIZES.batch
     assert step.next_batch()["inputs"].shape == (2 * SIZES.batch, SIZES.grid + SIZES.queries, 3)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"activation_checkpointing": True, "aux_loss_every": 2}, {"precision": "fp16+scaler"}],
+    ids=["plain", "checkpointing, aux every 2", "fp16+scaler"],
+)
+@pytest.mark.parametrize("k", [2, 4])
+def test_grad_accumulation_trains_as_the_large_batch(k, extra, seed):
+    """k micro-batches per step: the same samples and, within float32 rounding, the same
+    training as the batch k times larger in one piece (batch_multiplier=k)."""
+    large = run(op.Flags(batch_multiplier=k, **extra), seed=seed)
+    accumulated = run(op.Flags(grad_accumulation=k, **extra), seed=seed)
+    assert accumulated.samples_per_step == large.samples_per_step == k * SIZES.batch
+    reference = op.Flags(**{k: v for k, v in extra.items() if k != "aux_loss_every"})
+    op.compare_results(accumulated.result(), large.result(), reference, sizes=SIZES, steps=STEPS)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_mode", ["none", "default", "reduce-overhead"])
+def test_grad_accumulation_trains_as_the_large_batch_on_cuda(compile_mode, seed):
+    """Under reduce-overhead each micro-batch is a replay of the compiled graphs: the
+    gradients must add up outside the graphs' memory, which the next replay overwrites."""
+    flags = {"compile": compile_mode, "aux_loss_every": 2}
+    large = run(op.Flags(batch_multiplier=4, **flags), seed=seed, device="cuda")
+    accumulated = run(op.Flags(grad_accumulation=4, **flags), seed=seed, device="cuda")
+    reference = op.Flags(compile=compile_mode)
+    op.compare_results(accumulated.result(), large.result(), reference, sizes=SIZES, steps=STEPS)
 
 
 def learns_the_field(seed: int) -> None:

@@ -214,3 +214,13 @@ def test_the_seeds_row_is_the_median_with_recorded_seeds_and_judged_from_three()
     assert row.met is True and "2026-11-20" in row.note and "seed 0: 0.800" in row.note
     too_few = recipe._seeds_row(SimpleNamespace(judged=True, where="", recorded=None), now)
     assert too_few.met is None and "fewer than 3 seeds" in too_few.note
+
+
+def test_step_flops_count_every_sample_of_a_step():
+    """An accumulated step does the matrix products of the batch it stands for, per sample as
+    much as one piece."""
+    one, k = recipe.step_flops(TINY), 4
+    for flags in (op.Flags(batch_multiplier=k), op.Flags(grad_accumulation=k)):
+        flops = recipe.step_flops(TINY, flags)
+        assert flops["total"] == k * one["total"]
+        assert flops["per_sample"] == one["per_sample"]

@@ -9,6 +9,7 @@ choice of blocks (the fastest within the peak target; the note says which), with
 judged at ``JUDGED_BATCH`` (32 sequences on a GPU, where the GPU bounds the step); the preset's
 own batch gets a row without a target. Also, without a target: allocator requests per step, and
 the field trainer's window with ``empty_cache()`` every 10 windows against the adaptive cleaner.
+Gradient accumulation's rows (``accumulate_*``) are ``memory_accumulate``'s.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from accel import memory
 from accel.lab.bench import BenchContext, Row
+from accel.lab.cases import memory_accumulate
 from accel.measure.profile import profile_step
 from accel.measure.timer import Comparison, compare
 from accel.workloads import field_trainer as ft
@@ -167,8 +169,23 @@ def checkpoint_costs(
     return CheckpointCosts(peaks, timing, searches, budget_bytes)
 
 
+def parts() -> list[str]:
+    """The parts ``bench --phase memory --only`` can pick."""
+    return ["allocations", "checkpointing", "accumulate"]
+
+
 def run(ctx: BenchContext) -> list[Row]:
     sizes = no.Sizes.preset(ctx.preset)
+    rows = allocation_rows(ctx, sizes) if ctx.selected("allocations") else []
+    if ctx.selected("checkpointing"):
+        rows += checkpointing_rows(ctx, sizes)
+    if ctx.selected("accumulate"):
+        rows += memory_accumulate.rows(ctx, sizes)
+    return rows
+
+
+def allocation_rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
+    """cudaMalloc and allocator requests per step; on a GPU the cache cleanup's timing."""
     dev = ctx.device
     judged, where = ctx.judged, ctx.where
     rows = []
@@ -205,6 +222,12 @@ def run(ctx: BenchContext) -> list[Row]:
 
     if dev.type == "cuda":  # a CPU has no cache to empty: the two would run the same code
         rows.append(cleanup_row(ctx, where))
+    return rows
+
+
+def checkpointing_rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
+    """Activation checkpointing's peak, price and largest batch, per choice of blocks."""
+    dev, where = ctx.device, ctx.where
     judged_sizes = dataclasses.replace(sizes, batch=JUDGED_BATCH[ctx.preset] or sizes.batch)
     idle = {
         b: idle_fraction(b, sizes, dev) for b in dict.fromkeys((judged_sizes.batch, sizes.batch))
@@ -213,7 +236,7 @@ def run(ctx: BenchContext) -> list[Row]:
         judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset], choices=CHECKPOINT_CHOICES
     )
     at = f"{where}; batch {judged_sizes.batch}: GPU idle {idle[judged_sizes.batch]:.0%} of a step"
-    rows += checkpoint_rows(costs, judged_sizes, at, judged)
+    rows = checkpoint_rows(costs, judged_sizes, at, ctx.judged)
     if judged_sizes.batch != sizes.batch:
         rows.append(preset_batch_row(sizes, dev, f"{where}; GPU idle {idle[sizes.batch]:.0%}"))
     return rows

@@ -150,7 +150,7 @@ def step_flops(sizes: op.Sizes, flags: op.Flags | None = None) -> dict[str, floa
     d, r = sizes.dim, sizes.mlp_ratio
     g, q = sizes.grid, sizes.queries
     aux_q = max(1, q // flags.query_subsample)
-    batch = sizes.batch * flags.batch_multiplier
+    batch = sizes.batch * flags.batch_multiplier * flags.grad_accumulation
     passes = 4 if flags.activation_checkpointing else 3
     encoder = sizes.depth * g * (2 * d * d * (4 + 2 * r) + 4 * g * d)
     # cross-attention: q, out and MLP on the queries, k and v on the grid tokens

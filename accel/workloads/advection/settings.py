@@ -38,6 +38,14 @@ class Flags:
         default=1,
         choices=(1, 2, 4),
     )
+    grad_accumulation: int = option(
+        "train on k micro-batches per step, their gradients accumulated before one optimizer "
+        "step (accel.accumulate): an effective batch k x the batch at one batch's activation "
+        "memory (more samples per step: changes the training on purpose)",
+        "memory",
+        default=1,
+        choices=(1, 2, 4, 8),
+    )
     aux_loss_every: int = option(
         "compute the inverse (auxiliary) loss on every k-th step only (changes the training "
         "on purpose)",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from accel import memory
+from accel import accumulate, memory
 from accel.workloads.advection.data import batch_of, make_loader
 from accel.workloads.advection.model import init_model, relative_error
 from accel.workloads.advection.settings import (
@@ -57,9 +57,10 @@ CHANGED_TRAINING_TOLERANCE = {
     "params": {"rtol": 0.0, "atol": 1e-2},
     "predictions": {"rtol": 0.2, "atol": 0.1},
 }
-# batch_multiplier trains on other samples (the next ones of the stream too): its losses are
-# another batch's, not comparable (None: not compared); the weights stay within ~2 learning
-# rates per step (seen 5.8e-3 after 3) and the field within 0.28 at the tiny test batch.
+# batch_multiplier and grad_accumulation train on other samples (the next ones of the stream
+# too): their losses are another batch's, not comparable (None: not compared); the weights stay
+# within ~2 learning rates per step (seen 5.8e-3 after 3) and the field within 0.28 at the tiny
+# test batch.
 LARGER_BATCH_TOLERANCE = {
     "losses": None,
     "params": {"rtol": 0.0, "atol": 1e-2},
@@ -85,7 +86,8 @@ class Step:
     def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
         check_flags(flags, device)
         self.flags, self.sizes, self.device, self.seed = flags, sizes, device, seed
-        self.batch_size = sizes.batch * flags.batch_multiplier
+        self.micro_batch_size = sizes.batch * flags.batch_multiplier
+        self.batch_size = self.micro_batch_size * flags.grad_accumulation  # samples per step
         self.aux_queries = max(1, sizes.queries // flags.query_subsample)
         self.loader = make_loader(flags, sizes, seed, self.batch_size)
         self._batches: Iterator | None = None
@@ -190,7 +192,7 @@ class Step:
         """``passes`` forwards and backwards of each variant on a warm-up batch, gradients
         dropped: weights, optimizer, data stream and random generators are left as they were.
         Seconds (compile, and under CUDA graphs their warm-up and recording)."""
-        warm = batch_of(self.seed, range(self.batch_size), self.sizes, stream=2)
+        warm = batch_of(self.seed, range(self.micro_batch_size), self.sizes, stream=2)
         warm = self._to_device(warm)
         t0 = time.perf_counter()
         # CUDA graph trees: the 1st call of a graph warms up, the 2nd records, the 3rd replays
@@ -206,8 +208,16 @@ class Step:
 
     def _begin_step(self) -> None:
         """Drop the gradients (no step adds to the last one's: under CUDA graphs those are
-        outputs that are overwritten) and, under CUDA graphs, mark a new iteration."""
-        self.optimizer.zero_grad(set_to_none=True)
+        outputs that are overwritten) and, under CUDA graphs, mark a new iteration. Accumulating
+        under CUDA graphs, the gradients are zeroed in place instead: micro-batches add into
+        tensors outside the graphs' memory, which the next replay cannot overwrite."""
+        if self.cudagraphs and self.flags.grad_accumulation > 1:
+            for p in self.model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.optimizer.zero_grad(set_to_none=False)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
 
@@ -215,21 +225,39 @@ class Step:
         batch = self.next_batch()
         aux = self.count % self.flags.aux_loss_every == 0  # host counter: no sync
         self._begin_step()
-        loss = self._loss(batch, aux)
+        if self.flags.grad_accumulation > 1:
+            loss = self._accumulated_backward(batch, aux)
+        else:
+            loss = self._loss(batch, aux)
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         if self.scaler is not None:
-            self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)  # sync: unless fused AdamW takes the inf check
             self.scaler.update()
         else:
-            loss.backward()
             self.optimizer.step()
-        if self.cudagraphs:  # graph outputs: the next replay overwrites them
+        if self.cudagraphs and self.flags.grad_accumulation == 1:  # graph outputs: overwritten
             self.losses.append(loss.detach().clone())
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.losses.append(loss.detach())
         self.aux_calls += aux
         self.count += 1
+
+    def _accumulated_backward(self, batch: dict[str, torch.Tensor], aux: bool) -> torch.Tensor:
+        """Forward and backward of each of ``grad_accumulation`` equal micro-batches, the
+        gradients the whole batch's; the batch's mean loss (unscaled), on the device."""
+        losses = []
+
+        def micro_loss(micro: dict[str, torch.Tensor]) -> torch.Tensor:
+            if self.cudagraphs:  # each micro-batch one replay of the compiled graphs
+                torch.compiler.cudagraph_mark_step_begin()
+            loss = self._loss(micro, aux)
+            losses.append(loss.detach().clone())  # under CUDA graphs the next replay's memory
+            return loss if self.scaler is None else self.scaler.scale(loss)
+
+        micro = accumulate.split_batch(batch, self.flags.grad_accumulation)
+        accumulate.accumulate(micro_loss, micro, model=self.model)
+        return torch.stack(losses).mean()  # equal micro-batches: the batch's mean
 
     @property
     def samples_per_step(self) -> int:
@@ -291,7 +319,7 @@ def _optimizer_states(optimizer: Any) -> list[dict]:
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float] | None]:
     """Per result entry, the tolerance within which ``flags`` must match the baseline after a
     few ``steps`` at ``sizes`` (None: the entry is not comparable); the same for every size."""
-    if flags.batch_multiplier != 1:
+    if flags.batch_multiplier != 1 or flags.grad_accumulation != 1:
         return LARGER_BATCH_TOLERANCE
     if (flags.aux_loss_every, flags.query_subsample) != (1, 1):
         return CHANGED_TRAINING_TOLERANCE

@@ -1,0 +1,243 @@
+"""Gradient accumulation: one batch's gradients from k micro-batches, each forward and backward
+holding only one micro-batch's activations.
+
+    micro = accumulate.split_batch(batch, 8)
+    loss = accumulate.accumulate(loss_fn, micro, model=model)  # the gradients are in .grad
+    optimizer.step()
+    optimizer.zero_grad()
+
+The reference beside it is :func:`large_batch`: the same ``loss_fn`` on the whole batch, one
+backward. The two leave the same gradients within float32 rounding wherever ``loss_fn`` is a mean
+over independent samples (a model with BatchNorm in training mode is not: see below).
+
+How the loss is scaled. A mean loss over a batch of N samples is ``sum_i n_i * mean_i / N`` over
+its micro-batches of ``n_i`` samples, so micro-batch ``i``'s loss is scaled by ``n_i / N``: 1/k
+for equal micro-batches (nanoGPT's and torchtitan's ``loss / k``), not 1/k for unequal ones. A
+loss that is a mean over tokens where micro-batches hold different numbers of valid tokens
+(padding, ignored labels) takes the token counts as ``counts`` (Python ints, or 0-dim tensors on
+the device: no host read). A micro-batch without a valid token makes a mean loss NaN; return the
+sum over tokens instead and pass ``reduction="sum"``: each is then divided by the total count.
+
+Distributed data parallel. Under DDP the gradients' all-reduce runs only on the last
+micro-batch: the others run inside ``model.no_sync()`` (forward and backward, as DDP requires).
+An FSDP2 module (``fully_shard``) gets ``set_requires_gradient_sync(False)`` on all but the last,
+which keeps each micro-batch's unsharded gradients until then: less communication, more memory.
+
+What it never does: read a tensor on the host, branch on a tensor's value, or allocate anything
+that differs from one call to the next, so a step that calls it can be captured whole in a CUDA
+graph (``accel.graphs.GraphedStep``) and the loop has no host sync between micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from accel.errors import checked_callable, checked_count, checked_instance
+
+REDUCTIONS = ("mean", "sum")
+# the lazy variants subclass these
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+class BatchStatisticsWarning(UserWarning):
+    """A model normalizes by batch statistics, so micro-batches cannot give the large batch's
+    gradients."""
+
+
+# ---- splitting -------------------------------------------------------------------------------
+def split_batch(batch: Any, micro_batches: int, *, uneven: bool = False) -> list[Any]:
+    """``batch`` (a tensor, or a tuple, list or dict of tensors sharing their first dimension)
+    as ``micro_batches`` views along the first dimension; nothing is copied.
+
+    A batch that ``micro_batches`` does not divide is refused unless ``uneven=True``, which gives
+    sizes that differ by at most one (the first ones larger), each weighted by its size in
+    :func:`accumulate`."""
+    k = checked_count(micro_batches, "split_batch(micro_batches)", at_least=1)
+    size = batch_size(batch)
+    if k > size:
+        raise ValueError(
+            f"split_batch: micro_batches={k} is more than the batch's {size} samples; "
+            f"expected at most {size}"
+        )
+    if size % k and not uneven:
+        raise ValueError(
+            f"split_batch: a batch of {size} samples does not split into {k} equal "
+            f"micro-batches; pick micro_batches among {_divisors(size)}, or pass uneven=True "
+            "(sizes differing by one, each weighted by its size)"
+        )
+    return [_index(batch, part) for part in _ranges(size, k)]
+
+
+def batch_size(batch: Any) -> int:
+    """Samples in ``batch``: the first dimension its tensors share (an error if they differ)."""
+    tensors = _tensors(batch)
+    if not tensors:
+        raise TypeError(
+            "expected a batch: a tensor, or a tuple, list or dict of tensors; got "
+            f"{type(batch).__name__} without a tensor"
+        )
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if None in sizes or len(sizes) > 1:
+        shapes = [tuple(t.shape) for t in tensors]
+        raise ValueError(
+            f"a batch's tensors must share their first (sample) dimension, got shapes {shapes}"
+        )
+    return sizes.pop()
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (tuple, list)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
+
+
+def _index(batch: Any, part: slice) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[part]
+    if isinstance(batch, Mapping):
+        return {k: _index(v, part) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_index(v, part) for v in batch)
+    return batch  # a constant travels with every micro-batch
+
+
+def _ranges(size: int, k: int) -> list[slice]:
+    base, extra = divmod(size, k)
+    bounds = [0]
+    for i in range(k):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [slice(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---- the accumulated step and its reference -------------------------------------------------
+def accumulate(
+    loss_fn: Callable[[Any], torch.Tensor],
+    micro_batches: Sequence[Any],
+    *,
+    model: nn.Module | None = None,
+    counts: Sequence[int | torch.Tensor] | None = None,
+    reduction: Literal["mean", "sum"] = "mean",
+) -> torch.Tensor:
+    """Forward and backward of ``loss_fn`` on each micro-batch in turn, each loss scaled so that
+    the gradients added into ``.grad`` are the whole batch's; returns the whole batch's loss,
+    detached, on the device (no host read).
+
+    ``loss_fn(micro_batch)`` returns a 0-dim loss: with ``reduction="mean"`` the mean over its
+    micro-batch (scaled by ``counts[i] / sum(counts)``), with ``"sum"`` the sum (scaled by
+    ``1 / sum(counts)``). ``counts`` default to the micro-batches' sizes (their first dimension);
+    pass token counts for a loss over tokens. ``model``: the module ``loss_fn`` runs, needed
+    under DDP or FSDP2 (the gradient sync only on the last micro-batch) and to be warned of
+    BatchNorm. Gradients add to those already in ``.grad``, as ``backward`` does: zero them
+    before, step after."""
+    checked_callable(loss_fn, "accumulate(loss_fn)")
+    micro = _checked_micro_batches(micro_batches)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"accumulate: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if model is not None:
+        checked_instance(model, nn.Module, "accumulate(model)", "torch.nn.Module")
+        if len(micro) > 1:
+            _warn_batch_statistics(model)
+    scales = _scales(micro, counts, reduction)
+    total = None
+    for i, (batch, scale) in enumerate(zip(micro, scales, strict=True)):
+        with _gradient_sync(model, last=i == len(micro) - 1):
+            loss = _checked_loss(loss_fn(batch), i)
+            (loss * scale).backward()
+        part = loss.detach() * scale
+        total = part if total is None else total + part
+    return total
+
+
+def large_batch(loss_fn: Callable[[Any], torch.Tensor], batch: Any) -> torch.Tensor:
+    """The reference: ``loss_fn`` on the whole batch, one backward; the loss, detached."""
+    loss = _checked_loss(checked_callable(loss_fn, "large_batch(loss_fn)")(batch), None)
+    loss.backward()
+    return loss.detach()
+
+
+def _checked_micro_batches(micro_batches: Sequence[Any]) -> list[Any]:
+    if isinstance(micro_batches, torch.Tensor) or not isinstance(micro_batches, (list, tuple)):
+        raise TypeError(
+            "accumulate(micro_batches) must be a list or tuple of micro-batches (from "
+            f"split_batch(batch, k)), got {type(micro_batches).__name__}"
+        )
+    if not micro_batches:
+        raise ValueError("accumulate(micro_batches) is empty; expected at least one micro-batch")
+    return list(micro_batches)
+
+
+def _scales(
+    micro: list[Any], counts: Sequence[int | torch.Tensor] | None, reduction: str
+) -> list[float | torch.Tensor]:
+    """Each micro-batch's loss scale: Python floats from Python counts, device tensors from
+    device counts (computed there: no host read)."""
+    if counts is None:
+        counts = [batch_size(b) for b in micro]
+    counts = list(counts)
+    if len(counts) != len(micro):
+        raise ValueError(
+            f"accumulate: {len(counts)} counts for {len(micro)} micro-batches; expected one "
+            "count per micro-batch"
+        )
+    if all(isinstance(c, torch.Tensor) for c in counts):
+        weights = torch.stack([c.float() for c in counts])
+        total = weights.sum()
+        scaled = weights / total if reduction == "mean" else (1 / total).expand(len(micro))
+        return list(scaled.unbind())
+    ints = [checked_count(c, f"accumulate(counts[{i}])", at_least=0) for i, c in enumerate(counts)]
+    total = sum(ints)
+    if total == 0:
+        raise ValueError("accumulate: counts sum to 0; expected at least one counted sample")
+    return [c / total if reduction == "mean" else 1 / total for c in ints]
+
+
+def _checked_loss(loss: Any, index: int | None) -> torch.Tensor:
+    where = "loss_fn" if index is None else f"loss_fn(micro_batches[{index}])"
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"{where} must return a 0-dim loss tensor, got {shape}")
+    if not loss.requires_grad:
+        raise ValueError(
+            f"{where} returned a loss that does not require grad (computed under no_grad, or "
+            "from parameters with requires_grad=False); expected one backward can run through"
+        )
+    return loss
+
+
+def _gradient_sync(model: nn.Module | None, *, last: bool) -> contextlib.AbstractContextManager:
+    """DDP: ``no_sync()`` except on the last micro-batch. FSDP2: the sync switched off except
+    on the last (where it is switched back on, its default)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if last else model.no_sync()
+    if model is not None and hasattr(model, "set_requires_gradient_sync"):  # FSDPModule
+        model.set_requires_gradient_sync(last)
+    return contextlib.nullcontext()
+
+
+def _warn_batch_statistics(model: nn.Module) -> None:
+    norms = [name for name, m in model.named_modules() if isinstance(m, BATCH_NORMS) and m.training]
+    if norms:
+        warnings.warn(
+            f"accumulate: {len(norms)} BatchNorm layer(s) in training mode ({norms[0]}, ...) "
+            "normalize each micro-batch by its own mean and variance, so the gradients are not "
+            "the large batch's, and their running statistics are updated once per micro-batch; "
+            "for the large batch's update use a norm without batch statistics (LayerNorm, "
+            "GroupNorm), or keep BatchNorm and accept micro-batch statistics",
+            BatchStatisticsWarning,
+            stacklevel=3,
+        )
