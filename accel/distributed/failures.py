@@ -45,7 +45,7 @@ def rank_failure(
         for e in errors
     ]
     if not errors or killed:
-        who = f"rank {died} of {config.nprocs}" if died is not None else "a rank"
+        who = f"rank {died} of {config.world_size}" if died is not None else "a rank"
         return RankFailed(
             f"{who} died without a Python error: {cause or f'torchrun exit code {exitcode}'} "
             f"({what}; killed, out of memory, or crashed); torchrun ended the other ranks."
@@ -60,7 +60,7 @@ def rank_failure(
     first, later = errors[0], errors[1:]
     message_lines = (first["message"] or "").strip().splitlines()
     message = (
-        f"rank {first['rank']} of {config.nprocs} raised {first['type']}"
+        f"rank {first['rank']} of {config.world_size} raised {first['type']}"
         f"{': ' + message_lines[0][:300] if message_lines else ''} ({what}); torchrun ended the "
         f"other ranks.\n\n{first['traceback'].rstrip()}"
     )

@@ -10,6 +10,7 @@ import inspect
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -60,6 +61,10 @@ def launch(
     load_from: str | os.PathLike | None = None,
     validate: bool = True,
     timeout: float = 600.0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "accel",
     in_process: bool | None = None,
     launcher: str | Sequence[str] | None = None,
 ) -> RunResult:
@@ -85,6 +90,24 @@ def launch(
     process with ``wrapper="none"``) trains in this process, with the same metrics and no
     ``timeout``.
 
+    Several hosts (torchrun's names): run ``launch`` on each of ``nnodes`` hosts with the same
+    arguments but its own ``node_rank`` (0 .. nnodes-1); ``rdzv_endpoint="host:port"`` is a
+    port node 0 can listen on, at an address every host reaches (node 0 serves the rendezvous
+    there; the others wait for it), ``rdzv_id`` a name for the job, the same on every host.
+    ``nprocs`` ranks run on each host, ``nnodes * nprocs`` in all: the strong split is over all
+    of them. On two hosts, 10.0.0.1 and another, with one GPU each::
+
+        # on 10.0.0.1                                   # on the other host
+        launch(nprocs=1, wrapper="ddp", nnodes=2,       launch(nprocs=1, wrapper="ddp", nnodes=2,
+               node_rank=0,                                    node_rank=1,
+               rdzv_endpoint="10.0.0.1:29500")                 rdzv_endpoint="10.0.0.1:29500")
+
+    Each host returns the :class:`RunResult` of its own ranks (its out folder is its own; the
+    hosts need not share one): the same losses everywhere (means over every rank), node 0's
+    holding global rank 0's rows. ``checkpoint_dir`` and ``load_from`` must name a folder every
+    host sees at the same path (a shared filesystem): each rank saves its own shard there.
+    ``timeout`` counts the wait for the other hosts too.
+
     Raises before launching, having created nothing: ValueError for bad arguments, a task that
     cannot be built with this preset or split over ``nprocs`` ranks, an optimizer setting torch
     refuses (the task and its optimizer are built once here to check), a checkpoint to load that
@@ -99,10 +122,13 @@ def launch(
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     config = _config({k: v for k, v in arguments.items() if k in fields})
     if in_process is None:
-        in_process = nprocs == 1 and wrapper == "none"
+        in_process = config.world_size == 1 and wrapper == "none"
     if in_process:
-        if wrapper != "none":
-            raise ValueError(f"in_process runs wrapper 'none' only, got {wrapper!r}")
+        if wrapper != "none" or nnodes != 1:
+            raise ValueError(
+                f"in_process runs wrapper 'none' on this host only, got wrapper={wrapper!r}, "
+                f"nnodes={nnodes!r}"
+            )
         return RunResult.from_records(config, [train(config)], output="")
     command = launcher_command(launcher)
     _check_tasks([config])
@@ -122,7 +148,8 @@ def launch_series(
     group, so the launch's cost (torchrun and each rank importing torch, the group's setup) is
     paid once. ``runs`` maps a name to that run's :func:`launch` arguments, which update
     ``common``'s; all share ``nprocs``, the backend and ``nccl_env`` (NCCL reads its environment
-    once per process: runs with other settings need a launch of their own).
+    once per process: runs with other settings need a launch of their own), and the nodes
+    (``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``rdzv_id``: give them in ``common``).
 
     Returns name -> :class:`RunResult`, in the order of ``runs``. Raises as :func:`launch` does,
     before anything starts for a bad argument (naming the run); a failed run's error names it,
@@ -139,11 +166,12 @@ def launch_series(
             configs.append(_config(arguments))
         except ValueError as error:
             raise ValueError(f"run {name!r}: {error}") from None
-    shared = {json.dumps([c.backend, c.nccl_env], sort_keys=True) for c in configs}
+    shared = {json.dumps(_shared_settings(c), sort_keys=True) for c in configs}
     if len(shared) > 1:
         raise ValueError(
             "the runs of one launch share its processes, and NCCL reads its environment once per "
-            "process: their backend and nccl_env must be equal; launch the others apart"
+            f"process: their {', '.join(_shared_settings(configs[0]))} must be equal; launch the "
+            "others apart"
         )
     command = launcher_command(launcher)
     _check_tasks(configs, labels=list(runs))
@@ -156,6 +184,12 @@ def launch_series(
         ]
         results = run_torchrun(placed, Path(tmp), command, labels=list(runs))
     return dict(zip(runs, results, strict=True))
+
+
+def _shared_settings(config: RunConfig) -> dict[str, Any]:
+    """What the runs of one launch share: its processes' environment and its nodes."""
+    names = ("backend", "nccl_env", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
+    return {name: getattr(config, name) for name in names}
 
 
 # launch()'s defaults of the run's settings (RunConfig's fields), for launch_series
@@ -182,6 +216,7 @@ def _config(arguments: dict[str, Any]) -> RunConfig:
     """The run's config from :func:`launch`'s arguments, each checked, defaults resolved: the
     backend (nccl where GPUs are), the preset (``ACCEL_PRESET``, else by backend), paths."""
     _check_arguments(**arguments)
+    _check_nodes(**arguments)
     _check_checkpoints(**arguments)
     _check_task_module(arguments["task"])
     backend = _backend(arguments["backend"], arguments["nprocs"])
@@ -237,6 +272,49 @@ def _check_arguments(
         and all(isinstance(k, str) and isinstance(v, str) for k, v in nccl_env.items())
     ):
         raise ValueError(f"nccl_env must map str to str (environment variables), got {nccl_env!r}")
+
+
+def _check_nodes(
+    *,
+    wrapper: str,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    rdzv_id: str,
+    **_: Any,
+) -> None:
+    """One host (``nnodes=1``, torchrun's standalone rendezvous) or several meeting at
+    ``rdzv_endpoint``: what each node needs, checked before its agent starts."""
+    _check_int("nnodes", nnodes, minimum=1)
+    _check_int("node_rank", node_rank, minimum=0)
+    if nnodes == 1:
+        if node_rank != 0 or rdzv_endpoint is not None:
+            raise ValueError(
+                f"node_rank and rdzv_endpoint are for nnodes > 1; got nnodes=1, "
+                f"node_rank={node_rank}, rdzv_endpoint={rdzv_endpoint!r} (one host meets "
+                "itself: leave them out, or give nnodes)"
+            )
+        return
+    if node_rank >= nnodes:
+        raise ValueError(f"node_rank must be within 0..nnodes-1={nnodes - 1}, got {node_rank}")
+    if wrapper == "none":
+        raise ValueError(f"wrapper 'none' trains on one process; got nnodes={nnodes} (use ddp)")
+    _check_endpoint(rdzv_endpoint)
+    if not (isinstance(rdzv_id, str) and re.fullmatch(r"[\w.-]+", rdzv_id)):
+        raise ValueError(
+            f"rdzv_id must be a name of letters, digits, '_', '.' or '-' (the same on every "
+            f"node), got {rdzv_id!r}"
+        )
+
+
+def _check_endpoint(endpoint: Any) -> None:
+    """``"host:port"`` (``"[v6 address]:port"``), the port within 1..65535."""
+    host, _, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
+    if not (host.strip("[]") and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(
+            "rdzv_endpoint must be 'host:port', the address of node 0 (which serves the "
+            f"rendezvous) and a free port there, e.g. '10.0.0.1:29500'; got {endpoint!r}"
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
@@ -346,7 +424,7 @@ def _check_task(config: RunConfig, built: dict[tuple, Task]) -> None:
         if key not in built:
             built[key] = build_task(config)
             if config.scaling == "strong":
-                built[key].batch(0, 0, config.nprocs, torch.device("cpu"))
+                built[key].batch(0, 0, config.world_size, torch.device("cpu"))
         make_optimizer(built[key].model, config)
     if config.load_from is not None:
         check_loadable(config)

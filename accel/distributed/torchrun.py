@@ -1,8 +1,14 @@
-"""A run under torchrun (``python -m torch.distributed.run --standalone``): its command and
-environment, the run watched until it exits or times out, every process of it ended (by
+"""A run under torchrun (``python -m torch.distributed.run``): its command and environment, the
+run watched until it exits or times out, every process of it ended (by
 :mod:`accel.distributed.processes`; by its watchdog if this process dies first), and what the
 ranks left read back as a :class:`RunResult` or raised as the error of the rank that failed.
-torchrun and the ranks get the launch's folder as their temporary folder, removed with it."""
+torchrun and the ranks get the launch's folder as their temporary folder, removed with it.
+
+One host runs ``--standalone``. Several hosts run one torchrun agent each, with torchrun's
+static rendezvous (``--nnodes N --node-rank r --rdzv-backend static --rdzv-endpoint host:port``):
+it is the backend that honours ``--node-rank`` (c10d's numbers the nodes by sorting their host
+names and pids, and torchrun ignores ``--node-rank`` there), so node r runs global ranks
+``r * nprocs ...`` and node 0, which serves the rendezvous at the endpoint, runs rank 0."""
 
 from __future__ import annotations
 
@@ -80,26 +86,36 @@ def run_torchrun(
 
 def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:
     """What a launch runs, for its errors: ``ddp x2 of TASK``, or its runs' names."""
+    first = configs[0]
+    where = f" on node {first.node_rank} of {first.nnodes}" if first.nnodes > 1 else ""
     if len(configs) == 1:
-        first = configs[0]
-        return f"{first.wrapper} x{first.nprocs} of {first.task}"
+        return f"{first.wrapper} x{first.nprocs}{where} of {first.task}"
     names = labels or [describe([c]) for c in configs]
-    return f"the runs {', '.join(map(str, names))} x{configs[0].nprocs} on one launch"
+    return f"the runs {', '.join(map(str, names))} x{first.nprocs}{where} on one launch"
 
 
 def _finished(config: RunConfig) -> bool:
-    """Every rank wrote the run's record and none its error."""
+    """Every rank of this node wrote the run's record and none its error."""
     out = Path(config.out_dir)
-    written = all((out / f"rank{rank}.json").is_file() for rank in range(config.nprocs))
+    written = all((out / f"rank{rank}.json").is_file() for rank in config.local_ranks)
     return written and not any(out.glob("rank*.error.json"))
 
 
 def _torchrun_command(
     command: list[str], configs: Sequence[RunConfig], config_path: Path
 ) -> list[str]:
+    first = configs[0]
+    if first.nnodes == 1:
+        meeting = ["--standalone"]
+    else:
+        meeting = [
+            *("--nnodes", str(first.nnodes), "--node-rank", str(first.node_rank)),
+            *("--rdzv-backend", "static", "--rdzv-endpoint", str(first.rdzv_endpoint)),
+            *("--rdzv-id", first.rdzv_id),
+        ]
     return [
         *command,
-        "--standalone",
+        *meeting,
         "--nproc-per-node",
         str(configs[0].nprocs),
         "-m",
@@ -163,7 +179,7 @@ def _run_and_end(
 def _collect(config: RunConfig, exitcode: int, pids: dict[int, int], output: str) -> RunResult:
     """One run's records from every rank (a failed rank was raised before), or the error of a
     run that wrote nothing."""
-    paths = [Path(config.out_dir) / f"rank{rank}.json" for rank in range(config.nprocs)]
+    paths = [Path(config.out_dir) / f"rank{rank}.json" for rank in config.local_ranks]
     if not _finished(config):
         missing = [p.stem for p in paths if not p.is_file()]
         raise LaunchError(
