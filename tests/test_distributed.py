@@ -551,6 +551,19 @@ def test_two_nodes_of_one_rank_give_the_losses_of_one_host_of_two(runs, monkeypa
     assert node1.summary["validation_error"] == runs["ddp"].summary["validation_error"]
 
 
+def test_a_rendezvous_that_cannot_start_is_torchruns_error_not_a_rank_death():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(D.LaunchError) as caught:
+            D.launch(**TWO_NODES | {"rdzv_endpoint": endpoint}, steps=1, preset="cpu", timeout=60)
+    first = str(caught.value).splitlines()[0]
+    assert not isinstance(caught.value, D.RankFailed)
+    assert first.startswith("torchrun ended before starting any rank (ddp x1 on node 0 of 2 of")
+    assert "address already in use" in first and f"rdzv_endpoint='{endpoint}'" in first
+
+
 def test_several_nodes_meet_at_the_endpoint_instead_of_standalone():
     config = D.RunConfig(
         wrapper="ddp", nprocs=4, nnodes=3, node_rank=2, rdzv_endpoint="10.0.0.1:29500",

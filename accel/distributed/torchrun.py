@@ -27,7 +27,7 @@ import torch
 
 from accel.distributed.config import RunConfig, RunResult
 from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout
-from accel.distributed.failures import rank_failure
+from accel.distributed.failures import agent_failed, agent_failure, nodes_hint, rank_failure
 from accel.distributed.processes import end_run, ended_with_this_process, rank_pids
 
 # What every rank runs: this package's __main__, which reads the config file and calls run_rank.
@@ -74,6 +74,8 @@ def run_torchrun(
     command = _torchrun_command(command, configs, config_path)
     exitcode, pids = _run_and_end(configs, out, command, labels)
     output = (out / "launcher.log").read_text(errors="replace")
+    if exitcode != 0 and agent_failed(output, ranks_started=bool(pids)):
+        raise agent_failure(configs[0], output, exitcode, describe(configs, labels))
     for i, config in enumerate(configs):  # the first run that did not finish failed the launch
         if exitcode != 0 and not _finished(config):
             what = describe([config]) + (f" (run {labels[i]!r})" if labels else "")
@@ -165,7 +167,7 @@ def _run_and_end(
             end_run(proc, marker, rank_pids(out).values())
             raise LaunchTimeout(
                 f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process "
-                "was killed. Output ends with:\n" + _tail(log_path)
+                f"was killed.{nodes_hint(configs[0])} Output ends with:\n" + _tail(log_path)
             ) from None
         except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
             end_run(proc, marker, rank_pids(out).values())
