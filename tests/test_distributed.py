@@ -23,6 +23,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -664,6 +665,21 @@ def _saved_checkpoint(root: Path) -> Path:
     directory = root / "step-000002"
     checkpoint.save(model, optimizer, D.RunConfig(), 2, 0, 1, directory)
     return directory
+
+
+def test_a_checkpoint_whose_other_ranks_wrote_elsewhere_is_refused_at_its_save(tmp_path):
+    """Ranks on another host wrote their shard into a folder of their own (not shared)."""
+    from accel.distributed import checkpoint
+
+    directory = _saved_checkpoint(tmp_path)
+    (own,) = [p.name for p in directory.iterdir() if p.name.endswith(".distcp")]
+
+    def written(*names: str) -> SimpleNamespace:  # the part of DCP's metadata that is read
+        return SimpleNamespace(storage_data={n: SimpleNamespace(relative_path=n) for n in names})
+
+    checkpoint.check_every_file_here(directory, written(own))
+    with pytest.raises(ValueError, match=r"__1_0\.distcp, written by other ranks, are not in"):
+        checkpoint.check_every_file_here(directory, written(own, "__1_0.distcp"))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
