@@ -91,29 +91,31 @@ def launch(
     ``timeout``.
 
     Several hosts (torchrun's names): run ``launch`` on each of ``nnodes`` hosts with the same
-    arguments but its own ``node_rank`` (0 .. nnodes-1); ``rdzv_endpoint="host:port"`` is a
-    port node 0 can listen on, at an address every host reaches (node 0 serves the rendezvous
-    there; the others wait for it), ``rdzv_id`` a name for the job, the same on every host.
-    ``nprocs`` ranks run on each host, ``nnodes * nprocs`` in all: the strong split is over all
-    of them. On two hosts, 10.0.0.1 and another, with one GPU each::
+    arguments but its own ``node_rank`` (0 .. nnodes-1); ``rdzv_endpoint="host:port"`` is node
+    0's address, which every host reaches, and a free port there (node 0 serves the rendezvous;
+    the others wait for it), ``rdzv_id`` a name for the job, the same on every host. ``nprocs``
+    ranks run on each host, ranks ``node_rank * nprocs`` on, ``nnodes * nprocs`` in all (the
+    strong split is over all of them). On two hosts of 8 GPUs, node 0 at 10.0.0.1::
 
-        # on 10.0.0.1                                   # on the other host
-        launch(nprocs=1, wrapper="ddp", nnodes=2,       launch(nprocs=1, wrapper="ddp", nnodes=2,
-               node_rank=0,                                    node_rank=1,
-               rdzv_endpoint="10.0.0.1:29500")                 rdzv_endpoint="10.0.0.1:29500")
+        # on 10.0.0.1; then the same on the second host with node_rank=1
+        python -c "from accel import distributed as d; r = d.launch(nprocs=8, wrapper='ddp', \\
+            nnodes=2, node_rank=0, rdzv_endpoint='10.0.0.1:29500', rdzv_id='job1'); \\
+            print(r.summary['world_size'], r.steps[-1]['loss'])"
 
-    Each host returns the :class:`RunResult` of its own ranks (its out folder is its own; the
-    hosts need not share one): the same losses everywhere (means over every rank), node 0's
-    holding global rank 0's rows. ``checkpoint_dir`` and ``load_from`` must name a folder every
-    host sees at the same path (a shared filesystem): each rank saves its own shard there.
+    Each host returns the :class:`RunResult` of its own ranks (its out folder is its own: the
+    hosts need not share one); the losses are means over every rank, the same on each host, and
+    node 0's holds global rank 0's rows. ``checkpoint_dir`` and ``load_from`` must be a folder
+    every host sees at the same path (a shared filesystem): each rank saves its shard there.
     ``timeout`` counts the wait for the other hosts too.
 
     Raises before launching, having created nothing: ValueError for bad arguments, a task that
-    cannot be built with this preset or split over ``nprocs`` ranks, an optimizer setting torch
+    cannot be built with this preset or split over ``nnodes * nprocs`` ranks, an optimizer setting torch
     refuses (the task and its optimizer are built once here to check), a checkpoint to load that
     is refused or another task's, an unwritable ``checkpoint_dir`` or more processes than GPUs;
     :class:`LauncherNotFound`. After: :class:`RankFailed` with the first failing rank's error in
-    its first line, then its traceback; :class:`LaunchTimeout` after ``timeout`` seconds. Either
+    its first line, then its traceback; :class:`LaunchError` when torchrun fails before any rank
+    starts (its own error first: a rendezvous port taken); :class:`LaunchTimeout` after
+    ``timeout`` seconds. Either
     way, and on Ctrl-C, every process of the run (ranks and what they started) is gone when it
     returns or raises, and so is the launch's temporary folder (torchrun's and the ranks' TMPDIR).
     If this process dies first (killed, out of memory), a watchdog ends them and removes it.
