@@ -88,54 +88,47 @@ def launch(
     can write a matching ``accel-meta.json`` too, so load only checkpoints you trust.
     ``warmup`` first steps are left out of the throughput. ``in_process`` (default: for one
     process with ``wrapper="none"``) trains in this process, with the same metrics and no
-    ``timeout``.
+    ``timeout``. Several hosts (torchrun's names): the same call on each of ``nnodes`` hosts with
+    its own ``node_rank``; ``rdzv_endpoint="host:port"``, node 0's address and a free port there
+    (it serves the rendezvous); ``rdzv_id``, the job's name. Each host runs ``nprocs`` ranks
+    (from ``node_rank * nprocs``; the strong split is over all) and returns its own ranks'
+    :class:`RunResult` (losses: means over all ranks; node 0's: rank 0's rows); ``checkpoint_dir``
+    must be seen by all hosts at one path. Two hosts, this on 10.0.0.1, node_rank=1 on the other::
 
-    Several hosts (torchrun's names): run ``launch`` on each of ``nnodes`` hosts with the same
-    arguments but its own ``node_rank`` (0 .. nnodes-1); ``rdzv_endpoint="host:port"`` is node
-    0's address, which every host reaches, and a free port there (node 0 serves the rendezvous;
-    the others wait for it), ``rdzv_id`` a name for the job, the same on every host. ``nprocs``
-    ranks run on each host, ranks ``node_rank * nprocs`` on, ``nnodes * nprocs`` in all (the
-    strong split is over all of them). On two hosts of 8 GPUs, node 0 at 10.0.0.1::
-
-        # on 10.0.0.1; then the same on the second host with node_rank=1
-        python -c "from accel import distributed as d; r = d.launch(nprocs=8, wrapper='ddp', \\
-            nnodes=2, node_rank=0, rdzv_endpoint='10.0.0.1:29500', rdzv_id='job1'); \\
-            print(r.summary['world_size'], r.steps[-1]['loss'])"
-
-    Each host returns the :class:`RunResult` of its own ranks (its out folder is its own: the
-    hosts need not share one); the losses are means over every rank, the same on each host, and
-    node 0's holds global rank 0's rows. ``checkpoint_dir`` and ``load_from`` must be a folder
-    every host sees at the same path (a shared filesystem): each rank saves its shard there.
-    ``timeout`` counts the wait for the other hosts too.
+        launch(nprocs=8, wrapper="ddp", nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500")
 
     Raises before launching, having created nothing: ValueError for bad arguments, a task that
-    cannot be built with this preset or split over ``nnodes * nprocs`` ranks, an optimizer setting torch
-    refuses (the task and its optimizer are built once here to check), a checkpoint to load that
-    is refused or another task's, an unwritable ``checkpoint_dir`` or more processes than GPUs;
-    :class:`LauncherNotFound`. After: :class:`RankFailed` with the first failing rank's error in
-    its first line, then its traceback; :class:`LaunchError` when torchrun fails before any rank
-    starts (its own error first: a rendezvous port taken); :class:`LaunchTimeout` after
-    ``timeout`` seconds. Either
-    way, and on Ctrl-C, every process of the run (ranks and what they started) is gone when it
-    returns or raises, and so is the launch's temporary folder (torchrun's and the ranks' TMPDIR).
-    If this process dies first (killed, out of memory), a watchdog ends them and removes it.
+    cannot be built with this preset or split over all ranks, an optimizer setting torch refuses
+    (the task and its optimizer are built once here to check), a checkpoint to load that is
+    refused or another task's, an unwritable ``checkpoint_dir`` or more processes than GPUs;
+    :class:`LauncherNotFound`. After: :class:`RankFailed` with the first failing rank's error
+    first, then its traceback; :class:`LaunchError` with torchrun's, if no rank started;
+    :class:`LaunchTimeout` after ``timeout`` seconds. Either way, and on Ctrl-C, every process of
+    the run (ranks and what they started) is gone when it returns or raises, and so is the
+    launch's temporary folder (its TMPDIR); a watchdog ends them if this process dies first.
     """
     arguments = locals()  # every argument but in_process and launcher is a RunConfig field
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     config = _config({k: v for k, v in arguments.items() if k in fields})
-    if in_process is None:
-        in_process = config.world_size == 1 and wrapper == "none"
-    if in_process:
-        if wrapper != "none" or nnodes != 1:
-            raise ValueError(
-                f"in_process runs wrapper 'none' on this host only, got wrapper={wrapper!r}, "
-                f"nnodes={nnodes!r}"
-            )
+    if _in_process(config, in_process):
         return RunResult.from_records(config, [train(config)], output="")
     command = launcher_command(launcher)
     _check_tasks([config])
     with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
         return run_torchrun([dataclasses.replace(config, out_dir=tmp)], Path(tmp), command)[0]
+
+
+def _in_process(config: RunConfig, asked: bool | None) -> bool:
+    """Whether :func:`launch` trains in this process: as ``asked``, by default for one process
+    with ``wrapper="none"``, which is all it can train here."""
+    if asked is None:
+        return config.world_size == 1 and config.wrapper == "none"
+    if asked and (config.wrapper != "none" or config.nnodes != 1):
+        raise ValueError(
+            f"in_process runs wrapper 'none' on this host only, got wrapper={config.wrapper!r}, "
+            f"nnodes={config.nnodes!r}"
+        )
+    return asked
 
 
 def launch_series(
