@@ -175,6 +175,10 @@ def test_the_runs_of_one_launch_ran_on_the_same_ranks(runs):
             {"a": {"wrapper": "ddp"}, "b": {"wrapper": "ddp", "nccl_env": {"NCCL_ALGO": "Ring"}}},
             "NCCL reads its environment once per process",
         ),
+        (
+            {"a": TWO_NODES, "b": TWO_NODES | {"node_rank": 1}},
+            r"and its nodes: their backend, nccl_env, nnodes, node_rank, rdzv_endpoint, rdzv_id",
+        ),
         ({"a": {"wrapper": "ddp", "nprocs": 4}}, "'nprocs' is the series'"),
         ({"a": {"wrapper": "ddp", "stepz": 4}}, "run 'a': unexpected argument 'stepz'"),
         ({"a": {"wrapper": "ddp", "in_process": True}}, "unexpected argument 'in_process'"),

@@ -164,9 +164,9 @@ def launch_series(
     shared = {json.dumps(_shared_settings(c), sort_keys=True) for c in configs}
     if len(shared) > 1:
         raise ValueError(
-            "the runs of one launch share its processes, and NCCL reads its environment once per "
-            f"process: their {', '.join(_shared_settings(configs[0]))} must be equal; launch the "
-            "others apart"
+            "the runs of one launch share its processes (NCCL reads its environment once per "
+            f"process) and its nodes: their {', '.join(_shared_settings(configs[0]))} must be "
+            "equal; launch the others apart"
         )
     command = launcher_command(launcher)
     _check_tasks(configs, labels=list(runs))
