@@ -16,11 +16,14 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -37,6 +40,8 @@ STEPS, SAVE_AT = 7, 3
 LOSS_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+TWO_NODES = {"wrapper": "ddp", "nnodes": 2, "rdzv_endpoint": "10.0.0.1:29500"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -169,6 +174,10 @@ def test_the_runs_of_one_launch_ran_on_the_same_ranks(runs):
         (
             {"a": {"wrapper": "ddp"}, "b": {"wrapper": "ddp", "nccl_env": {"NCCL_ALGO": "Ring"}}},
             "NCCL reads its environment once per process",
+        ),
+        (
+            {"a": TWO_NODES, "b": TWO_NODES | {"node_rank": 1}},
+            r"and its nodes: their backend, nccl_env, nnodes, node_rank, rdzv_endpoint, rdzv_id",
         ),
         ({"a": {"wrapper": "ddp", "nprocs": 4}}, "'nprocs' is the series'"),
         ({"a": {"wrapper": "ddp", "stepz": 4}}, "run 'a': unexpected argument 'stepz'"),
@@ -514,6 +523,80 @@ def test_resuming_after_the_kill_gives_the_uninterrupted_losses(runs, killed, np
         torch.testing.assert_close(got, expected, **LOSS_TOL)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_of_one_rank_give_the_losses_of_one_host_of_two(runs, monkeypatch):
+    """Two torchrun agents on this machine, node 0 serving the rendezvous at 127.0.0.1 as it
+    would at its address on two hosts, each with one rank and its own out folder."""
+    # each rank with the threads a rank of the two-process run had (torchrun's default there)
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // 2)))
+    monkeypatch.setenv("OMP_NUM_THREADS", threads)
+    common = {
+        "wrapper": "ddp", "nprocs": 1, "steps": STEPS, "preset": "cpu", "seed": 3,
+        "backend": "gloo", "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{free_port()}",
+        "rdzv_id": "two-agents", "timeout": 120,
+    }  # fmt: skip
+    with ThreadPoolExecutor(2) as pool:
+        node0, node1 = pool.map(lambda rank: D.launch(**common, node_rank=rank), [0, 1])
+    assert list(ranks(node0)["rank"]) == [0] and list(ranks(node1)["rank"]) == [1]
+    assert (ranks(node0)["world_size"] == 2).all() and (ranks(node1)["world_size"] == 2).all()
+    assert (steps(node0)["samples"] == 8).all()  # the global batch, split over both nodes
+    # The same two ranks with the same shares as the one-host run, and gloo sums two gradients
+    # as a + b wherever they run: the same numbers bit for bit, not just within rounding.
+    one_host = torch.tensor(steps(runs["ddp"])["loss"].to_numpy())
+    for node in (node0, node1):  # the loss is the mean over every rank: the same on each node
+        got = torch.tensor(steps(node)["loss"].to_numpy())
+        torch.testing.assert_close(got, one_host, rtol=0, atol=0)
+    assert steps(node0)["local_loss"].equals(steps(runs["ddp"])["local_loss"])  # rank 0's rows
+    assert not steps(node1)["local_loss"].equals(steps(node0)["local_loss"])  # rank 1's own
+    assert node1.summary["validation_error"] == runs["ddp"].summary["validation_error"]
+
+
+def test_a_rendezvous_that_cannot_start_is_torchruns_error_not_a_rank_death():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        endpoint = f"127.0.0.1:{taken.getsockname()[1]}"
+        with pytest.raises(D.LaunchError) as caught:
+            D.launch(**TWO_NODES | {"rdzv_endpoint": endpoint}, steps=1, preset="cpu", timeout=60)
+    first = str(caught.value).splitlines()[0]
+    assert not isinstance(caught.value, D.RankFailed)
+    assert first.startswith("torchrun ended before starting any rank (ddp x1 on node 0 of 2 of")
+    assert "address already in use" in first and f"rdzv_endpoint='{endpoint}'" in first
+
+
+def test_several_nodes_meet_at_the_endpoint_instead_of_standalone():
+    config = D.RunConfig(
+        wrapper="ddp", nprocs=4, nnodes=3, node_rank=2, rdzv_endpoint="10.0.0.1:29500",
+        rdzv_id="job7",
+    )  # fmt: skip
+    command = torchrun._torchrun_command(["torchrun"], [config], Path("config.json"))
+    assert "--standalone" not in command
+    flags = " ".join(command[: command.index("-m")])
+    assert flags == (
+        "torchrun --nnodes 3 --node-rank 2 --rdzv-backend static --rdzv-endpoint "
+        "10.0.0.1:29500 --rdzv-id job7 --nproc-per-node 4"
+    )
+    assert config.world_size == 12 and list(config.local_ranks) == [8, 9, 10, 11]
+    one_host = torchrun._torchrun_command(["torchrun"], [D.RunConfig()], Path("config.json"))
+    assert one_host[1] == "--standalone"
+
+
+def test_a_node_whose_world_is_not_nnodes_times_nprocs_says_so(tmp_path, monkeypatch):
+    """A node launched with another nprocs than the others: the world torchrun made differs."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    config = D.RunConfig(wrapper="ddp", nnodes=2, nprocs=1, out_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"nnodes=2 x nprocs=1 ranks, but torchrun made a world"):
+        D.run_rank([config], tmp_path)
+    assert "world of 3" in json.loads((tmp_path / "rank0.error.json").read_text())["message"]
+
+
 @pytest.fixture
 def no_launch(monkeypatch):
     """Fails the test if anything is launched."""
@@ -555,6 +638,19 @@ def test_a_missing_launcher_is_a_clear_error(monkeypatch, no_launch):
         ({"autocast": "fp16"}, "autocast must be None or 'bf16', got 'fp16'"),
         ({"scaling": "linear"}, "scaling must be 'strong' or 'weak'"),
         ({"backend": "mpi"}, "backend must be 'nccl', 'gloo' or None"),
+        ({"nnodes": 0, "wrapper": "ddp"}, "nnodes must be an int >= 1, got 0"),
+        ({"nnodes": 2.0, "wrapper": "ddp"}, "nnodes must be an int >= 1, got 2.0"),
+        ({"node_rank": 1}, "node_rank and rdzv_endpoint are for nnodes > 1; got nnodes=1, no"),
+        ({"rdzv_endpoint": "h:1"}, "node_rank and rdzv_endpoint are for nnodes > 1"),
+        ({**TWO_NODES, "node_rank": 2}, "node_rank must be within 0..nnodes-1=1, got 2"),
+        ({**TWO_NODES, "node_rank": -1}, "node_rank must be an int >= 0, got -1"),
+        ({**TWO_NODES, "wrapper": "none"}, "wrapper 'none' trains on one process; got nnodes=2"),
+        ({**TWO_NODES, "rdzv_endpoint": None}, "rdzv_endpoint must be 'host:port'.*got None"),
+        ({**TWO_NODES, "rdzv_endpoint": "10.0.0.1"}, "must be 'host:port'.*got '10.0.0.1'"),
+        ({**TWO_NODES, "rdzv_endpoint": "h:65536"}, "must be 'host:port'.*got 'h:65536'"),
+        ({**TWO_NODES, "rdzv_endpoint": ":29500"}, "must be 'host:port'.*got ':29500'"),
+        ({**TWO_NODES, "rdzv_id": "my job"}, "rdzv_id must be a name .* got 'my job'"),
+        ({**TWO_NODES, "in_process": True}, "in_process runs wrapper 'none' on this host only"),
     ],
 )
 def test_bad_arguments_are_refused_before_launch(kwargs, message, no_launch):
@@ -573,6 +669,21 @@ def _saved_checkpoint(root: Path) -> Path:
     directory = root / "step-000002"
     checkpoint.save(model, optimizer, D.RunConfig(), 2, 0, 1, directory)
     return directory
+
+
+def test_a_checkpoint_whose_other_ranks_wrote_elsewhere_is_refused_at_its_save(tmp_path):
+    """Ranks on another host wrote their shard into a folder of their own (not shared)."""
+    from accel.distributed import checkpoint
+
+    directory = _saved_checkpoint(tmp_path)
+    (own,) = [p.name for p in directory.iterdir() if p.name.endswith(".distcp")]
+
+    def written(*names: str) -> SimpleNamespace:  # the part of DCP's metadata that is read
+        return SimpleNamespace(storage_data={n: SimpleNamespace(relative_path=n) for n in names})
+
+    checkpoint.check_every_file_here(directory, written(own))
+    with pytest.raises(ValueError, match=r"__1_0\.distcp, written by other ranks, are not in"):
+        checkpoint.check_every_file_here(directory, written(own, "__1_0.distcp"))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
@@ -601,6 +712,7 @@ def test_a_damaged_checkpoint_is_refused_before_launch_naming_the_file(
         ({"task": "accel.distributed:nope"}, ValueError, "has no function 'nope'"),
         ({"task": f"{__name__}:not_a_task"}, TypeError, "must return accel.distributed.Task"),
         ({"nprocs": 3}, ValueError, "global batch 8 does not split over 3 ranks"),
+        ({**TWO_NODES, "nnodes": 3}, ValueError, "global batch 8 does not split over 6 ranks"),
         ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be >= 1"),
         ({"checkpoint_every": 2}, ValueError, "checkpoint_every needs checkpoint_dir"),
         # what a rank would refuse, refused here first

@@ -7,9 +7,10 @@
 
 What a rank trains is a :class:`Task`, built identically on every rank from ``(preset, seed)`` by
 a factory named ``"module:function"``. :func:`launch` checks its arguments, then runs
-``python -m torch.distributed.run --standalone`` (torchrun) as a subprocess; every rank runs
-:func:`run_rank` (``python -m accel.distributed --config FILE``) and writes its metrics as JSON to
-a temporary folder, or, if it raises, its traceback, which :func:`launch` raises as
+``python -m torch.distributed.run`` (torchrun) as a subprocess, ``--standalone`` on one host, or
+on each of ``nnodes`` hosts meeting at node 0's ``rdzv_endpoint`` (see :func:`launch`); every
+rank runs :func:`run_rank` (``python -m accel.distributed --config FILE``) and writes its metrics
+as JSON to a temporary folder, or, if it raises, its traceback, which :func:`launch` raises as
 :class:`RankFailed` once torchrun has ended the other ranks. One process with ``wrapper="none"``
 (the reference every wrapper must match) runs in this process by default, with the same metrics.
 :func:`launch_series` trains several runs on one launch, each rank running them in order, so

@@ -17,7 +17,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -46,8 +46,9 @@ def save(
 
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_quiet():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
+        written = dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
     if rank == 0:
+        check_every_file_here(directory, written)
         meta = {
             "task": config.task,
             "preset": config.preset,
@@ -62,6 +63,23 @@ def save(
             },
         }
         write_text_atomic(directory / META, json.dumps(meta))
+
+
+def check_every_file_here(directory: Path, written: Any) -> None:
+    """That every file of DCP's metadata ``written`` (each rank's data) is in ``directory``, as
+    when all ranks write into one folder; a ValueError naming the missing ones where ranks on
+    other hosts wrote into a folder of their own."""
+    listed = {
+        getattr(info, "relative_path", None)
+        for info in (getattr(written, "storage_data", None) or {}).values()
+    }
+    missing = sorted(name for name in listed if name and not (directory / name).is_file())
+    if missing:
+        raise ValueError(
+            f"checkpoint {directory}: {', '.join(missing)}, written by other ranks, are not in "
+            "this folder: on several hosts checkpoint_dir must be a folder every host sees at "
+            "the same path (a shared filesystem)"
+        )
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig) -> int:

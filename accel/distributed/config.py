@@ -59,7 +59,23 @@ class RunConfig:
     load_from: str | None = None
     validate: bool = True
     timeout: float = 600.0
+    # several hosts (torchrun's names): nnodes agents of nprocs ranks each meet at rdzv_endpoint
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "accel"
     out_dir: str = ""
+
+    @property
+    def world_size(self) -> int:
+        """Every rank of the run, on every node: ``nnodes * nprocs``."""
+        return self.nnodes * self.nprocs
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks this node's agent runs (torchrun numbers a node's ranks after the
+        lower nodes')."""
+        return range(self.node_rank * self.nprocs, (self.node_rank + 1) * self.nprocs)
 
     @property
     def comm_tuned(self) -> bool:
@@ -71,7 +87,12 @@ class RunConfig:
 @dataclass
 class RunResult:
     """A finished run. ``steps``: rank 0's per-step rows; ``ranks``: every rank's summary, one
-    per rank; each a list of dicts (``accel.lab.cases.distributed.to_frame`` makes a DataFrame)."""
+    per rank; each a list of dicts (``accel.lab.cases.distributed.to_frame`` makes a DataFrame).
+
+    On several nodes each node's launch returns its own ranks (``config.local_ranks``): ``ranks``
+    their summaries, ``steps`` the rows of its first rank. The losses in them are means over
+    every rank of every node, so they are the same on each node; node 0's first rank is global
+    rank 0, the rows a one-host run returns."""
 
     config: RunConfig
     steps: list[dict[str, Any]]
@@ -83,11 +104,12 @@ class RunResult:
     def from_records(
         cls, config: RunConfig, records: list[dict], *, output: str, pids: tuple[int, ...] = ()
     ) -> RunResult:
-        """From every rank's record (``{"summary": ..., "steps": [...]}``), rank 0's first."""
+        """From every rank's record (``{"summary": ..., "steps": [...]}``), the lowest rank's
+        first."""
         steps = list(records[0]["steps"])
         return cls(config, steps, [r["summary"] for r in records], output=output, pids=pids)
 
     @property
     def summary(self) -> dict[str, Any]:
-        """Rank 0's summary."""
+        """Rank 0's summary (on a node other than 0: its first rank's)."""
         return dict(self.ranks[0])

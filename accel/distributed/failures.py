@@ -9,7 +9,35 @@ import signal
 from pathlib import Path
 
 from accel.distributed.config import RunConfig
-from accel.distributed.errors import RankFailed
+from accel.distributed.errors import LaunchError, RankFailed
+
+
+def agent_failed(output: str, ranks_started: bool) -> bool:
+    """Whether torchrun's agent itself failed, before any rank ran: no rank started, and no
+    failure summary of ranks (torchrun prints one, ChildFailedError, when a rank fails)."""
+    return not ranks_started and "ChildFailedError" not in output
+
+
+def agent_failure(config: RunConfig, output: str, exitcode: int, what: str) -> LaunchError:
+    """torchrun's own error, its last line first: on several nodes mostly the rendezvous (node
+    0's port taken, node 0 not reachable from another node)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    cause = lines[-1][:300] if lines else f"exit code {exitcode}"
+    return LaunchError(
+        f"torchrun ended before starting any rank ({what}): {cause}.{nodes_hint(config)}"
+        f"\n\nIts output ends with:\n{output[-4000:]}"
+    )
+
+
+def nodes_hint(config: RunConfig) -> str:
+    """What to check on a run of several nodes that failed to meet, or "" on one host."""
+    if config.nnodes == 1:
+        return ""
+    return (
+        f" The {config.nnodes} nodes meet at rdzv_endpoint={config.rdzv_endpoint!r}: node 0 "
+        "listens on its port (is it free there?), every other node connects to it (can it "
+        "reach it?), and each node must launch once, with the same nnodes, nprocs and rdzv_id."
+    )
 
 
 def rank_failure(
@@ -45,7 +73,7 @@ def rank_failure(
         for e in errors
     ]
     if not errors or killed:
-        who = f"rank {died} of {config.nprocs}" if died is not None else "a rank"
+        who = f"rank {died} of {config.world_size}" if died is not None else "a rank"
         return RankFailed(
             f"{who} died without a Python error: {cause or f'torchrun exit code {exitcode}'} "
             f"({what}; killed, out of memory, or crashed); torchrun ended the other ranks."
@@ -60,7 +88,7 @@ def rank_failure(
     first, later = errors[0], errors[1:]
     message_lines = (first["message"] or "").strip().splitlines()
     message = (
-        f"rank {first['rank']} of {config.nprocs} raised {first['type']}"
+        f"rank {first['rank']} of {config.world_size} raised {first['type']}"
         f"{': ' + message_lines[0][:300] if message_lines else ''} ({what}); torchrun ended the "
         f"other ranks.\n\n{first['traceback'].rstrip()}"
     )

@@ -10,6 +10,7 @@ import inspect
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -60,6 +61,10 @@ def launch(
     load_from: str | os.PathLike | None = None,
     validate: bool = True,
     timeout: float = 600.0,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str = "accel",
     in_process: bool | None = None,
     launcher: str | Sequence[str] | None = None,
 ) -> RunResult:
@@ -83,31 +88,47 @@ def launch(
     can write a matching ``accel-meta.json`` too, so load only checkpoints you trust.
     ``warmup`` first steps are left out of the throughput. ``in_process`` (default: for one
     process with ``wrapper="none"``) trains in this process, with the same metrics and no
-    ``timeout``.
+    ``timeout``. Several hosts (torchrun's names): the same call on each of ``nnodes`` hosts with
+    its own ``node_rank``; ``rdzv_endpoint="host:port"``, node 0's address and a free port there
+    (it serves the rendezvous); ``rdzv_id``, the job's name. Each host runs ``nprocs`` ranks
+    (from ``node_rank * nprocs``; the strong split is over all) and returns its own ranks'
+    :class:`RunResult` (losses: means over all ranks; node 0's: rank 0's rows); ``checkpoint_dir``
+    must be seen by all hosts at one path. Two hosts, this on 10.0.0.1, node_rank=1 on the other::
+
+        launch(nprocs=8, wrapper="ddp", nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500")
 
     Raises before launching, having created nothing: ValueError for bad arguments, a task that
-    cannot be built with this preset or split over ``nprocs`` ranks, an optimizer setting torch
-    refuses (the task and its optimizer are built once here to check), a checkpoint to load that
-    is refused or another task's, an unwritable ``checkpoint_dir`` or more processes than GPUs;
-    :class:`LauncherNotFound`. After: :class:`RankFailed` with the first failing rank's error in
-    its first line, then its traceback; :class:`LaunchTimeout` after ``timeout`` seconds. Either
-    way, and on Ctrl-C, every process of the run (ranks and what they started) is gone when it
-    returns or raises, and so is the launch's temporary folder (torchrun's and the ranks' TMPDIR).
-    If this process dies first (killed, out of memory), a watchdog ends them and removes it.
+    cannot be built with this preset or split over all ranks, an optimizer setting torch refuses
+    (the task and its optimizer are built once here to check), a checkpoint to load that is
+    refused or another task's, an unwritable ``checkpoint_dir`` or more processes than GPUs;
+    :class:`LauncherNotFound`. After: :class:`RankFailed` with the first failing rank's error
+    first, then its traceback; :class:`LaunchError` with torchrun's, if no rank started;
+    :class:`LaunchTimeout` after ``timeout`` seconds. Either way, and on Ctrl-C, every process of
+    the run (ranks and what they started) is gone when it returns or raises, and so is the
+    launch's temporary folder (its TMPDIR); a watchdog ends them if this process dies first.
     """
     arguments = locals()  # every argument but in_process and launcher is a RunConfig field
     fields = {f.name for f in dataclasses.fields(RunConfig)}
     config = _config({k: v for k, v in arguments.items() if k in fields})
-    if in_process is None:
-        in_process = nprocs == 1 and wrapper == "none"
-    if in_process:
-        if wrapper != "none":
-            raise ValueError(f"in_process runs wrapper 'none' only, got {wrapper!r}")
+    if _in_process(config, in_process):
         return RunResult.from_records(config, [train(config)], output="")
     command = launcher_command(launcher)
     _check_tasks([config])
     with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
         return run_torchrun([dataclasses.replace(config, out_dir=tmp)], Path(tmp), command)[0]
+
+
+def _in_process(config: RunConfig, asked: bool | None) -> bool:
+    """Whether :func:`launch` trains in this process: as ``asked``, by default for one process
+    with ``wrapper="none"``, which is all it can train here."""
+    if asked is None:
+        return config.world_size == 1 and config.wrapper == "none"
+    if asked and (config.wrapper != "none" or config.nnodes != 1):
+        raise ValueError(
+            f"in_process runs wrapper 'none' on this host only, got wrapper={config.wrapper!r}, "
+            f"nnodes={config.nnodes!r}"
+        )
+    return asked
 
 
 def launch_series(
@@ -122,7 +143,8 @@ def launch_series(
     group, so the launch's cost (torchrun and each rank importing torch, the group's setup) is
     paid once. ``runs`` maps a name to that run's :func:`launch` arguments, which update
     ``common``'s; all share ``nprocs``, the backend and ``nccl_env`` (NCCL reads its environment
-    once per process: runs with other settings need a launch of their own).
+    once per process: runs with other settings need a launch of their own), and the nodes
+    (``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``rdzv_id``: give them in ``common``).
 
     Returns name -> :class:`RunResult`, in the order of ``runs``. Raises as :func:`launch` does,
     before anything starts for a bad argument (naming the run); a failed run's error names it,
@@ -139,11 +161,12 @@ def launch_series(
             configs.append(_config(arguments))
         except ValueError as error:
             raise ValueError(f"run {name!r}: {error}") from None
-    shared = {json.dumps([c.backend, c.nccl_env], sort_keys=True) for c in configs}
+    shared = {json.dumps(_shared_settings(c), sort_keys=True) for c in configs}
     if len(shared) > 1:
         raise ValueError(
-            "the runs of one launch share its processes, and NCCL reads its environment once per "
-            "process: their backend and nccl_env must be equal; launch the others apart"
+            "the runs of one launch share its processes (NCCL reads its environment once per "
+            f"process) and its nodes: their {', '.join(_shared_settings(configs[0]))} must be "
+            "equal; launch the others apart"
         )
     command = launcher_command(launcher)
     _check_tasks(configs, labels=list(runs))
@@ -156,6 +179,12 @@ def launch_series(
         ]
         results = run_torchrun(placed, Path(tmp), command, labels=list(runs))
     return dict(zip(runs, results, strict=True))
+
+
+def _shared_settings(config: RunConfig) -> dict[str, Any]:
+    """What the runs of one launch share: its processes' environment and its nodes."""
+    names = ("backend", "nccl_env", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
+    return {name: getattr(config, name) for name in names}
 
 
 # launch()'s defaults of the run's settings (RunConfig's fields), for launch_series
@@ -182,6 +211,7 @@ def _config(arguments: dict[str, Any]) -> RunConfig:
     """The run's config from :func:`launch`'s arguments, each checked, defaults resolved: the
     backend (nccl where GPUs are), the preset (``ACCEL_PRESET``, else by backend), paths."""
     _check_arguments(**arguments)
+    _check_nodes(**arguments)
     _check_checkpoints(**arguments)
     _check_task_module(arguments["task"])
     backend = _backend(arguments["backend"], arguments["nprocs"])
@@ -237,6 +267,49 @@ def _check_arguments(
         and all(isinstance(k, str) and isinstance(v, str) for k, v in nccl_env.items())
     ):
         raise ValueError(f"nccl_env must map str to str (environment variables), got {nccl_env!r}")
+
+
+def _check_nodes(
+    *,
+    wrapper: str,
+    nnodes: int,
+    node_rank: int,
+    rdzv_endpoint: str | None,
+    rdzv_id: str,
+    **_: Any,
+) -> None:
+    """One host (``nnodes=1``, torchrun's standalone rendezvous) or several meeting at
+    ``rdzv_endpoint``: what each node needs, checked before its agent starts."""
+    _check_int("nnodes", nnodes, minimum=1)
+    _check_int("node_rank", node_rank, minimum=0)
+    if nnodes == 1:
+        if node_rank != 0 or rdzv_endpoint is not None:
+            raise ValueError(
+                f"node_rank and rdzv_endpoint are for nnodes > 1; got nnodes=1, "
+                f"node_rank={node_rank}, rdzv_endpoint={rdzv_endpoint!r} (one host meets "
+                "itself: leave them out, or give nnodes)"
+            )
+        return
+    if node_rank >= nnodes:
+        raise ValueError(f"node_rank must be within 0..nnodes-1={nnodes - 1}, got {node_rank}")
+    if wrapper == "none":
+        raise ValueError(f"wrapper 'none' trains on one process; got nnodes={nnodes} (use ddp)")
+    _check_endpoint(rdzv_endpoint)
+    if not (isinstance(rdzv_id, str) and re.fullmatch(r"[\w.-]+", rdzv_id)):
+        raise ValueError(
+            f"rdzv_id must be a name of letters, digits, '_', '.' or '-' (the same on every "
+            f"node), got {rdzv_id!r}"
+        )
+
+
+def _check_endpoint(endpoint: Any) -> None:
+    """``"host:port"`` (``"[v6 address]:port"``), the port within 1..65535."""
+    host, _, port = endpoint.rpartition(":") if isinstance(endpoint, str) else ("", "", "")
+    if not (host.strip("[]") and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(
+            "rdzv_endpoint must be 'host:port', the address of node 0 (which serves the "
+            f"rendezvous) and a free port there, e.g. '10.0.0.1:29500'; got {endpoint!r}"
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
@@ -346,7 +419,7 @@ def _check_task(config: RunConfig, built: dict[tuple, Task]) -> None:
         if key not in built:
             built[key] = build_task(config)
             if config.scaling == "strong":
-                built[key].batch(0, 0, config.nprocs, torch.device("cpu"))
+                built[key].batch(0, 0, config.world_size, torch.device("cpu"))
         make_optimizer(built[key].model, config)
     if config.load_from is not None:
         check_loadable(config)

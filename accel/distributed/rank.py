@@ -39,6 +39,12 @@ def run_rank(configs: Sequence[RunConfig], out: Path) -> list[dict]:
 
     records, config = [], configs[0]
     try:
+        if world != config.world_size:  # before the group: every node fails at once, none waits
+            raise ValueError(
+                f"this node launched nnodes={config.nnodes} x nprocs={config.nprocs} ranks, but "
+                f"torchrun made a world of {world}: every node must launch the same nnodes and "
+                "nprocs"
+            )
         timeout = datetime.timedelta(seconds=max(c.timeout for c in configs))
         dist.init_process_group(config.backend, timeout=timeout)
         for config in configs:

@@ -1,8 +1,14 @@
-"""A run under torchrun (``python -m torch.distributed.run --standalone``): its command and
-environment, the run watched until it exits or times out, every process of it ended (by
+"""A run under torchrun (``python -m torch.distributed.run``): its command and environment, the
+run watched until it exits or times out, every process of it ended (by
 :mod:`accel.distributed.processes`; by its watchdog if this process dies first), and what the
 ranks left read back as a :class:`RunResult` or raised as the error of the rank that failed.
-torchrun and the ranks get the launch's folder as their temporary folder, removed with it."""
+torchrun and the ranks get the launch's folder as their temporary folder, removed with it.
+
+One host runs ``--standalone``. Several hosts run one torchrun agent each, with torchrun's
+static rendezvous (``--nnodes N --node-rank r --rdzv-backend static --rdzv-endpoint host:port``):
+it is the backend that honours ``--node-rank`` (c10d's numbers the nodes by sorting their host
+names and pids, and torchrun ignores ``--node-rank`` there), so node r runs global ranks
+``r * nprocs ...`` and node 0, which serves the rendezvous at the endpoint, runs rank 0."""
 
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import torch
 
 from accel.distributed.config import RunConfig, RunResult
 from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout
-from accel.distributed.failures import rank_failure
+from accel.distributed.failures import agent_failed, agent_failure, nodes_hint, rank_failure
 from accel.distributed.processes import end_run, ended_with_this_process, rank_pids
 
 # What every rank runs: this package's __main__, which reads the config file and calls run_rank.
@@ -68,6 +74,8 @@ def run_torchrun(
     command = _torchrun_command(command, configs, config_path)
     exitcode, pids = _run_and_end(configs, out, command, labels)
     output = (out / "launcher.log").read_text(errors="replace")
+    if exitcode != 0 and agent_failed(output, ranks_started=bool(pids)):
+        raise agent_failure(configs[0], output, exitcode, describe(configs, labels))
     for i, config in enumerate(configs):  # the first run that did not finish failed the launch
         if exitcode != 0 and not _finished(config):
             what = describe([config]) + (f" (run {labels[i]!r})" if labels else "")
@@ -80,26 +88,36 @@ def run_torchrun(
 
 def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:
     """What a launch runs, for its errors: ``ddp x2 of TASK``, or its runs' names."""
+    first = configs[0]
+    where = f" on node {first.node_rank} of {first.nnodes}" if first.nnodes > 1 else ""
     if len(configs) == 1:
-        first = configs[0]
-        return f"{first.wrapper} x{first.nprocs} of {first.task}"
+        return f"{first.wrapper} x{first.nprocs}{where} of {first.task}"
     names = labels or [describe([c]) for c in configs]
-    return f"the runs {', '.join(map(str, names))} x{configs[0].nprocs} on one launch"
+    return f"the runs {', '.join(map(str, names))} x{first.nprocs}{where} on one launch"
 
 
 def _finished(config: RunConfig) -> bool:
-    """Every rank wrote the run's record and none its error."""
+    """Every rank of this node wrote the run's record and none its error."""
     out = Path(config.out_dir)
-    written = all((out / f"rank{rank}.json").is_file() for rank in range(config.nprocs))
+    written = all((out / f"rank{rank}.json").is_file() for rank in config.local_ranks)
     return written and not any(out.glob("rank*.error.json"))
 
 
 def _torchrun_command(
     command: list[str], configs: Sequence[RunConfig], config_path: Path
 ) -> list[str]:
+    first = configs[0]
+    if first.nnodes == 1:
+        meeting = ["--standalone"]
+    else:
+        meeting = [
+            *("--nnodes", str(first.nnodes), "--node-rank", str(first.node_rank)),
+            *("--rdzv-backend", "static", "--rdzv-endpoint", str(first.rdzv_endpoint)),
+            *("--rdzv-id", first.rdzv_id),
+        ]
     return [
         *command,
-        "--standalone",
+        *meeting,
         "--nproc-per-node",
         str(configs[0].nprocs),
         "-m",
@@ -149,7 +167,7 @@ def _run_and_end(
             end_run(proc, marker, rank_pids(out).values())
             raise LaunchTimeout(
                 f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process "
-                "was killed. Output ends with:\n" + _tail(log_path)
+                f"was killed.{nodes_hint(configs[0])} Output ends with:\n" + _tail(log_path)
             ) from None
         except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
             end_run(proc, marker, rank_pids(out).values())
@@ -163,7 +181,7 @@ def _run_and_end(
 def _collect(config: RunConfig, exitcode: int, pids: dict[int, int], output: str) -> RunResult:
     """One run's records from every rank (a failed rank was raised before), or the error of a
     run that wrote nothing."""
-    paths = [Path(config.out_dir) / f"rank{rank}.json" for rank in range(config.nprocs)]
+    paths = [Path(config.out_dir) / f"rank{rank}.json" for rank in config.local_ranks]
     if not _finished(config):
         missing = [p.stem for p in paths if not p.is_file()]
         raise LaunchError(
