@@ -25,8 +25,6 @@ import pytest
 NOTEBOOKS = sorted(
     (Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb")
 )
-BEING_REWRITTEN = {"03_memory"}
-
 NUMBER = re.compile(r"(?<![\w.])\d+(?:,\d{3})*(?:\.\d+)?(?:e[-+]?\d+)?", re.IGNORECASE)
 FENCED = re.compile(r"```.*?```", re.DOTALL)
 SENTENCE_END = re.compile(r"(?<=[.!?])\s+|\n\s*\n|\n(?=\s*(?:[*-]|\d+\.) )")
@@ -99,19 +97,7 @@ def unbacked_numbers(path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            p,
-            id=p.stem,
-            marks=[pytest.mark.xfail(strict=False, reason="being rewritten")]
-            if p.stem in BEING_REWRITTEN
-            else [],
-        )
-        for p in NOTEBOOKS
-    ],
-)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_number_in_the_prose_is_a_target_an_input_or_structural(path):
     found = unbacked_numbers(path)
     assert not found, "numbers the prose may not state:\n" + "\n".join(found)
