@@ -1,17 +1,14 @@
 """Bench phase ``fusion``: many-tensor work as foreach and fused kernels, and the field trainer's
-fused LIoR and compiled retrieval. Shared with ``notebooks/02_fusion.ipynb``.
+fused LIoR and fused retrieval. Shared with ``notebooks/02_fusion.ipynb``.
 
 Rows (targets for an H100/H200 at the gpu preset): group statistics >= 6x the per-parameter loop,
 gradient clipping >= 3x, the AdamW step (fused) >= 8x the for-loop AdamW, kernel launches per
-optimizer step >= 4x fewer, the field-trainer window with the phase-2 flags >= 1.05x phase 1.
-Without targets, to explain that one: each phase-2 flag alone against phase 1 (same
-interleaved comparison), and the retrieval's time per call eager, through dynamo and called
-directly (the compiled path's host cost, which decides the flag's worth in a launch-bound window).
+optimizer step >= 4x fewer, the field-trainer window with the phase-2 flags >= 1.05x phase 1;
+the whole training step without a target.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -27,8 +24,8 @@ from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase
 
 # Phase 2 of the field trainer: the quadratic form once, and the retrieval's mix fused by hand.
-# Not compiled_retrieval: its compiled code's host work per call slows the launch-bound window
-# (its own row shows by how much); it is the phase's alternative, not its choice.
+# Not compiled_retrieval: its compiled code's host work per call slows the launch-bound window;
+# it is the phase's alternative, not its choice.
 PHASE1 = through_phase(ft.Flags, "sync")  # the field trainer as 01_sync leaves it
 PHASE2 = through_phase(ft.Flags, "fusion")
 FUSION_FLAGS = through_phase(no.Flags, "fusion")
@@ -230,111 +227,26 @@ def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) 
     return rows
 
 
-# The field trainer's phase-2 flags one at a time and together (interleaved in one comparison):
-# a flag that slows the window down shows in its own row instead of hiding in the sum.
-FIELD_CONFIGS = {
-    "phase 1": PHASE1,
-    "+ fused_lior": dataclasses.replace(PHASE1, fused_lior=True),
-    "+ fused_retrieval": dataclasses.replace(PHASE1, fused_retrieval=True),
-    "+ compiled_retrieval": dataclasses.replace(PHASE1, compiled_retrieval=True),
-    "phase 1+2": PHASE2,
-}
-ALONE = ("+ fused_lior", "+ fused_retrieval", "+ compiled_retrieval")
-
-
-def retrieval_call_timing(step: ft.Step, *, repeats: int = 15, device=None) -> Comparison:
-    """Time per retrieval call at the window's shapes: eager (8 ops), compiled through dynamo,
-    and compiled called directly. Samples of >= 1 ms of back-to-back calls: on a GPU a call
-    this small is host-bound, so this is host time per call whatever clock measures it."""
-    args = (step.x, step.keys, step.g0, step.values, step.sizes.beta)
-    candidates = {"eager": lambda: ft.retrieve(*args)}
-    compiled = step.retrieve
-    if isinstance(compiled, fusion.CompiledFunction):
-        compiled(*args)  # compiled for these shapes (shared with the window)
-        candidates["compiled via dynamo"] = lambda: compiled.call_guarded(*args)
-        candidates["compiled, direct"] = lambda: compiled(*args)
-    return compare(
-        candidates,
-        repeats=repeats,
-        calls_per_sample=None,
-        min_sample_ms=1.0,
-        device=device or step.device,
-    )
-
-
 def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
-    """Phase 1 against each phase-2 flag alone and both (the target row), launches per window
-    of each, and the retrieval's time per call (eager, via dynamo, direct)."""
+    """Phase 1 against phase 1 + 2 (the target row), with the launches a window saves."""
     sizes = ft.Sizes.preset(ctx.preset)
-    steps = {
-        label: ft.build(flags, sizes, device=ctx.device) for label, flags in FIELD_CONFIGS.items()
-    }
+    steps = {"phase 1": ft.build(PHASE1, sizes, device=ctx.device)}
+    steps["phase 1+2"] = ft.build(PHASE2, sizes, device=ctx.device)
     for step in steps.values():
         step(), step()
-    for step in steps.values():  # correctness before timing
-        reference = steps["phase 1"].result()
-        ft.compare_results(step.result(), reference, step.flags, sizes=sizes, steps=step.windows)
+    reference = steps["phase 1"].result()  # correctness before timing
+    fast = steps["phase 1+2"]
+    ft.compare_results(fast.result(), reference, PHASE2, sizes=sizes, steps=fast.windows)
     timing = compare(steps, warmup=3, repeats=30, device=ctx.device)
-    launches = {
-        label: profile_step(step, steps=1, device=ctx.device).launches_per_step
-        for label, step in steps.items()
-    }
-    calls = retrieval_call_timing(steps["+ compiled_retrieval"], device=ctx.device)
-    per_call = {k: t.median_ms * 1e3 for k, t in calls.timings.items()}
-    two = steps["+ compiled_retrieval"].retrieve
-    retrieval = (
-        f"compiled ({two.compiles} graph(s), {two.direct_calls} of {two.calls} calls direct)"
-        if isinstance(two, fusion.CompiledFunction)
-        else "eager (torch.compile unavailable here)"
-    )
-    calls_note = ", ".join(f"{k} {v:.1f} us" for k, v in per_call.items())
-    rows = []
-    for label in (*ALONE, "phase 1+2"):
-        saved = launches["phase 1"] - launches[label]
-        note = (
-            f"{saved:.0f} fewer launches per window ({launches[label]:.0f}); cost model "
-            f"predicted {_predicted(model, timing, saved)}"
+    saved = launches_saved(steps["phase 1"], steps["phase 1+2"], ctx.device)
+    note = f"{saved:.0f} fewer launches per window; cost model predicted {_predicted(model, timing, saved)}"
+    return [
+        _speed_row(
+            "field_trainer_window",
+            "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval",
+            timing,
+            "phase 1+2",
+            ctx,
+            note,
         )
-        if label == "+ compiled_retrieval":
-            note += f"; retrieval {retrieval}; retrieval per call: {calls_note}"
-        if label == "phase 1+2":
-            alone = {k: timing.speedup(k) for k in ALONE}
-            note += "; alone: " + ", ".join(f"{k[2:]} {v:.3f}x" for k, v in alone.items())
-            rows.append(
-                _speed_row(
-                    "field_trainer_window",
-                    "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval",
-                    timing,
-                    label,
-                    ctx,
-                    note,
-                )
-            )
-            continue
-        where = ctx.where
-        rows.append(
-            Row(
-                "fusion",
-                f"field_trainer_window {label}",
-                f"time per window, phase-1 flags vs phase 1 {label} alone",
-                "ms",
-                timing.timings[label].median_ms,
-                baseline=timing.timings["phase 1"].median_ms,
-                note=f"{where}; no target (the target row has phase 2's flags); {note}",
-            )
-        )
-    if len(calls.timings) > 1:
-        rows.append(
-            Row(
-                "fusion",
-                "retrieval_call",
-                "time per retrieval call (metric cost, softmax, mix) at the window's shapes, "
-                "eager vs compiled and called directly",
-                "us",
-                per_call["compiled, direct"],
-                baseline=per_call["eager"],
-                note=f"{ctx.where}; no target; {calls_note}; samples of >= 1 ms of "
-                "back-to-back calls: host time per call where the device is faster",
-            )
-        )
-    return rows
+    ]

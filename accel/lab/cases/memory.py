@@ -2,13 +2,11 @@
 Shared with ``notebooks/03_memory.ipynb``.
 
 Rows (targets for an H100/H200 at the gpu preset): ``cudaMalloc`` calls and allocator retries per
-steady-state step = 0 with the memory flags on; activation checkpointing: peak activation memory
-<= 0.5x, step time <= 1.35x, and the largest batch within a memory budget >= 2x, judged for one
-choice of blocks (the fastest within the peak target; the note says which), with every choice
-(``every_2nd``, ``all``, ``selective``) reported beside it without a target. Checkpointing is
-judged at ``JUDGED_BATCH`` (32 sequences on a GPU, where the GPU bounds the step); the preset's
-own batch gets a row without a target. Also, without a target: allocator requests per step, and
-the field trainer's window with ``empty_cache()`` every 10 windows against the adaptive cleaner.
+steady-state step = 0 with the memory flags on; every block checkpointed: peak activation memory
+<= 0.5x, step time <= 1.35x, and the largest batch within a memory budget >= 2x, at
+``JUDGED_BATCH`` (32 sequences on a GPU, where the GPU bounds the step). Also, without a target:
+allocator requests per step, and the field trainer's window with ``empty_cache()`` every 10
+windows against the adaptive cleaner.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ import torch
 
 from accel import memory
 from accel.lab.bench import BenchContext, Row
-from accel.lab.profile import profile_step
 from accel.lab.timing import Comparison, compare
 from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
@@ -83,13 +80,8 @@ def cleanup_timing(
     return timing, {"counts": counts, "cleaner": fast.cleaner}
 
 
-# Every choice of the activation_checkpointing option, measured side by side by the bench.
-CHECKPOINT_CHOICES = ("none", "every_2nd", "all", "selective")
 # Sequences per batch at which checkpointing's price is judged: where the step is bound by the
-# GPU, the regime checkpointing is for: at the gpu preset's 8 the GPU idles for much of a step, so
-# the recompute's host work (hooks, launches) shows whole, where one more forward predicts
-# <= 1.33x (the idle share is in the row's note). The preset's batch has a row of its own.
-# None: the preset's batch.
+# GPU, the regime checkpointing is for. None: the preset's batch.
 JUDGED_BATCH: dict[str, int | None] = {"gpu": 32, "cpu": None}
 
 
@@ -118,16 +110,6 @@ class CheckpointCosts:
             "batch": r["batch"] >= TARGETS["batch"],
         }
 
-    def target_choice(self) -> str:
-        """The choice the target rows judge: the fastest one whose peak is within the target
-        (the target is <= 0.5x peak at <= 1.35x time: any selection of blocks that meets
-        both meets it); if none is within the peak target, the one with the lowest peak."""
-        tried = [c for c in self.peak_bytes if c != "none"]
-        within = [c for c in tried if self.meets(c)["peak"]]
-        if within:
-            return min(within, key=lambda c: self.ratios(c)["time"])
-        return min(tried, key=lambda c: self.ratios(c)["peak"])
-
 
 def checkpoint_costs(
     sizes: no.Sizes,
@@ -136,16 +118,13 @@ def checkpoint_costs(
     budget_bytes: int,
     repeats: int = 20,
     limit: int = 4096,
-    choices: tuple[str, ...] = ("none", "all"),
 ) -> CheckpointCosts:
-    """Peak activation memory, step time (all choices interleaved) and the largest batch within
-    ``budget_bytes``, per ``activation_checkpointing`` choice (the fusion flags on in all, so the
-    optimizer does not hide the recompute)."""
-    if "none" not in choices:
-        raise ValueError(
-            f"checkpoint_costs: choices must include 'none' (the baseline), got {choices}"
-        )
-    steps = {c: dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c) for c in choices}
+    """Peak activation memory, step time (interleaved) and the largest batch within
+    ``budget_bytes``, with no block and every block checkpointed (the fusion flags on in both, so
+    the optimizer does not hide the recompute)."""
+    steps = {
+        c: dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c) for c in ("none", "all")
+    }
     built = {k: no.build(f, sizes, device=device) for k, f in steps.items()}
     for step in built.values():
         step(), step()  # gradients and AdamW state exist: the peak below is activations
@@ -206,81 +185,20 @@ def run(ctx: BenchContext) -> list[Row]:
     if dev.type == "cuda":  # a CPU has no cache to empty: the two would run the same code
         rows.append(cleanup_row(ctx, where))
     judged_sizes = dataclasses.replace(sizes, batch=JUDGED_BATCH[ctx.preset] or sizes.batch)
-    idle = {
-        b: idle_fraction(b, sizes, dev) for b in dict.fromkeys((judged_sizes.batch, sizes.batch))
-    }
-    costs = checkpoint_costs(
-        judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset], choices=CHECKPOINT_CHOICES
-    )
-    at = f"{where}; batch {judged_sizes.batch}: GPU idle {idle[judged_sizes.batch]:.0%} of a step"
-    rows += checkpoint_rows(costs, judged_sizes, at, judged)
-    if judged_sizes.batch != sizes.batch:
-        rows.append(preset_batch_row(sizes, dev, f"{where}; GPU idle {idle[sizes.batch]:.0%}"))
-    return rows
-
-
-def idle_fraction(batch: int, sizes: no.Sizes, device) -> float:
-    """Share of a training step (fusion flags, no checkpointing) in which the GPU ran nothing:
-    near 0 when the step is bound by the device, large when Python's launches bound it."""
-    step = no.build(FUSION_FLAGS, dataclasses.replace(sizes, batch=batch), device=device)
-    return profile_step(step, steps=3, warmup=2, device=device).idle_fraction
-
-
-def preset_batch_row(sizes: no.Sizes, device, where: str, *, repeats: int = 20) -> Row:
-    """Step time with every block checkpointed at the preset's own batch, against none."""
-    built = {
-        c: no.build(
-            dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c), sizes, device=device
-        )
-        for c in ("none", "all")
-    }
-    timing = compare(built, baseline="none", repeats=repeats, device=device)
-    return Row(
-        "memory",
-        f"checkpoint_step_time all, batch {sizes.batch}",
-        f"time per training step at the preset's batch {sizes.batch} x {sizes.context}, "
-        "every block checkpointed (the price where the host bounds the step)",
-        "ms",
-        timing.timings["all"].median_ms,
-        baseline=timing.timings["none"].median_ms,
-        note=f"{where} without checkpointing; no target: the price is judged at batch "
-        f"{JUDGED_BATCH['gpu']}, where the GPU bounds the step",
-    )
-
-
-CHECKPOINT_CHOICE_TEXT = {
-    "every_2nd": "every 2nd block checkpointed",
-    "all": "every block checkpointed",
-    "selective": "every block selectively checkpointed (matmul and attention outputs "
-    "kept, LayerNorm/GELU/adds recomputed)",
-}
+    costs = checkpoint_costs(judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset])
+    return rows + checkpoint_rows(costs, judged_sizes, where, judged)
 
 
 def checkpoint_rows(costs: CheckpointCosts, sizes: no.Sizes, where: str, judged: bool) -> list[Row]:
-    """Per choice of blocks (no target): peak, step time and largest batch against no
-    checkpointing; then the three target rows for :meth:`CheckpointCosts.target_choice`."""
-    summary = "; ".join(
-        f"{c}: peak {costs.ratios(c)['peak']:.2f}x, time {costs.ratios(c)['time']:.2f}x, "
-        f"batch {costs.ratios(c)['batch']:.2f}x"
-        for c in costs.peak_bytes
-        if c != "none"
+    """Peak, step time and largest batch with every block checkpointed against none: the rows
+    named ``... all`` (what notebook 03 reads back), then the same judged, without a suffix."""
+    note = f"{where}; batch {sizes.batch}; every block checkpointed, use_reentrant=False, fusion flags on"
+    rows = _checkpoint_triple(
+        costs, "all", sizes, f"{note}; no target (judged in the rows without a suffix)"
     )
-    rows = []
-    for choice in (c for c in costs.peak_bytes if c != "none"):
-        note = f"{where}; no target (judged in the rows without a suffix); "
-        rows += _checkpoint_triple(costs, choice, sizes, note + CHECKPOINT_CHOICE_TEXT[choice])
-    chosen = costs.target_choice()
-    met = costs.meets(chosen)
-    why = (
-        "the fastest choice within the peak target"
-        if met["peak"]
-        else "the lowest peak (no choice is within the peak target)"
+    return rows + _checkpoint_triple(
+        costs, "all", sizes, note, met=costs.meets("all") if judged else {}
     )
-    note = (
-        f"{where}; use_reentrant=False, fusion flags on; judged: '{chosen}' "
-        f"({CHECKPOINT_CHOICE_TEXT[chosen]}), {why}; all choices: {summary}"
-    )
-    return rows + _checkpoint_triple(costs, chosen, sizes, note, met=met if judged else {})
 
 
 def _checkpoint_triple(
