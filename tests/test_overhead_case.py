@@ -151,18 +151,3 @@ def test_the_host_time_added_is_a_row_of_its_own_judged_round_by_round():
     assert steady.met is True and "wider" not in steady.note
     _, slower = _host_rows(plain_us=(20, 30, 25, 21, 22), ours_us=(25, 35, 30, 26, 27))
     assert slower.met is False and slower.optimized == pytest.approx(5)
-
-
-def test_the_components_open_with_the_hosts_pace(monkeypatch):
-    """Host times move with the host's pace from run to run: the components part opens with a
-    one-kernel torch op's host time per call, the yardstick its host rows are read against."""
-    from accel.lab.bench import BenchContext
-    from accel.lab.cases import overhead
-
-    for part in ("sdpa_rows", "diversity_rows", "clip_rows", "adamw_rows", "graphed_rows",
-                 "masked_rows"):  # fmt: skip
-        monkeypatch.setattr(overhead, part, lambda ctx: [])
-    (pace,) = overhead.run(BenchContext(torch.device("cpu"), "cpu", only=("components",)))
-    assert pace.case.startswith("host pace") and pace.metric == "host time per call"
-    assert pace.unit == "us" and 0 < pace.optimized < 1e4 and pace.met is None
-    assert "every host time of this run moves with it" in pace.note
