@@ -12,7 +12,6 @@ GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections.abc import Callable
@@ -66,14 +65,8 @@ NOTEBOOK_GPU_SIZES = BenchSizes(steps=60, warmup=10, scaling="weak", autocast="b
 
 
 def pick_task() -> tuple[str, str]:
-    """The operator workload's task where it exists, else the built-in toy; and a note saying
-    which."""
-    if importlib.util.find_spec("accel.workloads.advection") is not None:
-        from accel.workloads import advection
-
-        if hasattr(advection, "distributed_task"):
-            return OPERATOR_TASK, "the neural-operator workload"
-    return distributed.DEFAULT_TASK, "the toy MLP (accel.workloads.advection is not there yet)"
+    """The task the phase trains, and a note saying what it is."""
+    return OPERATOR_TASK, "the neural-operator workload"
 
 
 def measure(
