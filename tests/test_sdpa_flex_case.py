@@ -16,7 +16,7 @@ from accel.lab.ceilings import Ceilings
 
 CPU = torch.device("cpu")
 FAKE_CEILINGS = Ceilings("cpu", 10.0, 0.5, "float32", 1 << 20, 256)
-TINY = sdpa_flex.FlexSizes(1, 2, 8, torch.float32, 5, (17, 33), (33,), 3, 33, repeats=2)
+TINY = sdpa_flex.FlexSizes(1, 2, 8, torch.float32, 5, (17, 33), (33,), 3, 33, 33, repeats=2)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -80,12 +80,16 @@ def test_flex_rows_on_cpu_and_their_figures_read_back(monkeypatch):
     memory = by_case["flex sliding window 5 S=33 mask memory"]
     assert memory.baseline == pytest.approx(33 * 33 / 2**20)
     assert "flex causal document x3 B=1 H=2 S=33 D=8 fwd" in by_case
+    causal = by_case["flex causal B=1 H=2 S=33 D=8 fwd+bwd"]
+    assert causal.metric.endswith("vs SDPA causal kernel") and "default: error" in causal.note
+    assert not any(" first call " in c for c in by_case)
     recorded = pd.DataFrame([r.as_dict() | {"device": "cpu"} for r in rows])
     frame = sdpa.flex_frame(recorded)
     times = frame[(frame["what"] == "ms") & (frame["kind"] == "sliding window 5")]
     assert set(times["S"]) == {17, 33} and set(times["path"]) == {"flex", "dense"}
     peaks = frame[frame["what"] == "peak MiB"]
     assert set(peaks["S"]) == {17, 33} and (peaks["value"] >= 0).all()
+    assert set(frame[frame["kind"] == "causal"]["path"]) == {"flex", "causal"}
 
 
 def test_the_panel_toggles_dense_and_flex():

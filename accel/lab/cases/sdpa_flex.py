@@ -1,5 +1,6 @@
 """The sdpa phase's masked rows (cases ``flex ...``): FlexAttention against SDPA with the dense
-boolean mask for a sliding window over long sequences and for packed documents; every path
+boolean mask for a sliding window over long sequences and for packed documents, and against
+SDPA's causal kernel for a plain causal mask (what ``sdpa(mask=Causal())`` runs); every path
 checked against attention in float64 before it is timed, its first call (FlexAttention
 compiles) timed apart and given in the note, the mask's memory (BlockMask against the dense
 mask) and the block sparsity that predicts the gain.
@@ -42,6 +43,7 @@ from accel.workloads.flags import flag
 TARGET_WINDOW_VS_DENSE = 3.0  # sliding window 1024 at S = 8192 and 16384, fwd and fwd+bwd
 TARGET_MASK_MEMORY = 0.01  # the block mask's bytes over the dense boolean mask's
 TARGET_DOCUMENT_VS_DENSE = 2.0  # 8 packed documents per row at S = 8192
+TARGET_CAUSAL_VS_SDPA = 0.85  # causal alone: FlexAttention's speed over SDPA's causal kernel
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class FlexSizes:
     judged_seqs: tuple[int, ...]  # where the window's targets are judged, also fwd+bwd
     documents: int
     document_seq: int
+    causal_seq: int
     repeats: int
 
     def case(self, seq: int, backward: bool = False) -> AttnCase:
@@ -65,10 +68,10 @@ class FlexSizes:
 
 FLEX_SIZES = {
     "gpu": FlexSizes(
-        4, 16, 128, torch.bfloat16, 1024, (2048, 4096, 8192, 16384), (8192, 16384), 8, 8192,
+        4, 16, 128, torch.bfloat16, 1024, (2048, 4096, 8192, 16384), (8192, 16384), 8, 8192, 8192,
         repeats=10,
     ),
-    "cpu": FlexSizes(1, 2, 16, torch.float32, 32, (128, 256), (256,), 4, 256, repeats=3),
+    "cpu": FlexSizes(1, 2, 16, torch.float32, 32, (128, 256), (256,), 4, 256, 256, repeats=3),
 }  # fmt: skip
 
 
@@ -215,7 +218,7 @@ def measure_masked(
 # ---- rows ----------------------------------------------------------------------------------
 def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     """Every masked case of the preset: the sliding window over ``seqs`` and at the judged
-    lengths forward + backward, packed documents; memory and sparsity."""
+    lengths forward + backward, packed documents, causal alone; memory and sparsity."""
     sizes = FLEX_SIZES[ctx.preset]
     attention.clear_masked_cache()
     point = partial(_point_rows, ctx.device, sizes.repeats, judged)
@@ -223,26 +226,31 @@ def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     rows = []
     for seq in sizes.seqs:
         target = TARGET_WINDOW_VS_DENSE if seq in sizes.judged_seqs else None
-        rows += point(label, window, sizes.case(seq), target, peak=True)
+        rows += point(label, window, sizes.case(seq), "dense", target, peak=True)
     for seq in sizes.judged_seqs:
-        rows += point(label, window, sizes.case(seq, True), TARGET_WINDOW_VS_DENSE)
+        rows += point(label, window, sizes.case(seq, True), "dense", TARGET_WINDOW_VS_DENSE)
         rows += _mask_rows(label, window, sizes.batch, seq, judged)
     lengths = document_lengths(sizes.batch, sizes.document_seq, sizes.documents)
     documents = attention.Document(lengths.to(ctx.device))
     label = f"causal document x{sizes.documents}"
     for backward in (False, True):
         case = sizes.case(sizes.document_seq, backward)
-        rows += point(label, documents, case, TARGET_DOCUMENT_VS_DENSE)
+        rows += point(label, documents, case, "dense", TARGET_DOCUMENT_VS_DENSE)
     rows += _mask_rows(label, documents, sizes.batch, sizes.document_seq, judged)
+    for backward in (False, True):
+        case = sizes.case(sizes.causal_seq, backward)
+        rows += point("causal", attention.Causal(), case, "default", TARGET_CAUSAL_VS_SDPA)
     attention.clear_masked_cache()
     return rows
 
 
-def _point_rows(device, repeats, judged, label, mask, case, target, *, peak=False) -> list[Row]:
-    """One case measured: FlexAttention against SDPA on the dense mask; with ``peak``, a
-    peak-memory row too."""
-    point = measure_masked(mask, case, device, ("flex", "dense"), repeats=repeats, peak=peak)
-    rows = _time_rows(label, case, point, target, judged)
+def _point_rows(
+    device, repeats, judged, label, mask, case, other, target, *, peak=False
+) -> list[Row]:
+    """One case measured: FlexAttention against ``other`` ("dense", or "default": SDPA's causal
+    kernel, which ``sdpa(mask=Causal())`` runs); with ``peak``, a peak-memory row too."""
+    point = measure_masked(mask, case, device, ("flex", other), repeats=repeats, peak=peak)
+    rows = _time_rows(label, case, point, other, target, judged)
     return rows + ([_peak_row(label, case, point)] if peak else [])
 
 
@@ -250,10 +258,9 @@ def _case_name(label: str, case: AttnCase) -> str:
     return f"flex {label} B={case.batch} H={case.heads} S={case.seq} D={case.head_dim} {case.direction}"
 
 
-def _time_rows(label, case, point: MaskedPoint, target, judged) -> list[Row]:
-    """FlexAttention's time against the dense mask's, with every check and first call in the
-    note."""
-    flex, base = point.times.get("flex", math.nan), point.times.get("dense", math.nan)
+def _time_rows(label, case, point: MaskedPoint, baseline: str, target, judged) -> list[Row]:
+    """FlexAttention's time against ``baseline``'s, with every check and first call in the note."""
+    flex, base = point.times.get("flex", math.nan), point.times.get(baseline, math.nan)
     checks = "; ".join(
         f"{p}: {'error ' + format(c, '.2g') if not isinstance(c, str) else 'skipped: ' + c}"
         for p, c in point.checked.items()
@@ -266,7 +273,7 @@ def _time_rows(label, case, point: MaskedPoint, target, judged) -> list[Row]:
         Row(
             PHASE,
             _case_name(label, case),
-            "time per call, FlexAttention vs SDPA on the dense boolean mask",
+            f"time per call, FlexAttention vs {'SDPA on the dense boolean mask' if baseline == 'dense' else 'SDPA causal kernel'}",
             "ms",
             flex,
             baseline=base,
@@ -335,7 +342,8 @@ def flex_frame(recorded: pd.DataFrame) -> pd.DataFrame:
         if not match:
             continue
         what = "peak MiB" if match["peak"] else "ms"
-        for path, value in (("flex", row["optimized"]), ("dense", row["baseline"])):
+        other = "causal" if match["kind"] == "causal" else "dense"
+        for path, value in (("flex", row["optimized"]), (other, row["baseline"])):
             out.append(
                 {
                     "device": row.get("device", ""),
