@@ -4,7 +4,8 @@ fused LIoR and fused retrieval. Shared with ``notebooks/02_fusion.ipynb``.
 Rows (targets for an H100/H200 at the gpu preset): group statistics >= 6x the per-parameter loop,
 gradient clipping >= 3x, the AdamW step (fused) >= 8x the for-loop AdamW, kernel launches per
 optimizer step >= 4x fewer, the field-trainer window with the phase-2 flags >= 1.05x phase 1;
-without a target, the whole training step and the window with the retrieval compiled instead.
+without a target, the whole training step and the window with ``fused_lior`` alone and with the
+retrieval compiled instead.
 """
 
 from __future__ import annotations
@@ -228,18 +229,19 @@ def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) 
     return rows
 
 
-# The window timed with phase 2's flags, and with its alternative (the retrieval compiled instead
-# of fused by hand), against phase 1 in one interleaved comparison.
+# The window with phase 2's flags (the target row), with its larger flag alone and with its
+# alternative (the retrieval compiled instead of fused by hand), against phase 1 in one
+# interleaved comparison.
 FIELD_CONFIGS = {
     "phase 1": PHASE1,
+    "+ fused_lior": dataclasses.replace(PHASE1, fused_lior=True),
     "+ compiled_retrieval": dataclasses.replace(PHASE1, compiled_retrieval=True),
     "phase 1+2": PHASE2,
 }
 
 
 def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
-    """Phase 1 against phase 1 + 2 (the target row) and against the compiled retrieval alone,
-    each with the launches a window saves."""
+    """Phase 1 against each of :data:`FIELD_CONFIGS`, with the launches a window saves."""
     sizes = ft.Sizes.preset(ctx.preset)
     steps = {label: ft.build(f, sizes, device=ctx.device) for label, f in FIELD_CONFIGS.items()}
     for step in steps.values():
@@ -248,28 +250,24 @@ def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
     for step in steps.values():  # correctness before timing
         ft.compare_results(step.result(), reference, step.flags, sizes=sizes, steps=step.windows)
     timing = compare(steps, warmup=3, repeats=30, device=ctx.device)
-    notes = {}
-    for label in ("+ compiled_retrieval", "phase 1+2"):
+    rows = []
+    for label in list(FIELD_CONFIGS)[1:]:
         saved = launches_saved(steps["phase 1"], steps[label], ctx.device)
-        notes[label] = f"{saved:.0f} fewer launches per window; cost model predicted " + _predicted(
-            model, timing, saved
+        note = f"{saved:.0f} fewer launches per window; cost model predicted "
+        note += _predicted(model, timing, saved)
+        if label == "phase 1+2":
+            metric = "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval"
+            rows.append(_speed_row("field_trainer_window", metric, timing, label, ctx, note))
+            continue
+        rows.append(
+            Row(
+                "fusion",
+                f"field_trainer_window {label}",
+                f"time per window, phase-1 flags vs phase 1 {label} alone",
+                "ms",
+                timing.timings[label].median_ms,
+                baseline=timing.timings["phase 1"].median_ms,
+                note=f"{ctx.where}; no target (the target row has phase 2's flags); {note}",
+            )
         )
-    alternative = Row(
-        "fusion",
-        "field_trainer_window + compiled_retrieval",
-        "time per window, phase-1 flags vs phase 1 + compiled_retrieval alone",
-        "ms",
-        timing.timings["+ compiled_retrieval"].median_ms,
-        baseline=timing.timings["phase 1"].median_ms,
-        note=f"{ctx.where}; no target (the phase's alternative, not its choice); "
-        + notes["+ compiled_retrieval"],
-    )
-    chosen = _speed_row(
-        "field_trainer_window",
-        "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval",
-        timing,
-        "phase 1+2",
-        ctx,
-        notes["phase 1+2"],
-    )
-    return [alternative, chosen]
+    return rows
