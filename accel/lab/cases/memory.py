@@ -4,9 +4,9 @@ Shared with ``notebooks/03_memory.ipynb``.
 Rows (targets for an H100/H200 at the gpu preset): ``cudaMalloc`` calls and allocator retries per
 steady-state step = 0 with the memory flags on; every block checkpointed: peak activation memory
 <= 0.5x, step time <= 1.35x, and the largest batch within a memory budget >= 2x, at
-``JUDGED_BATCH`` (32 sequences on a GPU, where the GPU bounds the step). Also, without a target:
-allocator requests per step, and the field trainer's window with ``empty_cache()`` every 10
-windows against the adaptive cleaner.
+``JUDGED_BATCH`` (32 sequences on a GPU, where the GPU bounds the step; the preset's own batch
+gets a row without a target). Also, without a target: allocator requests per step, and the field
+trainer's window with ``empty_cache()`` every 10 windows against the adaptive cleaner.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 from accel import memory
 from accel.lab.bench import BenchContext, Row
+from accel.lab.profile import profile_step
 from accel.lab.timing import Comparison, compare
 from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
@@ -185,8 +186,44 @@ def run(ctx: BenchContext) -> list[Row]:
     if dev.type == "cuda":  # a CPU has no cache to empty: the two would run the same code
         rows.append(cleanup_row(ctx, where))
     judged_sizes = dataclasses.replace(sizes, batch=JUDGED_BATCH[ctx.preset] or sizes.batch)
+    idle = {
+        b: idle_fraction(b, sizes, dev) for b in dict.fromkeys((judged_sizes.batch, sizes.batch))
+    }
     costs = checkpoint_costs(judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset])
-    return rows + checkpoint_rows(costs, judged_sizes, where, judged)
+    at = f"{where}; GPU idle {idle[judged_sizes.batch]:.0%} of a step"
+    rows += checkpoint_rows(costs, judged_sizes, at, judged)
+    if judged_sizes.batch != sizes.batch:  # notebook 03 points at this row
+        rows.append(preset_batch_row(sizes, dev, f"{where}; GPU idle {idle[sizes.batch]:.0%}"))
+    return rows
+
+
+def idle_fraction(batch: int, sizes: no.Sizes, device) -> float:
+    """Share of a training step (fusion flags, no checkpointing) in which the GPU ran nothing:
+    near 0 when the step is bound by the device, large when Python's launches bound it."""
+    step = no.build(FUSION_FLAGS, dataclasses.replace(sizes, batch=batch), device=device)
+    return profile_step(step, steps=3, warmup=2, device=device).idle_fraction
+
+
+def preset_batch_row(sizes: no.Sizes, device, where: str, *, repeats: int = 20) -> Row:
+    """Step time with every block checkpointed at the preset's own batch, against none."""
+    built = {
+        c: no.build(
+            dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c), sizes, device=device
+        )
+        for c in ("none", "all")
+    }
+    timing = compare(built, baseline="none", repeats=repeats, device=device)
+    return Row(
+        "memory",
+        f"checkpoint_step_time all, batch {sizes.batch}",
+        f"time per training step at the preset's batch {sizes.batch} x {sizes.context}, "
+        "every block checkpointed (the price where the host bounds the step)",
+        "ms",
+        timing.timings["all"].median_ms,
+        baseline=timing.timings["none"].median_ms,
+        note=f"{where} without checkpointing; no target: the price is judged at batch "
+        f"{JUDGED_BATCH['gpu']}, where the GPU bounds the step",
+    )
 
 
 def checkpoint_rows(costs: CheckpointCosts, sizes: no.Sizes, where: str, judged: bool) -> list[Row]:
