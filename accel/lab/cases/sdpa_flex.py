@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -31,7 +32,6 @@ from accel.lab.cases.sdpa_measure import (
     PHASE,
     AttnCase,
     as_timed,
-    first_call_s,
     make_inputs,
     peak_memory_bytes,
     release_memory,
@@ -197,11 +197,15 @@ def measure_masked(
     fns, first, checked = {}, {}, {}
     for path in paths:  # the first call alone: FlexAttention compiles, the dense path measures
         fn = masked_fn(path, mask, case, q, k, v, grad)
+        started = time.perf_counter()
         try:
-            first[path] = first_call_s(fn, device)
+            fn()
         except RuntimeError as error:  # BackendUnavailableError among them
             checked[path] = getattr(error, "reason", str(error))[:200]
             continue
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first[path] = time.perf_counter() - started
         fns[path] = fn
     checked |= check_masked(q, k, v, mask, list(fns))  # correctness before timing
     fns = {path: fn for path, fn in fns.items() if not isinstance(checked[path], str)}

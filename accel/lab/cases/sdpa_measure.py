@@ -11,7 +11,6 @@ five (2.5x the forward, recomputation not counted); causal halves both.
 from __future__ import annotations
 
 import gc
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -239,15 +238,6 @@ def backend_frame(
         del q, k, v
         release_memory(device)
     return pd.concat(frames, ignore_index=True)
-
-
-def first_call_s(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one call of ``fn`` to its end on the device: a first call, compiles included."""
-    started = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - started
 
 
 def release_memory(device: torch.device) -> None:
