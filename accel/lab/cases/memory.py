@@ -81,6 +81,8 @@ def cleanup_timing(
     return timing, {"counts": counts, "cleaner": fast.cleaner}
 
 
+# The activation_checkpointing choices the bench measures: none (the baseline) and every block.
+CHECKPOINT_CHOICES = ("none", "all")
 # Sequences per batch at which checkpointing's price is judged: where the step is bound by the
 # GPU, the regime checkpointing is for. None: the preset's batch.
 JUDGED_BATCH: dict[str, int | None] = {"gpu": 32, "cpu": None}
@@ -119,13 +121,12 @@ def checkpoint_costs(
     budget_bytes: int,
     repeats: int = 20,
     limit: int = 4096,
+    choices: tuple[str, ...] = CHECKPOINT_CHOICES,
 ) -> CheckpointCosts:
-    """Peak activation memory, step time (interleaved) and the largest batch within
-    ``budget_bytes``, with no block and every block checkpointed (the fusion flags on in both, so
-    the optimizer does not hide the recompute)."""
-    steps = {
-        c: dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c) for c in ("none", "all")
-    }
+    """Peak activation memory, step time (all choices interleaved) and the largest batch within
+    ``budget_bytes``, per ``activation_checkpointing`` choice, "none" first (the fusion flags on
+    in all, so the optimizer does not hide the recompute)."""
+    steps = {c: dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c) for c in choices}
     built = {k: no.build(f, sizes, device=device) for k, f in steps.items()}
     for step in built.values():
         step(), step()  # gradients and AdamW state exist: the peak below is activations
@@ -189,10 +190,12 @@ def run(ctx: BenchContext) -> list[Row]:
     idle = {
         b: idle_fraction(b, sizes, dev) for b in dict.fromkeys((judged_sizes.batch, sizes.batch))
     }
-    costs = checkpoint_costs(judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset])
-    at = f"{where}; GPU idle {idle[judged_sizes.batch]:.0%} of a step"
+    costs = checkpoint_costs(
+        judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset], choices=CHECKPOINT_CHOICES
+    )
+    at = f"{where}; batch {judged_sizes.batch}: GPU idle {idle[judged_sizes.batch]:.0%} of a step"
     rows += checkpoint_rows(costs, judged_sizes, at, judged)
-    if judged_sizes.batch != sizes.batch:  # notebook 03 points at this row
+    if judged_sizes.batch != sizes.batch:
         rows.append(preset_batch_row(sizes, dev, f"{where}; GPU idle {idle[sizes.batch]:.0%}"))
     return rows
 
@@ -229,7 +232,7 @@ def preset_batch_row(sizes: no.Sizes, device, where: str, *, repeats: int = 20) 
 def checkpoint_rows(costs: CheckpointCosts, sizes: no.Sizes, where: str, judged: bool) -> list[Row]:
     """Peak, step time and largest batch with every block checkpointed against none: the rows
     named ``... all`` (what notebook 03 reads back), then the same judged, without a suffix."""
-    note = f"{where}; batch {sizes.batch}; every block checkpointed, use_reentrant=False, fusion flags on"
+    note = f"{where}; every block checkpointed, use_reentrant=False, fusion flags on"
     rows = _checkpoint_triple(
         costs, "all", sizes, f"{note}; no target (judged in the rows without a suffix)"
     )
