@@ -135,34 +135,14 @@ def _host_rows(plain_us, ours_us):
 def test_the_host_time_added_is_a_row_of_its_own_judged_round_by_round():
     """The host's pace drifts between rounds: the time added is taken within each round (here
     +2, +2, +2, +11, -8 us: 2 us) and not as a difference of medians (31 - 20 = 11 us); the
-    number judged is the row's own, so a reader of the results can check the verdict; where the
-    rounds' differences spread wider than the target, the row says its verdict is inside that
-    spread. It gives the share of the baseline's host time, which holds across hosts of other
-    paces."""
+    number judged is the row's own, so a reader of the results can check the verdict. It gives
+    the share of the baseline's host time, which holds across hosts of other paces."""
     per_call, added = _host_rows(plain_us=(20, 30, 30, 20, 20), ours_us=(22, 32, 32, 31, 12))
     assert per_call.metric == "host time per call"
     assert (per_call.optimized, per_call.baseline) == (31, 20)
     assert per_call.met is None and per_call.target == ""
     assert added.metric == "host time added per call" and added.optimized == pytest.approx(2)
     assert added.met is True and added.target == "<= 3 us over F.sdpa"
-    assert "wider than the 3 us target" in added.note
     assert "over F.sdpa's 20.0 us (10% of it)" in added.note  # the host's pace: its share
-    _, steady = _host_rows(plain_us=(20, 30, 25, 21, 22), ours_us=(21, 31, 26, 22, 23))
-    assert steady.met is True and "wider" not in steady.note
     _, slower = _host_rows(plain_us=(20, 30, 25, 21, 22), ours_us=(25, 35, 30, 26, 27))
     assert slower.met is False and slower.optimized == pytest.approx(5)
-
-
-def test_the_components_open_with_the_hosts_pace(monkeypatch):
-    """Host times move with the host's pace from run to run: the components part opens with a
-    one-kernel torch op's host time per call, the yardstick its host rows are read against."""
-    from accel.lab.bench import BenchContext
-    from accel.lab.cases import overhead
-
-    for part in ("sdpa_rows", "diversity_rows", "clip_rows", "adamw_rows", "graphed_rows",
-                 "masked_rows"):  # fmt: skip
-        monkeypatch.setattr(overhead, part, lambda ctx: [])
-    (pace,) = overhead.run(BenchContext(torch.device("cpu"), "cpu", only=("components",)))
-    assert pace.case.startswith("host pace") and pace.metric == "host time per call"
-    assert pace.unit == "us" and 0 < pace.optimized < 1e4 and pace.met is None
-    assert "every host time of this run moves with it" in pace.note

@@ -121,99 +121,29 @@ def test_the_target_row_needs_both_speed_and_quality(speedup, quality, met):
 
 @pytest.mark.parametrize(
     ("only", "groups"),
-    [
-        ((), ["cumulative", "alone", "validation"]),
-        (("alone",), ["alone"]),
-        (("cumulative",), ["cumulative"]),
-        (("validation seed 2",), ["validation"]),
-    ],
+    [((), ["cumulative", "alone"]), (("alone",), ["alone"]), (("cumulative",), ["cumulative"])],
 )
 def test_the_phase_runs_in_parts_each_with_its_own_rows(monkeypatch, only, groups):
     from accel.lab.bench import BenchContext, check_parts
 
     check_parts(["recipe"], only)
-    measured, trained = [], []
+    measured = []
 
     def fake_measure(configs, sizes, device, *, validate, **kwargs):
         measured.append((list(configs)[1], tuple(validate)))
         return frame_of(2.6, 1.0)
 
-    def fake_validation(configs, sizes, device, *, seed, **kwargs):
-        trained.append((seed, list(configs)))
-        return dict(zip(configs, (1.0, 0.9 + seed / 100), strict=True))
-
     monkeypatch.setattr(recipe, "measure", fake_measure)
-    monkeypatch.setattr(recipe, "validation_errors", fake_validation)
     ctx = BenchContext(device=torch.device("cpu"), preset="cpu", only=only)
     rows = recipe.run(ctx)
     ran = [g for g in ("cumulative", "alone") if any(r.case.startswith(f"{g}: ") for r in rows)]
-    ran += ["validation"] if trained else []
-    assert ran == groups and len(measured) == len(groups) - bool(trained)
-    validation = [r for r in rows if r.case == "recipe: validation error after equal steps"]
+    assert ran == groups and len(measured) == len(groups)
+    validation = [r for r in rows if r.case == recipe.VALIDATION_CASE]
     assert len(validation) == ("cumulative" in groups)
-    # the seeds: the baseline and the whole recipe, one row each, and their median
-    seeds = [seed for seed, _ in trained]
-    expected = {(): list(recipe.VALIDATION_SEEDS), ("validation seed 2",): [2]}
-    assert seeds == expected.get(only, [])
-    whole_recipe = list(recipe.progression("cpu"))[-1]
-    assert all(names == ["baseline", whole_recipe] for _, names in trained)
-    assert [r.case for r in rows if r.case.startswith("validation seed")] == [
-        f"validation seed {seed}" for seed in seeds
-    ]
-    summary = [r for r in rows if r.case == recipe.SEEDS_CASE]
-    assert len(summary) == bool(trained)
-    if trained:
-        ratios = [0.9 + seed / 100 for seed in seeds] + [1.0] * ("cumulative" in groups)
-        assert summary[0].optimized == pytest.approx(float(pd.Series(ratios).median()))
-        assert summary[0].met is None  # a CPU run is not judged
     for first_changed, validated in measured:  # the progression validates its last, alone not
         assert validated[0] == "baseline" and len(validated) == (
             2 if first_changed.startswith("+") else 1
         )
-
-
-def test_validation_errors_train_each_configuration_from_the_seed():
-    pair = {"baseline": op.Flags(), "every 2nd": op.Flags(aux_loss_every=2)}
-
-    said = []
-
-    def run(seed):
-        return recipe.validation_errors(
-            pair, TINY, "cpu", seed=seed, train_steps=4, reads=2, read_every=2,
-            on_progress=said.append, report_every=2,
-        )  # fmt: skip
-
-    first, again, other = run(5), run(5), run(6)
-    assert list(first) == list(pair) and all(math.isfinite(e) and e > 0 for e in first.values())
-    # how far each training is, as it goes
-    assert said[:3] == [
-        "training baseline from seed 5",
-        "training baseline from seed 5: step 2 of 4",
-        "training baseline from seed 5: step 4 of 4",
-    ]
-    assert first == again  # on a CPU the same seed trains the same
-    assert first != other
-
-
-def test_the_seeds_row_is_the_median_with_recorded_seeds_and_judged_from_three():
-    from types import SimpleNamespace
-
-    recorded = pd.DataFrame(
-        {
-            "phase": ["recipe", "recipe", "sdpa"],
-            "case": [recipe.VALIDATION_CASE, "validation seed 1", "validation seed 2"],
-            "optimized": [0.8, 1.2, 9.0],
-            "baseline": [1.0, 1.0, 1.0],
-            "date": ["2026-11-20", "2026-11-21", "2026-11-21"],
-        }
-    )
-    ctx = SimpleNamespace(judged=True, where="cuda, preset gpu", recorded=recorded)
-    now = [recipe.Row(recipe.PHASE, "validation seed 3", "error", "", 0.5, baseline=0.5)]
-    row = recipe._seeds_row(ctx, now)
-    assert row.optimized == pytest.approx(1.0)  # median of 1.0 (now), 0.8 and 1.2 (recorded)
-    assert row.met is True and "2026-11-20" in row.note and "seed 0: 0.800" in row.note
-    too_few = recipe._seeds_row(SimpleNamespace(judged=True, where="", recorded=None), now)
-    assert too_few.met is None and "fewer than 3 seeds" in too_few.note
 
 
 def test_step_flops_count_every_sample_of_a_step():

@@ -83,7 +83,7 @@ def test_flex_rows_on_cpu_and_their_figures_read_back(monkeypatch):
     assert "flex causal document x3 B=1 H=2 S=33 D=8 fwd" in by_case
     causal = by_case["flex causal B=1 H=2 S=33 D=8 fwd+bwd"]
     assert causal.metric.endswith("vs SDPA causal kernel") and "default: error" in causal.note
-    assert by_case["flex causal first call fwd"].unit == "s"
+    assert not any(" first call " in c for c in by_case)  # first calls are in the notes
     recorded = pd.DataFrame([r.as_dict() | {"device": "cpu"} for r in rows])
     frame = sdpa.flex_frame(recorded)
     times = frame[(frame["what"] == "ms") & (frame["kind"] == "sliding window 5")]

@@ -3,7 +3,7 @@ default communication settings and with the tuned ones. Shared with
 ``notebooks/08_distributed.ipynb``.
 
 Rows, for N GPUs (N >= 2; with fewer the rows say what was skipped): throughput of each
-configuration against one GPU, its scaling efficiency (throughput / (N x one GPU)), parameter +
+configuration against one GPU (its speedup over N is the scaling efficiency), parameter +
 optimizer-state memory per GPU (FSDP2 against DDP) and peak memory per GPU. Weak scaling on GPUs:
 every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (at the
 gpu preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x DDP's; four
@@ -12,7 +12,6 @@ GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections.abc import Callable
@@ -66,14 +65,8 @@ NOTEBOOK_GPU_SIZES = BenchSizes(steps=60, warmup=10, scaling="weak", autocast="b
 
 
 def pick_task() -> tuple[str, str]:
-    """The operator workload's task where it exists, else the built-in toy; and a note saying
-    which."""
-    if importlib.util.find_spec("accel.workloads.advection") is not None:
-        from accel.workloads import advection
-
-        if hasattr(advection, "distributed_task"):
-            return OPERATOR_TASK, "the neural-operator workload"
-    return distributed.DEFAULT_TASK, "the toy MLP (accel.workloads.advection is not there yet)"
+    """The task the phase trains, and a note saying what it is."""
+    return OPERATOR_TASK, "the neural-operator workload"
 
 
 def measure(
@@ -158,7 +151,7 @@ def table(runs: dict[str, RunResult]) -> pd.DataFrame:
 
 def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
     """Bench rows from :func:`measure`'s runs: one process's throughput, then each wrapped
-    configuration's throughput and scaling efficiency, then its memory."""
+    configuration's throughput, then its memory."""
     frame = table(runs).set_index("config")
     n = int(frame.drop(index="one")["nprocs"].max())
     first = next(iter(runs.values())).config
@@ -182,7 +175,7 @@ def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
 
 def _throughput_rows(frame: pd.DataFrame, n: int, *, judged: bool, note: str) -> list[Row]:
     """Each wrapped configuration's throughput against one process (DDP's judged against the
-    target for ``n`` ranks) and its scaling efficiency."""
+    target for ``n`` ranks)."""
     one, targets, out = frame.loc["one"], TARGETS.get(n), []
     for label, r in frame.drop(index="one").iterrows():
         is_ddp = r["wrapper"] == "ddp"
@@ -201,18 +194,6 @@ def _throughput_rows(frame: pd.DataFrame, n: int, *, judged: bool, note: str) ->
                 if judged and targets and is_ddp
                 else None,
                 note=note + extra,
-            )
-        )
-        out.append(
-            Row(
-                "distributed",
-                f"{label} x{n} scaling_efficiency",
-                f"throughput / ({n} x one rank's)",
-                "fraction",
-                r["scaling_efficiency"],
-                baseline=1.0,
-                higher_is_better=True,
-                note=note,
             )
         )
     return out

@@ -1,12 +1,11 @@
 """Bench phase ``fusion``: many-tensor work as foreach and fused kernels, and the field trainer's
-fused LIoR and compiled retrieval. Shared with ``notebooks/02_fusion.ipynb``.
+fused LIoR and fused retrieval. Shared with ``notebooks/02_fusion.ipynb``.
 
 Rows (targets for an H100/H200 at the gpu preset): group statistics >= 6x the per-parameter loop,
 gradient clipping >= 3x, the AdamW step (fused) >= 8x the for-loop AdamW, kernel launches per
-optimizer step >= 4x fewer, the field-trainer window with the phase-2 flags >= 1.05x phase 1.
-Without targets, to explain that one: each phase-2 flag alone against phase 1 (same
-interleaved comparison), and the retrieval's time per call eager, through dynamo and called
-directly (the compiled path's host cost, which decides the flag's worth in a launch-bound window).
+optimizer step >= 4x fewer, the field-trainer window with the phase-2 flags >= 1.05x phase 1;
+without a target, the whole training step and the window with ``fused_lior`` alone and with the
+retrieval compiled instead.
 """
 
 from __future__ import annotations
@@ -230,88 +229,36 @@ def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) 
     return rows
 
 
-# The field trainer's phase-2 flags one at a time and together (interleaved in one comparison):
-# a flag that slows the window down shows in its own row instead of hiding in the sum.
+# The window with phase 2's flags (the target row), with its larger flag alone and with its
+# alternative (the retrieval compiled instead of fused by hand), against phase 1 in one
+# interleaved comparison.
 FIELD_CONFIGS = {
     "phase 1": PHASE1,
     "+ fused_lior": dataclasses.replace(PHASE1, fused_lior=True),
-    "+ fused_retrieval": dataclasses.replace(PHASE1, fused_retrieval=True),
     "+ compiled_retrieval": dataclasses.replace(PHASE1, compiled_retrieval=True),
     "phase 1+2": PHASE2,
 }
-ALONE = ("+ fused_lior", "+ fused_retrieval", "+ compiled_retrieval")
-
-
-def retrieval_call_timing(step: ft.Step, *, repeats: int = 15, device=None) -> Comparison:
-    """Time per retrieval call at the window's shapes: eager (8 ops), compiled through dynamo,
-    and compiled called directly. Samples of >= 1 ms of back-to-back calls: on a GPU a call
-    this small is host-bound, so this is host time per call whatever clock measures it."""
-    args = (step.x, step.keys, step.g0, step.values, step.sizes.beta)
-    candidates = {"eager": lambda: ft.retrieve(*args)}
-    compiled = step.retrieve
-    if isinstance(compiled, fusion.CompiledFunction):
-        compiled(*args)  # compiled for these shapes (shared with the window)
-        candidates["compiled via dynamo"] = lambda: compiled.call_guarded(*args)
-        candidates["compiled, direct"] = lambda: compiled(*args)
-    return compare(
-        candidates,
-        repeats=repeats,
-        calls_per_sample=None,
-        min_sample_ms=1.0,
-        device=device or step.device,
-    )
 
 
 def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
-    """Phase 1 against each phase-2 flag alone and both (the target row), launches per window
-    of each, and the retrieval's time per call (eager, via dynamo, direct)."""
+    """Phase 1 against each of :data:`FIELD_CONFIGS`, with the launches a window saves."""
     sizes = ft.Sizes.preset(ctx.preset)
-    steps = {
-        label: ft.build(flags, sizes, device=ctx.device) for label, flags in FIELD_CONFIGS.items()
-    }
+    steps = {label: ft.build(f, sizes, device=ctx.device) for label, f in FIELD_CONFIGS.items()}
     for step in steps.values():
         step(), step()
+    reference = steps["phase 1"].result()
     for step in steps.values():  # correctness before timing
-        reference = steps["phase 1"].result()
         ft.compare_results(step.result(), reference, step.flags, sizes=sizes, steps=step.windows)
     timing = compare(steps, warmup=3, repeats=30, device=ctx.device)
-    launches = {
-        label: profile_step(step, steps=1, device=ctx.device).launches_per_step
-        for label, step in steps.items()
-    }
-    calls = retrieval_call_timing(steps["+ compiled_retrieval"], device=ctx.device)
-    per_call = {k: t.median_ms * 1e3 for k, t in calls.timings.items()}
-    two = steps["+ compiled_retrieval"].retrieve
-    retrieval = (
-        f"compiled ({two.compiles} graph(s), {two.direct_calls} of {two.calls} calls direct)"
-        if isinstance(two, fusion.CompiledFunction)
-        else "eager (torch.compile unavailable here)"
-    )
-    calls_note = ", ".join(f"{k} {v:.1f} us" for k, v in per_call.items())
     rows = []
-    for label in (*ALONE, "phase 1+2"):
-        saved = launches["phase 1"] - launches[label]
-        note = (
-            f"{saved:.0f} fewer launches per window ({launches[label]:.0f}); cost model "
-            f"predicted {_predicted(model, timing, saved)}"
-        )
-        if label == "+ compiled_retrieval":
-            note += f"; retrieval {retrieval}; retrieval per call: {calls_note}"
+    for label in list(FIELD_CONFIGS)[1:]:
+        saved = launches_saved(steps["phase 1"], steps[label], ctx.device)
+        note = f"{saved:.0f} fewer launches per window; cost model predicted "
+        note += _predicted(model, timing, saved)
         if label == "phase 1+2":
-            alone = {k: timing.speedup(k) for k in ALONE}
-            note += "; alone: " + ", ".join(f"{k[2:]} {v:.3f}x" for k, v in alone.items())
-            rows.append(
-                _speed_row(
-                    "field_trainer_window",
-                    "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval",
-                    timing,
-                    label,
-                    ctx,
-                    note,
-                )
-            )
+            metric = "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval"
+            rows.append(_speed_row("field_trainer_window", metric, timing, label, ctx, note))
             continue
-        where = ctx.where
         rows.append(
             Row(
                 "fusion",
@@ -320,21 +267,7 @@ def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
                 "ms",
                 timing.timings[label].median_ms,
                 baseline=timing.timings["phase 1"].median_ms,
-                note=f"{where}; no target (the target row has phase 2's flags); {note}",
-            )
-        )
-    if len(calls.timings) > 1:
-        rows.append(
-            Row(
-                "fusion",
-                "retrieval_call",
-                "time per retrieval call (metric cost, softmax, mix) at the window's shapes, "
-                "eager vs compiled and called directly",
-                "us",
-                per_call["compiled, direct"],
-                baseline=per_call["eager"],
-                note=f"{ctx.where}; no target; {calls_note}; samples of >= 1 ms of "
-                "back-to-back calls: host time per call where the device is faster",
+                note=f"{ctx.where}; no target (the target row has phase 2's flags); {note}",
             )
         )
     return rows

@@ -2,13 +2,11 @@
 Shared with ``notebooks/03_memory.ipynb``.
 
 Rows (targets for an H100/H200 at the gpu preset): ``cudaMalloc`` calls and allocator retries per
-steady-state step = 0 with the memory flags on; activation checkpointing: peak activation memory
-<= 0.5x, step time <= 1.35x, and the largest batch within a memory budget >= 2x, judged for one
-choice of blocks (the fastest within the peak target; the note says which), with every choice
-(``every_2nd``, ``all``, ``selective``) reported beside it without a target. Checkpointing is
-judged at ``JUDGED_BATCH`` (32 sequences on a GPU, where the GPU bounds the step); the preset's
-own batch gets a row without a target. Also, without a target: allocator requests per step, and
-the field trainer's window with ``empty_cache()`` every 10 windows against the adaptive cleaner.
+steady-state step = 0 with the memory flags on; every block checkpointed: peak activation memory
+<= 0.5x, step time <= 1.35x, and the largest batch within a memory budget >= 2x, at
+``JUDGED_BATCH`` (32 sequences on a GPU, where the GPU bounds the step; the preset's own batch
+gets a row without a target). Also, without a target: allocator requests per step, and the field
+trainer's window with ``empty_cache()`` every 10 windows against the adaptive cleaner.
 Gradient accumulation's rows (``accumulate_*``) are ``memory_accumulate``'s.
 """
 
@@ -85,13 +83,10 @@ def cleanup_timing(
     return timing, {"counts": counts, "cleaner": fast.cleaner}
 
 
-# Every choice of the activation_checkpointing option, measured side by side by the bench.
-CHECKPOINT_CHOICES = ("none", "every_2nd", "all", "selective")
+# The activation_checkpointing choices the bench measures: none (the baseline) and every block.
+CHECKPOINT_CHOICES = ("none", "all")
 # Sequences per batch at which checkpointing's price is judged: where the step is bound by the
-# GPU, the regime checkpointing is for: at the gpu preset's 8 the GPU idles for much of a step, so
-# the recompute's host work (hooks, launches) shows whole, where one more forward predicts
-# <= 1.33x (the idle share is in the row's note). The preset's batch has a row of its own.
-# None: the preset's batch.
+# GPU, the regime checkpointing is for. None: the preset's batch.
 JUDGED_BATCH: dict[str, int | None] = {"gpu": 32, "cpu": None}
 
 
@@ -120,16 +115,6 @@ class CheckpointCosts:
             "batch": r["batch"] >= TARGETS["batch"],
         }
 
-    def target_choice(self) -> str:
-        """The choice the target rows judge: the fastest one whose peak is within the target
-        (the target is <= 0.5x peak at <= 1.35x time: any selection of blocks that meets
-        both meets it); if none is within the peak target, the one with the lowest peak."""
-        tried = [c for c in self.peak_bytes if c != "none"]
-        within = [c for c in tried if self.meets(c)["peak"]]
-        if within:
-            return min(within, key=lambda c: self.ratios(c)["time"])
-        return min(tried, key=lambda c: self.ratios(c)["peak"])
-
 
 def checkpoint_costs(
     sizes: no.Sizes,
@@ -138,15 +123,11 @@ def checkpoint_costs(
     budget_bytes: int,
     repeats: int = 20,
     limit: int = 4096,
-    choices: tuple[str, ...] = ("none", "all"),
+    choices: tuple[str, ...] = CHECKPOINT_CHOICES,
 ) -> CheckpointCosts:
     """Peak activation memory, step time (all choices interleaved) and the largest batch within
-    ``budget_bytes``, per ``activation_checkpointing`` choice (the fusion flags on in all, so the
-    optimizer does not hide the recompute)."""
-    if "none" not in choices:
-        raise ValueError(
-            f"checkpoint_costs: choices must include 'none' (the baseline), got {choices}"
-        )
+    ``budget_bytes``, per ``activation_checkpointing`` choice, "none" first (the fusion flags on
+    in all, so the optimizer does not hide the recompute)."""
     steps = {c: dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c) for c in choices}
     built = {k: no.build(f, sizes, device=device) for k, f in steps.items()}
     for step in built.values():
@@ -271,39 +252,16 @@ def preset_batch_row(sizes: no.Sizes, device, where: str, *, repeats: int = 20) 
     )
 
 
-CHECKPOINT_CHOICE_TEXT = {
-    "every_2nd": "every 2nd block checkpointed",
-    "all": "every block checkpointed",
-    "selective": "every block selectively checkpointed (matmul and attention outputs "
-    "kept, LayerNorm/GELU/adds recomputed)",
-}
-
-
 def checkpoint_rows(costs: CheckpointCosts, sizes: no.Sizes, where: str, judged: bool) -> list[Row]:
-    """Per choice of blocks (no target): peak, step time and largest batch against no
-    checkpointing; then the three target rows for :meth:`CheckpointCosts.target_choice`."""
-    summary = "; ".join(
-        f"{c}: peak {costs.ratios(c)['peak']:.2f}x, time {costs.ratios(c)['time']:.2f}x, "
-        f"batch {costs.ratios(c)['batch']:.2f}x"
-        for c in costs.peak_bytes
-        if c != "none"
+    """Peak, step time and largest batch with every block checkpointed against none: the rows
+    named ``... all`` (what notebook 03 reads back), then the same judged, without a suffix."""
+    note = f"{where}; every block checkpointed, use_reentrant=False, fusion flags on"
+    rows = _checkpoint_triple(
+        costs, "all", sizes, f"{note}; no target (judged in the rows without a suffix)"
     )
-    rows = []
-    for choice in (c for c in costs.peak_bytes if c != "none"):
-        note = f"{where}; no target (judged in the rows without a suffix); "
-        rows += _checkpoint_triple(costs, choice, sizes, note + CHECKPOINT_CHOICE_TEXT[choice])
-    chosen = costs.target_choice()
-    met = costs.meets(chosen)
-    why = (
-        "the fastest choice within the peak target"
-        if met["peak"]
-        else "the lowest peak (no choice is within the peak target)"
+    return rows + _checkpoint_triple(
+        costs, "all", sizes, note, met=costs.meets("all") if judged else {}
     )
-    note = (
-        f"{where}; use_reentrant=False, fusion flags on; judged: '{chosen}' "
-        f"({CHECKPOINT_CHOICE_TEXT[chosen]}), {why}; all choices: {summary}"
-    )
-    return rows + _checkpoint_triple(costs, chosen, sizes, note, met=met if judged else {})
 
 
 def _checkpoint_triple(

@@ -39,7 +39,7 @@ def host_rows(ctx: BenchContext, case: str, timing: Comparison, ours: str, *, ad
     """Host µs per call of ``ours`` beside the baseline's, judged on its own µs against
     ``most_us``; with ``added_us``, a second row of the µs it adds, taken within each round (the
     host's pace drifts between rounds) and judged against ``added_us``: its note gives the middle
-    half of the rounds and says when they spread wider than the target."""
+    half of the rounds."""
     mine = timing.timings[ours].median_ms * 1e3
     plain = timing.timings[timing.baseline].median_ms * 1e3
     sampled = f"{HOST_CALLS} calls a sample from an idle GPU"
@@ -54,15 +54,13 @@ def host_rows(ctx: BenchContext, case: str, timing: Comparison, ours: str, *, ad
     added = [ms * 1e3 for ms in round_differences(timing.samples, ours, timing.baseline)]
     typical = statistics.median(added)
     low, _, high = statistics.quantiles(added, n=4) if len(added) > 1 else (typical,) * 3
-    spread = (f"; the rounds spread wider than the {added_us:g} us target: the verdict is inside"
-              " it" if high - low > added_us else "")  # fmt: skip
     rows.append(Row(
         PHASE, case, "host time added per call", "us", typical,
         target=f"<= {added_us:g} us over {timing.baseline}",
         met=typical <= added_us if ctx.judged else None,
         note=f"{ctx.where}; {ours} over {timing.baseline}'s {plain:.1f} us "
         f"({typical / plain:.0%} of it), round by round (middle half of rounds {low:+.1f} to "
-        f"{high:+.1f} us){spread}; {sampled}{note}",
+        f"{high:+.1f} us); {sampled}{note}",
     ))  # fmt: skip
     return rows
 

@@ -15,12 +15,7 @@ batch has seen more samples by then, so it may well be lower; the row says by ho
 
 Only the baseline and the whole recipe are trained that far: the gpu preset's operator sits on a
 plateau (predicting zero: error 1.0) for its first ~1,300 steps and then learns fast, so the
-comparison needs 3,000 steps, and the error read at one step moves by tens of percent from one
-read to the next: each error is the mean of the last few reads (the recorded rows,
-``results/*.csv`` phase=recipe, carry the values). On a GPU training is not bitwise repeatable,
-and the error of the same configuration and seed moves by tens of percent between runs: the
-quality target is judged on the median over seeds (``--only validation``: the baseline and the
-whole recipe trained from each of :data:`VALIDATION_SEEDS`, with the progression's seed 0).
+comparison needs 3,000 steps; each error is the mean of the last few reads.
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import math
-import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -46,11 +40,7 @@ from accel.workloads.flags import label
 PHASE = "recipe"
 TARGET_SPEEDUP = 2.5
 TARGET_QUALITY = 1.03  # recipe validation error <= 1.03 x the baseline's, after equal steps
-# Seeds trained beside the progression's (seed 0): on a GPU one pair of runs cannot resolve 3%
-# (training is not bitwise repeatable there, and the error moves by tens of percent between runs)
-VALIDATION_SEEDS = (1, 2, 3)
 VALIDATION_CASE = "recipe: validation error after equal steps"
-SEEDS_CASE = "recipe: validation error over seeds"
 
 
 @dataclass(frozen=True)
@@ -302,17 +292,12 @@ def _read_steps(train_steps: int, reads: int, read_every: int) -> range:
     return range(train_steps - (reads - 1) * read_every, train_steps + 1, read_every)
 
 
-def _validation_error(
-    step: op.Step, reads_at: range, tell: Callable[[int], None] | None = None, every: int = 1
-) -> float:
-    """Train ``step`` on, reading its validation error at each step of ``reads_at``; the mean.
-    ``tell`` gets the step count every ``every`` steps."""
+def _validation_error(step: op.Step, reads_at: range) -> float:
+    """Train ``step`` on, reading its validation error at each step of ``reads_at``; the mean."""
     errors = []
     for at in reads_at:
         while step.count < at:
             step()
-            if tell is not None and step.count % every == 0:
-                tell(step.count)
         errors.append(step.validation_error())
     return sum(errors) / len(errors)
 
@@ -407,13 +392,8 @@ def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = 
 
 def parts() -> list[str]:
     """The parts ``--only`` can pick, each within one GPU command of ten minutes: the cumulative
-    progression (and the validation row of the whole recipe), each phase alone, and the
-    baseline and the whole recipe trained from each of :data:`VALIDATION_SEEDS`."""
-    return ["cumulative", "alone", *(_seed_part(seed) for seed in VALIDATION_SEEDS)]
-
-
-def _seed_part(seed: int) -> str:
-    return f"validation seed {seed}"
+    progression (and the validation row of the whole recipe), and each phase alone."""
+    return ["cumulative", "alone"]
 
 
 def run(ctx: BenchContext) -> list[Row]:
@@ -439,110 +419,7 @@ def run(ctx: BenchContext) -> list[Row]:
         configs = alone(ctx.device)
         alone_frame = measure(configs, sizes, ctx.device, validate=(next(iter(configs)),), **kwargs)
         out += rows(alone_frame, "alone", judged=ctx.judged)
-    seeds = [seed for seed in VALIDATION_SEEDS if ctx.selected(_seed_part(seed))]
-    if seeds:
-        configs = progression(ctx.device)
-        pair = {name: configs[name] for name in (next(iter(configs)), list(configs)[-1])}
-        for seed in seeds:
-            errors = validation_errors(
-                pair, sizes, ctx.device, seed=seed, train_steps=bench.train_steps,
-                reads=bench.reads, read_every=bench.read_every, on_progress=kwargs["on_progress"],
-            )  # fmt: skip
-            out.append(_seed_row(ctx, seed, errors, bench))
-        out.append(_seeds_row(ctx, out))
     return ctx.judge(out)
-
-
-def validation_errors(
-    configs: dict[str, op.Flags],
-    sizes: op.Sizes,
-    device: torch.device | str,
-    *,
-    seed: int,
-    train_steps: int,
-    reads: int = 1,
-    read_every: int = 1,
-    on_progress: Callable[[str], None] | None = None,
-    report_every: int = 500,
-) -> dict[str, float]:
-    """Each configuration trained from ``seed`` to ``train_steps`` steps, one at a time: its
-    validation error, the mean of ``reads`` reads ``read_every`` steps apart (as :func:`measure`
-    reads it; no timing). ``on_progress`` hears each training start and every ``report_every``
-    of its steps."""
-    dev, say = torch.device(device), on_progress or (lambda stage: None)
-    reads_at = _read_steps(train_steps, reads, read_every)
-    errors = {}
-    for name, flags in configs.items():
-        stage = f"training {name} from seed {seed}"
-        say(stage)
-        step = op.build(flags, sizes, device=dev, seed=seed)
-
-        def tell(count: int, stage: str = stage) -> None:
-            say(f"{stage}: step {count} of {train_steps}")
-
-        try:
-            errors[name] = _validation_error(step, reads_at, tell, report_every)
-        finally:
-            step.close()
-            _free(dev)
-    return errors
-
-
-def _validation_metric(bench: BenchSizes) -> str:
-    return (
-        f"relative L2 error of the field after {bench.train_steps} steps (mean of "
-        f"{bench.reads} reads, {bench.read_every} steps apart)"
-    )
-
-
-def _seed_row(ctx: BenchContext, seed: int, errors: dict[str, float], bench: BenchSizes) -> Row:
-    (base_name, base), (name, recipe) = errors.items()
-    return Row(
-        PHASE,
-        _seed_part(seed),
-        _validation_metric(bench),
-        "",
-        recipe,
-        baseline=base,
-        note=f"{ctx.where}; {base_name} and {name} trained from seed {seed}; speedup = "
-        "baseline error / recipe error",
-    )
-
-
-def _seeds_row(ctx: BenchContext, out: list[Row]) -> Row:
-    """The recipe's error over the baseline's, the median over seeds: this run's seed rows and
-    the progression's validation row (seed 0), and where this run has not made one, the row
-    recorded in the results file."""
-    cases = [VALIDATION_CASE, *(_seed_part(seed) for seed in VALIDATION_SEEDS)]
-    ratios = {r.case: r.optimized / r.baseline for r in out if r.case in cases}
-    dates = set()
-    if ctx.recorded is not None:
-        earlier = ctx.recorded[(ctx.recorded["phase"] == PHASE) & ctx.recorded["case"].isin(cases)]
-        for case, value, base, date in zip(
-            earlier["case"], earlier["optimized"], earlier["baseline"], earlier["date"], strict=True
-        ):
-            if case not in ratios:
-                ratios[case] = value / base
-                dates.add(date)
-    median = statistics.median(ratios.values())
-    each = ", ".join(f"{'seed 0' if c == VALIDATION_CASE else c[len('validation '):]}: {v:.3f}"
-                     for c, v in ratios.items())  # fmt: skip
-    note = f"{ctx.where}; recipe error / baseline error by seed: {each}"
-    if dates:
-        note += f"; rows of earlier runs from {', '.join(sorted(dates))}"
-    enough = len(ratios) >= 3
-    if not enough:
-        note += "; fewer than 3 seeds: not judged"
-    return Row(
-        PHASE,
-        SEEDS_CASE,
-        "recipe validation error / baseline's, median over seeds",
-        "x",
-        median,
-        target=f"<= {TARGET_QUALITY}x (median of at least 3 seeds)",
-        met=bool(median <= TARGET_QUALITY) if ctx.judged and enough else None,
-        note=note,
-    )
 
 
 def _validation_row(
@@ -556,7 +433,8 @@ def _validation_row(
     return Row(
         PHASE,
         VALIDATION_CASE,
-        _validation_metric(bench),
+        f"relative L2 error of the field after {bench.train_steps} steps (mean of "
+        f"{bench.reads} reads, {bench.read_every} steps apart)",
         "",
         cumulative["val_error"].iloc[-1],
         baseline=cumulative["val_error"].iloc[0],

@@ -2,18 +2,17 @@
 masked attention with FlexAttention, and the ViT training step with every flag against its
 baseline.
 
-The phase runs in four parts (``bench --only``), each in its own module, all reachable from here
-(the names ``notebooks/05_sdpa.ipynb`` and the tests use are re-exported):
+The phase runs in four parts (``bench --only``), each in its own module (the names
+``notebooks/05_sdpa.ipynb`` and the tests use are re-exported here):
 
 - ``headline`` (``sdpa_headline``): the headline shape's rows and the causal training row, on
   the ground of ``sdpa_measure`` (targets, sizes, one attention case, its cost model, timing,
   which backend ran, peak memory, errors, every kernel at a shape);
 - ``flex`` (``sdpa_flex``): masked attention (cases ``flex ...``): FlexAttention against SDPA on
-  the dense mask and against SDPA's causal kernel, first calls, the mask's memory and block
-  sparsity;
+  the dense mask and against SDPA's causal kernel, the mask's memory and block sparsity;
 - ``masked sweep`` (``sdpa_masked_sweep``): ``sdpa(mask=...)`` against the user's own compiled
   ``flex_attention`` over kinds, lengths, head dims and directions;
-- ``vit`` (``sdpa_vit``): the ViT training step, flag by flag.
+- ``vit`` (``sdpa_vit``): the ViT training step, every flag but compile and all.
 
 TFLOP/s are compared with the measured dense matrix-product rate (``ctx.ceilings``).
 """
@@ -26,38 +25,24 @@ from accel.lab.bench import BenchContext, Row
 from accel.lab.cases import sdpa_masked_sweep
 from accel.lab.cases.sdpa_flex import (
     FLEX_SIZES,
-    TARGET_CAUSAL_VS_SDPA,
-    TARGET_DOCUMENT_VS_DENSE,
     TARGET_MASK_MEMORY,
-    TARGET_WINDOW_VS_DENSE,
     FlexSizes,
-    MaskedPoint,
     MaskFlags,
-    block_mask_bytes,
     check_masked,
     document_lengths,
     flex_frame,
     flex_rows,
     mask_costs,
-    masked_fn,
     masked_step,
     measure_masked,
     tile_states,
 )
-from accel.lab.cases.sdpa_headline import VARIANTS, causal_training_row, headline_rows
+from accel.lab.cases.sdpa_headline import causal_training_row, headline_rows
 from accel.lab.cases.sdpa_masked_sweep import MASKED_SWEEP, MaskedSweepSizes
 from accel.lab.cases.sdpa_measure import (
     BENCH_SIZES,
-    MATH_SWEEP_BYTES,
-    PHASE,
-    SDPA_OPS,
-    TARGET_CAUSAL_TRAIN_TFLOP_S,
-    TARGET_TFLOP_S,
-    TARGET_VIT,
-    TARGET_VS_MANUAL,
     AttnCase,
     BenchSizes,
-    PointTimes,
     attention_bytes,
     attention_flops,
     backend_frame,
@@ -65,62 +50,40 @@ from accel.lab.cases.sdpa_measure import (
     make_inputs,
     measure_point,
     peak_memory_bytes,
-    release_memory,
-    tflop_s,
     variant_fn,
     which_backend,
 )
-from accel.lab.cases.sdpa_vit import vit_configs, vit_rows
+from accel.lab.cases.sdpa_vit import vit_rows
 
+# what notebooks/05_sdpa.ipynb and the tests reach through this module
 __all__ = [
     "BENCH_SIZES",
     "FLEX_SIZES",
     "MASKED_SWEEP",
-    "MATH_SWEEP_BYTES",
-    "PHASE",
-    "SDPA_OPS",
-    "TARGET_CAUSAL_TRAIN_TFLOP_S",
-    "TARGET_CAUSAL_VS_SDPA",
-    "TARGET_DOCUMENT_VS_DENSE",
     "TARGET_MASK_MEMORY",
-    "TARGET_TFLOP_S",
-    "TARGET_VIT",
-    "TARGET_VS_MANUAL",
-    "TARGET_WINDOW_VS_DENSE",
-    "VARIANTS",
     "AttnCase",
     "BenchSizes",
     "FlexSizes",
     "MaskFlags",
-    "MaskedPoint",
     "MaskedSweepSizes",
-    "PointTimes",
     "attention_bytes",
     "attention_flops",
     "backend_frame",
-    "block_mask_bytes",
-    "causal_training_row",
     "check_backends",
     "check_masked",
     "document_lengths",
     "flex_frame",
     "flex_rows",
-    "headline_rows",
     "make_inputs",
     "mask_costs",
-    "masked_fn",
     "masked_step",
     "measure_masked",
     "measure_point",
     "parts",
     "peak_memory_bytes",
-    "release_memory",
     "run",
-    "tflop_s",
     "tile_states",
     "variant_fn",
-    "vit_configs",
-    "vit_rows",
     "which_backend",
 ]
 

@@ -2,8 +2,8 @@
 boolean mask for a sliding window over long sequences and for packed documents, and against
 SDPA's causal kernel for a plain causal mask (what ``sdpa(mask=Causal())`` runs); every path
 checked against attention in float64 before it is timed, its first call (FlexAttention
-compiles) timed apart, the mask's memory (BlockMask against the dense mask) and the block
-sparsity that predicts the gain.
+compiles) timed apart and given in the note, the mask's memory (BlockMask against the dense
+mask) and the block sparsity that predicts the gain.
 
 Cost model: FlexAttention computes only the 128 x 128 tiles of the scores that keep a key, SDPA
 with a dense mask computes them all. At the same rate per tile, FlexAttention is faster by
@@ -222,11 +222,10 @@ def measure_masked(
 # ---- rows ----------------------------------------------------------------------------------
 def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     """Every masked case of the preset: the sliding window over ``seqs`` and at the judged
-    lengths forward + backward, packed documents, causal alone; first calls, memory, sparsity."""
+    lengths forward + backward, packed documents, causal alone; memory and sparsity."""
     sizes = FLEX_SIZES[ctx.preset]
     attention.clear_masked_cache()
-    firsts: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    point = partial(_point_rows, ctx.device, sizes.repeats, judged, firsts)
+    point = partial(_point_rows, ctx.device, sizes.repeats, judged)
     window, label = attention.SlidingWindow(sizes.window), f"sliding window {sizes.window}"
     rows = []
     for seq in sizes.seqs:
@@ -245,20 +244,16 @@ def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     for backward in (False, True):
         case = sizes.case(sizes.causal_seq, backward)
         rows += point("causal", attention.Causal(), case, "default", TARGET_CAUSAL_VS_SDPA)
-    rows += [_compile_row(name, direction, seen) for (name, direction), seen in firsts.items()]
     attention.clear_masked_cache()
     return rows
 
 
 def _point_rows(
-    device, repeats, judged, firsts, label, mask, case, other, target, *, peak=False
+    device, repeats, judged, label, mask, case, other, target, *, peak=False
 ) -> list[Row]:
     """One case measured: FlexAttention against ``other`` ("dense", or "default": SDPA's causal
-    kernel, which ``sdpa(mask=Causal())`` runs), its first call
-    noted in ``firsts``; with ``peak``, a peak-memory row too."""
+    kernel, which ``sdpa(mask=Causal())`` runs); with ``peak``, a peak-memory row too."""
     point = measure_masked(mask, case, device, ("flex", other), repeats=repeats, peak=peak)
-    seen = firsts.setdefault((label, case.direction), [])
-    seen.append((case.seq, point.first_call_s.get("flex", math.nan)))
     rows = _time_rows(label, case, point, other, target, judged)
     return rows + ([_peak_row(label, case, point)] if peak else [])
 
@@ -334,24 +329,6 @@ def _mask_rows(label: str, mask: AttentionMask, batch: int, seq: int, judged: bo
             note=f"cost model: FlexAttention computes {costs['tiles kept']:.3f} of the tiles a dense mask computes, so at an equal rate per tile it is {costs['predicted speedup']:.1f}x faster",
         ),
     ]
-
-
-def _compile_row(label: str, direction: str, seen: list[tuple[int, float]]) -> Row:
-    seq, seconds = seen[0]
-    later = ", ".join(f"S={s}: {t:.2f} s" for s, t in seen[1:])
-    return Row(
-        PHASE,
-        f"flex {label} first call {direction}",
-        "FlexAttention's first call (torch.compile builds its kernels), outside every median",
-        "s",
-        seconds,
-        note=f"S={seq}"
-        + (
-            f"; first calls at later lengths (a length after the first recompiles once for dynamic shapes): {later}"
-            if later
-            else ""
-        ),
-    )
 
 
 # ---- recorded rows back, for the notebook's figures --------------------------------------------

@@ -1,6 +1,5 @@
 """The sdpa phase's headline rows: at the headline shape every variant's TFLOP/s against the
-manual path, PyTorch's pick against the fastest kernel forced by hand, which kernels ran, peak
-memory; and the causal training row (forward + backward).
+manual path, which kernels ran, peak memory; and the causal training row (forward + backward).
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ import math
 
 import torch
 
-from accel import attention
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.sdpa_measure import (
     PHASE,
@@ -34,8 +32,7 @@ VARIANTS = ("manual", "math", "efficient", "flash", "cudnn", "default")
 
 def headline_rows(ctx: BenchContext, sizes: BenchSizes, judged: bool) -> list[Row]:
     """The headline shape (``sizes.headline``; B=4 H=16 S=4096 D=128 bf16 on a GPU): every
-    variant's TFLOP/s against the manual path, PyTorch's pick against the fastest forced kernel,
-    which kernel ran, peak memory."""
+    variant's TFLOP/s against the manual path, which kernel ran, peak memory."""
     case, device = sizes.headline, ctx.device
     point = measure_point(case, device, VARIANTS, repeats=sizes.repeats, math_bytes=16 << 30)
     times, skipped = point.times, point.skipped
@@ -43,7 +40,6 @@ def headline_rows(ctx: BenchContext, sizes: BenchSizes, judged: bool) -> list[Ro
     q, k, v, grad = make_inputs(case, device)
     ran = which_backend(variant_fn("default", case, q, k, v, grad), device) if rate else {}
     rows = _rate_rows(ctx, case, times, rate, skipped, ran, judged)
-    rows += _versus_best(case, rate)
     rows.append(_memory_row(case, q, k, v, grad, device))
     del q, k, v, grad
     release_memory(device)
@@ -92,28 +88,6 @@ def _rate_rows(
             )
         )
     return rows
-
-
-def _versus_best(case: AttnCase, rate: dict[str, float]) -> list[Row]:
-    """PyTorch's pick against the fastest kernel forced by hand: what measuring every kernel
-    (``lab.sdpa_backends``) could gain at this shape. No target: nothing here picks a kernel."""
-    forced = {b: rate[b] for b in attention.FORCED if b in rate}
-    if not forced:
-        return []
-    best = max(forced, key=forced.__getitem__)
-    return [
-        Row(
-            PHASE,
-            f"{case.name} default vs best forced ({best})",
-            "rate",
-            "TFLOP/s",
-            rate.get("default", math.nan),
-            baseline=forced[best],
-            higher_is_better=True,
-            note="no target: PyTorch's pick beside the fastest kernel forced by hand, in one "
-            "interleaved measurement",
-        )
-    ]
 
 
 def _memory_row(case: AttnCase, q, k, v, grad, device: torch.device) -> Row:
