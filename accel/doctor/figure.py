@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import plotly.graph_objects as go
-from plotly.subplots import make_subplots
+from typing import TYPE_CHECKING
 
 from accel.measure.show import LAYOUT, bars_height, short, wrap_label
+
+if TYPE_CHECKING:  # plotly is the notebook stack's: imported when a figure is drawn
+    import plotly.graph_objects as go
 
 
 def doctor_figure(
@@ -13,6 +15,7 @@ def doctor_figure(
 ) -> go.Figure:
     """Where a step's time goes (one stacked bar, ms per part) above each finding's predicted
     saving (ms per step), on one time axis."""
+    from plotly.subplots import make_subplots
     rows = 2 if savings else 1
     fig = make_subplots(
         rows=rows,
