@@ -10,6 +10,8 @@ be one of:
   number, a numbered list's marker, a version.
 
 Fenced code blocks in markdown are code shown to the reader, not claims: they are not read.
+
+The prose is also held to a reading time: a word limit per notebook and for the workbook.
 """
 
 from __future__ import annotations
@@ -37,11 +39,20 @@ TARGET = re.compile(
     r"\btargets?\s*(?:is|of|:)?\s*(?:>=|<=|≥|≤|at least|at most)?\s*$", re.IGNORECASE
 )
 BOUND = re.compile(r"(?:>=|<=|≥|≤|\bat least|\bat most|\bwithin)\s*$", re.IGNORECASE)
+# 2 hours at the reading rate the workbook's first 17,200 markdown words in 3.3 hours imply.
+WORKBOOK_WORDS = 10_400
+# The workbook's limit shared evenly over its ten notebooks.
+NOTEBOOK_WORDS = 1_040
 
 
 def cells_of(path: Path) -> list[tuple[str, str]]:
     """(cell type, source) of every cell of a notebook file."""
     return [(c["cell_type"], "".join(c["source"])) for c in json.loads(path.read_text())["cells"]]
+
+
+def markdown_words(path: Path) -> int:
+    """Whitespace-split words of a notebook's markdown cells (the code shown in them included)."""
+    return sum(len(source.split()) for kind, source in cells_of(path) if kind == "markdown")
 
 
 def code_literals(cells: list[tuple[str, str]]) -> set[float]:
@@ -101,6 +112,18 @@ def unbacked_numbers(path: Path) -> list[str]:
 def test_every_number_in_the_prose_is_a_target_an_input_or_structural(path):
     found = unbacked_numbers(path)
     assert not found, "numbers the prose may not state:\n" + "\n".join(found)
+
+
+def test_the_workbook_reads_in_about_two_hours():
+    counts = {path.stem: markdown_words(path) for path in NOTEBOOKS}
+    total = sum(counts.values())
+    table = "\n".join(f"  {stem}: {words:,}" for stem, words in counts.items())
+    too_long = [stem for stem, words in counts.items() if words > NOTEBOOK_WORDS]
+    assert len(counts) == 10, table
+    assert not too_long and total <= WORKBOOK_WORDS, (
+        f"markdown words per notebook (at most {NOTEBOOK_WORDS:,} each, {WORKBOOK_WORDS:,} in all; "
+        f"{total:,} now; over: {', '.join(too_long) or 'none'}):\n{table}"
+    )
 
 
 def claims_in(markdown: str, code: str = "") -> list[str]:
