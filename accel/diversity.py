@@ -253,12 +253,16 @@ def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch
 
 def nearest_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Each member's cosine distance to its nearest other member: ``(B, N)``, or ``(N,)``."""
-    return _dispatch(x, counts, nearest_distances_reference, lambda kernels: kernels.nearest_distances)
+    return _dispatch(
+        x, counts, nearest_distances_reference, lambda kernels: kernels.nearest_distances
+    )
 
 
 def nearest_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Group mean of :func:`nearest_distances`: ``(B,)``, or ``()`` for one set."""
-    return _dispatch(x, counts, nearest_diversity_reference, lambda kernels: kernels.nearest_diversity)
+    return _dispatch(
+        x, counts, nearest_diversity_reference, lambda kernels: kernels.nearest_diversity
+    )
 
 
 def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -266,7 +270,9 @@ def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> t
 
     The diagonal is 1 - ||x̂_i||^2: 0 up to rounding, 1 for a zero vector.
     """
-    return _dispatch(x, counts, pairwise_distances_reference, lambda kernels: kernels.pairwise_distances)
+    return _dispatch(
+        x, counts, pairwise_distances_reference, lambda kernels: kernels.pairwise_distances
+    )
 
 
 __all__ = [

@@ -76,7 +76,9 @@ def group_outputs(x: torch.Tensor, mode: int):
     B, N, _ = x.shape
     out = torch.empty(B, device=x.device, dtype=torch.float32)
     items = torch.empty(B, N, device=x.device, dtype=torch.float32) if mode == MODE_NEAREST else out
-    matrix = torch.empty(B, N, N, device=x.device, dtype=torch.float32) if mode == MODE_MATRIX else out
+    matrix = (
+        torch.empty(B, N, N, device=x.device, dtype=torch.float32) if mode == MODE_MATRIX else out
+    )
     return out, items, matrix
 
 

@@ -55,17 +55,9 @@ def _row_sq_norms(
 
 @triton.jit
 def inv_norm_kernel(
-    X_ptr,
-    inv_ptr,
-    N,
-    D,
-    stride_xb,
-    stride_xn,
-    stride_xd,
-    eps,
-    BLOCK_M: tl.constexpr,
+    X_ptr, inv_ptr, N, D, stride_xb, stride_xn, stride_xd, eps, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,23 +69,10 @@ def inv_norm_kernel(
 
 @triton.jit
 def tiled_kernel(
-    X_ptr,
-    inv_ptr,
-    counts_ptr,
-    items_ptr,
-    matrix_ptr,
-    N,
-    D,
-    stride_xb,
-    stride_xn,
-    stride_xd,
-    MODE: tl.constexpr,
-    HAS_COUNTS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    X_ptr, inv_ptr, counts_ptr, items_ptr, matrix_ptr, N, D, stride_xb, stride_xn, stride_xd,
+    MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n = _group_size(counts_ptr, b, N, HAS_COUNTS)
@@ -153,20 +132,9 @@ def tiled_kernel(
 
 @triton.jit
 def normalized_sum_kernel(
-    X_ptr,
-    counts_ptr,
-    partial_ptr,
-    partial_sq_ptr,
-    N,
-    D,
-    stride_xb,
-    stride_xn,
-    stride_xd,
-    eps,
-    HAS_COUNTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    X_ptr, counts_ptr, partial_ptr, partial_sq_ptr, N, D, stride_xb, stride_xn, stride_xd, eps,
+    HAS_COUNTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     blocks = tl.num_programs(0)
@@ -202,9 +170,7 @@ TILED_FP32 = [
 tiled_16bit = triton.autotune(configs=TILED_16BIT, key=["N", "D", "MODE", "HAS_COUNTS"])(
     tiled_kernel
 )
-tiled_fp32 = triton.autotune(configs=TILED_FP32, key=["N", "D", "MODE", "HAS_COUNTS"])(
-    tiled_kernel
-)
+tiled_fp32 = triton.autotune(configs=TILED_FP32, key=["N", "D", "MODE", "HAS_COUNTS"])(tiled_kernel)
 
 # Under TRITON_INTERPRET=1 (CPU tests) nothing is tuned: small fixed tiles keep it quick.
 INTERPRET_TILED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 32}
