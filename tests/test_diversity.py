@@ -310,7 +310,7 @@ def test_the_rule_takes_pairs_up_to_4_rows_then_whole_groups_on_the_tensor_cores
                 rows = max(16, block_n)
                 assert config == matrix and config.groups * block_n == rows, config
                 assert config.num_warps == (1 if rows == 32 and itemsize == 2 else rows // 16)
-    assert rules.group_config(2, 16, 3, 4).groups == 2  # 4 fit, but the batch has 3
+    assert rules.group_config(2, 16, 2, 4).groups == 2  # 16 fit, but the batch has 2
     assert rules.group_config(4, 384, 8192, 4) == rules.GroupConfig("pairs", 1, 128, 1)
 
 
