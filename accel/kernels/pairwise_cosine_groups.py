@@ -183,8 +183,8 @@ def pairs_kernel(
 ):  # fmt: skip
     # Groups of N = ROWS <= 4: each row a tensor of its own, (GROUPS, BLOCK_D) with D along the
     # lanes, so only the distinct dot products x_i . x_j (i <= j) are formed: (ROWS + 1) / 2
-    # multiply-adds per element read, in registers, where the (row, row, ...) tiles of
-    # group_kernel take ROWS and rearrange registers for the transpose. Rows past ROWS are
+    # multiply-adds per element read, in registers, where a (row, row, ...) tile takes ROWS and
+    # rearranges registers for the transpose. Rows past ROWS are
     # neither loaded nor multiplied (their products stay 0). The sums over D cross the lanes
     # once per chunk.
     D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
