@@ -30,20 +30,16 @@ Gradients: every function is differentiable in ``x``. The kernels have no backwa
 path the result is the kernel's and the gradient the reference's, recomputed from ``x`` in the
 backward (the reference's forward and backward, once).
 
-Host cost per call on CUDA: the first call of a signature (shape, strides, dtype, device,
-alignment, counts' layout) checks the inputs and compiles. After it, groups of up to 64 cost a
-key, one allocation and one launch of the compiled kernel with addresses
-(``accel.kernels.pairwise_cosine.ReadyCall``); larger groups (and float32 means over 16 rows of
-more than 8192 elements) take two or three launches through ``accel.kernels.launch``. Measured
-beside the compiled closed form in ``results/`` (rows ``phase=overhead``, ``host time per
-call``).
+Host cost per call on CUDA: the input checks, the launch rule (cached per shape) and Triton's
+own launch of one kernel for groups of up to 64 (two or three, and a few PyTorch operations, for
+larger groups); the first call of a shape compiles. Measured beside the compiled closed form in
+``results/`` (rows ``phase=overhead``, ``host time per call``).
 """
 
 from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Callable
 from functools import partial
 from typing import Literal
 
@@ -202,28 +198,9 @@ def _kernels() -> types.ModuleType:
     return triton_support.kernel_module(KERNELS)
 
 
-# (function, what the kernels specialize on) -> the kernels' ReadyCall: a signature seen on
-# CUDA, its inputs known to pass the checks, goes from the call to the launch at once
-_READY: dict[tuple, Callable] = {}
-
-
-def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, name: str, reference):
-    """The kernel module's ``name`` on ``x`` when Triton can run on it, else ``reference``."""
-    try:
-        key = (name, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16, None
-               if counts is None else (counts.shape, counts.stride(), counts.dtype, counts.device,
-                                       counts.data_ptr() % 16))  # fmt: skip
-    except AttributeError:  # not tensors: the checks below say so
-        key = None
-    ready = _READY.get(key)
-    if ready is not None and not x.requires_grad and not triton_support.interpreting():
-        out = ready(x, counts)
-        if out is not None:
-            return out
-    return _checked_dispatch(x, counts, name, reference, key)
-
-
-def _checked_dispatch(x, counts, name: str, reference, key: tuple | None):
+def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, reference, kernel):
+    """``kernel(kernel module)`` (the module's function) on ``x`` when Triton can run on it,
+    else ``reference``."""
     x3, counts, single = check_embeddings(x, counts)  # bad input fails the same way on every path
     # a CUDA tensor with Triton installed is the common case: decided without building a reason
     why = None if x.is_cuda and triton_support.installed() else triton_support.unavailable(x.device)
@@ -233,29 +210,20 @@ def _checked_dispatch(x, counts, name: str, reference, key: tuple | None):
             warnings.warn(
                 f"accel.diversity: using the PyTorch reference, not the Triton kernel: {why}",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
         return reference(x, counts)
-    key = None if single else key  # one set's calls stay on this path
+    run = partial(_kernel, x3, counts, kernel, single)
     if x.requires_grad and torch.is_grad_enabled():
-        run = partial(_kernel, x3, counts, name, key, single)
         return _ReferenceBackward.apply(x, counts, reference, run)
-    return _kernel(x3, counts, name, key, single)
+    return run()
 
 
-def _kernel(x3: torch.Tensor, counts: torch.Tensor | None, name: str, key: tuple | None,
-            single: bool):  # fmt: skip
-    """The kernel module's ``name`` on checked ``(B, N, D)`` inputs (one set's result as one
-    set's); with ``key``, its ReadyCall kept for the next call of the same signature."""
-    ready = key is not None and (counts is None or counts.is_contiguous())
+def _kernel(x3: torch.Tensor, counts: torch.Tensor | None, kernel, single: bool):
+    """The kernel on checked ``(B, N, D)`` inputs; one set's result as one set's."""
     if counts is not None:  # the kernels read counts[b] at counts_ptr + b
         counts = counts.contiguous()
-    kernels = _kernels()
-    out = getattr(kernels, name)(x3, counts, eps=EPS)
-    if ready and not kernels.INTERPRETED:
-        made = kernels.ready_call(name, x3, counts, EPS)
-        if made is not None:
-            _READY[key] = made
+    out = kernel(_kernels())(x3, counts, eps=EPS)
     return out[0] if single else out
 
 
@@ -280,17 +248,21 @@ class _ReferenceBackward(torch.autograd.Function):
 
 def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """1 - mean cosine over pairs i != j of each group: ``(B,)``, or ``()`` for one set."""
-    return _dispatch(x, counts, "mean_diversity", mean_diversity_reference)
+    return _dispatch(x, counts, mean_diversity_reference, lambda kernels: kernels.mean_diversity)
 
 
 def nearest_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Each member's cosine distance to its nearest other member: ``(B, N)``, or ``(N,)``."""
-    return _dispatch(x, counts, "nearest_distances", nearest_distances_reference)
+    return _dispatch(
+        x, counts, nearest_distances_reference, lambda kernels: kernels.nearest_distances
+    )
 
 
 def nearest_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
     """Group mean of :func:`nearest_distances`: ``(B,)``, or ``()`` for one set."""
-    return _dispatch(x, counts, "nearest_diversity", nearest_diversity_reference)
+    return _dispatch(
+        x, counts, nearest_diversity_reference, lambda kernels: kernels.nearest_diversity
+    )
 
 
 def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -298,7 +270,9 @@ def pairwise_distances(x: torch.Tensor, counts: torch.Tensor | None = None) -> t
 
     The diagonal is 1 - ||x̂_i||^2: 0 up to rounding, 1 for a zero vector.
     """
-    return _dispatch(x, counts, "pairwise_distances", pairwise_distances_reference)
+    return _dispatch(
+        x, counts, pairwise_distances_reference, lambda kernels: kernels.pairwise_distances
+    )
 
 
 __all__ = [

@@ -9,19 +9,15 @@ memory, graph capture).
 """
 
 import contextlib
-import dataclasses
 import importlib.util
 import math
-import os
 import re
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-import accel
 from accel import diversity as dv
 from accel import triton_support
 
@@ -31,7 +27,6 @@ requires_gpu = pytest.mark.skipif(
     not (CUDA and HAS_TRITON), reason="needs a CUDA GPU and Triton; this machine lacks one"
 )
 
-PACKAGE = os.path.dirname(accel.__file__)
 FUNCTIONS = ["mean_diversity", "nearest_distances", "nearest_diversity", "pairwise_distances"]
 # Odd sizes; (3, 77) is one (N, D) set; N = 40 takes the tensor-core group kernel, N = 70 the
 # large-set (tiled, tl.dot) kernels.
@@ -41,7 +36,7 @@ SHAPES = [(3, 77), (2, 3, 77), (4, 5, 123), (2, 40, 77), (2, 70, 77)]
 # rounding of sums of up to 123 products taken in another order.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL, RTOL = 2e-5, 1e-5
-VARIANTS = "accel.kernels.pairwise_cosine_variants"
+GROUPS = "accel.kernels.pairwise_cosine_groups"
 CONFIG = "accel.kernels.pairwise_cosine_config"
 
 
@@ -55,9 +50,6 @@ def reference(name: str):
 
 def embeddings(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     return torch.randn(shape).to(device=device, dtype=dtype)  # random; never zeros
-
-
-FLOAT_OF_SIZE = {4: torch.float32, 2: torch.bfloat16}
 
 
 def check_all(x: torch.Tensor, counts: torch.Tensor | None = None) -> None:
@@ -185,43 +177,17 @@ def test_counts_that_are_a_strided_view_are_read_as_their_values(kdev, shape, se
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("shape", [(13, 4, 40), (11, 2, 100), (9, 3, 130)], ids=str)
+@pytest.mark.parametrize("shape", [(13, 4, 40), (11, 2, 100), (9, 3, 60), (13, 6, 40)], ids=str)
 def test_grouped_kernel_partial_last_program(kdev, shape, dtype, seed):
     """Several groups per program: B not a multiple of GROUPS, ragged counts within a program."""
+    rules = pytest.importorskip(CONFIG)
     x = embeddings(shape, dtype, kdev)
-    block_n = max(2, 1 << (shape[1] - 1).bit_length())
-    from accel.kernels.pairwise_cosine_config import _group_config
-
-    config = _group_config(block_n, shape[2], shape[0], x.element_size())
-    assert config["GROUPS"] > 1 and shape[0] % config["GROUPS"] != 0, config
+    config = rules.group_config(rules.block_rows(shape[1]), shape[2], shape[0], x.element_size())
+    assert config.groups > 1 and shape[0] % config.groups != 0, config
     counts = random_counts(shape[0], shape[1]).to(kdev)
     check_all(x)
     check_all(x, counts)
     check_all(x.transpose(0, 1).contiguous().transpose(0, 1), counts)  # strided over groups
-
-
-# Every variant of the group kernel (where it sums over D), at a few tiles; the last ones put
-# several groups in a warp (BLOCK_D of 32 or 64) and a group across warps (more warps than groups).
-GROUP_VARIANT_TILES = [(2, 32, 2, 1), (4, 64, 1, 2), (1, 128, 3, 4)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("variant", ["tile", "vecsum", "gram"])
-def test_every_group_kernel_variant_matches_references(kdev, variant, dtype, seed):
-    kernels, variants = dv._kernels(), triton_support.kernel_module(VARIANTS)
-    x = embeddings((5, 4, 123), dtype, kdev)
-    counts = random_counts(5, 4).to(kdev)
-    with float32_matmul("highest"):
-        expected = {
-            kernels.MODE_MEAN: (0, dv.mean_diversity_reference(x, counts)),
-            kernels.MODE_NEAREST: (1, dv.nearest_distances_reference(x, counts)),
-            kernels.MODE_MATRIX: (2, dv.pairwise_distances_reference(x, counts)),
-        }
-    for tile in GROUP_VARIANT_TILES:
-        config = kernels.GroupConfig(variant, *tile)
-        for mode, (slot, ref) in expected.items():
-            got = variants.run_variant(x, counts, mode, config, eps=dv.EPS)[slot]
-            torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -243,7 +209,7 @@ def test_the_tensor_core_kernel_matches_references(kdev, shape, dtype, seed):
             }
         block_n = kernels.block_rows(shape[1])
         for rows, block_d, warps in [(64, 32, 4), (128, 64, 8)]:  # the rule's tile, the largest
-            config = kernels.GroupConfig("dot", rows // block_n, block_d, 1, warps)
+            config = kernels.GroupConfig("dot", rows // block_n, block_d, warps)
             for mode, (slot, ref) in expected.items():
                 got = kernels.run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
                 torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
@@ -252,7 +218,7 @@ def test_the_tensor_core_kernel_matches_references(kdev, shape, dtype, seed):
 @pytest.mark.parametrize("groups", [2, 64])
 def test_the_tensor_core_kernel_refuses_a_tile_under_16_or_over_128_rows(kdev, groups):
     kernels = dv._kernels()
-    config = kernels.GroupConfig("dot", groups, 32, 1, 1)
+    config = kernels.GroupConfig("dot", groups, 32, 1)
     with pytest.raises(ValueError, match=rf"tile of 16 to 128 rows .*got {groups} x 4"):
         kernels.run_group(embeddings((3, 4, 8), device=kdev), None, 0, config, eps=dv.EPS)
 
@@ -272,9 +238,8 @@ def test_pairs_kernel_matches_references(kdev, shape, dtype, seed):
             expected = {
                 kernels.MODE_MEAN: (0, dv.mean_diversity_reference(inputs, members)),
                 kernels.MODE_NEAREST: (1, dv.nearest_distances_reference(inputs, members)),
-                kernels.MODE_MATRIX: (2, dv.pairwise_distances_reference(inputs, members)),
-            }
-        for tile in [(1, 512, 1, 1), (4, 64, 1, 2), (2, 128, 1, 4)]:
+            }  # the matrix: the tensor-core kernel's
+        for tile in [(1, 512, 1), (4, 64, 2), (2, 128, 4)]:
             config = kernels.GroupConfig("pairs", *tile)
             for mode, (slot, ref) in expected.items():
                 got = kernels.run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
@@ -298,11 +263,11 @@ def test_the_closed_form_kernel_matches_the_mean_reference(kdev, shape, dtype, s
     strided = x.transpose(0, 1).contiguous().transpose(0, 1)
     block_n, block_d = kernels.block_rows(shape[1]), 1 << (shape[2] - 1).bit_length()
     configs = [
-        config_module.closed_form_config(block_n, shape[2], shape[0], x.element_size()),
-        config_module.closed_form_config(block_n, shape[2], 1, x.element_size(), ragged=True),
-        kernels.GroupConfig("closed", 1, block_d, 1, 1),
-        kernels.GroupConfig("closed", 2, block_d, 1, 1, step_rows=2),
-        kernels.GroupConfig("closed", 4, block_d, 1, 4),
+        config_module.mean_config(block_n, shape[2], shape[0], x.element_size()),
+        config_module.mean_config(block_n, shape[2], 1, x.element_size(), ragged=True),
+        kernels.GroupConfig("closed", 1, block_d, 1),
+        kernels.GroupConfig("closed", 2, block_d, 1, step_rows=2),
+        kernels.GroupConfig("closed", 4, block_d, 4, step_rows=4),
     ]
     for inputs, members in ((x, None), (x, counts), (strided, counts)):
         with float32_matmul("highest"):
@@ -320,216 +285,58 @@ def test_the_closed_form_kernel_takes_the_mean_only_of_rows_that_fit(kdev):
         ValueError, match="mean only, of rows no longer than its block_d; got mode 1"
     ):
         kernels.run_group(
-            x, None, kernels.MODE_NEAREST, kernels.GroupConfig("closed", 1, 64, 1, 1), eps=dv.EPS
+            x, None, kernels.MODE_NEAREST, kernels.GroupConfig("closed", 1, 64, 1), eps=dv.EPS
         )
     with pytest.raises(ValueError, match="D=40 for block_d=32"):
         kernels.run_group(
-            x, None, kernels.MODE_MEAN, kernels.GroupConfig("closed", 1, 32, 1, 1), eps=dv.EPS
+            x, None, kernels.MODE_MEAN, kernels.GroupConfig("closed", 1, 32, 1), eps=dv.EPS
         )
 
 
-def test_float32_means_from_eight_rows_take_the_closed_form_where_whole_rows_fit():
-    config = pytest.importorskip(CONFIG)
-    assert config.mean_config(8, 64, 4096, 4).variant == "closed"
-    assert config.mean_config(64, 2048, 269, 4).variant == "closed"
-    assert config.mean_config(4, 64, 4096, 4).variant != "closed"  # fewer rows: pairs
-    assert config.mean_config(16, 16384, 64, 4).variant != "closed"  # rows past a step
-    assert config.group_kernel_takes_mean(64, 2048, 4)
-    assert not config.group_kernel_takes_mean(32, 16384, 4)  # the large-set closed form
-    assert config.group_kernel_takes_mean(16, 16384, 4)  # the Gram, over chunks of D
-    assert not config.group_kernel_takes_mean(65, 64, 2)
+def test_the_rule_takes_pairs_up_to_4_rows_then_whole_groups_on_the_tensor_cores():
+    """Groups of up to 4 rows: the pairs kernel (but the matrix); larger: the smallest tile of
+    whole groups (16 rows, or the group's own 32 or 64), a warp per 16 rows (16-bit tiles of
+    32 rows: one); never more groups a program than the batch has."""
+    rules = pytest.importorskip(CONFIG)
+    for block_n in (2, 4, 8, 16, 32, 64):
+        for itemsize in (4, 2):
+            for d in (16, 100, 384, 3000):
+                config = rules.group_config(block_n, d, 8192, itemsize)
+                matrix = rules.group_config(block_n, d, 8192, itemsize, matrix=True)
+                assert matrix.variant == "dot", matrix
+                if block_n <= 4:
+                    assert config.variant == "pairs" and config.block_d <= 128 * 4 // itemsize
+                    continue
+                rows = max(16, block_n)
+                assert config == matrix and config.groups * block_n == rows, config
+                assert config.num_warps == (1 if rows == 32 and itemsize == 2 else rows // 16)
+    assert rules.group_config(2, 16, 2, 4).groups == 2  # 16 fit, but the batch has 2
+    assert rules.group_config(4, 384, 8192, 4) == rules.GroupConfig("pairs", 1, 128, 1)
+
+
+def test_the_mean_takes_the_closed_form_from_eight_rows_where_whole_rows_fit():
+    rules = pytest.importorskip(CONFIG)
+    for block_n, d, itemsize in [(8, 64, 4), (64, 2048, 4), (16, 8192, 2), (8, 100, 2)]:
+        for ragged in (False, True):
+            config = rules.mean_config(block_n, d, 8192, itemsize, ragged=ragged)
+            assert config.variant == "closed" and config.block_d >= d, config
+            assert config.step_rows <= (8 if ragged else block_n), config
+            assert config.groups * config.step_rows * config.block_d <= 2048 * config.num_warps
+    assert rules.mean_config(4, 64, 4096, 4).variant == "pairs"
+    assert rules.group_kernel_takes_mean(64, 8192) and rules.group_kernel_takes_mean(4, 16384)
+    assert not rules.group_kernel_takes_mean(5, 8193)  # the large-set closed form
+    assert not rules.group_kernel_takes_mean(65, 64)
 
 
 @pytest.mark.parametrize("n", [1, 5])
 def test_pairs_kernel_refuses_groups_of_fewer_than_two_or_more_than_four(kdev, n):
     kernels = dv._kernels()
-    config = kernels.GroupConfig("pairs", 1, 128, 1, 1)
-    with pytest.raises(ValueError, match=f"'pairs' group kernel takes 2 <= N <= 4, got N={n}"):
+    config = kernels.GroupConfig("pairs", 1, 128, 1)
+    with pytest.raises(
+        ValueError, match=f"mean or the nearest of 2 <= N <= 4, got mode 1 and N={n}"
+    ):
         x = embeddings((2, n, 16), device=kdev)
         kernels.run_group(x, None, kernels.MODE_NEAREST, config, eps=dv.EPS)
-
-
-def test_production_launcher_refuses_the_sweep_only_variants(kdev):
-    kernels = dv._kernels()
-    for variant in ("tile", "gram"):
-        config = kernels.GroupConfig(variant, 1, 128, 1, 1)
-        with pytest.raises(ValueError, match=f"'{variant}' group kernel is kept for the bench"):
-            kernels.run_group(embeddings((2, 4, 16), device=kdev), None, 0, config, eps=dv.EPS)
-
-
-def test_group_config_takes_the_table_then_the_rule():
-    kernels = pytest.importorskip(CONFIG)
-    tabled = kernels.group_config(4, 384, 8192, 4)
-    assert tabled is kernels.GROUP_TABLE[(4, 512, 4)]
-    assert tabled.meta(384, 4)["UNROLL"] <= -(-384 // tabled.block_d)  # no chunk past D
-    # the rule: the distinct pairs up to 4 rows (in 16 bits too), then tensor cores: float32
-    # groups of 17-32 rows in 32-row tiles on 2 warps, 16-bit groups of 33-64 in 64-row tiles on
-    # 4 (smaller groups: the tests below); the matrix mode, which "pairs" cannot write, as before
-    for block_n, itemsize, variant in [(2, 4, "pairs"), (4, 4, "pairs"), (32, 4, "dot"),
-                                       (2, 2, "pairs"), (4, 2, "pairs"), (64, 2, "dot")]:  # fmt: skip
-        assert (block_n, 4096, itemsize) not in kernels.GROUP_TABLE
-        ruled = kernels.group_config(block_n, 3000, 8192, itemsize)
-        assert ruled.variant == variant, (block_n, itemsize, ruled)
-        if variant == "dot":
-            rows = kernels.DOT_ROWS_FP32 if itemsize == 4 else kernels.DOT_ROWS
-            assert ruled.groups * block_n == rows >= kernels.DOT_MIN_ROWS
-    for block_n, itemsize, variant in [(2, 4, "vecsum"), (4, 4, "vecsum"), (2, 2, "vecsum"),
-                                       (4, 2, "dot")]:  # fmt: skip
-        assert kernels.rule_config(block_n, 1000, 8192, itemsize, pairs=False).variant == variant
-    # groups of 64 rows fill a 64-row tile, on 4 warps, in float32 too
-    assert kernels.group_config(64, 1000, 8192, 4).num_warps == 4
-    for (block_n, _, itemsize), config in kernels.GROUP_TABLE.items():
-        assert config.variant in kernels.GROUP_VARIANTS and block_n <= kernels.SMALL_N
-        if config.variant == "pairs":
-            assert block_n <= kernels.PAIRS_MAX_N, config
-            continue
-        if config.variant == "dot":
-            assert config.groups * block_n >= kernels.DOT_MIN_ROWS, config
-            continue
-        # one warp per row of 16-byte loads of the (group, D) plane, or two for a long row
-        vec = 16 // itemsize
-        plane = config.groups * config.block_d
-        assert config.num_warps * 32 * vec in (plane, 2 * plane), config
-
-
-def test_float32_64_row_tiles_load_without_a_pipeline():
-    """The float32 tensor-core tile of 64 rows loads each chunk straight into registers (one
-    stage: it splits the chunk into TF32 halves there), in chunks of 32 up to 768 elements and
-    64 past; 32-row tiles and 16-bit tiles keep Triton's pipeline."""
-    rules = pytest.importorskip(CONFIG)
-    for block_n, d, block_d in [(64, 64, 32), (64, 100, 32), (64, 768, 32), (64, 769, 64),
-                                (64, 2048, 64)]:  # fmt: skip
-        for ragged in (False, True):
-            config = rules.group_config(block_n, d, 8192, 4, ragged=ragged)
-            assert (config.variant, config.groups, config.num_warps) == ("dot", 1, 4), config
-            assert (config.block_d, config.num_stages) == (block_d, 1), (d, config)
-        assert rules.mean_config(block_n, d, 8192, 4).variant == "closed"
-    for block_n, itemsize in [(32, 4), (8, 4), (64, 2), (16, 2)]:
-        assert rules.group_config(block_n, 512, 8192, itemsize).num_stages is None
-    assert rules.GroupConfig("dot", 1, 32, 1, 4, num_stages=1).name.endswith("S=1")
-    with pytest.raises(ValueError, match="num_stages"):
-        rules.GroupConfig("dot", 1, 32, 1, 4, num_stages=0)
-
-
-def test_float32_groups_of_up_to_16_rows_take_a_16_row_tile_on_one_warp():
-    """Groups of 5-16 float32 rows: the 16-row tensor-core tile on one warp (a larger tile or
-    more warps stage more through shared memory), in chunks of 32 up to 256 elements and 64
-    past, with or without counts and in the matrix mode too."""
-    rules = pytest.importorskip(CONFIG)
-    for block_n in (8, 16):
-        for d, block_d in [(64, 32), (256, 32), (257, 64), (1000, 64), (2048, 64)]:
-            for ragged in (False, True):
-                config = rules.group_config(block_n, d, 8192, 4, ragged=ragged)
-                shape = (config.variant, config.groups * block_n, config.num_warps)
-                assert shape == ("dot", rules.DOT_ROWS_FP32_SMALL, 1), (block_n, d, config)
-                assert config.block_d == block_d, (block_n, d, config)
-            assert rules.rule_config(block_n, d, 8192, 4, pairs=False) == config
-    assert rules.DOT_ROWS_FP32_SMALL == 16 == rules.DOT_MIN_ROWS
-
-
-def test_16_bit_groups_of_5_to_32_rows_take_the_smallest_whole_group_tile_on_one_warp():
-    """16-bit groups of 5-32 rows: a 16-row tile (32 for groups past 16 rows, and for rows of at
-    most one 64-element chunk) on one warp, in chunks of 64 (128 for full groups from 1024
-    long), in the matrix mode too; groups of 33-64 rows keep the 64-row tile on 4 warps, and
-    groups of 3-4 rows the pairs kernel (the 64-row tile where it cannot run)."""
-    rules = pytest.importorskip(CONFIG)
-    for block_n, short_rows, rows in [(8, 32, 16), (16, 32, 16), (32, 32, 32)]:
-        for d, block_d in [(32, 64), (48, 64), (64, 64), (100, 64), (256, 64), (768, 64),
-                           (1024, 128), (2048, 128)]:  # fmt: skip
-            for ragged in (True, False):
-                config = rules.group_config(block_n, d, 8192, 2, ragged=ragged)
-                tile = short_rows if d <= 64 else rows
-                shape = (config.variant, config.groups * block_n, config.num_warps, config.block_d)
-                chunk = 64 if ragged else block_d
-                assert shape == ("dot", tile, 1, chunk), (block_n, d, ragged, config)
-            assert rules.rule_config(block_n, d, 8192, 2, pairs=False) == config  # full groups
-    assert rules.group_config(64, 256, 8192, 2).num_warps == 4
-    assert rules.rule_config(4, 256, 8192, 2, pairs=False).groups * 4 == rules.DOT_ROWS
-
-
-def test_16_bit_means_from_eight_rows_take_the_closed_form_in_small_steps():
-    """16-bit means of groups padded to 8-64 rows take the closed form: a warp per 256 elements
-    of a row (up to 4), a step of 1024 elements a warp (2048 for rows from 2048 long), whole
-    groups filling at least 2048 elements a program, with counts at most half a group's padded
-    rows a step. Groups of 17-64 rows of 1024 elements or more stay on the tensor cores, and
-    groups of up to 4 rows on the pairs kernel."""
-    rules = pytest.importorskip(CONFIG)
-    for block_n, d, ragged, groups, rows, warps in [
-        (8, 100, False, 2, 8, 1), (8, 100, True, 2, 4, 1), (16, 64, False, 2, 16, 1),
-        (32, 64, False, 1, 16, 1), (64, 64, True, 1, 16, 1), (32, 300, False, 1, 4, 2),
-        (32, 300, True, 1, 4, 2), (64, 256, True, 1, 4, 1), (8, 50, False, 4, 8, 1),
-        (16, 1000, False, 1, 4, 4), (16, 2048, True, 1, 4, 4), (8, 768, False, 1, 4, 4),
-        (8, 4096, False, 1, 2, 4), (8, 8000, True, 1, 1, 4),
-    ]:  # fmt: skip
-        config = rules.mean_config(block_n, d, 8192, 2, ragged=ragged)
-        launch = (config.groups, rules.closed_form_rows(block_n, config, ragged=ragged))
-        assert config.variant == "closed", (block_n, d, ragged, config)
-        assert (*launch, config.num_warps) == (groups, rows, warps), (block_n, d, config)
-        assert config.block_d == max(16, 1 << (d - 1).bit_length())
-    for block_n, d in [(32, 768), (64, 768), (32, 2048), (64, 4000)]:
-        for ragged in (False, True):
-            assert rules.mean_config(block_n, d, 8192, 2, ragged=ragged).variant == "dot"
-    assert rules.mean_config(4, 100, 8192, 2).variant == "pairs"
-    assert rules.mean_config(8, 100, 1, 2).groups == 1  # no more than the batch
-    assert rules.mean_config(8, 64, 4096, 4) != rules.mean_config(8, 64, 4096, 2)  # float32's own
-    with pytest.raises(ValueError, match="step_rows must be None, or >= 1 for 'closed'"):
-        rules.GroupConfig("dot", 1, 64, 1, 1, step_rows=2)
-
-
-def test_one_group_tiles_take_half_the_rows_for_a_count_that_fits_them():
-    """With counts, a 16-bit tensor-core tile of one group of 32-64 padded rows takes a tile of
-    half the rows (a quarter of the products) for a group whose count fits it; never without
-    counts, in the matrix mode (which writes every row), for tiles of several groups or 16 rows,
-    or in float32."""
-    kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
-    f32, bf16 = torch.float32, torch.bfloat16
-    for n, d, dtype, mode, counts, half in [
-        (64, 256, bf16, 1, True, True), (20, 64, bf16, 1, True, True),
-        (40, 2048, bf16, 0, True, True), (40, 100, f32, 1, True, False),
-        (20, 64, f32, 1, True, False), (40, 100, bf16, 1, False, False),
-        (40, 100, bf16, 2, True, False), (12, 100, bf16, 1, True, False),
-    ]:  # fmt: skip
-        x = torch.randn((9, n, d)).to(dtype)
-        launch, _, constexprs, _ = kernels._group_plan(x, mode, counts, None)[:4]
-        if launch is not kernels._launch_group_dot:
-            assert not half, (n, d, dtype, mode, constexprs)
-            continue
-        assert constexprs["HALF_TILE"] == half, (n, d, dtype, mode, counts, constexprs)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n", [20, 40, 64])
-def test_half_tiles_of_ragged_groups_match_the_references(kdev, n, dtype, seed):
-    """Counts on both sides of half the padded rows (every row past a short count written as
-    zero up to N), a zero row, strided groups; the nearest, its distances and the mean."""
-    x = embeddings((11, n, 300), dtype, kdev)
-    x[2, 0] = 0
-    half = pytest.importorskip(CONFIG).block_rows(n) // 2
-    counts = torch.tensor([0, 1, n, half, half + 1, 2, half - 1, n - 1, 3, half, n])
-    for inputs in (x, x.transpose(0, 1).contiguous().transpose(0, 1)):
-        check_all(inputs, counts.to(kdev))
-
-
-def test_ragged_float32_means_step_through_eight_rows_of_several_groups():
-    """With counts, the closed form holds at most 8 rows of a group a step and as many groups as
-    fill half the tile budget (its steps stop at the program's largest count, so short steps
-    skip the holes); without counts, whole groups as before."""
-    rules = pytest.importorskip(CONFIG)
-    for block_n, d, groups, rows in [(64, 100, 4, 8), (32, 256, 2, 8), (64, 2048, 1, 4),
-                                     (8, 2048, 1, 4), (8, 64, 8, 8), (16, 64, 8, 8)]:  # fmt: skip
-        config = rules.mean_config(block_n, d, 8192, 4, ragged=True)
-        assert config.variant == "closed", config
-        assert config.groups == groups, (block_n, d, config)
-        assert rules.closed_form_rows(block_n, config, ragged=True) == rows, (block_n, d, config)
-    for block_n, d in [(64, 100), (32, 256), (8, 64)]:
-        full = rules.mean_config(block_n, d, 8192, 4)
-        assert rules.closed_form_rows(block_n, full) == min(
-            block_n, rules.GROUP_TILE_ELEMENTS // (full.groups * full.block_d)
-        )
-        assert full.groups * rules.closed_form_rows(block_n, full) * full.block_d <= (
-            rules.GROUP_TILE_ELEMENTS
-        )
-    assert rules.mean_config(64, 100, 2, 4, ragged=True).groups == 2  # no more than the batch
 
 
 def test_rows_off_16_bytes_are_loaded_in_the_largest_pieces_they_allow():
@@ -555,21 +362,6 @@ def test_rows_off_16_bytes_are_loaded_in_the_largest_pieces_they_allow():
     assert row_alignment(rows((3, 5, 104))[..., 1:101]) == 1  # starts 4 bytes past 16
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2])
-def test_every_group_launch_is_told_its_rows_alignment(mode):
-    """Whichever kernel the rule picks (pairs, register Gram, tensor cores, closed form)."""
-    kernels = pytest.importorskip("accel.kernels.pairwise_cosine")
-    from accel.kernels.launch import row_alignment
-
-    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
-    for n, d, dtype in [(2, 100, f32), (3, 300, f16), (8, 100, f32), (40, 100, bf16),
-                        (12, 1000, f32), (4, 64, f32), (16, 50, bf16)]:  # fmt: skip
-        x = torch.randn((9, n, d)).to(dtype)
-        for has_counts in (False, True):
-            constexprs = kernels._group_plan(x, mode, has_counts, None)[2]
-            assert constexprs["ALIGN"] == row_alignment(x), (n, d, dtype, constexprs)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n", [2, 5, 40])
 def test_rows_loaded_several_elements_at_a_time_match_the_references(kdev, n, dtype, seed):
@@ -586,79 +378,13 @@ def test_rows_loaded_several_elements_at_a_time_match_the_references(kdev, n, dt
     check_all(wide)
 
 
-def test_ragged_16_bit_groups_take_short_chunks_on_the_tensor_cores():
-    """With counts, 16-bit rows are read in chunks of 64 through the tensor-core tile (its 128
-    reads slower past the holes), groups of 3-4 long rows too; without counts, as before."""
-    rules = pytest.importorskip(CONFIG)
-    for block_n, d in [(64, 256), (64, 2048), (4, 2048), (4, 3000)]:
-        ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
-        assert (ragged.variant, ragged.block_d) == ("dot", 64), (block_n, d, ragged)
-        assert ragged.groups * block_n == rules.DOT_ROWS and ragged.num_warps == 4
-        mean = rules.mean_config(block_n, d, 8192, 2, ragged=True)
-        assert mean.variant == "closed" if d <= 512 else mean == ragged  # short rows: closed form
-        assert rules.group_config(block_n, d, 8192, 2) != ragged  # full groups: as before
-    for block_n, d in [(16, 256), (8, 768)]:  # chunks of 64 either way
-        ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
-        assert ragged == rules.group_config(block_n, d, 8192, 2) and ragged.block_d == 64
-    for block_n, d in [(16, 2048), (32, 2048)]:
-        ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
-        assert ragged == dataclasses.replace(rules.group_config(block_n, d, 8192, 2), block_d=64)
-    for block_n, d, itemsize in [(4, 1024, 2), (2, 2048, 2), (4, 2048, 4), (16, 256, 4)]:
-        assert rules.group_config(block_n, d, 8192, itemsize, ragged=True) == rules.group_config(
-            block_n, d, 8192, itemsize
-        ), (block_n, d, itemsize)
-    assert rules.mean_config(16, 256, 8192, 4, ragged=True).variant == "closed"
-
-
-def test_ragged_16_bit_groups_of_up_to_4_rows_under_512_bytes_read_half_a_warp_a_row():
-    """With counts, 16-bit groups of 2-4 rows of 129-256 elements take the measured ragged launch
-    (pairs in chunks of 128, 4 groups on 2 warps); full groups and float32 rows as before."""
-    rules = pytest.importorskip(CONFIG)
-    for block_n, d in [(2, 256), (4, 129), (4, 256)]:
-        ragged = rules.group_config(block_n, d, 8192, 2, ragged=True)
-        assert ragged == rules.GroupConfig("pairs", 4, 128, 1, 2), (block_n, d, ragged)
-        assert rules.mean_config(block_n, d, 8192, 2, ragged=True) == ragged
-        assert rules.group_config(block_n, d, 8192, 2).block_d == 256  # full groups: a warp a row
-    for block_n, d, itemsize in [(2, 256, 4), (2, 128, 2), (2, 257, 2)]:
-        assert rules.group_config(block_n, d, 8192, itemsize, ragged=True) == rules.group_config(
-            block_n, d, 8192, itemsize
-        ), (block_n, d, itemsize)
-
-
-def test_every_measured_launch_of_the_table_matches_references(kdev, seed):
-    """Each GROUP_TABLE entry at a shape that takes it (N and D inside its buckets), with and
-    without ragged counts, and each RAGGED_TABLE entry with counts, B not a multiple of its
-    groups, through the public functions."""
-    rules = pytest.importorskip(CONFIG)
-    for (block_n, bucket, itemsize), config in rules.GROUP_TABLE.items():
-        n, d = max(2, block_n - 1), bucket * 3 // 4 + 1
-        assert rules.group_config(rules.block_rows(n), d, 9, itemsize) is config
-        x = embeddings((2 * config.groups + 1, n, d), FLOAT_OF_SIZE[itemsize], kdev)
-        check_all(x)
-        check_all(x, random_counts(x.shape[0], n).to(kdev))
-    for (block_n, bucket, itemsize), config in rules.RAGGED_TABLE.items():
-        n, d = max(2, block_n - 1), bucket * 3 // 4 + 1
-        assert rules.group_config(rules.block_rows(n), d, 9, itemsize, ragged=True) is config
-        x = embeddings((2 * config.groups + 1, n, d), FLOAT_OF_SIZE[itemsize], kdev)
-        check_all(x, random_counts(x.shape[0], n).to(kdev))
-
-
 @pytest.mark.parametrize(
-    "fields", [("fast", 4, 128, 3, 4), ("tile", 3, 128, 3, 4), ("tile", 4, 8, 3, 4)], ids=str
+    "fields", [("fast", 4, 128, 4), ("dot", 3, 128, 4), ("dot", 4, 8, 3)], ids=str
 )
 def test_group_config_rejects_bad_fields(fields):
-    kernels = pytest.importorskip(CONFIG)
-    with pytest.raises(ValueError, match=r"variant must be one of|powers of 2"):
-        kernels.GroupConfig(*fields)
-
-
-def test_run_group_kernel_checks_its_arguments(kdev):
-    variants = triton_support.kernel_module(VARIANTS)
-    with pytest.raises(ValueError, match="reduction must be one of mean, nearest, matrix"):
-        variants.run_group_kernel(embeddings((2, 4, 8), device=kdev), "max", eps=dv.EPS)
-    for shape in ((2, 65, 8), (4, 8)):
-        with pytest.raises(ValueError, match=r"\(B, N, D\) with 2 <= N <= 64"):
-            variants.run_group_kernel(embeddings(shape, device=kdev), "mean", eps=dv.EPS)
+    rules = pytest.importorskip(CONFIG)
+    with pytest.raises(ValueError, match=r"variant must be one of .*powers of 2"):
+        rules.GroupConfig(*fields)
 
 
 def test_counts_are_clamped_to_the_group(kdev, seed):
@@ -771,15 +497,15 @@ def test_kernel_module_follows_the_environment_at_call_time(monkeypatch):
     monkeypatch.setattr(triton_support, "_modules", {})
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     compiled = dv._kernels()
-    compiled_variants = triton_support.kernel_module(VARIANTS)
+    compiled_groups = triton_support.kernel_module(GROUPS)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     interpreted = dv._kernels()
-    interpreted_variants = triton_support.kernel_module(VARIANTS)
+    interpreted_groups = triton_support.kernel_module(GROUPS)
     assert (compiled.INTERPRETED, interpreted.INTERPRETED) == (False, True)
-    assert (compiled_variants.INTERPRETED, interpreted_variants.INTERPRETED) == (False, True)
+    assert (compiled_groups.INTERPRETED, interpreted_groups.INTERPRETED) == (False, True)
     # a mode's modules import each other, never the other mode's
-    assert compiled_variants.run_group is compiled.run_group
-    assert interpreted_variants.run_group is interpreted.run_group
+    assert compiled_groups.pairs_kernel is compiled.pairs_kernel
+    assert interpreted_groups.pairs_kernel is interpreted.pairs_kernel
     assert dv._kernels() is interpreted  # kept, not rebuilt
     if not CUDA:  # the compiled kernels refuse CPU tensors with a reason, never a wrong answer
         with pytest.raises(ValueError, match=r"need a CUDA tensor.*TRITON_INTERPRET=1"):
@@ -827,29 +553,6 @@ def test_bench_phase_runs_and_marks_cpu_rows(monkeypatch):
     assert {"mean B=8 N=4 D=16 float32", "polychromic step"} <= cases
     bandwidth = next(r for r in rows if r.unit == "GB/s")
     assert bandwidth.fraction_of_ceiling == pytest.approx(bandwidth.optimized / 10.0)
-
-
-def test_group_kernel_sweep_runs_and_names_its_rows(kdev):
-    from accel.lab.cases import diversity as case
-    from accel.measure.ceilings import Ceilings
-
-    ceilings = Ceilings("cpu", 10.0, 0.1, "float32", 1 << 20, 64)  # made up: no measuring here
-    configs = {4: (("tile", 4, 128, 3, 4), ("gram", 2, 32, 2, 1))}
-    rows = case.group_kernel_sweep(
-        kdev,
-        ceilings,
-        batch=6,
-        dim=40,
-        dtypes=(torch.float32,),
-        configs=configs,
-        repeats=1,
-        show=False,
-    )
-    assert all(r.case.startswith("sweep group kernel ") and r.unit == "GB/s" for r in rows)
-    names = [r.metric for r in rows if r.case.startswith("sweep group kernel mean")]
-    assert len(names) == 3 and sum("[production]" in m for m in names) == 1, names
-    assert all(r.optimized > 0 and r.note.endswith("x the kernel before") for r in rows)
-    assert list(case.sweep_table(rows).columns)[:2] == ["case", "configuration"]
 
 
 # ---- CUDA: the compiled kernels -----------------------------------------------------------------------
@@ -922,52 +625,3 @@ def test_a_nan_or_inf_member_makes_its_groups_nearest_distances_nan(kdev, N, bad
             dv.nearest_diversity(x, c), dv.nearest_diversity_reference(x, c), equal_nan=True,
             atol=ATOL, rtol=RTOL,
         )  # fmt: skip
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("shape", [(64, 4, 384), (33, 8, 77), (5, 40, 96)], ids=str)
-def test_launches_of_a_seen_signature_go_direct_and_equal_the_references(shape, seed):
-    """After a signature's first call its launches skip Triton's argument binding; a view that
-    is not 16-byte aligned, with the same shape and strides, is another signature."""
-    from accel.kernels import pairwise_cosine as kernels
-
-    wide = embeddings((*shape[:2], shape[2] + 1), device="cuda")
-    aligned, shifted = wide[..., :-1], wide[..., 1:]
-    assert aligned.stride() == shifted.stride() and shifted.data_ptr() % 16 == 4
-    counts = random_counts(shape[0], shape[1]).cuda()
-    for x in (aligned, aligned.clone(), shifted, embeddings(shape, device="cuda")):
-        check_all(x)
-        check_all(x, counts)
-    launchers = [
-        kernels._launch_group,
-        kernels._launch_group_dot,
-        kernels._launch_pairs,
-        kernels._launch_normalized_sum,
-    ]
-    assert sum(launcher.direct_launches() for launcher in launchers) > 0
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("shape", [(64, 4, 384), (33, 16, 77)], ids=str)
-def test_a_seen_signature_goes_from_the_call_to_the_launch_at_once(shape, seed):
-    """Host cost: after a signature's first call, a small group's call is a key, one allocation
-    and the launch (no checks, no plan, no argument binding), and gives the same numbers."""
-    x = embeddings(shape, device="cuda")
-    counts = random_counts(shape[0], shape[1]).cuda()
-    entered = []
-    for name in FUNCTIONS:
-        for c in (None, counts):
-            first = getattr(dv, name)(x, c)
-            entered.clear()
-            sys.setprofile(lambda frame, event, _: event == "call" and entered.append(frame.f_code))
-            try:
-                again = getattr(dv, name)(x, c)
-            finally:
-                sys.setprofile(None)
-            names = [code.co_name for code in entered if code.co_filename.startswith(PACKAGE)]
-            assert names == [name, "_dispatch", "interpreting", "__call__", "hooked", "launch"], (
-                names
-            )
-            assert torch.equal(again, first) and again.is_contiguous(), name

@@ -37,63 +37,27 @@ def test_the_sweep_has_shapes_off_the_powers_of_two():
     assert {p.ragged for p in odd} == {True, False}
 
 
-def test_a_large_point_times_the_kernels_beside_the_same_rows_read_alone(kdev, monkeypatch):
-    monkeypatch.setattr(sweep, "LARGE_BYTES", 1)  # every point "large": its device time taken
+def test_a_large_point_times_the_kernels_device_time_and_a_small_one_does_not(kdev, monkeypatch):
     monkeypatch.setattr(sweep, "rotating_inputs", lambda shape, dtype, device: [
         torch.randn(shape, device=device).to(dtype) for _ in range(2)
     ])  # fmt: skip
     point = sweep.Point(6, 5, 24, torch.float32, ragged=True)
-    bytes_read, measured = sweep.measure(point, torch.device(kdev))
-    assert bytes_read > 0 and [m[0] for m in measured] == ["mean", "nearest"]
-    for _, mine, plain, ratio, device_ms, read_ms in measured:
-        assert all(v > 0 and math.isfinite(v) for v in (mine, plain, ratio, device_ms, read_ms))
+    for large, device_time in ((1, math.isfinite), (1 << 40, math.isnan)):
+        monkeypatch.setattr(sweep, "LARGE_BYTES", large)
+        bytes_read, measured = sweep.measure(point, torch.device(kdev))
+        assert bytes_read > 0 and [m[0] for m in measured] == ["mean", "nearest"]
+        for _, mine, plain, ratio, device_ms in measured:
+            assert all(v > 0 and math.isfinite(v) for v in (mine, plain, ratio))
+            assert device_time(device_ms)
 
 
-def test_the_rows_read_alone_are_timed_at_each_launch_shape_and_the_fastest_kept(kdev, monkeypatch):
-    monkeypatch.setattr(sweep, "LARGE_BYTES", 1)
-    monkeypatch.setattr(sweep, "rotating_inputs", lambda shape, dtype, device: [
-        torch.randn(shape, device=device).to(dtype) for _ in range(2)
-    ])  # fmt: skip
-    timed = []
-
-    def time_per_call(calls, buffers, device, repeats):
-        timed.append(sorted(calls))
-        reads = sorted(n for n in calls if n != "accel")
-        return {"accel": 3.0} | {n: 1.0 + len(timed) + i for i, n in enumerate(reads)}
-
-    monkeypatch.setattr(sweep, "time_per_call", time_per_call)
-    point = sweep.Point(6, 3, 24, torch.float32, ragged=True)
-    _, measured = sweep.measure(point, torch.device(kdev))
-    tiles = sweep.read_rows().TILE_BYTES_TRIED
-    assert len(tiles) >= 2 and all(len(t) == 1 + len(tiles) for t in timed)
-    assert [m[4:] for m in measured] == [(3.0, 2.0), (3.0, 3.0)]  # (ours, the fastest read)
-
-
-def test_a_missed_point_says_whether_the_layout_or_the_kernels_own_work_bounds_it():
-    """The rows read alone set the layout's bound; the kernel's distance from that read says
-    whether its own work costs more than the read."""
-    target, near = sweep.TARGET_BANDWIDTH, sweep.KERNEL_NEAR_READ
-    assert sweep.miss_cause(target, 0.9) is None  # met: nothing to explain
-    assert sweep.miss_cause(0.6, 0.7) == "layout"  # the kernel within reach of its own read
-    assert sweep.miss_cause(0.7 * near - 0.01, 0.7) == "layout and kernel"
-    assert sweep.miss_cause(0.7, 0.9) == "kernel"
-    assert sweep.miss_cause(0.7 * near, 0.7) == "layout"
-    assert sweep.miss_cause(0.72, 0.53) == "past the read"  # faster than the read alone
-    assert sweep.miss_cause(0.53, 0.53) == "layout"
-    for cause in ("layout", "layout and kernel", "kernel", "past the read"):
-        assert sweep.MISS_CAUSES[cause].startswith("; ")
-    assert sweep.MISS_COUNTED.keys() == sweep.MISS_CAUSES.keys()  # the summary counts each
-    assert "under 0.75 of copy: the layout's bound" in sweep.MISS_CAUSES["layout"]
-
-
-def test_the_sweeps_summary_counts_the_misses_by_cause(monkeypatch):
-    """The summary row says how many misses each cause explains."""
+def test_the_sweeps_summaries_give_the_worst_point_and_count_the_misses(monkeypatch):
     from accel.lab.bench import BenchContext
 
-    fractions = {"mean": (0.8, 0.9), "nearest": (0.5, 0.9)}  # (kernel, read alone)
+    fractions = {"mean": 0.8, "nearest": 0.5}  # of copy: the nearest misses
 
     def measure(point, device):
-        return 64 << 20, [(r, 1.0, 3.0, 3.0, *fractions[r]) for r in ("mean", "nearest")]
+        return 64 << 20, [(r, 1.0, 3.0, 3.0, fractions[r]) for r in ("mean", "nearest")]
 
     class Ceilings:
         copy_gb_s = 1000.0
@@ -108,13 +72,11 @@ def test_the_sweeps_summary_counts_the_misses_by_cause(monkeypatch):
     ctx = BenchContext(torch.device("cuda"), "gpu")  # judged; nothing runs
     ctx._ceilings = Ceilings()
     rows = sweep.rows(ctx)
-    summary = next(r for r in rows if r.case.startswith("diversity sweep: worst bandwidth"))
-    assert (
-        "1 point(s) missed: 0 bound by the layout, 1 by the kernel's own work, 0 by both, 0 past "
-        "their read alone" in summary.note
-    )
-    nearest = next(r for r in rows if r.metric == "bandwidth" and "nearest" in r.case)
-    assert nearest.note.endswith(sweep.MISS_CAUSES["kernel"])
+    bandwidth = next(r for r in rows if r.case == "diversity sweep: worst bandwidth of 2 points")
+    assert bandwidth.optimized == 0.5 and bandwidth.met is False
+    assert bandwidth.note.endswith("1 point(s) missed")
+    latency = next(r for r in rows if r.case.startswith("diversity sweep: worst single-call"))
+    assert latency.optimized == 3.0 and latency.met is True
 
 
 def _host_rows(plain_us, ours_us):

@@ -1,25 +1,17 @@
-"""Pairwise-cosine kernels for many small groups (N <= 64 rows each), every cosine in registers.
+"""Pairwise-cosine kernels for many small groups (N <= 64 rows each), whole groups a program.
 
-- ``group_kernel``: a few groups of N rows per program. It accumulates each group's N x N Gram
-  matrix over chunks of D, takes the norms from its diagonal and reduces in the epilogue (mean
-  over pairs, nearest other, or the matrix). Its launch is a ``GroupConfig``
-  (``pairwise_cosine_config``).
+- ``pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
+  products formed (the mean and the nearest).
 - ``group_dot_kernel``: the rows of all the program's groups as one (GROUPS * BLOCK_N, D) tile
   times its own transpose on the tensor cores (float32 in two TF32 passes, ``_gram_fp32``); each
-  group's Gram matrix is a diagonal block of the product. It forms GROUPS times the products it
-  needs, on units with them to spare, where ``group_kernel`` holds N^2 products per element in
-  float32 registers: the faster of the two from N = 3 (16-bit) or N = 5 (float32) on, and the
-  only one the rule takes past 16 rows. A tile of one group with counts (16-bit) takes half its
-  rows for a group whose count fits them.
-- ``pairs_kernel``: groups of N <= 4, each row a tensor of its own, only the distinct dot
-  products formed.
+  group's Gram matrix is a diagonal block of the product, reduced in registers by the epilogue
+  (the mean, the nearest, or the matrix).
 - ``closed_form_kernel``: the mean only, from the sum of the normalized rows (whole rows in
-  registers a step, each read once, O(N D) work): groups from 5 rows (8 padded).
+  registers a step, each read once, O(N D) work).
 
-The prologues (``_program_groups``, ``group_rows``), a chunk's products (``chunk_products``)
-and the epilogue (``group_epilogue``) are shared with the variants the bench sweep compares
-(``pairwise_cosine_variants``). Both accumulate in float32 whatever the input dtype and
-normalize as ``F.normalize`` does, x / max(||x||, eps); rows past a group's count are never read.
+Each reads every element once, accumulates in float32 whatever the input dtype and normalizes
+as ``F.normalize`` does, x / max(||x||, eps); rows past a group's count are never read.
+``pairwise_cosine_config`` says how each launches.
 """
 
 from __future__ import annotations
@@ -51,7 +43,7 @@ def _program_groups(counts_ptr, B, N, GROUPS: tl.constexpr, HAS_COUNTS: tl.const
 
 
 @triton.jit
-def aligned_rows(D, stride_xb, stride_xn, ALIGN: tl.constexpr):
+def _aligned_rows(D, stride_xb, stride_xn, ALIGN: tl.constexpr):
     """The row width and strides, multiples of ALIGN (the launcher's ``row_alignment``),
     written so that the compiler sees it: rows then load ALIGN elements at a time, not one."""
     if ALIGN > 1:
@@ -62,59 +54,7 @@ def aligned_rows(D, stride_xb, stride_xn, ALIGN: tl.constexpr):
 
 
 @triton.jit
-def _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
-    """One chunk of D of every row, (row, 1, group, 16-byte piece, element), as float32.
-
-    The last axis is one thread's 16-byte load, so a sum over it stays inside the thread. The
-    unit axis is there already (not expanded afterwards, which would convert the layout through
-    shared memory): ``x * tl.permute(x, (1, 0, 2, 3, 4))`` is then every product x_i * x_j of
-    the chunk, and the transpose only renames registers of each thread.
-    """
-    pieces = tl.arange(0, BLOCK_D // VEC)
-    cols = d0 + pieces[:, None] * VEC + tl.arange(0, VEC)[None, :]  # (BLOCK_D // VEC, VEC)
-    cols = cols[None, None, None, :, :]
-    return tl.load(
-        x_rows + cols * stride_xd,
-        mask=valid[:, None, :, None, None] & (cols < D),
-        other=0.0,
-    ).to(tl.float32)  # rows past a count are masked, never read
-
-
-@triton.jit
-def chunk_products(x_rows, valid, d0, D, stride_xd, BLOCK_D: tl.constexpr, VEC: tl.constexpr):
-    """Every product x_i * x_j of one chunk: (row i, row j, group, piece, element)."""
-    x = _load_chunk(x_rows, valid, d0, D, stride_xd, BLOCK_D, VEC)
-    return x * tl.permute(x, (1, 0, 2, 3, 4))
-
-
-@triton.jit
-def group_rows(
-    X_ptr,
-    counts_ptr,
-    B,
-    N,
-    stride_xb,
-    stride_xn,
-    HAS_COUNTS: tl.constexpr,
-    GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """This program's groups ``b`` (GROUPS,), which exist (``live``), the row numbers, each
-    group's members ``n``, which rows are members (``valid``, (BLOCK_N, GROUPS)) and the rows'
-    addresses, (row, 1, group, 1, 1) as :func:`_load_chunk` takes them."""
-    b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
-    rows = tl.arange(0, BLOCK_N)
-    valid = rows[:, None] < n[None, :]  # (BLOCK_N, GROUPS)
-    x_rows = (
-        X_ptr
-        + b[None, None, :, None, None] * stride_xb
-        + rows[:, None, None, None, None] * stride_xn
-    )
-    return b, live, rows, n, valid, x_rows
-
-
-@triton.jit
-def group_epilogue(
+def _group_epilogue(
     gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE: tl.constexpr
 ):
     """Per group, from its Gram matrix (BLOCK_N, BLOCK_N, GROUPS): norms from the diagonal,
@@ -153,48 +93,6 @@ def group_epilogue(
 
 
 @triton.jit
-def group_kernel(
-    X_ptr,
-    counts_ptr,
-    out_ptr,
-    items_ptr,
-    matrix_ptr,
-    B,
-    N,
-    D,
-    stride_xb,
-    stride_xn,
-    stride_xd,
-    eps,
-    MODE: tl.constexpr,
-    HAS_COUNTS: tl.constexpr,
-    GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    VEC: tl.constexpr,
-    UNROLL: tl.constexpr,
-    ALIGN: tl.constexpr,
-):
-    # Tiles are (row, group, feature): D is the fastest axis, so a warp's lanes take 16-byte
-    # pieces of one row, and the groups come next, so the launcher's warps split the groups
-    # (not the rows): each group's rows then sit in one thread's registers, the products
-    # x_i * x_j need no exchange between threads and the sum over D none between warps.
-    # Each chunk's products are summed over the thread's own 16-byte piece at once (in-thread
-    # adds), so the accumulator holds (N, N, GROUPS, BLOCK_D / VEC) floats, not every product.
-    D, stride_xb, stride_xn = aligned_rows(D, stride_xb, stride_xn, ALIGN)
-    b, live, rows, n, valid, x_rows = group_rows(
-        X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
-    )
-    acc = tl.zeros([BLOCK_N, BLOCK_N, GROUPS, BLOCK_D // VEC], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D * UNROLL):
-        for k in tl.static_range(UNROLL):
-            d = d0 + k * BLOCK_D
-            acc += tl.sum(chunk_products(x_rows, valid, d, D, stride_xd, BLOCK_D, VEC), axis=4)
-    gram = tl.sum(acc, axis=3)  # (BLOCK_N, BLOCK_N, GROUPS)
-    group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
-
-
-@triton.jit
 def _tf32_high(x):
     """``x`` (float32) rounded to TF32's 10-bit mantissa, so the tensor cores take it exactly;
     ``x - _tf32_high(x)`` is exact in float32 and under 2^-11 of ``x``."""
@@ -220,45 +118,13 @@ def group_dot_kernel(
     X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
     eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, ALIGN: tl.constexpr,
-    HALF_TILE: tl.constexpr,
 ):  # fmt: skip
-    # HALF_TILE (one group a program, counts given, not the matrix; the launcher sets it for
-    # 16-bit tiles): a group whose count fits half the rows takes a tile of half the rows, a
-    # quarter of the products; its rows past that half are written as the epilogue writes rows
-    # past a count.
-    D, stride_xb, stride_xn = aligned_rows(D, stride_xb, stride_xn, ALIGN)
-    if HALF_TILE:
-        group = tl.program_id(0).to(tl.int64)
-        count = tl.minimum(tl.maximum(tl.load(counts_ptr + group).to(tl.int32), 0), N)
-        if count <= BLOCK_N // 2:
-            _group_dot(X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb,
-                       stride_xn, stride_xd, eps, MODE, HAS_COUNTS, GROUPS, BLOCK_N // 2,
-                       BLOCK_D, DOT_FP32)  # fmt: skip
-            rest = BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2)
-            if MODE == 1:
-                tl.store(items_ptr + group * N + rest, tl.zeros([BLOCK_N // 2], tl.float32),
-                         mask=rest < N)  # fmt: skip
-        else:
-            _group_dot(X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb,
-                       stride_xn, stride_xd, eps, MODE, HAS_COUNTS, GROUPS, BLOCK_N, BLOCK_D,
-                       DOT_FP32)  # fmt: skip
-    else:
-        _group_dot(X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb,
-                   stride_xn, stride_xd, eps, MODE, HAS_COUNTS, GROUPS, BLOCK_N, BLOCK_D,
-                   DOT_FP32)  # fmt: skip
-
-
-@triton.jit
-def _group_dot(
-    X_ptr, counts_ptr, out_ptr, items_ptr, matrix_ptr, B, N, D, stride_xb, stride_xn, stride_xd,
-    eps, MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
-):  # fmt: skip
+    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     # Tile row r is row r % BLOCK_N of the program's group r // BLOCK_N; rows past a group's
     # count (or past B) load as zeros, so their products are zero and the epilogue skips them.
-    b, live, rows, n, valid, _ = group_rows(
-        X_ptr, counts_ptr, B, N, stride_xb, stride_xn, HAS_COUNTS, GROUPS, BLOCK_N
-    )
+    b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
+    rows = tl.arange(0, BLOCK_N)
+    valid = rows[:, None] < n[None, :]  # (BLOCK_N, GROUPS)
     r = tl.arange(0, GROUPS * BLOCK_N)
     group_of_row = tl.program_id(0).to(tl.int64) * GROUPS + r // BLOCK_N
     row = r % BLOCK_N
@@ -283,7 +149,7 @@ def _group_dot(
         gram = tl.permute(gram, (1, 2, 0))  # (BLOCK_N, BLOCK_N, GROUPS), as the epilogue takes it
     if DOT_FP32:  # the groups' blocks only: GROUPS times less to transpose than the tile
         gram = (gram + tl.permute(gram, (1, 0, 2))) * 0.5
-    group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
+    _group_epilogue(gram, b, live, rows, n, valid, N, eps, out_ptr, items_ptr, matrix_ptr, MODE)
 
 
 @triton.jit
@@ -317,11 +183,11 @@ def pairs_kernel(
 ):  # fmt: skip
     # Groups of N = ROWS <= 4: each row a tensor of its own, (GROUPS, BLOCK_D) with D along the
     # lanes, so only the distinct dot products x_i . x_j (i <= j) are formed: (ROWS + 1) / 2
-    # multiply-adds per element read, in registers, where the (row, row, ...) tiles of
-    # group_kernel take ROWS and rearrange registers for the transpose. Rows past ROWS are
+    # multiply-adds per element read, in registers, where a (row, row, ...) tile takes ROWS and
+    # rearranges registers for the transpose. Rows past ROWS are
     # neither loaded nor multiplied (their products stay 0). The sums over D cross the lanes
     # once per chunk.
-    D, stride_xb, stride_xn = aligned_rows(D, stride_xb, stride_xn, ALIGN)
+    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     x_groups = X_ptr + b[:, None] * stride_xb
     d00 = tl.zeros([GROUPS], dtype=tl.float32)
@@ -379,15 +245,15 @@ def pairs_kernel(
 
 @triton.jit
 def closed_form_kernel(
-    X_ptr, counts_ptr, out_ptr, items_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
-    MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+    X_ptr, counts_ptr, out_ptr, B, N, D, stride_xb, stride_xn, stride_xd, eps,
+    HAS_COUNTS: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, ALIGN: tl.constexpr,
 ):  # fmt: skip
-    # The mean only (MODE 0), by its closed form: sum_{i != j} cos_ij = ||sum_i x̂_i||^2 -
+    # The mean only, by its closed form: sum_{i != j} cos_ij = ||sum_i x̂_i||^2 -
     # sum_i ||x̂_i||^2. Each step holds BLOCK_N whole rows of GROUPS groups, (GROUPS, BLOCK_N,
     # BLOCK_D): their norms come from registers, so every row is read once, and O(N D) work
     # replaces the N^2 D of a Gram matrix (two TF32 passes of it in float32).
-    D, stride_xb, stride_xn = aligned_rows(D, stride_xb, stride_xn, ALIGN)
+    D, stride_xb, stride_xn = _aligned_rows(D, stride_xb, stride_xn, ALIGN)
     b, live, n = _program_groups(counts_ptr, B, N, GROUPS, HAS_COUNTS)
     cols = tl.arange(0, BLOCK_D)
     x_groups = X_ptr + b[:, None, None] * stride_xb + cols[None, None, :] * stride_xd
@@ -413,4 +279,4 @@ def closed_form_kernel(
 
 # True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
 # as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
-INTERPRETED: bool = type(group_kernel).__name__ == "InterpretedFunction"
+INTERPRETED: bool = type(pairs_kernel).__name__ == "InterpretedFunction"

@@ -7,8 +7,7 @@
   ``inv_norm_kernel`` first writes the N inverse norms it scales by.
 - ``normalized_sum_kernel``: the mean over pairs by its closed form,
   sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2, in O(N D): partial sums of the
-  normalized rows per block of rows, which ``mean_from_partials_kernel`` finishes per group.
-- ``group_mean_kernel``: a group's mean of its members' nearest distances.
+  normalized rows per block of rows, which the launcher finishes per group.
 
 All accumulate in float32 and normalize as ``F.normalize`` does, x / max(||x||, eps).
 """
@@ -56,17 +55,9 @@ def _row_sq_norms(
 
 @triton.jit
 def inv_norm_kernel(
-    X_ptr,
-    inv_ptr,
-    N,
-    D,
-    stride_xb,
-    stride_xn,
-    stride_xd,
-    eps,
-    BLOCK_M: tl.constexpr,
+    X_ptr, inv_ptr, N, D, stride_xb, stride_xn, stride_xd, eps, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,23 +69,10 @@ def inv_norm_kernel(
 
 @triton.jit
 def tiled_kernel(
-    X_ptr,
-    inv_ptr,
-    counts_ptr,
-    items_ptr,
-    matrix_ptr,
-    N,
-    D,
-    stride_xb,
-    stride_xn,
-    stride_xd,
-    MODE: tl.constexpr,
-    HAS_COUNTS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    X_ptr, inv_ptr, counts_ptr, items_ptr, matrix_ptr, N, D, stride_xb, stride_xn, stride_xd,
+    MODE: tl.constexpr, HAS_COUNTS: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     pid_m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     n = _group_size(counts_ptr, b, N, HAS_COUNTS)
@@ -154,20 +132,9 @@ def tiled_kernel(
 
 @triton.jit
 def normalized_sum_kernel(
-    X_ptr,
-    counts_ptr,
-    partial_ptr,
-    partial_sq_ptr,
-    N,
-    D,
-    stride_xb,
-    stride_xn,
-    stride_xd,
-    eps,
-    HAS_COUNTS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    X_ptr, counts_ptr, partial_ptr, partial_sq_ptr, N, D, stride_xb, stride_xn, stride_xd, eps,
+    HAS_COUNTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     blocks = tl.num_programs(0)
@@ -183,54 +150,6 @@ def normalized_sum_kernel(
     for d0 in range(0, D, BLOCK_D):
         x, cols = _load_rows(x_base, rows, row_ok, d0, D, stride_xn, stride_xd, BLOCK_D)
         tl.store(partial_ptr + slot * D + cols, tl.sum(x * inv[:, None], axis=0), mask=cols < D)
-
-
-@triton.jit
-def mean_from_partials_kernel(
-    partial_ptr,
-    partial_sq_ptr,
-    counts_ptr,
-    out_ptr,
-    N,
-    D,
-    blocks,
-    HAS_COUNTS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Group b's mean diversity from its blocks' partial sums: 1 - (||sum x̂||^2 - sum ||x̂||^2)
-    / (n (n - 1)), 0 for fewer than two members. One program per group."""
-    b = tl.program_id(0).to(tl.int64)
-    n = _group_size(counts_ptr, b, N, HAS_COUNTS).to(tl.float32)
-    base = b * blocks
-    total = tl.zeros([BLOCK_D], dtype=tl.float32)  # ||sum x̂||^2, per column until the end
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        column = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k in range(0, blocks):
-            column += tl.load(partial_ptr + (base + k) * D + cols, mask=cols < D, other=0.0)
-        total += column * column
-    own = tl.zeros([BLOCK_D], dtype=tl.float32)  # sum ||x̂||^2, spread over lanes
-    for k0 in range(0, blocks, BLOCK_D):
-        ks = k0 + tl.arange(0, BLOCK_D)
-        own += tl.load(partial_sq_ptr + base + ks, mask=ks < blocks, other=0.0)
-    mean_cos = (tl.sum(total, axis=0) - tl.sum(own, axis=0)) / tl.maximum(n * (n - 1.0), 1.0)
-    tl.store(out_ptr + b, tl.where(n >= 2.0, 1.0 - mean_cos, 0.0))
-
-
-@triton.jit
-def group_mean_kernel(
-    items_ptr, counts_ptr, out_ptr, N, HAS_COUNTS: tl.constexpr, BLOCK: tl.constexpr
-):
-    """Group b's mean of its members' values (B, N), 0 for fewer than two members; values past
-    a group's count are 0 (the tiled kernel writes them so). One program per group."""
-    b = tl.program_id(0).to(tl.int64)
-    n = _group_size(counts_ptr, b, N, HAS_COUNTS).to(tl.float32)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i0 in range(0, N, BLOCK):
-        rows = i0 + tl.arange(0, BLOCK)
-        acc += tl.load(items_ptr + b * N + rows, mask=rows < N, other=0.0)
-    mean = tl.sum(acc, axis=0) / tl.maximum(n, 1.0)
-    tl.store(out_ptr + b, tl.where(n >= 2.0, mean, 0.0))
 
 
 # ---- launch configurations -----------------------------------------------------------------
@@ -251,9 +170,7 @@ TILED_FP32 = [
 tiled_16bit = triton.autotune(configs=TILED_16BIT, key=["N", "D", "MODE", "HAS_COUNTS"])(
     tiled_kernel
 )
-tiled_fp32 = triton.autotune(configs=TILED_FP32, key=["N", "D", "MODE", "HAS_COUNTS"])(
-    tiled_kernel
-)
+tiled_fp32 = triton.autotune(configs=TILED_FP32, key=["N", "D", "MODE", "HAS_COUNTS"])(tiled_kernel)
 
 # Under TRITON_INTERPRET=1 (CPU tests) nothing is tuned: small fixed tiles keep it quick.
 INTERPRET_TILED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 32}

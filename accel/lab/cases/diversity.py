@@ -16,10 +16,8 @@ for every candidate; one row per grouped case gives the host-launched call besid
 the sizes are tiny, the kernels run in Triton's interpreter or fall back to the reference, and
 nothing is compiled: the rows only show that the bench runs (``met`` is None).
 
-On CUDA the phase also runs :func:`group_kernel_sweep`: every variant and tile of the group kernel
-at the grouped case, timed interleaved, as rows named ``sweep group kernel ...`` (kept out of the
-README table). Run it alone with
-``python -c "from accel.lab.cases.diversity import group_kernel_sweep; group_kernel_sweep()"``.
+Shapes the kernels were not tuned on, and host time per call, are the ``overhead`` phase's
+(``overhead_diversity``).
 """
 
 from __future__ import annotations
@@ -41,14 +39,10 @@ from accel.lab.cases.diversity_measure import (
     LargeCase,
     extra_memory_mb,
     group_candidates,
-    rotating_inputs,
-    time_per_call,
-)
-from accel.lab.cases.diversity_sweep import (
-    group_kernel_sweep,
     group_sweep,
     large_sweep,
-    sweep_table,
+    rotating_inputs,
+    time_per_call,
 )
 from accel.measure.timer import compare
 from accel.workloads import polychromic
@@ -61,7 +55,6 @@ __all__ = [  # the phase as the notebook and the bench reach it
     "GroupCase",
     "LargeCase",
     "extra_memory_mb",
-    "group_kernel_sweep",
     "group_rows",
     "group_sweep",
     "large_rows",
@@ -69,7 +62,6 @@ __all__ = [  # the phase as the notebook and the bench reach it
     "polychromic",
     "run",
     "step_rows",
-    "sweep_table",
 ]
 
 
@@ -98,50 +90,28 @@ def group_rows(case: GroupCase, reduction: str, ctx: BenchContext) -> list[Row]:
 
     def timed(metric: str, base: str, target: str = "", goal: float = math.nan) -> Row:
         base_ms = ms.get(base, math.nan)
-        speedup = base_ms / ms["triton"]
         return Row(
-            PHASE,
-            label,
-            metric,
-            "ms",
-            ms["triton"],
-            baseline=base_ms,
-            fraction_of_ceiling=fraction,
-            target=target,
-            met=met(speedup >= goal) if target and not math.isnan(base_ms) else None,
+            PHASE, label, metric, "ms", ms["triton"], baseline=base_ms,
+            fraction_of_ceiling=fraction, target=target,
+            met=met(base_ms / ms["triton"] >= goal) if target and base in ms else None,
             note=note if base in ms else f"{note}; {base} skipped (compiled on CUDA only)",
-        )
+        )  # fmt: skip
 
     rows = [
-        Row(
-            PHASE,
-            label,
-            "bandwidth (bytes read)",
-            "GB/s",
-            gb_s,
-            higher_is_better=True,
-            fraction_of_ceiling=fraction,
-            target=f">= {BANDWIDTH_TARGET:.0%} of copy",
-            met=met(fraction >= BANDWIDTH_TARGET),
-            note=note,
-        ),
+        Row(PHASE, label, "bandwidth (bytes read)", "GB/s", gb_s, higher_is_better=True,
+            fraction_of_ceiling=fraction, target=f">= {BANDWIDTH_TARGET:.0%} of copy",
+            met=met(fraction >= BANDWIDTH_TARGET), note=note),
         timed("time vs naive eager", "naive eager", f">= {NAIVE_TARGET:g}x", NAIVE_TARGET),
         timed(f"time vs {compiled}", compiled, f">= {COMPILED_TARGET:g}x", COMPILED_TARGET),
-    ]
+    ]  # fmt: skip
     if reduction == "mean":
         rows.append(timed("time vs closed form eager", "closed form eager"))
-    rows.append(
-        Row(
-            PHASE,
-            label,
-            "host-launched call vs naive eager",
-            "ms",
-            host["triton"],
-            baseline=host["naive eager"],
-            fraction_of_ceiling=ceilings.bandwidth_fraction(case.bytes_read, host["triton"]),
-            note=f"{note}; eager calls one after another, Python launch overhead included",
-        )
-    )
+    rows.append(Row(
+        PHASE, label, "host-launched call vs naive eager", "ms", host["triton"],
+        baseline=host["naive eager"],
+        fraction_of_ceiling=ceilings.bandwidth_fraction(case.bytes_read, host["triton"]),
+        note=f"{note}; eager calls one after another, Python launch overhead included",
+    ))  # fmt: skip
     return rows
 
 
@@ -160,42 +130,18 @@ def large_rows(case: LargeCase, ctx: BenchContext) -> list[Row]:
     fused_mb = extra_memory_mb(lambda: dv.nearest_diversity(x), device)
     naive_mb = extra_memory_mb(lambda: dv.nearest_diversity_reference(x), device)
     note = f"{ctx.where}; {path}: {why}; fraction_of_ceiling: 2 N^2 D FLOPs over the matmul rate"
-    ratio = ms["X @ X.T"] / ms["triton"]
+    ratio, name = ms["X @ X.T"] / ms["triton"], case.label()
     return [
-        Row(
-            PHASE,
-            case.label(),
-            "time vs X @ X.T (cuBLAS)",
-            "ms",
-            ms["triton"],
-            baseline=ms["X @ X.T"],
-            fraction_of_ceiling=fraction,
+        Row(PHASE, name, "time vs X @ X.T (cuBLAS)", "ms", ms["triton"], baseline=ms["X @ X.T"],
+            fraction_of_ceiling=fraction, note=note,
             target=f">= {1 / MATMUL_SLOWDOWN_LIMIT:.2f}x (within {MATMUL_SLOWDOWN_LIMIT:g}x)",
-            met=ratio >= 1 / MATMUL_SLOWDOWN_LIMIT if judged else None,
-            note=note,
-        ),
-        Row(
-            PHASE,
-            case.label(),
-            "time vs naive eager",
-            "ms",
-            ms["triton"],
-            baseline=ms["naive eager"],
-            fraction_of_ceiling=fraction,
-            note=note,
-        ),
-        Row(
-            PHASE,
-            case.label(),
-            "extra device memory",
-            "MB",
-            fused_mb,
-            baseline=naive_mb,
-            target=f"<= {MEMORY_LIMIT_MB:g} MB",
-            met=fused_mb <= MEMORY_LIMIT_MB if judged else None,
-            note=note if device.type == "cuda" else f"{note}; memory measured on CUDA only",
-        ),
-    ]
+            met=ratio >= 1 / MATMUL_SLOWDOWN_LIMIT if judged else None),
+        Row(PHASE, name, "time vs naive eager", "ms", ms["triton"], baseline=ms["naive eager"],
+            fraction_of_ceiling=fraction, note=note),
+        Row(PHASE, name, "extra device memory", "MB", fused_mb, baseline=naive_mb,
+            target=f"<= {MEMORY_LIMIT_MB:g} MB", met=fused_mb <= MEMORY_LIMIT_MB if judged else None,
+            note=note if device.type == "cuda" else f"{note}; memory measured on CUDA only"),
+    ]  # fmt: skip
 
 
 def step_rows(ctx: BenchContext) -> list[Row]:
@@ -222,7 +168,4 @@ def run(ctx: BenchContext) -> list[Row]:
     for reduction in ("mean", "nearest"):
         rows += group_rows(group, reduction, ctx)
     rows += large_rows(large, ctx)
-    rows += step_rows(ctx)
-    if ctx.device.type == "cuda":  # interpreted, a sweep would time NumPy: skipped on a CPU
-        rows += group_kernel_sweep(ctx.device, ctx.ceilings, show=False)
-    return rows
+    return rows + step_rows(ctx)

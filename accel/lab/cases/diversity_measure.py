@@ -1,5 +1,6 @@
 """The diversity phase's ground: its targets, its cases, inputs that do not fit in L2 and how a
-candidate is timed over them, and the candidates a kernel is compared with."""
+candidate is timed over them, the candidates a kernel is compared with, and the notebook's sweeps
+over B and N."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from accel import diversity as dv
+from accel.measure.ceilings import Ceilings
 from accel.measure.timer import compare
 
 PHASE = "diversity"
@@ -170,3 +172,43 @@ def group_candidates(reduction: str, device: torch.device) -> dict[str, Callable
 def _compiled(fn: Callable) -> Callable:
     """One compiled wrapper per function, so a sweep over B reuses its compilations."""
     return torch.compile(fn)
+
+
+# ---- sweeps over B and N, for the notebook (plots.diversity_sweep draws them) --------------------
+
+
+def group_sweep(
+    device: torch.device, ceilings: Ceilings, batches: tuple[int, ...], *, n: int = 4,
+    dim: int = 384, dtype: torch.dtype = torch.float32,
+) -> list[dict]:  # fmt: skip
+    """Effective bandwidth of each mean formulation over B (one record per B and candidate)."""
+    records = []
+    for batch in batches:
+        case = GroupCase(batch, n, dim, dtype)
+        times = _sweep_times(group_candidates("mean", device), case.shape, dtype, device)
+        records += [{"B": batch, "candidate": name, "ms": t,
+                     "gb_s": case.bytes_read / (t * 1e-3) / 1e9,
+                     "fraction_of_copy": ceilings.bandwidth_fraction(case.bytes_read, t)}
+                    for name, t in times.items()]  # fmt: skip
+    return records
+
+
+def large_sweep(
+    device: torch.device, ceilings: Ceilings, sizes: tuple[int, ...], *, dim: int = 384,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[dict]:  # fmt: skip
+    """Time and matmul-rate fraction of the fused nearest and of X @ X.T over N."""
+    candidates = {"triton nearest": dv.nearest_diversity, "X @ X.T": lambda x: x @ x.T}
+    records = []
+    for n in sizes:
+        flops = LargeCase(n, dim, dtype).flops
+        times = _sweep_times(candidates, (n, dim), dtype, device)
+        records += [{"N": n, "candidate": name, "ms": t, "tflop_s": flops / (t * 1e-3) / 1e12,
+                     "fraction_of_matmul": ceilings.compute_fraction(flops, t)}
+                    for name, t in times.items()]  # fmt: skip
+    return records
+
+
+def _sweep_times(candidates: dict[str, Callable], shape, dtype, device) -> dict[str, float]:
+    """Milliseconds per call of each candidate on rotating inputs of ``shape``."""
+    return time_per_call(candidates, rotating_inputs(shape, dtype, device), device, repeats=10)

@@ -9,9 +9,7 @@ user's model has them (rows of 100-1000 elements, some not a multiple of 16 byte
 rows); and each N again at a small batch.
 Judged: one call's latency >= 1.5x the compiled form's at every point; the kernels' device time
 (CUDA-graph replays over inputs that do not fit in L2, no host time in it) >= 75% of the measured
-copy bandwidth at every point that reads >= 64 MB; beside it, the same rows read alone by a kernel
-that only reads them (``accel.kernels.read_rows``, the faster of its launch shapes), the ceiling
-of reads in that layout: a point whose own reads stay under the target says so.
+copy bandwidth at every point that reads >= 64 MB.
 """
 
 from __future__ import annotations
@@ -23,10 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from accel import diversity as dv
-from accel import triton_support
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.diversity_measure import rotating_inputs, time_per_call
-from accel.lab.cases.overhead_timing import PHASE, latencies, misses_summary
+from accel.lab.cases.overhead_timing import PHASE, latencies
 from accel.lab.cases.sdpa_measure import release_memory
 
 TARGET_VS_COMPILED = 1.5
@@ -47,9 +44,6 @@ SMALL_BATCH = 64
 # Ragged counts are uniform over 0..N, so a group holds N/2 rows on average: twice the groups,
 # and a margin, read as many bytes as the full groups of a point without counts.
 RAGGED_GROUPS = 2.1
-# The reads' own ceiling, timed beside the kernels: the held rows read and summed, nothing else
-# (a ragged batch's skipped rows are holes in the stream that a contiguous copy does not have).
-READ_ALONE = "rows read alone"
 
 
 @dataclass(frozen=True)
@@ -99,12 +93,10 @@ def compiled_baselines(device: torch.device):
     )
 
 
-def measure(
-    point: Point, device: torch.device
-) -> tuple[int, list[tuple[str, float, float, float, float]]]:
+def measure(point: Point, device: torch.device) -> tuple[int, list[tuple]]:
     """The bytes the kernels read, and per reduction: (name, our latency µs, the compiled form's
-    µs, their round-by-round ratio, our device ms per call back to back), after checking both
-    against the reference."""
+    µs, their round-by-round ratio, our device ms per call back to back over inputs that do not
+    fit in L2, NaN under :data:`LARGE_BYTES`), after checking both against each other."""
     gen = torch.Generator(device).manual_seed(point.n * point.dim)
     x = torch.randn((point.batch, point.n, point.dim), device=device, generator=gen).to(point.dtype)
     counts = None
@@ -123,76 +115,28 @@ def measure(
             "accel": lambda f=ours, x=x, c=counts: f(x, c),
         }
         alone = latencies(fns, device, repeats=15)
-        device_ms = read_ms = math.nan
+        device_ms = math.nan
         if bytes_read >= LARGE_BYTES:  # the kernels' own time: graph replays, no host
             buffers = rotating_inputs((point.batch, point.n, point.dim), point.dtype, device)
             calls = {"accel": lambda x, f=ours, c=counts: f(x, c)}
-            reader = read_rows()
-            for tile in reader.TILE_BYTES_TRIED:
-                calls[f"{READ_ALONE} {tile}"] = lambda x, c=counts, t=tile, r=reader: (
-                    r.sum_rows_partials(x, c, tile_bytes=t)
-                )
-            times = time_per_call(calls, buffers, device, repeats=10)
-            device_ms = times.pop("accel")
-            read_ms = min(times.values())
+            device_ms = time_per_call(calls, buffers, device, repeats=10)["accel"]
         out.append((
             reduction,
             alone.timings["accel"].median_ms * 1e3,
             alone.timings["compiled"].median_ms * 1e3,
             alone.paired_ratio("compiled", "accel"),
             device_ms,
-            read_ms,
         ))  # fmt: skip
     return bytes_read, out
 
 
-# A missed point whose kernel reaches this share of its own rows' read alone is bound by what
-# reading them costs; further from it, the kernel's own work (the Gram tile, its epilogue) costs
-# more than the read. The reads' cost is the layout's where they stay under the target alone;
-# a kernel faster than that read has no measured ceiling.
-KERNEL_NEAR_READ = 0.85
-_UNDER = f"read alone these rows stay under {TARGET_BANDWIDTH} of copy"
-MISS_CAUSES = {
-    "layout": f"; {_UNDER}: the layout's bound",
-    "layout and kernel": f"; {_UNDER}, and the kernel is under {KERNEL_NEAR_READ} of that read: "
-    "bound by the layout and by its own work",
-    "kernel": f"; read alone these rows reach {TARGET_BANDWIDTH} of copy: the kernel's own work "
-    "is the bound",
-    "past the read": f"; {_UNDER}, and the kernel reads them faster than that: no ceiling "
-    "measured for them",
-}
-# How the summary row counts the misses of each cause.
-MISS_COUNTED = {
-    "layout": "bound by the layout",
-    "kernel": "by the kernel's own work",
-    "layout and kernel": "by both",
-    "past the read": "past their read alone",
-}
-
-
-def miss_cause(kernel_fraction: float, read_fraction: float) -> str | None:
-    """Why a point misses the bandwidth target (a key of :data:`MISS_CAUSES`), None if met."""
-    if kernel_fraction >= TARGET_BANDWIDTH:
-        return None
-    if read_fraction >= TARGET_BANDWIDTH:
-        return "kernel"
-    if kernel_fraction > read_fraction:
-        return "past the read"
-    return "layout" if kernel_fraction >= KERNEL_NEAR_READ * read_fraction else "layout and kernel"
-
-
-def read_rows():
-    """The kernel that reads the same rows and nothing else: the reads' own ceiling."""
-    return triton_support.kernel_module("accel.kernels.read_rows")
-
-
 def rows(ctx: BenchContext) -> list[Row]:
     out: list[Row] = []
-    ratios, fractions, causes = [], [], []
+    ratios, fractions = [], []
     for point in points(ctx.device):
         bytes_read, measured = measure(point, ctx.device)
         release_memory(ctx.device)
-        for reduction, mine, plain, ratio, device_ms, read_ms in measured:
+        for reduction, mine, plain, ratio, device_ms in measured:
             name = point.name(reduction)
             ratios.append(ratio)
             out.append(Row(
@@ -204,28 +148,22 @@ def rows(ctx: BenchContext) -> list[Row]:
             ))  # fmt: skip
             if bytes_read >= LARGE_BYTES:
                 fractions.append(ctx.ceilings.bandwidth_fraction(bytes_read, device_ms))
-                read = ctx.ceilings.bandwidth_fraction(bytes_read, read_ms)
-                causes.append(miss_cause(fractions[-1], read))
                 out.append(Row(
                     PHASE, name, "bandwidth", "fraction of copy", fractions[-1],
                     target=f">= {TARGET_BANDWIDTH}", higher_is_better=True,
                     met=fractions[-1] >= TARGET_BANDWIDTH if ctx.judged else None,
                     note=f"{ctx.where}; {bytes_read / 2**20:.0f} MiB read in "
                     f"{device_ms * 1e3:.1f} us (CUDA-graph replays over rotating inputs); copy "
-                    f"{ctx.ceilings.copy_gb_s:.0f} GB/s; the same rows read alone "
-                    f"({READ_ALONE}, interleaved): {read:.2f} of copy, the kernel at "
-                    f"{fractions[-1] / read:.2f} of that{MISS_CAUSES.get(causes[-1], '')}",
+                    f"{ctx.ceilings.copy_gb_s:.0f} GB/s",
                 ))  # fmt: skip
     summaries = [("single-call latency", "x", ratios, TARGET_VS_COMPILED),
                  ("bandwidth", "fraction of copy", fractions, TARGET_BANDWIDTH)]  # fmt: skip
     for metric, unit, values, target in summaries:
         missed = sum(v < target for v in values)
-        summary = (misses_summary(causes, MISS_COUNTED) if metric == "bandwidth"
-                   else f"{missed} point(s) missed")  # fmt: skip
         out.append(Row(
             PHASE, f"diversity sweep: worst {metric} of {len(values)} points", metric, unit,
             min(values, default=math.nan), target=f">= {target}", higher_is_better=True,
             met=missed == 0 if ctx.judged and values else None,
-            note=f"{ctx.where}; {summary}",
+            note=f"{ctx.where}; {missed} point(s) missed",
         ))  # fmt: skip
     return out
