@@ -15,14 +15,6 @@ HOST_CALLS = 50  # calls per host-clock sample
 HOST_ROUNDS = 41  # a host's pace drifts: the median of many rounds outlasts a slow spell
 
 
-def misses_summary(causes: list[str | None], counted: dict[str, str]) -> str:
-    """A sweep summary's count of its missed points, by cause: ``causes`` one per point (None
-    where met), ``counted`` each cause's words."""
-    missed = [c for c in causes if c is not None]
-    why = ", ".join(f"{missed.count(c)} {how}" for c, how in counted.items())
-    return f"{len(missed)} point(s) missed" + (f": {why}" if missed else "")
-
-
 def host_times(fns: dict, device: torch.device, repeats: int = HOST_ROUNDS) -> Comparison:
     """Host time per call of each of ``fns`` (the first is the baseline), interleaved."""
     return compare(fns, repeats=repeats, warmup=10, calls_per_sample=HOST_CALLS, device=device,
