@@ -58,13 +58,13 @@ CHANGED_TRAINING_TOLERANCE = {
     "predictions": {"rtol": 0.2, "atol": 0.1},
 }
 # batch_multiplier and grad_accumulation train on other samples (the next ones of the stream
-# too): their losses are another batch's, not comparable (None: not compared); the weights stay
-# within ~2 learning rates per step (seen 5.8e-3 after 3) and the field within 0.28 at the tiny
-# test batch.
+# too): their losses and, a few steps on, their predictions sample by sample are another
+# trajectory's, not comparable (None: not compared; the field's largest difference ranges over
+# seeds up to its own size); the weights stay within a few learning rates per step.
 LARGER_BATCH_TOLERANCE = {
     "losses": None,
     "params": {"rtol": 0.0, "atol": 1e-2},
-    "predictions": {"rtol": 0.0, "atol": 0.5},
+    "predictions": None,
 }
 
 
