@@ -1,26 +1,14 @@
 """CUDA graphs: capture a step's kernels once, then launch them all with one call.
 
-A launch-bound step spends more time launching kernels (a few microseconds of host work each)
-than running them. A CUDA graph records the kernels once and replays the whole sequence with one
-launch; the host then only copies new inputs in. What a replay does not do is everything that is
-not device work: Python, host reads, allocations, CPU tensors. So a graph needs:
+A replay only runs device work (no Python, host reads or allocations), so a graphed step needs
+static memory (inputs copied into static buffers, outputs overwritten by the next replay), no
+host-device sync inside, and fixed shapes (a new shape is an error, or a new graph in the same
+memory pool with ``on_new_shape="recapture"``).
 
-- static memory: every tensor the kernels touch keeps its address. Inputs are copied into static
-  buffers before each replay; outputs are static tensors that the next replay overwrites;
-- no host-device sync inside (``.item()``, ``print(cuda_tensor)``, ``if cuda_tensor:``): capture
-  forbids it, and :class:`GraphedStep` turns that failure into one warning and eager execution;
-- the same shapes: a graph is one fixed sequence of kernels. A new shape is an error, or a new
-  graph when asked (``on_new_shape="recapture"``), all of them sharing one memory pool.
-
-:class:`GraphedStep` wraps any step function that way (warm-up on a persistent side stream,
-capture on that stream with ``capture_error_mode="thread_local"`` so that another thread, say a
-plot refreshing, cannot break it). :class:`GraphedOptimizerStep` graphs ``optimizer.step()``
-alone with clipping left outside, and
-:func:`training_step` builds a step (zero grads, forward, backward, clip, optimizer step) whose
-graph owns the gradients, so all of it can be captured. ``torch.compile(mode="reduce-overhead")``
-does the same job automatically (CUDA graph trees); the bench and notebook 04 compare them.
-
-Off a GPU everything here runs eagerly, with one warning that says why.
+:class:`GraphedStep` wraps any step function that way; :class:`GraphedOptimizerStep` graphs
+``optimizer.step()`` alone; :func:`training_step` builds a whole step whose graph owns the
+gradients. ``torch.compile(mode="reduce-overhead")`` does the same job automatically (notebook
+04 compares them). Off a GPU everything runs eagerly, with one warning that says why.
 """
 
 from __future__ import annotations
@@ -64,8 +52,7 @@ class GraphInputError(ValueError):
 
 
 def _signature(leaves: Sequence[Any], spec: Any) -> tuple:
-    """What a graph depends on: each tensor's shape, dtype and device, every other value, and
-    the structure of the arguments."""
+    """What a graph depends on: each tensor's shape, dtype and device, every other value."""
     key = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -113,25 +100,17 @@ class _Captured:
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[Any], outputs: Any):
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
-        self.tensor_inputs = [
-            (i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)
-        ]  # (position, static buffer)
+        self.tensor_inputs = [(i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
 
 
 class GraphedStep:
     """``fn`` captured into a CUDA graph on first use, replayed on every later call.
 
-    Host cost of a replayed call: a key of (shape, dtype, device) per argument when the arguments
-    are tensors passed by position (a flattening of nested arguments otherwise), a copy into the
-    graph's static input per tensor, and the replay; measured beside a bare ``CUDAGraph.replay``
-    in ``results/`` (rows ``phase=overhead``, ``GraphedStep call``).
-
-    The first ``warmup`` calls run ``fn`` eagerly on a side stream (real calls: they do their
-    work and return their results; lazy state such as optimizer moments is created then,
-    outside the graph). The next call copies its inputs into static buffers, captures ``fn`` on
-    them, replays the graph and returns its static outputs. Every later call copies its inputs
-    in and replays. Outputs are the same tensors every call, valid until the next call of any
-    graph in the same pool (its replay may overwrite them): clone what you keep.
+    The first ``warmup`` calls run ``fn`` eagerly on a side stream (lazy state such as optimizer
+    moments is created then, outside the graph). The next call captures ``fn`` on static copies
+    of its inputs and replays; every later call copies its inputs in and replays. Outputs are the
+    same tensors every call, valid until the next replay of any graph in the same pool: clone
+    what you keep.
 
     Arguments may be tensors (on the graph's device) and hashable constants, nested in tuples,
     lists and dicts. A call whose shapes, dtypes, devices or constants differ from the captured
@@ -144,11 +123,9 @@ class GraphedStep:
     CUDA at all) ``fn`` runs eagerly from then on and a :class:`GraphCaptureWarning` names the
     cause, once; ``fallback="raise"`` raises instead. ``reason`` keeps the cause.
 
-    Host-side effects of ``fn`` (Python counters, appends to lists, prints) happen at capture
-    and never on a replay: keep them outside ``fn``, or redo them after each call. A failed
-    capture does not run the device work, but the Python up to the failure did run once.
-    Random numbers inside ``fn`` are fine (torch registers its CUDA generator with the graph),
-    but while a capture runs no other thread may draw CUDA random numbers.
+    Host-side effects of ``fn`` (counters, appends, prints) happen at capture, never on a
+    replay. Random numbers inside ``fn`` are fine; while a capture runs no other thread may draw
+    CUDA random numbers.
     """
 
     def __init__(
@@ -184,8 +161,7 @@ class GraphedStep:
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._pool, self._stream = pool, None
         self._graphs: dict[tuple, _Captured] = {}
-        # the same graphs for calls of tensors only, passed by position, keyed without pytree:
-        # (shape, dtype, device) per argument
+        # the same graphs keyed without pytree, for calls of tensors passed by position
         self._positional: dict[tuple, _Captured] = {}
         self._warmups: dict[tuple, int] = {}
         self._first: tuple | None = None  # the first call's signature (what "error" compares to)
@@ -283,11 +259,9 @@ class GraphedStep:
         return self._stream
 
     def _run_on_side_stream(self, args, kwargs) -> Any:
-        """An eager call on the capture stream, ordered after and before the caller's work.
-
-        It runs under torch's sync-debug mode: a step that syncs would fail its capture, and a
-        failed capture can leave CUDA's random-number state unusable in this process, so a
-        warm-up that syncs ends the attempt before any capture (its own result stands)."""
+        """An eager call on the capture stream, under sync-debug mode: a warm-up that syncs ends
+        the attempt before a capture (which would fail and could leave CUDA's random-number
+        state unusable)."""
         stream, current = self._side_stream(), torch.cuda.current_stream(self._device)
         stream.wait_stream(current)
         with sync.recording_syncs() as syncs, torch.cuda.stream(stream):
@@ -330,32 +304,20 @@ class GraphedStep:
         except Exception as exc:
             _clear_cublas_workspaces()
             torch.cuda.synchronize(self._device)  # a failed capture leaves no work behind
-            cause = inner[0] if inner else exc
-            args, kwargs = pytree.tree_unflatten(leaves, spec)
-            return self._give_up(
-                f"{_explain(cause)}; CUDA's random-number state may now be unusable in this "
-                "process (torch leaves it in capture mode after a failed capture)",
-                args,
-                kwargs,
-                stacklevel=5,
+            failure = (
+                f"{_explain(inner[0] if inner else exc)}; CUDA's random-number state may now be "
+                "unusable in this process (torch leaves it in capture mode after a failed capture)"
             )
-        _clear_cublas_workspaces()  # later eager matmuls must not share the graph's workspace
-        bad = next(
-            (
-                t
+        else:
+            _clear_cublas_workspaces()  # later eager matmuls must not share the graph's workspace
+            off = [
+                t.device
                 for t in pytree.tree_leaves(outputs)
                 if isinstance(t, torch.Tensor) and t.device != self._device
-            ),
-            None,
-        )
-        if bad is not None:
-            args, kwargs = pytree.tree_unflatten(leaves, spec)
-            return self._give_up(
-                f"it returns a tensor on {bad.device}, which a replay would never update",
-                args,
-                kwargs,
-                stacklevel=5,
-            )
+            ]
+            failure = off and f"it returns a tensor on {off[0]}, which a replay would never update"
+        if failure:
+            return self._give_up(failure, *pytree.tree_unflatten(leaves, spec), stacklevel=5)
         self._graphs[key] = _Captured(graph, static, outputs)
         self.captures += 1
         graph.replay()  # capture recorded the work without doing it: this call's work
@@ -389,9 +351,8 @@ class GraphedStep:
         return next(iter(self._graphs.values())).inputs
 
     def reset(self) -> None:
-        """Drop every graph and its static buffers, and return the pool's memory to the device
-        (memory of outputs you still hold stays until you drop them). The next calls warm up
-        and capture again; a fallback to eager is forgotten too."""
+        """Drop every graph, its static buffers and a fallback to eager, and return the pool's
+        memory to the device; the next calls warm up and capture again."""
         self._graphs.clear()
         self._positional.clear()
         self._warmups.clear()
@@ -410,11 +371,9 @@ class GraphedStep:
 
 
 def _clear_cublas_workspaces() -> None:
-    """Drop cuBLAS's cached per-stream workspaces (as compile's CUDA-graph trees do around their
-    captures). A graph records the workspace address its matrix products use; captured after a
-    clear, that workspace is allocated in the graph's own pool and lives as long as the graph.
-    Captured with a workspace from before, the graph would write into memory that anyone who
-    clears the cache (compile's graph trees do, on every recording) hands to other tensors."""
+    """Drop cuBLAS's cached per-stream workspaces (as compile's CUDA-graph trees do), so that a
+    capture allocates its workspace in the graph's own pool rather than recording one that a
+    later clear hands to other tensors."""
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private, torch >= 2.0
     if clear is not None:
         clear()
@@ -441,25 +400,16 @@ def _explain(exc: BaseException) -> str:
 
 
 # ---- optimizer steps -----------------------------------------------------------------------------
-def _is_capturable(optimizer: torch.optim.Optimizer) -> bool:
-    return all(g.get("capturable", False) for g in optimizer.param_groups)
-
-
 class GraphedOptimizerStep:
     """``optimizer.step()`` as a CUDA graph; gradients, clipping and everything else stay eager.
 
-    On CUDA the optimizer must be capturable (``AdamW(..., capturable=True)``, with
-    ``fused=True`` or not): its step counter then lives on the device. Off a GPU any optimizer
-    steps eagerly (torch's AdamW cannot step capturable on a CPU). ``optimizer.load_state_dict``
-    copies into the captured state (:func:`accel.optim.load_state_in_place`), so a resumed run
-    replays on it. The graph records the gradients' addresses, so they must stay put: zero them
-    with ``zero_grad(set_to_none=False)`` (backward then accumulates into the same tensors) and
-    clip them in place before the call. Every call checks that, that no learning rate
-    changed under the graph (a float learning rate is baked into the graph; use a 0-d device
-    tensor and update it in place) and that no parameter was added (``reset()`` captures them
-    again): a moved gradient, a changed rate or a new group raises :class:`GraphInputError`
-    instead of silently training on stale memory.
-    ``check=False`` skips those host-side checks (about a microsecond per tensor).
+    On CUDA the optimizer must be capturable (``AdamW(..., capturable=True)``); off a GPU it
+    steps eagerly. ``optimizer.load_state_dict`` copies into the captured state
+    (:func:`accel.optim.load_state_in_place`). The graph records the gradients' addresses: zero
+    them with ``zero_grad(set_to_none=False)`` and clip them in place. Each call checks that no
+    gradient moved, no learning rate changed (use a 0-d device tensor updated in place) and no
+    parameter was added (``reset()`` captures again), raising :class:`GraphInputError`;
+    ``check=False`` skips those host-side checks.
     """
 
     def __init__(
@@ -474,7 +424,8 @@ class GraphedOptimizerStep:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if not params:
             raise ValueError("GraphedOptimizerStep: the optimizer has no parameters")
-        if params[0].device.type == "cuda" and not _is_capturable(optimizer):  # else: eager
+        capturable = all(g.get("capturable", False) for g in optimizer.param_groups)
+        if params[0].device.type == "cuda" and not capturable:  # else: eager
             raise ValueError(
                 f"GraphedOptimizerStep needs a capturable optimizer (its step count on the "
                 f"device); got {type(optimizer).__name__} with capturable=False. Construct it "
@@ -557,12 +508,10 @@ def training_step(
     *,
     max_grad_norm: float | None = None,
 ) -> Callable[..., torch.Tensor]:
-    """A whole training step, fit for :class:`GraphedStep`: ``step(inputs, targets)`` zeroes the
-    gradients (to None: in a capture, backward then allocates them in the graph's pool, where they
-    stay, fixed, for every replay), runs ``loss_fn(model(inputs), targets)``, backward, clips the
-    gradient norm to ``max_grad_norm`` on the device (no host read) and steps the optimizer.
-    Returns the loss, detached. Wrap it: ``GraphedStep(training_step(...))``; the optimizer must
-    be capturable for that (it need not be eagerly)."""
+    """A whole training step for :class:`GraphedStep`: ``step(inputs, targets)`` zeroes the
+    gradients to None (a capture then allocates them in the graph's pool), runs
+    ``loss_fn(model(inputs), targets)``, backward, clips to ``max_grad_norm`` on the device and
+    steps the (capturable) optimizer. Returns the loss, detached."""
     checked_instance(model, torch.nn.Module, "training_step: model", "torch.nn.Module")
     checked_callable(loss_fn, "training_step(loss_fn)")
     checked_instance(

@@ -148,78 +148,29 @@ def _without_kineto_lines() -> Iterator[None]:
 
 
 LAUNCH_CALLS = frozenset(
-    {
-        "cudaLaunchKernel",
-        "cudaLaunchKernelExC",
-        "cuLaunchKernel",
-        "cuLaunchKernelEx",
-        "cudaLaunchCooperativeKernel",
-        "cudaGraphLaunch",
-    }
+    "cudaLaunchKernel cudaLaunchKernelExC cuLaunchKernel cuLaunchKernelEx "
+    "cudaLaunchCooperativeKernel cudaGraphLaunch".split()
 )
 # Calls after which the host waits for the device. cudaMemcpy (not Async) blocks too.
 SYNC_CALLS = frozenset(
-    {
-        "cudaStreamSynchronize",
-        "cudaDeviceSynchronize",
-        "cudaEventSynchronize",
-        "cudaMemcpy",
-    }
+    "cudaStreamSynchronize cudaDeviceSynchronize cudaEventSynchronize cudaMemcpy".split()
 )
 HOST_READ_OP = "aten::_local_scalar_dense"  # what .item(), float(t) and int(t) end in
-# ATen ops that move no data through arithmetic: views, metadata and allocation.
 CPU_COLLECTIVE = "gloo:"  # a CPU process group's collective, as its thread runs it
 # ops that only choose another op to do their arithmetic: never a kernel when they called one
 DISPATCHING_OPS = frozenset(
     {"aten::matmul", "aten::linear", "aten::conv2d", "aten::convolution", "aten::_convolution"}
 )
+# ATen ops that move no data through arithmetic: views, metadata and allocation.
 NO_WORK_OPS = frozenset(
-    {
-        "aten::empty",
-        "aten::empty_like",
-        "aten::empty_strided",
-        "aten::as_strided",
-        "aten::view",
-        "aten::reshape",
-        "aten::_reshape_alias",
-        "aten::t",
-        "aten::transpose",
-        "aten::permute",
-        "aten::expand",
-        "aten::unsqueeze",
-        "aten::squeeze",
-        "aten::select",
-        "aten::slice",
-        "aten::alias",
-        "aten::detach",
-        "aten::detach_",
-        "aten::resolve_conj",
-        "aten::resolve_neg",
-        "aten::lift_fresh",
-        "aten::_unsafe_view",
-        "aten::unbind",
-        "aten::split",
-        "aten::chunk",
-        "aten::narrow",
-        "aten::result_type",
-        "aten::to",
-        "aten::_to_copy",
-        "aten::set_",
-        "aten::resize_",
-        "aten::contiguous",
-        "aten::view_as",
-        "aten::expand_as",
-        "aten::flatten",
-        "aten::zeros",
-        "aten::ones",
-        "aten::ones_like",
-        "aten::zeros_like",
-        "aten::full",
-        "aten::new_empty",
-        "aten::new_empty_strided",
-        "aten::new_zeros",
-        "aten::scalar_tensor",
-    }
+    "aten::" + name
+    for name in (
+        "empty empty_like empty_strided as_strided view reshape _reshape_alias t transpose "
+        "permute expand unsqueeze squeeze select slice alias detach detach_ resolve_conj "
+        "resolve_neg lift_fresh _unsafe_view unbind split chunk narrow result_type to _to_copy "
+        "set_ resize_ contiguous view_as expand_as flatten zeros ones ones_like zeros_like full "
+        "new_empty new_empty_strided new_zeros scalar_tensor"
+    ).split()
 )
 
 
