@@ -1,26 +1,13 @@
 """Fusion: fewer, larger kernels for work done over many tensors or in many small steps.
 
-A training step over a model with ~150 parameter tensors that loops in Python launches a kernel
-(or two) per tensor for every statistic, every clip and every optimizer update: ~600 launches for
-the group statistics alone, each a few microseconds of host time for a few microseconds of GPU
-work. ``torch._foreach_*`` ops take the whole list and launch a handful of kernels for it.
-
-What a training loop takes from here, each fast version beside its plain reference, picked by one
-``foreach=`` switch with the same signature (the pattern of ``torch/optim/adam.py``):
-
-- :func:`group_stats`: per-group gradient and parameter norms (``_group_stats_loop`` is the
-  per-tensor "before");
-- :func:`global_norm` and :func:`clip_grad_norm_`: clipping with foreach norms and the coefficient
-  applied on the device (``_clip_grad_norm_loop`` is the common version, which syncs);
-- :func:`lior_step_fused` beside :func:`lior_step`: one quadratic form where the "before" computes
-  it twice;
-- :func:`retrieval_mix_fused` beside :func:`retrieval_mix`: softmax weights times values as one
-  matrix product instead of a materialized (B, M, d) product and a sum;
-- :class:`CompiledFunction` (:func:`compile_per_shape`): ``torch.compile`` once per input shape,
-  with the number of compiles visible, so shape churn shows instead of silently recompiling.
-
-Tensors are grouped by (device, dtype) for the foreach calls; norms are accumulated in float32
-whatever the tensors' dtype. Importing this module costs torch only.
+A Python loop over ~150 parameter tensors launches a kernel or two per tensor for every
+statistic, clip and update; ``torch._foreach_*`` ops take the whole list in a handful of
+launches. Each fast version here sits beside its plain reference, picked by one ``foreach=``
+switch: :func:`group_stats`, :func:`global_norm` and :func:`clip_grad_norm_` (no host read);
+:func:`lior_step_fused` beside :func:`lior_step`; :func:`retrieval_mix_fused` beside
+:func:`retrieval_mix`; and :class:`CompiledFunction` (:func:`compile_per_shape`), which makes
+``torch.compile``'s recompiles per shape visible. Norms are accumulated in float32 (float64 for
+float64 tensors).
 """
 
 from __future__ import annotations
@@ -45,25 +32,27 @@ class NonFiniteGradientError(RuntimeError):
 
 
 # ---- grouping ----------------------------------------------------------------------------------
-def _listed(tensors: Tensors, what: str) -> list[Any]:
+def _listed(tensors: Tensors, what: str, noun: str = "tensors") -> list[Any]:
+    """``tensors`` as a non-empty list, or an error naming ``what``."""
     if isinstance(tensors, torch.Tensor):
         return [tensors]
     try:
-        return list(tensors)
+        out = list(tensors)
     except TypeError:
         raise TypeError(
             f"{what}: expected a tensor or an iterable of tensors, got "
             f"{reprlib.repr(tensors)} ({type(tensors).__name__})"
         ) from None
+    if not out:
+        raise ValueError(
+            f"{what}: got no {noun} (an empty list, or a generator such as "
+            "model.parameters() that was already consumed)"
+        )
+    return out
 
 
 def _as_list(tensors: Tensors, what: str) -> list[torch.Tensor]:
     out = _listed(tensors, what)
-    if not out:
-        raise ValueError(
-            f"{what}: got no tensors (an empty list, or a generator such as "
-            "model.parameters() that was already consumed)"
-        )
     for i, t in enumerate(out):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: item {i} is a {type(t).__name__}, not a tensor")
@@ -234,18 +223,6 @@ def _group_index(
 
 
 # ---- clipping -----------------------------------------------------------------------------------
-def _grads_of(parameters: Tensors, what: str) -> tuple[list[torch.Tensor], torch.device]:
-    params = _listed(parameters, what)
-    if not params:
-        raise ValueError(
-            f"{what}: got no parameters (an empty list, or a generator such as "
-            "model.parameters() that was already consumed)"
-        )
-    device = _one_device(params, what)
-    grads = [p.grad for p in params if p.grad is not None]
-    return grads, device
-
-
 def global_norm(tensors: Tensors, norm_type: float = 2.0, *, foreach: bool = True) -> torch.Tensor:
     """The norm of all ``tensors`` taken together, as a 0-d tensor on their device: float32, or
     float64 where a tensor is."""
@@ -283,22 +260,19 @@ def clip_grad_norm_(
     tensor; that check reads the norm on the host, a sync, made only when asked.
     ``foreach=False`` is the common loop: a norm per tensor, then ``if coef < 1`` on the host
     (one sync) and a multiply per tensor.
-
-    Host cost: a pass over the parameters for their gradients and one foreach norm and one
-    foreach multiply per dtype, as torch's ``foreach=True``; beside it in ``results/`` (rows
-    ``phase=overhead``, ``clip_grad_norm_``).
     """
     max_norm = checked_max_norm(max_norm, "clip_grad_norm_: max_norm")
     norm_type = (
         math.inf if norm_type == "inf" else checked_number(norm_type, "clip_grad_norm_: norm_type")
     )
-    grads, device = _grads_of(parameters, "clip_grad_norm_")
+    params = _listed(parameters, "clip_grad_norm_", "parameters")
+    device = _one_device(params, "clip_grad_norm_")
+    grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros((), device=device)
     impl = _clip_grad_norm_foreach if foreach else _clip_grad_norm_loop
     with torch.no_grad():
-        total = impl(grads, max_norm, norm_type, error_if_nonfinite)
-    return total
+        return impl(grads, max_norm, norm_type, error_if_nonfinite)
 
 
 def checked_max_norm(max_norm: Any, name: str) -> float:
@@ -409,23 +383,16 @@ def retrieval_mix_fused(cost: torch.Tensor, values: torch.Tensor, beta: float) -
 class CompiledFunction:
     """``fn`` through ``torch.compile`` with static shapes, counting what it compiles.
 
-    ``compiles`` is the number of graphs the backend was handed: one per distinct input shape
-    (and per graph break); ``signatures`` holds the input shapes of each, recorded at compile
-    time so a call costs nothing extra. Past ``max_compiles`` a warning says so (each compile
-    costs seconds, and dynamo gives up after its recompile limit, 8 by default, and runs
-    eagerly). Python-number arguments are constants to dynamo: a new value is a new compile.
+    ``compiles`` counts the graphs the backend was handed (one per input shape and graph break),
+    ``signatures`` their input shapes; past ``max_compiles`` a warning says so. Python numbers
+    are constants to dynamo: a new value is a new compile.
 
-    ``direct=True`` skips dynamo on every call after the first of a signature: the compiled
-    graph is called straight away when this call's tensors have the shapes, strides, dtypes and
-    devices (and the same non-tensor arguments, grad mode and autocast state) of a call that
-    compiled a graph taking exactly those tensors in order: dynamo's frame evaluation, tens of
-    microseconds of host time a call, is then paid once per signature. For pure functions of
-    their tensor arguments only (no globals read, no Python state that a guard would check);
-    anything else keeps going through dynamo (``direct_signatures`` lists what is called
-    directly).
+    ``direct=True`` calls the compiled graph straight away, skipping dynamo's frame evaluation,
+    when a call's tensors (shapes, strides, dtypes, devices), other arguments, grad mode and
+    autocast state match a call that compiled a graph taking exactly those tensors: for pure
+    functions of their tensor arguments only (``direct_signatures`` lists them).
 
-    ``torch.compile`` errors surface at the first call; :meth:`check` makes that call on an
-    example at a time of your choosing and compares the result with ``fn`` itself.
+    :meth:`check` makes the first call (and compile) on an example and compares with ``fn``.
     """
 
     def __init__(
@@ -516,11 +483,6 @@ class CompiledFunction:
     def direct_signatures(self) -> list[tuple]:
         """The call signatures served without dynamo (``direct=True``)."""
         return list(self._direct)
-
-    def call_guarded(self, *args: Any, **kwargs: Any) -> Any:
-        """One call through dynamo (its guards and frame evaluation), direct or not: the cost
-        that direct calls avoid, for measuring it."""
-        return self._compiled(*args, **kwargs)
 
     def check(self, *args: Any, rtol: float = 1e-5, atol: float = 1e-6, **kwargs: Any) -> Any:
         """Call once (compiling for these shapes now) and assert the result matches ``fn``."""
