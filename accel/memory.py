@@ -1,23 +1,13 @@
 """Memory: allocate once, release only when it pays, store fewer activations, and measure it.
 
-PyTorch's CUDA caching allocator keeps freed blocks for reuse, so a steady training step asks the
-driver (``cudaMalloc``) for nothing new. What breaks that steady state, and what this module has
-for it:
-
-- ``torch.cuda.empty_cache()`` on a fixed schedule: it waits for the device (a stall), frees the
-  cached segments, and the next steps ``cudaMalloc`` them again. :class:`CacheCleaner` empties
-  only when fragmentation or pressure calls for it, and counts the stalls it avoided;
-- tensors created afresh every step for the same purpose: :class:`BufferCache` hands out one
-  tensor per name and shape, allocated once;
-- counting: :func:`count_allocations` (per-step deltas of ``torch.cuda.memory_stats``: allocator
-  requests, ``cudaMalloc`` calls, retries, peak) and :func:`record_memory_history` with
-  :func:`snapshot_events` (the allocator's event history, memory over time);
-- activations: :func:`checkpoint_blocks` (from :mod:`accel.recompute`) recomputes the activations
-  of named blocks in the backward pass instead of storing them; :func:`largest_batch` finds the
-  largest batch whose step stays within a memory budget, measured with :func:`peak_memory`.
-
-On a CPU there is no caching allocator: allocation counts and peaks come from the profiler's
-memory events instead, and the CUDA-only parts say so. Torch only.
+PyTorch's CUDA caching allocator keeps freed blocks, so a steady step asks the driver for
+nothing new. :class:`CacheCleaner` empties the cache only when fragmentation or pressure calls
+for it (not on a fixed schedule, a stall each); :class:`BufferCache` hands out one tensor per
+name, allocated once; :func:`count_allocations`, :func:`peak_memory` and
+:func:`record_memory_history` with :func:`snapshot_events` measure allocations;
+:func:`checkpoint_blocks` (from :mod:`accel.recompute`) recomputes named blocks' activations in
+backward, and :func:`largest_batch` finds the largest batch within a memory budget. On a CPU
+counts and peaks come from the profiler's memory events.
 """
 
 from __future__ import annotations
@@ -31,17 +21,11 @@ from typing import Any
 import torch
 
 from accel.errors import checked_callable, checked_count, checked_instance, checked_number
-from accel.recompute import (  # public here: this module measures what they save
-    SELECTIVE_SAVE as SELECTIVE_SAVE,
-)
-from accel.recompute import (
-    CheckpointedBlocks as CheckpointedBlocks,
-)
-from accel.recompute import (
-    checkpoint_blocks as checkpoint_blocks,
-)
-from accel.recompute import (
-    save_ops_policy as save_ops_policy,
+from accel.recompute import (  # noqa: F401 (public here: this module measures what they save)
+    SELECTIVE_SAVE,
+    CheckpointedBlocks,
+    checkpoint_blocks,
+    save_ops_policy,
 )
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -99,18 +83,12 @@ class CleanupPolicy:
 
 class CacheCleaner:
     """Call :meth:`step` once per window (or step); it empties the CUDA cache only when
-    :class:`CleanupPolicy` says it pays.
+    :class:`CleanupPolicy` says it pays: when much is reserved and little of it used, not when
+    nearly all is allocated (then ``empty_cache`` releases little for its sync and refills).
 
-    Why not the common rule "empty when over 90% of the reserved memory is allocated": then the
-    cache holds almost nothing free, so ``empty_cache`` releases little while still paying its
-    device sync and the ``cudaMalloc`` calls that refill the cache. Emptying pays in the
-    opposite case, when much is reserved and little of it used.
-
-    ``stalls_avoided`` counts the calls on which a fixed schedule (``empty_cache`` every
-    ``naive_every`` calls, skipping the first) would have emptied and this cleaner did not.
-    ``state`` and ``empty`` are injectable, so the policy runs anywhere; on a non-CUDA device
-    without them, :meth:`step` only counts. A CUDA device on a machine without one is refused
-    when the cleaner is made (without ``state``), not at its first step.
+    ``stalls_avoided`` counts the calls on which ``empty_cache`` every ``naive_every`` calls
+    would have emptied and this cleaner did not. ``state`` and ``empty`` are injectable, so the
+    policy runs anywhere; on a non-CUDA device without them, :meth:`step` only counts.
     """
 
     def __init__(
@@ -193,16 +171,10 @@ class CacheCleaner:
 
 # ---- buffers allocated once ---------------------------------------------------------------------
 class BufferCache:
-    """Named tensors allocated once and handed out again on every later request.
-
-        buffers = BufferCache(device="cuda")
-        stats = buffers.get("stats", (groups, 2))        # allocated on the first call only
-        group_stats(param_groups, out=stats)
-
-    A request with a new shape or dtype under a known name replaces that buffer (counted in
-    ``misses``). Contents are whatever was last written (``torch.empty`` at first): write before
-    you read. Keeping addresses fixed is also what CUDA-graph capture needs.
-    """
+    """Named tensors allocated once and handed out again on every later request
+    (``buffers.get("stats", (groups, 2))``). A new shape or dtype under a known name replaces
+    that buffer (counted in ``misses``). Contents are whatever was last written: write before
+    you read."""
 
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else None
@@ -247,14 +219,10 @@ class BufferCache:
 # ---- counting allocations -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class AllocationStats:
-    """Allocator activity per step, averaged over ``steps`` steady-state steps.
-
-    ``requests``: tensors allocated (from the cache or not); ``device_allocs``: ``cudaMalloc``
-    calls (new segments from the driver, the slow kind); ``retries``: failed ``cudaMalloc`` calls
-    that made the allocator free its cache and try again (a sync each); ``peak_bytes``: the
-    highest allocated bytes during the steps, above the level at their start.
-    ``device_allocs`` and ``retries`` are None on a CPU (no caching allocator there).
-    """
+    """Allocator activity per step, averaged over ``steps`` steady-state steps: ``requests``
+    (tensors allocated), ``device_allocs`` (``cudaMalloc`` calls), ``retries`` (failed
+    ``cudaMalloc`` calls that freed the cache and retried; both None on a CPU), and
+    ``peak_bytes`` above the level at the start."""
 
     steps: int
     requests: float
@@ -283,14 +251,9 @@ def count_allocations(
     warmup: int = 2,
     device: torch.device | str | None = None,
 ) -> AllocationStats:
-    """Run ``fn`` ``warmup`` times, then ``steps`` times while counting what it allocates.
-
-    On CUDA the counts are deltas of ``torch.cuda.memory_stats`` (host counters, no sync needed
-    to read them; one synchronize before and after so the window holds exactly these steps). On
-    a CPU they come from the profiler's memory events (``device_allocs`` and ``retries`` None);
-    there a Python number in an op (``x * 2``) shows as an 8-byte host allocation, which CUDA's
-    device counters do not see.
-    """
+    """Run ``fn`` ``warmup`` times, then ``steps`` times while counting what it allocates:
+    deltas of ``torch.cuda.memory_stats`` on CUDA, the profiler's memory events on a CPU (where
+    a Python number in an op shows as an 8-byte host allocation)."""
     checked_callable(fn, "count_allocations(fn)")
     steps = checked_count(steps, "steps", at_least=1)
     warmup = checked_count(warmup, "warmup")
@@ -338,8 +301,7 @@ MARK = "accel.memory.window"
 
 
 def _repeat(fn: Callable[[], object], times: int) -> None:
-    """``fn`` called ``times`` times, each result dropped before the next call (a list of them
-    would hold every step's outputs at once)."""
+    """``fn`` called ``times`` times, each result dropped before the next call."""
     for _ in range(times):
         fn()
 
@@ -385,12 +347,9 @@ def _peak(events: list[tuple[int, int]], start: int = 0) -> int:
 
 
 def peak_memory(fn: Callable[[], object], *, device: torch.device | str | None = None) -> int:
-    """Bytes allocated at the highest point while ``fn`` ran, above the level at its start.
-
-    CUDA: ``max_memory_allocated`` after a reset (exact). CPU: the running sum of the profiler's
-    allocation and free records (what torch's CPU allocator handed out); the profiler sees no
-    free of a block allocated before it started, so a ``fn`` that frees such tensors reads high.
-    """
+    """Bytes allocated at the highest point while ``fn`` ran, above the level at its start:
+    ``max_memory_allocated`` on CUDA, the profiler's allocation records on a CPU (which miss
+    frees of blocks allocated before, so a ``fn`` that frees such tensors reads high)."""
     checked_callable(fn, "peak_memory(fn)")
     dev = torch.device(device) if device is not None else _default_device()
     if dev.type == "cuda":
@@ -409,9 +368,8 @@ def peak_memory(fn: Callable[[], object], *, device: torch.device | str | None =
 def record_memory_history(
     *, max_entries: int = 100_000, device: torch.device | str | None = None
 ) -> Iterator[dict[str, Any]]:
-    """Record the CUDA allocator's events inside the block; the yielded dict gets the snapshot
-    (``torch.cuda.memory._snapshot()``) under ``"snapshot"`` at exit. Stack traces are not
-    recorded (gathering one adds host time to every event). CUDA only: elsewhere a RuntimeError says so.
+    """Record the CUDA allocator's events inside the block (without stack traces); the yielded
+    dict gets the snapshot under ``"snapshot"`` at exit. CUDA only.
 
         with record_memory_history() as rec:
             step()
@@ -438,15 +396,10 @@ def record_memory_history(
 
 
 def snapshot_events(snapshot: dict[str, Any], *, device: int = 0) -> list[dict[str, Any]]:
-    """The allocator's event history of one device, one dict per event (``pd.DataFrame`` of it
-    is the memory-over-time table).
-
-    Keys: ``t_us`` (event time from the first event; its index when the snapshot has no times),
-    ``action`` (alloc, free_requested, free_completed, segment_alloc, segment_free, oom ...),
-    ``bytes``, and the running ``allocated_bytes`` (allocs minus completed frees) and
-    ``reserved_bytes`` (segments from the driver) as they stood after the event, both relative to
-    the start of the history.
-    """
+    """The allocator's event history of one device, one dict per event: ``t_us`` (from the
+    first event; its index without times), ``action`` (alloc, free_completed, segment_alloc ...),
+    ``bytes``, and the running ``allocated_bytes`` and ``reserved_bytes`` after it, relative to
+    the start of the history."""
     traces = snapshot.get("device_traces", [])
     entries = traces[device] if device < len(traces) else []
     allocated = reserved = 0
@@ -497,14 +450,12 @@ def largest_batch(
     limit: int = 4096,
     device: torch.device | str | None = None,
 ) -> BatchSearch:
-    """The largest batch ``b`` (``start`` <= b <= ``limit``) whose ``run(b)`` stays within
-    ``budget_bytes``: ``resident_bytes`` (what is already allocated for the job, such as weights
-    and optimizer state) plus :func:`peak_memory` of ``run(b)`` must not exceed it.
+    """The largest batch ``b`` (``start`` <= b <= ``limit``) for which ``resident_bytes`` (weights,
+    optimizer state) plus :func:`peak_memory` of ``run(b)`` stays within ``budget_bytes``.
 
-    Doubles from ``start`` until a batch does not fit, then bisects: about 2 log2(b) probes.
-    Assumes memory grows with the batch. On CUDA an out-of-memory error counts as "does not fit"
-    (the cache is emptied before the next probe). Returns 0 as ``batch`` if ``start`` does not
-    fit.
+    Doubles from ``start`` until a batch does not fit, then bisects (memory assumed to grow with
+    the batch); an out-of-memory error counts as "does not fit". ``batch`` is 0 if ``start``
+    does not fit.
     """
     checked_callable(run, "largest_batch(run)")
     if not checked_number(budget_bytes, "budget_bytes") > 0:  # 8e9 is a budget too

@@ -1,22 +1,12 @@
 """Sync removal: keep numbers on the device and bring them to the host once, when asked.
 
 A host read of a device tensor (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``, ``if t:``,
-boolean-mask indexing) makes Python wait until the GPU has run everything queued before it. The
-launch queue drains: the GPU idles while the host waits, then idles again while the host launches
-the next kernels. In a launch-bound loop each such read costs tens of microseconds.
-
-What a training loop takes from here, each fast version beside its plain reference:
-
-- :func:`read_scalars` (one transfer for many scalars) and :func:`read_scalars_reference`
-  (``.item()`` each);
-- :class:`MetricAccumulator`: running sums on the device, read in one transfer;
-- :class:`ProgressLog`: progress rows recorded on the device and copied to the host without
-  blocking, collected when they have landed;
-- :func:`count_syncs` and the guard :func:`no_sync` (both need CUDA; on a CPU they say so once);
-- :func:`apply_givens` and :func:`update_rotor_angles`: batched index ops replacing Python loops
-  over rotation planes, beside their loop references.
-
-Importing this module costs torch only.
+boolean-mask indexing) waits until the GPU has run everything queued: the queue drains and the
+GPU idles. Each fast version here sits beside its plain reference: :func:`read_scalars` (one
+transfer for many scalars), :class:`MetricAccumulator` (running sums on the device),
+:class:`ProgressLog` (rows copied to the host without blocking), :func:`apply_givens` and
+:func:`update_rotor_angles` (batched index ops for loops over rotation planes). :func:`count_syncs`
+and the guard :func:`no_sync` find syncs (CUDA only; on a CPU they say so once).
 """
 
 from __future__ import annotations
@@ -96,12 +86,9 @@ def _as_scalar(name: str, value: torch.Tensor) -> torch.Tensor:
 class MetricAccumulator:
     """Running sums of named scalar metrics kept on the device; read back in one transfer.
 
-        acc = MetricAccumulator(["loss", "grad_norm"], device="cuda")
-        acc.add(loss=loss, grad_norm=norm)   # no sync: one in-place add
-        acc.read()                           # {'loss': ..., 'grad_norm': ...}: means, one sync
-
-    The number of ``add`` calls is counted on the host, which knows it without asking the GPU.
-    ``totals`` keeps its address (``reset`` zeroes it in place).
+    acc = MetricAccumulator(["loss", "grad_norm"], device="cuda")
+    acc.add(loss=loss, grad_norm=norm)   # no sync: one in-place add
+    acc.read()                           # {'loss': ..., 'grad_norm': ...}: means, one sync
     """
 
     def __init__(
@@ -152,10 +139,9 @@ class MetricAccumulator:
 class ProgressLog:
     """Progress rows recorded on the device, copied to the host without blocking.
 
-    ``record`` writes a row into a preallocated device buffer (no sync); ``flush`` starts one
-    non-blocking copy of the recorded rows into pinned host memory and frees the buffer for the
-    next rows; ``collect`` returns every row whose copy has landed, waiting only if asked.
-    Use it from one CUDA stream: the copy is ordered after the records on that stream.
+    ``record`` writes a row into a device buffer (no sync); ``flush`` starts one non-blocking
+    copy of the rows into pinned memory; ``collect`` returns every row that has landed, waiting
+    only if asked. Use it from one CUDA stream.
     """
 
     def __init__(
@@ -207,10 +193,8 @@ class ProgressLog:
         self._filled = 0
 
     def collect(self, *, wait: bool = False) -> list[dict[str, float]]:
-        """Move the rows that have reached the host into ``history`` and return it.
-
-        ``wait=True`` first waits for every copy in flight (a sync, on purpose: you asked).
-        """
+        """Move the rows that have reached the host into ``history`` and return it; ``wait=True``
+        first waits for every copy in flight."""
         while self._pending:
             event, host = self._pending[0]
             if event is not None and not event.query():
@@ -224,10 +208,9 @@ class ProgressLog:
 
 # ---- counting and forbidding syncs -------------------------------------------------------------
 def to_device_without_sync(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor copied to ``device`` without a host sync: on CUDA pinned first, then
-    non-blocking (a pageable copy waits for the device, and a sync in a warm-up call keeps
-    :class:`accel.graphs.GraphedStep` from capturing). ``t`` itself is not pinned: the copy
-    reads a pinned copy of it, which the caching host allocator keeps until the copy lands."""
+    """A host tensor copied to ``device`` without a host sync (pinned, then non-blocking: a
+    pageable copy waits for the device, which keeps :class:`accel.graphs.GraphedStep` from
+    capturing)."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
@@ -236,11 +219,10 @@ def to_device_without_sync(t: torch.Tensor, device: torch.device) -> torch.Tenso
 def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None:
     """Call ``fn(*args, **kwargs)`` once and return how many host-device syncs it made.
 
-    Counts torch's sync-debug warnings (``torch.cuda.set_sync_debug_mode("warn")``): every
-    ``.item()``, ``.cpu()``, ``.tolist()``, blocking copy, ``nonzero`` or boolean mask on a CUDA
-    tensor. Explicit ``torch.cuda.synchronize()`` and ``Event.synchronize()`` are not counted.
-    Without CUDA there is no device to wait for: ``fn`` still runs, the result is ``None``, and
-    a :class:`SyncCheckUnavailableWarning` says so (once per process).
+    Counts torch's sync-debug warnings: every ``.item()``, ``.cpu()``, ``.tolist()``, blocking
+    copy, ``nonzero`` or boolean mask on a CUDA tensor (not explicit ``synchronize()`` calls).
+    Without CUDA ``fn`` still runs, the result is ``None``, and a
+    :class:`SyncCheckUnavailableWarning` says so (once per process).
     """
     checked_callable(fn, "count_syncs(fn)")
     if not torch.cuda.is_available():
@@ -258,11 +240,8 @@ def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None
 
 @contextmanager
 def recording_syncs() -> Iterator[list[warnings.WarningMessage]]:
-    """CUDA only: the host-device syncs made inside the block, recorded, not forbidden.
-
-    The list it yields is filled when the block ends, one warning record per sync (with the
-    file and line that made it); other warnings raised in the block are passed on.
-    """
+    """CUDA only: the host-device syncs made inside the block, recorded, not forbidden: the
+    list it yields gets one warning record (file and line) per sync when the block ends."""
     syncs: list[warnings.WarningMessage] = []
     previous = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
@@ -281,12 +260,8 @@ def recording_syncs() -> Iterator[list[warnings.WarningMessage]]:
 
 @contextmanager
 def no_sync() -> Iterator[None]:
-    """Make any host-device sync inside the block an error (:class:`HostSyncError`).
-
-    On CUDA this sets ``torch.cuda.set_sync_debug_mode("error")`` and restores the previous mode
-    on exit. Without CUDA it cannot check anything: the block runs unchecked and a
-    :class:`SyncCheckUnavailableWarning` says so (once per process).
-    """
+    """Make any host-device sync inside the block an error (:class:`HostSyncError`). Without
+    CUDA the block runs unchecked and a :class:`SyncCheckUnavailableWarning` says so (once)."""
     if not torch.cuda.is_available():
         _warn_once(
             "guard",
@@ -313,13 +288,9 @@ def no_sync() -> Iterator[None]:
 
 # ---- rotations in planes: batched index ops vs loops over planes -------------------------------
 def check_planes(planes: Any, dim: int) -> torch.Tensor:
-    """Validate rotation planes for vectors of ``dim`` coordinates; return them as a CPU long
-    tensor of shape (layers, k, 2).
-
-    Each plane is a pair (i, j) of distinct coordinates in ``0..dim-1``; the planes of one layer
-    must be disjoint (they commute, so :func:`apply_givens` applies them at once), hence
-    ``1 <= k <= dim // 2``. Reads the values on the host: call it once, outside the loop.
-    """
+    """Rotation planes for vectors of ``dim`` coordinates, checked, as a CPU long tensor
+    (layers, k, 2): pairs (i, j) of distinct coordinates in ``0..dim-1``, disjoint within a
+    layer (so :func:`apply_givens` applies them at once). Reads them on the host: call it once."""
     dim = checked_count(dim, "dim", at_least=2)
     t = torch.as_tensor(planes)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
@@ -382,14 +353,12 @@ def _check_rotor_args(v: torch.Tensor, planes: torch.Tensor, theta: torch.Tensor
 
 
 def apply_givens(v: torch.Tensor, planes: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
-    """Rotate the last dimension of ``v`` in each plane (i, j) by its angle, layer after layer.
+    """Rotate the last dimension of ``v`` in each plane (i, j) by its angle, layer after layer:
+    ``v_i, v_j <- c v_i - s v_j, s v_i + c v_j`` with ``c, s = cos, sin(theta)``.
 
-    ``planes``: (layers, k, 2) long on ``v``'s device, disjoint within a layer (see
-    :func:`check_planes`; a ValueError otherwise); ``theta``: (layers, k). In plane (i, j):
-    ``v_i, v_j <- c v_i - s v_j, s v_i + c v_j`` with ``c, s = cos, sin(theta)``. One gather,
-    one rotation and one scatter per layer, whatever k: no Python loop over planes, no sync
-    once a planes tensor has been checked (its first call, and after it changes in place, reads
-    it on the host once). Returns a new tensor.
+    ``planes``: (layers, k, 2) long on ``v``'s device (see :func:`check_planes`); ``theta``:
+    (layers, k). One gather, rotation and scatter per layer; no sync once a planes tensor has
+    been checked (on its first call, and after it changes in place). Returns a new tensor.
     """
     _check_rotor_args(v, planes, theta)
     if not torch.compiler.is_compiling():
@@ -422,10 +391,7 @@ def _check_planes_once(planes: torch.Tensor, dim: int) -> None:
 
 
 def apply_givens_reference(v: torch.Tensor, planes: Any, theta: torch.Tensor) -> torch.Tensor:
-    """The "before": a Python loop over layers and planes, a handful of kernels per plane.
-
-    ``planes`` may live anywhere; it is read to the host once (a sync if it is on a GPU).
-    """
+    """The "before": a Python loop over layers and planes, a handful of kernels per plane."""
     out = v.clone()
     for layer, pairs in enumerate(torch.as_tensor(planes).tolist()):
         for p, (i, j) in enumerate(pairs):
