@@ -6,26 +6,14 @@ holding only one micro-batch's activations.
     optimizer.step()
     optimizer.zero_grad()
 
-The reference beside it is :func:`large_batch`: the same ``loss_fn`` on the whole batch, one
-backward. The two leave the same gradients within float32 rounding wherever ``loss_fn`` is a mean
-over independent samples (a model with BatchNorm in training mode is not: see below).
-
-How the loss is scaled. A mean loss over a batch of N samples is ``sum_i n_i * mean_i / N`` over
-its micro-batches of ``n_i`` samples, so micro-batch ``i``'s loss is scaled by ``n_i / N``: 1/k
-for equal micro-batches (nanoGPT's and torchtitan's ``loss / k``), not 1/k for unequal ones. A
-loss that is a mean over tokens where micro-batches hold different numbers of valid tokens
-(padding, ignored labels) takes the token counts as ``counts`` (Python ints, or 0-dim tensors on
-the device: no host read). A micro-batch without a valid token makes a mean loss NaN; return the
-sum over tokens instead and pass ``reduction="sum"``: each is then divided by the total count.
-
-Distributed data parallel. Under DDP the gradients' all-reduce runs only on the last
-micro-batch: the others run inside ``model.no_sync()`` (forward and backward, as DDP requires).
-An FSDP2 module (``fully_shard``) gets ``set_requires_gradient_sync(False)`` on all but the last,
-which keeps each micro-batch's unsharded gradients until then: less communication, more memory.
-
-What it never does: read a tensor on the host, branch on a tensor's value, or allocate anything
-that differs from one call to the next, so a step that calls it can be captured whole in a CUDA
-graph (``accel.graphs.GraphedStep``) and the loop has no host sync between micro-batches.
+The reference is :func:`large_batch`: the same ``loss_fn`` on the whole batch, one backward; the
+two agree wherever ``loss_fn`` is a mean over independent samples (not with BatchNorm in
+training mode). Micro-batch ``i`` of ``n_i`` samples out of ``N`` has its mean loss scaled by
+``n_i / N`` (``counts`` gives token counts instead, as ints or device tensors;
+``reduction="sum"`` divides summed losses by the total count). Under DDP the gradients'
+all-reduce runs only on the last micro-batch (the others inside ``model.no_sync()``); an FSDP2
+module gets ``set_requires_gradient_sync(False)`` on all but the last. Nothing is read on the
+host, so a step that calls it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -54,11 +42,8 @@ class BatchStatisticsWarning(UserWarning):
 # ---- splitting -------------------------------------------------------------------------------
 def split_batch(batch: Any, micro_batches: int, *, uneven: bool = False) -> list[Any]:
     """``batch`` (a tensor, or a tuple, list or dict of tensors sharing their first dimension)
-    as ``micro_batches`` views along the first dimension; nothing is copied.
-
-    A batch that ``micro_batches`` does not divide is refused unless ``uneven=True``, which gives
-    sizes that differ by at most one (the first ones larger), each weighted by its size in
-    :func:`accumulate`."""
+    as ``micro_batches`` views along the first dimension. A batch ``micro_batches`` does not
+    divide is refused unless ``uneven=True`` (sizes differing by at most one)."""
     k = checked_count(micro_batches, "split_batch(micro_batches)", at_least=1)
     size = batch_size(batch)
     if k > size:
@@ -135,15 +120,12 @@ def accumulate(
 ) -> torch.Tensor:
     """Forward and backward of ``loss_fn`` on each micro-batch in turn, each loss scaled so that
     the gradients added into ``.grad`` are the whole batch's; returns the whole batch's loss,
-    detached, on the device (no host read).
+    detached, on the device.
 
-    ``loss_fn(micro_batch)`` returns a 0-dim loss: with ``reduction="mean"`` the mean over its
-    micro-batch (scaled by ``counts[i] / sum(counts)``), with ``"sum"`` the sum (scaled by
-    ``1 / sum(counts)``). ``counts`` default to the micro-batches' sizes (their first dimension);
-    pass token counts for a loss over tokens. ``model``: the module ``loss_fn`` runs, needed
-    under DDP or FSDP2 (the gradient sync only on the last micro-batch) and to be warned of
-    BatchNorm. Gradients add to those already in ``.grad``, as ``backward`` does: zero them
-    before, step after."""
+    ``loss_fn(micro_batch)`` returns a 0-dim loss: the mean over its micro-batch (scaled by
+    ``counts[i] / sum(counts)``), or with ``reduction="sum"`` the sum (scaled by
+    ``1 / sum(counts)``). ``counts`` default to the micro-batches' sizes. ``model``, the module
+    ``loss_fn`` runs, is needed under DDP or FSDP2 and to be warned of BatchNorm."""
     checked_callable(loss_fn, "accumulate(loss_fn)")
     micro = _checked_micro_batches(micro_batches)
     if reduction not in REDUCTIONS:

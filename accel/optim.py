@@ -1,26 +1,16 @@
 """AdamW whose step is one kernel launch for every parameter group.
 
-``MultiTensorAdamW`` is ``torch.optim.AdamW`` (decoupled weight decay; no amsgrad, no maximize:
-those are refused) for float32 parameters on one CUDA device, stepped by
-:mod:`accel.kernels.adamw`: one Triton launch updates every tensor of every group and advances
-its step count, with per-group learning rates and weight decays read on the device, where
-``AdamW(fused=True)`` launches per group. It is capturable by construction (the step counts live
-on the device): wrap ``step`` in :class:`accel.graphs.GraphedOptimizerStep`.
+``MultiTensorAdamW`` is ``torch.optim.AdamW`` (no amsgrad, no maximize) for float32 parameters
+on one CUDA device, stepped by :mod:`accel.kernels.adamw`: one Triton launch updates every
+tensor of every group, with per-group learning rates and weight decays read on the device. It is
+capturable by construction (wrap ``step`` in :class:`accel.graphs.GraphedOptimizerStep`). As
+torch's, it keeps a step count per parameter that advances only when the parameter has a
+gradient; ``betas`` and ``eps`` are shared by all groups.
 
-As torch's, it keeps a step count per parameter that advances only on the steps where the
-parameter has a gradient: a group added later starts at step 1, a frozen parameter keeps its
-count until it is unfrozen. ``betas`` and ``eps`` are shared by all groups (the launch takes them
-once).
-
-The plain reference, :func:`adamw_reference`, is torch's per-tensor capturable AdamW written out;
-it runs where the kernel cannot (no CUDA and no ``TRITON_INTERPRET=1``, or a tensor that is not
-contiguous float32), after one warning that says why.
-
-Its ``state_dict`` has torch's AdamW layout (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter),
-so a checkpoint resumes exactly, also through ``torch.distributed.checkpoint``, and moves between
-the two optimizers. A loaded state is checked against the parameters before anything changes (a
-moment of another shape, a missing step count, amsgrad or maximize, Adam's L2 weight decay:
-``ValueError`` naming the parameter); so is the state before each new launch plan.
+The plain reference, :func:`adamw_reference`, runs where the kernel cannot (no CUDA and no
+``TRITON_INTERPRET=1``, or a tensor that is not contiguous float32), after one warning. The
+``state_dict`` has torch's AdamW layout, so checkpoints move between the two optimizers; a
+loaded state is checked against the parameters before anything changes.
 """
 
 from __future__ import annotations
@@ -70,10 +60,9 @@ def adamw_reference(
 
 
 def one_minus_power(beta: float, step: torch.Tensor) -> torch.Tensor:
-    """``1 - beta**step`` in float32 to a few units in the last place: ``-expm1(step log beta)``
-    (``1 - beta**step`` itself loses up to 5 digits to cancellation when beta is near 1: at beta
-    0.999 and step 1 its rounding is 6e-5 of the result, and AdamW's first steps divide by it).
-    The kernel evaluates the same formula."""
+    """``1 - beta**step`` in float32 to a few units in the last place, as ``-expm1(step log
+    beta)`` (the plain form loses digits to cancellation when beta is near 1); the kernel
+    evaluates the same formula."""
     log_beta = math.log(beta) if beta > 0 else -math.inf
     x = step * log_beta
     series = -x * (1 + x * (0.5 + x * (1 / 6 + x * (1 / 24 + x * (1 / 120)))))
@@ -82,10 +71,6 @@ def one_minus_power(beta: float, step: torch.Tensor) -> torch.Tensor:
 
 class MultiTensorAdamW(torch.optim.Optimizer):
     """AdamW stepped by one kernel launch for all groups (see the module docstring).
-
-    Host cost of a step: one pass over the parameters to collect what has a gradient (as
-    torch's optimizers do), a key of their addresses, and one launch; beside
-    ``AdamW(fused=True)`` in ``results/`` (rows ``phase=overhead``, ``adamw ...``).
 
     ``lr`` per group is a float or a 0-d float32 tensor on the parameters' device (a tensor can
     change between steps, also under a CUDA graph; a float is copied to the device when it
@@ -143,9 +128,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         return self._constants[values]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, then what one launch for every group needs: the group's hyperparameters
-        checked, betas and eps shared with the other groups, every parameter on one device. A
-        group refused is not added."""
+        """torch's, then the group checked for one launch (hyperparameters, betas and eps
+        shared, one device); a group refused is not added."""
         super().add_param_group(param_group)
         try:
             _check_group(self.param_groups[-1])
@@ -230,10 +214,9 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         return loss
 
     def _check_state(self, params, exp_avgs, exp_avg_sqs, steps, *, kernel: bool) -> None:
-        """Before the tensors are stepped: each moment of the parameter's shape, dtype and
-        device (the kernel's contiguous float32, as its parameter), each count a 0-d float32
-        tensor there. A state set by hand can break that, or a parameter's data replaced; a
-        load cannot (:func:`_checked_loaded_state`)."""
+        """Before the tensors are stepped (a state set by hand may break it): each moment of its
+        parameter's shape, dtype and device (contiguous for the kernel), each count a 0-d
+        float32 tensor there."""
         for p, m, v, step in zip(params, exp_avgs, exp_avg_sqs, steps, strict=True):
             if kernel and not (p.dtype == torch.float32 and p.is_contiguous()):
                 raise ValueError(
@@ -263,11 +246,9 @@ class MultiTensorAdamW(torch.optim.Optimizer):
 
 def load_state_in_place(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Make ``optimizer.load_state_dict`` copy into the state tensors it already has (moments,
-    step counts, tensor learning rates) instead of replacing them, so that a CUDA graph captured
-    earlier reads the loaded values. A loaded state without a tensor the optimizer holds, or
-    with one of another shape, is refused before anything changes (dropped, a held tensor
-    would leave a graph writing into freed memory). Returns the optimizer; a second call
-    changes nothing."""
+    step counts, tensor learning rates), so that a CUDA graph captured earlier reads the loaded
+    values. A loaded state missing a held tensor, or with one of another shape, is refused
+    before anything changes. Returns the optimizer; a second call changes nothing."""
     if getattr(optimizer, "_accel_loads_in_place", False):
         return optimizer
     optimizer._accel_loads_in_place = True
@@ -314,9 +295,8 @@ def load_state_in_place(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
 
 
 def _saved_states(optimizer: torch.optim.Optimizer, state_dict: dict):
-    """(``"parameter i of group k"``, the parameter, its saved state or ``{}``, its saved id) for
-    each parameter, paired as ``torch.optim.Optimizer.load_state_dict`` pairs them (group by
-    group, in order). Nothing where the groups do not pair up: torch's load refuses that."""
+    """(``"parameter i of group k"``, the parameter, its saved state or ``{}``, its saved id),
+    paired as torch's ``load_state_dict`` pairs them; nothing where the groups do not pair."""
     saved_groups = state_dict.get("param_groups", [])
     saved = state_dict.get("state", {})
     if len(saved_groups) != len(optimizer.param_groups) or any(
@@ -386,11 +366,10 @@ def _capturable_where_torch_can_step_it(optimizer: MultiTensorAdamW, state_dict:
 
 
 def _checked_loaded_state(optimizer: MultiTensorAdamW, state_dict: dict) -> dict:
-    """Before ``load_state_dict`` changes anything: the saved groups as :meth:`add_param_group`
-    checks them, and each saved state torch's AdamW's (a step count, two moments of the
-    parameter's shape; torch would refuse the moments at the first step, the kernel would read
-    and write past a smaller moment's end). A parameter with a state here and none saved gets
-    a fresh one (zeros, step 0: what torch's AdamW starts it from) to be copied in place."""
+    """Before ``load_state_dict`` changes anything: the saved groups checked as
+    :meth:`add_param_group` checks them, each saved state torch's AdamW's (a step count, two
+    moments of the parameter's shape: the kernel would run past a smaller one). A parameter with
+    a state here and none saved gets a fresh one (zeros, step 0) to be copied in place."""
     for group in state_dict.get("param_groups", []):
         _check_group(group)
     _check_groups_agree(state_dict.get("param_groups", []), devices=False)
@@ -428,10 +407,9 @@ def _checked_loaded_state(optimizer: MultiTensorAdamW, state_dict: dict) -> dict
 
 
 def _own_loaded_state(optimizer: MultiTensorAdamW) -> None:
-    """After ``load_state_dict`` (torch's has cast the moments to the parameters' dtype and
-    device): each count a 0-d float32 tensor on the device, each tensor contiguous and of one
-    parameter's state only (the kernel advances a count once per tensor in the table, and a load
-    may share them); the groups stay capturable (ours are, by construction)."""
+    """After ``load_state_dict``: each count a 0-d float32 tensor on the device, each tensor
+    contiguous and of one parameter's state only (a load may share them; the kernel would
+    advance a shared count twice); the groups stay capturable."""
     for group in optimizer.param_groups:
         group["capturable"] = True
     held = {p.data_ptr() for g in optimizer.param_groups for p in g["params"]}

@@ -148,12 +148,12 @@ def _without_kineto_lines() -> Iterator[None]:
 
 
 LAUNCH_CALLS = frozenset(
-    "cudaLaunchKernel cudaLaunchKernelExC cuLaunchKernel cuLaunchKernelEx "
-    "cudaLaunchCooperativeKernel cudaGraphLaunch".split()
+    {"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel", "cudaGraphLaunch"}
+    | {"cuLaunchKernel", "cuLaunchKernelEx"}
 )
 # Calls after which the host waits for the device. cudaMemcpy (not Async) blocks too.
 SYNC_CALLS = frozenset(
-    "cudaStreamSynchronize cudaDeviceSynchronize cudaEventSynchronize cudaMemcpy".split()
+    ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 )
 HOST_READ_OP = "aten::_local_scalar_dense"  # what .item(), float(t) and int(t) end in
 CPU_COLLECTIVE = "gloo:"  # a CPU process group's collective, as its thread runs it
@@ -163,14 +163,17 @@ DISPATCHING_OPS = frozenset(
 )
 # ATen ops that move no data through arithmetic: views, metadata and allocation.
 NO_WORK_OPS = frozenset(
-    "aten::" + name
-    for name in (
-        "empty empty_like empty_strided as_strided view reshape _reshape_alias t transpose "
-        "permute expand unsqueeze squeeze select slice alias detach detach_ resolve_conj "
-        "resolve_neg lift_fresh _unsafe_view unbind split chunk narrow result_type to _to_copy "
-        "set_ resize_ contiguous view_as expand_as flatten zeros ones ones_like zeros_like full "
-        "new_empty new_empty_strided new_zeros scalar_tensor"
-    ).split()
+    f"aten::{name}"
+    for names in (
+        ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "new_zeros"),
+        ("zeros", "ones", "ones_like", "zeros_like", "full", "scalar_tensor", "lift_fresh"),
+        ("as_strided", "view", "reshape", "_reshape_alias", "_unsafe_view", "view_as", "alias"),
+        ("t", "transpose", "permute", "expand", "expand_as", "unsqueeze", "squeeze", "flatten"),
+        ("select", "slice", "unbind", "split", "chunk", "narrow", "set_", "resize_"),
+        ("detach", "detach_", "resolve_conj", "resolve_neg", "result_type", "to", "_to_copy"),
+        ("contiguous",),
+    )
+    for name in names
 )
 
 

@@ -43,24 +43,20 @@ class CheckpointedBlocks:
 def _selective_save_ops() -> frozenset:
     """ATen ops whose outputs selective checkpointing keeps: matrix products and fused
     attention (costly to recompute). Ops this torch lacks are left out."""
-    aten = torch.ops.aten
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_cudnn_attention",
+    attention = (
+        "efficient_attention",
+        "flash_attention",
+        "flash_attention_for_cpu",
+        "cudnn_attention",
     )
+    names = ["mm", "addmm", "bmm", *(f"_scaled_dot_product_{kind}" for kind in attention)]
+    aten = torch.ops.aten
     return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
 
 def save_ops_policy(save_ops: Iterable[Any]) -> Callable[[], Any]:
     """A ``context_fn`` for ``torch.utils.checkpoint``: outputs of ``save_ops`` (ATen
-    overloads, e.g. ``torch.ops.aten.mm.default``) are stored, every other op is recomputed in
-    backward. Memory kept = those outputs; recompute = everything else (for a transformer block
-    with ``SELECTIVE_SAVE``: LayerNorm, GELU, adds and copies, a few % of its FLOPs)."""
+    overloads, e.g. ``torch.ops.aten.mm.default``) are stored, every other op is recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     ops = frozenset(collection_of(save_ops, "ATen ops", strings=False))
@@ -79,19 +75,14 @@ def checkpoint_blocks(
 ) -> CheckpointedBlocks:
     """Recompute the activations of the named submodules in backward instead of storing them.
 
-    Each named block keeps only its inputs during forward (``torch.utils.checkpoint`` with
-    ``use_reentrant=False``) and runs its forward again when backward reaches it: for a
-    transformer block that stores ~17 activations of its width per token, ~16 of them are not
-    kept, for the price of one more forward of the block (a step ~1.3x as long when every
-    block is checkpointed). Outside autograd (``torch.no_grad``) blocks run as usual.
+    Each named block keeps only its inputs during forward (``torch.utils.checkpoint``,
+    ``use_reentrant=False``) and runs its forward again in backward: one more forward of the
+    block for most of its activations. ``save_ops`` makes it selective: the outputs of those
+    ATen ops are stored (``SELECTIVE_SAVE``: matrix products and attention), the rest recomputed.
 
-    ``save_ops`` makes it selective (torch >= 2.4): the outputs of those ATen ops are stored
-    and only the rest is recomputed (:func:`save_ops_policy`; ``SELECTIVE_SAVE`` keeps matrix
-    products and attention): less recompute, less memory saved.
-
-    ``names`` are paths as in ``model.named_modules()`` (``"blocks.3"``); an unknown name raises
-    ValueError listing close ones; a block already checkpointed raises too. Returns a handle
-    whose ``remove()`` (or ``with``-exit) undoes it.
+    ``names`` are paths as in ``model.named_modules()`` (``"blocks.3"``); an unknown or already
+    checkpointed name raises ValueError. Returns a handle whose ``remove()`` (or ``with``-exit)
+    undoes it.
     """
     checked_instance(model, nn.Module, "checkpoint_blocks: model", "torch.nn.Module")
     names = list(dict.fromkeys(collection_of(names, "submodule names", strings=False)))
