@@ -202,24 +202,18 @@ def _group_index(
     """(2, G, longest group) positions in ``[grad norms..., param norms..., 0]`` of each group's
     gradient norms (row 0) and parameter norms (row 1); a missing gradient and the padding point
     at the trailing zero."""
-    grads = sum(has_grad)
+    has = torch.tensor(has_grad, dtype=torch.bool)
+    grads = int(has.sum())
     zero = grads + len(has_grad)
-    width = max(sizes)
-    rows: list[list[list[int]]] = [[], []]
-    flat, next_grad = 0, 0
-    for size in sizes:
-        grad_row, param_row = [], []
-        for _ in range(size):
-            if has_grad[flat]:
-                grad_row.append(next_grad)
-                next_grad += 1
-            else:
-                grad_row.append(zero)
-            param_row.append(grads + flat)
-            flat += 1
-        rows[0].append(grad_row + [zero] * (width - size))
-        rows[1].append(param_row + [zero] * (width - size))
-    return to_device_without_sync(torch.tensor(rows, dtype=torch.long), device)
+    grad_at = torch.where(has, has.long().cumsum(0) - 1, zero)
+    param_at = grads + torch.arange(len(has_grad))
+    rows = torch.stack(
+        [
+            torch.nn.utils.rnn.pad_sequence(at.split(sizes), batch_first=True, padding_value=zero)
+            for at in (grad_at, param_at)
+        ]
+    )
+    return to_device_without_sync(rows, device)
 
 
 # ---- clipping -----------------------------------------------------------------------------------
