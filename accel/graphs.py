@@ -433,7 +433,7 @@ class GraphedOptimizerStep:
             )
         self.optimizer, self.params, self.check = optimizer, params, check
         load_state_in_place(optimizer)  # a resumed state reaches the captured graph
-        self._graphed = GraphedStep(
+        self.graphed = GraphedStep(  # the step's graph, its counters and pool
             optimizer.step,
             warmup=warmup,
             fallback=fallback,
@@ -444,23 +444,22 @@ class GraphedOptimizerStep:
         self._lrs: list[Any] | None = None
 
     def __call__(self) -> None:
-        if self.check and self._graphed.graphs:
+        if self.check and self.graphed.graphs:
             self._check_unchanged()
-        self._graphed()
-        if self._grad_ptrs is None and self._graphed.graphs:
+        self.graphed()
+        if self._grad_ptrs is None and self.graphed.graphs:
             self._grad_ptrs = [_ptr(p.grad) for p in self.params]
             self._lrs = [_lr_token(g["lr"]) for g in self.optimizer.param_groups]
 
     def _check_unchanged(self) -> None:
         groups = self.optimizer.param_groups
-        if len(groups) != len(self._lrs or ()) or sum(len(g["params"]) for g in groups) != len(
-            self.params
-        ):
+        then = (len(self._lrs or ()), len(self.params))
+        now = (len(groups), sum(len(g["params"]) for g in groups))
+        if now != then:
             raise GraphInputError(
                 f"GraphedOptimizerStep: the optimizer's parameter groups changed after capture "
-                f"({len(self._lrs or ())} groups of {len(self.params)} parameters then, "
-                f"{len(groups)} of {sum(len(g['params']) for g in groups)} now); the graph "
-                "would step only the ones it was captured with. Call reset() to capture again"
+                f"({then[0]} groups of {then[1]} parameters then, {now[0]} of {now[1]} now); the "
+                "graph would step only the ones it was captured with. Call reset() to capture again"
             )
         for i, (p, ptr) in enumerate(zip(self.params, self._grad_ptrs or (), strict=False)):
             if _ptr(p.grad) != ptr:
@@ -469,9 +468,7 @@ class GraphedOptimizerStep:
                     f"was captured with ({'it is None' if p.grad is None else 'it moved'}). Zero "
                     "gradients with zero_grad(set_to_none=False) and modify them in place"
                 )
-        for i, (g, token) in enumerate(
-            zip(self.optimizer.param_groups, self._lrs or (), strict=False)
-        ):
+        for i, (g, token) in enumerate(zip(groups, self._lrs or (), strict=False)):
             if _lr_token(g["lr"]) != token:
                 raise GraphInputError(
                     f"GraphedOptimizerStep: param group {i}'s learning rate changed from "
@@ -480,14 +477,10 @@ class GraphedOptimizerStep:
                     "and update it in place (lr.fill_(...) or lr.copy_(...))"
                 )
 
-    @property
-    def graphed(self) -> GraphedStep:
-        return self._graphed
-
     def reset(self) -> None:
         """Drop the graph; the next calls warm up and capture again, over the optimizer's
         parameters as they are then."""
-        self._graphed.reset()
+        self.graphed.reset()
         self._grad_ptrs = self._lrs = None
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
 

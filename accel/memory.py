@@ -12,6 +12,7 @@ counts and peaks come from the profiler's memory events.
 
 from __future__ import annotations
 
+import itertools
 import reprlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -262,20 +263,12 @@ def count_allocations(
     for _ in range(warmup if cuda else max(warmup - 1, 0)):
         fn()
     if cuda:
-        torch.cuda.synchronize(dev)
-        before = torch.cuda.memory_stats(dev)
-        start = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize(dev)
-        after = torch.cuda.memory_stats(dev)
+        before, after, peak = _cuda_window(dev, lambda: _repeat(fn, steps))
         keys = dict(_CUDA_KEYS)
         if "num_device_alloc" in after:  # counts cuMemMap (expandable segments) as well
             keys["device_allocs"] = "num_device_alloc"
         delta = {k: (after.get(key, 0) - before.get(key, 0)) / steps for k, key in keys.items()}
-        peak = torch.cuda.max_memory_allocated(dev) - start
-        return AllocationStats(steps, **delta, peak_bytes=int(peak), device=str(dev))
+        return AllocationStats(steps, **delta, peak_bytes=peak, device=str(dev))
     # The last warm-up step runs under the profiler too: the profiler sees no free of a block
     # allocated before it started, so tensors from that step (gradients, say) freed during the
     # counted steps would otherwise never leave the running total.
@@ -291,6 +284,18 @@ def count_allocations(
         peak_bytes=_peak(events, start),
         device=str(dev),
     )
+
+
+def _cuda_window(dev: torch.device, run: Callable[[], object]) -> tuple[dict, dict, int]:
+    """``run()`` between two synchronizes: the allocator's stats before and after, and the
+    highest allocated bytes above the level at the start."""
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_stats(dev)
+    start = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    run()
+    torch.cuda.synchronize(dev)
+    return before, torch.cuda.memory_stats(dev), int(torch.cuda.max_memory_allocated(dev) - start)
 
 
 def _default_device() -> torch.device:
@@ -333,17 +338,7 @@ def _cpu_memory_events(
 
 def _peak(events: list[tuple[int, int]], start: int = 0) -> int:
     """Highest running total from ``start`` on, above the total at ``start``."""
-    level = 0
-    for t, nbytes in events:
-        if t >= start:
-            break
-        level += nbytes
-    base = peak = level
-    for t, nbytes in events:
-        if t >= start:
-            level += nbytes
-            peak = max(peak, level)
-    return peak - base
+    return max(itertools.accumulate((n for t, n in events if t >= start), initial=0))
 
 
 def peak_memory(fn: Callable[[], object], *, device: torch.device | str | None = None) -> int:
@@ -353,12 +348,7 @@ def peak_memory(fn: Callable[[], object], *, device: torch.device | str | None =
     checked_callable(fn, "peak_memory(fn)")
     dev = torch.device(device) if device is not None else _default_device()
     if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        start = torch.cuda.memory_allocated(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        fn()
-        torch.cuda.synchronize(dev)
-        return int(torch.cuda.max_memory_allocated(dev) - start)
+        return _cuda_window(dev, fn)[2]
     events, start = _cpu_memory_events(fn)
     return _peak(events, start)
 
