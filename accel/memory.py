@@ -129,40 +129,6 @@ class CacheCleaner:
         self.calls += 1
         return reason is not None
 
-    def state_dict(self) -> dict[str, Any]:
-        """The counters, so that a resumed run keeps the schedule and the account."""
-        return {
-            "calls": self.calls,
-            "emptied": [list(e) for e in self.emptied],
-            "stalls_avoided": self.stalls_avoided,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """The counters of :meth:`state_dict`, checked whole before any is set."""
-        expected = {"calls", "emptied", "stalls_avoided"}
-        if set(state) != expected:
-            raise ValueError(
-                f"expected a CacheCleaner state with keys {sorted(expected)}, got {sorted(state)}"
-            )
-        calls, stalls_avoided = state["calls"], state["stalls_avoided"]
-        for name, value in (("calls", calls), ("stalls_avoided", stalls_avoided)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(
-                    f"CacheCleaner state: {name!r} must be a count >= 0, got {value!r}"
-                )
-        if not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in state["emptied"]):
-            raise ValueError(
-                f"CacheCleaner state: 'emptied' must be (call, reason) pairs, got "
-                f"{state['emptied']!r}"
-            )
-        emptied = [(int(call), str(reason)) for call, reason in state["emptied"]]
-        late = [call for call, _ in emptied if not 0 <= call < calls]
-        if late:
-            raise ValueError(
-                f"CacheCleaner state: 'emptied' call {late[0]} is not before the {calls} calls"
-            )
-        self.calls, self.stalls_avoided, self.emptied = calls, stalls_avoided, emptied
-
     def __repr__(self) -> str:
         return (
             f"CacheCleaner(calls={self.calls}, emptied={len(self.emptied)}, "
