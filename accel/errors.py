@@ -17,9 +17,8 @@ class UsageError(ValueError):
 def collection_of(
     values: Iterable[Any], what: str = "names", *, strings: bool = True
 ) -> tuple[Any, ...]:
-    """``values`` as a tuple, refusing a bare string (which Python would split into letters):
-    ``MetricAccumulator("lr")`` must not make the metrics "l" and "r". With ``strings``, every
-    element must be a string."""
+    """``values`` as a tuple, refusing a bare string (which Python would split into letters);
+    with ``strings``, every element must be a string."""
     if isinstance(values, (str, bytes)):
         raise TypeError(
             f"expected a collection of {what} such as [{values!r}], got the string {values!r}"
@@ -55,8 +54,7 @@ def checked_number(value: Any, name: str) -> float:
 
 
 def checked_callable(value: Any, name: str) -> Callable:
-    """``value`` if it can be called, else a TypeError naming ``name`` (e.g.
-    ``"peak_memory(fn)"``): the usual slip is passing a function's result, not the function."""
+    """``value`` if it can be called, else a TypeError naming ``name`` (``"peak_memory(fn)"``)."""
     if not callable(value):
         raise TypeError(
             f"{name}: expected a function to call, got {reprlib.repr(value)} "
@@ -66,8 +64,7 @@ def checked_callable(value: Any, name: str) -> Callable:
 
 
 def checked_instance(value: Any, kind: type, name: str, kind_name: str = "") -> Any:
-    """``value`` if it is a ``kind``, else a TypeError naming ``name`` and the kind expected
-    (``kind_name``, e.g. ``"torch.nn.Module"``, else the class's name)."""
+    """``value`` if it is a ``kind``, else a TypeError naming ``name`` and ``kind_name``."""
     if not isinstance(value, kind):
         raise TypeError(
             f"{name} must be a {kind_name or kind.__name__}, got {reprlib.repr(value)} "

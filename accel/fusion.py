@@ -241,17 +241,12 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale the gradients in place so that their total norm is at most ``max_norm``.
 
-    Returns the total norm before clipping (0-d, on the gradients' device; float32, or float64
-    where a gradient is), like ``torch.nn.utils.clip_grad_norm_``, whose results this matches
-    (``norm_type`` may be ``"inf"`` there too): the coefficient is
-    ``min(1, max_norm / (total + 1e-6))``. The fast form computes it and multiplies every gradient
-    by it on the device: no host read. Parameters without a gradient are skipped; with none at
-    all the norm is 0 and nothing changes.
-
-    Non-finite gradients are reported in the returned norm (inf or NaN, check it with
-    ``torch.isfinite`` on the device) and, as in torch, propagate into the clipped gradients.
-    ``error_if_nonfinite=True`` raises :class:`NonFiniteGradientError` naming the first bad
-    tensor; that check reads the norm on the host, a sync, made only when asked.
+    Returns the total norm before clipping (0-d, on the gradients' device), matching
+    ``torch.nn.utils.clip_grad_norm_`` (coefficient ``min(1, max_norm / (total + 1e-6))``); the
+    fast form applies it on the device, no host read. Parameters without a gradient are skipped.
+    Non-finite gradients show in the returned norm and, as in torch, propagate into the clipped
+    gradients; ``error_if_nonfinite=True`` raises :class:`NonFiniteGradientError` naming the
+    first bad tensor (a host read, made only when asked).
     ``foreach=False`` is the common loop: a norm per tensor, then ``if coef < 1`` on the host
     (one sync) and a multiply per tensor.
     """

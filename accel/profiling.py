@@ -1,16 +1,10 @@
-"""torch.profiler without its own log lines, what its events mean, and one pipeline for profiling
-a step: :func:`profile_steps` (under the lab's ``profile_step`` and the doctor's timeline) and
-:func:`device_profile` (under the doctor's recorded operators too).
+"""torch.profiler without its own log lines (:func:`quiet_profile`: Kineto writes its start and
+stop lines straight to stderr, a red box under every notebook cell), what its events mean, and
+one pipeline for profiling a step (:func:`profile_steps`, :func:`device_profile`).
 
-Kineto writes ``USDT: ... profiler_start`` and ``profiler_stop`` (and at some log levels
-``STAGE: ...``) straight to the process's stderr on every run, at every ``KINETO_LOG_LEVEL``, and a
-notebook shows each as a red box under the cell: :func:`quiet_profile` keeps them out, with c10's
-note on memory allocated before the profile started.
-
-On CUDA a step's "kernels" are the device's own activities (kernels, copies, memsets), launches
-are the runtime's launch calls and syncs its blocking calls (``cudaStreamSynchronize`` and
-friends, which ``.item()``, ``.cpu()`` and ``print(tensor)`` end in). On a CPU the "kernels" are
-the ATen operators that did the arithmetic themselves.
+On CUDA a step's "kernels" are the device's own activities, launches the runtime's launch calls
+and syncs its blocking calls (which ``.item()``, ``.cpu()`` and ``print(tensor)`` end in). On a
+CPU the "kernels" are the ATen operators that did the arithmetic themselves.
 """
 
 from __future__ import annotations

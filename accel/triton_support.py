@@ -1,13 +1,7 @@
-"""Whether Triton kernels can run here, and the kernel modules built for the mode they run in.
-
-One place for what the components ask before they dispatch to :mod:`accel.kernels`: is Triton
-installed (:func:`installed`, looked up once), is its interpreter on (:func:`interpreting`,
-``TRITON_INTERPRET=1``, read at each call), and why kernels cannot run on a device
-(:func:`unavailable`, None when they can). Importing this module imports no Triton.
-
-``triton.jit`` builds a compiled or an interpreted kernel as it decorates, i.e. when a kernel
-module is first imported; :func:`kernel_module` hands out the modules of ``accel.kernels`` built
-for the mode the environment asks now, importing a second set beside the first when it changed.
+"""Whether Triton kernels can run here (:func:`installed`, :func:`interpreting`,
+:func:`unavailable`), and the kernel modules built for the mode they run in: ``triton.jit``
+builds a compiled or an interpreted kernel as a module is imported, so :func:`kernel_module`
+imports a second set when ``TRITON_INTERPRET`` changed. Importing this module imports no Triton.
 """
 
 from __future__ import annotations
@@ -31,9 +25,8 @@ def installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-# os.environ.get raises and catches a KeyError inside when the variable is unset, on every
-# kernel call, which a host-bound call pays; on POSIX its backing dict of bytes, which os.environ keeps up to date, is
-# read directly instead.
+# os.environ.get raises and catches a KeyError when the variable is unset, on every kernel call;
+# on POSIX its backing dict of bytes (kept up to date by os.environ) is read directly instead.
 _ENVIRON_BYTES = getattr(os.environ, "_data", None) if os.name == "posix" else None
 
 
@@ -63,13 +56,9 @@ _modules: dict[tuple[str, bool], types.ModuleType] = {}
 
 
 def kernel_module(name: str) -> types.ModuleType:
-    """The kernel module ``name`` (``accel.kernels.*``, defining ``INTERPRETED``), its kernels
-    and those of the kernel modules it imports built for the current ``TRITON_INTERPRET``.
-
-    The usual import serves while every kernel module already imported has the mode wanted;
-    otherwise the module is imported again, with the kernel modules it needs, apart from
-    ``sys.modules`` and kept beside the first (one set per mode, never mixed).
-    """
+    """The kernel module ``name`` (``accel.kernels.*``, defining ``INTERPRETED``) built for the
+    current ``TRITON_INTERPRET``: the usual import while every kernel module imported has that
+    mode, else one imported apart from ``sys.modules`` (one set per mode, never mixed)."""
     mode = interpreting()
     if (name, mode) not in _modules:
         loaded = [m for k, m in sys.modules.items() if k.startswith(f"{KERNELS}.")]
