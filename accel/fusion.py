@@ -459,11 +459,9 @@ class CompiledFunction:
         same_inputs = len(inputs) == len(tensors) and all(
             x is t for x, t in zip(inputs, tensors, strict=False)
         )
-        if isinstance(out, torch.Tensor):
-            returns_tuple = False
-        elif isinstance(out, tuple) and all(isinstance(o, torch.Tensor) for o in out):
-            returns_tuple = True
-        else:
+        returns_tuple = isinstance(out, tuple)
+        outs = out if returns_tuple else (out,)
+        if not all(isinstance(o, torch.Tensor) for o in outs):
             return
         if same_inputs and not any(t.requires_grad for t in tensors):
             self._direct[key] = (graph, returns_tuple)

@@ -232,12 +232,8 @@ class MultiTensorAdamW(torch.optim.Optimizer):
                         f"state's {key!r} is {_describe(t)}; expected the parameter's shape, "
                         f"dtype and device{', contiguous' if kernel else ''}"
                     )
-            if not (
-                isinstance(step, torch.Tensor)
-                and step.shape == ()
-                and step.dtype == torch.float32
-                and step.device == p.device
-            ):
+            counts = isinstance(step, torch.Tensor) and step.dtype == torch.float32
+            if not (counts and step.shape == () and step.device == p.device):
                 raise ValueError(
                     f"MultiTensorAdamW: {_position(self, p)}'s state 'step' is "
                     f"{_describe(step)}; expected a 0-d float32 tensor on {p.device}"
