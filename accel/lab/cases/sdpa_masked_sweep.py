@@ -1,17 +1,12 @@
-"""The sdpa phase's masked sweep: ``sdpa(q, k, v, mask=<kind>)`` as a user calls it, against what
-the same user writes with attention-gym: a ``torch.compile(flex_attention)`` of their own, called
-with a block mask made once by ``create_block_mask`` from the same ``mask_mod``.
+"""The sdpa phase's masked sweep: ``sdpa(q, k, v, mask=<kind>)`` against what a user writes with
+attention-gym, their own ``torch.compile(flex_attention)`` with a block mask made once by
+``create_block_mask`` from the same ``mask_mod``.
 
-Points: a sliding window, packed documents (random lengths per batch row) and a prefix-LM
-(a random prefix per row); S from 1k to 32k at a fixed number of tokens per point (the batch
-shrinks as S grows); head dims 64 and 128; forward, and forward + backward; bf16 on a GPU. At
-each point both are called once (compiling, outside the timing), checked against each other
-within the dtype's tolerance, then timed interleaved (``lab.compare``). A row per point, named
-``sweep masked <kind> <direction> D=<d> S=<s>``, holds sdpa's time beside the baseline's with the
-ratio taken round by round, and a summary row judges the median ratio and the worst point.
-
-Where accel's FlexAttention does not compile (the CPU), the baseline runs ``flex_attention``
-uncompiled and ``sdpa`` its dense-mask fallback: the rows are then not judged.
+Points: a sliding window, packed documents and a prefix-LM (random per batch row); S from 1k to
+32k at a fixed number of tokens; head dims 64 and 128; forward and forward + backward. At each
+point both are called once (compiling), checked against each other, then timed interleaved; a
+summary row judges the median ratio and the worst point. On the CPU the baseline runs uncompiled
+and ``sdpa`` its dense-mask fallback, unjudged.
 """
 
 from __future__ import annotations
@@ -50,11 +45,11 @@ class MaskedSweepSizes:
     directions: tuple[bool, ...] = (False, True)  # backward or not
 
     def cases(self, backward: bool, head_dim: int) -> list[AttnCase]:
-        batch = [max(1, self.tokens // s) for s in self.seqs]
         return [
-            AttnCase(b, self.heads, s, head_dim, backward=backward, dtype=self.dtype)
-            for b, s in zip(batch, self.seqs, strict=True)
-        ]
+            AttnCase(max(1, self.tokens // s), self.heads, s, head_dim, backward=backward,
+                     dtype=self.dtype)
+            for s in self.seqs
+        ]  # fmt: skip
 
 
 MASKED_SWEEP = {
@@ -71,9 +66,7 @@ MASKED_SWEEP = {
 }  # fmt: skip
 
 
-def make_mask(
-    kind: str, sizes: MaskedSweepSizes, case: AttnCase, device
-) -> attention.AttentionMask:
+def make_mask(kind: str, sizes: MaskedSweepSizes, case: AttnCase, device):
     """The point's mask: its random parts drawn from a generator of their own, seeded by S."""
     if kind == "window":
         return attention.SlidingWindow(sizes.window)
@@ -134,28 +127,32 @@ def _case_name(kind: str, case: AttnCase) -> str:
 
 
 def rows(ctx: BenchContext) -> list[Row]:
-    """Every point's row, then the summary row judged on the median and the worst ratio."""
+    """Every point's row, then the summary row."""
     sizes, device = MASKED_SWEEP[ctx.preset], ctx.device
     flex = _user_flex(device)
     attention.clear_masked_cache()
     out, ratios = [], []
+    points = [
+        (kind, case)
+        for kind in KINDS
+        for backward in sizes.directions
+        for head_dim in sizes.head_dims
+        for case in sizes.cases(backward, head_dim)
+    ]
     with room_to_compile(RECOMPILE_ROOM):
-        for kind in KINDS:
-            for backward in sizes.directions:
-                for head_dim in sizes.head_dims:
-                    for case in sizes.cases(backward, head_dim):
-                        measured = _point(kind, sizes, case, device, flex)
-                        release_memory(device)  # the point's tensors went with its frame
-                        row, ratio = _point_row(ctx, kind, case, measured)
-                        out.append(row)
-                        ratios.append(ratio)
+        for kind, case in points:
+            measured = _point(kind, sizes, case, device, flex)
+            release_memory(device)  # the point's tensors went with its frame
+            row, ratio = _point_row(ctx, kind, case, measured)
+            out.append(row)
+            ratios.append(ratio)
     attention.clear_masked_cache()
     return [*out, _summary_row(ctx, ratios)]
 
 
 def _point_row(ctx: BenchContext, kind: str, case: AttnCase, measured: dict) -> tuple[Row, float]:
-    """The point's row and its ratio, compiled flex_attention's time over sdpa's taken round by
-    round (NaN where the two disagreed and nothing was timed)."""
+    """The point's row and its ratio, flex_attention's time over sdpa's round by round (NaN where
+    the two disagreed and nothing was timed)."""
     timing, first = measured["timing"], measured["first"]
     check = f"sdpa against flex_attention: largest difference {measured['worst']:.2g}"
     firsts = " ".join(f"{name}={s:.2f}s" for name, s in first.items())
@@ -165,18 +162,15 @@ def _point_row(ctx: BenchContext, kind: str, case: AttnCase, measured: dict) -> 
                    note=f"NOT timed: {check}, past the dtype's tolerance"), math.nan  # fmt: skip
     ratio = timing.paired_ratio("flex_attention", "sdpa")
     return Row(
-        PHASE,
-        _case_name(kind, case),
+        PHASE, _case_name(kind, case),
         "time per call, sdpa(mask=...) vs compiled flex_attention with a block mask made once",
-        "ms",
-        timing.timings["sdpa"].median_ms,
-        baseline=timing.timings["flex_attention"].median_ms,
-        target=f">= {TARGET_WORST}x",
+        "ms", timing.timings["sdpa"].median_ms,
+        baseline=timing.timings["flex_attention"].median_ms, target=f">= {TARGET_WORST}x",
         met=ratio >= TARGET_WORST if ctx.judged else None,
         note=f"B={case.batch} H={case.heads} {str(case.dtype).removeprefix('torch.')}"
         f"; flex_attention / sdpa round by round {ratio:.3f}x; {check}; first calls (compile, "
         f"outside the timing): {firsts}",
-    ), ratio
+    ), ratio  # fmt: skip
 
 
 def _summary_row(ctx: BenchContext, ratios: list[float]) -> Row:
@@ -184,12 +178,8 @@ def _summary_row(ctx: BenchContext, ratios: list[float]) -> Row:
     median = statistics.median(timed) if timed else math.nan
     worst = min(timed, default=math.nan)
     return Row(
-        PHASE,
-        f"masked sweep: sdpa(mask=...) vs compiled flex_attention over {len(ratios)} points",
-        "speedup, median of the points",
-        "x",
-        median,
-        higher_is_better=True,
+        PHASE, f"masked sweep: sdpa(mask=...) vs compiled flex_attention over {len(ratios)} points",
+        "speedup, median of the points", "x", median, higher_is_better=True,
         target=f"median >= {TARGET_MEDIAN}x, every point >= {TARGET_WORST}x",
         met=(median >= TARGET_MEDIAN and worst >= TARGET_WORST and len(timed) == len(ratios))
         if ctx.judged

@@ -1,11 +1,8 @@
-"""The sdpa phase's ground: its targets and sizes, one attention case (:class:`AttnCase`) and its
-cost model, and how a case is measured: every variant timed interleaved by ``measure.timer``, every
-kernel at a shape by ``lab.sdpa_backends`` (:func:`backend_frame`), which backend a call really
-ran (read from the profiler), peak memory, and every backend's error against attention in
-float64.
-
-FLOPs follow the FlashAttention papers: a forward is two products of 2 Sq Sk D each; a backward
-five (2.5x the forward, recomputation not counted); causal halves both.
+"""The sdpa phase's ground: targets, sizes, one attention case (:class:`AttnCase`) and its cost
+model, and how a case is measured: variants timed interleaved, every kernel at a shape
+(:func:`backend_frame`), which backend really ran (the profiler), peak memory, errors against
+float64. FLOPs follow the FlashAttention papers: a forward is two products of 2 Sq Sk D each, a
+backward five (recomputation not counted); causal halves both.
 """
 
 from __future__ import annotations
@@ -42,32 +39,14 @@ SDPA_OPS = {
 
 
 # ---- cost model --------------------------------------------------------------------------------
-def attention_flops(
-    batch: int,
-    heads: int,
-    seq_q: int,
-    seq_k: int,
-    head_dim: int,
-    *,
-    causal: bool = False,
-    backward: bool = False,
-) -> float:
+def attention_flops(batch, heads, seq_q, seq_k, head_dim, *, causal=False, backward=False) -> float:
     """Matrix-product FLOPs of attention (forward, or forward + backward)."""
     flops = 4.0 * batch * heads * seq_q * seq_k * head_dim
     flops = flops / 2 if causal else flops
     return flops * 3.5 if backward else flops
 
 
-def attention_bytes(
-    batch: int,
-    heads: int,
-    seq_q: int,
-    seq_k: int,
-    head_dim: int,
-    *,
-    elem_bytes: int,
-    manual: bool = False,
-) -> float:
+def attention_bytes(batch, heads, seq_q, seq_k, head_dim, *, elem_bytes, manual=False) -> float:
     """Bytes a forward moves through memory at least. Fused: read q, k, v, write the output.
     Manual adds the (B, H, Sq, Sk) scores six times: written by q k^T, read and written by the
     scale, read and written by the softmax, read by the product with v."""
@@ -90,15 +69,8 @@ class AttnCase:
 
     @property
     def flops(self) -> float:
-        return attention_flops(
-            self.batch,
-            self.heads,
-            self.seq,
-            self.seq,
-            self.head_dim,
-            causal=self.causal,
-            backward=self.backward,
-        )
+        shape = (self.batch, self.heads, self.seq, self.seq, self.head_dim)
+        return attention_flops(*shape, causal=self.causal, backward=self.backward)
 
     @property
     def direction(self) -> str:
@@ -135,20 +107,14 @@ def make_inputs(case: AttnCase, device: torch.device, seed: int = 0):
     """Random q, k, v (B, H, S, D) and, for a backward, a random incoming gradient."""
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (case.batch, case.heads, case.seq, case.head_dim)
-    q, k, v = (
-        torch.randn(shape, generator=gen, device=device, dtype=case.dtype).requires_grad_(
-            case.backward
-        )
-        for _ in range(3)
+    q, k, v, grad = (
+        torch.randn(shape, generator=gen, device=device, dtype=case.dtype) for _ in range(4)
     )
-    grad = torch.randn(shape, generator=gen, device=device, dtype=case.dtype)
-    return q, k, v, grad
+    return *(t.requires_grad_(case.backward) for t in (q, k, v)), grad
 
 
 def variant_fn(variant: str, case: AttnCase, q, k, v, grad) -> Callable[[], object]:
-    """One call of ``variant`` ("manual", or an ``accel.attention.sdpa`` backend: "default" is
-    PyTorch's pick, as ``F.scaled_dot_product_attention`` runs it) on the inputs: a forward
-    without autograd, or a forward and the backward to q, k and v."""
+    """One timed call of ``variant``: "manual", or an ``accel.attention.sdpa`` backend."""
 
     def forward():
         if variant == "manual":
@@ -188,9 +154,8 @@ def measure_point(
     seed: int = 0,
     math_bytes: int = MATH_SWEEP_BYTES,
 ) -> PointTimes:
-    """Median ms of each variant that can run ``case`` and the reason of each one skipped, all
-    in one interleaved measurement (``accel.measure.timer``: the order rotated and reversed round by
-    round)."""
+    """Median ms of each variant that can run ``case`` and the reason of each one skipped, in one
+    interleaved measurement."""
     variants = collection_of(variants, "variant names")
     q, k, v, grad = make_inputs(case, device, seed)
     fns, skipped = {}, {}
@@ -217,24 +182,15 @@ def measure_point(
 def backend_frame(
     device: torch.device, cases: Iterable[AttnCase], *, repeats: int = 10
 ) -> pd.DataFrame:
-    """Every SDPA kernel at each of ``cases`` (``lab.sdpa_backends``): one row per (case,
-    backend) with its ``ms``, ``tflop_s``, ``speedup`` over PyTorch's pick (round by round),
-    the measurement's ``spread`` and the ``reason`` of a kernel not timed."""
+    """``lab.sdpa_backends`` at each of ``cases``: a row per (case, backend), with ``tflop_s``."""
     frames = []
     for case in cases:
         q, k, v, _ = make_inputs(case, device)
         rows = sdpa_backends(q, k, v, causal=case.causal, backward=case.backward, repeats=repeats)
-        frames.append(
-            rows.assign(
-                S=case.seq,
-                D=case.head_dim,
-                B=case.batch,
-                H=case.heads,
-                causal=case.causal,
-                direction=case.direction,
-                tflop_s=case.flops / (rows["ms"] * 1e-3) / 1e12,
-            )
-        )
+        frames.append(rows.assign(
+            S=case.seq, D=case.head_dim, B=case.batch, H=case.heads, causal=case.causal,
+            direction=case.direction, tflop_s=tflop_s(case.flops, rows["ms"]),
+        ))  # fmt: skip
         del q, k, v
         release_memory(device)
     return pd.concat(frames, ignore_index=True)
@@ -284,14 +240,14 @@ def check_backends(
 ) -> pd.DataFrame:
     """Every backend on the same inputs against attention in float64: ran or why not, the
     largest error and whether it is within the dtype's tolerance."""
+    exact_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
     with torch.no_grad():
         exact = attention.attention_reference(
-            q.double(), k.double(), v.double(), mask=_double_mask(mask), causal=causal
+            q.double(), k.double(), v.double(), mask=exact_mask, causal=causal
         )
         tol = attention.TOLERANCES[q.dtype]
         rows = []
-        candidates = {"manual": None, **dict.fromkeys(attention.BACKENDS)}
-        for name in candidates:
+        for name in ("manual", *attention.BACKENDS):
             try:
                 if name == "manual":
                     out = attention.attention_reference(q, k, v, mask=mask, causal=causal)
@@ -301,19 +257,7 @@ def check_backends(
                 rows.append({"backend": name, "ran": False, "reason": error.reason})
                 continue
             err = (out.double() - exact).abs()
-            rows.append(
-                {
-                    "backend": name,
-                    "ran": True,
-                    "max_abs_error": err.max().item(),
-                    "within_tolerance": bool(
-                        (err <= tol["atol"] + tol["rtol"] * exact.abs()).all()
-                    ),
-                    "reason": "",
-                }
-            )
+            within = bool((err <= tol["atol"] + tol["rtol"] * exact.abs()).all())
+            rows.append({"backend": name, "ran": True, "max_abs_error": err.max().item(),
+                         "within_tolerance": within, "reason": ""})  # fmt: skip
     return pd.DataFrame(rows)
-
-
-def _double_mask(mask):
-    return mask if mask is None or mask.dtype == torch.bool else mask.double()
