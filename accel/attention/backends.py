@@ -1,11 +1,5 @@
-"""SDPA's kernels forced one at a time, and why one cannot run, in PyTorch's own words.
-
-Forcing a kernel flips PyTorch's SDPA enable switches around the call (lean private switches in
-eager mode, the public ``sdpa_kernel`` while tracing); a kernel that cannot run the inputs says
-why (:class:`BackendUnavailableError`, with the reason PyTorch warned or documents).
-:func:`picked_kernel` names the kernel PyTorch's own pick runs. Importing this module costs
-torch only.
-"""
+"""SDPA's kernels forced one at a time, why one cannot run (in PyTorch's words), and the kernel
+PyTorch's own pick runs (:func:`picked_kernel`)."""
 
 from __future__ import annotations
 
@@ -52,8 +46,7 @@ class BackendUnavailableError(RuntimeError):
 
 
 def picked_kernel(q, k, v, mask=None, causal=False, scale=None) -> str:
-    """The kernel PyTorch's own pick runs on these inputs ("flash", "efficient", "cudnn",
-    "math"; "" if it names another)."""
+    """The kernel PyTorch's own pick runs on these inputs ("" if not one of :data:`FORCED`)."""
     choice = torch._fused_sdp_choice(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
     return _KERNEL_NAMES.get(int(choice), "")
 
@@ -84,9 +77,8 @@ if _SWITCHES is not None:
 
 
 def run_forced(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
-    """SDPA with only ``backend`` enabled: ``sdpa_kernel([backend])`` without its Python cost
-    (the switches set directly, no context-manager generator or backend list per call); the
-    public context manager while tracing, which dynamo understands."""
+    """SDPA with only ``backend`` enabled: ``sdpa_kernel([backend])`` with the switches set
+    directly (no context manager's Python cost per call); while tracing, ``sdpa_kernel``."""
     if _SWITCHES is None or torch.compiler.is_compiling():
         with sdpa_kernel([FORCED[backend]]):
             return F.scaled_dot_product_attention(
@@ -149,8 +141,8 @@ def _reason(
 def try_once(
     backend: str, call: Callable[[], object], q: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[object, str]:
-    """Run ``call`` (``backend`` forced) once; return (result, "") or (None, why it could not
-    run). Warnings unrelated to the reason are passed on."""
+    """(result, "") of ``call`` (``backend`` forced) run once, or (None, why it could not run);
+    other warnings are passed on."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

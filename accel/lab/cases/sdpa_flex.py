@@ -161,10 +161,6 @@ class MaskedPoint:
     checked: dict[str, float | str]
     peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def skipped(self, path: str) -> str:
-        said = self.checked.get(path, "not run")
-        return said if isinstance(said, str) else ""
-
 
 def measure_masked(
     mask: AttentionMask,

@@ -26,7 +26,6 @@ TARGET_TFLOP_S = 640.0  # sdpa as a user calls it (PyTorch's pick), B=4 H=16 S=4
 TARGET_VS_MANUAL = 6.0
 TARGET_CAUSAL_TRAIN_TFLOP_S = 450.0
 TARGET_VIT = 2.5
-MATH_SWEEP_BYTES = 1 << 30  # math joins a point only if its float32 scores fit in this
 # The ATen op each backend dispatches to: what the profiler shows for "which one really ran".
 SDPA_OPS = {
     "aten::_scaled_dot_product_flash_attention": "flash",
@@ -82,10 +81,6 @@ class AttnCase:
             f"B={self.batch} H={self.heads} S={self.seq} D={self.head_dim} "
             f"{'causal' if self.causal else 'full'} {self.direction}"
         )
-
-    def score_bytes(self) -> int:
-        """Float32 scores the math backend materializes."""
-        return self.batch * self.heads * self.seq * self.seq * 4
 
 
 @dataclass(frozen=True)
@@ -144,25 +139,13 @@ class PointTimes:
     skipped: dict[str, str]
 
 
-def measure_point(
-    case: AttnCase,
-    device: torch.device,
-    variants: Sequence[str],
-    *,
-    repeats: int = 10,
-    warmup: int = 2,
-    seed: int = 0,
-    math_bytes: int = MATH_SWEEP_BYTES,
-) -> PointTimes:
+def measure_point(case: AttnCase, device, variants: Sequence[str], *, repeats=10, warmup=2, seed=0):
     """Median ms of each variant that can run ``case`` and the reason of each one skipped, in one
     interleaved measurement."""
     variants = collection_of(variants, "variant names")
     q, k, v, grad = make_inputs(case, device, seed)
     fns, skipped = {}, {}
     for variant in variants:
-        if variant == "math" and case.score_bytes() > math_bytes:
-            skipped[variant] = f"float32 scores of {case.score_bytes() / 2**30:.1f} GiB"
-            continue
         fn = variant_fn(variant, case, q, k, v, grad)
         try:
             fn()  # the first call finds out whether the backend can run (and warms it)
