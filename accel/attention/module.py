@@ -1,5 +1,4 @@
-""":class:`SelfAttention`: multi-head self-attention over x (B, S, dim) from the parts of this
-package, with the manual path as its "before". Importing this module costs torch only."""
+""":class:`SelfAttention` from the parts of this package, the manual path as its "before"."""
 
 from __future__ import annotations
 

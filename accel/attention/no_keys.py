@@ -1,12 +1,9 @@
-"""SDPA on a tensor mask with the guard that gives a query the mask leaves without keys 0, as
-the reference does.
+"""SDPA on a tensor mask, a query the mask leaves without keys given 0 as in the reference.
 
-The CPU's kernels give 0 there themselves; on CUDA some fused kernels return other values (seen:
-cuDNN with a bool mask), which would pass silently into the model. So each (kernel, device,
-dtype, mask kind) is probed once on a small input, and where the kernel does not give 0 the mask
-goes in as an additive one (if that kernel gives 0 with it) or the rows are zeroed after the
-call. :func:`run` is PyTorch's pick (``"default"``) or one forced kernel, with that guard.
-Importing this module costs torch only.
+The CPU's kernels give 0 there; on CUDA some fused kernels do not (cuDNN with a bool mask), which
+would pass silently into the model. So each (kernel, device, dtype, mask kind) is probed once,
+and where it does not give 0 the mask goes in as an additive one (if that gives 0) or the rows
+are zeroed after the call.
 """
 
 from __future__ import annotations
@@ -51,11 +48,9 @@ def _kernel(backend: str, q, k, v, mask, causal, scale) -> str:
 
 def _mask_plan(backend: str, q, k, v, mask, causal, scale) -> tuple[bool, bool]:
     """(pass the bool mask as an additive one, zero the rows without keys afterwards): what
-    makes a query that the mask leaves without keys come back 0 on the kernel that runs. The
-    kernel may give 0 itself; cuDNN does for an additive mask but not for a bool one, which
-    costs one conversion of the mask (kept while the mask lives) instead of a pass over the
-    output. While tracing nothing can be asked or probed: the rows are zeroed (the compiler
-    fuses that into the graph)."""
+    gives a query without keys 0 on the kernel that runs. An additive mask costs one conversion
+    (kept while the mask lives), zeroing a pass over the output. While tracing nothing can be
+    probed: the rows are zeroed (fused into the graph)."""
     if torch.compiler.is_compiling():
         return False, True
     if _zero_without_keys(_kernel(backend, q, k, v, mask, causal, scale), q, mask):
@@ -68,9 +63,8 @@ def _mask_plan(backend: str, q, k, v, mask, causal, scale) -> tuple[bool, bool]:
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask (True = attend) as 0 / -inf of ``dtype``: made once per mask tensor and
-    version while the mask lives (a model passes one mask to every layer), or at each call for
-    a mask whose additive form is larger than :data:`ADDITIVE_CACHE_BYTES`."""
+    """A bool mask as 0 / -inf of ``dtype``, kept per mask tensor and version while the mask
+    lives (a model passes one mask to every layer) unless larger than the cache's limit."""
     key = id(mask)
     hit = _ADDITIVE.get(key)
     if hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == dtype:
@@ -84,16 +78,14 @@ def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _zero_rows_without_keys(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """A query whose mask leaves it no key gets 0, as in the reference. Two small kernels on the
-    device, no host read."""
+    """A query whose mask leaves it no key gets 0: two small kernels, no host read."""
     keys = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
     return out.masked_fill(~keys.any(dim=-1, keepdim=True), 0.0)
 
 
 def _zero_without_keys(kernel: str, q: torch.Tensor, mask: torch.Tensor) -> bool:
-    """Whether ``kernel`` itself returns 0 for a query whose mask leaves it no key: the CPU's
-    kernels do; elsewhere probed once per (kernel, device, dtype, mask kind). While a CUDA graph
-    is being captured nothing is probed: the answer is False, and the rows are zeroed."""
+    """Whether ``kernel`` itself returns 0 for a query without keys: yes on the CPU; elsewhere
+    probed once per key (not while a CUDA graph is captured: False, so the rows are zeroed)."""
     if q.device.type == "cpu":
         return True
     key = (kernel, q.device, q.dtype, mask.dtype == torch.bool)
@@ -106,8 +98,7 @@ def _zero_without_keys(kernel: str, q: torch.Tensor, mask: torch.Tensor) -> bool
 
 
 def _probe_zero_without_keys(kernel, device, dtype, bool_mask: bool) -> bool:
-    """Run ``kernel`` on an input whose fourth query has no key; True if its row came back 0.
-    The values come from no random generator (a user's must not move)."""
+    """True if ``kernel`` gives 0 to a query without keys (no random generator drawn from)."""
     if kernel not in FORCED:
         return False
     n = 3 * 2 * 80 * 64

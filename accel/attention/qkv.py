@@ -1,9 +1,6 @@
 """Attention's inputs, each beside its "before": q, k and v from one fused projection
-(:class:`QKVProjection`, ``fused=False`` is three), and rotary position embeddings with cos/sin
-cached as buffers (:class:`RotaryEmbedding`, ``cached=False`` recomputes them every forward).
-
-:class:`accel.attention.SelfAttention` puts them together with SDPA; ``accel.attention``
-re-exports every name here. Importing this module costs torch only.
+(:class:`QKVProjection`, ``fused=False`` is three), and rotary embeddings with cos/sin cached as
+buffers (:class:`RotaryEmbedding`, ``cached=False`` recomputes them every forward).
 """
 
 from __future__ import annotations
@@ -61,12 +58,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         _check_head_dim(head_dim)
         checked_count(max_seq_len, "max_seq_len", at_least=1)
-        self.head_dim, self.max_seq_len, self.base, self.cached = (
-            head_dim,
-            max_seq_len,
-            base,
-            cached,
-        )
+        self.head_dim, self.max_seq_len = head_dim, max_seq_len
+        self.base, self.cached = base, cached
         if cached:
             cos, sin = rope_cos_sin(max_seq_len, head_dim, base=base)
             self.register_buffer("cos_cached", cos, persistent=False)

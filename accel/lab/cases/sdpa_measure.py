@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from accel import attention
+from accel import attention, memory
 from accel.errors import collection_of
 from accel.measure.attention import sdpa_backends
 from accel.measure.profile import profile_step
@@ -202,15 +202,8 @@ def which_backend(fn: Callable[[], object], device: torch.device) -> dict[str, s
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Most bytes allocated during one call above what was allocated before it."""
-    if device.type == "cuda":
-        fn()  # warm-up: cuDNN builds its plan, the allocator settles
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    return profile_step(fn, steps=1, warmup=1, device=device).peak_memory_bytes
+    fn()  # warm-up: cuDNN builds its plan, the allocator settles
+    return memory.peak_memory(fn, device=device)
 
 
 def check_backends(
