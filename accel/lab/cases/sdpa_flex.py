@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -27,6 +26,7 @@ from accel.lab.cases.sdpa_measure import (
     PHASE,
     AttnCase,
     as_timed,
+    first_call_s,
     make_inputs,
     peak_memory_bytes,
     release_memory,
@@ -87,15 +87,9 @@ def mask_costs(mask: AttentionMask, batch: int, seq: int, device="cpu") -> dict[
     blocks = attention.block_mask(mask, empty, empty)
     tiles = blocks.kv_num_blocks.numel() * blocks.kv_indices.shape[-1]
     kept = (blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum()).item() / tiles
-    rows = mask.rows or 1
-    return {
-        "S": seq,
-        "tiles kept": kept,
-        "block sparsity": 1 - kept,
-        "predicted speedup": 1 / kept,
-        "block mask bytes": block_mask_bytes(blocks),
-        "dense mask bytes": rows * seq * seq,
-    }
+    return {"S": seq, "tiles kept": kept, "block sparsity": 1 - kept, "predicted speedup": 1 / kept,
+            "block mask bytes": block_mask_bytes(blocks),
+            "dense mask bytes": (mask.rows or 1) * seq * seq}  # fmt: skip
 
 
 def tile_states(mask: AttentionMask, seq: int, row: int = 0) -> torch.Tensor:
@@ -105,9 +99,8 @@ def tile_states(mask: AttentionMask, seq: int, row: int = 0) -> torch.Tensor:
 
     empty = torch.empty((mask.rows or 1), 1, seq, 1)
     blocks = attention.block_mask(mask, empty, empty)
-    full = BlockMask.from_kv_blocks(
-        blocks.full_kv_num_blocks, blocks.full_kv_indices, BLOCK_SIZE=blocks.BLOCK_SIZE
-    )
+    full_tiles = blocks.full_kv_num_blocks, blocks.full_kv_indices
+    full = BlockMask.from_kv_blocks(*full_tiles, BLOCK_SIZE=blocks.BLOCK_SIZE)
     return blocks.to_dense()[row, 0] + full.to_dense()[row, 0]
 
 
@@ -122,6 +115,7 @@ def block_mask_bytes(blocks) -> int:
 # ---- one masked case, checked then timed -------------------------------------------------------
 def masked_fn(path: str, mask: AttentionMask, case: AttnCase, q, k, v, grad) -> Callable:
     """One timed call of ``sdpa(mask=mask, backend=path)``."""
+
     def forward():
         return attention.sdpa(q, k, v, mask=mask, backend=path)
 
@@ -162,30 +156,19 @@ class MaskedPoint:
     peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def measure_masked(
-    mask: AttentionMask,
-    case: AttnCase,
-    device: torch.device,
-    paths: Sequence[str],
-    *,
-    repeats: int,
-    peak: bool = False,
-) -> MaskedPoint:
+def measure_masked(mask: AttentionMask, case: AttnCase, device, paths: Sequence[str], *,
+                   repeats: int, peak: bool = False) -> MaskedPoint:  # fmt: skip
     """Each path's first call timed apart, every path checked against float64, those equal
     timed interleaved; with ``peak``, each path's peak memory too."""
     q, k, v, grad = make_inputs(case, device)
     fns, first, checked = {}, {}, {}
     for path in paths:  # the first call alone: FlexAttention compiles, the dense path measures
         fn = masked_fn(path, mask, case, q, k, v, grad)
-        started = time.perf_counter()
         try:
-            fn()
+            first[path] = first_call_s(fn, device)
         except RuntimeError as error:  # BackendUnavailableError among them
             checked[path] = getattr(error, "reason", str(error))[:200]
             continue
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        first[path] = time.perf_counter() - started
         fns[path] = fn
     checked |= check_masked(q, k, v, mask, list(fns))  # correctness before timing
     fns = {path: fn for path, fn in fns.items() if not isinstance(checked[path], str)}
@@ -228,21 +211,13 @@ def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     return rows
 
 
-def _point_rows(device, repeats, judged, label, mask, case, other, target, *, peak=False):
-    """FlexAttention against ``other`` ("dense", or "default": SDPA's causal kernel, which
-    ``sdpa(mask=Causal())`` runs); with ``peak``, a peak-memory row too."""
-    point = measure_masked(mask, case, device, ("flex", other), repeats=repeats, peak=peak)
-    rows = _time_rows(label, case, point, other, target, judged)
-    return rows + ([_peak_row(label, case, point)] if peak else [])
-
-
-def _case_name(label: str, case: AttnCase) -> str:
-    shape = f"B={case.batch} H={case.heads} S={case.seq} D={case.head_dim}"
-    return f"flex {label} {shape} {case.direction}"
-
-
-def _time_rows(label, case, point: MaskedPoint, baseline: str, target, judged) -> list[Row]:
-    """FlexAttention's time against ``baseline``'s, with every check and first call in the note."""
+def _point_rows(device, repeats, judged, label, mask, case, baseline, target, *, peak=False):
+    """FlexAttention's time against ``baseline``'s ("dense", or "default": SDPA's causal kernel,
+    which ``sdpa(mask=Causal())`` runs), every check and first call in the note; with ``peak``,
+    a peak-memory row too."""
+    point = measure_masked(mask, case, device, ("flex", baseline), repeats=repeats, peak=peak)
+    name = f"flex {label} B={case.batch} H={case.heads} S={case.seq} D={case.head_dim}"
+    name += f" {case.direction}"
     flex, base = point.times.get("flex", math.nan), point.times.get(baseline, math.nan)
     checks = "; ".join(
         f"{p}: {'error ' + format(c, '.2g') if not isinstance(c, str) else 'skipped: ' + c}"
@@ -254,23 +229,22 @@ def _time_rows(label, case, point: MaskedPoint, baseline: str, target, judged) -
         met = not math.isnan(flex) and base / flex >= target
     other = "SDPA on the dense boolean mask" if baseline == "dense" else "SDPA causal kernel"
     dtype = str(case.dtype).removeprefix("torch.")
-    return [Row(
-        PHASE, _case_name(label, case), f"time per call, FlexAttention vs {other}", "ms", flex,
-        baseline=base, target=f">= {target:g}x" if target is not None else "", met=met,
+    rows = [Row(
+        PHASE, name, f"time per call, FlexAttention vs {other}", "ms", flex, baseline=base,
+        target=f">= {target:g}x" if target is not None else "", met=met,
         note=f"{dtype}; against float64 on one (batch, head): {checks}; first calls (compile, "
         f"not in the median): {firsts}",
     )]  # fmt: skip
-
-
-def _peak_row(label: str, case: AttnCase, point: MaskedPoint) -> Row:
+    if not peak:
+        return rows
     peaks = {p: b / 2**20 for p, b in point.peak_bytes.items()}
-    return Row(
-        PHASE, _case_name(label, case) + " peak memory",
+    return [*rows, Row(
+        PHASE, f"{name} peak memory",
         "peak memory above the inputs, FlexAttention vs SDPA on the dense mask", "MiB",
         peaks.get("flex", math.nan), baseline=peaks.get("dense", math.nan),
         note="the dense path's kept boolean mask is allocated before, so not in its peak; SDPA "
         "turns it into a float mask in each call",
-    )  # fmt: skip
+    )]  # fmt: skip
 
 
 def _mask_rows(label: str, mask: AttentionMask, batch: int, seq: int, judged: bool) -> list[Row]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -23,7 +22,14 @@ from accel import attention
 from accel.attention.flex import room_to_compile
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.sdpa_flex import document_lengths
-from accel.lab.cases.sdpa_measure import PHASE, AttnCase, as_timed, make_inputs, release_memory
+from accel.lab.cases.sdpa_measure import (
+    PHASE,
+    AttnCase,
+    as_timed,
+    first_call_s,
+    make_inputs,
+    release_memory,
+)
 from accel.measure.timer import compare
 
 TARGET_MEDIAN = 0.95  # compiled flex_attention's time over sdpa's, median over the points
@@ -106,13 +112,7 @@ def _point(kind, sizes, case, device, flex) -> dict:
         "flex_attention": as_timed(lambda: flex(q, k, v, block_mask=blocks), case, inputs, grad),
         "sdpa": as_timed(lambda: attention.sdpa(q, k, v, mask=mask), case, inputs, grad),
     }
-    first = {}
-    for name, fn in fns.items():
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        first[name] = time.perf_counter() - started
+    first = {name: first_call_s(fn, device) for name, fn in fns.items()}
     with torch.no_grad():
         ours, theirs = attention.sdpa(q, k, v, mask=mask), flex(q, k, v, block_mask=blocks)
     tol = attention.TOLERANCES[case.dtype]

@@ -8,6 +8,7 @@ backward five (recomputation not counted); causal halves both.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -129,6 +130,15 @@ def as_timed(forward: Callable[[], torch.Tensor], case: AttnCase, inputs, grad) 
             return forward()
 
     return no_grad_forward
+
+
+def first_call_s(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call (a compile among them) to the device's end."""
+    started = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 @dataclass(frozen=True)
