@@ -30,8 +30,13 @@ from accel.attention.masks import (
     SlidingWindow,
     dense_mask,
 )
-from accel.attention.module import SelfAttention
-from accel.attention.qkv import QKVProjection, RotaryEmbedding, apply_rope, rope_cos_sin
+from accel.attention.module import (
+    QKVProjection,
+    RotaryEmbedding,
+    SelfAttention,
+    apply_rope,
+    rope_cos_sin,
+)
 from accel.attention.reference import TOLERANCES, attention_reference, check_inputs
 from accel.attention.sdpa import BACKENDS, Backend, sdpa, unavailable_reason
 

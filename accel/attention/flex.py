@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from accel import triton_support
-from accel.attention.backends import AUTO_IS_GONE, BackendUnavailableError
+from accel.attention.backends import AUTO_IS_GONE, BackendUnavailableError, run
 from accel.attention.masks import AttentionMask, dense_mask
-from accel.attention.no_keys import run
 from accel.attention.reference import attention_reference, check_inputs
 from accel.errors import checked_count
 
