@@ -100,18 +100,13 @@ def block_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor, *, block_s
     q_partial = _ordered(partial_tiles.transpose(-2, -1))
     q_full = _ordered(full.transpose(-2, -1))
     return BlockMask(
-        seq_lengths=(seq_q, seq_k),
-        kv_num_blocks=kv_partial[0],
-        kv_indices=kv_partial[1],
-        full_kv_num_blocks=kv_full[0],
-        full_kv_indices=kv_full[1],
-        q_num_blocks=q_partial[0],
-        q_indices=q_partial[1],
-        full_q_num_blocks=q_full[0],
-        full_q_indices=q_full[1],
-        BLOCK_SIZE=(block_size, block_size),
+        seq_lengths=(seq_q, seq_k), BLOCK_SIZE=(block_size, block_size),
+        kv_num_blocks=kv_partial[0], kv_indices=kv_partial[1],
+        full_kv_num_blocks=kv_full[0], full_kv_indices=kv_full[1],
+        q_num_blocks=q_partial[0], q_indices=q_partial[1],
+        full_q_num_blocks=q_full[0], full_q_indices=q_full[1],
         mask_mod=mask.mask_mod(seq_q, seq_k, q.device),
-    )
+    )  # fmt: skip
 
 
 def _block_states(mask: AttentionMask, seq_q: int, seq_k: int, device, size: int):
@@ -156,9 +151,7 @@ def masked_reference(
 ) -> torch.Tensor:
     """Attention written out over the dense mask, the (B, H, Sq, Sk) scores in memory. A query
     that sees no key gets 0."""
-    check_inputs(q, k, v)
-    _check_kind(mask)
-    mask.check(q, k)
+    _check(q, k, v, mask, "default")
     return attention_reference(q, k, v, mask=dense_mask(mask, q, k), scale=scale)
 
 
@@ -183,10 +176,8 @@ def _flex_function(device: torch.device) -> Callable[..., torch.Tensor]:
 
         if how == "uncompiled":
             _FLEX[how] = _uncompiled
-        elif how == "cpu":
-            _FLEX[how] = torch.compile(flex_attention, dynamic=False)
-        else:
-            _FLEX[how] = torch.compile(flex_attention)
+        else:  # None is torch.compile's default
+            _FLEX[how] = torch.compile(flex_attention, dynamic=False if how == "cpu" else None)
     return _FLEX[how]
 
 
@@ -227,12 +218,10 @@ def flex_unavailable(device: torch.device | str, grad: bool = False) -> str | No
 
 def _default_unavailable(device: torch.device, grad: bool) -> str | None:
     """Why the default path does not take FlexAttention here, or None."""
-    if not _compiles(device):
-        return (
-            "on the CPU it would compile for tens of seconds per shape; set "
-            "accel.attention.flex.FLEX_COMPILE_ON_CPU = True to take it"
-        )
-    return flex_unavailable(device, grad)
+    if _compiles(device):
+        return flex_unavailable(device, grad)
+    return ("on the CPU it would compile for tens of seconds per shape; set "
+            "accel.attention.flex.FLEX_COMPILE_ON_CPU = True to take it")  # fmt: skip
 
 
 def room_to_compile(room: int = RECOMPILE_ROOM) -> contextlib.AbstractContextManager:
@@ -337,14 +326,6 @@ def _ready(backend: str, q, k, v, mask: AttentionMask, scale, grad: bool):
     return dense, None
 
 
-def _check_kind(mask: object) -> None:
-    if not isinstance(mask, AttentionMask):
-        raise TypeError(
-            "mask must be a tensor or a mask kind of accel.attention "
-            f"(SlidingWindow(1024), Document(lengths), ...), got {type(mask).__name__}"
-        )
-
-
 def _check(q, k, v, mask: AttentionMask, backend: str) -> None:
     """Raise naming the problem unless ``mask`` and the inputs can be attended by ``backend``."""
     if backend == "auto":
@@ -354,7 +335,11 @@ def _check(q, k, v, mask: AttentionMask, backend: str) -> None:
             f"backend {backend!r} takes no mask kind; with one, expected one of "
             f"{', '.join(MASKED_BACKENDS)}"
         )
-    _check_kind(mask)
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(
+            "mask must be a tensor or a mask kind of accel.attention "
+            f"(SlidingWindow(1024), Document(lengths), ...), got {type(mask).__name__}"
+        )
     check_inputs(q, k, v)
     mask.check(q, k)
 

@@ -297,16 +297,11 @@ class PrefixLM(AttentionMask):
         return prefix_lm_per_row
 
 
-def alibi_slopes(heads: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """ALiBi's per-head slopes 2^(-8 (h + 1) / heads): a geometric series from 2^(-8/heads)."""
-    h = torch.arange(heads, device=device, dtype=dtype)
-    return torch.exp2(-8.0 * (h + 1) / heads)
-
-
 @dataclass(frozen=True)
 class ALiBi(AttentionMask):
-    """Attention with linear biases: each kept score minus ``slope[h] * |i - j|``, over the
-    keys ``mask`` keeps (``Causal()`` by default, as ALiBi was made for; None: every key)."""
+    """Attention with linear biases: each kept score minus ``slope[h] * |i - j|`` (slopes
+    2^(-8 (h + 1) / heads)), over the keys ``mask`` keeps (``Causal()`` by default, as ALiBi
+    was made for; None: every key)."""
 
     mask: AttentionMask | None = Causal()
     _mods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -349,8 +344,9 @@ class ALiBi(AttentionMask):
 
     def score_bias(self, heads, seq_q, seq_k, device, dtype):
         work = torch.promote_types(dtype, torch.float32)
+        slopes = torch.exp2(-8.0 * (torch.arange(heads, device=device, dtype=work) + 1) / heads)
         distance = (_positions(seq_q, device)[:, None] - _positions(seq_k, device)[None]).abs()
-        return (-alibi_slopes(heads, device, work)[:, None, None] * distance.to(work))[None]
+        return (-slopes[:, None, None] * distance.to(work))[None]
 
 
 def dense_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -18,13 +18,7 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from accel.attention.backends import (
-    AUTO_IS_GONE,
-    FORCED,
-    BackendUnavailableError,
-    run,
-    try_once,
-)
+from accel.attention.backends import AUTO_IS_GONE, FORCED, BackendUnavailableError, run, try_once
 from accel.attention.flex import MASKED_BACKENDS, masked_sdpa
 from accel.attention.reference import check_inputs
 
