@@ -41,32 +41,9 @@ from accel.attention.reference import TOLERANCES, attention_reference, check_inp
 from accel.attention.sdpa import BACKENDS, Backend, sdpa, unavailable_reason
 
 __all__ = [
-    "BACKENDS",
-    "FORCED",
-    "MASKED_BACKENDS",
-    "TOLERANCES",
-    "ALiBi",
-    "AttentionMask",
-    "Backend",
-    "BackendUnavailableError",
-    "Causal",
-    "Document",
-    "PrefixLM",
-    "QKVProjection",
-    "RotaryEmbedding",
-    "SelfAttention",
-    "SlidingWindow",
-    "apply_rope",
-    "attention_reference",
-    "block_mask",
-    "check_inputs",
-    "clear_masked_cache",
-    "dense_mask",
-    "flex_unavailable",
-    "masked_reference",
-    "masked_sdpa",
-    "picked_kernel",
-    "rope_cos_sin",
-    "sdpa",
-    "unavailable_reason",
-]
+    "BACKENDS", "FORCED", "MASKED_BACKENDS", "TOLERANCES", "ALiBi", "AttentionMask", "Backend",
+    "BackendUnavailableError", "Causal", "Document", "PrefixLM", "QKVProjection", "RotaryEmbedding",
+    "SelfAttention", "SlidingWindow", "apply_rope", "attention_reference", "block_mask",
+    "check_inputs", "clear_masked_cache", "dense_mask", "flex_unavailable", "masked_reference",
+    "masked_sdpa", "picked_kernel", "rope_cos_sin", "sdpa", "unavailable_reason"
+]  # fmt: skip

@@ -20,15 +20,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
-    "ADDITIVE_CACHE_BYTES",
-    "AUTO_IS_GONE",
-    "FORCED",
-    "BackendUnavailableError",
-    "picked_kernel",
-    "run",
-    "run_forced",
-    "try_once",
-]
+    "ADDITIVE_CACHE_BYTES", "AUTO_IS_GONE", "FORCED", "BackendUnavailableError", "picked_kernel",
+    "run", "run_forced", "try_once"
+]  # fmt: skip
 
 # The kernels SDPA can be forced to; "default" is PyTorch's own pick.
 FORCED: dict[str, SDPBackend] = {

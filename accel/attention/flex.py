@@ -35,15 +35,9 @@ from accel.attention.reference import attention_reference, check_inputs
 from accel.errors import checked_count
 
 __all__ = [
-    "BLOCK_SIZE",
-    "MASKED_BACKENDS",
-    "block_mask",
-    "clear_masked_cache",
-    "flex_unavailable",
-    "masked_reference",
-    "masked_sdpa",
-    "room_to_compile",
-]
+    "BLOCK_SIZE", "MASKED_BACKENDS", "block_mask", "clear_masked_cache", "flex_unavailable",
+    "masked_reference", "masked_sdpa", "room_to_compile"
+]  # fmt: skip
 
 MASKED_BACKENDS = ("default", "flex", "dense")
 BLOCK_SIZE = 128  # the block mask's tile, FlexAttention's default

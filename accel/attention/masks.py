@@ -25,14 +25,8 @@ from typing import ClassVar
 import torch
 
 __all__ = [
-    "ALiBi",
-    "AttentionMask",
-    "Causal",
-    "Document",
-    "PrefixLM",
-    "SlidingWindow",
-    "dense_mask",
-]
+    "ALiBi", "AttentionMask", "Causal", "Document", "PrefixLM", "SlidingWindow", "dense_mask"
+]  # fmt: skip
 
 MaskMod = Callable[..., torch.Tensor]  # (b, h, q_idx, kv_idx) -> bool
 ScoreMod = Callable[..., torch.Tensor]  # (score, b, h, q_idx, kv_idx) -> score

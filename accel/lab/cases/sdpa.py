@@ -52,26 +52,11 @@ from accel.workloads.flags import all_on, label
 
 # what notebooks/05_sdpa.ipynb reaches through this module
 __all__ = [
-    "TARGET_MASK_MEMORY",
-    "AttnCase",
-    "MaskFlags",
-    "attention_bytes",
-    "attention_flops",
-    "backend_frame",
-    "check_backends",
-    "document_lengths",
-    "flex_frame",
-    "make_inputs",
-    "mask_costs",
-    "masked_step",
-    "measure_masked",
-    "parts",
-    "peak_memory_bytes",
-    "run",
-    "tile_states",
-    "variant_fn",
-    "which_backend",
-]
+    "TARGET_MASK_MEMORY", "AttnCase", "MaskFlags", "attention_bytes", "attention_flops",
+    "backend_frame", "check_backends", "document_lengths", "flex_frame", "make_inputs",
+    "mask_costs", "masked_step", "measure_masked", "parts", "peak_memory_bytes", "run",
+    "tile_states", "variant_fn", "which_backend"
+]  # fmt: skip
 
 # "default" is sdpa as a user calls it: PyTorch's pick
 VARIANTS = ("manual", "math", "efficient", "flash", "cudnn", "default")
