@@ -57,28 +57,24 @@ def picked_kernel(q, k, v, mask=None, causal=False, scale=None) -> str:
 
 
 def _lean_switches():
-    """(backend, getter, setter) of each SDPA enable flag; None if this torch lacks them."""
+    """SDPA's enable flags: (getters, setters, per forced backend each flag's state while it runs
+    alone); None if this torch lacks them."""
     try:
         from torch.nn.attention import _backend_names
 
-        return tuple(
-            (
-                getattr(SDPBackend, attr),
-                getattr(torch._C, f"_get_{name}_sdp_enabled"),
-                getattr(torch._C, f"_set_sdp_use_{name}"),
-            )
-            for name, attr in _backend_names.items()
-        )
+        flags = list(_backend_names.items())
+        getters = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name, _ in flags)
+        setters = tuple(getattr(torch._C, f"_set_sdp_use_{name}") for name, _ in flags)
     except (ImportError, AttributeError):
         return None
+    alone = {
+        name: tuple(getattr(SDPBackend, attr) == sdp for _, attr in flags)
+        for name, sdp in FORCED.items()
+    }
+    return getters, setters, alone
 
 
 _SWITCHES = _lean_switches()
-if _SWITCHES is not None:
-    _GETTERS = tuple(get for _, get, _ in _SWITCHES)
-    _SETTERS = tuple(set_ for _, _, set_ in _SWITCHES)
-    # per forced backend: each switch's state while it runs alone
-    _ALONE = {name: tuple(b == sdp for b, _, _ in _SWITCHES) for name, sdp in FORCED.items()}
 
 
 def run_forced(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
@@ -89,15 +85,16 @@ def run_forced(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=scale
             )
-    saved = [get() for get in _GETTERS]
-    for set_, on in zip(_SETTERS, _ALONE[backend], strict=True):
+    getters, setters, alone = _SWITCHES
+    saved = [get() for get in getters]
+    for set_, on in zip(setters, alone[backend], strict=True):
         set_(on)
     try:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale
         )
     finally:
-        for set_, was in zip(_SETTERS, saved, strict=True):
+        for set_, was in zip(setters, saved, strict=True):
             set_(was)
 
 

@@ -172,9 +172,7 @@ def measure_point(case: AttnCase, device, variants: Sequence[str], *, repeats=10
     return PointTimes(times, skipped)
 
 
-def backend_frame(
-    device: torch.device, cases: Iterable[AttnCase], *, repeats: int = 10
-) -> pd.DataFrame:
+def backend_frame(device, cases: Iterable[AttnCase], *, repeats: int = 10) -> pd.DataFrame:
     """``lab.sdpa_backends`` at each of ``cases``: a row per (case, backend), with ``tflop_s``."""
     frames = []
     for case in cases:
@@ -216,14 +214,7 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     return memory.peak_memory(fn, device=device)
 
 
-def check_backends(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
-) -> pd.DataFrame:
+def check_backends(q, k, v, *, mask: torch.Tensor | None = None, causal=False) -> pd.DataFrame:
     """Every backend on the same inputs against attention in float64: ran or why not, the
     largest error and whether it is within the dtype's tolerance."""
     exact_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
