@@ -1,20 +1,8 @@
-"""Masked attention from a mask kind: ``torch.compile(flex_attention)`` on a block mask made once,
-with the manual reference beside it and SDPA on the dense mask where FlexAttention cannot run.
-
-A dense mask costs ``Sq x Sk`` memory, takes SDPA off flash and still computes every tile of
-scores. FlexAttention takes a *block mask* (which 128 x 128 tiles keep any key, which keep every
-key): it skips the empty tiles and evaluates the mask on the partial ones only, so its time
-follows the fraction of tiles kept.
-
-    out = masked_sdpa(q, k, v, SlidingWindow(1024))            # FlexAttention, compiled
-    out = masked_sdpa(q, k, v, Document(lengths), backend="dense")   # SDPA on the dense mask
-    ref = masked_reference(q, k, v, SlidingWindow(1024))        # the S x S scores written out
-
-The default is what a user writes with attention-gym: one ``torch.compile(flex_attention)`` for
-the process, its block mask built on the device from the mask's key ranges once per (mask,
-shapes, device) and kept. ``Causal()`` alone runs SDPA's causal kernel. Where FlexAttention
-cannot run (the CPU unless ``FLEX_COMPILE_ON_CPU``, CUDA without Triton, a failed compile) SDPA
-runs on the dense mask after one warning naming why.
+"""Masked attention from a mask kind (:func:`masked_sdpa`): ``torch.compile(flex_attention)`` on a
+block mask made once, the manual reference beside it, SDPA on the dense mask where FlexAttention
+cannot run. A dense mask costs ``Sq x Sk`` memory, takes SDPA off flash and computes every tile
+of scores; FlexAttention's block mask (which 128 x 128 tiles keep any key, which keep all) lets
+it skip the empty tiles, so its time follows the fraction of tiles kept.
 """
 
 from __future__ import annotations

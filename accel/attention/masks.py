@@ -1,18 +1,11 @@
-"""Named attention masks: which keys each query may see, as small objects that FlexAttention, a
-dense mask for SDPA and the manual reference all read.
-
-Every kind gives each query one contiguous range of keys ``[lo, hi)`` (:meth:`bounds`), from which
-the block mask (``accel.attention.block_mask``, work of ``Sq x Sk / 128``) and the dense mask
-(:func:`dense_mask`) are built; ``mask_mod`` is the same rule as FlexAttention evaluates it on
-the tiles only partly kept.
+"""Named attention masks: each gives every query one contiguous range of keys ``[lo, hi)``
+(:meth:`~AttentionMask.bounds`), from which the block mask and the dense mask are built, and the
+same rule as the ``mask_mod`` FlexAttention evaluates on tiles only partly kept. Causal masks are
+top-left aligned when ``Sq != Sk``, as SDPA's ``is_causal``.
 
     mask = SlidingWindow(1024)            # each query sees itself and the 1023 keys before it
     out = attention.sdpa(q, k, v, mask=mask)   # compiled FlexAttention on the block mask
     keep = dense_mask(mask, q, k)         # (1, 1, Sq, Sk) bool, True = attend
-
-The kinds: :class:`Causal`, :class:`SlidingWindow`, :class:`Document` (packed sequences),
-:class:`PrefixLM`, and :class:`ALiBi` (a per-head distance penalty over any of the others).
-Causal masks are top-left aligned when ``Sq != Sk``, as SDPA's ``is_causal``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""``sdpa``: fused scaled_dot_product_attention (SDPA) as PyTorch picks it, or one kernel forced.
-
-The manual path is four passes over a (batch, heads, S, S) score matrix in memory; SDPA computes
-the same numbers in one fused kernel that keeps each block of scores on chip. Which kernel runs
-is PyTorch's pick; forcing one is the caller's choice after measuring it at their own shape
-(``accel.lab.sdpa_backends``).
+"""``sdpa``: fused attention as PyTorch picks its kernel, or one kernel forced (after measuring it
+at your shape with ``accel.lab.sdpa_backends``).
 
     out = sdpa(q, k, v, causal=True)                    # (B, H, S, D) in, (B, H, S, D) out
     out = sdpa(q, k, v, mask=SlidingWindow(1024))       # a mask kind: FlexAttention
