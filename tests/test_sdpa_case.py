@@ -11,7 +11,7 @@ import torch
 from accel import attention as A
 from accel.lab import plots
 from accel.lab.bench import BenchContext
-from accel.lab.cases import sdpa, sdpa_flex, sdpa_measure
+from accel.lab.cases import sdpa, sdpa_flex
 from accel.lab.cases import sdpa_masked_sweep as sweep
 from accel.measure.ceilings import Ceilings
 from accel.workloads import vit
@@ -159,9 +159,9 @@ def test_the_phase_runs_in_parts(monkeypatch):
 
 def test_measure_point_times_variants_in_the_timers_rotated_and_reversed_rounds(monkeypatch):
     taken = []
-    real = sdpa_measure.interleaved
+    real = sdpa.interleaved
     monkeypatch.setattr(
-        sdpa_measure, "interleaved", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1]
+        sdpa, "interleaved", lambda *a, **kw: taken.append(real(*a, **kw)) or taken[-1]
     )
     case = sdpa.AttnCase(1, 2, 15, 8, dtype=torch.float32)
     point = sdpa.measure_point(case, CPU, ("default", "flash", "math"), repeats=4)
