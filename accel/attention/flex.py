@@ -124,12 +124,7 @@ def _kept_block_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor):
 
 # ---- the reference and the dense mask -----------------------------------------------------------
 def masked_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: AttentionMask,
-    *,
-    scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, *, scale=None
 ) -> torch.Tensor:
     """Attention written out over the dense mask, the (B, H, Sq, Sk) scores in memory. A query
     that sees no key gets 0."""

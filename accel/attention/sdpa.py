@@ -120,13 +120,7 @@ def _checked_run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
 
 
 def unavailable_reason(
-    backend: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, causal=False
 ) -> str | None:
     """Why a forced ``backend`` cannot run these inputs, or None if it can (``"default"``
     always can). The first query of a key runs the backend once, forward only."""

@@ -50,13 +50,6 @@ class MaskedSweepSizes:
     repeats: int
     directions: tuple[bool, ...] = (False, True)  # backward or not
 
-    def cases(self, backward: bool, head_dim: int) -> list[AttnCase]:
-        return [
-            AttnCase(max(1, self.tokens // s), self.heads, s, head_dim, backward=backward,
-                     dtype=self.dtype)
-            for s in self.seqs
-        ]  # fmt: skip
-
 
 MASKED_SWEEP = {
     "gpu": MaskedSweepSizes(
@@ -99,29 +92,6 @@ def _user_flex(device: torch.device):
     return uncompiled
 
 
-def _point(kind, sizes, case, device, flex) -> dict:
-    """One point: both calls made once (compiling), compared, then timed interleaved."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    q, k, v, grad = make_inputs(case, device)
-    mask = make_mask(kind, sizes, case, device)
-    mask_mod = mask.mask_mod(case.seq, case.seq, device)
-    blocks = create_block_mask(mask_mod, mask.rows, None, case.seq, case.seq, device=device)
-    inputs = (q, k, v)
-    fns = {
-        "flex_attention": as_timed(lambda: flex(q, k, v, block_mask=blocks), case, inputs, grad),
-        "sdpa": as_timed(lambda: attention.sdpa(q, k, v, mask=mask), case, inputs, grad),
-    }
-    first = {name: first_call_s(fn, device) for name, fn in fns.items()}
-    with torch.no_grad():
-        ours, theirs = attention.sdpa(q, k, v, mask=mask), flex(q, k, v, block_mask=blocks)
-    tol = attention.TOLERANCES[case.dtype]
-    worst = (ours.float() - theirs.float()).abs().max().item()
-    equal = torch.allclose(ours, theirs, **tol)
-    timing = compare(fns, warmup=2, repeats=sizes.repeats, device=device) if equal else None
-    return {"timing": timing, "first": first, "worst": worst, "equal": equal}
-
-
 def _case_name(kind: str, case: AttnCase) -> str:
     return f"sweep masked {kind} {case.direction} D={case.head_dim} S={case.seq}"
 
@@ -133,33 +103,47 @@ def rows(ctx: BenchContext) -> list[Row]:
     attention.clear_masked_cache()
     out, ratios = [], []
     points = [
-        (kind, case)
-        for kind in KINDS
-        for backward in sizes.directions
-        for head_dim in sizes.head_dims
-        for case in sizes.cases(backward, head_dim)
-    ]
+        (kind, AttnCase(max(1, sizes.tokens // s), sizes.heads, s, head_dim, backward=backward,
+                        dtype=sizes.dtype))
+        for kind in KINDS for backward in sizes.directions for head_dim in sizes.head_dims
+        for s in sizes.seqs
+    ]  # fmt: skip
     with room_to_compile(RECOMPILE_ROOM):
         for kind, case in points:
-            measured = _point(kind, sizes, case, device, flex)
+            row, ratio = _point_row(ctx, kind, sizes, case, flex)
             release_memory(device)  # the point's tensors went with its frame
-            row, ratio = _point_row(ctx, kind, case, measured)
             out.append(row)
             ratios.append(ratio)
     attention.clear_masked_cache()
     return [*out, _summary_row(ctx, ratios)]
 
 
-def _point_row(ctx: BenchContext, kind: str, case: AttnCase, measured: dict) -> tuple[Row, float]:
-    """The point's row and its ratio, flex_attention's time over sdpa's round by round (NaN where
-    the two disagreed and nothing was timed)."""
-    timing, first = measured["timing"], measured["first"]
-    check = f"sdpa against flex_attention: largest difference {measured['worst']:.2g}"
-    firsts = " ".join(f"{name}={s:.2f}s" for name, s in first.items())
-    if timing is None:
+def _point_row(ctx: BenchContext, kind, sizes, case: AttnCase, flex) -> tuple[Row, float]:
+    """One point: both calls made once (compiling), compared, then timed interleaved; its row and
+    its ratio, flex_attention's time over sdpa's round by round (NaN where the two disagreed and
+    nothing was timed)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    device = ctx.device
+    q, k, v, grad = make_inputs(case, device)
+    mask = make_mask(kind, sizes, case, device)
+    mask_mod = mask.mask_mod(case.seq, case.seq, device)
+    blocks = create_block_mask(mask_mod, mask.rows, None, case.seq, case.seq, device=device)
+    inputs = (q, k, v)
+    fns = {
+        "flex_attention": as_timed(lambda: flex(q, k, v, block_mask=blocks), case, inputs, grad),
+        "sdpa": as_timed(lambda: attention.sdpa(q, k, v, mask=mask), case, inputs, grad),
+    }
+    firsts = " ".join(f"{name}={first_call_s(fn, device):.2f}s" for name, fn in fns.items())
+    with torch.no_grad():
+        ours, theirs = attention.sdpa(q, k, v, mask=mask), flex(q, k, v, block_mask=blocks)
+    worst = (ours.float() - theirs.float()).abs().max().item()
+    check = f"sdpa against flex_attention: largest difference {worst:.2g}"
+    if not torch.allclose(ours, theirs, **attention.TOLERANCES[case.dtype]):
         return Row(PHASE, _case_name(kind, case), "time per call", "ms", math.nan,
                    met=False if ctx.judged else None,
                    note=f"NOT timed: {check}, past the dtype's tolerance"), math.nan  # fmt: skip
+    timing = compare(fns, warmup=2, repeats=sizes.repeats, device=device)
     ratio = timing.paired_ratio("flex_attention", "sdpa")
     return Row(
         PHASE, _case_name(kind, case),
