@@ -385,7 +385,7 @@ def test_a_repeated_masked_call_is_one_key_and_one_lookup(gen):
             again = A.sdpa(q, k, v, mask=SlidingWindow(5), backend=backend)
         finally:
             sys.setprofile(None)
-        slow = {("flex.py", n) for n in ("_check", "_ready", "_kept_block_mask", "block_mask")}
+        slow = {("flex.py", n) for n in ("_check", "_ready", "_bound_flex", "block_mask")}
         slow.add(("reference.py", "check_inputs"))
         assert not slow & set(entered), (backend, entered)
         torch.testing.assert_close(again, first, rtol=0, atol=0)

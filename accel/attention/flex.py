@@ -116,12 +116,6 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts.contiguous(), order.to(torch.int32).contiguous()
 
 
-def _kept_block_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor):
-    """``mask``'s block mask for these batch, query and key lengths, made once and kept."""
-    key = (mask.cache_key, q.shape[0], q.shape[2], k.shape[2], q.device)
-    return _kept(_BLOCK_MASKS, key, partial(block_mask, mask, q, k), _BLOCK_MASKS_KEPT)
-
-
 # ---- the reference and the dense mask -----------------------------------------------------------
 def masked_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, *, scale=None
@@ -212,8 +206,10 @@ def room_to_compile(room: int = RECOMPILE_ROOM) -> contextlib.AbstractContextMan
 
 
 def _bound_flex(mask: AttentionMask, q, k) -> Callable[..., torch.Tensor]:
-    """``(q, k, v, scale) -> out``: FlexAttention with its block mask and score_mod bound."""
-    blocks = _kept_block_mask(mask, q, k)
+    """``(q, k, v, scale) -> out``: FlexAttention with its block mask (made once per mask,
+    batch, lengths and device, and kept) and score_mod bound."""
+    key = (mask.cache_key, q.shape[0], q.shape[2], k.shape[2], q.device)
+    blocks = _kept(_BLOCK_MASKS, key, partial(block_mask, mask, q, k), _BLOCK_MASKS_KEPT)
     flex, score_mod = _flex_function(q.device), mask.score_mod(q.shape[1])
     if score_mod is None:
         return lambda q, k, v, scale: flex(q, k, v, block_mask=blocks, scale=scale)

@@ -10,10 +10,9 @@ re-exported here. TFLOP/s are compared with the measured matrix-product rate.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import torch
@@ -223,10 +222,8 @@ def headline_rows(ctx: BenchContext, sizes: BenchSizes) -> list[Row]:
 
 def _memory_row(case: AttnCase, q, k, v, grad, device) -> Row:
     """Peak memory of SDPA against the manual path, which keeps (B, H, S, S) scores."""
-    peaks = {
-        name: peak_memory_bytes(variant_fn(name, case, q, k, v, grad), device) / 2**20
-        for name in ("manual", "default")
-    }
+    peaks = {name: peak_memory_bytes(variant_fn(name, case, q, k, v, grad), device) / 2**20
+             for name in ("manual", "default")}  # fmt: skip
     scores_mib = case.batch * case.heads * case.seq**2 * q.element_size() / 2**20
     return Row(
         PHASE, f"{case.name} peak memory", "peak memory above the inputs", "MiB",
@@ -238,7 +235,7 @@ def _memory_row(case: AttnCase, q, k, v, grad, device) -> Row:
 
 def causal_training_row(ctx: BenchContext, sizes: BenchSizes) -> Row:
     """Forward and backward of causal attention at the headline shape, as a user calls it."""
-    case = dataclasses.replace(sizes.headline, causal=True, backward=True)
+    case = replace(sizes.headline, causal=True, backward=True)
     point = measure_point(case, ctx.device, ("default",), repeats=sizes.repeats)
     ms = point.times.get("default", math.nan)
     rate = tflop_s(case.flops, ms)
@@ -259,22 +256,16 @@ def causal_training_row(ctx: BenchContext, sizes: BenchSizes) -> Row:
 
 
 # ---- vit ---------------------------------------------------------------------------------------
-def vit_configs(device) -> dict[str, vit.Flags]:
-    """The baseline, every flag but compile (notebook 05's panel ends there), all."""
-    everything = all_on(vit.Flags, device)
-    no_compile = dataclasses.replace(everything, compile=False)
-    configs = {"baseline": vit.Flags(), "all but compile": no_compile}
-    if everything != no_compile:
-        configs["all flags"] = everything
-    return configs
-
-
 def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3) -> list[Row]:
-    """The ViT step with each configuration checked equal to the baseline, then timed
-    interleaved against it."""
+    """The ViT step at the baseline, every flag but compile (notebook 05's panel ends there) and
+    all, each checked equal to the baseline, then timed interleaved against it."""
     vit_sizes = vit.Sizes.preset(ctx.preset)
+    everything = all_on(vit.Flags, ctx.device)
+    configs = {"baseline": vit.Flags(), "all but compile": replace(everything, compile=False)}
+    if everything != configs["all but compile"]:
+        configs["all flags"] = everything
     steps, checks, reference = {}, {}, None
-    for name, flags in vit_configs(ctx.device).items():
+    for name, flags in configs.items():
         step = vit.build(flags, vit_sizes, device=ctx.device, seed=0)
         for _ in range(check_steps):  # correctness before timing
             step()
