@@ -28,8 +28,8 @@ ScoreMod = Callable[..., torch.Tensor]  # (score, b, h, q_idx, kv_idx) -> score
 class AttentionMask:
     """A mask kind: per query a range of keys ``[lo, hi)`` and the same rule as a ``mask_mod``.
 
-    ``cache_key`` decides the block mask: the kind and its sizes, or the object and its data
-    tensor's version where the mask is made from one. ``rows`` is the batch size of a mask that
+    ``cache_key`` decides the block mask: the kind and its sizes (equal masks are one key), or
+    the object and its data tensor's version where the mask is made from one. ``rows`` is the batch size of a mask that
     differs per batch row (None: one mask for every row)."""
 
     is_causal: ClassVar[bool] = False  # exactly SDPA's is_causal: plain SDPA can run it
@@ -251,6 +251,10 @@ class PrefixLM(AttentionMask):
     def data(self):
         return self.prefix if isinstance(self.prefix, torch.Tensor) else None
 
+    @property
+    def cache_key(self):  # an int prefix is a size: equal masks share one key
+        return ("PrefixLM", self.prefix) if isinstance(self.prefix, int) else super().cache_key
+
     def _prefix(self, device) -> torch.Tensor | int:
         if isinstance(self.prefix, torch.Tensor):
             return self.prefix.to(device, torch.int32)[:, None]  # (R, 1)
@@ -305,6 +309,10 @@ class ALiBi(AttentionMask):
 
     def data(self):
         return None if self.mask is None else self.mask.data()
+
+    @property
+    def cache_key(self):
+        return ("ALiBi", None if self.mask is None else self.mask.cache_key)
 
     def check(self, q, k):
         if self.mask is not None:
