@@ -9,7 +9,6 @@ dense mask all of them: at an equal rate per tile it is faster by 1 / (fraction 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -88,7 +87,7 @@ def mask_costs(mask: AttentionMask, batch: int, seq: int, device="cpu") -> dict[
     tiles = blocks.kv_num_blocks.numel() * blocks.kv_indices.shape[-1]
     kept = (blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum()).item() / tiles
     return {"S": seq, "tiles kept": kept, "block sparsity": 1 - kept, "predicted speedup": 1 / kept,
-            "block mask bytes": block_mask_bytes(blocks),
+            "block mask bytes": _held_bytes(blocks),
             "dense mask bytes": (mask.rows or 1) * seq * seq}  # fmt: skip
 
 
@@ -104,7 +103,7 @@ def tile_states(mask: AttentionMask, seq: int, row: int = 0) -> torch.Tensor:
     return blocks.to_dense()[row, 0] + full.to_dense()[row, 0]
 
 
-def block_mask_bytes(blocks) -> int:
+def _held_bytes(blocks) -> int:
     """Every tensor of a BlockMask and the tensors its mask_mod reads (a document's ids)."""
     tensors = [t for t in blocks.as_tuple() if isinstance(t, torch.Tensor)]
     cells = getattr(blocks.mask_mod, "__closure__", None) or ()
@@ -153,7 +152,7 @@ class MaskedPoint:
     times: dict[str, float]
     first_call_s: dict[str, float]
     checked: dict[str, float | str]
-    peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    peak_bytes: dict[str, int]
 
 
 def measure_masked(mask: AttentionMask, case: AttnCase, device, paths: Sequence[str], *,
