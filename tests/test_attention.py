@@ -12,7 +12,6 @@ import torch
 
 from accel import attention as A
 from accel.attention import backends as AB
-from accel.attention import no_keys as NK
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU; this machine has none")
@@ -425,17 +424,17 @@ def test_a_query_with_no_key_gets_zero_on_every_backend(device, backend, kind, s
 
 def test_an_additive_mask_is_made_once_per_bool_mask_and_version_while_it_lives(gen):
     keep = torch.rand(2, 1, 5, 7, generator=gen) < 0.6
-    first = NK._additive_mask(keep, torch.float16)
+    first = AB._additive_mask(keep, torch.float16)
     assert first.dtype == torch.float16 and torch.equal(first == 0, keep)
     assert torch.isneginf(first[~keep]).all()
-    assert NK._additive_mask(keep, torch.float16) is first
-    assert NK._additive_mask(keep, torch.float32) is not first  # another dtype
+    assert AB._additive_mask(keep, torch.float16) is first
+    assert AB._additive_mask(keep, torch.float32) is not first  # another dtype
     keep[0, 0, 0, 0] = not keep[0, 0, 0, 0]  # changed in place: a new version
-    again = NK._additive_mask(keep, torch.float32)
+    again = AB._additive_mask(keep, torch.float32)
     assert torch.equal(again == 0, keep)
     key = id(keep)
     del keep
-    assert key not in NK._ADDITIVE  # gone with its mask
+    assert key not in AB._ADDITIVE  # gone with its mask
 
 
 def test_a_kernel_that_zeroes_only_with_an_additive_mask_gets_one(monkeypatch, gen):
@@ -444,12 +443,12 @@ def test_a_kernel_that_zeroes_only_with_an_additive_mask_gets_one(monkeypatch, g
     keep[..., 0] = True
     keep[:, :, 2] = False  # query 2 has no key
     seen = []
-    monkeypatch.setattr(NK, "_zero_without_keys", lambda kernel, q, m: m.dtype != torch.bool)
-    real = NK._call
+    monkeypatch.setattr(AB, "_zero_without_keys", lambda kernel, q, m: m.dtype != torch.bool)
+    real = AB._call
     monkeypatch.setattr(
-        NK, "_call", lambda b, q, k, v, m, *a: seen.append(m.dtype) or real(b, q, k, v, m, *a)
+        AB, "_call", lambda b, q, k, v, m, *a: seen.append(m.dtype) or real(b, q, k, v, m, *a)
     )
-    assert NK._mask_plan("default", q, k, v, keep, False, None) == (True, False)
+    assert AB._mask_plan("default", q, k, v, keep, False, None) == (True, False)
     out = A.sdpa(q, k, v, mask=keep, backend="default")
     assert seen[-1] == torch.float32
     torch.testing.assert_close(out, A.attention_reference(q, k, v, mask=keep))

@@ -355,6 +355,10 @@ def test_block_masks_are_cached_per_mask_and_rebuilt_when_its_data_changes(gen):
     A.sdpa(q, k, v, mask=SlidingWindow(3), backend="flex")
     A.sdpa(q, k, v, mask=SlidingWindow(3), backend="flex")  # equal kinds share one
     assert len(AF._BLOCK_MASKS) == 3
+    for make in (lambda: PrefixLM(11), lambda: ALiBi(PrefixLM(11))):  # a new object per call
+        A.sdpa(q, k, v, mask=make(), backend="flex")
+        A.sdpa(q, k, v, mask=make(), backend="flex")
+    assert len(AF._BLOCK_MASKS) == 5 and len(AF._READY) == 6  # one each, not one per object
 
 
 def test_cached_calls_read_nothing_on_the_host(count_host_reads, gen):
@@ -385,7 +389,7 @@ def test_a_repeated_masked_call_is_one_key_and_one_lookup(gen):
             again = A.sdpa(q, k, v, mask=SlidingWindow(5), backend=backend)
         finally:
             sys.setprofile(None)
-        slow = {("flex.py", n) for n in ("_check", "_ready", "_kept_block_mask", "block_mask")}
+        slow = {("flex.py", n) for n in ("_check", "_ready", "_bound_flex", "block_mask")}
         slow.add(("reference.py", "check_inputs"))
         assert not slow & set(entered), (backend, entered)
         torch.testing.assert_close(again, first, rtol=0, atol=0)

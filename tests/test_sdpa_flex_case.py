@@ -11,12 +11,12 @@ import torch
 
 from accel import attention as A
 from accel.lab.bench import BenchContext
-from accel.lab.cases import sdpa
+from accel.lab.cases import sdpa, sdpa_flex
 from accel.measure.ceilings import Ceilings
 
 CPU = torch.device("cpu")
 FAKE_CEILINGS = Ceilings("cpu", 10.0, 0.5, "float32", 1 << 20, 256)
-TINY = sdpa.FlexSizes(1, 2, 8, torch.float32, 5, (17, 33), (33,), 3, 33, 33, repeats=2)
+TINY = sdpa_flex.FlexSizes(1, 2, 8, torch.float32, 5, (17, 33), (33,), 3, 33, 33, repeats=2)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -50,13 +50,11 @@ def test_check_masked_says_which_path_is_wrong(monkeypatch):
     case = sdpa.AttnCase(2, 2, 33, 8, dtype=torch.float32)
     q, k, v, _ = sdpa.make_inputs(case, CPU)
     mask = A.Document(torch.tensor([[10, 23], [30, 3]]))
-    checked = sdpa.check_masked(q, k, v, mask, ("flex", "dense"))
+    checked = sdpa_flex.check_masked(q, k, v, mask, ("flex", "dense"))
     assert checked["flex"] < 1e-5 and checked["dense"] < 1e-5
     q.requires_grad_(True)  # FlexAttention has no backward on the CPU: said, not raised
-    assert "no backward on the CPU" in sdpa.check_masked(q, k, v, mask, ("flex",))["flex"]
+    assert "no backward on the CPU" in sdpa_flex.check_masked(q, k, v, mask, ("flex",))["flex"]
     q.requires_grad_(False)
-    from accel.lab.cases import sdpa_flex
-
     real = sdpa_flex.attention.sdpa
 
     def off_by_one(q, k, v, *, mask=None, backend="default", **kw):
@@ -70,8 +68,8 @@ def test_check_masked_says_which_path_is_wrong(monkeypatch):
 
 
 def test_flex_rows_on_cpu_and_their_figures_read_back(monkeypatch):
-    monkeypatch.setitem(sdpa.FLEX_SIZES, "cpu", TINY)
-    rows = sdpa.flex_rows(BenchContext(CPU, "cpu", FAKE_CEILINGS), judged=False)
+    monkeypatch.setitem(sdpa_flex.FLEX_SIZES, "cpu", TINY)
+    rows = sdpa_flex.flex_rows(BenchContext(CPU, "cpu", FAKE_CEILINGS), judged=False)
     by_case = {r.case: r for r in rows}
     window = by_case["flex sliding window 5 B=1 H=2 S=33 D=8 fwd"]
     assert window.target == ">= 3x" and window.met is None and window.optimized > 0

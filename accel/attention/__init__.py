@@ -6,13 +6,8 @@ attention module's parts.
     out = sdpa(q, k, v, mask=SlidingWindow(1024))      # torch.compile(flex_attention)
     ref = attention_reference(q, k, v, causal=True)    # the same numbers, S x S in memory
 
-One module per job: ``reference`` (the contract: checks, the manual path, tolerances), ``sdpa``
-(the dispatcher), ``backends`` (forcing one kernel, PyTorch's reasons when it cannot run),
-``no_keys`` (a query a tensor mask leaves without keys gets 0), ``masks`` (the mask kinds),
-``flex`` (block masks, FlexAttention, the dense mask where it cannot run), ``qkv`` (the q/k/v
-projection, rotary embeddings), ``module`` (:class:`SelfAttention`). Measuring SDPA's kernels
-against each other at a shape is the lab's (``accel.lab.sdpa_backends``). Importing this package
-costs torch only.
+Measuring SDPA's kernels against each other at a shape is the lab's
+(``accel.lab.sdpa_backends``). Importing this package costs torch only.
 """
 
 from __future__ import annotations
@@ -35,38 +30,20 @@ from accel.attention.masks import (
     SlidingWindow,
     dense_mask,
 )
-from accel.attention.module import SelfAttention
-from accel.attention.qkv import QKVProjection, RotaryEmbedding, apply_rope, rope_cos_sin
+from accel.attention.module import (
+    QKVProjection,
+    RotaryEmbedding,
+    SelfAttention,
+    apply_rope,
+    rope_cos_sin,
+)
 from accel.attention.reference import TOLERANCES, attention_reference, check_inputs
 from accel.attention.sdpa import BACKENDS, Backend, sdpa, unavailable_reason
 
 __all__ = [
-    "BACKENDS",
-    "FORCED",
-    "MASKED_BACKENDS",
-    "TOLERANCES",
-    "ALiBi",
-    "AttentionMask",
-    "Backend",
-    "BackendUnavailableError",
-    "Causal",
-    "Document",
-    "PrefixLM",
-    "QKVProjection",
-    "RotaryEmbedding",
-    "SelfAttention",
-    "SlidingWindow",
-    "apply_rope",
-    "attention_reference",
-    "block_mask",
-    "check_inputs",
-    "clear_masked_cache",
-    "dense_mask",
-    "flex_unavailable",
-    "masked_reference",
-    "masked_sdpa",
-    "picked_kernel",
-    "rope_cos_sin",
-    "sdpa",
-    "unavailable_reason",
-]
+    "BACKENDS", "FORCED", "MASKED_BACKENDS", "TOLERANCES", "ALiBi", "AttentionMask", "Backend",
+    "BackendUnavailableError", "Causal", "Document", "PrefixLM", "QKVProjection", "RotaryEmbedding",
+    "SelfAttention", "SlidingWindow", "apply_rope", "attention_reference", "block_mask",
+    "check_inputs", "clear_masked_cache", "dense_mask", "flex_unavailable", "masked_reference",
+    "masked_sdpa", "picked_kernel", "rope_cos_sin", "sdpa", "unavailable_reason"
+]  # fmt: skip

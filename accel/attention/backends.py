@@ -1,15 +1,18 @@
-"""SDPA's kernels forced one at a time, and why one cannot run, in PyTorch's own words.
+"""How SDPA runs on a tensor mask (:func:`run`): PyTorch's pick (:func:`picked_kernel` names its
+kernel) or one kernel forced, with why it cannot run in PyTorch's words; and a query the mask
+leaves without keys given 0, as in the reference.
 
-Forcing a kernel flips PyTorch's SDPA enable switches around the call (lean private switches in
-eager mode, the public ``sdpa_kernel`` while tracing); a kernel that cannot run the inputs says
-why (:class:`BackendUnavailableError`, with the reason PyTorch warned or documents).
-:func:`picked_kernel` names the kernel PyTorch's own pick runs. Importing this module costs
-torch only.
+The CPU's kernels give 0 there; on CUDA some fused kernels do not (cuDNN with a bool mask), which
+would pass silently into the model. So each (kernel, device, dtype, mask kind) is probed once,
+and where it does not give 0 the mask goes in as an additive one (if that gives 0) or the rows
+are zeroed after the call.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -17,13 +20,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
-    "AUTO_IS_GONE",
-    "FORCED",
-    "BackendUnavailableError",
-    "picked_kernel",
-    "run_forced",
-    "try_once",
-]
+    "ADDITIVE_CACHE_BYTES", "AUTO_IS_GONE", "FORCED", "BackendUnavailableError", "picked_kernel",
+    "run", "run_forced", "try_once"
+]  # fmt: skip
 
 # The kernels SDPA can be forced to; "default" is PyTorch's own pick.
 FORCED: dict[str, SDPBackend] = {
@@ -52,55 +51,50 @@ class BackendUnavailableError(RuntimeError):
 
 
 def picked_kernel(q, k, v, mask=None, causal=False, scale=None) -> str:
-    """The kernel PyTorch's own pick runs on these inputs ("flash", "efficient", "cudnn",
-    "math"; "" if it names another)."""
+    """The kernel PyTorch's own pick runs on these inputs ("" if not one of :data:`FORCED`)."""
     choice = torch._fused_sdp_choice(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
     return _KERNEL_NAMES.get(int(choice), "")
 
 
 def _lean_switches():
-    """(backend, getter, setter) of each SDPA enable flag; None if this torch lacks them."""
+    """SDPA's enable flags: (getters, setters, per forced backend each flag's state while it runs
+    alone); None if this torch lacks them."""
     try:
         from torch.nn.attention import _backend_names
 
-        return tuple(
-            (
-                getattr(SDPBackend, attr),
-                getattr(torch._C, f"_get_{name}_sdp_enabled"),
-                getattr(torch._C, f"_set_sdp_use_{name}"),
-            )
-            for name, attr in _backend_names.items()
-        )
+        flags = list(_backend_names.items())
+        getters = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name, _ in flags)
+        setters = tuple(getattr(torch._C, f"_set_sdp_use_{name}") for name, _ in flags)
     except (ImportError, AttributeError):
         return None
+    alone = {
+        name: tuple(getattr(SDPBackend, attr) == sdp for _, attr in flags)
+        for name, sdp in FORCED.items()
+    }
+    return getters, setters, alone
 
 
 _SWITCHES = _lean_switches()
-if _SWITCHES is not None:
-    _GETTERS = tuple(get for _, get, _ in _SWITCHES)
-    _SETTERS = tuple(set_ for _, _, set_ in _SWITCHES)
-    # per forced backend: each switch's state while it runs alone
-    _ALONE = {name: tuple(b == sdp for b, _, _ in _SWITCHES) for name, sdp in FORCED.items()}
 
 
 def run_forced(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
-    """SDPA with only ``backend`` enabled: ``sdpa_kernel([backend])`` without its Python cost
-    (the switches set directly, no context-manager generator or backend list per call); the
-    public context manager while tracing, which dynamo understands."""
+    """SDPA with only ``backend`` enabled: ``sdpa_kernel([backend])`` with the switches set
+    directly (no context manager's Python cost per call); while tracing, ``sdpa_kernel``."""
     if _SWITCHES is None or torch.compiler.is_compiling():
         with sdpa_kernel([FORCED[backend]]):
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, is_causal=causal, scale=scale
             )
-    saved = [get() for get in _GETTERS]
-    for set_, on in zip(_SETTERS, _ALONE[backend], strict=True):
+    getters, setters, alone = _SWITCHES
+    saved = [get() for get in getters]
+    for set_, on in zip(setters, alone[backend], strict=True):
         set_(on)
     try:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale
         )
     finally:
-        for set_, was in zip(_SETTERS, saved, strict=True):
+        for set_, was in zip(setters, saved, strict=True):
             set_(was)
 
 
@@ -149,8 +143,8 @@ def _reason(
 def try_once(
     backend: str, call: Callable[[], object], q: torch.Tensor, mask: torch.Tensor | None
 ) -> tuple[object, str]:
-    """Run ``call`` (``backend`` forced) once; return (result, "") or (None, why it could not
-    run). Warnings unrelated to the reason are passed on."""
+    """(result, "") of ``call`` (``backend`` forced) run once, or (None, why it could not run);
+    other warnings are passed on."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -160,3 +154,102 @@ def try_once(
     for w in caught:  # it ran: pass on any unrelated warning
         warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     return out, ""
+
+
+# ---- a tensor mask, and the queries it leaves without keys --------------------------------------
+# id(bool mask) -> (a weak reference to it, its version, dtype, the additive mask); up to this size
+_ADDITIVE: dict[int, tuple] = {}
+ADDITIVE_CACHE_BYTES = 64 << 20
+_GIVES_ZERO: dict[tuple, bool] = {}  # (kernel, device, dtype, bool mask) -> probed
+
+
+def run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
+    """SDPA with ``backend`` forced, or PyTorch's pick for ``"default"``; a query that the mask
+    leaves without keys gets 0."""
+    if mask is None:
+        return _call(backend, q, k, v, mask, causal, scale)
+    additive, zero_rows = _mask_plan(backend, q, k, v, mask, causal, scale)
+    if additive:
+        return _call(backend, q, k, v, _additive_mask(mask, q.dtype), causal, scale)
+    out = _call(backend, q, k, v, mask, causal, scale)
+    return _zero_rows_without_keys(out, mask) if zero_rows else out
+
+
+def _call(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
+    if backend in FORCED:
+        return run_forced(backend, q, k, v, mask, causal, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
+
+
+def _kernel(backend: str, q, k, v, mask, causal, scale) -> str:
+    return backend if backend in FORCED else picked_kernel(q, k, v, mask, causal, scale)
+
+
+def _mask_plan(backend: str, q, k, v, mask, causal, scale) -> tuple[bool, bool]:
+    """(pass the bool mask as an additive one, zero the rows without keys afterwards): what
+    gives a query without keys 0 on the kernel that runs. An additive mask costs one conversion
+    (kept while the mask lives), zeroing a pass over the output. While tracing nothing can be
+    probed: the rows are zeroed (fused into the graph)."""
+    if torch.compiler.is_compiling():
+        return False, True
+    if _zero_without_keys(_kernel(backend, q, k, v, mask, causal, scale), q, mask):
+        return False, False
+    if mask.dtype == torch.bool:
+        additive = _additive_mask(mask, q.dtype)
+        if _zero_without_keys(_kernel(backend, q, k, v, additive, causal, scale), q, additive):
+            return True, False
+    return False, True
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as 0 / -inf of ``dtype``, kept per mask tensor and version while the mask
+    lives (a model passes one mask to every layer) unless larger than the cache's limit."""
+    key = id(mask)
+    hit = _ADDITIVE.get(key)
+    if hit is not None and hit[0]() is mask and hit[1] == mask._version and hit[2] == dtype:
+        return hit[3]
+    additive = torch.full(mask.shape, -math.inf, dtype=dtype, device=mask.device)
+    additive.masked_fill_(mask, 0.0)
+    if additive.numel() * additive.element_size() <= ADDITIVE_CACHE_BYTES:
+        gone = weakref.ref(mask, lambda _, key=key: _ADDITIVE.pop(key, None))
+        _ADDITIVE[key] = (gone, mask._version, dtype, additive)
+    return additive
+
+
+def _zero_rows_without_keys(out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A query whose mask leaves it no key gets 0: two small kernels, no host read."""
+    keys = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    return out.masked_fill(~keys.any(dim=-1, keepdim=True), 0.0)
+
+
+def _zero_without_keys(kernel: str, q: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether ``kernel`` itself returns 0 for a query without keys: yes on the CPU; elsewhere
+    probed once per key (not while a CUDA graph is captured: False, so the rows are zeroed)."""
+    if q.device.type == "cpu":
+        return True
+    key = (kernel, q.device, q.dtype, mask.dtype == torch.bool)
+    known = _GIVES_ZERO.get(key)
+    if known is None:
+        if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        known = _GIVES_ZERO[key] = _probe_zero_without_keys(*key)
+    return known
+
+
+def _probe_zero_without_keys(kernel, device, dtype, bool_mask: bool) -> bool:
+    """True if ``kernel`` gives 0 to a query without keys (no random generator drawn from)."""
+    if kernel not in FORCED:
+        return False
+    n = 3 * 2 * 80 * 64
+    q, k, v = torch.linspace(-2, 2, n, device=device).sin().to(dtype).view(3, 1, 2, 80, 64)
+    keep = torch.ones(80, 80, dtype=torch.bool, device=device)
+    keep[3] = False
+    mask = keep if bool_mask else torch.zeros(80, 80, dtype=dtype, device=device)
+    if not bool_mask:
+        mask.masked_fill_(~keep, -math.inf)
+    try:
+        with torch.no_grad():
+            out = run_forced(kernel, q, k, v, mask, False, None)
+    except RuntimeError:
+        return False
+    return not bool(out[:, :, 3].any())  # sync: once per kernel, device, dtype and mask kind

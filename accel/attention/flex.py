@@ -1,25 +1,8 @@
-"""Masked attention from a mask kind: ``torch.compile(flex_attention)`` on a block mask made once,
-with the manual reference beside it and SDPA on the dense mask where FlexAttention cannot run.
-
-A dense mask costs ``Sq x Sk`` memory, takes SDPA off its fastest kernel (flash takes no mask)
-and still computes every tile of scores, kept or not. FlexAttention takes the mask as a function
-and a *block mask*: which 128 x 128 tiles of the scores keep any key, and which keep every key.
-It skips the empty tiles and evaluates the mask on the partial ones only, so its time follows the
-fraction of tiles kept.
-
-    out = masked_sdpa(q, k, v, SlidingWindow(1024))            # FlexAttention, compiled
-    out = masked_sdpa(q, k, v, Document(lengths), backend="dense")   # SDPA on the dense mask
-    ref = masked_reference(q, k, v, SlidingWindow(1024))        # the S x S scores written out
-
-``accel.attention.sdpa(q, k, v, mask=<mask kind>)`` lands here. By default a call is what a user
-writes with attention-gym: one ``torch.compile(flex_attention)`` for the process, its block mask
-made once per (mask, shapes, device) and kept (a bounded cache; built on the device from the
-mask's key ranges, :func:`block_mask`: no S x S tensor, no host read). ``Causal()`` alone runs
-SDPA's causal kernel, which skips the same tiles with a hand-tuned kernel. Where FlexAttention
-cannot run (the CPU, where compiling takes tens of seconds per shape unless
-``FLEX_COMPILE_ON_CPU``; CUDA without Triton; a compile that fails) SDPA runs on the dense mask,
-after one warning naming why. Importing this module costs torch only; FlexAttention is imported
-on first use.
+"""Masked attention from a mask kind (:func:`masked_sdpa`): ``torch.compile(flex_attention)`` on a
+block mask made once, the manual reference beside it, SDPA on the dense mask where FlexAttention
+cannot run. A dense mask costs ``Sq x Sk`` memory, takes SDPA off flash and computes every tile
+of scores; FlexAttention's block mask (which 128 x 128 tiles keep any key, which keep all) lets
+it skip the empty tiles, so its time follows the fraction of tiles kept.
 """
 
 from __future__ import annotations
@@ -28,39 +11,26 @@ import contextlib
 import warnings
 from collections.abc import Callable, Hashable
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from accel import triton_support
-from accel.attention.backends import AUTO_IS_GONE, BackendUnavailableError
+from accel.attention.backends import AUTO_IS_GONE, BackendUnavailableError, run
 from accel.attention.masks import AttentionMask, dense_mask
-from accel.attention.no_keys import run
 from accel.attention.reference import attention_reference, check_inputs
 from accel.errors import checked_count
 
 __all__ = [
-    "BLOCK_SIZE",
-    "MASKED_BACKENDS",
-    "MaskedBackend",
-    "block_mask",
-    "clear_masked_cache",
-    "flex_unavailable",
-    "masked_reference",
-    "masked_sdpa",
-    "room_to_compile",
-]
+    "BLOCK_SIZE", "MASKED_BACKENDS", "block_mask", "clear_masked_cache", "flex_unavailable",
+    "masked_reference", "masked_sdpa", "room_to_compile"
+]  # fmt: skip
 
-# "default": FlexAttention (SDPA's causal kernel for Causal()); "flex": FlexAttention or an
-# error saying why not; "dense": SDPA on the dense mask.
-MaskedBackend = Literal["default", "flex", "dense"]
-MASKED_BACKENDS: tuple[str, ...] = get_args(MaskedBackend)
+MASKED_BACKENDS = ("default", "flex", "dense")
 BLOCK_SIZE = 128  # the block mask's tile, FlexAttention's default
 FLEX_COMPILE_ON_CPU = False
-# torch.compile keeps `recompile_limit` (8) variants of a function, then runs it uncompiled;
-# masked attention compiles one per mask kind, head size and grad mode, so a new key's first
-# call compiles with room for this many
+# compiled variants allowed per function (torch's default 8): one per mask kind, head size, grad
 RECOMPILE_ROOM = 64
 _BLOCK_MASKS_KEPT = 64  # KiB each (a document's: its ids too, 4 bytes a token)
 _DENSE_MASKS_KEPT = 4  # Sq x Sk each
@@ -69,9 +39,7 @@ _READY_KEPT = 64
 _BLOCK_MASKS: dict[Hashable, Any] = {}
 _DENSE_MASKS: dict[Hashable, torch.Tensor] = {}
 _FLEX: dict[str, Callable[..., torch.Tensor]] = {}  # "cuda", "cpu", "uncompiled" -> the call
-# (backend, mask.cache_key, q's and k's shapes, dtype, device, grad) -> (q, k, v, scale) -> out:
-# a repeated call's path with its block mask bound, checked on its first call (v's shape is
-# FlexAttention's and SDPA's to check)
+# (backend, mask.cache_key, q's and k's shapes, dtype, device, grad) -> the bound call
 _READY: dict[tuple, Callable[..., torch.Tensor]] = {}
 _warned: set[str] = set()
 
@@ -101,39 +69,30 @@ def _warn_once(why: str, message: str) -> None:
 
 # ---- the block mask, from each query's key range ----------------------------------------------
 def block_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor, *, block_size=BLOCK_SIZE):
-    """FlexAttention's ``BlockMask`` of ``mask`` for q (B, H, Sq, D) and k (B, H, Sk, D).
-
-    Built from the key range of each query: work and memory of Sq x Sk / block_size booleans,
-    never Sq x Sk, and no host read. Equal to ``create_block_mask(mask_mod, ...)`` (which
-    evaluates the mask at every one of the S x S positions)."""
+    """FlexAttention's ``BlockMask`` of ``mask`` for q (B, H, Sq, D) and k (B, H, Sk, D), equal
+    to ``create_block_mask``'s but built from each query's key range: Sq x Sk / block_size
+    booleans, never Sq x Sk, and no host read."""
     from torch.nn.attention.flex_attention import BlockMask
 
     block_size = checked_count(block_size, "block_size", at_least=1)
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     partial_tiles, full = _block_states(mask, seq_q, seq_k, q.device, block_size)
     kv_partial, kv_full = _ordered(partial_tiles), _ordered(full)
-    # the backward walks the tiles by key block: the same states transposed (from_kv_blocks
-    # would derive them from the ordered lists, at a millisecond of host time per mask)
+    # the backward's tiles by key block: the states transposed (from_kv_blocks costs a ms)
     q_partial = _ordered(partial_tiles.transpose(-2, -1))
     q_full = _ordered(full.transpose(-2, -1))
     return BlockMask(
-        seq_lengths=(seq_q, seq_k),
-        kv_num_blocks=kv_partial[0],
-        kv_indices=kv_partial[1],
-        full_kv_num_blocks=kv_full[0],
-        full_kv_indices=kv_full[1],
-        q_num_blocks=q_partial[0],
-        q_indices=q_partial[1],
-        full_q_num_blocks=q_full[0],
-        full_q_indices=q_full[1],
-        BLOCK_SIZE=(block_size, block_size),
+        seq_lengths=(seq_q, seq_k), BLOCK_SIZE=(block_size, block_size),
+        kv_num_blocks=kv_partial[0], kv_indices=kv_partial[1],
+        full_kv_num_blocks=kv_full[0], full_kv_indices=kv_full[1],
+        q_num_blocks=q_partial[0], q_indices=q_partial[1],
+        full_q_num_blocks=q_full[0], full_q_indices=q_full[1],
         mask_mod=mask.mask_mod(seq_q, seq_k, q.device),
-    )
+    )  # fmt: skip
 
 
 def _block_states(mask: AttentionMask, seq_q: int, seq_k: int, device, size: int):
-    """(partial, full): (rows or 1, 1, tiles of Sq, tiles of Sk) bool. A tile is full when
-    every query of it sees every key of it, partial when some query sees some key."""
+    """(partial, full): (rows or 1, 1, tiles of Sq, tiles of Sk) bool."""
     lo, hi = mask.bounds(seq_q, seq_k, device)  # (R, Sq)
     n_q, n_k = -(-seq_q // size), -(-seq_k // size)
     pad = (0, n_q * size - seq_q)
@@ -157,26 +116,13 @@ def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts.contiguous(), order.to(torch.int32).contiguous()
 
 
-def _kept_block_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor):
-    """``mask``'s block mask for these batch, query and key lengths, made once and kept."""
-    key = (mask.cache_key, q.shape[0], q.shape[2], k.shape[2], q.device)
-    return _kept(_BLOCK_MASKS, key, partial(block_mask, mask, q, k), _BLOCK_MASKS_KEPT)
-
-
 # ---- the reference and the dense mask -----------------------------------------------------------
 def masked_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: AttentionMask,
-    *,
-    scale: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, *, scale=None
 ) -> torch.Tensor:
-    """Attention written out over the dense mask: softmax(q k^T * scale + bias, masked) v, the
-    (B, H, Sq, Sk) scores in memory. A query that sees no key gets 0."""
-    check_inputs(q, k, v)
-    _check_kind(mask)
-    mask.check(q, k)
+    """Attention written out over the dense mask, the (B, H, Sq, Sk) scores in memory. A query
+    that sees no key gets 0."""
+    _check(q, k, v, mask, "default")
     return attention_reference(q, k, v, mask=dense_mask(mask, q, k), scale=scale)
 
 
@@ -193,25 +139,21 @@ def _compiles(device: torch.device) -> bool:
 
 
 def _flex_function(device: torch.device) -> Callable[..., torch.Tensor]:
-    """flex_attention as it runs on ``device``: ``torch.compile(flex_attention)`` as a user
-    writes it, compiled for each shape on the CPU (its kernels with a dynamic length and a
-    document's ids fail to build there), or uncompiled."""
+    """flex_attention as it runs on ``device``: compiled (for each shape on the CPU, where
+    dynamic shapes fail to build), or uncompiled."""
     how = device.type if _compiles(device) else "uncompiled"
     if how not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
         if how == "uncompiled":
             _FLEX[how] = _uncompiled
-        elif how == "cpu":
-            _FLEX[how] = torch.compile(flex_attention, dynamic=False)
-        else:
-            _FLEX[how] = torch.compile(flex_attention)
+        else:  # None is torch.compile's default
+            _FLEX[how] = torch.compile(flex_attention, dynamic=False if how == "cpu" else None)
     return _FLEX[how]
 
 
 def _uncompiled(q, k, v, **kwargs) -> torch.Tensor:
-    """FlexAttention's own uncompiled path (the CPU's, forced), after one warning of ours
-    instead of PyTorch's."""
+    """FlexAttention uncompiled, after one warning of ours instead of PyTorch's."""
     from torch.nn.attention.flex_attention import flex_attention
 
     _warn_once(
@@ -247,17 +189,15 @@ def flex_unavailable(device: torch.device | str, grad: bool = False) -> str | No
 
 def _default_unavailable(device: torch.device, grad: bool) -> str | None:
     """Why the default path does not take FlexAttention here, or None."""
-    if not _compiles(device):
-        return (
-            "on the CPU it would compile for tens of seconds per shape; set "
-            "accel.attention.flex.FLEX_COMPILE_ON_CPU = True to take it"
-        )
-    return flex_unavailable(device, grad)
+    if _compiles(device):
+        return flex_unavailable(device, grad)
+    return ("on the CPU it would compile for tens of seconds per shape; set "
+            "accel.attention.flex.FLEX_COMPILE_ON_CPU = True to take it")  # fmt: skip
 
 
 def room_to_compile(room: int = RECOMPILE_ROOM) -> contextlib.AbstractContextManager:
     """torch.compile's limit of compiled variants per function raised to at least ``room``
-    while the context lasts (past the limit, a function runs uncompiled)."""
+    while the context lasts."""
     import torch._dynamo
 
     config = torch._dynamo.config
@@ -266,9 +206,10 @@ def room_to_compile(room: int = RECOMPILE_ROOM) -> contextlib.AbstractContextMan
 
 
 def _bound_flex(mask: AttentionMask, q, k) -> Callable[..., torch.Tensor]:
-    """FlexAttention for inputs of these shapes and ``mask``, ``(q, k, v, scale) -> out``, its
-    block mask and score_mod bound: the call a user writes with attention-gym."""
-    blocks = _kept_block_mask(mask, q, k)
+    """``(q, k, v, scale) -> out``: FlexAttention with its block mask (made once per mask,
+    batch, lengths and device, and kept) and score_mod bound."""
+    key = (mask.cache_key, q.shape[0], q.shape[2], k.shape[2], q.device)
+    blocks = _kept(_BLOCK_MASKS, key, partial(block_mask, mask, q, k), _BLOCK_MASKS_KEPT)
     flex, score_mod = _flex_function(q.device), mask.score_mod(q.shape[1])
     if score_mod is None:
         return lambda q, k, v, scale: flex(q, k, v, block_mask=blocks, scale=scale)
@@ -277,8 +218,7 @@ def _bound_flex(mask: AttentionMask, q, k) -> Callable[..., torch.Tensor]:
 
 
 def _first_call(call: Callable[[], torch.Tensor]) -> tuple[torch.Tensor | None, str]:
-    """Run ``call`` once, compiling, with room for one more compiled variant; (out, "") or
-    (None, why it could not run)."""
+    """(out, "") of ``call`` run once, compiling, or (None, why it could not run)."""
     try:
         with room_to_compile():
             return call(), ""
@@ -307,10 +247,8 @@ def masked_sdpa(
     ``"flex"``: FlexAttention, or :class:`BackendUnavailableError` saying why it cannot run.
     ``"dense"``: SDPA (PyTorch's pick) on the dense mask, made once and kept.
 
-    Host cost: the first call of a key (the mask's ``cache_key``, q's and k's shapes, dtype,
-    device, whether a backward follows) checks the inputs, builds the block mask and compiles;
-    a later call builds that key, looks it up, and calls FlexAttention with what it needs bound
-    (a few µs of Python beside the compiled call's own host time).
+    The first call of a key (the mask's ``cache_key``, shapes, dtype, device, grad mode) checks
+    the inputs, builds the block mask and compiles; a later call looks the bound call up.
     """
     if causal:
         raise ValueError("pass either a mask or causal=True, not both (Causal() is a mask kind)")
@@ -344,8 +282,7 @@ def _causal_kernel(q, k, v, mask: AttentionMask, scale) -> torch.Tensor:
 
 
 def _ready(backend: str, q, k, v, mask: AttentionMask, scale, grad: bool):
-    """(the bound call of ``backend`` for inputs like these, the first call's output if it ran
-    one): FlexAttention, compiled on its first call here, or the dense mask."""
+    """(the bound call of ``backend`` for inputs like these, the first call's output or None)."""
     dense = partial(_run_dense, mask)
     if backend == "dense":
         return dense, None
@@ -362,14 +299,6 @@ def _ready(backend: str, q, k, v, mask: AttentionMask, scale, grad: bool):
     return dense, None
 
 
-def _check_kind(mask: object) -> None:
-    if not isinstance(mask, AttentionMask):
-        raise TypeError(
-            "mask must be a tensor or a mask kind of accel.attention "
-            f"(SlidingWindow(1024), Document(lengths), ...), got {type(mask).__name__}"
-        )
-
-
 def _check(q, k, v, mask: AttentionMask, backend: str) -> None:
     """Raise naming the problem unless ``mask`` and the inputs can be attended by ``backend``."""
     if backend == "auto":
@@ -379,14 +308,17 @@ def _check(q, k, v, mask: AttentionMask, backend: str) -> None:
             f"backend {backend!r} takes no mask kind; with one, expected one of "
             f"{', '.join(MASKED_BACKENDS)}"
         )
-    _check_kind(mask)
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(
+            "mask must be a tensor or a mask kind of accel.attention "
+            f"(SlidingWindow(1024), Document(lengths), ...), got {type(mask).__name__}"
+        )
     check_inputs(q, k, v)
     mask.check(q, k)
 
 
 def _traced(q, k, v, mask: AttentionMask, scale, backend: str) -> torch.Tensor:
-    """Inside torch.compile nothing is cached: the path is traced into the caller's graph,
-    FlexAttention with its block mask built there (SDPA's causal kernel for ``Causal()``)."""
+    """Inside torch.compile nothing is cached: the path is traced into the caller's graph."""
     _check(q, k, v, mask, backend)
     if backend == "dense":
         return run("default", q, k, v, dense_mask(mask, q, k), False, scale)

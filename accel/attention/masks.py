@@ -1,20 +1,11 @@
-"""Named attention masks: which keys each query may see, as small objects that FlexAttention, a
-dense mask for SDPA and the manual reference all read.
-
-Every kind here gives each query one contiguous range of keys ``[lo, hi)`` (:meth:`bounds`). A
-block mask is built from those ranges with work and memory of ``Sq x Sk / 128``, never ``S x S``
-(``accel.attention.block_mask``), and the dense mask of SDPA and the reference from the same
-ranges (:func:`dense_mask`). ``mask_mod`` is the same rule in the form FlexAttention evaluates
-inside its kernel, on the blocks that are only partly kept (attention-gym's style).
+"""Named attention masks: each gives every query one contiguous range of keys ``[lo, hi)``
+(:meth:`~AttentionMask.bounds`), from which the block mask and the dense mask are built, and the
+same rule as the ``mask_mod`` FlexAttention evaluates on tiles only partly kept. Causal masks are
+top-left aligned when ``Sq != Sk``, as SDPA's ``is_causal``.
 
     mask = SlidingWindow(1024)            # each query sees itself and the 1023 keys before it
     out = attention.sdpa(q, k, v, mask=mask)   # compiled FlexAttention on the block mask
     keep = dense_mask(mask, q, k)         # (1, 1, Sq, Sk) bool, True = attend
-
-The kinds: :class:`Causal`, :class:`SlidingWindow`, :class:`Document` (sequences packed in one row,
-from a tensor of their lengths), :class:`PrefixLM`, and the score modification :class:`ALiBi` (a
-per-head penalty growing with distance, over any of the others). Causal masks are top-left aligned
-when ``Sq != Sk``, as SDPA's ``is_causal``. Importing this module costs torch only.
 """
 
 from __future__ import annotations
@@ -27,27 +18,18 @@ from typing import ClassVar
 import torch
 
 __all__ = [
-    "ALiBi",
-    "AttentionMask",
-    "Causal",
-    "Document",
-    "PrefixLM",
-    "SlidingWindow",
-    "dense_mask",
-]
+    "ALiBi", "AttentionMask", "Causal", "Document", "PrefixLM", "SlidingWindow", "dense_mask"
+]  # fmt: skip
 
-MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-ScoreMod = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
+MaskMod = Callable[..., torch.Tensor]  # (b, h, q_idx, kv_idx) -> bool
+ScoreMod = Callable[..., torch.Tensor]  # (score, b, h, q_idx, kv_idx) -> score
 
 
 class AttentionMask:
     """A mask kind: per query a range of keys ``[lo, hi)`` and the same rule as a ``mask_mod``.
 
-    ``signature`` is what decides which kernel is fastest (the kind and its sizes, not its
-    data); ``cache_key`` is what decides the block mask (the signature, and the data tensor with
-    its version where the mask is made from one). ``rows`` is the batch size of a mask that
+    ``cache_key`` decides the block mask: the kind and its sizes (equal masks are one key), or
+    the object and its data tensor's version where the mask is made from one. ``rows`` is the batch size of a mask that
     differs per batch row (None: one mask for every row)."""
 
     is_causal: ClassVar[bool] = False  # exactly SDPA's is_causal: plain SDPA can run it
@@ -57,16 +39,13 @@ class AttentionMask:
         raise NotImplementedError
 
     def mask_mod(self, seq_q: int, seq_k: int, device: torch.device) -> MaskMod:
-        """The rule as FlexAttention takes it: ``(b, h, q_idx, kv_idx) -> bool``."""
         raise NotImplementedError
 
     def score_mod(self, heads: int) -> ScoreMod | None:
-        """A change to each kept score ``(score, b, h, q_idx, kv_idx) -> score``, or None."""
+        """A change to each kept score, or None."""
         return None
 
-    def score_bias(
-        self, heads: int, seq_q: int, seq_k: int, device: torch.device, dtype: torch.dtype
-    ) -> torch.Tensor | None:
+    def score_bias(self, heads, seq_q, seq_k, device, dtype) -> torch.Tensor | None:
         """``score_mod`` as an additive (1, heads, Sq, Sk) bias for the dense path, or None."""
         return None
 
@@ -78,22 +57,10 @@ class AttentionMask:
         """The tensor the mask is made from, if any (its device must be q's)."""
         return None
 
-    def static(self) -> tuple[Hashable, ...]:
-        """The kind's sizes: what, beside the inputs' shapes, decides the kernel."""
-        return ()
-
-    @property
-    def signature(self) -> Hashable:
-        data = self.data()
-        meta = () if data is None else (data.shape, data.dtype, data.device)
-        return (type(self).__name__, *self.static(), *meta)
-
     @property
     def cache_key(self) -> Hashable:
-        data = self.data()
-        # the object itself (hashed by identity) and the tensor's version: a mask made from data
-        # is rebuilt when the data is another tensor or was changed in place
-        return self.signature if data is None else (self.signature, self, data._version)
+        data = self.data()  # a mask made from data is rebuilt when the data changes in place
+        return self if data is None else (self, data._version)
 
     def check(self, q: torch.Tensor, k: torch.Tensor) -> None:
         """Raise a ValueError naming the problem unless this mask fits q (B, H, Sq, D), k."""
@@ -146,9 +113,6 @@ class SlidingWindow(AttentionMask):
         if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
             raise ValueError(f"window must be a positive int (keys seen), got {self.window!r}")
 
-    def static(self):
-        return (self.window,)
-
     def bounds(self, seq_q, seq_k, device):
         q = _positions(seq_q, device)
         return (q - self.window + 1).clamp(min=0)[None], (q + 1).clamp(max=seq_k)[None]
@@ -182,11 +146,11 @@ class Document(AttentionMask):
     """Sequences packed one after another in each row: a query sees keys of its own document
     only (and, with ``causal``, none after itself).
 
-    ``lengths``: (n,) for every row alike, or (batch, n) per row; integers >= 0 (zero-length
-    documents are allowed; a negative one, or lengths summing past the sequence, are refused on
-    a CPU, not checked on a GPU, where the check would read them on the host), on q's device.
-    Tokens after the last document form one more document, so a row may end in padding. Built on the device, with no host read: a new
-    ``Document`` per batch costs a few small kernels, not a sync. Needs Sq == Sk."""
+    ``lengths``: (n,) for every row alike, or (batch, n) per row, integers >= 0 on q's device
+    (negative ones, or a sum past the sequence, are refused on a CPU; on a GPU the check would
+    read them on the host). Tokens after the last document form one more, so a row may end in
+    padding. Built on the device without a host read: a new ``Document`` per batch costs a few
+    small kernels, not a sync. Needs Sq == Sk."""
 
     lengths: torch.Tensor
     causal: bool = True
@@ -205,9 +169,6 @@ class Document(AttentionMask):
 
     def data(self):
         return self.lengths
-
-    def static(self):
-        return (self.causal,)
 
     def check(self, q, k):
         super().check(q, k)
@@ -290,8 +251,9 @@ class PrefixLM(AttentionMask):
     def data(self):
         return self.prefix if isinstance(self.prefix, torch.Tensor) else None
 
-    def static(self):
-        return () if isinstance(self.prefix, torch.Tensor) else (self.prefix,)
+    @property
+    def cache_key(self):  # an int prefix is a size: equal masks share one key
+        return ("PrefixLM", self.prefix) if isinstance(self.prefix, int) else super().cache_key
 
     def _prefix(self, device) -> torch.Tensor | int:
         if isinstance(self.prefix, torch.Tensor):
@@ -326,16 +288,11 @@ class PrefixLM(AttentionMask):
         return prefix_lm_per_row
 
 
-def alibi_slopes(heads: int, device=None, dtype=torch.float32) -> torch.Tensor:
-    """ALiBi's per-head slopes 2^(-8 (h + 1) / heads): a geometric series from 2^(-8/heads)."""
-    h = torch.arange(heads, device=device, dtype=dtype)
-    return torch.exp2(-8.0 * (h + 1) / heads)
-
-
 @dataclass(frozen=True)
 class ALiBi(AttentionMask):
-    """Attention with linear biases: each kept score minus ``slope[h] * |i - j|``, over the
-    keys ``mask`` keeps (``Causal()`` by default, as ALiBi was made for; None: every key)."""
+    """Attention with linear biases: each kept score minus ``slope[h] * |i - j|`` (slopes
+    2^(-8 (h + 1) / heads)), over the keys ``mask`` keeps (``Causal()`` by default, as ALiBi
+    was made for; None: every key)."""
 
     mask: AttentionMask | None = Causal()
     _mods: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -352,10 +309,6 @@ class ALiBi(AttentionMask):
 
     def data(self):
         return None if self.mask is None else self.mask.data()
-
-    @property
-    def signature(self):
-        return ("ALiBi", None if self.mask is None else self.mask.signature)
 
     @property
     def cache_key(self):
@@ -386,8 +339,9 @@ class ALiBi(AttentionMask):
 
     def score_bias(self, heads, seq_q, seq_k, device, dtype):
         work = torch.promote_types(dtype, torch.float32)
+        slopes = torch.exp2(-8.0 * (torch.arange(heads, device=device, dtype=work) + 1) / heads)
         distance = (_positions(seq_q, device)[:, None] - _positions(seq_k, device)[None]).abs()
-        return (-alibi_slopes(heads, device, work)[:, None, None] * distance.to(work))[None]
+        return (-slopes[:, None, None] * distance.to(work))[None]
 
 
 def dense_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,6 @@
-"""Attention written out: the contract every fast path is held to.
-
-:func:`attention_reference` is the manual "before": four steps, each a full pass over a
-(batch, heads, Sq, Sk) score matrix in memory (matrix product, scale, softmax, matrix product).
-:func:`check_inputs` says what is wrong with inputs that cannot be attended, and
-:data:`TOLERANCES` how far a fused kernel may stray from the reference computed in float64.
-Importing this module costs torch only.
-"""
+"""Attention written out, the contract every fast path is held to: :func:`attention_reference`
+(the manual "before", four passes over the scores), :func:`check_inputs` and :data:`TOLERANCES`
+(how far a fused kernel may stray from the reference in float64)."""
 
 from __future__ import annotations
 

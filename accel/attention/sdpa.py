@@ -1,17 +1,9 @@
-"""``sdpa``: fused scaled_dot_product_attention (SDPA) as PyTorch picks it, or one kernel forced.
-
-The manual path (:func:`accel.attention.attention_reference`) is four steps, each a full pass
-over a (batch, heads, S, S) score matrix in memory. SDPA computes the same numbers in one fused
-kernel that keeps each block of scores on chip, so memory grows with S, not S^2, and the matrix
-units stay busy. Which fused kernel runs is PyTorch's pick (its priority order and each kernel's
-limits); ``sdpa`` calls it as it is, and forcing one kernel is a choice the caller makes after
-measuring it at their own shape (``accel.lab.sdpa_backends``).
+"""``sdpa``: fused attention as PyTorch picks its kernel, or one kernel forced (after measuring it
+at your shape with ``accel.lab.sdpa_backends``).
 
     out = sdpa(q, k, v, causal=True)                    # (B, H, S, D) in, (B, H, S, D) out
     out = sdpa(q, k, v, mask=SlidingWindow(1024))       # a mask kind: FlexAttention
     out = sdpa(q, k, v, backend="cudnn")                # one kernel, or PyTorch's reason why not
-
-Importing this module costs torch only.
 """
 
 from __future__ import annotations
@@ -22,9 +14,8 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from accel.attention.backends import AUTO_IS_GONE, FORCED, BackendUnavailableError, try_once
+from accel.attention.backends import AUTO_IS_GONE, FORCED, BackendUnavailableError, run, try_once
 from accel.attention.flex import MASKED_BACKENDS, masked_sdpa
-from accel.attention.no_keys import run
 from accel.attention.reference import check_inputs
 
 __all__ = ["BACKENDS", "Backend", "sdpa", "unavailable_reason"]
@@ -50,12 +41,11 @@ def sdpa(
     """Fused attention, equal to :func:`accel.attention.attention_reference` within the dtype's
     rounding. q (B, H, Sq, D), k (B, H, Sk, D), v (B, H, Sk, Dv) -> (B, H, Sq, Dv).
 
-    ``backend``: ``"default"``, PyTorch's own pick: without a mask this is
-    ``F.scaled_dot_product_attention`` called as it is, nothing measured or cached, so it adds
-    two comparisons to its host time; or one forced kernel, ``"flash"``, ``"efficient"``,
-    ``"cudnn"``, ``"math"``, which raises :class:`BackendUnavailableError` with PyTorch's
-    reason where it cannot run the inputs. Which is fastest at a shape is measured by
-    ``accel.lab.sdpa_backends(q, k, v)``, not here.
+    ``backend``: ``"default"``, PyTorch's own pick (without a mask,
+    ``F.scaled_dot_product_attention`` called as it is, nothing measured or cached); or one
+    forced kernel, ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"math"``, which raises
+    :class:`BackendUnavailableError` with PyTorch's reason where it cannot run the inputs.
+    ``accel.lab.sdpa_backends(q, k, v)`` measures which is fastest at a shape.
 
     ``mask``: a tensor (bool, True = attend, or additive of q's dtype) or a mask kind
     (``SlidingWindow(1024)``, ``Document(lengths)``, ``PrefixLM(n)``, ``Causal()``, ``ALiBi()``),
@@ -63,11 +53,10 @@ def sdpa(
     ``"flex"``, ``"dense"``). A query that a tensor mask leaves without keys gets 0, as in the
     reference, on every kernel.
 
-    Checks: without a mask, the inputs go to PyTorch as they come, so what
-    ``F.scaled_dot_product_attention`` takes works as it does there (a batch of 1 broadcast,
-    3-D inputs), and what it refuses gets a message of ours naming the argument
+    Checks: without a mask the inputs go to PyTorch as they come (a batch of 1 broadcast, 3-D
+    inputs work as there), and what it refuses gets our message naming the argument
     (:func:`accel.attention.check_inputs`). With a tensor mask or a forced kernel, the first
-    call of each input key is checked by ``check_inputs`` before it runs.
+    call of each input key is checked before it runs.
     """
     if backend == "default" and mask is None:
         try:
@@ -94,8 +83,7 @@ def check_backend(backend: object) -> None:
 
 
 def _key(q, k, v, mask, causal) -> tuple:
-    """What decides whether a forced kernel can run: shapes, strides, dtype, device, the
-    mask's, causal, and whether a backward follows."""
+    """What decides whether a forced kernel can run."""
     grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
     masked = None if mask is None else (mask.shape, mask.stride(), mask.dtype)
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
@@ -103,10 +91,9 @@ def _key(q, k, v, mask, causal) -> tuple:
 
 
 def _checked_run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
-    """``backend`` (PyTorch's pick with a tensor mask, or a forced kernel) on inputs checked
-    once per key: the first call of a key checks them and, for a forced kernel, runs it keeping
-    PyTorch's reason if it fails; later calls of that key run it or raise that reason. While
-    tracing nothing is kept: the checks are traced with the call."""
+    """``backend`` on inputs checked once per key: the first call of a key checks them and, for
+    a forced kernel, keeps PyTorch's reason if it fails; later calls run it or raise that
+    reason. While tracing nothing is kept: the checks are traced with the call."""
     if torch.compiler.is_compiling():
         check_inputs(q, k, v, mask, causal)
         return run(backend, q, k, v, mask, causal, scale)
@@ -133,16 +120,10 @@ def _checked_run(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
 
 
 def unavailable_reason(
-    backend: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
+    backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask=None, causal=False
 ) -> str | None:
     """Why a forced ``backend`` cannot run these inputs, or None if it can (``"default"``
-    always can). The first query of a key runs the backend once (forward only, no gradients)."""
+    always can). The first query of a key runs the backend once, forward only."""
     check_backend(backend)
     if backend not in FORCED:
         return None

@@ -1,34 +1,29 @@
-"""Bench phase ``sdpa``: fused attention against the manual path and the matrix-product ceiling,
-masked attention with FlexAttention, and the ViT training step with every flag against its
-baseline.
-
-The phase runs in four parts (``bench --only``), each in its own module (the names
-``notebooks/05_sdpa.ipynb`` and the tests use are re-exported here):
-
-- ``headline`` (``sdpa_headline``): the headline shape's rows and the causal training row, on
-  the ground of ``sdpa_measure`` (targets, sizes, one attention case, its cost model, timing,
-  which backend ran, peak memory, errors, every kernel at a shape);
-- ``flex`` (``sdpa_flex``): masked attention (cases ``flex ...``): FlexAttention against SDPA on
-  the dense mask and against SDPA's causal kernel, the mask's memory and block sparsity;
-- ``masked sweep`` (``sdpa_masked_sweep``): ``sdpa(mask=...)`` against the user's own compiled
-  ``flex_attention`` over kinds, lengths, head dims and directions;
-- ``vit`` (``sdpa_vit``): the ViT training step, every flag but compile and all.
-
-TFLOP/s are compared with the measured dense matrix-product rate (``ctx.ceilings``).
+"""Bench phase ``sdpa``, in four parts (``bench --only``): ``headline`` (every kernel's TFLOP/s
+against the manual path at the headline shape, peak memory, the causal training row), ``flex``
+(masked attention, ``sdpa_flex``), ``masked sweep`` (``sdpa(mask=...)`` against a user's own
+compiled ``flex_attention``, ``sdpa_masked_sweep``) and ``vit`` (the ViT training step, every flag
+against the baseline); here too how a case is measured: variants timed interleaved, every kernel
+at a shape (:func:`backend_frame`), which backend really ran (the profiler), errors against
+float64. The ground the parts share is ``sdpa_measure``; the names notebook 05 uses are
+re-exported here. TFLOP/s are compared with the measured matrix-product rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
 
+import pandas as pd
+import torch
+
+from accel import attention
+from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases import sdpa_masked_sweep
 from accel.lab.cases.sdpa_flex import (
-    FLEX_SIZES,
     TARGET_MASK_MEMORY,
-    FlexSizes,
     MaskFlags,
-    check_masked,
     document_lengths,
     flex_frame,
     flex_rows,
@@ -37,67 +32,295 @@ from accel.lab.cases.sdpa_flex import (
     measure_masked,
     tile_states,
 )
-from accel.lab.cases.sdpa_headline import causal_training_row, headline_rows
-from accel.lab.cases.sdpa_masked_sweep import MASKED_SWEEP, MaskedSweepSizes
 from accel.lab.cases.sdpa_measure import (
-    BENCH_SIZES,
+    PHASE,
     AttnCase,
-    BenchSizes,
+    as_timed,
     attention_bytes,
     attention_flops,
-    backend_frame,
-    check_backends,
     make_inputs,
-    measure_point,
     peak_memory_bytes,
-    variant_fn,
-    which_backend,
+    release_memory,
 )
-from accel.lab.cases.sdpa_vit import vit_rows
+from accel.measure.attention import sdpa_backends
+from accel.measure.profile import profile_step
+from accel.measure.timer import compare, interleaved
+from accel.workloads import vit
+from accel.workloads.flags import all_on, label
 
-# what notebooks/05_sdpa.ipynb and the tests reach through this module
+# what notebooks/05_sdpa.ipynb reaches through this module
 __all__ = [
-    "BENCH_SIZES",
-    "FLEX_SIZES",
-    "MASKED_SWEEP",
-    "TARGET_MASK_MEMORY",
-    "AttnCase",
-    "BenchSizes",
-    "FlexSizes",
-    "MaskFlags",
-    "MaskedSweepSizes",
-    "attention_bytes",
-    "attention_flops",
-    "backend_frame",
-    "check_backends",
-    "check_masked",
-    "document_lengths",
-    "flex_frame",
-    "flex_rows",
-    "make_inputs",
-    "mask_costs",
-    "masked_step",
-    "measure_masked",
-    "measure_point",
-    "parts",
-    "peak_memory_bytes",
-    "run",
-    "tile_states",
-    "variant_fn",
-    "which_backend",
-]
+    "TARGET_MASK_MEMORY", "AttnCase", "MaskFlags", "attention_bytes", "attention_flops",
+    "backend_frame", "check_backends", "document_lengths", "flex_frame", "make_inputs",
+    "mask_costs", "masked_step", "measure_masked", "parts", "peak_memory_bytes", "run",
+    "tile_states", "variant_fn", "which_backend",
+]  # fmt: skip
+
+# Targets, judged on a CUDA GPU with the gpu preset only.
+TARGET_TFLOP_S = 640.0  # sdpa as a user calls it (PyTorch's pick), B=4 H=16 S=4096 D=128 bf16 fwd
+TARGET_VS_MANUAL = 6.0
+TARGET_CAUSAL_TRAIN_TFLOP_S = 450.0
+TARGET_VIT = 2.5
+# The ATen op each backend dispatches to: what the profiler shows for "which one really ran".
+SDPA_OPS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
+}
+# "default" is sdpa as a user calls it: PyTorch's pick
+VARIANTS = ("manual", "math", "efficient", "flash", "cudnn", "default")
 
 
-def _headline(ctx: BenchContext) -> list[Row]:
-    sizes = BENCH_SIZES[ctx.preset]
-    return [*headline_rows(ctx, sizes, ctx.judged), causal_training_row(ctx, sizes, ctx.judged)]
+@dataclass(frozen=True)
+class BenchSizes:
+    headline: AttnCase
+    repeats: int
+    vit_repeats: int
 
 
+BENCH_SIZES = {
+    "gpu": BenchSizes(headline=AttnCase(4, 16, 4096, 128), repeats=20, vit_repeats=10),
+    "cpu": BenchSizes(
+        headline=AttnCase(1, 2, 255, 32, dtype=torch.float32), repeats=7, vit_repeats=5
+    ),
+}
+
+
+def variant_fn(variant: str, case: AttnCase, q, k, v, grad) -> Callable[[], object]:
+    """One timed call of ``variant``: "manual", or an ``accel.attention.sdpa`` backend."""
+
+    def forward():
+        if variant == "manual":
+            return attention.attention_reference(q, k, v, causal=case.causal)
+        return attention.sdpa(q, k, v, causal=case.causal, backend=variant)
+
+    return as_timed(forward, case, (q, k, v), grad)
+
+
+@dataclass(frozen=True)
+class PointTimes:
+    """One case measured: median ms per variant, the reason of each one skipped."""
+
+    times: dict[str, float]
+    skipped: dict[str, str]
+
+
+def measure_point(case: AttnCase, device, variants: Sequence[str], *, repeats=10, warmup=2, seed=0):
+    """Median ms of each variant that can run ``case`` and the reason of each one skipped, in one
+    interleaved measurement."""
+    variants = collection_of(variants, "variant names")
+    q, k, v, grad = make_inputs(case, device, seed)
+    fns, skipped = {}, {}
+    for variant in variants:
+        fn = variant_fn(variant, case, q, k, v, grad)
+        try:
+            fn()  # the first call finds out whether the backend can run (and warms it)
+        except (attention.BackendUnavailableError, RuntimeError) as error:
+            skipped[variant] = getattr(error, "reason", str(error))
+            continue
+        fns[variant] = fn
+    times = {}
+    if fns:
+        timed = interleaved(fns, device, warmup=warmup, repeats=repeats, name_errors=True)
+        times = timed.medians()
+    del q, k, v, grad, fns
+    release_memory(device)
+    return PointTimes(times, skipped)
+
+
+def backend_frame(device, cases: Iterable[AttnCase], *, repeats: int = 10) -> pd.DataFrame:
+    """``lab.sdpa_backends`` at each of ``cases``: a row per (case, backend), with ``tflop_s``."""
+    frames = []
+    for case in cases:
+        q, k, v, _ = make_inputs(case, device)
+        rows = sdpa_backends(q, k, v, causal=case.causal, backward=case.backward, repeats=repeats)
+        frames.append(rows.assign(
+            S=case.seq, D=case.head_dim, B=case.batch, H=case.heads, causal=case.causal,
+            direction=case.direction, tflop_s=tflop_s(case.flops, rows["ms"]),
+        ))  # fmt: skip
+        del q, k, v
+        release_memory(device)
+    return pd.concat(frames, ignore_index=True)
+
+
+def tflop_s(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def which_backend(fn: Callable[[], object], device: torch.device) -> dict[str, str]:
+    """The SDPA backend a call really ran, from the profiler's ATen ops, and its largest kernel."""
+    report = profile_step(fn, steps=1, warmup=1, device=device)
+    ops = [name for name in report.ops["name"] if name in SDPA_OPS]
+    backend = ",".join(sorted({SDPA_OPS[name] for name in ops})) or "none (manual)"
+    kernel = str(report.kernels["name"].iloc[0]) if len(report.kernels) else ""
+    return {"backend": backend, "op": ",".join(sorted(set(ops))), "kernel": kernel}
+
+
+def check_backends(q, k, v, *, mask: torch.Tensor | None = None, causal=False) -> pd.DataFrame:
+    """Every backend on the same inputs against attention in float64: ran or why not, the
+    largest error and whether it is within the dtype's tolerance."""
+    exact_mask = mask if mask is None or mask.dtype == torch.bool else mask.double()
+    with torch.no_grad():
+        exact = attention.attention_reference(
+            q.double(), k.double(), v.double(), mask=exact_mask, causal=causal
+        )
+        tol = attention.TOLERANCES[q.dtype]
+        rows = []
+        for name in ("manual", *attention.BACKENDS):
+            try:
+                if name == "manual":
+                    out = attention.attention_reference(q, k, v, mask=mask, causal=causal)
+                else:
+                    out = attention.sdpa(q, k, v, mask=mask, causal=causal, backend=name)
+            except attention.BackendUnavailableError as error:
+                rows.append({"backend": name, "ran": False, "reason": error.reason})
+                continue
+            err = (out.double() - exact).abs()
+            within = bool((err <= tol["atol"] + tol["rtol"] * exact.abs()).all())
+            rows.append({"backend": name, "ran": True, "max_abs_error": err.max().item(),
+                         "within_tolerance": within, "reason": ""})  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+# ---- headline ----------------------------------------------------------------------------------
+def headline_rows(ctx: BenchContext, sizes: BenchSizes) -> list[Row]:
+    """At the headline shape (B=4 H=16 S=4096 D=128 bf16 on a GPU): every variant's TFLOP/s
+    against the manual path, which kernel PyTorch's pick ran, peak memory."""
+    case, device = sizes.headline, ctx.device
+    point = measure_point(case, device, VARIANTS, repeats=sizes.repeats)
+    rate = {name: tflop_s(case.flops, ms) for name, ms in point.times.items()}
+    q, k, v, grad = make_inputs(case, device)
+    ran = which_backend(variant_fn("default", case, q, k, v, grad), device) if rate else {}
+    manual, default = rate.get("manual", math.nan), rate.get("default", math.nan)
+    rows = []
+    for name in VARIANTS:
+        if name not in rate:
+            rows.append(Row(PHASE, f"{case.name} {name}", "rate", "TFLOP/s", math.nan,
+                            note=point.skipped[name]))  # fmt: skip
+            continue
+        note = f"speedup is x manual; {str(case.dtype).removeprefix('torch.')}"
+        is_default = name == "default"
+        if is_default and ran:
+            note += f"; profiler: {ran['backend']} ran ({ran['kernel'][:70]})"
+        target = f">= {TARGET_TFLOP_S:g} TFLOP/s and >= {TARGET_VS_MANUAL:g}x"
+        met = default >= TARGET_TFLOP_S and default >= TARGET_VS_MANUAL * manual
+        rows.append(Row(
+            PHASE, f"{case.name} {name}", "rate", "TFLOP/s", rate[name], baseline=manual,
+            higher_is_better=True,
+            fraction_of_ceiling=ctx.ceilings.compute_fraction(case.flops, point.times[name]),
+            target=target if is_default else "", met=met if ctx.judged and is_default else None,
+            note=note,
+        ))  # fmt: skip
+    rows.append(_memory_row(case, q, k, v, grad, device))
+    del q, k, v, grad
+    release_memory(device)
+    return rows
+
+
+def _memory_row(case: AttnCase, q, k, v, grad, device) -> Row:
+    """Peak memory of SDPA against the manual path, which keeps (B, H, S, S) scores."""
+    peaks = {name: peak_memory_bytes(variant_fn(name, case, q, k, v, grad), device) / 2**20
+             for name in ("manual", "default")}  # fmt: skip
+    scores_mib = case.batch * case.heads * case.seq**2 * q.element_size() / 2**20
+    return Row(
+        PHASE, f"{case.name} peak memory", "peak memory above the inputs", "MiB",
+        peaks["default"], baseline=peaks["manual"],
+        note=f"baseline = manual, optimized = sdpa; speedup = how many times less memory; "
+        f"one (B, H, S, S) score tensor is {scores_mib:,.0f} MiB",
+    )  # fmt: skip
+
+
+def causal_training_row(ctx: BenchContext, sizes: BenchSizes) -> Row:
+    """Forward and backward of causal attention at the headline shape, as a user calls it."""
+    case = replace(sizes.headline, causal=True, backward=True)
+    point = measure_point(case, ctx.device, ("default",), repeats=sizes.repeats)
+    ms = point.times.get("default", math.nan)
+    rate = tflop_s(case.flops, ms)
+    note = "FLOPs counted as 3.5x a causal forward"
+    if "default" in point.times:  # which forward kernel ran (the backward follows it)
+        q, k, v, grad = make_inputs(case, ctx.device)
+        ran = which_backend(variant_fn("default", case, q, k, v, grad), ctx.device)["backend"]
+        note += f"; profiler: {ran} ran"
+        del q, k, v, grad
+    else:
+        note += f"; skipped: {point.skipped.get('default', '')[:80]}"
+    fraction = math.nan if math.isnan(ms) else ctx.ceilings.compute_fraction(case.flops, ms)
+    return Row(
+        PHASE, f"{case.name} default", "rate", "TFLOP/s", rate, higher_is_better=True,
+        fraction_of_ceiling=fraction, target=f">= {TARGET_CAUSAL_TRAIN_TFLOP_S:g} TFLOP/s",
+        met=rate >= TARGET_CAUSAL_TRAIN_TFLOP_S if ctx.judged else None, note=note,
+    )  # fmt: skip
+
+
+# ---- vit ---------------------------------------------------------------------------------------
+def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3) -> list[Row]:
+    """The ViT step at the baseline, every flag but compile (notebook 05's panel ends there) and
+    all, each checked equal to the baseline, then timed interleaved against it."""
+    vit_sizes = vit.Sizes.preset(ctx.preset)
+    everything = all_on(vit.Flags, ctx.device)
+    configs = {"baseline": vit.Flags(), "all but compile": replace(everything, compile=False)}
+    if everything != configs["all but compile"]:
+        configs["all flags"] = everything
+    steps, checks, reference = {}, {}, None
+    for name, flags in configs.items():
+        step = vit.build(flags, vit_sizes, device=ctx.device, seed=0)
+        for _ in range(check_steps):  # correctness before timing
+            step()
+        result = step.result()
+        reference = result if reference is None else reference
+        checks[name] = _equal(result, reference, flags, vit_sizes, check_steps)
+        steps[name] = step
+    timing = compare(
+        steps, baseline="baseline", warmup=3, repeats=sizes.vit_repeats, device=ctx.device
+    )
+    top = "all flags" if "all flags" in steps else "all but compile"
+    ran = which_backend(steps[top], ctx.device)["backend"]
+    rows = []
+    for name, step in steps.items():
+        ok, how = checks[name]
+        judged_here = name == "all flags" or (name == top and not ctx.judged)
+        met = timing.speedup(name) >= TARGET_VIT and ok
+        note = f"{label(step.flags)}; result {'equal' if ok else 'DIFFERS'} ({how})"
+        rows.append(Row(
+            PHASE, f"vit step: {name}", "time per training step", "ms",
+            timing.timings[name].median_ms, baseline=timing.timings["baseline"].median_ms,
+            target=f">= {TARGET_VIT}x and equal" if judged_here else "",
+            met=met if ctx.judged and judged_here else None,
+            note=note + (f"; attention ran {ran}" if name == top else ""),
+        ))  # fmt: skip
+    compiled = steps.get("all flags")
+    if compiled is not None and compiled.flags.compile:
+        rows.append(Row(
+            PHASE, "vit compile: all flags",
+            "first forward + backward (compile), outside every step time", "s",
+            compiled.compile_seconds, note="torch.compile default mode",
+        ))  # fmt: skip
+    del steps
+    release_memory(ctx.device)
+    return rows
+
+
+def _equal(result: dict, reference: dict, flags, sizes, steps: int) -> tuple[bool, str]:
+    """Whether ``result`` is within ``vit.tolerance``, and the largest difference or what failed."""
+    try:
+        errors = vit.compare_results(result, reference, flags, sizes=sizes, steps=steps)
+    except AssertionError as failed:
+        return False, str(failed).splitlines()[0]
+    return True, f"largest difference {max(errors.values()):.2g} of the entry's largest value"
+
+
+# ---- the phase ---------------------------------------------------------------------------------
 _PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
-    "headline": _headline,
+    "headline": lambda ctx: [
+        *headline_rows(ctx, BENCH_SIZES[ctx.preset]),
+        causal_training_row(ctx, BENCH_SIZES[ctx.preset]),
+    ],
     "flex": lambda ctx: flex_rows(ctx, ctx.judged),
     "masked sweep": sdpa_masked_sweep.rows,
-    "vit": lambda ctx: vit_rows(ctx, BENCH_SIZES[ctx.preset], ctx.judged),
+    "vit": lambda ctx: vit_rows(ctx, BENCH_SIZES[ctx.preset]),
 }
 
 

@@ -1,23 +1,16 @@
-"""The sdpa phase's masked rows (cases ``flex ...``): FlexAttention against SDPA with the dense
-boolean mask for a sliding window over long sequences and for packed documents, and against
-SDPA's causal kernel for a plain causal mask (what ``sdpa(mask=Causal())`` runs); every path
-checked against attention in float64 before it is timed, its first call (FlexAttention
-compiles) timed apart and given in the note, the mask's memory (BlockMask against the dense
-mask) and the block sparsity that predicts the gain.
+"""The sdpa phase's masked rows (cases ``flex ...``): FlexAttention against SDPA on the dense
+boolean mask (kept, as a user would) for a sliding window and packed documents, and against
+SDPA's causal kernel for plain causal; every path checked against float64 before it is timed,
+its first call (the compile) timed apart; the mask's memory and its block sparsity.
 
-Cost model: FlexAttention computes only the 128 x 128 tiles of the scores that keep a key, SDPA
-with a dense mask computes them all. At the same rate per tile, FlexAttention is faster by
-1 / (fraction of tiles kept); a sliding window of 1024 over S = 16384 keeps about 1/8 of the
-causal half. The dense path here is PyTorch's pick of SDPA kernel on the dense mask, built once
-and kept, as a user would.
+Cost model: FlexAttention computes only the 128 x 128 tiles of the scores that keep a key, the
+dense mask all of them: at an equal rate per tile it is faster by 1 / (fraction of tiles kept).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +25,7 @@ from accel.lab.cases.sdpa_measure import (
     PHASE,
     AttnCase,
     as_timed,
+    first_call_s,
     make_inputs,
     peak_memory_bytes,
     release_memory,
@@ -61,9 +55,8 @@ class FlexSizes:
     repeats: int
 
     def case(self, seq: int, backward: bool = False) -> AttnCase:
-        return AttnCase(
-            self.batch, self.heads, seq, self.head_dim, backward=backward, dtype=self.dtype
-        )
+        shape = (self.batch, self.heads, seq, self.head_dim)
+        return AttnCase(*shape, backward=backward, dtype=self.dtype)
 
 
 FLEX_SIZES = {
@@ -81,35 +74,21 @@ def document_lengths(batch: int, seq: int, documents: int, seed: int = 0) -> tor
     cuts = torch.stack(
         [torch.randperm(seq - 1, generator=gen)[: documents - 1] + 1 for _ in range(batch)]
     )
-    edges = torch.cat(
-        [
-            torch.zeros(batch, 1, dtype=torch.long),
-            cuts.sort(-1).values,
-            torch.full((batch, 1), seq),
-        ],
-        -1,
-    )
-    return edges.diff(dim=-1)
+    first, last = torch.zeros(batch, 1, dtype=torch.long), torch.full((batch, 1), seq)
+    return torch.cat([first, cuts.sort(-1).values, last], -1).diff(dim=-1)
 
 
 # ---- the mask's cost model: tiles kept, bytes held ---------------------------------------------
 def mask_costs(mask: AttentionMask, batch: int, seq: int, device="cpu") -> dict[str, float]:
     """The block mask of ``mask`` over ``seq`` x ``seq`` against its dense boolean mask: the
-    fraction of tiles kept (what FlexAttention computes), the bytes each holds, and the speedup
-    the kept fraction predicts at an equal rate per tile."""
+    fraction of tiles kept, the bytes each holds, the speedup the kept fraction predicts."""
     empty = torch.empty(batch, 1, seq, 1, device=device)  # only shape and device are read
     blocks = attention.block_mask(mask, empty, empty)
     tiles = blocks.kv_num_blocks.numel() * blocks.kv_indices.shape[-1]
     kept = (blocks.kv_num_blocks.sum() + blocks.full_kv_num_blocks.sum()).item() / tiles
-    rows = mask.rows or 1
-    return {
-        "S": seq,
-        "tiles kept": kept,
-        "block sparsity": 1 - kept,
-        "predicted speedup": 1 / kept,
-        "block mask bytes": block_mask_bytes(blocks),
-        "dense mask bytes": rows * seq * seq,
-    }
+    return {"S": seq, "tiles kept": kept, "block sparsity": 1 - kept, "predicted speedup": 1 / kept,
+            "block mask bytes": _held_bytes(blocks),
+            "dense mask bytes": (mask.rows or 1) * seq * seq}  # fmt: skip
 
 
 def tile_states(mask: AttentionMask, seq: int, row: int = 0) -> torch.Tensor:
@@ -119,13 +98,12 @@ def tile_states(mask: AttentionMask, seq: int, row: int = 0) -> torch.Tensor:
 
     empty = torch.empty((mask.rows or 1), 1, seq, 1)
     blocks = attention.block_mask(mask, empty, empty)
-    full = BlockMask.from_kv_blocks(
-        blocks.full_kv_num_blocks, blocks.full_kv_indices, BLOCK_SIZE=blocks.BLOCK_SIZE
-    )
+    full_tiles = blocks.full_kv_num_blocks, blocks.full_kv_indices
+    full = BlockMask.from_kv_blocks(*full_tiles, BLOCK_SIZE=blocks.BLOCK_SIZE)
     return blocks.to_dense()[row, 0] + full.to_dense()[row, 0]
 
 
-def block_mask_bytes(blocks) -> int:
+def _held_bytes(blocks) -> int:
     """Every tensor of a BlockMask and the tensors its mask_mod reads (a document's ids)."""
     tensors = [t for t in blocks.as_tuple() if isinstance(t, torch.Tensor)]
     cells = getattr(blocks.mask_mod, "__closure__", None) or ()
@@ -135,8 +113,7 @@ def block_mask_bytes(blocks) -> int:
 
 # ---- one masked case, checked then timed -------------------------------------------------------
 def masked_fn(path: str, mask: AttentionMask, case: AttnCase, q, k, v, grad) -> Callable:
-    """One call of ``path`` on the inputs as a user makes it: a forward without autograd, or
-    forward and backward to q, k and v."""
+    """One timed call of ``sdpa(mask=mask, backend=path)``."""
 
     def forward():
         return attention.sdpa(q, k, v, mask=mask, backend=path)
@@ -145,8 +122,8 @@ def masked_fn(path: str, mask: AttentionMask, case: AttnCase, q, k, v, grad) -> 
 
 
 def check_masked(q, k, v, mask: AttentionMask, paths: Sequence[str]) -> dict[str, float | str]:
-    """Each path's largest error against attention in float64 on the first (batch, head) of
-    the inputs (the whole would not fit at S = 16384), or why it failed or could not run."""
+    """Each path's largest error against float64 on the first (batch, head) of the inputs (the
+    whole would not fit at S = 16384), or why it failed or could not run."""
     keep = dense_mask(mask, q, k)[:1, :1]
     keep = keep if keep.dtype == torch.bool else keep.double()
     one = [t.detach()[:1, :1].double() for t in (q, k, v)]
@@ -169,43 +146,28 @@ def check_masked(q, k, v, mask: AttentionMask, paths: Sequence[str]) -> dict[str
 
 @dataclass(frozen=True)
 class MaskedPoint:
-    """One masked case: median ms per path, each path's first call in s (compile included),
-    its error against float64 (or why it was not timed), peak memory above the inputs."""
+    """One masked case: median ms, first call s, error against float64 (or why not timed) and
+    peak bytes, per path."""
 
     times: dict[str, float]
     first_call_s: dict[str, float]
     checked: dict[str, float | str]
-    peak_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    def skipped(self, path: str) -> str:
-        said = self.checked.get(path, "not run")
-        return said if isinstance(said, str) else ""
+    peak_bytes: dict[str, int]
 
 
-def measure_masked(
-    mask: AttentionMask,
-    case: AttnCase,
-    device: torch.device,
-    paths: Sequence[str],
-    *,
-    repeats: int,
-    peak: bool = False,
-) -> MaskedPoint:
+def measure_masked(mask: AttentionMask, case: AttnCase, device, paths: Sequence[str], *,
+                   repeats: int, peak: bool = False) -> MaskedPoint:  # fmt: skip
     """Each path's first call timed apart, every path checked against float64, those equal
-    timed interleaved (``lab.compare``); with ``peak``, each path's peak memory too."""
+    timed interleaved; with ``peak``, each path's peak memory too."""
     q, k, v, grad = make_inputs(case, device)
     fns, first, checked = {}, {}, {}
     for path in paths:  # the first call alone: FlexAttention compiles, the dense path measures
         fn = masked_fn(path, mask, case, q, k, v, grad)
-        started = time.perf_counter()
         try:
-            fn()
+            first[path] = first_call_s(fn, device)
         except RuntimeError as error:  # BackendUnavailableError among them
             checked[path] = getattr(error, "reason", str(error))[:200]
             continue
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        first[path] = time.perf_counter() - started
         fns[path] = fn
     checked |= check_masked(q, k, v, mask, list(fns))  # correctness before timing
     fns = {path: fn for path, fn in fns.items() if not isinstance(checked[path], str)}
@@ -221,8 +183,8 @@ def measure_masked(
 
 # ---- rows ----------------------------------------------------------------------------------
 def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
-    """Every masked case of the preset: the sliding window over ``seqs`` and at the judged
-    lengths forward + backward, packed documents, causal alone; memory and sparsity."""
+    """Every masked case of the preset: the window over ``seqs`` (fwd+bwd too at the judged
+    lengths), packed documents, causal alone; mask memory and sparsity."""
     sizes = FLEX_SIZES[ctx.preset]
     attention.clear_masked_cache()
     point = partial(_point_rows, ctx.device, sizes.repeats, judged)
@@ -248,22 +210,13 @@ def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     return rows
 
 
-def _point_rows(
-    device, repeats, judged, label, mask, case, other, target, *, peak=False
-) -> list[Row]:
-    """One case measured: FlexAttention against ``other`` ("dense", or "default": SDPA's causal
-    kernel, which ``sdpa(mask=Causal())`` runs); with ``peak``, a peak-memory row too."""
-    point = measure_masked(mask, case, device, ("flex", other), repeats=repeats, peak=peak)
-    rows = _time_rows(label, case, point, other, target, judged)
-    return rows + ([_peak_row(label, case, point)] if peak else [])
-
-
-def _case_name(label: str, case: AttnCase) -> str:
-    return f"flex {label} B={case.batch} H={case.heads} S={case.seq} D={case.head_dim} {case.direction}"
-
-
-def _time_rows(label, case, point: MaskedPoint, baseline: str, target, judged) -> list[Row]:
-    """FlexAttention's time against ``baseline``'s, with every check and first call in the note."""
+def _point_rows(device, repeats, judged, label, mask, case, baseline, target, *, peak=False):
+    """FlexAttention's time against ``baseline``'s ("dense", or "default": SDPA's causal kernel,
+    which ``sdpa(mask=Causal())`` runs), every check and first call in the note; with ``peak``,
+    a peak-memory row too."""
+    point = measure_masked(mask, case, device, ("flex", baseline), repeats=repeats, peak=peak)
+    name = f"flex {label} B={case.batch} H={case.heads} S={case.seq} D={case.head_dim}"
+    name += f" {case.direction}"
     flex, base = point.times.get("flex", math.nan), point.times.get(baseline, math.nan)
     checks = "; ".join(
         f"{p}: {'error ' + format(c, '.2g') if not isinstance(c, str) else 'skipped: ' + c}"
@@ -273,62 +226,49 @@ def _time_rows(label, case, point: MaskedPoint, baseline: str, target, judged) -
     met = None
     if judged and target is not None:
         met = not math.isnan(flex) and base / flex >= target
-    return [
-        Row(
-            PHASE,
-            _case_name(label, case),
-            f"time per call, FlexAttention vs {'SDPA on the dense boolean mask' if baseline == 'dense' else 'SDPA causal kernel'}",
-            "ms",
-            flex,
-            baseline=base,
-            target=f">= {target:g}x" if target is not None else "",
-            met=met,
-            note=f"{str(case.dtype).removeprefix('torch.')}; against float64 on one (batch, head): {checks}; first calls (compile, not in the median): {firsts}",
-        )
-    ]
-
-
-def _peak_row(label: str, case: AttnCase, point: MaskedPoint) -> Row:
+    other = "SDPA on the dense boolean mask" if baseline == "dense" else "SDPA causal kernel"
+    dtype = str(case.dtype).removeprefix("torch.")
+    rows = [Row(
+        PHASE, name, f"time per call, FlexAttention vs {other}", "ms", flex, baseline=base,
+        target=f">= {target:g}x" if target is not None else "", met=met,
+        note=f"{dtype}; against float64 on one (batch, head): {checks}; first calls (compile, "
+        f"not in the median): {firsts}",
+    )]  # fmt: skip
+    if not peak:
+        return rows
     peaks = {p: b / 2**20 for p, b in point.peak_bytes.items()}
-    return Row(
-        PHASE,
-        _case_name(label, case) + " peak memory",
-        "peak memory above the inputs, FlexAttention vs SDPA on the dense mask",
-        "MiB",
-        peaks.get("flex", math.nan),
-        baseline=peaks.get("dense", math.nan),
-        note="the dense path's kept boolean mask is allocated before, so not in its peak; SDPA turns it into a float mask in each call",
-    )
+    return [*rows, Row(
+        PHASE, f"{name} peak memory",
+        "peak memory above the inputs, FlexAttention vs SDPA on the dense mask", "MiB",
+        peaks.get("flex", math.nan), baseline=peaks.get("dense", math.nan),
+        note="the dense path's kept boolean mask is allocated before, so not in its peak; SDPA "
+        "turns it into a float mask in each call",
+    )]  # fmt: skip
 
 
 def _mask_rows(label: str, mask: AttentionMask, batch: int, seq: int, judged: bool) -> list[Row]:
     """The block mask's bytes against the dense mask's, and the block sparsity (cost model)."""
-    costs = mask_costs(
-        mask, batch, seq, device=mask.data().device if mask.data() is not None else "cpu"
-    )
+    data = mask.data()
+    costs = mask_costs(mask, batch, seq, device="cpu" if data is None else data.device)
     ratio = costs["block mask bytes"] / costs["dense mask bytes"]
     name = f"flex {label} S={seq}"
     return [
         Row(
-            PHASE,
-            f"{name} mask memory",
+            PHASE, f"{name} mask memory",
             "bytes held by the mask: BlockMask (and the tensors its mask_mod reads) vs dense bool",
-            "MiB",
-            costs["block mask bytes"] / 2**20,
-            baseline=costs["dense mask bytes"] / 2**20,
+            "MiB", costs["block mask bytes"] / 2**20, baseline=costs["dense mask bytes"] / 2**20,
             target=f"<= {TARGET_MASK_MEMORY:.0%} of the dense mask",
             met=ratio <= TARGET_MASK_MEMORY if judged else None,
             note=f"{ratio:.3%} of the dense boolean mask",
         ),
         Row(
-            PHASE,
-            f"{name} block sparsity",
-            "128 x 128 tiles of the scores skipped",
-            "%",
+            PHASE, f"{name} block sparsity", "128 x 128 tiles of the scores skipped", "%",
             100 * costs["block sparsity"],
-            note=f"cost model: FlexAttention computes {costs['tiles kept']:.3f} of the tiles a dense mask computes, so at an equal rate per tile it is {costs['predicted speedup']:.1f}x faster",
+            note=f"cost model: FlexAttention computes {costs['tiles kept']:.3f} of the tiles a "
+            f"dense mask computes, so at an equal rate per tile it is "
+            f"{costs['predicted speedup']:.1f}x faster",
         ),
-    ]
+    ]  # fmt: skip
 
 
 # ---- recorded rows back, for the notebook's figures --------------------------------------------
@@ -348,17 +288,8 @@ def flex_frame(recorded: pd.DataFrame) -> pd.DataFrame:
         what = "peak MiB" if match["peak"] else "ms"
         other = "causal" if match["kind"] == "causal" else "dense"
         for path, value in (("flex", row["optimized"]), (other, row["baseline"])):
-            out.append(
-                {
-                    "device": row.get("device", ""),
-                    "kind": match["kind"],
-                    "S": int(match["S"]),
-                    "direction": match["direction"],
-                    "path": path,
-                    "what": what,
-                    "value": float(value),
-                }
-            )
+            out.append([row.get("device", ""), match["kind"], int(match["S"]),
+                        match["direction"], path, what, float(value)])  # fmt: skip
     return pd.DataFrame(out, columns=["device", "kind", "S", "direction", "path", "what", "value"])
 
 
@@ -373,8 +304,8 @@ class MaskFlags:
 
 
 def masked_step(flags: MaskFlags, mask: AttentionMask, case: AttnCase, device) -> Callable:
-    """One masked attention call (``case.backward``: with its backward) on fixed random inputs,
-    by the path ``flags`` picks; called once here, so a compile happens at build time."""
+    """One masked attention call on fixed random inputs by the path ``flags`` picks, called once
+    here so that a compile happens at build time."""
     q, k, v, grad = make_inputs(case, torch.device(device))
     step = masked_fn("flex" if flags.flex else "dense", mask, case, q, k, v, grad)
     step()

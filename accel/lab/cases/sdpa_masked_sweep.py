@@ -1,24 +1,18 @@
-"""The sdpa phase's masked sweep: ``sdpa(q, k, v, mask=<kind>)`` as a user calls it, against what
-the same user writes with attention-gym: a ``torch.compile(flex_attention)`` of their own, called
-with a block mask made once by ``create_block_mask`` from the same ``mask_mod``.
+"""The sdpa phase's masked sweep: ``sdpa(q, k, v, mask=<kind>)`` against what a user writes with
+attention-gym, their own ``torch.compile(flex_attention)`` with a block mask made once by
+``create_block_mask`` from the same ``mask_mod``.
 
-Points: a sliding window, packed documents (random lengths per batch row) and a prefix-LM
-(a random prefix per row); S from 1k to 32k at a fixed number of tokens per point (the batch
-shrinks as S grows); head dims 64 and 128; forward, and forward + backward; bf16 on a GPU. At
-each point both are called once (compiling, outside the timing), checked against each other
-within the dtype's tolerance, then timed interleaved (``lab.compare``). A row per point, named
-``sweep masked <kind> <direction> D=<d> S=<s>``, holds sdpa's time beside the baseline's with the
-ratio taken round by round, and a summary row judges the median ratio and the worst point.
-
-Where accel's FlexAttention does not compile (the CPU), the baseline runs ``flex_attention``
-uncompiled and ``sdpa`` its dense-mask fallback: the rows are then not judged.
+Points: a sliding window, packed documents and a prefix-LM (random per batch row); S from 1k to
+32k at a fixed number of tokens; head dims 64 and 128; forward and forward + backward. At each
+point both are called once (compiling), checked against each other, then timed interleaved; a
+summary row judges the median ratio and the worst point. On the CPU the baseline runs uncompiled
+and ``sdpa`` its dense-mask fallback, unjudged.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -28,7 +22,14 @@ from accel import attention
 from accel.attention.flex import room_to_compile
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases.sdpa_flex import document_lengths
-from accel.lab.cases.sdpa_measure import PHASE, AttnCase, as_timed, make_inputs, release_memory
+from accel.lab.cases.sdpa_measure import (
+    PHASE,
+    AttnCase,
+    as_timed,
+    first_call_s,
+    make_inputs,
+    release_memory,
+)
 from accel.measure.timer import compare
 
 TARGET_MEDIAN = 0.95  # compiled flex_attention's time over sdpa's, median over the points
@@ -49,13 +50,6 @@ class MaskedSweepSizes:
     repeats: int
     directions: tuple[bool, ...] = (False, True)  # backward or not
 
-    def cases(self, backward: bool, head_dim: int) -> list[AttnCase]:
-        batch = [max(1, self.tokens // s) for s in self.seqs]
-        return [
-            AttnCase(b, self.heads, s, head_dim, backward=backward, dtype=self.dtype)
-            for b, s in zip(batch, self.seqs, strict=True)
-        ]
-
 
 MASKED_SWEEP = {
     "gpu": MaskedSweepSizes(
@@ -71,9 +65,7 @@ MASKED_SWEEP = {
 }  # fmt: skip
 
 
-def make_mask(
-    kind: str, sizes: MaskedSweepSizes, case: AttnCase, device
-) -> attention.AttentionMask:
+def make_mask(kind: str, sizes: MaskedSweepSizes, case: AttnCase, device):
     """The point's mask: its random parts drawn from a generator of their own, seeded by S."""
     if kind == "window":
         return attention.SlidingWindow(sizes.window)
@@ -100,10 +92,39 @@ def _user_flex(device: torch.device):
     return uncompiled
 
 
-def _point(kind, sizes, case, device, flex) -> dict:
-    """One point: both calls made once (compiling), compared, then timed interleaved."""
+def _case_name(kind: str, case: AttnCase) -> str:
+    return f"sweep masked {kind} {case.direction} D={case.head_dim} S={case.seq}"
+
+
+def rows(ctx: BenchContext) -> list[Row]:
+    """Every point's row, then the summary row."""
+    sizes, device = MASKED_SWEEP[ctx.preset], ctx.device
+    flex = _user_flex(device)
+    attention.clear_masked_cache()
+    out, ratios = [], []
+    points = [
+        (kind, AttnCase(max(1, sizes.tokens // s), sizes.heads, s, head_dim, backward=backward,
+                        dtype=sizes.dtype))
+        for kind in KINDS for backward in sizes.directions for head_dim in sizes.head_dims
+        for s in sizes.seqs
+    ]  # fmt: skip
+    with room_to_compile(RECOMPILE_ROOM):
+        for kind, case in points:
+            row, ratio = _point_row(ctx, kind, sizes, case, flex)
+            release_memory(device)  # the point's tensors went with its frame
+            out.append(row)
+            ratios.append(ratio)
+    attention.clear_masked_cache()
+    return [*out, _summary_row(ctx, ratios)]
+
+
+def _point_row(ctx: BenchContext, kind, sizes, case: AttnCase, flex) -> tuple[Row, float]:
+    """One point: both calls made once (compiling), compared, then timed interleaved; its row and
+    its ratio, flex_attention's time over sdpa's round by round (NaN where the two disagreed and
+    nothing was timed)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
+    device = ctx.device
     q, k, v, grad = make_inputs(case, device)
     mask = make_mask(kind, sizes, case, device)
     mask_mod = mask.mask_mod(case.seq, case.seq, device)
@@ -113,87 +134,39 @@ def _point(kind, sizes, case, device, flex) -> dict:
         "flex_attention": as_timed(lambda: flex(q, k, v, block_mask=blocks), case, inputs, grad),
         "sdpa": as_timed(lambda: attention.sdpa(q, k, v, mask=mask), case, inputs, grad),
     }
-    first = {}
-    for name, fn in fns.items():
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        first[name] = time.perf_counter() - started
+    firsts = " ".join(f"{name}={first_call_s(fn, device):.2f}s" for name, fn in fns.items())
     with torch.no_grad():
         ours, theirs = attention.sdpa(q, k, v, mask=mask), flex(q, k, v, block_mask=blocks)
-    tol = attention.TOLERANCES[case.dtype]
     worst = (ours.float() - theirs.float()).abs().max().item()
-    equal = torch.allclose(ours, theirs, **tol)
-    timing = compare(fns, warmup=2, repeats=sizes.repeats, device=device) if equal else None
-    return {"timing": timing, "first": first, "worst": worst, "equal": equal}
-
-
-def _case_name(kind: str, case: AttnCase) -> str:
-    return f"sweep masked {kind} {case.direction} D={case.head_dim} S={case.seq}"
-
-
-def rows(ctx: BenchContext) -> list[Row]:
-    """Every point's row, then the summary row judged on the median and the worst ratio."""
-    sizes, device = MASKED_SWEEP[ctx.preset], ctx.device
-    flex = _user_flex(device)
-    attention.clear_masked_cache()
-    out, ratios = [], []
-    with room_to_compile(RECOMPILE_ROOM):
-        for kind in KINDS:
-            for backward in sizes.directions:
-                for head_dim in sizes.head_dims:
-                    for case in sizes.cases(backward, head_dim):
-                        measured = _point(kind, sizes, case, device, flex)
-                        release_memory(device)  # the point's tensors went with its frame
-                        row, ratio = _point_row(ctx, kind, case, measured)
-                        out.append(row)
-                        ratios.append(ratio)
-    attention.clear_masked_cache()
-    return [*out, _summary_row(ctx, ratios)]
-
-
-def _point_row(ctx: BenchContext, kind: str, case: AttnCase, measured: dict) -> tuple[Row, float]:
-    """The point's row and its ratio, compiled flex_attention's time over sdpa's taken round by
-    round (NaN where the two disagreed and nothing was timed)."""
-    timing, first = measured["timing"], measured["first"]
-    check = f"sdpa against flex_attention: largest difference {measured['worst']:.2g}"
-    firsts = " ".join(f"{name}={s:.2f}s" for name, s in first.items())
-    if timing is None:
+    check = f"sdpa against flex_attention: largest difference {worst:.2g}"
+    if not torch.allclose(ours, theirs, **attention.TOLERANCES[case.dtype]):
         return Row(PHASE, _case_name(kind, case), "time per call", "ms", math.nan,
                    met=False if ctx.judged else None,
                    note=f"NOT timed: {check}, past the dtype's tolerance"), math.nan  # fmt: skip
+    timing = compare(fns, warmup=2, repeats=sizes.repeats, device=device)
     ratio = timing.paired_ratio("flex_attention", "sdpa")
     return Row(
-        PHASE,
-        _case_name(kind, case),
+        PHASE, _case_name(kind, case),
         "time per call, sdpa(mask=...) vs compiled flex_attention with a block mask made once",
-        "ms",
-        timing.timings["sdpa"].median_ms,
-        baseline=timing.timings["flex_attention"].median_ms,
-        target=f">= {TARGET_WORST}x",
+        "ms", timing.timings["sdpa"].median_ms,
+        baseline=timing.timings["flex_attention"].median_ms, target=f">= {TARGET_WORST}x",
         met=ratio >= TARGET_WORST if ctx.judged else None,
         note=f"B={case.batch} H={case.heads} {str(case.dtype).removeprefix('torch.')}"
         f"; flex_attention / sdpa round by round {ratio:.3f}x; {check}; first calls (compile, "
         f"outside the timing): {firsts}",
-    ), ratio
+    ), ratio  # fmt: skip
 
 
 def _summary_row(ctx: BenchContext, ratios: list[float]) -> Row:
     timed = [r for r in ratios if not math.isnan(r)]
     median = statistics.median(timed) if timed else math.nan
     worst = min(timed, default=math.nan)
+    met = median >= TARGET_MEDIAN and worst >= TARGET_WORST and len(timed) == len(ratios)
     return Row(
-        PHASE,
-        f"masked sweep: sdpa(mask=...) vs compiled flex_attention over {len(ratios)} points",
-        "speedup, median of the points",
-        "x",
-        median,
-        higher_is_better=True,
+        PHASE, f"masked sweep: sdpa(mask=...) vs compiled flex_attention over {len(ratios)} points",
+        "speedup, median of the points", "x", median, higher_is_better=True,
         target=f"median >= {TARGET_MEDIAN}x, every point >= {TARGET_WORST}x",
-        met=(median >= TARGET_MEDIAN and worst >= TARGET_WORST and len(timed) == len(ratios))
-        if ctx.judged
-        else None,
+        met=met if ctx.judged else None,
         note=f"worst point {worst:.3f}x; {len(ratios) - len(timed)} point(s) not "
         "timed; each point's ratio round by round, as in its row",
-    )
+    )  # fmt: skip

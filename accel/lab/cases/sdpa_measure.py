@@ -1,73 +1,32 @@
-"""The sdpa phase's ground: its targets and sizes, one attention case (:class:`AttnCase`) and its
-cost model, and how a case is measured: every variant timed interleaved by ``measure.timer``, every
-kernel at a shape by ``lab.sdpa_backends`` (:func:`backend_frame`), which backend a call really
-ran (read from the profiler), peak memory, and every backend's error against attention in
-float64.
-
-FLOPs follow the FlashAttention papers: a forward is two products of 2 Sq Sk D each; a backward
-five (2.5x the forward, recomputation not counted); causal halves both.
+"""The sdpa phase's ground, shared by its parts: one attention case (:class:`AttnCase`), its cost
+model, its inputs and how a call of it is timed, peak memory. FLOPs follow the FlashAttention
+papers: a forward is two products of 2 Sq Sk D each, a backward five (recomputation not
+counted); causal halves both.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import pandas as pd
 import torch
 
-from accel import attention
-from accel.errors import collection_of
-from accel.measure.attention import sdpa_backends
-from accel.measure.profile import profile_step
-from accel.measure.timer import interleaved
+from accel import memory
 
 PHASE = "sdpa"
-# Targets, judged on a CUDA GPU with the gpu preset only.
-TARGET_TFLOP_S = 640.0  # sdpa as a user calls it (PyTorch's pick), B=4 H=16 S=4096 D=128 bf16 fwd
-TARGET_VS_MANUAL = 6.0
-TARGET_CAUSAL_TRAIN_TFLOP_S = 450.0
-TARGET_VIT = 2.5
-MATH_SWEEP_BYTES = 1 << 30  # math joins a point only if its float32 scores fit in this
-# The ATen op each backend dispatches to: what the profiler shows for "which one really ran".
-SDPA_OPS = {
-    "aten::_scaled_dot_product_flash_attention": "flash",
-    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash",
-    "aten::_scaled_dot_product_efficient_attention": "efficient",
-    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
-    "aten::_scaled_dot_product_attention_math": "math",
-    "aten::_scaled_dot_product_fused_attention_overrideable": "overrideable",
-}
 
 
 # ---- cost model --------------------------------------------------------------------------------
-def attention_flops(
-    batch: int,
-    heads: int,
-    seq_q: int,
-    seq_k: int,
-    head_dim: int,
-    *,
-    causal: bool = False,
-    backward: bool = False,
-) -> float:
+def attention_flops(batch, heads, seq_q, seq_k, head_dim, *, causal=False, backward=False) -> float:
     """Matrix-product FLOPs of attention (forward, or forward + backward)."""
     flops = 4.0 * batch * heads * seq_q * seq_k * head_dim
     flops = flops / 2 if causal else flops
     return flops * 3.5 if backward else flops
 
 
-def attention_bytes(
-    batch: int,
-    heads: int,
-    seq_q: int,
-    seq_k: int,
-    head_dim: int,
-    *,
-    elem_bytes: int,
-    manual: bool = False,
-) -> float:
+def attention_bytes(batch, heads, seq_q, seq_k, head_dim, *, elem_bytes, manual=False) -> float:
     """Bytes a forward moves through memory at least. Fused: read q, k, v, write the output.
     Manual adds the (B, H, Sq, Sk) scores six times: written by q k^T, read and written by the
     scale, read and written by the softmax, read by the product with v."""
@@ -90,15 +49,8 @@ class AttnCase:
 
     @property
     def flops(self) -> float:
-        return attention_flops(
-            self.batch,
-            self.heads,
-            self.seq,
-            self.seq,
-            self.head_dim,
-            causal=self.causal,
-            backward=self.backward,
-        )
+        shape = (self.batch, self.heads, self.seq, self.seq, self.head_dim)
+        return attention_flops(*shape, causal=self.causal, backward=self.backward)
 
     @property
     def direction(self) -> str:
@@ -111,51 +63,15 @@ class AttnCase:
             f"{'causal' if self.causal else 'full'} {self.direction}"
         )
 
-    def score_bytes(self) -> int:
-        """Float32 scores the math backend materializes."""
-        return self.batch * self.heads * self.seq * self.seq * 4
-
-
-@dataclass(frozen=True)
-class BenchSizes:
-    headline: AttnCase
-    repeats: int
-    vit_repeats: int
-
-
-BENCH_SIZES = {
-    "gpu": BenchSizes(headline=AttnCase(4, 16, 4096, 128), repeats=20, vit_repeats=10),
-    "cpu": BenchSizes(
-        headline=AttnCase(1, 2, 255, 32, dtype=torch.float32), repeats=7, vit_repeats=5
-    ),
-}
-
 
 def make_inputs(case: AttnCase, device: torch.device, seed: int = 0):
     """Random q, k, v (B, H, S, D) and, for a backward, a random incoming gradient."""
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (case.batch, case.heads, case.seq, case.head_dim)
-    q, k, v = (
-        torch.randn(shape, generator=gen, device=device, dtype=case.dtype).requires_grad_(
-            case.backward
-        )
-        for _ in range(3)
+    q, k, v, grad = (
+        torch.randn(shape, generator=gen, device=device, dtype=case.dtype) for _ in range(4)
     )
-    grad = torch.randn(shape, generator=gen, device=device, dtype=case.dtype)
-    return q, k, v, grad
-
-
-def variant_fn(variant: str, case: AttnCase, q, k, v, grad) -> Callable[[], object]:
-    """One call of ``variant`` ("manual", or an ``accel.attention.sdpa`` backend: "default" is
-    PyTorch's pick, as ``F.scaled_dot_product_attention`` runs it) on the inputs: a forward
-    without autograd, or a forward and the backward to q, k and v."""
-
-    def forward():
-        if variant == "manual":
-            return attention.attention_reference(q, k, v, causal=case.causal)
-        return attention.sdpa(q, k, v, causal=case.causal, backend=variant)
-
-    return as_timed(forward, case, (q, k, v), grad)
+    return *(t.requires_grad_(case.backward) for t in (q, k, v)), grad
 
 
 def as_timed(forward: Callable[[], torch.Tensor], case: AttnCase, inputs, grad) -> Callable:
@@ -170,74 +86,13 @@ def as_timed(forward: Callable[[], torch.Tensor], case: AttnCase, inputs, grad) 
     return no_grad_forward
 
 
-@dataclass(frozen=True)
-class PointTimes:
-    """One case measured: median ms per variant, the reason of each one skipped."""
-
-    times: dict[str, float]
-    skipped: dict[str, str]
-
-
-def measure_point(
-    case: AttnCase,
-    device: torch.device,
-    variants: Sequence[str],
-    *,
-    repeats: int = 10,
-    warmup: int = 2,
-    seed: int = 0,
-    math_bytes: int = MATH_SWEEP_BYTES,
-) -> PointTimes:
-    """Median ms of each variant that can run ``case`` and the reason of each one skipped, all
-    in one interleaved measurement (``accel.measure.timer``: the order rotated and reversed round by
-    round)."""
-    variants = collection_of(variants, "variant names")
-    q, k, v, grad = make_inputs(case, device, seed)
-    fns, skipped = {}, {}
-    for variant in variants:
-        if variant == "math" and case.score_bytes() > math_bytes:
-            skipped[variant] = f"float32 scores of {case.score_bytes() / 2**30:.1f} GiB"
-            continue
-        fn = variant_fn(variant, case, q, k, v, grad)
-        try:
-            fn()  # the first call finds out whether the backend can run (and warms it)
-        except (attention.BackendUnavailableError, RuntimeError) as error:
-            skipped[variant] = getattr(error, "reason", str(error))
-            continue
-        fns[variant] = fn
-    times = {}
-    if fns:
-        timed = interleaved(fns, device, warmup=warmup, repeats=repeats, name_errors=True)
-        times = timed.medians()
-    del q, k, v, grad, fns
-    release_memory(device)
-    return PointTimes(times, skipped)
-
-
-def backend_frame(
-    device: torch.device, cases: Iterable[AttnCase], *, repeats: int = 10
-) -> pd.DataFrame:
-    """Every SDPA kernel at each of ``cases`` (``lab.sdpa_backends``): one row per (case,
-    backend) with its ``ms``, ``tflop_s``, ``speedup`` over PyTorch's pick (round by round),
-    the measurement's ``spread`` and the ``reason`` of a kernel not timed."""
-    frames = []
-    for case in cases:
-        q, k, v, _ = make_inputs(case, device)
-        rows = sdpa_backends(q, k, v, causal=case.causal, backward=case.backward, repeats=repeats)
-        frames.append(
-            rows.assign(
-                S=case.seq,
-                D=case.head_dim,
-                B=case.batch,
-                H=case.heads,
-                causal=case.causal,
-                direction=case.direction,
-                tflop_s=case.flops / (rows["ms"] * 1e-3) / 1e12,
-            )
-        )
-        del q, k, v
-        release_memory(device)
-    return pd.concat(frames, ignore_index=True)
+def first_call_s(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call (a compile among them) to the device's end."""
+    started = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
 
 
 def release_memory(device: torch.device) -> None:
@@ -247,73 +102,7 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def tflop_s(flops: float, ms: float) -> float:
-    return flops / (ms * 1e-3) / 1e12
-
-
-# ---- what ran, and how much memory it took ------------------------------------------------------
-def which_backend(fn: Callable[[], object], device: torch.device) -> dict[str, str]:
-    """The SDPA backend a call really ran, from the profiler's ATen ops, and its largest kernel."""
-    report = profile_step(fn, steps=1, warmup=1, device=device)
-    ops = [name for name in report.ops["name"] if name in SDPA_OPS]
-    backend = ",".join(sorted({SDPA_OPS[name] for name in ops})) or "none (manual)"
-    kernel = str(report.kernels["name"].iloc[0]) if len(report.kernels) else ""
-    return {"backend": backend, "op": ",".join(sorted(set(ops))), "kernel": kernel}
-
-
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
     """Most bytes allocated during one call above what was allocated before it."""
-    if device.type == "cuda":
-        fn()  # warm-up: cuDNN builds its plan, the allocator settles
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    return profile_step(fn, steps=1, warmup=1, device=device).peak_memory_bytes
-
-
-def check_backends(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    mask: torch.Tensor | None = None,
-    causal: bool = False,
-) -> pd.DataFrame:
-    """Every backend on the same inputs against attention in float64: ran or why not, the
-    largest error and whether it is within the dtype's tolerance."""
-    with torch.no_grad():
-        exact = attention.attention_reference(
-            q.double(), k.double(), v.double(), mask=_double_mask(mask), causal=causal
-        )
-        tol = attention.TOLERANCES[q.dtype]
-        rows = []
-        candidates = {"manual": None, **dict.fromkeys(attention.BACKENDS)}
-        for name in candidates:
-            try:
-                if name == "manual":
-                    out = attention.attention_reference(q, k, v, mask=mask, causal=causal)
-                else:
-                    out = attention.sdpa(q, k, v, mask=mask, causal=causal, backend=name)
-            except attention.BackendUnavailableError as error:
-                rows.append({"backend": name, "ran": False, "reason": error.reason})
-                continue
-            err = (out.double() - exact).abs()
-            rows.append(
-                {
-                    "backend": name,
-                    "ran": True,
-                    "max_abs_error": err.max().item(),
-                    "within_tolerance": bool(
-                        (err <= tol["atol"] + tol["rtol"] * exact.abs()).all()
-                    ),
-                    "reason": "",
-                }
-            )
-    return pd.DataFrame(rows)
-
-
-def _double_mask(mask):
-    return mask if mask is None or mask.dtype == torch.bool else mask.double()
+    fn()  # warm-up: cuDNN builds its plan, the allocator settles
+    return memory.peak_memory(fn, device=device)
