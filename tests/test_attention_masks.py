@@ -237,8 +237,11 @@ def test_a_query_with_no_key_gets_zero_on_every_path(gen):
 def test_the_reference_gives_nan_to_the_queries_that_see_nan_or_inf(kind, bad, gen):
     mask, seq = KINDS[kind](CPU), 37
     q, k, v = qkv(2, 2, seq, seq, torch.float32, CPU, gen)
+    # query 5 sees its own key at least; that key's positive component makes an infinite query's
+    # score +inf there (a row of only -inf scores would be a row without keys)
+    k[0, 0, 5, 1] = k[0, 0, 5, 1].abs() + 1
     clean = A.masked_reference(q, k, v, mask)
-    q[0, 0, 5, 1] = bad  # query 5 sees its own key at least: its row is NaN
+    q[0, 0, 5, 1] = bad  # its row is NaN
     k[1, 1, 20, 3] = math.nan  # every query that sees key 20 gets NaN
     out = A.masked_reference(q, k, v, mask)
     expected = torch.zeros(2, 2, seq, dtype=torch.bool)
