@@ -14,7 +14,7 @@ import torch
 
 from accel import diversity as dv
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.diversity_measure import rotating_inputs, time_per_call
+from accel.lab.cases.diversity import rotating_inputs, time_per_call
 from accel.lab.cases.overhead_timing import PHASE, latencies
 from accel.lab.cases.sdpa_measure import release_memory
 
