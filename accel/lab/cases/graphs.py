@@ -187,21 +187,13 @@ def window_rows(ctx: BenchContext, cost: CostModel) -> list[Row]:
         if isinstance(graph, graphs.GraphedStep) and graph.reason is None
         else f"eager fallback ({getattr(graph, 'reason', 'no graph')})"
     )
-    rows = [
-        speedup_row(
-            ctx,
-            "graphs",
-            "field_trainer_window",
-            f"time per {sizes.steps_per_window}-step window, phases 1-3 eager vs graphed",
-            timing,
-            "graphed",
-            TARGETS["window"],
-            f"{graphed_state}; {eager_report.launches_per_step:.0f} launches per "
-            f"eager window, their kernels {kernel_ms:.2f} ms: the launch model predicted "
-            f"{model['predicted_speedup']:.2f}x; {compiled.note(timing)}",
-            baseline="eager",
-        )
-    ]
+    rows = [speedup_row(
+        ctx, "graphs", "field_trainer_window",
+        f"time per {sizes.steps_per_window}-step window, phases 1-3 eager vs graphed", timing,
+        "graphed", TARGETS["window"], f"{graphed_state}; {eager_report.launches_per_step:.0f} "
+        f"launches per eager window, their kernels {kernel_ms:.2f} ms: the launch model "
+        f"predicted {model['predicted_speedup']:.2f}x; {compiled.note(timing)}", baseline="eager",
+    )]  # fmt: skip
     label, replay = list(replay_accounts(steps, ctx.device, eager_report=eager_report).items())[-1]
     rows.append(Row(
         "graphs", "replay_vs_kernel_time",
@@ -368,22 +360,13 @@ def whole_step_rows(ctx: BenchContext) -> list[Row]:
     v = whole_step_variants(sizes, ctx.device)
     timing = compare(v["steps"], warmup=3, repeats=40, device=ctx.device)
     graph = v["steps"]["graphed"].graphed_step
-    return [
-        speedup_row(
-            ctx,
-            "graphs",
-            "whole_step_small_model",
-            f"training step of a {sizes.layers}-layer width-{sizes.width} GPT (batch "
-            f"{sizes.batch} x {sizes.context}), eager vs one graph",
-            timing,
-            "graphed",
-            TARGETS["whole_step"],
-            f"forward, backward, controller, clipping and fused capturable AdamW "
-            f"in {graph.graphs} graph(s), pool {graph.pool_bytes / 2**20:.1f} MiB; "
-            f"{v['compiled'].note(timing)}",
-            baseline="eager",
-        )
-    ]
+    return [speedup_row(
+        ctx, "graphs", "whole_step_small_model", f"training step of a {sizes.layers}-layer "
+        f"width-{sizes.width} GPT (batch {sizes.batch} x {sizes.context}), eager vs one graph",
+        timing, "graphed", TARGETS["whole_step"], "forward, backward, controller, clipping and "
+        f"fused capturable AdamW in {graph.graphs} graph(s), pool {graph.pool_bytes / 2**20:.1f} "
+        f"MiB; {v['compiled'].note(timing)}", baseline="eager",
+    )]  # fmt: skip
 
 
 def _not_run(case: str, what: str, where: str) -> Row:
