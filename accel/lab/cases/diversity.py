@@ -72,8 +72,6 @@ CASES = {
 
 
 # ---- inputs and timing -----------------------------------------------------------------------
-
-
 def l2_bytes(device: torch.device) -> int:
     """The GPU's L2 cache size (50 MB on an H100/H200); 0 elsewhere."""
     if device.type == "cuda":
@@ -153,8 +151,6 @@ def extra_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
 
 
 # ---- cases -----------------------------------------------------------------------------------
-
-
 def group_candidates(reduction: str, device: torch.device) -> dict[str, Callable]:
     """Kernel and PyTorch formulations of one grouped reduction (compiled ones on CUDA only)."""
     if reduction == "mean":
@@ -182,8 +178,6 @@ def _compiled(fn: Callable) -> Callable:
 
 
 # ---- sweeps over B and N, for the notebook (plots.diversity_sweep draws them) --------------------
-
-
 def group_sweep(
     device: torch.device, ceilings: Ceilings, batches: tuple[int, ...], *, n: int = 4,
     dim: int = 384, dtype: torch.dtype = torch.float32,
@@ -222,8 +216,6 @@ def _sweep_times(candidates: dict[str, Callable], shape, dtype, device) -> dict[
 
 
 # ---- the rows -----------------------------------------------------------------------------------
-
-
 def group_rows(case: GroupCase, reduction: str, ctx: BenchContext) -> list[Row]:
     device, ceilings = ctx.device, ctx.ceilings
     buffers = rotating_inputs(case.shape, case.dtype, device)

@@ -139,19 +139,11 @@ def step_flops(sizes: op.Sizes, flags: op.Flags | None = None) -> dict[str, floa
 
 # ---- measuring -----------------------------------------------------------------------------------
 def measure(
-    configs: dict[str, op.Flags],
-    sizes: op.Sizes,
-    device: torch.device | str,
-    *,
-    repeats: int = 3,
-    train_steps: int = 40,
-    epochs_per_sample: int = 1,
-    reads: int = 1,
-    read_every: int = 1,
-    validate: Collection[str] | None = None,
-    seed: int = 0,
+    configs: dict[str, op.Flags], sizes: op.Sizes, device: torch.device | str, *,
+    repeats: int = 3, train_steps: int = 40, epochs_per_sample: int = 1, reads: int = 1,
+    read_every: int = 1, validate: Collection[str] | None = None, seed: int = 0,
     on_progress: Callable[[str], None] | None = None,
-) -> pd.DataFrame:
+) -> pd.DataFrame:  # fmt: skip
     """Build and time (interleaved) every configuration, then train those named in ``validate``
     (all by default) to ``train_steps`` steps; one row per configuration: ``config``, ``flags``,
     ``batch``, ``step_ms``, ``iqr_ms``, ``samples_per_s``, ``speedup`` and ``val_vs_baseline``
@@ -218,13 +210,8 @@ def progress_bar(configs: dict[str, op.Flags]) -> Callable[[str], None]:
     return tick
 
 
-def _check_measure(
-    configs: dict[str, op.Flags],
-    per_sample: int,
-    repeats: int,
-    first_read: int,
-    validate: Collection[str] | None,
-) -> set[str]:
+def _check_measure(configs: dict[str, op.Flags], per_sample: int, repeats: int, first_read: int,
+                   validate: Collection[str] | None) -> set[str]:  # fmt: skip
     """Check :func:`measure`'s arguments against each other; the names to validate."""
     names = list(configs)
     cycle = math.lcm(per_sample, *(f.aux_loss_every for f in configs.values()))
