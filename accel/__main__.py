@@ -18,12 +18,9 @@ def _info(args: argparse.Namespace) -> int:
         from accel.measure.ceilings import measure_ceilings
 
         c = measure_ceilings()
-        print(
-            f"{'copy':<{width}}  {c.copy_gb_s:,.0f} GB/s (read + write, {c.copy_bytes >> 20} MiB)"
-        )
-        print(
-            f"{'matmul':<{width}}  {c.matmul_tflop_s:,.3g} TFLOP/s ({c.matmul_dtype}, n={c.matmul_n})"
-        )
+        print(f"{'copy':<{width}}  {c.copy_gb_s:,.0f} GB/s (read + write, "
+              f"{c.copy_bytes >> 20} MiB)\n{'matmul':<{width}}  {c.matmul_tflop_s:,.3g} TFLOP/s "
+              f"({c.matmul_dtype}, n={c.matmul_n})")  # fmt: skip
     return 0
 
 
@@ -37,9 +34,8 @@ def _bench(args: argparse.Namespace) -> int:
     print("wrote " + ", ".join(str(p) for p in paths))
     missed = frame[frame["met"].eq(False)]
     if len(missed):
-        print(
-            f"{len(missed)} target(s) missed: " + ", ".join(missed["phase"] + "/" + missed["case"])
-        )
+        cases = ", ".join(missed["phase"] + "/" + missed["case"])
+        print(f"{len(missed)} target(s) missed: {cases}")
     return 0
 
 
@@ -71,32 +67,23 @@ def parser() -> argparse.ArgumentParser:
     info.set_defaults(func=_info)
     bench = sub.add_parser("bench", help="run the phase benchmarks and write results/")
     bench.add_argument(
-        "--phase",
-        nargs="+",
-        action="extend",
-        choices=BENCH,
-        metavar="NAME",
+        "--phase", nargs="+", action="extend", choices=BENCH, metavar="NAME",
         help=f"phases to run (default: all, in this order): {', '.join(BENCH)}",
-    )
+    )  # fmt: skip
     bench.add_argument(
-        "--only",
-        nargs="+",
-        metavar="PART",
+        "--only", nargs="+", metavar="PART",
         help="run only these parts of phases that run in parts (a part's name or its start: 05 for "
         "notebook 05; a name that picks none is refused with the phase's parts); their rows "
         "replace the same cases' rows, the phase's other rows stay",
-    )
-    bench.add_argument(
-        "--out", type=Path, default=Path("results"), help="where to write (results/)"
-    )
+    )  # fmt: skip
+    out_help = "where to write (results/)"
+    bench.add_argument("--out", type=Path, default=Path("results"), help=out_help)
     bench.set_defaults(func=_bench)
     table = sub.add_parser("table", help="print the results table, or rewrite the README's")
     table.add_argument(
-        "--results",
-        type=Path,
-        help="the bench's results directory (default: results/ beside --readme, else this "
-        "checkout's)",
-    )
+        "--results", type=Path, help="the bench's results directory (default: results/ beside "
+        "--readme, else this checkout's)",
+    )  # fmt: skip
     table.add_argument("--readme", type=Path, help="rewrite this file's results block")
     table.add_argument(
         "--force", action="store_true", help="replace the README's table even with fewer rows"

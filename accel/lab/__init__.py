@@ -1,16 +1,10 @@
 """The lab: measure honestly, show it live.
 
 A notebook starts with ``from accel import lab`` and ``here = lab.setup()`` (device, preset,
-whether targets are judged), then reaches what it needs as ``lab.compare``, ``lab.plots``,
-``lab.FeaturePanel`` ... Each name is imported on first use, so ``lab.compare`` costs no plotly
-and no ipywidgets.
-
-Two layers stand behind this door. The measuring library, ``accel.measure`` (which the doctor
-uses too): ``device`` (presets, versions), ``timer``, ``ceilings``, ``costs``, ``profile``
-(pandas), ``attention`` (SDPA's kernels at a shape), ``show`` (numbers as tables print them).
-The bench on top of it, here: ``bench`` (the registry's runs, rows and result files),
-``plots`` (plotly), ``live_figure`` and ``panel`` (ipywidgets), ``recorded`` (a quick figure
-beside the bench's), ``cases.<phase>``.
+whether targets are judged), then reaches ``lab.compare``, ``lab.plots``, ``lab.FeaturePanel``
+... Each name is imported on first use, so ``lab.compare`` costs no plotly and no ipywidgets.
+Behind it: the measuring library ``accel.measure`` (which the doctor uses too) and the bench on
+top of it (``bench``, ``plots``, ``live_figure``, ``panel``, ``recorded``, ``cases.<phase>``).
 """
 
 from __future__ import annotations

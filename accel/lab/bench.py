@@ -1,11 +1,10 @@
 """The bench command's machinery: the phases' runs, their rows, the result files.
 
-Each bench phase of ``accel.phases.PHASES`` has a case module whose ``run`` takes a
-:class:`BenchContext` and returns :class:`Row`\\ s (and whose ``parts()``, where it has one,
-names what ``--only`` can pick); a case is imported only when its phase runs.
-Results are written in long format, one row per (phase, case), to ``<out>/<machine>.csv``
-(rows of phases not run this time are kept), each phase's as soon as it ends, with an HTML report
-of the figures beside it that loads plotly.js from the same directory (no network needed).
+Each bench phase of ``accel.phases.PHASES`` has a case module (imported when the phase runs)
+whose ``run`` takes a :class:`BenchContext` and returns :class:`Row`\\ s, and whose ``parts()``,
+where it has one, names what ``--only`` can pick. Rows are written in long format to
+``<out>/<machine>.csv`` as each phase ends (other phases' rows kept), with an HTML report beside
+it that loads plotly.js from the same directory (no network needed).
 """
 
 from __future__ import annotations
@@ -43,25 +42,9 @@ from accel.measure.show import readable
 from accel.measure.timer import Comparison
 
 COLUMNS = [
-    "phase",
-    "case",
-    "metric",
-    "unit",
-    "baseline",
-    "optimized",
-    "speedup",
-    "fraction_of_ceiling",
-    "target",
-    "met",
-    "note",
-    "device",
-    "preset",
-    "torch",
-    "triton",
-    "cuda",
-    "driver",
-    "date",
-]
+    "phase", "case", "metric", "unit", "baseline", "optimized", "speedup", "fraction_of_ceiling",
+    "target", "met", "note", "device", "preset", "torch", "triton", "cuda", "driver", "date",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -83,16 +66,8 @@ class Row:
     speedup: float = field(init=False)
 
     def __post_init__(self):
-        ratio = (
-            (
-                self.optimized / self.baseline
-                if self.higher_is_better
-                else self.baseline / self.optimized
-            )
-            if self.optimized
-            else math.nan
-        )
-        object.__setattr__(self, "speedup", ratio)
+        over, under = (self.optimized, self.baseline)[:: 1 if self.higher_is_better else -1]
+        object.__setattr__(self, "speedup", over / under if self.optimized else math.nan)
 
     def as_dict(self) -> dict:
         row = asdict(self)
@@ -158,17 +133,10 @@ def speedup_row(
     fast_ms = timing.timings[fast].median_ms
     baseline_ms = timing.timings[baseline or timing.baseline].median_ms
     judged = ctx.judged and target is not None
-    return Row(
-        phase,
-        case,
-        metric,
-        "ms",
-        fast_ms,
-        baseline=baseline_ms,
-        target=f">= {target}x" if target is not None else "",
-        met=baseline_ms / fast_ms >= target if judged else None,
-        note=f"{ctx.where}; {note}",
-    )
+    return Row(phase, case, metric, "ms", fast_ms, baseline=baseline_ms,
+               target=f">= {target}x" if target is not None else "",
+               met=baseline_ms / fast_ms >= target if judged else None,
+               note=f"{ctx.where}; {note}")  # fmt: skip
 
 
 def phase_function(name: str) -> Callable[[BenchContext], list[Row]]:
@@ -195,11 +163,8 @@ def run_bench(
     only: Iterable[str] | None = None,
 ) -> pd.DataFrame:
     """Run the named phases (every bench phase by default) and return their rows with the run's
-    versions.
-    With ``out``, each phase's rows are merged into ``out`` as soon as that phase ends, so an
-    interrupted run keeps the phases it finished; ``out`` is checked before anything runs.
-    ``only``: the parts to run of phases that run in parts (:func:`phase_parts`); their rows then
-    replace the rows of the same cases, and the phase's other rows stay."""
+    versions. With ``out`` (checked first), each phase's rows are merged into it as the phase
+    ends. ``only``: the parts to run (:func:`phase_parts`); their rows replace the same cases'."""
     from tqdm.auto import tqdm
 
     names = list(collection_of(phases, "phase names") if phases is not None else registry.BENCH)
@@ -288,10 +253,9 @@ def write_results(
 
 
 def _replace_cases(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
-    """``old`` with each row of ``new`` in the place of the old row of its (phase, case), so a
-    file keeps its order from run to run; a case not there before comes after its phase's last
-    row (or at the end, for a new phase). A sweep's points ("sweep <name> ...": their names hold
-    their shapes) are replaced together, in the place of the first old one."""
+    """``old`` with each row of ``new`` in the place of the old row of its (phase, case) (a new
+    case after its phase's last row, a new phase at the end); a sweep's points ("sweep <name>
+    ...") are replaced together, in the place of the first old one."""
     old_keys = list(zip(old["phase"], old["case"], strict=True))
     new_keys = list(zip(new["phase"], new["case"], strict=True))
     at = {key: float(i) for i, key in enumerate(old_keys)}
@@ -328,8 +292,7 @@ PLOTLY_JS = "plotly.min.js"
 
 
 def _write_plotly_js(out: Path) -> None:
-    """plotly.js beside the reports (the GPU machines that write them are offline), written
-    only when it is missing or another version."""
+    """plotly.js beside the reports (the machines that write them are offline), if it differs."""
     from plotly.offline import get_plotlyjs
 
     script = get_plotlyjs()
@@ -361,20 +324,12 @@ def html_report(frame: pd.DataFrame) -> str:
 def ceilings_frame(rows: pd.DataFrame) -> pd.DataFrame:
     """The ceilings phase's rows as one row per device, for :func:`accel.lab.plots.ceilings`."""
     out = []
-    if rows.empty:
-        return pd.DataFrame(columns=["device", "copy_gb_s", "matmul_tflop_s", "matmul_dtype"])
     for device, part in rows.groupby("device", sort=False):
         copy = part[part["case"] == "copy"]["optimized"].iloc[0]
         mm = part[part["case"].str.startswith("matmul")].iloc[0]
-        out.append(
-            {
-                "device": device,
-                "copy_gb_s": copy,
-                "matmul_tflop_s": mm["optimized"],
-                "matmul_dtype": mm["case"].split()[1],
-            }
-        )
-    return pd.DataFrame(out)
+        out.append({"device": device, "copy_gb_s": copy, "matmul_tflop_s": mm["optimized"],
+                    "matmul_dtype": mm["case"].split()[1]})  # fmt: skip
+    return pd.DataFrame(out, columns=["device", "copy_gb_s", "matmul_tflop_s", "matmul_dtype"])
 
 
 def default_results_dir() -> Path:
@@ -393,11 +348,9 @@ def _exact_float(text: str) -> float:
 
 
 def read_results(csv: str | Path) -> pd.DataFrame:
-    """A result file's rows, ``met`` as True, False or None: read as text, since pandas makes a
-    column whose every ``met`` is empty float and would turn a later True into 1.0. Numbers are
-    parsed by Python, exactly (some pandas versions' parser is off by a unit in the last place),
-    so rewriting a file leaves the rows it keeps as they were. A file with a merge's conflict
-    markers is refused with the marker's line."""
+    """A result file's rows, ``met`` as True, False or None (read as text: pandas would make an
+    all-empty column float), numbers parsed exactly by Python (some pandas versions' parser is
+    off by a unit in the last place), so a rewrite keeps them; merge-conflict markers refused."""
     text = Path(csv).read_text(encoding="utf-8")
     for number, line in enumerate(text.splitlines(), 1):
         if CONFLICT_MARKER.match(line):
@@ -414,16 +367,11 @@ def read_results(csv: str | Path) -> pd.DataFrame:
 def recorded_results(
     phase: str | None = None, results_dir: str | Path | None = None
 ) -> pd.DataFrame:
-    """Every row recorded under ``results/`` (all machines), optionally of one phase only.
-
-    Notebooks show these beside what this machine measured, so a CPU run still shows the GPU's.
-    """
+    """Every row recorded under ``results/`` (all machines), optionally of one phase only: what
+    notebooks show beside this machine's run, so a CPU run still shows the GPU's."""
     files = sorted(Path(results_dir or default_results_dir()).glob("*.csv"))
-    frame = (
-        pd.concat([read_results(f) for f in files], ignore_index=True)
-        if files
-        else (pd.DataFrame(columns=COLUMNS))
-    )
+    frames = [read_results(f) for f in files]
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
     return frame if phase is None else frame[frame["phase"] == phase].reset_index(drop=True)
 
 
@@ -444,11 +392,7 @@ def console_table(frame: pd.DataFrame) -> str:
 
 def results_markdown(results_dir: str | Path | None = None) -> str:
     """The README's results table: every CSV under ``results_dir`` (default: the checkout's
-    ``results/``), one section per machine.
-
-    Sweep points (cases named ``sweep ...``) stay in the CSV and the HTML report; the README shows
-    their summary rows only.
-    """
+    ``results/``), one section per machine, without sweep points (cases named ``sweep ...``)."""
     directory = Path(results_dir) if results_dir is not None else default_results_dir()
     if not directory.is_dir():
         raise UsageError(f"{directory}: no such directory (expected the bench's results/)")
@@ -484,9 +428,8 @@ def update_readme(
     readme: str | Path, results_dir: str | Path | None = None, *, force: bool = False
 ) -> bool:
     """Rewrite the block between the results markers from ``results_dir`` (default: the
-    ``results/`` beside the README); True if the file changed. A table with fewer rows than the
-    one it would replace is refused unless ``force``: an emptier table is most often the wrong
-    directory, not fewer results."""
+    ``results/`` beside the README); True if the file changed. A table of fewer rows is refused
+    unless ``force``: most often it is the wrong directory, not fewer results."""
     path = Path(readme)
     if not path.is_file():
         raise UsageError(f"{path}: no such file (expected the README to update)")
@@ -511,8 +454,5 @@ def update_readme(
 
 
 def _table_rows(markdown: str) -> int:
-    return sum(
-        1
-        for line in markdown.splitlines()
-        if line.startswith("| ") and not line.startswith("| phase")
-    )
+    lines = markdown.splitlines()
+    return sum(line.startswith("| ") and not line.startswith("| phase") for line in lines)

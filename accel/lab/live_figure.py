@@ -6,12 +6,9 @@
         figure.data[0].y = samples
     live.draw(at_most_every_s=0.25)         # in a loop: a redraw when the last is that old
 
-Each draw replaces an ``ipywidgets.Output``'s content with the whole figure as plotly JSON, which
-JupyterLab's plotly renderer (installed with plotly) draws. The page never depends on edits it
-was sent earlier: a page that loads late, or is reloaded, draws the last figure from the output's
-state. ``go.FigureWidget`` does depend on them, and its view first loads a 5 MB script; anywidget
-gives a model 2 s for that and then drops every later message to it, so on a busy machine the
-figure stayed blank or stale, with no error shown.
+Each draw replaces an ``ipywidgets.Output``'s content with the whole figure as plotly JSON, so a
+page that loads late or is reloaded draws the last figure (``go.FigureWidget`` depends on every
+edit reaching a view that may not have loaded yet, and then stays blank or stale).
 """
 
 from __future__ import annotations

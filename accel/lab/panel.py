@@ -104,24 +104,14 @@ class FeaturePanel:
     # ---- flags <-> widgets -------------------------------------------------------------------
     def _control(self, info: FlagInfo) -> widgets.ValueWidget:
         reason = self.disabled.get(info.name)
-        tooltip = info.help + (f" (disabled: {reason})" if reason else "")
+        common = dict(value=info.default, description=info.name, disabled=bool(reason),
+                      tooltip=info.help + (f" (disabled: {reason})" if reason else ""))  # fmt: skip
         if info.is_bool:
-            return widgets.Checkbox(
-                value=info.default,
-                description=info.name,
-                tooltip=tooltip,
-                disabled=bool(reason),
-                indent=False,
-            )
+            return widgets.Checkbox(**common, indent=False)
         return widgets.Dropdown(
-            options=list(info.choices),
-            value=info.default,
-            description=info.name,
-            tooltip=tooltip,
-            disabled=bool(reason),
+            options=list(info.choices), **common, layout=widgets.Layout(width="auto"),
             style={"description_width": "initial"},  # the whole name, not "controller..."
-            layout=widgets.Layout(width="auto"),
-        )
+        )  # fmt: skip
 
     def _control_rows(self) -> list[widgets.Widget]:
         rows = []
@@ -168,11 +158,8 @@ class FeaturePanel:
         if flags is not None:
             self.show(flags)
         flags, baseline = self.flags(), self.flags_type()
-        blocked = [
-            f.name
-            for f in self.infos
-            if f.name in self.disabled and getattr(flags, f.name) != f.default
-        ]
+        blocked = [f.name for f in self.infos
+                   if f.name in self.disabled and getattr(flags, f.name) != f.default]  # fmt: skip
         if blocked:
             raise ValueError(
                 f"flags {blocked} cannot run on {self.device}: "
@@ -198,17 +185,14 @@ class FeaturePanel:
             self.live.draw(at_most_every_s=LIVE_DRAW_INTERVAL_S)  # the summary draws the last
             self.progress.value += 1
 
-        result = self.comparison = compare(
-            candidates,
-            baseline=BASELINE,
-            warmup=self.warmup,
-            repeats=self.repeats,
-            device=self.device,
-            on_sample=on_sample,
-        )
+        result = self.comparison = compare(candidates, baseline=BASELINE, warmup=self.warmup,
+                                           repeats=self.repeats, device=self.device,
+                                           on_sample=on_sample)  # fmt: skip
         for key, timing in result.timings.items():
             key_flags = baseline if key == BASELINE else flags
-            low, high = _speedup_band(result, key)
+            # the middle half of its speedups over the baseline, round by round
+            band = (BASELINE, key, 0.25, 0.75)
+            low, high = (1.0, 1.0) if key == BASELINE else result.ratio_band(*band)
             self._rows[key] = self._rows.get(key, {}) | {
                 "label": key,
                 **dataclasses.asdict(key_flags),
@@ -220,14 +204,10 @@ class FeaturePanel:
             }
         if self.profile:
             self.progress.description = "profiling"
-            report = profile_step(
-                candidates[name], steps=self.profile_steps, warmup=0, device=self.device
-            )
-            self._rows[name] |= {
-                k: v
-                for k, v in report.summary().items()
-                if k in ("kernels_per_step", "launches_per_step", "syncs_per_step", "idle_fraction")
-            }
+            report = profile_step(candidates[name], steps=self.profile_steps, warmup=0,
+                                  device=self.device)  # fmt: skip
+            kept = ("kernels_per_step", "launches_per_step", "syncs_per_step", "idle_fraction")
+            self._rows[name] |= {k: v for k, v in report.summary().items() if k in kept}
             title = f"Where the time goes:<br>{plots.wrap_label(name, 70)}"
             fresh = plots.kernel_breakdown(report.kernels, title=title)
             with self.kernels_live.batch_update() as kernels:
@@ -267,11 +247,10 @@ class FeaturePanel:
                 )
             ]  # fmt: skip
             bars.error_x = dict(
-                type="data",
-                symmetric=False,
+                type="data", symmetric=False,
                 array=list((frame["speedup_q75"] - frame["speedup"]).clip(lower=0)),
                 arrayminus=list((frame["speedup"] - frame["speedup_q25"]).clip(lower=0)),
-            )
+            )  # fmt: skip
             # the bars get under half the figure: twice their own height, on top of the lines
             figure.layout.height = max(520, 300 + 2 * plots.bars_height(list(frame["label"]), 0))
         self.table.value = results_table(frame)
@@ -304,47 +283,30 @@ def _timings_figure() -> go.Figure:
     figure.add_scatter(y=[], mode="lines+markers", name=BASELINE, row=1, col=1)
     figure.add_scatter(y=[], mode="lines+markers", name="this configuration", row=1, col=1)
     figure.add_bar(
-        x=[],
-        y=[],
-        orientation="h",
-        textposition="inside",
-        insidetextanchor="start",
+        x=[], y=[], orientation="h", textposition="inside", insidetextanchor="start",
         constraintext="none",  # full size, past a short bar's end, never shrunk unreadable
-        showlegend=False,
-        row=2,
-        col=1,
-    )
+        showlegend=False, row=2, col=1,
+    )  # fmt: skip
     figure.update_yaxes(title_text="ms per step, this run", row=1, col=1)
     figure.update_xaxes(title_text="round", rangemode="tozero", row=1, col=1)
     figure.update_xaxes(
         title_text="speedup over the baseline timed beside it in the same run<br>"
-        "(text: that run's ms vs its baseline's; bars: middle half of rounds)",
-        row=2,
-        col=1,
-    )
+        "(text: that run's ms vs its baseline's; bars: middle half of rounds)", row=2, col=1,
+    )  # fmt: skip
     figure.add_vline(x=1, line_dash="dot", line_color="gray", row=2, col=1)
     figure.update_yaxes(autorange="reversed", automargin=True, row=2, col=1)
-    figure.update_layout(
-        template="plotly_white",
-        height=520,
-        margin=dict(t=40, b=40),
-        legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"),
-    )
+    figure.update_layout(template="plotly_white", height=520, margin=dict(t=40, b=40),
+                         legend=dict(orientation="h", x=0, y=1.02, yanchor="bottom"))  # fmt: skip
     return figure
 
 
 # the table's columns and their headings: short words that wrap, so it fits a notebook's width
 TABLE = {
-    "label": "configuration",
-    "median_ms": "median ms",
-    "iqr_ms": "IQR ms",
-    "baseline_ms": "its baseline ms",
-    "speedup": "speedup",
-    "kernels_per_step": "kernels a step",
-    "launches_per_step": "launches a step",
-    "syncs_per_step": "syncs a step",
+    "label": "configuration", "median_ms": "median ms", "iqr_ms": "IQR ms",
+    "baseline_ms": "its baseline ms", "speedup": "speedup", "kernels_per_step": "kernels a step",
+    "launches_per_step": "launches a step", "syncs_per_step": "syncs a step",
     "idle_fraction": "device idle",
-}
+}  # fmt: skip
 TABLE_STYLE = (
     "<style>.accel-results td, .accel-results th {padding: 2px 8px; text-align: right;}"
     " .accel-results :is(td, th):first-child {text-align: left; overflow-wrap: anywhere;}</style>"
@@ -366,9 +328,3 @@ def results_table(frame: pd.DataFrame) -> str:
     )  # fmt: skip
     return TABLE_STYLE + table
 
-
-def _speedup_band(result: Comparison, key: str) -> tuple[float, float]:
-    """The middle half of ``key``'s speedups over the baseline, round by round."""
-    if key == result.baseline:
-        return 1.0, 1.0
-    return result.ratio_band(result.baseline, key, 0.25, 0.75)

@@ -1,7 +1,5 @@
-"""Plots: pure functions from the lab's DataFrames to plotly figures. The caller shows them.
-
-Every function returns a ``go.Figure``; ``lab.LiveFigure(fig)`` shows one that is redrawn as it changes.
-"""
+"""Plots: pure functions from the lab's DataFrames to plotly figures; the caller shows
+them (``lab.LiveFigure(fig)`` redraws one as it changes)."""
 
 from __future__ import annotations
 
@@ -13,31 +11,22 @@ from accel.measure.show import LAYOUT, bars_height, short, wrap_label
 
 
 def ceilings(frame: pd.DataFrame) -> go.Figure:
-    """Measured ceilings, one bar per device: copy bandwidth and matrix-product rate.
-
-    ``frame``: rows with ``device``, ``copy_gb_s``, ``matmul_tflop_s``, ``matmul_dtype``
-    (``Ceilings.as_dict()`` rows).
-    """
-    fig = make_subplots(
-        rows=1,
-        cols=2,
-        subplot_titles=("copy bandwidth (read + write), GB/s", "dense matrix product, TFLOP/s"),
-    )
+    """Copy bandwidth and matrix-product rate, one bar per device (``Ceilings.as_dict()`` rows:
+    ``device``, ``copy_gb_s``, ``matmul_tflop_s``, ``matmul_dtype``)."""
+    titles = ("copy bandwidth (read + write), GB/s", "dense matrix product, TFLOP/s")
+    fig = make_subplots(rows=1, cols=2, subplot_titles=titles)
     labels = [f"{d} ({t})" for d, t in zip(frame["device"], frame["matmul_dtype"], strict=True)]
-    for col, (name, column, fmt) in enumerate(
-        [("copy", "copy_gb_s", "{:,.0f}"), ("matmul", "matmul_tflop_s", "{:,.3g}")], start=1
-    ):
-        values = frame[column]
-        text = [fmt.format(v) for v in values]
-        fig.add_bar(x=labels, y=values, name=name, row=1, col=col, text=text, textposition="auto")
+    bars = (("copy", "copy_gb_s", "{:,.0f}"), ("matmul", "matmul_tflop_s", "{:,.3g}"))
+    for col, (name, column, fmt) in enumerate(bars, start=1):
+        text = [fmt.format(v) for v in frame[column]]
+        fig.add_bar(x=labels, y=frame[column], name=name, row=1, col=col, text=text,
+                    textposition="auto")  # fmt: skip
     return fig.update_layout(**LAYOUT, showlegend=False, title="What this machine can do")
 
 
 def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
-    """Median time per configuration with its interquartile range; speedup over the baseline.
-
-    ``frame``: ``label``, ``median_ms``, ``q25_ms``, ``q75_ms`` and optionally ``speedup``.
-    """
+    """Median time per configuration (``label``, ``median_ms``, ``q25_ms``, ``q75_ms``, optional
+    ``speedup``) with its interquartile range."""
     fig = go.Figure()
     if len(frame):
         text = [f"{s:.2f}x" for s in frame["speedup"]] if "speedup" in frame else None
@@ -62,12 +51,8 @@ def step_times(frame: pd.DataFrame, *, title: str = "Step time") -> go.Figure:
 
 
 def replay_split(frame: pd.DataFrame, *, title: str = "What a replay spends") -> go.Figure:
-    """Per graphed variant, its replay split into kernel time and the gaps between kernels,
-    stacked, with the replay over its eager kernels' time on top.
-
-    ``frame``: ``label``, ``inside_ms`` (kernels profiled inside the replay), ``replay_ms`` and
-    ``ratio`` (replay over the eager kernel sum): :class:`ReplayAccount` rows.
-    """
+    """Each graphed variant's replay as kernel time and the gaps between kernels, stacked, with
+    the replay over its eager kernels' time on top (``ReplayAccount`` rows)."""
     gaps = (frame["replay_ms"] - frame["inside_ms"]).clip(lower=0)
     fig = go.Figure()
     fig.add_bar(x=frame["label"], y=frame["inside_ms"], name="kernels")
@@ -79,14 +64,6 @@ def replay_split(frame: pd.DataFrame, *, title: str = "What a replay spends") ->
         textposition="outside",
     )
     return fig.update_layout(**LAYOUT, barmode="stack", title=title, yaxis_title="ms a window")
-
-
-def samples(series: dict[str, list[float]], *, title: str = "Per-step times") -> go.Figure:
-    """One line of sample times per candidate, in the order taken (shows warm-up and drift)."""
-    fig = go.Figure()
-    for label, values in series.items():
-        fig.add_scatter(y=values, mode="lines+markers", name=label)
-    return fig.update_layout(**LAYOUT, title=title, xaxis_title="sample", yaxis_title="ms")
 
 
 def kernel_breakdown(
@@ -114,10 +91,8 @@ def kernel_breakdown(
 def timeline(
     frame: pd.DataFrame, *, idle_fraction: float | None = None, title: str = "Device timeline"
 ) -> go.Figure:
-    """Kernels as bars on a time axis; the white between them is the device idling.
-
-    ``frame``: a ``ProfileReport.timeline`` (``name``, ``kind``, ``start_us``, ``end_us``).
-    """
+    """Kernels of a ``ProfileReport.timeline`` as bars on a time axis; the white between them is
+    the device idling."""
     fig = go.Figure()
     for kind, part in frame.groupby("kind", sort=False):
         fig.add_bar(
@@ -144,12 +119,8 @@ def memory_over_time(frame: pd.DataFrame, *, title: str = "Allocated memory") ->
     fig = go.Figure(
         go.Scatter(x=frame["t_us"], y=frame["bytes"] / 2**20, mode="lines", line_shape="hv")
     )
-    return fig.update_layout(
-        **LAYOUT,
-        title=title,
-        xaxis_title="µs from the first step",
-        yaxis_title="MiB (relative to the start)",
-    )
+    axes = {"xaxis_title": "µs from the first step", "yaxis_title": "MiB (relative to the start)"}
+    return fig.update_layout(**LAYOUT, title=title, **axes)
 
 
 def speedups(frame: pd.DataFrame, *, title: str = "Speedup over the baseline") -> go.Figure:
@@ -204,15 +175,11 @@ def call_costs(
     return fig.update_layout(**layout, title=title, barmode="group", xaxis_title="µs")
 
 
-# ---- sdpa ----------------------------------------------------------------------------------------
 def sdpa_sweep(
     frame: pd.DataFrame, *, ceiling_tflop_s: float | None = None, title: str = "SDPA sweep"
 ) -> go.Figure:
-    """TFLOP/s against sequence length, one line per (backend, head dim), a panel per
-    (direction, causal); the dotted line is the measured matrix-product ceiling.
-
-    ``frame``: one row per (point, backend) with ``S``, ``D``, ``causal``, ``direction``,
-    ``backend``, ``tflop_s`` (``accel.lab.cases.sdpa.backend_frame``)."""
+    """TFLOP/s over sequence length of ``accel.lab.cases.sdpa.backend_frame`` rows, one line per
+    (backend, head dim), a panel per (direction, causal), the matmul ceiling dotted."""
     import plotly.express as px  # heavier than graph_objects: loaded when this figure is drawn
 
     data = frame.dropna(subset=["tflop_s"]).assign(
@@ -244,9 +211,6 @@ def sdpa_sweep(
     )
 
 
-# ---- diversity ---------------------------------------------------------------------------------
-
-
 def diversity_sweep(
     records: list[dict] | pd.DataFrame,
     *,
@@ -256,12 +220,8 @@ def diversity_sweep(
     ceiling_name: str,
     title: str = "",
 ) -> go.Figure:
-    """Lines of ``y`` over ``x`` (a log axis), one per candidate, with a measured ceiling as a
-    dashed line.
-
-    ``records``: rows of ``accel.lab.cases.diversity.group_sweep`` or ``large_sweep`` (records
-    or a DataFrame) with ``candidate``, ``x`` and ``y``.
-    """
+    """Lines of ``y`` over ``x`` (log axis), one per ``candidate``, with a measured ceiling
+    dashed; ``records``: ``accel.lab.cases.diversity.group_sweep`` or ``large_sweep``."""
     frame = pd.DataFrame(records)
     fig = go.Figure()
     for name, part in frame.groupby("candidate", sort=True):
@@ -274,11 +234,8 @@ def diversity_sweep(
 def recipe_progression(
     frame: pd.DataFrame, *, title: str = "Performance progression by phase"
 ) -> go.Figure:
-    """Throughput per configuration (bars, speedup over the baseline on each) beside the
-    validation error after equal steps (markers, right axis).
-
-    ``frame``: ``config``, ``samples_per_s``, ``speedup``, ``val_error`` (the recipe case's table).
-    """
+    """The recipe case's table: throughput per ``config`` (bars, speedup on each) beside the
+    validation error after equal steps (markers, right axis)."""
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     fig.add_bar(
         x=frame["config"],
@@ -299,11 +256,8 @@ def recipe_progression(
 
 
 def distributed_scaling(frame: pd.DataFrame, *, title: str = "") -> dict[str, go.Figure]:
-    """Throughput, scaling efficiency and memory per rank, one bar per configuration.
-
-    ``frame``: the distributed case's table (``config``, ``comm``, ``samples_per_s``,
-    ``scaling_efficiency``, ``state_mib_per_rank``, ``peak_mib_per_rank``).
-    """
+    """Throughput, scaling efficiency and memory per rank of the distributed case's table, one
+    bar per configuration."""
     import plotly.express as px
 
     colors = {"default": "#4c78a8", "tuned": "#f58518"}
@@ -315,15 +269,8 @@ def distributed_scaling(frame: pd.DataFrame, *, title: str = "") -> dict[str, go
         ["peak_mib_per_rank"] if frame["peak_mib_per_rank"].notna().any() else []
     )
     long = frame.melt(id_vars=["config"], value_vars=memory_cols, var_name="what")
-    memory = px.bar(
-        long,
-        x="config",
-        y="value",
-        color="what",
-        barmode="group",
-        text_auto=".3g",
-        title=f"{title}memory per rank (MiB)",
-    )
+    memory = px.bar(long, x="config", y="value", color="what", barmode="group", text_auto=".3g",
+                    title=f"{title}memory per rank (MiB)")  # fmt: skip
     for fig in (throughput, efficiency, memory):
         fig.update_layout(**{**LAYOUT, "height": 320})
     return {"throughput": throughput, "efficiency": efficiency, "memory": memory}

@@ -65,15 +65,9 @@ class Agreement:
 
 
 def beside_recorded(
-    phase: str,
-    case: str,
-    measured: float,
-    band: tuple[float, float] | None,
-    *,
-    device: torch.device | str,
-    metric: str = "speedup",
-    results_dir: str | Path | None = None,
-) -> Agreement:
+    phase: str, case: str, measured: float, band: tuple[float, float] | None, *,
+    device: torch.device | str, metric: str = "speedup", results_dir: str | Path | None = None,
+) -> Agreement:  # fmt: skip
     """``measured`` (with its spread ``band``) against the latest recorded ``metric`` column
     (``speedup``, ``optimized``, ...) of ``phase``/``case`` on this machine's device."""
     rows = recorded_results(phase, results_dir)
@@ -98,13 +92,9 @@ def beside_recorded(
 
 
 def result_sentence(
-    phase: str,
-    case: str,
-    *,
-    metric: str | None = None,
-    figure: str = "speedup",
+    phase: str, case: str, *, metric: str | None = None, figure: str = "speedup",
     results_dir: str | Path | None = None,
-) -> str:
+) -> str:  # fmt: skip
     """What the bench recorded for ``phase``/``case`` on every GPU, as one sentence a notebook
     prints, so that its prose cannot disagree with the rows: "on the <GPU> (<date>): <speedup>x
     (<figure> <unit>), target <target> met; on the <other GPU> ...".

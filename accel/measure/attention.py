@@ -72,16 +72,12 @@ def sdpa_backends(
     rows = []
     for backend in ("default", AGAIN, *FORCED):
         timed = backend in timing.timings
-        rows.append(
-            {
-                "backend": backend,
-                "kernel": picked if backend in ("default", AGAIN) else backend,
-                "ms": timing.timings[backend].median_ms if timed else float("nan"),
-                "speedup": timing.paired_ratio("default", backend) if timed else float("nan"),
-                "spread": spread,
-                "reason": reasons.get(backend, ""),
-            }
-        )
+        rows.append({
+            "backend": backend, "kernel": picked if backend in ("default", AGAIN) else backend,
+            "ms": timing.timings[backend].median_ms if timed else float("nan"),
+            "speedup": timing.paired_ratio("default", backend) if timed else float("nan"),
+            "spread": spread, "reason": reasons.get(backend, ""),
+        })  # fmt: skip
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

@@ -86,12 +86,7 @@ def measure_ceilings(
     device = torch.device(device) if device is not None else default_device()
     if sizes is None or isinstance(sizes, str):
         sizes = CEILING_SIZES[sizes or preset(device)]
-
-    return Ceilings(
-        device=device_name(device),
-        copy_gb_s=measure_copy_gb_s(device, sizes.copy_bytes, sizes.repeats),
-        matmul_tflop_s=measure_matmul_tflop_s(device, sizes.matmul_n, sizes.repeats),
-        matmul_dtype=str(matmul_dtype(device)).removeprefix("torch."),
-        copy_bytes=sizes.copy_bytes,
-        matmul_n=sizes.matmul_n,
-    )
+    copy = measure_copy_gb_s(device, sizes.copy_bytes, sizes.repeats)
+    matmul = measure_matmul_tflop_s(device, sizes.matmul_n, sizes.repeats)
+    dtype = str(matmul_dtype(device)).removeprefix("torch.")
+    return Ceilings(device_name(device), copy, matmul, dtype, sizes.copy_bytes, sizes.matmul_n)

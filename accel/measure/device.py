@@ -147,13 +147,8 @@ def _package_version(name: str) -> str | None:
 @functools.cache
 def _driver_version() -> str | None:
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
@@ -164,17 +159,12 @@ def versions(device: torch.device | str | None = None) -> dict[str, str | None]:
     device = torch.device(device) if device is not None else default_device()
     on_cuda = device.type == "cuda"
     info: dict[str, str | None] = {
-        "device": device_name(device),
-        "device_type": device.type,
-        "preset": preset(device),
-        "torch": torch.__version__,
-        "triton": _package_version("triton"),
-        "cuda": torch.version.cuda,
-        "driver": _driver_version() if on_cuda else None,
+        "device": device_name(device), "device_type": device.type, "preset": preset(device),
+        "torch": torch.__version__, "triton": _package_version("triton"),
+        "cuda": torch.version.cuda, "driver": _driver_version() if on_cuda else None,
         "python": platform.python_version(),
-        "cpu": _cpu_model(),
-        "cpu_threads": str(torch.get_num_threads()),
-    }
+        "cpu": _cpu_model(), "cpu_threads": str(torch.get_num_threads()),
+    }  # fmt: skip
     if on_cuda:
         props = torch.cuda.get_device_properties(device)
         info["capability"] = f"{props.major}.{props.minor}"

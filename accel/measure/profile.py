@@ -60,16 +60,11 @@ class ProfileReport:
 
     def summary(self) -> dict[str, float | int | str]:
         """Per step: kernels, launches, syncs, idle share, peak memory; one flat dict."""
-        return {
-            "device": self.device,
-            "steps": self.steps,
-            "step_us": self.step_us,
-            "kernels_per_step": float(self.kernels["count"].sum()) / self.steps,
-            "launches_per_step": self.launches_per_step,
-            "syncs_per_step": self.syncs_per_step,
-            "idle_fraction": self.idle_fraction,
-            "peak_memory_bytes": self.peak_memory_bytes,
-        }
+        return {"device": self.device, "steps": self.steps, "step_us": self.step_us,
+                "kernels_per_step": float(self.kernels["count"].sum()) / self.steps,
+                "launches_per_step": self.launches_per_step, "syncs_per_step": self.syncs_per_step,
+                "idle_fraction": self.idle_fraction,
+                "peak_memory_bytes": self.peak_memory_bytes}  # fmt: skip
 
 
 def profile_step(
@@ -105,33 +100,21 @@ def profile_step(
     if trace_path is not None:
         _write_trace(run.profile, trace_path)
     t0 = run.start_us
-    timeline = pd.DataFrame(
-        [
-            (e.name, _kind(e.name, cuda), e.time_range.start - t0, e.time_range.end - t0)
-            for e in run.work
-        ],
-        columns=["name", "kind", "start_us", "end_us"],
-    )
+    spans = [(e.name, _kind(e.name, cuda), e.time_range.start - t0, e.time_range.end - t0)
+             for e in run.work]  # fmt: skip
+    timeline = pd.DataFrame(spans, columns=["name", "kind", "start_us", "end_us"])
     memory = _memory_over_time(run.profile, t0, cuda)
     if cuda:  # the allocator's own peak is exact; the profiler's records are the CPU's only view
         peak = torch.cuda.max_memory_allocated(dev) - start_bytes
     else:
         peak = max(0, int(memory["bytes"].max())) if len(memory) else 0
     return ProfileReport(
-        steps=steps,
-        device=str(dev),
-        kernels=_kernel_table(timeline, steps),
-        ops=_op_table(run.host),
-        timeline=timeline,
-        memory=memory,
+        steps, str(dev), _kernel_table(timeline, steps), _op_table(run.host), timeline, memory,
         launches_per_step=len(run.launches) / steps,
-        syncs_per_step=len(run.syncs) / steps if cuda else math.nan,
-        window_us=run.end_us - t0,
+        syncs_per_step=len(run.syncs) / steps if cuda else math.nan, window_us=run.end_us - t0,
         busy_us=union_length(timeline[["start_us", "end_us"]].to_numpy().tolist()),
-        peak_memory_bytes=int(peak),
-        trace_path=trace_path,
-        notes=[] if cuda else [CPU_NOTE],
-    )
+        peak_memory_bytes=int(peak), trace_path=trace_path, notes=[] if cuda else [CPU_NOTE],
+    )  # fmt: skip
 
 
 def _write_trace(prof: profile, path: Path) -> None:
@@ -146,12 +129,7 @@ def _write_trace(prof: profile, path: Path) -> None:
 def _kind(name: str, cuda: bool) -> str:
     if not cuda:
         return "op"
-    lowered = name.lower()
-    if lowered.startswith("memcpy"):
-        return "memcpy"
-    if lowered.startswith("memset"):
-        return "memset"
-    return "kernel"
+    return next((k for k in ("memcpy", "memset") if name.lower().startswith(k)), "kernel")
 
 
 def _kernel_table(timeline: pd.DataFrame, steps: int) -> pd.DataFrame:

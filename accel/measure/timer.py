@@ -89,17 +89,10 @@ class Timing:
         return min(self.times_ms)
 
     def summary(self) -> dict[str, float | int | str]:
-        return {
-            "label": self.label,
-            "median_ms": self.median_ms,
-            "q25_ms": self.q25_ms,
-            "q75_ms": self.q75_ms,
-            "iqr_ms": self.iqr_ms,
-            "min_ms": self.min_ms,
-            "samples": len(self.times_ms),
-            "calls_per_sample": self.calls_per_sample,
-            "device": self.device,
-        }
+        return {"label": self.label, "median_ms": self.median_ms, "q25_ms": self.q25_ms,
+                "q75_ms": self.q75_ms, "iqr_ms": self.iqr_ms, "min_ms": self.min_ms,
+                "samples": len(self.times_ms), "calls_per_sample": self.calls_per_sample,
+                "device": self.device}  # fmt: skip
 
     def __str__(self) -> str:
         return (
@@ -185,8 +178,7 @@ def round_ratios(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -
 
 
 def round_differences(samples: Mapping[str, Sequence[float]], slow: str, fast: str) -> list[float]:
-    """``slow``'s time minus ``fast``'s in each round: what ``slow`` adds, free of the drift
-    that moves both samples of a round alike."""
+    """``slow``'s time minus ``fast``'s in each round."""
     return [a - b for a, b in zip(samples[slow], samples[fast], strict=True)]
 
 
@@ -231,11 +223,9 @@ def round_order(names: Sequence[str], r: int) -> list[str]:
 def take_sample(
     fn: Callable[[], object], calls: int, cuda: bool, *, idle_first: bool = False
 ) -> Callable[[], float]:
-    """Call ``fn`` ``calls`` times as one sample; returns the reader of its ms per call.
-
-    ``cuda``: CUDA events time it, and reading waits for the GPU, so defer it and samples queue
-    back to back. Otherwise the host clock times it. ``idle_first`` waits for the GPU before the
-    sample starts."""
+    """Call ``fn`` ``calls`` times as one sample; returns the reader of its ms per call (with
+    ``cuda``, CUDA events time it, and reading waits for the GPU: defer it, and samples queue
+    back to back). ``idle_first`` waits for the GPU before the sample starts."""
     if idle_first:
         torch.cuda.synchronize()
     if cuda:
@@ -369,18 +359,10 @@ def compare(
             "(or leave device unset to pick the default)"
         )
     return interleaved(
-        candidates,
-        dev,
-        warmup=warmup,
-        repeats=repeats,
-        calls_per_sample=calls_per_sample,
-        min_sample_ms=min_sample_ms,
-        on_sample=on_sample,
-        name_errors=True,
-        clock=clock,
-        baseline=baseline,
-        caller="compare",
-    )
+        candidates, dev, warmup=warmup, repeats=repeats, calls_per_sample=calls_per_sample,
+        min_sample_ms=min_sample_ms, on_sample=on_sample, name_errors=True, clock=clock,
+        baseline=baseline, caller="compare",
+    )  # fmt: skip
 
 
 def time_fn(
@@ -394,12 +376,7 @@ def time_fn(
     device: torch.device | str | None = None,
 ) -> Timing:
     """Median and spread of one callable: :func:`compare` with a single candidate."""
-    comparison = compare(
-        {label: fn},
-        warmup=warmup,
-        repeats=repeats,
-        calls_per_sample=calls_per_sample,
-        min_sample_ms=min_sample_ms,
-        device=device,
-    )
+    comparison = compare({label: fn}, warmup=warmup, repeats=repeats, device=device,
+                         calls_per_sample=calls_per_sample,
+                         min_sample_ms=min_sample_ms)  # fmt: skip
     return comparison.timings[label]

@@ -1,12 +1,6 @@
-"""Bench phase ``fusion``: many-tensor work as foreach and fused kernels, and the field trainer's
-fused LIoR and fused retrieval. Shared with ``notebooks/02_fusion.ipynb``.
-
-Rows (targets for an H100/H200 at the gpu preset): group statistics >= 6x the per-parameter loop,
-gradient clipping >= 3x, the AdamW step (fused) >= 8x the for-loop AdamW, kernel launches per
-optimizer step >= 4x fewer, the field-trainer window with the phase-2 flags >= 1.05x phase 1;
-without a target, the whole training step and the window with ``fused_lior`` alone and with the
-retrieval compiled instead.
-"""
+"""Bench phase ``fusion`` (notebook 02): many-tensor work as foreach and fused kernels (group
+statistics, clipping, AdamW, launches per optimizer step, the whole step), and the field
+trainer's fused LIoR and fused retrieval."""
 
 from __future__ import annotations
 
@@ -55,30 +49,21 @@ def prepared(flags: no.Flags, sizes: no.Sizes, device: torch.device | str, steps
 def time_group_stats(step: no.Step, *, repeats: int = 30, device=None) -> Comparison:
     """Per-group norms of all gradients and parameters: per-tensor loop vs foreach."""
     groups = step.param_lists
-    return compare(
-        {
-            "loop": lambda: fusion.group_stats(groups, foreach=False),
-            "foreach": lambda: fusion.group_stats(groups),
-        },
-        repeats=repeats,
-        device=device or step.device,
-    )
+    fns = {"loop": lambda: fusion.group_stats(groups, foreach=False),
+           "foreach": lambda: fusion.group_stats(groups)}  # fmt: skip
+    return compare(fns, repeats=repeats, device=device or step.device)
 
 
 def time_clip(step: no.Step, *, repeats: int = 30, device=None) -> Comparison:
     """Gradient clipping of every gradient of ``step`` (rescaled in place on every call):
     loop with a host check vs foreach with the coefficient on the device (and torch's own)."""
     params = step.params
-    return compare(
-        {
-            "loop": lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=False),
-            "foreach": lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM),
-            "torch": lambda: torch.nn.utils.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=True),
-        },
-        baseline="loop",
-        repeats=repeats,
-        device=device or step.device,
-    )
+    fns = {
+        "loop": lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=False),
+        "foreach": lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM),
+        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=True),
+    }
+    return compare(fns, baseline="loop", repeats=repeats, device=device or step.device)
 
 
 def time_adamw(loop: no.Step, fused: no.Step, *, repeats: int = 30, device=None) -> Comparison:
@@ -94,16 +79,14 @@ def time_adamw(loop: no.Step, fused: no.Step, *, repeats: int = 30, device=None)
 def optimizer_report(step: no.Step, *, steps: int = 2) -> ProfileReport:
     """Profile everything after backward (controller, clipping, AdamW) on the last gradients."""
     loss = step.losses[-1]
-    return profile_step(
-        lambda: step.optimizer_step(loss), steps=steps, warmup=1, device=step.device
-    )
+    after_backward = lambda: step.optimizer_step(loss)  # noqa: E731
+    return profile_step(after_backward, steps=steps, warmup=1, device=step.device)
 
 
 def op_counts(report: ProfileReport, names: Iterable[str], steps: int | None = None) -> dict:
-    names = collection_of(names, "op names")
     """Calls per step of the ATen ops whose names start with any of ``names``."""
-    ops = report.ops
-    per_step = steps or report.steps
+    names = collection_of(names, "op names")
+    ops, per_step = report.ops, steps or report.steps
     return {
         name: float(ops[ops["name"].str.startswith(name)]["count"].sum()) / per_step
         for name in names
@@ -112,10 +95,8 @@ def op_counts(report: ProfileReport, names: Iterable[str], steps: int | None = N
 
 def launches_saved(slow, fast, device) -> float:
     """Launches (compute ops on a CPU) of one call of ``slow`` minus one of ``fast``."""
-    return (
-        profile_step(slow, steps=1, device=device).launches_per_step
-        - profile_step(fast, steps=1, device=device).launches_per_step
-    )
+    slow, fast = (profile_step(f, steps=1, device=device) for f in (slow, fast))
+    return slow.launches_per_step - fast.launches_per_step
 
 
 def _predicted(model: CostModel, timing: Comparison, saved: float) -> str:
@@ -125,9 +106,7 @@ def _predicted(model: CostModel, timing: Comparison, saved: float) -> str:
     return f"{predicted:.1f}x" if predicted < 1000 else "no finite speedup"
 
 
-def _speed_row(
-    case: str, metric: str, timing: Comparison, fast: str, ctx: BenchContext, note: str
-) -> Row:
+def _speed_row(case: str, metric: str, timing: Comparison, fast: str, ctx, note: str) -> Row:
     return speedup_row(ctx, "fusion", case, metric, timing, fast, TARGETS[case], note)
 
 
@@ -148,54 +127,30 @@ def component_rows(
 ) -> list[Row]:
     """Group statistics, clipping and the AdamW step, each before and after, with the launches
     the cost model prices."""
-    dev, tensors, rows = ctx.device, len(base.params), []
+    dev, tensors, groups, params = ctx.device, len(base.params), base.param_lists, base.params
     stats = time_group_stats(base)
-    saved = launches_saved(
-        lambda: fusion.group_stats(base.param_lists, foreach=False),
-        lambda: fusion.group_stats(base.param_lists),
-        dev,
-    )
-    rows.append(
-        _speed_row(
-            "group_stats",
-            f"per-group grad and param norms, {tensors} tensors in {sizes.groups} groups",
-            stats,
-            "foreach",
-            ctx,
-            f"cost model predicted {_predicted(model, stats, saved)} from {saved:.0f} fewer "
-            f"launches x {model.launch_us:.1f} us",
-        )
-    )
+    saved = launches_saved(lambda: fusion.group_stats(groups, foreach=False),
+                           lambda: fusion.group_stats(groups), dev)  # fmt: skip
+    rows = [_speed_row(
+        "group_stats",
+        f"per-group grad and param norms, {tensors} tensors in {sizes.groups} groups", stats,
+        "foreach", ctx, f"cost model predicted {_predicted(model, stats, saved)} from "
+        f"{saved:.0f} fewer launches x {model.launch_us:.1f} us",
+    )]  # fmt: skip
     clip = time_clip(base)
-    saved = launches_saved(
-        lambda: fusion.clip_grad_norm_(base.params, BENCH_MAX_NORM, foreach=False),
-        lambda: fusion.clip_grad_norm_(base.params, BENCH_MAX_NORM),
-        dev,
-    )
-    rows.append(
-        _speed_row(
-            "clip_grad_norm",
-            f"clip {tensors} gradients (max_norm {BENCH_MAX_NORM}: clips every call)",
-            clip,
-            "foreach",
-            ctx,
-            f"cost model predicted {_predicted(model, clip, saved)} from {saved:.0f} fewer "
-            f"launches (plus the loop's one sync); torch.nn.utils.clip_grad_norm_(foreach=True) "
-            f"{clip.timings['torch'].median_ms:.3g} ms",
-        )
-    )
-    adamw = time_adamw(base, fast)
-    rows.append(
-        _speed_row(
-            "adamw_step",
-            f"optimizer.step(), {sum(p.numel() for p in base.params) / 1e6:.1f}M parameters in "
-            f"{tensors} tensors",
-            adamw,
-            "fused",
-            ctx,
-            "AdamW(foreach=False) with float LRs vs AdamW(fused=True) with device LR tensors",
-        )
-    )
+    saved = launches_saved(lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=False),
+                           lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM), dev)  # fmt: skip
+    rows.append(_speed_row(
+        "clip_grad_norm", f"clip {tensors} gradients (max_norm {BENCH_MAX_NORM}: clips every call)",
+        clip, "foreach", ctx, f"cost model predicted {_predicted(model, clip, saved)} from "
+        f"{saved:.0f} fewer launches (plus the loop's one sync); "
+        f"torch.nn.utils.clip_grad_norm_(foreach=True) {clip.timings['torch'].median_ms:.3g} ms",
+    ))  # fmt: skip
+    rows.append(_speed_row(
+        "adamw_step", f"optimizer.step(), {sum(p.numel() for p in params) / 1e6:.1f}M parameters "
+        f"in {tensors} tensors", time_adamw(base, fast), "fused", ctx,
+        "AdamW(foreach=False) with float LRs vs AdamW(fused=True) with device LR tensors",
+    ))  # fmt: skip
     return rows
 
 
@@ -204,22 +159,16 @@ def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) 
     dev, judged, where, rows = ctx.device, ctx.judged, ctx.where, []
     before, after = optimizer_report(base), optimizer_report(fast)
     ratio = before.launches_per_step / after.launches_per_step
-    rows.append(
-        Row(
-            "fusion",
-            "optimizer_launches",
-            "kernel launches per optimizer step (controller + clipping + AdamW)"
-            if dev.type == "cuda"
-            else "ATen compute ops per optimizer step (a CPU's stand-in for launches)",
-            "count",
-            after.launches_per_step,
-            baseline=before.launches_per_step,
-            target=f">= {TARGETS['optimizer_launches']}x fewer",
-            met=(ratio >= TARGETS["optimizer_launches"]) if judged else None,
-            note=f"{where}; flags foreach_stats + fused_clip + fused_adamw; "
-            f"{before.step_us / 1e3:.2f} -> {after.step_us / 1e3:.2f} ms under the profiler",
-        )
-    )
+    rows.append(Row(
+        "fusion", "optimizer_launches",
+        "kernel launches per optimizer step (controller + clipping + AdamW)" if dev.type == "cuda"
+        else "ATen compute ops per optimizer step (a CPU's stand-in for launches)", "count",
+        after.launches_per_step, baseline=before.launches_per_step,
+        target=f">= {TARGETS['optimizer_launches']}x fewer",
+        met=(ratio >= TARGETS["optimizer_launches"]) if judged else None,
+        note=f"{where}; flags foreach_stats + fused_clip + fused_adamw; "
+        f"{before.step_us / 1e3:.2f} -> {after.step_us / 1e3:.2f} ms under the profiler",
+    ))  # fmt: skip
     whole = compare({"baseline": base, "fusion flags": fast}, repeats=20, device=dev)
     metric = "time per training step (forward, backward, optimizer)"
     note = f"batch {sizes.batch} x {sizes.context} tokens; no target"
@@ -259,15 +208,10 @@ def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
             metric = "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval"
             rows.append(_speed_row("field_trainer_window", metric, timing, label, ctx, note))
             continue
-        rows.append(
-            Row(
-                "fusion",
-                f"field_trainer_window {label}",
-                f"time per window, phase-1 flags vs phase 1 {label} alone",
-                "ms",
-                timing.timings[label].median_ms,
-                baseline=timing.timings["phase 1"].median_ms,
-                note=f"{ctx.where}; no target (the target row has phase 2's flags); {note}",
-            )
-        )
+        rows.append(Row(
+            "fusion", f"field_trainer_window {label}",
+            f"time per window, phase-1 flags vs phase 1 {label} alone", "ms",
+            timing.timings[label].median_ms, baseline=timing.timings["phase 1"].median_ms,
+            note=f"{ctx.where}; no target (the target row has phase 2's flags); {note}",
+        ))  # fmt: skip
     return rows

@@ -1,15 +1,8 @@
-"""Bench phase ``graphs``: CUDA graphs against the best eager code and against
-``torch.compile(mode="reduce-overhead")``. Shared with ``notebooks/04_graphs.ipynb``.
-
-Rows (targets for an H100/H200 at the gpu preset): the field-trainer window graphed >= 1.6x the
-eager window with phases 1-3 on; the nested optimizer's AdamW step graphed (accel's one-launch
-AdamW, ``accel.optim.MultiTensorAdamW``, captured) >= 1.5x eager fused AdamW and within 1.3x of
-its bytes over the copy bandwidth; a whole training step of a small,
-launch-bound model graphed >= 3x eager; the graph's replay within 1.15x of the window's summed
-kernel time. Compile's reduce-overhead mode is timed beside each (its compile time apart).
-
-Off a GPU there is nothing to capture: the rows say so and time only the eager forms.
-"""
+"""Bench phase ``graphs`` (notebook 04): CUDA graphs against the best eager code, with
+``torch.compile(mode="reduce-overhead")`` timed beside each (its compile time apart): the
+field-trainer window, its replay against its kernels' time, the nested optimizer's AdamW step
+(``accel.optim.MultiTensorAdamW`` captured) and a small launch-bound model's whole step. Off a
+GPU there is nothing to capture: the rows say so and time only the eager forms."""
 
 from __future__ import annotations
 
@@ -40,20 +33,16 @@ EAGER_WINDOW = dataclasses.replace(
     adaptive_cleanup=True,
 )
 GRAPHED_WINDOW = dataclasses.replace(EAGER_WINDOW, cuda_graph=True)
-# The same with each step compiled (~15 kernels a step instead of ~50, the retrieval compiled
-# with it): fewer, longer kernels, so fewer gaps between them in a replay.
-EAGER_COMPILED_WINDOW = dataclasses.replace(
-    EAGER_WINDOW, compiled_retrieval=False, compiled_step=True
-)
-GRAPHED_COMPILED_WINDOW = dataclasses.replace(EAGER_COMPILED_WINDOW, cuda_graph=True)
-# ... and built for back-to-back replay (PDL, combo kernels): where replay-vs-kernels is judged.
-EAGER_OVERLAPPED_WINDOW = dataclasses.replace(EAGER_COMPILED_WINDOW, overlapped_launches=True)
-GRAPHED_OVERLAPPED_WINDOW = dataclasses.replace(EAGER_OVERLAPPED_WINDOW, cuda_graph=True)
-# The eager and graphed windows of each kind, by label; the last is judged against its kernels.
-REPLAYED_WINDOWS = {
-    "": (EAGER_WINDOW, GRAPHED_WINDOW),
-    ", compiled step": (EAGER_COMPILED_WINDOW, GRAPHED_COMPILED_WINDOW),
-    ", overlapped launches": (EAGER_OVERLAPPED_WINDOW, GRAPHED_OVERLAPPED_WINDOW),
+# Each step compiled (fewer, longer kernels: fewer gaps in a replay), then also built for
+# back-to-back replay (PDL, combo kernels): the last kind is judged against its kernels.
+_COMPILED_WINDOW = dataclasses.replace(EAGER_WINDOW, compiled_retrieval=False, compiled_step=True)
+REPLAYED_WINDOWS = {  # the eager and graphed windows of each kind, by label
+    kind: (eager, dataclasses.replace(eager, cuda_graph=True))
+    for kind, eager in (
+        ("", EAGER_WINDOW),
+        (", compiled step", _COMPILED_WINDOW),
+        (", overlapped launches", dataclasses.replace(_COMPILED_WINDOW, overlapped_launches=True)),
+    )
 }
 # The nested optimizer with every fusion and memory flag that keeps gradients in place.
 EAGER_STEP = dataclasses.replace(through_phase(no.Flags, "fusion"), preallocated_buffers=True)
@@ -62,8 +51,8 @@ SMALL = {
     "gpu": no.Sizes(layers=4, width=256, heads=4, context=128, batch=8),
     "cpu": no.Sizes.preset("cpu"),
 }
-TARGETS = {"window": 1.6, "optimizer_step": 1.5, "optimizer_bytes": 1.3, "whole_step": 3.0}
-TARGETS["replay_vs_kernels"] = 1.15
+TARGETS = {"window": 1.6, "optimizer_step": 1.5, "optimizer_bytes": 1.3, "whole_step": 3.0,
+           "replay_vs_kernels": 1.15}  # fmt: skip
 ADAMW_BYTES_PER_PARAM = 7 * 4  # reads param, grad, exp_avg, exp_avg_sq; writes three (fp32)
 
 
@@ -75,15 +64,15 @@ class Compiled:
     compile_s: float = float("nan")
     error: str = ""
 
-    def add_to(self, steps: dict[str, Callable[[], object]], label: str = "compile") -> None:
-        """Time it beside ``steps`` under ``label``, if it exists."""
+    def add_to(self, steps: dict[str, Callable[[], object]]) -> None:
+        """Time it beside ``steps`` as "compile", if it exists."""
         if self.fn is not None:
-            steps[label] = self.fn
+            steps["compile"] = self.fn
 
-    def note(self, timing: Comparison | None = None, label: str = "compile") -> str:
+    def note(self, timing: Comparison | None = None) -> str:
         if self.fn is None:
             return f"compile reduce-overhead: not run ({self.error})"
-        ms = timing.timings[label].median_ms if timing is not None else float("nan")
+        ms = timing.timings["compile"].median_ms if timing is not None else math.nan
         return f"compile reduce-overhead {ms:.3g} ms (compiling took {self.compile_s:.0f} s)"
 
 
@@ -109,8 +98,7 @@ def compile_reduce_overhead(
 
 
 def _step_begin(fn: Callable[..., object]) -> Callable[..., object]:
-    """Mark each call as a new step for compile's CUDA-graph trees (outputs of the last replay
-    may be overwritten: we keep none past the next call)."""
+    """Each call a new step for compile's CUDA-graph trees (no output is kept past the next)."""
 
     def call(*args):
         torch.compiler.cudagraph_mark_step_begin()
@@ -124,8 +112,8 @@ def window_variants(
     sizes: ft.Sizes, device, *, with_compile: bool = True, progress: bool = False
 ) -> dict:
     """Eager (phases 1-3), hand-graphed and compile-reduce-overhead field-trainer steps, warmed
-    up and checked equal to the eager one. Returns {"steps": {label: step}, "compiled": ...}.
-    ``progress`` draws a tqdm bar of the four stages (compile's is most of the time)."""
+    up and checked equal to the eager one: {"steps": {label: step}, "compiled": ...}.
+    ``progress`` draws a bar of the four stages."""
     from tqdm.auto import tqdm
 
     stages = tqdm(total=4, desc="building the windows", disable=not progress)
@@ -158,10 +146,8 @@ def _next_stage(bar, description: str) -> None:
 
 
 def _compiled_window(sizes: ft.Sizes, device) -> Callable[[], None]:
-    """The eager window with each step (``Step.advance``) under compile reduce-overhead: one
-    compiled, fused step recorded as CUDA graphs along the window's 64 calls and replayed.
-    (Compiling the whole window would unroll its 64 steps: minutes of compile.)
-    The step's fixed tensors are marked static (as gpt-fast does for its KV cache), so compile's
+    """The eager window with each step (``Step.advance``, not the whole window: that would unroll
+    its steps) under compile reduce-overhead; the fixed tensors marked static, so compile's
     graphs read them in place instead of copying them in on every call."""
     flags = dataclasses.replace(EAGER_WINDOW, compiled_retrieval=False)  # no compile in compile
     step = ft.build(flags, sizes, device=device)
@@ -195,45 +181,28 @@ def window_rows(ctx: BenchContext, cost: CostModel) -> list[Row]:
     model = launch_model(
         timing.timings["eager"].median_ms, kernel_ms, eager_report.launches_per_step, cost
     )
-    judged, where = ctx.judged, ctx.where
     graph = steps["graphed"].window
     graphed_state = (
         f"{graph.graphs} graph, pool {graph.pool_bytes / 2**20:.1f} MiB"
         if isinstance(graph, graphs.GraphedStep) and graph.reason is None
         else f"eager fallback ({getattr(graph, 'reason', 'no graph')})"
     )
-    rows = [
-        speedup_row(
-            ctx,
-            "graphs",
-            "field_trainer_window",
-            f"time per {sizes.steps_per_window}-step window, phases 1-3 eager vs graphed",
-            timing,
-            "graphed",
-            TARGETS["window"],
-            f"{graphed_state}; {eager_report.launches_per_step:.0f} launches per "
-            f"eager window, their kernels {kernel_ms:.2f} ms: the launch model predicted "
-            f"{model['predicted_speedup']:.2f}x; {compiled.note(timing)}",
-            baseline="eager",
-        )
-    ]
-    replays = replay_accounts(steps, ctx.device, eager_report=eager_report)
-    judged_label = list(replays)[-1]
-    judged_replay = replays[judged_label]
-    rows.append(
-        Row(
-            "graphs",
-            "replay_vs_kernel_time",
-            f"graphed window time over the summed time of its kernels (profiled eager window), "
-            f"{judged_label}",
-            "ms",
-            judged_replay.replay_ms,
-            baseline=judged_replay.kernels_ms,
-            target=f"<= {TARGETS['replay_vs_kernels']}x the kernels",
-            met=judged_replay.ratio <= TARGETS["replay_vs_kernels"] if judged and cuda else None,
-            note=f"{where}; {judged_replay.note()}; replays timed among the graphed windows",
-        )
-    )
+    rows = [speedup_row(
+        ctx, "graphs", "field_trainer_window",
+        f"time per {sizes.steps_per_window}-step window, phases 1-3 eager vs graphed", timing,
+        "graphed", TARGETS["window"], f"{graphed_state}; {eager_report.launches_per_step:.0f} "
+        f"launches per eager window, their kernels {kernel_ms:.2f} ms: the launch model "
+        f"predicted {model['predicted_speedup']:.2f}x; {compiled.note(timing)}", baseline="eager",
+    )]  # fmt: skip
+    label, replay = list(replay_accounts(steps, ctx.device, eager_report=eager_report).items())[-1]
+    rows.append(Row(
+        "graphs", "replay_vs_kernel_time",
+        f"graphed window time over the summed time of its kernels (profiled eager window), {label}",
+        "ms", replay.replay_ms, baseline=replay.kernels_ms,
+        target=f"<= {TARGETS['replay_vs_kernels']}x the kernels",
+        met=replay.ratio <= TARGETS["replay_vs_kernels"] if ctx.judged and cuda else None,
+        note=f"{ctx.where}; {replay.note()}; replays timed among the graphed windows",
+    ))  # fmt: skip
     return rows
 
 
@@ -269,26 +238,13 @@ class ReplayAccount:
         )
 
 
-def replay_account(replay_ms: float, eager_report, graphed, device) -> ReplayAccount:
-    """``eager_report``: the profile of the same window run eagerly; ``graphed`` is profiled
-    here (the profiler sees the kernels of a replay)."""
-    inside = profile_step(graphed, steps=3, device=device)
-    return ReplayAccount(
-        replay_ms,
-        float(eager_report.kernels["total_us"].sum()) / eager_report.steps / 1e3,
-        eager_report.launches_per_step,
-        float(inside.kernels["total_us"].sum()) / inside.steps / 1e3,
-        float(inside.kernels["count"].sum()) / inside.steps,
-    )
-
-
 def replay_accounts(
     steps: dict[str, Callable[[], object]], device, *, eager_report=None, repeats: int = 30
 ) -> dict[str, ReplayAccount]:
-    """A :class:`ReplayAccount` per graphed window of :func:`window_variants`. The replays are
-    timed back to back among themselves: the ratio is about a replay's own time, which timing
-    between host-bound eager windows would slow by several percent.
-    ``eager_report``: a profile of ``steps["eager"]`` already taken, to reuse."""
+    """A :class:`ReplayAccount` per graphed window of :func:`window_variants`, the replays timed
+    back to back among themselves (between host-bound eager windows they would run slower), each
+    replay profiled (the profiler sees its kernels). ``eager_report``: ``steps["eager"]``'s
+    profile, already taken."""
     graphed = {label: step for label, step in steps.items() if label.startswith("graphed")}
     timing = compare(graphed, warmup=2, repeats=repeats, device=device)
     accounts = {}
@@ -298,7 +254,14 @@ def replay_accounts(
             report = eager_report
         else:
             report = profile_step(steps[eager_label], steps=3, device=device)
-        accounts[label] = replay_account(timing.timings[label].median_ms, report, step, device)
+        inside = profile_step(step, steps=3, device=device)
+        accounts[label] = ReplayAccount(
+            timing.timings[label].median_ms,
+            float(report.kernels["total_us"].sum()) / report.steps / 1e3,
+            report.launches_per_step,
+            float(inside.kernels["total_us"].sum()) / inside.steps / 1e3,
+            float(inside.kernels["count"].sum()) / inside.steps,
+        )
     return accounts
 
 
@@ -334,8 +297,7 @@ def _compiled_optimizer(sizes: no.Sizes, device) -> Callable[[], None]:
 def optimizer_rows(ctx: BenchContext) -> list[Row]:
     """Judged: accel's one-launch AdamW graphed against torch's fused AdamW eager (the
     baseline), and against the step's bytes over the copy bandwidth."""
-    sizes = no.Sizes.preset(ctx.preset)
-    judged, where = ctx.judged, ctx.where
+    sizes, judged, where = no.Sizes.preset(ctx.preset), ctx.judged, ctx.where
     if ctx.device.type != "cuda":
         return [_not_run("optimizer_step", "AdamW step graphed", where)]
     v = optimizer_variants(sizes, ctx.device)
@@ -346,35 +308,21 @@ def optimizer_rows(ctx: BenchContext) -> list[Row]:
     floor_ms = bytes_moved / (ctx.ceilings.copy_gb_s * 1e9) * 1e3
     pool = v["built"]["graphed one launch"].graphed_optimizer.graphed.pool_bytes
     return [
-        Row(
-            "graphs",
-            "optimizer_step",
-            f"AdamW step over {v['params'] / 1e6:.1f}M parameters in "
-            f"{sizes.groups} groups, eager fused vs graphed one launch",
-            "ms",
-            graphed_ms,
-            baseline=eager_ms,
-            target=f">= {TARGETS['optimizer_step']}x",
+        Row("graphs", "optimizer_step", f"AdamW step over {v['params'] / 1e6:.1f}M parameters in "
+            f"{sizes.groups} groups, eager fused vs graphed one launch", "ms", graphed_ms,
+            baseline=eager_ms, target=f">= {TARGETS['optimizer_step']}x",
             met=eager_ms / graphed_ms >= TARGETS["optimizer_step"] if judged else None,
             note=f"{where}; accel.optim.MultiTensorAdamW (one Triton launch for every group) "
             f"captured, clipping outside the graph; pool {pool / 2**20:.1f} MiB; "
-            f"{v['compiled'].note(timing)}",
-        ),
-        Row(
-            "graphs",
-            "optimizer_step_vs_bytes",
-            f"graphed one-launch AdamW step against its {bytes_moved / 1e9:.2f} GB over the copy "
-            "bandwidth",
-            "ms",
-            graphed_ms,
-            baseline=floor_ms,
-            fraction_of_ceiling=floor_ms / graphed_ms,
+            f"{v['compiled'].note(timing)}"),
+        Row("graphs", "optimizer_step_vs_bytes", f"graphed one-launch AdamW step against its "
+            f"{bytes_moved / 1e9:.2f} GB over the copy bandwidth", "ms", graphed_ms,
+            baseline=floor_ms, fraction_of_ceiling=floor_ms / graphed_ms,
             target=f"<= {TARGETS['optimizer_bytes']}x the copy time",
             met=graphed_ms / floor_ms <= TARGETS["optimizer_bytes"] if judged else None,
             note=f"{where}; 7 fp32 tensors per parameter (4 read, 3 written) at the measured "
-            f"{ctx.ceilings.copy_gb_s:.0f} GB/s (read + write)",
-        ),
-    ]
+            f"{ctx.ceilings.copy_gb_s:.0f} GB/s (read + write)"),
+    ]  # fmt: skip
 
 
 # ---- a whole training step of a small model ---------------------------------------------------
@@ -382,9 +330,8 @@ def whole_step_variants(sizes: no.Sizes, device, *, with_compile: bool = True) -
     """Eager, hand-graphed (forward, backward, controller, clipping, AdamW in one graph) and
     compile-reduce-overhead (the model compiled; the optimizer part eager) training steps."""
     eager = no.build(EAGER_STEP, sizes, device=device)
-    graphed = no.build(
-        dataclasses.replace(EAGER_STEP, cuda_graph="whole_step"), sizes, device=device
-    )
+    whole = dataclasses.replace(EAGER_STEP, cuda_graph="whole_step")
+    graphed = no.build(whole, sizes, device=device)
     for _ in range(6):
         eager()
         graphed()
@@ -408,39 +355,23 @@ def _compiled_step(sizes: no.Sizes, device) -> Callable[[], None]:
 
 def whole_step_rows(ctx: BenchContext) -> list[Row]:
     sizes = SMALL[ctx.preset]
-    where = ctx.where
     if ctx.device.type != "cuda":
-        return [_not_run("whole_step_small_model", "whole training step graphed", where)]
+        return [_not_run("whole_step_small_model", "whole training step graphed", ctx.where)]
     v = whole_step_variants(sizes, ctx.device)
     timing = compare(v["steps"], warmup=3, repeats=40, device=ctx.device)
     graph = v["steps"]["graphed"].graphed_step
-    return [
-        speedup_row(
-            ctx,
-            "graphs",
-            "whole_step_small_model",
-            f"training step of a {sizes.layers}-layer width-{sizes.width} GPT (batch "
-            f"{sizes.batch} x {sizes.context}), eager vs one graph",
-            timing,
-            "graphed",
-            TARGETS["whole_step"],
-            f"forward, backward, controller, clipping and fused capturable AdamW "
-            f"in {graph.graphs} graph(s), pool {graph.pool_bytes / 2**20:.1f} MiB; "
-            f"{v['compiled'].note(timing)}",
-            baseline="eager",
-        )
-    ]
+    return [speedup_row(
+        ctx, "graphs", "whole_step_small_model", f"training step of a {sizes.layers}-layer "
+        f"width-{sizes.width} GPT (batch {sizes.batch} x {sizes.context}), eager vs one graph",
+        timing, "graphed", TARGETS["whole_step"], "forward, backward, controller, clipping and "
+        f"fused capturable AdamW in {graph.graphs} graph(s), pool {graph.pool_bytes / 2**20:.1f} "
+        f"MiB; {v['compiled'].note(timing)}", baseline="eager",
+    )]  # fmt: skip
 
 
 def _not_run(case: str, what: str, where: str) -> Row:
-    return Row(
-        "graphs",
-        case,
-        what,
-        "ms",
-        float("nan"),
-        note=f"{where}; not run: CUDA graphs need a CUDA GPU",
-    )
+    note = f"{where}; not run: CUDA graphs need a CUDA GPU"
+    return Row("graphs", case, what, "ms", math.nan, note=note)
 
 
 def run(ctx: BenchContext) -> list[Row]:

@@ -1,14 +1,6 @@
-"""Bench phase ``memory``: steady-state allocations, cache cleanup, activation checkpointing.
-Shared with ``notebooks/03_memory.ipynb``.
-
-Rows (targets for an H100/H200 at the gpu preset): ``cudaMalloc`` calls and allocator retries per
-steady-state step = 0 with the memory flags on; every block checkpointed: peak activation memory
-<= 0.5x, step time <= 1.35x, and the largest batch within a memory budget >= 2x, at
-``JUDGED_BATCH`` (32 sequences on a GPU, where the GPU bounds the step; the preset's own batch
-gets a row without a target). Also, without a target: allocator requests per step, and the field
-trainer's window with ``empty_cache()`` every 10 windows against the adaptive cleaner.
-Gradient accumulation's rows (``accumulate_*``) are ``memory_accumulate``'s.
-"""
+"""Bench phase ``memory`` (notebook 03): steady-state allocations, cache cleanup, activation
+checkpointing (judged at ``JUDGED_BATCH``, where the GPU bounds the step; the preset's own batch
+gets a row without a target); gradient accumulation's rows are ``memory_accumulate``'s."""
 
 from __future__ import annotations
 
@@ -50,12 +42,8 @@ def cleanup_timing(
     sizes: ft.Sizes, device, *, repeats: int = 8, expandable_segments: bool = False
 ) -> tuple[Comparison, dict]:
     """Field-trainer windows with ``empty_cache()`` every 10 windows against the adaptive
-    cleaner; each sample is 10 windows, so each baseline sample holds one ``empty_cache``.
-
-    ``expandable_segments=True`` runs both with the allocator's expandable segments (set at
-    runtime with ``torch.cuda.memory._set_allocator_settings`` and switched off after): segments
-    grow by mapping pages instead of new ``cudaMalloc`` calls. CUDA only.
-    """
+    cleaner, 10 windows a sample. ``expandable_segments=True`` (CUDA only) runs both with the
+    allocator's expandable segments, switched off after."""
     if expandable_segments:
         torch.cuda.empty_cache()  # so that the steps below get new, expandable segments
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # private API
@@ -67,15 +55,11 @@ def cleanup_timing(
         def windows(step):
             return lambda: [step() for _ in range(every)]
 
-        timing = compare(
-            {"every 10 windows": windows(base), "adaptive": windows(fast)},
-            warmup=1,
-            repeats=repeats,
-            device=device,
-        )
+        fns = {"every 10 windows": windows(base), "adaptive": windows(fast)}
+        timing = compare(fns, warmup=1, repeats=repeats, device=device)
         counts = {
-            label: memory.count_allocations(windows(s), steps=2, warmup=0, device=device)
-            for label, s in (("every 10 windows", base), ("adaptive", fast))
+            label: memory.count_allocations(fn, steps=2, warmup=0, device=device)
+            for label, fn in fns.items()
         }
     finally:
         if expandable_segments:
@@ -83,8 +67,6 @@ def cleanup_timing(
     return timing, {"counts": counts, "cleaner": fast.cleaner}
 
 
-# The activation_checkpointing choices the bench measures: none (the baseline) and every block.
-CHECKPOINT_CHOICES = ("none", "all")
 # Sequences per batch at which checkpointing's price is judged: where the step is bound by the
 # GPU, the regime checkpointing is for. None: the preset's batch.
 JUDGED_BATCH: dict[str, int | None] = {"gpu": 32, "cpu": None}
@@ -92,44 +74,34 @@ JUDGED_BATCH: dict[str, int | None] = {"gpu": 32, "cpu": None}
 
 @dataclass
 class CheckpointCosts:
-    """What checkpointing costs and buys per choice of blocks, at one batch size and within a
-    budget; ``"none"`` is the baseline."""
+    """What checkpointing every block (``"all"``) costs and buys against ``"none"``, at one batch
+    size and within a budget."""
 
     peak_bytes: dict[str, int]  # activation peak of forward + backward, above the resident bytes
     timing: Comparison  # whole training steps
     searches: dict[str, memory.BatchSearch]
     budget_bytes: int
 
-    def ratios(self, choice: str = "all") -> dict[str, float]:
+    def ratios(self) -> dict[str, float]:
         return {
-            "peak": self.peak_bytes[choice] / self.peak_bytes["none"],
-            "time": 1 / self.timing.speedup(choice),
-            "batch": self.searches[choice].batch / max(self.searches["none"].batch, 1),
+            "peak": self.peak_bytes["all"] / self.peak_bytes["none"],
+            "time": 1 / self.timing.speedup("all"),
+            "batch": self.searches["all"].batch / max(self.searches["none"].batch, 1),
         }
 
-    def meets(self, choice: str) -> dict[str, bool]:
-        r = self.ratios(choice)
-        return {
-            "peak": r["peak"] <= TARGETS["peak"],
-            "time": r["time"] <= TARGETS["time"],
-            "batch": r["batch"] >= TARGETS["batch"],
-        }
+    def meets(self) -> dict[str, bool]:
+        r = self.ratios()
+        return {key: r[key] >= goal if key == "batch" else r[key] <= goal
+                for key, goal in TARGETS.items()}  # fmt: skip
 
 
 def checkpoint_costs(
-    sizes: no.Sizes,
-    device,
-    *,
-    budget_bytes: int,
-    repeats: int = 20,
-    limit: int = 4096,
-    choices: tuple[str, ...] = CHECKPOINT_CHOICES,
+    sizes: no.Sizes, device, *, budget_bytes: int, repeats: int = 20, limit: int = 4096
 ) -> CheckpointCosts:
-    """Peak activation memory, step time (all choices interleaved) and the largest batch within
-    ``budget_bytes``, per ``activation_checkpointing`` choice, "none" first (the fusion flags on
-    in all, so the optimizer does not hide the recompute)."""
-    steps = {c: dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c) for c in choices}
-    built = {k: no.build(f, sizes, device=device) for k, f in steps.items()}
+    """Peak activation memory, step time (interleaved) and the largest batch within
+    ``budget_bytes``, without and with every block checkpointed (the fusion flags on in both,
+    so the optimizer does not hide the recompute)."""
+    built = _checkpointed(sizes, device)
     for step in built.values():
         step(), step()  # gradients and AdamW state exist: the peak below is activations
     peaks = {k: memory.peak_memory(s.forward_backward, device=device) for k, s in built.items()}
@@ -155,6 +127,15 @@ def parts() -> list[str]:
     return ["allocations", "checkpointing", "accumulate"]
 
 
+def _checkpointed(sizes: no.Sizes, device) -> dict[str, no.Step]:
+    """The nested optimizer with the fusion flags, without and with every block checkpointed."""
+    return {
+        choice: no.build(dataclasses.replace(FUSION_FLAGS, activation_checkpointing=choice),
+                         sizes, device=device)
+        for choice in ("none", "all")
+    }  # fmt: skip
+
+
 def run(ctx: BenchContext) -> list[Row]:
     sizes = no.Sizes.preset(ctx.preset)
     rows = allocation_rows(ctx, sizes) if ctx.selected("allocations") else []
@@ -167,40 +148,25 @@ def run(ctx: BenchContext) -> list[Row]:
 
 def allocation_rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
     """cudaMalloc and allocator requests per step; on a GPU the cache cleanup's timing."""
-    dev = ctx.device
-    judged, where = ctx.judged, ctx.where
-    rows = []
+    dev, where, rows = ctx.device, ctx.where, []
     before, after = allocations(no.Flags(), sizes, dev), allocations(MEMORY_FLAGS, sizes, dev)
     if after.device_allocs is not None:
-        base_allocs = before.device_allocs + before.retries
         fast_allocs = after.device_allocs + after.retries
-        rows.append(
-            Row(
-                "memory",
-                "device_allocs_per_step",
-                "cudaMalloc calls + allocator retries per steady-state training step",
-                "count",
-                fast_allocs,
-                baseline=base_allocs,
-                target="0",
-                met=(fast_allocs == 0) if judged else None,
-                note=f"{where}; flags {', '.join(_on(MEMORY_FLAGS))}; from "
-                "torch.cuda.memory_stats deltas over 10 steps after 3 warm-up steps",
-            )
-        )
-    rows.append(
-        Row(
-            "memory",
-            "allocator_requests_per_step",
-            "tensors allocated per training step (from the cache or not)",
-            "count",
-            after.requests,
-            baseline=before.requests,
-            note=f"{where}; no target: the caching allocator serves these without cudaMalloc"
-            + ("" if after.device_allocs is not None else "; CPU: profiler memory events"),
-        )
-    )
-
+        rows.append(Row(
+            "memory", "device_allocs_per_step",
+            "cudaMalloc calls + allocator retries per steady-state training step", "count",
+            fast_allocs, baseline=before.device_allocs + before.retries, target="0",
+            met=(fast_allocs == 0) if ctx.judged else None,
+            note=f"{where}; flags {', '.join(_on(MEMORY_FLAGS))}; from "
+            "torch.cuda.memory_stats deltas over 10 steps after 3 warm-up steps",
+        ))  # fmt: skip
+    rows.append(Row(
+        "memory", "allocator_requests_per_step",
+        "tensors allocated per training step (from the cache or not)", "count", after.requests,
+        baseline=before.requests,
+        note=f"{where}; no target: the caching allocator serves these without cudaMalloc"
+        + ("" if after.device_allocs is not None else "; CPU: profiler memory events"),
+    ))  # fmt: skip
     if dev.type == "cuda":  # a CPU has no cache to empty: the two would run the same code
         rows.append(cleanup_row(ctx, where))
     return rows
@@ -213,9 +179,7 @@ def checkpointing_rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
     idle = {
         b: idle_fraction(b, sizes, dev) for b in dict.fromkeys((judged_sizes.batch, sizes.batch))
     }
-    costs = checkpoint_costs(
-        judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset], choices=CHECKPOINT_CHOICES
-    )
+    costs = checkpoint_costs(judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset])
     at = f"{where}; batch {judged_sizes.batch}: GPU idle {idle[judged_sizes.batch]:.0%} of a step"
     rows = checkpoint_rows(costs, judged_sizes, at, ctx.judged)
     if judged_sizes.batch != sizes.batch:
@@ -232,110 +196,68 @@ def idle_fraction(batch: int, sizes: no.Sizes, device) -> float:
 
 def preset_batch_row(sizes: no.Sizes, device, where: str, *, repeats: int = 20) -> Row:
     """Step time with every block checkpointed at the preset's own batch, against none."""
-    built = {
-        c: no.build(
-            dataclasses.replace(FUSION_FLAGS, activation_checkpointing=c), sizes, device=device
-        )
-        for c in ("none", "all")
-    }
-    timing = compare(built, baseline="none", repeats=repeats, device=device)
+    timing = compare(_checkpointed(sizes, device), baseline="none", repeats=repeats, device=device)
     return Row(
-        "memory",
-        f"checkpoint_step_time all, batch {sizes.batch}",
+        "memory", f"checkpoint_step_time all, batch {sizes.batch}",
         f"time per training step at the preset's batch {sizes.batch} x {sizes.context}, "
-        "every block checkpointed (the price where the host bounds the step)",
-        "ms",
-        timing.timings["all"].median_ms,
-        baseline=timing.timings["none"].median_ms,
+        "every block checkpointed (the price where the host bounds the step)", "ms",
+        timing.timings["all"].median_ms, baseline=timing.timings["none"].median_ms,
         note=f"{where} without checkpointing; no target: the price is judged at batch "
         f"{JUDGED_BATCH['gpu']}, where the GPU bounds the step",
-    )
+    )  # fmt: skip
 
 
 def checkpoint_rows(costs: CheckpointCosts, sizes: no.Sizes, where: str, judged: bool) -> list[Row]:
     """Peak, step time and largest batch with every block checkpointed against none: the rows
     named ``... all`` (what notebook 03 reads back), then the same judged, without a suffix."""
     note = f"{where}; every block checkpointed, use_reentrant=False, fusion flags on"
-    rows = _checkpoint_triple(
-        costs, "all", sizes, f"{note}; no target (judged in the rows without a suffix)"
-    )
-    return rows + _checkpoint_triple(
-        costs, "all", sizes, note, met=costs.meets("all") if judged else {}
-    )
+    unjudged = f"{note}; no target (judged in the rows without a suffix)"
+    rows = _checkpoint_triple(costs, sizes, unjudged)
+    return rows + _checkpoint_triple(costs, sizes, note, met=costs.meets() if judged else {})
 
 
 def _checkpoint_triple(
-    costs: CheckpointCosts, choice: str, sizes: no.Sizes, note: str, met: dict | None = None
+    costs: CheckpointCosts, sizes: no.Sizes, note: str, met: dict | None = None
 ) -> list[Row]:
-    """Peak, step time and largest batch of one choice against no checkpointing; with ``met``
-    (judged or not: an empty dict), the target rows, which carry no suffix."""
+    """Peak, step time and largest batch checkpointed against not: named ``... all``, or with
+    ``met`` (judged or not: an empty dict) the target rows, which carry no suffix."""
     targeted = met is not None
-    setting = f", activation_checkpointing={choice}" if targeted else ""
+    setting = ", activation_checkpointing=all" if targeted else ""
     budget = f"largest batch within {costs.budget_bytes / memory.GiB:.3g} GiB"
     probes = f"; probes: none {len(costs.searches['none'].probes)}, "
-    probes += f"{choice} {len(costs.searches[choice].probes)}"
+    probes += f"all {len(costs.searches['all'].probes)}"
     mib = {c: b / memory.MiB for c, b in costs.peak_bytes.items()}
     ms = {c: t.median_ms for c, t in costs.timing.timings.items()}
     batch = {c: search.batch for c, search in costs.searches.items()}
-    # (case, key of targets and met, description, unit, values by choice, target text)
-    specs = [
-        (
-            "checkpoint_peak",
-            "peak",
-            f"peak activation memory of forward + backward, batch {sizes.batch} x "
-            f"{sizes.context}{setting}",
-            "MiB",
-            mib,
-            f"<= {TARGETS['peak']}x (speedup >= {1 / TARGETS['peak']:.0f})",
-        ),
-        (
-            "checkpoint_step_time",
-            "time",
-            f"time per training step{setting} (the price)",
-            "ms",
-            ms,
-            f"<= {TARGETS['time']}x time (speedup >= {1 / TARGETS['time']:.2f})",
-        ),
-        (
-            "checkpoint_largest_batch",
-            "batch",
-            f"{budget} (resident weights, gradients and AdamW state included){setting}"
-            if targeted
-            else budget,
-            "sequences",
-            batch,
-            f">= {TARGETS['batch']}x",
-        ),
-    ]
+    specs = [  # (case, key of targets and met, description, unit, values by choice, target text)
+        ("checkpoint_peak", "peak", f"peak activation memory of forward + backward, batch "
+         f"{sizes.batch} x {sizes.context}{setting}", "MiB", mib,
+         f"<= {TARGETS['peak']}x (speedup >= {1 / TARGETS['peak']:.0f})"),
+        ("checkpoint_step_time", "time", f"time per training step{setting} (the price)", "ms", ms,
+         f"<= {TARGETS['time']}x time (speedup >= {1 / TARGETS['time']:.2f})"),
+        ("checkpoint_largest_batch", "batch",
+         f"{budget} (resident weights, gradients and AdamW state included){setting}"
+         if targeted else budget, "sequences", batch, f">= {TARGETS['batch']}x"),
+    ]  # fmt: skip
     return [
-        Row(
-            "memory",
-            case if targeted else f"{case} {choice}",
-            what,
-            unit,
-            values[choice],
-            baseline=values["none"],
-            higher_is_better=key == "batch",
-            target=target if targeted else "",
-            met=(met or {}).get(key),
-            note=note + probes if targeted and key == "batch" else note,
-        )
+        Row("memory", case if targeted else f"{case} all", what, unit, values["all"],
+            baseline=values["none"], higher_is_better=key == "batch",
+            target=target if targeted else "", met=(met or {}).get(key),
+            note=note + probes if targeted and key == "batch" else note)
         for case, key, what, unit, values, target in specs
-    ]
+    ]  # fmt: skip
 
 
 def cleanup_row(ctx: BenchContext, where: str) -> Row:
     timing, info = cleanup_timing(ft.Sizes.preset(ctx.preset), ctx.device)
     mallocs = {k: c.device_allocs for k, c in info["counts"].items()}
     return Row(
-        "memory",
-        "field_trainer_cleanup",
-        "time per window: empty_cache every 10 windows vs the adaptive cleaner",
-        "ms",
+        "memory", "field_trainer_cleanup",
+        "time per window: empty_cache every 10 windows vs the adaptive cleaner", "ms",
         timing.timings["adaptive"].median_ms / ft.CLEANUP_EVERY,
         baseline=timing.timings["every 10 windows"].median_ms / ft.CLEANUP_EVERY,
         note=f"{where}; no target; cudaMalloc per 10 windows {mallocs}; {info['cleaner']!r}",
-    )
+    )  # fmt: skip
 
 
 def _on(flags) -> list[str]:

@@ -1,16 +1,9 @@
-"""The memory phase's gradient-accumulation part: k micro-batches through ``accel.accumulate``
-against the batch k times larger in one piece, on the nested optimizer's byte GPT in float32.
-
-Rows (targets for an H100/H200 at the gpu preset, micro-batch ``MICRO_BATCH`` sequences, ``K``
-micro-batches): the gradients equal the large batch's within float32 rounding
-(``GRADIENT_TOLERANCE``, relative to each tensor's largest gradient); throughput at least
-``TARGET_THROUGHPUT`` of the large batch's; the activation peak at most one micro-batch's plus
-the gradients (and the one gradient tensor being added in, ``PEAK_SLACK_BYTES``).
-"""
+"""The memory phase's gradient-accumulation part: ``K`` micro-batches through
+``accel.accumulate`` against the batch ``K`` times larger in one piece, on the nested optimizer's
+byte GPT in float32: the gradients, the throughput and the activation peak."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +22,8 @@ TARGET_THROUGHPUT = 0.95
 # float32 sums over a batch's tokens in another order: far below any gradient's own scale
 GRADIENT_TOLERANCE = 1e-4
 # what the accumulated peak may exceed one micro-batch's plus the gradients by, besides the largest
-# parameter's gradient (from the second micro-batch on, backward adds each new gradient into
-# .grad, so one tensor's is held twice for a moment; the first micro-batch's become .grad): the
-# loss scalars kept across micro-batches (a 512-byte block each on CUDA)
+# gradient (held twice while backward adds it into .grad): the loss scalars kept across
+# micro-batches
 PEAK_SLACK_BYTES = 64 * 1024
 
 
@@ -68,8 +60,7 @@ class AccumulationCosts:
 
     @property
     def peak_bound(self) -> int:
-        """The target's bound on the accumulated peak: one micro-batch's plus the gradients
-        (and the largest gradient added in, and ``PEAK_SLACK_BYTES``)."""
+        """The target's bound on the accumulated peak."""
         extra = self.largest_gradient_bytes + PEAK_SLACK_BYTES
         return self.peak_bytes["one micro-batch"] + self.gradient_bytes + extra
 
@@ -109,15 +100,12 @@ class AccumulationBench:
         return {"large batch": large, "accumulated": accumulated}
 
     def gradient_difference(self, batch: torch.Tensor, k: int) -> float:
-        """From the same weights: the worst tensor's largest difference over its largest
-        gradient (NaN where a gradient is not finite)."""
+        """The worst tensor's largest difference over its largest gradient, same weights."""
         grads = []
-        for run in (
-            lambda: accumulate.large_batch(self.loss, batch),
-            lambda: accumulate.accumulate(self.loss, accumulate.split_batch(batch, k)),
-        ):
+        for run, data in ((accumulate.large_batch, batch),
+                          (accumulate.accumulate, accumulate.split_batch(batch, k))):  # fmt: skip
             self.optimizer.zero_grad(set_to_none=True)
-            run()
+            run(self.loss, data)
             grads.append([p.grad.detach().clone() for p in self.model.parameters()])
         self.optimizer.zero_grad(set_to_none=True)
         worst = torch.stack(
@@ -170,54 +158,19 @@ def rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
     )
     mib = {k: v / memory.MiB for k, v in costs.peak_bytes.items()}
     ms = {k: t.median_ms for k, t in costs.timing.timings.items()}
-    # (case, key of met, description, unit, value, baseline, target, note)
-    specs = [
-        (
-            "accumulate_gradients",
-            "gradients",
-            f"largest gradient difference, {K} micro-batches against the large batch, over "
-            "the tensor's largest gradient",
-            "relative",
-            costs.gradient_difference,
-            math.nan,
-            f"<= {GRADIENT_TOLERANCE:g} (float32 rounding)",
-            at,
-        ),
-        (
-            "accumulate_throughput",
-            "throughput",
-            f"time per training step of {costs.effective_batch} sequences: {K} micro-batches "
-            "(speedup: throughput over the large batch's)",
-            "ms",
-            ms["accumulated"],
-            ms["large batch"],
-            f">= {TARGET_THROUGHPUT}x",
-            at,
-        ),
-        (
-            "accumulate_peak",
-            "peak",
-            f"peak of forward + backward above the resident weights, {K} micro-batches "
-            "(baseline: the large batch in one piece)",
-            "MiB",
-            mib["accumulated"],
-            mib["large batch"],
-            "<= one micro-batch's peak + the gradients (+ the largest one added in, 64 KiB)",
-            f"{at}; one micro-batch {mib['one micro-batch']:.1f} MiB, gradients "
-            f"{costs.gradient_bytes / memory.MiB:.1f} MiB",
-        ),
-    ]
     return [
-        Row(
-            "memory",
-            case,
-            what,
-            unit,
-            value,
-            baseline=base,
-            target=target,
-            met=met.get(key),
-            note=note,
-        )
-        for case, key, what, unit, value, base, target, note in specs
-    ]
+        Row("memory", "accumulate_gradients", f"largest gradient difference, {K} micro-batches "
+            "against the large batch, over the tensor's largest gradient", "relative",
+            costs.gradient_difference, target=f"<= {GRADIENT_TOLERANCE:g} (float32 rounding)",
+            met=met.get("gradients"), note=at),
+        Row("memory", "accumulate_throughput", f"time per training step of "
+            f"{costs.effective_batch} sequences: {K} micro-batches (speedup: throughput over the "
+            "large batch's)", "ms", ms["accumulated"], baseline=ms["large batch"],
+            target=f">= {TARGET_THROUGHPUT}x", met=met.get("throughput"), note=at),
+        Row("memory", "accumulate_peak", "peak of forward + backward above the resident weights, "
+            f"{K} micro-batches (baseline: the large batch in one piece)", "MiB",
+            mib["accumulated"], baseline=mib["large batch"],
+            target="<= one micro-batch's peak + the gradients (+ the largest one added in, 64 KiB)",
+            met=met.get("peak"), note=f"{at}; one micro-batch {mib['one micro-batch']:.1f} MiB, "
+            f"gradients {costs.gradient_bytes / memory.MiB:.1f} MiB"),
+    ]  # fmt: skip

@@ -1,13 +1,7 @@
-"""Bench phase ``notebooks``: how long each notebook takes to run, cell by cell, as a reader waits
-for it. Targets on a GPU at the gpu preset: each notebook in at most 120 s, the whole workbook in at
-most 12 minutes, and no cell over 30 s unless it shows a progress bar (a widget among its outputs,
-as ``tqdm.auto`` draws); the row names the slowest cell without one.
-
-Each notebook runs in a fresh kernel through nbclient (what nbval drives), from its own folder, its
-outputs discarded; a failing cell fails the row rather than the phase. ``--only 00 01 02`` times
-some notebooks (a GPU machine's command may be shorter than the workbook); the workbook's row then
-sums them with the others' recorded rows.
-"""
+"""Bench phase ``notebooks``: how long each notebook takes to run, cell by cell, in a fresh kernel
+through nbclient from its own folder (a failing cell fails its row, not the phase); a cell may run
+long only with a progress bar (a widget among its outputs). ``--only 00 01`` times some notebooks;
+the workbook's row then sums them with the others' recorded rows."""
 
 from __future__ import annotations
 
@@ -40,8 +34,7 @@ def _notebooks() -> list[Path]:
 
 
 def run(ctx: BenchContext) -> list[Row]:
-    """One row per notebook of :data:`NOTEBOOK_DIR` (those ``ctx`` selects) and one for the whole
-    workbook, from this run's notebooks and, for the others, the rows already recorded."""
+    """One row per notebook ``ctx`` selects and one for the whole workbook."""
     paths = _notebooks()
     if not paths:  # an installed package has no notebooks beside it
         return []
@@ -56,11 +49,8 @@ def run(ctx: BenchContext) -> list[Row]:
 
 def _say(name: str, seconds: float, cells: list[CellTime]) -> None:
     """The notebook's time and its cells of over 5 s, on stderr as the bench goes."""
-    slow = ", ".join(
-        f"[{c.index}] {c.seconds:.0f} s{' (progress bar)' if c.progress else ''}"
-        for c in cells
-        if c.seconds > 5
-    )
+    slow = ", ".join(f"[{c.index}] {c.seconds:.0f} s{' (progress bar)' if c.progress else ''}"
+                     for c in cells if c.seconds > 5)  # fmt: skip
     print(f"{name}: {seconds:.0f} s; cells over 5 s: {slow or 'none'}", file=sys.stderr)
 
 
@@ -71,9 +61,7 @@ def _workbook_row(ctx: BenchContext, names: list[str], rows: list[Row]) -> Row:
     dates = set()
     if ctx.recorded is not None:
         earlier = ctx.recorded[ctx.recorded["phase"] == PHASE]
-        for case, value, date in zip(
-            earlier["case"], earlier["optimized"], earlier["date"], strict=True
-        ):
+        for case, value, date in earlier[["case", "optimized", "date"]].itertuples(index=False):
             if case in names and case not in seconds:
                 seconds[case] = value
                 dates.add(date)
@@ -84,16 +72,10 @@ def _workbook_row(ctx: BenchContext, names: list[str], rows: list[Row]) -> Row:
         note += f"; {len(rows)} timed in this run, the rest recorded on {', '.join(sorted(dates))}"
     if missing:
         note += f"; not timed yet: {', '.join(missing)}"
-    return Row(
-        PHASE,
-        "workbook",
-        "seconds to run every notebook",
-        "s",
-        total,
-        target=f"<= {WORKBOOK_TARGET_S:g} s",
-        met=total <= WORKBOOK_TARGET_S if ctx.judged and not missing else None,
-        note=note,
-    )
+    return Row(PHASE, "workbook", "seconds to run every notebook", "s", total,
+               target=f"<= {WORKBOOK_TARGET_S:g} s",
+               met=total <= WORKBOOK_TARGET_S if ctx.judged and not missing else None,
+               note=note)  # fmt: skip
 
 
 class CellTime(NamedTuple):
@@ -160,13 +142,6 @@ def _notebook_row(
         note += "; Python bytecode not cached (PYTHONDONTWRITEBYTECODE): every process compiles"
         note += " the source it imports"
     note += f"; FAILED: {error}" if error else ""
-    return Row(
-        PHASE,
-        name,
-        "seconds to run every cell",
-        "s",
-        seconds,
-        target=f"<= {NOTEBOOK_TARGET_S:g} s, no cell over {CELL_TARGET_S:g} s without a progress bar",
-        met=within if ctx.judged else None,
-        note=note,
-    )
+    target = f"<= {NOTEBOOK_TARGET_S:g} s, no cell over {CELL_TARGET_S:g} s without a progress bar"
+    return Row(PHASE, name, "seconds to run every cell", "s", seconds, target=target,
+               met=within if ctx.judged else None, note=note)  # fmt: skip

@@ -1,22 +1,8 @@
 """Bench phase ``overhead``: every public component as a user calls it, beside the plain PyTorch
-they would otherwise write.
-
-Two measures per component, each timed interleaved with its plain counterpart:
-
-- **host time per call**: the Python call to its return, each sample started from an idle GPU
-  on inputs small enough that the GPU is never the bottleneck (``accel.measure.timer``'s ``"host"``
-  clock). It is the part of a step that a profiler's kernel table does not show, and what a
-  launch-bound model pays on every layer. The time one adds is taken within each round, as the
-  host's pace drifts between rounds;
-- **single-call latency**: one call from an idle GPU, CUDA events around it, host time included
-  (the ``"latency"`` clock), judged round by round.
-
-Targets (a CUDA GPU at the gpu preset): ``sdpa`` (PyTorch's pick, called as it is) adds at most
-1 µs of host time to ``F.scaled_dot_product_attention`` without a mask; diversity at most 20 µs
-of host time per call; ``GraphedStep`` at most 10 µs over the bare graph replay. The shape
-sweeps, where the other targets live, are ``overhead_diversity`` and ``overhead_adamw``;
-``--only`` runs some of the three parts (:func:`parts`).
-"""
+they would otherwise write, timed interleaved with it: host time per call (the ``"host"`` clock,
+on inputs too small to keep the GPU busy: what a profiler's kernel table leaves out) and one
+call's latency from an idle GPU (the ``"latency"`` clock). The shape sweeps are
+``overhead_diversity`` and ``overhead_adamw``; ``--only`` picks among the parts."""
 
 from __future__ import annotations
 
@@ -46,7 +32,7 @@ SMALL_TENSORS = [(96, 97), (97,), (13, 96), (96,)] * 75
 
 
 def parts() -> list[str]:
-    """The parts ``--only`` can pick: the components called one at a time, and each sweep."""
+    """The parts ``--only`` can pick."""
     return list(_PARTS)
 
 
@@ -66,7 +52,6 @@ _PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
 }
 
 
-# ---- the components ----------------------------------------------------------------------------
 def sdpa_rows(ctx: BenchContext) -> list[Row]:
     """``sdpa`` (PyTorch's pick, called as it is) against ``F.scaled_dot_product_attention`` on a
     small input, full and causal."""
@@ -89,8 +74,7 @@ def sdpa_rows(ctx: BenchContext) -> list[Row]:
 
 def diversity_rows(ctx: BenchContext) -> list[Row]:
     """``mean_diversity`` and ``nearest_diversity`` beside the compiled closed form and the
-    compiled naive form: host time per call at small batches, where the GPU is not the
-    bottleneck."""
+    compiled naive form, at small batches."""
     from accel.lab.cases.overhead_diversity import compiled_baselines
 
     device, rows = ctx.device, []

@@ -1,12 +1,7 @@
 """The AdamW sweep of the ``overhead`` phase: ``MultiTensorAdamW`` beside
 ``torch.optim.AdamW(fused=True)`` from a few hundred small tensors to over a billion parameters
-in tensors of odd sizes.
-
-An AdamW step reads parameter, gradient and both moments and writes parameter and moments: 28
-bytes a float32 parameter, over the measured copy bandwidth the step's floor. Judged: never
-slower than fused AdamW at any point (back to back and one call alone, round by round); at one
-billion parameters and more, >= 1.1x fused AdamW and >= 90% of the floor's bandwidth.
-"""
+in tensors of odd sizes, back to back and one call alone, and against the step's bytes over the
+copy bandwidth."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
 """The diversity sweep of the ``overhead`` phase: ``mean_diversity`` and ``nearest_diversity``
-at group sizes, widths, dtypes and batches they were never tuned on, beside what a user would
-otherwise write: the closed form (mean) and the naive N x N form (nearest), ``torch.compile``'d.
-
-Points: N in 2, 3, 4, 8, 16, 32, 64 with D from 64 to 2048 in float32, bfloat16 and float16 (taken
-in turn), ragged counts on every other point, a batch that reads at least 64 MB (ragged groups:
-the rows their counts hold, as the kernels read no others); shapes off the powers of two as a
-user's model has them (rows of 100-1000 elements, some not a multiple of 16 bytes; groups of 6-40
-rows); and each N again at a small batch.
-Judged: one call's latency >= 1.5x the compiled form's at every point; the kernels' device time
-(CUDA-graph replays over inputs that do not fit in L2, no host time in it) >= 75% of the measured
-copy bandwidth at every point that reads >= 64 MB.
-"""
+at group sizes, widths, dtypes, ragged counts and batches they were never tuned on (shapes off
+the powers of two among them), beside what a user would otherwise write, ``torch.compile``'d:
+one call's latency, and at points that read ``LARGE_BYTES`` the kernels' device time
+(CUDA-graph replays over inputs that do not fit in L2) against the copy bandwidth."""
 
 from __future__ import annotations
 
@@ -22,7 +14,7 @@ import torch
 
 from accel import diversity as dv
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.diversity_measure import rotating_inputs, time_per_call
+from accel.lab.cases.diversity import rotating_inputs, time_per_call
 from accel.lab.cases.overhead_timing import PHASE, latencies
 from accel.lab.cases.sdpa_measure import release_memory
 
@@ -82,9 +74,8 @@ def points(device: torch.device) -> list[Point]:
 
 @functools.cache
 def compiled_baselines(device: torch.device):
-    """(the closed-form mean, the naive nearest), compiled once for any shape: a sweep of
-    many shapes would otherwise recompile at each, and a user's loop over shapes turns
-    dynamic after the first recompile anyway."""
+    """(the closed-form mean, the naive nearest), compiled once for any shape (as a user's loop
+    over shapes turns dynamic after the first recompile)."""
     if device.type != "cuda":  # nothing to compile for on a CPU in a few seconds: eager
         return dv.mean_diversity_closed_form, dv.nearest_diversity_reference
     return (
@@ -94,9 +85,9 @@ def compiled_baselines(device: torch.device):
 
 
 def measure(point: Point, device: torch.device) -> tuple[int, list[tuple]]:
-    """The bytes the kernels read, and per reduction: (name, our latency µs, the compiled form's
-    µs, their round-by-round ratio, our device ms per call back to back over inputs that do not
-    fit in L2, NaN under :data:`LARGE_BYTES`), after checking both against each other."""
+    """The bytes the kernels read, and per reduction (checked against the compiled form first):
+    (name, our latency µs, the compiled form's, their round-by-round ratio, our device ms per
+    call over inputs that do not fit in L2, NaN under :data:`LARGE_BYTES`)."""
     gen = torch.Generator(device).manual_seed(point.n * point.dim)
     x = torch.randn((point.batch, point.n, point.dim), device=device, generator=gen).to(point.dtype)
     counts = None

@@ -1,22 +1,11 @@
-"""Bench phase ``recipe``: the physics-transformer write-up's single-GPU phases on the neural
-operator, each alone and cumulatively: its "performance progression by phase" table, measured.
-Shared with ``notebooks/07_recipe.ipynb``.
-
-Per configuration: time per step and throughput (samples/s; a larger batch counts), peak device
-memory, compile time (apart from every step time) and the validation error after the same number
-of training steps from the same seed. Each timing sample is whole loader epochs (so the epoch's
-worker restart and every step of the inverse-loss schedule are inside it), configurations
-interleaved so drift cancels.
-
-Target (an H100/H200, gpu preset): all recipe flags >= 2.5x the baseline's throughput at equal
-validation error within 3%. "Equal" here means one-sided: the recipe's validation error after
-``train_steps`` steps is at most 1.03x the baseline's after as many steps. A recipe with a larger
-batch has seen more samples by then, so it may well be lower; the row says by how much.
-
-Only the baseline and the whole recipe are trained that far: the gpu preset's operator sits on a
-plateau (predicting zero: error 1.0) for its first ~1,300 steps and then learns fast, so the
-comparison needs 3,000 steps; each error is the mean of the last few reads.
-"""
+"""Bench phase ``recipe`` (notebook 07): the physics-transformer recipe's single-GPU phases on the
+neural operator, each alone and cumulatively, measured: per configuration time per step,
+throughput (a larger batch counts), peak memory, compile time (apart) and the validation error
+after the same number of steps from the same seed (one-sided: at most ``TARGET_QUALITY`` times
+the baseline's). Each timing sample is whole loader epochs (the worker restart and the
+inverse-loss schedule inside it), configurations interleaved. Only the baseline and the whole
+recipe are trained that far: the gpu preset's operator sits on a plateau for its first ~1,300
+steps, so the comparison needs 3,000."""
 
 from __future__ import annotations
 
@@ -62,23 +51,16 @@ BENCH_SIZES = {
 
 # ---- the configurations ------------------------------------------------------------------------
 def loader_flags(device: torch.device | str) -> dict:
-    """Phase 4's loader settings: workers generate batches beside the loop, kept across epochs,
-    pinned and copied without blocking on a GPU (the write-up: 3 workers per GPU, prefetch 2)."""
+    """Phase 4's loader settings: workers kept across epochs, pinned and non-blocking on a GPU."""
     on_gpu = torch.device(device).type == "cuda"
-    return dict(
-        loader_workers=4 if on_gpu else 2,
-        persistent_workers=True,
-        pin_memory=on_gpu,
-        non_blocking=True,
-    )
+    return dict(loader_workers=4 if on_gpu else 2, persistent_workers=True, pin_memory=on_gpu,
+                non_blocking=True)  # fmt: skip
 
 
 def progression(device: torch.device | str) -> dict[str, op.Flags]:
-    """Baseline, then each write-up phase added to the ones before (phases that cannot run on
-    ``device`` are left out; :func:`skipped` says why). The names keep the write-up's phase
-    numbers; the order is its own but for compile (its phase 1), which comes last: every row
-    after it would need a compile of its own (two graphs each, tens of seconds), past the bench's
-    time on a GPU."""
+    """Baseline, then each recipe phase added to the ones before (those that cannot run on
+    ``device`` left out: :func:`skipped`), by the recipe's numbers, in its order but for compile
+    (its phase 1), last: every row after it would need a compile of its own."""
     off = op.unavailable(device)
     steps: list[tuple[str, dict]] = [
         ("2 checkpointing, 2x batch", dict(activation_checkpointing=True, batch_multiplier=2)),
@@ -100,9 +82,8 @@ def progression(device: torch.device | str) -> dict[str, op.Flags]:
 
 
 def alone(device: torch.device | str) -> dict[str, op.Flags]:
-    """Baseline and each phase alone (the precision phase against both float16 with a scaler,
-    the write-up's before, and bfloat16). Compile's max-autotune mode is left out of the bench:
-    its autotuning alone takes minutes (the notebook's panel offers it)."""
+    """Baseline and each phase alone (precision as float16 with a scaler and as bfloat16; compile's
+    max-autotune, minutes of autotuning, only in the notebook's panel)."""
     off = op.unavailable(device)
     candidates = {
         "compile reduce-overhead": op.Flags(compile="reduce-overhead"),
@@ -158,30 +139,17 @@ def step_flops(sizes: op.Sizes, flags: op.Flags | None = None) -> dict[str, floa
 
 # ---- measuring -----------------------------------------------------------------------------------
 def measure(
-    configs: dict[str, op.Flags],
-    sizes: op.Sizes,
-    device: torch.device | str,
-    *,
-    repeats: int = 3,
-    train_steps: int = 40,
-    epochs_per_sample: int = 1,
-    reads: int = 1,
-    read_every: int = 1,
-    validate: Collection[str] | None = None,
-    seed: int = 0,
+    configs: dict[str, op.Flags], sizes: op.Sizes, device: torch.device | str, *,
+    repeats: int = 3, train_steps: int = 40, epochs_per_sample: int = 1, reads: int = 1,
+    read_every: int = 1, validate: Collection[str] | None = None, seed: int = 0,
     on_progress: Callable[[str], None] | None = None,
-) -> pd.DataFrame:
+) -> pd.DataFrame:  # fmt: skip
     """Build and time (interleaved) every configuration, then train those named in ``validate``
-    (all by default) to ``train_steps`` steps; one row per configuration.
-
-    Columns: ``config``, ``flags`` (the label), ``batch``, ``step_ms`` (median per step),
-    ``iqr_ms``, ``samples_per_s``, ``speedup`` (throughput over the first configuration's),
-    ``peak_mib``, ``compile_s``, ``val_error`` (the mean of ``reads`` reads, at ``train_steps``
-    and every ``read_every`` steps before; NaN where not validated), ``val_vs_baseline`` (ratio
-    to the first configuration's), ``aux_calls`` and ``train_steps`` (inverse-loss passes and
-    steps trained). ``on_progress`` hears each stage as it begins ("building <name>", "timing",
-    "training <name>"), then "done".
-    """
+    (all by default) to ``train_steps`` steps; one row per configuration: ``config``, ``flags``,
+    ``batch``, ``step_ms``, ``iqr_ms``, ``samples_per_s``, ``speedup`` and ``val_vs_baseline``
+    (over the first configuration's), ``peak_mib``, ``compile_s``, ``val_error`` (the mean of
+    ``reads`` reads ``read_every`` steps apart up to ``train_steps``; NaN where not validated),
+    ``aux_calls``, ``train_steps``. ``on_progress`` hears each stage as it begins."""
     if validate is not None:  # before anything reads the other arguments
         validate = collection_of(validate, "configuration names")
     names = list(configs)
@@ -196,14 +164,8 @@ def measure(
             say(f"building {name}")
             steps[name], peaks[name] = _build_and_footprint(configs[name], sizes, dev, seed)
         say("timing")
-        timing = compare(
-            steps,
-            baseline=names[0],
-            warmup=per_sample,
-            repeats=repeats,
-            calls_per_sample=per_sample,
-            device=dev,
-        )
+        timing = compare(steps, baseline=names[0], warmup=per_sample, repeats=repeats,
+                         calls_per_sample=per_sample, device=dev)  # fmt: skip
         rows = []
         for name, step in steps.items():
             error = math.nan
@@ -211,21 +173,13 @@ def measure(
                 say(f"training {name}")
                 error = _validation_error(step, reads_at)
             t = timing.timings[name]
-            rows.append(
-                {
-                    "config": name,
-                    "flags": label(step.flags),
-                    "batch": step.samples_per_step,
-                    "step_ms": t.median_ms,
-                    "iqr_ms": t.iqr_ms,
-                    "samples_per_s": step.samples_per_step * 1e3 / t.median_ms,
-                    "peak_mib": peaks[name] / memory.MiB,
-                    "compile_s": step.compile_seconds,
-                    "val_error": error,
-                    "aux_calls": step.aux_calls,
-                    "train_steps": step.count,
-                }
-            )
+            rows.append({
+                "config": name, "flags": label(step.flags), "batch": step.samples_per_step,
+                "step_ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                "samples_per_s": step.samples_per_step * 1e3 / t.median_ms,
+                "peak_mib": peaks[name] / memory.MiB, "compile_s": step.compile_seconds,
+                "val_error": error, "aux_calls": step.aux_calls, "train_steps": step.count,
+            })  # fmt: skip
     finally:
         for step in steps.values():
             step.close()
@@ -239,8 +193,7 @@ def measure(
 
 
 def progress_bar(configs: dict[str, op.Flags]) -> Callable[[str], None]:
-    """An ``on_progress`` for :func:`measure` of ``configs`` that draws a tqdm bar: a tick as
-    each build, the timing and each training ends, the stage under way as its description."""
+    """An ``on_progress`` for :func:`measure` of ``configs``: a tqdm bar of its stages."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=2 * len(configs) + 1)
@@ -257,13 +210,8 @@ def progress_bar(configs: dict[str, op.Flags]) -> Callable[[str], None]:
     return tick
 
 
-def _check_measure(
-    configs: dict[str, op.Flags],
-    per_sample: int,
-    repeats: int,
-    first_read: int,
-    validate: Collection[str] | None,
-) -> set[str]:
+def _check_measure(configs: dict[str, op.Flags], per_sample: int, repeats: int, first_read: int,
+                   validate: Collection[str] | None) -> set[str]:  # fmt: skip
     """Check :func:`measure`'s arguments against each other; the names to validate."""
     names = list(configs)
     cycle = math.lcm(per_sample, *(f.aux_loss_every for f in configs.values()))
@@ -305,10 +253,8 @@ def _validation_error(step: op.Step, reads_at: range) -> float:
 def _build_and_footprint(
     flags: op.Flags, sizes: op.Sizes, device: torch.device, seed: int
 ) -> tuple[op.Step, int]:
-    """The built step after two training steps, and its peak device memory: on CUDA everything
-    it allocated at its highest (weights, optimizer state, activations, graph pools, compile's
-    warm-up); on a CPU the resident weights, gradients and optimizer state plus the peak of a
-    step above them (the profiler's allocation records)."""
+    """The built step after two training steps, and its peak device memory: on CUDA all it
+    allocated at its highest; on a CPU its resident bytes plus a step's peak above them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
@@ -355,8 +301,7 @@ class Epoch:
 
 # ---- the bench phase -----------------------------------------------------------------------------
 def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = None) -> list[Row]:
-    """One throughput row per configuration; ``target`` names the row judged against the
-    recipe's target (throughput and validation error)."""
+    """One throughput row per configuration; ``target`` names the one judged."""
     base = frame.iloc[0]
     out = []
     for _, r in frame.iterrows():
@@ -368,46 +313,28 @@ def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = 
         if r["compile_s"]:
             note += f"; compile {r['compile_s']:.1f} s (not in the step time)"
         is_target = r["config"] == target
-        met = None
-        if is_target and judged:
-            met = bool(r["speedup"] >= TARGET_SPEEDUP and r["val_vs_baseline"] <= TARGET_QUALITY)
-        out.append(
-            Row(
-                PHASE,
-                f"{group}: {r['config']}",
-                "training throughput",
-                "samples/s",
-                r["samples_per_s"],
-                baseline=base["samples_per_s"],
-                higher_is_better=True,
-                target=f">= {TARGET_SPEEDUP}x, validation error <= {TARGET_QUALITY}x"
-                if is_target
-                else "",
-                met=met,
-                note=note,
-            )
-        )
+        met = r["speedup"] >= TARGET_SPEEDUP and r["val_vs_baseline"] <= TARGET_QUALITY
+        goal = f">= {TARGET_SPEEDUP}x, validation error <= {TARGET_QUALITY}x"
+        out.append(Row(
+            PHASE, f"{group}: {r['config']}", "training throughput", "samples/s",
+            r["samples_per_s"], baseline=base["samples_per_s"], higher_is_better=True,
+            target=goal if is_target else "", met=bool(met) if is_target and judged else None,
+            note=note,
+        ))  # fmt: skip
     return out
 
 
 def parts() -> list[str]:
-    """The parts ``--only`` can pick, each within one GPU command of ten minutes: the cumulative
-    progression (and the validation row of the whole recipe), and each phase alone."""
+    """The parts ``--only`` can pick (each within one ten-minute GPU command)."""
     return ["cumulative", "alone"]
 
 
 def run(ctx: BenchContext) -> list[Row]:
     sizes, bench = op.Sizes.preset(ctx.preset), BENCH_SIZES[ctx.preset]
     t0 = time.perf_counter()
-    kwargs = dict(
-        repeats=bench.repeats,
-        train_steps=bench.train_steps,
-        epochs_per_sample=bench.epochs_per_sample,
-        reads=bench.reads,
-        read_every=bench.read_every,
-        # the phase takes minutes on a GPU: say where it is
-        on_progress=lambda what: print(f"recipe {time.perf_counter() - t0:5.0f} s: {what}"),
-    )
+    kwargs = dataclasses.asdict(bench) | {  # the phase takes minutes on a GPU: say where it is
+        "on_progress": lambda what: print(f"recipe {time.perf_counter() - t0:5.0f} s: {what}")
+    }
     out = []
     if ctx.selected("cumulative"):
         configs = progression(ctx.device)
@@ -431,14 +358,10 @@ def _validation_row(
     if left_out:
         note += "; left out here: " + "; ".join(f"{k}: {v}" for k, v in left_out.items())
     return Row(
-        PHASE,
-        VALIDATION_CASE,
-        f"relative L2 error of the field after {bench.train_steps} steps (mean of "
-        f"{bench.reads} reads, {bench.read_every} steps apart)",
-        "",
-        cumulative["val_error"].iloc[-1],
-        baseline=cumulative["val_error"].iloc[0],
+        PHASE, VALIDATION_CASE, f"relative L2 error of the field after {bench.train_steps} steps "
+        f"(mean of {bench.reads} reads, {bench.read_every} steps apart)", "",
+        cumulative["val_error"].iloc[-1], baseline=cumulative["val_error"].iloc[0],
         target=f"<= {TARGET_QUALITY}x baseline",
         met=bool(cumulative["val_vs_baseline"].iloc[-1] <= TARGET_QUALITY) if ctx.judged else None,
         note=f"{cumulative['flags'].iloc[-1]}; speedup = baseline error / recipe error; " + note,
-    )
+    )  # fmt: skip

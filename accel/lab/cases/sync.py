@@ -1,7 +1,5 @@
-"""Bench phase ``sync``: the field trainer's window before and after phase 1, and its syncs.
-
-The cost model that predicts its gain lives in ``accel.measure.costs``.
-"""
+"""Bench phase ``sync`` (notebook 01): the field trainer's window before and after phase 1, and
+its syncs; the gain predicted by ``accel.measure.costs``."""
 
 from __future__ import annotations
 
@@ -33,24 +31,14 @@ class WindowStats:
     report: ProfileReport
 
     def as_dict(self) -> dict[str, float | str | None]:
-        return {
-            "label": self.label,
-            "syncs_per_window": self.syncs,
-            "host_reads_per_window": self.host_reads,
-            "launches_per_window": self.launches,
-            "idle_fraction": self.idle_fraction,
-            "ms_per_window_profiled": self.report.step_us / 1e3,
-        }
+        return {"label": self.label, "syncs_per_window": self.syncs,
+                "host_reads_per_window": self.host_reads, "launches_per_window": self.launches,
+                "idle_fraction": self.idle_fraction,
+                "ms_per_window_profiled": self.report.step_us / 1e3}  # fmt: skip
 
 
-def window_stats(
-    step: ft.Step,
-    label: str,
-    *,
-    warmup: int = 2,
-    windows: int | None = None,
-    device: torch.device | str | None = None,
-) -> WindowStats:
+def window_stats(step: ft.Step, label: str, *, warmup: int = 2, windows: int | None = None,
+                 device: torch.device | str | None = None) -> WindowStats:  # fmt: skip
     """Count the syncs of ``step``'s windows and profile them (``windows`` defaults to one
     rotor-update cycle, so every kind of window is counted in its share)."""
     windows = windows or step.sizes.nudge_every_windows
@@ -64,14 +52,10 @@ def window_stats(
     syncs = count_syncs(run_windows)
     report = profile_step(run_windows, steps=1, warmup=0, device=device or step.device)
     ops = report.ops.set_index("name")["count"]
-    return WindowStats(
-        label=label,
-        syncs=None if syncs is None else syncs / windows,
-        host_reads=float(ops.get(HOST_READ_OP, 0)) / windows,
-        launches=report.launches_per_step / windows,
-        idle_fraction=report.idle_fraction,
-        report=report,
-    )
+    syncs = None if syncs is None else syncs / windows
+    host_reads = float(ops.get(HOST_READ_OP, 0)) / windows
+    launches = report.launches_per_step / windows
+    return WindowStats(label, syncs, host_reads, launches, report.idle_fraction, report)
 
 
 def run(ctx: BenchContext) -> list[Row]:
@@ -87,52 +71,28 @@ def run(ctx: BenchContext) -> list[Row]:
     before, after = window_stats(base, "baseline"), window_stats(fast, "optimized")
     model = measure_costs(ctx.device)
     base_ms = timing.timings["baseline"].median_ms
-    removed = (before.syncs if before.syncs is not None else before.host_reads) - (
-        after.syncs if after.syncs is not None else after.host_reads
-    )
-    predicted = model.predict_speedup(base_ms, removed, before.launches - after.launches)
-
-    judged, where = ctx.judged, ctx.where
-    speedup = timing.speedup("optimized")
+    counted = before.syncs is not None  # device syncs on CUDA; else the reads that are syncs there
+    removed = (before.syncs - after.syncs) if counted else before.host_reads - after.host_reads
+    launches = before.launches - after.launches
+    predicted = model.predict_speedup(base_ms, removed, launches)
     time_row = Row(
-        "sync",
-        "field_trainer_window",
-        "time per window",
-        "ms",
-        timing.timings["optimized"].median_ms,
-        baseline=base_ms,
-        target=f">= {TARGET_SPEEDUP}x",
-        met=(speedup >= TARGET_SPEEDUP) if judged else None,
-        note=(
-            f"{where}; {sizes.steps_per_window} steps/window; flags batched_progress + "
-            f"vectorized_rotor; cost model predicted {predicted:.2f}x from {removed:.0f} host "
-            f"reads x {model.sync_us:.1f} us + {before.launches - after.launches:.0f} launches x "
-            f"{model.launch_us:.1f} us"
-        ),
-    )
-    if before.syncs is not None:
-        sync_row = Row(
-            "sync",
-            "syncs_per_window",
-            "host-device syncs per window (steady state)",
-            "count",
-            after.syncs,
-            baseline=before.syncs,
-            target="0",
-            met=after.syncs == 0,
+        "sync", "field_trainer_window", "time per window", "ms",
+        timing.timings["optimized"].median_ms, baseline=base_ms, target=f">= {TARGET_SPEEDUP}x",
+        met=(timing.speedup("optimized") >= TARGET_SPEEDUP) if ctx.judged else None,
+        note=f"{ctx.where}; {sizes.steps_per_window} steps/window; flags batched_progress + "
+        f"vectorized_rotor; cost model predicted {predicted:.2f}x from {removed:.0f} host reads x "
+        f"{model.sync_us:.1f} us + {launches:.0f} launches x {model.launch_us:.1f} us",
+    )  # fmt: skip
+    if counted:
+        return [time_row, Row(
+            "sync", "syncs_per_window", "host-device syncs per window (steady state)", "count",
+            after.syncs, baseline=before.syncs, target="0", met=after.syncs == 0,
             note=f"{ctx.device.type}, preset {ctx.preset}; counted with "
             "torch.cuda.set_sync_debug_mode('warn')",
-        )
-    else:
-        sync_row = Row(
-            "sync",
-            "syncs_per_window",
-            "host reads (.item()) per window, steady state",
-            "count",
-            after.host_reads,
-            baseline=before.host_reads,
-            target="0",
-            note="no CUDA: device syncs cannot be counted; counted the host reads that "
-            f"are syncs on a GPU ({HOST_READ_OP} in the profiler)",
-        )
-    return [time_row, sync_row]
+        )]  # fmt: skip
+    return [time_row, Row(
+        "sync", "syncs_per_window", "host reads (.item()) per window, steady state", "count",
+        after.host_reads, baseline=before.host_reads, target="0",
+        note="no CUDA: device syncs cannot be counted; counted the host reads that "
+        f"are syncs on a GPU ({HOST_READ_OP} in the profiler)",
+    )]  # fmt: skip
