@@ -897,7 +897,7 @@ def test_the_cause_is_the_killed_rank_then_the_raising_one_never_torchruns_sigte
         "  traceback : {why}\n------\nRoot Cause (first observed failure):\n[0]:\n"
         "  rank      : {b} (local_rank: {b})\n  exitcode  : 1 (pid: 10)\n"
     )
-    config = D.RunConfig(nprocs=2, wrapper="ddp")
+    config = D.RunConfig(nprocs=2, wrapper="ddp", out_dir=str(tmp_path))
 
     def failure(output, raised_by=None):
         for path in tmp_path.glob("*.error.json"):
@@ -906,7 +906,7 @@ def test_the_cause_is_the_killed_rank_then_the_raising_one_never_torchruns_sigte
             error = {"rank": raised_by, "time": 0.0, "type": "ValueError", "message": "bad batch",
                      "traceback": "Traceback ...\nValueError: bad batch"}  # fmt: skip
             (tmp_path / f"rank{raised_by}.error.json").write_text(json.dumps(error))
-        return failures.rank_failure(config, tmp_path, output, 1, {})
+        return failures.rank_failure(config, output, 1, (), what="ddp x2 of a task")
 
     sigterm = summary.format(a=0, code=-15, why="Signal 15 (SIGTERM) received by PID 11", b=1)
     sigkill = summary.format(a=1, code=-9, why="Signal 9 (SIGKILL) received by PID 11", b=0)

@@ -1,32 +1,26 @@
-"""What a failed run raises: :class:`RankFailed` naming the rank that caused the failure, read from
-the ranks' error files and torchrun's failure summary."""
+"""What a failed launch says: what it ran, and the cause first (torchrun's own error, or the rank
+that failed, read from the ranks' error files and torchrun's failure summary)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 
 from accel.distributed.config import RunConfig
 from accel.distributed.errors import LaunchError, RankFailed
 
 
-def agent_failed(output: str, ranks_started: bool) -> bool:
-    """Whether torchrun's agent itself failed, before any rank ran: no rank started, and no
-    failure summary of ranks (torchrun prints one, ChildFailedError, when a rank fails)."""
-    return not ranks_started and "ChildFailedError" not in output
-
-
-def agent_failure(config: RunConfig, output: str, exitcode: int, what: str) -> LaunchError:
-    """torchrun's own error, its last line first: on several nodes mostly the rendezvous (node
-    0's port taken, node 0 not reachable from another node)."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    cause = lines[-1][:300] if lines else f"exit code {exitcode}"
-    return LaunchError(
-        f"torchrun ended before starting any rank ({what}): {cause}.{nodes_hint(config)}"
-        f"\n\nIts output ends with:\n{output[-4000:]}"
-    )
+def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:
+    """What a launch runs: ``ddp x2 of TASK``, or its runs' names."""
+    first = configs[0]
+    where = f" on node {first.node_rank} of {first.nnodes}" if first.nnodes > 1 else ""
+    if len(configs) == 1:
+        return f"{first.wrapper} x{first.nprocs}{where} of {first.task}"
+    names = labels or [describe([c]) for c in configs]
+    return f"the runs {', '.join(map(str, names))} x{first.nprocs}{where} on one launch"
 
 
 def nodes_hint(config: RunConfig) -> str:
@@ -40,68 +34,69 @@ def nodes_hint(config: RunConfig) -> str:
     )
 
 
+def agent_failure(config: RunConfig, output: str, exitcode: int, what: str) -> LaunchError:
+    """torchrun's own error, its last line first: on several nodes mostly the rendezvous."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    cause = lines[-1][:300] if lines else f"exit code {exitcode}"
+    return LaunchError(
+        f"torchrun ended before starting any rank ({what}): {cause}.{nodes_hint(config)}"
+        f"\n\nIts output ends with:\n{output[-4000:]}"
+    )
+
+
 def rank_failure(
-    config: RunConfig,
-    out: Path,
-    output: str,
-    exitcode: int,
-    pids: dict[int, int],
-    *,
-    what: str | None = None,
+    config: RunConfig, output: str, exitcode: int, pids: tuple[int, ...], what: str
 ) -> RankFailed:
     """The failing rank's error, its cause in the first line: a rank that died without a Python
-    error (killed, out of memory, crashed) when torchrun saw one first, else the first rank that
-    raised; the other ranks' errors, mostly consequences, after."""
+    error (killed, out of memory, crashed), else the first rank that raised; the other ranks'
+    errors, mostly consequences, after."""
     errors = sorted(
-        (json.loads(p.read_text()) for p in out.glob("rank*.error.json")), key=lambda e: e["time"]
+        (json.loads(p.read_text()) for p in Path(config.out_dir).glob("rank*.error.json")),
+        key=lambda e: e["time"],
     )
-    what = what or f"{config.wrapper} x{config.nprocs} of {config.task}"
     raised = {e["rank"] for e in errors}
-    killed = {r: why for r, why in _killed_ranks(output).items() if r not in raised}
-    # torchrun ends the other ranks with SIGTERM, a consequence: a rank killed otherwise (SIGKILL,
-    # SIGSEGV, ...) is the cause, then a rank that raised, then a SIGTERM if nothing else is known
-    if errors:
-        killed = {r: why for r, why in killed.items() if "SIGTERM" not in why}
-    died, cause = (
-        min(killed.items(), key=lambda item: ("SIGTERM" in item[1], item[0]))
-        if killed
-        else (None, "")
-    )
+    # torchrun ends the other ranks with SIGTERM, a consequence: a rank killed otherwise is the
+    # cause, then a rank that raised, then a SIGTERM if nothing else is known
+    killed = {
+        r: why
+        for r, why in _killed_ranks(output).items()
+        if r not in raised and not (errors and "SIGTERM" in why)
+    }
     consequences = [
-        f"rank {e['rank']}: {e['type']}: "
-        + (e["message"].splitlines()[0][:200] if e["message"] else "")
-        for e in errors
+        f"rank {e['rank']}: {e['type']}: {_first_line(e['message'], 200)}" for e in errors
     ]
-    if not errors or killed:
-        who = f"rank {died} of {config.world_size}" if died is not None else "a rank"
-        return RankFailed(
-            f"{who} died without a Python error: {cause or f'torchrun exit code {exitcode}'} "
-            f"({what}; killed, out of memory, or crashed); torchrun ended the other ranks."
-            + (f"\n\nthen, as a consequence: {'; '.join(consequences)}" if errors else "")
-            + f"\n\nThe launcher's output ends with:\n{output[-6000:]}",
-            rank=died,
-            traceback="",
-            output=output,
-            exitcode=exitcode,
-            pids=tuple(pids.values()),
+    if killed or not errors:
+        rank, cause = min(
+            killed.items(),
+            key=lambda item: ("SIGTERM" in item[1], item[0]),
+            default=(None, f"torchrun exit code {exitcode}"),
         )
-    first, later = errors[0], errors[1:]
-    message_lines = (first["message"] or "").strip().splitlines()
-    message = (
-        f"rank {first['rank']} of {config.world_size} raised {first['type']}"
-        f"{': ' + message_lines[0][:300] if message_lines else ''} ({what}); torchrun ended the "
-        f"other ranks.\n\n{first['traceback'].rstrip()}"
-    )
-    if later:
-        message += "\n\nthen, as a consequence: " + "; ".join(consequences[1:])
+        who = "a rank" if rank is None else f"rank {rank} of {config.world_size}"
+        head = f"{who} died without a Python error: {cause} ({what}; killed, out of memory, "
+        head += "or crashed)"
+        traceback, later = "", consequences
+        tail = f"The launcher's output ends with:\n{output[-6000:]}"
+    else:
+        first = errors[0]
+        rank, traceback, later, tail = first["rank"], first["traceback"], consequences[1:], ""
+        message = _first_line(first["message"], 300)
+        head = f"rank {rank} of {config.world_size} raised {first['type']}"
+        head += f"{': ' + message if message else ''} ({what})"
+    then = f"then, as a consequence: {'; '.join(later)}" if later else ""
+    parts = [f"{head}; torchrun ended the other ranks.", traceback.rstrip(), then, tail]
     return RankFailed(
-        message,
-        rank=first["rank"],
-        traceback=first["traceback"],
+        "\n\n".join(part for part in parts if part),
+        rank=rank,
+        traceback=traceback,
         output=output,
         exitcode=exitcode,
-        pids=tuple(pids.values()),
+        pids=pids,
     )
+
+
+def _first_line(text: str | None, chars: int) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0][:chars] if lines else ""
 
 
 def _killed_ranks(output: str) -> dict[int, str]:

@@ -1,14 +1,10 @@
-"""A run under torchrun (``python -m torch.distributed.run``): its command and environment, the
-run watched until it exits or times out, every process of it ended (by
-:mod:`accel.distributed.processes`; by its watchdog if this process dies first), and what the
-ranks left read back as a :class:`RunResult` or raised as the error of the rank that failed.
-torchrun and the ranks get the launch's folder as their temporary folder, removed with it.
+"""A launch on torchrun (``python -m torch.distributed.run``): its command and environment (the
+launch's folder as TMPDIR, removed with it), watched until it exits or times out, every process
+of it ended, and what the ranks left read back as :class:`RunResult` or raised as an error.
 
-One host runs ``--standalone``. Several hosts run one torchrun agent each, with torchrun's
-static rendezvous (``--nnodes N --node-rank r --rdzv-backend static --rdzv-endpoint host:port``):
-it is the backend that honours ``--node-rank`` (c10d's numbers the nodes by sorting their host
-names and pids, and torchrun ignores ``--node-rank`` there), so node r runs global ranks
-``r * nprocs ...`` and node 0, which serves the rendezvous at the endpoint, runs rank 0."""
+One host runs ``--standalone``; several hosts one agent each with torchrun's static rendezvous,
+the backend that honours ``--node-rank`` (c10d's numbers the nodes by host name and pid), so node
+r runs global ranks ``r * nprocs ...`` and node 0, serving the rendezvous, runs rank 0."""
 
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ import torch
 
 from accel.distributed.config import RunConfig, RunResult
 from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout
-from accel.distributed.failures import agent_failed, agent_failure, nodes_hint, rank_failure
+from accel.distributed.failures import agent_failure, describe, nodes_hint, rank_failure
 from accel.distributed.processes import end_run, ended_with_this_process, rank_pids
 
 # What every rank runs: this package's __main__, which reads the config file and calls run_rank.
@@ -74,26 +70,17 @@ def run_torchrun(
     command = _torchrun_command(command, configs, config_path)
     exitcode, pids = _run_and_end(configs, out, command, labels)
     output = (out / "launcher.log").read_text(errors="replace")
-    if exitcode != 0 and agent_failed(output, ranks_started=bool(pids)):
+    # no rank started and no summary of failed ranks (ChildFailedError): torchrun itself failed
+    if exitcode != 0 and not pids and "ChildFailedError" not in output:
         raise agent_failure(configs[0], output, exitcode, describe(configs, labels))
     for i, config in enumerate(configs):  # the first run that did not finish failed the launch
         if exitcode != 0 and not _finished(config):
             what = describe([config]) + (f" (run {labels[i]!r})" if labels else "")
-            raise rank_failure(config, Path(config.out_dir), output, exitcode, pids, what=what)
+            raise rank_failure(config, output, exitcode, pids, what)
     results = []
     for config in configs:  # a loop, not a comprehension: _collect's warning names our caller
         results.append(_collect(config, exitcode, pids, output))
     return results
-
-
-def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:
-    """What a launch runs, for its errors: ``ddp x2 of TASK``, or its runs' names."""
-    first = configs[0]
-    where = f" on node {first.node_rank} of {first.nnodes}" if first.nnodes > 1 else ""
-    if len(configs) == 1:
-        return f"{first.wrapper} x{first.nprocs}{where} of {first.task}"
-    names = labels or [describe([c]) for c in configs]
-    return f"the runs {', '.join(map(str, names))} x{first.nprocs}{where} on one launch"
 
 
 def _finished(config: RunConfig) -> bool:
@@ -142,43 +129,41 @@ def _environment(first: RunConfig, tmp: Path) -> dict[str, str]:
 
 def _run_and_end(
     configs: Sequence[RunConfig], out: Path, command: list[str], labels: Sequence[str] | None
-) -> tuple[int, dict[int, int]]:
+) -> tuple[int, tuple[int, ...]]:
     """torchrun run until it exits, then whatever is left of the launch ended (killed at once
     past the runs' timeouts summed or on any exception, e.g. Ctrl-C); its exit code and the
     ranks' pids."""
     marker = str(out / "config.json")  # in every rank's command line
     timeout = sum(c.timeout for c in configs)
     log_path = out / "launcher.log"
-    tmp = out / "tmp"
-    tmp.mkdir()
+    (out / "tmp").mkdir()
     with open(log_path, "wb") as log, ended_with_this_process(marker, out) as watched:
         # Its own session: on a timeout the whole group is killed, torchrun and all.
         proc = subprocess.Popen(
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_environment(configs[0], tmp),
+            env=_environment(configs[0], out / "tmp"),
             start_new_session=True,
         )
         watched(proc.pid)
         try:
             exitcode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            end_run(proc, marker, rank_pids(out).values())
-            raise LaunchTimeout(
-                f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process "
-                f"was killed.{nodes_hint(configs[0])} Output ends with:\n" + _tail(log_path)
-            ) from None
-        except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
-            end_run(proc, marker, rank_pids(out).values())
-            raise
-        # torchrun ends the other ranks when one fails; make sure nothing of the run is left
-        pids = rank_pids(out)
-        end_run(proc, marker, rank_pids(out).values())
+            exitcode = None
+        finally:  # torchrun ends the other ranks when one fails; make sure nothing is left
+            pids = tuple(rank_pids(out).values())
+            end_run(proc, marker, pids)
+    if exitcode is None:
+        raise LaunchTimeout(
+            f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process was "
+            f"killed.{nodes_hint(configs[0])} Output ends with:\n"
+            + log_path.read_text(errors="replace")[-4000:]
+        )
     return exitcode, pids
 
 
-def _collect(config: RunConfig, exitcode: int, pids: dict[int, int], output: str) -> RunResult:
+def _collect(config: RunConfig, exitcode: int, pids: tuple[int, ...], output: str) -> RunResult:
     """One run's records from every rank (a failed rank was raised before), or the error of a
     run that wrote nothing."""
     paths = [Path(config.out_dir) / f"rank{rank}.json" for rank in config.local_ranks]
@@ -195,11 +180,4 @@ def _collect(config: RunConfig, exitcode: int, pids: dict[int, int], output: str
             stacklevel=4,  # launch's caller
         )
     records = [json.loads(p.read_text()) for p in paths]
-    return RunResult.from_records(config, records, output=output, pids=tuple(pids.values()))
-
-
-def _tail(path: Path, chars: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
+    return RunResult.from_records(config, records, output=output, pids=pids)
