@@ -177,7 +177,7 @@ def _collect(config: RunConfig, exitcode: int, pids: tuple[int, ...], output: st
         warnings.warn(
             f"torchrun exited {exitcode} after every rank wrote its results; they are returned. "
             f"Output ends with:\n{output[-1500:]}",
-            stacklevel=4,  # launch's caller
+            stacklevel=5,  # launch's caller (through _on_torchrun and run_torchrun)
         )
     records = [json.loads(p.read_text()) for p in paths]
     return RunResult.from_records(config, records, output=output, pids=pids)
