@@ -51,14 +51,8 @@ def run_rank(configs: Sequence[RunConfig], out: Path) -> list[dict]:
             records.append(_train_steps(config, rank, world, device, distributed=True))
             write_text_atomic(Path(config.out_dir) / f"rank{rank}.json", json.dumps(records[-1]))
     except BaseException as error:
-        failure = {
-            "rank": rank,
-            "time": time.time(),
-            "pid": os.getpid(),
-            "type": type(error).__name__,
-            "message": str(error),
-            "traceback": traceback.format_exc(),
-        }
+        failure = dict(rank=rank, time=time.time(), pid=os.getpid(), type=type(error).__name__)
+        failure |= dict(message=str(error), traceback=traceback.format_exc())
         write_text_atomic(Path(config.out_dir) / f"rank{rank}.error.json", json.dumps(failure))
         raise
     # only after success: with a collective in flight it could wait forever
@@ -99,25 +93,36 @@ def _train_steps(
     step_ms = clock.times_ms()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else math.nan
     param_count = sum(p.numel() for p in model.parameters())  # DTensors count globally
-    allreduce_ms = _time_allreduce(param_count, device) if distributed and world > 1 else math.nan
     local_loss = torch.stack(losses)
-    mean_loss, global_samples = _over_ranks(local_loss, samples, device, world, distributed)
+    mean_loss, global_samples = local_loss.clone(), torch.tensor(samples, device=device)
+    allreduce_ms = math.nan
+    if world > 1:
+        import torch.distributed as dist
+
+        allreduce_ms = _time_allreduce(param_count, device)
+        dist.all_reduce(mean_loss)  # means of equal shares: their mean is the global mean
+        mean_loss /= world
+        dist.all_reduce(global_samples)
     validation = _validation(task, model, config, device)
-    mean_loss, local_loss = mean_loss.tolist(), local_loss.tolist()  # sync: once, at the end
-    global_samples = global_samples.tolist()
+    per_step = {  # sync: once, at the end
+        "loss": mean_loss.tolist(),
+        "local_loss": local_loss.tolist(),
+        "step_ms": step_ms,
+        "samples": global_samples.tolist(),
+    }
     params, optim = _state_bytes(model, optimizer)
     summary = {
         "rank": rank,
         "world_size": world,
         "wrapper": config.wrapper,
         "backend": config.backend if distributed else "none",
-        "device": _device_name(device),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "scaling": config.scaling,
         "comm_tuned": config.comm_tuned,
         "steps": config.steps,
         "start_step": start,
-        **_throughput(config, clock, step_ms, global_samples),
-        "final_loss": mean_loss[-1],
+        **_throughput(config, clock, step_ms, per_step["samples"]),
+        "final_loss": per_step["loss"][-1],
         "validation_error": validation,
         "param_count": param_count,
         "param_bytes": params,
@@ -127,12 +132,10 @@ def _train_steps(
         # one all-reduce of every gradient (fp32), alone: what DDP would wait for unoverlapped
         "allreduce_ms": allreduce_ms,
         "allreduce_gb_s": allreduce_bytes(4 * param_count, world) / allreduce_ms / 1e6,
-        "max_rss_bytes": _max_rss_bytes(),
         "notes": "; ".join(notes),
         "pid": os.getpid(),
     }
-    rows = _step_rows(config, start, mean_loss, local_loss, step_ms, global_samples)
-    return {"summary": summary, "steps": rows}
+    return {"summary": summary, "steps": _step_rows(config, start, per_step)}
 
 
 def _run_steps(
@@ -165,7 +168,7 @@ def _run_steps(
     losses, samples = [], []
     for i, (host_inputs, host_targets) in enumerate(batches):
         step = start + i
-        clock.start()
+        clock.mark()
         inputs = host_inputs.to(device, non_blocking=True)
         targets = host_targets.to(device, non_blocking=True)
         with autocast:
@@ -173,7 +176,7 @@ def _run_steps(
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        clock.stop()
+        clock.mark()
         losses.append(loss.detach().float())
         samples.append(inputs.shape[0])
         if save_at == i + 1:
@@ -182,24 +185,6 @@ def _run_steps(
             directory = Path(config.checkpoint_dir) / f"step-{step + 1:06d}"
             save(model, optimizer, config, step + 1, rank, world, directory)
     return clock, losses, samples
-
-
-def _over_ranks(
-    local_loss: torch.Tensor,
-    samples: list[int],
-    device: torch.device,
-    world: int,
-    distributed: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each step's loss averaged over the ranks, and its samples summed over them."""
-    mean_loss, global_samples = local_loss.clone(), torch.tensor(samples, device=device)
-    if distributed and world > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(mean_loss)  # means of equal shares: their mean is the global mean
-        mean_loss /= world
-        dist.all_reduce(global_samples)
-    return mean_loss, global_samples
 
 
 def _validation(task: Task, model: nn.Module, config: RunConfig, device: torch.device) -> float:
@@ -230,27 +215,15 @@ def _throughput(
     }
 
 
-def _step_rows(
-    config: RunConfig,
-    start: int,
-    mean_loss: list[float],
-    local_loss: list[float],
-    step_ms: list[float],
-    global_samples: list[int],
-) -> list[dict[str, Any]]:
+def _step_rows(config: RunConfig, start: int, per_step: dict[str, list]) -> list[dict[str, Any]]:
     """One row per step: the loss over ranks and this rank's own, time and throughput."""
-    return [
-        {
-            "step": start + i,
-            "loss": mean_loss[i],
-            "local_loss": local_loss[i],
-            "step_ms": step_ms[i],
-            "samples": global_samples[i],
-            "samples_per_s": global_samples[i] / (step_ms[i] / 1e3) if step_ms[i] > 0 else math.nan,
-            "warmup": i < config.warmup and config.steps > config.warmup,
-        }
-        for i in range(config.steps)
-    ]
+    columns = zip(*per_step.values(), strict=True)
+    rows = [dict(zip(per_step, values, strict=True)) for values in columns]
+    for i, row in enumerate(rows):
+        ms = row["step_ms"]
+        row["samples_per_s"] = row["samples"] / (ms / 1e3) if ms > 0 else math.nan
+        row["warmup"] = i < config.warmup and config.steps > config.warmup
+    return [{"step": start + i, **row} for i, row in enumerate(rows)]
 
 
 class _Clock:
@@ -260,15 +233,12 @@ class _Clock:
         self.cuda = device.type == "cuda"
         self.marks: list[Any] = []
 
-    def _mark(self) -> None:
+    def mark(self) -> None:  # a step's start, then its end
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
         else:
             self.marks.append(time.perf_counter())
-
-    start = stop = _mark
 
     def _ms(self, a: Any, b: Any) -> float:
         return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
@@ -287,10 +257,9 @@ class _Clock:
 def _staged_batches(
     task: Task, config: RunConfig, rank: int, world: int, start: int, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every step's batch, made on the host before the first step (in pinned memory on a GPU,
-    copied in each step without blocking): what a loader that keeps up delivers. Made inside
-    the loop, a rank's sample generation (milliseconds on the CPU) would stall the others at
-    the next collective and be counted as communication."""
+    """Every step's batch, made on the host before the first step (pinned on a GPU, copied in
+    without blocking), as a loader that keeps up delivers: made in the loop, a rank's sample
+    generation would stall the others at the next collective, counted as communication."""
     host = torch.device("cpu")
     batches = []
     for i in range(config.steps):
@@ -313,9 +282,9 @@ def _time_allreduce(numel: int, device: torch.device, repeats: int = 5) -> float
     dist.all_reduce(buffer)  # connections and NCCL channels are set up on first use
     clock = _Clock(device)
     for _ in range(repeats):
-        clock.start()
+        clock.mark()
         dist.all_reduce(buffer)
-        clock.stop()
+        clock.mark()
     return statistics.median(clock.times_ms())
 
 
@@ -334,15 +303,3 @@ def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[in
         if isinstance(v, torch.Tensor)
     )
     return params, optim
-
-
-def _max_rss_bytes() -> float:
-    try:
-        import resource
-    except ImportError:
-        return math.nan
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
