@@ -19,7 +19,7 @@ writes its metrics, or its traceback, raised here as :class:`RankFailed`. One pr
 from accel.distributed.checkpoint import META, checkpoint_meta, latest_checkpoint
 from accel.distributed.config import DEFAULT_TASK, TUNED_COMM, WRAPPERS, RunConfig, RunResult
 from accel.distributed.costs import allreduce_bytes, fsdp_bytes, state_bytes_per_rank
-from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout, RankFailed
+from accel.distributed.failures import LauncherNotFound, LaunchError, LaunchTimeout, RankFailed
 from accel.distributed.launcher import gpus_present, launch, launch_series
 from accel.distributed.processes import process_alive
 from accel.distributed.rank import run_rank

@@ -1,5 +1,6 @@
-"""What a failed launch says: what it ran, and the cause first (torchrun's own error, or the rank
-that failed, read from the ranks' error files and torchrun's failure summary)."""
+"""What :func:`accel.distributed.launch` raises besides ValueError for bad arguments, and what it
+says: what the launch ran, and the cause first (torchrun's own error, or the failing rank's, read
+from the ranks' error files and torchrun's failure summary)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,37 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accel.distributed.config import RunConfig
-from accel.distributed.errors import LaunchError, RankFailed
+
+
+class LaunchError(RuntimeError):
+    """The run could not start, or ended without results."""
+
+
+class LauncherNotFound(LaunchError):
+    """Neither torchrun nor ``torch.distributed.run`` can be run here."""
+
+
+class LaunchTimeout(LaunchError):
+    """The run took longer than ``timeout``; every process of it was killed."""
+
+
+class RankFailed(LaunchError):
+    """A rank raised (or died): ``rank``, its ``traceback``, the launcher's ``output``, its
+    ``exitcode`` and the ranks' ``pids``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None,
+        traceback: str,
+        output: str,
+        exitcode: int | None,
+        pids: tuple[int, ...] = (),
+    ):
+        super().__init__(message)
+        self.rank, self.traceback, self.output = rank, traceback, output
+        self.exitcode, self.pids = exitcode, pids
 
 
 def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import inspect
 import json
 import math
@@ -30,7 +29,7 @@ from accel.distributed.config import (
     Wrapper,
 )
 from accel.distributed.rank import make_optimizer, train
-from accel.distributed.tasks import Task, build_task, split_task_name
+from accel.distributed.tasks import Task, build_task, load_task
 from accel.distributed.torchrun import launcher_command, run_torchrun
 
 _RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
@@ -108,22 +107,16 @@ def launch(
     """
     # every argument but in_process and launcher is a RunConfig field
     config = _config({k: v for k, v in locals().items() if k in _RUN_FIELDS})
-    if _in_process(config, in_process):
-        return RunResult.from_records(config, [train(config)], output="")
-    return _on_torchrun([config], launcher)[0]
-
-
-def _in_process(config: RunConfig, asked: bool | None) -> bool:
-    """Whether :func:`launch` trains in this process: as ``asked``, by default for one process
-    with ``wrapper="none"``, which is all it can train here."""
-    if asked is None:
-        return config.world_size == 1 and config.wrapper == "none"
-    if asked and (config.wrapper != "none" or config.nnodes != 1):
+    if in_process is None:  # by default, all that can train here: one process, no wrapper
+        in_process = config.world_size == 1 and config.wrapper == "none"
+    elif in_process and (config.wrapper != "none" or config.nnodes != 1):
         raise ValueError(
             f"in_process runs wrapper 'none' on this host only, got wrapper={config.wrapper!r}, "
             f"nnodes={config.nnodes!r}"
         )
-    return asked
+    if in_process:
+        return RunResult.from_records(config, [train(config)], output="")
+    return _on_torchrun([config], launcher)[0]
 
 
 def launch_series(
@@ -245,7 +238,7 @@ def _check_arguments(a: SimpleNamespace) -> None:
     _check_int("steps", a.steps, minimum=1)
     _check_int("warmup", a.warmup, minimum=0)
     _check_int("seed", a.seed)
-    _check_task_module(a.task)
+    load_task(a.task)  # the module found and its function there
     if a.scaling not in ("strong", "weak"):
         raise ValueError(f"scaling must be 'strong' or 'weak', got {a.scaling!r}")
     for name, value in (("autocast", a.autocast), ("mixed_precision", a.mixed_precision)):
@@ -333,16 +326,6 @@ def _check_writable(directory: Path) -> None:
             f"checkpoint_dir {directory}: cannot write there ({existing} is not {why}); the run "
             "would fail at its first checkpoint"
         )
-
-
-def _check_task_module(task: str) -> None:
-    module, _ = split_task_name(task)
-    try:
-        found = importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        found = False
-    if not found:
-        raise ValueError(f"task {task!r}: module {module!r} cannot be found")
 
 
 def _backend(backend: str | None, nprocs: int) -> str:

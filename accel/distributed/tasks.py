@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -127,18 +128,19 @@ def _generator(seed: int, step: int, device: torch.device | str = "cpu") -> torc
 
 def load_task(name: str) -> Callable[[str, int], Task]:
     """The factory named ``"module:function"``."""
-    module, function = split_task_name(name)
+    module, sep, function = str(name).partition(":")
+    if not (sep and module and function):
+        raise ValueError(f"task must be named 'module:function', got {name!r}")
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        raise ValueError(f"task {name!r}: module {module!r} cannot be found")
     factory = getattr(importlib.import_module(module), function, None)
     if not callable(factory):
         raise ValueError(f"task {name!r}: module {module!r} has no function {function!r}")
     return factory
-
-
-def split_task_name(name: str) -> tuple[str, str]:
-    module, sep, function = str(name).partition(":")
-    if not (sep and module and function):
-        raise ValueError(f"task must be named 'module:function', got {name!r}")
-    return module, function
 
 
 def build_task(config: RunConfig) -> Task:

@@ -22,8 +22,15 @@ from pathlib import Path
 import torch
 
 from accel.distributed.config import RunConfig, RunResult
-from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout
-from accel.distributed.failures import agent_failure, describe, nodes_hint, rank_failure
+from accel.distributed.failures import (
+    LauncherNotFound,
+    LaunchError,
+    LaunchTimeout,
+    agent_failure,
+    describe,
+    nodes_hint,
+    rank_failure,
+)
 from accel.distributed.processes import end_run, ended_with_this_process, rank_pids
 
 # What every rank runs: this package's __main__, which reads the config file and calls run_rank.

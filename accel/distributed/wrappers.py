@@ -6,7 +6,7 @@ are split over the ranks and gathered block by block)."""
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,52 +19,49 @@ def wrap(
     model: nn.Module, config: RunConfig, device: torch.device, world: int
 ) -> tuple[nn.Module, list[str]]:
     """``model`` wrapped as ``config.wrapper`` says, and notes on what was done or skipped."""
-    notes: list[str] = []
     if config.wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        options: dict[str, Any] = {
-            "gradient_as_bucket_view": config.gradient_as_bucket_view,
-            "static_graph": config.static_graph,
-        }
-        if config.bucket_cap_mb is not None:
-            options["bucket_cap_mb"] = config.bucket_cap_mb
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, **options)
-        if config.mixed_precision == "bf16":
-            if config.backend == "nccl":
-                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        bucket = {} if config.bucket_cap_mb is None else {"bucket_cap_mb": config.bucket_cap_mb}
+        ddp = DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=config.gradient_as_bucket_view,
+            static_graph=config.static_graph,
+            **bucket,
+        )
+        if config.mixed_precision == "bf16" and config.backend == "nccl":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-            else:
-                notes.append("bf16 gradient all-reduce skipped: torch's hook needs NCCL")
-                warnings.warn(
-                    "DDP mixed_precision='bf16' skipped: the bf16 all-reduce hook needs NCCL "
-                    f"on CUDA; this run uses {config.backend}, gradients go in fp32",
-                    stacklevel=2,
-                )
-        return ddp, notes
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif config.mixed_precision == "bf16":
+            warnings.warn(
+                "DDP mixed_precision='bf16' skipped: the bf16 all-reduce hook needs NCCL "
+                f"on CUDA; this run uses {config.backend}, gradients go in fp32",
+                stacklevel=2,
+            )
+            return ddp, ["bf16 gradient all-reduce skipped: torch's hook needs NCCL"]
+        return ddp, []
     if config.wrapper == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh(device.type, (world,))
         policy = (
             MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             if config.mixed_precision == "bf16"
             else MixedPrecisionPolicy()
         )
-        options = {
-            "mesh": mesh,
-            "reshard_after_forward": config.reshard_after_forward,
-            "mp_policy": policy,
-        }
+        mesh = init_device_mesh(device.type, (world,))
         units = fsdp_units(model)
-        for unit in units:
-            fully_shard(unit, **options)
-        fully_shard(model, **options)
-        notes.append(f"fully_shard on {len(units)} blocks + root")
-        return model, notes
-    return model, notes
+        for unit in [*units, model]:  # the blocks, then the root
+            fully_shard(
+                unit,
+                mesh=mesh,
+                reshard_after_forward=config.reshard_after_forward,
+                mp_policy=policy,
+            )
+        return model, [f"fully_shard on {len(units)} blocks + root"]
+    return model, []
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
