@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from accel import distributed as D
-from accel.distributed import failures, launcher, torchrun
+from accel.distributed import launcher, torchrun
 from accel.lab.bench import BenchContext
 from accel.lab.cases import distributed as bench
 
@@ -906,7 +906,7 @@ def test_the_cause_is_the_killed_rank_then_the_raising_one_never_torchruns_sigte
             error = {"rank": raised_by, "time": 0.0, "type": "ValueError", "message": "bad batch",
                      "traceback": "Traceback ...\nValueError: bad batch"}  # fmt: skip
             (tmp_path / f"rank{raised_by}.error.json").write_text(json.dumps(error))
-        return failures.rank_failure(config, output, 1, (), what="ddp x2 of a task")
+        return torchrun.rank_failure(config, output, 1, (), what="ddp x2 of a task")
 
     sigterm = summary.format(a=0, code=-15, why="Signal 15 (SIGTERM) received by PID 11", b=1)
     sigkill = summary.format(a=1, code=-9, why="Signal 9 (SIGKILL) received by PID 11", b=0)

@@ -11,20 +11,19 @@ factory named ``"module:function"``. :func:`launch` checks every argument, then 
 writes its metrics, or its traceback, raised here as :class:`RankFailed`. One process with
 ``wrapper="none"`` (the reference every wrapper must match) trains in this process.
 :func:`launch_series` trains several runs on one launch, its start paid once. Modules:
-``launcher`` (the checks), ``torchrun``, ``failures``, ``processes`` (and the watchdog),
-``rank``, ``tasks``, ``wrappers``, ``checkpoint`` (digests checked before a load unpickles),
-``costs``, ``config``, ``errors``. Torch and the standard library only.
+``launcher`` (the checks), ``torchrun`` (and its failures), ``processes`` (and the watchdog),
+``rank`` (and the wrappers), ``tasks``, ``checkpoint`` (digests checked before a load unpickles),
+``costs``, ``config``. Torch and the standard library only.
 """
 
 from accel.distributed.checkpoint import META, checkpoint_meta, latest_checkpoint
 from accel.distributed.config import DEFAULT_TASK, TUNED_COMM, WRAPPERS, RunConfig, RunResult
 from accel.distributed.costs import allreduce_bytes, fsdp_bytes, state_bytes_per_rank
-from accel.distributed.failures import LauncherNotFound, LaunchError, LaunchTimeout, RankFailed
 from accel.distributed.launcher import gpus_present, launch, launch_series
 from accel.distributed.processes import process_alive
-from accel.distributed.rank import run_rank
+from accel.distributed.rank import fsdp_units, run_rank
 from accel.distributed.tasks import Task, broken_toy_task, load_task, toy_task
-from accel.distributed.wrappers import fsdp_units
+from accel.distributed.torchrun import LauncherNotFound, LaunchError, LaunchTimeout, RankFailed
 
 __all__ = [
     "DEFAULT_TASK",

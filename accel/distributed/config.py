@@ -1,5 +1,4 @@
-"""What a run is asked to do (:class:`RunConfig`, the wrappers, the tuned communication settings)
-and what it returns (:class:`RunResult`, plain lists and dicts)."""
+"""What a run is asked (:class:`RunConfig`, the tuned settings) and returns (:class:`RunResult`)."""
 
 from __future__ import annotations
 
@@ -66,20 +65,17 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        """Every rank of the run, on every node: ``nnodes * nprocs``."""
         return self.nnodes * self.nprocs
 
     @property
     def local_ranks(self) -> range:
-        """The global ranks this node's agent runs (torchrun numbers a node's ranks after the
-        lower nodes')."""
+        """The global ranks of this node (torchrun numbers them after the lower nodes')."""
         return range(self.node_rank * self.nprocs, (self.node_rank + 1) * self.nprocs)
 
     @property
     def comm_tuned(self) -> bool:
         """Whether any communication setting differs from torch's defaults."""
-        default = RunConfig()
-        return any(getattr(self, k) != getattr(default, k) for k in TUNED_COMM)
+        return any(getattr(self, k) != getattr(RunConfig(), k) for k in TUNED_COMM)
 
 
 @dataclass
@@ -104,5 +100,5 @@ class RunResult:
 
     @property
     def summary(self) -> dict[str, Any]:
-        """Rank 0's summary (on a node other than 0: its first rank's)."""
+        """This node's first rank's summary (rank 0's on one host)."""
         return dict(self.ranks[0])

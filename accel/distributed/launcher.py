@@ -1,6 +1,5 @@
-"""The entry points, :func:`launch` and :func:`launch_series`: every argument checked and each task
-built once here (bad input is a ValueError before anything starts), then the run trained in this
-process or on torchrun (:mod:`accel.distributed.torchrun`)."""
+"""The entry points, :func:`launch` and :func:`launch_series`: every argument checked and each
+task built once (a ValueError before anything starts), then trained here or on torchrun."""
 
 from __future__ import annotations
 
@@ -72,38 +71,33 @@ def launch(
     launcher: str | Sequence[str] | None = None,
 ) -> RunResult:
     """Train ``task`` for ``steps`` steps on ``nprocs`` processes (one per GPU with ``nccl``,
-    the default when GPUs are present; ``gloo`` on the CPU) and return the measurements.
+    the default where GPUs are; ``gloo`` on the CPU) and return the measurements.
 
-    ``scaling="strong"`` splits the task's global batch over the ranks; ``"weak"`` gives every
-    rank a whole batch (rank r of N takes the batch of step ``step * N + r``), as when adding
-    GPUs. Communication settings (torch's defaults; :data:`TUNED_COMM` has them all on): DDP's
-    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``; FSDP2's
-    ``reshard_after_forward``; ``mixed_precision="bf16"`` (DDP: bf16 gradient all-reduce, NCCL
-    only; FSDP2: bf16 parameters, fp32 gradient reduction); ``nccl_env``. ``autocast="bf16"``
-    runs forward and loss under bf16 autocast. ``warmup`` first steps are left out of the
-    throughput. ``checkpoint_dir`` saves model and optimizer after step ``checkpoint_at``
-    (default: the last), or with ``checkpoint_every=k`` every k steps into
-    ``checkpoint_dir/step-NNNNNN``; ``load_from`` resumes from such a checkpoint (from a folder
-    of several, the latest complete one). Loading unpickles, which can run any code: only a
-    checkpoint whose files match the SHA-256 digests its save recorded is read, but whoever can
-    write the folder can write those too: load only checkpoints you trust. ``in_process``
-    (default: for one process with ``wrapper="none"``) trains here, same metrics, no timeout.
+    ``scaling="strong"`` splits the task's global batch over the ranks; ``"weak"`` gives each
+    rank a whole batch (rank r of N: step ``step * N + r``'s), as when adding GPUs. DDP's
+    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, FSDP2's
+    ``reshard_after_forward``, ``mixed_precision="bf16"`` (DDP: bf16 all-reduce, NCCL only;
+    FSDP2: bf16 parameters, fp32 reduction) and ``nccl_env`` are torch's defaults unless given
+    (:data:`TUNED_COMM`: all on). ``autocast="bf16"``: forward and loss under bf16 autocast.
+    ``checkpoint_dir``: a save after step ``checkpoint_at`` (default: the last), or every
+    ``checkpoint_every`` steps into ``step-NNNNNN`` folders; ``load_from`` resumes from one (or
+    the latest complete one under it). Loading unpickles, which can run any code: only files
+    matching the SHA-256 digests their save recorded are read, but whoever can write the folder
+    can write those too: load only checkpoints you trust. ``in_process`` (default: one process,
+    ``wrapper="none"``) trains here, no timeout.
 
-    Several hosts (torchrun's names): the same call on each of ``nnodes`` hosts with its own
-    ``node_rank``; ``rdzv_endpoint``, node 0's ``"host:port"`` (a free port: it serves the
-    rendezvous); ``rdzv_id``, the job's name. Each host runs ``nprocs`` ranks from ``node_rank *
-    nprocs`` and returns its own ranks' :class:`RunResult` (losses: means over all ranks);
-    ``checkpoint_dir`` must be one path all hosts see. This on 10.0.0.1, node_rank=1 on the other::
+    Several hosts: the same call on each of ``nnodes`` with its own ``node_rank``, meeting at
+    ``rdzv_endpoint``, node 0's ``"host:port"`` (a free port); ``rdzv_id`` names the job. Node r
+    runs ranks from ``r * nprocs`` and returns its own; ``checkpoint_dir`` must be shared::
 
         launch(nprocs=8, wrapper="ddp", nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500")
 
-    Raises before launching, having created nothing: ValueError for a bad argument, a task that
-    cannot be built or split over all ranks, an optimizer setting torch refuses, a checkpoint
-    refused or another task's, an unwritable ``checkpoint_dir``, more processes than GPUs;
-    :class:`LauncherNotFound`. After: :class:`RankFailed`, the failing rank's error first;
-    :class:`LaunchError` if no rank started; :class:`LaunchTimeout` after ``timeout`` seconds.
-    Either way, and on Ctrl-C, every process of the run and its temporary folder are gone when
-    it returns or raises; a watchdog ends them if this process dies first.
+    Raises before anything starts: ValueError for a bad argument, a task that cannot be built
+    or split over the ranks, an optimizer setting torch refuses, a checkpoint refused or another
+    task's, an unwritable ``checkpoint_dir``, more processes than GPUs; :class:`LauncherNotFound`.
+    After: :class:`RankFailed` (the cause first), :class:`LaunchError` (no rank started),
+    :class:`LaunchTimeout`. Either way, and on Ctrl-C or if this process dies, no process or
+    temporary folder of the run is left.
     """
     # every argument but in_process and launcher is a RunConfig field
     config = _config({k: v for k, v in locals().items() if k in _RUN_FIELDS})
@@ -127,14 +121,10 @@ def launch_series(
     launcher: str | Sequence[str] | None = None,
     **common: Any,
 ) -> dict[str, RunResult]:
-    """Several runs on one torchrun launch: every rank trains them in order in one process
-    group, so the launch's cost (torchrun, each rank importing torch, the group's setup) is paid
-    once. ``runs`` maps a name to that run's :func:`launch` arguments, which update ``common``'s;
-    all share ``nprocs``, the backend, ``nccl_env`` (NCCL reads its environment once per
-    process) and the nodes (``nnodes``, ``node_rank``, ``rdzv_endpoint``, ``rdzv_id``).
-
-    Returns name -> :class:`RunResult`, in the order of ``runs``. Raises as :func:`launch` does,
-    a bad argument's error naming its run; the runs after a failed one do not start.
+    """Several runs trained in order by the same ranks, the launch's cost paid once. ``runs``
+    maps a name to its :func:`launch` arguments, which update ``common``'s; all share ``nprocs``,
+    the backend, ``nccl_env`` (NCCL reads it once per process) and the nodes. Returns name ->
+    :class:`RunResult`; raises as :func:`launch`, naming the run (the runs after it not run).
     """
     if not runs:
         raise ValueError("runs must name at least one run (name -> its launch arguments)")
@@ -158,8 +148,7 @@ def launch_series(
 def _on_torchrun(
     configs: list[RunConfig], launcher: str | Sequence[str] | None, labels: list[str] | None = None
 ) -> list[RunResult]:
-    """``configs`` checked as a rank would run them, then run in order on one torchrun, each in
-    a folder of the launch's temporary one."""
+    """``configs`` checked as a rank runs them, then run on one torchrun, each in a folder."""
     command = launcher_command(launcher)
     _check_tasks(configs, labels)
     with tempfile.TemporaryDirectory(prefix="accel-distributed-") as tmp:
@@ -208,8 +197,7 @@ def _check_series_keys(where: str, arguments: Mapping[str, Any]) -> None:
 
 
 def _config(arguments: dict[str, Any]) -> RunConfig:
-    """The run's config from :func:`launch`'s arguments, each checked, defaults resolved: the
-    backend (nccl where GPUs are), the preset (``ACCEL_PRESET``, else by backend), paths."""
+    """The run's config from :func:`launch`'s arguments, each checked, defaults resolved."""
     a = SimpleNamespace(**arguments)
     _check_arguments(a)
     _check_nodes(a)
@@ -273,8 +261,7 @@ def _check_arguments(a: SimpleNamespace) -> None:
 
 
 def _check_nodes(a: SimpleNamespace) -> None:
-    """One host (``nnodes=1``, torchrun's standalone rendezvous) or several meeting at
-    ``rdzv_endpoint``: what each node needs, checked before its agent starts."""
+    """One host, or several meeting at ``rdzv_endpoint``: what each node needs."""
     _check_int("nnodes", a.nnodes, minimum=1)
     _check_int("node_rank", a.node_rank, minimum=0)
     if a.nnodes == 1:
@@ -315,8 +302,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _check_writable(directory: Path) -> None:
-    """That the first save can make ``directory`` (or write into it), creating nothing: a
-    refused launch leaves no folder behind."""
+    """That the first save can make ``directory`` or write in it, creating nothing."""
     existing = directory.absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -345,9 +331,8 @@ def _backend(backend: str | None, nprocs: int) -> str:
 
 
 def _check_tasks(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> None:
-    """What every rank will do first, done once here: a mistake in the task, its preset, its
-    split over the ranks, the optimizer's settings or the checkpoint to load is raised before
-    torchrun starts, not from inside a rank (a series' error names its run)."""
+    """What every rank does first (the task built and split, its optimizer, the checkpoint to
+    load), done once here: a mistake is raised before torchrun starts, not from a rank."""
     built: dict[tuple, Task] = {}
     for i, config in enumerate(configs):
         with _naming(labels[i] if labels else None):

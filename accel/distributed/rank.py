@@ -1,7 +1,8 @@
-"""What every rank runs: :func:`run_rank` under torchrun, one run or several in one process group
-(or :func:`train` in the launching process for one plain process), the timed training loop, and
-the rank's measurements (loss over ranks, throughput over the timed window, memory, one
-all-reduce alone). A run's record is plain JSON: ``{"summary": {...}, "steps": [{...}, ...]}``."""
+"""What every rank runs (:func:`run_rank` under torchrun, :func:`train` in the launching process):
+its model wrapped (``ddp``: every rank holds the whole model, gradients all-reduced in buckets
+during the backward; ``fsdp2``: ``fully_shard`` on every block of each ``nn.ModuleList`` and the
+root, parameters, gradients and optimizer state split over the ranks), the timed steps and the
+rank's measurements, a record of plain JSON ``{"summary", "steps"}``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import statistics
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -24,14 +26,12 @@ from accel.distributed.checkpoint import load, save
 from accel.distributed.config import RunConfig
 from accel.distributed.costs import allreduce_bytes
 from accel.distributed.tasks import Task, build_task
-from accel.distributed.wrappers import wrap
 from accel.files import write_text_atomic
 
 
 def run_rank(configs: Sequence[RunConfig], out: Path) -> list[dict]:
-    """One rank's runs under torchrun (reads RANK, WORLD_SIZE, LOCAL_RANK), in order in one
-    process group: each run's record, or the traceback of the run that raised, written to that
-    run's ``out_dir``; this process's pid to ``out``."""
+    """One rank's runs, in order in one process group: each run's record (or the error of the
+    run that raised) written to its ``out_dir``, this process's pid to ``out``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     write_text_atomic(out / f"rank{rank}.pid", str(os.getpid()))
     device = _device(configs[0], int(os.environ["LOCAL_RANK"]))
@@ -61,12 +61,12 @@ def run_rank(configs: Sequence[RunConfig], out: Path) -> list[dict]:
 
 
 def train(config: RunConfig) -> dict:
-    """One plain process's run, here in this process: the record a rank would write."""
+    """One plain process's run, here: the record a rank would write."""
     return _train_steps(config, 0, 1, _device(config, 0), distributed=False)
 
 
 def make_optimizer(model: nn.Module, config: RunConfig) -> torch.optim.Optimizer:
-    """The run's optimizer; torch checks its settings (the launcher builds one to check them)."""
+    """The run's optimizer (the launcher builds one to have torch check its settings)."""
     return torch.optim.AdamW(model.parameters(), lr=config.lr)
 
 
@@ -138,6 +138,65 @@ def _train_steps(
     return {"summary": summary, "steps": _step_rows(config, start, per_step)}
 
 
+def wrap(
+    model: nn.Module, config: RunConfig, device: torch.device, world: int
+) -> tuple[nn.Module, list[str]]:
+    """``model`` wrapped as ``config.wrapper`` says, and notes on what was done or skipped."""
+    if config.wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        bucket = {} if config.bucket_cap_mb is None else {"bucket_cap_mb": config.bucket_cap_mb}
+        ddp = DDP(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=config.gradient_as_bucket_view,
+            static_graph=config.static_graph,
+            **bucket,
+        )
+        if config.mixed_precision == "bf16" and config.backend == "nccl":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif config.mixed_precision == "bf16":
+            warnings.warn(
+                "DDP mixed_precision='bf16' skipped: the bf16 all-reduce hook needs NCCL "
+                f"on CUDA; this run uses {config.backend}, gradients go in fp32",
+                stacklevel=2,
+            )
+            return ddp, ["bf16 gradient all-reduce skipped: torch's hook needs NCCL"]
+        return ddp, []
+    if config.wrapper == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if config.mixed_precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
+        mesh = init_device_mesh(device.type, (world,))
+        units = fsdp_units(model)
+        for unit in [*units, model]:  # the blocks, then the root
+            fully_shard(
+                unit,
+                mesh=mesh,
+                reshard_after_forward=config.reshard_after_forward,
+                mp_policy=policy,
+            )
+        return model, [f"fully_shard on {len(units)} blocks + root"]
+    return model, []
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one: every element of every ``nn.ModuleList`` (the
+    transformer blocks), innermost first; what is left is sharded with the root."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList):
+            found += [(name.count(".") + 1, child) for child in module]
+    return [m for _, m in sorted(found, key=lambda pair: -pair[0])]
+
+
 def _run_steps(
     task: Task,
     model: nn.Module,
@@ -149,18 +208,12 @@ def _run_steps(
     world: int,
     device: torch.device,
 ) -> tuple[_Clock, list[torch.Tensor], list[int]]:
-    """The timed steps on batches staged before the first, saving checkpoints as asked: the
-    clock, each step's loss (on the device, not read yet) and its number of samples."""
-    save_at = (
-        (config.checkpoint_at or config.steps)
-        if config.checkpoint_dir and not config.checkpoint_every
-        else None
-    )
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if config.autocast == "bf16"
-        else nullcontext()
-    )
+    """The timed steps, saving checkpoints as asked: the clock, each step's loss (on the
+    device, not read yet) and its number of samples."""
+    one_save = config.checkpoint_dir and not config.checkpoint_every
+    save_at = (config.checkpoint_at or config.steps) if one_save else None
+    bf16 = config.autocast == "bf16"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     batches = _staged_batches(task, config, rank, world, start, device)

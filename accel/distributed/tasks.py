@@ -1,5 +1,4 @@
-"""What a rank trains: a :class:`Task`, built identically on every rank from ``(preset, seed)``
-by a factory named ``"module:function"``; the built-in toy task (a residual MLP over tokens)."""
+"""What a rank trains, :class:`Task`, from a factory named ``"module:function"``; the toy task."""
 
 from __future__ import annotations
 
@@ -26,10 +25,6 @@ class Task:
     #       (step, rank, world_size, device) -> (inputs, targets) of this rank's share
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (model(inputs), targets) -> scalar
     validate: Callable[[torch.nn.Module, torch.device], float] | None = None  # held-out error
-
-
-# ---------------------------------------------------------------------------------------------
-# The built-in toy task: a residual MLP over tokens, learning a fixed random function.
 
 
 @dataclass(frozen=True)
