@@ -7,7 +7,7 @@
 
 A rank trains a :class:`Task`, built identically on every rank from ``(preset, seed)`` by a
 factory named ``"module:function"``. :func:`launch` checks every argument, then runs torchrun
-(``--standalone``, or one agent per host of ``nnodes``); each rank runs :func:`run_rank` and
+(``--standalone``, or one agent per host of ``nnodes``); each rank runs ``rank.run_rank`` and
 writes its metrics, or its traceback, raised here as :class:`RankFailed`. One process with
 ``wrapper="none"`` (the reference every wrapper must match) trains in this process.
 :func:`launch_series` trains several runs on one launch, its start paid once. Modules:
@@ -16,20 +16,17 @@ writes its metrics, or its traceback, raised here as :class:`RankFailed`. One pr
 ``costs``, ``config``. Torch and the standard library only.
 """
 
-from accel.distributed.checkpoint import META, checkpoint_meta, latest_checkpoint
-from accel.distributed.config import DEFAULT_TASK, TUNED_COMM, WRAPPERS, RunConfig, RunResult
+from accel.distributed.checkpoint import checkpoint_meta, latest_checkpoint
+from accel.distributed.config import TUNED_COMM, RunConfig, RunResult
 from accel.distributed.costs import allreduce_bytes, fsdp_bytes, state_bytes_per_rank
 from accel.distributed.launcher import gpus_present, launch, launch_series
 from accel.distributed.processes import process_alive
-from accel.distributed.rank import fsdp_units, run_rank
+from accel.distributed.rank import fsdp_units
 from accel.distributed.tasks import Task, broken_toy_task, load_task, toy_task
 from accel.distributed.torchrun import LauncherNotFound, LaunchError, LaunchTimeout, RankFailed
 
 __all__ = [
-    "DEFAULT_TASK",
-    "META",
     "TUNED_COMM",
-    "WRAPPERS",
     "LaunchError",
     "LaunchTimeout",
     "LauncherNotFound",
@@ -48,7 +45,6 @@ __all__ = [
     "launch_series",
     "load_task",
     "process_alive",
-    "run_rank",
     "state_bytes_per_rank",
     "toy_task",
 ]

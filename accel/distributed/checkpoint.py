@@ -1,9 +1,7 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP) with ``get_state_dict`` and
-``set_state_dict``, which name tensors by the unwrapped module's names: a save on N ranks loads on
-M, a DDP save into FSDP2 and back. A meta file, written last, marks a checkpoint complete, says
-what saved it and holds every file's size and SHA-256 digest. DCP unpickles what it loads, which
-can run any code: a checkpoint is loaded only if every file matches, checked before DCP reads
-anything (whoever can write the folder can write the meta file too: load only what you trust)."""
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), tensors named by the unwrapped
+module: saved on N ranks, loaded on M, DDP into FSDP2 and back. A meta file, written last, marks
+one complete and holds each file's size and SHA-256: DCP unpickles (any code can run), so a
+checkpoint loads only if every file matches, checked first; load only checkpoints you trust."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ def save(
     world: int,
     directory: Path,
 ) -> None:
-    """A DCP checkpoint into ``directory`` (made if missing); its meta file, written last, marks
-    it complete and records the size and SHA-256 digest of each of DCP's files."""
+    """A DCP checkpoint into ``directory``, its meta file written last."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -64,8 +61,7 @@ def save(
 
 
 def check_every_file_here(directory: Path, written: Any) -> None:
-    """That every file of DCP's metadata ``written`` (each rank's data) is in ``directory``, as
-    when all ranks write into one folder; a ValueError naming the missing ones where ranks on
+    """A ValueError naming the files of DCP's metadata ``written`` not in ``directory``: ranks on
     other hosts wrote into a folder of their own."""
     listed = {
         getattr(info, "relative_path", None)
@@ -97,9 +93,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig) 
 
 
 def check_loadable(config: RunConfig) -> dict:
-    """The meta of ``config.load_from`` if this run may load it: saved by this package, every
-    file as the save wrote it (nothing of it read but the meta file and the bytes digested), by
-    the run's task and preset. Else a ValueError saying why."""
+    """The meta of ``config.load_from`` if this run may load it (every file as saved, by the
+    run's task and preset), else a ValueError saying why; nothing unpickled."""
     meta = _verified_meta(Path(config.load_from))
     for key in ("task", "preset"):
         if meta.get(key) != getattr(config, key):
@@ -111,9 +106,8 @@ def check_loadable(config: RunConfig) -> dict:
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path:
-    """``path`` if it is a complete checkpoint, else the complete ``step-NNNNNN`` checkpoint
-    under it with the highest step (one interrupted while saving has no meta file yet); a
-    ValueError naming the file if one of its files is missing, truncated or changed."""
+    """``path`` if it is a complete checkpoint, else the complete ``step-NNNNNN`` one under it
+    of the highest step; a ValueError naming a file missing, truncated or changed."""
     path = Path(path)
     if (path / ".metadata").is_file() and not (path / META).is_file():
         raise ValueError(
@@ -136,8 +130,8 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def checkpoint_meta(path: str | os.PathLike) -> dict:
-    """What saved a checkpoint: task, preset, seed, wrapper, world_size, step, and each file's
-    size (``files``) and SHA-256 digest (``sha256``). Read as JSON; nothing is verified."""
+    """What saved a checkpoint (task, preset, seed, wrapper, world_size, step) and each file's
+    size and SHA-256 (``files``, ``sha256``), read as JSON, unverified."""
     meta = Path(path) / META
     if not meta.is_file():
         raise ValueError(f"{path} was not saved by accel.distributed (no {META})")

@@ -1,10 +1,6 @@
-"""Every process of a launched run, found and ended: torchrun in a session of its own, the ranks
-it starts in sessions of theirs (a marker in their command lines), whatever a rank starts. Linux
-reads /proc; elsewhere torchrun's group and the ranks' recorded pids are killed. A watchdog ends
-them too, and removes the launch's folder, if the launching process dies first (a notebook's
-kernel killed): nothing of a run outlives its launcher.
-
-Standard library only: the watchdog runs this file as a script (``python -I processes.py PID``).
+"""Every process of a launched run found (Linux: /proc; elsewhere torchrun's group and the ranks'
+recorded pids) and ended, by a watchdog too, with the launch's folder, if the launching process
+dies first. Standard library only: the watchdog runs this file (``python -I processes.py PID``).
 """
 
 from __future__ import annotations
@@ -61,9 +57,8 @@ def _process_table() -> dict[int, tuple[int, int]]:
 
 
 def run_processes(root: int | None, marker: str) -> set[int]:
-    """The live processes of one run: torchrun (``root``; None once reaped, when its pid may be
-    another's) and every process whose command line carries ``marker`` (the ranks), everything
-    in their sessions, and everything below them, even a process that left its session."""
+    """The live processes of one run: torchrun (``root``; None once reaped), every process whose
+    command line carries ``marker`` (the ranks), everything in their sessions or below them."""
     table = _process_table()
     found = {pid for pid in table if pid == root or marker in _command_line(pid)}
     sessions = {table[pid][1] for pid in found}
@@ -92,9 +87,8 @@ def rank_pids(out: Path) -> dict[int, int]:
 def kill_until_gone(
     find: Callable[[], set[int]], first: int | None, grace: float = 10.0
 ) -> set[int]:
-    """SIGKILL every process ``find()`` returns (``first`` first: torchrun's agent cannot start a
-    rank after that), again until it finds none (a rank still starting), or for ``grace``
-    seconds: what is still running then."""
+    """SIGKILL what ``find()`` returns (``first`` first: torchrun then starts no rank) until it
+    finds none (a rank was still starting) or for ``grace`` seconds; what still runs then."""
     deadline = time.monotonic() + grace
     while running := find():
         for pid in sorted(running, key=lambda pid: pid != first):
@@ -109,9 +103,8 @@ def kill_until_gone(
 def end_run(
     proc: subprocess.Popen, marker: str, recorded: Iterable[int] = (), grace: float = 10.0
 ) -> None:
-    """Kill every process of the run torchrun ``proc`` started and wait until none is left.
-    ``marker`` is in every rank's command line; ``recorded`` are the ranks' pids, killed where
-    there is no /proc."""
+    """Kill every process of the run torchrun ``proc`` started (``marker`` in the ranks' command
+    lines; ``recorded``, their pids, where there is no /proc) and wait until none is left."""
     if not Path("/proc").is_dir():
         _kill_without_proc(proc.pid, recorded)
     # proc's pid is searched until poll() reaps it: until then no other process can have it
@@ -138,11 +131,9 @@ def _kill_without_proc(torchrun: int | None, recorded: Iterable[int]) -> None:
 
 @contextlib.contextmanager
 def ended_with_this_process(marker: str, folder: Path) -> Iterator[Callable[[int], None]]:
-    """Within the block, a watchdog (this file as a script, in a session of its own so that a
-    signal to this process's group spares it) reads a pipe from this process: if it closes
-    before the block ends (this process died), it kills every process of the run (``marker``
-    in their command lines) and removes ``folder``, the launch's. Yields a function that tells
-    it torchrun's pid."""
+    """Within the block, a watchdog (in a session of its own: a signal to this process's group
+    spares it) reads a pipe from this process; if it closes first (this process died), it
+    kills the run's processes and removes ``folder``. Yields a function telling torchrun's pid."""
     watchdog = subprocess.Popen(
         [sys.executable, "-I", str(Path(__file__).resolve()), str(os.getpid())],
         stdin=subprocess.PIPE,

@@ -232,16 +232,15 @@ def _run_steps(
         clock.mark()
         losses.append(loss.detach().float())
         samples.append(inputs.shape[0])
-        if save_at == i + 1:
-            save(model, optimizer, config, step + 1, rank, world, Path(config.checkpoint_dir))
-        elif config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-            directory = Path(config.checkpoint_dir) / f"step-{step + 1:06d}"
-            save(model, optimizer, config, step + 1, rank, world, directory)
+        every, done = config.checkpoint_every, step + 1
+        if save_at == i + 1 or (every and done % every == 0):
+            folder = Path(config.checkpoint_dir) / ("" if save_at else f"step-{done:06d}")
+            save(model, optimizer, config, done, rank, world, folder)
     return clock, losses, samples
 
 
 def _validation(task: Task, model: nn.Module, config: RunConfig, device: torch.device) -> float:
-    """The task's held-out error after training (NaN when it has none or it is off)."""
+    """The task's held-out error after training, if it has one and it is on."""
     if not (config.validate and task.validate is not None):
         return math.nan
     # DDP: the plain module, no collectives. FSDP2: every rank runs it (it gathers weights).
@@ -254,17 +253,15 @@ def _throughput(
 ) -> dict[str, float]:
     """The median step, and samples per second over the timed steps (after the warm-up)."""
     timed = slice(config.warmup, None) if config.steps > config.warmup else slice(None)
-    median_ms = statistics.median(step_ms[timed])
-    samples_per_step = statistics.median(global_samples[timed])
-    # Throughput over the whole timed window, gaps between steps included: a rank that waits
-    # for a slower one (its collectives do) shows it here, where a median step could hide it.
+    # Over the whole timed window, gaps between steps included: a rank that waits for a slower
+    # one (its collectives do) shows it here, where a median step could hide it.
     window_ms = clock.span_ms(timed.start or 0)
-    samples_per_s = sum(global_samples[timed]) / (window_ms / 1e3) if window_ms > 0 else math.nan
+    rate = sum(global_samples[timed]) / (window_ms / 1e3) if window_ms > 0 else math.nan
     return {
-        "median_step_ms": median_ms,
-        "samples_per_step": samples_per_step,
+        "median_step_ms": statistics.median(step_ms[timed]),
+        "samples_per_step": statistics.median(global_samples[timed]),
         "window_ms": window_ms,
-        "samples_per_s": samples_per_s,
+        "samples_per_s": rate,
     }
 
 
@@ -301,9 +298,8 @@ class _Clock:
             torch.cuda.synchronize()
         return [self._ms(a, b) for a, b in zip(self.marks[::2], self.marks[1::2], strict=True)]
 
-    def span_ms(self, first_step: int) -> float:
-        """From the start of step ``first_step`` to the end of the last step (call after
-        :meth:`times_ms`, which waits for the device)."""
+    def span_ms(self, first_step: int) -> float:  # after times_ms, which waits for the device
+        """From the start of step ``first_step`` to the end of the last."""
         return self._ms(self.marks[2 * first_step], self.marks[-1])
 
 
@@ -313,17 +309,12 @@ def _staged_batches(
     """Every step's batch, made on the host before the first step (pinned on a GPU, copied in
     without blocking), as a loader that keeps up delivers: made in the loop, a rank's sample
     generation would stall the others at the next collective, counted as communication."""
-    host = torch.device("cpu")
+    weak = config.scaling == "weak"  # every rank a whole batch of its own
     batches = []
-    for i in range(config.steps):
-        step = start + i
-        if config.scaling == "weak":  # every rank a whole batch of its own
-            pair = task.batch(step * world + rank, 0, 1, host)
-        else:
-            pair = task.batch(step, rank, world, host)
-        if device.type == "cuda":
-            pair = tuple(t.pin_memory() for t in pair)
-        batches.append(pair)
+    for step in range(start, start + config.steps):
+        which = (step * world + rank, 0, 1) if weak else (step, rank, world)
+        pair = task.batch(*which, torch.device("cpu"))
+        batches.append(tuple(t.pin_memory() for t in pair) if device.type == "cuda" else pair)
     return batches
 
 

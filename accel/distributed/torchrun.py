@@ -95,10 +95,9 @@ def run_torchrun(
     command: list[str],
     labels: Sequence[str] | None = None,
 ) -> list[RunResult]:
-    """Run ``configs`` in order on one torchrun started by ``command`` (they share its processes:
-    the same ``nprocs`` and ``nccl_env``); ``out`` is a fresh folder and each run's ``out_dir``
-    one inside it; ``labels`` name the runs in errors. Every process of the launch has ended
-    when it returns or raises."""
+    """``configs`` run in order on one torchrun started by ``command``, in the fresh folder
+    ``out`` (each run's ``out_dir`` inside), ``labels`` naming them in errors; every process of
+    the launch has ended when it returns or raises."""
     config_path = out / "config.json"
     config_path.write_text(json.dumps([dataclasses.asdict(c) for c in configs]))
     command = _torchrun_command(command, configs, config_path)
@@ -136,37 +135,26 @@ def _torchrun_command(
             *("--rdzv-backend", "static", "--rdzv-endpoint", str(first.rdzv_endpoint)),
             *("--rdzv-id", first.rdzv_id),
         ]
-    return [
-        *command,
-        *meeting,
-        "--nproc-per-node",
-        str(configs[0].nprocs),
-        "-m",
-        RANK_MODULE,
-        "--config",
-        str(config_path),
-    ]
+    rank = ["-m", RANK_MODULE, "--config", str(config_path)]
+    return [*command, *meeting, "--nproc-per-node", str(first.nprocs), *rank]
 
 
 def _environment(first: RunConfig, tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(first.nccl_env)
+    env = os.environ | first.nccl_env | {"PYTHONUNBUFFERED": "1"}
     env["TMPDIR"] = str(tmp)  # torchrun's torchelastic_* folder and the ranks' files go there
     # Ranks must import accel and the task's module as this process does.
     paths = [str(Path(__file__).resolve().parents[2]), os.getcwd(), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     # torchrun would set 1 and print a banner about it; share the cores instead
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // first.nprocs)))
-    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def _run_and_end(
     configs: Sequence[RunConfig], out: Path, command: list[str], labels: Sequence[str] | None
 ) -> tuple[int, tuple[int, ...]]:
-    """torchrun run until it exits, then whatever is left of the launch ended (killed at once
-    past the runs' timeouts summed or on any exception, e.g. Ctrl-C); its exit code and the
-    ranks' pids."""
+    """torchrun's exit code and the ranks' pids, once it exits and what is left of the launch
+    is ended (at once past the runs' timeouts summed, or on any exception, e.g. Ctrl-C)."""
     marker = str(out / "config.json")  # in every rank's command line
     timeout = sum(c.timeout for c in configs)
     log_path = out / "launcher.log"

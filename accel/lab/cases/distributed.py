@@ -78,10 +78,9 @@ def measure(
     on_run: Callable[[str, RunResult], None] | None = None,
     **options: Any,
 ) -> dict[str, RunResult]:
-    """Launch every configuration (``"one"`` on one process, the rest on ``nprocs``), one after
-    another, or with ``series`` the wrapped ones of equal NCCL settings on one launch each (a
-    launch's start paid once); ``options`` go to every launch (checkpoints, backend). Returns
-    the runs in the order of ``configs``."""
+    """Every configuration launched (``"one"`` on one process, the rest on ``nprocs``) one after
+    another, or with ``series`` those of equal NCCL settings on one launch; ``options`` go to
+    every launch. Returns the runs in the order of ``configs``."""
     configs = configs or CONFIGS
     common = {
         "steps": sizes.steps,
@@ -92,32 +91,24 @@ def measure(
         **options,
     }
     runs: dict[str, RunResult] = {}
-    groups: dict[str, dict[str, dict[str, Any]]] = {}  # the runs of a series, by NCCL settings
+    groups: dict[str, dict[str, dict[str, Any]]] = {}  # a series' runs, by NCCL settings
     for label, config in configs.items():
-        if config["wrapper"] == "none":
-            found = {
-                label: distributed.launch(task, 1, **common, in_process=one_in_process, **config)
-            }
-        elif series:
+        if series and config["wrapper"] != "none":
             groups.setdefault(json.dumps(config.get("nccl_env"), sort_keys=True), {})[label] = (
                 config
             )
             continue
-        else:
-            found = {label: distributed.launch(task, nprocs, **common, **config)}
-        runs |= _reported(found, on_run)
-    for runs_of_a_launch in groups.values():
-        runs |= _reported(
-            distributed.launch_series(runs_of_a_launch, task, nprocs, **common), on_run
-        )
-    return {label: runs[label] for label in configs}
-
-
-def _reported(found: dict[str, RunResult], on_run: Callable | None) -> dict[str, RunResult]:
-    for label, run in found.items():
+        one = config["wrapper"] == "none"
+        where = {"in_process": one_in_process} if one else {}
+        runs[label] = distributed.launch(task, 1 if one else nprocs, **common, **where, **config)
         if on_run is not None:
-            on_run(label, run)
-    return found
+            on_run(label, runs[label])
+    for group in groups.values():
+        for label, run in distributed.launch_series(group, task, nprocs, **common).items():
+            runs[label] = run
+            if on_run is not None:
+                on_run(label, run)
+    return {label: runs[label] for label in configs}
 
 
 def to_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
