@@ -32,6 +32,8 @@ from accel.distributed.tasks import Task, build_task, load_task
 from accel.distributed.torchrun import launcher_command, run_torchrun
 
 _RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
+# what the runs of one launch share: its processes' environment and its nodes
+_SHARED = ("backend", "nccl_env", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
 
 
 def gpus_present() -> int:
@@ -136,11 +138,11 @@ def launch_series(
             configs.append(
                 _config(_LAUNCH_DEFAULTS | {"task": task} | common | dict(own) | {"nprocs": nprocs})
             )
-    if len({json.dumps(_shared_settings(c), sort_keys=True) for c in configs}) > 1:
+    if len({json.dumps([getattr(c, k) for k in _SHARED], sort_keys=True) for c in configs}) > 1:
         raise ValueError(
             "the runs of one launch share its processes (NCCL reads its environment once per "
-            f"process) and its nodes: their {', '.join(_shared_settings(configs[0]))} must be "
-            "equal; launch the others apart"
+            f"process) and its nodes: their {', '.join(_SHARED)} must be equal; launch the "
+            "others apart"
         )
     return dict(zip(runs, _on_torchrun(configs, launcher, labels=list(runs)), strict=True))
 
@@ -168,12 +170,6 @@ def _naming(label: str | None) -> Iterator[None]:
         if label is None:
             raise
         raise ValueError(f"run {label!r}: {error}") from None
-
-
-def _shared_settings(config: RunConfig) -> dict[str, Any]:
-    """What the runs of one launch share: its processes' environment and its nodes."""
-    names = ("backend", "nccl_env", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
-    return {name: getattr(config, name) for name in names}
 
 
 # launch()'s defaults of the run's settings (RunConfig's fields), for launch_series

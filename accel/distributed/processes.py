@@ -103,14 +103,10 @@ def kill_until_gone(
 def end_run(
     proc: subprocess.Popen, marker: str, recorded: Iterable[int] = (), grace: float = 10.0
 ) -> None:
-    """Kill every process of the run torchrun ``proc`` started (``marker`` in the ranks' command
-    lines; ``recorded``, their pids, where there is no /proc) and wait until none is left."""
-    if not Path("/proc").is_dir():
-        _kill_without_proc(proc.pid, recorded)
+    """Kill every process of the run torchrun ``proc`` started and wait until none is left."""
     # proc's pid is searched until poll() reaps it: until then no other process can have it
-    elif left := kill_until_gone(
-        lambda: run_processes(proc.pid if proc.poll() is None else None, marker), proc.pid, grace
-    ):
+    root = lambda: proc.pid if proc.poll() is None else None  # noqa: E731
+    if left := _kill_run(proc.pid, marker, recorded, root, grace):
         warnings.warn(
             f"processes {sorted(left)} of the run did not end within {grace:g} s of SIGKILL "
             "(a process stuck in the kernel, e.g. in a GPU driver call)",
@@ -120,13 +116,25 @@ def end_run(
     proc.wait()
 
 
-def _kill_without_proc(torchrun: int | None, recorded: Iterable[int]) -> None:
+def _kill_run(
+    torchrun: int | None,
+    marker: str,
+    recorded: Iterable[int],
+    root: Callable[[], int | None] = lambda: None,
+    grace: float = 10.0,
+) -> set[int]:
+    """Every process of the run killed (``marker`` in the ranks' command lines, ``root()``
+    torchrun while it may be searched); where there is no /proc, torchrun's group and the
+    ranks' ``recorded`` pids. What still runs."""
+    if Path("/proc").is_dir():
+        return kill_until_gone(lambda: run_processes(root(), marker), torchrun, grace)
     if torchrun is not None:
         with contextlib.suppress(OSError):
             os.killpg(torchrun, signal.SIGKILL)
     for pid in recorded:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+    return set()
 
 
 @contextlib.contextmanager
@@ -177,10 +185,7 @@ def _watch(launcher: int) -> None:
             break
     if run is None:  # died before naming its run: nothing was started
         return
-    if Path("/proc").is_dir():
-        kill_until_gone(lambda: run_processes(None, run["marker"]), torchrun)
-    else:
-        _kill_without_proc(torchrun, rank_pids(Path(run["folder"])).values())
+    _kill_run(torchrun, run["marker"], rank_pids(Path(run["folder"])).values())
     shutil.rmtree(run["folder"], ignore_errors=True)
 
 
