@@ -5,15 +5,12 @@
     run.steps    # rank 0's rows, one dict per step: loss (mean over ranks), step_ms, samples/s
     run.ranks    # one dict per rank: throughput, peak memory, parameter + optimizer bytes
 
-A rank trains a :class:`Task`, built identically on every rank from ``(preset, seed)`` by a
-factory named ``"module:function"``. :func:`launch` checks every argument, then runs torchrun
-(``--standalone``, or one agent per host of ``nnodes``); each rank runs ``rank.run_rank`` and
-writes its metrics, or its traceback, raised here as :class:`RankFailed`. One process with
-``wrapper="none"`` (the reference every wrapper must match) trains in this process.
-:func:`launch_series` trains several runs on one launch, its start paid once. Modules:
-``launcher`` (the checks), ``torchrun`` (and its failures), ``processes`` (and the watchdog),
-``rank`` (and the wrappers), ``tasks``, ``checkpoint`` (digests checked before a load unpickles),
-``costs``, ``config``. Torch and the standard library only.
+A rank trains a :class:`Task`, built alike on every rank from ``(preset, seed)`` by a factory
+named ``"module:function"``. :func:`launch` checks every argument, then runs torchrun (one agent
+per host); a rank's error is raised here as :class:`RankFailed`. One process with
+``wrapper="none"``, the reference every wrapper must match, trains in this process;
+:func:`launch_series` trains several runs on one launch. Modules: ``launcher``, ``torchrun``,
+``processes``, ``rank``, ``tasks``, ``checkpoint``, ``costs``, ``config``; torch only.
 """
 
 from accel.distributed.checkpoint import checkpoint_meta, latest_checkpoint

@@ -19,9 +19,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
-def process_alive(pid: int, marker: str | None = None) -> bool:
-    """Whether ``pid`` runs (a zombie does not count); with ``marker``, only if its command line
-    contains it (so a reused pid is never taken for a rank)."""
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not count)."""
     if not Path("/proc").is_dir():  # not Linux: ask the kernel
         try:
             os.kill(pid, 0)
@@ -29,11 +28,9 @@ def process_alive(pid: int, marker: str | None = None) -> bool:
             return False
         return True
     try:
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
-    return marker is None or marker in _command_line(pid)
 
 
 def _command_line(pid: int) -> str:

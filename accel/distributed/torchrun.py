@@ -1,12 +1,7 @@
-"""A launch on torchrun (``python -m torch.distributed.run``): its command and environment (the
-launch's folder as TMPDIR, removed with it), watched until it exits or times out, every process
-of it ended, and what the ranks left read back as :class:`RunResult`, or raised: what
-:func:`accel.distributed.launch` raises besides ValueError, its cause first (torchrun's own
-error, or the failing rank's, from the ranks' error files and torchrun's failure summary).
-
-One host runs ``--standalone``; several hosts one agent each with torchrun's static rendezvous,
-the backend that honours ``--node-rank`` (c10d's numbers the nodes by host name and pid), so node
-r runs global ranks ``r * nprocs ...`` and node 0, serving the rendezvous, runs rank 0."""
+"""A launch on torchrun, watched until it exits or times out, every process of it ended, and
+what the ranks left read back as :class:`RunResult` or raised, its cause first (torchrun's own
+error, or the failing rank's). Several hosts meet at torchrun's static rendezvous, the backend
+that honours ``--node-rank`` (c10d's numbers nodes by host name), so node 0 runs rank 0."""
 
 from __future__ import annotations
 
@@ -103,9 +98,15 @@ def run_torchrun(
     command = _torchrun_command(command, configs, config_path)
     exitcode, pids = _run_and_end(configs, out, command, labels)
     output = (out / "launcher.log").read_text(errors="replace")
-    # no rank started and no summary of failed ranks (ChildFailedError): torchrun itself failed
+    # no rank started and no summary of failed ranks (ChildFailedError): torchrun itself failed,
+    # on several nodes mostly at the rendezvous; its last line says why
     if exitcode != 0 and not pids and "ChildFailedError" not in output:
-        raise agent_failure(configs[0], output, exitcode, describe(configs, labels))
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        raise LaunchError(
+            f"torchrun ended before starting any rank ({describe(configs, labels)}): "
+            f"{lines[-1][:300] if lines else f'exit code {exitcode}'}.{nodes_hint(configs[0])}"
+            f"\n\nIts output ends with:\n{output[-4000:]}"
+        )
     for i, config in enumerate(configs):  # the first run that did not finish failed the launch
         if exitcode != 0 and not _finished(config):
             what = describe([config]) + (f" (run {labels[i]!r})" if labels else "")
@@ -186,8 +187,7 @@ def _run_and_end(
 
 
 def _collect(config: RunConfig, exitcode: int, pids: tuple[int, ...], output: str) -> RunResult:
-    """One run's records from every rank (a failed rank was raised before), or the error of a
-    run that wrote nothing."""
+    """One run's records from every rank (a failed rank was raised before)."""
     paths = [Path(config.out_dir) / f"rank{rank}.json" for rank in config.local_ranks]
     if not _finished(config):
         missing = [p.stem for p in paths if not p.is_file()]
@@ -223,16 +223,6 @@ def nodes_hint(config: RunConfig) -> str:
         f" The {config.nnodes} nodes meet at rdzv_endpoint={config.rdzv_endpoint!r}: node 0 "
         "listens on its port (is it free there?), every other node connects to it (can it "
         "reach it?), and each node must launch once, with the same nnodes, nprocs and rdzv_id."
-    )
-
-
-def agent_failure(config: RunConfig, output: str, exitcode: int, what: str) -> LaunchError:
-    """torchrun's own error, its last line first: on several nodes mostly the rendezvous."""
-    lines = [line.strip() for line in output.splitlines() if line.strip()]
-    cause = lines[-1][:300] if lines else f"exit code {exitcode}"
-    return LaunchError(
-        f"torchrun ended before starting any rank ({what}): {cause}.{nodes_hint(config)}"
-        f"\n\nIts output ends with:\n{output[-4000:]}"
     )
 
 

@@ -21,7 +21,6 @@ from accel import distributed
 from accel.distributed import TUNED_COMM, RunResult
 from accel.lab.bench import BenchContext, Row
 
-OPERATOR_TASK = "accel.workloads.advection:distributed_task"
 CONFIGS: dict[str, dict[str, Any]] = {
     "one": {"wrapper": "none"},
     "ddp": {"wrapper": "ddp"},
@@ -63,7 +62,7 @@ NOTEBOOK_GPU_SIZES = BenchSizes(steps=60, warmup=10, scaling="weak", autocast="b
 
 def pick_task() -> tuple[str, str]:
     """The task the phase trains, and a note saying what it is."""
-    return OPERATOR_TASK, "the neural-operator workload"
+    return "accel.workloads.advection:distributed_task", "the neural-operator workload"
 
 
 def measure(
