@@ -114,11 +114,8 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
             f"load_from={str(path)!r} holds a DCP checkpoint with no {META}: not saved by "
             f"accel.distributed, or its save was interrupted. {_UNPICKLES}"
         )
-    steps = (
-        [path]
-        if (path / META).is_file()
-        else [p for p in path.glob("step-*/") if (p / META).is_file()]
-    )
+    candidates = [path] if (path / META).is_file() else path.glob("step-*/")
+    steps = [p for p in candidates if (p / META).is_file()]
     if not steps:
         raise ValueError(
             f"load_from={str(path)!r} holds no complete DCP checkpoint (no .metadata and {META}, "

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-Wrapper = Literal["none", "ddp", "fsdp2"]
 WRAPPERS: tuple[str, ...] = ("none", "ddp", "fsdp2")
-Scaling = Literal["strong", "weak"]
 
 # The communication settings, all at once: ``launch(..., **TUNED_COMM)``. Each wrapper uses its own.
 TUNED_COMM: dict[str, Any] = {

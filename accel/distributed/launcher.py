@@ -19,14 +19,7 @@ from typing import Any, Literal
 import torch
 
 from accel.distributed.checkpoint import check_loadable, latest_checkpoint
-from accel.distributed.config import (
-    DEFAULT_TASK,
-    WRAPPERS,
-    RunConfig,
-    RunResult,
-    Scaling,
-    Wrapper,
-)
+from accel.distributed.config import DEFAULT_TASK, WRAPPERS, RunConfig, RunResult
 from accel.distributed.rank import make_optimizer, train
 from accel.distributed.tasks import Task, build_task, load_task
 from accel.distributed.torchrun import launcher_command, run_torchrun
@@ -43,14 +36,14 @@ def gpus_present() -> int:
 def launch(
     task: str = DEFAULT_TASK,
     nprocs: int = 1,
-    wrapper: Wrapper = "none",
+    wrapper: Literal["none", "ddp", "fsdp2"] = "none",
     *,
     steps: int = 10,
     warmup: int = 2,
     preset: str | None = None,
     seed: int = 0,
     lr: float = 1e-3,
-    scaling: Scaling = "strong",
+    scaling: Literal["strong", "weak"] = "strong",
     backend: Literal["nccl", "gloo"] | None = None,
     autocast: Literal["bf16"] | None = None,
     bucket_cap_mb: float | None = None,
