@@ -30,7 +30,8 @@ import pytest
 import torch
 
 from accel import distributed as D
-from accel.distributed import failures, launcher, torchrun
+from accel.distributed import checkpoint, launcher, torchrun
+from accel.distributed.rank import run_rank
 from accel.lab.bench import BenchContext
 from accel.lab.cases import distributed as bench
 
@@ -315,7 +316,7 @@ def test_a_checkpoint_not_as_its_save_wrote_it_is_refused_before_anything_is_unp
     folder = tmp_path / "ckpt"
     shutil.copytree(runs["one"].config.checkpoint_dir, folder)
     ran = tmp_path / "code-ran"
-    meta_path = folder / D.META
+    meta_path = folder / checkpoint.META
     if change == "changed data":
         data = bytearray((folder / "__0_0.distcp").read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -337,7 +338,7 @@ def test_a_checkpoint_not_as_its_save_wrote_it_is_refused_before_anything_is_unp
 def test_a_save_records_the_digest_of_every_file_it_wrote(runs):
     folder = Path(runs["fsdp2"].config.checkpoint_dir)
     digests = D.checkpoint_meta(folder)["sha256"]
-    written = {p.name for p in folder.iterdir() if p.name != D.META}
+    written = {p.name for p in folder.iterdir() if p.name != checkpoint.META}
     assert set(digests) == written and {".metadata", "__0_0.distcp", "__1_0.distcp"} <= written
     assert digests[".metadata"] == hashlib.sha256((folder / ".metadata").read_bytes()).hexdigest()
 
@@ -593,7 +594,7 @@ def test_a_node_whose_world_is_not_nnodes_times_nprocs_says_so(tmp_path, monkeyp
     monkeypatch.setenv("LOCAL_RANK", "0")
     config = D.RunConfig(wrapper="ddp", nnodes=2, nprocs=1, out_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"nnodes=2 x nprocs=1 ranks, but torchrun made a world"):
-        D.run_rank([config], tmp_path)
+        run_rank([config], tmp_path)
     assert "world of 3" in json.loads((tmp_path / "rank0.error.json").read_text())["message"]
 
 
@@ -660,8 +661,6 @@ def test_bad_arguments_are_refused_before_launch(kwargs, message, no_launch):
 
 def _saved_checkpoint(root: Path) -> Path:
     """A checkpoint of a small model saved in this process, as a rank saves it."""
-    from accel.distributed import checkpoint
-
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
@@ -673,8 +672,6 @@ def _saved_checkpoint(root: Path) -> Path:
 
 def test_a_checkpoint_whose_other_ranks_wrote_elsewhere_is_refused_at_its_save(tmp_path):
     """Ranks on another host wrote their shard into a folder of their own (not shared)."""
-    from accel.distributed import checkpoint
-
     directory = _saved_checkpoint(tmp_path)
     (own,) = [p.name for p in directory.iterdir() if p.name.endswith(".distcp")]
 
@@ -897,7 +894,7 @@ def test_the_cause_is_the_killed_rank_then_the_raising_one_never_torchruns_sigte
         "  traceback : {why}\n------\nRoot Cause (first observed failure):\n[0]:\n"
         "  rank      : {b} (local_rank: {b})\n  exitcode  : 1 (pid: 10)\n"
     )
-    config = D.RunConfig(nprocs=2, wrapper="ddp")
+    config = D.RunConfig(nprocs=2, wrapper="ddp", out_dir=str(tmp_path))
 
     def failure(output, raised_by=None):
         for path in tmp_path.glob("*.error.json"):
@@ -906,7 +903,7 @@ def test_the_cause_is_the_killed_rank_then_the_raising_one_never_torchruns_sigte
             error = {"rank": raised_by, "time": 0.0, "type": "ValueError", "message": "bad batch",
                      "traceback": "Traceback ...\nValueError: bad batch"}  # fmt: skip
             (tmp_path / f"rank{raised_by}.error.json").write_text(json.dumps(error))
-        return failures.rank_failure(config, tmp_path, output, 1, {})
+        return torchrun.rank_failure(config, output, 1, (), what="ddp x2 of a task")
 
     sigterm = summary.format(a=0, code=-15, why="Signal 15 (SIGTERM) received by PID 11", b=1)
     sigkill = summary.format(a=1, code=-9, why="Signal 9 (SIGKILL) received by PID 11", b=0)

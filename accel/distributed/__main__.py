@@ -1,5 +1,4 @@
-"""One rank of a launch: ``python -m accel.distributed --config FILE``, what torchrun starts on
-every rank (see :mod:`accel.distributed.torchrun`). FILE holds the runs, in order."""
+"""One rank of a launch, as torchrun starts it: ``python -m accel.distributed --config FILE``."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    # Skip the interpreter's teardown: the results are written, and gloo's worker threads can
-    # abort it ("terminate called without an active exception", SIGABRT) after a clean run.
+    # No interpreter teardown: gloo's threads can abort it (SIGABRT) after a clean run
     os._exit(code)
 
 

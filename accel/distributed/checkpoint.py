@@ -1,13 +1,7 @@
-"""Checkpoints through ``torch.distributed.checkpoint`` (DCP) with ``get_state_dict`` and
-``set_state_dict``, which name tensors by the unwrapped module's names: a save on N ranks loads on
-M, and a DDP save loads into FSDP2 and back. A meta file, written last, marks a checkpoint complete,
-says what saved it and holds the SHA-256 digest of every file the save wrote.
-
-Loading a DCP checkpoint unpickles its ``.metadata`` (and objects in its data files), which can
-run any code: a checkpoint is loaded only if its meta file is there and every file matches its
-digest, checked before DCP reads anything. That refuses a folder this package did not save and
-a file changed after the save; it cannot refuse a folder whose author also wrote a matching meta
-file, so load only checkpoints you trust."""
+"""Checkpoints through ``torch.distributed.checkpoint`` (DCP), tensors named by the unwrapped
+module: saved on N ranks, loaded on M, DDP into FSDP2 and back. A meta file, written last, marks
+one complete and holds each file's size and SHA-256: DCP unpickles (any code can run), so a
+checkpoint loads only if every file matches, checked first; load only checkpoints you trust."""
 
 from __future__ import annotations
 
@@ -39,16 +33,20 @@ def save(
     world: int,
     directory: Path,
 ) -> None:
-    """A DCP checkpoint into ``directory`` (made if missing); its meta file, written last, marks
-    it complete and records the size and SHA-256 digest of each of DCP's files."""
+    """A DCP checkpoint into ``directory``, its meta file written last."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
     with _single_process_quiet():
         written = dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=directory)
-    if rank == 0:
+    if rank == 0:  # it writes .metadata once every rank's data files are written
         check_every_file_here(directory, written)
+        files = [  # DCP's: its .metadata and data files, not another hidden one being written
+            p
+            for p in sorted(directory.iterdir())
+            if p.is_file() and p.name != META and (p.name == ".metadata" or p.name[0] != ".")
+        ]
         meta = {
             "task": config.task,
             "preset": config.preset,
@@ -56,18 +54,14 @@ def save(
             "wrapper": config.wrapper,
             "world_size": world,
             "step": step,
-            # rank 0 writes .metadata once every rank's data files are written
-            "sha256": _digests(directory),
-            "files": {
-                p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.name != META
-            },
+            "sha256": {p.name: _sha256(p) for p in files},
+            "files": {p.name: p.stat().st_size for p in files},
         }
         write_text_atomic(directory / META, json.dumps(meta))
 
 
 def check_every_file_here(directory: Path, written: Any) -> None:
-    """That every file of DCP's metadata ``written`` (each rank's data) is in ``directory``, as
-    when all ranks write into one folder; a ValueError naming the missing ones where ranks on
+    """A ValueError naming the files of DCP's metadata ``written`` not in ``directory``: ranks on
     other hosts wrote into a folder of their own."""
     listed = {
         getattr(info, "relative_path", None)
@@ -99,9 +93,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig) 
 
 
 def check_loadable(config: RunConfig) -> dict:
-    """The meta of ``config.load_from`` if this run may load it: saved by this package, every
-    file as the save wrote it (nothing of it read but the meta file and the bytes digested), by
-    the run's task and preset. Else a ValueError saying why."""
+    """The meta of ``config.load_from`` if this run may load it (every file as saved, by the
+    run's task and preset), else a ValueError saying why; nothing unpickled."""
     meta = _verified_meta(Path(config.load_from))
     for key in ("task", "preset"):
         if meta.get(key) != getattr(config, key):
@@ -113,20 +106,16 @@ def check_loadable(config: RunConfig) -> dict:
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path:
-    """``path`` if it is a complete checkpoint, else the complete ``step-NNNNNN`` checkpoint
-    under it with the highest step (one interrupted while saving has no meta file yet); a
-    ValueError naming the file if one of its files is missing, truncated or changed."""
+    """``path`` if it is a complete checkpoint, else the complete ``step-NNNNNN`` one under it
+    of the highest step; a ValueError naming a file missing, truncated or changed."""
     path = Path(path)
     if (path / ".metadata").is_file() and not (path / META).is_file():
         raise ValueError(
             f"load_from={str(path)!r} holds a DCP checkpoint with no {META}: not saved by "
             f"accel.distributed, or its save was interrupted. {_UNPICKLES}"
         )
-    steps = (
-        [path]
-        if (path / META).is_file()
-        else [p for p in path.glob("step-*/") if (p / META).is_file()]
-    )
+    candidates = [path] if (path / META).is_file() else path.glob("step-*/")
+    steps = [p for p in candidates if (p / META).is_file()]
     if not steps:
         raise ValueError(
             f"load_from={str(path)!r} holds no complete DCP checkpoint (no .metadata and {META}, "
@@ -137,24 +126,9 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
     return latest
 
 
-def check_files(path: str | os.PathLike) -> None:
-    """A ValueError naming the first file of the checkpoint at ``path`` that is missing or
-    shorter than when it was saved (a copy cut short, a full disk), before DCP reads any."""
-    sizes = checkpoint_meta(path).get("files", {".metadata": 0})  # saved before sizes were kept
-    for name, size in sizes.items():
-        file = Path(path) / name
-        if not file.is_file():
-            raise ValueError(f"checkpoint {path}: {name} is missing (saved with {size} bytes)")
-        if file.stat().st_size < size:
-            raise ValueError(
-                f"checkpoint {path}: {name} is truncated: {file.stat().st_size} of the {size} "
-                "bytes saved"
-            )
-
-
 def checkpoint_meta(path: str | os.PathLike) -> dict:
-    """What saved a checkpoint: task, preset, seed, wrapper, world_size, step, and the SHA-256
-    digest of each file (``sha256``: name -> hex digest). Read as JSON; nothing is verified."""
+    """What saved a checkpoint (task, preset, seed, wrapper, world_size, step) and each file's
+    size and SHA-256 (``files``, ``sha256``), read as JSON, unverified."""
     meta = Path(path) / META
     if not meta.is_file():
         raise ValueError(f"{path} was not saved by accel.distributed (no {META})")
@@ -165,10 +139,11 @@ _UNPICKLES = "Refused: loading it would unpickle its files, which can run any co
 
 
 def _verified_meta(path: Path) -> dict:
-    """The meta of the checkpoint at ``path`` if every file it records matches its digest."""
+    """The meta of the checkpoint at ``path`` if every file it records is there, whole, and
+    matches its digest; else a ValueError naming the first file that does not."""
     try:
         meta = checkpoint_meta(path)
-        digests = meta.get("sha256")
+        digests, sizes = meta.get("sha256"), meta.get("files") or {}
     except (ValueError, AttributeError):
         raise ValueError(
             f"checkpoint {path}: no readable {META}: not saved by accel.distributed. {_UNPICKLES}"
@@ -179,24 +154,20 @@ def _verified_meta(path: Path) -> dict:
             f"older accel.distributed, or not by it). {_UNPICKLES}"
         )
     for name, expected in digests.items():
-        file = path / str(name)
-        if Path(str(name)).name != name or not file.is_file() or _sha256(file) != expected:
-            check_files(path)  # a file missing or cut short is named as such
+        file, size, plain = path / str(name), sizes.get(name, 0), Path(str(name)).name == name
+        if plain and not file.is_file():
+            raise ValueError(f"checkpoint {path}: {name} is missing (saved with {size} bytes)")
+        if plain and file.stat().st_size < size:
+            raise ValueError(
+                f"checkpoint {path}: {name} is truncated: {file.stat().st_size} of the {size} "
+                "bytes saved"
+            )
+        if not plain or _sha256(file) != expected:
             raise ValueError(
                 f"checkpoint {path}: {name} does not match the SHA-256 digest its {META} "
                 f"recorded: changed (or removed) since it was saved. {_UNPICKLES}"
             )
     return meta
-
-
-def _digests(directory: Path) -> dict[str, str]:
-    """The SHA-256 of every file DCP wrote into ``directory``: its ``.metadata`` and data files
-    (not the meta file, nor another hidden file, e.g. one being written)."""
-    return {
-        p.name: _sha256(p)
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != META and (p.name == ".metadata" or p.name[0] != ".")
-    }
 
 
 def _sha256(path: Path) -> str:

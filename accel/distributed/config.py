@@ -1,25 +1,12 @@
-"""What a run is asked to do (:class:`RunConfig`, the wrappers, the tuned communication settings)
-and what it returns (:class:`RunResult`, plain lists and dicts)."""
+"""What a run is asked (:class:`RunConfig`, the tuned settings) and returns (:class:`RunResult`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-Wrapper = Literal["none", "ddp", "fsdp2"]
 WRAPPERS: tuple[str, ...] = ("none", "ddp", "fsdp2")
-Scaling = Literal["strong", "weak"]
 
-# NCCL settings multi-host launch scripts commonly export. Within one NVLink host only
-# NCCL_MIN_NCHANNELS can change anything: the socket settings are for TCP transport between hosts,
-# and P2P/IB "disable=0" are NCCL's defaults already.
-WRITEUP_NCCL_ENV: dict[str, str] = {
-    "NCCL_NSOCKS_PERTHREAD": "4",
-    "NCCL_SOCKET_NTHREADS": "2",
-    "NCCL_MIN_NCHANNELS": "4",
-    "NCCL_P2P_DISABLE": "0",
-    "NCCL_IB_DISABLE": "0",
-}
 # The communication settings, all at once: ``launch(..., **TUNED_COMM)``. Each wrapper uses its own.
 TUNED_COMM: dict[str, Any] = {
     "bucket_cap_mb": 100,  # DDP: fewer, larger all-reduces (default 25 MB)
@@ -27,7 +14,15 @@ TUNED_COMM: dict[str, Any] = {
     "static_graph": True,  # DDP: the same parameters get gradients every step
     "reshard_after_forward": False,  # FSDP2: keep gathered blocks for the backward (more memory)
     "mixed_precision": "bf16",  # DDP: bf16 gradients (CUDA); FSDP2: bf16 parameter gathers
-    "nccl_env": WRITEUP_NCCL_ENV,
+    # what multi-host launch scripts commonly export; within one NVLink host only the channels
+    # can change anything (sockets are for TCP between hosts, "disable=0" is NCCL's default)
+    "nccl_env": {
+        "NCCL_NSOCKS_PERTHREAD": "4",
+        "NCCL_SOCKET_NTHREADS": "2",
+        "NCCL_MIN_NCHANNELS": "4",
+        "NCCL_P2P_DISABLE": "0",
+        "NCCL_IB_DISABLE": "0",
+    },
 }
 DEFAULT_TASK = "accel.distributed:toy_task"
 
@@ -68,31 +63,24 @@ class RunConfig:
 
     @property
     def world_size(self) -> int:
-        """Every rank of the run, on every node: ``nnodes * nprocs``."""
         return self.nnodes * self.nprocs
 
     @property
     def local_ranks(self) -> range:
-        """The global ranks this node's agent runs (torchrun numbers a node's ranks after the
-        lower nodes')."""
+        """The global ranks of this node (torchrun numbers them after the lower nodes')."""
         return range(self.node_rank * self.nprocs, (self.node_rank + 1) * self.nprocs)
 
     @property
     def comm_tuned(self) -> bool:
         """Whether any communication setting differs from torch's defaults."""
-        default = RunConfig()
-        return any(getattr(self, k) != getattr(default, k) for k in TUNED_COMM)
+        return any(getattr(self, k) != getattr(RunConfig(), k) for k in TUNED_COMM)
 
 
 @dataclass
 class RunResult:
-    """A finished run. ``steps``: rank 0's per-step rows; ``ranks``: every rank's summary, one
-    per rank; each a list of dicts (``accel.lab.cases.distributed.to_frame`` makes a DataFrame).
-
-    On several nodes each node's launch returns its own ranks (``config.local_ranks``): ``ranks``
-    their summaries, ``steps`` the rows of its first rank. The losses in them are means over
-    every rank of every node, so they are the same on each node; node 0's first rank is global
-    rank 0, the rows a one-host run returns."""
+    """A finished run, plain lists of dicts: ``steps``, the per-step rows of this node's first
+    rank (rank 0 on one host), ``ranks``, the summary of each of this node's ranks. Losses are
+    means over every rank of every node, the same on each node."""
 
     config: RunConfig
     steps: list[dict[str, Any]]
@@ -104,12 +92,11 @@ class RunResult:
     def from_records(
         cls, config: RunConfig, records: list[dict], *, output: str, pids: tuple[int, ...] = ()
     ) -> RunResult:
-        """From every rank's record (``{"summary": ..., "steps": [...]}``), the lowest rank's
-        first."""
+        """From every rank's record (``{"summary": ..., "steps": [...]}``), lowest rank first."""
         steps = list(records[0]["steps"])
         return cls(config, steps, [r["summary"] for r in records], output=output, pids=pids)
 
     @property
     def summary(self) -> dict[str, Any]:
-        """Rank 0's summary (on a node other than 0: its first rank's)."""
+        """This node's first rank's summary (rank 0's on one host)."""
         return dict(self.ranks[0])

@@ -1,5 +1,4 @@
-"""The byte cost model the notebook teaches with: what each rank sends per step, and what state it
-holds, under DDP and FSDP2. Plain arithmetic."""
+"""The byte cost model: what each rank sends per step and holds, under DDP and FSDP2."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""What a rank trains: a :class:`Task`, built identically on every rank from ``(preset, seed)``
-by a factory named ``"module:function"``; the built-in toy task (a residual MLP over tokens)."""
+"""What a rank trains, :class:`Task`, from a factory named ``"module:function"``; the toy task."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,10 +25,6 @@ class Task:
     #       (step, rank, world_size, device) -> (inputs, targets) of this rank's share
     loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (model(inputs), targets) -> scalar
     validate: Callable[[torch.nn.Module, torch.device], float] | None = None  # held-out error
-
-
-# ---------------------------------------------------------------------------------------------
-# The built-in toy task: a residual MLP over tokens, learning a fixed random function.
 
 
 @dataclass(frozen=True)
@@ -127,18 +123,19 @@ def _generator(seed: int, step: int, device: torch.device | str = "cpu") -> torc
 
 def load_task(name: str) -> Callable[[str, int], Task]:
     """The factory named ``"module:function"``."""
-    module, function = split_task_name(name)
+    module, sep, function = str(name).partition(":")
+    if not (sep and module and function):
+        raise ValueError(f"task must be named 'module:function', got {name!r}")
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found:
+        raise ValueError(f"task {name!r}: module {module!r} cannot be found")
     factory = getattr(importlib.import_module(module), function, None)
     if not callable(factory):
         raise ValueError(f"task {name!r}: module {module!r} has no function {function!r}")
     return factory
-
-
-def split_task_name(name: str) -> tuple[str, str]:
-    module, sep, function = str(name).partition(":")
-    if not (sep and module and function):
-        raise ValueError(f"task must be named 'module:function', got {name!r}")
-    return module, function
 
 
 def build_task(config: RunConfig) -> Task:

@@ -1,22 +1,17 @@
-"""A run under torchrun (``python -m torch.distributed.run``): its command and environment, the
-run watched until it exits or times out, every process of it ended (by
-:mod:`accel.distributed.processes`; by its watchdog if this process dies first), and what the
-ranks left read back as a :class:`RunResult` or raised as the error of the rank that failed.
-torchrun and the ranks get the launch's folder as their temporary folder, removed with it.
-
-One host runs ``--standalone``. Several hosts run one torchrun agent each, with torchrun's
-static rendezvous (``--nnodes N --node-rank r --rdzv-backend static --rdzv-endpoint host:port``):
-it is the backend that honours ``--node-rank`` (c10d's numbers the nodes by sorting their host
-names and pids, and torchrun ignores ``--node-rank`` there), so node r runs global ranks
-``r * nprocs ...`` and node 0, which serves the rendezvous at the endpoint, runs rank 0."""
+"""A launch on torchrun, watched until it exits or times out, every process of it ended, and
+what the ranks left read back as :class:`RunResult` or raised, its cause first (torchrun's own
+error, or the failing rank's). Several hosts meet at torchrun's static rendezvous, the backend
+that honours ``--node-rank`` (c10d's numbers nodes by host name), so node 0 runs rank 0."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -26,9 +21,39 @@ from pathlib import Path
 import torch
 
 from accel.distributed.config import RunConfig, RunResult
-from accel.distributed.errors import LauncherNotFound, LaunchError, LaunchTimeout
-from accel.distributed.failures import agent_failed, agent_failure, nodes_hint, rank_failure
 from accel.distributed.processes import end_run, ended_with_this_process, rank_pids
+
+
+class LaunchError(RuntimeError):
+    """The run could not start, or ended without results."""
+
+
+class LauncherNotFound(LaunchError):
+    """Neither torchrun nor ``torch.distributed.run`` can be run here."""
+
+
+class LaunchTimeout(LaunchError):
+    """The run took longer than ``timeout``; every process of it was killed."""
+
+
+class RankFailed(LaunchError):
+    """A rank raised (or died): ``rank``, its ``traceback``, the launcher's ``output``, its
+    ``exitcode`` and the ranks' ``pids``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None,
+        traceback: str,
+        output: str,
+        exitcode: int | None,
+        pids: tuple[int, ...] = (),
+    ):
+        super().__init__(message)
+        self.rank, self.traceback, self.output = rank, traceback, output
+        self.exitcode, self.pids = exitcode, pids
+
 
 # What every rank runs: this package's __main__, which reads the config file and calls run_rank.
 RANK_MODULE = "accel.distributed"
@@ -65,35 +90,31 @@ def run_torchrun(
     command: list[str],
     labels: Sequence[str] | None = None,
 ) -> list[RunResult]:
-    """Run ``configs`` in order on one torchrun started by ``command`` (they share its processes:
-    the same ``nprocs`` and ``nccl_env``); ``out`` is a fresh folder and each run's ``out_dir``
-    one inside it; ``labels`` name the runs in errors. Every process of the launch has ended
-    when it returns or raises."""
+    """``configs`` run in order on one torchrun started by ``command``, in the fresh folder
+    ``out`` (each run's ``out_dir`` inside), ``labels`` naming them in errors; every process of
+    the launch has ended when it returns or raises."""
     config_path = out / "config.json"
     config_path.write_text(json.dumps([dataclasses.asdict(c) for c in configs]))
     command = _torchrun_command(command, configs, config_path)
     exitcode, pids = _run_and_end(configs, out, command, labels)
     output = (out / "launcher.log").read_text(errors="replace")
-    if exitcode != 0 and agent_failed(output, ranks_started=bool(pids)):
-        raise agent_failure(configs[0], output, exitcode, describe(configs, labels))
+    # no rank started and no summary of failed ranks (ChildFailedError): torchrun itself failed,
+    # on several nodes mostly at the rendezvous; its last line says why
+    if exitcode != 0 and not pids and "ChildFailedError" not in output:
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        raise LaunchError(
+            f"torchrun ended before starting any rank ({describe(configs, labels)}): "
+            f"{lines[-1][:300] if lines else f'exit code {exitcode}'}.{nodes_hint(configs[0])}"
+            f"\n\nIts output ends with:\n{output[-4000:]}"
+        )
     for i, config in enumerate(configs):  # the first run that did not finish failed the launch
         if exitcode != 0 and not _finished(config):
             what = describe([config]) + (f" (run {labels[i]!r})" if labels else "")
-            raise rank_failure(config, Path(config.out_dir), output, exitcode, pids, what=what)
+            raise rank_failure(config, output, exitcode, pids, what)
     results = []
     for config in configs:  # a loop, not a comprehension: _collect's warning names our caller
         results.append(_collect(config, exitcode, pids, output))
     return results
-
-
-def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:
-    """What a launch runs, for its errors: ``ddp x2 of TASK``, or its runs' names."""
-    first = configs[0]
-    where = f" on node {first.node_rank} of {first.nnodes}" if first.nnodes > 1 else ""
-    if len(configs) == 1:
-        return f"{first.wrapper} x{first.nprocs}{where} of {first.task}"
-    names = labels or [describe([c]) for c in configs]
-    return f"the runs {', '.join(map(str, names))} x{first.nprocs}{where} on one launch"
 
 
 def _finished(config: RunConfig) -> bool:
@@ -115,72 +136,58 @@ def _torchrun_command(
             *("--rdzv-backend", "static", "--rdzv-endpoint", str(first.rdzv_endpoint)),
             *("--rdzv-id", first.rdzv_id),
         ]
-    return [
-        *command,
-        *meeting,
-        "--nproc-per-node",
-        str(configs[0].nprocs),
-        "-m",
-        RANK_MODULE,
-        "--config",
-        str(config_path),
-    ]
+    rank = ["-m", RANK_MODULE, "--config", str(config_path)]
+    return [*command, *meeting, "--nproc-per-node", str(first.nprocs), *rank]
 
 
 def _environment(first: RunConfig, tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(first.nccl_env)
+    env = os.environ | first.nccl_env | {"PYTHONUNBUFFERED": "1"}
     env["TMPDIR"] = str(tmp)  # torchrun's torchelastic_* folder and the ranks' files go there
     # Ranks must import accel and the task's module as this process does.
     paths = [str(Path(__file__).resolve().parents[2]), os.getcwd(), env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     # torchrun would set 1 and print a banner about it; share the cores instead
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // first.nprocs)))
-    env["PYTHONUNBUFFERED"] = "1"
     return env
 
 
 def _run_and_end(
     configs: Sequence[RunConfig], out: Path, command: list[str], labels: Sequence[str] | None
-) -> tuple[int, dict[int, int]]:
-    """torchrun run until it exits, then whatever is left of the launch ended (killed at once
-    past the runs' timeouts summed or on any exception, e.g. Ctrl-C); its exit code and the
-    ranks' pids."""
+) -> tuple[int, tuple[int, ...]]:
+    """torchrun's exit code and the ranks' pids, once it exits and what is left of the launch
+    is ended (at once past the runs' timeouts summed, or on any exception, e.g. Ctrl-C)."""
     marker = str(out / "config.json")  # in every rank's command line
     timeout = sum(c.timeout for c in configs)
     log_path = out / "launcher.log"
-    tmp = out / "tmp"
-    tmp.mkdir()
+    (out / "tmp").mkdir()
     with open(log_path, "wb") as log, ended_with_this_process(marker, out) as watched:
         # Its own session: on a timeout the whole group is killed, torchrun and all.
         proc = subprocess.Popen(
             command,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_environment(configs[0], tmp),
+            env=_environment(configs[0], out / "tmp"),
             start_new_session=True,
         )
         watched(proc.pid)
         try:
             exitcode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            end_run(proc, marker, rank_pids(out).values())
-            raise LaunchTimeout(
-                f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process "
-                f"was killed.{nodes_hint(configs[0])} Output ends with:\n" + _tail(log_path)
-            ) from None
-        except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave nothing behind
-            end_run(proc, marker, rank_pids(out).values())
-            raise
-        # torchrun ends the other ranks when one fails; make sure nothing of the run is left
-        pids = rank_pids(out)
-        end_run(proc, marker, rank_pids(out).values())
+            exitcode = None
+        finally:  # torchrun ends the other ranks when one fails; make sure nothing is left
+            pids = tuple(rank_pids(out).values())
+            end_run(proc, marker, pids)
+    if exitcode is None:
+        raise LaunchTimeout(
+            f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process was "
+            f"killed.{nodes_hint(configs[0])} Output ends with:\n"
+            + log_path.read_text(errors="replace")[-4000:]
+        )
     return exitcode, pids
 
 
-def _collect(config: RunConfig, exitcode: int, pids: dict[int, int], output: str) -> RunResult:
-    """One run's records from every rank (a failed rank was raised before), or the error of a
-    run that wrote nothing."""
+def _collect(config: RunConfig, exitcode: int, pids: tuple[int, ...], output: str) -> RunResult:
+    """One run's records from every rank (a failed rank was raised before)."""
     paths = [Path(config.out_dir) / f"rank{rank}.json" for rank in config.local_ranks]
     if not _finished(config):
         missing = [p.stem for p in paths if not p.is_file()]
@@ -192,14 +199,101 @@ def _collect(config: RunConfig, exitcode: int, pids: dict[int, int], output: str
         warnings.warn(
             f"torchrun exited {exitcode} after every rank wrote its results; they are returned. "
             f"Output ends with:\n{output[-1500:]}",
-            stacklevel=4,  # launch's caller
+            stacklevel=5,  # launch's caller (through _on_torchrun and run_torchrun)
         )
     records = [json.loads(p.read_text()) for p in paths]
-    return RunResult.from_records(config, records, output=output, pids=tuple(pids.values()))
+    return RunResult.from_records(config, records, output=output, pids=pids)
 
 
-def _tail(path: Path, chars: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
+def describe(configs: Sequence[RunConfig], labels: Sequence[str] | None = None) -> str:
+    """What a launch runs: ``ddp x2 of TASK``, or its runs' names."""
+    first = configs[0]
+    where = f" on node {first.node_rank} of {first.nnodes}" if first.nnodes > 1 else ""
+    if len(configs) == 1:
+        return f"{first.wrapper} x{first.nprocs}{where} of {first.task}"
+    names = labels or [describe([c]) for c in configs]
+    return f"the runs {', '.join(map(str, names))} x{first.nprocs}{where} on one launch"
+
+
+def nodes_hint(config: RunConfig) -> str:
+    """What to check on a run of several nodes that failed to meet, or "" on one host."""
+    if config.nnodes == 1:
         return ""
+    return (
+        f" The {config.nnodes} nodes meet at rdzv_endpoint={config.rdzv_endpoint!r}: node 0 "
+        "listens on its port (is it free there?), every other node connects to it (can it "
+        "reach it?), and each node must launch once, with the same nnodes, nprocs and rdzv_id."
+    )
+
+
+def rank_failure(
+    config: RunConfig, output: str, exitcode: int, pids: tuple[int, ...], what: str
+) -> RankFailed:
+    """The failing rank's error, its cause in the first line: a rank that died without a Python
+    error (killed, out of memory, crashed), else the first rank that raised; the other ranks'
+    errors, mostly consequences, after."""
+    errors = sorted(
+        (json.loads(p.read_text()) for p in Path(config.out_dir).glob("rank*.error.json")),
+        key=lambda e: e["time"],
+    )
+    raised = {e["rank"] for e in errors}
+    # torchrun ends the other ranks with SIGTERM, a consequence: a rank killed otherwise is the
+    # cause, then a rank that raised, then a SIGTERM if nothing else is known
+    killed = {
+        r: why
+        for r, why in _killed_ranks(output).items()
+        if r not in raised and not (errors and "SIGTERM" in why)
+    }
+    consequences = [
+        f"rank {e['rank']}: {e['type']}: {_first_line(e['message'], 200)}" for e in errors
+    ]
+    if killed or not errors:
+        rank, cause = min(
+            killed.items(),
+            key=lambda item: ("SIGTERM" in item[1], item[0]),
+            default=(None, f"torchrun exit code {exitcode}"),
+        )
+        who = "a rank" if rank is None else f"rank {rank} of {config.world_size}"
+        head = f"{who} died without a Python error: {cause} ({what}; killed, out of memory, "
+        head += "or crashed)"
+        traceback, later = "", consequences
+        tail = f"The launcher's output ends with:\n{output[-6000:]}"
+    else:
+        first = errors[0]
+        rank, traceback, later, tail = first["rank"], first["traceback"], consequences[1:], ""
+        message = _first_line(first["message"], 300)
+        head = f"rank {rank} of {config.world_size} raised {first['type']}"
+        head += f"{': ' + message if message else ''} ({what})"
+    then = f"then, as a consequence: {'; '.join(later)}" if later else ""
+    parts = [f"{head}; torchrun ended the other ranks.", traceback.rstrip(), then, tail]
+    return RankFailed(
+        "\n\n".join(part for part in parts if part),
+        rank=rank,
+        traceback=traceback,
+        output=output,
+        exitcode=exitcode,
+        pids=pids,
+    )
+
+
+def _first_line(text: str | None, chars: int) -> str:
+    lines = (text or "").strip().splitlines()
+    return lines[0][:chars] if lines else ""
+
+
+def _killed_ranks(output: str) -> dict[int, str]:
+    """Ranks that torchrun's failure summary shows ended by a signal, with the signal, e.g.
+    {1: "Signal 9 (SIGKILL) received by PID 1234"}."""
+    killed: dict[int, str] = {}
+    rank = None
+    for line in output.rpartition("ChildFailedError")[2].splitlines():
+        key, _, value = (part.strip() for part in line.strip().partition(":"))
+        if key == "rank" and value.split() and value.split()[0].isdigit():
+            rank = int(value.split()[0])
+        elif key == "exitcode" and rank is not None and value.startswith("-"):
+            number = int(value.split()[0])
+            with contextlib.suppress(ValueError):
+                killed.setdefault(rank, f"{signal.Signals(-number).name} (exit code {number})")
+        elif key == "traceback" and rank in killed and value.startswith("Signal"):
+            killed[rank] = value
+    return killed

@@ -1,17 +1,13 @@
-"""Bench phase ``distributed``: one GPU against DDP and FSDP2 on every GPU present, with torch's
-default communication settings and with the tuned ones. Shared with
-``notebooks/08_distributed.ipynb``.
-
-Rows, for N GPUs (N >= 2; with fewer the rows say what was skipped): throughput of each
-configuration against one GPU (its speedup over N is the scaling efficiency), parameter +
-optimizer-state memory per GPU (FSDP2 against DDP) and peak memory per GPU. Weak scaling on GPUs:
-every GPU trains the task's whole ``gpu`` batch, as when GPUs are added to a run. Targets (at the
-gpu preset): two GPUs, DDP >= 1.8x one GPU and FSDP2's state memory per GPU <= 0.6x DDP's; four
-GPUs, >= 3.4x and <= 0.35x. Launches run one after another, not interleaved.
+"""Bench phase ``distributed`` (notebook 08): one GPU against DDP and FSDP2 on every GPU present,
+with torch's default communication settings and with the tuned ones, launched one after another.
+Rows for N >= 2 GPUs (fewer: rows saying what was skipped): each configuration's throughput
+against one GPU, its parameter + optimizer-state memory per GPU (FSDP2's against DDP's) and its
+peak memory; weak scaling on GPUs (each trains the whole ``gpu`` batch). Targets: ``TARGETS``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -25,7 +21,6 @@ from accel import distributed
 from accel.distributed import TUNED_COMM, RunResult
 from accel.lab.bench import BenchContext, Row
 
-OPERATOR_TASK = "accel.workloads.advection:distributed_task"
 CONFIGS: dict[str, dict[str, Any]] = {
     "one": {"wrapper": "none"},
     "ddp": {"wrapper": "ddp"},
@@ -34,6 +29,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fsdp2 tuned": {"wrapper": "fsdp2", **TUNED_COMM},
 }
 MiB = 2**20
+_row = functools.partial(Row, "distributed")
 
 
 @dataclass(frozen=True)
@@ -66,7 +62,7 @@ NOTEBOOK_GPU_SIZES = BenchSizes(steps=60, warmup=10, scaling="weak", autocast="b
 
 def pick_task() -> tuple[str, str]:
     """The task the phase trains, and a note saying what it is."""
-    return OPERATOR_TASK, "the neural-operator workload"
+    return "accel.workloads.advection:distributed_task", "the neural-operator workload"
 
 
 def measure(
@@ -81,10 +77,9 @@ def measure(
     on_run: Callable[[str, RunResult], None] | None = None,
     **options: Any,
 ) -> dict[str, RunResult]:
-    """Launch every configuration (``"one"`` on one process, the rest on ``nprocs``), one after
-    another, or with ``series`` the wrapped ones of equal NCCL settings on one launch each (a
-    launch's start paid once); ``options`` go to every launch (checkpoints, backend). Returns
-    the runs in the order of ``configs``."""
+    """Every configuration launched (``"one"`` on one process, the rest on ``nprocs``) one after
+    another, or with ``series`` those of equal NCCL settings on one launch; ``options`` go to
+    every launch. Returns the runs in the order of ``configs``."""
     configs = configs or CONFIGS
     common = {
         "steps": sizes.steps,
@@ -95,25 +90,23 @@ def measure(
         **options,
     }
     runs: dict[str, RunResult] = {}
-
-    def finished(found: dict[str, RunResult]) -> None:
-        runs.update(found)
-        for label, run in found.items():
+    groups: dict[str, dict[str, dict[str, Any]]] = {}  # a series' runs, by NCCL settings
+    for label, config in configs.items():
+        if series and config["wrapper"] != "none":
+            groups.setdefault(json.dumps(config.get("nccl_env"), sort_keys=True), {})[label] = (
+                config
+            )
+            continue
+        one = config["wrapper"] == "none"
+        where = {"in_process": one_in_process} if one else {}
+        runs[label] = distributed.launch(task, 1 if one else nprocs, **common, **where, **config)
+        if on_run is not None:
+            on_run(label, runs[label])
+    for group in groups.values():
+        for label, run in distributed.launch_series(group, task, nprocs, **common).items():
+            runs[label] = run
             if on_run is not None:
                 on_run(label, run)
-
-    groups: dict[str, dict[str, dict[str, Any]]] = {}
-    for label, config in configs.items():
-        if config["wrapper"] == "none":
-            one = distributed.launch(task, 1, **common, in_process=one_in_process, **config)
-            finished({label: one})
-        elif series:
-            nccl = json.dumps(config.get("nccl_env"), sort_keys=True)
-            groups.setdefault(nccl, {})[label] = config
-        else:
-            finished({label: distributed.launch(task, nprocs, **common, **config)})
-    for runs_of_a_launch in groups.values():
-        finished(distributed.launch_series(runs_of_a_launch, task, nprocs, **common))
     return {label: runs[label] for label in configs}
 
 
@@ -151,9 +144,12 @@ def table(runs: dict[str, RunResult]) -> pd.DataFrame:
 
 def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
     """Bench rows from :func:`measure`'s runs: one process's throughput, then each wrapped
-    configuration's throughput, then its memory."""
+    configuration's throughput (DDP's judged), then its state memory per rank (FSDP2's judged
+    against DDP's) and, on GPUs, its peak memory."""
     frame = table(runs).set_index("config")
-    n = int(frame.drop(index="one")["nprocs"].max())
+    one, wrapped = frame.loc["one"], frame.drop(index="one")
+    n = int(wrapped["nprocs"].max())
+    target = TARGETS.get(n)
     first = next(iter(runs.values())).config
     note = (
         f"{where}; {first.scaling} scaling, preset {first.preset}, autocast {first.autocast}; "
@@ -161,78 +157,54 @@ def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
         "window of rank 0's clock (CUDA events on a GPU), batches staged on the host; "
         "launches one after another"
     )
-    one = Row(
-        "distributed",
-        "one_gpu throughput",
-        "training throughput on one process",
-        "samples/s",
-        frame.loc["one", "samples_per_s"],
-        note=note,
-    )
-    throughput = _throughput_rows(frame, n, judged=judged, note=note)
-    return [one, *throughput, *_memory_rows(frame, n, judged=judged, where=where)]
-
-
-def _throughput_rows(frame: pd.DataFrame, n: int, *, judged: bool, note: str) -> list[Row]:
-    """Each wrapped configuration's throughput against one process (DDP's judged against the
-    target for ``n`` ranks)."""
-    one, targets, out = frame.loc["one"], TARGETS.get(n), []
-    for label, r in frame.drop(index="one").iterrows():
-        is_ddp = r["wrapper"] == "ddp"
-        extra = f"; {r['notes']}" if r["notes"] else ""
+    out = [
+        _row(
+            "one_gpu throughput",
+            "training throughput on one process",
+            "samples/s",
+            one["samples_per_s"],
+            note=note,
+        )
+    ]
+    for label, r in wrapped.iterrows():
+        judge_ddp = target is not None and r["wrapper"] == "ddp"
         out.append(
-            Row(
-                "distributed",
+            _row(
                 f"{label} x{n} throughput",
                 f"training throughput on {n} ranks against one",
                 "samples/s",
                 r["samples_per_s"],
                 baseline=one["samples_per_s"],
                 higher_is_better=True,
-                target=f">= {targets.speedup}x" if targets and is_ddp else "",
-                met=bool(r["speedup"] >= targets.speedup)
-                if judged and targets and is_ddp
-                else None,
-                note=note + extra,
+                target=f">= {target.speedup}x" if judge_ddp else "",
+                met=bool(r["speedup"] >= target.speedup) if judged and judge_ddp else None,
+                note=note + (f"; {r['notes']}" if r["notes"] else ""),
             )
         )
-    return out
-
-
-def _memory_rows(frame: pd.DataFrame, n: int, *, judged: bool, where: str) -> list[Row]:
-    """Each wrapped configuration's state memory per rank (FSDP2's judged against DDP's) and,
-    on GPUs, its peak memory against one process's."""
-    one, targets, out = frame.loc["one"], TARGETS.get(n), []
     ddp_state = frame.loc["ddp", "state_mib_per_rank"] if "ddp" in frame.index else math.nan
-    for label, r in frame.drop(index="one").iterrows():
-        is_fsdp = r["wrapper"] == "fsdp2"
+    for label, r in wrapped.iterrows():
+        fsdp = r["wrapper"] == "fsdp2"
+        judge_fsdp = target is not None and fsdp
+        state = r["state_mib_per_rank"]
         out.append(
-            Row(
-                "distributed",
+            _row(
                 f"{label} x{n} state_memory",
                 "parameter + optimizer-state memory per rank"
-                + (" against DDP's" if is_fsdp else " against one rank's"),
+                + (" against DDP's" if fsdp else " against one rank's"),
                 "MiB",
-                r["state_mib_per_rank"],
-                baseline=ddp_state if is_fsdp else one["state_mib_per_rank"],
-                target=(
-                    f"<= {targets.memory}x (speedup >= {1 / targets.memory:.2f})"
-                    if targets and is_fsdp
-                    else ""
-                ),
-                met=(
-                    bool(r["state_mib_per_rank"] / ddp_state <= targets.memory)
-                    if judged and targets and is_fsdp
-                    else None
-                ),
+                state,
+                baseline=ddp_state if fsdp else one["state_mib_per_rank"],
+                target=f"<= {target.memory}x (speedup >= {1 / target.memory:.2f})"
+                if judge_fsdp
+                else "",
+                met=bool(state / ddp_state <= target.memory) if judged and judge_fsdp else None,
                 note=f"{where}; bytes of each rank's own parameter and AdamW-state tensors "
                 "(FSDP2: its shards); largest over ranks",
             )
         )
         if not math.isnan(r["peak_mib_per_rank"]):
             out.append(
-                Row(
-                    "distributed",
+                _row(
                     f"{label} x{n} peak_memory",
                     "peak allocated memory per GPU during training against one GPU's",
                     "MiB",
@@ -247,8 +219,7 @@ def _memory_rows(frame: pd.DataFrame, n: int, *, judged: bool, where: str) -> li
 def skipped_rows(present: int, *, reason: str) -> list[Row]:
     """A row per target that needs more GPUs than ``present``, saying so."""
     return [
-        Row(
-            "distributed",
+        _row(
             f"ddp x{n} throughput",
             f"training throughput on {n} GPUs against one",
             "samples/s",
@@ -267,8 +238,7 @@ def run(ctx: BenchContext) -> list[Row]:
     gpus = torch.cuda.device_count() if on_gpu else 0
     if on_gpu and gpus < 2:
         return skipped_rows(gpus, reason=f"{gpus} GPU present; DDP and FSDP2 need two or more")
-    judged = ctx.judged
-    sizes = BENCH_SIZES["gpu" if on_gpu else "cpu"]
+    judged, sizes = ctx.judged, BENCH_SIZES["gpu" if on_gpu else "cpu"]
 
     def launch(nprocs: int, configs: dict[str, dict[str, Any]]) -> dict[str, RunResult]:
         return measure(task, nprocs, preset=ctx.preset, sizes=sizes, configs=configs)
@@ -295,8 +265,7 @@ def run(ctx: BenchContext) -> list[Row]:
         )
         found = rows({"one": one, **runs}, judged=judged, where=where + spread)
         out += found if not out else found[1:]  # the one-GPU row once
-    skipped = skipped_rows(gpus, reason=f"{gpus} GPUs present") if on_gpu else []
-    return out + skipped
+    return out + (skipped_rows(gpus, reason=f"{gpus} GPUs present") if on_gpu else [])
 
 
 def rank_counts(gpus: int) -> list[int]:
