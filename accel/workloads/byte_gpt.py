@@ -24,6 +24,7 @@ class Sizes(Protocol):
     text_bytes: int
     width: int
 
+
 VOCAB = 256  # bytes
 
 

@@ -51,7 +51,7 @@ METRICS = ("lior", "R", "spd")
 # the loop used Python floats) change the last bits; the dynamics are damped, so the difference
 # does not grow over windows.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls (the plain trainer's schedule)
+CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls
 
 
 @dataclass(frozen=True)
@@ -336,19 +336,22 @@ def apply_cuda_graph(run_window: Callable[[], None], flags: Flags, device: torch
 
 
 class Step:
-    """One window per call. Public state lives in tensors allocated once and updated in place."""
+    """One window per call. Public state lives in tensors allocated once and updated in place.
+    ``g0`` and ``planes`` override the seeded metric and rotor planes (validated); ``verbose``
+    prints progress rows as they reach the host."""
 
     def __init__(
         self,
-        flags: Flags,
-        sizes: Sizes,
-        device: torch.device,
-        seed: int,
+        flags: Flags = Flags(),
+        sizes: Sizes = Sizes(),
         *,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
         g0: torch.Tensor | None = None,
         planes: Any = None,
         verbose: bool = False,
     ):
+        device = torch.device(device)
         self.flags, self.sizes, self.device, self.verbose = flags, sizes, device, verbose
         self._init_field(seed, g0, planes)
         self.metrics = torch.zeros(2, len(METRICS), device=device)  # (phase, metric) means
@@ -548,19 +551,7 @@ class Step:
         }
 
 
-def build(
-    flags: Flags = Flags(),
-    sizes: Sizes = Sizes(),
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    g0: torch.Tensor | None = None,
-    planes: Any = None,
-    verbose: bool = False,
-) -> Step:
-    """A field-trainer step (one window per call). ``g0`` and ``planes`` override the seeded
-    metric and rotor planes (validated); ``verbose`` prints progress rows as they reach the host."""
-    return Step(flags, sizes, torch.device(device), seed, g0=g0, planes=planes, verbose=verbose)
+build = Step  # build(flags, sizes, *, device, seed, ...): the contract's name for the step
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float]]:

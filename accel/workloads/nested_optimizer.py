@@ -273,17 +273,20 @@ def apply_cuda_graph(step: Step) -> tuple[Any, Any]:
 
 # ---- one training step --------------------------------------------------------------------------
 class Step:
-    """One training step per call: :meth:`forward_backward` then :meth:`optimizer_step`."""
+    """One training step per call: :meth:`forward_backward` then :meth:`optimizer_step`.
+    ``checkpoint`` names the blocks to checkpoint (``"blocks.3"``), overriding the
+    ``activation_checkpointing`` flag."""
 
     def __init__(
         self,
-        flags: Flags,
-        sizes: Sizes,
-        device: torch.device,
-        seed: int,
+        flags: Flags = Flags(),
+        sizes: Sizes = Sizes(),
         *,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
         checkpoint: list[str] | None = None,
     ):
+        device = torch.device(device)
         self.flags, self.sizes, self.device = flags, sizes, device
         self.inputs = text_batches(sizes, (sizes.batches, sizes.batch), seed).to(device)
         with torch.random.fork_rng(devices=[]):
@@ -504,17 +507,7 @@ class Step:
             }
 
 
-def build(
-    flags: Flags = Flags(),
-    sizes: Sizes = Sizes(),
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    checkpoint: list[str] | None = None,
-) -> Step:
-    """A nested-optimizer training step. ``checkpoint`` names the blocks to checkpoint
-    (``"blocks.3"``), overriding the ``activation_checkpointing`` flag."""
-    return Step(flags, sizes, torch.device(device), seed, checkpoint=checkpoint)
+build = Step  # build(flags, sizes, *, device, seed, ...): the contract's name for the step
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float]]:

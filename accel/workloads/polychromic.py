@@ -193,8 +193,16 @@ def gumbel(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
 class Step:
     """Generate, embed and score one batch of prompts per call."""
 
-    def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
-        self.flags, self.sizes, self.device = flags, sizes, device
+    def __init__(
+        self,
+        flags: Flags = Flags(),
+        sizes: Sizes = Sizes(),
+        *,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ):
+        self.flags, self.sizes, self.device = flags, sizes, torch.device(device)
+        device = self.device
         s = sizes
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -283,6 +291,9 @@ class Step:
         return {k: v.clone() for k, v in self.last.items()}
 
 
+build = Step  # build(flags, sizes, *, device, seed): the contract's name for the step
+
+
 def tokens_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """True if two results' replies are equal, or each first differs at a near-tie.
 
@@ -322,13 +333,3 @@ def compare_results(
     if not torch.equal(result["tokens"], reference["tokens"]):
         return {}
     return check(result, reference, tolerance(flags, sizes, steps))
-
-
-def build(
-    flags: Flags = Flags(),
-    sizes: Sizes = Sizes(),
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> Step:
-    return Step(flags, sizes, torch.device(device), seed)

@@ -239,7 +239,15 @@ class ViT(nn.Module):
 class Step:
     """One training step per call. Losses stay on the device (one host read in ``mean_loss``)."""
 
-    def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
+    def __init__(
+        self,
+        flags: Flags = Flags(),
+        sizes: Sizes = Sizes(),
+        *,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ):
+        device = torch.device(device)
         if flags.backend != "default" and not flags.sdpa:
             raise ValueError(f"backend={flags.backend!r} needs sdpa=True: the manual path has none")
         self.flags, self.sizes, self.device = flags, sizes, device
@@ -328,6 +336,9 @@ class Step:
         return {"logits": logits, **params}
 
 
+build = Step  # build(flags, sizes, *, device, seed): the contract's name for the step
+
+
 def _bf16_stages(depth: int) -> int:
     """Matrix products in series along the residual stream, each rounding its inputs to bf16: the
     patch embedding, six per block (q/k/v, scores, probabilities x values, output projection, the
@@ -357,13 +368,3 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance]:
 
 
 compare_results = make_compare_results(tolerance)
-
-
-def build(
-    flags: Flags = Flags(),
-    sizes: Sizes = Sizes(),
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> Step:
-    return Step(flags, sizes, torch.device(device), seed)

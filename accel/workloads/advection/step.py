@@ -83,7 +83,15 @@ class Step:
     start, keeps a clone of its loss, and drops the gradients after the optimizer step.
     """
 
-    def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
+    def __init__(
+        self,
+        flags: Flags = Flags(),  # noqa: B008 (frozen dataclasses: one shared default is safe)
+        sizes: Sizes = Sizes(),  # noqa: B008
+        *,
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ):
+        device = torch.device(device)
         check_flags(flags, device)
         self.flags, self.sizes, self.device, self.seed = flags, sizes, device, seed
         self.micro_batch_size = sizes.batch * flags.batch_multiplier
@@ -309,6 +317,9 @@ class Step:
         self._batches = None
 
 
+build = Step  # build(flags, sizes, *, device, seed): the contract's name for the step
+
+
 def _optimizer_states(optimizer: Any) -> list[dict]:
     inner = [optimizer]
     if hasattr(optimizer, "optim_dict"):  # torchao's offload optimizer: one per large tensor
@@ -329,13 +340,3 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, flo
 
 
 compare_results = make_compare_results(tolerance, relative=False)  # absolute
-
-
-def build(
-    flags: Flags = Flags(),  # noqa: B008 (frozen dataclasses: one shared default is safe)
-    sizes: Sizes = Sizes(),  # noqa: B008
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> Step:
-    return Step(flags, sizes, torch.device(device), seed)
