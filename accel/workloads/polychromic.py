@@ -193,14 +193,7 @@ def gumbel(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
 class Step:
     """Generate, embed and score one batch of prompts per call."""
 
-    def __init__(
-        self,
-        flags: Flags = Flags(),
-        sizes: Sizes = Sizes(),
-        *,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-    ):
+    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):
         self.flags, self.sizes, self.device = flags, sizes, torch.device(device)
         device = self.device
         s = sizes

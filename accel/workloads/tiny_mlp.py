@@ -55,14 +55,7 @@ def make_mlp(width: int, depth: int) -> nn.Sequential:
 class Step:
     """One training step per call; the running loss stays where the flags say."""
 
-    def __init__(
-        self,
-        flags: Flags = Flags(),
-        sizes: Sizes = Sizes(),
-        *,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-    ):
+    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):
         self.flags, device = flags, torch.device(device)
         gen = torch.Generator(device="cpu").manual_seed(seed)
         with torch.random.fork_rng(devices=[]):

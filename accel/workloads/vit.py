@@ -239,14 +239,7 @@ class ViT(nn.Module):
 class Step:
     """One training step per call. Losses stay on the device (one host read in ``mean_loss``)."""
 
-    def __init__(
-        self,
-        flags: Flags = Flags(),
-        sizes: Sizes = Sizes(),
-        *,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-    ):
+    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):
         device = torch.device(device)
         if flags.backend != "default" and not flags.sdpa:
             raise ValueError(f"backend={flags.backend!r} needs sdpa=True: the manual path has none")

@@ -83,14 +83,7 @@ class Step:
     start, keeps a clone of its loss, and drops the gradients after the optimizer step.
     """
 
-    def __init__(
-        self,
-        flags: Flags = Flags(),  # noqa: B008 (frozen dataclasses: one shared default is safe)
-        sizes: Sizes = Sizes(),  # noqa: B008
-        *,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-    ):
+    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):  # noqa: B008
         device = torch.device(device)
         check_flags(flags, device)
         self.flags, self.sizes, self.device, self.seed = flags, sizes, device, seed
