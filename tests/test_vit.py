@@ -128,7 +128,7 @@ def test_presets():
         (dict(dim=30, heads=4), "even size"),
         (dict(dim=18, heads=2), "even size"),
         (dict(classes=9), "between 2 and 8"),
-        (dict(batch=0), "must be >= 1"),
+        (dict(batch=0), "Sizes.batch must be an int >= 1"),
     ],
 )
 def test_bad_sizes_are_rejected(kwargs, match):

@@ -43,7 +43,7 @@ from accel.workloads.field_dynamics import (  # the step's math, public here too
     retrieve,
     retrieve_fused,
 )
-from accel.workloads.flags import Presets, flag
+from accel.workloads.flags import Presets, check_int, check_sizes, flag
 
 METRICS = ("lior", "R", "spd")
 # Flags keep results equal to the baseline within this (fp32). compiled_retrieval and
@@ -131,37 +131,21 @@ class Sizes(Presets):
     eps: float = 1e-6
 
     def __post_init__(self):
-        _in_range("batch", self.batch, 1)
-        _in_range("dim", self.dim, 2)
-        _in_range("bank", self.bank, 1)
-        _in_range("steps_per_window", self.steps_per_window, 2)
+        check_sizes(self, ("batch", "bank", "rotor_layers", "nudge_every_windows", "patterns"))
+        check_sizes(self, positive=("beta", "dt", "rotor_lr", "eps"))
+        check_int("dim", self.dim, 2)
+        check_int("steps_per_window", self.steps_per_window, 2)
         if self.steps_per_window % 2:
             raise ValueError(
                 f"Sizes.steps_per_window must be even (a free and a nudged phase "
                 f"of equal length), got {self.steps_per_window}"
             )
-        _in_range(
-            "progress_every",
-            self.progress_every,
-            0,
-            self.steps_per_phase,
-            "(steps of a phase between read-outs; 0 turns them off)",
-        )
-        _in_range("rotor_layers", self.rotor_layers, 1)
-        _in_range(
-            "rotor_k",
-            self.rotor_k,
-            1,
-            self.dim // 2,
-            f"(disjoint planes per layer in {self.dim} coordinates)",
-        )
-        _in_range("nudge_every_windows", self.nudge_every_windows, 1)
+        why = "(steps of a phase between read-outs; 0 turns them off)"
+        check_int("progress_every", self.progress_every, 0, self.steps_per_phase, why)
+        why = f"(disjoint planes per layer in {self.dim} coordinates)"
+        check_int("rotor_k", self.rotor_k, 1, self.dim // 2, why)
         if self.metric not in ("full", "diag"):
             raise ValueError(f"Sizes.metric must be 'full' or 'diag', got {self.metric!r}")
-        _in_range("patterns", self.patterns, 1)
-        for name in ("beta", "dt", "rotor_lr", "eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Sizes.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.damping < 1:
             raise ValueError(f"Sizes.damping must be in [0, 1), got {self.damping}")
         if self.nudge < 0:
@@ -174,14 +158,6 @@ class Sizes(Presets):
     @property
     def readouts_per_window(self) -> int:
         return 2 * (self.steps_per_phase // self.progress_every) if self.progress_every else 0
-
-
-def _in_range(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
-    if not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        valid = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(
-            f"Sizes.{name} must be an int in {valid}{' ' + why if why else ''}, got {value!r}"
-        )
 
 
 Sizes.PRESETS = {

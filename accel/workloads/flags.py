@@ -165,3 +165,22 @@ def pick_preset(presets: dict[str, Any], name: str) -> Any:
     if name not in presets:
         raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(presets)}")
     return presets[name]
+
+
+def check_int(name: str, value: Any, lo: int = 1, hi: int | None = None, why: str = "") -> None:
+    """A ValueError naming ``Sizes.<name>`` unless ``value`` is an int in ``lo..hi``."""
+    if type(value) is not int or value < lo or (hi is not None and value > hi):
+        valid = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(
+            f"Sizes.{name} must be an int {valid}{' ' + why if why else ''}, got {value!r}"
+        )
+
+
+def check_sizes(sizes: Any, ints: tuple[str, ...] = (), positive: tuple[str, ...] = ()) -> None:
+    """A workload's ``Sizes`` checked on creation: each of ``ints`` an int >= 1, each of
+    ``positive`` > 0; a ValueError names the first field that is not."""
+    for name in ints:
+        check_int(name, getattr(sizes, name))
+    for name in positive:
+        if not getattr(sizes, name) > 0:
+            raise ValueError(f"Sizes.{name} must be > 0, got {getattr(sizes, name)!r}")

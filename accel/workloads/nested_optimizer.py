@@ -37,7 +37,7 @@ from accel.workloads.byte_gpt import (  # the model and its text, public here to
     text_batches,
 )
 from accel.workloads.compare import make_compare_results
-from accel.workloads.flags import Presets, flag, option
+from accel.workloads.flags import Presets, check_sizes, flag, option
 
 # Flags keep results equal to the baseline within these (fp32: foreach vs per-tensor sums and
 # fused vs for-loop AdamW round differently; Adam's normalized update carries such differences
@@ -144,10 +144,8 @@ class Sizes(Presets):
     max_lr_scale: float = 2.0
 
     def __post_init__(self):
-        for name in ("layers", "width", "heads", "context", "batch", "batches", "text_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Sizes.{name} must be an int >= 1, got {value!r}")
+        check_sizes(self, ("layers", "width", "heads", "context", "batch", "batches", "text_bytes"))
+        check_sizes(self, positive=("lr", "max_grad_norm", "controller_lr"))
         if self.width % self.heads:
             raise ValueError(
                 f"Sizes.width ({self.width}) must be a multiple of Sizes.heads ({self.heads})"
@@ -156,9 +154,6 @@ class Sizes(Presets):
             raise ValueError(
                 f"Sizes.text_bytes ({self.text_bytes}) must exceed context + 1 ({self.context + 1})"
             )
-        for name in ("lr", "max_grad_norm", "controller_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Sizes.{name} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"Sizes.weight_decay must be >= 0, got {self.weight_decay}")
         if not self.max_lr_scale >= 1:

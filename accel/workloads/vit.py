@@ -30,7 +30,7 @@ from accel.workloads.compare import (
     adamw_drift_bound,
     make_compare_results,
 )
-from accel.workloads.flags import Presets, flag, option
+from accel.workloads.flags import Presets, check_sizes, flag, option
 
 # Every flag but bf16_autocast leaves the held-out logits equal to the baseline's within float32
 # rounding after a few steps: SDPA, the fused projection and fused AdamW only sum in other orders
@@ -106,8 +106,7 @@ class Sizes(Presets):
             )
         if not 2 <= self.classes <= len(SHAPES):
             raise ValueError(f"classes must be between 2 and {len(SHAPES)}, got {self.classes}")
-        if min(self.depth, self.batch, self.batches, self.mlp_ratio) < 1:
-            raise ValueError(f"depth, batch, batches and mlp_ratio must be >= 1: {self}")
+        check_sizes(self, ("depth", "batch", "batches", "mlp_ratio"))
 
     @property
     def tokens(self) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from accel.workloads import flags as flags_module
-from accel.workloads.flags import Presets, flag, option
+from accel.workloads.flags import Presets, check_sizes, flag, option
 
 COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
 PRECISIONS = ("fp32", "bf16", "fp16+scaler")
@@ -126,24 +126,9 @@ class Sizes(Presets):
     aux_weight: float = 0.1
 
     def __post_init__(self):
-        names = (
-            "grid",
-            "queries",
-            "modes",
-            "dim",
-            "heads",
-            "depth",
-            "decoder_depth",
-            "inverse_depth",
-            "mlp_ratio",
-            "batch",
-            "epoch_batches",
-            "validation_samples",
-        )
-        for name in names:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Sizes.{name} must be an int >= 1, got {value!r}")
+        ints = ("grid", "queries", "modes", "dim", "heads", "depth", "decoder_depth")
+        ints += ("inverse_depth", "mlp_ratio", "batch", "epoch_batches", "validation_samples")
+        check_sizes(self, ints, positive=("lr",))
         if self.dim % self.heads:
             raise ValueError(f"Sizes.dim {self.dim} does not split into {self.heads} heads")
         if 2 * self.modes >= self.grid:
@@ -151,10 +136,8 @@ class Sizes(Presets):
                 f"Sizes.grid {self.grid} cannot resolve {self.modes} modes: needs more than "
                 f"{2 * self.modes} points (Nyquist)"
             )
-        if not (self.lr > 0 and self.aux_weight >= 0):
-            raise ValueError(
-                f"Sizes.lr must be > 0 and aux_weight >= 0, got {self.lr}, {self.aux_weight}"
-            )
+        if self.aux_weight < 0:
+            raise ValueError(f"Sizes.aux_weight must be >= 0, got {self.aux_weight}")
 
     @property
     def inverse_targets(self) -> int:
