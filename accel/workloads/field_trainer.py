@@ -10,15 +10,10 @@ field update, and metric accumulators (LIoR, R, spd) with a progress read-out ev
 difference between the phases' statistics, plane by plane.
 
 ``Flags()`` is the "before", written the way such code usually is; each flag removes one cost.
-Launch-bound at the ``gpu`` preset: the home of phases 1-4.
-
-Phase 4's ``cuda_graph`` flag captures :meth:`Step.run_window` (the device work) as one CUDA
-graph: it reads and writes only tensors allocated in ``__init__``, in place, with the window's
-target copied into a static buffer before it; host work (collecting progress, the rotor-update
-schedule, cache cleanup) stays outside it. A captured window also needs ``batched_progress`` (an
-``.item()`` inside fails the capture: the window then runs eagerly, with a warning naming it).
-``overlapped_launches`` builds the compiled step (``compiled_step``) for back-to-back replay:
-programmatic dependent launch and combo kernels, so the gaps between a replay's kernels shrink.
+Launch-bound at the ``gpu`` preset: the home of phases 1-4. ``cuda_graph`` captures
+:meth:`Step.run_window` (the device work, on tensors allocated once) and needs
+``batched_progress`` (an ``.item()`` inside fails the capture: the window then runs eagerly, with
+a warning naming it); host work (progress, the rotor schedule, cache cleanup) stays outside.
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ from accel.workloads.compare import make_compare_results
 from accel.workloads.compiling import own_code
 from accel.workloads.field_dynamics import (  # the step's math, public here too (ft.*)
     accumulating_step,
-    curvature,  # noqa: F401
     field_step,
     metric_cost,  # noqa: F401
     retrieve,
@@ -211,11 +205,6 @@ def apply_batched_progress(flags: Flags, sizes: Sizes, device: torch.device) -> 
     return sync.ProgressLog(METRICS, max(sizes.readouts_per_window, 1), device=device)
 
 
-def apply_fused_retrieval(flags: Flags) -> Callable:
-    """``fused_retrieval``: the retrieval with the mix fused by hand; else the reference."""
-    return retrieve_fused if flags.fused_retrieval else retrieve
-
-
 def apply_compiled_retrieval(flags: Flags, probe: tuple) -> Callable:
     """``compiled_retrieval`` (unless ``compiled_step`` compiles it with the step): the
     retrieval compiled, if it runs here and matches eager on ``probe``; else the eager one.
@@ -224,21 +213,15 @@ def apply_compiled_retrieval(flags: Flags, probe: tuple) -> Callable:
     ``step.retrieve.compiles`` shows how many graphs it has compiled (one per field shape; more
     means shape churn), ``direct_calls`` how many calls skipped dynamo."""
     global _compiled_mix
-    eager = apply_fused_retrieval(flags)
+    eager = retrieve_fused if flags.fused_retrieval else retrieve
     if not flags.compiled_retrieval or flags.compiled_step:
         return eager
     try:
         if _compiled_mix is None:  # steps of every size share it; .compiles counts the shapes
             _compiled_mix = compile_per_shape(retrieve, direct=True)
         _compiled_mix.check(*probe, **TOLERANCE)  # compiles now, not inside the timed window
-    except Exception as exc:  # no compiler, no Triton, unsupported platform...
-        warnings.warn(
-            f"compiled_retrieval: torch.compile cannot run here "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-            "using the eager retrieval",
-            RuntimeWarning,
-            stacklevel=4,  # the caller of build()
-        )
+    except Exception as exc:  # no compiler, no Triton, unsupported platform, a mismatch...
+        _warn_eager("compiled_retrieval", exc, "retrieval")
         return eager
     return _compiled_mix
 
@@ -256,7 +239,7 @@ def apply_compiled_step(step: Step) -> Callable | None:
                 "overlapped_launches changes how the compiled step is built: without "
                 "compiled_step it does nothing",
                 RuntimeWarning,
-                stacklevel=4,  # the caller of build()
+                stacklevel=3,  # the caller of build()
             )
         return None
     fn = accumulating_step if f.inplace_accumulate else field_step
@@ -269,7 +252,7 @@ def apply_compiled_step(step: Step) -> Callable | None:
         )
         _COMPILED_STEPS[key] = torch.compile(source, dynamic=False, options=options)
     compiled = _COMPILED_STEPS[key]
-    options = step._step_options(apply_fused_retrieval(f))
+    options = step._step_options(retrieve_fused if f.fused_retrieval else retrieve)
 
     def call(x, v, nudge, *accumulators):
         return compiled(x, v, nudge, *accumulators, *step._fixed(), **options)
@@ -277,15 +260,19 @@ def apply_compiled_step(step: Step) -> Callable | None:
     try:
         _check_compiled_step(step, fn, call, options)
     except Exception as exc:  # no compiler, no Triton, a mismatch...
-        detail = " ".join(line.strip() for line in str(exc).splitlines()[:4])
-        warnings.warn(
-            f"compiled_step: torch.compile cannot run here or differs from eager "
-            f"({type(exc).__name__}: {detail}); using the eager step",
-            RuntimeWarning,
-            stacklevel=4,  # the caller of build()
-        )
+        _warn_eager("compiled_step", exc, "step")
         return None
     return call
+
+
+def _warn_eager(flag: str, exc: Exception, what: str) -> None:
+    detail = " ".join(line.strip() for line in str(exc).splitlines()[:4])
+    warnings.warn(
+        f"{flag}: torch.compile cannot run here or differs from eager "
+        f"({type(exc).__name__}: {detail}); using the eager {what}",
+        RuntimeWarning,
+        stacklevel=4,  # the caller of build()
+    )
 
 
 def _copy(a: Any) -> Any:
@@ -480,14 +467,12 @@ class Step:
         """Move the rotor angles with the nudged-minus-free statistics, plane by plane."""
         v_diff = self.v_mean[1] - self.v_mean[0]
         lior_diff = self.metrics[1, 0] - self.metrics[0, 0]
-        if self.flags.vectorized_rotor:
-            sync.update_rotor_angles(
-                self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr
-            )
-        else:
-            sync.update_rotor_angles_reference(
-                self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr
-            )
+        update = (
+            sync.update_rotor_angles
+            if self.flags.vectorized_rotor
+            else sync.update_rotor_angles_reference
+        )
+        update(self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr)
 
     def _cleanup(self) -> None:
         if self.device.type != "cuda":
