@@ -300,8 +300,7 @@ def apply_cuda_graph(run_window: Callable[[], None], flags: Flags, device: torch
 
 class Step:
     """One window per call. Public state lives in tensors allocated once and updated in place.
-    ``g0`` and ``planes`` override the seeded metric and rotor planes (validated); ``verbose``
-    prints progress rows as they reach the host."""
+    ``g0`` and ``planes`` override the seeded metric and rotor planes (validated)."""
 
     def __init__(
         self,
@@ -312,17 +311,15 @@ class Step:
         seed: int = 0,
         g0: torch.Tensor | None = None,
         planes: Any = None,
-        verbose: bool = False,
     ):
         device = torch.device(device)
-        self.flags, self.sizes, self.device, self.verbose = flags, sizes, device, verbose
+        self.flags, self.sizes, self.device = flags, sizes, device
         self._init_field(seed, g0, planes)
         self.metrics = torch.zeros(2, len(METRICS), device=device)  # (phase, metric) means
         self.v_mean = torch.zeros(2, sizes.dim, device=device)  # mean velocity per phase
         self._acc = torch.zeros(len(METRICS), device=device)  # in-place accumulators
         self._vel_acc = torch.zeros(sizes.batch, sizes.dim, device=device)
         self._host_rows: list[dict[str, float]] = []
-        self._printed = 0
         self.windows = 0
         # each optimization applied by a function of its own (the runtime ones branch in place)
         self.log = apply_batched_progress(flags, sizes, device)
@@ -388,7 +385,6 @@ class Step:
         if self.log is not None:
             self.log.flush()
         self._cleanup()
-        self._print_progress()
         self.windows += 1
 
     def run_window(self) -> None:
@@ -484,14 +480,6 @@ class Step:
             self.cleaner.step()
         elif self.windows > 0 and self.windows % CLEANUP_EVERY == 0:
             torch.cuda.empty_cache()  # the "before": a stall every 10 windows, then cudaMallocs
-
-    def _print_progress(self) -> None:
-        if not self.verbose:
-            return
-        rows = self.log.history if self.log is not None else self._host_rows
-        for row in rows[self._printed :]:
-            print("  ".join(f"{k} {v:.5g}" for k, v in row.items()))
-        self._printed = len(rows)
 
     # ---- reading results (syncs allowed: you asked) ------------------------------------------
     def progress(self) -> list[dict[str, float]]:
