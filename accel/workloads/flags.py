@@ -28,13 +28,7 @@ def flag(
     the same gain, or one that changes numerics): later phases start from the adopted flags only.
     ``phase``: one of ``accel.phases.PHASES``.
     """
-    metadata = {
-        "help": help,
-        "phase": checked_phase(phase),
-        "requires": requires,
-        "adopted": adopted,
-    }
-    return field(default=default, metadata=metadata)
+    return _switch(help, phase, default, requires, adopted=adopted)
 
 
 def option(
@@ -48,25 +42,22 @@ def option(
     """A switch with several settings (a backend, an interval); ``default`` is the "before"."""
     if default not in choices:
         raise ValueError(f"default {default!r} is not among the choices {choices}")
-    return field(
-        default=default,
-        metadata={
-            "help": help,
-            "phase": checked_phase(phase),
-            "requires": requires,
-            "choices": tuple(choices),
-        },
-    )
+    return _switch(help, phase, default, requires, choices=tuple(choices))
+
+
+def _switch(help: str, phase: str, default: Any, requires: Requirement | None, **more: Any) -> Any:
+    metadata = {"help": help, "phase": checked_phase(phase), "requires": requires, **more}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class FlagInfo:
     name: str
+    default: Any
     help: str
     phase: str
-    default: Any
-    choices: tuple[Any, ...] | None
     requires: Requirement | None
+    choices: tuple[Any, ...] | None
     adopted: bool
 
     @property
@@ -83,25 +74,17 @@ def describe(flags_type: type) -> list[FlagInfo]:
             f"{flags_type.__name__} must be a frozen dataclass (@dataclass(frozen=True)): "
             "a flag set is a key, one built step kept per set"
         )
-    infos = []
-    for f in dataclasses.fields(flags_type):
+    fields = dataclasses.fields(flags_type)
+    for f in fields:
         if "phase" not in f.metadata:
             raise TypeError(
                 f"{flags_type.__name__}.{f.name} was not declared with flag() or option(): "
                 "every flag needs a phase and a help text"
             )
-        infos.append(
-            FlagInfo(
-                f.name,
-                f.metadata["help"],
-                f.metadata["phase"],
-                f.default,
-                f.metadata.get("choices"),
-                f.metadata.get("requires"),
-                f.metadata.get("adopted", False),
-            )
-        )
-    return infos
+    return [
+        FlagInfo(f.name, f.default, **{"choices": None, "adopted": False, **f.metadata})
+        for f in fields
+    ]
 
 
 def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
@@ -157,14 +140,10 @@ class Presets:
 
     @classmethod
     def preset(cls, name: str) -> Any:
-        return pick_preset(cls.PRESETS, name)
-
-
-def pick_preset(presets: dict[str, Any], name: str) -> Any:
-    """``presets[name]``: a workload's sizes for a preset, or a ValueError listing the valid ones."""
-    if name not in presets:
-        raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(presets)}")
-    return presets[name]
+        """``PRESETS[name]``, or a ValueError listing the valid names."""
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(cls.PRESETS)}")
+        return cls.PRESETS[name]
 
 
 def check_int(name: str, value: Any, lo: int = 1, hi: int | None = None, why: str = "") -> None:
