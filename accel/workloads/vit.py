@@ -37,16 +37,7 @@ from accel.workloads.flags import Presets, check_sizes, flag, option
 # (logits differ by ~1e-7 before training; the weights' drift below adds to that).
 FP32_LOGITS_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 LEARNING_RATE = 1e-3
-SHAPES = (
-    "disk",
-    "square",
-    "ring",
-    "diamond",
-    "horizontal bar",
-    "vertical bar",
-    "cross",
-    "triangle",
-)
+SHAPES = ("disk", "square", "ring", "diamond", "h-bar", "v-bar", "cross", "triangle")  # by class
 
 
 @dataclass(frozen=True)
