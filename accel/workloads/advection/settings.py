@@ -78,13 +78,6 @@ class Flags:
         "(needs loader_workers > 0)",
         "data",
     )
-    prefetch: int = option(
-        "batches each worker prepares ahead (prefetch_factor; needs loader_workers > 0 "
-        "unless 2, PyTorch's default)",
-        "data",
-        default=2,
-        choices=(2, 4),
-    )
     non_blocking: bool = flag(
         "copy batches to the device with non_blocking=True: the host does not wait for the "
         "copy (a real overlap only from pinned memory)",
@@ -189,11 +182,8 @@ def offload_optimizer_class() -> tuple[type | None, str]:
 
 def check_flags(flags: Flags, device: torch.device) -> None:
     """Combinations that cannot run, as clear errors before anything is built."""
-    if flags.loader_workers == 0:
-        if flags.persistent_workers:
-            raise ValueError("persistent_workers=True needs loader_workers > 0, got 0")
-        if flags.prefetch != 2:
-            raise ValueError(f"prefetch={flags.prefetch} needs loader_workers > 0, got 0")
+    if flags.loader_workers == 0 and flags.persistent_workers:
+        raise ValueError("persistent_workers=True needs loader_workers > 0, got 0")
     if flags.cpu_offload_optimizer and flags.precision == "fp16+scaler":
         raise ValueError(
             "cpu_offload_optimizer cannot take precision='fp16+scaler': the scaler unscales "
