@@ -1,26 +1,22 @@
 """The nested optimizer: a GPT-style byte-level language model trained with AdamW, gradient
 clipping and a learned per-group learning-rate controller [DeepNestedOptimizer].
 
-The text is real and needs no download: the Python standard library's own source files, read as
-bytes (vocabulary 256). Parameters are grouped per transformer block (plus embeddings and head);
-each ``controller_update_every`` steps the per-group gradient and parameter norms go through a
-small MLP that outputs learning-rate multipliers in ``[1/max_lr_scale, max_lr_scale]``. The
-controller learns from the loss change since its last update (it raises the multipliers when
-the loss fell); its statistics carry no autograd graph through the model's parameters, so its
-backward touches only its own weights. A deliberately simple rule: the workload exists to be
-made fast, not to tune learning rates.
+The text is the Python standard library's own source, read as bytes (no download). Every
+``controller_update_every`` steps the per-group gradient and parameter norms (a group per block,
+plus embeddings and head) go through a small MLP that outputs learning-rate multipliers in
+``[1/max_lr_scale, max_lr_scale]``; it learns from the loss change since its last update, and
+its backward touches only its own weights. A deliberately simple rule: the workload exists to
+be made fast, not to tune learning rates.
 
-``Flags()`` is the usual "before": per-parameter Python loops (a reduction kernel per tensor)
-for the statistics and for clipping, the clip coefficient tested on the host, a for-loop AdamW
-with learning rates read back to the host, fresh buffers every step, gradients zeroed by
-memsets, every activation stored, fp32 throughout. Many parameter tensors (~150 at the ``gpu``
-preset): the home of phases 2 (fusion) and 3 (memory).
+``Flags()`` is the usual "before": Python loops over parameters for the statistics and clipping,
+a host check of the clip coefficient, a for-loop AdamW with learning rates read back, fresh
+buffers, memset gradients, every activation stored, fp32. Many parameter tensors (~150 at the
+``gpu`` preset): the home of phases 2 (fusion) and 3 (memory).
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,17 +244,12 @@ def apply_cuda_graph(step: Step) -> tuple[Any, Any]:
     """``cuda_graph``: (the graphed AdamW step, the graphed whole step), each None unless asked
     for. A whole step is recaptured per controller schedule slot (``update`` changes the graph)."""
     mode = step.flags.cuda_graph
-    graphed_optimizer = (
-        graphs.GraphedOptimizerStep(step.optimizer) if mode == "optimizer_step" else None
+    optimizer = graphs.GraphedOptimizerStep(step.optimizer) if mode == "optimizer_step" else None
+    if mode != "whole_step":
+        return optimizer, None
+    return optimizer, graphs.GraphedStep(
+        step._whole_step, on_new_shape="recapture", device=step.device, name="whole_step"
     )
-    graphed_step = (
-        graphs.GraphedStep(
-            step._whole_step, on_new_shape="recapture", device=step.device, name="whole_step"
-        )
-        if mode == "whole_step"
-        else None
-    )
-    return graphed_optimizer, graphed_step
 
 
 # ---- one training step --------------------------------------------------------------------------
@@ -302,10 +293,9 @@ class Step:
         self.buffers = memory.BufferCache(device)
         self.lr_multipliers = torch.ones(G, device=device)
         self.device_lrs = apply_device_lrs(self)
-        # (log multipliers, loss, the features they came from): the controller's pending lesson
+        # the controller's pending lesson: (log multipliers, loss, the features they came from);
+        # under whole_step the features and loss saved in place instead (no graph across steps)
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # whole_step: the controller learns by recomputing its last output from saved features
-        # (same weights, same values) instead of keeping an autograd graph across steps.
         self._features_then = torch.zeros(G, LRController.FEATURES, device=device)
         self._loss_then = torch.zeros((), device=device)
         self._has_last = False
@@ -339,12 +329,8 @@ class Step:
         # a graphed optimizer step reads the gradients where it captured them
         in_place = self.graphed_optimizer is not None
         self.optimizer.zero_grad(set_to_none=self.flags.set_to_none_grads and not in_place)
-        autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if self.flags.bf16_autocast
-            else nullcontext()
-        )
-        with autocast:
+        bf16 = self.flags.bf16_autocast
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = self.model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
@@ -373,15 +359,13 @@ class Step:
         """Group statistics -> controller -> per-group learning rates; the controller first learns
         from how the loss moved since its last update."""
         f, G = self.flags, self.sizes.groups
-        if self.graphed_step is not None:
-            self._learn_from_saved_features(loss)
-        elif self._last is not None:  # the loss fell since the last multipliers -> raise them
-            # Learn before this update writes its features: the last graph saved them, and a
-            # preallocated buffer is overwritten in place.
-            log_mult, loss_then, _ = self._last
-            ((loss - loss_then) * log_mult.mean()).backward()  # graph: controller only
-            self.controller_optimizer.step()
-            self.controller_optimizer.zero_grad(set_to_none=True)
+        if self.graphed_step is not None and self._has_last:
+            # its last output recomputed from the saved features (its weights have not changed
+            # since): the same value and gradient, with no graph kept across steps
+            self._learn(self.controller(self._features_then), self._loss_then, loss)
+        elif self.graphed_step is None and self._last is not None:
+            # before this update overwrites the features (a preallocated buffer, in place)
+            self._learn(self._last[0], self._last[1], loss)
         buf = self.buffers.get if f.preallocated_buffers else None
         stats = fusion.group_stats(
             self.param_lists, foreach=f.foreach_stats, out=buf("stats", (G, 2)) if buf else None
@@ -412,14 +396,9 @@ class Step:
             for group, m in zip(self.optimizer.param_groups, mult.tolist(), strict=True):
                 group["lr"] = self.sizes.lr * m
 
-    def _learn_from_saved_features(self, loss: torch.Tensor) -> None:
-        """The controller's learning step, recomputing its last output from the saved features:
-        the same value and gradient as backward through the kept graph (its weights have not
-        changed since), with nothing kept across steps, so a CUDA graph can hold it."""
-        if not self._has_last:
-            return
-        log_mult = self.controller(self._features_then)
-        ((loss - self._loss_then) * log_mult.mean()).backward()
+    def _learn(self, log_mult: torch.Tensor, loss_then: torch.Tensor, loss: torch.Tensor) -> None:
+        """The controller's lesson: raise the multipliers where the loss fell since them."""
+        ((loss - loss_then) * log_mult.mean()).backward()  # graph: controller only
         self.controller_optimizer.step()
         self.controller_optimizer.zero_grad(set_to_none=True)
 

@@ -4,25 +4,12 @@ quality and semantic diversity.
 A small GPT writes N replies to each of B prompts; an encoder embeds every reply; each prompt's
 score is the replies' mean log-probability (quality) plus ``DIVERSITY_WEIGHT`` times their mean
 pairwise cosine distance (``accel.diversity``). The policy update that would follow is the same
-before and after, and is left out of the step.
+before and after, and is left out of the step. ``Flags()`` is the step as first written.
 
-Replies differ because decoding is the Gumbel-max trick: token = argmax(logits + g) with the
-Gumbel noise g drawn up front for every prompt, reply, position and vocabulary entry. That is
-sampling from softmax(logits), yet each decision is a deterministic argmax of the same numbers
-whichever way the replies are batched, so batched decoding reproduces one-at-a-time decoding.
-
-Flags, all off = the step as first written:
-
-- ``batched_generation``: all N replies of all B prompts in one decode of B N sequences with a
-  static KV cache, instead of one reply at a time (each with its own cache, as a ``generate()``
-  call per reply does). B N times fewer, larger kernels per generated token.
-- ``batched_encoding``: one encoder call on all replies instead of one per reply.
-- ``triton_diversity``: the fused Triton kernel instead of the N x N cosine matrix in PyTorch.
-
-Equality (:func:`compare_results` of two ``step.result()``): tokens identical, except that two
-batchings may round a near-tie (top-two margin of the perturbed logits below ``TIE_MARGIN``)
-differently, which :func:`tokens_agree` allows and reports; with equal tokens, embeddings and
-scores agree within ``RTOL`` / ``ATOL`` (float32 sums in another order).
+Decoding is the Gumbel-max trick: token = argmax(logits + g), the noise g drawn up front for
+every prompt, reply, position and vocabulary entry. That samples from softmax(logits), yet each
+decision is an argmax of the same numbers however the replies are batched, so batched decoding
+reproduces one-at-a-time decoding (up to near-ties: :func:`tokens_agree`).
 """
 
 from __future__ import annotations
