@@ -154,7 +154,7 @@ def test_compile_is_cuda_only_and_sdpa_is_pytorchs_pick_by_default():
     assert vit.Flags().backend == "default"
     step = vit.build(vit.Flags(sdpa=True), SIZES)
     assert step.count == 0 and step.losses == []  # building runs no step
-    assert all(a.backend == "default" for a in step.model.attention_modules())
+    assert all(a.backend == "default" for a in [block.attn for block in step.model.blocks])
     assert all(p.grad is None for p in step.model.parameters())
 
 

@@ -5,15 +5,11 @@ blocks whose attention rotates queries and keys by position (RoPE), mean-pooled 
 head, AdamW. The images are drawn here, no downloads: each shows one of up to eight shapes (disk,
 square, ring, diamond, bars, cross, triangle) at a random place, size and colour on a random
 background with noise; the class is the shape, so a model has to learn shape, not colour.
-
-Flags, all off = the step as first written: manual attention (matmul, scale, softmax, matmul), RoPE
-recomputed every forward, three q/k/v projections, float32, AdamW's default (foreach) step,
-contiguous (NCHW) images, eager. Each flag switches one of its optimizations on.
+``Flags()`` is the step as first written; each flag switches one optimization on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import defaultdict
@@ -209,20 +205,15 @@ class ViT(nn.Module):
             x = block(x)
         return self.head(self.norm(x).mean(dim=1))
 
-    def attention_modules(self) -> list[SelfAttention]:
-        return [block.attn for block in self.blocks]
-
     def canonical_parameters(self) -> dict[str, torch.Tensor]:
         """Parameters named as with separate q/k/v projections, whichever form is used."""
-        out = {}
-        for name, module in self.named_modules():
-            if isinstance(module, SelfAttention):
-                for sub, tensor in module.qkv.separate_parameters().items():
-                    out[f"{name}.qkv.{sub}"] = tensor
-        for name, tensor in self.named_parameters():
-            if ".qkv." not in name:
-                out[name] = tensor
-        return out
+        attention = {
+            f"{name}.qkv.{sub}": tensor
+            for name, module in self.named_modules()
+            if isinstance(module, SelfAttention)
+            for sub, tensor in module.qkv.separate_parameters().items()
+        }
+        return attention | {n: t for n, t in self.named_parameters() if ".qkv." not in n}
 
 
 # ---- the training step -------------------------------------------------------------------------
@@ -239,9 +230,7 @@ class Step:
         images, labels = make_images(n, sizes.image, sizes.classes, generator=gen, device=device)
         fmt = torch.channels_last if flags.channels_last else torch.contiguous_format
         images = images.contiguous(memory_format=fmt)
-        self.images = [
-            images[i * sizes.batch : (i + 1) * sizes.batch] for i in range(n // sizes.batch)
-        ]
+        self.images = list(images.split(sizes.batch))
         self.labels = labels.view(-1, sizes.batch)
         self.held_out = (self.images.pop(), self.labels[-1])
         with torch.random.fork_rng(devices=[]):  # the same weights on every device and flag
@@ -251,11 +240,9 @@ class Step:
         if flags.channels_last:
             self.model.patch_embed.to(memory_format=torch.channels_last)
         # Before: AdamW's default implementation (foreach on CUDA, a few kernels per tensor list)
+        fused = True if flags.fused_adamw else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=LEARNING_RATE,
-            weight_decay=0.05,
-            fused=True if flags.fused_adamw else None,
+            self.model.parameters(), lr=LEARNING_RATE, weight_decay=0.05, fused=fused
         )
         self.losses: list[torch.Tensor] = []  # device scalars: no sync per step
         self.count = 0
@@ -265,10 +252,8 @@ class Step:
             self.forward = torch.compile(self.model)
             self.compile_seconds = self._untimed_pass()
 
-    def _autocast(self):
-        if self.flags.bf16_autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, torch.bfloat16, enabled=self.flags.bf16_autocast)
 
     def _loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self._autocast():
@@ -322,13 +307,6 @@ class Step:
 build = Step  # build(flags, sizes, *, device, seed): the contract's name for the step
 
 
-def _bf16_stages(depth: int) -> int:
-    """Matrix products in series along the residual stream, each rounding its inputs to bf16: the
-    patch embedding, six per block (q/k/v, scores, probabilities x values, output projection, the
-    two MLP layers) and the head."""
-    return 2 + 6 * depth
-
-
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance]:
     """Per entry of ``step.result()`` after ``steps`` steps, how far ``flags`` may leave it from
     the baseline's.
@@ -344,7 +322,10 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance]:
         raise ValueError(f"steps must be >= 0, got {steps}")
     weights = dict(rtol=1e-6, atol=adamw_drift_bound(steps, LEARNING_RATE))
     if flags.bf16_autocast:
-        logits = dict(rel_norm=math.sqrt(2 * _bf16_stages(sizes.depth)) * BF16_UNIT_ROUNDOFF)
+        # products in series: the patch embedding, six per block (q/k/v, scores, probabilities x
+        # values, output projection, the two MLP layers) and the head
+        n = 2 + 6 * sizes.depth
+        logits = dict(rel_norm=math.sqrt(2 * n) * BF16_UNIT_ROUNDOFF)
     else:
         logits = FP32_LOGITS_TOLERANCE
     return defaultdict(lambda: weights, logits=logits)
