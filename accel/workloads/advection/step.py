@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from accel import accumulate, memory
 from accel.workloads.advection.data import batch_of, make_loader
-from accel.workloads.advection.model import init_model, relative_error
+from accel.workloads.advection.model import init_model, validation_error
 from accel.workloads.advection.settings import (
     Flags,
     Sizes,
@@ -23,44 +23,35 @@ from accel.workloads.advection.settings import (
 from accel.workloads.compare import make_compare_results
 from accel.workloads.compiling import own_code
 
-# The gradient scaler's first scale. PyTorch's 2**16 overflows this model's fp16 backward (its
-# gradients are O(1)): the scaler skips those steps, halving the scale each time, so the first
-# steps would not train. 2**10 leaves fp16 5 bits of headroom above O(1).
+# The gradient scaler's first scale: PyTorch's 2**16 overflows this model's fp16 backward (its
+# gradients are O(1)) and the skipped steps would not train; 2**10 leaves 5 bits of headroom.
 GRAD_SCALER_INIT = 2.0**10
 
-# fp32 flags (compile, checkpointing, the loader settings, fused AdamW, CPU offload) leave the
-# result equal to the baseline's within float32 rounding after a few steps: they sum in other
-# orders or not at all (checkpointing recomputes with the same kernels; the loader settings
-# deliver bitwise the same batches). Adam normalizes each update by its gradient's size, so a
-# rounding difference in a near-zero gradient moves a weight by a visible fraction of the
-# learning rate (1e-3): hence the absolute part.
+# Tolerances after a few steps (the tests take 3, at lr 1e-3). Adam normalizes each update, so a
+# rounding difference in a near-zero gradient moves a weight by a fraction of the learning rate:
+# hence the absolute parts. fp32 flags sum in other orders or not at all.
 FP32_TOLERANCE = {
     "losses": {"rtol": 1e-4, "atol": 1e-5},
     "params": {"rtol": 1e-4, "atol": 1e-4},
     "predictions": {"rtol": 1e-4, "atol": 1e-4},
 }
-# All tolerances are for results after a few steps (the tests take 3, at lr 1e-3).
-# Reduced precision rounds matrix-product inputs to 8 (bf16) or 11 (fp16) bits of mantissa; after
-# a few AdamW steps weights may differ by a few learning rates where gradients are near zero
-# (seen over 12 seeds, 3 steps: 2.8e-3 in the weights, 1.9e-2 in the predicted field).
+# bf16 and fp16 round matrix-product inputs to 8 or 11 bits: weights may move a few learning
+# rates apart where gradients are near zero.
 LOW_PRECISION_TOLERANCE = {
     "losses": {"rtol": 2e-2, "atol": 1e-2},
     "params": {"rtol": 0.0, "atol": 1e-2},
     "predictions": {"rtol": 5e-2, "atol": 4e-2},
 }
-# aux_loss_every and query_subsample change the training on purpose (no inverse loss on some
-# steps, or on fewer queries): each weight may move up to ~2 learning rates apart per step,
-# the losses differ by the inverse term (seen: 0.14 of ~1.5). The quality that matters is the
-# validation error after equal steps: the recipe bench compares that.
+# aux_loss_every and query_subsample change the training on purpose: weights move up to ~2
+# learning rates apart per step, the losses differ by the inverse term. The recipe bench
+# compares what matters, the validation error after equal steps.
 CHANGED_TRAINING_TOLERANCE = {
     "losses": {"rtol": 0.5, "atol": 0.25},
     "params": {"rtol": 0.0, "atol": 1e-2},
     "predictions": {"rtol": 0.2, "atol": 0.1},
 }
-# batch_multiplier and grad_accumulation train on other samples (the next ones of the stream
-# too): their losses and, a few steps on, their predictions sample by sample are another
-# trajectory's, not comparable (None: not compared; the field's largest difference ranges over
-# seeds up to its own size); the weights stay within a few learning rates per step.
+# batch_multiplier and grad_accumulation train on other samples too: losses and predictions are
+# another trajectory's (None: not compared); the weights stay within a few learning rates a step.
 LARGER_BATCH_TOLERANCE = {
     "losses": None,
     "params": {"rtol": 0.0, "atol": 1e-2},
@@ -185,10 +176,6 @@ class Step:
                 self, batch["inputs"], batch["targets"], batch["inverse_targets"], aux
             )
 
-    def _variants(self) -> tuple[bool, ...]:
-        """The ``aux`` settings the training steps use: each one compiles its own graphs."""
-        return (True,) if self.flags.aux_loss_every == 1 else (True, False)
-
     def _untimed_passes(self, passes: int) -> float:
         """``passes`` forwards and backwards of each variant on a warm-up batch, gradients
         dropped: weights, optimizer, data stream and random generators are left as they were.
@@ -198,7 +185,7 @@ class Step:
         t0 = time.perf_counter()
         # CUDA graph trees: the 1st call of a graph warms up, the 2nd records, the 3rd replays
         # (a replay right after the recording: pytorch/pytorch#122192)
-        for aux in self._variants():
+        for aux in (True,) if self.flags.aux_loss_every == 1 else (True, False):  # a graph each
             for _ in range(passes):
                 self._begin_step()
                 self._loss(warm, aux).backward()
@@ -277,12 +264,8 @@ class Step:
 
     def validation_error(self) -> float:
         """Mean relative L2 error of the field on the held-out samples (one host read)."""
-        errors = []
         inputs, targets = self.validation["inputs"], self.validation["targets"]
-        for start in range(0, len(inputs), self.sizes.batch):
-            chunk = slice(start, start + self.sizes.batch)
-            errors.append(relative_error(self.predict(inputs[chunk]), targets[chunk]))
-        return torch.cat(errors).mean().item()  # sync: on request
+        return validation_error(self.predict, inputs, targets, self.sizes.batch)
 
     @torch.no_grad()
     def result(self) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from accel.workloads.advection.data import batch_of, rank_batch
-from accel.workloads.advection.model import combined_loss, init_model, relative_error
+from accel.workloads.advection.model import combined_loss, init_model, validation_error
 from accel.workloads.advection.settings import Sizes
 
 
@@ -32,11 +32,8 @@ def distributed_task(preset: str, seed: int):
     @torch.no_grad()
     def validate(model: nn.Module, device: torch.device) -> float:
         inputs, targets = held_out["inputs"].to(device), held_out["targets"].to(device)
-        errors = []
-        for start in range(0, len(inputs), sizes.batch):
-            chunk = slice(start, start + sizes.batch)
-            output = model(inputs[chunk])[:, : sizes.queries].float()
-            errors.append(relative_error(output, targets[chunk]))
-        return torch.cat(errors).mean().item()  # sync: on request
+        return validation_error(
+            lambda x: model(x)[:, : sizes.queries].float(), inputs, targets, sizes.batch
+        )
 
     return Task(model=init_model(sizes, seed), batch=batch, loss=loss, validate=validate)
