@@ -300,18 +300,9 @@ def apply_cuda_graph(run_window: Callable[[], None], flags: Flags, device: torch
 
 class Step:
     """One window per call. Public state lives in tensors allocated once and updated in place.
-    ``g0`` and ``planes`` override the seeded metric and rotor planes (validated)."""
+    ``g0`` (a tensor) and ``planes`` (rotor index pairs) override the seeded metric and planes."""
 
-    def __init__(
-        self,
-        flags: Flags = Flags(),
-        sizes: Sizes = Sizes(),
-        *,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        g0: torch.Tensor | None = None,
-        planes: Any = None,
-    ):
+    def __init__(self, flags=Flags(), sizes=Sizes(), *, device="cpu", seed=0, g0=None, planes=None):
         device = torch.device(device)
         self.flags, self.sizes, self.device = flags, sizes, device
         self._init_field(seed, g0, planes)

@@ -258,15 +258,7 @@ class Step:
     ``checkpoint`` names the blocks to checkpoint (``"blocks.3"``), overriding the
     ``activation_checkpointing`` flag."""
 
-    def __init__(
-        self,
-        flags: Flags = Flags(),
-        sizes: Sizes = Sizes(),
-        *,
-        device: torch.device | str = "cpu",
-        seed: int = 0,
-        checkpoint: list[str] | None = None,
-    ):
+    def __init__(self, flags=Flags(), sizes=Sizes(), *, device="cpu", seed=0, checkpoint=None):
         device = torch.device(device)
         self.flags, self.sizes, self.device = flags, sizes, device
         self.inputs = text_batches(sizes, (sizes.batches, sizes.batch), seed).to(device)
