@@ -61,22 +61,28 @@ def text_batches(sizes: Sizes, shape: tuple[int, ...], seed: int) -> torch.Tenso
 
 # ---- the model -----------------------------------------------------------------------------------
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a 4x MLP (12 parameter tensors)."""
+    """Pre-norm transformer block: self-attention (causal unless told, over an external KV cache
+    where given) and a 4x MLP (12 parameter tensors). ``gelu``: its ``approximate``."""
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, gelu: str = "tanh"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.gelu = heads, gelu
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, pos: int = 0, causal: bool = True):
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if cache is not None:  # write this step's keys and values in place, attend to all so far
+            cache_k, cache_v = cache  # (B, heads, max_len, head_dim)
+            cache_k[:, :, pos : pos + T] = k
+            cache_v[:, :, pos : pos + T] = v
+            k, v = cache_k[:, :, : pos + T], cache_v[:, :, : pos + T]
+        # one new token attends to every cached one; a prompt (pos = 0) attends causally
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal and T > 1)  # (B, nh, T, hs)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate=self.gelu))
 
 
 class GPT(nn.Module):

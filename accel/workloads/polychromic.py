@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from accel import diversity
+from accel.workloads.byte_gpt import Block
 from accel.workloads.compare import Tolerance
 from accel.workloads.compare import compare_results as check
 from accel.workloads.flags import Presets, flag
@@ -87,39 +87,6 @@ Sizes.PRESETS = {
 # ---- models ----------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block; attention reads and writes an external KV cache."""
-
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.mlp = nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
-        )
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        pos: int = 0,
-        causal: bool = True,
-    ) -> torch.Tensor:
-        b, t, w = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        if cache is not None:  # write this step's keys and values in place, attend to all so far
-            cache_k, cache_v = cache  # (b, heads, max_len, head_dim)
-            cache_k[:, :, pos : pos + t] = k
-            cache_v[:, :, pos : pos + t] = v
-            k, v = cache_k[:, :, : pos + t], cache_v[:, :, : pos + t]
-        # One new token attends to every cached one; a prompt (pos = 0) attends causally.
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=causal and t > 1)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, w))
-        return x + self.mlp(self.ln2(x))
-
-
 class Generator(nn.Module):
     """A small GPT: token and position embeddings, blocks, a language-model head."""
 
@@ -128,7 +95,7 @@ class Generator(nn.Module):
         self.max_len = s.prompt_len + s.reply_len
         self.tokens = nn.Embedding(s.vocab, s.width)
         self.positions = nn.Embedding(self.max_len, s.width)
-        self.blocks = nn.ModuleList(Block(s.width, s.heads) for _ in range(s.depth))
+        self.blocks = nn.ModuleList(Block(s.width, s.heads, gelu="none") for _ in range(s.depth))
         self.ln = nn.LayerNorm(s.width)
         self.head = nn.Linear(s.width, s.vocab, bias=False)
 
@@ -157,7 +124,9 @@ class Encoder(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(s.vocab, s.embed_dim)
         self.positions = nn.Embedding(s.reply_len, s.embed_dim)
-        self.blocks = nn.ModuleList(Block(s.embed_dim, s.embed_heads) for _ in range(s.embed_depth))
+        self.blocks = nn.ModuleList(
+            Block(s.embed_dim, s.embed_heads, gelu="none") for _ in range(s.embed_depth)
+        )
         self.ln = nn.LayerNorm(s.embed_dim)
 
     def forward(self, replies: torch.Tensor) -> torch.Tensor:
