@@ -87,57 +87,39 @@ Sizes.PRESETS = {
 # ---- models ----------------------------------------------------------------------------------
 
 
-class Generator(nn.Module):
-    """A small GPT: token and position embeddings, blocks, a language-model head."""
+class Transformer(nn.Module):
+    """Token and position embeddings, blocks, a final norm; with a ``head``, a language model."""
 
-    def __init__(self, s: Sizes):
+    def __init__(self, vocab: int, width: int, heads: int, depth: int, max_len: int, head: bool):
         super().__init__()
-        self.max_len = s.prompt_len + s.reply_len
-        self.tokens = nn.Embedding(s.vocab, s.width)
-        self.positions = nn.Embedding(self.max_len, s.width)
-        self.blocks = nn.ModuleList(Block(s.width, s.heads, gelu="none") for _ in range(s.depth))
-        self.ln = nn.LayerNorm(s.width)
-        self.head = nn.Linear(s.width, s.vocab, bias=False)
+        self.max_len = max_len
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(max_len, width)
+        self.blocks = nn.ModuleList(Block(width, heads, gelu="none") for _ in range(depth))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False) if head else None
 
     def new_cache(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A static KV cache at full length, allocated once (gpt-fast's layout)."""
+        """A static KV cache at full length, allocated once (gpt-fast's layout); its zeros are
+        never read: attention only sees positions already written."""
         blk = self.blocks[0]
         shape = (batch, blk.heads, self.max_len, blk.qkv.in_features // blk.heads)
-        p = self.head.weight
-        return [
-            (p.new_zeros(shape), p.new_zeros(shape)) for _ in self.blocks
-        ]  # zeros never read: attention only sees positions already written
+        zeros = self.ln.weight.new_zeros
+        return [(zeros(shape), zeros(shape)) for _ in self.blocks]
 
-    def forward(self, idx: torch.Tensor, cache, pos: int) -> torch.Tensor:
+    def decode(self, idx: torch.Tensor, cache, pos: int) -> torch.Tensor:
         """Logits of the last position; ``idx`` (b, t) are tokens at positions pos..pos+t-1."""
-        t = idx.shape[1]
-        x = self.tokens(idx) + self.positions.weight[pos : pos + t]
+        x = self.tokens(idx) + self.positions.weight[pos : pos + idx.shape[1]]
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x = block(x, layer_cache, pos)
         return self.head(self.ln(x[:, -1]))
 
-
-class Encoder(nn.Module):
-    """A small bidirectional transformer; mean-pooled token states are the reply's embedding."""
-
-    def __init__(self, s: Sizes):
-        super().__init__()
-        self.tokens = nn.Embedding(s.vocab, s.embed_dim)
-        self.positions = nn.Embedding(s.reply_len, s.embed_dim)
-        self.blocks = nn.ModuleList(
-            Block(s.embed_dim, s.embed_heads, gelu="none") for _ in range(s.embed_depth)
-        )
-        self.ln = nn.LayerNorm(s.embed_dim)
-
-    def forward(self, replies: torch.Tensor) -> torch.Tensor:
-        """(r, L) tokens -> (r, embed_dim) embeddings."""
+    def embed(self, replies: torch.Tensor) -> torch.Tensor:
+        """(r, L) tokens -> (r, width): mean-pooled states of a bidirectional pass."""
         x = self.tokens(replies) + self.positions.weight[: replies.shape[1]]
         for block in self.blocks:
             x = block(x, causal=False)
         return self.ln(x).mean(1)
-
-
-# ---- the step ----------------------------------------------------------------------------------
 
 
 def gumbel(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -150,13 +132,17 @@ class Step:
     """Generate, embed and score one batch of prompts per call."""
 
     def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):
-        self.flags, self.sizes, self.device = flags, sizes, torch.device(device)
-        device = self.device
-        s = sizes
+        device = torch.device(device)
+        self.flags, self.sizes, self.device, s = flags, sizes, device, sizes
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.generator = Generator(s).to(device).eval()
-            self.encoder = Encoder(s).to(device).eval()
+            length = s.prompt_len + s.reply_len
+            self.generator = Transformer(s.vocab, s.width, s.heads, s.depth, length, head=True)
+            self.encoder = Transformer(
+                s.vocab, s.embed_dim, s.embed_heads, s.embed_depth, s.reply_len, head=False
+            )
+        self.generator.to(device).eval()
+        self.encoder.to(device).eval()
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self.prompts = torch.randint(
             s.vocab, (s.batches, s.prompts, s.prompt_len), generator=gen
@@ -177,10 +163,9 @@ class Step:
         else:
             tokens, logp, margin = self._generate_one_at_a_time(prompts, noise)
         emb = self._embed(tokens)  # (B, N, D)
-        if self.flags.triton_diversity:
-            div = diversity.mean_diversity(emb)
-        else:
-            div = diversity.mean_diversity_reference(emb)  # the N x N matrix in PyTorch
+        # the reference: the N x N matrix in PyTorch
+        fast = self.flags.triton_diversity
+        div = (diversity.mean_diversity if fast else diversity.mean_diversity_reference)(emb)
         quality = logp.mean((1, 2))  # mean log-probability of the chosen tokens
         self.last = {
             "tokens": tokens,
@@ -195,7 +180,7 @@ class Step:
     def _decode(self, prompt: torch.Tensor, noise: torch.Tensor, cache):
         """Greedy over perturbed logits for ``prompt`` (r, P) with ``noise`` (r, L, V)."""
         steps = noise.shape[1]
-        logits = self.generator(prompt, cache, 0)
+        logits = self.generator.decode(prompt, cache, 0)
         tokens, logps, margins = [], [], []
         for t in range(steps):
             scores = logits + noise[:, t]
@@ -205,7 +190,7 @@ class Step:
             logps.append(logits.log_softmax(-1).gather(-1, token)[:, 0])
             tokens.append(token)
             if t + 1 < steps:
-                logits = self.generator(token, cache, prompt.shape[1] + t)
+                logits = self.generator.decode(token, cache, prompt.shape[1] + t)
         return torch.cat(tokens, 1), torch.stack(logps, 1), torch.stack(margins, 1)
 
     def _generate_one_at_a_time(self, prompts, noise):
@@ -228,9 +213,9 @@ class Step:
         B, N, L = tokens.shape
         flat = tokens.reshape(B * N, L)
         if self.flags.batched_encoding:
-            emb = self.encoder(flat)
+            emb = self.encoder.embed(flat)
         else:  # one reply at a time, as an encode() call per reply
-            emb = torch.cat([self.encoder(flat[j : j + 1]) for j in range(B * N)])
+            emb = torch.cat([self.encoder.embed(flat[j : j + 1]) for j in range(B * N)])
         return emb.view(B, N, -1)
 
     def result(self) -> dict[str, torch.Tensor]:
