@@ -79,9 +79,9 @@ class Step:
         check_flags(flags, device)
         self.flags, self.sizes, self.device, self.seed = flags, sizes, device, seed
         self.micro_batch_size = sizes.batch * flags.batch_multiplier
-        self.batch_size = self.micro_batch_size * flags.grad_accumulation  # samples per step
+        self.samples_per_step = self.micro_batch_size * flags.grad_accumulation
         self.aux_queries = max(1, sizes.queries // flags.query_subsample)
-        self.loader = make_loader(flags, sizes, seed, self.batch_size)
+        self.loader = make_loader(flags, sizes, seed, self.samples_per_step)
         self._batches: Iterator | None = None
         self.epochs = 0
 
@@ -246,10 +246,6 @@ class Step:
         micro = accumulate.split_batch(batch, self.flags.grad_accumulation)
         accumulate.accumulate(micro_loss, micro, model=self.model)
         return torch.stack(losses).mean()  # equal micro-batches: the batch's mean
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.batch_size
 
     def mean_loss(self, last: int | None = None) -> float:
         """Mean training loss over all steps (or the ``last`` few): one host read."""
