@@ -40,10 +40,8 @@ from accel.workloads.field_dynamics import (  # the step's math, public here too
 from accel.workloads.flags import Presets, check_int, check_sizes, flag
 
 METRICS = ("lior", "R", "spd")
-# Flags keep results equal to the baseline within this (fp32). compiled_retrieval and
-# fused_retrieval (the mix summed in another order) and vectorized_rotor (float32 update where
-# the loop used Python floats) change the last bits; the dynamics are damped, so the difference
-# does not grow over windows.
+# Flags keep results within this of the baseline's: some sum in another order or update in float32
+# where the loop used Python floats; the dynamics are damped, so differences do not grow.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls
 
@@ -155,15 +153,12 @@ class Sizes(Presets):
 
 
 Sizes.PRESETS = {
-    # A window in milliseconds on a CPU core: every notebook and test runs in CI.
     "cpu": Sizes(batch=8, dim=16, bank=16, steps_per_window=16, progress_every=4, rotor_k=3),
-    # The plain trainer's defaults (64 steps, progress every 8, rotor_k 6); small tensors: launch-bound.
-    "gpu": Sizes(),
+    "gpu": Sizes(),  # the plain trainer's defaults; small tensors: launch-bound
 }
 
 
-# Inductor options of ``overlapped_launches``. Both are off by default in torch 2.11; PDL is
-# generated only for CUDA devices of compute capability 9.0 and up (elsewhere it is ignored).
+# Inductor options of ``overlapped_launches``, off by default; PDL needs compute capability 9.0+.
 OVERLAPPED_LAUNCHES = {"triton.enable_pdl": True, "combo_kernels": True}
 # One torch.compile per step function and launch style, per process.
 _COMPILED_STEPS: dict[tuple[Callable, bool], Callable] = {}
@@ -196,7 +191,6 @@ def check_metric(g0: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     return g0.float()
 
 
-# ---- the optimizations applied at build, one function each ------------------------------------
 def apply_batched_progress(flags: Flags, sizes: Sizes, device: torch.device) -> Any:
     """``batched_progress``: a :class:`accel.sync.ProgressLog` that records the read-outs on the
     device and copies them to the host once per window; None for the "before" (``.item()``)."""
@@ -312,7 +306,6 @@ class Step:
         self._vel_acc = torch.zeros(sizes.batch, sizes.dim, device=device)
         self._host_rows: list[dict[str, float]] = []
         self.windows = 0
-        # each optimization applied by a function of its own (the runtime ones branch in place)
         self.log = apply_batched_progress(flags, sizes, device)
         self.retrieve = apply_compiled_retrieval(
             flags, (self.x, self.keys, self.g0, self.values, sizes.beta)
@@ -335,8 +328,7 @@ class Step:
         self.v = randn(s.batch, d, scale=0.5)
         self.keys, self.values = randn(s.bank, d), randn(s.bank, d)
         self.targets = randn(s.patterns, s.batch, d)
-        # this window's pattern, a static buffer: set before each window, and before the compiled
-        # step's build check reads it (uninitialized, it held NaN at times: a spurious mismatch)
+        # this window's pattern, a static buffer, set before the compiled step's check reads it
         self.target = self.targets[0].clone()
         a = torch.randn(d, d, generator=gen) / math.sqrt(d)
         self.C = ((a + a.T) / 2).to(device)  # symmetric: a curvature form
@@ -349,18 +341,15 @@ class Step:
             )
         self.g0 = check_metric(g0, s).to(device)
         if planes is None:
-            planes = torch.stack(
-                [
-                    torch.randperm(d, generator=gen)[: 2 * s.rotor_k].view(-1, 2)
-                    for _ in range(s.rotor_layers)
-                ]
-            )
+            perms = [
+                torch.randperm(d, generator=gen)[: 2 * s.rotor_k] for _ in range(s.rotor_layers)
+            ]
+            planes = torch.stack(perms).view(s.rotor_layers, s.rotor_k, 2)
         host_planes = sync.check_planes(planes, d)
         self.planes = host_planes.to(device)
         self.host_planes = host_planes  # the loop reference reads plain ints, no device sync
-        self.theta = ((torch.rand(host_planes.shape[:2], generator=gen) * 2 - 1) * math.pi).to(
-            device
-        )
+        angles = torch.rand(host_planes.shape[:2], generator=gen) * 2 - 1
+        self.theta = (angles * math.pi).to(device)
 
     # ---- one window --------------------------------------------------------------------------
     def __call__(self) -> None:
@@ -465,9 +454,7 @@ class Step:
         if self.device.type != "cuda":
             return
         if self.flags.adaptive_cleanup:
-            # Host-side allocator counters, no sync; empties only when it releases memory. The
-            # seed's rule (empty when > 90% of the reserved memory is allocated) fires exactly
-            # when there is least to release: see accel.memory.CacheCleaner.
+            # host-side allocator counters, no sync; empties only when it releases memory
             self.cleaner.step()
         elif self.windows > 0 and self.windows % CLEANUP_EVERY == 0:
             torch.cuda.empty_cache()  # the "before": a stall every 10 windows, then cudaMallocs
