@@ -35,14 +35,11 @@ from accel.workloads.byte_gpt import (  # the model and its text, public here to
 from accel.workloads.compare import make_compare_results
 from accel.workloads.flags import Presets, check_sizes, flag, option
 
-# Flags keep results equal to the baseline within these (fp32: foreach vs per-tensor sums and
-# fused vs for-loop AdamW round differently; Adam's normalized update carries such differences
-# into the parameters at ~1e-6 of their size per step).
+# fp32 flags sum in other orders; Adam's normalized update carries that into the parameters.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
-# bf16_autocast and controller_update_every > 1 change numerics on purpose. bf16 matmuls keep ~3
-# significant digits, so losses agree to ~1% and Adam's sign-like updates of near-zero gradients
-# may differ by up to 2 lr; a controller run every N steps reuses its multipliers for up to N-1
-# steps and learns N times less often, so its multipliers (in [1/2, 2]) drift apart.
+# bf16_autocast and controller_update_every > 1 change numerics on purpose: bf16 keeps ~3 digits
+# (Adam's sign-like updates of near-zero gradients may differ by 2 lr); a controller run every N
+# steps learns N times less often, so its multipliers drift apart.
 CHANGED = {
     "losses": {"rtol": 2e-2, "atol": 1e-2},
     "params": {"rtol": 0.0, "atol": 2e-2},
@@ -157,10 +154,8 @@ class Sizes(Presets):
 
 
 Sizes.PRESETS = {
-    # Tens of milliseconds a step on a CPU core; 41 parameter tensors in 5 groups.
     "cpu": Sizes(layers=3, width=48, heads=3, context=32, batch=4, text_bytes=1 << 18),
-    # GPT-2 small's body: 12 layers, width 768, 149 parameter tensors (85M parameters).
-    "gpu": Sizes(),
+    "gpu": Sizes(),  # GPT-2 small's body: 149 parameter tensors
 }
 
 
@@ -172,7 +167,6 @@ def checkpoint_names(choice: str, layers: int) -> list[str]:
     return [f"blocks.{i}" for i in range(0, layers, step)]
 
 
-# ---- the learning-rate controller ---------------------------------------------------------------
 class LRController(nn.Module):
     """Per-group features (log gradient norm, log parameter norm, their log ratio, the group's
     depth in 0..1) -> a log learning-rate multiplier in ``[-log s, log s]``."""
@@ -197,7 +191,6 @@ class LRController(nn.Module):
         return self.log_scale * torch.tanh(self.net(features).squeeze(-1))
 
 
-# ---- the optimizations applied at build, one function each ------------------------------------
 def apply_ac(
     model: GPT, flags: Flags, sizes: Sizes, checkpoint: list[str] | None
 ) -> memory.CheckpointedBlocks:
@@ -252,7 +245,6 @@ def apply_cuda_graph(step: Step) -> tuple[Any, Any]:
     )
 
 
-# ---- one training step --------------------------------------------------------------------------
 class Step:
     """One training step per call: :meth:`forward_backward` then :meth:`optimizer_step`.
     ``checkpoint`` names the blocks to checkpoint (``"blocks.3"``), overriding the
@@ -352,8 +344,7 @@ class Step:
         from how the loss moved since its last update."""
         f, G = self.flags, self.sizes.groups
         if self.graphed_step is not None and self._has_last:
-            # its last output recomputed from the saved features (its weights have not changed
-            # since): the same value and gradient, with no graph kept across steps
+            # its last output recomputed from the saved features: the same value and gradient
             self._learn(self.controller(self._features_then), self._loss_then, loss)
         elif self.graphed_step is None and self._last is not None:
             # before this update overwrites the features (a preallocated buffer, in place)
