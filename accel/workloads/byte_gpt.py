@@ -28,7 +28,6 @@ class Sizes(Protocol):
 VOCAB = 256  # bytes
 
 
-# ---- data: the standard library's source as bytes -----------------------------------------------
 @functools.lru_cache(maxsize=4)
 def load_text(nbytes: int) -> torch.Tensor:
     """Up to ``nbytes`` of this Python's standard-library source files (``*.py`` in the stdlib
@@ -59,7 +58,6 @@ def text_batches(sizes: Sizes, shape: tuple[int, ...], seed: int) -> torch.Tenso
     return text[starts[..., None] + torch.arange(sizes.context + 1)].long()
 
 
-# ---- the model -----------------------------------------------------------------------------------
 class Block(nn.Module):
     """Pre-norm transformer block: self-attention (causal unless told, over an external KV cache
     where given) and a 4x MLP (12 parameter tensors). ``gelu``: its ``approximate``."""
