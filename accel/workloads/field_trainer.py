@@ -423,31 +423,22 @@ class Step:
             rotate_fn=sync.apply_givens if vectorized else sync.apply_givens_reference,
             retrieve_fn=retrieve_fn,
             fused_lior=f.fused_lior,
-            beta=s.beta,
-            eps=s.eps,
-            damping=s.damping,
-            dt=s.dt,
+            **{name: getattr(s, name) for name in ("beta", "eps", "damping", "dt")},
         )
 
     def _progress(self, lior: torch.Tensor, R: torch.Tensor, spd: torch.Tensor, inv_t: float):
         if self.log is not None:
             self.log.record({"lior": lior, "R": R, "spd": spd}, scale=inv_t)
         else:  # the "before": three .item() per read-out, three syncs
-            self._host_rows.append(
-                sync.read_scalars_reference(
-                    {"lior": lior * inv_t, "R": R * inv_t, "spd": spd * inv_t}
-                )
-            )
+            scaled = {"lior": lior * inv_t, "R": R * inv_t, "spd": spd * inv_t}
+            self._host_rows.append(sync.read_scalars_reference(scaled))
 
     def update_rotor(self) -> None:
         """Move the rotor angles with the nudged-minus-free statistics, plane by plane."""
         v_diff = self.v_mean[1] - self.v_mean[0]
         lior_diff = self.metrics[1, 0] - self.metrics[0, 0]
-        update = (
-            sync.update_rotor_angles
-            if self.flags.vectorized_rotor
-            else sync.update_rotor_angles_reference
-        )
+        fast = self.flags.vectorized_rotor
+        update = sync.update_rotor_angles if fast else sync.update_rotor_angles_reference
         update(self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr)
 
     def _cleanup(self) -> None:
