@@ -30,13 +30,7 @@ def adamw_drift_bound(steps: int, lr: float, betas: tuple[float, float] = (0.9, 
     return 2 * lr * total
 
 
-def compare_results(
-    result: Mapping[str, torch.Tensor],
-    reference: Mapping[str, torch.Tensor],
-    tolerances: Mapping[str, Tolerance | None],
-    *,
-    relative: bool = True,
-) -> dict[str, float]:
+def compare_results(result, reference, tolerances, *, relative: bool = True) -> dict[str, float]:
     """Check each entry of ``result`` against ``reference`` at its tolerance (an AssertionError
     names the entry; an entry whose tolerance is None is not comparable and is skipped) and
     return, per entry, the largest difference: relative to the entry's largest value, or absolute
@@ -67,14 +61,7 @@ def make_compare_results(
     """A workload's ``compare_results`` (the contract in :mod:`accel.workloads`) from its
     ``tolerance(flags, sizes, steps)``: :func:`compare_results` at that tolerance."""
 
-    def compare_results_(
-        result: Mapping[str, torch.Tensor],
-        reference: Mapping[str, torch.Tensor],
-        flags: Any,
-        *,
-        sizes: Any,
-        steps: int,
-    ) -> dict[str, float]:
+    def compare_results_(result, reference, flags, *, sizes, steps: int) -> dict[str, float]:
         """Check ``result`` (of ``flags``) against the baseline's ``reference`` after ``steps``
         steps at ``sizes``: an AssertionError names the first entry beyond the workload's
         ``tolerance``; else each entry's largest difference (relative to the entry's largest

@@ -79,15 +79,7 @@ def field_step(
     return x, v, dlior, R_sc, spd
 
 
-def accumulating_step(
-    x: torch.Tensor,
-    v: torch.Tensor,
-    nudge: float,
-    acc: torch.Tensor,
-    vel_acc: torch.Tensor,
-    *fixed: torch.Tensor,
-    **options: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulating_step(x, v, nudge, acc, vel_acc, *fixed, **options) -> tuple[torch.Tensor, ...]:
     """:func:`field_step`, then its LIoR, curvature and speed means added to ``acc`` and its
     velocity to ``vel_acc``, in place (``inplace_accumulate``), as one function for
     ``compiled_step`` to fuse."""

@@ -14,31 +14,17 @@ from accel.phases import WORKBOOK, checked_phase
 Requirement = Literal["cuda", "triton", "torchao"]  # torchao: a CUDA GPU and torchao
 
 
-def flag(
-    help: str,
-    phase: str,
-    *,
-    default: bool = False,
-    requires: Requirement | None = None,
-    adopted: bool = True,
-) -> Any:
+def flag(help: str, phase: str, *, default=False, requires=None, adopted=True) -> Any:
     """A boolean optimization switch: off is the "before", on applies one optimization.
 
     ``adopted=False`` marks an alternative the phase explores but does not keep (another route to
     the same gain, or one that changes numerics): later phases start from the adopted flags only.
-    ``phase``: one of ``accel.phases.PHASES``.
+    ``phase``: one of ``accel.phases.PHASES``; ``requires``: a :data:`Requirement` or None.
     """
     return _switch(help, phase, default, requires, adopted=adopted)
 
 
-def option(
-    help: str,
-    phase: str,
-    *,
-    default: Any,
-    choices: tuple[Any, ...],
-    requires: Requirement | None = None,
-) -> Any:
+def option(help: str, phase: str, *, default: Any, choices: tuple, requires=None) -> Any:
     """A switch with several settings (a backend, an interval); ``default`` is the "before"."""
     if default not in choices:
         raise ValueError(f"default {default!r} is not among the choices {choices}")

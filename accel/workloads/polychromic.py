@@ -247,14 +247,7 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance | N
     return {"tokens": None, "margin": None, **dict.fromkeys(keys, scores)}
 
 
-def compare_results(
-    result: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    flags: Flags,
-    *,
-    sizes: Sizes,
-    steps: int,
-) -> dict[str, float]:
+def compare_results(result, reference, flags: Flags, *, sizes: Sizes, steps: int) -> dict:
     """Tokens equal (near-ties aside: :func:`tokens_agree`); with equal tokens, the scores
     within :func:`tolerance`, each one's largest difference relative to its largest value
     returned (none where a near-tie changed a reply: its scores are another reply's)."""

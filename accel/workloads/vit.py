@@ -125,19 +125,9 @@ def _shape_mask(kind: int, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) 
     return (dy > -r) & (dy < r) & (ax < (dy + r) / 2)  # triangle, apex up
 
 
-def make_images(
-    n: int,
-    image: int,
-    classes: int,
-    *,
-    generator: torch.Generator,
-    device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` images (n, 3, image, image), standardized, and their labels (n,).
-
-    Random numbers come from the CPU ``generator`` (the same images on every device); the
-    drawing runs on ``device``.
-    """
+def make_images(n: int, image: int, classes: int, *, generator, device="cpu") -> tuple:
+    """``n`` images (n, 3, image, image), standardized, and their labels (n,). Random numbers
+    come from the CPU ``generator`` (the same images on every device); drawn on ``device``."""
     labels = torch.randint(classes, (n,), generator=generator)
     centre = 0.3 + 0.4 * torch.rand(n, 2, generator=generator)
     radius = 0.15 + 0.13 * torch.rand(n, generator=generator)

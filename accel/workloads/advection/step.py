@@ -150,13 +150,7 @@ class Step:
             batch = next(self._batches)
         return self._to_device(batch)
 
-    def forward_loss(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        inverse_targets: torch.Tensor,
-        aux: bool,
-    ) -> torch.Tensor:
+    def forward_loss(self, inputs, targets, inverse_targets, aux: bool) -> torch.Tensor:
         """The training loss: MSE of the field, plus ``aux_weight`` x MSE of the inverse net's
         estimate from the predicted field at the first ``aux_queries`` queries when ``aux``."""
         predictions = self.model.operator(inputs)
