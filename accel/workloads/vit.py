@@ -31,7 +31,18 @@ from accel.workloads.flags import Presets, check_sizes, flag, option
 # Every flag but bf16_autocast only sums in other orders: the held-out logits stay this close.
 FP32_LOGITS_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 LEARNING_RATE = 1e-3
-SHAPES = ("disk", "square", "ring", "diamond", "h-bar", "v-bar", "cross", "triangle")  # by class
+# Each class's shape: the pixels inside it at offset (dx, dy) from its centre (ax, ay: their
+# absolute values), size r, all in fractions of the side.
+SHAPES = {
+    "disk": lambda dx, dy, ax, ay, r: dx**2 + dy**2 < r**2,
+    "square": lambda dx, dy, ax, ay, r: torch.maximum(ax, ay) < 0.85 * r,
+    "ring": lambda dx, dy, ax, ay, r: ((dx**2 + dy**2).sqrt() - r).abs() < 0.25 * r,
+    "diamond": lambda dx, dy, ax, ay, r: ax + ay < 1.2 * r,
+    "h-bar": lambda dx, dy, ax, ay, r: (ay < 0.3 * r) & (ax < 1.2 * r),
+    "v-bar": lambda dx, dy, ax, ay, r: (ax < 0.3 * r) & (ay < 1.2 * r),
+    "cross": lambda dx, dy, ax, ay, r: ((ax < 0.25 * r) & (ay < r)) | ((ay < 0.25 * r) & (ax < r)),
+    "triangle": lambda dx, dy, ax, ay, r: (dy > -r) & (dy < r) & (ax < (dy + r) / 2),  # apex up
+}
 
 
 @dataclass(frozen=True)
@@ -105,26 +116,6 @@ Sizes.PRESETS = {
 }
 
 
-def _shape_mask(kind: int, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Pixels inside shape ``kind`` centred at offset (dx, dy), size r (fractions of the side)."""
-    ax, ay = dx.abs(), dy.abs()
-    if kind == 0:
-        return dx**2 + dy**2 < r**2
-    if kind == 1:
-        return torch.maximum(ax, ay) < 0.85 * r
-    if kind == 2:
-        return ((dx**2 + dy**2).sqrt() - r).abs() < 0.25 * r
-    if kind == 3:
-        return ax + ay < 1.2 * r
-    if kind == 4:
-        return (ay < 0.3 * r) & (ax < 1.2 * r)
-    if kind == 5:
-        return (ax < 0.3 * r) & (ay < 1.2 * r)
-    if kind == 6:
-        return ((ax < 0.25 * r) & (ay < r)) | ((ay < 0.25 * r) & (ax < r))
-    return (dy > -r) & (dy < r) & (ax < (dy + r) / 2)  # triangle, apex up
-
-
 def make_images(n: int, image: int, classes: int, *, generator, device="cpu") -> tuple:
     """``n`` images (n, 3, image, image), standardized, and their labels (n,). Random numbers
     come from the CPU ``generator`` (the same images on every device); drawn on ``device``."""
@@ -143,9 +134,10 @@ def make_images(n: int, image: int, classes: int, *, generator, device="cpu") ->
     dy = grid.view(1, -1, 1) - centre[:, 1].view(-1, 1, 1)  # (n, image, 1)
     dx, dy = torch.broadcast_tensors(dx, dy)
     inside = torch.zeros(n, image, image, dtype=torch.bool, device=dev)
-    for kind in range(classes):
+    for kind, shape in enumerate(list(SHAPES.values())[:classes]):
         pick = labels == kind
-        inside[pick] = _shape_mask(kind, dx[pick], dy[pick], radius[pick].view(-1, 1, 1))
+        x, y = dx[pick], dy[pick]
+        inside[pick] = shape(x, y, x.abs(), y.abs(), radius[pick].view(-1, 1, 1))
     colour = torch.where(inside[:, None], fg[:, :, None, None], bg[:, :, None, None])
     return (colour + noise - 0.45) / 0.3, labels
 
