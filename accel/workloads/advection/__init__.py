@@ -15,8 +15,8 @@ is the step as first written: eager, every activation stored, the inverse loss o
 over every query, batches made in the loop and copied blocking, float32, AdamW's default step.
 
 Modules: ``settings`` (Flags, Sizes, what cannot run where), ``data``, ``model``, ``step`` (the
-step and its tolerances), ``task`` (the distributed task); the package exports the contract and
-what the notebooks and the bench use.
+step, its tolerances, the distributed task); the package exports the contract and what the
+notebooks and the bench use.
 """
 
 from accel.workloads.advection.data import (
@@ -30,8 +30,13 @@ from accel.workloads.advection.data import (
 )
 from accel.workloads.advection.model import init_model
 from accel.workloads.advection.settings import Flags, Sizes, flag_default, unavailable
-from accel.workloads.advection.step import Step, build, compare_results, tolerance
-from accel.workloads.advection.task import distributed_task
+from accel.workloads.advection.step import (
+    Step,
+    build,
+    compare_results,
+    distributed_task,
+    tolerance,
+)
 
 __all__ = [
     "CHANNELS",

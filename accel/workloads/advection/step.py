@@ -1,5 +1,5 @@
-"""The advection workload's training step, its builder, and the tolerances within which each
-flag must match the baseline."""
+"""The advection workload's training step, its builder, the tolerances within which each flag
+must match the baseline, and the workload as a task :mod:`accel.distributed` runs."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from accel import accumulate, memory
-from accel.workloads.advection.data import batch_of, make_loader
-from accel.workloads.advection.model import init_model, validation_error
+from accel.workloads.advection.data import batch_of, make_loader, rank_batch
+from accel.workloads.advection.model import combined_loss, init_model, validation_error
 from accel.workloads.advection.settings import (
     Flags,
     Sizes,
@@ -306,3 +306,31 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, flo
 
 
 compare_results = make_compare_results(tolerance, relative=False)  # absolute
+
+
+def distributed_task(preset: str, seed: int):
+    """The operator with its inverse loss on every step, as an :class:`accel.distributed.Task`:
+    ``model(inputs)`` gives the field and the inverse estimate packed (B, queries + 1 + 2 modes),
+    ``targets`` the same layout; ``validate`` is the held-out relative error of the field."""
+    from accel.distributed import Task  # the dataclass only: a light import
+
+    sizes = Sizes.preset(preset)
+
+    def batch(step: int, rank: int, world_size: int, device: torch.device):
+        b = rank_batch(seed, step, rank, world_size, sizes)
+        targets = torch.cat([b["targets"], b["inverse_targets"]], dim=1)
+        return b["inputs"].to(device), targets.to(device)
+
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return combined_loss(output, targets, sizes)
+
+    held_out = batch_of(seed, range(sizes.validation_samples), sizes, stream=1)
+
+    @torch.no_grad()
+    def validate(model: torch.nn.Module, device: torch.device) -> float:
+        inputs, targets = held_out["inputs"].to(device), held_out["targets"].to(device)
+        return validation_error(
+            lambda x: model(x)[:, : sizes.queries].float(), inputs, targets, sizes.batch
+        )
+
+    return Task(model=init_model(sizes, seed), batch=batch, loss=loss, validate=validate)
