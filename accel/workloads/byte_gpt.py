@@ -1,5 +1,6 @@
 """A GPT-style byte-level language model and its text, which needs no download: the Python
-standard library's own source files, read as bytes (vocabulary 256)."""
+standard library's own source files, read as bytes (vocabulary 256). ``sizes`` here is a
+``nested_optimizer.Sizes``: its ``context``, ``heads``, ``layers``, ``text_bytes`` and ``width``."""
 
 from __future__ import annotations
 
@@ -8,22 +9,11 @@ import inspect
 import math
 import sysconfig
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-
-class Sizes(Protocol):
-    """What the model and its text read of a workload's sizes (``nested_optimizer.Sizes``)."""
-
-    context: int
-    heads: int
-    layers: int
-    text_bytes: int
-    width: int
-
 
 VOCAB = 256  # bytes
 
@@ -49,7 +39,7 @@ def load_text(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
-def text_batches(sizes: Sizes, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def text_batches(sizes: Any, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Sequences of ``context + 1`` bytes of the text from starts drawn with ``seed``:
     (*shape, T + 1), int64, on the CPU."""
     text = load_text(sizes.text_bytes)
@@ -84,7 +74,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, sizes: Sizes):
+    def __init__(self, sizes: Any):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, sizes.width)
         self.wpe = nn.Embedding(sizes.context, sizes.width)

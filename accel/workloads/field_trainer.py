@@ -473,9 +473,7 @@ build = Step  # build(flags, sizes, *, device, seed, ...): the contract's name f
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float]]:
-    """Per entry of ``step.result()``, how far ``flags`` may leave it from the baseline's after
-    ``steps`` windows: :data:`TOLERANCE` for every entry, flag, size and number of windows (the
-    dynamics are damped: rounding differences do not grow)."""
+    """:data:`TOLERANCE` for every entry, flag, size and number of windows (damped dynamics)."""
     return dict.fromkeys(("metrics", "progress", "theta", "field"), TOLERANCE)
 
 

@@ -92,8 +92,7 @@ build = Step  # build(flags, sizes, *, device, seed): the contract's name for th
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float]]:
-    """Per parameter of ``step.result()``: :data:`TOLERANCE`, whatever the flags, size and
-    steps."""
+    """:data:`TOLERANCE` for every parameter, whatever the flags, size and steps."""
     return defaultdict(lambda: TOLERANCE)
 
 

@@ -294,8 +294,8 @@ def _optimizer_states(optimizer: Any) -> list[dict]:
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float] | None]:
-    """Per result entry, the tolerance within which ``flags`` must match the baseline after a
-    few ``steps`` at ``sizes`` (None: the entry is not comparable); the same for every size."""
+    """Per entry of ``step.result()`` (None: not comparable), after a few ``steps``; the same
+    at every size."""
     if flags.batch_multiplier != 1 or flags.grad_accumulation != 1:
         return LARGER_BATCH_TOLERANCE
     if (flags.aux_loss_every, flags.query_subsample) != (1, 1):
