@@ -33,16 +33,17 @@ FP32_LOGITS_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 LEARNING_RATE = 1e-3
 # Each class's shape: the pixels inside it at offset (dx, dy) from its centre (ax, ay: their
 # absolute values), size r, all in fractions of the side.
-SHAPES = {
+SHAPE_MASKS = {
     "disk": lambda dx, dy, ax, ay, r: dx**2 + dy**2 < r**2,
     "square": lambda dx, dy, ax, ay, r: torch.maximum(ax, ay) < 0.85 * r,
     "ring": lambda dx, dy, ax, ay, r: ((dx**2 + dy**2).sqrt() - r).abs() < 0.25 * r,
     "diamond": lambda dx, dy, ax, ay, r: ax + ay < 1.2 * r,
-    "h-bar": lambda dx, dy, ax, ay, r: (ay < 0.3 * r) & (ax < 1.2 * r),
-    "v-bar": lambda dx, dy, ax, ay, r: (ax < 0.3 * r) & (ay < 1.2 * r),
+    "horizontal bar": lambda dx, dy, ax, ay, r: (ay < 0.3 * r) & (ax < 1.2 * r),
+    "vertical bar": lambda dx, dy, ax, ay, r: (ax < 0.3 * r) & (ay < 1.2 * r),
     "cross": lambda dx, dy, ax, ay, r: ((ax < 0.25 * r) & (ay < r)) | ((ay < 0.25 * r) & (ax < r)),
     "triangle": lambda dx, dy, ax, ay, r: (dy > -r) & (dy < r) & (ax < (dy + r) / 2),  # apex up
 }
+SHAPES = tuple(SHAPE_MASKS)  # the class names
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def make_images(n: int, image: int, classes: int, *, generator, device="cpu") ->
     dy = grid.view(1, -1, 1) - centre[:, 1].view(-1, 1, 1)  # (n, image, 1)
     dx, dy = torch.broadcast_tensors(dx, dy)
     inside = torch.zeros(n, image, image, dtype=torch.bool, device=dev)
-    for kind, shape in enumerate(list(SHAPES.values())[:classes]):
+    for kind, shape in enumerate(list(SHAPE_MASKS.values())[:classes]):
         pick = labels == kind
         x, y = dx[pick], dy[pick]
         inside[pick] = shape(x, y, x.abs(), y.abs(), radius[pick].view(-1, 1, 1))
