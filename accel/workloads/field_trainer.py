@@ -168,16 +168,15 @@ _compiled_mix: CompiledFunction | None = None  # one per process: compiled code 
 def check_metric(g0: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     """``g0`` as float32 after checking it is a metric: (dim, dim) symmetric positive definite
     for ``metric='full'``, (dim,) positive for ``'diag'``."""
-    d = sizes.dim
+    diag = sizes.metric == "diag"
+    shape = (sizes.dim,) if diag else (sizes.dim, sizes.dim)
     g0 = torch.as_tensor(g0).detach().to("cpu", torch.float64)
-    if sizes.metric == "diag":
-        if g0.shape != (d,):
-            raise ValueError(f"g0: a diagonal metric needs shape ({d},), got {tuple(g0.shape)}")
-        if not bool((g0 > 0).all()):
-            raise ValueError(f"g0: a diagonal metric needs every entry > 0, got min {g0.min():.3g}")
+    if g0.shape != shape:
+        raise ValueError(f"g0: a {sizes.metric} metric needs shape {shape}, got {tuple(g0.shape)}")
+    if diag and not bool((g0 > 0).all()):
+        raise ValueError(f"g0: a diagonal metric needs every entry > 0, got min {g0.min():.3g}")
+    if diag:
         return g0.float()
-    if g0.shape != (d, d):
-        raise ValueError(f"g0: a full metric needs shape ({d}, {d}), got {tuple(g0.shape)}")
     if not torch.allclose(g0, g0.T, rtol=1e-6, atol=1e-8):
         raise ValueError(
             f"g0 must be symmetric (a metric); got max |g0 - g0.T| = {(g0 - g0.T).abs().max():.3g}"

@@ -93,11 +93,8 @@ def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
 
 def label(flags: Any) -> str:
     """'baseline' for the defaults, else the changed flags joined by '+': 'fused_adamw+x=2'."""
-    changed = []
-    for info in describe(type(flags)):
-        value = getattr(flags, info.name)
-        if value != info.default:
-            changed.append(info.name if value is True else f"{info.name}={value}")
+    values = [(i.name, getattr(flags, i.name), i.default) for i in describe(type(flags))]
+    changed = [n if v is True else f"{n}={v}" for n, v, default in values if v != default]
     return "+".join(changed) or "baseline"
 
 
