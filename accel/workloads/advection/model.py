@@ -47,10 +47,8 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        if self.norm_context is not None:
-            x = x + self.attn(self.norm1(x), self.norm_context(context))
-        else:
-            x = x + self.attn(self.norm1(x))
+        context = None if self.norm_context is None else self.norm_context(context)
+        x = x + self.attn(self.norm1(x), context)  # over itself without a context
         return x + self.mlp(self.norm2(x))
 
 
@@ -126,19 +124,17 @@ class InverseNet(nn.Module):
 
 class AdvectionModel(nn.Module):
     """The operator and its inverse net. ``forward`` (the distributed task's model) runs both,
-    the inverse on the first ``aux_queries`` queries: (B, queries + 1 + 2 modes)."""
+    the inverse on every query: (B, queries + 1 + 2 modes)."""
 
-    def __init__(self, sizes: Sizes, aux_queries: int | None = None):
+    def __init__(self, sizes: Sizes):
         super().__init__()
         self.grid = sizes.grid
-        self.aux_queries = sizes.queries if aux_queries is None else aux_queries
         self.operator = OperatorNet(sizes)
         self.inverse = InverseNet(sizes)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         predictions = self.operator(inputs)
-        n = self.aux_queries
-        estimate = self.inverse(predictions[:, :n], inputs[:, self.grid : self.grid + n])
+        estimate = self.inverse(predictions, inputs[:, self.grid :])
         return torch.cat([predictions, estimate], dim=1)
 
     def block_names(self) -> list[str]:
