@@ -390,12 +390,10 @@ class Step:
         """Everything a resumed run needs to continue as if never stopped: weights, both
         optimizers, the controller's pending lesson (its last features and loss: the output is
         recomputed from them, as the graphed step does), the multipliers and the step count."""
-        if self.graphed_step is not None:
-            pending = (self._features_then, self._loss_then) if self._has_last else None
-        elif self._last is not None:
+        graphed = self.graphed_step is not None
+        pending = (self._features_then, self._loss_then) if graphed and self._has_last else None
+        if not graphed and self._last is not None:
             pending = (self._last[2], self._last[1])
-        else:
-            pending = None
         return {
             "model": self.model.state_dict(),
             "controller": self.controller.state_dict(),

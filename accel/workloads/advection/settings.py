@@ -162,10 +162,8 @@ def unavailable(device: torch.device | str) -> dict[str, str]:
     """Flags that cannot run on ``device``, with the reason: those of
     :func:`accel.workloads.flags.unavailable`, and the CPU offload optimizer without torchao."""
     reasons = flags_module.unavailable(Flags, device)
-    if "cpu_offload_optimizer" not in reasons:
-        missing = offload_optimizer_class()[1]
-        if missing:
-            reasons["cpu_offload_optimizer"] = missing
+    if "cpu_offload_optimizer" not in reasons and (missing := offload_optimizer_class()[1]):
+        reasons["cpu_offload_optimizer"] = missing
     return reasons
 
 
