@@ -200,11 +200,8 @@ def apply_batched_progress(flags: Flags, sizes: Sizes, device: torch.device) -> 
 
 def apply_compiled_retrieval(flags: Flags, probe: tuple) -> Callable:
     """``compiled_retrieval`` (unless ``compiled_step`` compiles it with the step): the
-    retrieval compiled, if it runs here and matches eager on ``probe``; else the eager one.
-
-    The compiled function is a :class:`accel.fusion.CompiledFunction` with direct calls:
-    ``step.retrieve.compiles`` shows how many graphs it has compiled (one per field shape; more
-    means shape churn), ``direct_calls`` how many calls skipped dynamo."""
+    retrieval compiled, if it runs here and matches eager on ``probe``; else the eager one. A
+    :class:`accel.fusion.CompiledFunction` (``step.retrieve.compiles``: graphs, one per shape)."""
     global _compiled_mix
     eager = retrieve_fused if flags.fused_retrieval else retrieve
     if not flags.compiled_retrieval or flags.compiled_step:
@@ -221,10 +218,10 @@ def apply_compiled_retrieval(flags: Flags, probe: tuple) -> Callable:
 
 def apply_compiled_step(step: Step) -> Callable | None:
     """``compiled_step``: the step (:func:`accumulating_step` with ``inplace_accumulate``, else
-    :func:`field_step`) through torch.compile, built for back-to-back replay with
-    ``overlapped_launches``; one compilation per process shared by every Step of the same sizes,
-    checked against eager on copies of the state for both phases (so it compiles here, not in a
-    timed window). None without the flag, or, with a warning, where it cannot run."""
+    :func:`field_step`) through torch.compile (for back-to-back replay with
+    ``overlapped_launches``), one compilation per process, checked against eager here for both
+    phases (so it compiles outside any timed window). None without the flag, or, with a
+    warning, where it cannot run."""
     f = step.flags
     if not f.compiled_step:
         if f.overlapped_launches:
@@ -238,11 +235,8 @@ def apply_compiled_step(step: Step) -> Callable | None:
     fn = accumulating_step if f.inplace_accumulate else field_step
     key = (fn, f.overlapped_launches)
     if key not in _COMPILED_STEPS:
-        source, options = (
-            (own_code(fn, "overlapped"), OVERLAPPED_LAUNCHES)
-            if f.overlapped_launches
-            else (fn, None)
-        )
+        source = own_code(fn, "overlapped") if f.overlapped_launches else fn
+        options = OVERLAPPED_LAUNCHES if f.overlapped_launches else None
         _COMPILED_STEPS[key] = torch.compile(source, dynamic=False, options=options)
     compiled = _COMPILED_STEPS[key]
     options = step._step_options(retrieve_fused if f.fused_retrieval else retrieve)
