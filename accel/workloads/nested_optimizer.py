@@ -27,11 +27,7 @@ from torch import nn
 from accel import fusion, graphs, memory
 from accel.errors import collection_of
 from accel.optim import MultiTensorAdamW, load_state_in_place
-from accel.workloads.byte_gpt import (  # the model and its text, public here too (no.*)
-    GPT,
-    load_text,  # noqa: F401
-    text_batches,
-)
+from accel.workloads.byte_gpt import GPT, text_batches
 from accel.workloads.compare import make_compare_results
 from accel.workloads.flags import Presets, check_sizes, flag, option
 
