@@ -286,16 +286,11 @@ build = Step  # build(flags, sizes, *, device, seed): the contract's name for th
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance]:
-    """Per entry of ``step.result()`` after ``steps`` steps, how far ``flags`` may leave it from
-    the baseline's.
-
-    Weights: at most AdamW's drift bound, whatever the precision: a weight whose gradient is at
-    rounding level (a key bias, which softmax nearly ignores) may step either way, each time.
-    Logits: float32 flags only reorder sums (``FP32_LOGITS_TOLERANCE``). bf16 rounds the inputs of
-    every matrix product: independent relative errors of ``u = 2^-8`` over ``n`` products in series
-    add to ``sqrt(n) u`` in norm, and the steps' updates, normalized per element by AdamW, carry
-    the gradients' errors of the same size into the weights: ``sqrt(2 n) u`` in all.
-    """
+    """Per entry of ``step.result()`` after ``steps`` steps. Weights: AdamW's drift bound, as a
+    weight whose gradient is at rounding level (a key bias) may step either way each time.
+    Logits: float32 flags only reorder sums; bf16 rounds the inputs of every matrix product, and
+    relative errors ``u = 2^-8`` over ``n`` products in series add to ``sqrt(n) u`` in norm, the
+    same again through AdamW's normalized updates: ``sqrt(2 n) u`` in all."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     weights = dict(rtol=1e-6, atol=adamw_drift_bound(steps, LEARNING_RATE))

@@ -61,17 +61,13 @@ LARGER_BATCH_TOLERANCE = {
 
 class Step:
     """One training step per call. Losses stay on the device (one host read in ``mean_loss``).
+    Sync-free but for ``fp16+scaler`` without fused AdamW (the scaler's inf check), the CPU
+    offload optimizer (its copies) and ``loader_workers=0`` (batches made in the step).
 
-    Sync-free except where noted: ``fp16+scaler`` without fused AdamW reads the scaler's
-    inf check on the host (``GradScaler.step``); the CPU offload optimizer waits for its
-    copies (torchao's ``step`` synchronizes its stream); loading a batch in the step
-    (``loader_workers=0``) is host work the GPU waits for.
-
-    With ``compile``, :meth:`forward_loss` (operator, inverse net when due, losses) is compiled
-    as one function: a graph per variant (with and without the inverse loss), each with its
-    backward. Under CUDA graphs (reduce-overhead, max-autotune) every output of a graph (the
-    loss, the gradients) lives in memory the next step's replay overwrites: a step marks its
-    start, keeps a clone of its loss, and drops the gradients after the optimizer step.
+    With ``compile``, :meth:`forward_loss` is compiled as one function, a graph (and backward)
+    with and one without the inverse loss. Under CUDA graphs a graph's outputs (loss, gradients)
+    live in memory the next replay overwrites: a step marks its start, keeps a clone of its
+    loss, and drops the gradients after the optimizer step.
     """
 
     def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):  # noqa: B008
