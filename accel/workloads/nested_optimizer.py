@@ -262,11 +262,9 @@ class Step:
         self.params = [p for ps in self.param_lists for p in ps]
         self.optimizer = apply_adamw([{"params": ps, "name": n} for n, ps in named], flags, sizes)
         # the controller's own optimizer is the same in every configuration (4 small tensors)
+        graphed = flags.cuda_graph == "whole_step"
         self.controller_optimizer = torch.optim.Adam(
-            self.controller.parameters(),
-            lr=sizes.controller_lr,
-            foreach=False,
-            capturable=flags.cuda_graph == "whole_step",
+            self.controller.parameters(), lr=sizes.controller_lr, foreach=False, capturable=graphed
         )
         G = sizes.groups
         self.depth = torch.linspace(0, 1, G, device=device)
