@@ -81,13 +81,10 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(sizes.width, sizes.heads) for _ in range(sizes.layers))
         self.ln_f = nn.LayerNorm(sizes.width)
         self.head = nn.Linear(sizes.width, VOCAB, bias=False)
+        residual = 0.02 / math.sqrt(2 * sizes.layers)  # GPT-2's init: scaled by depth
         for name, p in self.named_parameters():
-            if p.ndim == 2:  # GPT-2's init; residual projections scaled by depth
-                std = (
-                    0.02 / math.sqrt(2 * sizes.layers)
-                    if name.endswith(("proj.weight", "out.weight"))
-                    else 0.02
-                )
+            if p.ndim == 2:
+                std = residual if name.endswith(("proj.weight", "out.weight")) else 0.02
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -224,11 +224,9 @@ build = Step  # build(flags, sizes, *, device, seed): the contract's name for th
 
 
 def tokens_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """True if two results' replies are equal, or each first differs at a near-tie.
-
-    A near-tie is a top-two margin below ``TIE_MARGIN`` in either run at the first differing
-    position: there, another batching's float32 rounding may pick the other token legitimately.
-    """
+    """True if two results' replies are equal, or each first differs at a near-tie (a top-two
+    margin below ``TIE_MARGIN`` in either run), where another batching's rounding may pick the
+    other token legitimately."""
     same = a["tokens"] == b["tokens"]  # (B, N, L)
     differs = ~same.all(-1)
     if not differs.any():

@@ -12,9 +12,6 @@ import torch
 from accel.workloads import flags as flags_module
 from accel.workloads.flags import Presets, check_sizes, flag, option
 
-COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
-PRECISIONS = ("fp32", "bf16", "fp16+scaler")
-
 
 @dataclass(frozen=True)
 class Flags:
@@ -23,7 +20,7 @@ class Flags:
         "fuse kernels; reduce-overhead and max-autotune replay them as CUDA graphs",
         "compile",
         default="none",
-        choices=COMPILE_MODES,
+        choices=("none", "default", "reduce-overhead", "max-autotune"),
         requires="cuda",
     )
     activation_checkpointing: bool = flag(
@@ -88,7 +85,7 @@ class Flags:
         "the bytes (both change numerics on purpose)",
         "precision",
         default="fp32",
-        choices=PRECISIONS,
+        choices=("fp32", "bf16", "fp16+scaler"),
     )
     fused_adamw: bool = flag("AdamW(fused=True): one kernel for all parameters", "optimizer")
     cpu_offload_optimizer: bool = flag(
