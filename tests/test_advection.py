@@ -27,7 +27,7 @@ CPU_FLAG_SETS = [
     op.Flags(grad_accumulation=2),
     op.Flags(aux_loss_every=2),
     op.Flags(query_subsample=4),
-    op.Flags(loader_workers=2, persistent_workers=True, prefetch=4),
+    op.Flags(loader_workers=2, persistent_workers=True),
     op.Flags(non_blocking=True),
     op.Flags(precision="bf16"),
     op.Flags(precision="fp16+scaler"),
@@ -135,7 +135,7 @@ def test_loader_settings_deliver_identical_batches_across_epochs(seed):
     assert epochs == 2
     for flags in (
         op.Flags(loader_workers=2),
-        op.Flags(loader_workers=2, persistent_workers=True, prefetch=4, non_blocking=True),
+        op.Flags(loader_workers=2, persistent_workers=True, non_blocking=True),
     ):
         got, _ = batches(flags)
         for a, b in zip(got, reference, strict=True):
@@ -232,7 +232,6 @@ def test_presets_and_bad_preset():
     ("flags", "match"),
     [
         (op.Flags(persistent_workers=True), "persistent_workers=True needs loader_workers > 0"),
-        (op.Flags(prefetch=4), "prefetch=4 needs loader_workers > 0"),
         (op.Flags(compile="default"), r"\['compile'\] cannot run on cpu: needs a CUDA GPU"),
         (op.Flags(pin_memory=True), "cannot run on cpu"),
         (op.Flags(cpu_offload_optimizer=True), "cannot run on cpu"),

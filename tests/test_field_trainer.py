@@ -126,7 +126,7 @@ def test_compile_failure_falls_back_with_a_warning(monkeypatch, baseline, seed):
     monkeypatch.setattr(torch, "compile", broken)
     with pytest.warns(
         RuntimeWarning,
-        match="compiled_retrieval: torch.compile cannot run here "
+        match="compiled_retrieval: torch.compile cannot run here or differs from eager "
         r"\(RuntimeError: no compiler here\)",
     ):
         step = ft.build(ft.Flags(compiled_retrieval=True), CPU, seed=seed)
@@ -161,7 +161,7 @@ def test_compiled_retrieval_is_called_without_dynamo_after_its_first_call(
         ({"rotor_k": 0}, r"Sizes.rotor_k must be an int in 1\.\.8"),
         ({"rotor_k": 9}, r"Sizes.rotor_k must be an int in 1\.\.8 \(disjoint planes"),
         ({"steps_per_window": 15}, "Sizes.steps_per_window must be even"),
-        ({"batch": 0}, "Sizes.batch must be an int in >= 1"),
+        ({"batch": 0}, "Sizes.batch must be an int >= 1"),
         ({"metric": "sparse"}, "Sizes.metric must be 'full' or 'diag'"),
         ({"damping": 1.0}, r"Sizes.damping must be in \[0, 1\)"),
         ({"beta": -2.0}, "Sizes.beta must be > 0"),

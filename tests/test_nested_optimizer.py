@@ -11,6 +11,7 @@ import torch
 from accel import sync
 from accel.optim import MultiTensorAdamW
 from accel.workloads import nested_optimizer as no
+from accel.workloads.byte_gpt import load_text
 from accel.workloads.flags import all_on, describe
 
 CPU = no.Sizes.preset("cpu")
@@ -54,12 +55,12 @@ def test_presets_match_the_issue():
 
 
 def test_text_is_the_standard_library_source():
-    text = no.load_text(1 << 16)
+    text = load_text(1 << 16)
     assert text.dtype == torch.uint8 and len(text) == 1 << 16
     decoded = bytes(text.tolist()).decode("utf-8", errors="replace")
     assert "def " in decoded and "import " in decoded
     assert len(set(text.tolist())) > 60  # real text, not a constant
-    assert torch.equal(no.load_text(1 << 16), text)
+    assert torch.equal(load_text(1 << 16), text)
 
 
 def test_result_is_finite_and_learning(baseline):

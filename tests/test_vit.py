@@ -128,7 +128,7 @@ def test_presets():
         (dict(dim=30, heads=4), "even size"),
         (dict(dim=18, heads=2), "even size"),
         (dict(classes=9), "between 2 and 8"),
-        (dict(batch=0), "must be >= 1"),
+        (dict(batch=0), "Sizes.batch must be an int >= 1"),
     ],
 )
 def test_bad_sizes_are_rejected(kwargs, match):
@@ -154,7 +154,7 @@ def test_compile_is_cuda_only_and_sdpa_is_pytorchs_pick_by_default():
     assert vit.Flags().backend == "default"
     step = vit.build(vit.Flags(sdpa=True), SIZES)
     assert step.count == 0 and step.losses == []  # building runs no step
-    assert all(a.backend == "default" for a in step.model.attention_modules())
+    assert all(a.backend == "default" for a in [block.attn for block in step.model.blocks])
     assert all(p.grad is None for p in step.model.parameters())
 
 

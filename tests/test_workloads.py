@@ -30,7 +30,6 @@ CONTRACT = ("Flags", "Sizes", "build", "tolerance", "compare_results")
 # What a flag needs beside it to be accepted or to do anything: a prerequisite's setting.
 NEEDS = {
     ("advection", "persistent_workers"): {"loader_workers": 2},
-    ("advection", "prefetch"): {"loader_workers": 2},
     ("vit", "backend"): {"sdpa": True},
 }
 # They run on a CPU, but inductor compiles C++ there for seconds per flag: tests/

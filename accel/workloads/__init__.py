@@ -1,20 +1,14 @@
 """Training workloads the notebooks optimize, one code path each, switched by a ``Flags`` dataclass.
 
-The contract every workload module in :data:`WORKLOADS` keeps (the lab relies on nothing else;
-``tests/test_workloads.py`` holds each to it):
-
-- ``Flags``: a frozen dataclass, one field per optimization, made with
-  :func:`accel.workloads.flags.flag` (or ``option``) so each carries its phase, a one-line help
-  text and what it requires; ``Flags()`` is the "before".
-- ``Sizes`` with ``Sizes.preset(name)`` for the ``cpu`` and ``gpu`` presets.
-- ``build(flags, sizes, *, device, seed)`` returning a ``Step``: call it to run one step;
-  ``step.result()`` gives the tensors that every flag must leave (near) unchanged.
-- ``tolerance(flags, sizes, steps)``: per entry of ``step.result()``, how far ``flags`` may
-  leave it from the baseline's after ``steps`` calls at ``sizes`` (an
-  :data:`accel.workloads.compare.Tolerance`, or None where the entry is not comparable).
-- ``compare_results(result, reference, flags, *, sizes, steps)``: raises an AssertionError
-  naming the entry where ``result`` (of ``flags``) leaves that tolerance of ``reference`` (the
-  baseline's, same seed), else returns each entry's largest difference.
+The contract every module of :data:`WORKLOADS` keeps (``tests/test_workloads.py`` holds each to it):
+``Flags``, a frozen dataclass of :func:`accel.workloads.flags.flag` and ``option`` fields, each
+with its phase, help and requirement (``Flags()`` is the "before"); ``Sizes`` with
+``Sizes.preset(name)`` for ``cpu`` and ``gpu``; ``build(flags, sizes, *, device, seed)``, a step
+to call, whose ``result()`` holds the tensors every flag must leave (near) unchanged;
+``tolerance(flags, sizes, steps)``, per entry of the result how far it may move from the
+baseline's (an :data:`accel.workloads.compare.Tolerance`, None where not comparable); and
+``compare_results(result, reference, flags, *, sizes, steps)``, an AssertionError naming the
+entry beyond it, else each entry's largest difference.
 """
 
 # The workload modules, by name under accel.workloads (imported on demand: each pulls in its own)

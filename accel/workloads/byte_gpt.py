@@ -1,5 +1,6 @@
 """A GPT-style byte-level language model and its text, which needs no download: the Python
-standard library's own source files, read as bytes (vocabulary 256)."""
+standard library's own source files, read as bytes (vocabulary 256). ``sizes`` here is a
+``nested_optimizer.Sizes``: its ``context``, ``heads``, ``layers``, ``text_bytes`` and ``width``."""
 
 from __future__ import annotations
 
@@ -8,26 +9,15 @@ import inspect
 import math
 import sysconfig
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Sizes(Protocol):
-    """What the model and its text read of a workload's sizes (``nested_optimizer.Sizes``)."""
-
-    context: int
-    heads: int
-    layers: int
-    text_bytes: int
-    width: int
-
 VOCAB = 256  # bytes
 
 
-# ---- data: the standard library's source as bytes -----------------------------------------------
 @functools.lru_cache(maxsize=4)
 def load_text(nbytes: int) -> torch.Tensor:
     """Up to ``nbytes`` of this Python's standard-library source files (``*.py`` in the stdlib
@@ -49,7 +39,7 @@ def load_text(nbytes: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
 
 
-def text_batches(sizes: Sizes, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+def text_batches(sizes: Any, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """Sequences of ``context + 1`` bytes of the text from starts drawn with ``seed``:
     (*shape, T + 1), int64, on the CPU."""
     text = load_text(sizes.text_bytes)
@@ -58,41 +48,43 @@ def text_batches(sizes: Sizes, shape: tuple[int, ...], seed: int) -> torch.Tenso
     return text[starts[..., None] + torch.arange(sizes.context + 1)].long()
 
 
-# ---- the model -----------------------------------------------------------------------------------
 class Block(nn.Module):
-    """Pre-norm transformer block: causal self-attention and a 4x MLP (12 parameter tensors)."""
+    """Pre-norm transformer block: self-attention (causal unless told, over an external KV cache
+    where given) and a 4x MLP (12 parameter tensors). ``gelu``: its ``approximate``."""
 
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, gelu: str = "tanh"):
         super().__init__()
-        self.heads = heads
+        self.heads, self.gelu = heads, gelu
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
         self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, pos: int = 0, causal: bool = True):
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=-1)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if cache is not None:  # write this step's keys and values in place, attend to all so far
+            cache_k, cache_v = cache  # (B, heads, max_len, head_dim)
+            cache_k[:, :, pos : pos + T] = k
+            cache_v[:, :, pos : pos + T] = v
+            k, v = cache_k[:, :, : pos + T], cache_v[:, :, : pos + T]
+        # one new token attends to every cached one; a prompt (pos = 0) attends causally
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal and T > 1)  # (B, nh, T, hs)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate=self.gelu))
 
 
 class GPT(nn.Module):
-    def __init__(self, sizes: Sizes):
+    def __init__(self, sizes: Any):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, sizes.width)
         self.wpe = nn.Embedding(sizes.context, sizes.width)
         self.blocks = nn.ModuleList(Block(sizes.width, sizes.heads) for _ in range(sizes.layers))
         self.ln_f = nn.LayerNorm(sizes.width)
         self.head = nn.Linear(sizes.width, VOCAB, bias=False)
+        residual = 0.02 / math.sqrt(2 * sizes.layers)  # GPT-2's init: scaled by depth
         for name, p in self.named_parameters():
-            if p.ndim == 2:  # GPT-2's init; residual projections scaled by depth
-                std = (
-                    0.02 / math.sqrt(2 * sizes.layers)
-                    if name.endswith(("proj.weight", "out.weight"))
-                    else 0.02
-                )
+            if p.ndim == 2:
+                std = residual if name.endswith(("proj.weight", "out.weight")) else 0.02
                 nn.init.normal_(p, 0.0, std)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

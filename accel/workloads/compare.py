@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import torch
 
@@ -30,13 +29,7 @@ def adamw_drift_bound(steps: int, lr: float, betas: tuple[float, float] = (0.9, 
     return 2 * lr * total
 
 
-def compare_results(
-    result: Mapping[str, torch.Tensor],
-    reference: Mapping[str, torch.Tensor],
-    tolerances: Mapping[str, Tolerance | None],
-    *,
-    relative: bool = True,
-) -> dict[str, float]:
+def compare_results(result, reference, tolerances, *, relative: bool = True) -> dict[str, float]:
     """Check each entry of ``result`` against ``reference`` at its tolerance (an AssertionError
     names the entry; an entry whose tolerance is None is not comparable and is skipped) and
     return, per entry, the largest difference: relative to the entry's largest value, or absolute
@@ -51,34 +44,19 @@ def compare_results(
             _assert_close_normwise(got, ref, tol["rel_norm"], key)
         else:
             torch.testing.assert_close(got, ref, **tol, msg=lambda m, k=key: f"{k}: {m}")
-        if not ref.numel():
-            errors[key] = 0.0
-            continue
-        largest = (got - ref).abs().max()
-        if relative:
-            largest = largest / ref.abs().max().clamp_min(1e-30)
-        errors[key] = float(largest)
+        scale = ref.abs().max().clamp_min(1e-30) if relative and ref.numel() else 1.0
+        errors[key] = float((got - ref).abs().max() / scale) if ref.numel() else 0.0
     return errors
 
 
-def make_compare_results(
-    tolerance: Callable[[Any, Any, int], Mapping[str, Tolerance | None]], *, relative: bool = True
-) -> Callable[..., dict[str, float]]:
+def make_compare_results(tolerance: Callable, *, relative: bool = True) -> Callable:
     """A workload's ``compare_results`` (the contract in :mod:`accel.workloads`) from its
     ``tolerance(flags, sizes, steps)``: :func:`compare_results` at that tolerance."""
 
-    def compare_results_(
-        result: Mapping[str, torch.Tensor],
-        reference: Mapping[str, torch.Tensor],
-        flags: Any,
-        *,
-        sizes: Any,
-        steps: int,
-    ) -> dict[str, float]:
-        """Check ``result`` (of ``flags``) against the baseline's ``reference`` after ``steps``
-        steps at ``sizes``: an AssertionError names the first entry beyond the workload's
-        ``tolerance``; else each entry's largest difference (relative to the entry's largest
-        value, or absolute where the workload says so)."""
+    def compare_results_(result, reference, flags, *, sizes, steps: int) -> dict[str, float]:
+        """An AssertionError naming the first entry of ``result`` (of ``flags``) beyond the
+        workload's ``tolerance`` of the baseline's ``reference``; else each one's largest
+        difference (relative to its largest value, or absolute where the workload says so)."""
         return compare_results(result, reference, tolerance(flags, sizes, steps), relative=relative)
 
     compare_results_.__name__ = compare_results_.__qualname__ = "compare_results"

@@ -1,11 +1,6 @@
-"""The field trainer's dynamics: one step of the field as pure functions of its tensors.
-
-Curvature, the retrieval over the memory bank (plain and with the mix fused by hand), the step
-itself and its accumulating form: functions of their arguments only, so one torch.compile of
-a step serves every :class:`accel.workloads.field_trainer.Step`. quad_form, lior_step (the
-"before": the quadratic form computed twice per step), lior_step_fused and retrieval_mix live in
-:mod:`accel.fusion` beside their fused forms.
-"""
+"""The field trainer's dynamics: one step of the field as pure functions of its tensors, so one
+torch.compile of a step serves every :class:`accel.workloads.field_trainer.Step` (the LIoR and
+retrieval-mix pieces live in :mod:`accel.fusion` beside their fused forms)."""
 
 from __future__ import annotations
 
@@ -33,11 +28,7 @@ def retrieve(
     x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor, values: torch.Tensor, beta: float
 ) -> torch.Tensor:
     """The bank's values mixed by ``softmax(-beta * cost)``, cost under the metric ``g``: (B, d).
-
-    Eager, 8 kernels (sub, matmul, mul, mean; mul, softmax, mul, sum). Compiled as one function
-    (``compiled_retrieval``) it is one call instead of eight ops, which is what matters in a
-    launch-bound window, though the compiled code's own host work keeps the gain small (see
-    results/*.csv phase=fusion, case field_trainer_window + compiled_retrieval)."""
+    Eager, 8 kernels; compiled (``compiled_retrieval``), one call."""
     return retrieval_mix(metric_cost(x, keys, g), values, beta)
 
 
@@ -88,15 +79,7 @@ def field_step(
     return x, v, dlior, R_sc, spd
 
 
-def accumulating_step(
-    x: torch.Tensor,
-    v: torch.Tensor,
-    nudge: float,
-    acc: torch.Tensor,
-    vel_acc: torch.Tensor,
-    *fixed: torch.Tensor,
-    **options: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def accumulating_step(x, v, nudge, acc, vel_acc, *fixed, **options) -> tuple[torch.Tensor, ...]:
     """:func:`field_step`, then its LIoR, curvature and speed means added to ``acc`` and its
     velocity to ``vel_acc``, in place (``inplace_accumulate``), as one function for
     ``compiled_step`` to fuse."""

@@ -10,15 +10,10 @@ field update, and metric accumulators (LIoR, R, spd) with a progress read-out ev
 difference between the phases' statistics, plane by plane.
 
 ``Flags()`` is the "before", written the way such code usually is; each flag removes one cost.
-Launch-bound at the ``gpu`` preset: the home of phases 1-4.
-
-Phase 4's ``cuda_graph`` flag captures :meth:`Step.run_window` (the device work) as one CUDA
-graph: it reads and writes only tensors allocated in ``__init__``, in place, with the window's
-target copied into a static buffer before it; host work (collecting progress, the rotor-update
-schedule, cache cleanup) stays outside it. A captured window also needs ``batched_progress`` (an
-``.item()`` inside fails the capture: the window then runs eagerly, with a warning naming it).
-``overlapped_launches`` builds the compiled step (``compiled_step``) for back-to-back replay:
-programmatic dependent launch and combo kernels, so the gaps between a replay's kernels shrink.
+Launch-bound at the ``gpu`` preset: the home of phases 1-4. ``cuda_graph`` captures
+:meth:`Step.run_window` (the device work, on tensors allocated once) and needs
+``batched_progress`` (an ``.item()`` inside fails the capture: the window then runs eagerly, with
+a warning naming it); host work (progress, the rotor schedule, cache cleanup) stays outside.
 """
 
 from __future__ import annotations
@@ -37,21 +32,18 @@ from accel.workloads.compare import make_compare_results
 from accel.workloads.compiling import own_code
 from accel.workloads.field_dynamics import (  # the step's math, public here too (ft.*)
     accumulating_step,
-    curvature,  # noqa: F401
     field_step,
     metric_cost,  # noqa: F401
     retrieve,
     retrieve_fused,
 )
-from accel.workloads.flags import Presets, flag
+from accel.workloads.flags import Presets, check_int, check_sizes, flag
 
 METRICS = ("lior", "R", "spd")
-# Flags keep results equal to the baseline within this (fp32). compiled_retrieval and
-# fused_retrieval (the mix summed in another order) and vectorized_rotor (float32 update where
-# the loop used Python floats) change the last bits; the dynamics are damped, so the difference
-# does not grow over windows.
+# Flags keep results within this of the baseline's: some sum in another order or update in float32
+# where the loop used Python floats; the dynamics are damped, so differences do not grow.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls (the plain trainer's schedule)
+CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls
 
 
 @dataclass(frozen=True)
@@ -131,37 +123,21 @@ class Sizes(Presets):
     eps: float = 1e-6
 
     def __post_init__(self):
-        _in_range("batch", self.batch, 1)
-        _in_range("dim", self.dim, 2)
-        _in_range("bank", self.bank, 1)
-        _in_range("steps_per_window", self.steps_per_window, 2)
+        check_sizes(self, ("batch", "bank", "rotor_layers", "nudge_every_windows", "patterns"))
+        check_sizes(self, positive=("beta", "dt", "rotor_lr", "eps"))
+        check_int("dim", self.dim, 2)
+        check_int("steps_per_window", self.steps_per_window, 2)
         if self.steps_per_window % 2:
             raise ValueError(
                 f"Sizes.steps_per_window must be even (a free and a nudged phase "
                 f"of equal length), got {self.steps_per_window}"
             )
-        _in_range(
-            "progress_every",
-            self.progress_every,
-            0,
-            self.steps_per_phase,
-            "(steps of a phase between read-outs; 0 turns them off)",
-        )
-        _in_range("rotor_layers", self.rotor_layers, 1)
-        _in_range(
-            "rotor_k",
-            self.rotor_k,
-            1,
-            self.dim // 2,
-            f"(disjoint planes per layer in {self.dim} coordinates)",
-        )
-        _in_range("nudge_every_windows", self.nudge_every_windows, 1)
+        why = "(steps of a phase between read-outs; 0 turns them off)"
+        check_int("progress_every", self.progress_every, 0, self.steps_per_phase, why)
+        why = f"(disjoint planes per layer in {self.dim} coordinates)"
+        check_int("rotor_k", self.rotor_k, 1, self.dim // 2, why)
         if self.metric not in ("full", "diag"):
             raise ValueError(f"Sizes.metric must be 'full' or 'diag', got {self.metric!r}")
-        _in_range("patterns", self.patterns, 1)
-        for name in ("beta", "dt", "rotor_lr", "eps"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Sizes.{name} must be > 0, got {getattr(self, name)}")
         if not 0 <= self.damping < 1:
             raise ValueError(f"Sizes.damping must be in [0, 1), got {self.damping}")
         if self.nudge < 0:
@@ -176,24 +152,13 @@ class Sizes(Presets):
         return 2 * (self.steps_per_phase // self.progress_every) if self.progress_every else 0
 
 
-def _in_range(name: str, value: int, lo: int, hi: int | None = None, why: str = "") -> None:
-    if not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        valid = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-        raise ValueError(
-            f"Sizes.{name} must be an int in {valid}{' ' + why if why else ''}, got {value!r}"
-        )
-
-
 Sizes.PRESETS = {
-    # A window in milliseconds on a CPU core: every notebook and test runs in CI.
     "cpu": Sizes(batch=8, dim=16, bank=16, steps_per_window=16, progress_every=4, rotor_k=3),
-    # The plain trainer's defaults (64 steps, progress every 8, rotor_k 6); small tensors: launch-bound.
-    "gpu": Sizes(),
+    "gpu": Sizes(),  # the plain trainer's defaults; small tensors: launch-bound
 }
 
 
-# Inductor options of ``overlapped_launches``. Both are off by default in torch 2.11; PDL is
-# generated only for CUDA devices of compute capability 9.0 and up (elsewhere it is ignored).
+# Inductor options of ``overlapped_launches``, off by default; PDL needs compute capability 9.0+.
 OVERLAPPED_LAUNCHES = {"triton.enable_pdl": True, "combo_kernels": True}
 # One torch.compile per step function and launch style, per process.
 _COMPILED_STEPS: dict[tuple[Callable, bool], Callable] = {}
@@ -203,16 +168,15 @@ _compiled_mix: CompiledFunction | None = None  # one per process: compiled code 
 def check_metric(g0: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     """``g0`` as float32 after checking it is a metric: (dim, dim) symmetric positive definite
     for ``metric='full'``, (dim,) positive for ``'diag'``."""
-    d = sizes.dim
+    diag = sizes.metric == "diag"
+    shape = (sizes.dim,) if diag else (sizes.dim, sizes.dim)
     g0 = torch.as_tensor(g0).detach().to("cpu", torch.float64)
-    if sizes.metric == "diag":
-        if g0.shape != (d,):
-            raise ValueError(f"g0: a diagonal metric needs shape ({d},), got {tuple(g0.shape)}")
-        if not bool((g0 > 0).all()):
-            raise ValueError(f"g0: a diagonal metric needs every entry > 0, got min {g0.min():.3g}")
+    if g0.shape != shape:
+        raise ValueError(f"g0: a {sizes.metric} metric needs shape {shape}, got {tuple(g0.shape)}")
+    if diag and not bool((g0 > 0).all()):
+        raise ValueError(f"g0: a diagonal metric needs every entry > 0, got min {g0.min():.3g}")
+    if diag:
         return g0.float()
-    if g0.shape != (d, d):
-        raise ValueError(f"g0: a full metric needs shape ({d}, {d}), got {tuple(g0.shape)}")
     if not torch.allclose(g0, g0.T, rtol=1e-6, atol=1e-8):
         raise ValueError(
             f"g0 must be symmetric (a metric); got max |g0 - g0.T| = {(g0 - g0.T).abs().max():.3g}"
@@ -226,7 +190,6 @@ def check_metric(g0: torch.Tensor, sizes: Sizes) -> torch.Tensor:
     return g0.float()
 
 
-# ---- the optimizations applied at build, one function each ------------------------------------
 def apply_batched_progress(flags: Flags, sizes: Sizes, device: torch.device) -> Any:
     """``batched_progress``: a :class:`accel.sync.ProgressLog` that records the read-outs on the
     device and copies them to the host once per window; None for the "before" (``.item()``)."""
@@ -235,44 +198,30 @@ def apply_batched_progress(flags: Flags, sizes: Sizes, device: torch.device) -> 
     return sync.ProgressLog(METRICS, max(sizes.readouts_per_window, 1), device=device)
 
 
-def apply_fused_retrieval(flags: Flags) -> Callable:
-    """``fused_retrieval``: the retrieval with the mix fused by hand; else the reference."""
-    return retrieve_fused if flags.fused_retrieval else retrieve
-
-
 def apply_compiled_retrieval(flags: Flags, probe: tuple) -> Callable:
     """``compiled_retrieval`` (unless ``compiled_step`` compiles it with the step): the
-    retrieval compiled, if it runs here and matches eager on ``probe``; else the eager one.
-
-    The compiled function is a :class:`accel.fusion.CompiledFunction` with direct calls:
-    ``step.retrieve.compiles`` shows how many graphs it has compiled (one per field shape; more
-    means shape churn), ``direct_calls`` how many calls skipped dynamo."""
+    retrieval compiled, if it runs here and matches eager on ``probe``; else the eager one. A
+    :class:`accel.fusion.CompiledFunction` (``step.retrieve.compiles``: graphs, one per shape)."""
     global _compiled_mix
-    eager = apply_fused_retrieval(flags)
+    eager = retrieve_fused if flags.fused_retrieval else retrieve
     if not flags.compiled_retrieval or flags.compiled_step:
         return eager
     try:
         if _compiled_mix is None:  # steps of every size share it; .compiles counts the shapes
             _compiled_mix = compile_per_shape(retrieve, direct=True)
         _compiled_mix.check(*probe, **TOLERANCE)  # compiles now, not inside the timed window
-    except Exception as exc:  # no compiler, no Triton, unsupported platform...
-        warnings.warn(
-            f"compiled_retrieval: torch.compile cannot run here "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
-            "using the eager retrieval",
-            RuntimeWarning,
-            stacklevel=4,  # the caller of build()
-        )
+    except Exception as exc:  # no compiler, no Triton, unsupported platform, a mismatch...
+        _warn_eager("compiled_retrieval", exc, "retrieval")
         return eager
     return _compiled_mix
 
 
 def apply_compiled_step(step: Step) -> Callable | None:
     """``compiled_step``: the step (:func:`accumulating_step` with ``inplace_accumulate``, else
-    :func:`field_step`) through torch.compile, built for back-to-back replay with
-    ``overlapped_launches``; one compilation per process shared by every Step of the same sizes,
-    checked against eager on copies of the state for both phases (so it compiles here, not in a
-    timed window). None without the flag, or, with a warning, where it cannot run."""
+    :func:`field_step`) through torch.compile (for back-to-back replay with
+    ``overlapped_launches``), one compilation per process, checked against eager here for both
+    phases (so it compiles outside any timed window). None without the flag, or, with a
+    warning, where it cannot run."""
     f = step.flags
     if not f.compiled_step:
         if f.overlapped_launches:
@@ -280,20 +229,17 @@ def apply_compiled_step(step: Step) -> Callable | None:
                 "overlapped_launches changes how the compiled step is built: without "
                 "compiled_step it does nothing",
                 RuntimeWarning,
-                stacklevel=4,  # the caller of build()
+                stacklevel=3,  # the caller of build()
             )
         return None
     fn = accumulating_step if f.inplace_accumulate else field_step
     key = (fn, f.overlapped_launches)
     if key not in _COMPILED_STEPS:
-        source, options = (
-            (own_code(fn, "overlapped"), OVERLAPPED_LAUNCHES)
-            if f.overlapped_launches
-            else (fn, None)
-        )
+        source = own_code(fn, "overlapped") if f.overlapped_launches else fn
+        options = OVERLAPPED_LAUNCHES if f.overlapped_launches else None
         _COMPILED_STEPS[key] = torch.compile(source, dynamic=False, options=options)
     compiled = _COMPILED_STEPS[key]
-    options = step._step_options(apply_fused_retrieval(f))
+    options = step._step_options(retrieve_fused if f.fused_retrieval else retrieve)
 
     def call(x, v, nudge, *accumulators):
         return compiled(x, v, nudge, *accumulators, *step._fixed(), **options)
@@ -301,15 +247,19 @@ def apply_compiled_step(step: Step) -> Callable | None:
     try:
         _check_compiled_step(step, fn, call, options)
     except Exception as exc:  # no compiler, no Triton, a mismatch...
-        detail = " ".join(line.strip() for line in str(exc).splitlines()[:4])
-        warnings.warn(
-            f"compiled_step: torch.compile cannot run here or differs from eager "
-            f"({type(exc).__name__}: {detail}); using the eager step",
-            RuntimeWarning,
-            stacklevel=4,  # the caller of build()
-        )
+        _warn_eager("compiled_step", exc, "step")
         return None
     return call
+
+
+def _warn_eager(flag: str, exc: Exception, what: str) -> None:
+    detail = " ".join(line.strip() for line in str(exc).splitlines()[:4])
+    warnings.warn(
+        f"{flag}: torch.compile cannot run here or differs from eager "
+        f"({type(exc).__name__}: {detail}); using the eager {what}",
+        RuntimeWarning,
+        stacklevel=4,  # the caller of build()
+    )
 
 
 def _copy(a: Any) -> Any:
@@ -336,29 +286,19 @@ def apply_cuda_graph(run_window: Callable[[], None], flags: Flags, device: torch
 
 
 class Step:
-    """One window per call. Public state lives in tensors allocated once and updated in place."""
+    """One window per call. Public state lives in tensors allocated once and updated in place.
+    ``g0`` (a tensor) and ``planes`` (rotor index pairs) override the seeded metric and planes."""
 
-    def __init__(
-        self,
-        flags: Flags,
-        sizes: Sizes,
-        device: torch.device,
-        seed: int,
-        *,
-        g0: torch.Tensor | None = None,
-        planes: Any = None,
-        verbose: bool = False,
-    ):
-        self.flags, self.sizes, self.device, self.verbose = flags, sizes, device, verbose
+    def __init__(self, flags=Flags(), sizes=Sizes(), *, device="cpu", seed=0, g0=None, planes=None):
+        device = torch.device(device)
+        self.flags, self.sizes, self.device = flags, sizes, device
         self._init_field(seed, g0, planes)
         self.metrics = torch.zeros(2, len(METRICS), device=device)  # (phase, metric) means
         self.v_mean = torch.zeros(2, sizes.dim, device=device)  # mean velocity per phase
         self._acc = torch.zeros(len(METRICS), device=device)  # in-place accumulators
         self._vel_acc = torch.zeros(sizes.batch, sizes.dim, device=device)
         self._host_rows: list[dict[str, float]] = []
-        self._printed = 0
         self.windows = 0
-        # each optimization applied by a function of its own (the runtime ones branch in place)
         self.log = apply_batched_progress(flags, sizes, device)
         self.retrieve = apply_compiled_retrieval(
             flags, (self.x, self.keys, self.g0, self.values, sizes.beta)
@@ -381,8 +321,7 @@ class Step:
         self.v = randn(s.batch, d, scale=0.5)
         self.keys, self.values = randn(s.bank, d), randn(s.bank, d)
         self.targets = randn(s.patterns, s.batch, d)
-        # this window's pattern, a static buffer: set before each window, and before the compiled
-        # step's build check reads it (uninitialized, it held NaN at times: a spurious mismatch)
+        # this window's pattern, a static buffer, set before the compiled step's check reads it
         self.target = self.targets[0].clone()
         a = torch.randn(d, d, generator=gen) / math.sqrt(d)
         self.C = ((a + a.T) / 2).to(device)  # symmetric: a curvature form
@@ -395,18 +334,15 @@ class Step:
             )
         self.g0 = check_metric(g0, s).to(device)
         if planes is None:
-            planes = torch.stack(
-                [
-                    torch.randperm(d, generator=gen)[: 2 * s.rotor_k].view(-1, 2)
-                    for _ in range(s.rotor_layers)
-                ]
-            )
+            perms = [
+                torch.randperm(d, generator=gen)[: 2 * s.rotor_k] for _ in range(s.rotor_layers)
+            ]
+            planes = torch.stack(perms).view(s.rotor_layers, s.rotor_k, 2)
         host_planes = sync.check_planes(planes, d)
         self.planes = host_planes.to(device)
         self.host_planes = host_planes  # the loop reference reads plain ints, no device sync
-        self.theta = ((torch.rand(host_planes.shape[:2], generator=gen) * 2 - 1) * math.pi).to(
-            device
-        )
+        angles = torch.rand(host_planes.shape[:2], generator=gen) * 2 - 1
+        self.theta = (angles * math.pi).to(device)
 
     # ---- one window --------------------------------------------------------------------------
     def __call__(self) -> None:
@@ -422,7 +358,6 @@ class Step:
         if self.log is not None:
             self.log.flush()
         self._cleanup()
-        self._print_progress()
         self.windows += 1
 
     def run_window(self) -> None:
@@ -481,53 +416,32 @@ class Step:
             rotate_fn=sync.apply_givens if vectorized else sync.apply_givens_reference,
             retrieve_fn=retrieve_fn,
             fused_lior=f.fused_lior,
-            beta=s.beta,
-            eps=s.eps,
-            damping=s.damping,
-            dt=s.dt,
+            **{name: getattr(s, name) for name in ("beta", "eps", "damping", "dt")},
         )
 
     def _progress(self, lior: torch.Tensor, R: torch.Tensor, spd: torch.Tensor, inv_t: float):
         if self.log is not None:
             self.log.record({"lior": lior, "R": R, "spd": spd}, scale=inv_t)
         else:  # the "before": three .item() per read-out, three syncs
-            self._host_rows.append(
-                sync.read_scalars_reference(
-                    {"lior": lior * inv_t, "R": R * inv_t, "spd": spd * inv_t}
-                )
-            )
+            scaled = {"lior": lior * inv_t, "R": R * inv_t, "spd": spd * inv_t}
+            self._host_rows.append(sync.read_scalars_reference(scaled))
 
     def update_rotor(self) -> None:
         """Move the rotor angles with the nudged-minus-free statistics, plane by plane."""
         v_diff = self.v_mean[1] - self.v_mean[0]
         lior_diff = self.metrics[1, 0] - self.metrics[0, 0]
-        if self.flags.vectorized_rotor:
-            sync.update_rotor_angles(
-                self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr
-            )
-        else:
-            sync.update_rotor_angles_reference(
-                self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr
-            )
+        fast = self.flags.vectorized_rotor
+        update = sync.update_rotor_angles if fast else sync.update_rotor_angles_reference
+        update(self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr)
 
     def _cleanup(self) -> None:
         if self.device.type != "cuda":
             return
         if self.flags.adaptive_cleanup:
-            # Host-side allocator counters, no sync; empties only when it releases memory. The
-            # seed's rule (empty when > 90% of the reserved memory is allocated) fires exactly
-            # when there is least to release: see accel.memory.CacheCleaner.
+            # host-side allocator counters, no sync; empties only when it releases memory
             self.cleaner.step()
         elif self.windows > 0 and self.windows % CLEANUP_EVERY == 0:
             torch.cuda.empty_cache()  # the "before": a stall every 10 windows, then cudaMallocs
-
-    def _print_progress(self) -> None:
-        if not self.verbose:
-            return
-        rows = self.log.history if self.log is not None else self._host_rows
-        for row in rows[self._printed :]:
-            print("  ".join(f"{k} {v:.5g}" for k, v in row.items()))
-        self._printed = len(rows)
 
     # ---- reading results (syncs allowed: you asked) ------------------------------------------
     def progress(self) -> list[dict[str, float]]:
@@ -548,25 +462,11 @@ class Step:
         }
 
 
-def build(
-    flags: Flags = Flags(),
-    sizes: Sizes = Sizes(),
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    g0: torch.Tensor | None = None,
-    planes: Any = None,
-    verbose: bool = False,
-) -> Step:
-    """A field-trainer step (one window per call). ``g0`` and ``planes`` override the seeded
-    metric and rotor planes (validated); ``verbose`` prints progress rows as they reach the host."""
-    return Step(flags, sizes, torch.device(device), seed, g0=g0, planes=planes, verbose=verbose)
+build = Step  # build(flags, sizes, *, device, seed, ...): the contract's name for the step
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float]]:
-    """Per entry of ``step.result()``, how far ``flags`` may leave it from the baseline's after
-    ``steps`` windows: :data:`TOLERANCE` for every entry, flag, size and number of windows (the
-    dynamics are damped: rounding differences do not grow)."""
+    """:data:`TOLERANCE` for every entry, flag, size and number of windows (damped dynamics)."""
     return dict.fromkeys(("metrics", "progress", "theta", "field"), TOLERANCE)
 
 

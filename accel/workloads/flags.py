@@ -14,59 +14,36 @@ from accel.phases import WORKBOOK, checked_phase
 Requirement = Literal["cuda", "triton", "torchao"]  # torchao: a CUDA GPU and torchao
 
 
-def flag(
-    help: str,
-    phase: str,
-    *,
-    default: bool = False,
-    requires: Requirement | None = None,
-    adopted: bool = True,
-) -> Any:
+def flag(help: str, phase: str, *, default=False, requires=None, adopted=True) -> Any:
     """A boolean optimization switch: off is the "before", on applies one optimization.
 
     ``adopted=False`` marks an alternative the phase explores but does not keep (another route to
     the same gain, or one that changes numerics): later phases start from the adopted flags only.
-    ``phase``: one of ``accel.phases.PHASES``.
+    ``phase``: one of ``accel.phases.PHASES``; ``requires``: a :data:`Requirement` or None.
     """
-    metadata = {
-        "help": help,
-        "phase": checked_phase(phase),
-        "requires": requires,
-        "adopted": adopted,
-    }
-    return field(default=default, metadata=metadata)
+    return _switch(help, phase, default, requires, adopted=adopted)
 
 
-def option(
-    help: str,
-    phase: str,
-    *,
-    default: Any,
-    choices: tuple[Any, ...],
-    requires: Requirement | None = None,
-) -> Any:
+def option(help: str, phase: str, *, default: Any, choices: tuple, requires=None) -> Any:
     """A switch with several settings (a backend, an interval); ``default`` is the "before"."""
     if default not in choices:
         raise ValueError(f"default {default!r} is not among the choices {choices}")
-    return field(
-        default=default,
-        metadata={
-            "help": help,
-            "phase": checked_phase(phase),
-            "requires": requires,
-            "choices": tuple(choices),
-        },
-    )
+    return _switch(help, phase, default, requires, choices=tuple(choices))
+
+
+def _switch(help: str, phase: str, default: Any, requires: Requirement | None, **more: Any) -> Any:
+    metadata = {"help": help, "phase": checked_phase(phase), "requires": requires, **more}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class FlagInfo:
     name: str
+    default: Any
     help: str
     phase: str
-    default: Any
-    choices: tuple[Any, ...] | None
     requires: Requirement | None
+    choices: tuple[Any, ...] | None
     adopted: bool
 
     @property
@@ -83,25 +60,17 @@ def describe(flags_type: type) -> list[FlagInfo]:
             f"{flags_type.__name__} must be a frozen dataclass (@dataclass(frozen=True)): "
             "a flag set is a key, one built step kept per set"
         )
-    infos = []
-    for f in dataclasses.fields(flags_type):
+    fields = dataclasses.fields(flags_type)
+    for f in fields:
         if "phase" not in f.metadata:
             raise TypeError(
                 f"{flags_type.__name__}.{f.name} was not declared with flag() or option(): "
                 "every flag needs a phase and a help text"
             )
-        infos.append(
-            FlagInfo(
-                f.name,
-                f.metadata["help"],
-                f.metadata["phase"],
-                f.default,
-                f.metadata.get("choices"),
-                f.metadata.get("requires"),
-                f.metadata.get("adopted", False),
-            )
-        )
-    return infos
+    return [
+        FlagInfo(f.name, f.default, **{"choices": None, "adopted": False, **f.metadata})
+        for f in fields
+    ]
 
 
 def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
@@ -124,11 +93,8 @@ def unavailable(flags_type: type, device: torch.device | str) -> dict[str, str]:
 
 def label(flags: Any) -> str:
     """'baseline' for the defaults, else the changed flags joined by '+': 'fused_adamw+x=2'."""
-    changed = []
-    for info in describe(type(flags)):
-        value = getattr(flags, info.name)
-        if value != info.default:
-            changed.append(info.name if value is True else f"{info.name}={value}")
+    values = [(i.name, getattr(flags, i.name), i.default) for i in describe(type(flags))]
+    changed = [n if v is True else f"{n}={v}" for n, v, default in values if v != default]
     return "+".join(changed) or "baseline"
 
 
@@ -157,11 +123,26 @@ class Presets:
 
     @classmethod
     def preset(cls, name: str) -> Any:
-        return pick_preset(cls.PRESETS, name)
+        """``PRESETS[name]``, or a ValueError listing the valid names."""
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(cls.PRESETS)}")
+        return cls.PRESETS[name]
 
 
-def pick_preset(presets: dict[str, Any], name: str) -> Any:
-    """``presets[name]``: a workload's sizes for a preset, or a ValueError listing the valid ones."""
-    if name not in presets:
-        raise ValueError(f"unknown preset {name!r}; expected one of {', '.join(presets)}")
-    return presets[name]
+def check_int(name: str, value: Any, lo: int = 1, hi: int | None = None, why: str = "") -> None:
+    """A ValueError naming ``Sizes.<name>`` unless ``value`` is an int in ``lo..hi``."""
+    if type(value) is not int or value < lo or (hi is not None and value > hi):
+        valid = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(
+            f"Sizes.{name} must be an int {valid}{' ' + why if why else ''}, got {value!r}"
+        )
+
+
+def check_sizes(sizes: Any, ints: tuple[str, ...] = (), positive: tuple[str, ...] = ()) -> None:
+    """A workload's ``Sizes`` checked on creation: each of ``ints`` an int >= 1, each of
+    ``positive`` > 0; a ValueError names the first field that is not."""
+    for name in ints:
+        check_int(name, getattr(sizes, name))
+    for name in positive:
+        if not getattr(sizes, name) > 0:
+            raise ValueError(f"Sizes.{name} must be > 0, got {getattr(sizes, name)!r}")

@@ -1,26 +1,22 @@
 """The nested optimizer: a GPT-style byte-level language model trained with AdamW, gradient
 clipping and a learned per-group learning-rate controller [DeepNestedOptimizer].
 
-The text is real and needs no download: the Python standard library's own source files, read as
-bytes (vocabulary 256). Parameters are grouped per transformer block (plus embeddings and head);
-each ``controller_update_every`` steps the per-group gradient and parameter norms go through a
-small MLP that outputs learning-rate multipliers in ``[1/max_lr_scale, max_lr_scale]``. The
-controller learns from the loss change since its last update (it raises the multipliers when
-the loss fell); its statistics carry no autograd graph through the model's parameters, so its
-backward touches only its own weights. A deliberately simple rule: the workload exists to be
-made fast, not to tune learning rates.
+The text is the Python standard library's own source, read as bytes (no download). Every
+``controller_update_every`` steps the per-group gradient and parameter norms (a group per block,
+plus embeddings and head) go through a small MLP that outputs learning-rate multipliers in
+``[1/max_lr_scale, max_lr_scale]``; it learns from the loss change since its last update, and
+its backward touches only its own weights. A deliberately simple rule: the workload exists to
+be made fast, not to tune learning rates.
 
-``Flags()`` is the usual "before": per-parameter Python loops (a reduction kernel per tensor)
-for the statistics and for clipping, the clip coefficient tested on the host, a for-loop AdamW
-with learning rates read back to the host, fresh buffers every step, gradients zeroed by
-memsets, every activation stored, fp32 throughout. Many parameter tensors (~150 at the ``gpu``
-preset): the home of phases 2 (fusion) and 3 (memory).
+``Flags()`` is the usual "before": Python loops over parameters for the statistics and clipping,
+a host check of the clip coefficient, a for-loop AdamW with learning rates read back, fresh
+buffers, memset gradients, every activation stored, fp32. Many parameter tensors (~150 at the
+``gpu`` preset): the home of phases 2 (fusion) and 3 (memory).
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,34 +27,22 @@ from torch import nn
 from accel import fusion, graphs, memory
 from accel.errors import collection_of
 from accel.optim import MultiTensorAdamW, load_state_in_place
-from accel.workloads.byte_gpt import (  # the model and its text, public here too (no.*)
-    GPT,
-    load_text,  # noqa: F401
-    text_batches,
-)
+from accel.workloads.byte_gpt import GPT, text_batches
 from accel.workloads.compare import make_compare_results
-from accel.workloads.flags import Presets, flag, option
+from accel.workloads.flags import Presets, check_sizes, flag, option
 
-# Flags keep results equal to the baseline within these (fp32: foreach vs per-tensor sums and
-# fused vs for-loop AdamW round differently; Adam's normalized update carries such differences
-# into the parameters at ~1e-6 of their size per step).
+# fp32 flags sum in other orders; Adam's normalized update carries that into the parameters.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-5}
-# bf16_autocast changes numerics on purpose: bf16 matmuls keep ~3 significant digits, so losses
-# agree to ~1% and Adam's sign-like updates of near-zero gradients may differ by up to 2 lr.
-BF16_TOLERANCE = {
+# bf16_autocast and controller_update_every > 1 change numerics on purpose: bf16 keeps ~3 digits
+# (Adam's sign-like updates of near-zero gradients may differ by 2 lr); a controller run every N
+# steps learns N times less often, so its multipliers drift apart.
+CHANGED = {
     "losses": {"rtol": 2e-2, "atol": 1e-2},
     "params": {"rtol": 0.0, "atol": 2e-2},
-    "lr_multipliers": {"rtol": 2e-2, "atol": 1e-2},
     "grad_norm": {"rtol": 1e-1, "atol": 1e-3},
 }
-# controller_update_every > 1 reuses multipliers for up to N-1 steps: a different schedule, and
-# the controller learns N times less often, so its multipliers (in [1/2, 2]) drift apart.
-STALE_TOLERANCE = {
-    "losses": {"rtol": 2e-2, "atol": 1e-2},
-    "params": {"rtol": 0.0, "atol": 2e-2},
-    "lr_multipliers": {"rtol": 0.25, "atol": 5e-2},
-    "grad_norm": {"rtol": 1e-1, "atol": 1e-3},
-}
+BF16_TOLERANCE = {**CHANGED, "lr_multipliers": {"rtol": 2e-2, "atol": 1e-2}}
+STALE_TOLERANCE = {**CHANGED, "lr_multipliers": {"rtol": 0.25, "atol": 5e-2}}
 
 
 @dataclass(frozen=True)
@@ -144,10 +128,8 @@ class Sizes(Presets):
     max_lr_scale: float = 2.0
 
     def __post_init__(self):
-        for name in ("layers", "width", "heads", "context", "batch", "batches", "text_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Sizes.{name} must be an int >= 1, got {value!r}")
+        check_sizes(self, ("layers", "width", "heads", "context", "batch", "batches", "text_bytes"))
+        check_sizes(self, positive=("lr", "max_grad_norm", "controller_lr"))
         if self.width % self.heads:
             raise ValueError(
                 f"Sizes.width ({self.width}) must be a multiple of Sizes.heads ({self.heads})"
@@ -156,9 +138,6 @@ class Sizes(Presets):
             raise ValueError(
                 f"Sizes.text_bytes ({self.text_bytes}) must exceed context + 1 ({self.context + 1})"
             )
-        for name in ("lr", "max_grad_norm", "controller_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"Sizes.{name} must be > 0, got {getattr(self, name)}")
         if self.weight_decay < 0:
             raise ValueError(f"Sizes.weight_decay must be >= 0, got {self.weight_decay}")
         if not self.max_lr_scale >= 1:
@@ -171,10 +150,8 @@ class Sizes(Presets):
 
 
 Sizes.PRESETS = {
-    # Tens of milliseconds a step on a CPU core; 41 parameter tensors in 5 groups.
     "cpu": Sizes(layers=3, width=48, heads=3, context=32, batch=4, text_bytes=1 << 18),
-    # GPT-2 small's body: 12 layers, width 768, 149 parameter tensors (85M parameters).
-    "gpu": Sizes(),
+    "gpu": Sizes(),  # GPT-2 small's body: 149 parameter tensors
 }
 
 
@@ -186,7 +163,6 @@ def checkpoint_names(choice: str, layers: int) -> list[str]:
     return [f"blocks.{i}" for i in range(0, layers, step)]
 
 
-# ---- the learning-rate controller ---------------------------------------------------------------
 class LRController(nn.Module):
     """Per-group features (log gradient norm, log parameter norm, their log ratio, the group's
     depth in 0..1) -> a log learning-rate multiplier in ``[-log s, log s]``."""
@@ -211,7 +187,6 @@ class LRController(nn.Module):
         return self.log_scale * torch.tanh(self.net(features).squeeze(-1))
 
 
-# ---- the optimizations applied at build, one function each ------------------------------------
 def apply_ac(
     model: GPT, flags: Flags, sizes: Sizes, checkpoint: list[str] | None
 ) -> memory.CheckpointedBlocks:
@@ -258,32 +233,21 @@ def apply_cuda_graph(step: Step) -> tuple[Any, Any]:
     """``cuda_graph``: (the graphed AdamW step, the graphed whole step), each None unless asked
     for. A whole step is recaptured per controller schedule slot (``update`` changes the graph)."""
     mode = step.flags.cuda_graph
-    graphed_optimizer = (
-        graphs.GraphedOptimizerStep(step.optimizer) if mode == "optimizer_step" else None
+    optimizer = graphs.GraphedOptimizerStep(step.optimizer) if mode == "optimizer_step" else None
+    if mode != "whole_step":
+        return optimizer, None
+    return optimizer, graphs.GraphedStep(
+        step._whole_step, on_new_shape="recapture", device=step.device, name="whole_step"
     )
-    graphed_step = (
-        graphs.GraphedStep(
-            step._whole_step, on_new_shape="recapture", device=step.device, name="whole_step"
-        )
-        if mode == "whole_step"
-        else None
-    )
-    return graphed_optimizer, graphed_step
 
 
-# ---- one training step --------------------------------------------------------------------------
 class Step:
-    """One training step per call: :meth:`forward_backward` then :meth:`optimizer_step`."""
+    """One training step per call: :meth:`forward_backward` then :meth:`optimizer_step`.
+    ``checkpoint`` names the blocks to checkpoint (``"blocks.3"``), overriding the
+    ``activation_checkpointing`` flag."""
 
-    def __init__(
-        self,
-        flags: Flags,
-        sizes: Sizes,
-        device: torch.device,
-        seed: int,
-        *,
-        checkpoint: list[str] | None = None,
-    ):
+    def __init__(self, flags=Flags(), sizes=Sizes(), *, device="cpu", seed=0, checkpoint=None):
+        device = torch.device(device)
         self.flags, self.sizes, self.device = flags, sizes, device
         self.inputs = text_batches(sizes, (sizes.batches, sizes.batch), seed).to(device)
         with torch.random.fork_rng(devices=[]):
@@ -298,21 +262,18 @@ class Step:
         self.params = [p for ps in self.param_lists for p in ps]
         self.optimizer = apply_adamw([{"params": ps, "name": n} for n, ps in named], flags, sizes)
         # the controller's own optimizer is the same in every configuration (4 small tensors)
+        graphed = flags.cuda_graph == "whole_step"
         self.controller_optimizer = torch.optim.Adam(
-            self.controller.parameters(),
-            lr=sizes.controller_lr,
-            foreach=False,
-            capturable=flags.cuda_graph == "whole_step",
+            self.controller.parameters(), lr=sizes.controller_lr, foreach=False, capturable=graphed
         )
         G = sizes.groups
         self.depth = torch.linspace(0, 1, G, device=device)
         self.buffers = memory.BufferCache(device)
         self.lr_multipliers = torch.ones(G, device=device)
         self.device_lrs = apply_device_lrs(self)
-        # (log multipliers, loss, the features they came from): the controller's pending lesson
+        # the controller's pending lesson: (log multipliers, loss, the features they came from);
+        # under whole_step the features and loss saved in place instead (no graph across steps)
         self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # whole_step: the controller learns by recomputing its last output from saved features
-        # (same weights, same values) instead of keeping an autograd graph across steps.
         self._features_then = torch.zeros(G, LRController.FEATURES, device=device)
         self._loss_then = torch.zeros((), device=device)
         self._has_last = False
@@ -346,12 +307,8 @@ class Step:
         # a graphed optimizer step reads the gradients where it captured them
         in_place = self.graphed_optimizer is not None
         self.optimizer.zero_grad(set_to_none=self.flags.set_to_none_grads and not in_place)
-        autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if self.flags.bf16_autocast
-            else nullcontext()
-        )
-        with autocast:
+        bf16 = self.flags.bf16_autocast
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = self.model(batch[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
@@ -380,15 +337,12 @@ class Step:
         """Group statistics -> controller -> per-group learning rates; the controller first learns
         from how the loss moved since its last update."""
         f, G = self.flags, self.sizes.groups
-        if self.graphed_step is not None:
-            self._learn_from_saved_features(loss)
-        elif self._last is not None:  # the loss fell since the last multipliers -> raise them
-            # Learn before this update writes its features: the last graph saved them, and a
-            # preallocated buffer is overwritten in place.
-            log_mult, loss_then, _ = self._last
-            ((loss - loss_then) * log_mult.mean()).backward()  # graph: controller only
-            self.controller_optimizer.step()
-            self.controller_optimizer.zero_grad(set_to_none=True)
+        if self.graphed_step is not None and self._has_last:
+            # its last output recomputed from the saved features: the same value and gradient
+            self._learn(self.controller(self._features_then), self._loss_then, loss)
+        elif self.graphed_step is None and self._last is not None:
+            # before this update overwrites the features (a preallocated buffer, in place)
+            self._learn(self._last[0], self._last[1], loss)
         buf = self.buffers.get if f.preallocated_buffers else None
         stats = fusion.group_stats(
             self.param_lists, foreach=f.foreach_stats, out=buf("stats", (G, 2)) if buf else None
@@ -419,14 +373,9 @@ class Step:
             for group, m in zip(self.optimizer.param_groups, mult.tolist(), strict=True):
                 group["lr"] = self.sizes.lr * m
 
-    def _learn_from_saved_features(self, loss: torch.Tensor) -> None:
-        """The controller's learning step, recomputing its last output from the saved features:
-        the same value and gradient as backward through the kept graph (its weights have not
-        changed since), with nothing kept across steps, so a CUDA graph can hold it."""
-        if not self._has_last:
-            return
-        log_mult = self.controller(self._features_then)
-        ((loss - self._loss_then) * log_mult.mean()).backward()
+    def _learn(self, log_mult: torch.Tensor, loss_then: torch.Tensor, loss: torch.Tensor) -> None:
+        """The controller's lesson: raise the multipliers where the loss fell since them."""
+        ((loss - loss_then) * log_mult.mean()).backward()  # graph: controller only
         self.controller_optimizer.step()
         self.controller_optimizer.zero_grad(set_to_none=True)
 
@@ -435,12 +384,10 @@ class Step:
         """Everything a resumed run needs to continue as if never stopped: weights, both
         optimizers, the controller's pending lesson (its last features and loss: the output is
         recomputed from them, as the graphed step does), the multipliers and the step count."""
-        if self.graphed_step is not None:
-            pending = (self._features_then, self._loss_then) if self._has_last else None
-        elif self._last is not None:
+        graphed = self.graphed_step is not None
+        pending = (self._features_then, self._loss_then) if graphed and self._has_last else None
+        if not graphed and self._last is not None:
             pending = (self._last[2], self._last[1])
-        else:
-            pending = None
         return {
             "model": self.model.state_dict(),
             "controller": self.controller.state_dict(),
@@ -504,28 +451,16 @@ class Step:
             }
 
 
-def build(
-    flags: Flags = Flags(),
-    sizes: Sizes = Sizes(),
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    checkpoint: list[str] | None = None,
-) -> Step:
-    """A nested-optimizer training step. ``checkpoint`` names the blocks to checkpoint
-    (``"blocks.3"``), overriding the ``activation_checkpointing`` flag."""
-    return Step(flags, sizes, torch.device(device), seed, checkpoint=checkpoint)
+build = Step  # build(flags, sizes, *, device, seed, ...): the contract's name for the step
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float]]:
-    """Per entry of ``step.result()``, the tolerance within which ``flags`` must match the
-    baseline after a few ``steps``; the same at every size."""
-    keys = ("losses", "params", "lr_multipliers", "grad_norm")
+    """Per entry of ``step.result()``, after a few ``steps``; the same at every size."""
     if flags.bf16_autocast:
         return BF16_TOLERANCE
     if flags.controller_update_every != 1:
         return STALE_TOLERANCE
-    return dict.fromkeys(keys, TOLERANCE)
+    return dict.fromkeys(("losses", "params", "lr_multipliers", "grad_norm"), TOLERANCE)
 
 
 compare_results = make_compare_results(tolerance)

@@ -4,25 +4,12 @@ quality and semantic diversity.
 A small GPT writes N replies to each of B prompts; an encoder embeds every reply; each prompt's
 score is the replies' mean log-probability (quality) plus ``DIVERSITY_WEIGHT`` times their mean
 pairwise cosine distance (``accel.diversity``). The policy update that would follow is the same
-before and after, and is left out of the step.
+before and after, and is left out of the step. ``Flags()`` is the step as first written.
 
-Replies differ because decoding is the Gumbel-max trick: token = argmax(logits + g) with the
-Gumbel noise g drawn up front for every prompt, reply, position and vocabulary entry. That is
-sampling from softmax(logits), yet each decision is a deterministic argmax of the same numbers
-whichever way the replies are batched, so batched decoding reproduces one-at-a-time decoding.
-
-Flags, all off = the step as first written:
-
-- ``batched_generation``: all N replies of all B prompts in one decode of B N sequences with a
-  static KV cache, instead of one reply at a time (each with its own cache, as a ``generate()``
-  call per reply does). B N times fewer, larger kernels per generated token.
-- ``batched_encoding``: one encoder call on all replies instead of one per reply.
-- ``triton_diversity``: the fused Triton kernel instead of the N x N cosine matrix in PyTorch.
-
-Equality (:func:`compare_results` of two ``step.result()``): tokens identical, except that two
-batchings may round a near-tie (top-two margin of the perturbed logits below ``TIE_MARGIN``)
-differently, which :func:`tokens_agree` allows and reports; with equal tokens, embeddings and
-scores agree within ``RTOL`` / ``ATOL`` (float32 sums in another order).
+Decoding is the Gumbel-max trick: token = argmax(logits + g), the noise g drawn up front for
+every prompt, reply, position and vocabulary entry. That samples from softmax(logits), yet each
+decision is an argmax of the same numbers however the replies are batched, so batched decoding
+reproduces one-at-a-time decoding (up to near-ties: :func:`tokens_agree`).
 """
 
 from __future__ import annotations
@@ -30,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from accel import diversity
+from accel.workloads.byte_gpt import Block
 from accel.workloads.compare import Tolerance
 from accel.workloads.compare import compare_results as check
 from accel.workloads.flags import Presets, flag
@@ -78,9 +65,7 @@ class Sizes(Presets):
 
 Sizes.PRESETS = {
     "cpu": Sizes(),
-    # 64 replies of 24 tokens: the baseline decodes them one by one (about 1.6k small forward
-    # passes), a baseline long enough to time against its batched form; D = 384 as
-    # all-MiniLM-L6-v2.
+    # 64 replies of 24 tokens, decoded one by one in the baseline; D = 384 as all-MiniLM-L6-v2
     "gpu": Sizes(
         prompts=16,
         replies=4,
@@ -97,91 +82,39 @@ Sizes.PRESETS = {
 }
 
 
-# ---- models ----------------------------------------------------------------------------------
+class Transformer(nn.Module):
+    """Token and position embeddings, blocks, a final norm; with a ``head``, a language model."""
 
-
-class Block(nn.Module):
-    """Pre-norm transformer block; attention reads and writes an external KV cache."""
-
-    def __init__(self, width: int, heads: int):
+    def __init__(self, vocab: int, width: int, heads: int, depth: int, max_len: int, head: bool):
         super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv = nn.Linear(width, 3 * width)
-        self.proj = nn.Linear(width, width)
-        self.mlp = nn.Sequential(
-            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
-        )
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-        pos: int = 0,
-        causal: bool = True,
-    ) -> torch.Tensor:
-        b, t, w = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        if cache is not None:  # write this step's keys and values in place, attend to all so far
-            cache_k, cache_v = cache  # (b, heads, max_len, head_dim)
-            cache_k[:, :, pos : pos + t] = k
-            cache_v[:, :, pos : pos + t] = v
-            k, v = cache_k[:, :, : pos + t], cache_v[:, :, : pos + t]
-        # One new token attends to every cached one; a prompt (pos = 0) attends causally.
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=causal and t > 1)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, w))
-        return x + self.mlp(self.ln2(x))
-
-
-class Generator(nn.Module):
-    """A small GPT: token and position embeddings, blocks, a language-model head."""
-
-    def __init__(self, s: Sizes):
-        super().__init__()
-        self.max_len = s.prompt_len + s.reply_len
-        self.tokens = nn.Embedding(s.vocab, s.width)
-        self.positions = nn.Embedding(self.max_len, s.width)
-        self.blocks = nn.ModuleList(Block(s.width, s.heads) for _ in range(s.depth))
-        self.ln = nn.LayerNorm(s.width)
-        self.head = nn.Linear(s.width, s.vocab, bias=False)
+        self.max_len = max_len
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(max_len, width)
+        self.blocks = nn.ModuleList(Block(width, heads, gelu="none") for _ in range(depth))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False) if head else None
 
     def new_cache(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A static KV cache at full length, allocated once (gpt-fast's layout)."""
+        """A static KV cache at full length, allocated once (gpt-fast's layout); its zeros are
+        never read: attention only sees positions already written."""
         blk = self.blocks[0]
         shape = (batch, blk.heads, self.max_len, blk.qkv.in_features // blk.heads)
-        p = self.head.weight
-        return [
-            (p.new_zeros(shape), p.new_zeros(shape)) for _ in self.blocks
-        ]  # zeros never read: attention only sees positions already written
+        zeros = self.ln.weight.new_zeros
+        return [(zeros(shape), zeros(shape)) for _ in self.blocks]
 
-    def forward(self, idx: torch.Tensor, cache, pos: int) -> torch.Tensor:
+    def decode(self, idx: torch.Tensor, cache, pos: int) -> torch.Tensor:
         """Logits of the last position; ``idx`` (b, t) are tokens at positions pos..pos+t-1."""
-        t = idx.shape[1]
-        x = self.tokens(idx) + self.positions.weight[pos : pos + t]
+        x = self.tokens(idx) + self.positions.weight[pos : pos + idx.shape[1]]
         for block, layer_cache in zip(self.blocks, cache, strict=True):
             x = block(x, layer_cache, pos)
         return self.head(self.ln(x[:, -1]))
 
-
-class Encoder(nn.Module):
-    """A small bidirectional transformer; mean-pooled token states are the reply's embedding."""
-
-    def __init__(self, s: Sizes):
-        super().__init__()
-        self.tokens = nn.Embedding(s.vocab, s.embed_dim)
-        self.positions = nn.Embedding(s.reply_len, s.embed_dim)
-        self.blocks = nn.ModuleList(Block(s.embed_dim, s.embed_heads) for _ in range(s.embed_depth))
-        self.ln = nn.LayerNorm(s.embed_dim)
-
-    def forward(self, replies: torch.Tensor) -> torch.Tensor:
-        """(r, L) tokens -> (r, embed_dim) embeddings."""
+    def embed(self, replies: torch.Tensor) -> torch.Tensor:
+        """(r, L) tokens -> (r, width): mean-pooled states of a bidirectional pass."""
         x = self.tokens(replies) + self.positions.weight[: replies.shape[1]]
         for block in self.blocks:
             x = block(x, causal=False)
         return self.ln(x).mean(1)
-
-
-# ---- the step ----------------------------------------------------------------------------------
 
 
 def gumbel(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -193,13 +126,18 @@ def gumbel(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
 class Step:
     """Generate, embed and score one batch of prompts per call."""
 
-    def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
-        self.flags, self.sizes, self.device = flags, sizes, device
-        s = sizes
+    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):
+        device = torch.device(device)
+        self.flags, self.sizes, self.device, s = flags, sizes, device, sizes
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.generator = Generator(s).to(device).eval()
-            self.encoder = Encoder(s).to(device).eval()
+            length = s.prompt_len + s.reply_len
+            self.generator = Transformer(s.vocab, s.width, s.heads, s.depth, length, head=True)
+            self.encoder = Transformer(
+                s.vocab, s.embed_dim, s.embed_heads, s.embed_depth, s.reply_len, head=False
+            )
+        self.generator.to(device).eval()
+        self.encoder.to(device).eval()
         gen = torch.Generator(device="cpu").manual_seed(seed)
         self.prompts = torch.randint(
             s.vocab, (s.batches, s.prompts, s.prompt_len), generator=gen
@@ -220,10 +158,9 @@ class Step:
         else:
             tokens, logp, margin = self._generate_one_at_a_time(prompts, noise)
         emb = self._embed(tokens)  # (B, N, D)
-        if self.flags.triton_diversity:
-            div = diversity.mean_diversity(emb)
-        else:
-            div = diversity.mean_diversity_reference(emb)  # the N x N matrix in PyTorch
+        # the reference: the N x N matrix in PyTorch
+        fast = self.flags.triton_diversity
+        div = (diversity.mean_diversity if fast else diversity.mean_diversity_reference)(emb)
         quality = logp.mean((1, 2))  # mean log-probability of the chosen tokens
         self.last = {
             "tokens": tokens,
@@ -238,7 +175,7 @@ class Step:
     def _decode(self, prompt: torch.Tensor, noise: torch.Tensor, cache):
         """Greedy over perturbed logits for ``prompt`` (r, P) with ``noise`` (r, L, V)."""
         steps = noise.shape[1]
-        logits = self.generator(prompt, cache, 0)
+        logits = self.generator.decode(prompt, cache, 0)
         tokens, logps, margins = [], [], []
         for t in range(steps):
             scores = logits + noise[:, t]
@@ -248,7 +185,7 @@ class Step:
             logps.append(logits.log_softmax(-1).gather(-1, token)[:, 0])
             tokens.append(token)
             if t + 1 < steps:
-                logits = self.generator(token, cache, prompt.shape[1] + t)
+                logits = self.generator.decode(token, cache, prompt.shape[1] + t)
         return torch.cat(tokens, 1), torch.stack(logps, 1), torch.stack(margins, 1)
 
     def _generate_one_at_a_time(self, prompts, noise):
@@ -271,9 +208,9 @@ class Step:
         B, N, L = tokens.shape
         flat = tokens.reshape(B * N, L)
         if self.flags.batched_encoding:
-            emb = self.encoder(flat)
+            emb = self.encoder.embed(flat)
         else:  # one reply at a time, as an encode() call per reply
-            emb = torch.cat([self.encoder(flat[j : j + 1]) for j in range(B * N)])
+            emb = torch.cat([self.encoder.embed(flat[j : j + 1]) for j in range(B * N)])
         return emb.view(B, N, -1)
 
     def result(self) -> dict[str, torch.Tensor]:
@@ -283,12 +220,13 @@ class Step:
         return {k: v.clone() for k, v in self.last.items()}
 
 
-def tokens_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    """True if two results' replies are equal, or each first differs at a near-tie.
+build = Step  # build(flags, sizes, *, device, seed): the contract's name for the step
 
-    A near-tie is a top-two margin below ``TIE_MARGIN`` in either run at the first differing
-    position: there, another batching's float32 rounding may pick the other token legitimately.
-    """
+
+def tokens_agree(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """True if two results' replies are equal, or each first differs at a near-tie (a top-two
+    margin below ``TIE_MARGIN`` in either run), where another batching's rounding may pick the
+    other token legitimately."""
     same = a["tokens"] == b["tokens"]  # (B, N, L)
     differs = ~same.all(-1)
     if not differs.any():
@@ -307,14 +245,7 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance | N
     return {"tokens": None, "margin": None, **dict.fromkeys(keys, scores)}
 
 
-def compare_results(
-    result: dict[str, torch.Tensor],
-    reference: dict[str, torch.Tensor],
-    flags: Flags,
-    *,
-    sizes: Sizes,
-    steps: int,
-) -> dict[str, float]:
+def compare_results(result, reference, flags: Flags, *, sizes: Sizes, steps: int) -> dict:
     """Tokens equal (near-ties aside: :func:`tokens_agree`); with equal tokens, the scores
     within :func:`tolerance`, each one's largest difference relative to its largest value
     returned (none where a near-tie changed a reply: its scores are another reply's)."""
@@ -322,13 +253,3 @@ def compare_results(
     if not torch.equal(result["tokens"], reference["tokens"]):
         return {}
     return check(result, reference, tolerance(flags, sizes, steps))
-
-
-def build(
-    flags: Flags = Flags(),
-    sizes: Sizes = Sizes(),
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> Step:
-    return Step(flags, sizes, torch.device(device), seed)

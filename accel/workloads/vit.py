@@ -5,15 +5,11 @@ blocks whose attention rotates queries and keys by position (RoPE), mean-pooled 
 head, AdamW. The images are drawn here, no downloads: each shows one of up to eight shapes (disk,
 square, ring, diamond, bars, cross, triangle) at a random place, size and colour on a random
 background with noise; the class is the shape, so a model has to learn shape, not colour.
-
-Flags, all off = the step as first written: manual attention (matmul, scale, softmax, matmul), RoPE
-recomputed every forward, three q/k/v projections, float32, AdamW's default (foreach) step,
-contiguous (NCHW) images, eager. Each flag switches one of its optimizations on.
+``Flags()`` is the step as first written; each flag switches one optimization on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections import defaultdict
@@ -30,23 +26,24 @@ from accel.workloads.compare import (
     adamw_drift_bound,
     make_compare_results,
 )
-from accel.workloads.flags import Presets, flag, option
+from accel.workloads.flags import Presets, check_sizes, flag, option
 
-# Every flag but bf16_autocast leaves the held-out logits equal to the baseline's within float32
-# rounding after a few steps: SDPA, the fused projection and fused AdamW only sum in other orders
-# (logits differ by ~1e-7 before training; the weights' drift below adds to that).
+# Every flag but bf16_autocast only sums in other orders: the held-out logits stay this close.
 FP32_LOGITS_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 LEARNING_RATE = 1e-3
-SHAPES = (
-    "disk",
-    "square",
-    "ring",
-    "diamond",
-    "horizontal bar",
-    "vertical bar",
-    "cross",
-    "triangle",
-)
+# Each class's shape: the pixels inside it at offset (dx, dy) from its centre (ax, ay: their
+# absolute values), size r, all in fractions of the side.
+SHAPE_MASKS = {
+    "disk": lambda dx, dy, ax, ay, r: dx**2 + dy**2 < r**2,
+    "square": lambda dx, dy, ax, ay, r: torch.maximum(ax, ay) < 0.85 * r,
+    "ring": lambda dx, dy, ax, ay, r: ((dx**2 + dy**2).sqrt() - r).abs() < 0.25 * r,
+    "diamond": lambda dx, dy, ax, ay, r: ax + ay < 1.2 * r,
+    "horizontal bar": lambda dx, dy, ax, ay, r: (ay < 0.3 * r) & (ax < 1.2 * r),
+    "vertical bar": lambda dx, dy, ax, ay, r: (ax < 0.3 * r) & (ay < 1.2 * r),
+    "cross": lambda dx, dy, ax, ay, r: ((ax < 0.25 * r) & (ay < r)) | ((ay < 0.25 * r) & (ax < r)),
+    "triangle": lambda dx, dy, ax, ay, r: (dy > -r) & (dy < r) & (ax < (dy + r) / 2),  # apex up
+}
+SHAPES = tuple(SHAPE_MASKS)  # the class names
 
 
 @dataclass(frozen=True)
@@ -106,8 +103,7 @@ class Sizes(Presets):
             )
         if not 2 <= self.classes <= len(SHAPES):
             raise ValueError(f"classes must be between 2 and {len(SHAPES)}, got {self.classes}")
-        if min(self.depth, self.batch, self.batches, self.mlp_ratio) < 1:
-            raise ValueError(f"depth, batch, batches and mlp_ratio must be >= 1: {self}")
+        check_sizes(self, ("depth", "batch", "batches", "mlp_ratio"))
 
     @property
     def tokens(self) -> int:
@@ -121,40 +117,9 @@ Sizes.PRESETS = {
 }
 
 
-# ---- data -------------------------------------------------------------------------------------------
-def _shape_mask(kind: int, dx: torch.Tensor, dy: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Pixels inside shape ``kind`` centred at offset (dx, dy), size r (fractions of the side)."""
-    ax, ay = dx.abs(), dy.abs()
-    if kind == 0:
-        return dx**2 + dy**2 < r**2
-    if kind == 1:
-        return torch.maximum(ax, ay) < 0.85 * r
-    if kind == 2:
-        return ((dx**2 + dy**2).sqrt() - r).abs() < 0.25 * r
-    if kind == 3:
-        return ax + ay < 1.2 * r
-    if kind == 4:
-        return (ay < 0.3 * r) & (ax < 1.2 * r)
-    if kind == 5:
-        return (ax < 0.3 * r) & (ay < 1.2 * r)
-    if kind == 6:
-        return ((ax < 0.25 * r) & (ay < r)) | ((ay < 0.25 * r) & (ax < r))
-    return (dy > -r) & (dy < r) & (ax < (dy + r) / 2)  # triangle, apex up
-
-
-def make_images(
-    n: int,
-    image: int,
-    classes: int,
-    *,
-    generator: torch.Generator,
-    device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` images (n, 3, image, image), standardized, and their labels (n,).
-
-    Random numbers come from the CPU ``generator`` (the same images on every device); the
-    drawing runs on ``device``.
-    """
+def make_images(n: int, image: int, classes: int, *, generator, device="cpu") -> tuple:
+    """``n`` images (n, 3, image, image), standardized, and their labels (n,). Random numbers
+    come from the CPU ``generator`` (the same images on every device); drawn on ``device``."""
     labels = torch.randint(classes, (n,), generator=generator)
     centre = 0.3 + 0.4 * torch.rand(n, 2, generator=generator)
     radius = 0.15 + 0.13 * torch.rand(n, generator=generator)
@@ -170,14 +135,14 @@ def make_images(
     dy = grid.view(1, -1, 1) - centre[:, 1].view(-1, 1, 1)  # (n, image, 1)
     dx, dy = torch.broadcast_tensors(dx, dy)
     inside = torch.zeros(n, image, image, dtype=torch.bool, device=dev)
-    for kind in range(classes):
+    for kind, shape in enumerate(list(SHAPE_MASKS.values())[:classes]):
         pick = labels == kind
-        inside[pick] = _shape_mask(kind, dx[pick], dy[pick], radius[pick].view(-1, 1, 1))
+        x, y = dx[pick], dy[pick]
+        inside[pick] = shape(x, y, x.abs(), y.abs(), radius[pick].view(-1, 1, 1))
     colour = torch.where(inside[:, None], fg[:, :, None, None], bg[:, :, None, None])
     return (colour + noise - 0.45) / 0.3, labels
 
 
-# ---- model -----------------------------------------------------------------------------------------
 class Block(nn.Module):
     def __init__(self, sizes: Sizes, flags: Flags, rope: RotaryEmbedding):
         super().__init__()
@@ -219,27 +184,22 @@ class ViT(nn.Module):
             x = block(x)
         return self.head(self.norm(x).mean(dim=1))
 
-    def attention_modules(self) -> list[SelfAttention]:
-        return [block.attn for block in self.blocks]
-
     def canonical_parameters(self) -> dict[str, torch.Tensor]:
         """Parameters named as with separate q/k/v projections, whichever form is used."""
-        out = {}
-        for name, module in self.named_modules():
-            if isinstance(module, SelfAttention):
-                for sub, tensor in module.qkv.separate_parameters().items():
-                    out[f"{name}.qkv.{sub}"] = tensor
-        for name, tensor in self.named_parameters():
-            if ".qkv." not in name:
-                out[name] = tensor
-        return out
+        attention = {
+            f"{name}.qkv.{sub}": tensor
+            for name, module in self.named_modules()
+            if isinstance(module, SelfAttention)
+            for sub, tensor in module.qkv.separate_parameters().items()
+        }
+        return attention | {n: t for n, t in self.named_parameters() if ".qkv." not in n}
 
 
-# ---- the training step -------------------------------------------------------------------------
 class Step:
     """One training step per call. Losses stay on the device (one host read in ``mean_loss``)."""
 
-    def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
+    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):
+        device = torch.device(device)
         if flags.backend != "default" and not flags.sdpa:
             raise ValueError(f"backend={flags.backend!r} needs sdpa=True: the manual path has none")
         self.flags, self.sizes, self.device = flags, sizes, device
@@ -248,9 +208,7 @@ class Step:
         images, labels = make_images(n, sizes.image, sizes.classes, generator=gen, device=device)
         fmt = torch.channels_last if flags.channels_last else torch.contiguous_format
         images = images.contiguous(memory_format=fmt)
-        self.images = [
-            images[i * sizes.batch : (i + 1) * sizes.batch] for i in range(n // sizes.batch)
-        ]
+        self.images = list(images.split(sizes.batch))
         self.labels = labels.view(-1, sizes.batch)
         self.held_out = (self.images.pop(), self.labels[-1])
         with torch.random.fork_rng(devices=[]):  # the same weights on every device and flag
@@ -260,11 +218,9 @@ class Step:
         if flags.channels_last:
             self.model.patch_embed.to(memory_format=torch.channels_last)
         # Before: AdamW's default implementation (foreach on CUDA, a few kernels per tensor list)
+        fused = True if flags.fused_adamw else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=LEARNING_RATE,
-            weight_decay=0.05,
-            fused=True if flags.fused_adamw else None,
+            self.model.parameters(), lr=LEARNING_RATE, weight_decay=0.05, fused=fused
         )
         self.losses: list[torch.Tensor] = []  # device scalars: no sync per step
         self.count = 0
@@ -274,10 +230,8 @@ class Step:
             self.forward = torch.compile(self.model)
             self.compile_seconds = self._untimed_pass()
 
-    def _autocast(self):
-        if self.flags.bf16_autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, torch.bfloat16, enabled=self.flags.bf16_autocast)
 
     def _loss(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with self._autocast():
@@ -328,42 +282,26 @@ class Step:
         return {"logits": logits, **params}
 
 
-def _bf16_stages(depth: int) -> int:
-    """Matrix products in series along the residual stream, each rounding its inputs to bf16: the
-    patch embedding, six per block (q/k/v, scores, probabilities x values, output projection, the
-    two MLP layers) and the head."""
-    return 2 + 6 * depth
+build = Step  # build(flags, sizes, *, device, seed): the contract's name for the step
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, Tolerance]:
-    """Per entry of ``step.result()`` after ``steps`` steps, how far ``flags`` may leave it from
-    the baseline's.
-
-    Weights: at most AdamW's drift bound, whatever the precision: a weight whose gradient is at
-    rounding level (a key bias, which softmax nearly ignores) may step either way, each time.
-    Logits: float32 flags only reorder sums (``FP32_LOGITS_TOLERANCE``). bf16 rounds the inputs of
-    every matrix product: independent relative errors of ``u = 2^-8`` over ``n`` products in series
-    add to ``sqrt(n) u`` in norm, and the steps' updates, normalized per element by AdamW, carry
-    the gradients' errors of the same size into the weights: ``sqrt(2 n) u`` in all.
-    """
+    """Per entry of ``step.result()`` after ``steps`` steps. Weights: AdamW's drift bound, as a
+    weight whose gradient is at rounding level (a key bias) may step either way each time.
+    Logits: float32 flags only reorder sums; bf16 rounds the inputs of every matrix product, and
+    relative errors ``u = 2^-8`` over ``n`` products in series add to ``sqrt(n) u`` in norm, the
+    same again through AdamW's normalized updates: ``sqrt(2 n) u`` in all."""
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     weights = dict(rtol=1e-6, atol=adamw_drift_bound(steps, LEARNING_RATE))
     if flags.bf16_autocast:
-        logits = dict(rel_norm=math.sqrt(2 * _bf16_stages(sizes.depth)) * BF16_UNIT_ROUNDOFF)
+        # products in series: the patch embedding, six per block (q/k/v, scores, probabilities x
+        # values, output projection, the two MLP layers) and the head
+        n = 2 + 6 * sizes.depth
+        logits = dict(rel_norm=math.sqrt(2 * n) * BF16_UNIT_ROUNDOFF)
     else:
         logits = FP32_LOGITS_TOLERANCE
     return defaultdict(lambda: weights, logits=logits)
 
 
 compare_results = make_compare_results(tolerance)
-
-
-def build(
-    flags: Flags = Flags(),
-    sizes: Sizes = Sizes(),
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> Step:
-    return Step(flags, sizes, torch.device(device), seed)

@@ -1,95 +1,50 @@
 """A transformer neural operator for 1-D advection, trained on data generated on the fly.
 
-The workload of the training recipe (notebook 07). Each sample is one solution
-of ``u_t + c u_x = 0`` on the periodic interval [0, 1): a random smooth initial condition
-``u0(x) = sum_k (a_k sin 2 pi k x + b_k cos 2 pi k x) / k`` (a few modes, a and b standard
-normal) and a random speed ``c`` in [-1, 1]; the exact solution is ``u(x, t) = u0(x - c t)``.
-The model sees ``u0`` on a grid of ``grid`` points (with the coordinates and ``c``) and is asked
-for ``u`` at ``queries`` random points ``(x, t)``, t in [0, 1]:
+The workload of the training recipe (notebook 07). Each sample is one solution of
+``u_t + c u_x = 0`` on the periodic interval [0, 1): a random smooth initial condition ``u0`` (a
+few Fourier modes) and a random speed ``c`` in [-1, 1]; the exact solution is ``u0(x - c t)``.
+The model sees ``u0`` on ``grid`` points and is asked for ``u`` at ``queries`` random ``(x, t)``:
+an encoder over the grid tokens, a decoder whose query tokens (Fourier features of x and of the
+characteristic x - c t) cross-attend into it, and an auxiliary "inverse" loss: a second
+transformer reads the *predicted* field at some queries and recovers ``c`` and ``u0``'s
+coefficients, with attention quadratic in the queries it sees.
 
-- an encoder (``depth`` self-attention blocks over the grid tokens);
-- a decoder (``decoder_depth`` blocks whose query tokens cross-attend into the encoded grid);
-  a query token carries Fourier features of x and of the characteristic coordinate x - c t;
-- the auxiliary "inverse" loss: a second transformer (``inverse_depth`` self-attention blocks)
-  reads the *predicted* field at a subsample of the query points and recovers ``c`` and the
-  Fourier coefficients of ``u0`` from it. Its attention is quadratic in the queries it sees,
-  which makes it a large share of a step at the presets (its rows: results/recipe-notes.md).
+Samples come through a real ``DataLoader``, computed on the CPU when asked for, a function of
+``(seed, index)`` only: every loader setting and every rank sees the same samples. ``Flags()``
+is the step as first written: eager, every activation stored, the inverse loss on every step
+over every query, batches made in the loop and copied blocking, float32, AdamW's default step.
 
-The data come through a real ``torch.utils.data.DataLoader`` over :class:`AdvectionDataset`,
-whose samples are computed on the CPU when asked for (tens of microseconds each): a function
-of ``(seed, index)`` only, so every loader setting and every rank sees the same samples.
-
-``Flags()`` is the step as first written: eager, every activation stored, the inverse loss on
-every step over every query, the batches generated in the training loop and copied with a
-blocking copy, float32, AdamW's default (foreach) step with its state on the device.
-
-Modules: ``settings`` (Flags, Sizes, what cannot run where), ``data`` (samples, dataset, loader),
-``model`` (the networks and losses), ``step`` (the training step, its tolerances), ``task`` (the
-distributed task). Everything public is importable from the package.
+Modules: ``settings`` (Flags, Sizes, what cannot run where), ``data``, ``model``, ``step`` (the
+step, its tolerances, the distributed task); the package exports the contract and what the
+notebooks and the bench use.
 """
 
 from accel.workloads.advection.data import (
     CHANNELS,
-    AdvectionDataset,
-    EpochSampler,
     batch_of,
     exact_solution,
     grid_points,
     initial_condition,
-    make_loader,
     make_sample,
     rank_batch,
-    sample_seed,
 )
-from accel.workloads.advection.model import (
-    AdvectionModel,
-    InverseNet,
-    OperatorNet,
-    combined_loss,
-    init_model,
-    relative_error,
-)
-from accel.workloads.advection.settings import (
-    COMPILE_MODES,
-    PRECISIONS,
-    Flags,
-    Sizes,
-    flag_default,
-    unavailable,
-)
+from accel.workloads.advection.model import init_model
+from accel.workloads.advection.settings import Flags, Sizes, flag_default, unavailable
 from accel.workloads.advection.step import (
-    CHANGED_TRAINING_TOLERANCE,
-    FP32_TOLERANCE,
-    GRAD_SCALER_INIT,
-    LARGER_BATCH_TOLERANCE,
-    LOW_PRECISION_TOLERANCE,
     Step,
     build,
     compare_results,
+    distributed_task,
     tolerance,
 )
-from accel.workloads.advection.task import distributed_task
 
 __all__ = [
-    "CHANGED_TRAINING_TOLERANCE",
     "CHANNELS",
-    "COMPILE_MODES",
-    "FP32_TOLERANCE",
-    "GRAD_SCALER_INIT",
-    "LARGER_BATCH_TOLERANCE",
-    "LOW_PRECISION_TOLERANCE",
-    "PRECISIONS",
-    "AdvectionDataset",
-    "AdvectionModel",
-    "EpochSampler",
     "Flags",
-    "InverseNet",
-    "OperatorNet",
     "Sizes",
     "Step",
     "batch_of",
     "build",
-    "combined_loss",
     "compare_results",
     "distributed_task",
     "exact_solution",
@@ -97,11 +52,8 @@ __all__ = [
     "grid_points",
     "init_model",
     "initial_condition",
-    "make_loader",
     "make_sample",
     "rank_batch",
-    "relative_error",
-    "sample_seed",
     "tolerance",
     "unavailable",
 ]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -96,18 +95,14 @@ class EpochSampler(Sampler[int]):
 
 def make_loader(flags: Flags, sizes: Sizes, seed: int, batch: int) -> DataLoader:
     """The training DataLoader with ``flags``' settings; batches depend on ``seed`` only."""
-    workers = flags.loader_workers
-    extra: dict[str, Any] = {}
-    if workers:
-        extra = {"prefetch_factor": flags.prefetch, "persistent_workers": flags.persistent_workers}
     return DataLoader(
         AdvectionDataset(sizes, seed),
         batch_size=batch,
         sampler=EpochSampler(batch * sizes.epoch_batches),
-        num_workers=workers,
+        num_workers=flags.loader_workers,
         pin_memory=flags.pin_memory,
+        persistent_workers=flags.persistent_workers,
         drop_last=True,
-        **extra,
     )
 
 

@@ -10,10 +10,7 @@ from typing import Any
 import torch
 
 from accel.workloads import flags as flags_module
-from accel.workloads.flags import Presets, flag, option
-
-COMPILE_MODES = ("none", "default", "reduce-overhead", "max-autotune")
-PRECISIONS = ("fp32", "bf16", "fp16+scaler")
+from accel.workloads.flags import Presets, check_sizes, flag, option
 
 
 @dataclass(frozen=True)
@@ -23,7 +20,7 @@ class Flags:
         "fuse kernels; reduce-overhead and max-autotune replay them as CUDA graphs",
         "compile",
         default="none",
-        choices=COMPILE_MODES,
+        choices=("none", "default", "reduce-overhead", "max-autotune"),
         requires="cuda",
     )
     activation_checkpointing: bool = flag(
@@ -78,13 +75,6 @@ class Flags:
         "(needs loader_workers > 0)",
         "data",
     )
-    prefetch: int = option(
-        "batches each worker prepares ahead (prefetch_factor; needs loader_workers > 0 "
-        "unless 2, PyTorch's default)",
-        "data",
-        default=2,
-        choices=(2, 4),
-    )
     non_blocking: bool = flag(
         "copy batches to the device with non_blocking=True: the host does not wait for the "
         "copy (a real overlap only from pinned memory)",
@@ -95,7 +85,7 @@ class Flags:
         "the bytes (both change numerics on purpose)",
         "precision",
         default="fp32",
-        choices=PRECISIONS,
+        choices=("fp32", "bf16", "fp16+scaler"),
     )
     fused_adamw: bool = flag("AdamW(fused=True): one kernel for all parameters", "optimizer")
     cpu_offload_optimizer: bool = flag(
@@ -126,24 +116,9 @@ class Sizes(Presets):
     aux_weight: float = 0.1
 
     def __post_init__(self):
-        names = (
-            "grid",
-            "queries",
-            "modes",
-            "dim",
-            "heads",
-            "depth",
-            "decoder_depth",
-            "inverse_depth",
-            "mlp_ratio",
-            "batch",
-            "epoch_batches",
-            "validation_samples",
-        )
-        for name in names:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Sizes.{name} must be an int >= 1, got {value!r}")
+        ints = ("grid", "queries", "modes", "dim", "heads", "depth", "decoder_depth")
+        ints += ("inverse_depth", "mlp_ratio", "batch", "epoch_batches", "validation_samples")
+        check_sizes(self, ints, positive=("lr",))
         if self.dim % self.heads:
             raise ValueError(f"Sizes.dim {self.dim} does not split into {self.heads} heads")
         if 2 * self.modes >= self.grid:
@@ -151,10 +126,8 @@ class Sizes(Presets):
                 f"Sizes.grid {self.grid} cannot resolve {self.modes} modes: needs more than "
                 f"{2 * self.modes} points (Nyquist)"
             )
-        if not (self.lr > 0 and self.aux_weight >= 0):
-            raise ValueError(
-                f"Sizes.lr must be > 0 and aux_weight >= 0, got {self.lr}, {self.aux_weight}"
-            )
+        if self.aux_weight < 0:
+            raise ValueError(f"Sizes.aux_weight must be >= 0, got {self.aux_weight}")
 
     @property
     def inverse_targets(self) -> int:
@@ -186,10 +159,8 @@ def unavailable(device: torch.device | str) -> dict[str, str]:
     """Flags that cannot run on ``device``, with the reason: those of
     :func:`accel.workloads.flags.unavailable`, and the CPU offload optimizer without torchao."""
     reasons = flags_module.unavailable(Flags, device)
-    if "cpu_offload_optimizer" not in reasons:
-        missing = offload_optimizer_class()[1]
-        if missing:
-            reasons["cpu_offload_optimizer"] = missing
+    if "cpu_offload_optimizer" not in reasons and (missing := offload_optimizer_class()[1]):
+        reasons["cpu_offload_optimizer"] = missing
     return reasons
 
 
@@ -206,11 +177,8 @@ def offload_optimizer_class() -> tuple[type | None, str]:
 
 def check_flags(flags: Flags, device: torch.device) -> None:
     """Combinations that cannot run, as clear errors before anything is built."""
-    if flags.loader_workers == 0:
-        if flags.persistent_workers:
-            raise ValueError("persistent_workers=True needs loader_workers > 0, got 0")
-        if flags.prefetch != 2:
-            raise ValueError(f"prefetch={flags.prefetch} needs loader_workers > 0, got 0")
+    if flags.loader_workers == 0 and flags.persistent_workers:
+        raise ValueError("persistent_workers=True needs loader_workers > 0, got 0")
     if flags.cpu_offload_optimizer and flags.precision == "fp16+scaler":
         raise ValueError(
             "cpu_offload_optimizer cannot take precision='fp16+scaler': the scaler unscales "

@@ -1,5 +1,5 @@
-"""The advection workload's training step, its builder, and the tolerances within which each
-flag must match the baseline."""
+"""The advection workload's training step, its builder, the tolerances within which each flag
+must match the baseline, and the workload as a task :mod:`accel.distributed` runs."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from accel import accumulate, memory
-from accel.workloads.advection.data import batch_of, make_loader
-from accel.workloads.advection.model import init_model, relative_error
+from accel.workloads.advection.data import batch_of, make_loader, rank_batch
+from accel.workloads.advection.model import combined_loss, init_model, validation_error
 from accel.workloads.advection.settings import (
     Flags,
     Sizes,
@@ -23,44 +23,35 @@ from accel.workloads.advection.settings import (
 from accel.workloads.compare import make_compare_results
 from accel.workloads.compiling import own_code
 
-# The gradient scaler's first scale. PyTorch's 2**16 overflows this model's fp16 backward (its
-# gradients are O(1)): the scaler skips those steps, halving the scale each time, so the first
-# steps would not train. 2**10 leaves fp16 5 bits of headroom above O(1).
+# The gradient scaler's first scale: PyTorch's 2**16 overflows this model's fp16 backward (its
+# gradients are O(1)) and the skipped steps would not train; 2**10 leaves 5 bits of headroom.
 GRAD_SCALER_INIT = 2.0**10
 
-# fp32 flags (compile, checkpointing, the loader settings, fused AdamW, CPU offload) leave the
-# result equal to the baseline's within float32 rounding after a few steps: they sum in other
-# orders or not at all (checkpointing recomputes with the same kernels; the loader settings
-# deliver bitwise the same batches). Adam normalizes each update by its gradient's size, so a
-# rounding difference in a near-zero gradient moves a weight by a visible fraction of the
-# learning rate (1e-3): hence the absolute part.
+# Tolerances after a few steps (the tests take 3, at lr 1e-3). Adam normalizes each update, so a
+# rounding difference in a near-zero gradient moves a weight by a fraction of the learning rate:
+# hence the absolute parts. fp32 flags sum in other orders or not at all.
 FP32_TOLERANCE = {
     "losses": {"rtol": 1e-4, "atol": 1e-5},
     "params": {"rtol": 1e-4, "atol": 1e-4},
     "predictions": {"rtol": 1e-4, "atol": 1e-4},
 }
-# All tolerances are for results after a few steps (the tests take 3, at lr 1e-3).
-# Reduced precision rounds matrix-product inputs to 8 (bf16) or 11 (fp16) bits of mantissa; after
-# a few AdamW steps weights may differ by a few learning rates where gradients are near zero
-# (seen over 12 seeds, 3 steps: 2.8e-3 in the weights, 1.9e-2 in the predicted field).
+# bf16 and fp16 round matrix-product inputs to 8 or 11 bits: weights may move a few learning
+# rates apart where gradients are near zero.
 LOW_PRECISION_TOLERANCE = {
     "losses": {"rtol": 2e-2, "atol": 1e-2},
     "params": {"rtol": 0.0, "atol": 1e-2},
     "predictions": {"rtol": 5e-2, "atol": 4e-2},
 }
-# aux_loss_every and query_subsample change the training on purpose (no inverse loss on some
-# steps, or on fewer queries): each weight may move up to ~2 learning rates apart per step,
-# the losses differ by the inverse term (seen: 0.14 of ~1.5). The quality that matters is the
-# validation error after equal steps: the recipe bench compares that.
+# aux_loss_every and query_subsample change the training on purpose: weights move up to ~2
+# learning rates apart per step, the losses differ by the inverse term. The recipe bench
+# compares what matters, the validation error after equal steps.
 CHANGED_TRAINING_TOLERANCE = {
     "losses": {"rtol": 0.5, "atol": 0.25},
     "params": {"rtol": 0.0, "atol": 1e-2},
     "predictions": {"rtol": 0.2, "atol": 0.1},
 }
-# batch_multiplier and grad_accumulation train on other samples (the next ones of the stream
-# too): their losses and, a few steps on, their predictions sample by sample are another
-# trajectory's, not comparable (None: not compared; the field's largest difference ranges over
-# seeds up to its own size); the weights stay within a few learning rates per step.
+# batch_multiplier and grad_accumulation train on other samples too: losses and predictions are
+# another trajectory's (None: not compared); the weights stay within a few learning rates a step.
 LARGER_BATCH_TOLERANCE = {
     "losses": None,
     "params": {"rtol": 0.0, "atol": 1e-2},
@@ -70,26 +61,23 @@ LARGER_BATCH_TOLERANCE = {
 
 class Step:
     """One training step per call. Losses stay on the device (one host read in ``mean_loss``).
+    Sync-free but for ``fp16+scaler`` without fused AdamW (the scaler's inf check), the CPU
+    offload optimizer (its copies) and ``loader_workers=0`` (batches made in the step).
 
-    Sync-free except where noted: ``fp16+scaler`` without fused AdamW reads the scaler's
-    inf check on the host (``GradScaler.step``); the CPU offload optimizer waits for its
-    copies (torchao's ``step`` synchronizes its stream); loading a batch in the step
-    (``loader_workers=0``) is host work the GPU waits for.
-
-    With ``compile``, :meth:`forward_loss` (operator, inverse net when due, losses) is compiled
-    as one function: a graph per variant (with and without the inverse loss), each with its
-    backward. Under CUDA graphs (reduce-overhead, max-autotune) every output of a graph (the
-    loss, the gradients) lives in memory the next step's replay overwrites: a step marks its
-    start, keeps a clone of its loss, and drops the gradients after the optimizer step.
+    With ``compile``, :meth:`forward_loss` is compiled as one function, a graph (and backward)
+    with and one without the inverse loss. Under CUDA graphs a graph's outputs (loss, gradients)
+    live in memory the next replay overwrites: a step marks its start, keeps a clone of its
+    loss, and drops the gradients after the optimizer step.
     """
 
-    def __init__(self, flags: Flags, sizes: Sizes, device: torch.device, seed: int):
+    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):  # noqa: B008
+        device = torch.device(device)
         check_flags(flags, device)
         self.flags, self.sizes, self.device, self.seed = flags, sizes, device, seed
         self.micro_batch_size = sizes.batch * flags.batch_multiplier
-        self.batch_size = self.micro_batch_size * flags.grad_accumulation  # samples per step
+        self.samples_per_step = self.micro_batch_size * flags.grad_accumulation
         self.aux_queries = max(1, sizes.queries // flags.query_subsample)
-        self.loader = make_loader(flags, sizes, seed, self.batch_size)
+        self.loader = make_loader(flags, sizes, seed, self.samples_per_step)
         self._batches: Iterator | None = None
         self.epochs = 0
 
@@ -158,13 +146,7 @@ class Step:
             batch = next(self._batches)
         return self._to_device(batch)
 
-    def forward_loss(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        inverse_targets: torch.Tensor,
-        aux: bool,
-    ) -> torch.Tensor:
+    def forward_loss(self, inputs, targets, inverse_targets, aux: bool) -> torch.Tensor:
         """The training loss: MSE of the field, plus ``aux_weight`` x MSE of the inverse net's
         estimate from the predicted field at the first ``aux_queries`` queries when ``aux``."""
         predictions = self.model.operator(inputs)
@@ -184,10 +166,6 @@ class Step:
                 self, batch["inputs"], batch["targets"], batch["inverse_targets"], aux
             )
 
-    def _variants(self) -> tuple[bool, ...]:
-        """The ``aux`` settings the training steps use: each one compiles its own graphs."""
-        return (True,) if self.flags.aux_loss_every == 1 else (True, False)
-
     def _untimed_passes(self, passes: int) -> float:
         """``passes`` forwards and backwards of each variant on a warm-up batch, gradients
         dropped: weights, optimizer, data stream and random generators are left as they were.
@@ -197,7 +175,7 @@ class Step:
         t0 = time.perf_counter()
         # CUDA graph trees: the 1st call of a graph warms up, the 2nd records, the 3rd replays
         # (a replay right after the recording: pytorch/pytorch#122192)
-        for aux in self._variants():
+        for aux in (True,) if self.flags.aux_loss_every == 1 else (True, False):  # a graph each
             for _ in range(passes):
                 self._begin_step()
                 self._loss(warm, aux).backward()
@@ -259,10 +237,6 @@ class Step:
         accumulate.accumulate(micro_loss, micro, model=self.model)
         return torch.stack(losses).mean()  # equal micro-batches: the batch's mean
 
-    @property
-    def samples_per_step(self) -> int:
-        return self.batch_size
-
     def mean_loss(self, last: int | None = None) -> float:
         """Mean training loss over all steps (or the ``last`` few): one host read."""
         picked = self.losses[-last:] if last else self.losses
@@ -276,12 +250,8 @@ class Step:
 
     def validation_error(self) -> float:
         """Mean relative L2 error of the field on the held-out samples (one host read)."""
-        errors = []
         inputs, targets = self.validation["inputs"], self.validation["targets"]
-        for start in range(0, len(inputs), self.sizes.batch):
-            chunk = slice(start, start + self.sizes.batch)
-            errors.append(relative_error(self.predict(inputs[chunk]), targets[chunk]))
-        return torch.cat(errors).mean().item()  # sync: on request
+        return validation_error(self.predict, inputs, targets, self.sizes.batch)
 
     @torch.no_grad()
     def result(self) -> dict[str, torch.Tensor]:
@@ -309,6 +279,9 @@ class Step:
         self._batches = None
 
 
+build = Step  # build(flags, sizes, *, device, seed): the contract's name for the step
+
+
 def _optimizer_states(optimizer: Any) -> list[dict]:
     inner = [optimizer]
     if hasattr(optimizer, "optim_dict"):  # torchao's offload optimizer: one per large tensor
@@ -317,8 +290,8 @@ def _optimizer_states(optimizer: Any) -> list[dict]:
 
 
 def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, float] | None]:
-    """Per result entry, the tolerance within which ``flags`` must match the baseline after a
-    few ``steps`` at ``sizes`` (None: the entry is not comparable); the same for every size."""
+    """Per entry of ``step.result()`` (None: not comparable), after a few ``steps``; the same
+    at every size."""
     if flags.batch_multiplier != 1 or flags.grad_accumulation != 1:
         return LARGER_BATCH_TOLERANCE
     if (flags.aux_loss_every, flags.query_subsample) != (1, 1):
@@ -331,11 +304,29 @@ def tolerance(flags: Flags, sizes: Sizes, steps: int) -> dict[str, dict[str, flo
 compare_results = make_compare_results(tolerance, relative=False)  # absolute
 
 
-def build(
-    flags: Flags = Flags(),  # noqa: B008 (frozen dataclasses: one shared default is safe)
-    sizes: Sizes = Sizes(),  # noqa: B008
-    *,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-) -> Step:
-    return Step(flags, sizes, torch.device(device), seed)
+def distributed_task(preset: str, seed: int):
+    """The operator with its inverse loss on every step, as an :class:`accel.distributed.Task`:
+    ``model(inputs)`` gives the field and the inverse estimate packed (B, queries + 1 + 2 modes),
+    ``targets`` the same layout; ``validate`` is the held-out relative error of the field."""
+    from accel.distributed import Task  # the dataclass only: a light import
+
+    sizes = Sizes.preset(preset)
+
+    def batch(step: int, rank: int, world_size: int, device: torch.device):
+        b = rank_batch(seed, step, rank, world_size, sizes)
+        targets = torch.cat([b["targets"], b["inverse_targets"]], dim=1)
+        return b["inputs"].to(device), targets.to(device)
+
+    def loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return combined_loss(output, targets, sizes)
+
+    held_out = batch_of(seed, range(sizes.validation_samples), sizes, stream=1)
+
+    @torch.no_grad()
+    def validate(model: torch.nn.Module, device: torch.device) -> float:
+        inputs, targets = held_out["inputs"].to(device), held_out["targets"].to(device)
+        return validation_error(
+            lambda x: model(x)[:, : sizes.queries].float(), inputs, targets, sizes.batch
+        )
+
+    return Task(model=init_model(sizes, seed), batch=batch, loss=loss, validate=validate)
