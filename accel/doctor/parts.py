@@ -44,24 +44,11 @@ from accel.doctor.reach import (
 
 __all__ = ["StepParts", "copy_step", "find_parts"]
 
-_COPYABLE_ITERATORS = frozenset(
-    type(iter(x))
-    for x in (
-        [],
-        (),
-        range(0),
-        range(2**64),
-        "",
-        "é",
-        b"",
-        bytearray(),
-        {},
-        set(),
-        {}.values(),
-        {}.items(),
-        reversed([]),
-    )
-)  # fmt: skip  (built-in iterators a shallow copy makes independent)
+# built-in iterators a shallow copy makes independent
+_COPYABLE_ITERATORS = frozenset(type(iter(x)) for x in (
+    [], (), range(0), range(2**64), "", "é", b"", bytearray(), {}, set(), {}.values(), {}.items(),
+    reversed([]),
+))  # fmt: skip
 # rebuilt, with their holders
 _TARGETS = ("part", "grad", "computed", "rng", "state", "iterator", "writes")
 

@@ -51,7 +51,6 @@ _ATOMIC = (
     types.MethodDescriptorType,
 )  # fmt: skip
 _STATE = (list, dict, set, bytearray, collections.deque)
-_TUPLES = (tuple, frozenset)
 # copied with their owner, and not followed (a model's parameters are its)
 SKIPPED = {nn.Module: ("_parameters", "_buffers", "_modules"),
            torch.optim.Optimizer: ("param_groups", "state", "defaults")}  # fmt: skip

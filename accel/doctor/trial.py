@@ -1,16 +1,8 @@
-"""``Report.try_fixes``: each fix on its own copy of the step, then the best set of the ones that
-helped, each checked against an unchanged copy (same start, same batch, same seed) and timed
-against it interleaved, with the prediction beside the measurement.
-
-A fix's numbers may differ from the unchanged step's by its argued tolerance, or by
-:data:`SPREAD_MULTIPLE` times the difference between two runs of the unchanged step itself
-(cuDNN's backward, atomics: a step that is not deterministic), whichever is larger; the row says
-which. A fix measured slower than the unchanged step beyond the timing's spread is "slower here"
-and stays out of the combined trial. The combined trial starts from every fix that helped and drops
-the least helpful while it is slower than the best single fix, so the best set is never below it.
-Its prediction comes from the fixes measured alone: each fix's saving spread over the parts of the
-step it acts on (:data:`ACTS_ON`), and fixes acting on the same part each take their share of
-what the others left, not of the whole.
+"""``Report.try_fixes``: each fix on its own copy of the step, then the best set of those that
+helped, each checked against an unchanged copy (same start, batch and seed) and timed against it
+interleaved. A fix may differ from the unchanged step by its argued tolerance or
+:data:`SPREAD_MULTIPLE` times the unchanged step's own run-to-run difference, whichever is larger;
+one slower beyond the timing's spread is "slower here" and stays out of the combined trial.
 """
 
 from __future__ import annotations
@@ -33,14 +25,8 @@ from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 from accel.memory import peak_memory
 
-__all__ = [
-    "ACTS_ON",
-    "combined_prediction_us",
-    "fix_names",
-    "result_error",
-    "tolerance",
-    "try_fixes",
-]
+__all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "result_error", "tolerance",
+           "try_fixes"]  # fmt: skip
 
 EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
 SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchanged step's own spread
@@ -171,10 +157,8 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
     while len(chosen) >= 2 and len(out) < COMBINED_TRIES:
         predicted = combined_prediction_us(report, rows, chosen)
         out.append(_trial(report, chosen, steps, repeats, spread, predicted_us=predicted))
-        if (
-            out[-1]["status"] == "ok"
-            and out[-1]["measured speedup"] >= helped[0]["measured speedup"]
-        ):
+        last = out[-1]
+        if last["status"] == "ok" and last["measured speedup"] >= helped[0]["measured speedup"]:
             break
         chosen = chosen[:-1]
     candidates = [r for r in (*out, *helped[:1]) if r["status"] == "ok"]
@@ -248,12 +232,8 @@ def _record_measured(report, rows: list[dict]) -> None:
     for finding in report.findings:
         tried = [saved[n] for n in finding.fixes if n in saved]
         finding.measured_us = max(tried) if tried else None
-    report.findings.sort(
-        key=lambda f: (
-            f.measured_us is None,
-            -(f.measured_us if f.measured_us is not None else (f.saved_us or -1.0)),
-        )
-    )
+    report.findings.sort(key=lambda f: (f.measured_us is None, -(
+        f.measured_us if f.measured_us is not None else (f.saved_us or -1.0))))  # fmt: skip
 
 
 def _fresh(report) -> StepCopy:
@@ -284,10 +264,8 @@ def _trial_row(report, names: list[str], spread: float, predicted_us: float | No
     if predicted_us is None:
         predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
     else:
-        predicted, source = (
-            predicted_us,
-            "the fixes measured alone, overlapping where they share time",
-        )
+        predicted = predicted_us
+        source = "the fixes measured alone, overlapping where they share time"
     argued = tolerance(report, names)
     allowance = max(argued, SPREAD_MULTIPLE * spread)
     return dict.fromkeys(TRIAL_COLUMNS, math.nan) | {
@@ -345,19 +323,11 @@ def _measured(report, names: list[str], steps: int, repeats: int, allowance: flo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         error, first_s = result_error(base_call, fixed_call, base, fixed, checked)
-        timing = compare(
-            {"unchanged": base_call, "fixed": fixed_call},
-            warmup=3,
-            repeats=repeats,
-            calls_per_sample=CALLS,
-            device=report.evidence.device,
-        )
+        timing = compare({"unchanged": base_call, "fixed": fixed_call}, warmup=3, repeats=repeats,
+                         calls_per_sample=CALLS, device=report.evidence.device)
     unchanged, measured = (timing.timings[k].median_ms for k in ("unchanged", "fixed"))
-    low, high = (
-        timing.median_ratio_interval("unchanged", "fixed")
-        if repeats >= JUDGED_ROUNDS
-        else (math.nan, math.nan)
-    )
+    judged = repeats >= JUDGED_ROUNDS
+    low, high = timing.median_ratio_interval("unchanged", "fixed") if judged else (math.nan,) * 2
     status = _status(error, allowance, high, fixed, caught)
     device = report.evidence.device
     peaks = [peak_memory(call, device=device) / 2**20 for call in (base_call, fixed_call)]
@@ -407,9 +377,8 @@ def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: 
                 first_s = time.perf_counter() - started
         outputs.append(got)
     diff = norm = 0.0
-    pairs = [
-        (a, b) for s_a, s_b in zip(*outputs, strict=True) for a, b in zip(s_b, s_a, strict=True)
-    ]
+    pairs = [(a, b) for run_a, run_b in zip(*outputs, strict=True)
+             for a, b in zip(run_b, run_a, strict=True)]  # fmt: skip
     pairs += list(zip(_parameters(fixed), _parameters(base), strict=True))
     for a, b in pairs:
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
