@@ -12,7 +12,7 @@ import torch
 
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.findings import Evidence, Finding, check
-from accel.doctor.recorder import OpRecord
+from accel.doctor.recorder import PRODUCTS, OpRecord
 
 FUSION_MIN_SHARE = 0.05  # memory-bound kernels under this share of the step: not worth a finding
 PAD_TO = 64  # tensor cores and cuBLAS's tiles take dimensions in multiples of this
@@ -24,9 +24,9 @@ _NOT_FUSIBLE = MATMUL_OPS | {
     "aten::_scaled_dot_product_cudnn_attention", "aten::_to_copy", "aten::copy_", "aten::embedding",
     "aten::embedding_dense_backward", "aten::nll_loss_forward", "aten::nll_loss_backward",
 }  # fmt: skip
-_FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
-# bytes an element of a parameter moves in one update: read and written, float32
-_UPDATE_BYTES = {"Adam": 28, "AdamW": 28, "SGD": 20, "Adagrad": 20}
+# the optimizers with a fused update, and the bytes an element of a parameter moves in one
+# update (read and written, float32)
+FUSED_UPDATE_BYTES = {"Adam": 28, "AdamW": 28, "SGD": 20, "Adagrad": 20}
 
 
 def _memory_bound(ops: list[OpRecord]) -> list[list[OpRecord]]:
@@ -99,8 +99,6 @@ def _bytes(op: OpRecord) -> int:
 def _odd_products(evidence: Evidence) -> dict[int, list[OpRecord]]:
     """Odd dimension -> the products (forward and backward) with an operand dimension that is
     large and not a multiple of :data:`PAD_TO`."""
-    from accel.doctor.products import PRODUCTS
-
     odd: dict[int, list[OpRecord]] = {}
     for op in evidence.recording.ops:
         if op.op not in PRODUCTS:
@@ -224,7 +222,7 @@ def optimizer_unfused(evidence: Evidence) -> list[Finding]:
     slow = [
         o
         for o in evidence.parts.optimizers
-        if type(o).__name__ in _FUSED_OPTIMIZERS
+        if type(o).__name__ in FUSED_UPDATE_BYTES
         and not o.defaults.get("fused")
         and o.defaults.get("foreach") is not False  # a per-tensor loop is the loops check's
     ]
@@ -234,7 +232,7 @@ def optimizer_unfused(evidence: Evidence) -> list[Finding]:
         return []
     elements = sum(p.numel() for o in slow for g in o.param_groups for p in g["params"])
     moved = sum(
-        _UPDATE_BYTES.get(type(o).__name__, 28) * p.numel()
+        FUSED_UPDATE_BYTES[type(o).__name__] * p.numel()
         for o in slow
         for g in o.param_groups
         for p in g["params"]

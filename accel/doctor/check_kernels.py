@@ -11,25 +11,14 @@ from collections import Counter, defaultdict
 import torch
 
 from accel.doctor.findings import Evidence, Finding, check
-from accel.doctor.recorder import OpRecord
+from accel.doctor.recorder import PRODUCTS, OpRecord
 
 LOOP_MIN_OPS = 8  # fewer repeats of one operator on one line are not a loop worth a finding
 # no work, or a cast (autocast copies each weight once a forward: one kernel per weight, not a loop)
-_NO_WORK = frozenset(
-    {"aten::detach", "aten::view", "aten::t", "aten::lift_fresh", "aten::alias", "aten::_to_copy"}
-)
+_NO_WORK = {"aten::detach", "aten::view", "aten::t", "aten::lift_fresh", "aten::alias",
+            "aten::_to_copy"}  # fmt: skip
 FOREACH_TENSORS_PER_LAUNCH = 110  # about what one multi_tensor_apply launch takes
-MATMUL_OPS = frozenset(
-    {
-        "aten::mm",
-        "aten::addmm",
-        "aten::bmm",
-        "aten::baddbmm",
-        "aten::convolution",
-        "aten::convolution_backward",
-        "aten::_convolution",
-    }
-)
+MATMUL_OPS = PRODUCTS | {"aten::convolution", "aten::convolution_backward", "aten::_convolution"}
 
 
 def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:

@@ -16,6 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from accel.doctor.batched_clip import batched_clipping
+from accel.doctor.check_compute import FUSED_UPDATE_BYTES
 from accel.doctor.check_memory import repeated_blocks
 from accel.doctor.deferred import deferred_item_reads
 from accel.doctor.parts import StepParts
@@ -95,9 +96,6 @@ def _channels_last(batch: Any) -> Any:
 
 
 # ---- optimizers -----------------------------------------------------------------------------------
-_FUSED = ("Adam", "AdamW", "SGD", "Adagrad")
-
-
 def _retune(opt: torch.optim.Optimizer, **flags: bool) -> None:
     """Set ``flags`` on every group of ``opt`` (a copy) and move step counters where they go."""
     for key in flags:
@@ -118,7 +116,7 @@ def _fused(copy: StepCopy) -> None:
     if not opts:
         raise FixNotApplicable("no optimizer found in the step")
     for opt in opts:
-        if type(opt).__name__ not in _FUSED:
+        if type(opt).__name__ not in FUSED_UPDATE_BYTES:
             raise FixNotApplicable(f"{type(opt).__name__} has no fused implementation")
         _retune(opt, fused=True, foreach=False)
 

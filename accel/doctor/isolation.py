@@ -1,15 +1,12 @@
-"""What a doctor's run gives back and what it names: the random generators are put back as they
-were (torch's on the CPU and every CUDA device, Python's ``random``, NumPy's global one), and
-what cannot be put back (a file written, removed or renamed, a connection, a process started, an
-item taken from an iterator that cannot be copied) is recorded while a :class:`Session` is open,
-for the report's first line.
+"""What a doctor's run gives back and what it names: the random generators put back (torch's on
+every device, ``random``, NumPy's global one), and what cannot be put back (a file written, a
+connection, a process started, an item taken from an uncopyable iterator) recorded while a
+:class:`Session` is open, for the report's first line.
 
-Files and sockets are seen through Python's audit hooks (``sys.addaudithook``): one hook for the
-process, installed at the first session, which does nothing unless a session is open in the
-running thread (a hook cannot be removed), and counts an event only where the step's own code is
-on the stack (not the doctor's measuring). ``torch.save`` to a path opens its file in C++, where
-no audit event is raised: during a session it raises the one ``open()`` would. Writes by
-PyTorch's compilers (their caches) and by the import system (bytecode) are not the step's.
+Files and sockets are seen through one process-wide audit hook (``sys.addaudithook``: it cannot
+be removed, so it does nothing unless a session is open in the running thread), counted only
+where the step's own code is on the stack. ``torch.save`` opens its file in C++, without an
+audit event: during a session it raises the one ``open()`` would.
 """
 
 from __future__ import annotations

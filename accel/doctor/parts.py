@@ -1,20 +1,10 @@
-"""What a user's training step is made of, and a copy of the step that trains copies of it.
-
-A step is any callable: a function that reads ``model`` and ``opt`` from its closure or the
-globals of its module, a bound method of a trainer object, a ``functools.partial``, or an object
-with ``__call__``. :func:`find_parts` follows everything the step can reach
-(:mod:`accel.doctor.reach`: closures, globals of any module, defaults, attributes, class
-attributes, helpers at any depth) and collects the modules, optimizers, schedulers, gradient
-scalers and tensors of its own that require grad.
-
-:func:`copy_step` deep-copies those parts together (one memo, so each copied optimizer holds the
-copied model's parameters) and rebuilds, around the copies, every object on a path from the step
-to something it could change: functions get new closures and a copy of their module's globals,
-objects and containers shallow copies, classes a subclass holding the copied class attributes,
-random generators copies, iterators copies, or a read-through (:class:`~.isolation.Drawn`) where
-they cannot be copied. What cannot be rebuilt on the way to a part is refused (a TypeError naming
-it); what cannot be rebuilt on the way to anything else stays shared, and
-:class:`~.untouched.Untouched` names it if it changed.
+"""What a user's training step is made of (:func:`find_parts`: the modules, optimizers,
+schedulers, scalers and tensors requiring grad that :mod:`accel.doctor.reach` finds), and
+:func:`copy_step`: the parts deep-copied together (one memo, so a copied optimizer holds the copied
+model's parameters) and every object on a path from the step to something it could change rebuilt
+around the copies. What cannot be rebuilt on the way to a part is refused (a TypeError naming
+it); on the way to anything else it stays shared, and :class:`~.untouched.Untouched` names it if
+it changed.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
-"""Everything a training step can reach, found where its code looks: the cells of its closure,
-the global names its code reads (of its own module or of any other module one of its helpers
-comes from), its defaults, the ``self`` of a bound method, a partial's arguments, the attributes
-of the objects it holds, the attributes and methods of their classes (class attributes
-included), the attributes of other modules its code reads, and the items of containers,
-followed from each object it finds to the ones that object holds, to any depth.
-
-Library code (the standard library and installed packages) is not followed into its globals:
-only what the user's objects hand it (a wrapper's closure, an object's attributes). Values read
-through ``getattr`` with a computed name, ``sys.modules`` or ``globals()[...]`` are not seen;
-``Untouched`` checks every model and optimizer of the process, found here or not.
+"""Everything a training step can reach, found where its code looks: closure cells, the globals
+its code reads (of any module its helpers come from), defaults, a bound method's ``self``, a
+partial's arguments, attributes of objects and of their (user) classes, module attributes its
+code reads, container items; followed to any depth. Library code is not followed into its
+globals. Values read through a computed ``getattr``, ``sys.modules`` or ``globals()[...]`` are
+not seen; ``Untouched`` checks every model and optimizer of the process, found here or not.
 
 :func:`kind` sorts what was found: ``part`` (a module, optimizer, scheduler or gradient scaler),
-``grad`` (a tensor of its own that requires grad), ``computed`` (a tensor requiring grad that is
-the result of an operation), ``tensor``, ``rng`` (a random generator object), ``state`` (a
-mutable container, or an instance of a class of the user's), ``iterator``, ``file`` (an open
-file), ``writes`` (a function of the user's that assigns a global), or None.
+``grad`` (a leaf tensor requiring grad), ``computed`` (a non-leaf one), ``tensor``, ``rng``,
+``state`` (a mutable container or an instance of a user class), ``iterator``, ``file``,
+``writes`` (a user function that assigns a global), or None.
 """
 
 from __future__ import annotations

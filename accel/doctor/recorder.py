@@ -1,15 +1,10 @@
 """Every ATen operator one call of a step runs, with the line of the user's code that ran it.
 
 A ``TorchDispatchMode`` sees each operator below autograd, forward and backward, with its real
-tensors: shapes, dtypes, devices, whether host memory is pinned. For each it notes the first
-frame of the caller's own code (frames in torch, in the doctor and in the standard library are
-skipped) and the torch functions in between (``torch/optim/adamw.py:_single_tensor_adamw``), and
-whether autograd's backward ran it. Each operator runs inside a profiler range named after its
-index, so the profiler's time for the range (the device's kernels on CUDA, the host's on a CPU)
-joins the record.
-
-Printing a tensor reads it on the host without any operator this mode would see (``_tensor_str``
-turns dispatch modes off), so the tensor methods that format or export values are watched too.
+tensors; for each it notes the first frame of the caller's own code, the torch functions in
+between, and whether backward ran it. Each runs in a profiler range named by its index, which
+joins the profiler's time to the record. Printing a tensor reads it without an operator the mode
+sees, so the formatting and exporting tensor methods are watched too.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["OpRecord", "Recording", "Site", "TensorInfo", "record_step"]
+__all__ = ["PRODUCTS", "OpRecord", "Recording", "Site", "TensorInfo", "record_step"]
 
 MARK = "accel.doctor.op"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -41,7 +36,7 @@ _USER_CODE_IN_DOCTOR = (_DOCTOR_DIR + "zoo.py", _DOCTOR_DIR + "ladder" + os.sep)
 _WATCHED = ("__repr__", "__str__", "__format__", "tolist", "numpy")
 # torch's own dispatch machinery between an operator and the code that called it: not news
 _PLUMBING = ("_dynamo/", "_compile.py", "utils/_python_dispatch.py", "_ops.py")
-_PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 
 
 @dataclass(frozen=True)
@@ -216,7 +211,7 @@ def _facts(func, args: tuple) -> tuple[str, ...]:
         return ("tf32",) * torch.backends.cudnn.allow_tf32 + (
             "cudnn.benchmark",
         ) * torch.backends.cudnn.benchmark
-    if name in _PRODUCTS:
+    if name in PRODUCTS:
         return ("tf32",) if torch.backends.cuda.matmul.allow_tf32 else ()
     if name != "aten::masked_fill" or len(args) < 2:
         return ()

@@ -1,9 +1,8 @@
-"""Attention written out by hand, rewritten as one ``scaled_dot_product_attention`` call in a copy of
-the module that runs it: the change the attention finding proposes, tried on the doctor's copy and
-handed to the user as a diff of their own ``forward``.
+"""Attention written out by hand, rewritten as one ``scaled_dot_product_attention`` call in a
+copy of the module that runs it, and handed to the user as a diff of their own ``forward``.
 
-The recorder gives the line of the scores' product and of the values' product. Between them the
-``forward``'s statements must read as a chain on one variable, each kind at most once::
+Between the recorded lines of the scores' and the values' products, the statements must read as
+a chain on one variable, each kind at most once::
 
     att = (q @ k.transpose(-2, -1)) * scale          # or / scale, or torch.matmul(...)
     att = att.masked_fill(cond, float("-inf"))        # or att + additive_mask
@@ -11,9 +10,9 @@ The recorder gives the line of the scores' product and of the values' product. B
     att = self.attn_dropout(att)                      # a dropout module or F.dropout
     y = att @ v
 
-which is ``y = F.scaled_dot_product_attention(q, k, v, attn_mask=~cond, scale=scale)`` (an
-exactly causal mask, as the recorder saw it, becomes ``is_causal=True``). Anything else is not
-rewritten: the fix then says which statement it could not read.
+which is ``F.scaled_dot_product_attention(q, k, v, attn_mask=~cond, scale=scale)`` (an exactly
+causal mask becomes ``is_causal=True``). Anything else raises :class:`NotRewritable` naming the
+statement.
 """
 
 from __future__ import annotations

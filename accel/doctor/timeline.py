@@ -1,18 +1,9 @@
 """Where a step's time goes on the device: kernels, launches, syncs, and the device's idle time
-split by cause.
-
-The split follows Holistic Trace Analysis's idle-time breakdown, computed here from the profiler
-events already in memory (HTA reads trace files from disk and is not among the workbook's
-dependencies). Each gap between one kernel's end and the next one's start is
-
-- **sync**: a blocking call on the host (``cudaStreamSynchronize`` and friends, where ``.item()``
-  and ``.cpu()`` end) returned during the gap: the host waited for the device to drain, then had to
-  start the queue again;
-- **host**: a launch started during the gap: the device waited for the host to launch work;
-- **other**: the next kernel was already queued (launch latency, a dependency between streams).
-
-On a CPU there is no separate device: the "kernels" are the ATen operators that did arithmetic,
-and the rest of the step (Python, dispatch, allocation) is counted as host time.
+split by cause, as Holistic Trace Analysis splits it (computed from the profiler's events in
+memory). Each gap between kernels is **sync** (a blocking host call returned during it: the
+host waited, then restarted the queue), **host** (a launch started during it: the device waited
+for the host), or **other** (the next kernel was already queued). On a CPU the "kernels" are
+the ATen operators that did arithmetic, and the rest of the step is host time.
 """
 
 from __future__ import annotations

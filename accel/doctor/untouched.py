@@ -1,15 +1,9 @@
-"""The proof that examining a step left the user's objects as they were.
-
-:class:`Untouched` records, when made, every model, optimizer and tensor requiring grad of the
-process (found by the garbage collector, whether the step reaches them or not): parameters,
-buffers, gradients (which tensor, and its values), optimizer state and hyperparameters; and what
-the step reaches besides: plain tensors, containers, objects of the user's classes, random
-generator objects, the globals its functions assign, open files, the batch's tensors.
-:meth:`Untouched.changed` names what is different since.
-
-A tensor's values are compared through its version counter (every in-place write) and two sums
-in float64 (of its magnitudes and of their squares: a write through ``.data``, which the counter
-does not see).
+"""The proof that examining a step left the user's objects as they were: :class:`Untouched`
+records every model, optimizer and tensor requiring grad of the process (by the garbage
+collector, reached or not), and what the step reaches besides (tensors, containers, user
+objects, generators, assigned globals, open files, the batch); :meth:`Untouched.changed` names
+what differs since. A tensor is compared by its version counter and two float64 sums (a write
+through ``.data`` escapes the counter).
 """
 
 from __future__ import annotations
