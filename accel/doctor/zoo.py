@@ -19,7 +19,6 @@ its gain measured against the doctor's prediction.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from accel.doctor.ladder import marked_lines, sizes
 
 __all__ = ["MODELS", "ZooCase", "build", "example", "planted_lines"]
 
@@ -57,17 +58,14 @@ def planted_lines(model: str | None = None) -> dict[str, list[int]]:
     """kind -> the lines of this file marked ``# planted[<model>]: <kind>`` (every model's, or
     the one named)."""
     found: dict[str, list[int]] = {}
-    for number, line in enumerate(Path(__file__).read_text().splitlines(), 1):
-        match = re.search(r"# planted\[(\w+)\]: (\w+)", line)
-        if match and not line.lstrip().startswith("#") and model in (None, match[1]):
+    for number, match in marked_lines(Path(__file__), r"# planted\[(\w+)\]: (\w+)"):
+        if model in (None, match[1]):
             found.setdefault(match[2], []).append(number)
     return found
 
 
-def _sizes(preset: str, cpu: dict, gpu: dict) -> dict:
-    """The preset's sizes. On a GPU each is large enough that the clean twin keeps the device
-    busy (its kernels outlast their launches): a launch-bound twin would be a true finding."""
-    return gpu if preset == "gpu" else cpu
+# The gpu sizes keep the device busy in each clean twin (its kernels outlast their launches): a
+# launch-bound twin would be a true finding.
 
 
 def _regression_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device):
@@ -137,11 +135,8 @@ class ZooGPT(nn.Module):
 
 
 def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(
-        preset,
-        dict(vocab=96, dim=32, heads=4, layers=2, seq=16, batch=4),
-        dict(vocab=512, dim=1024, heads=16, layers=4, seq=256, batch=64),
-    )
+    size = sizes(preset, gpu=dict(vocab=512, dim=1024, heads=16, layers=4, seq=256, batch=64),
+                 cpu=dict(vocab=96, dim=32, heads=4, layers=2, seq=16, batch=4))
     batch_size = size.pop("batch")
     model = ZooGPT(**size, manual="attention" in plant).to(device)
     cuda = device.type == "cuda"
@@ -199,7 +194,8 @@ class NoisyShapes(torch.utils.data.Dataset):
 def _cnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     # images small enough that each item's operators run on one thread (below ATen's grain size),
     # as decoding does: the loader's time then moves with the host less than a thread pool does
-    size = _sizes(preset, dict(side=32, width=16, batch=16), dict(side=64, width=64, batch=256))
+    size = sizes(preset, gpu=dict(side=64, width=64, batch=256),
+                 cpu=dict(side=32, width=16, batch=16))
     w = size["width"]
     model = nn.Sequential(
         nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(),
@@ -251,7 +247,8 @@ class LoopMomentum(torch.optim.Optimizer):
 
 
 def _mlp(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=64, depth=8, batch=32), dict(dim=1024, depth=12, batch=65536))
+    size = sizes(preset, gpu=dict(dim=1024, depth=12, batch=65536),
+                 cpu=dict(dim=64, depth=8, batch=32))
     dim = size["dim"]
     layers = [m for _ in range(size["depth"]) for m in (nn.Linear(dim, dim), nn.SiLU())]
     model = nn.Sequential(*layers, nn.Linear(dim, 1)).to(device)
@@ -307,7 +304,7 @@ class StepwiseGRU(nn.Module):
 
 
 def _rnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=16, seq=12, batch=8), dict(dim=1024, seq=256, batch=1024))
+    size = sizes(preset, gpu=dict(dim=1024, seq=256, batch=1024), cpu=dict(dim=16, seq=12, batch=8))
     model = StepwiseGRU(size["dim"], "stepwise" in plant, "sync" in plant).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
@@ -319,7 +316,8 @@ def _rnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
 
 # ---- shapes ---------------------------------------------------------------------------------------
 def _shapes(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=32, longest=48, batch=8), dict(dim=512, longest=512, batch=256))
+    size = sizes(preset, gpu=dict(dim=512, longest=512, batch=256),
+                 cpu=dict(dim=32, longest=48, batch=8))
     dim, longest = size["dim"], size["longest"]
     model = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
