@@ -92,9 +92,7 @@ def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[
     measured launch cost, which shorten the step only while the device waits for the host (its
     idle time for the host, measured), so a device-bound step gains the device's part alone."""
     launch, copy = evidence.costs.launch_us, evidence.ceilings.copy_gb_s
-    kinds: dict[str, int] = defaultdict(int)
-    for op in ops:
-        kinds[op.op] += 1
+    kinds = Counter(op.op for op in ops)
     if kind == "zero_grad":
         launches, after = 0, 0.0
     else:
@@ -187,11 +185,8 @@ def matmul_flops(op: OpRecord) -> float:
 
 def _float32_products(evidence: Evidence) -> list[OpRecord]:
     """Matrix products and convolutions in float32, with or without TF32 (bf16 beats both)."""
-    return [
-        op
-        for op in evidence.recording.ops
-        if op.op in MATMUL_OPS and op.inputs and op.inputs[0].dtype == torch.float32
-    ]
+    return [op for op in evidence.recording.ops
+            if op.op in MATMUL_OPS and op.inputs and op.inputs[0].dtype == torch.float32]
 
 
 @check("precision")
@@ -206,41 +201,34 @@ def precision(evidence: Evidence) -> list[Finding]:
 
     flops = sum(matmul_flops(op) for op in ops)
     moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
-    after = evidence.measure.get("products", time_products)(
-        ops,
-        evidence.device,
-        {
-            "bf16_autocast": lambda shapes, _: (shapes, torch.bfloat16, False),
-            "tf32": lambda shapes, dtype: (shapes, dtype, True),
-        },
-    )
+    after = evidence.measure.get("products", time_products)(ops, evidence.device, {
+        "bf16_autocast": lambda shapes, _: (shapes, torch.bfloat16, False),
+        "tf32": lambda shapes, dtype: (shapes, dtype, True),
+    })  # fmt: skip
     # autocast casts each float32 input of a product once a step (read 4 bytes, write 2)
-    casts = (
-        1.5 * sum(t.nbytes for op in ops for t in op.inputs) / (evidence.ceilings.copy_gb_s * 1e3)
-    )
+    inputs = sum(t.nbytes for op in ops for t in op.inputs)
+    casts = 1.5 * inputs / (evidence.ceilings.copy_gb_s * 1e3)
     saved = {"bf16_autocast": max(0.0, now - after["bf16_autocast"] - casts)}
     full = [op for op in ops if "tf32" not in op.facts]  # float32's own rate: TF32 would help
     if full:
         saved["tf32"] = max(0.0, now - after["tf32"])
     tf32 = "TF32 off" if len(full) == len(ops) else "TF32 on" if not full else "TF32 on for some"
-    return [
-        Finding(
-            kind="precision",
-            title=f"float32 matrix products take {now / evidence.step_us:.0%} of the step "
-            f"({tf32}, no autocast)",
-            evidence=f"{len(ops)} float32 products and convolutions per step: "
-            f"{flops / 1e9:.2f} GFLOP, {moved / 2**20:.1f} MiB, {now / 1e3:.3f} ms on the device",
-            cost_model="the step's largest products timed here as they ran, in bf16 and in TF32, "
-            f"at their shapes (the rest at their mean ratio): bf16 "
-            f"{after['bf16_autocast'] / 1e3:.3f} ms plus {casts / 1e3:.3f} ms of casts"
-            + (f", TF32 {after['tf32'] / 1e3:.3f} ms" if full else ""),
-            notebook="07_recipe",
-            change="with torch.autocast('cuda', dtype=torch.bfloat16):\n"
-            "    loss = loss_fn(model(x), y)\n"
-            "# or, keeping float32 storage: torch.set_float32_matmul_precision('high')  # TF32",
-            saved_us=max(saved.values()),
-            sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:5],
-            fixes=tuple(saved),
-            saved_by_fix=saved,
-        )
-    ]
+    return [Finding(
+        kind="precision",
+        title=f"float32 matrix products take {now / evidence.step_us:.0%} of the step "
+        f"({tf32}, no autocast)",
+        evidence=f"{len(ops)} float32 products and convolutions per step: "
+        f"{flops / 1e9:.2f} GFLOP, {moved / 2**20:.1f} MiB, {now / 1e3:.3f} ms on the device",
+        cost_model="the step's largest products timed here as they ran, in bf16 and in TF32, "
+        f"at their shapes (the rest at their mean ratio): bf16 "
+        f"{after['bf16_autocast'] / 1e3:.3f} ms plus {casts / 1e3:.3f} ms of casts"
+        + (f", TF32 {after['tf32'] / 1e3:.3f} ms" if full else ""),
+        notebook="07_recipe",
+        change="with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+        "    loss = loss_fn(model(x), y)\n"
+        "# or, keeping float32 storage: torch.set_float32_matmul_precision('high')  # TF32",
+        saved_us=max(saved.values()),
+        sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:5],
+        fixes=tuple(saved),
+        saved_by_fix=saved,
+    )]

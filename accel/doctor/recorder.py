@@ -183,22 +183,18 @@ class _Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         site, library = self.frames.caller(sys._getframe(1))
         leaves = tree_leaves((args, kwargs))
-        self.recording.ops.append(
-            OpRecord(
-                index=index,
-                op=_op_name(func),
-                site=site,
-                library=library[:12],
-                backward=torch._C._current_autograd_node() is not None,
-                inputs=tuple(TensorInfo.of(a) for a in leaves if isinstance(a, torch.Tensor)),
-                outputs=tuple(
-                    TensorInfo.of(o) for o in tree_leaves(out) if isinstance(o, torch.Tensor)
-                ),
-                scalars=tuple(a for a in leaves if isinstance(a, (int, float, bool, str)))[:32],
-                api=self.calls.current,
-                facts=_facts(func, args),
-            )
-        )
+        self.recording.ops.append(OpRecord(
+            index=index,
+            op=_op_name(func),
+            site=site,
+            library=library[:12],
+            backward=torch._C._current_autograd_node() is not None,
+            inputs=tuple(TensorInfo.of(a) for a in leaves if isinstance(a, torch.Tensor)),
+            outputs=tuple(TensorInfo.of(o) for o in tree_leaves(out) if isinstance(o, torch.Tensor)),
+            scalars=tuple(a for a in leaves if isinstance(a, (int, float, bool, str)))[:32],
+            api=self.calls.current,
+            facts=_facts(func, args),
+        ))
         return out
 
 
