@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import OpRecord, Site
@@ -81,14 +82,11 @@ def _merge_same_line(sites: Counter) -> Counter:
     by_line: dict[Site | None, tuple[str, int]] = {}
     for (site, kind), n in sites.items():
         known = by_line.get(site)
-        if known is None or _priority(kind) > _priority(known[0]):
+        # a read method names what the user wrote better than the operator inside it
+        read = kind in _READ_METHODS.values()
+        if known is None or read > (known[0] in _READ_METHODS.values()):
             by_line[site] = (kind, max(n, known[1]) if known else n)
     return Counter({(site, kind): n for site, (kind, n) in by_line.items()})
-
-
-def _priority(kind: str) -> int:
-    """A read method names what the user wrote better than the operator inside it."""
-    return 1 if kind in _READ_METHODS.values() else 0
 
 
 @check("syncs")
@@ -97,10 +95,8 @@ def syncs(evidence: Evidence) -> list[Finding]:
     if not sites:
         return []
     total = sum(sites.values())
-    lines = [
-        f"{n} x {kind} at {site or 'a line outside your code'}"
-        for (site, kind), n in sites.most_common()
-    ]
+    lines = [f"{n} x {kind} at {site or 'a line outside your code'}"
+             for (site, kind), n in sites.most_common()]  # fmt: skip
     if evidence.cuda:
         t = evidence.timeline
         lines.append(f"the host waited {t.sync_wait_us / 1e3:.3f} ms in them")
@@ -152,27 +148,18 @@ def launch_bound(evidence: Evidence) -> list[Finding]:
     return [Finding(
         kind="launch_bound",
         title=f"the device idles {t.idle_fraction:.0%} of the step, waiting for the host",
-        evidence=(
-            f"{t.launches:.0f} launches and {t.kernels} kernels per step, "
-            f"{t.kernel_us / 1e3:.3f} ms of kernels in a {t.step_us / 1e3:.3f} ms step; "
-            f"idle by cause: {idle}"
-            + (
-                f"; GraphedStep cannot capture it yet: {blockers}"
-                if blockers
-                else "; nothing seen that would stop GraphedStep from capturing it"
-            )
-        ),
-        cost_model=(
-            f"a CUDA graph replays the step's kernels with no host in between: about "
-            f"{GRAPH_REPLAY_OVER_KERNELS}x their summed time (the gaps inside a replay)"
-            + (", once what stops the capture is gone" if blockers else "")
-        ),
+        evidence=f"{t.launches:.0f} launches and {t.kernels} kernels per step, "
+        f"{t.kernel_us / 1e3:.3f} ms of kernels in a {t.step_us / 1e3:.3f} ms step; "
+        f"idle by cause: {idle}; "
+        + (f"GraphedStep cannot capture it yet: {blockers}" if blockers
+           else "nothing seen that would stop GraphedStep from capturing it"),
+        cost_model=f"a CUDA graph replays the step's kernels with no host in between: about "
+        f"{GRAPH_REPLAY_OVER_KERNELS}x their summed time (the gaps inside a replay)"
+        + (", once what stops the capture is gone" if blockers else ""),
         notebook="04_graphs",
-        change=(
-            "from accel.graphs import GraphedStep\n"
-            "step = GraphedStep(step)        # capture once, replay every later call\n"
-            "# or: model = torch.compile(model, mode='reduce-overhead')"
-        ),
+        change="from accel.graphs import GraphedStep\n"
+        "step = GraphedStep(step)        # capture once, replay every later call\n"
+        "# or: model = torch.compile(model, mode='reduce-overhead')",
         # syncs and host batches can be taken out of a step; a changing shape cannot
         saved_us=None if _shape_changes(evidence) else max(0.0, t.step_us - graphed),
         fixes=("cuda_graph", "compile"),
@@ -186,11 +173,8 @@ def capture_blockers(evidence: Evidence) -> str:
     if sites:
         first = next(iter(sites))
         why.append(f"{sum(sites.values())} sync(s), the first at {first[0]} ({first[1]})")
-    from torch.utils._pytree import tree_leaves
-
-    host = [
-        t for t in tree_leaves(evidence.batch) if hasattr(t, "device") and t.device.type == "cpu"
-    ]
+    host = [t for t in tree_leaves(evidence.batch) if getattr(t, "device", None) is not None
+            and t.device.type == "cpu"]  # fmt: skip
     if host:
         why.append(f"{len(host)} batch tensor(s) on the host (copy them in before the step)")
     if _shape_changes(evidence):
@@ -205,11 +189,8 @@ def _shape_changes(evidence: Evidence) -> bool:
 @check("input_pipeline")
 def input_pipeline(evidence: Evidence) -> list[Finding]:
     found = []
-    pageable = [
-        op
-        for op in evidence.recording.ops
-        if evidence.cuda and op.op in _COPIES and _sync_kind(op, True) == PAGEABLE
-    ]
+    pageable = [op for op in evidence.recording.ops
+                if evidence.cuda and op.op in _COPIES and _sync_kind(op, True) == PAGEABLE]
     if pageable:
         copy_us = sum(op.time_us for op in pageable)
         found.append(Finding(

@@ -66,9 +66,8 @@ def examine(
     from accel.doctor.report import Report
 
     if not callable(step):
-        raise TypeError(
-            f"examine() needs the training step as a callable, got {type(step).__name__}"
-        )
+        got = type(step).__name__
+        raise TypeError(f"examine() needs the training step as a callable, got {got}")
     refuse_unplain_step(step)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
@@ -90,23 +89,14 @@ def examine(
         for _ in range(warmup - 1):
             call()
         timeline = profile_timeline(call, device, steps=steps).at_step_time(_step_us(call, device))
+        given = {"ceilings": ceilings, "costs": costs}
         evidence = Evidence(
-            device=device,
-            parts=copied,
-            recording=record_step(call, device),
-            timeline=timeline,
-            batch=batch,
-            memory=_memory(call, device),
-            loader=_loader(loader, runner, device, timeline.step_us)
-            if loader is not None
-            else None,
+            device=device, parts=copied, recording=record_step(call, device), timeline=timeline,
+            batch=batch, memory=_memory(call, device),
+            loader=None if loader is None else _loader(loader, runner, device, timeline.step_us),
             graph_breaks=_breaks(step, parts, batch, runner is step) if compile else None,
-            measure={
-                name: (lambda value=value: value)
-                for name, value in (("ceilings", ceilings), ("costs", costs))
-                if value is not None
-            },
-        )
+            measure={k: (lambda v=v: v) for k, v in given.items() if v is not None},
+        )  # fmt: skip
         findings = detect(evidence)
     cautions += session.effects() + untouched.report()
     return Report(step, batch, parts, evidence, findings, side_effects=cautions)
@@ -131,12 +121,9 @@ def _copy_or_own(
     """The step rebuilt around copies and the copied parts; or, where what it trains cannot be
     copied and ``allow_training``, the step itself, saying so."""
     if not parts.all:
-        warnings.warn(
-            "accel.doctor: found no model or optimizer in what the step reaches: the fixes that "
-            "change a model or optimizer cannot apply",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn("accel.doctor: found no model or optimizer in what the step reaches: the "
+                      "fixes that change a model or optimizer cannot apply", RuntimeWarning,
+                      stacklevel=3)  # fmt: skip
     try:
         runner, copied = copy_step(step, parts)
     except TypeError as error:

@@ -15,25 +15,16 @@ from accel.doctor.parts import StepParts
 
 __all__ = ["Report"]
 
-_IDLE_NAMES = {
-    "host": "idle: waiting for the host",
-    "sync": "idle: after a sync",
-    "other": "idle: other",
-}
+_IDLE_NAMES = {"host": "idle: waiting for the host", "sync": "idle: after a sync",
+               "other": "idle: other"}  # fmt: skip
+_CPU_IDLE = "host: Python, dispatch"  # a CPU has no device to idle
 
 
 class Report:
     """The doctor's findings on one step (see :func:`accel.doctor.examine`)."""
 
-    def __init__(
-        self,
-        step: Any,
-        batch: Any,
-        parts: StepParts,
-        evidence: Evidence,
-        findings: list[Finding],
-        side_effects: list[str] | None = None,
-    ):
+    def __init__(self, step: Any, batch: Any, parts: StepParts, evidence: Evidence,
+                 findings: list[Finding], side_effects: list[str] | None = None):  # fmt: skip
         self.step, self.batch, self.parts = step, batch, parts
         self.evidence, self.findings = evidence, findings
         self.trials = None  # the DataFrame of the last try_fixes()
@@ -69,9 +60,7 @@ class Report:
         t = self.evidence.timeline
         parts = {k: v / 1e3 for k, v in sorted(t.by_category.items(), key=lambda kv: -kv[1])}
         for cause, us in t.idle_us.items():
-            label = (
-                _IDLE_NAMES.get(cause, cause) if self.evidence.cuda else "host: Python, dispatch"
-            )
+            label = _IDLE_NAMES.get(cause, cause) if self.evidence.cuda else _CPU_IDLE
             parts[label] = parts.get(label, 0.0) + us / 1e3
         return parts
 
@@ -86,14 +75,8 @@ class Report:
         return f"Where a {self.step_ms:.3f} ms step goes on {self.device}"
 
     # ---- fixes -------------------------------------------------------------------------------
-    def try_fixes(
-        self,
-        fixes: list[str] | None = None,
-        *,
-        steps: int = 3,
-        repeats: int | None = None,
-        progress: bool = False,
-    ):
+    def try_fixes(self, fixes: list[str] | None = None, *, steps: int = 3,
+                  repeats: int | None = None, progress: bool = False):  # fmt: skip
         """Apply each fix alone, then together, to copies of the step; check each against the
         unchanged step within the fix's tolerance, time it against the unchanged step
         (interleaved), and put the measured time beside the prediction. Returns a DataFrame
@@ -119,11 +102,8 @@ class Report:
                 f"{row['measured ms']:.3f} ms a step) with {row['label']}"
             )
         tried = set("+".join(self.trials["fixes"]).split("+"))
-        open_ = [
-            f
-            for f in self.findings
-            if f.saved_us is not None and f.measured_us is None and not set(f.fixes) & tried
-        ]
+        open_ = [f for f in self.findings
+                 if f.saved_us is not None and f.measured_us is None and not set(f.fixes) & tried]
         if open_:
             more = sum(f.saved_us for f in open_) / 1e3
             said += (
@@ -182,20 +162,14 @@ class Report:
     def html(self, *, plotlyjs: bool | str = True) -> str:
         """One HTML page: the summary, the figure (plotly.js inline by default, so it opens
         without a network), each finding, and the trials if any."""
-        tried = self.trials is not None and not self.trials.empty
-        trials = page.trials_html(self) if tried else ""
+        trials = ""
+        if self.trials is not None and not self.trials.empty:
+            reached = html.escape(self.reached())
+            trials = f"<h3>Fixes tried</h3>{page.trials_html(self)}<p>{reached}</p>"
         figure = self.figure().to_html(full_html=False, include_plotlyjs=plotlyjs)
-        return (
-            f"{page.STYLE}<div class='accel-doctor'><h2>accel.doctor</h2>"
-            f"<p>{html.escape(self.summary())}</p>{figure}"
-            f"<h3>Findings</h3>{page.findings_html(self)}"
-            + (
-                f"<h3>Fixes tried</h3>{trials}<p>{html.escape(self.reached())}</p>"
-                if trials
-                else ""
-            )
-            + "</div>"
-        )
+        return (f"{page.STYLE}<div class='accel-doctor'><h2>accel.doctor</h2>"
+                f"<p>{html.escape(self.summary())}</p>{figure}"
+                f"<h3>Findings</h3>{page.findings_html(self)}{trials}</div>")  # fmt: skip
 
     def to_html(self, path: str | Path) -> Path:
         from accel.files import check_writable, write_text_atomic

@@ -108,17 +108,15 @@ class Untouched:
             if what == "tensor":
                 self._tensors.append((where, value))
             elif what in _SUMMARIES:
-                self._probes.append(
-                    (where, functools.partial(_SUMMARIES[what], value, self._alive))
-                )
+                summary = functools.partial(_SUMMARIES[what], value, self._alive)
+                self._probes.append((where, summary))
             elif what == "writes":
                 scope = value.__globals__
                 module = "global " if scope is reach.home else f"{scope.get('__name__', '?')}."
                 for name in sorted(stored_globals(value.__code__)):
                     label = f"global '{name}'" if module == "global " else f"{module}{name}"
-                    self._probes.append(
-                        (label, functools.partial(_binding, scope, name, self._alive))
-                    )
+                    probe = functools.partial(_binding, scope, name, self._alive)
+                    self._probes.append((label, probe))
 
 
 # ---- summaries that compare ---------------------------------------------------------------------
@@ -177,11 +175,8 @@ def _owner(parts: StepParts, value: Any, main: dict[int, str]) -> str:
     notebook or script) if it has one."""
     if id(value) in parts.where:
         return parts.where[id(value)]
-    what = (
-        f"'{main[id(value)]}'"
-        if id(value) in main
-        else f"a {type(value).__name__} at {id(value):#x}"
-    )
+    key = id(value)
+    what = f"'{main[key]}'" if key in main else f"a {type(value).__name__} at {key:#x}"
     return f"{what}, not found in the step"
 
 
@@ -290,10 +285,8 @@ def _binding(scope: dict[str, Any], name: str, alive: list[Any]) -> int | None:
 
 
 _SUMMARIES: dict[str, Callable[[Any, list[Any]], Any]] = {
-    "state": _items,
-    "rng": _rng_state,
-    "file": _position,
-}
+    "state": _items, "rng": _rng_state, "file": _position,
+}  # fmt: skip
 
 
 def _listed(names: list[str]) -> str:

@@ -30,7 +30,7 @@ from torch import nn
 
 from accel.doctor.ladder import marked_lines, sizes
 
-__all__ = ["MODELS", "ZooCase", "build", "example", "planted_lines"]
+__all__ = ["GPU_ONLY", "MODELS", "ZooCase", "build", "example", "planted_lines"]
 
 
 @dataclass
@@ -41,17 +41,6 @@ class ZooCase:
     batch: Any
     loader: Iterable[Any] | None
     expected: frozenset[str]  # finding kinds planted and visible on this device
-
-
-@dataclass(frozen=True)
-class Plantable:
-    """What a zoo model can plant, and which of it a CPU run can see (the rest needs a GPU)."""
-
-    kinds: frozenset[str]
-    on_cpu: frozenset[str]
-
-    def expected(self, planted: frozenset[str], device: torch.device) -> frozenset[str]:
-        return planted if device.type == "cuda" else planted & self.on_cpu
 
 
 def planted_lines(model: str | None = None) -> dict[str, list[int]]:
@@ -336,22 +325,17 @@ def _shapes(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase
 
 
 Builder = Callable[[frozenset, torch.device, str], ZooCase]
-MODELS: dict[str, tuple[Builder, Plantable]] = {
-    "gpt": (
-        _gpt,
-        Plantable(
-            frozenset(
-                {"sync", "attention", "optimizer_loop", "clip_loop", "precision", "zero_grad"}
-            ),
-            frozenset({"sync", "attention", "optimizer_loop", "zero_grad"}),
-        ),
-    ),
-    "cnn": (_cnn, Plantable(frozenset({"input"}), frozenset({"input"}))),
-    "mlp": (_mlp, Plantable(frozenset({"tensor_loop", "precision"}), frozenset({"tensor_loop"}))),
-    # a stepwise loop is found as a launch-bound step, on a GPU only
-    "rnn": (_rnn, Plantable(frozenset({"sync", "stepwise"}), frozenset({"sync"}))),
-    "shapes": (_shapes, Plantable(frozenset({"shapes"}), frozenset({"shapes"}))),
-}
+# planted kinds only a GPU run sees (a stepwise loop is found as a launch-bound step)
+GPU_ONLY = frozenset({"clip_loop", "precision", "stepwise"})
+# each model's builder and the kinds it can plant
+MODELS: dict[str, tuple[Builder, frozenset[str]]] = {
+    "gpt": (_gpt, frozenset({"sync", "attention", "optimizer_loop", "clip_loop", "precision",
+                             "zero_grad"})),
+    "cnn": (_cnn, frozenset({"input"})),
+    "mlp": (_mlp, frozenset({"tensor_loop", "precision"})),
+    "rnn": (_rnn, frozenset({"sync", "stepwise"})),
+    "shapes": (_shapes, frozenset({"shapes"})),
+}  # fmt: skip
 FINDING_OF = {"stepwise": "launch_bound"}  # planted kind -> the finding that reports it
 
 
@@ -367,17 +351,16 @@ def build(
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}; expected one of {', '.join(MODELS)}")
     builder, plantable = MODELS[name]
-    kinds = plantable.kinds if planted is True else frozenset(planted or ())
-    unknown = kinds - plantable.kinds
-    if unknown:
+    kinds = plantable if planted is True else frozenset(planted or ())
+    if kinds - plantable:
         raise ValueError(
-            f"{name} cannot plant {sorted(unknown)}; it plants {sorted(plantable.kinds)}"
+            f"{name} cannot plant {sorted(kinds - plantable)}; it plants {sorted(plantable)}"
         )
     device = torch.device(device)
     torch.manual_seed(0)
     case = builder(kinds, device, preset)
-    found = {FINDING_OF.get(k, k) for k in plantable.expected(kinds, device)}
-    case.expected = frozenset(found)
+    visible = kinds if device.type == "cuda" else kinds - GPU_ONLY
+    case.expected = frozenset(FINDING_OF.get(k, k) for k in visible)
     return case
 
 
