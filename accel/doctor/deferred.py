@@ -1,12 +1,7 @@
-"""``.item()`` of a CUDA tensor read later: the step's logged number copied to pinned host memory
-without waiting, and the wait paid only where the number is used (notebook 01's change, applied
-to the doctor's copy of a step without editing it).
-
-Inside :func:`deferred_item_reads`, ``tensor.item()`` of a one-element CUDA tensor returns a
-:class:`DeferredScalar`: a number that behaves as the Python float or int it stands for (arithmetic,
-comparisons, ``float()``, formatting) and waits for the device only when one of those asks for
-its value. A step that appends its loss to a log never asks, so it no longer syncs; a step whose
-Python branches on the value still waits there, as before, and gains nothing.
+"""``.item()`` of a CUDA tensor read later (notebook 01's change, applied to the doctor's copy of
+a step): inside :func:`deferred_item_reads` it returns a :class:`DeferredScalar`, copied to pinned
+memory without waiting, which behaves as the number and waits only when something asks for its
+value. A step that logs its loss no longer syncs; one whose Python branches on it still does.
 """
 
 from __future__ import annotations

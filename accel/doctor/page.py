@@ -1,8 +1,6 @@
-"""The doctor's report as a person reads it: each finding with its evidence, where it is, its
-predicted (and, once tried, measured) gain and the change as code; the fixes tried as a narrow
-table. Numbers rounded; a number that is missing shows a dash and the reason. HTML for the page and
-the notebook, text for the command line. Each part is a function of the report: a new section is
-one more function and one more line in :meth:`Report.html`."""
+"""The report as a person reads it: each finding with its evidence, place, predicted (and once
+tried, measured) gain and change; the fixes tried as a narrow table. A missing number shows a
+dash and the reason. HTML for the page and the notebook, text for the command line."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Small training steps with planted problems, each beside a clean twin: what the doctor's tests,
-its bench phase and notebook 09 examine. Written as a user would write them; every planted line
-carries a ``# planted[<model>]: <kind>`` comment, so a test can check that the finding points at
-it (a planted float32 product has no line of its own: it is the autocast left out).
-
-- ``gpt``: a small GPT logging ``loss.item()`` every step, clipping and updating one tensor at a
-  time (``foreach=False``), zeroing gradients instead of dropping them, attention written out by
-  hand, float32 products;
-- ``cnn``: a BatchNorm CNN fed by a DataLoader that builds each image in the main process and
-  hands over pageable memory;
-- ``mlp``: an MLP trained in float32 by a hand-written optimizer that loops over its tensors;
-- ``rnn``: a GRU cell stepped through time in Python, with an ``if`` on a tensor in the loop;
-- ``shapes``: a model fed sequences of a different length every batch.
-
-``build(name, planted=True, device=..., preset=...)`` returns a :class:`ZooCase`; ``planted``
-may also name the kinds to plant (``{"sync"}``), so that one problem can be removed at a time and
-its gain measured against the doctor's prediction.
+its bench phase and notebook 09 examine. Every planted line carries ``# planted[<model>]: <kind>``
+(a planted float32 product has no line: it is the autocast left out). ``gpt``: a small GPT with
+a host read, per-tensor clipping and updates, zeroed gradients, hand-written attention, float32;
+``cnn``: a BatchNorm CNN fed by a main-process DataLoader; ``mlp``: an MLP under a hand-written
+per-tensor optimizer; ``rnn``: a GRU cell stepped in Python with an ``if`` on a tensor;
+``shapes``: sequences of a new length every batch. ``build(name, planted=...)`` plants all,
+none, or the kinds named, so one problem can be removed at a time and its gain measured.
 """
 
 from __future__ import annotations

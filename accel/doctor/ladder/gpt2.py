@@ -1,12 +1,7 @@
-"""GPT-2 small (124M) trained as nanoGPT's lineage writes it.
-
-``first_written``: the tutorial's first commit: float32 (TF32 left off, torch's default),
-attention written out under a causal ``masked_fill`` on the registered ``bias`` buffer, the
-tokenizer's vocabulary of 50257, ``torch.optim.AdamW`` with its defaults, the loss read every
-step, a pageable batch moved inside the step. ``hand_optimized``: nanoGPT's later train.py:
-TF32, bf16 autocast, ``scaled_dot_product_attention(is_causal=True)``, the vocabulary padded to
-50304, fused AdamW with nanoGPT's weight-decay groups, ``torch.compile``, the loss left on the
-device, a pinned batch copied without blocking.
+"""GPT-2 small (124M) as nanoGPT's lineage writes it: first as the tutorial's first commit
+(float32, attention written out under the ``bias`` mask, vocabulary 50257, default AdamW, the
+loss read every step, a pageable batch), then as nanoGPT's later train.py (TF32, bf16, SDPA, the
+vocabulary padded to 50304, fused AdamW with decay groups, ``torch.compile``, a pinned batch).
 """
 
 from __future__ import annotations

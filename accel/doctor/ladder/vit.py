@@ -1,12 +1,8 @@
-"""A ViT-S/16 (12 blocks, 384 wide, 6 heads) classifying 224x224 images, written as timm writes
-it. ViT-S rather than ViT-B: a first-written ViT-B step does about four times the work, too long
-for an examination kept under half a minute.
-
-``first_written``: float32, attention written out, ``torch.optim.AdamW`` with its defaults,
-gradients clipped one tensor at a time in a loop, the loss read every step, a pageable batch
-moved inside the step. ``hand_optimized``: as timm's train.py runs it: fused attention
-(``scaled_dot_product_attention``), bf16 autocast, TF32, fused AdamW, one ``clip_grad_norm_``
-over every gradient, ``torch.compile``, the loss left on the device, a pinned batch.
+"""A ViT-S/16 classifying 224x224 images as timm writes it (ViT-S: a first-written ViT-B step
+would take an examination past half a minute). First float32, attention written out, default
+AdamW, gradients clipped one tensor at a time, the loss read every step, a pageable batch; then
+as timm's train.py runs it (SDPA, bf16, TF32, fused AdamW, one ``clip_grad_norm_`` over every
+gradient, ``torch.compile``, a pinned batch).
 """
 
 from __future__ import annotations
