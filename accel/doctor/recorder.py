@@ -70,14 +70,8 @@ class TensorInfo:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorInfo:
-        cpu = t.device.type == "cpu"
-        return cls(
-            tuple(t.shape),
-            t.dtype,
-            t.device.type,
-            t.numel() * t.element_size(),
-            bool(cpu and torch.cuda.is_available() and _is_pinned(t)),
-        )
+        pinned = t.device.type == "cpu" and torch.cuda.is_available() and _is_pinned(t)
+        return cls(tuple(t.shape), t.dtype, t.device.type, t.numel() * t.element_size(), pinned)
 
 
 def _is_pinned(t: torch.Tensor) -> bool:
@@ -204,9 +198,8 @@ def _facts(func, args: tuple) -> tuple[str, ...]:
     only); the backend settings a product or convolution ran under, as the step had them."""
     name = _op_name(func)
     if "convolution" in name:
-        return ("tf32",) * torch.backends.cudnn.allow_tf32 + (
-            "cudnn.benchmark",
-        ) * torch.backends.cudnn.benchmark
+        cudnn = torch.backends.cudnn
+        return ("tf32",) * cudnn.allow_tf32 + ("cudnn.benchmark",) * cudnn.benchmark
     if name in PRODUCTS:
         return ("tf32",) if torch.backends.cuda.matmul.allow_tf32 else ()
     if name != "aten::masked_fill" or len(args) < 2:

@@ -31,6 +31,7 @@ __all__ = ["AttentionRewrite", "NotRewritable", "rewrite_attention"]
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
 _SOFTMAX_NAMES = ("softmax", "_softmax")
+_TARGETS = (ast.Name, ast.Attribute, ast.Subscript)  # what the attention's output may be kept in
 
 
 class NotRewritable(ValueError):
@@ -83,26 +84,18 @@ def rewrite_attention(
     ast.fix_missing_locations(tree)
     source_lines = source.splitlines(keepends=True)
     indent = source_lines[replaced[0].lineno - 1][: replaced[0].col_offset]
-    new_source = "".join(
-        [
-            *source_lines[: replaced[0].lineno - 1],
-            indent + ast.unparse(call) + "\n",
-            *source_lines[replaced[-1].end_lineno :],
-        ]
-    )
+    new_line = indent + ast.unparse(call) + "\n"
+    before, after = source_lines[: replaced[0].lineno - 1], source_lines[replaced[-1].end_lineno :]
+    new_source = "".join([*before, new_line, *after])
     namespace: dict[str, Any] = {}
     code = compile(tree, f"<accel.doctor rewrite of {cls.__name__}.forward>", "exec")
     exec(code, forward.__globals__, namespace)  # defines the function only; runs nothing
     new = namespace[function.name]
     new.__defaults__, new.__kwdefaults__ = forward.__defaults__, forward.__kwdefaults__
-    diff = "".join(
-        difflib.unified_diff(
-            source.splitlines(keepends=True),
-            new_source.splitlines(keepends=True),
-            fromfile=f"{inspect.getsourcefile(forward)}:{first}",
-            tofile="with SDPA",
-        )
-    )
+    diff = "".join(difflib.unified_diff(
+        source.splitlines(keepends=True), new_source.splitlines(keepends=True),
+        fromfile=f"{inspect.getsourcefile(forward)}:{first}", tofile="with SDPA",
+    ))  # fmt: skip
     return AttentionRewrite(cls, new, diff)
 
 
@@ -147,11 +140,8 @@ def _sdpa_statement(statements: list[ast.stmt], causal: bool) -> ast.stmt:
     """The chain ``statements`` as one assignment of the SDPA call."""
     chain = _Chain()
     for statement in statements:
-        if not (
-            isinstance(statement, ast.Assign)
-            and len(statement.targets) == 1
-            and isinstance(statement.targets[0], (ast.Name, ast.Attribute, ast.Subscript))
-        ):
+        targets = statement.targets if isinstance(statement, ast.Assign) else ()
+        if len(targets) != 1 or not isinstance(targets[0], _TARGETS):
             raise NotRewritable(f"not one assignment: {ast.unparse(statement)}")
         chain.read(statement.targets[0], statement.value)
     return chain.statement(causal)
@@ -202,9 +192,8 @@ class _Chain:
             return False
         left, self.v = operands
         if not _is_name(left, self.name):
-            raise NotRewritable(
-                f"the values' product does not read the scores: {ast.unparse(value)}"
-            )
+            said = ast.unparse(value)
+            raise NotRewritable(f"the values' product does not read the scores: {said}")
         return True
 
     def _step(self, target: ast.expr, value: ast.expr) -> None:
@@ -232,9 +221,8 @@ class _Chain:
         elif _is_softmax(value, self.name):
             self.softmax = True
         else:
-            raise NotRewritable(
-                f"a step of the chain the rewrite does not read: {ast.unparse(value)}"
-            )
+            said = ast.unparse(value)
+            raise NotRewritable(f"a step of the chain the rewrite does not read: {said}")
 
     def _rescaled(self, value: ast.expr) -> bool:
         """``att = att / s`` or ``att * s`` before any mask: the scale, once."""
@@ -257,9 +245,7 @@ class _Chain:
         name = _attribute(call.func) or ""
         if "drop" not in name.lower() or not call.args or not _is_name(call.args[0], self.name):
             raise NotRewritable(f"after the softmax, not a dropout: {ast.unparse(value)}")
-        if (
-            isinstance(call.func, ast.Attribute) and name == "dropout"
-        ):  # F.dropout(att, p, training)
+        if isinstance(call.func, ast.Attribute) and name == "dropout":  # F.dropout(att, p, train)
             p = _keyword(call, "p", 1) or ast.Constant(0.5)
             training = _keyword(call, "training", 2) or ast.Constant(True)
         else:  # a dropout module
@@ -290,11 +276,8 @@ def _product(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
     """(a, b) of ``a @ b`` or ``torch.matmul(a, b)``."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
         return node.left, node.right
-    if (
-        isinstance(node, ast.Call)
-        and _attribute(node.func) in ("matmul", "bmm")
-        and len(node.args) == 2
-    ):
+    call = isinstance(node, ast.Call) and len(node.args) == 2
+    if call and _attribute(node.func) in ("matmul", "bmm"):
         return node.args[0], node.args[1]
     return None
 
