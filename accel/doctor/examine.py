@@ -11,8 +11,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from accel.doctor.detect import detect
-from accel.doctor.findings import Evidence
+from accel.doctor import (  # noqa: F401 - importing a check module registers its checks
+    check_attention,
+    check_compile,
+    check_compute,
+    check_host,
+    check_kernels,
+    check_memory,
+)
+from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.parts import StepParts, copy_step, find_parts
@@ -21,9 +28,16 @@ from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 
-__all__ = ["examine", "step_device"]
+__all__ = ["detect", "examine", "step_device"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
+
+
+def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[Finding]:
+    """Every registered check on ``evidence``; findings ranked by predicted saving (those
+    without a prediction last, in the checks' order)."""
+    found = [f for name, fn in CHECKS.items() if only is None or name in only for f in fn(evidence)]
+    return sorted(found, key=lambda f: -(f.saved_us if f.saved_us is not None else -1.0))
 
 
 def step_device(parts: StepParts, batch: Any) -> torch.device:
@@ -37,18 +51,9 @@ def step_device(parts: StepParts, batch: Any) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def examine(
-    step: Callable[..., Any],
-    batch: Any = NO_BATCH,
-    *,
-    loader: Iterable[Any] | None = None,
-    steps: int = 5,
-    warmup: int = 3,
-    compile: bool = False,
-    ceilings: Any = None,
-    costs: Any = None,
-    allow_training: bool = False,
-):
+def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable[Any] | None = None,
+            steps: int = 5, warmup: int = 3, compile: bool = False, ceilings: Any = None,
+            costs: Any = None, allow_training: bool = False):  # fmt: skip
     """Examine ``step(batch)`` (or ``step()`` without a batch): profile it, record every operator
     with the line that ran it, and run every check on what was measured.
 
@@ -151,7 +156,6 @@ def _memory(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
     return {
         "device_allocs": stats.device_allocs or 0.0,
         "retries": stats.retries or 0.0,
-        "requests": stats.requests,
         "peak_bytes": float(stats.peak_bytes),
         "resident_bytes": float(resident),
         "reserved_bytes": float(torch.cuda.memory_reserved(device)),

@@ -1,6 +1,6 @@
 """A finding: what the doctor saw in a step, the evidence, the predicted gain and its cost model,
 the notebook that teaches the fix, and the change to make. The checks that produce findings read
-one :class:`Evidence` of the step; :func:`accel.doctor.detect.detect` runs them all.
+one :class:`Evidence` of the step; :func:`accel.doctor.examine.detect` runs them all.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ HTML file that works offline."""
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from pathlib import Path
@@ -11,7 +12,8 @@ from typing import Any
 
 from accel.doctor import page
 from accel.doctor.findings import Evidence, Finding
-from accel.doctor.parts import StepParts
+from accel.doctor.fixes import FIXES, StepCopy
+from accel.doctor.parts import StepParts, copy_step
 
 __all__ = ["Report"]
 
@@ -113,17 +115,29 @@ class Report:
         return said
 
     def fix_flags(self) -> type:
-        """The fixes as a ``Flags`` dataclass, one checkbox each in ``lab.FeaturePanel``."""
-        from accel.doctor.toggles import fix_flags
+        """The fixes as a frozen ``Flags`` dataclass for ``lab.FeaturePanel``: one checkbox per
+        fix the findings name (off: the step as you wrote it), grouped by the phase whose
+        notebook teaches it."""
+        from accel.workloads.flags import flag
 
-        return fix_flags(self)
+        fields = []
+        for name in self.fixes():
+            finding = next(f for f in self.findings if name in f.fixes)
+            phase = finding.notebook.partition("_")[2] or finding.notebook  # "02_fusion": fusion
+            requires = "cuda" if FIXES[name].needs_cuda else None
+            help_text = f"{FIXES[name].label}: for '{finding.title}'"
+            fields.append((name, bool, flag(help_text, phase, requires=requires)))
+        return dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
 
     def fixed_step(self, flags: Any):
         """One call of the step on a fresh copy with the fixes ``flags`` turns on: what the
         panel times."""
-        from accel.doctor.toggles import fixed_step
-
-        return fixed_step(self, flags)
+        step, parts = copy_step(self.step, self.parts)
+        copy = StepCopy(step, parts, self.batch, self.evidence.device)
+        for f in dataclasses.fields(flags):
+            if getattr(flags, f.name):
+                FIXES[f.name].apply(copy)
+        return copy.build()
 
     # ---- text and HTML ---------------------------------------------------------------------------
     def summary(self) -> str:

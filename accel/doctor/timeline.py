@@ -61,7 +61,6 @@ class Timeline:
     by_category: dict[str, float] = field(default_factory=dict)  # kernel time per category
     comm_us: float = 0.0
     comm_overlap_us: float = 0.0  # communication time during which compute also ran
-    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, count, us
     profiled_step_us: float = math.nan  # the step under the profiler, which slows the host
 
     @property
@@ -124,7 +123,6 @@ def profile_timeline(
         by_category={k: v * per for k, v in _by_category(spans).items()},
         comm_us=comm * per,
         comm_overlap_us=overlap * per,
-        top_kernels=_top(spans, per),
     )
 
 
@@ -171,13 +169,3 @@ def _communication(spans) -> tuple[float, float]:
     total = union_length(comm)
     both = total + union_length(compute) - union_length(comm + compute)
     return total, both
-
-
-def _top(spans, per: float, n: int = 12) -> list[tuple[str, float, float]]:
-    totals: dict[str, list[float]] = {}
-    for a, b, name in spans:
-        entry = totals.setdefault(name, [0.0, 0.0])
-        entry[0] += 1
-        entry[1] += b - a
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
-    return [(name, count * per, us * per) for name, (count, us) in ranked]
