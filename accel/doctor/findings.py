@@ -44,18 +44,16 @@ class Finding:
         ``saved_us`` is saved: NaN when not predicted."""
         if self.saved_us is None or step_us <= 0:
             return math.nan
-        left = step_us - min(self.saved_us, step_us * 0.999)
-        return step_us / left
+        return step_us / (step_us - min(self.saved_us, step_us * 0.999))
 
     def row(self, step_us: float) -> dict[str, Any]:
         return {
             "finding": self.title,
             "kind": self.kind,
             "evidence": self.evidence,
-            "where": "; ".join(dict.fromkeys(str(s) for s in self.sites)) or "",
-            "predicted saving (ms/step)": (
-                self.saved_us / 1e3 if self.saved_us is not None else math.nan
-            ),
+            "where": "; ".join(dict.fromkeys(str(s) for s in self.sites)),
+            "predicted saving (ms/step)":
+                math.nan if self.saved_us is None else self.saved_us / 1e3,
             "predicted speedup": self.speedup(step_us),
             "cost model": self.cost_model,
             "notebook": self.notebook,
@@ -97,9 +95,8 @@ class Evidence:
         """The copy bandwidth and bf16 (or float32 on a CPU) matrix-product rate measured here."""
         from accel.measure.ceilings import measure_ceilings
 
-        return self.measure.get(
-            "ceilings", lambda: _once("ceilings", self.device, measure_ceilings)
-        )()
+        default = lambda: _once("ceilings", self.device, measure_ceilings)  # noqa: E731
+        return self.measure.get("ceilings", default)()
 
     @functools.cached_property
     def costs(self):

@@ -333,16 +333,10 @@ class _Rebuild:
             cell.cell_contents = value if name == "__class__" else self.new(value)
         made.__defaults__ = tuple(map(self.new, fn.__defaults__)) if fn.__defaults__ else None
         kwdefaults = fn.__kwdefaults__
-        made.__kwdefaults__ = (
-            {k: self.new(v) for k, v in kwdefaults.items()} if kwdefaults else None
-        )
+        made.__kwdefaults__ = kwdefaults and {k: self.new(v) for k, v in kwdefaults.items()}
         made.__dict__.update(fn.__dict__)
-        made.__annotations__ = fn.__annotations__
-        made.__qualname__, made.__doc__, made.__module__ = (
-            fn.__qualname__,
-            fn.__doc__,
-            fn.__module__,
-        )
+        for name in ("__qualname__", "__doc__", "__module__", "__annotations__"):
+            setattr(made, name, getattr(fn, name))
         if not library:
             for name in global_names(fn.__code__):
                 if name in fn.__globals__:

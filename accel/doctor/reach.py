@@ -181,16 +181,12 @@ def _edges(value: Any, names: set[str]) -> Iterator[Edge]:
 
 def _held(value: Any) -> Iterator[Edge]:
     """The items of a container, the attributes of an instance."""
-    if isinstance(value, dict):
-        items = list(value.items())
+    if isinstance(value, (dict, list, tuple, collections.deque)):
+        mapping = isinstance(value, dict)
+        items = list(value.items() if mapping else enumerate(value))
         if len(items) > LARGE:
             items = [(k, v) for k, v in items if kind(v) in ("part", "grad", "computed")]
-        yield from (Edge("item", k, v) for k, v in items)
-    elif isinstance(value, (list, tuple, collections.deque)):
-        items = list(enumerate(value))
-        if len(items) > LARGE:
-            items = [(i, v) for i, v in items if kind(v) in ("part", "grad", "computed")]
-        yield from (Edge("element", i, v) for i, v in items)
+        yield from (Edge("item" if mapping else "element", k, v) for k, v in items)
     elif isinstance(value, (set, frozenset)):
         yield from (Edge("member", None, v) for v in value if not isinstance(v, _ATOMIC))
     else:
