@@ -48,24 +48,21 @@ def planted_lines(model: str | None = None) -> dict[str, list[int]]:
 # launch-bound twin would be a true finding.
 
 
-def _regression_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device):
-    """A plain training step on a mean-squared error, in bf16 on a GPU: nothing planted."""
+def _regression_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
+                     bf16: bool | None = None):  # fmt: skip
+    """A plain training step on a mean-squared error, in bf16 on a GPU unless ``bf16=False``."""
+    bf16 = device.type == "cuda" if bf16 is None else bf16
 
     def step(batch):
         inputs, targets = batch
-        with _bf16(device):
-            loss = F.mse_loss(model(inputs), targets)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.mse_loss(model(inputs), targets)  # planted[mlp]: precision
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss.detach()
 
     return step
-
-
-def _bf16(device: torch.device):
-    """bf16 autocast on a GPU (the clean way to train there), nothing on a CPU."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 # ---- gpt ------------------------------------------------------------------------------------------
@@ -191,7 +188,7 @@ def _cnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
         images, labels = batch
         images = images.to(device)  # planted[cnn]: input
         labels = labels.to(device)
-        with _bf16(device):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = F.cross_entropy(model(images), labels)
         loss.backward()
         opt.step()
@@ -237,20 +234,10 @@ def _mlp(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
         opt = LoopMomentum(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=cuda or None)
-    bf16 = cuda and "precision" not in plant
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(size["batch"], dim, generator=gen).to(device)
     y = x.square().mean(1, keepdim=True)
-
-    def step(batch):
-        inputs, targets = batch
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = F.mse_loss(model(inputs), targets)  # planted[mlp]: precision
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = _regression_step(model, opt, device, bf16=cuda and "precision" not in plant)
     return ZooCase("mlp", plant, step, (x, y), None, frozenset())
 
 
