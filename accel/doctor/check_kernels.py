@@ -34,7 +34,7 @@ def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
         if op.op in _NO_WORK or not op.inputs or any(t.shape not in shapes for t in op.inputs):
             continue
         groups[(op.site, op.library[0] if op.library else "")].append(op)
-    floor = max(LOOP_MIN_OPS, evidence.parameter_tensors // 2)
+    floor = max(LOOP_MIN_OPS, len(evidence.parts.parameters()) // 2)
     loops = {}
     for key, ops in groups.items():
         repeats = max(Counter(op.op for op in ops).values())

@@ -108,10 +108,6 @@ class Evidence:
     def forward_ops(self) -> list[OpRecord]:
         return [op for op in self.recording.ops if not op.backward]
 
-    @property
-    def parameter_tensors(self) -> int:
-        return len(self.parts.parameters())
-
 
 _MACHINE: dict[tuple[str, str], Any] = {}  # the machine's rates, measured once per process
 

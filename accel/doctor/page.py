@@ -53,10 +53,8 @@ def predicted_gain(finding, iteration_us: float, device: str) -> str:
     if finding.saved_us is None:
         return "<b>Predicted gain:</b> " + missing(f"not predicted on {device}: {finding.cost_model}")
     ms, speedup = finding.saved_us / 1e3, finding.speedup(iteration_us)
-    return (
-        f"<b>Predicted gain:</b> saves {rounded(ms)} ms a step ({speedup:.2f}x). "
-        f"<i>Cost model:</i> {_esc(finding.cost_model)}"
-    )
+    return (f"<b>Predicted gain:</b> saves {rounded(ms)} ms a step ({speedup:.2f}x). "
+            f"<i>Cost model:</i> {_esc(finding.cost_model)}")  # fmt: skip
 
 
 def measured_gain(finding, trials: pd.DataFrame | None) -> str:

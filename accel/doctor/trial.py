@@ -86,19 +86,18 @@ def _trials(report, names: list[str], steps: int, repeats: int, progress: bool):
     """The unchanged step's own spread, each fix alone, then the best set of them."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(names) + 2, desc="fixes", disable=not progress)
-    bar.set_description_str("running the unchanged step twice")
-    spread = own_spread(report, steps)
-    bar.update()
-    rows = []
-    for name in names:
-        bar.set_description_str(f"trying {FIXES[name].label}")
-        rows.append(_trial(report, [name], steps, repeats, spread))
+    with tqdm(total=len(names) + 2, desc="fixes", disable=not progress) as bar:
+        bar.set_description_str("running the unchanged step twice")
+        spread = own_spread(report, steps)
+        rows = []
+        for name in names:
+            bar.update()
+            bar.set_description_str(f"trying {FIXES[name].label}")
+            rows.append(_trial(report, [name], steps, repeats, spread))
         bar.update()
-    bar.set_description_str("trying the helpful ones together")
-    rows += _together(report, rows, steps, repeats, spread)
-    bar.update()
-    bar.close()
+        bar.set_description_str("trying the helpful ones together")
+        rows += _together(report, rows, steps, repeats, spread)
+        bar.update()
     return rows
 
 
