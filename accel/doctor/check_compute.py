@@ -84,8 +84,7 @@ def fusion(evidence: Evidence) -> list[Finding]:
 
 
 def _handed_bytes(first: OpRecord, second: OpRecord) -> int:
-    """Bytes a fused kernel saves between two consecutive operators: the first's output the
-    second reads, written once and read once."""
+    """Bytes fusing two operators saves: the first's output written and read back."""
     read = {(t.shape, t.dtype) for t in second.inputs}
     return sum(2 * t.nbytes for t in first.outputs if (t.shape, t.dtype) in read)
 
@@ -95,8 +94,7 @@ def _bytes(op: OpRecord) -> int:
 
 
 def _odd_products(evidence: Evidence) -> dict[int, list[OpRecord]]:
-    """Odd dimension -> the products (forward and backward) with an operand dimension that is
-    large and not a multiple of :data:`PAD_TO`."""
+    """Odd dimension -> the products with a large dimension not a multiple of PAD_TO."""
     odd: dict[int, list[OpRecord]] = {}
     for op in evidence.recording.ops:
         if op.op not in PRODUCTS:
@@ -114,8 +112,7 @@ def _padded(d: int) -> int:
 
 @check("odd_shape")
 def odd_shape(evidence: Evidence) -> list[Finding]:
-    """A large product dimension that is not a multiple of 64 (a vocabulary of 50257): the
-    products timed here at their shapes and padded."""
+    """A large product dimension not a multiple of 64: timed here padded and not."""
     if not evidence.cuda:
         return []
     from accel.doctor.products import time_products

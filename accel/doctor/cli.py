@@ -18,8 +18,7 @@ __all__ = ["add_parser", "load_step"]
 
 
 def load_step(target: str) -> tuple[Any, Any, Any]:
-    """(step, batch, loader) from ``module:function`` (the module importable from here) or
-    ``path/to/file.py:function``."""
+    """(step, batch, loader) from ``module:function`` or ``path/to/file.py:function``."""
     module_name, _, function_name = target.rpartition(":")
     if not module_name or not function_name:
         raise UsageError(

@@ -34,8 +34,7 @@ LOADER_BATCHES = 8  # batches timed through the step after the first
 
 
 def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[Finding]:
-    """Every registered check on ``evidence``; findings ranked by predicted saving (those
-    without a prediction last, in the checks' order)."""
+    """Every registered check's findings, by predicted saving (unpredicted last)."""
     found = [f for name, fn in CHECKS.items() if only is None or name in only for f in fn(evidence)]
     return sorted(found, key=lambda f: -(f.saved_us if f.saved_us is not None else -1.0))
 
@@ -123,8 +122,7 @@ def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
 def _copy_or_own(
     step: Callable[..., Any], parts: StepParts, allow_training: bool
 ) -> tuple[Callable[..., Any], StepParts, list[str]]:
-    """The step rebuilt around copies and the copied parts; or, where what it trains cannot be
-    copied and ``allow_training``, the step itself, saying so."""
+    """The step on copies; or, if they cannot be made and ``allow_training``, itself."""
     if not parts.all:
         warnings.warn("accel.doctor: found no model or optimizer in what the step reaches: the "
                       "fixes that change a model or optimizer cannot apply", RuntimeWarning,

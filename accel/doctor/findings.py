@@ -40,8 +40,7 @@ class Finding:
     measured_us: float | None = None  # the saving its best fix measured, once tried
 
     def speedup(self, step_us: float) -> float:
-        """The speedup of an iteration of ``step_us`` (the step, and its wait for data) if
-        ``saved_us`` is saved: NaN when not predicted."""
+        """The iteration's speedup if ``saved_us`` is saved (NaN where not predicted)."""
         if self.saved_us is None or step_us <= 0:
             return math.nan
         return step_us / (step_us - min(self.saved_us, step_us * 0.999))

@@ -31,8 +31,7 @@ def _esc(value: Any) -> str:
 
 
 def rounded(value: float) -> str:
-    """A number rounded as the bench's tables round it (pandas comes with them: imported on the
-    first render, not with the doctor)."""
+    """A number rounded as the bench rounds it (pandas: imported on the first render)."""
     from accel.measure.show import readable
 
     return readable(value)

@@ -93,8 +93,7 @@ class StepParts:
 
 # ---- finding -------------------------------------------------------------------------------------
 def find_parts(step: Callable[..., Any]) -> StepParts:
-    """The modules, optimizers, schedulers, scalers and tensors requiring grad ``step`` reaches
-    (see the module doc); ``blocked`` says what trains and cannot be copied."""
+    """What ``step`` reaches that trains; ``blocked``: what trains and cannot be copied."""
     reach = walk(step)
     kinds = {key: kind(value) for key, value in reach.objects.items()}
     inside = {id(e.child) for edges in reach.edges.values() for e in edges if e.kind == "module"}

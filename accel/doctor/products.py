@@ -48,8 +48,7 @@ def _key(op: OpRecord) -> tuple | None:
 def product_call(
     shapes: list[tuple], dtype: torch.dtype, device: torch.device, conv: tuple | None = None
 ) -> Callable[[], torch.Tensor]:
-    """A product (2-d: mm, 3-d: bmm) or, with ``conv``'s settings, a 2-d convolution of random
-    operands of ``shapes`` in ``dtype``."""
+    """An mm, a bmm or (with ``conv``) a conv2d of random ``shapes`` operands."""
     gen = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
     if conv is not None:
@@ -67,8 +66,7 @@ _BACKEND_FLAGS = {
 
 @contextlib.contextmanager
 def backend_flags(**settings: bool) -> Iterator[None]:
-    """``torch.backends`` flags set while inside (``tf32=True``, ``cudnn_benchmark=True``), and
-    put back as they were after."""
+    """``torch.backends`` flags (``tf32``, ``cudnn_benchmark``) set while inside."""
     places = [
         (where, attr, on) for name, on in settings.items() for where, attr in _BACKEND_FLAGS[name]
     ]

@@ -65,8 +65,7 @@ class Edge:
 
 @dataclass
 class Reach:
-    """What :func:`walk` found: every object (in the order found, nearest first), where the step
-    reaches it, and the edges from each object to the ones it holds."""
+    """What :func:`walk` found (nearest first), where the step reaches each, their edges."""
 
     root: Any
     home: dict | None = None  # the globals of the step's own code: named "global 'x'"
@@ -423,8 +422,7 @@ def _library_module(name: str | None) -> bool:
 
 
 def is_library(value: Any) -> bool:
-    """Whether a function, class or module comes from the standard library or an installed
-    package (its globals are not followed, its classes not rebuilt)."""
+    """Whether it is the standard library's or an installed package's (not followed)."""
     if isinstance(value, types.FunctionType):
         return _library_file(value.__code__.co_filename)
     if isinstance(value, types.ModuleType):

@@ -132,8 +132,7 @@ class _Frames:
         return known
 
     def caller(self, start: types.FrameType | None) -> tuple[Site | None, tuple[str, ...]]:
-        """The first user frame above ``start`` and the torch functions below it (innermost
-        first)."""
+        """The first user frame above ``start``, and the torch functions below it."""
         library: list[str] = []
         frame = start
         while frame is not None:

@@ -130,8 +130,7 @@ class Report:
         return dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
 
     def fixed_step(self, flags: Any):
-        """One call of the step on a fresh copy with the fixes ``flags`` turns on: what the
-        panel times."""
+        """One call of the step on a fresh copy with the fixes ``flags`` turns on."""
         step, parts = copy_step(self.step, self.parts)
         copy = StepCopy(step, parts, self.batch, self.evidence.device)
         for f in dataclasses.fields(flags):
@@ -174,8 +173,7 @@ class Report:
         display(self.figure())
 
     def html(self, *, plotlyjs: bool | str = True) -> str:
-        """One HTML page: the summary, the figure (plotly.js inline by default, so it opens
-        without a network), each finding, and the trials if any."""
+        """One HTML page: summary, figure (plotly.js inline by default), findings, trials."""
         trials = ""
         if self.trials is not None and not self.trials.empty:
             reached = html.escape(self.reached())

@@ -48,28 +48,20 @@ class AttentionRewrite:
 
     def apply(self, model: nn.Module) -> int:
         """Bind the new forward on every submodule of ``model`` of this class; how many."""
-        count = 0
-        for module in model.modules():
-            if isinstance(module, self.cls):  # the doctor may rebuild a class as a subclass
-                module.forward = types.MethodType(self.function, module)
-                count += 1
-        return count
+        matching = [m for m in model.modules() if isinstance(m, self.cls)]  # subclasses: rebuilt
+        for module in matching:
+            module.forward = types.MethodType(self.function, module)
+        return len(matching)
 
 
-def rewrite_attention(
-    models: list[nn.Module],
-    scores_line: tuple[str, int],
-    values_line: tuple[str, int],
-    causal: bool,
-) -> AttentionRewrite:
+def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
+                      values_line: tuple[str, int], causal: bool) -> AttentionRewrite:  # fmt: skip
     """The rewrite of the ``forward`` (of a submodule class of ``models``) that holds the lines
     ``(file, line)`` of the scores' and the values' products."""
     cls = _owner(models, *scores_line)
     forward = cls.forward
-    if forward.__code__.co_freevars:
-        raise NotRewritable(
-            f"{cls.__name__}.forward uses a closure ({forward.__code__.co_freevars})"
-        )
+    if cells := forward.__code__.co_freevars:
+        raise NotRewritable(f"{cls.__name__}.forward uses a closure ({cells})")
     if not isinstance(forward.__globals__.get("torch"), types.ModuleType):
         raise NotRewritable(f"{cls.__name__}'s module does not import torch by that name")
     lines, first = inspect.getsourcelines(forward)

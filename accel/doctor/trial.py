@@ -220,8 +220,7 @@ def _saved_us(step_us: float, row: dict) -> float:
 
 
 def _record_measured(report, rows: list[dict]) -> None:
-    """Each finding's measured saving (its best fix's, alone), and the findings ranked by it
-    (those measured first)."""
+    """Each finding's measured saving (its best fix alone), measured ones ranked first."""
     step_us = report.evidence.step_us
     saved = {
         r["fixes"]: _saved_us(step_us, r)

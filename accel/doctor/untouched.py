@@ -122,8 +122,7 @@ class Untouched:
 # ---- summaries that compare ---------------------------------------------------------------------
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused: each of its passes over a large process's objects
-    would cost more than the records being made."""
+    """The garbage collector paused (its passes would cost more than the records)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -171,8 +170,7 @@ def _leaf_with_grad(t: torch.Tensor) -> bool:
 
 
 def _owner(parts: StepParts, value: Any, main: dict[int, str]) -> str:
-    """Where the step reaches ``value``, or, for one it does not, its name in ``__main__`` (the
-    notebook or script) if it has one."""
+    """Where the step reaches ``value``, else its name in ``__main__`` if it has one."""
     if id(value) in parts.where:
         return parts.where[id(value)]
     key = id(value)

@@ -35,8 +35,7 @@ class ZooCase:
 
 
 def planted_lines(model: str | None = None) -> dict[str, list[int]]:
-    """kind -> the lines of this file marked ``# planted[<model>]: <kind>`` (every model's, or
-    the one named)."""
+    """kind -> the lines marked ``# planted[<model>]: <kind>`` (of the model named)."""
     found: dict[str, list[int]] = {}
     for number, match in marked_lines(Path(__file__), r"# planted\[(\w+)\]: (\w+)"):
         if model in (None, match[1]):

@@ -54,8 +54,7 @@ def build(
     device: torch.device | str | None = None,
     preset: str = "gpu",
 ) -> Script:
-    """Script ``name`` as first written, or its hand-optimized twin (``optimized=True``), on
-    ``device`` (this machine's GPU if there is one, else the CPU)."""
+    """Script ``name`` as first written or ``optimized``, on ``device`` (a GPU if any)."""
     if name not in SCRIPTS:
         raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
     if device is None:
@@ -66,8 +65,7 @@ def build(
 
 
 def ground_truth(name: str) -> dict[str, list[int]]:
-    """kind -> the line numbers in script ``name``'s file marked ``# ground truth: <kind>`` (a
-    line may carry several kinds, comma-separated)."""
+    """kind -> the lines of script ``name`` marked ``# ground truth: <kind>[, ...]``."""
     if name not in SCRIPTS:
         raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
     found: dict[str, list[int]] = {}
@@ -86,14 +84,12 @@ def marked_lines(path: Path, pattern: str) -> list[tuple[int, re.Match]]:
 
 
 def sizes(preset: str, *, gpu: dict, cpu: dict) -> dict:
-    """The preset's sizes (a copy): ``gpu`` the real ones, ``cpu`` a step well under half a
-    second on a CPU."""
+    """The preset's sizes (a copy); ``cpu``: a step well under half a second."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     return dict(gpu if preset == "gpu" else cpu)
 
 
 def tuned_backends(*, cudnn_benchmark: bool = False) -> contextlib.AbstractContextManager:
-    """TF32 products (and cuDNN's autotuner if asked), as a hand-optimized script sets them at
-    its top, here for one call only: the caller's settings come back after it."""
+    """TF32 (and cuDNN's autotuner if asked) for one call, as a twin sets them."""
     return backend_flags(tf32=True, **({"cudnn_benchmark": True} if cudnn_benchmark else {}))

@@ -31,8 +31,7 @@ MEASURABLE = frozenset({"sync", "attention", "optimizer_loop", "clip_loop", "pre
 
 
 def feeder(case: zoo.ZooCase) -> Callable[[], Any]:
-    """One training step as the user runs it: on the next batch of the loader, if there is one
-    (so waiting for data is in the time), else on the batch."""
+    """The step as the user runs it: on the loader's next batch if any, else the batch."""
     if case.loader is None:
         return lambda: case.step(case.batch)
     batches = _endless(case.loader)  # a generator: the loader's iterator starts on first use

@@ -162,8 +162,7 @@ def _examine_row(name: str, seconds: float, ctx: BenchContext) -> Row:
 
 
 def _twin_row(name: str, twin, ctx: BenchContext, costs) -> Row:
-    """The twin examined, and each of its findings' fixes tried: a finding whose fix does not pay
-    5% is a false alarm."""
+    """The twin examined and its fixes tried: a finding whose fix pays under 5% is false."""
     report = examine(twin.step, twin.batch, ceilings=ctx.ceilings, costs=costs)
     fixes = report.fixes()
     trials = report.try_fixes(fixes, repeats=REPEATS, steps=2) if fixes else None
