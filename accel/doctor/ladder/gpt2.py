@@ -87,14 +87,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int = SEED):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd),
-            )
-        )
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))  # fmt: skip
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         # drawn from a generator of its own, the tied embedding last (as lm_head): a padded
@@ -127,21 +125,16 @@ class GPT(nn.Module):
 
 
 def config_and_batch_size(preset: str) -> tuple[GPTConfig, int]:
-    size = sizes(
-        preset,
-        gpu=dict(batch=8),
-        cpu=dict(batch=4, block_size=32, vocab_size=101, n_layer=2, n_head=2, n_embd=32),
-    )
+    size = sizes(preset, gpu=dict(batch=8),
+                 cpu=dict(batch=4, block_size=32, vocab_size=101, n_layer=2, n_head=2, n_embd=32))
     batch_size = size.pop("batch")
     return GPTConfig(**size), batch_size
 
 
 def get_batch(config: GPTConfig, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tokens of the tokenizer's vocabulary, on the host: inputs and their next tokens."""
-    generator = torch.Generator().manual_seed(SEED)
-    data = torch.randint(
-        config.vocab_size, (batch_size, config.block_size + 1), generator=generator
-    )
+    gen = torch.Generator().manual_seed(SEED)
+    data = torch.randint(config.vocab_size, (batch_size, config.block_size + 1), generator=gen)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 

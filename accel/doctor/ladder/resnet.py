@@ -73,11 +73,8 @@ def make_model(size: dict) -> ResNet18:
 
 
 def settings(preset: str) -> dict:
-    return sizes(
-        preset,
-        gpu=dict(batch=128, image=128, classes=100, width=64),
-        cpu=dict(batch=8, image=32, classes=10, width=8),
-    )
+    return sizes(preset, gpu=dict(batch=128, image=128, classes=100, width=64),
+                 cpu=dict(batch=8, image=32, classes=10, width=8))  # fmt: skip
 
 
 def get_batch(size: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,10 +43,8 @@ class RNNModel(nn.Module):
 
     def init_hidden(self, bsz: int):
         weight = next(self.parameters())
-        return (
-            weight.new_zeros(self.nlayers, bsz, self.nhid),
-            weight.new_zeros(self.nlayers, bsz, self.nhid),
-        )
+        return (weight.new_zeros(self.nlayers, bsz, self.nhid),
+                weight.new_zeros(self.nlayers, bsz, self.nhid))  # fmt: skip
 
 
 def repackage_hidden(h):
@@ -57,11 +55,9 @@ def repackage_hidden(h):
 
 
 def settings(preset: str) -> dict:
-    return sizes(
-        preset,
-        gpu=dict(ntokens=33278, emsize=650, nhid=650, nlayers=2, bptt=35, batch_size=64),
-        cpu=dict(ntokens=97, emsize=16, nhid=16, nlayers=2, bptt=5, batch_size=4),
-    )
+    return sizes(preset, gpu=dict(ntokens=33278, emsize=650, nhid=650, nlayers=2, bptt=35,
+                                  batch_size=64),
+                 cpu=dict(ntokens=97, emsize=16, nhid=16, nlayers=2, bptt=5, batch_size=4))
 
 
 def make_model(size: dict, device: torch.device) -> RNNModel:
@@ -76,9 +72,8 @@ def get_batch(size: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``bptt`` rows of the batchified corpus (random words here) and the words that follow
     them, flattened as the loss wants them; on the host."""
     generator = torch.Generator().manual_seed(SEED)
-    source = torch.randint(
-        size["ntokens"], (size["bptt"] + 1, size["batch_size"]), generator=generator
-    )
+    shape = (size["bptt"] + 1, size["batch_size"])
+    source = torch.randint(size["ntokens"], shape, generator=generator)
     return source[:-1], source[1:].reshape(-1)
 
 
