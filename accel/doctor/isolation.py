@@ -27,9 +27,7 @@ from accel.errors import UsageError
 
 __all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step"]
 
-_RECORD: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar(
-    "accel_doctor_record", default=None
-)
+_RECORD: contextvars.ContextVar[_Recording] = contextvars.ContextVar("accel_doctor_record")
 _HOOKED: list[bool] = []  # the process's hook is installed once
 # code that writes on its own account while a step runs (caches, bytecode): not the step's
 _MACHINERY = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.utils.cpp_extension",
@@ -39,7 +37,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 def record(what: str) -> None:
     """Count ``what`` (a side effect, in words) for the open session, if any."""
-    recording = _RECORD.get()
+    recording = _RECORD.get(None)
     if recording is not None:
         recording.found[what] += 1
 
@@ -57,7 +55,6 @@ class Session:
 
     def __init__(self) -> None:
         self._recording = _Recording()
-        self._found = self._recording.found
 
     def __enter__(self) -> Session:
         if not _HOOKED:
@@ -82,7 +79,8 @@ class Session:
 
     def effects(self) -> list[str]:
         """Each side effect once, with how many times it happened."""
-        return [what + (f" ({n} times)" if n > 1 else "") for what, n in self._found.items()]
+        found = self._recording.found
+        return [what + (f" ({n} times)" if n > 1 else "") for what, n in found.items()]
 
 
 # ---- random generators -----------------------------------------------------------------------------
@@ -114,11 +112,8 @@ def _cuda_started() -> bool:
 
 # ---- files, sockets, processes -----------------------------------------------------------------------
 def _audit(event: str, args: tuple) -> None:
-    recording = _RECORD.get()
-    if recording is None:
-        return
-    describe = _EVENTS.get(event)
-    if describe is None:
+    recording, describe = _RECORD.get(None), _EVENTS.get(event)
+    if recording is None or describe is None:
         return
     what = describe(*args)
     if what and _caused_by_step(recording.codes):

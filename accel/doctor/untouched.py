@@ -88,14 +88,12 @@ class Untouched:
                 self._tensors.append((_owner(parts, t, main), t))
 
     def _optimizer(self, owner: str, opt: torch.optim.Optimizer) -> None:
-        for i, state in enumerate(opt.state.values()):
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    self._tensors.append((f"{owner}: state[{i}][{key!r}]", value))
-        for i, group in enumerate(opt.param_groups):
-            for key, value in group.items():
-                if isinstance(value, torch.Tensor):  # a learning rate kept as a tensor, say
-                    self._tensors.append((f"{owner}: param_groups[{i}][{key!r}]", value))
+        # the state's tensors, and a learning rate kept as a tensor, say
+        for table, entries in (("state", opt.state.values()), ("param_groups", opt.param_groups)):
+            for i, entry in enumerate(entries):
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor):
+                        self._tensors.append((f"{owner}: {table}[{i}][{key!r}]", value))
         alive = self._alive
         self._probes.append((f"{owner}: state", lambda: _plain(list(opt.state.items()), alive)))
         self._probes.append((f"{owner}: param_groups", lambda: _plain(opt.param_groups, alive)))
@@ -111,10 +109,9 @@ class Untouched:
                 summary = functools.partial(_SUMMARIES[what], value, self._alive)
                 self._probes.append((where, summary))
             elif what == "writes":
-                scope = value.__globals__
-                module = "global " if scope is reach.home else f"{scope.get('__name__', '?')}."
+                scope, home = value.__globals__, value.__globals__ is reach.home
                 for name in sorted(stored_globals(value.__code__)):
-                    label = f"global '{name}'" if module == "global " else f"{module}{name}"
+                    label = f"global '{name}'" if home else f"{scope.get('__name__', '?')}.{name}"
                     probe = functools.partial(_binding, scope, name, self._alive)
                     self._probes.append((label, probe))
 
