@@ -186,14 +186,11 @@ def _compile(copy: StepCopy) -> None:
 def _checkpoint(copy: StepCopy) -> None:
     from accel.recompute import checkpoint_blocks
 
-    done = False
-    for model in copy.parts.models:
-        blocks = repeated_blocks(model)
-        if blocks:
-            checkpoint_blocks(model, blocks)
-            done = True
-    if not done:
+    found = [(model, blocks) for model in copy.parts.models if (blocks := repeated_blocks(model))]
+    if not found:
         raise FixNotApplicable("no repeated blocks (a ModuleList of layers) to checkpoint")
+    for model, blocks in found:
+        checkpoint_blocks(model, blocks)
 
 
 def _sdpa(copy: StepCopy) -> None:

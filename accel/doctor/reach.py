@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dis
 import functools
+import inspect
 import io
 import os
 import random
@@ -132,18 +133,11 @@ def _home(step: Any) -> dict | None:
         step = step.__func__
     if not isinstance(step, types.FunctionType):
         for name in ("forward", "__call__"):
-            method = _static(type(step), name)
+            method = inspect.getattr_static(type(step), name, None)
             if isinstance(method, types.FunctionType):
                 step = method
                 break
     return step.__globals__ if isinstance(step, types.FunctionType) else None
-
-
-def _static(cls: type, name: str) -> Any:
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            return vars(klass)[name]
-    return None
 
 
 # ---- what an object holds --------------------------------------------------------------------

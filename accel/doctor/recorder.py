@@ -52,12 +52,7 @@ class Site:
         return linecache.getline(self.file, self.line).strip()
 
     def __str__(self) -> str:
-        return f"{_short(self.file)}:{self.line} ({self.function})"
-
-
-def _short(path: str) -> str:
-    cwd = os.getcwd() + os.sep
-    return path[len(cwd) :] if path.startswith(cwd) else path
+        return f"{self.file.removeprefix(os.getcwd() + os.sep)}:{self.line} ({self.function})"
 
 
 @dataclass(frozen=True)

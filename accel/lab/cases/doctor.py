@@ -8,6 +8,7 @@ share on every model, the planted GPT's safe fixes together at least 3x.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable
@@ -34,13 +35,9 @@ def feeder(case: zoo.ZooCase) -> Callable[[], Any]:
     """The step as the user runs it: on the loader's next batch if any, else the batch."""
     if case.loader is None:
         return lambda: case.step(case.batch)
-    batches = _endless(case.loader)  # a generator: the loader's iterator starts on first use
+    # the loader gone through again and again (its iterator starts on first use)
+    batches = itertools.chain.from_iterable(itertools.repeat(case.loader))
     return lambda: case.step(next(batches))
-
-
-def _endless(loader):
-    while True:
-        yield from loader
 
 
 CAPTURE_BLOCKERS = frozenset({"sync"})  # planted kinds that stop a CUDA graph capturing a step
