@@ -25,13 +25,9 @@ SYNC_OPS = {
     "aten::equal": "torch.equal() returns a Python bool",
 }
 _COPIES = ("aten::_to_copy", "aten::copy_")
-_READ_METHODS = {
-    "__repr__": "print() of a tensor",
-    "__str__": "print() of a tensor",
-    "__format__": "a tensor in an f-string",
-    "tolist": ".tolist()",
-    "numpy": ".numpy()",
-}
+_READ_METHODS = {"__repr__": "print() of a tensor", "__str__": "print() of a tensor",
+                 "__format__": "a tensor in an f-string", "tolist": ".tolist()",
+                 "numpy": ".numpy()"}  # fmt: skip
 PAGEABLE = "a copy from pageable host memory (blocks the host; pin it, non_blocking=True)"
 LAUNCH_BOUND_IDLE = 0.3  # share of the step the device idles, waiting for the host or a sync
 GRAPH_REPLAY_OVER_KERNELS = 1.1  # a replay's time over its kernels' sum (rows graphs replay_*)

@@ -49,39 +49,28 @@ def _many_tensor_foreach(op: OpRecord) -> bool:
     return op.op.startswith("aten::_foreach") and len(op.inputs) > 2
 
 
-def _loop_kind(library: str, ops: list[OpRecord]) -> tuple[str, str, str, tuple[str, ...]]:
-    """(kind, what, change, fixes) of one loop group."""
-    chain = " ".join(e for op in ops[:1] for e in op.library)
-    if "clip_grad" in chain:
-        return (
-            "clip_loop",
-            "gradient clipping one tensor at a time",
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)\n"
-            "# or accel.fusion.clip_grad_norm_(model.parameters(), max_norm)",
-            ("batched_clip", "foreach_clip"),
-        )
-    if "zero_grad" in chain:
-        return (
-            "zero_grad",
-            "zero_grad(set_to_none=False) writing zeros into every gradient",
-            "optimizer.zero_grad(set_to_none=True)  # the default since torch 2.0",
-            ("set_to_none",),
-        )
-    if library.startswith("optim/") or "optim/" in chain:
-        return (
-            "optimizer_loop",
-            "the optimizer updating one parameter at a time (foreach=False)",
-            "torch.optim.AdamW(model.parameters(), lr=..., fused=True)  # one kernel a step",
-            ("fused_optimizer", "foreach_optimizer"),
-        )
-    return (
-        "tensor_loop",
-        "a Python loop over tensors, a kernel per tensor",
-        "# one launch for every tensor: torch._foreach_* (e.g. norms = torch._foreach_norm(grads))\n"
-        "# or accel.fusion.global_norm / group_stats / clip_grad_norm_; for an update rule,\n"
-        "# torch.optim with fused=True or accel.optim.MultiTensorAdamW",
-        (),
-    )
+# (a torch function on the loop's way, then kind, what, change, fixes), the first that matches
+_LOOP_KINDS = (
+    ("clip_grad", "clip_loop", "gradient clipping one tensor at a time",
+     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)\n"
+     "# or accel.fusion.clip_grad_norm_(model.parameters(), max_norm)",
+     ("batched_clip", "foreach_clip")),
+    ("zero_grad", "zero_grad", "zero_grad(set_to_none=False) writing zeros into every gradient",
+     "optimizer.zero_grad(set_to_none=True)  # the default since torch 2.0", ("set_to_none",)),
+    ("optim/", "optimizer_loop", "the optimizer updating one parameter at a time (foreach=False)",
+     "torch.optim.AdamW(model.parameters(), lr=..., fused=True)  # one kernel a step",
+     ("fused_optimizer", "foreach_optimizer")),
+    ("", "tensor_loop", "a Python loop over tensors, a kernel per tensor",
+     "# one launch for every tensor: torch._foreach_* (e.g. norms = torch._foreach_norm(grads))\n"
+     "# or accel.fusion.global_norm / group_stats / clip_grad_norm_; for an update rule,\n"
+     "# torch.optim with fused=True or accel.optim.MultiTensorAdamW", ()),
+)  # fmt: skip
+
+
+def _loop_kind(ops: list[OpRecord]) -> tuple[str, str, str, tuple[str, ...]]:
+    """(kind, what, change, fixes) of one loop group (its operators share their torch functions)."""
+    chain = " ".join(ops[0].library)
+    return next(entry[1:] for entry in _LOOP_KINDS if entry[0] in chain)
 
 
 def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[float, str]:
@@ -128,7 +117,7 @@ def loops(evidence: Evidence) -> list[Finding]:
     body) are one loop."""
     merged: dict[tuple, tuple[list, list[OpRecord], str]] = {}
     for (site, library), ops in _loop_groups(evidence).items():
-        kind = _loop_kind(library, ops)[0]
+        kind = _loop_kind(ops)[0]
         key = (site.file, site.function, kind)
         sites, known, first = merged.get(key, ([], [], library))
         merged[key] = ([*sites, site], known + ops, first)
@@ -140,7 +129,7 @@ def loops(evidence: Evidence) -> list[Finding]:
 
 
 def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:
-    kind, what, change, fixes = _loop_kind(library, ops)
+    kind, what, change, fixes = _loop_kind(ops)
     if evidence.cuda:
         saved, model = loop_saving_us(evidence, ops, kind)
     else:
