@@ -278,37 +278,32 @@ def _class_edges(cls: type) -> Iterator[Edge]:
             yield Edge("cattr", name, value)
 
 
+def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code of the functions and comprehensions inside it, at any depth."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _nested(const)
+
+
+def _operands(code: types.CodeType, *opnames: str) -> Iterator[str]:
+    return (i.argval for c in _nested(code) for i in dis.get_instructions(c) if i.opname in opnames)
+
+
 def global_names(code: types.CodeType) -> Iterator[str]:
     """The global names the code loads (``co_names`` also holds attribute names: ``model.train``
     must not reach a module-level ``train``), nested functions and comprehensions included."""
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            yield instruction.argval
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from global_names(const)
+    return _operands(code, "LOAD_GLOBAL", "LOAD_NAME")
 
 
 @functools.lru_cache(maxsize=4096)
 def stored_globals(code: types.CodeType) -> frozenset[str]:
     """The global names the code assigns or deletes (``global n; n += 1``)."""
-    found = {
-        i.argval
-        for i in dis.get_instructions(code)
-        if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")
-    }
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            found |= stored_globals(const)
-    return frozenset(found)
+    return frozenset(_operands(code, "STORE_GLOBAL", "DELETE_GLOBAL"))
 
 
 def _code_names(code: types.CodeType) -> set[str]:
-    found = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            found |= _code_names(const)
-    return found
+    return {name for c in _nested(code) for name in c.co_names}
 
 
 # ---- where, in words ---------------------------------------------------------------------------

@@ -108,6 +108,10 @@ def profile_timeline(
     else:
         idle = {"host": max(0.0, (t1 - t0) - busy)}
     comm, overlap = _communication(spans)
+    by_category: dict[str, float] = {}
+    for a, b, name in spans:
+        category = kernel_category(name)
+        by_category[category] = by_category.get(category, 0.0) + (b - a)
     per = 1.0 / steps
     return Timeline(
         device=str(device),
@@ -120,7 +124,7 @@ def profile_timeline(
         syncs=len(sync_ends) * per if cuda else math.nan,
         sync_wait_us=sum(r.end - r.start for r in blocking) * per,
         idle_us={k: v * per for k, v in idle.items()},
-        by_category={k: v * per for k, v in _by_category(spans).items()},
+        by_category={k: v * per for k, v in by_category.items()},
         comm_us=comm * per,
         comm_overlap_us=overlap * per,
     )
@@ -150,14 +154,6 @@ def _idle_breakdown(spans, t0, t1, launches, sync_ends) -> dict[str, float]:
 def _any_in(sorted_times: list[float], a: float, b: float) -> bool:
     i = bisect.bisect_left(sorted_times, a)
     return i < len(sorted_times) and sorted_times[i] < b
-
-
-def _by_category(spans) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for a, b, name in spans:
-        category = kernel_category(name)
-        out[category] = out.get(category, 0.0) + (b - a)
-    return out
 
 
 def _communication(spans) -> tuple[float, float]:

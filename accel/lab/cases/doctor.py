@@ -70,12 +70,6 @@ def saving(
     return Saving(diff, statistics.median(mine), how)
 
 
-def removal_saving(name: str, planted: frozenset[str], kind: str, ctx: BenchContext) -> Saving:
-    """Removing ``kind`` alone from the model with ``planted``."""
-    without = zoo.build(name, planted - {kind}, device=ctx.device, preset=ctx.preset)
-    return saving(name, planted, feeder(without), ctx)
-
-
 def graph_saving(name: str, planted: frozenset[str], ctx: BenchContext, costs) -> Saving:
     """A launch-bound finding's change: the planted kinds that stop a capture removed, then
     ``GraphedStep`` on what is left (checked by ``try_fixes`` first: NaN if it did not run)."""
@@ -144,8 +138,9 @@ def _measured_saving(name: str, case: zoo.ZooCase, kind: str, ctx, costs) -> Sav
     """The saving measured for the finding ``kind`` on this model, or None where it cannot be."""
     if kind == zoo.FINDING_OF["stepwise"] and "stepwise" in case.planted:
         return graph_saving(name, case.planted, ctx, costs)
-    if kind in MEASURABLE & case.planted:
-        return removal_saving(name, case.planted, kind, ctx)
+    if kind in MEASURABLE & case.planted:  # removed alone from the planted model
+        without = zoo.build(name, case.planted - {kind}, device=ctx.device, preset=ctx.preset)
+        return saving(name, case.planted, feeder(without), ctx)
     return None
 
 
