@@ -58,9 +58,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
 _MAX_SHARE = 0.95  # no fix removes all of a part of the step
 
 
-def try_fixes(
-    report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress: bool = False
-):
+def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress=False):
     import pandas as pd
 
     names = report.fixes() if fixes is None else fix_names(fixes)

@@ -110,10 +110,8 @@ def model_rows(name: str, ctx: BenchContext, costs) -> list[Row]:
     report = examine(planted.step, planted.batch, loader=planted.loader, **rates)
     clean = zoo.build(name, False, **build)
     clean_report = examine(clean.step, clean.batch, loader=clean.loader, **rates)
-    rows = [_found_row(name, planted, report, judged), _false_alarm_row(name, clean_report, judged)]
-    rows += _prediction_rows(name, planted, report, ctx, costs)
-    rows += _fix_rows(name, report, judged)
-    return rows
+    return [_found_row(name, planted, report, judged), _false_alarm_row(name, clean_report, judged),
+            *_prediction_rows(name, planted, report, ctx, costs), *_fix_rows(name, report, judged)]
 
 
 def _found_row(name: str, case: zoo.ZooCase, report, judged: bool) -> Row:
@@ -151,9 +149,9 @@ def _prediction_rows(name: str, case: zoo.ZooCase, report, ctx: BenchContext, co
     ranking) judged."""
     rows = []
     for finding in report.findings:
-        measured = None
-        if finding.saved_us is not None:
-            measured = _measured_saving(name, case, finding.kind, ctx, costs)
+        if finding.saved_us is None:
+            continue
+        measured = _measured_saving(name, case, finding.kind, ctx, costs)
         if measured is None:
             continue
         step_us = report.evidence.iteration_us  # with the wait for data, as the loop runs it
