@@ -217,12 +217,8 @@ def _padded_products(copy: StepCopy) -> None:
     head) run at the padded width and sliced back: zero rows added to its weight give zero
     logits that are cut off, so the numbers are the same, at shapes the tensor cores tile."""
     odd = dict(f.detail for f in copy.findings if f.kind == "odd_shape" and f.detail is not None)
-    linears = [
-        m
-        for model in copy.parts.models
-        for m in model.modules()
-        if isinstance(m, torch.nn.Linear) and m.out_features in odd
-    ]
+    linears = [m for model in copy.parts.models for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m.out_features in odd]  # fmt: skip
     if not linears:
         raise FixNotApplicable(
             f"no nn.Linear with {' or '.join(map(str, odd)) or 'an odd number of'} outputs to "
@@ -245,10 +241,8 @@ def _padded_linear(module: torch.nn.Linear, width: int) -> Callable[[torch.Tenso
 
 
 def _to_channels_last(copy: StepCopy) -> None:
-    convs = [
-        m for model in copy.parts.models for m in model.modules() if isinstance(m, torch.nn.Conv2d)
-    ]
-    if not convs:
+    modules = [m for model in copy.parts.models for m in model.modules()]
+    if not any(isinstance(m, torch.nn.Conv2d) for m in modules):
         raise FixNotApplicable("no Conv2d in the step's models")
     for model in copy.parts.models:
         model.to(memory_format=torch.channels_last)

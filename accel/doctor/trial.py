@@ -359,8 +359,7 @@ def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: 
     """(relative error, the fixed copy's first call in s): ``steps`` steps of each from the same
     start with the same seed; the outputs of every step and the parameters after the last,
     compared as one vector (norm of the difference over the norm of the unchanged)."""
-    outputs = []
-    first_s = math.nan
+    outputs, first_s = [], math.nan
     for label, call in (("base", base_call), ("fixed", fixed_call)):
         torch.manual_seed(_SEED)
         got = []
