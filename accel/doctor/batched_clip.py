@@ -35,9 +35,8 @@ class _Pending:
         torch._foreach_copy_(self.norms, norms)
         limits = torch.tensor(self.max_norms, device=self.grads[0].device, dtype=torch.float32)
         coefs = (limits / (torch.stack(norms).float() + _EPS)).clamp(max=1.0)
-        torch._foreach_mul_(
-            self.grads, [c.to(g.dtype) for c, g in zip(coefs.unbind(), self.grads, strict=True)]
-        )
+        scales = [c.to(g.dtype) for c, g in zip(coefs.unbind(), self.grads, strict=True)]
+        torch._foreach_mul_(self.grads, scales)
         self.grads, self.norms, self.max_norms = [], [], []
 
 
@@ -73,10 +72,8 @@ def batched_clipping() -> Iterator[None]:
         for batch in pending.values():
             batch.flush()
 
-    clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_ = (
-        get_total_norm,
-        clip_grads_with_norm,
-    )
+    clip_grad._get_total_norm = get_total_norm
+    clip_grad._clip_grads_with_norm_ = clip_grads_with_norm
     hook = register_optimizer_step_pre_hook(lambda *a: flush())
     try:
         yield

@@ -31,10 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_library", "kind",
-    "skipped_attributes", "slot_names", "stored_globals", "walk",
-]  # fmt: skip
+__all__ = ["Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_library", "kind",
+           "skipped_attributes", "slot_names", "stored_globals", "walk"]  # fmt: skip
 
 LARGE = 10_000  # a container longer than this (a data set, say) is searched for parts only
 
