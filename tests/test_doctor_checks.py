@@ -24,7 +24,7 @@ from accel.doctor import (
     recorder,
     timeline,
 )
-from accel.doctor.detect import detect
+from accel.doctor.examine import detect
 from accel.doctor.findings import Evidence, Finding
 from accel.doctor.parts import StepParts
 from accel.doctor.recorder import HostRead, OpRecord, Recording, Site, TensorInfo

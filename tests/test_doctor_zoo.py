@@ -75,8 +75,8 @@ def test_examine_never_changes_the_users_tensors(name, planted):
 ALONE = [
     (name, kind)
     for name, (_, plantable) in zoo.MODELS.items()
-    if len(plantable.kinds) > 1
-    for kind in sorted(plantable.on_cpu)
+    if len(plantable) > 1
+    for kind in sorted(plantable - zoo.GPU_ONLY)
 ]
 
 
@@ -89,7 +89,7 @@ def test_one_problem_planted_alone_is_the_only_finding(name, kind):
 
 def test_every_kind_a_cpu_sees_is_planted_on_a_marked_line():
     for name, (_, plantable) in zoo.MODELS.items():
-        for kind in plantable.on_cpu - {"shapes"}:
+        for kind in plantable - zoo.GPU_ONLY - {"shapes"}:
             assert PLANTED.get(kind), f"{name} plants {kind} on no marked line"
 
 

@@ -1,11 +1,9 @@
-"""Gradient clipping one tensor at a time, done for all of them at once: the same arithmetic as
-``for p in params: clip_grad_norm_([p], max_norm)``, in a few launches instead of several per
-tensor (the doctor's copy of a step, without editing it).
-
-Inside :func:`batched_clipping`, a ``clip_grad_norm_`` of one gradient records it and returns a
-0-d tensor that will hold its norm; the recorded clips run together (one foreach norm, one foreach
-multiply) before the next ``optimizer.step()`` and at the end. A clip of several tensors at once,
-or one asked to raise on a non-finite norm, runs at once as written.
+"""Gradient clipping one tensor at a time (``for p in params: clip_grad_norm_([p], max_norm)``),
+done for all of them at once in the doctor's copy of a step: inside :func:`batched_clipping`, a
+single-tensor clip records its gradient and returns a 0-d tensor that will hold its norm; the
+recorded clips run together (one foreach norm, one foreach multiply) before the next
+``optimizer.step()`` and at the end. A clip of several tensors, or one that raises on a
+non-finite norm, runs at once as written.
 """
 
 from __future__ import annotations
@@ -37,9 +35,8 @@ class _Pending:
         torch._foreach_copy_(self.norms, norms)
         limits = torch.tensor(self.max_norms, device=self.grads[0].device, dtype=torch.float32)
         coefs = (limits / (torch.stack(norms).float() + _EPS)).clamp(max=1.0)
-        torch._foreach_mul_(
-            self.grads, [c.to(g.dtype) for c, g in zip(coefs.unbind(), self.grads, strict=True)]
-        )
+        scales = [c.to(g.dtype) for c, g in zip(coefs.unbind(), self.grads, strict=True)]
+        torch._foreach_mul_(self.grads, scales)
         self.grads, self.norms, self.max_norms = [], [], []
 
 
@@ -75,10 +72,8 @@ def batched_clipping() -> Iterator[None]:
         for batch in pending.values():
             batch.flush()
 
-    clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_ = (
-        get_total_norm,
-        clip_grads_with_norm,
-    )
+    clip_grad._get_total_norm = get_total_norm
+    clip_grad._clip_grads_with_norm_ = clip_grads_with_norm
     hook = register_optimizer_step_pre_hook(lambda *a: flush())
     try:
         yield

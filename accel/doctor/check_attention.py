@@ -41,26 +41,18 @@ def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
         if "attention" in op.api:  # SDPA's own math path: already the call to make
             continue
         scores = op.outputs[0].shape
-        soft = _next(ops, i, lambda o, s=scores: o.op in _SOFTMAX and _same_scores(o, s))
+        soft = _next(ops, i, lambda o, s=scores: o.op in _SOFTMAX and _scores_in(o.inputs[:1], s))
         if soft is None:
             continue
-        mix = _next(ops, soft, lambda o, s=scores: o.op in _PRODUCTS and _reads_scores(o, s))
+        reads = lambda o, s=scores: o.op in _PRODUCTS and _scores_in(o.inputs[:2], s)  # noqa: E731
+        mix = _next(ops, soft, reads)
         if mix is None:
             continue
         q = op.inputs[-2].shape if len(op.inputs) >= 2 else ()
         causal = any("causal mask" in o.facts for o in ops[i + 1 : soft])
-        found.append(
-            ManualAttention(
-                heads=math.prod(scores[:-2]),
-                seq_q=scores[-2],
-                seq_k=scores[-1],
-                head_dim=q[-1] if q else 0,
-                dtype=op.inputs[0].dtype,
-                site=op.site,
-                causal=causal,
-                values_site=ops[mix].site,
-            )
-        )
+        found.append(ManualAttention(math.prod(scores[:-2]), scores[-2], scores[-1],
+                                     q[-1] if q else 0, op.inputs[0].dtype, op.site, causal,
+                                     values_site=ops[mix].site))  # fmt: skip
     return found
 
 
@@ -71,18 +63,10 @@ def _next(ops: list[OpRecord], start: int, wanted) -> int | None:
     return None
 
 
-def _same_scores(op: OpRecord, scores: tuple[int, ...]) -> bool:
-    shape = op.inputs[0].shape if op.inputs else ()
-    return len(shape) >= 2 and shape[-2:] == scores[-2:] and math.prod(shape) == math.prod(scores)
-
-
-def _reads_scores(op: OpRecord, scores: tuple[int, ...]) -> bool:
-    return any(
-        len(t.shape) >= 2
-        and t.shape[-2:] == scores[-2:]
-        and math.prod(t.shape) == math.prod(scores)
-        for t in op.inputs[:2]
-    )
+def _scores_in(inputs: tuple, scores: tuple[int, ...]) -> bool:
+    """Whether one of ``inputs`` is the scores (their last two dims, their size)."""
+    return any(len(t.shape) >= 2 and t.shape[-2:] == scores[-2:]
+               and math.prod(t.shape) == math.prod(scores) for t in inputs)  # fmt: skip
 
 
 def time_attention(case: ManualAttention, device: torch.device, backward: bool) -> dict[str, float]:
@@ -110,13 +94,8 @@ def time_attention(case: ManualAttention, device: torch.device, backward: bool) 
     def manual(q, k, v):
         return attention_reference(q, k, v, causal=case.causal)
 
-    timing = compare(
-        {"manual": timed(manual), "sdpa": timed(sdpa)},
-        warmup=2,
-        repeats=10,
-        calls_per_sample=None,
-        device=device,
-    )
+    timing = compare({"manual": timed(manual), "sdpa": timed(sdpa)}, warmup=2, repeats=10,
+                     calls_per_sample=None, device=device)
     return {name: t.median_ms for name, t in timing.timings.items()}
 
 
@@ -131,25 +110,23 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
         times = evidence.measure.get("attention", time_attention)(case, evidence.device, backward)
         saved = calls * max(0.0, times["manual"] - times["sdpa"]) * 1e3
         what = "forward and backward" if backward else "forward"
-        found.append(
-            Finding(
-                kind="attention",
-                title=f"attention written out by hand ({calls} call{'s' * (calls != 1)} "
-                "per step) where SDPA would run",
-                evidence=f"product -> softmax -> product over ({case.heads}, {case.seq_q}, "
-                f"{case.seq_k}) scores, head dim {case.head_dim}, {case.dtype}",
-                cost_model=f"measured here at that shape, {what}"
-                + (", causal" if case.causal else "")
-                + f": written out {times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
-                notebook="05_sdpa",
-                change=(
-                    "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
-                    + ("is_causal=True)" if case.causal else "attn_mask=mask)  # or no mask")
-                ),
-                saved_us=saved,
-                sites=[case.site] if case.site is not None else [],
-                fixes=("sdpa_attention",) if case.site and case.values_site else (),
-                detail=case,
-            )
-        )
+        found.append(Finding(
+            kind="attention",
+            title=f"attention written out by hand ({calls} call{'s' * (calls != 1)} "
+            "per step) where SDPA would run",
+            evidence=f"product -> softmax -> product over ({case.heads}, {case.seq_q}, "
+            f"{case.seq_k}) scores, head dim {case.head_dim}, {case.dtype}",
+            cost_model=f"measured here at that shape, {what}"
+            + (", causal" if case.causal else "")
+            + f": written out {times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
+            notebook="05_sdpa",
+            change=(
+                "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+                + ("is_causal=True)" if case.causal else "attn_mask=mask)  # or no mask")
+            ),
+            saved_us=saved,
+            sites=[case.site] if case.site is not None else [],
+            fixes=("sdpa_attention",) if case.site and case.values_site else (),
+            detail=case,
+        ))
     return found

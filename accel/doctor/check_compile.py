@@ -36,19 +36,17 @@ def compile_breaks(evidence: Evidence) -> list[Finding]:
         return []
     counted = Counter(breaks)
     lines = [f"{n} x {reason} at {site or 'torch'}" for (reason, site), n in counted.most_common()]
-    return [
-        Finding(
-            kind="compile",
-            title=f"torch.compile breaks the step {len(breaks)} time"
-            f"{'s' * (len(breaks) != 1)} (a graph each side of every break)",
-            evidence="; ".join(lines[:8]),
-            cost_model="not predicted: each break ends a fused graph and returns to Python; "
-            "the compile fix measures what compiling gains as the step stands",
-            notebook="07_recipe",
-            change="# keep host reads and data-dependent Python out of the compiled region;\n"
-            "# loss.backward() and optimizer.step() breaks are expected: compile the model\n"
-            "model = torch.compile(model)",
-            sites=[s for _, s in counted if s is not None],
-            fixes=("compile",),
-        )
-    ]
+    return [Finding(
+        kind="compile",
+        title=f"torch.compile breaks the step {len(breaks)} time"
+        f"{'s' * (len(breaks) != 1)} (a graph each side of every break)",
+        evidence="; ".join(lines[:8]),
+        cost_model="not predicted: each break ends a fused graph and returns to Python; "
+        "the compile fix measures what compiling gains as the step stands",
+        notebook="07_recipe",
+        change="# keep host reads and data-dependent Python out of the compiled region;\n"
+        "# loss.backward() and optimizer.step() breaks are expected: compile the model\n"
+        "model = torch.compile(model)",
+        sites=[s for _, s in counted if s is not None],
+        fixes=("compile",),
+    )]

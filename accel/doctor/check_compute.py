@@ -12,7 +12,7 @@ import torch
 
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.findings import Evidence, Finding, check
-from accel.doctor.recorder import OpRecord
+from accel.doctor.recorder import PRODUCTS, OpRecord
 
 FUSION_MIN_SHARE = 0.05  # memory-bound kernels under this share of the step: not worth a finding
 PAD_TO = 64  # tensor cores and cuBLAS's tiles take dimensions in multiples of this
@@ -24,9 +24,9 @@ _NOT_FUSIBLE = MATMUL_OPS | {
     "aten::_scaled_dot_product_cudnn_attention", "aten::_to_copy", "aten::copy_", "aten::embedding",
     "aten::embedding_dense_backward", "aten::nll_loss_forward", "aten::nll_loss_backward",
 }  # fmt: skip
-_FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
-# bytes an element of a parameter moves in one update: read and written, float32
-_UPDATE_BYTES = {"Adam": 28, "AdamW": 28, "SGD": 20, "Adagrad": 20}
+# the optimizers with a fused update, and the bytes an element of a parameter moves in one
+# update (read and written, float32)
+FUSED_UPDATE_BYTES = {"Adam": 28, "AdamW": 28, "SGD": 20, "Adagrad": 20}
 
 
 def _memory_bound(ops: list[OpRecord]) -> list[list[OpRecord]]:
@@ -66,28 +66,25 @@ def fusion(evidence: Evidence) -> list[Finding]:
         saved += sum(op.time_us for op in run) * handed / before if before else 0.0
     kernels = sum(len(run) for run in runs)
     sites = sorted({op.site for run in runs for op in run if op.site is not None}, key=str)
-    return [
-        Finding(
-            kind="fusion",
-            title=f"{kernels} memory-bound kernels take {now / t.step_us:.0%} of the step "
-            "(normalisations, activations, softmax, masks) where compiled code would fuse them",
-            evidence=f"{len(runs)} runs of consecutive elementwise and reduction operators, "
-            f"{kernels} kernels, {now / 1e3:.3f} ms per step on the device",
-            cost_model=f"each run fused: the tensors its members hand each other neither written "
-            f"nor read back ({moved / 2**20:.0f} MiB moved now, {kept / 2**20:.0f} MiB fused), its "
-            f"time shrinking with its bytes: {(now - saved) / 1e3:.3f} ms",
-            notebook="02_fusion",
-            change="model = torch.compile(model)  # fuses the elementwise work between products",
-            saved_us=max(0.0, saved),
-            sites=sites[:5],
-            fixes=("compile",),
-        )
-    ]
+    return [Finding(
+        kind="fusion",
+        title=f"{kernels} memory-bound kernels take {now / t.step_us:.0%} of the step "
+        "(normalisations, activations, softmax, masks) where compiled code would fuse them",
+        evidence=f"{len(runs)} runs of consecutive elementwise and reduction operators, "
+        f"{kernels} kernels, {now / 1e3:.3f} ms per step on the device",
+        cost_model=f"each run fused: the tensors its members hand each other neither written "
+        f"nor read back ({moved / 2**20:.0f} MiB moved now, {kept / 2**20:.0f} MiB fused), its "
+        f"time shrinking with its bytes: {(now - saved) / 1e3:.3f} ms",
+        notebook="02_fusion",
+        change="model = torch.compile(model)  # fuses the elementwise work between products",
+        saved_us=max(0.0, saved),
+        sites=sites[:5],
+        fixes=("compile",),
+    )]
 
 
 def _handed_bytes(first: OpRecord, second: OpRecord) -> int:
-    """Bytes a fused kernel saves between two consecutive operators: the first's output the
-    second reads, written once and read once."""
+    """Bytes fusing two operators saves: the first's output written and read back."""
     read = {(t.shape, t.dtype) for t in second.inputs}
     return sum(2 * t.nbytes for t in first.outputs if (t.shape, t.dtype) in read)
 
@@ -97,10 +94,7 @@ def _bytes(op: OpRecord) -> int:
 
 
 def _odd_products(evidence: Evidence) -> dict[int, list[OpRecord]]:
-    """Odd dimension -> the products (forward and backward) with an operand dimension that is
-    large and not a multiple of :data:`PAD_TO`."""
-    from accel.doctor.products import PRODUCTS
-
+    """Odd dimension -> the products with a large dimension not a multiple of PAD_TO."""
     odd: dict[int, list[OpRecord]] = {}
     for op in evidence.recording.ops:
         if op.op not in PRODUCTS:
@@ -118,8 +112,7 @@ def _padded(d: int) -> int:
 
 @check("odd_shape")
 def odd_shape(evidence: Evidence) -> list[Finding]:
-    """A large product dimension that is not a multiple of 64 (a vocabulary of 50257): the
-    products timed here at their shapes and padded."""
+    """A large product dimension not a multiple of 64: timed here padded and not."""
     if not evidence.cuda:
         return []
     from accel.doctor.products import time_products
@@ -134,39 +127,32 @@ def odd_shape(evidence: Evidence) -> list[Finding]:
         def pad(shapes, dtype, d=d, p=p, to=None):
             return [tuple(p if x == d else x for x in s) for s in shapes], to or dtype, False
 
-        after = evidence.measure.get("products", time_products)(
-            ops,
-            evidence.device,
-            {
-                "pad": pad,
-                "bf16": lambda shapes, _: (shapes, torch.bfloat16, False),
-                "bf16 pad": functools.partial(pad, to=torch.bfloat16),
-            },
-        )
+        after = evidence.measure.get("products", time_products)(ops, evidence.device, {
+            "pad": pad, "bf16": lambda shapes, _: (shapes, torch.bfloat16, False),
+            "bf16 pad": functools.partial(pad, to=torch.bfloat16),
+        })  # fmt: skip
         # as the step runs, and in bf16 (as the precision fix runs them): the larger gain
         gains = {"as recorded": now - after["pad"], "in bf16": after["bf16"] - after["bf16 pad"]}
         where, saved = max(gains.items(), key=lambda kv: kv[1])
         if saved < PAD_MIN_SHARE * evidence.step_us:
             continue
         sites = sorted({op.site for op in ops if op.site is not None}, key=str)
-        found.append(
-            Finding(
-                kind="odd_shape",
-                title=f"a dimension of {d} (not a multiple of {PAD_TO}) in products taking "
-                f"{now / evidence.step_us:.0%} of the step",
-                evidence=f"{len(ops)} products per step with a dimension of {d}, "
-                f"{now / 1e3:.3f} ms on the device",
-                cost_model=f"the products timed here at their shapes and with {d} padded to {p} "
-                f"(more work, better tiles), {where}: {saved / 1e3:.3f} ms saved",
-                notebook="02_fusion",
-                change=f"# pad the dimension to a multiple of {PAD_TO}, e.g. a vocabulary:\n"
-                f"vocab_size = {p}  # was {d}: the extra rows are never a target",
-                saved_us=saved,
-                sites=sites[:3],
-                fixes=("padded_products",),
-                detail=(d, p),
-            )
-        )
+        found.append(Finding(
+            kind="odd_shape",
+            title=f"a dimension of {d} (not a multiple of {PAD_TO}) in products taking "
+            f"{now / evidence.step_us:.0%} of the step",
+            evidence=f"{len(ops)} products per step with a dimension of {d}, "
+            f"{now / 1e3:.3f} ms on the device",
+            cost_model=f"the products timed here at their shapes and with {d} padded to {p} "
+            f"(more work, better tiles), {where}: {saved / 1e3:.3f} ms saved",
+            notebook="02_fusion",
+            change=f"# pad the dimension to a multiple of {PAD_TO}, e.g. a vocabulary:\n"
+            f"vocab_size = {p}  # was {d}: the extra rows are never a target",
+            saved_us=saved,
+            sites=sites[:3],
+            fixes=("padded_products",),
+            detail=(d, p),
+        ))
     return found
 
 
@@ -185,32 +171,27 @@ def conv_layout(evidence: Evidence) -> list[Finding]:
     fixes = (() if benchmarked else ("cudnn_benchmark",)) + (("channels_last",) if nchw else ())
     if not fixes:
         return []
-    said = ", ".join(
-        ["cudnn.benchmark off"] * ("cudnn_benchmark" in fixes) + ["channels first"] * bool(nchw)
-    )
-    return [
-        Finding(
-            kind="conv_layout",
-            title=f"convolutions take {now / evidence.step_us:.0%} of the step ({said})",
-            evidence=f"{len(convs)} convolution operators per step, {now / 1e3:.3f} ms on the device",
-            cost_model="not predicted: cuDNN's algorithms and layouts are measured by trying them",
-            notebook="07_recipe",
-            change="torch.backends.cudnn.benchmark = True  # input shapes fixed from step to step\n"
-            "model = model.to(memory_format=torch.channels_last)\n"
-            "x = x.to(device, memory_format=torch.channels_last, non_blocking=True)",
-            sites=sorted({op.site for op in convs if op.site is not None}, key=str)[:3],
-            fixes=fixes,
-        )
-    ]
+    said = ", ".join(["cudnn.benchmark off"] * (not benchmarked) + ["channels first"] * bool(nchw))
+    return [Finding(
+        kind="conv_layout",
+        title=f"convolutions take {now / evidence.step_us:.0%} of the step ({said})",
+        evidence=f"{len(convs)} convolution operators per step, {now / 1e3:.3f} ms on the device",
+        cost_model="not predicted: cuDNN's algorithms and layouts are measured by trying them",
+        notebook="07_recipe",
+        change="torch.backends.cudnn.benchmark = True  # input shapes fixed from step to step\n"
+        "model = model.to(memory_format=torch.channels_last)\n"
+        "x = x.to(device, memory_format=torch.channels_last, non_blocking=True)",
+        sites=sorted({op.site for op in convs if op.site is not None}, key=str)[:3],
+        fixes=fixes,
+    )]
 
 
 def _channels_last(evidence: Evidence, op: OpRecord) -> bool:
     """Whether a convolution's weight is stored channels last (the model was converted)."""
+    shapes = {t.shape for t in op.inputs}
     for model in evidence.parts.models:
         for m in model.modules():
-            if isinstance(m, torch.nn.Conv2d) and tuple(m.weight.shape) in {
-                t.shape for t in op.inputs
-            }:
+            if isinstance(m, torch.nn.Conv2d) and tuple(m.weight.shape) in shapes:
                 return m.weight.is_contiguous(memory_format=torch.channels_last)
     return False
 
@@ -221,38 +202,29 @@ def optimizer_unfused(evidence: Evidence) -> list[Finding]:
     foreach one: a few passes over the state per step where fused makes one)."""
     if not evidence.cuda:
         return []
-    slow = [
-        o
-        for o in evidence.parts.optimizers
-        if type(o).__name__ in _FUSED_OPTIMIZERS
-        and not o.defaults.get("fused")
-        and o.defaults.get("foreach") is not False  # a per-tensor loop is the loops check's
-    ]
+    slow = [o for o in evidence.parts.optimizers if type(o).__name__ in FUSED_UPDATE_BYTES
+            and not o.defaults.get("fused")
+            and o.defaults.get("foreach") is not False]  # a per-tensor loop: the loops check's
     ops = [op for op in evidence.recording.ops if op.library and "optim/" in " ".join(op.library)]
     now = sum(op.time_us for op in ops)
     if not slow or now <= 0:
         return []
-    elements = sum(p.numel() for o in slow for g in o.param_groups for p in g["params"])
-    moved = sum(
-        _UPDATE_BYTES.get(type(o).__name__, 28) * p.numel()
-        for o in slow
-        for g in o.param_groups
-        for p in g["params"]
-    )
+    sized = [(type(o).__name__, p.numel())
+             for o in slow for g in o.param_groups for p in g["params"]]  # fmt: skip
+    elements = sum(n for _, n in sized)
+    moved = sum(FUSED_UPDATE_BYTES[name] * n for name, n in sized)
     after = moved / (evidence.ceilings.copy_gb_s * 1e3)
     names = ", ".join(sorted({type(o).__name__ for o in slow}))
-    return [
-        Finding(
-            kind="optimizer_unfused",
-            title=f"{names} without fused=True: {now / 1e3:.3f} ms of optimizer kernels per step",
-            evidence=f"{len(ops)} optimizer operators per step over {elements / 1e6:.1f} M "
-            "parameters (foreach: several passes over the state)",
-            cost_model=f"one fused pass reading and writing the state once ({moved / 2**20:.0f} "
-            f"MiB) at the measured copy rate: {after / 1e3:.3f} ms",
-            notebook="02_fusion",
-            change=f"torch.optim.{type(slow[0]).__name__}(model.parameters(), ..., fused=True)",
-            saved_us=max(0.0, now - after),
-            sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:2],
-            fixes=("fused_optimizer",),
-        )
-    ]
+    return [Finding(
+        kind="optimizer_unfused",
+        title=f"{names} without fused=True: {now / 1e3:.3f} ms of optimizer kernels per step",
+        evidence=f"{len(ops)} optimizer operators per step over {elements / 1e6:.1f} M "
+        "parameters (foreach: several passes over the state)",
+        cost_model=f"one fused pass reading and writing the state once ({moved / 2**20:.0f} "
+        f"MiB) at the measured copy rate: {after / 1e3:.3f} ms",
+        notebook="02_fusion",
+        change=f"torch.optim.{type(slow[0]).__name__}(model.parameters(), ..., fused=True)",
+        saved_us=max(0.0, now - after),
+        sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:2],
+        fixes=("fused_optimizer",),
+    )]

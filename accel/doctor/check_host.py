@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import OpRecord, Site
@@ -24,13 +25,9 @@ SYNC_OPS = {
     "aten::equal": "torch.equal() returns a Python bool",
 }
 _COPIES = ("aten::_to_copy", "aten::copy_")
-_READ_METHODS = {
-    "__repr__": "print() of a tensor",
-    "__str__": "print() of a tensor",
-    "__format__": "a tensor in an f-string",
-    "tolist": ".tolist()",
-    "numpy": ".numpy()",
-}
+_READ_METHODS = {"__repr__": "print() of a tensor", "__str__": "print() of a tensor",
+                 "__format__": "a tensor in an f-string", "tolist": ".tolist()",
+                 "numpy": ".numpy()"}  # fmt: skip
 PAGEABLE = "a copy from pageable host memory (blocks the host; pin it, non_blocking=True)"
 LAUNCH_BOUND_IDLE = 0.3  # share of the step the device idles, waiting for the host or a sync
 GRAPH_REPLAY_OVER_KERNELS = 1.1  # a replay's time over its kernels' sum (rows graphs replay_*)
@@ -81,14 +78,11 @@ def _merge_same_line(sites: Counter) -> Counter:
     by_line: dict[Site | None, tuple[str, int]] = {}
     for (site, kind), n in sites.items():
         known = by_line.get(site)
-        if known is None or _priority(kind) > _priority(known[0]):
+        # a read method names what the user wrote better than the operator inside it
+        read = kind in _READ_METHODS.values()
+        if known is None or read > (known[0] in _READ_METHODS.values()):
             by_line[site] = (kind, max(n, known[1]) if known else n)
     return Counter({(site, kind): n for site, (kind, n) in by_line.items()})
-
-
-def _priority(kind: str) -> int:
-    """A read method names what the user wrote better than the operator inside it."""
-    return 1 if kind in _READ_METHODS.values() else 0
 
 
 @check("syncs")
@@ -97,10 +91,8 @@ def syncs(evidence: Evidence) -> list[Finding]:
     if not sites:
         return []
     total = sum(sites.values())
-    lines = [
-        f"{n} x {kind} at {site or 'a line outside your code'}"
-        for (site, kind), n in sites.most_common()
-    ]
+    lines = [f"{n} x {kind} at {site or 'a line outside your code'}"
+             for (site, kind), n in sites.most_common()]  # fmt: skip
     if evidence.cuda:
         t = evidence.timeline
         lines.append(f"the host waited {t.sync_wait_us / 1e3:.3f} ms in them")
@@ -115,20 +107,18 @@ def syncs(evidence: Evidence) -> list[Finding]:
         )
     else:
         saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"
-    return [
-        Finding(
-            kind="sync",
-            title=f"{total} host-device sync{'s' * (total != 1)} per step",
-            evidence="; ".join(lines),
-            cost_model=model,
-            notebook="01_sync",
-            change=_SYNC_CHANGE,
-            saved_us=saved,
-            sites=[s for s, _ in sites if s is not None],
-            # a read kept for later; the other syncs (an `if` on a tensor) need your edit
-            fixes=("deferred_reads",) if _reads_items(evidence) else (),
-        )
-    ]
+    return [Finding(
+        kind="sync",
+        title=f"{total} host-device sync{'s' * (total != 1)} per step",
+        evidence="; ".join(lines),
+        cost_model=model,
+        notebook="01_sync",
+        change=_SYNC_CHANGE,
+        saved_us=saved,
+        sites=[s for s, _ in sites if s is not None],
+        # a read kept for later; the other syncs (an `if` on a tensor) need your edit
+        fixes=("deferred_reads",) if _reads_items(evidence) else (),
+    )]
 
 
 def _reads_items(evidence: Evidence) -> bool:
@@ -151,36 +141,25 @@ def launch_bound(evidence: Evidence) -> list[Finding]:
     blockers = capture_blockers(evidence)
     graphed = t.kernel_us * GRAPH_REPLAY_OVER_KERNELS
     idle = ", ".join(f"{k} {v / 1e3:.3f} ms" for k, v in t.idle_us.items())
-    return [
-        Finding(
-            kind="launch_bound",
-            title=f"the device idles {t.idle_fraction:.0%} of the step, waiting for the host",
-            evidence=(
-                f"{t.launches:.0f} launches and {t.kernels} kernels per step, "
-                f"{t.kernel_us / 1e3:.3f} ms of kernels in a {t.step_us / 1e3:.3f} ms step; "
-                f"idle by cause: {idle}"
-                + (
-                    f"; GraphedStep cannot capture it yet: {blockers}"
-                    if blockers
-                    else "; nothing seen that would stop GraphedStep from capturing it"
-                )
-            ),
-            cost_model=(
-                f"a CUDA graph replays the step's kernels with no host in between: about "
-                f"{GRAPH_REPLAY_OVER_KERNELS}x their summed time (the gaps inside a replay)"
-                + (", once what stops the capture is gone" if blockers else "")
-            ),
-            notebook="04_graphs",
-            change=(
-                "from accel.graphs import GraphedStep\n"
-                "step = GraphedStep(step)        # capture once, replay every later call\n"
-                "# or: model = torch.compile(model, mode='reduce-overhead')"
-            ),
-            # syncs and host batches can be taken out of a step; a changing shape cannot
-            saved_us=None if _shape_changes(evidence) else max(0.0, t.step_us - graphed),
-            fixes=("cuda_graph", "compile"),
-        )
-    ]
+    return [Finding(
+        kind="launch_bound",
+        title=f"the device idles {t.idle_fraction:.0%} of the step, waiting for the host",
+        evidence=f"{t.launches:.0f} launches and {t.kernels} kernels per step, "
+        f"{t.kernel_us / 1e3:.3f} ms of kernels in a {t.step_us / 1e3:.3f} ms step; "
+        f"idle by cause: {idle}; "
+        + (f"GraphedStep cannot capture it yet: {blockers}" if blockers
+           else "nothing seen that would stop GraphedStep from capturing it"),
+        cost_model=f"a CUDA graph replays the step's kernels with no host in between: about "
+        f"{GRAPH_REPLAY_OVER_KERNELS}x their summed time (the gaps inside a replay)"
+        + (", once what stops the capture is gone" if blockers else ""),
+        notebook="04_graphs",
+        change="from accel.graphs import GraphedStep\n"
+        "step = GraphedStep(step)        # capture once, replay every later call\n"
+        "# or: model = torch.compile(model, mode='reduce-overhead')",
+        # syncs and host batches can be taken out of a step; a changing shape cannot
+        saved_us=None if _shape_changes(evidence) else max(0.0, t.step_us - graphed),
+        fixes=("cuda_graph", "compile"),
+    )]
 
 
 def capture_blockers(evidence: Evidence) -> str:
@@ -190,11 +169,8 @@ def capture_blockers(evidence: Evidence) -> str:
     if sites:
         first = next(iter(sites))
         why.append(f"{sum(sites.values())} sync(s), the first at {first[0]} ({first[1]})")
-    from torch.utils._pytree import tree_leaves
-
-    host = [
-        t for t in tree_leaves(evidence.batch) if hasattr(t, "device") and t.device.type == "cpu"
-    ]
+    host = [t for t in tree_leaves(evidence.batch) if getattr(t, "device", None) is not None
+            and t.device.type == "cpu"]  # fmt: skip
     if host:
         why.append(f"{len(host)} batch tensor(s) on the host (copy them in before the step)")
     if _shape_changes(evidence):
@@ -209,29 +185,24 @@ def _shape_changes(evidence: Evidence) -> bool:
 @check("input_pipeline")
 def input_pipeline(evidence: Evidence) -> list[Finding]:
     found = []
-    pageable = [
-        op
-        for op in evidence.recording.ops
-        if evidence.cuda and op.op in _COPIES and _sync_kind(op, True) == PAGEABLE
-    ]
+    pageable = [op for op in evidence.recording.ops
+                if evidence.cuda and op.op in _COPIES and _sync_kind(op, True) == PAGEABLE]
     if pageable:
         copy_us = sum(op.time_us for op in pageable)
-        found.append(
-            Finding(
-                kind="input",
-                title=f"{len(pageable)} copies from pageable host memory per step",
-                evidence=f"{sum(op.inputs[0].nbytes for op in pageable) / 2**20:.1f} MiB a step "
-                f"copied in from unpinned memory, {copy_us / 1e3:.3f} ms on the device",
-                cost_model="a pinned, non-blocking copy overlaps the step instead of blocking "
-                "the host: its device time is saved",
-                notebook="07_recipe",
-                change="x = x.pin_memory().to(device, non_blocking=True)\n"
-                "# or DataLoader(..., pin_memory=True) and .to(device, non_blocking=True)",
-                saved_us=copy_us,
-                sites=[op.site for op in pageable if op.site is not None],
-                fixes=("pinned_batch",),
-            )
-        )
+        found.append(Finding(
+            kind="input",
+            title=f"{len(pageable)} copies from pageable host memory per step",
+            evidence=f"{sum(op.inputs[0].nbytes for op in pageable) / 2**20:.1f} MiB a step "
+            f"copied in from unpinned memory, {copy_us / 1e3:.3f} ms on the device",
+            cost_model="a pinned, non-blocking copy overlaps the step instead of blocking "
+            "the host: its device time is saved",
+            notebook="07_recipe",
+            change="x = x.pin_memory().to(device, non_blocking=True)\n"
+            "# or DataLoader(..., pin_memory=True) and .to(device, non_blocking=True)",
+            saved_us=copy_us,
+            sites=[op.site for op in pageable if op.site is not None],
+            fixes=("pinned_batch",),
+        ))
     loader = evidence.loader
     if loader is not None and loader["wait_us"] > 0.05 * evidence.step_us:
         found.append(_loader_finding(evidence, loader))
@@ -259,21 +230,19 @@ def changing_shapes(evidence: Evidence) -> list[Finding]:
     loader = evidence.loader
     if loader is None or len(loader["shapes"]) < 2:
         return []
-    return [
-        Finding(
-            kind="shapes",
-            title=f"the batch's shape changes: {len(loader['shapes'])} shapes in "
-            f"{loader['batches']} batches",
-            evidence="shapes seen: " + "; ".join(str(s) for s in sorted(loader["shapes"])[:4]),
-            cost_model="not predicted: a CUDA graph holds one shape (a new graph per shape), "
-            "torch.compile recompiles per shape until it goes dynamic, and the allocator's "
-            "cache fragments",
-            notebook="04_graphs",
-            change="# pad or bucket to a few lengths, e.g. to a multiple of 64:\n"
-            "x = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % 64))\n"
-            "# GraphedStep(step, on_new_shape='recapture') keeps one graph per shape",
-        )
-    ]
+    return [Finding(
+        kind="shapes",
+        title=f"the batch's shape changes: {len(loader['shapes'])} shapes in "
+        f"{loader['batches']} batches",
+        evidence="shapes seen: " + "; ".join(str(s) for s in sorted(loader["shapes"])[:4]),
+        cost_model="not predicted: a CUDA graph holds one shape (a new graph per shape), "
+        "torch.compile recompiles per shape until it goes dynamic, and the allocator's "
+        "cache fragments",
+        notebook="04_graphs",
+        change="# pad or bucket to a few lengths, e.g. to a multiple of 64:\n"
+        "x = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % 64))\n"
+        "# GraphedStep(step, on_new_shape='recapture') keeps one graph per shape",
+    )]
 
 
 @check("communication")
@@ -282,17 +251,15 @@ def communication(evidence: Evidence) -> list[Finding]:
     if t.comm_us <= 0:
         return []
     exposed = t.comm_us - t.comm_overlap_us
-    return [
-        Finding(
-            kind="communication",
-            title=f"communication takes {t.comm_us / t.step_us:.0%} of the step, "
-            f"{t.comm_overlap_us / t.comm_us:.0%} of it overlapped with compute",
-            evidence=f"{t.comm_us / 1e3:.3f} ms of collective kernels per step, "
-            f"{exposed / 1e3:.3f} ms with no compute beside them",
-            cost_model="communication fully hidden behind compute saves its exposed time",
-            notebook="08_distributed",
-            change="DDP(model, bucket_cap_mb=..., gradient_as_bucket_view=True) or FSDP2's "
-            "fully_shard(..., reshard_after_forward=False) with prefetching",
-            saved_us=exposed,
-        )
-    ]
+    return [Finding(
+        kind="communication",
+        title=f"communication takes {t.comm_us / t.step_us:.0%} of the step, "
+        f"{t.comm_overlap_us / t.comm_us:.0%} of it overlapped with compute",
+        evidence=f"{t.comm_us / 1e3:.3f} ms of collective kernels per step, "
+        f"{exposed / 1e3:.3f} ms with no compute beside them",
+        cost_model="communication fully hidden behind compute saves its exposed time",
+        notebook="08_distributed",
+        change="DDP(model, bucket_cap_mb=..., gradient_as_bucket_view=True) or FSDP2's "
+        "fully_shard(..., reshard_after_forward=False) with prefetching",
+        saved_us=exposed,
+    )]

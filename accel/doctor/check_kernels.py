@@ -11,25 +11,14 @@ from collections import Counter, defaultdict
 import torch
 
 from accel.doctor.findings import Evidence, Finding, check
-from accel.doctor.recorder import OpRecord
+from accel.doctor.recorder import PRODUCTS, OpRecord
 
 LOOP_MIN_OPS = 8  # fewer repeats of one operator on one line are not a loop worth a finding
 # no work, or a cast (autocast copies each weight once a forward: one kernel per weight, not a loop)
-_NO_WORK = frozenset(
-    {"aten::detach", "aten::view", "aten::t", "aten::lift_fresh", "aten::alias", "aten::_to_copy"}
-)
+_NO_WORK = {"aten::detach", "aten::view", "aten::t", "aten::lift_fresh", "aten::alias",
+            "aten::_to_copy"}  # fmt: skip
 FOREACH_TENSORS_PER_LAUNCH = 110  # about what one multi_tensor_apply launch takes
-MATMUL_OPS = frozenset(
-    {
-        "aten::mm",
-        "aten::addmm",
-        "aten::bmm",
-        "aten::baddbmm",
-        "aten::convolution",
-        "aten::convolution_backward",
-        "aten::_convolution",
-    }
-)
+MATMUL_OPS = PRODUCTS | {"aten::convolution", "aten::convolution_backward", "aten::_convolution"}
 
 
 def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
@@ -45,7 +34,7 @@ def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
         if op.op in _NO_WORK or not op.inputs or any(t.shape not in shapes for t in op.inputs):
             continue
         groups[(op.site, op.library[0] if op.library else "")].append(op)
-    floor = max(LOOP_MIN_OPS, evidence.parameter_tensors // 2)
+    floor = max(LOOP_MIN_OPS, len(evidence.parts.parameters()) // 2)
     loops = {}
     for key, ops in groups.items():
         repeats = max(Counter(op.op for op in ops).values())
@@ -60,39 +49,28 @@ def _many_tensor_foreach(op: OpRecord) -> bool:
     return op.op.startswith("aten::_foreach") and len(op.inputs) > 2
 
 
-def _loop_kind(library: str, ops: list[OpRecord]) -> tuple[str, str, str, tuple[str, ...]]:
-    """(kind, what, change, fixes) of one loop group."""
-    chain = " ".join(e for op in ops[:1] for e in op.library)
-    if "clip_grad" in chain:
-        return (
-            "clip_loop",
-            "gradient clipping one tensor at a time",
-            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)\n"
-            "# or accel.fusion.clip_grad_norm_(model.parameters(), max_norm)",
-            ("batched_clip", "foreach_clip"),
-        )
-    if "zero_grad" in chain:
-        return (
-            "zero_grad",
-            "zero_grad(set_to_none=False) writing zeros into every gradient",
-            "optimizer.zero_grad(set_to_none=True)  # the default since torch 2.0",
-            ("set_to_none",),
-        )
-    if library.startswith("optim/") or "optim/" in chain:
-        return (
-            "optimizer_loop",
-            "the optimizer updating one parameter at a time (foreach=False)",
-            "torch.optim.AdamW(model.parameters(), lr=..., fused=True)  # one kernel a step",
-            ("fused_optimizer", "foreach_optimizer"),
-        )
-    return (
-        "tensor_loop",
-        "a Python loop over tensors, a kernel per tensor",
-        "# one launch for every tensor: torch._foreach_* (e.g. norms = torch._foreach_norm(grads))\n"
-        "# or accel.fusion.global_norm / group_stats / clip_grad_norm_; for an update rule,\n"
-        "# torch.optim with fused=True or accel.optim.MultiTensorAdamW",
-        (),
-    )
+# (a torch function on the loop's way, then kind, what, change, fixes), the first that matches
+_LOOP_KINDS = (
+    ("clip_grad", "clip_loop", "gradient clipping one tensor at a time",
+     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)\n"
+     "# or accel.fusion.clip_grad_norm_(model.parameters(), max_norm)",
+     ("batched_clip", "foreach_clip")),
+    ("zero_grad", "zero_grad", "zero_grad(set_to_none=False) writing zeros into every gradient",
+     "optimizer.zero_grad(set_to_none=True)  # the default since torch 2.0", ("set_to_none",)),
+    ("optim/", "optimizer_loop", "the optimizer updating one parameter at a time (foreach=False)",
+     "torch.optim.AdamW(model.parameters(), lr=..., fused=True)  # one kernel a step",
+     ("fused_optimizer", "foreach_optimizer")),
+    ("", "tensor_loop", "a Python loop over tensors, a kernel per tensor",
+     "# one launch for every tensor: torch._foreach_* (e.g. norms = torch._foreach_norm(grads))\n"
+     "# or accel.fusion.global_norm / group_stats / clip_grad_norm_; for an update rule,\n"
+     "# torch.optim with fused=True or accel.optim.MultiTensorAdamW", ()),
+)  # fmt: skip
+
+
+def _loop_kind(ops: list[OpRecord]) -> tuple[str, str, str, tuple[str, ...]]:
+    """(kind, what, change, fixes) of one loop group (its operators share their torch functions)."""
+    chain = " ".join(ops[0].library)
+    return next(entry[1:] for entry in _LOOP_KINDS if entry[0] in chain)
 
 
 def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[float, str]:
@@ -103,9 +81,7 @@ def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[
     measured launch cost, which shorten the step only while the device waits for the host (its
     idle time for the host, measured), so a device-bound step gains the device's part alone."""
     launch, copy = evidence.costs.launch_us, evidence.ceilings.copy_gb_s
-    kinds: dict[str, int] = defaultdict(int)
-    for op in ops:
-        kinds[op.op] += 1
+    kinds = Counter(op.op for op in ops)
     if kind == "zero_grad":
         launches, after = 0, 0.0
     else:
@@ -141,7 +117,7 @@ def loops(evidence: Evidence) -> list[Finding]:
     body) are one loop."""
     merged: dict[tuple, tuple[list, list[OpRecord], str]] = {}
     for (site, library), ops in _loop_groups(evidence).items():
-        kind = _loop_kind(library, ops)[0]
+        kind = _loop_kind(ops)[0]
         key = (site.file, site.function, kind)
         sites, known, first = merged.get(key, ([], [], library))
         merged[key] = ([*sites, site], known + ops, first)
@@ -153,7 +129,7 @@ def loops(evidence: Evidence) -> list[Finding]:
 
 
 def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:
-    kind, what, change, fixes = _loop_kind(library, ops)
+    kind, what, change, fixes = _loop_kind(ops)
     if evidence.cuda:
         saved, model = loop_saving_us(evidence, ops, kind)
     else:
@@ -198,11 +174,8 @@ def matmul_flops(op: OpRecord) -> float:
 
 def _float32_products(evidence: Evidence) -> list[OpRecord]:
     """Matrix products and convolutions in float32, with or without TF32 (bf16 beats both)."""
-    return [
-        op
-        for op in evidence.recording.ops
-        if op.op in MATMUL_OPS and op.inputs and op.inputs[0].dtype == torch.float32
-    ]
+    return [op for op in evidence.recording.ops
+            if op.op in MATMUL_OPS and op.inputs and op.inputs[0].dtype == torch.float32]
 
 
 @check("precision")
@@ -217,41 +190,34 @@ def precision(evidence: Evidence) -> list[Finding]:
 
     flops = sum(matmul_flops(op) for op in ops)
     moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
-    after = evidence.measure.get("products", time_products)(
-        ops,
-        evidence.device,
-        {
-            "bf16_autocast": lambda shapes, _: (shapes, torch.bfloat16, False),
-            "tf32": lambda shapes, dtype: (shapes, dtype, True),
-        },
-    )
+    after = evidence.measure.get("products", time_products)(ops, evidence.device, {
+        "bf16_autocast": lambda shapes, _: (shapes, torch.bfloat16, False),
+        "tf32": lambda shapes, dtype: (shapes, dtype, True),
+    })  # fmt: skip
     # autocast casts each float32 input of a product once a step (read 4 bytes, write 2)
-    casts = (
-        1.5 * sum(t.nbytes for op in ops for t in op.inputs) / (evidence.ceilings.copy_gb_s * 1e3)
-    )
+    inputs = sum(t.nbytes for op in ops for t in op.inputs)
+    casts = 1.5 * inputs / (evidence.ceilings.copy_gb_s * 1e3)
     saved = {"bf16_autocast": max(0.0, now - after["bf16_autocast"] - casts)}
     full = [op for op in ops if "tf32" not in op.facts]  # float32's own rate: TF32 would help
     if full:
         saved["tf32"] = max(0.0, now - after["tf32"])
     tf32 = "TF32 off" if len(full) == len(ops) else "TF32 on" if not full else "TF32 on for some"
-    return [
-        Finding(
-            kind="precision",
-            title=f"float32 matrix products take {now / evidence.step_us:.0%} of the step "
-            f"({tf32}, no autocast)",
-            evidence=f"{len(ops)} float32 products and convolutions per step: "
-            f"{flops / 1e9:.2f} GFLOP, {moved / 2**20:.1f} MiB, {now / 1e3:.3f} ms on the device",
-            cost_model="the step's largest products timed here as they ran, in bf16 and in TF32, "
-            f"at their shapes (the rest at their mean ratio): bf16 "
-            f"{after['bf16_autocast'] / 1e3:.3f} ms plus {casts / 1e3:.3f} ms of casts"
-            + (f", TF32 {after['tf32'] / 1e3:.3f} ms" if full else ""),
-            notebook="07_recipe",
-            change="with torch.autocast('cuda', dtype=torch.bfloat16):\n"
-            "    loss = loss_fn(model(x), y)\n"
-            "# or, keeping float32 storage: torch.set_float32_matmul_precision('high')  # TF32",
-            saved_us=max(saved.values()),
-            sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:5],
-            fixes=tuple(saved),
-            saved_by_fix=saved,
-        )
-    ]
+    return [Finding(
+        kind="precision",
+        title=f"float32 matrix products take {now / evidence.step_us:.0%} of the step "
+        f"({tf32}, no autocast)",
+        evidence=f"{len(ops)} float32 products and convolutions per step: "
+        f"{flops / 1e9:.2f} GFLOP, {moved / 2**20:.1f} MiB, {now / 1e3:.3f} ms on the device",
+        cost_model="the step's largest products timed here as they ran, in bf16 and in TF32, "
+        f"at their shapes (the rest at their mean ratio): bf16 "
+        f"{after['bf16_autocast'] / 1e3:.3f} ms plus {casts / 1e3:.3f} ms of casts"
+        + (f", TF32 {after['tf32'] / 1e3:.3f} ms" if full else ""),
+        notebook="07_recipe",
+        change="with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+        "    loss = loss_fn(model(x), y)\n"
+        "# or, keeping float32 storage: torch.set_float32_matmul_precision('high')  # TF32",
+        saved_us=max(saved.values()),
+        sites=sorted({op.site for op in ops if op.site is not None}, key=str)[:5],
+        fixes=tuple(saved),
+        saved_by_fix=saved,
+    )]

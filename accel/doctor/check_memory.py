@@ -45,19 +45,17 @@ def memory(evidence: Evidence) -> list[Finding]:
     found = []
     drivers = m.get("device_allocs", 0.0) + m.get("retries", 0.0)
     if drivers >= DRIVER_ALLOCS_PER_STEP:
-        found.append(
-            Finding(
-                kind="memory",
-                title=f"{drivers:.1f} allocations from the driver per steady-state step",
-                evidence=f"cudaMalloc {m.get('device_allocs', 0):.1f} and allocator retries "
-                f"{m.get('retries', 0):.1f} per step after warm-up (each may wait for the device)",
-                cost_model="not predicted: a cudaMalloc costs microseconds to milliseconds, a "
-                "retry frees the cache and waits for the device",
-                notebook="03_memory",
-                change="keep shapes fixed from step to step, or\n"
-                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # set before starting Python",
-            )
-        )
+        found.append(Finding(
+            kind="memory",
+            title=f"{drivers:.1f} allocations from the driver per steady-state step",
+            evidence=f"cudaMalloc {m.get('device_allocs', 0):.1f} and allocator retries "
+            f"{m.get('retries', 0):.1f} per step after warm-up (each may wait for the device)",
+            cost_model="not predicted: a cudaMalloc costs microseconds to milliseconds, a "
+            "retry frees the cache and waits for the device",
+            notebook="03_memory",
+            change="keep shapes fixed from step to step, or\n"
+            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # set before starting Python",
+        ))
     found += _capacity(evidence, m)
     return found
 
@@ -69,34 +67,30 @@ def _capacity(evidence: Evidence, m: dict) -> list[Finding]:
     blocks = [b for model in evidence.parts.models for b in repeated_blocks(model)]
     # a larger batch matters only where the batch can no longer grow: near the device's memory
     if resident + peak > NEAR_CAPACITY * total:
-        found.append(
-            Finding(
-                kind="memory",
-                title=f"activations are {peak / (resident + peak):.0%} of the step's peak memory",
-                evidence=f"{(resident + peak) / gib:.2f} GiB at the peak of {total / gib:.0f} GiB "
-                f"({resident / gib:.2f} GiB held before the step: weights, gradients, optimizer "
-                f"state); {len(blocks)} repeated blocks to checkpoint",
-                cost_model="checkpointing every block keeps only its input; the batch can grow "
-                "until the freed memory is used again (try_fixes measures the step's peak with "
-                "and without: its 'batch room')",
-                notebook="03_memory",
-                change="from accel.recompute import checkpoint_blocks\n"
-                f"checkpoint_blocks(model, {blocks[:3] + (['...'] if len(blocks) > 3 else [])})",
-                fixes=("checkpointing",) if blocks else (),
-            )
-        )
+        found.append(Finding(
+            kind="memory",
+            title=f"activations are {peak / (resident + peak):.0%} of the step's peak memory",
+            evidence=f"{(resident + peak) / gib:.2f} GiB at the peak of {total / gib:.0f} GiB "
+            f"({resident / gib:.2f} GiB held before the step: weights, gradients, optimizer "
+            f"state); {len(blocks)} repeated blocks to checkpoint",
+            cost_model="checkpointing every block keeps only its input; the batch can grow "
+            "until the freed memory is used again (try_fixes measures the step's peak with "
+            "and without: its 'batch room')",
+            notebook="03_memory",
+            change="from accel.recompute import checkpoint_blocks\n"
+            f"checkpoint_blocks(model, {blocks[:3] + (['...'] if len(blocks) > 3 else [])})",
+            fixes=("checkpointing",) if blocks else (),
+        ))
     unused = reserved - (resident + peak)
     # memory held and unused costs nothing until the device is nearly full
     if reserved > NEAR_CAPACITY * total and unused > UNUSED_RESERVED * reserved:
-        found.append(
-            Finding(
-                kind="memory",
-                title=f"{unused / gib:.2f} GiB reserved by the allocator and never used",
-                evidence=f"reserved {reserved / gib:.2f} GiB against a peak of "
-                f"{(resident + peak) / gib:.2f} GiB allocated (blocks split and cached)",
-                cost_model="not a time cost: memory another process or a larger batch cannot use",
-                notebook="03_memory",
-                change="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-            )
-        )
+        found.append(Finding(
+            kind="memory",
+            title=f"{unused / gib:.2f} GiB reserved by the allocator and never used",
+            evidence=f"reserved {reserved / gib:.2f} GiB against a peak of "
+            f"{(resident + peak) / gib:.2f} GiB allocated (blocks split and cached)",
+            cost_model="not a time cost: memory another process or a larger batch cannot use",
+            notebook="03_memory",
+            change="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        ))
     return found

@@ -18,8 +18,7 @@ __all__ = ["add_parser", "load_step"]
 
 
 def load_step(target: str) -> tuple[Any, Any, Any]:
-    """(step, batch, loader) from ``module:function`` (the module importable from here) or
-    ``path/to/file.py:function``."""
+    """(step, batch, loader) from ``module:function`` or ``path/to/file.py:function``."""
     module_name, _, function_name = target.rpartition(":")
     if not module_name or not function_name:
         raise UsageError(
@@ -80,22 +79,16 @@ def _doctor(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
     check_writable(args.out, "--out")  # before the examination, which takes a while
     step, batch, loader = load_step(args.target)
-    report = examine(
-        step,
-        batch,
-        loader=loader,
-        steps=args.steps,
-        compile=args.compile,
-        allow_training=args.allow_training,
-    )
+    report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
+                     allow_training=args.allow_training)
     if args.try_fixes:
         report.try_fixes()
     print(report)
-    if report.trials is not None and report.trials.empty:
-        print("\nno automatic fix applies to these findings: each one names its change")
-    elif report.trials is not None:
-        print("\nfixes tried:\n" + trials_text(report))
     if report.trials is not None:
+        if report.trials.empty:
+            print("\nno automatic fix applies to these findings: each one names its change")
+        else:
+            print("\nfixes tried:\n" + trials_text(report))
         print(f"\nreached: {report.reached()}")
     path = report.to_html(args.out)
     print(f"\nwrote {path}")
@@ -103,26 +96,14 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    doctor = sub.add_parser(
-        "doctor", help="examine your training step: findings, predicted gains, fixes measured"
-    )
-    doctor.add_argument(
-        "target", help="module:function or file.py:function returning (step, batch[, loader])"
-    )
-    doctor.add_argument(
-        "--out",
-        type=Path,
-        default=Path("doctor.html"),
-        help="the HTML report (default: %(default)s)",
-    )
-    doctor.add_argument("--steps", type=int, default=5, help="steps profiled (default 5)")
-    doctor.add_argument("--try-fixes", action="store_true", help="apply and measure the fixes")
-    doctor.add_argument(
-        "--compile", action="store_true", help="also list torch.compile's graph breaks"
-    )
-    doctor.add_argument(
-        "--allow-training",
-        action="store_true",
-        help="run on your own model where the doctor cannot copy what the step trains",
-    )
+    doctor = sub.add_parser("doctor", help="examine your training step: findings, predicted "
+                            "gains, fixes measured")  # fmt: skip
+    add = doctor.add_argument
+    add("target", help="module:function or file.py:function returning (step, batch[, loader])")
+    add("--out", type=Path, default=Path("doctor.html"), help="the HTML report (%(default)s)")
+    add("--steps", type=int, default=5, help="steps profiled (default 5)")
+    add("--try-fixes", action="store_true", help="apply and measure the fixes")
+    add("--compile", action="store_true", help="also list torch.compile's graph breaks")
+    add("--allow-training", action="store_true",
+        help="run on your own model where the doctor cannot copy what the step trains")  # fmt: skip
     doctor.set_defaults(func=_doctor)

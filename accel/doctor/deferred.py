@@ -1,12 +1,7 @@
-"""``.item()`` of a CUDA tensor read later: the step's logged number copied to pinned host memory
-without waiting, and the wait paid only where the number is used (notebook 01's change, applied
-to the doctor's copy of a step without editing it).
-
-Inside :func:`deferred_item_reads`, ``tensor.item()`` of a one-element CUDA tensor returns a
-:class:`DeferredScalar`: a number that behaves as the Python float or int it stands for (arithmetic,
-comparisons, ``float()``, formatting) and waits for the device only when one of those asks for
-its value. A step that appends its loss to a log never asks, so it no longer syncs; a step whose
-Python branches on the value still waits there, as before, and gains nothing.
+"""``.item()`` of a CUDA tensor read later (notebook 01's change, applied to the doctor's copy of
+a step): inside :func:`deferred_item_reads` it returns a :class:`DeferredScalar`, copied to pinned
+memory without waiting, which behaves as the number and waits only when something asks for its
+value. A step that logs its loss no longer syncs; one whose Python branches on it still does.
 """
 
 from __future__ import annotations
@@ -43,37 +38,12 @@ class DeferredScalar:
             self._value = self._host.item()
         return self._value
 
-    def __float__(self) -> float:
-        return float(self.value())
 
-    def __int__(self) -> int:
-        return int(self.value())
+def _unary(fn):
+    def method(self: DeferredScalar, *args):  # round(x, digits), format(x, spec)
+        return fn(self.value(), *args)
 
-    def __index__(self) -> int:
-        return operator.index(self.value())
-
-    def __bool__(self) -> bool:
-        return bool(self.value())
-
-    def __hash__(self) -> int:
-        return hash(self.value())
-
-    def __round__(self, digits: int | None = None):
-        return round(self.value(), digits)
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value(), spec)
-
-    def __repr__(self) -> str:
-        return repr(self.value())
-
-    __str__ = __repr__
-
-    def __neg__(self):
-        return -self.value()
-
-    def __abs__(self):
-        return abs(self.value())
+    return method
 
 
 def _binary(op, reflected: bool = False):
@@ -92,6 +62,11 @@ for _name, _op in {
     setattr(DeferredScalar, f"__r{_name}__", _binary(_op, reflected=True))
 for _name in ("lt", "le", "gt", "ge", "eq", "ne"):
     setattr(DeferredScalar, f"__{_name}__", _binary(getattr(operator, _name)))
+for _name, _fn in {
+    "float": float, "int": int, "index": operator.index, "bool": bool, "hash": hash,
+    "round": round, "format": format, "repr": repr, "str": repr, "neg": operator.neg, "abs": abs,
+}.items():  # fmt: skip
+    setattr(DeferredScalar, f"__{_name}__", _unary(_fn))
 
 
 @contextlib.contextmanager

@@ -11,8 +11,15 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from accel.doctor.detect import detect
-from accel.doctor.findings import Evidence
+from accel.doctor import (  # noqa: F401 - importing a check module registers its checks
+    check_attention,
+    check_compile,
+    check_compute,
+    check_host,
+    check_kernels,
+    check_memory,
+)
+from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.parts import StepParts, copy_step, find_parts
@@ -21,9 +28,15 @@ from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 
-__all__ = ["examine", "step_device"]
+__all__ = ["detect", "examine", "step_device"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
+
+
+def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[Finding]:
+    """Every registered check's findings, by predicted saving (unpredicted last)."""
+    found = [f for name, fn in CHECKS.items() if only is None or name in only for f in fn(evidence)]
+    return sorted(found, key=lambda f: -(f.saved_us if f.saved_us is not None else -1.0))
 
 
 def step_device(parts: StepParts, batch: Any) -> torch.device:
@@ -37,18 +50,9 @@ def step_device(parts: StepParts, batch: Any) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def examine(
-    step: Callable[..., Any],
-    batch: Any = NO_BATCH,
-    *,
-    loader: Iterable[Any] | None = None,
-    steps: int = 5,
-    warmup: int = 3,
-    compile: bool = False,
-    ceilings: Any = None,
-    costs: Any = None,
-    allow_training: bool = False,
-):
+def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable[Any] | None = None,
+            steps: int = 5, warmup: int = 3, compile: bool = False, ceilings: Any = None,
+            costs: Any = None, allow_training: bool = False):  # fmt: skip
     """Examine ``step(batch)`` (or ``step()`` without a batch): profile it, record every operator
     with the line that ran it, and run every check on what was measured.
 
@@ -66,9 +70,8 @@ def examine(
     from accel.doctor.report import Report
 
     if not callable(step):
-        raise TypeError(
-            f"examine() needs the training step as a callable, got {type(step).__name__}"
-        )
+        got = type(step).__name__
+        raise TypeError(f"examine() needs the training step as a callable, got {got}")
     refuse_unplain_step(step)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
@@ -90,23 +93,14 @@ def examine(
         for _ in range(warmup - 1):
             call()
         timeline = profile_timeline(call, device, steps=steps).at_step_time(_step_us(call, device))
+        given = {"ceilings": ceilings, "costs": costs}
         evidence = Evidence(
-            device=device,
-            parts=copied,
-            recording=record_step(call, device),
-            timeline=timeline,
-            batch=batch,
-            memory=_memory(call, device),
-            loader=_loader(loader, runner, device, timeline.step_us)
-            if loader is not None
-            else None,
+            device=device, parts=copied, recording=record_step(call, device), timeline=timeline,
+            batch=batch, memory=_memory(call, device),
+            loader=None if loader is None else _loader(loader, runner, device, timeline.step_us),
             graph_breaks=_breaks(step, parts, batch, runner is step) if compile else None,
-            measure={
-                name: (lambda value=value: value)
-                for name, value in (("ceilings", ceilings), ("costs", costs))
-                if value is not None
-            },
-        )
+            measure={k: (lambda v=v: v) for k, v in given.items() if v is not None},
+        )  # fmt: skip
         findings = detect(evidence)
     cautions += session.effects() + untouched.report()
     return Report(step, batch, parts, evidence, findings, side_effects=cautions)
@@ -128,15 +122,11 @@ def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
 def _copy_or_own(
     step: Callable[..., Any], parts: StepParts, allow_training: bool
 ) -> tuple[Callable[..., Any], StepParts, list[str]]:
-    """The step rebuilt around copies and the copied parts; or, where what it trains cannot be
-    copied and ``allow_training``, the step itself, saying so."""
+    """The step on copies; or, if they cannot be made and ``allow_training``, itself."""
     if not parts.all:
-        warnings.warn(
-            "accel.doctor: found no model or optimizer in what the step reaches: the fixes that "
-            "change a model or optimizer cannot apply",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn("accel.doctor: found no model or optimizer in what the step reaches: the "
+                      "fixes that change a model or optimizer cannot apply", RuntimeWarning,
+                      stacklevel=3)  # fmt: skip
     try:
         runner, copied = copy_step(step, parts)
     except TypeError as error:
@@ -164,7 +154,6 @@ def _memory(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
     return {
         "device_allocs": stats.device_allocs or 0.0,
         "retries": stats.retries or 0.0,
-        "requests": stats.requests,
         "peak_bytes": float(stats.peak_bytes),
         "resident_bytes": float(resident),
         "reserved_bytes": float(torch.cuda.memory_reserved(device)),

@@ -17,23 +17,16 @@ def doctor_figure(
     saving (ms per step), on one time axis."""
     from plotly.subplots import make_subplots
     rows = 2 if savings else 1
-    fig = make_subplots(
-        rows=rows,
-        cols=1,
-        shared_xaxes=True,
-        row_heights=[0.35, 0.65][:rows] if rows == 2 else [1.0],
-        subplot_titles=("the step", "predicted saving of each finding")[:rows],
-        vertical_spacing=0.18,
-    )
+    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.18,
+                        row_heights=[0.35, 0.65] if rows == 2 else [1.0],
+                        subplot_titles=("the step", "predicted saving of each finding")[:rows])
     for part, ms in breakdown.items():
         fig.add_bar(
             y=["step"], x=[ms], name=part, orientation="h", row=1, col=1,
             hovertemplate=f"{part}: %{{x:.3f}} ms<extra></extra>",
         )  # fmt: skip
     if savings:
-        labels = [
-            wrap_label(short(k, 48).replace(" ", "+"), 36).replace("+", " ") for k in savings
-        ]
+        labels = [wrap_label(short(k, 48).replace(" ", "+"), 36).replace("+", " ") for k in savings]
         fig.add_bar(
             y=labels, x=list(savings.values()), orientation="h", row=2, col=1, showlegend=False,
             text=[f"{v:.3g} ms" for v in savings.values()], textposition="outside",

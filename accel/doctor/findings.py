@@ -1,6 +1,6 @@
 """A finding: what the doctor saw in a step, the evidence, the predicted gain and its cost model,
 the notebook that teaches the fix, and the change to make. The checks that produce findings read
-one :class:`Evidence` of the step; :func:`accel.doctor.detect.detect` runs them all.
+one :class:`Evidence` of the step; :func:`accel.doctor.examine.detect` runs them all.
 """
 
 from __future__ import annotations
@@ -40,22 +40,19 @@ class Finding:
     measured_us: float | None = None  # the saving its best fix measured, once tried
 
     def speedup(self, step_us: float) -> float:
-        """The speedup of an iteration of ``step_us`` (the step, and its wait for data) if
-        ``saved_us`` is saved: NaN when not predicted."""
+        """The iteration's speedup if ``saved_us`` is saved (NaN where not predicted)."""
         if self.saved_us is None or step_us <= 0:
             return math.nan
-        left = step_us - min(self.saved_us, step_us * 0.999)
-        return step_us / left
+        return step_us / (step_us - min(self.saved_us, step_us * 0.999))
 
     def row(self, step_us: float) -> dict[str, Any]:
         return {
             "finding": self.title,
             "kind": self.kind,
             "evidence": self.evidence,
-            "where": "; ".join(dict.fromkeys(str(s) for s in self.sites)) or "",
-            "predicted saving (ms/step)": (
-                self.saved_us / 1e3 if self.saved_us is not None else math.nan
-            ),
+            "where": "; ".join(dict.fromkeys(str(s) for s in self.sites)),
+            "predicted saving (ms/step)":
+                math.nan if self.saved_us is None else self.saved_us / 1e3,
             "predicted speedup": self.speedup(step_us),
             "cost model": self.cost_model,
             "notebook": self.notebook,
@@ -97,9 +94,8 @@ class Evidence:
         """The copy bandwidth and bf16 (or float32 on a CPU) matrix-product rate measured here."""
         from accel.measure.ceilings import measure_ceilings
 
-        return self.measure.get(
-            "ceilings", lambda: _once("ceilings", self.device, measure_ceilings)
-        )()
+        default = lambda: _once("ceilings", self.device, measure_ceilings)  # noqa: E731
+        return self.measure.get("ceilings", default)()
 
     @functools.cached_property
     def costs(self):
@@ -110,10 +106,6 @@ class Evidence:
 
     def forward_ops(self) -> list[OpRecord]:
         return [op for op in self.recording.ops if not op.backward]
-
-    @property
-    def parameter_tensors(self) -> int:
-        return len(self.parts.parameters())
 
 
 _MACHINE: dict[tuple[str, str], Any] = {}  # the machine's rates, measured once per process

@@ -1,11 +1,7 @@
 """The fixes the doctor can apply to a copy of a step without the user editing code, each with
-the tolerance its change to the numbers is allowed and why.
-
-A fix changes a :class:`StepCopy` in place: its copied optimizers and models (fused or foreach
-updates, ``set_to_none``, capturable state, ``compile``, checkpointed blocks), the contexts its
-calls run in (TF32, bf16 autocast, clipping forced to ``foreach``), the batch it is handed (pinned
-and copied in before the call) or the call itself (a CUDA graph). Fixes compose: applying several
-to one copy is the cumulative trial.
+the tolerance its change to the numbers is allowed and why. A fix changes a :class:`StepCopy` in
+place (its parts, the contexts its calls run in, its batch, or the call itself: a CUDA graph);
+several applied to one copy are the combined trial.
 """
 
 from __future__ import annotations
@@ -19,7 +15,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
+from accel.doctor.batched_clip import batched_clipping
+from accel.doctor.check_compute import FUSED_UPDATE_BYTES
 from accel.doctor.check_memory import repeated_blocks
+from accel.doctor.deferred import deferred_item_reads
 from accel.doctor.parts import StepParts
 from accel.doctor.products import backend_flags
 
@@ -86,27 +85,17 @@ class Fix:
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:
-    def move(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-            return t.pin_memory().to(device, non_blocking=True)
-        return t
-
-    return tree_map(move, batch)
+    return tree_map(lambda t: t.pin_memory().to(device, non_blocking=True)
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, batch)
 
 
 def _channels_last(batch: Any) -> Any:
-    def convert(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point():
-            return t.contiguous(memory_format=torch.channels_last)
-        return t
-
-    return tree_map(convert, batch)
+    return tree_map(lambda t: t.contiguous(memory_format=torch.channels_last)
+                    if isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() else t,
+                    batch)  # fmt: skip
 
 
 # ---- optimizers -----------------------------------------------------------------------------------
-_FUSED = ("Adam", "AdamW", "SGD", "Adagrad")
-
-
 def _retune(opt: torch.optim.Optimizer, **flags: bool) -> None:
     """Set ``flags`` on every group of ``opt`` (a copy) and move step counters where they go."""
     for key in flags:
@@ -127,7 +116,7 @@ def _fused(copy: StepCopy) -> None:
     if not opts:
         raise FixNotApplicable("no optimizer found in the step")
     for opt in opts:
-        if type(opt).__name__ not in _FUSED:
+        if type(opt).__name__ not in FUSED_UPDATE_BYTES:
             raise FixNotApplicable(f"{type(opt).__name__} has no fused implementation")
         _retune(opt, fused=True, foreach=False)
 
@@ -179,12 +168,6 @@ def _clip_with_foreach() -> Iterator[None]:
             setattr(clip_grad, name, original)
 
 
-def _batched_clip(copy: StepCopy) -> None:
-    from accel.doctor.batched_clip import batched_clipping
-
-    copy.contexts.append(batched_clipping)
-
-
 # ---- precision, graphs, compile, memory ---------------------------------------------------------
 def _graph(copy: StepCopy) -> None:
     for opt in copy.parts.optimizers:
@@ -203,14 +186,11 @@ def _compile(copy: StepCopy) -> None:
 def _checkpoint(copy: StepCopy) -> None:
     from accel.recompute import checkpoint_blocks
 
-    done = False
-    for model in copy.parts.models:
-        blocks = repeated_blocks(model)
-        if blocks:
-            checkpoint_blocks(model, blocks)
-            done = True
-    if not done:
+    found = [(model, blocks) for model in copy.parts.models if (blocks := repeated_blocks(model))]
+    if not found:
         raise FixNotApplicable("no repeated blocks (a ModuleList of layers) to checkpoint")
+    for model, blocks in found:
+        checkpoint_blocks(model, blocks)
 
 
 def _sdpa(copy: StepCopy) -> None:
@@ -237,12 +217,8 @@ def _padded_products(copy: StepCopy) -> None:
     head) run at the padded width and sliced back: zero rows added to its weight give zero
     logits that are cut off, so the numbers are the same, at shapes the tensor cores tile."""
     odd = dict(f.detail for f in copy.findings if f.kind == "odd_shape" and f.detail is not None)
-    linears = [
-        m
-        for model in copy.parts.models
-        for m in model.modules()
-        if isinstance(m, torch.nn.Linear) and m.out_features in odd
-    ]
+    linears = [m for model in copy.parts.models for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m.out_features in odd]  # fmt: skip
     if not linears:
         raise FixNotApplicable(
             f"no nn.Linear with {' or '.join(map(str, odd)) or 'an odd number of'} outputs to "
@@ -264,17 +240,9 @@ def _padded_linear(module: torch.nn.Linear, width: int) -> Callable[[torch.Tenso
     return forward
 
 
-def _deferred_reads(copy: StepCopy) -> None:
-    from accel.doctor.deferred import deferred_item_reads
-
-    copy.contexts.append(deferred_item_reads)
-
-
 def _to_channels_last(copy: StepCopy) -> None:
-    convs = [
-        m for model in copy.parts.models for m in model.modules() if isinstance(m, torch.nn.Conv2d)
-    ]
-    if not convs:
+    modules = [m for model in copy.parts.models for m in model.modules()]
+    if not any(isinstance(m, torch.nn.Conv2d) for m in modules):
         raise FixNotApplicable("no Conv2d in the step's models")
     for model in copy.parts.models:
         model.to(memory_format=torch.channels_last)
@@ -314,8 +282,8 @@ FIXES: dict[str, Fix] = {
         Fix("fused_optimizer", "fused optimizer", _fused, 1e-4, _ROUNDING, needs_cuda=False),
         Fix("foreach_optimizer", "foreach optimizer", _foreach, 1e-4, _ROUNDING, needs_cuda=False),
         Fix("foreach_clip", "foreach clipping", _foreach_clip, 1e-4, _ROUNDING, needs_cuda=False),
-        Fix("batched_clip", "per-tensor clipping batched", _batched_clip, 1e-4, _ROUNDING,
-            needs_cuda=False),
+        Fix("batched_clip", "per-tensor clipping batched", _context(batched_clipping), 1e-4,
+            _ROUNDING, needs_cuda=False),
         Fix("set_to_none", "zero_grad(set_to_none=True)", _set_to_none, 1e-6,
             "adding a gradient to zeros or to nothing gives the same numbers", needs_cuda=False),
         Fix("tf32", "TF32 matrix products", _context(functools.partial(backend_flags, tf32=True)), 2e-2,
@@ -341,7 +309,8 @@ FIXES: dict[str, Fix] = {
             "the same products at a wider shape, which cuBLAS may tile and sum in another order: "
             "float32 rounding (1e-7 an operation) over a few steps", needs_cuda=False,
             rtol_16bit=2e-2),
-        Fix("deferred_reads", ".item() read later (no wait in the step)", _deferred_reads, 1e-6,
+        Fix("deferred_reads", ".item() read later (no wait in the step)",
+            _context(deferred_item_reads), 1e-6,
             "the same values, read after the step instead of inside it"),
         Fix("cudnn_benchmark", "cudnn.benchmark", _context(functools.partial(backend_flags, cudnn_benchmark=True)), 1e-3,
             "cuDNN picks the fastest convolution algorithm, which sums in another order: "

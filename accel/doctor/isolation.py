@@ -1,15 +1,12 @@
-"""What a doctor's run gives back and what it names: the random generators are put back as they
-were (torch's on the CPU and every CUDA device, Python's ``random``, NumPy's global one), and
-what cannot be put back (a file written, removed or renamed, a connection, a process started, an
-item taken from an iterator that cannot be copied) is recorded while a :class:`Session` is open,
-for the report's first line.
+"""What a doctor's run gives back and what it names: the random generators put back (torch's on
+every device, ``random``, NumPy's global one), and what cannot be put back (a file written, a
+connection, a process started, an item taken from an uncopyable iterator) recorded while a
+:class:`Session` is open, for the report's first line.
 
-Files and sockets are seen through Python's audit hooks (``sys.addaudithook``): one hook for the
-process, installed at the first session, which does nothing unless a session is open in the
-running thread (a hook cannot be removed), and counts an event only where the step's own code is
-on the stack (not the doctor's measuring). ``torch.save`` to a path opens its file in C++, where
-no audit event is raised: during a session it raises the one ``open()`` would. Writes by
-PyTorch's compilers (their caches) and by the import system (bytecode) are not the step's.
+Files and sockets are seen through one process-wide audit hook (``sys.addaudithook``: it cannot
+be removed, so it does nothing unless a session is open in the running thread), counted only
+where the step's own code is on the stack. ``torch.save`` opens its file in C++, without an
+audit event: during a session it raises the one ``open()`` would.
 """
 
 from __future__ import annotations
@@ -30,9 +27,7 @@ from accel.errors import UsageError
 
 __all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step"]
 
-_RECORD: contextvars.ContextVar[_Recording | None] = contextvars.ContextVar(
-    "accel_doctor_record", default=None
-)
+_RECORD: contextvars.ContextVar[_Recording] = contextvars.ContextVar("accel_doctor_record")
 _HOOKED: list[bool] = []  # the process's hook is installed once
 # code that writes on its own account while a step runs (caches, bytecode): not the step's
 _MACHINERY = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.utils.cpp_extension",
@@ -42,7 +37,7 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 def record(what: str) -> None:
     """Count ``what`` (a side effect, in words) for the open session, if any."""
-    recording = _RECORD.get()
+    recording = _RECORD.get(None)
     if recording is not None:
         recording.found[what] += 1
 
@@ -60,7 +55,6 @@ class Session:
 
     def __init__(self) -> None:
         self._recording = _Recording()
-        self._found = self._recording.found
 
     def __enter__(self) -> Session:
         if not _HOOKED:
@@ -85,7 +79,8 @@ class Session:
 
     def effects(self) -> list[str]:
         """Each side effect once, with how many times it happened."""
-        return [what + (f" ({n} times)" if n > 1 else "") for what, n in self._found.items()]
+        found = self._recording.found
+        return [what + (f" ({n} times)" if n > 1 else "") for what, n in found.items()]
 
 
 # ---- random generators -----------------------------------------------------------------------------
@@ -117,11 +112,8 @@ def _cuda_started() -> bool:
 
 # ---- files, sockets, processes -----------------------------------------------------------------------
 def _audit(event: str, args: tuple) -> None:
-    recording = _RECORD.get()
-    if recording is None:
-        return
-    describe = _EVENTS.get(event)
-    if describe is None:
+    recording, describe = _RECORD.get(None), _EVENTS.get(event)
+    if recording is None or describe is None:
         return
     what = describe(*args)
     if what and _caused_by_step(recording.codes):

@@ -1,8 +1,6 @@
-"""The doctor's report as a person reads it: each finding with its evidence, where it is, its
-predicted (and, once tried, measured) gain and the change as code; the fixes tried as a narrow
-table. Numbers rounded; a number that is missing shows a dash and the reason. HTML for the page and
-the notebook, text for the command line. Each part is a function of the report: a new section is
-one more function and one more line in :meth:`Report.html`."""
+"""The report as a person reads it: each finding with its evidence, place, predicted (and once
+tried, measured) gain and change; the fixes tried as a narrow table. A missing number shows a
+dash and the reason. HTML for the page and the notebook, text for the command line."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ def _esc(value: Any) -> str:
 
 
 def rounded(value: float) -> str:
-    """A number rounded as the bench's tables round it (pandas comes with them: imported on the
-    first render, not with the doctor)."""
+    """A number rounded as the bench rounds it (pandas: imported on the first render)."""
     from accel.measure.show import readable
 
     return readable(value)
@@ -55,10 +52,8 @@ def predicted_gain(finding, iteration_us: float, device: str) -> str:
     if finding.saved_us is None:
         return "<b>Predicted gain:</b> " + missing(f"not predicted on {device}: {finding.cost_model}")
     ms, speedup = finding.saved_us / 1e3, finding.speedup(iteration_us)
-    return (
-        f"<b>Predicted gain:</b> saves {rounded(ms)} ms a step ({speedup:.2f}x). "
-        f"<i>Cost model:</i> {_esc(finding.cost_model)}"
-    )
+    return (f"<b>Predicted gain:</b> saves {rounded(ms)} ms a step ({speedup:.2f}x). "
+            f"<i>Cost model:</i> {_esc(finding.cost_model)}")  # fmt: skip
 
 
 def measured_gain(finding, trials: pd.DataFrame | None) -> str:

@@ -1,20 +1,10 @@
-"""What a user's training step is made of, and a copy of the step that trains copies of it.
-
-A step is any callable: a function that reads ``model`` and ``opt`` from its closure or the
-globals of its module, a bound method of a trainer object, a ``functools.partial``, or an object
-with ``__call__``. :func:`find_parts` follows everything the step can reach
-(:mod:`accel.doctor.reach`: closures, globals of any module, defaults, attributes, class
-attributes, helpers at any depth) and collects the modules, optimizers, schedulers, gradient
-scalers and tensors of its own that require grad.
-
-:func:`copy_step` deep-copies those parts together (one memo, so each copied optimizer holds the
-copied model's parameters) and rebuilds, around the copies, every object on a path from the step
-to something it could change: functions get new closures and a copy of their module's globals,
-objects and containers shallow copies, classes a subclass holding the copied class attributes,
-random generators copies, iterators copies, or a read-through (:class:`~.isolation.Drawn`) where
-they cannot be copied. What cannot be rebuilt on the way to a part is refused (a TypeError naming
-it); what cannot be rebuilt on the way to anything else stays shared, and
-:class:`~.untouched.Untouched` names it if it changed.
+"""What a user's training step is made of (:func:`find_parts`: the modules, optimizers,
+schedulers, scalers and tensors requiring grad that :mod:`accel.doctor.reach` finds), and
+:func:`copy_step`: the parts deep-copied together (one memo, so a copied optimizer holds the copied
+model's parameters) and every object on a path from the step to something it could change rebuilt
+around the copies. What cannot be rebuilt on the way to a part is refused (a TypeError naming
+it); on the way to anything else it stays shared, and :class:`~.untouched.Untouched` names it if
+it changed.
 """
 
 from __future__ import annotations
@@ -44,24 +34,11 @@ from accel.doctor.reach import (
 
 __all__ = ["StepParts", "copy_step", "find_parts"]
 
-_COPYABLE_ITERATORS = frozenset(
-    type(iter(x))
-    for x in (
-        [],
-        (),
-        range(0),
-        range(2**64),
-        "",
-        "é",
-        b"",
-        bytearray(),
-        {},
-        set(),
-        {}.values(),
-        {}.items(),
-        reversed([]),
-    )
-)  # fmt: skip  (built-in iterators a shallow copy makes independent)
+# built-in iterators a shallow copy makes independent
+_COPYABLE_ITERATORS = frozenset(type(iter(x)) for x in (
+    [], (), range(0), range(2**64), "", "é", b"", bytearray(), {}, set(), {}.values(), {}.items(),
+    reversed([]),
+))  # fmt: skip
 # rebuilt, with their holders
 _TARGETS = ("part", "grad", "computed", "rng", "state", "iterator", "writes")
 
@@ -116,8 +93,7 @@ class StepParts:
 
 # ---- finding -------------------------------------------------------------------------------------
 def find_parts(step: Callable[..., Any]) -> StepParts:
-    """The modules, optimizers, schedulers, scalers and tensors requiring grad ``step`` reaches
-    (see the module doc); ``blocked`` says what trains and cannot be copied."""
+    """What ``step`` reaches that trains; ``blocked``: what trains and cannot be copied."""
     reach = walk(step)
     kinds = {key: kind(value) for key, value in reach.objects.items()}
     inside = {id(e.child) for edges in reach.edges.values() for e in edges if e.kind == "module"}
@@ -356,16 +332,10 @@ class _Rebuild:
             cell.cell_contents = value if name == "__class__" else self.new(value)
         made.__defaults__ = tuple(map(self.new, fn.__defaults__)) if fn.__defaults__ else None
         kwdefaults = fn.__kwdefaults__
-        made.__kwdefaults__ = (
-            {k: self.new(v) for k, v in kwdefaults.items()} if kwdefaults else None
-        )
+        made.__kwdefaults__ = kwdefaults and {k: self.new(v) for k, v in kwdefaults.items()}
         made.__dict__.update(fn.__dict__)
-        made.__annotations__ = fn.__annotations__
-        made.__qualname__, made.__doc__, made.__module__ = (
-            fn.__qualname__,
-            fn.__doc__,
-            fn.__module__,
-        )
+        for name in ("__qualname__", "__doc__", "__module__", "__annotations__"):
+            setattr(made, name, getattr(fn, name))
         if not library:
             for name in global_names(fn.__code__):
                 if name in fn.__globals__:

@@ -10,11 +10,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from accel.doctor.recorder import OpRecord
+from accel.doctor.recorder import PRODUCTS, OpRecord
 
-__all__ = ["PRODUCTS", "backend_flags", "product_call", "time_products"]
+__all__ = ["backend_flags", "product_call", "time_products"]
 
-PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 CONVOLUTION = "aten::convolution"  # forward only: its backward takes the timed ones' ratio
 MOST_SHAPES = 8  # distinct products timed per step (the rest take their mean ratio)
 
@@ -47,13 +46,9 @@ def _key(op: OpRecord) -> tuple | None:
 
 
 def product_call(
-    shapes: list[tuple[int, ...]],
-    dtype: torch.dtype,
-    device: torch.device,
-    conv: tuple | None = None,
+    shapes: list[tuple], dtype: torch.dtype, device: torch.device, conv: tuple | None = None
 ) -> Callable[[], torch.Tensor]:
-    """A product (2-d: mm, 3-d: bmm) or, with ``conv``'s settings, a 2-d convolution of random
-    operands of ``shapes`` in ``dtype``."""
+    """An mm, a bmm or (with ``conv``) a conv2d of random ``shapes`` operands."""
     gen = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(s, generator=gen, device=device, dtype=dtype) for s in shapes)
     if conv is not None:
@@ -71,8 +66,7 @@ _BACKEND_FLAGS = {
 
 @contextlib.contextmanager
 def backend_flags(**settings: bool) -> Iterator[None]:
-    """``torch.backends`` flags set while inside (``tf32=True``, ``cudnn_benchmark=True``), and
-    put back as they were after."""
+    """``torch.backends`` flags (``tf32``, ``cudnn_benchmark``) set while inside."""
     places = [
         (where, attr, on) for name, on in settings.items() for where, attr in _BACKEND_FLAGS[name]
     ]
@@ -119,13 +113,9 @@ def time_products(
         _, shapes, dtype, tf32, conv = key
         calls = {"as recorded": (list(shapes), dtype, tf32)}
         calls |= {name: make(list(shapes), dtype) for name, make in variants.items()}
-        timing = compare(
-            {
-                name: _with_tf32(product_call(s, d, device, conv), t)
-                for name, (s, d, t) in calls.items()
-            },
-            warmup=3, repeats=7, calls_per_sample=None, device=device,
-        )  # fmt: skip
+        calls = {name: _with_tf32(product_call(s, d, device, conv), t)
+                 for name, (s, d, t) in calls.items()}  # fmt: skip
+        timing = compare(calls, warmup=3, repeats=7, calls_per_sample=None, device=device)
         now = timing.timings["as recorded"].median_ms
         timed_now += by_key[key]
         for name in variants:

@@ -1,20 +1,14 @@
-"""Everything a training step can reach, found where its code looks: the cells of its closure,
-the global names its code reads (of its own module or of any other module one of its helpers
-comes from), its defaults, the ``self`` of a bound method, a partial's arguments, the attributes
-of the objects it holds, the attributes and methods of their classes (class attributes
-included), the attributes of other modules its code reads, and the items of containers,
-followed from each object it finds to the ones that object holds, to any depth.
-
-Library code (the standard library and installed packages) is not followed into its globals:
-only what the user's objects hand it (a wrapper's closure, an object's attributes). Values read
-through ``getattr`` with a computed name, ``sys.modules`` or ``globals()[...]`` are not seen;
-``Untouched`` checks every model and optimizer of the process, found here or not.
+"""Everything a training step can reach, found where its code looks: closure cells, the globals
+its code reads (of any module its helpers come from), defaults, a bound method's ``self``, a
+partial's arguments, attributes of objects and of their (user) classes, module attributes its
+code reads, container items; followed to any depth. Library code is not followed into its
+globals. Values read through a computed ``getattr``, ``sys.modules`` or ``globals()[...]`` are
+not seen; ``Untouched`` checks every model and optimizer of the process, found here or not.
 
 :func:`kind` sorts what was found: ``part`` (a module, optimizer, scheduler or gradient scaler),
-``grad`` (a tensor of its own that requires grad), ``computed`` (a tensor requiring grad that is
-the result of an operation), ``tensor``, ``rng`` (a random generator object), ``state`` (a
-mutable container, or an instance of a class of the user's), ``iterator``, ``file`` (an open
-file), ``writes`` (a function of the user's that assigns a global), or None.
+``grad`` (a leaf tensor requiring grad), ``computed`` (a non-leaf one), ``tensor``, ``rng``,
+``state`` (a mutable container or an instance of a user class), ``iterator``, ``file``,
+``writes`` (a user function that assigns a global), or None.
 """
 
 from __future__ import annotations
@@ -22,6 +16,7 @@ from __future__ import annotations
 import collections
 import dis
 import functools
+import inspect
 import io
 import os
 import random
@@ -36,10 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = [
-    "Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_library", "kind",
-    "skipped_attributes", "slot_names", "stored_globals", "walk",
-]  # fmt: skip
+__all__ = ["Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_library", "kind",
+           "skipped_attributes", "slot_names", "stored_globals", "walk"]  # fmt: skip
 
 LARGE = 10_000  # a container longer than this (a data set, say) is searched for parts only
 
@@ -51,7 +44,6 @@ _ATOMIC = (
     types.MethodDescriptorType,
 )  # fmt: skip
 _STATE = (list, dict, set, bytearray, collections.deque)
-_TUPLES = (tuple, frozenset)
 # copied with their owner, and not followed (a model's parameters are its)
 SKIPPED = {nn.Module: ("_parameters", "_buffers", "_modules"),
            torch.optim.Optimizer: ("param_groups", "state", "defaults")}  # fmt: skip
@@ -72,8 +64,7 @@ class Edge:
 
 @dataclass
 class Reach:
-    """What :func:`walk` found: every object (in the order found, nearest first), where the step
-    reaches it, and the edges from each object to the ones it holds."""
+    """What :func:`walk` found (nearest first), where the step reaches each, their edges."""
 
     root: Any
     home: dict | None = None  # the globals of the step's own code: named "global 'x'"
@@ -140,18 +131,11 @@ def _home(step: Any) -> dict | None:
         step = step.__func__
     if not isinstance(step, types.FunctionType):
         for name in ("forward", "__call__"):
-            method = _static(type(step), name)
+            method = inspect.getattr_static(type(step), name, None)
             if isinstance(method, types.FunctionType):
                 step = method
                 break
     return step.__globals__ if isinstance(step, types.FunctionType) else None
-
-
-def _static(cls: type, name: str) -> Any:
-    for klass in cls.__mro__:
-        if name in vars(klass):
-            return vars(klass)[name]
-    return None
 
 
 # ---- what an object holds --------------------------------------------------------------------
@@ -188,16 +172,12 @@ def _edges(value: Any, names: set[str]) -> Iterator[Edge]:
 
 def _held(value: Any) -> Iterator[Edge]:
     """The items of a container, the attributes of an instance."""
-    if isinstance(value, dict):
-        items = list(value.items())
+    if isinstance(value, (dict, list, tuple, collections.deque)):
+        mapping = isinstance(value, dict)
+        items = list(value.items() if mapping else enumerate(value))
         if len(items) > LARGE:
             items = [(k, v) for k, v in items if kind(v) in ("part", "grad", "computed")]
-        yield from (Edge("item", k, v) for k, v in items)
-    elif isinstance(value, (list, tuple, collections.deque)):
-        items = list(enumerate(value))
-        if len(items) > LARGE:
-            items = [(i, v) for i, v in items if kind(v) in ("part", "grad", "computed")]
-        yield from (Edge("element", i, v) for i, v in items)
+        yield from (Edge("item" if mapping else "element", k, v) for k, v in items)
     elif isinstance(value, (set, frozenset)):
         yield from (Edge("member", None, v) for v in value if not isinstance(v, _ATOMIC))
     else:
@@ -296,37 +276,32 @@ def _class_edges(cls: type) -> Iterator[Edge]:
             yield Edge("cattr", name, value)
 
 
+def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code of the functions and comprehensions inside it, at any depth."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _nested(const)
+
+
+def _operands(code: types.CodeType, *opnames: str) -> Iterator[str]:
+    return (i.argval for c in _nested(code) for i in dis.get_instructions(c) if i.opname in opnames)
+
+
 def global_names(code: types.CodeType) -> Iterator[str]:
     """The global names the code loads (``co_names`` also holds attribute names: ``model.train``
     must not reach a module-level ``train``), nested functions and comprehensions included."""
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            yield instruction.argval
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            yield from global_names(const)
+    return _operands(code, "LOAD_GLOBAL", "LOAD_NAME")
 
 
 @functools.lru_cache(maxsize=4096)
 def stored_globals(code: types.CodeType) -> frozenset[str]:
     """The global names the code assigns or deletes (``global n; n += 1``)."""
-    found = {
-        i.argval
-        for i in dis.get_instructions(code)
-        if i.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")
-    }
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            found |= stored_globals(const)
-    return frozenset(found)
+    return frozenset(_operands(code, "STORE_GLOBAL", "DELETE_GLOBAL"))
 
 
 def _code_names(code: types.CodeType) -> set[str]:
-    found = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            found |= _code_names(const)
-    return found
+    return {name for c in _nested(code) for name in c.co_names}
 
 
 # ---- where, in words ---------------------------------------------------------------------------
@@ -434,8 +409,7 @@ def _library_module(name: str | None) -> bool:
 
 
 def is_library(value: Any) -> bool:
-    """Whether a function, class or module comes from the standard library or an installed
-    package (its globals are not followed, its classes not rebuilt)."""
+    """Whether it is the standard library's or an installed package's (not followed)."""
     if isinstance(value, types.FunctionType):
         return _library_file(value.__code__.co_filename)
     if isinstance(value, types.ModuleType):

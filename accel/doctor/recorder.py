@@ -1,15 +1,10 @@
 """Every ATen operator one call of a step runs, with the line of the user's code that ran it.
 
 A ``TorchDispatchMode`` sees each operator below autograd, forward and backward, with its real
-tensors: shapes, dtypes, devices, whether host memory is pinned. For each it notes the first
-frame of the caller's own code (frames in torch, in the doctor and in the standard library are
-skipped) and the torch functions in between (``torch/optim/adamw.py:_single_tensor_adamw``), and
-whether autograd's backward ran it. Each operator runs inside a profiler range named after its
-index, so the profiler's time for the range (the device's kernels on CUDA, the host's on a CPU)
-joins the record.
-
-Printing a tensor reads it on the host without any operator this mode would see (``_tensor_str``
-turns dispatch modes off), so the tensor methods that format or export values are watched too.
+tensors; for each it notes the first frame of the caller's own code, the torch functions in
+between, and whether backward ran it. Each runs in a profiler range named by its index, which
+joins the profiler's time to the record. Printing a tensor reads it without an operator the mode
+sees, so the formatting and exporting tensor methods are watched too.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["OpRecord", "Recording", "Site", "TensorInfo", "record_step"]
+__all__ = ["PRODUCTS", "OpRecord", "Recording", "Site", "TensorInfo", "record_step"]
 
 MARK = "accel.doctor.op"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -41,7 +36,7 @@ _USER_CODE_IN_DOCTOR = (_DOCTOR_DIR + "zoo.py", _DOCTOR_DIR + "ladder" + os.sep)
 _WATCHED = ("__repr__", "__str__", "__format__", "tolist", "numpy")
 # torch's own dispatch machinery between an operator and the code that called it: not news
 _PLUMBING = ("_dynamo/", "_compile.py", "utils/_python_dispatch.py", "_ops.py")
-_PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
 
 
 @dataclass(frozen=True)
@@ -57,12 +52,7 @@ class Site:
         return linecache.getline(self.file, self.line).strip()
 
     def __str__(self) -> str:
-        return f"{_short(self.file)}:{self.line} ({self.function})"
-
-
-def _short(path: str) -> str:
-    cwd = os.getcwd() + os.sep
-    return path[len(cwd) :] if path.startswith(cwd) else path
+        return f"{self.file.removeprefix(os.getcwd() + os.sep)}:{self.line} ({self.function})"
 
 
 @dataclass(frozen=True)
@@ -75,14 +65,8 @@ class TensorInfo:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> TensorInfo:
-        cpu = t.device.type == "cpu"
-        return cls(
-            tuple(t.shape),
-            t.dtype,
-            t.device.type,
-            t.numel() * t.element_size(),
-            bool(cpu and torch.cuda.is_available() and _is_pinned(t)),
-        )
+        pinned = t.device.type == "cpu" and torch.cuda.is_available() and _is_pinned(t)
+        return cls(tuple(t.shape), t.dtype, t.device.type, t.numel() * t.element_size(), pinned)
 
 
 def _is_pinned(t: torch.Tensor) -> bool:
@@ -143,8 +127,7 @@ class _Frames:
         return known
 
     def caller(self, start: types.FrameType | None) -> tuple[Site | None, tuple[str, ...]]:
-        """The first user frame above ``start`` and the torch functions below it (innermost
-        first)."""
+        """The first user frame above ``start``, and the torch functions below it."""
         library: list[str] = []
         frame = start
         while frame is not None:
@@ -188,22 +171,18 @@ class _Recorder(TorchDispatchMode):
             out = func(*args, **kwargs)
         site, library = self.frames.caller(sys._getframe(1))
         leaves = tree_leaves((args, kwargs))
-        self.recording.ops.append(
-            OpRecord(
-                index=index,
-                op=_op_name(func),
-                site=site,
-                library=library[:12],
-                backward=torch._C._current_autograd_node() is not None,
-                inputs=tuple(TensorInfo.of(a) for a in leaves if isinstance(a, torch.Tensor)),
-                outputs=tuple(
-                    TensorInfo.of(o) for o in tree_leaves(out) if isinstance(o, torch.Tensor)
-                ),
-                scalars=tuple(a for a in leaves if isinstance(a, (int, float, bool, str)))[:32],
-                api=self.calls.current,
-                facts=_facts(func, args),
-            )
-        )
+        self.recording.ops.append(OpRecord(
+            index=index,
+            op=_op_name(func),
+            site=site,
+            library=library[:12],
+            backward=torch._C._current_autograd_node() is not None,
+            inputs=tuple(TensorInfo.of(a) for a in leaves if isinstance(a, torch.Tensor)),
+            outputs=tuple(TensorInfo.of(o) for o in tree_leaves(out) if isinstance(o, torch.Tensor)),
+            scalars=tuple(a for a in leaves if isinstance(a, (int, float, bool, str)))[:32],
+            api=self.calls.current,
+            facts=_facts(func, args),
+        ))
         return out
 
 
@@ -213,10 +192,9 @@ def _facts(func, args: tuple) -> tuple[str, ...]:
     only); the backend settings a product or convolution ran under, as the step had them."""
     name = _op_name(func)
     if "convolution" in name:
-        return ("tf32",) * torch.backends.cudnn.allow_tf32 + (
-            "cudnn.benchmark",
-        ) * torch.backends.cudnn.benchmark
-    if name in _PRODUCTS:
+        cudnn = torch.backends.cudnn
+        return ("tf32",) * cudnn.allow_tf32 + ("cudnn.benchmark",) * cudnn.benchmark
+    if name in PRODUCTS:
         return ("tf32",) if torch.backends.cuda.matmul.allow_tf32 else ()
     if name != "aten::masked_fill" or len(args) < 2:
         return ()

@@ -4,6 +4,7 @@ HTML file that works offline."""
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import math
 from pathlib import Path
@@ -11,29 +12,21 @@ from typing import Any
 
 from accel.doctor import page
 from accel.doctor.findings import Evidence, Finding
-from accel.doctor.parts import StepParts
+from accel.doctor.fixes import FIXES, StepCopy
+from accel.doctor.parts import StepParts, copy_step
 
 __all__ = ["Report"]
 
-_IDLE_NAMES = {
-    "host": "idle: waiting for the host",
-    "sync": "idle: after a sync",
-    "other": "idle: other",
-}
+_IDLE_NAMES = {"host": "idle: waiting for the host", "sync": "idle: after a sync",
+               "other": "idle: other"}  # fmt: skip
+_CPU_IDLE = "host: Python, dispatch"  # a CPU has no device to idle
 
 
 class Report:
     """The doctor's findings on one step (see :func:`accel.doctor.examine`)."""
 
-    def __init__(
-        self,
-        step: Any,
-        batch: Any,
-        parts: StepParts,
-        evidence: Evidence,
-        findings: list[Finding],
-        side_effects: list[str] | None = None,
-    ):
+    def __init__(self, step: Any, batch: Any, parts: StepParts, evidence: Evidence,
+                 findings: list[Finding], side_effects: list[str] | None = None):  # fmt: skip
         self.step, self.batch, self.parts = step, batch, parts
         self.evidence, self.findings = evidence, findings
         self.trials = None  # the DataFrame of the last try_fixes()
@@ -69,9 +62,7 @@ class Report:
         t = self.evidence.timeline
         parts = {k: v / 1e3 for k, v in sorted(t.by_category.items(), key=lambda kv: -kv[1])}
         for cause, us in t.idle_us.items():
-            label = (
-                _IDLE_NAMES.get(cause, cause) if self.evidence.cuda else "host: Python, dispatch"
-            )
+            label = _IDLE_NAMES.get(cause, cause) if self.evidence.cuda else _CPU_IDLE
             parts[label] = parts.get(label, 0.0) + us / 1e3
         return parts
 
@@ -86,14 +77,8 @@ class Report:
         return f"Where a {self.step_ms:.3f} ms step goes on {self.device}"
 
     # ---- fixes -------------------------------------------------------------------------------
-    def try_fixes(
-        self,
-        fixes: list[str] | None = None,
-        *,
-        steps: int = 3,
-        repeats: int | None = None,
-        progress: bool = False,
-    ):
+    def try_fixes(self, fixes: list[str] | None = None, *, steps: int = 3,
+                  repeats: int | None = None, progress: bool = False):  # fmt: skip
         """Apply each fix alone, then together, to copies of the step; check each against the
         unchanged step within the fix's tolerance, time it against the unchanged step
         (interleaved), and put the measured time beside the prediction. Returns a DataFrame
@@ -119,11 +104,8 @@ class Report:
                 f"{row['measured ms']:.3f} ms a step) with {row['label']}"
             )
         tried = set("+".join(self.trials["fixes"]).split("+"))
-        open_ = [
-            f
-            for f in self.findings
-            if f.saved_us is not None and f.measured_us is None and not set(f.fixes) & tried
-        ]
+        open_ = [f for f in self.findings
+                 if f.saved_us is not None and f.measured_us is None and not set(f.fixes) & tried]
         if open_:
             more = sum(f.saved_us for f in open_) / 1e3
             said += (
@@ -133,17 +115,28 @@ class Report:
         return said
 
     def fix_flags(self) -> type:
-        """The fixes as a ``Flags`` dataclass, one checkbox each in ``lab.FeaturePanel``."""
-        from accel.doctor.toggles import fix_flags
+        """The fixes as a frozen ``Flags`` dataclass for ``lab.FeaturePanel``: one checkbox per
+        fix the findings name (off: the step as you wrote it), grouped by the phase whose
+        notebook teaches it."""
+        from accel.workloads.flags import flag
 
-        return fix_flags(self)
+        fields = []
+        for name in self.fixes():
+            finding = next(f for f in self.findings if name in f.fixes)
+            phase = finding.notebook.partition("_")[2] or finding.notebook  # "02_fusion": fusion
+            requires = "cuda" if FIXES[name].needs_cuda else None
+            help_text = f"{FIXES[name].label}: for '{finding.title}'"
+            fields.append((name, bool, flag(help_text, phase, requires=requires)))
+        return dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
 
     def fixed_step(self, flags: Any):
-        """One call of the step on a fresh copy with the fixes ``flags`` turns on: what the
-        panel times."""
-        from accel.doctor.toggles import fixed_step
-
-        return fixed_step(self, flags)
+        """One call of the step on a fresh copy with the fixes ``flags`` turns on."""
+        step, parts = copy_step(self.step, self.parts)
+        copy = StepCopy(step, parts, self.batch, self.evidence.device)
+        for f in dataclasses.fields(flags):
+            if getattr(flags, f.name):
+                FIXES[f.name].apply(copy)
+        return copy.build()
 
     # ---- text and HTML ---------------------------------------------------------------------------
     def summary(self) -> str:
@@ -180,22 +173,15 @@ class Report:
         display(self.figure())
 
     def html(self, *, plotlyjs: bool | str = True) -> str:
-        """One HTML page: the summary, the figure (plotly.js inline by default, so it opens
-        without a network), each finding, and the trials if any."""
-        tried = self.trials is not None and not self.trials.empty
-        trials = page.trials_html(self) if tried else ""
+        """One HTML page: summary, figure (plotly.js inline by default), findings, trials."""
+        trials = ""
+        if self.trials is not None and not self.trials.empty:
+            reached = html.escape(self.reached())
+            trials = f"<h3>Fixes tried</h3>{page.trials_html(self)}<p>{reached}</p>"
         figure = self.figure().to_html(full_html=False, include_plotlyjs=plotlyjs)
-        return (
-            f"{page.STYLE}<div class='accel-doctor'><h2>accel.doctor</h2>"
-            f"<p>{html.escape(self.summary())}</p>{figure}"
-            f"<h3>Findings</h3>{page.findings_html(self)}"
-            + (
-                f"<h3>Fixes tried</h3>{trials}<p>{html.escape(self.reached())}</p>"
-                if trials
-                else ""
-            )
-            + "</div>"
-        )
+        return (f"{page.STYLE}<div class='accel-doctor'><h2>accel.doctor</h2>"
+                f"<p>{html.escape(self.summary())}</p>{figure}"
+                f"<h3>Findings</h3>{page.findings_html(self)}{trials}</div>")  # fmt: skip
 
     def to_html(self, path: str | Path) -> Path:
         from accel.files import check_writable, write_text_atomic

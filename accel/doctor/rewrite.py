@@ -1,9 +1,8 @@
-"""Attention written out by hand, rewritten as one ``scaled_dot_product_attention`` call in a copy of
-the module that runs it: the change the attention finding proposes, tried on the doctor's copy and
-handed to the user as a diff of their own ``forward``.
+"""Attention written out by hand, rewritten as one ``scaled_dot_product_attention`` call in a
+copy of the module that runs it, and handed to the user as a diff of their own ``forward``.
 
-The recorder gives the line of the scores' product and of the values' product. Between them the
-``forward``'s statements must read as a chain on one variable, each kind at most once::
+Between the recorded lines of the scores' and the values' products, the statements must read as
+a chain on one variable, each kind at most once::
 
     att = (q @ k.transpose(-2, -1)) * scale          # or / scale, or torch.matmul(...)
     att = att.masked_fill(cond, float("-inf"))        # or att + additive_mask
@@ -11,9 +10,9 @@ The recorder gives the line of the scores' product and of the values' product. B
     att = self.attn_dropout(att)                      # a dropout module or F.dropout
     y = att @ v
 
-which is ``y = F.scaled_dot_product_attention(q, k, v, attn_mask=~cond, scale=scale)`` (an
-exactly causal mask, as the recorder saw it, becomes ``is_causal=True``). Anything else is not
-rewritten: the fix then says which statement it could not read.
+which is ``F.scaled_dot_product_attention(q, k, v, attn_mask=~cond, scale=scale)`` (an exactly
+causal mask becomes ``is_causal=True``). Anything else raises :class:`NotRewritable` naming the
+statement.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ __all__ = ["AttentionRewrite", "NotRewritable", "rewrite_attention"]
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
 _SOFTMAX_NAMES = ("softmax", "_softmax")
+_TARGETS = (ast.Name, ast.Attribute, ast.Subscript)  # what the attention's output may be kept in
 
 
 class NotRewritable(ValueError):
@@ -48,28 +48,20 @@ class AttentionRewrite:
 
     def apply(self, model: nn.Module) -> int:
         """Bind the new forward on every submodule of ``model`` of this class; how many."""
-        count = 0
-        for module in model.modules():
-            if isinstance(module, self.cls):  # the doctor may rebuild a class as a subclass
-                module.forward = types.MethodType(self.function, module)
-                count += 1
-        return count
+        matching = [m for m in model.modules() if isinstance(m, self.cls)]  # subclasses: rebuilt
+        for module in matching:
+            module.forward = types.MethodType(self.function, module)
+        return len(matching)
 
 
-def rewrite_attention(
-    models: list[nn.Module],
-    scores_line: tuple[str, int],
-    values_line: tuple[str, int],
-    causal: bool,
-) -> AttentionRewrite:
+def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
+                      values_line: tuple[str, int], causal: bool) -> AttentionRewrite:  # fmt: skip
     """The rewrite of the ``forward`` (of a submodule class of ``models``) that holds the lines
     ``(file, line)`` of the scores' and the values' products."""
     cls = _owner(models, *scores_line)
     forward = cls.forward
-    if forward.__code__.co_freevars:
-        raise NotRewritable(
-            f"{cls.__name__}.forward uses a closure ({forward.__code__.co_freevars})"
-        )
+    if cells := forward.__code__.co_freevars:
+        raise NotRewritable(f"{cls.__name__}.forward uses a closure ({cells})")
     if not isinstance(forward.__globals__.get("torch"), types.ModuleType):
         raise NotRewritable(f"{cls.__name__}'s module does not import torch by that name")
     lines, first = inspect.getsourcelines(forward)
@@ -84,26 +76,18 @@ def rewrite_attention(
     ast.fix_missing_locations(tree)
     source_lines = source.splitlines(keepends=True)
     indent = source_lines[replaced[0].lineno - 1][: replaced[0].col_offset]
-    new_source = "".join(
-        [
-            *source_lines[: replaced[0].lineno - 1],
-            indent + ast.unparse(call) + "\n",
-            *source_lines[replaced[-1].end_lineno :],
-        ]
-    )
+    new_line = indent + ast.unparse(call) + "\n"
+    before, after = source_lines[: replaced[0].lineno - 1], source_lines[replaced[-1].end_lineno :]
+    new_source = "".join([*before, new_line, *after])
     namespace: dict[str, Any] = {}
     code = compile(tree, f"<accel.doctor rewrite of {cls.__name__}.forward>", "exec")
     exec(code, forward.__globals__, namespace)  # defines the function only; runs nothing
     new = namespace[function.name]
     new.__defaults__, new.__kwdefaults__ = forward.__defaults__, forward.__kwdefaults__
-    diff = "".join(
-        difflib.unified_diff(
-            source.splitlines(keepends=True),
-            new_source.splitlines(keepends=True),
-            fromfile=f"{inspect.getsourcefile(forward)}:{first}",
-            tofile="with SDPA",
-        )
-    )
+    diff = "".join(difflib.unified_diff(
+        source.splitlines(keepends=True), new_source.splitlines(keepends=True),
+        fromfile=f"{inspect.getsourcefile(forward)}:{first}", tofile="with SDPA",
+    ))  # fmt: skip
     return AttentionRewrite(cls, new, diff)
 
 
@@ -148,11 +132,8 @@ def _sdpa_statement(statements: list[ast.stmt], causal: bool) -> ast.stmt:
     """The chain ``statements`` as one assignment of the SDPA call."""
     chain = _Chain()
     for statement in statements:
-        if not (
-            isinstance(statement, ast.Assign)
-            and len(statement.targets) == 1
-            and isinstance(statement.targets[0], (ast.Name, ast.Attribute, ast.Subscript))
-        ):
+        targets = statement.targets if isinstance(statement, ast.Assign) else ()
+        if len(targets) != 1 or not isinstance(targets[0], _TARGETS):
             raise NotRewritable(f"not one assignment: {ast.unparse(statement)}")
         chain.read(statement.targets[0], statement.value)
     return chain.statement(causal)
@@ -203,9 +184,8 @@ class _Chain:
             return False
         left, self.v = operands
         if not _is_name(left, self.name):
-            raise NotRewritable(
-                f"the values' product does not read the scores: {ast.unparse(value)}"
-            )
+            said = ast.unparse(value)
+            raise NotRewritable(f"the values' product does not read the scores: {said}")
         return True
 
     def _step(self, target: ast.expr, value: ast.expr) -> None:
@@ -233,9 +213,8 @@ class _Chain:
         elif _is_softmax(value, self.name):
             self.softmax = True
         else:
-            raise NotRewritable(
-                f"a step of the chain the rewrite does not read: {ast.unparse(value)}"
-            )
+            said = ast.unparse(value)
+            raise NotRewritable(f"a step of the chain the rewrite does not read: {said}")
 
     def _rescaled(self, value: ast.expr) -> bool:
         """``att = att / s`` or ``att * s`` before any mask: the scale, once."""
@@ -258,9 +237,7 @@ class _Chain:
         name = _attribute(call.func) or ""
         if "drop" not in name.lower() or not call.args or not _is_name(call.args[0], self.name):
             raise NotRewritable(f"after the softmax, not a dropout: {ast.unparse(value)}")
-        if (
-            isinstance(call.func, ast.Attribute) and name == "dropout"
-        ):  # F.dropout(att, p, training)
+        if isinstance(call.func, ast.Attribute) and name == "dropout":  # F.dropout(att, p, train)
             p = _keyword(call, "p", 1) or ast.Constant(0.5)
             training = _keyword(call, "training", 2) or ast.Constant(True)
         else:  # a dropout module
@@ -291,11 +268,8 @@ def _product(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
     """(a, b) of ``a @ b`` or ``torch.matmul(a, b)``."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
         return node.left, node.right
-    if (
-        isinstance(node, ast.Call)
-        and _attribute(node.func) in ("matmul", "bmm")
-        and len(node.args) == 2
-    ):
+    call = isinstance(node, ast.Call) and len(node.args) == 2
+    if call and _attribute(node.func) in ("matmul", "bmm"):
         return node.args[0], node.args[1]
     return None
 

@@ -1,18 +1,9 @@
 """Where a step's time goes on the device: kernels, launches, syncs, and the device's idle time
-split by cause.
-
-The split follows Holistic Trace Analysis's idle-time breakdown, computed here from the profiler
-events already in memory (HTA reads trace files from disk and is not among the workbook's
-dependencies). Each gap between one kernel's end and the next one's start is
-
-- **sync**: a blocking call on the host (``cudaStreamSynchronize`` and friends, where ``.item()``
-  and ``.cpu()`` end) returned during the gap: the host waited for the device to drain, then had to
-  start the queue again;
-- **host**: a launch started during the gap: the device waited for the host to launch work;
-- **other**: the next kernel was already queued (launch latency, a dependency between streams).
-
-On a CPU there is no separate device: the "kernels" are the ATen operators that did arithmetic,
-and the rest of the step (Python, dispatch, allocation) is counted as host time.
+split by cause, as Holistic Trace Analysis splits it (computed from the profiler's events in
+memory). Each gap between kernels is **sync** (a blocking host call returned during it: the
+host waited, then restarted the queue), **host** (a launch started during it: the device waited
+for the host), or **other** (the next kernel was already queued). On a CPU the "kernels" are
+the ATen operators that did arithmetic, and the rest of the step is host time.
 """
 
 from __future__ import annotations
@@ -70,7 +61,6 @@ class Timeline:
     by_category: dict[str, float] = field(default_factory=dict)  # kernel time per category
     comm_us: float = 0.0
     comm_overlap_us: float = 0.0  # communication time during which compute also ran
-    top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, count, us
     profiled_step_us: float = math.nan  # the step under the profiler, which slows the host
 
     @property
@@ -118,6 +108,10 @@ def profile_timeline(
     else:
         idle = {"host": max(0.0, (t1 - t0) - busy)}
     comm, overlap = _communication(spans)
+    by_category: dict[str, float] = {}
+    for a, b, name in spans:
+        category = kernel_category(name)
+        by_category[category] = by_category.get(category, 0.0) + (b - a)
     per = 1.0 / steps
     return Timeline(
         device=str(device),
@@ -130,10 +124,9 @@ def profile_timeline(
         syncs=len(sync_ends) * per if cuda else math.nan,
         sync_wait_us=sum(r.end - r.start for r in blocking) * per,
         idle_us={k: v * per for k, v in idle.items()},
-        by_category={k: v * per for k, v in _by_category(spans).items()},
+        by_category={k: v * per for k, v in by_category.items()},
         comm_us=comm * per,
         comm_overlap_us=overlap * per,
-        top_kernels=_top(spans, per),
     )
 
 
@@ -163,14 +156,6 @@ def _any_in(sorted_times: list[float], a: float, b: float) -> bool:
     return i < len(sorted_times) and sorted_times[i] < b
 
 
-def _by_category(spans) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for a, b, name in spans:
-        category = kernel_category(name)
-        out[category] = out.get(category, 0.0) + (b - a)
-    return out
-
-
 def _communication(spans) -> tuple[float, float]:
     """Communication kernels' covered time, and how much of it compute kernels overlapped."""
     comm = [[a, b] for a, b, n in spans if kernel_category(n) == "communication"]
@@ -180,13 +165,3 @@ def _communication(spans) -> tuple[float, float]:
     total = union_length(comm)
     both = total + union_length(compute) - union_length(comm + compute)
     return total, both
-
-
-def _top(spans, per: float, n: int = 12) -> list[tuple[str, float, float]]:
-    totals: dict[str, list[float]] = {}
-    for a, b, name in spans:
-        entry = totals.setdefault(name, [0.0, 0.0])
-        entry[0] += 1
-        entry[1] += b - a
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][1])[:n]
-    return [(name, count * per, us * per) for name, (count, us) in ranked]

@@ -1,16 +1,8 @@
-"""``Report.try_fixes``: each fix on its own copy of the step, then the best set of the ones that
-helped, each checked against an unchanged copy (same start, same batch, same seed) and timed
-against it interleaved, with the prediction beside the measurement.
-
-A fix's numbers may differ from the unchanged step's by its argued tolerance, or by
-:data:`SPREAD_MULTIPLE` times the difference between two runs of the unchanged step itself
-(cuDNN's backward, atomics: a step that is not deterministic), whichever is larger; the row says
-which. A fix measured slower than the unchanged step beyond the timing's spread is "slower here"
-and stays out of the combined trial. The combined trial starts from every fix that helped and drops
-the least helpful while it is slower than the best single fix, so the best set is never below it.
-Its prediction comes from the fixes measured alone: each fix's saving spread over the parts of the
-step it acts on (:data:`ACTS_ON`), and fixes acting on the same part each take their share of
-what the others left, not of the whole.
+"""``Report.try_fixes``: each fix on its own copy of the step, then the best set of those that
+helped, each checked against an unchanged copy (same start, batch and seed) and timed against it
+interleaved. A fix may differ from the unchanged step by its argued tolerance or
+:data:`SPREAD_MULTIPLE` times the unchanged step's own run-to-run difference, whichever is larger;
+one slower beyond the timing's spread is "slower here" and stays out of the combined trial.
 """
 
 from __future__ import annotations
@@ -33,14 +25,8 @@ from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 from accel.memory import peak_memory
 
-__all__ = [
-    "ACTS_ON",
-    "combined_prediction_us",
-    "fix_names",
-    "result_error",
-    "tolerance",
-    "try_fixes",
-]
+__all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "result_error", "tolerance",
+           "try_fixes"]  # fmt: skip
 
 EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
 SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchanged step's own spread
@@ -72,9 +58,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
 _MAX_SHARE = 0.95  # no fix removes all of a part of the step
 
 
-def try_fixes(
-    report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress: bool = False
-):
+def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress=False):
     import pandas as pd
 
     names = report.fixes() if fixes is None else fix_names(fixes)
@@ -100,19 +84,18 @@ def _trials(report, names: list[str], steps: int, repeats: int, progress: bool):
     """The unchanged step's own spread, each fix alone, then the best set of them."""
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(names) + 2, desc="fixes", disable=not progress)
-    bar.set_description_str("running the unchanged step twice")
-    spread = own_spread(report, steps)
-    bar.update()
-    rows = []
-    for name in names:
-        bar.set_description_str(f"trying {FIXES[name].label}")
-        rows.append(_trial(report, [name], steps, repeats, spread))
+    with tqdm(total=len(names) + 2, desc="fixes", disable=not progress) as bar:
+        bar.set_description_str("running the unchanged step twice")
+        spread = own_spread(report, steps)
+        rows = []
+        for name in names:
+            bar.update()
+            bar.set_description_str(f"trying {FIXES[name].label}")
+            rows.append(_trial(report, [name], steps, repeats, spread))
         bar.update()
-    bar.set_description_str("trying the helpful ones together")
-    rows += _together(report, rows, steps, repeats, spread)
-    bar.update()
-    bar.close()
+        bar.set_description_str("trying the helpful ones together")
+        rows += _together(report, rows, steps, repeats, spread)
+        bar.update()
     return rows
 
 
@@ -171,10 +154,8 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
     while len(chosen) >= 2 and len(out) < COMBINED_TRIES:
         predicted = combined_prediction_us(report, rows, chosen)
         out.append(_trial(report, chosen, steps, repeats, spread, predicted_us=predicted))
-        if (
-            out[-1]["status"] == "ok"
-            and out[-1]["measured speedup"] >= helped[0]["measured speedup"]
-        ):
+        last = out[-1]
+        if last["status"] == "ok" and last["measured speedup"] >= helped[0]["measured speedup"]:
             break
         chosen = chosen[:-1]
     candidates = [r for r in (*out, *helped[:1]) if r["status"] == "ok"]
@@ -237,8 +218,7 @@ def _saved_us(step_us: float, row: dict) -> float:
 
 
 def _record_measured(report, rows: list[dict]) -> None:
-    """Each finding's measured saving (its best fix's, alone), and the findings ranked by it
-    (those measured first)."""
+    """Each finding's measured saving (its best fix alone), measured ones ranked first."""
     step_us = report.evidence.step_us
     saved = {
         r["fixes"]: _saved_us(step_us, r)
@@ -248,12 +228,8 @@ def _record_measured(report, rows: list[dict]) -> None:
     for finding in report.findings:
         tried = [saved[n] for n in finding.fixes if n in saved]
         finding.measured_us = max(tried) if tried else None
-    report.findings.sort(
-        key=lambda f: (
-            f.measured_us is None,
-            -(f.measured_us if f.measured_us is not None else (f.saved_us or -1.0)),
-        )
-    )
+    report.findings.sort(key=lambda f: (f.measured_us is None, -(
+        f.measured_us if f.measured_us is not None else (f.saved_us or -1.0))))  # fmt: skip
 
 
 def _fresh(report) -> StepCopy:
@@ -284,10 +260,8 @@ def _trial_row(report, names: list[str], spread: float, predicted_us: float | No
     if predicted_us is None:
         predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
     else:
-        predicted, source = (
-            predicted_us,
-            "the fixes measured alone, overlapping where they share time",
-        )
+        predicted = predicted_us
+        source = "the fixes measured alone, overlapping where they share time"
     argued = tolerance(report, names)
     allowance = max(argued, SPREAD_MULTIPLE * spread)
     return dict.fromkeys(TRIAL_COLUMNS, math.nan) | {
@@ -345,19 +319,11 @@ def _measured(report, names: list[str], steps: int, repeats: int, allowance: flo
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         error, first_s = result_error(base_call, fixed_call, base, fixed, checked)
-        timing = compare(
-            {"unchanged": base_call, "fixed": fixed_call},
-            warmup=3,
-            repeats=repeats,
-            calls_per_sample=CALLS,
-            device=report.evidence.device,
-        )
+        timing = compare({"unchanged": base_call, "fixed": fixed_call}, warmup=3, repeats=repeats,
+                         calls_per_sample=CALLS, device=report.evidence.device)
     unchanged, measured = (timing.timings[k].median_ms for k in ("unchanged", "fixed"))
-    low, high = (
-        timing.median_ratio_interval("unchanged", "fixed")
-        if repeats >= JUDGED_ROUNDS
-        else (math.nan, math.nan)
-    )
+    judged = repeats >= JUDGED_ROUNDS
+    low, high = timing.median_ratio_interval("unchanged", "fixed") if judged else (math.nan,) * 2
     status = _status(error, allowance, high, fixed, caught)
     device = report.evidence.device
     peaks = [peak_memory(call, device=device) / 2**20 for call in (base_call, fixed_call)]
@@ -393,8 +359,7 @@ def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: 
     """(relative error, the fixed copy's first call in s): ``steps`` steps of each from the same
     start with the same seed; the outputs of every step and the parameters after the last,
     compared as one vector (norm of the difference over the norm of the unchanged)."""
-    outputs = []
-    first_s = math.nan
+    outputs, first_s = [], math.nan
     for label, call in (("base", base_call), ("fixed", fixed_call)):
         torch.manual_seed(_SEED)
         got = []
@@ -407,9 +372,8 @@ def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: 
                 first_s = time.perf_counter() - started
         outputs.append(got)
     diff = norm = 0.0
-    pairs = [
-        (a, b) for s_a, s_b in zip(*outputs, strict=True) for a, b in zip(s_b, s_a, strict=True)
-    ]
+    pairs = [(a, b) for run_a, run_b in zip(*outputs, strict=True)
+             for a, b in zip(run_b, run_a, strict=True)]  # fmt: skip
     pairs += list(zip(_parameters(fixed), _parameters(base), strict=True))
     for a, b in pairs:
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:

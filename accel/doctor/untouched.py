@@ -1,15 +1,9 @@
-"""The proof that examining a step left the user's objects as they were.
-
-:class:`Untouched` records, when made, every model, optimizer and tensor requiring grad of the
-process (found by the garbage collector, whether the step reaches them or not): parameters,
-buffers, gradients (which tensor, and its values), optimizer state and hyperparameters; and what
-the step reaches besides: plain tensors, containers, objects of the user's classes, random
-generator objects, the globals its functions assign, open files, the batch's tensors.
-:meth:`Untouched.changed` names what is different since.
-
-A tensor's values are compared through its version counter (every in-place write) and two sums
-in float64 (of its magnitudes and of their squares: a write through ``.data``, which the counter
-does not see).
+"""The proof that examining a step left the user's objects as they were: :class:`Untouched`
+records every model, optimizer and tensor requiring grad of the process (by the garbage
+collector, reached or not), and what the step reaches besides (tensors, containers, user
+objects, generators, assigned globals, open files, the batch); :meth:`Untouched.changed` names
+what differs since. A tensor is compared by its version counter and two float64 sums (a write
+through ``.data`` escapes the counter).
 """
 
 from __future__ import annotations
@@ -94,14 +88,12 @@ class Untouched:
                 self._tensors.append((_owner(parts, t, main), t))
 
     def _optimizer(self, owner: str, opt: torch.optim.Optimizer) -> None:
-        for i, state in enumerate(opt.state.values()):
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    self._tensors.append((f"{owner}: state[{i}][{key!r}]", value))
-        for i, group in enumerate(opt.param_groups):
-            for key, value in group.items():
-                if isinstance(value, torch.Tensor):  # a learning rate kept as a tensor, say
-                    self._tensors.append((f"{owner}: param_groups[{i}][{key!r}]", value))
+        # the state's tensors, and a learning rate kept as a tensor, say
+        for table, entries in (("state", opt.state.values()), ("param_groups", opt.param_groups)):
+            for i, entry in enumerate(entries):
+                for key, value in entry.items():
+                    if isinstance(value, torch.Tensor):
+                        self._tensors.append((f"{owner}: {table}[{i}][{key!r}]", value))
         alive = self._alive
         self._probes.append((f"{owner}: state", lambda: _plain(list(opt.state.items()), alive)))
         self._probes.append((f"{owner}: param_groups", lambda: _plain(opt.param_groups, alive)))
@@ -114,24 +106,20 @@ class Untouched:
             if what == "tensor":
                 self._tensors.append((where, value))
             elif what in _SUMMARIES:
-                self._probes.append(
-                    (where, functools.partial(_SUMMARIES[what], value, self._alive))
-                )
+                summary = functools.partial(_SUMMARIES[what], value, self._alive)
+                self._probes.append((where, summary))
             elif what == "writes":
-                scope = value.__globals__
-                module = "global " if scope is reach.home else f"{scope.get('__name__', '?')}."
+                scope, home = value.__globals__, value.__globals__ is reach.home
                 for name in sorted(stored_globals(value.__code__)):
-                    label = f"global '{name}'" if module == "global " else f"{module}{name}"
-                    self._probes.append(
-                        (label, functools.partial(_binding, scope, name, self._alive))
-                    )
+                    label = f"global '{name}'" if home else f"{scope.get('__name__', '?')}.{name}"
+                    probe = functools.partial(_binding, scope, name, self._alive)
+                    self._probes.append((label, probe))
 
 
 # ---- summaries that compare ---------------------------------------------------------------------
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """The cyclic garbage collector paused: each of its passes over a large process's objects
-    would cost more than the records being made."""
+    """The garbage collector paused (its passes would cost more than the records)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -179,15 +167,11 @@ def _leaf_with_grad(t: torch.Tensor) -> bool:
 
 
 def _owner(parts: StepParts, value: Any, main: dict[int, str]) -> str:
-    """Where the step reaches ``value``, or, for one it does not, its name in ``__main__`` (the
-    notebook or script) if it has one."""
+    """Where the step reaches ``value``, else its name in ``__main__`` if it has one."""
     if id(value) in parts.where:
         return parts.where[id(value)]
-    what = (
-        f"'{main[id(value)]}'"
-        if id(value) in main
-        else f"a {type(value).__name__} at {id(value):#x}"
-    )
+    key = id(value)
+    what = f"'{main[key]}'" if key in main else f"a {type(value).__name__} at {key:#x}"
     return f"{what}, not found in the step"
 
 
@@ -296,10 +280,8 @@ def _binding(scope: dict[str, Any], name: str, alive: list[Any]) -> int | None:
 
 
 _SUMMARIES: dict[str, Callable[[Any, list[Any]], Any]] = {
-    "state": _items,
-    "rng": _rng_state,
-    "file": _position,
-}
+    "state": _items, "rng": _rng_state, "file": _position,
+}  # fmt: skip
 
 
 def _listed(names: list[str]) -> str:

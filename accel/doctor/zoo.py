@@ -1,25 +1,15 @@
 """Small training steps with planted problems, each beside a clean twin: what the doctor's tests,
-its bench phase and notebook 09 examine. Written as a user would write them; every planted line
-carries a ``# planted[<model>]: <kind>`` comment, so a test can check that the finding points at
-it (a planted float32 product has no line of its own: it is the autocast left out).
-
-- ``gpt``: a small GPT logging ``loss.item()`` every step, clipping and updating one tensor at a
-  time (``foreach=False``), zeroing gradients instead of dropping them, attention written out by
-  hand, float32 products;
-- ``cnn``: a BatchNorm CNN fed by a DataLoader that builds each image in the main process and
-  hands over pageable memory;
-- ``mlp``: an MLP trained in float32 by a hand-written optimizer that loops over its tensors;
-- ``rnn``: a GRU cell stepped through time in Python, with an ``if`` on a tensor in the loop;
-- ``shapes``: a model fed sequences of a different length every batch.
-
-``build(name, planted=True, device=..., preset=...)`` returns a :class:`ZooCase`; ``planted``
-may also name the kinds to plant (``{"sync"}``), so that one problem can be removed at a time and
-its gain measured against the doctor's prediction.
+its bench phase and notebook 09 examine. Every planted line carries ``# planted[<model>]: <kind>``
+(a planted float32 product has no line: it is the autocast left out). ``gpt``: a small GPT with
+a host read, per-tensor clipping and updates, zeroed gradients, hand-written attention, float32;
+``cnn``: a BatchNorm CNN fed by a main-process DataLoader; ``mlp``: an MLP under a hand-written
+per-tensor optimizer; ``rnn``: a GRU cell stepped in Python with an ``if`` on a tensor;
+``shapes``: sequences of a new length every batch. ``build(name, planted=...)`` plants all,
+none, or the kinds named, so one problem can be removed at a time and its gain measured.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "ZooCase", "build", "example", "planted_lines"]
+from accel.doctor.ladder import marked_lines, sizes
+
+__all__ = ["GPU_ONLY", "MODELS", "ZooCase", "build", "example", "planted_lines"]
 
 
 @dataclass
@@ -42,52 +34,34 @@ class ZooCase:
     expected: frozenset[str]  # finding kinds planted and visible on this device
 
 
-@dataclass(frozen=True)
-class Plantable:
-    """What a zoo model can plant, and which of it a CPU run can see (the rest needs a GPU)."""
-
-    kinds: frozenset[str]
-    on_cpu: frozenset[str]
-
-    def expected(self, planted: frozenset[str], device: torch.device) -> frozenset[str]:
-        return planted if device.type == "cuda" else planted & self.on_cpu
-
-
 def planted_lines(model: str | None = None) -> dict[str, list[int]]:
-    """kind -> the lines of this file marked ``# planted[<model>]: <kind>`` (every model's, or
-    the one named)."""
+    """kind -> the lines marked ``# planted[<model>]: <kind>`` (of the model named)."""
     found: dict[str, list[int]] = {}
-    for number, line in enumerate(Path(__file__).read_text().splitlines(), 1):
-        match = re.search(r"# planted\[(\w+)\]: (\w+)", line)
-        if match and not line.lstrip().startswith("#") and model in (None, match[1]):
+    for number, match in marked_lines(Path(__file__), r"# planted\[(\w+)\]: (\w+)"):
+        if model in (None, match[1]):
             found.setdefault(match[2], []).append(number)
     return found
 
 
-def _sizes(preset: str, cpu: dict, gpu: dict) -> dict:
-    """The preset's sizes. On a GPU each is large enough that the clean twin keeps the device
-    busy (its kernels outlast their launches): a launch-bound twin would be a true finding."""
-    return gpu if preset == "gpu" else cpu
+# The gpu sizes keep the device busy in each clean twin (its kernels outlast their launches): a
+# launch-bound twin would be a true finding.
 
 
-def _regression_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device):
-    """A plain training step on a mean-squared error, in bf16 on a GPU: nothing planted."""
+def _regression_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.device,
+                     bf16: bool | None = None):  # fmt: skip
+    """A plain training step on a mean-squared error, in bf16 on a GPU unless ``bf16=False``."""
+    bf16 = device.type == "cuda" if bf16 is None else bf16
 
     def step(batch):
         inputs, targets = batch
-        with _bf16(device):
-            loss = F.mse_loss(model(inputs), targets)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.mse_loss(model(inputs), targets)  # planted[mlp]: precision
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss.detach()
 
     return step
-
-
-def _bf16(device: torch.device):
-    """bf16 autocast on a GPU (the clean way to train there), nothing on a CPU."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 # ---- gpt ------------------------------------------------------------------------------------------
@@ -137,11 +111,8 @@ class ZooGPT(nn.Module):
 
 
 def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(
-        preset,
-        dict(vocab=96, dim=32, heads=4, layers=2, seq=16, batch=4),
-        dict(vocab=512, dim=1024, heads=16, layers=4, seq=256, batch=64),
-    )
+    size = sizes(preset, gpu=dict(vocab=512, dim=1024, heads=16, layers=4, seq=256, batch=64),
+                 cpu=dict(vocab=96, dim=32, heads=4, layers=2, seq=16, batch=4))
     batch_size = size.pop("batch")
     model = ZooGPT(**size, manual="attention" in plant).to(device)
     cuda = device.type == "cuda"
@@ -199,7 +170,8 @@ class NoisyShapes(torch.utils.data.Dataset):
 def _cnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     # images small enough that each item's operators run on one thread (below ATen's grain size),
     # as decoding does: the loader's time then moves with the host less than a thread pool does
-    size = _sizes(preset, dict(side=32, width=16, batch=16), dict(side=64, width=64, batch=256))
+    size = sizes(preset, gpu=dict(side=64, width=64, batch=256),
+                 cpu=dict(side=32, width=16, batch=16))
     w = size["width"]
     model = nn.Sequential(
         nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(),
@@ -215,7 +187,7 @@ def _cnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
         images, labels = batch
         images = images.to(device)  # planted[cnn]: input
         labels = labels.to(device)
-        with _bf16(device):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = F.cross_entropy(model(images), labels)
         loss.backward()
         opt.step()
@@ -251,7 +223,8 @@ class LoopMomentum(torch.optim.Optimizer):
 
 
 def _mlp(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=64, depth=8, batch=32), dict(dim=1024, depth=12, batch=65536))
+    size = sizes(preset, gpu=dict(dim=1024, depth=12, batch=65536),
+                 cpu=dict(dim=64, depth=8, batch=32))
     dim = size["dim"]
     layers = [m for _ in range(size["depth"]) for m in (nn.Linear(dim, dim), nn.SiLU())]
     model = nn.Sequential(*layers, nn.Linear(dim, 1)).to(device)
@@ -260,20 +233,10 @@ def _mlp(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
         opt = LoopMomentum(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=cuda or None)
-    bf16 = cuda and "precision" not in plant
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(size["batch"], dim, generator=gen).to(device)
     y = x.square().mean(1, keepdim=True)
-
-    def step(batch):
-        inputs, targets = batch
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = F.mse_loss(model(inputs), targets)  # planted[mlp]: precision
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = _regression_step(model, opt, device, bf16=cuda and "precision" not in plant)
     return ZooCase("mlp", plant, step, (x, y), None, frozenset())
 
 
@@ -307,7 +270,7 @@ class StepwiseGRU(nn.Module):
 
 
 def _rnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=16, seq=12, batch=8), dict(dim=1024, seq=256, batch=1024))
+    size = sizes(preset, gpu=dict(dim=1024, seq=256, batch=1024), cpu=dict(dim=16, seq=12, batch=8))
     model = StepwiseGRU(size["dim"], "stepwise" in plant, "sync" in plant).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
@@ -319,7 +282,8 @@ def _rnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
 
 # ---- shapes ---------------------------------------------------------------------------------------
 def _shapes(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
-    size = _sizes(preset, dict(dim=32, longest=48, batch=8), dict(dim=512, longest=512, batch=256))
+    size = sizes(preset, gpu=dict(dim=512, longest=512, batch=256),
+                 cpu=dict(dim=32, longest=48, batch=8))
     dim, longest = size["dim"], size["longest"]
     model = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -338,22 +302,17 @@ def _shapes(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase
 
 
 Builder = Callable[[frozenset, torch.device, str], ZooCase]
-MODELS: dict[str, tuple[Builder, Plantable]] = {
-    "gpt": (
-        _gpt,
-        Plantable(
-            frozenset(
-                {"sync", "attention", "optimizer_loop", "clip_loop", "precision", "zero_grad"}
-            ),
-            frozenset({"sync", "attention", "optimizer_loop", "zero_grad"}),
-        ),
-    ),
-    "cnn": (_cnn, Plantable(frozenset({"input"}), frozenset({"input"}))),
-    "mlp": (_mlp, Plantable(frozenset({"tensor_loop", "precision"}), frozenset({"tensor_loop"}))),
-    # a stepwise loop is found as a launch-bound step, on a GPU only
-    "rnn": (_rnn, Plantable(frozenset({"sync", "stepwise"}), frozenset({"sync"}))),
-    "shapes": (_shapes, Plantable(frozenset({"shapes"}), frozenset({"shapes"}))),
-}
+# planted kinds only a GPU run sees (a stepwise loop is found as a launch-bound step)
+GPU_ONLY = frozenset({"clip_loop", "precision", "stepwise"})
+# each model's builder and the kinds it can plant
+MODELS: dict[str, tuple[Builder, frozenset[str]]] = {
+    "gpt": (_gpt, frozenset({"sync", "attention", "optimizer_loop", "clip_loop", "precision",
+                             "zero_grad"})),
+    "cnn": (_cnn, frozenset({"input"})),
+    "mlp": (_mlp, frozenset({"tensor_loop", "precision"})),
+    "rnn": (_rnn, frozenset({"sync", "stepwise"})),
+    "shapes": (_shapes, frozenset({"shapes"})),
+}  # fmt: skip
 FINDING_OF = {"stepwise": "launch_bound"}  # planted kind -> the finding that reports it
 
 
@@ -369,17 +328,16 @@ def build(
     if name not in MODELS:
         raise ValueError(f"unknown zoo model {name!r}; expected one of {', '.join(MODELS)}")
     builder, plantable = MODELS[name]
-    kinds = plantable.kinds if planted is True else frozenset(planted or ())
-    unknown = kinds - plantable.kinds
-    if unknown:
+    kinds = plantable if planted is True else frozenset(planted or ())
+    if kinds - plantable:
         raise ValueError(
-            f"{name} cannot plant {sorted(unknown)}; it plants {sorted(plantable.kinds)}"
+            f"{name} cannot plant {sorted(kinds - plantable)}; it plants {sorted(plantable)}"
         )
     device = torch.device(device)
     torch.manual_seed(0)
     case = builder(kinds, device, preset)
-    found = {FINDING_OF.get(k, k) for k in plantable.expected(kinds, device)}
-    case.expected = frozenset(found)
+    visible = kinds if device.type == "cuda" else kinds - GPU_ONLY
+    case.expected = frozenset(FINDING_OF.get(k, k) for k in visible)
     return case
 
 

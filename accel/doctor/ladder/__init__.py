@@ -14,10 +14,8 @@ carries ``# ground truth: <kind>`` (the doctor's finding kinds); :func:`ground_t
 - ``rnn_lm``: PyTorch's word-language-model LSTM.
 
 Presets: ``"gpu"`` (the real sizes) and ``"cpu"`` (tiny, for tests). No script draws from the
-global random state (data from a seeded generator, weights made inside ``fork_rng``), and a
-twin's ``torch.backends`` settings hold only during its step's calls (:func:`tuned_backends`).
-Dropout is left out everywhere: it would draw from the caller's random state, and it costs both
-versions alike.
+global random state, and a twin's ``torch.backends`` settings hold only during its step's calls.
+Dropout is left out: it would draw from the caller's random state, and costs both versions alike.
 """
 
 from __future__ import annotations
@@ -25,14 +23,17 @@ from __future__ import annotations
 import contextlib
 import importlib
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["PRESETS", "SCRIPTS", "Script", "build", "ground_truth", "sizes", "tuned_backends"]
+from accel.doctor.products import backend_flags
+
+__all__ = ["PRESETS", "SCRIPTS", "Script", "build", "ground_truth", "marked_lines", "sizes",
+           "tuned_backends"]  # fmt: skip
 
 SCRIPTS = ("gpt2", "resnet", "bert", "vit", "rnn_lm")
 PRESETS = ("gpu", "cpu")
@@ -53,8 +54,7 @@ def build(
     device: torch.device | str | None = None,
     preset: str = "gpu",
 ) -> Script:
-    """Script ``name`` as first written, or its hand-optimized twin (``optimized=True``), on
-    ``device`` (this machine's GPU if there is one, else the CPU)."""
+    """Script ``name`` as first written or ``optimized``, on ``device`` (a GPU if any)."""
     if name not in SCRIPTS:
         raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
     if device is None:
@@ -65,46 +65,31 @@ def build(
 
 
 def ground_truth(name: str) -> dict[str, list[int]]:
-    """kind -> the line numbers in script ``name``'s file marked ``# ground truth: <kind>`` (a
-    line may carry several kinds, comma-separated)."""
+    """kind -> the lines of script ``name`` marked ``# ground truth: <kind>[, ...]``."""
     if name not in SCRIPTS:
         raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
     found: dict[str, list[int]] = {}
-    text = (Path(__file__).parent / f"{name}.py").read_text()
-    for number, line in enumerate(text.splitlines(), 1):
-        match = re.search(r"# ground truth: ([\w, ]+)$", line)
-        if match and not line.lstrip().startswith("#"):
-            for kind in match[1].split(","):
-                found.setdefault(kind.strip(), []).append(number)
+    path = Path(__file__).parent / f"{name}.py"
+    for number, match in marked_lines(path, r"# ground truth: ([\w, ]+)$"):
+        for kind in match[1].split(","):
+            found.setdefault(kind.strip(), []).append(number)
     return found
 
 
+def marked_lines(path: Path, pattern: str) -> list[tuple[int, re.Match]]:
+    """(line number, match) of each line of code in ``path`` with a comment matching ``pattern``."""
+    lines = enumerate(path.read_text().splitlines(), 1)
+    matches = ((n, re.search(pattern, line), line) for n, line in lines)
+    return [(n, m) for n, m, line in matches if m and not line.lstrip().startswith("#")]
+
+
 def sizes(preset: str, *, gpu: dict, cpu: dict) -> dict:
-    """The preset's sizes (a copy): ``gpu`` the script's real ones, ``cpu`` a step well under
-    half a second on a CPU."""
+    """The preset's sizes (a copy); ``cpu``: a step well under half a second."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
     return dict(gpu if preset == "gpu" else cpu)
 
 
-@contextlib.contextmanager
-def tuned_backends(*, cudnn_benchmark: bool = False) -> Iterator[None]:
-    """TF32 products (and cuDNN's autotuner if asked), as a hand-optimized script sets them at
-    its top, here for one call only: the caller's settings come back after it."""
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.cudnn.benchmark,
-    )
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    if cudnn_benchmark:
-        torch.backends.cudnn.benchmark = True
-    try:
-        yield
-    finally:
-        (
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            torch.backends.cudnn.benchmark,
-        ) = saved
+def tuned_backends(*, cudnn_benchmark: bool = False) -> contextlib.AbstractContextManager:
+    """TF32 (and cuDNN's autotuner if asked) for one call, as a twin sets them."""
+    return backend_flags(tf32=True, **({"cudnn_benchmark": True} if cudnn_benchmark else {}))

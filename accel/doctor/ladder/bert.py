@@ -1,11 +1,8 @@
 """A BERT-base encoder (post-LN, GELU) trained on masked language modelling over padded
-sequences, its modules written as Hugging Face's ``modeling_bert`` writes them.
-
-``first_written``: float32, attention written out with the extended mask (-10000.0 added to the
-scores at padding), ``torch.optim.AdamW`` with its defaults, the loss read every step, a
-pageable batch moved inside the step. ``hand_optimized``: as NVIDIA's BERT pretraining writes
-it: the vocabulary padded to 30528, ``scaled_dot_product_attention`` with a boolean mask, bf16
-autocast, TF32, fused AdamW, ``torch.compile``, the loss left on the device, a pinned batch.
+sequences, written as Hugging Face's ``modeling_bert``: first float32, attention written out
+with the additive -10000 mask, default AdamW, the loss read every step, a pageable batch; then as
+NVIDIA's pretraining (vocabulary padded to 30528, SDPA with a boolean mask, bf16, TF32, fused
+AdamW, ``torch.compile``, a pinned batch).
 """
 
 from __future__ import annotations

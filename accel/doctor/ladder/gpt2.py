@@ -1,12 +1,7 @@
-"""GPT-2 small (124M) trained as nanoGPT's lineage writes it.
-
-``first_written``: the tutorial's first commit: float32 (TF32 left off, torch's default),
-attention written out under a causal ``masked_fill`` on the registered ``bias`` buffer, the
-tokenizer's vocabulary of 50257, ``torch.optim.AdamW`` with its defaults, the loss read every
-step, a pageable batch moved inside the step. ``hand_optimized``: nanoGPT's later train.py:
-TF32, bf16 autocast, ``scaled_dot_product_attention(is_causal=True)``, the vocabulary padded to
-50304, fused AdamW with nanoGPT's weight-decay groups, ``torch.compile``, the loss left on the
-device, a pinned batch copied without blocking.
+"""GPT-2 small (124M) as nanoGPT's lineage writes it: first as the tutorial's first commit
+(float32, attention written out under the ``bias`` mask, vocabulary 50257, default AdamW, the
+loss read every step, a pageable batch), then as nanoGPT's later train.py (TF32, bf16, SDPA, the
+vocabulary padded to 50304, fused AdamW with decay groups, ``torch.compile``, a pinned batch).
 """
 
 from __future__ import annotations
@@ -92,14 +87,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int = SEED):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-                ln_f=nn.LayerNorm(config.n_embd),
-            )
-        )
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(config.n_embd),
+        ))  # fmt: skip
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying
         # drawn from a generator of its own, the tied embedding last (as lm_head): a padded
@@ -132,21 +125,16 @@ class GPT(nn.Module):
 
 
 def config_and_batch_size(preset: str) -> tuple[GPTConfig, int]:
-    size = sizes(
-        preset,
-        gpu=dict(batch=8),
-        cpu=dict(batch=4, block_size=32, vocab_size=101, n_layer=2, n_head=2, n_embd=32),
-    )
+    size = sizes(preset, gpu=dict(batch=8),
+                 cpu=dict(batch=4, block_size=32, vocab_size=101, n_layer=2, n_head=2, n_embd=32))
     batch_size = size.pop("batch")
     return GPTConfig(**size), batch_size
 
 
 def get_batch(config: GPTConfig, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random tokens of the tokenizer's vocabulary, on the host: inputs and their next tokens."""
-    generator = torch.Generator().manual_seed(SEED)
-    data = torch.randint(
-        config.vocab_size, (batch_size, config.block_size + 1), generator=generator
-    )
+    gen = torch.Generator().manual_seed(SEED)
+    data = torch.randint(config.vocab_size, (batch_size, config.block_size + 1), generator=gen)
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 

@@ -1,11 +1,7 @@
-"""A ResNet-18 (BasicBlocks, BatchNorm) on 128x128 images, 100 classes, trained with the loop of
-torchvision's classification reference.
-
-``first_written``: float32, the reference's SGD (momentum 0.9, weight decay 1e-4, torch's
-default kernels), the loss read every step for the log, a pageable batch moved inside the step.
-``hand_optimized``: the reference with its fast flags: a channels-last model and input, bf16
-autocast, ``cudnn.benchmark`` (and TF32), ``torch.compile``, fused SGD, a pinned batch copied
-without blocking, the loss left on the device.
+"""A ResNet-18 (BasicBlocks, BatchNorm) on 128x128 images, 100 classes, with the loop of
+torchvision's classification reference: first float32 with the reference's SGD, the loss read
+every step and a pageable batch; then with its fast flags (channels last, bf16, cudnn.benchmark
+and TF32, ``torch.compile``, fused SGD, a pinned batch, the loss left on the device).
 """
 
 from __future__ import annotations
@@ -77,11 +73,8 @@ def make_model(size: dict) -> ResNet18:
 
 
 def settings(preset: str) -> dict:
-    return sizes(
-        preset,
-        gpu=dict(batch=128, image=128, classes=100, width=64),
-        cpu=dict(batch=8, image=32, classes=10, width=8),
-    )
+    return sizes(preset, gpu=dict(batch=128, image=128, classes=100, width=64),
+                 cpu=dict(batch=8, image=32, classes=10, width=8))  # fmt: skip
 
 
 def get_batch(size: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,14 +1,8 @@
-"""An LSTM language model (2 layers of 650, WikiText-2's vocabulary of 33278, 35 steps of
-backpropagation through time), trained as PyTorch's word_language_model example trains it, on
-64 sequences a batch (the example's 20 leave a GPU idle).
-
-``first_written``: the example's loop: the hidden state carried from batch to batch and
-detached (``repackage_hidden``), gradients clipped by ``clip_grad_norm_``, parameters updated by
-hand one tensor at a time, the loss read every step, float32, a pageable batch moved inside the
-step. ``hand_optimized``: the update by fused SGD (the same rule), autocast (cuDNN's LSTM runs it
-in float16, whatever type is asked: its autocast wrapper casts to half; bf16 elsewhere), TF32,
-the loss left on the device, a pinned batch. Not compiled: whether ``torch.compile`` pays on a
-cuDNN LSTM has not been measured here, and the LSTM stays one cuDNN kernel either way.
+"""An LSTM language model (2 layers of 650, vocabulary 33278, 35 steps of backpropagation
+through time) as PyTorch's word_language_model example trains it, 64 sequences a batch: first the
+example's loop (parameters updated by hand one tensor at a time, float32, the loss read every
+step, a pageable batch); then fused SGD (the same rule), autocast (cuDNN's LSTM runs float16
+whatever is asked), TF32, a pinned batch. Not compiled: the LSTM stays one cuDNN kernel.
 """
 
 from __future__ import annotations
@@ -49,10 +43,8 @@ class RNNModel(nn.Module):
 
     def init_hidden(self, bsz: int):
         weight = next(self.parameters())
-        return (
-            weight.new_zeros(self.nlayers, bsz, self.nhid),
-            weight.new_zeros(self.nlayers, bsz, self.nhid),
-        )
+        return (weight.new_zeros(self.nlayers, bsz, self.nhid),
+                weight.new_zeros(self.nlayers, bsz, self.nhid))  # fmt: skip
 
 
 def repackage_hidden(h):
@@ -63,11 +55,9 @@ def repackage_hidden(h):
 
 
 def settings(preset: str) -> dict:
-    return sizes(
-        preset,
-        gpu=dict(ntokens=33278, emsize=650, nhid=650, nlayers=2, bptt=35, batch_size=64),
-        cpu=dict(ntokens=97, emsize=16, nhid=16, nlayers=2, bptt=5, batch_size=4),
-    )
+    return sizes(preset, gpu=dict(ntokens=33278, emsize=650, nhid=650, nlayers=2, bptt=35,
+                                  batch_size=64),
+                 cpu=dict(ntokens=97, emsize=16, nhid=16, nlayers=2, bptt=5, batch_size=4))
 
 
 def make_model(size: dict, device: torch.device) -> RNNModel:
@@ -82,9 +72,8 @@ def get_batch(size: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``bptt`` rows of the batchified corpus (random words here) and the words that follow
     them, flattened as the loss wants them; on the host."""
     generator = torch.Generator().manual_seed(SEED)
-    source = torch.randint(
-        size["ntokens"], (size["bptt"] + 1, size["batch_size"]), generator=generator
-    )
+    shape = (size["bptt"] + 1, size["batch_size"])
+    source = torch.randint(size["ntokens"], shape, generator=generator)
     return source[:-1], source[1:].reshape(-1)
 
 

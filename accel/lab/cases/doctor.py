@@ -1,17 +1,14 @@
-"""Bench phase ``doctor``: the doctor on every zoo model (``accel.doctor.zoo``).
-
-For each model: the planted problems found, the clean twin's findings (false alarms), each
-finding's predicted saving beside the saving measured by removing that one problem from the
-planted model (the zoo plants them one kind at a time; a launch-bound step's saving is measured
-as its change: what stops a capture removed, then a CUDA graph), and the fixes ``try_fixes``
-applied and measured. Savings are compared as shares of the step, each of the step timed with
-it. The targets: every planted problem found; no finding on a clean twin; the top finding's
-predicted share within 30% of its measured one on every model; on the planted GPT, the safe
-fixes together at least 3x its step.
+"""Bench phase ``doctor``: the doctor on every zoo model (``accel.doctor.zoo``): the planted
+problems found, the clean twin's findings (false alarms), each finding's predicted saving beside
+the saving measured by removing that one problem (a launch-bound step's: its blockers removed,
+then a CUDA graph), as shares of the step, and the fixes ``try_fixes`` measured. Targets: every
+planted problem found, no finding on a clean twin, the top finding within 30% of its measured
+share on every model, the planted GPT's safe fixes together at least 3x.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections.abc import Callable
@@ -28,35 +25,19 @@ from accel.measure.timer import compare
 PHASE = "doctor"
 TARGET_TOP_WITHIN = 0.30  # |predicted / measured - 1| of each model's top finding
 TARGET_GPT_FIXES = 3.0  # the planted GPT's step over the step with every safe fix
-# planted kinds whose removal is exactly the change the finding proposes (a stepwise loop is
-# reported as launch-bound, whose change, a graph, is not what removing the loop does: that one is
-# measured by applying the graph, see graph_saving)
-MEASURABLE = frozenset(
-    {
-        "sync",
-        "attention",
-        "optimizer_loop",
-        "clip_loop",
-        "precision",
-        "tensor_loop",
-        "input",
-        "zero_grad",
-    }
-)
+# planted kinds whose removal is exactly the change the finding proposes (a stepwise loop's
+# finding, launch-bound, proposes a graph: graph_saving measures that)
+MEASURABLE = frozenset({"sync", "attention", "optimizer_loop", "clip_loop", "precision",
+                        "tensor_loop", "input", "zero_grad"})  # fmt: skip
 
 
 def feeder(case: zoo.ZooCase) -> Callable[[], Any]:
-    """One training step as the user runs it: on the next batch of the loader, if there is one
-    (so waiting for data is in the time), else on the batch."""
+    """The step as the user runs it: on the loader's next batch if any, else the batch."""
     if case.loader is None:
         return lambda: case.step(case.batch)
-    batches = _endless(case.loader)  # a generator: the loader's iterator starts on first use
+    # the loader gone through again and again (its iterator starts on first use)
+    batches = itertools.chain.from_iterable(itertools.repeat(case.loader))
     return lambda: case.step(next(batches))
-
-
-def _endless(loader):
-    while True:
-        yield from loader
 
 
 CAPTURE_BLOCKERS = frozenset({"sync"})  # planted kinds that stop a CUDA graph capturing a step
@@ -82,22 +63,11 @@ def saving(
     step drifts with the host's speed; within a round both see the same host)."""
     with_it = zoo.build(name, planted, device=ctx.device, preset=ctx.preset)
     repeats = 8 if ctx.device.type == "cuda" else 3
-    timing = compare(
-        {"with": feeder(with_it), "changed": changed},
-        warmup=3,
-        repeats=repeats,
-        calls_per_sample=CALLS,
-        device=ctx.device,
-    )
+    timing = compare({"with": feeder(with_it), "changed": changed}, warmup=3, repeats=repeats,
+                     calls_per_sample=CALLS, device=ctx.device)
     mine, theirs = timing.timings["with"].times_ms, timing.timings["changed"].times_ms
     diff = statistics.median(a - b for a, b in zip(mine, theirs, strict=True))
     return Saving(diff, statistics.median(mine), how)
-
-
-def removal_saving(name: str, planted: frozenset[str], kind: str, ctx: BenchContext) -> Saving:
-    """Removing ``kind`` alone from the model with ``planted``."""
-    without = zoo.build(name, planted - {kind}, device=ctx.device, preset=ctx.preset)
-    return saving(name, planted, feeder(without), ctx)
 
 
 def graph_saving(name: str, planted: frozenset[str], ctx: BenchContext, costs) -> Saving:
@@ -140,49 +110,35 @@ def model_rows(name: str, ctx: BenchContext, costs) -> list[Row]:
     report = examine(planted.step, planted.batch, loader=planted.loader, **rates)
     clean = zoo.build(name, False, **build)
     clean_report = examine(clean.step, clean.batch, loader=clean.loader, **rates)
-    rows = [_found_row(name, planted, report, judged), _false_alarm_row(name, clean_report, judged)]
-    rows += _prediction_rows(name, planted, report, ctx, costs)
-    rows += _fix_rows(name, report, judged)
-    return rows
+    return [_found_row(name, planted, report, judged), _false_alarm_row(name, clean_report, judged),
+            *_prediction_rows(name, planted, report, ctx, costs), *_fix_rows(name, report, judged)]
 
 
 def _found_row(name: str, case: zoo.ZooCase, report, judged: bool) -> Row:
     found = report.kinds()
     missing, extra = case.expected - found, found - case.expected
-    return Row(
-        PHASE,
-        f"{name}: planted problems found",
-        "planted problems found by examine (those visible on this device)",
-        "count",
-        len(case.expected & found),
-        baseline=len(case.expected),
-        higher_is_better=True,
-        target="all",
-        met=not missing if judged else None,
-        note=f"planted {sorted(case.expected)}; missing {sorted(missing) or 'none'}; also "
-        f"found {sorted(extra) or 'nothing else'}; step {report.step_ms:.3f} ms",
-    )
+    return Row(PHASE, f"{name}: planted problems found", "planted problems found by examine (those "
+               "visible on this device)", "count", len(case.expected & found),
+               baseline=len(case.expected), higher_is_better=True, target="all",
+               met=not missing if judged else None,
+               note=f"planted {sorted(case.expected)}; missing {sorted(missing) or 'none'}; also "
+               f"found {sorted(extra) or 'nothing else'}; step {report.step_ms:.3f} ms")  # fmt: skip
 
 
 def _false_alarm_row(name: str, report, judged: bool) -> Row:
-    return Row(
-        PHASE,
-        f"{name}: clean twin's findings",
-        "findings on the same model without its planted problems (false alarms)",
-        "count",
-        len(report.findings),
-        target="0",
-        met=not report.findings if judged else None,
-        note="; ".join(f.title for f in report.findings) or "none",
-    )
+    return Row(PHASE, f"{name}: clean twin's findings", "findings on the same model without its "
+               "planted problems (false alarms)", "count", len(report.findings), target="0",
+               met=not report.findings if judged else None,
+               note="; ".join(f.title for f in report.findings) or "none")  # fmt: skip
 
 
 def _measured_saving(name: str, case: zoo.ZooCase, kind: str, ctx, costs) -> Saving | None:
     """The saving measured for the finding ``kind`` on this model, or None where it cannot be."""
     if kind == zoo.FINDING_OF["stepwise"] and "stepwise" in case.planted:
         return graph_saving(name, case.planted, ctx, costs)
-    if kind in MEASURABLE & case.planted:
-        return removal_saving(name, case.planted, kind, ctx)
+    if kind in MEASURABLE & case.planted:  # removed alone from the planted model
+        without = zoo.build(name, case.planted - {kind}, device=ctx.device, preset=ctx.preset)
+        return saving(name, case.planted, feeder(without), ctx)
     return None
 
 
@@ -193,32 +149,26 @@ def _prediction_rows(name: str, case: zoo.ZooCase, report, ctx: BenchContext, co
     ranking) judged."""
     rows = []
     for finding in report.findings:
-        measured = None
-        if finding.saved_us is not None:
-            measured = _measured_saving(name, case, finding.kind, ctx, costs)
+        if finding.saved_us is None:
+            continue
+        measured = _measured_saving(name, case, finding.kind, ctx, costs)
         if measured is None:
             continue
         step_us = report.evidence.iteration_us  # with the wait for data, as the loop runs it
         predicted = finding.saved_us / step_us
         top = not rows
         off = abs(predicted / measured.share - 1) if measured.share > 0 else math.inf
-        rows.append(
-            Row(
-                PHASE,
-                f"{name}: {finding.kind} saving{' (top finding)' if top else ''}",
-                "saving as a share of the step: measured (the problem removed alone or its change "
-                "applied) vs predicted",
-                "%",
-                100 * predicted,
-                baseline=100 * measured.share,
-                target=f"within {TARGET_TOP_WITHIN:.0%}" if top else "",
-                met=(off <= TARGET_TOP_WITHIN) if top and ctx.judged else None,
-                note=f"baseline = measured, optimized = predicted ({off:.0%} apart): predicted "
-                f"{finding.saved_us / 1e3:.3f} ms of a {step_us / 1e3:.3f} ms step, measured "
-                f"{measured.ms:.3f} ms of a {measured.step_ms:.3f} ms step; {finding.cost_model}"
-                + (f"; {measured.how}" if measured.how else ""),
-            )
-        )
+        rows.append(Row(
+            PHASE, f"{name}: {finding.kind} saving{' (top finding)' if top else ''}",
+            "saving as a share of the step: measured (the problem removed alone or its change "
+            "applied) vs predicted", "%", 100 * predicted, baseline=100 * measured.share,
+            target=f"within {TARGET_TOP_WITHIN:.0%}" if top else "",
+            met=(off <= TARGET_TOP_WITHIN) if top and ctx.judged else None,
+            note=f"baseline = measured, optimized = predicted ({off:.0%} apart): predicted "
+            f"{finding.saved_us / 1e3:.3f} ms of a {step_us / 1e3:.3f} ms step, measured "
+            f"{measured.ms:.3f} ms of a {measured.step_ms:.3f} ms step; {finding.cost_model}"
+            + (f"; {measured.how}" if measured.how else ""),
+        ))  # fmt: skip
     return rows
 
 
@@ -229,34 +179,20 @@ def _fix_rows(name: str, report, judged: bool) -> list[Row]:
         best = bool(trial["best set"])
         gpt_target = name == "gpt" and best
         ok = trial["status"] == "ok"
-        rows.append(
-            Row(
-                PHASE,
-                f"{name}: fix {trial['fixes']}" + (" (best set)" if best else ""),
-                "time per step, unchanged vs with the fix (predicted speedup in the note)",
-                "ms",
-                trial["measured ms"],
-                baseline=trial["unchanged ms"],
-                target=f">= {TARGET_GPT_FIXES}x" if gpt_target else "",
-                met=(ok and trial["measured speedup"] >= TARGET_GPT_FIXES)
-                if gpt_target and judged
-                else None,
-                note=f"{trial['status']}; predicted {trial['predicted speedup']:.2f}x; error "
-                f"{trial['error']:.2g} (allowed {trial['allowance']:.0e}: {trial['allowed by']}); "
-                f"first call {trial['first call s']:.2f} s",
-            )
-        )
+        rows.append(Row(
+            PHASE, f"{name}: fix {trial['fixes']}" + (" (best set)" if best else ""),
+            "time per step, unchanged vs with the fix (predicted speedup in the note)", "ms",
+            trial["measured ms"], baseline=trial["unchanged ms"],
+            target=f">= {TARGET_GPT_FIXES}x" if gpt_target else "",
+            met=(ok and trial["measured speedup"] >= TARGET_GPT_FIXES)
+            if gpt_target and judged else None,
+            note=f"{trial['status']}; predicted {trial['predicted speedup']:.2f}x; error "
+            f"{trial['error']:.2g} (allowed {trial['allowance']:.0e}: {trial['allowed by']}); "
+            f"first call {trial['first call s']:.2f} s",
+        ))  # fmt: skip
     if name == "gpt" and not trials["best set"].any():
-        rows.append(
-            Row(
-                PHASE,
-                "gpt: fix (best set)",
-                "time per step, unchanged vs with the best set of fixes",
-                "ms",
-                math.nan,
-                target=f">= {TARGET_GPT_FIXES}x",
-                met=False if judged else None,
-                note="no fix made the step faster within its allowance",
-            )
-        )
+        rows.append(Row(PHASE, "gpt: fix (best set)", "time per step, unchanged vs with the best "
+                        "set of fixes", "ms", math.nan, target=f">= {TARGET_GPT_FIXES}x",
+                        met=False if judged else None,
+                        note="no fix made the step faster within its allowance"))  # fmt: skip
     return rows

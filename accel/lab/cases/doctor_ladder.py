@@ -1,16 +1,9 @@
 """Bench phase ``doctor``, part ``ladder <script>``: the doctor on training scripts as people first
-write them (``accel.doctor.ladder``), against each script's hand-optimized twin.
-
-For each script: the twin's speedup over the script as written (the headroom there was), timed
-interleaved; ``examine`` and ``try_fixes()`` on the script as written, and the best set's speedup
-as a share of the twin's; each ground-truth change found (at its line, for the kinds a line names:
-a sync, a copy, an attention, a loop; by kind for those about the whole model) and tried; each
-fix's predicted saving beside its measured one, and the combined prediction beside the best set;
-examine's time; the findings on the twin whose fix does not pay. The targets are the doctor's:
-the best set at least 0.8x of the twin's speedup on every script and 0.9x as the geometric mean,
-every ground-truth change found and tried, predictions within 30% (where the saving predicted or
-measured is 3% of the step or more: below, it sits inside the timing's spread), examine under 30
-s, no finding on a twin whose fix pays under 5%.
+write them (``accel.doctor.ladder``), against each script's hand-optimized twin: the twin's
+speedup (the headroom), the best set of ``try_fixes()`` as a share of it, each ground-truth change
+found (at its line where a line names it) and tried, each fix's predicted saving beside its
+measured one, examine's time, and the findings on the twin whose fix does not pay. The targets
+are the constants below.
 """
 
 from __future__ import annotations
@@ -40,22 +33,16 @@ def parts() -> list[str]:
 
 
 def run_script(name: str, ctx: BenchContext, costs) -> list[Row]:
-    preset = "gpu" if ctx.preset == "gpu" else "cpu"
-    first = ladder.build(name, device=ctx.device, preset=preset)
-    twin = ladder.build(name, optimized=True, device=ctx.device, preset=preset)
+    first = ladder.build(name, device=ctx.device, preset=ctx.preset)
+    twin = ladder.build(name, optimized=True, device=ctx.device, preset=ctx.preset)
     hand = _hand_speedup(first, twin, ctx)
     started = time.perf_counter()
     report = examine(first.step, first.batch, ceilings=ctx.ceilings, costs=costs)
     examine_s = time.perf_counter() - started
     trials = report.try_fixes(repeats=REPEATS, steps=2)
-    rows = [
-        *_speedup_rows(name, hand, trials, ctx),
-        *_truth_rows(name, report, trials, ctx),
-        *_prediction_rows(name, report, trials, ctx),
-        _examine_row(name, examine_s, ctx),
-        _twin_row(name, twin, ctx, costs),
-    ]
-    return rows
+    return [*_speedup_rows(name, hand, trials, ctx), *_truth_rows(name, report, trials, ctx),
+            *_prediction_rows(name, report, trials, ctx), _examine_row(name, examine_s, ctx),
+            _twin_row(name, twin, ctx, costs)]  # fmt: skip
 
 
 def _hand_speedup(first, twin, ctx: BenchContext) -> dict:
@@ -102,10 +89,8 @@ def _speedup_rows(name: str, hand: dict, trials, ctx: BenchContext) -> list[Row]
 
 def _combined(trials) -> str:
     together = trials[trials["mode"] == "together"]
-    said = [
-        f"{r['fixes']} {r['status']} {r['measured speedup']:.2f}x"
-        for r in together.to_dict("records")
-    ]
+    said = [f"{r['fixes']} {r['status']} {r['measured speedup']:.2f}x"
+            for r in together.to_dict("records")]  # fmt: skip
     alone = trials[(trials["mode"] == "alone") & ~trials["status"].isin(["ok"])]
     said += [f"{r['fixes']} alone: {r['status']}" for r in alone.to_dict("records")]
     return "; ".join(said) or "none"
@@ -177,8 +162,7 @@ def _examine_row(name: str, seconds: float, ctx: BenchContext) -> Row:
 
 
 def _twin_row(name: str, twin, ctx: BenchContext, costs) -> Row:
-    """The twin examined, and each of its findings' fixes tried: a finding whose fix does not pay
-    5% is a false alarm."""
+    """The twin examined and its fixes tried: a finding whose fix pays under 5% is false."""
     report = examine(twin.step, twin.batch, ceilings=ctx.ceilings, costs=costs)
     fixes = report.fixes()
     trials = report.try_fixes(fixes, repeats=REPEATS, steps=2) if fixes else None
@@ -196,12 +180,11 @@ def _twin_row(name: str, twin, ctx: BenchContext, costs) -> Row:
 
 def geomean_row(rows: list[Row], ctx: BenchContext) -> Row | None:
     """The geometric mean of the scripts' shares, from this run's rows and those recorded."""
-    shares = {
-        r.case: r.optimized for r in rows if r.case.endswith("share of the hand-optimized speedup")
-    }
+    share = "share of the hand-optimized speedup"
+    shares = {r.case: r.optimized for r in rows if r.case.endswith(share)}
     recorded = ctx.recorded
     if recorded is not None and len(recorded):
-        kept = recorded[recorded["case"].str.endswith("share of the hand-optimized speedup")]
+        kept = recorded[recorded["case"].str.endswith(share)]
         for case, value in zip(kept["case"], kept["optimized"], strict=True):
             shares.setdefault(case, float(value))
     values = [v for v in shares.values() if v > 0 and math.isfinite(v)]
@@ -220,17 +203,12 @@ def ladder_table(rows):
     import pandas as pd
 
     out = []
-    for (device, script), group in rows.groupby(
-        [rows["device"], rows["case"].str.extract(r"^ladder (\w+):")[0]]
-    ):
-        by = {
-            case.split(": ", 1)[1]: r
-            for case, r in zip(group["case"], group.to_dict("records"), strict=True)
-        }
-        hand, best, share = (
-            by.get(k)
-            for k in ("hand-optimized", "doctor's best set", "share of the hand-optimized speedup")
-        )
+    scripts = rows["case"].str.extract(r"^ladder (\w+):")[0]
+    for (device, script), group in rows.groupby([rows["device"], scripts]):
+        by = {c.split(": ", 1)[1]: r
+              for c, r in zip(group["case"], group.to_dict("records"), strict=True)}  # fmt: skip
+        names = ("hand-optimized", "doctor's best set", "share of the hand-optimized speedup")
+        hand, best, share = (by.get(k) for k in names)
         if not (hand and best and share):
             continue
         hand_x = float(hand["baseline"]) / float(hand["optimized"])
