@@ -100,7 +100,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                             "gains, fixes measured")  # fmt: skip
     add = doctor.add_argument
     add("target", help="module:function or file.py:function returning (step, batch[, loader])")
-    add("--out", type=Path, default=Path("doctor.html"), help="the HTML report (%(default)s)")
+    add("--out", type=Path, default=Path("doctor.html"), help="the HTML report (default: %(default)s)")
     add("--steps", type=int, default=5, help="steps profiled (default 5)")
     add("--try-fixes", action="store_true", help="apply and measure the fixes")
     add("--compile", action="store_true", help="also list torch.compile's graph breaks")
