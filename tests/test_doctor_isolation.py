@@ -106,6 +106,19 @@ def small() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+def plain_step(model: nn.Module, opt: torch.optim.Optimizer):
+    """A training step that touches nothing but its model and optimizer."""
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
 def examined(step, *args, **kwargs):
     return doctor.examine(step, *args, steps=1, warmup=1, **kwargs)
 
@@ -328,15 +341,7 @@ def test_an_open_file_the_step_writes_to_is_named_first(seed, tmp_path):
 
 def test_try_fixes_puts_the_random_generators_back(seed):
     model, opt = small()
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    report = examined(step, torch.randn(5, 4))
+    report = examined(plain_step(model, opt), torch.randn(5, 4))
     before = held(model, opt)
     report.try_fixes("set_to_none", steps=1, repeats=1)
     assert differences(before, model, opt) == []
@@ -447,15 +452,7 @@ def test_a_step_that_does_not_run_when_called_is_refused(step, said):
 
 def test_try_fixes_refuses_counts_below_one_and_takes_a_name_as_one_name(seed):
     model, opt = small()
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    report = examined(step, torch.randn(5, 4))
+    report = examined(plain_step(model, opt), torch.randn(5, 4))
     for bad in (0, -1, 1.5, True):
         with pytest.raises(UsageError, match=f"steps as an int >= 1, got {bad!r}"):
             report.try_fixes(["set_to_none"], steps=bad)
