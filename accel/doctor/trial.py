@@ -162,9 +162,10 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
     if not candidates:
         return out
     best = max(candidates, key=lambda r: r["measured speedup"])
-    retried = _left_out(report, rows, best["fixes"].split("+"))
+    in_best = best["fixes"].split("+")
+    retried = _left_out(report, rows, in_best)
     if retried:  # one more trial: the best set with the fixes it left out that were predicted
-        out.append(_trial(report, best["fixes"].split("+") + retried, steps, repeats, spread))
+        out.append(_trial(report, in_best + retried, steps, repeats, spread))
         if out[-1]["status"] == "ok" and out[-1]["measured speedup"] > best["measured speedup"]:
             best = out[-1]
     best["best set"] = True
