@@ -227,9 +227,11 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
 def _fsdp2(batch) -> dict:
     """The same under FSDP2 (``fully_shard``): the sync asked for on each micro-batch, and the
     full gradients of both."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    models = {kind: fully_shard(_model(12)) for kind in ("large", "accumulated")}
+    mesh = init_device_mesh("cpu", (WORLD,))  # on the CPU under gloo, also where CUDA is present
+    models = {kind: fully_shard(_model(12), mesh=mesh) for kind in ("large", "accumulated")}
     asked = []
     model = models["accumulated"]
     switch = model.set_requires_gradient_sync

@@ -166,6 +166,22 @@ def test_write_results_by_case_replaces_a_sweeps_points_together(tmp_path):
     assert cases == ["one", "sweep x B=32", "sweep x B=8", "sweep y B=8", "sweep x: worst"], cases
 
 
+def test_write_results_by_case_replaces_a_named_groups_rows_together(tmp_path):
+    """Rows named "<group>: <what>" are one part's: a rerun whose rows changed names (a
+    prediction for another set of fixes) leaves none of the old ones behind."""
+    stamp = dict.fromkeys(COLUMNS[11:], "x")
+
+    def frame(*cases):
+        rows = [Row("a", case, "time", "ms", 1.0).as_dict() | stamp for case in cases]
+        return pd.DataFrame(rows, columns=COLUMNS)
+
+    old = ("ladder g: share", "ladder g: prediction a+b", "ladder h: share", "other")
+    write_results(frame(*old), tmp_path, stem="m")
+    write_results(frame("ladder g: share", "ladder g: prediction a"), tmp_path, stem="m", by_case=True)
+    cases = list(pd.read_csv(tmp_path / "m.csv")["case"])
+    assert cases == ["ladder g: share", "ladder g: prediction a", "ladder h: share", "other"], cases
+
+
 def test_only_is_refused_for_a_phase_that_runs_whole_and_for_a_part_that_is_not_there():
     from accel.errors import UsageError
     from accel.lab.bench import check_parts

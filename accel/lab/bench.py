@@ -255,13 +255,14 @@ def write_results(
 def _replace_cases(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     """``old`` with each row of ``new`` in the place of the old row of its (phase, case) (a new
     case after its phase's last row, a new phase at the end); a sweep's points ("sweep <name>
-    ...") are replaced together, in the place of the first old one."""
+    ...") and a group's rows ("<group>: ...") are replaced together, in the place of the first
+    old one."""
     old_keys = list(zip(old["phase"], old["case"], strict=True))
     new_keys = list(zip(new["phase"], new["case"], strict=True))
     at = {key: float(i) for i, key in enumerate(old_keys)}
     phase_end = {phase: float(i) for i, phase in enumerate(old["phase"])}
-    old_families = [_sweep_family(key) for key in old_keys]
-    new_families = [_sweep_family(key) for key in new_keys]
+    old_families = [_family(key) for key in old_keys]
+    new_families = [_family(key) for key in new_keys]
     family_at: dict[tuple, float] = {}
     for i, family in enumerate(old_families):
         family_at.setdefault(family, float(i))
@@ -281,11 +282,14 @@ def _replace_cases(old: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     return merged.iloc[sorted(range(len(merged)), key=place.__getitem__)].reset_index(drop=True)
 
 
-def _sweep_family(key: tuple[str, str]) -> tuple[str, str] | None:
-    """(phase, "sweep <name>") of a sweep point's (phase, case); None for any other case."""
+def _family(key: tuple[str, str]) -> tuple[str, str] | None:
+    """(phase, "sweep <name>") of a sweep point's (phase, case), (phase, "<group>") of a group's
+    row "<group>: ..."; None for any other case."""
     phase, case = key
     words = case.split(" ", 2)
-    return (phase, " ".join(words[:2])) if words[0] == "sweep" and len(words) > 2 else None
+    if words[0] == "sweep" and len(words) > 2:
+        return phase, " ".join(words[:2])
+    return (phase, case.split(": ", 1)[0]) if ": " in case else None
 
 
 PLOTLY_JS = "plotly.min.js"
