@@ -370,10 +370,12 @@ def test_combined_prediction_adds_fixes_on_separate_time_and_overlaps_shared_tim
     assert trial.combined_prediction_us(report, rows, ["tf32", "deferred_reads"]) == pytest.approx(
         55
     )
-    # tf32 takes half of the products; bf16 40% of every kernel, of what tf32 left of them
+    # under autocast the products run in bf16, where TF32 has no say: the better one alone
     both = trial.combined_prediction_us(report, rows, ["tf32", "bf16_autocast"])
-    assert both == pytest.approx(20 + 30 * 0.5 + 20 * 0.5)
-    assert both > 100 - 30 - 40  # not the sum of the savings: they share the products' time
+    assert both == pytest.approx(100 - 40)
+    # with another fix beside them: bf16's 40 and the sync's 15, on separate time
+    three = trial.combined_prediction_us(report, rows, ["deferred_reads", "tf32", "bf16_autocast"])
+    assert three == pytest.approx(100 - 40 - 15)
 
 
 def test_the_report_ends_with_how_far_the_fixes_took_the_step(seed):

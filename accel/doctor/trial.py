@@ -56,6 +56,9 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "checkpointing": (),
 }
 _MAX_SHARE = 0.95  # no fix removes all of a part of the step
+# fixes that do the same work another way: under autocast the products run in bf16, where TF32
+# has no say, so together they save what the better of them saves alone
+ALTERNATIVES = (frozenset({"tf32", "bf16_autocast"}),)
 
 
 def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress=False):
@@ -200,6 +203,11 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     left = dict(parts)
     unexplained = 0.0
     alone = {r["fixes"]: r for r in rows if r["mode"] == "alone"}
+    for group in ALTERNATIVES:
+        present = [n for n in names if n in group]
+        if len(present) > 1:
+            best = max(present, key=lambda n: _saved_us(t.step_us, alone[n]))
+            names = [n for n in names if n not in group or n == best]
     for name in names:
         saved = _saved_us(t.step_us, alone[name])
         acts = [p for p in ACTS_ON.get(name, ()) if parts.get(p, 0.0) > 0]
