@@ -324,6 +324,10 @@ def test_fixes_that_exclude_each_other_are_not_combined(monkeypatch):
     rows = fake_rows({"compile": 3.0, "cuda_graph": 2.0, "fused_optimizer": 1.5})
     trial._together(step_of(100.0), rows, 1, 1, 0.0)
     assert tried == [["compile", "fused_optimizer"]]
+    tried.clear()  # two cures of one clipping loop: the better one alone
+    rows = fake_rows({"batched_clip": 1.4, "compile": 1.2, "foreach_clip": 1.1})
+    trial._together(step_of(100.0), rows, 1, 1, 0.0)
+    assert tried == [["batched_clip", "compile"]]
 
 
 def step_of(step_us: float):

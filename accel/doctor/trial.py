@@ -28,7 +28,8 @@ from accel.memory import peak_memory
 __all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "result_error", "tolerance",
            "try_fixes"]  # fmt: skip
 
-EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"})
+EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"},
+             {"batched_clip", "foreach_clip"})  # fmt: skip
 SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchanged step's own spread
 COMBINED_TRIES = 3  # combined trials at most, each without the least helpful fix of the last
 NEUTRAL = 0.98  # a fix measured at least this fast alone may still help beside the others
