@@ -811,11 +811,22 @@ def test_no_fusion_finding_when_compiled_little_memory_bound_or_on_a_cpu():
 def test_an_odd_vocabulary_in_the_largest_product_is_found_with_its_padded_gain():
     head = mm(8192, 768, 50257, time_us=400.0, site=Site("gpt.py", 40, "forward"))
     small = mm(64, 100, 64, time_us=400.0)  # odd but small: not worth padding
-    (found,) = check_compute.odd_shape(evidence([head, small], tl=timeline_of(step_us=2000.0)))
+    model = nn.Sequential(nn.Linear(100, 100), nn.Linear(768, 50257, device="meta"))
+    found_in = evidence([head, small], tl=timeline_of(step_us=2000.0), parts=model_parts(model))
+    (found,) = check_compute.odd_shape(found_in)
     assert found.kind == "odd_shape" and "50304" in found.change
     assert found.sites == [Site("gpt.py", 40, "forward")]
     assert found.saved_us == pytest.approx(300.0)  # the stand-in times padded at a quarter
     assert found.fixes == ("padded_products",) and found.detail == (50257, 50304)
+
+
+def test_an_odd_width_no_layer_outputs_is_left_to_the_models_author():
+    """A hidden size of 650 entering a product (an LSTM's output into its decoder): padding it
+    changes the model, not only its speed, so it is no finding of the doctor's."""
+    decoder = mm(1400, 650, 33280, time_us=900.0)  # the hidden size as the inner dimension
+    model = nn.Sequential(nn.LSTM(650, 650), nn.Linear(650, 33280, device="meta"))
+    found_in = evidence([decoder], tl=timeline_of(step_us=2000.0), parts=model_parts(model))
+    assert check_compute.odd_shape(found_in) == []
 
 
 def test_convolutions_without_benchmark_or_channels_last_name_both_fixes():
