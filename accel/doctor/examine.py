@@ -25,6 +25,7 @@ from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplai
 from accel.doctor.parts import StepParts, copy_step, find_parts
 from accel.doctor.recorder import record_step
 from accel.doctor.timeline import CALLS, profile_timeline
+from accel.doctor.trial import replay_device_savings
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 
@@ -34,8 +35,10 @@ LOADER_BATCHES = 8  # batches timed through the step after the first
 
 
 def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[Finding]:
-    """Every registered check's findings, by predicted saving (unpredicted last)."""
+    """Every registered check's findings, by predicted saving (unpredicted last); a saving of the
+    device's kernels alone as the step keeps it (:func:`replay_device_savings`)."""
     found = [f for name, fn in CHECKS.items() if only is None or name in only for f in fn(evidence)]
+    replay_device_savings(found, evidence.timeline)
     return sorted(found, key=lambda f: -(f.saved_us if f.saved_us is not None else -1.0))
 
 

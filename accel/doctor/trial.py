@@ -25,8 +25,8 @@ from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 from accel.memory import peak_memory
 
-__all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "result_error", "tolerance",
-           "try_fixes"]  # fmt: skip
+__all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "replay_device_savings",
+           "result_error", "tolerance", "try_fixes"]  # fmt: skip
 
 EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"},
              {"batched_clip", "foreach_clip"})  # fmt: skip
@@ -60,6 +60,32 @@ _MAX_SHARE = 0.95  # no fix removes all of a part of the step
 # fixes that do the same work another way: under autocast the products run in bf16, where TF32
 # has no say, so together they save what the better of them saves alone
 ALTERNATIVES = (frozenset({"tf32", "bf16_autocast"}),)
+
+
+def replay_device_savings(findings: list, timeline) -> None:
+    """Each predicted saving that only the device's kernels make (every fix of the finding acts
+    on kernels alone) as the step keeps it where the device waits for the host: spread over the
+    kernels its fixes act on and replayed on the profiled timeline
+    (:meth:`~accel.doctor.timeline.Timeline.step_saving_us`)."""
+    for f in findings:
+        acts = {p for n in f.fixes for p in ACTS_ON.get(n, ("not a kernel",))}
+        if f.saved_us is None or not f.fixes or not acts <= set(_KERNELS):
+            continue
+        kept = _kept_on_step(timeline, acts, f.saved_us)
+        if kept < 0.9 * f.saved_us:
+            f.cost_model += (f"; replayed on the step's timeline, where the device waits for the "
+                             f"host: {kept / 1e3:.3f} ms of it shortens the step")  # fmt: skip
+        f.saved_by_fix = {n: _kept_on_step(timeline, set(ACTS_ON[n]), saved)
+                          for n, saved in f.saved_by_fix.items()}  # fmt: skip
+        f.saved_us = kept
+
+
+def _kept_on_step(timeline, acts: set[str], saved_us: float) -> float:
+    parts = {p: timeline.by_category.get(p, 0.0) for p in acts}
+    total = sum(parts.values())
+    if total <= 0:
+        return saved_us
+    return timeline.step_saving_us({p: saved_us * t / total for p, t in parts.items() if t > 0})
 
 
 def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress=False):
