@@ -141,6 +141,7 @@ def test_the_phase_runs_in_parts_each_with_its_own_rows(monkeypatch, only, group
     monkeypatch.setattr(recipe, "measure", fake_measure)
     monkeypatch.setattr(recipe, "seed_errors", fake_seed_errors)
     monkeypatch.setattr(recipe.recipe_adopted, "rows", lambda ctx: [])
+    monkeypatch.setattr(recipe.recipe_float8, "rows", lambda ctx: [])
     ctx = BenchContext(device=torch.device("cpu"), preset="cpu", only=only)
     rows = recipe.run(ctx)
     quality = [r for r in rows if r.case == recipe.QUALITY_CASE]

@@ -26,7 +26,7 @@ import torch
 from accel import memory
 from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases import recipe_adopted
+from accel.lab.cases import recipe_adopted, recipe_float8
 from accel.measure.timer import compare
 from accel.workloads import advection as op
 from accel.workloads.flags import label
@@ -387,7 +387,7 @@ def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = 
 
 def parts() -> list[str]:
     """The parts ``--only`` can pick (each within one ten-minute GPU command)."""
-    return ["cumulative", "alone", "quality", "adopted"]
+    return ["cumulative", "alone", "quality", "adopted", "float8"]
 
 
 def run(ctx: BenchContext) -> list[Row]:
@@ -418,6 +418,8 @@ def run(ctx: BenchContext) -> list[Row]:
         out.append(quality_row(errors, configs, judged=ctx.judged, train_steps=bench.train_steps))
     if ctx.selected("adopted"):
         out += recipe_adopted.rows(ctx)
+    if ctx.selected("float8"):
+        out += recipe_float8.rows(ctx)
     return ctx.judge(out)
 
 
