@@ -302,7 +302,7 @@ def test_the_best_set_is_never_below_the_best_fix_alone(monkeypatch):
 
     monkeypatch.setattr(trial, "_trial", together)
     monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
-    monkeypatch.setattr(trial, "_predicted_us", lambda *a: 0.0)  # nothing left out to retry
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)  # nothing left to retry
     rows = fake_rows({"bf16_autocast": 2.8, "tf32": 2.6, "pinned_batch": 1.1})
     combined = trial._together(step_of(100.0), rows, 1, 1, 0.0)
     assert tried == [["bf16_autocast", "tf32", "pinned_batch"], ["bf16_autocast", "tf32"]]
@@ -320,7 +320,7 @@ def test_fixes_that_exclude_each_other_are_not_combined(monkeypatch):
                 "measured speedup": 9.0, "best set": False}  # fmt: skip
 
     monkeypatch.setattr(trial, "_trial", together)
-    monkeypatch.setattr(trial, "_predicted_us", lambda *a: 50.0)  # cuda_graph predicted to pay
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 50.0)  # cuda_graph predicted to pay
     rows = fake_rows({"compile": 3.0, "cuda_graph": 2.0, "fused_optimizer": 1.5})
     trial._together(step_of(100.0), rows, 1, 1, 0.0)
     assert tried == [["compile", "fused_optimizer"]]
@@ -328,6 +328,23 @@ def test_fixes_that_exclude_each_other_are_not_combined(monkeypatch):
     rows = fake_rows({"batched_clip": 1.4, "compile": 1.2, "foreach_clip": 1.1})
     trial._together(step_of(100.0), rows, 1, 1, 0.0)
     assert tried == [["batched_clip", "compile"]]
+
+
+def test_a_fix_the_host_holds_back_is_retried_on_what_its_kernels_save():
+    """bf16 on a step the host holds back: replayed, it saves nothing now; its kernels would
+    save 30% once the host is freed, so the best set is tried with it."""
+    from accel.doctor.findings import Finding
+
+    held = Finding("precision", "t", "e", "m", "07_recipe", "c", saved_us=0.0, kernels_us=30.0,
+                   fixes=("bf16_autocast",))  # fmt: skip
+    report = SimpleNamespace(evidence=SimpleNamespace(step_us=100.0), findings=[held])
+    rows = fake_rows({"batched_clip": 2.0, "bf16_autocast": 0.97})
+    assert trial._left_out(report, rows, ["batched_clip"]) == ["bf16_autocast"]
+    # the set that frees the host is predicted with bf16's kernels' saving; bf16 alone without
+    assert trial._predicted_us(report, ["batched_clip", "bf16_autocast"]) == 30.0
+    assert trial._predicted_us(report, ["bf16_autocast"]) == 0.0
+    held.kernels_us = 1.0  # under 3% of the step even unbound: not retried
+    assert trial._left_out(report, rows, ["batched_clip"]) == []
 
 
 def step_of(step_us: float):
@@ -351,7 +368,7 @@ def test_a_predicted_fix_that_lost_alone_is_retried_on_the_best_set(
     monkeypatch.setattr(trial, "_trial", together)
     monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
     predicted = {"bf16_autocast": 30.0, "pinned_batch": 1.0}  # pinned: under 3% of the step
-    monkeypatch.setattr(trial, "_predicted_us", lambda report, names: predicted[names[0]])
+    monkeypatch.setattr(trial, "_predicted_us", lambda report, names, **_: predicted[names[0]])
     rows = fake_rows({"batched_clip": 2.0, "compile": 1.3, "bf16_autocast": 0.8, "pinned_batch": 0.9})
     rows[2]["status"] = "slower here"
     combined = trial._together(step_of(100.0), rows, 1, 1, 0.0)

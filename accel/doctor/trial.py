@@ -72,6 +72,7 @@ def replay_device_savings(findings: list, timeline) -> None:
         if f.saved_us is None or not f.fixes or not acts <= set(_KERNELS):
             continue
         kept = _kept_on_step(timeline, acts, f.saved_us)
+        f.kernels_us = f.saved_us
         if kept < 0.9 * f.saved_us:
             f.cost_model += (f"; replayed on the step's timeline, where the device waits for the "
                              f"host: {kept / 1e3:.3f} ms of it shortens the step")  # fmt: skip
@@ -215,7 +216,7 @@ def _left_out(report, rows: list[dict], best: list[str]) -> list[str]:
             and r["status"] in ("ok", "slower here")
             and name not in best
             and not any(name in g and g.intersection(best + left) for g in EXCLUSIVE)
-            and _predicted_us(report, [name]) >= RETRY_SHARE * step_us
+            and _predicted_us(report, [name], unbound=True) >= RETRY_SHARE * step_us
         ):
             left.append(name)
     return left
@@ -273,13 +274,17 @@ def _fresh(report) -> StepCopy:
     return StepCopy(step, parts, report.batch, report.evidence.device, findings=report.findings)
 
 
-def _predicted_us(report, names: list[str]) -> float:
-    """The findings' predicted savings that these fixes address, each finding once."""
+def _predicted_us(report, names: list[str], *, unbound: bool = False) -> float:
+    """The findings' predicted savings that these fixes address, each finding once; ``unbound``
+    (or a fix among them that frees the host): the kernels' own where the host held the step
+    back, as they may save once it does not."""
+    unbound = unbound or any("idle host" in ACTS_ON[n] for n in names)
     saved = [
-        max(f.saved_by_fix.get(n, f.saved_us) for n in set(f.fixes) & set(names))
+        f.kernels_us if unbound and f.kernels_us is not None
+        else max(f.saved_by_fix.get(n, f.saved_us) for n in set(f.fixes) & set(names))
         for f in report.findings
         if f.saved_us is not None and set(f.fixes) & set(names)
-    ]
+    ]  # fmt: skip
     return min(sum(saved), 0.999 * report.evidence.step_us)  # a trial times the step alone
 
 
