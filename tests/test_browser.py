@@ -209,6 +209,12 @@ def test_a_saved_notebook_reloaded_with_its_kernel_running_keeps_a_working_panel
     _assert_widgets_render(page)
     drawn = panel.first.locator(f".js-plotly-plot :is({DRAWN})")
     drawn.first.wait_for(timeout=10_000)  # the last run's figure, not the empty one it began as
+    # while the kernel's widget state is restored, the manager may render a saved view before
+    # its model is back and render it again after (jupyter-widgets/ipywidgets#3231): that
+    # message alone is allowed here, once the widgets stand; anything else is not
+    restoring = [e for e in page.console_errors if not e.startswith("Error: widget model not found")]
+    assert not restoring, f"browser console: {restoring}"
+    page.console_errors.clear()
     try:
         _toggle_and_run(page, panel.first, RELOADED.removesuffix(".ipynb") + "-reloaded")
         assert not page.console_errors, f"browser console: {page.console_errors}"

@@ -344,7 +344,6 @@ class Step:
         angles = torch.rand(host_planes.shape[:2], generator=gen) * 2 - 1
         self.theta = (angles * math.pi).to(device)
 
-    # ---- one window --------------------------------------------------------------------------
     def __call__(self) -> None:
         if self.log is not None:
             self.log.collect()  # rows of earlier windows that have landed; never waits
@@ -443,7 +442,6 @@ class Step:
         elif self.windows > 0 and self.windows % CLEANUP_EVERY == 0:
             torch.cuda.empty_cache()  # the "before": a stall every 10 windows, then cudaMallocs
 
-    # ---- reading results (syncs allowed: you asked) ------------------------------------------
     def progress(self) -> list[dict[str, float]]:
         """Every progress read-out so far, in order (waits for copies still in flight)."""
         return self.log.collect(wait=True) if self.log is not None else self._host_rows

@@ -379,7 +379,6 @@ class Step:
         self.controller_optimizer.step()
         self.controller_optimizer.zero_grad(set_to_none=True)
 
-    # ---- saving and resuming -----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resumed run needs to continue as if never stopped: weights, both
         optimizers, the controller's pending lesson (its last features and loss: the output is
@@ -427,7 +426,6 @@ class Step:
         for i, group in enumerate(self.optimizer.param_groups):
             group["lr"] = lrs[i]  # a 0-d view: the fused optimizers read it on the device
 
-    # ---- sizes of things ---------------------------------------------------------------------
     def resident_bytes(self) -> int:
         """Bytes that stay allocated between steps: parameters, gradients, optimizer state, data."""
         state = [t for s in self.optimizer.state.values() for t in s.values()]
@@ -438,7 +436,6 @@ class Step:
         """``batch`` sequences of the text, (batch, T + 1), for probing other batch sizes."""
         return text_batches(self.sizes, (batch,), seed).to(self.device)
 
-    # ---- reading results (syncs allowed: you asked) ------------------------------------------
     def result(self) -> dict[str, torch.Tensor]:
         """What every flag must leave (near) unchanged: the recent losses, all parameters
         (flattened), the learning-rate multipliers and the last gradient norm."""
