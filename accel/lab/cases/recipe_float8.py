@@ -90,7 +90,8 @@ def _width_rows(width: int, sizes: Float8Sizes, device: torch.device) -> list[Ro
     timing = compare(steps, warmup=2, repeats=sizes.repeats, device=device)
     low, high = timing.median_ratio_interval("bf16", "float8")
     last = {name: curve[-1] for name, curve in losses.items()}
-    apart = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses["float8"], losses["bf16"], strict=True))
+    pairs = zip(losses["float8"], losses["bf16"], strict=True)
+    apart = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
     case = f"float8 width {width}"
     return [
         Row(PHASE, f"{case}: time per step", f"time per training step, float8 (torchao) vs bf16 "
