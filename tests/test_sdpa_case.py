@@ -217,3 +217,11 @@ def test_gpu_sdpa_backends_times_the_fused_kernels_beside_pytorchs_pick():
     assert (rows.loc[["flash", "efficient"], "reason"] == "").all(), rows["reason"]
     timed = rows[rows["reason"] == ""]
     assert (timed["ms"] > 0).all() and (timed["speedup"] > 0).all()
+
+
+def test_the_masked_sweep_runs_at_the_cpu_preset():
+    """The CPU preset is the one a user without a GPU gets from the bench: forward points only,
+    FlexAttention having no backward there."""
+    rows = sweep.rows(BenchContext(CPU, "cpu", FAKE_CEILINGS, only=("masked sweep",)))
+    points = [r for r in rows if r.case.startswith("sweep masked")]
+    assert points and all(" fwd " in r.case for r in points)
