@@ -849,16 +849,24 @@ def test_bench_baseline_is_the_faster_of_two_launches_around_the_others(monkeypa
         launched.append((nprocs, tuple(configs)))
         if "one" in configs:  # the baseline: slow before, fast after
             return {"one": fake_run("none", 1, 80.0 if len(launched) == 1 else 100.0, 12.0)}
-        return {k: fake_run(c["wrapper"], nprocs, 150.0 * nprocs, 12.0) for k, c in configs.items()}
+        if bench.ONE_TUNED in configs:  # DDP on one rank, tuned: its own baseline
+            return {bench.ONE_TUNED: fake_run("ddp", 1, 120.0, 12.0, tuned=True)}
+        return {k: fake_run(c["wrapper"], nprocs, 150.0 * nprocs, 12.0, tuned="tuned" in k)
+                for k, c in configs.items()}  # fmt: skip
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "pick_task", lambda: ("task", "a fake"))
     rows = {r.case: r for r in bench.run(BenchContext(torch.device("cpu"), "cpu"))}
     wrapped = tuple(k for k in bench.CONFIGS if k != "one")
-    assert launched == [(1, ("one",)), (2, wrapped), (1, ("one",))]
+    singles = [(1, ("one",)), (1, (bench.ONE_TUNED,))]
+    assert launched == [*singles, (2, wrapped), *singles]
     assert rows["one_gpu throughput"].optimized == 100.0
     assert rows["ddp x2 throughput"].speedup == pytest.approx(3.0)  # 300 / 100, not 300 / 80
     assert "80 and 100 samples/s, the faster is the baseline" in rows["ddp x2 throughput"].note
+    # like for like: the tuned runs against one rank with the same settings
+    assert rows["one_gpu tuned throughput"].optimized == 120.0
+    assert rows["ddp tuned x2 throughput"].speedup == pytest.approx(300.0 / 120.0)
+    assert "against DDP on one rank with the same settings" in rows["ddp tuned x2 throughput"].note
 
 
 def test_measure_as_series_launches_once_per_nccl_setting_and_keeps_the_order(monkeypatch):
