@@ -1,8 +1,9 @@
 """Bench phase ``distributed`` (notebook 08): one GPU against DDP and FSDP2 on every GPU present,
 with torch's default communication settings and with the tuned ones, launched one after another.
 Rows for N >= 2 GPUs (fewer: rows saying what was skipped): each configuration's throughput
-against one GPU (the tuned ones against DDP on one rank with the same settings), its parameter + optimizer-state memory per GPU (FSDP2's against DDP's) and its
-peak memory; weak scaling on GPUs (each trains the whole ``gpu`` batch). Targets: ``TARGETS``.
+against one GPU (the tuned ones against DDP on one rank with the same settings), its parameter +
+optimizer-state memory per GPU (FSDP2's against DDP's) and its peak memory; weak scaling on GPUs
+(each trains the whole ``gpu`` batch). Targets: ``TARGETS``.
 """
 
 from __future__ import annotations
