@@ -35,7 +35,7 @@ PHASE = "recipe"
 TARGET_SPEEDUP = 2.5
 TARGET_QUALITY = 1.03  # recipe validation error <= 1.03 x the baseline's, after equal steps
 VALIDATION_CASE = "recipe: validation error after equal steps"
-QUALITY_CASE = "recipe: validation error over seeds"
+QUALITY_CASE = "quality: validation error over seeds"  # a group of its own (results files)
 SEEDS = 5  # trainings of the baseline and of the recipe, each pair from one seed
 # Student's t at 0.975 by degrees of freedom (seeds - 1): a mean's two-sided 95% interval
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
