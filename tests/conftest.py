@@ -146,3 +146,16 @@ def kdev(monkeypatch) -> str:
         return "cuda"
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     return "cpu"
+
+
+def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer):
+    """A training step that touches nothing but its model and optimizer."""
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import plain_step
 from torch import nn
 
 from accel import doctor
@@ -132,15 +133,7 @@ def test_lines_outside_every_models_forward_are_refused():
 def gpt_step(attention: type[nn.Module] = NanoAttention):
     model = nn.Sequential(nn.Linear(32, 32), attention(), nn.Linear(32, 32))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return step, model
+    return plain_step(model, opt), model
 
 
 def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):

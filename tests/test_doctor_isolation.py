@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import requires_cuda
+from conftest import plain_step, requires_cuda
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -104,19 +104,6 @@ def small() -> tuple[nn.Module, torch.optim.Optimizer]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     trained_once(model, opt)
     return model, opt
-
-
-def plain_step(model: nn.Module, opt: torch.optim.Optimizer):
-    """A training step that touches nothing but its model and optimizer."""
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return step
 
 
 def examined(step, *args, **kwargs):
