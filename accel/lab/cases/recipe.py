@@ -417,8 +417,7 @@ def run(ctx: BenchContext) -> list[Row]:
         configs = alone(ctx.device)
         alone_frame = measure(configs, sizes, ctx.device, validate=(next(iter(configs)),), **kwargs)
         out += rows(alone_frame, "alone", judged=ctx.judged)
-    configs = autotune(ctx.device)
-    if ctx.selected("autotune") and configs:
+    if ctx.selected("autotune") and (configs := autotune(ctx.device)):
         frame = measure(configs, sizes, ctx.device, validate=(next(iter(configs)),), **kwargs)
         out += rows(frame, "autotune", judged=ctx.judged)
     if ctx.selected("quality"):
