@@ -35,9 +35,29 @@ _PROFILER_LINE = re.compile(
 @contextlib.contextmanager
 def quiet_profile(**kwargs: Any) -> Iterator[profile]:
     """``torch.profiler.profile(**kwargs)`` with Kineto's lines kept off stderr; every other
-    line written to stderr meanwhile (a warning from the profiled code) is passed on after."""
-    with _without_kineto_lines(), profile(**kwargs) as prof:
+    line written to stderr meanwhile (a warning from the profiled code) is passed on after; and
+    CUDA's profiling interface detached when it stops (:func:`_cupti_detached_after`)."""
+    with _without_kineto_lines(), _cupti_detached_after(), profile(**kwargs) as prof:
         yield prof
+
+
+@contextlib.contextmanager
+def _cupti_detached_after() -> Iterator[None]:
+    # Kineto keeps CUPTI attached after a profile unless TEARDOWN_CUPTI is "1" when it stops, and
+    # an attached CUPTI slows every later kernel launch of the process. A value the user set is
+    # theirs; one torch sets meanwhile ("0": CUDA graphs with an old CUDA) is kept.
+    if TEARDOWN in os.environ:
+        yield
+        return
+    os.environ[TEARDOWN] = "1"
+    try:
+        yield
+    finally:
+        if os.environ.get(TEARDOWN) == "1":
+            del os.environ[TEARDOWN]
+
+
+TEARDOWN = "TEARDOWN_CUPTI"
 
 
 @contextlib.contextmanager

@@ -820,6 +820,23 @@ def test_an_odd_vocabulary_in_the_largest_product_is_found_with_its_padded_gain(
     assert found.fixes == ("padded_products",) and found.detail == (50257, 50304)
 
 
+def test_an_odd_vocabulary_that_costs_only_in_bf16_is_found_by_its_share_of_the_products():
+    """BERT's 30522-wide head in a float32 step: padding saves little of the float32 step, but
+    half of the products' time in bf16, where the precision fix will run them."""
+    head = mm(8192, 768, 30522, time_us=400.0)
+    model = nn.Sequential(nn.Linear(768, 30522, device="meta"))
+
+    def bf16_pays(ops, device, variants):
+        return {"pad": 400.0, "bf16": 100.0, "bf16 pad": 50.0}
+
+    found_in = evidence([head], tl=timeline_of(step_us=10_000.0), parts=model_parts(model))
+    found_in.measure["products"] = bf16_pays
+    (found,) = check_compute.odd_shape(found_in)  # 50 us: 0.5% of the step, half the products
+    assert found.saved_us == pytest.approx(50.0) and "in bf16" in found.cost_model
+    found_in.measure["products"] = lambda *a: {"pad": 400.0, "bf16": 100.0, "bf16 pad": 95.0}
+    assert check_compute.odd_shape(found_in) == []  # 5% of the products: inside their timing
+
+
 def test_an_odd_width_no_layer_outputs_is_left_to_the_models_author():
     """A hidden size of 650 entering a product (an LSTM's output into its decoder): padding it
     changes the model, not only its speed, so it is no finding of the doctor's."""

@@ -291,14 +291,16 @@ def test_the_best_set_is_never_below_the_best_fix_alone(monkeypatch):
     def together(report, names, steps, repeats, spread, predicted_us=None):
         tried.append(list(names))
         return {"fixes": "+".join(names), "mode": "together", "status": "ok",
-                "measured speedup": 2.5, "best set": False}  # fmt: skip
+                "measured speedup": 2.5, "measured ms": 4.0, "unchanged ms": 10.0,
+                "best set": False}  # fmt: skip
 
     monkeypatch.setattr(trial, "_trial", together)
     monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
-    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)  # nothing left to retry
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)  # only a sync retried
     rows = fake_rows({"bf16_autocast": 2.8, "tf32": 2.6, "pinned_batch": 1.1})
     combined = trial._together(step_of(100.0), rows, 1, 1, 0.0)
-    assert tried == [["bf16_autocast", "tf32", "pinned_batch"], ["bf16_autocast", "tf32"]]
+    assert tried == [["bf16_autocast", "tf32", "pinned_batch"], ["bf16_autocast", "tf32"],
+                     ["bf16_autocast", "pinned_batch"]]  # fmt: skip
     best = [r for r in rows + combined if r["best set"]]
     assert [r["fixes"] for r in best] == ["bf16_autocast"]
 
@@ -310,7 +312,8 @@ def test_fixes_that_exclude_each_other_are_not_combined(monkeypatch):
     def together(report, names, *args, **kwargs):
         tried.append(list(names))
         return {"fixes": "+".join(names), "mode": "together", "status": "ok",
-                "measured speedup": 9.0, "best set": False}  # fmt: skip
+                "measured speedup": 9.0, "measured ms": 10 / 9, "unchanged ms": 10.0,
+                "best set": False}  # fmt: skip
 
     monkeypatch.setattr(trial, "_trial", together)
     monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 50.0)  # cuda_graph predicted to pay
@@ -332,12 +335,15 @@ def test_a_fix_the_host_holds_back_is_retried_on_what_its_kernels_save():
                    fixes=("bf16_autocast",))  # fmt: skip
     report = SimpleNamespace(evidence=SimpleNamespace(step_us=100.0), findings=[held])
     rows = fake_rows({"batched_clip": 2.0, "bf16_autocast": 0.97})
-    assert trial._left_out(report, rows, ["batched_clip"]) == ["bf16_autocast"]
+    best = rows[0]  # the batched clip alone: the step as it was
+    assert trial._left_out(report, rows, best) == ["bf16_autocast"]
     # the set that frees the host is predicted with bf16's kernels' saving; bf16 alone without
     assert trial._predicted_us(report, ["batched_clip", "bf16_autocast"]) == 30.0
     assert trial._predicted_us(report, ["bf16_autocast"]) == 0.0
     held.kernels_us = 1.0  # under 3% of the step even unbound: not retried
-    assert trial._left_out(report, rows, ["batched_clip"]) == []
+    assert trial._left_out(report, rows, best) == []
+    # ... unless the best set leaves a step so short that it is 3% of it
+    assert trial._left_out(report, rows, best | {"measured ms": 0.3}) == ["bf16_autocast"]
 
 
 def step_of(step_us: float):
@@ -356,7 +362,8 @@ def test_a_predicted_fix_that_lost_alone_is_retried_on_the_best_set(
         tried.append(list(names))
         speedup = retried_speedup if "bf16_autocast" in names else 2.4
         return {"fixes": "+".join(names), "mode": "together", "status": "ok",
-                "measured speedup": speedup, "best set": False}  # fmt: skip
+                "measured speedup": speedup, "measured ms": 10 / speedup, "unchanged ms": 10.0,
+                "best set": False}  # fmt: skip
 
     monkeypatch.setattr(trial, "_trial", together)
     monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
@@ -365,10 +372,26 @@ def test_a_predicted_fix_that_lost_alone_is_retried_on_the_best_set(
     rows = fake_rows({"batched_clip": 2.0, "compile": 1.3, "bf16_autocast": 0.8, "pinned_batch": 0.9})
     rows[2]["status"] = "slower here"
     combined = trial._together(step_of(100.0), rows, 1, 1, 0.0)
-    assert tried == [["batched_clip", "compile"], ["batched_clip", "compile", "bf16_autocast"]]
+    kept = ["batched_clip", "compile"] + (["bf16_autocast"] if best == "retried" else [])
+    # one at a time, most predicted first; the pinned batch removes a sync: retried too
+    assert tried == [["batched_clip", "compile"], ["batched_clip", "compile", "bf16_autocast"],
+                     [*kept, "pinned_batch"]]  # fmt: skip
     chosen = [r["fixes"] for r in rows + combined if r["best set"]]
-    expected = "batched_clip+compile" + ("+bf16_autocast" if best == "retried" else "")
-    assert chosen == [expected]
+    assert chosen == ["+".join(kept)]
+
+
+def test_a_sync_removed_is_retried_on_the_best_set_whatever_it_was_predicted_to_save():
+    """A read per step costs what the device has queued when it waits: little on a step the
+    host holds back, the device's backlog once the best set frees the host."""
+    from accel.doctor.findings import Finding
+
+    read = Finding("sync", "t", "e", "m", "01_sync", "c", saved_us=0.5, fixes=("deferred_reads",))
+    report = SimpleNamespace(evidence=SimpleNamespace(step_us=100.0), findings=[read])
+    rows = fake_rows({"batched_clip": 2.0, "deferred_reads": 0.95, "fused_optimizer": 0.99})
+    rows[1]["status"] = "slower here"
+    assert trial._left_out(report, rows, rows[0]) == ["deferred_reads"]
+    rows[1]["status"] = "changes results beyond the allowance"
+    assert trial._left_out(report, rows, rows[0]) == []
 
 
 def timeline_report(by_category: dict[str, float], idle: dict[str, float]):

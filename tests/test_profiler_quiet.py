@@ -44,3 +44,32 @@ def test_the_profilers_note_on_memory_allocated_before_it_started_is_kept_off_st
     with quiet_profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         os.write(2, note + b"[W1126 01:03:22.1 Foo.cpp:1] a warning worth seeing\n")
     assert capfd.readouterr().err == "[W1126 01:03:22.1 Foo.cpp:1] a warning worth seeing\n"
+
+
+CPU_ONLY = [torch.profiler.ProfilerActivity.CPU]
+
+
+def test_a_profile_asks_kineto_to_detach_cupti_when_it_stops_and_leaves_the_environment_as_found(
+    monkeypatch,
+):
+    # an attached CUPTI slows every later kernel launch of the user's process
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    with quiet_profile(activities=CPU_ONLY):
+        during = os.environ.get("TEARDOWN_CUPTI")
+    assert during == "1"
+    assert "TEARDOWN_CUPTI" not in os.environ
+
+
+def test_the_users_own_teardown_setting_is_kept(monkeypatch):
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    with quiet_profile(activities=CPU_ONLY):
+        assert os.environ["TEARDOWN_CUPTI"] == "0"
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+def test_a_teardown_setting_torch_makes_during_the_profile_is_kept(monkeypatch):
+    # torch sets "0" where CUDA graphs and an old CUDA cannot survive the teardown
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    with quiet_profile(activities=CPU_ONLY):
+        os.environ["TEARDOWN_CUPTI"] = "0"
+    assert os.environ["TEARDOWN_CUPTI"] == "0"

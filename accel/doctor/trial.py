@@ -34,6 +34,7 @@ SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchang
 COMBINED_TRIES = 3  # combined trials at most, each without the least helpful fix of the last
 NEUTRAL = 0.98  # a fix measured at least this fast alone may still help beside the others
 RETRY_SHARE = 0.03  # a fix predicted to save this share of the step is retried on the best set
+RETRIES = 3  # fixes left out of the best set tried on it, one at a time, at most
 _SEED = 1234
 JUDGED_ROUNDS = 6  # fewer rounds give no 95% interval of the median ratio: slower is not judged
 _KERNELS = ("matmul", "attention", "normalization", "elementwise and other", "compiled (Triton)")
@@ -194,32 +195,36 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
         return out
     best = max(candidates, key=lambda r: r["measured speedup"])
     in_best = best["fixes"].split("+")
-    retried = _left_out(report, rows, in_best)
-    if retried:  # one more trial: the best set with the fixes it left out that were predicted
-        out.append(_trial(report, in_best + retried, steps, repeats, spread))
+    for name in _left_out(report, rows, best)[:RETRIES]:  # each kept only where it pays
+        out.append(_trial(report, [*in_best, name], steps, repeats, spread))
         if out[-1]["status"] == "ok" and out[-1]["measured speedup"] > best["measured speedup"]:
-            best = out[-1]
+            best, in_best = out[-1], [*in_best, name]
     best["best set"] = True
     return out
 
 
-def _left_out(report, rows: list[dict], best: list[str]) -> list[str]:
-    """Fixes outside the best set that measured no gain alone yet were predicted to save
-    :data:`RETRY_SHARE` of the step: a fix of the device's time (bf16) gains nothing while the
-    host holds the step back, and may pay once the best set has freed it."""
-    step_us = report.evidence.step_us
-    left = []
+def _left_out(report, rows: list[dict], best: dict) -> list[str]:
+    """Fixes outside the ``best`` set (its row) that may pay on it though they did not alone,
+    most predicted first: one predicted to save :data:`RETRY_SHARE` of the step the best set
+    leaves (a fix of the device's time, bf16, gains nothing while the host holds the step back),
+    and one that removes a sync (it costs what the device has queued, which grows as the other
+    fixes free the host)."""
+    in_best = best["fixes"].split("+")
+    left_us = report.evidence.step_us * best["measured ms"] / best["unchanged ms"]
+    left = {}
     for r in rows:
         name = r["fixes"]
         if (
-            r["mode"] == "alone"
-            and r["status"] in ("ok", "slower here")
-            and name not in best
-            and not any(name in g and g.intersection(best + left) for g in EXCLUSIVE)
-            and _predicted_us(report, [name], unbound=True) >= RETRY_SHARE * step_us
+            r["mode"] != "alone"
+            or r["status"] not in ("ok", "slower here")
+            or name in in_best
+            or any(name in g and g.intersection(in_best + list(left)) for g in EXCLUSIVE)
         ):
-            left.append(name)
-    return left
+            continue
+        predicted = _predicted_us(report, [name], unbound=True)
+        if predicted >= RETRY_SHARE * left_us or "idle sync" in ACTS_ON[name]:
+            left[name] = predicted
+    return sorted(left, key=lambda n: -left[n])
 
 
 def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
