@@ -43,3 +43,24 @@ def test_recorded_rows_become_one_row_per_script_with_the_gap_left():
     (shown,) = doctor_ladder.ladder_table(rows).to_dict("records")
     assert (shown["hand-optimized"], shown["doctor"], shown["share"]) == (8.0, 5.0, 0.625)
     assert shown["gap left"] == pytest.approx(1.6) and shown["best set"] == "bf16 autocast + compile"
+
+
+def test_a_fix_measured_slower_is_still_judged_against_its_prediction():
+    """bf16 predicted 40% on a host-bound step and measured slower: a miss the rows must show;
+    a fix no finding predicted (tried with the others) gets no row of its own."""
+    report = SimpleNamespace(
+        findings=[SimpleNamespace(fixes=("bf16_autocast",))],
+        evidence=SimpleNamespace(step_us=10_000.0),
+    )
+    trials = pd.DataFrame([
+        {"fixes": "bf16_autocast", "label": "bf16", "mode": "alone", "status": "slower here",
+         "predicted ms": 6.0, "predicted from": "the findings' cost models",
+         "measured ms": 10.5, "unchanged ms": 10.0},
+        {"fixes": "fused_optimizer", "label": "fused", "mode": "alone", "status": "ok",
+         "predicted ms": 10.0, "predicted from": "the findings' cost models",
+         "measured ms": 9.9, "unchanged ms": 10.0},
+    ])  # fmt: skip
+    ctx = SimpleNamespace(judged=True)
+    (row,) = doctor_ladder._prediction_rows("vit", report, trials, ctx)
+    assert row.case == "ladder vit: prediction bf16_autocast" and row.met is False
+    assert (row.optimized, row.baseline) == pytest.approx((40.0, -5.0))

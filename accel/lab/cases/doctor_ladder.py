@@ -136,11 +136,12 @@ def _why_not(kinds: list[str], report, trials) -> str:
 def _prediction_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
     rows = []
     for trial in trials.to_dict("records"):
-        if trial["status"] != "ok" or not math.isfinite(trial["predicted ms"]):
+        measured_ok = trial["status"] in ("ok", "slower here")  # a loss is a measurement too
+        if not measured_ok or not math.isfinite(trial["predicted ms"]):
             continue
         predicted = 1 - trial["predicted ms"] / (report.evidence.step_us / 1e3)
         measured = 1 - trial["measured ms"] / trial["unchanged ms"]
-        if trial["mode"] == "alone" and predicted <= 0:
+        if trial["mode"] == "alone" and not any(trial["fixes"] in f.fixes for f in report.findings):
             continue  # no finding predicted this fix's saving
         off = abs(predicted / measured - 1) if measured > 0 else math.inf
         judged = ctx.judged and max(predicted, measured) >= JUDGED_SHARE
