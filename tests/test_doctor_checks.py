@@ -791,11 +791,17 @@ def test_runs_of_memory_bound_kernels_are_predicted_fused_without_the_tensors_th
         ]
         + [mm(1024, 1024, 1024, time_us=100.0), op("aten::add", x, outputs=(x,), time_us=20.0)]
     )
-    (found,) = check_compute.fusion(evidence(ops, tl=timeline_of(step_us=400.0)))
+    slow = evidence(ops, tl=timeline_of(step_us=400.0))
+    slow.measure["ceilings"] = lambda: SimpleNamespace(copy_gb_s=100.0)  # slower than the run
+    (found,) = check_compute.fusion(slow)
     # one run of three (a lone kernel has nothing to fuse with) moving 6 tensors' bytes, of which
     # the two handed on (written, then read back) go: 4 of 6, at the rate the run reaches now
     assert found.kind == "fusion" and found.fixes == ("compile",)
     assert found.saved_us == pytest.approx(60.0 * 4 / 6)
+    # the run reaches 24 MiB in 60 us, 419 GB/s; one kernel at a copy rate of 1000 GB/s moves
+    # the 8 MiB left in 8.4 us
+    (found,) = check_compute.fusion(evidence(ops, tl=timeline_of(step_us=400.0)))
+    assert found.saved_us == pytest.approx(60.0 - 8 * 2**20 / (COPY_GB_S * 1e3))
 
 
 def test_no_fusion_finding_when_compiled_little_memory_bound_or_on_a_cpu():
