@@ -41,6 +41,9 @@ def quiet_profile(**kwargs: Any) -> Iterator[profile]:
         yield prof
 
 
+TEARDOWN = "TEARDOWN_CUPTI"  # Kineto's switch, read when a profile stops
+
+
 @contextlib.contextmanager
 def _cupti_detached_after() -> Iterator[None]:
     # Kineto keeps CUPTI attached after a profile unless TEARDOWN_CUPTI is "1" when it stops, and
@@ -55,9 +58,6 @@ def _cupti_detached_after() -> Iterator[None]:
     finally:
         if os.environ.get(TEARDOWN) == "1":
             del os.environ[TEARDOWN]
-
-
-TEARDOWN = "TEARDOWN_CUPTI"
 
 
 @contextlib.contextmanager
