@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import plain_step
+from conftest import plain_step, requires_cuda
 from torch import nn
 
 from accel import doctor
@@ -450,6 +450,25 @@ def test_per_tensor_clipping_batched_equals_the_loop_and_returns_each_norm(seed)
     assert torch.nn.utils.clip_grad._get_total_norm.__module__ == "torch.nn.utils.clip_grad"
 
 
+def test_batched_clips_with_a_limit_each_equal_the_loop(seed):
+    from accel.doctor.batched_clip import batched_clipping
+
+    gen = torch.Generator().manual_seed(seed)
+    grads = [s * torch.randn(n, generator=gen) for n, s in ((4, 10.0), (9, 0.1), (3, 5.0))]
+    limits = (1.0, 0.5, 2.0)
+    looped = [nn.Parameter(torch.empty(g.shape)) for g in grads]
+    batched = [nn.Parameter(torch.empty(g.shape)) for g in grads]
+    for a, b, g in zip(looped, batched, grads, strict=True):
+        a.grad, b.grad = g.clone(), g.clone()
+    for p, limit in zip(looped, limits, strict=True):
+        torch.nn.utils.clip_grad_norm_([p], limit)
+    with batched_clipping():
+        for p, limit in zip(batched, limits, strict=True):
+            torch.nn.utils.clip_grad_norm_([p], limit)
+    for a, b in zip(looped, batched, strict=True):
+        torch.testing.assert_close(b.grad, a.grad)
+
+
 def test_batched_clips_run_before_the_optimizer_steps(seed):
     from accel.doctor.batched_clip import batched_clipping
 
@@ -461,6 +480,23 @@ def test_batched_clips_run_before_the_optimizer_steps(seed):
         torch.nn.utils.clip_grad_norm_([p], 1.0)
         opt.step()
     torch.testing.assert_close(p.detach(), reference)
+
+
+@requires_cuda
+@pytest.mark.parametrize("max_norms", [(1.0, 1.0, 1.0), (1.0, 0.5, 2.0)])
+def test_batched_clips_make_no_host_device_sync(seed, max_norms):
+    """The loop never waited for the device; its batched form must not either (a limit copied
+    in with a blocking copy would make every step wait)."""
+    from accel.doctor.batched_clip import batched_clipping
+    from accel.sync import recording_syncs
+
+    params = [nn.Parameter(torch.randn(n, device="cuda")) for n in (5, 300, 7)]
+    for p in params:
+        p.grad = 10 * torch.randn_like(p)
+    with recording_syncs() as syncs, batched_clipping():
+        for p, limit in zip(params, max_norms, strict=True):
+            torch.nn.utils.clip_grad_norm_([p], limit)
+    assert syncs == []
 
 
 def test_backend_flags_are_put_back_after_an_error():

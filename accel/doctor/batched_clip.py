@@ -33,11 +33,20 @@ class _Pending:
             return
         norms = torch._foreach_norm(self.grads, self.norm_type)
         torch._foreach_copy_(self.norms, norms)
-        limits = torch.tensor(self.max_norms, device=self.grads[0].device, dtype=torch.float32)
-        coefs = (limits / (torch.stack(norms).float() + _EPS)).clamp(max=1.0)
+        coefs = _limits(self.max_norms, self.grads[0].device) / (torch.stack(norms).float() + _EPS)
+        coefs = coefs.clamp(max=1.0)
         scales = [c.to(g.dtype) for c, g in zip(coefs.unbind(), self.grads, strict=True)]
         torch._foreach_mul_(self.grads, scales)
         self.grads, self.norms, self.max_norms = [], [], []
+
+
+def _limits(max_norms: list[float], device: torch.device) -> float | torch.Tensor:
+    """The clips' limits without a wait for the device: one number where they agree (the usual
+    loop), else copied in without blocking (``torch.tensor(..., device=...)`` waits for the
+    stream)."""
+    if len(set(max_norms)) == 1:
+        return max_norms[0]
+    return torch.tensor(max_norms, dtype=torch.float32).to(device, non_blocking=True)
 
 
 @contextlib.contextmanager
