@@ -397,7 +397,7 @@ def test_a_sync_removed_is_retried_on_the_best_set_whatever_it_was_predicted_to_
 def timeline_report(by_category: dict[str, float], idle: dict[str, float]):
     step_us = sum(by_category.values()) + sum(idle.values())
     t = SimpleNamespace(by_category=by_category, idle_us=idle, step_us=step_us)
-    return SimpleNamespace(evidence=SimpleNamespace(timeline=t))
+    return SimpleNamespace(evidence=SimpleNamespace(timeline=t), findings=[])
 
 
 def test_combined_prediction_adds_fixes_on_separate_time_and_overlaps_shared_time():
@@ -413,6 +413,23 @@ def test_combined_prediction_adds_fixes_on_separate_time_and_overlaps_shared_tim
     # with another fix beside them: bf16's 40 and the sync's 15, on separate time
     three = trial.combined_prediction_us(report, rows, ["deferred_reads", "tf32", "bf16_autocast"])
     assert three == pytest.approx(100 - 40 - 15)
+
+
+def test_a_device_fix_the_host_held_back_counts_its_kernels_saving_beside_a_fix_that_frees_it():
+    """A host-bound step: TF32 measured nothing alone (the device waited for the host), its
+    kernels would save 30; beside the batched clip, which frees the host, it is counted."""
+    from accel.doctor.findings import Finding
+
+    report = timeline_report({"matmul": 40.0, "elementwise and other": 10.0}, {"host": 50.0})
+    report.findings = [Finding("precision", "t", "e", "m", "07_recipe", "c", saved_us=0.0,
+                               kernels_us=30.0, fixes=("tf32",))]  # fmt: skip
+    rows = fake_rows({"tf32": 1.0, "batched_clip": 100 / 60})
+    # the clip acts on the host's idle time and elementwise work: 40 of them saved
+    assert trial.combined_prediction_us(report, rows, ["batched_clip", "tf32"]) == pytest.approx(
+        100 - 40 - 30
+    )
+    # alone, TF32 is held back: what it measured is what counts
+    assert trial.combined_prediction_us(report, rows, ["tf32"]) == pytest.approx(100)
 
 
 def test_the_report_ends_with_how_far_the_fixes_took_the_step(seed):

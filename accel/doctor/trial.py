@@ -230,19 +230,24 @@ def _left_out(report, rows: list[dict], best: dict) -> list[str]:
 def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     """The step's time with ``names`` together, predicted from their rows measured alone: each
     fix's saving is spread over the parts of the step it acts on (in proportion to their time),
-    and a part's time left is what every fix acting on it leaves of it in turn."""
+    and a part's time left is what every fix acting on it leaves of it in turn. Beside a fix
+    that frees the host, a fix of the device's kernels that the host held back alone counts
+    its kernels' own saving (:func:`_kernels_saving_us`)."""
     t = report.evidence.timeline
+    unbound = any("idle host" in ACTS_ON[n] for n in names)
     parts = dict(t.by_category) | {f"idle {cause}": us for cause, us in t.idle_us.items()}
     left = dict(parts)
     unexplained = 0.0
     alone = {r["fixes"]: r for r in rows if r["mode"] == "alone"}
+    saving = {n: max(_saved_us(t.step_us, alone[n]), _kernels_saving_us(report, n) if unbound else 0.0)
+              for n in names}  # fmt: skip
     for group in ALTERNATIVES:
         present = [n for n in names if n in group]
         if len(present) > 1:
-            best = max(present, key=lambda n: _saved_us(t.step_us, alone[n]))
+            best = max(present, key=saving.get)
             names = [n for n in names if n not in group or n == best]
     for name in names:
-        saved = _saved_us(t.step_us, alone[name])
+        saved = saving[name]
         acts = [p for p in ACTS_ON.get(name, ()) if parts.get(p, 0.0) > 0]
         total = sum(parts[p] for p in acts)
         if total <= 0:
@@ -252,6 +257,13 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
         for p in acts:
             left[p] *= 1 - share
     return max(t.step_us - sum(parts.values()) + sum(left.values()) - unexplained, 0.0) or math.nan
+
+
+def _kernels_saving_us(report, name: str) -> float:
+    """What the device's kernels alone would save with fix ``name``, before the timeline's
+    replay kept only what a step held back by the host shows (0 where no finding says)."""
+    return max((f.kernels_us for f in report.findings
+                if f.kernels_us is not None and name in f.fixes), default=0.0)  # fmt: skip
 
 
 def _saved_us(step_us: float, row: dict) -> float:
