@@ -70,6 +70,23 @@ class BertAttention(nn.Module):
         return context
 
 
+class InlineAttention(nn.Module):
+    """An encoder's attention with its padding mask compared in place and the values' product
+    inside the statement that reshapes it, as many first versions write it."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+
+    def forward(self, x, mask):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        att = (q @ k.transpose(-2, -1)) / (C // self.heads) ** 0.5
+        att = att.masked_fill(mask[:, None, None, :] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
 class Unreadable(nn.Module):
     def forward(self, q, k, v):
         att = q @ k.transpose(-2, -1)
@@ -108,6 +125,28 @@ def test_bert_attention_with_an_additive_mask_rewritten_as_sdpa(seed):
     x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 1, 16)
     mask[0, ..., 11:] = -10000.0  # padding
     torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_a_values_product_inside_a_larger_expression_is_rewritten_in_place(seed):
+    model = InlineAttention()
+    rewrite = rewrite_attention([model], *lines(InlineAttention, "q @ k", "att @ v"), False)
+    fixed = copy.deepcopy(model)
+    rewrite.apply(fixed)
+    x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)
+    mask[1, 12:] = 0  # padding
+    torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
+    assert ").transpose(1, 2).reshape(B, T, C)" in rewrite.diff.splitlines()[-1]
+
+
+def test_scores_read_besides_the_values_product_are_not_rewritten():
+    class Twice(nn.Module):
+        def forward(self, q, k, v):
+            att = q @ k.transpose(-2, -1)
+            att = att.softmax(-1)
+            return (att @ v) + att.sum()
+
+    with pytest.raises(NotRewritable, match="besides"):
+        rewrite_attention([Twice()], *lines(Twice, "q @ k", "att @ v"), False)
 
 
 def test_nan_in_the_inputs_reaches_the_output_of_the_rewrite_as_of_the_original(seed):

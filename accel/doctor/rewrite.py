@@ -8,7 +8,8 @@ a chain on one variable, each kind at most once::
     att = att.masked_fill(cond, float("-inf"))        # or att + additive_mask
     att = F.softmax(att, dim=-1)                      # or att.softmax(-1), torch.softmax
     att = self.attn_dropout(att)                      # a dropout module or F.dropout
-    y = att @ v
+    y = att @ v                                       # or inside an expression, or returned:
+                                                      # return (att @ v).transpose(1, 2)
 
 which is ``F.scaled_dot_product_attention(q, k, v, attn_mask=~cond, scale=scale)`` (an exactly
 causal mask becomes ``is_causal=True``). Anything else raises :class:`NotRewritable` naming the
@@ -132,6 +133,9 @@ def _sdpa_statement(statements: list[ast.stmt], causal: bool) -> ast.stmt:
     """The chain ``statements`` as one assignment of the SDPA call."""
     chain = _Chain()
     for statement in statements:
+        if isinstance(statement, ast.Return) and statement is statements[-1] and statement.value:
+            chain.read(None, statement.value)  # ``return att @ v``: the values' product returned
+            continue
         targets = statement.targets if isinstance(statement, ast.Assign) else ()
         if len(targets) != 1 or not isinstance(targets[0], _TARGETS):
             raise NotRewritable(f"not one assignment: {ast.unparse(statement)}")
@@ -147,21 +151,29 @@ class _Chain:
         self.q = self.k = self.v = self.scale = self.cond = self.additive = None
         self.dropout: ast.expr | None = None
         self.softmax = False
-        self.target: ast.expr | None = None
+        self.target: ast.expr | None = None  # where the values' product goes (None: returned)
+        self.done = False
+        # the values' statement, and its product (the statement itself, or a part of it:
+        # ``(att @ v).transpose(1, 2)``) that the SDPA call replaces
+        self.values: ast.expr | None = None
+        self.product: ast.expr | None = None
 
-    def read(self, target: ast.expr, value: ast.expr) -> None:
+    def read(self, target: ast.expr | None, value: ast.expr) -> None:
         if self.name is None:
             self._scores(target, value)
-        elif self.target is not None:
+        elif self.done:
             raise NotRewritable(f"a statement after the values' product: {ast.unparse(value)}")
-        elif self._is_values_product(value):
-            self.target = target
+        elif (product := self._values_product(value)) is not None:
+            self.target, self.values, self.product, self.done = target, value, product, True
+        elif target is None:
+            raise NotRewritable(f"returned before the values' product: {ast.unparse(value)}")
         else:
             self._step(target, value)
 
     def _scores(self, target: ast.expr, value: ast.expr) -> None:
         if not isinstance(target, ast.Name):
-            raise NotRewritable(f"the scores are not kept in a variable: {ast.unparse(target)}")
+            said = ast.unparse(target) if target is not None else f"return {ast.unparse(value)}"
+            raise NotRewritable(f"the scores are not kept in a variable: {said}")
         self.name = target.id
         product, scale = value, None
         if isinstance(value, ast.BinOp) and isinstance(value.op, (ast.Mult, ast.Div)):
@@ -178,15 +190,24 @@ class _Chain:
             scale = ast.BinOp(ast.Constant(1.0), ast.Div(), scale)
         self.scale = scale
 
-    def _is_values_product(self, value: ast.expr) -> bool:
+    def _values_product(self, value: ast.expr) -> ast.expr | None:
+        """The product of the scores and the values in ``value`` (after the softmax), if any."""
+        if not self.softmax:
+            return None
         operands = _product(value)
-        if operands is None or not self.softmax:
-            return False
-        left, self.v = operands
-        if not _is_name(left, self.name):
+        if operands is not None and not _is_name(operands[0], self.name):
             said = ast.unparse(value)
             raise NotRewritable(f"the values' product does not read the scores: {said}")
-        return True
+        found = [n for n in ast.walk(value)
+                 if (pair := _product(n)) is not None and _is_name(pair[0], self.name)]  # fmt: skip
+        if not found:
+            return None
+        reads = [n for n in ast.walk(value) if _is_name(n, self.name)]
+        if len(reads) > 1:
+            said = ast.unparse(value)
+            raise NotRewritable(f"the scores are read besides the values' product: {said}")
+        self.v = _product(found[0])[1]
+        return found[0]
 
     def _step(self, target: ast.expr, value: ast.expr) -> None:
         if not isinstance(target, ast.Name):
@@ -246,7 +267,7 @@ class _Chain:
         self.dropout = ast.IfExp(training, p, ast.Constant(0.0))
 
     def statement(self, causal: bool) -> ast.stmt:
-        if self.target is None or not self.softmax:
+        if not self.done or not self.softmax:
             raise NotRewritable("the chain has no softmax and values' product where expected")
         keywords = []
         if self.cond is not None and self.additive is not None:
@@ -261,7 +282,18 @@ class _Chain:
             keywords.append(ast.keyword("is_causal", ast.Constant(True)))
         keywords.append(ast.keyword("scale", self.scale or ast.Constant(1.0)))
         call = ast.Call(ast.parse(_SDPA, mode="eval").body, [self.q, self.k, self.v], keywords)
-        return ast.Assign([self.target], call)
+        value = _Replaced(self.product, call).visit(self.values)
+        return ast.Return(value) if self.target is None else ast.Assign([self.target], value)
+
+
+class _Replaced(ast.NodeTransformer):
+    """An expression with one of its nodes (that very object) replaced."""
+
+    def __init__(self, old: ast.AST, new: ast.AST):
+        self.old, self.new = old, new
+
+    def visit(self, node: ast.AST) -> ast.AST:
+        return self.new if node is self.old else super().visit(node)
 
 
 def _product(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
