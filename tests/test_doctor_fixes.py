@@ -87,6 +87,27 @@ class InlineAttention(nn.Module):
         return (att @ v).transpose(1, 2).reshape(B, T, C)
 
 
+class EagerAttention(nn.Module):
+    """Hugging Face's eager attention: an additive mask, a float32 softmax cast back, dropout
+    called as a function."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.qkv, self.heads, self.attention_dropout = nn.Linear(width, 3 * width), heads, 0.0
+
+    def forward(self, x, attention_mask):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        attn_weights = torch.matmul(q, k.transpose(2, 3)) * (C // self.heads) ** -0.5
+        attn_weights = attn_weights + attention_mask
+        attn_weights = nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(q.dtype)
+        attn_weights = nn.functional.dropout(
+            attn_weights, p=self.attention_dropout, training=self.training
+        )
+        attn_output = torch.matmul(attn_weights, v)
+        return attn_output.transpose(1, 2).reshape(B, T, C)
+
+
 class Unreadable(nn.Module):
     def forward(self, q, k, v):
         att = q @ k.transpose(-2, -1)
@@ -136,6 +157,16 @@ def test_a_values_product_inside_a_larger_expression_is_rewritten_in_place(seed)
     mask[1, 12:] = 0  # padding
     torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
     assert ").transpose(1, 2).reshape(B, T, C)" in rewrite.diff.splitlines()[-1]
+
+
+def test_a_float32_softmax_cast_back_is_rewritten(seed):
+    model = EagerAttention()
+    rewrite = rewrite_attention([model], *lines(EagerAttention, "matmul(q", "matmul(attn_w"), False)
+    fixed = copy.deepcopy(model)
+    rewrite.apply(fixed)
+    x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 16, 16)
+    mask[0, ..., 10:] = torch.finfo(torch.float32).min
+    torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
 
 
 def test_scores_read_besides_the_values_product_are_not_rewritten():

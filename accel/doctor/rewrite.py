@@ -32,6 +32,7 @@ __all__ = ["AttentionRewrite", "NotRewritable", "rewrite_attention"]
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
 _SOFTMAX_NAMES = ("softmax", "_softmax")
+_CASTS = ("to", "type_as", "float", "half", "bfloat16")  # methods a softmax's result is cast by
 _TARGETS = (ast.Name, ast.Attribute, ast.Subscript)  # what the attention's output may be kept in
 
 
@@ -343,6 +344,11 @@ def _other_operand(node: ast.BinOp, name: str | None) -> ast.expr | None:
 
 
 def _is_softmax(value: ast.expr, name: str | None) -> bool:
+    """A softmax of ``name`` over its last dim, maybe cast back (``softmax(att, dim=-1,
+    dtype=torch.float32).to(q.dtype)``: SDPA's own softmax accumulates in float32 too)."""
+    while (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+           and value.func.attr in _CASTS):  # fmt: skip
+        value = value.func.value
     if not isinstance(value, ast.Call) or _attribute(value.func) not in _SOFTMAX_NAMES:
         return False
     method = isinstance(value.func, ast.Attribute) and _is_name(value.func.value, name)
