@@ -288,6 +288,36 @@ def test_globals_iterators_and_random_generators_are_the_copies_own(seed):
     assert not first_line(report).startswith("Caution")
 
 
+class EmaTrainer:
+    """A trainer keeping an average of the weights and a step count in tensors of its own."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+        self.ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.count = torch.zeros(())
+
+    def training_step(self, x):
+        loss = self.model(x).square().mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                self.ema[k].mul_(0.9).add_(v, alpha=0.1)
+            self.count += 1
+        return loss.detach()
+
+
+def test_tensors_the_step_writes_in_place_are_the_copies_own(seed):
+    trainer = EmaTrainer(*small())
+    ema = {k: v.clone() for k, v in trainer.ema.items()}
+    report = examined(trainer.training_step, torch.randn(5, 4))
+    report.try_fixes(steps=1, repeats=1)
+    assert all(torch.equal(trainer.ema[k], v) for k, v in ema.items())
+    assert trainer.count.item() == 0
+    assert not first_line(report).startswith("Caution")
+
+
 def test_random_generator_objects_the_step_draws_from_are_the_copies_own(seed):
     model, opt = small()
     drawn = {"numpy": np.random.default_rng(1), "python": random.Random(2)}

@@ -59,8 +59,9 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     """Examine ``step(batch)`` (or ``step()`` without a batch): profile it, record every operator
     with the line that ran it, and run every check on what was measured.
 
-    The step runs on copies of everything it can reach and change (models, optimizers,
-    containers, objects, iterators: :mod:`accel.doctor.parts`), so your model does not train;
+    The step runs on copies of everything it can reach and change (models, optimizers, tensors
+    up to a GiB, containers, objects, iterators: :mod:`accel.doctor.parts`), so your model does
+    not train;
     where something it trains cannot be copied, examining is refused unless
     ``allow_training=True`` (then it runs on your objects, and the report's first line says so).
     The random generators are put back as they were; what cannot be (files written, a network)

@@ -40,7 +40,10 @@ _COPYABLE_ITERATORS = frozenset(type(iter(x)) for x in (
     reversed([]),
 ))  # fmt: skip
 # rebuilt, with their holders
-_TARGETS = ("part", "grad", "computed", "rng", "state", "iterator", "writes")
+_TARGETS = ("part", "grad", "computed", "tensor", "rng", "state", "iterator", "writes")
+# a tensor larger than this (a data set held on the device, say) is shared, not copied: a step
+# that writes into it in place is named in the report's first line
+SHARED_TENSOR_BYTES = 1 << 30
 
 
 @dataclass
@@ -241,6 +244,10 @@ class _Rebuild:
             # copy starts from its values without the graph that made it, which a step reading it
             # again detaches first (backpropagating into it twice fails on the user's objects too)
             return value.detach().clone()
+        if what == "tensor":  # written in place, perhaps (an average of the weights, a count)
+            if value.untyped_storage().nbytes() > SHARED_TENSOR_BYTES:
+                return value
+            return copy.deepcopy(value, self.memo)
         if what == "rng":
             return copy.deepcopy(value)
         if what == "iterator":
