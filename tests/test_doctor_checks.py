@@ -285,6 +285,18 @@ def test_sync_finding_on_cuda_predicts_the_measured_cost_per_sync():
     assert "2 x a host read" in found.evidence and "train.py:30" in found.evidence
 
 
+def test_gradscalers_own_read_is_named_with_the_change_that_removes_it():
+    """GradScaler.step reads whether a gradient overflowed: no logging line to move. Under bf16
+    the scaler is not needed; with fp16 a fused optimizer takes the check on the device."""
+    scaler = ("amp/grad_scaler.py:<genexpr>", "amp/grad_scaler.py:_maybe_opt_step",
+              "amp/grad_scaler.py:step")  # fmt: skip
+    ops = [op("aten::_local_scalar_dense", info(), library=scaler)]
+    (found,) = check_host.syncs(evidence(ops, tl=timeline_of(idle={"sync": 70.0})))
+    assert "GradScaler" in found.evidence and "fused=True" in found.change
+    assert "MetricAccumulator" not in found.change
+    assert found.fixes == ("fused_optimizer",)
+
+
 def test_sync_finding_on_cpu_predicts_nothing():
     (found,) = check_host.syncs(
         evidence([op("aten::_local_scalar_dense", info(device="cpu"))], device="cpu")

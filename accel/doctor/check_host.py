@@ -25,6 +25,7 @@ SYNC_OPS = {
     "aten::equal": "torch.equal() returns a Python bool",
 }
 _COPIES = ("aten::_to_copy", "aten::copy_")
+SCALER_READ = "GradScaler.step's read of whether a gradient overflowed"
 _READ_METHODS = {"__repr__": "print() of a tensor", "__str__": "print() of a tensor",
                  "__format__": "a tensor in an f-string", "tolist": ".tolist()",
                  "numpy": ".numpy()"}  # fmt: skip
@@ -38,6 +39,10 @@ metrics = MetricAccumulator(["loss"])        # before the loop
 metrics.add(loss=loss.detach())              # in the step: no host read
 if step % 100 == 0: print(metrics.read())   # one sync every 100 steps
 # an `if` on a tensor -> torch.where(cond, a, b); x[mask] -> torch.where(mask, x, 0)"""
+_SCALER_CHANGE = """\
+# GradScaler reads whether a gradient overflowed before each optimizer step. Under bf16 autocast
+# nothing overflows: drop the scaler. With fp16, a fused optimizer checks on the device:
+optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # or Adam, SGD"""
 
 
 def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
@@ -46,7 +51,10 @@ def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
     if op.op in SYNC_OPS:
         on_device = any(t.device == "cuda" for t in op.inputs)
         internal = any(entry.startswith("optim/") for entry in op.library)  # CPU step counters
-        return SYNC_OPS[op.op] if (on_device if cuda else not internal) else None
+        if not (on_device if cuda else not internal):
+            return None
+        scaler = any(entry.startswith("amp/grad_scaler.py:") for entry in op.library)
+        return SCALER_READ if scaler else SYNC_OPS[op.op]
     if op.op == "aten::index" and any(t.dtype == torch.bool for t in op.inputs[1:]):
         return "boolean indexing x[mask]: its output's size depends on the data"
     if cuda and op.op in _COPIES and op.inputs and op.outputs:
@@ -107,17 +115,21 @@ def syncs(evidence: Evidence) -> list[Finding]:
         )
     else:
         saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"
+    kinds = {kind for _, kind in sites}
+    changes = [_SCALER_CHANGE] * (SCALER_READ in kinds) + [_SYNC_CHANGE] * bool(kinds - {SCALER_READ})
+    # a read kept for later; the scaler's read made on the device by a fused optimizer; the
+    # other syncs (an `if` on a tensor) need your edit
+    fixes = ("deferred_reads",) * _reads_items(evidence) + ("fused_optimizer",) * (SCALER_READ in kinds)
     return [Finding(
         kind="sync",
         title=f"{total} host-device sync{'s' * (total != 1)} per step",
         evidence="; ".join(lines),
         cost_model=model,
         notebook="01_sync",
-        change=_SYNC_CHANGE,
+        change="\n".join(changes),
         saved_us=saved,
         sites=[s for s, _ in sites if s is not None],
-        # a read kept for later; the other syncs (an `if` on a tensor) need your edit
-        fixes=("deferred_reads",) if _reads_items(evidence) else (),
+        fixes=fixes,
     )]
 
 
