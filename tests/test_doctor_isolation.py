@@ -427,6 +427,34 @@ def test_files_the_step_writes_are_named_first(seed, tmp_path):
     assert len(report.side_effects) == trials  # the same files again: named once
 
 
+def test_files_a_compiler_writes_through_a_helper_library_are_not_the_steps(seed, tmp_path):
+    """Inductor takes its cache's locks through a third-party package (filelock): the lock
+    files are the compiler's, however deep the package sits below it."""
+    import os
+    import sysconfig
+
+    helper = {"__name__": "lockfiles_for_a_test"}  # an installed package, by its file's place
+    where = os.path.join(sysconfig.get_paths()["purelib"], "lockfiles_for_a_test.py")
+    exec(compile("def acquire(path):\n    open(path, 'w').close()\n", where, "exec"), helper)
+    compiler = {"__name__": "torch._inductor.a_cache_for_a_test", "acquire": helper["acquire"]}
+    exec(compile("def build(path):\n    acquire(path)\n", "<a compiler>", "exec"), compiler)
+    model, opt = small()
+    lock, log = tmp_path / "graph.lock", tmp_path / "log.txt"
+
+    def step(x):
+        compiler["build"](lock)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        helper["acquire"](log)  # the step's own write through the same package: its own
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert str(lock) not in first_line(report)
+    assert named_before_numbers(report, f"wrote {log}")
+
+
 def test_the_audit_hook_records_nothing_outside_a_doctor_run(tmp_path):
     from accel.doctor.isolation import Session
 

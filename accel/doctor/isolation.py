@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from accel.doctor.reach import is_library
 from accel.errors import UsageError
 
 __all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step"]
@@ -69,7 +70,7 @@ class Session:
         """Count what happens while one of ``functions`` runs (the step's, found by the walk):
         not what the doctor's own measuring does (a profiler's temporary file, say)."""
         self._recording.codes.update(
-            f.__code__ for f in functions if isinstance(f, types.FunctionType)
+            f.__code__ for f in functions if isinstance(f, types.FunctionType) and not is_library(f)
         )
 
     def __exit__(self, *exc: Any) -> None:
@@ -154,18 +155,16 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
 
 def _caused_by_step(codes: set[types.CodeType]) -> bool:
     """Whether the event came from the step's code (one of ``codes`` on the stack), and not
-    from a compiler or the import system it called (the innermost frame past the standard
-    library's tells)."""
-    frame, inner = sys._getframe(2), None
+    from a compiler or the import system: neither may sit between the event and the first frame
+    of code that is not a library's (a compiler's own helper package, such as the one taking its
+    cache's locks, is below it)."""
+    frame, in_libraries = sys._getframe(2), True
     while frame is not None:
-        if inner is None:
+        if in_libraries:
             module = frame.f_globals.get("__name__", "") or ""
-            if module.startswith("importlib"):
+            if module.startswith(("importlib", *_MACHINERY)):
                 return False
-            if module != __name__ and module.split(".")[0] not in sys.stdlib_module_names:
-                inner = module
-                if inner.startswith(_MACHINERY):
-                    return False
+            in_libraries = module == __name__ or is_library(frame.f_code)
         if frame.f_code in codes:
             return True
         frame = frame.f_back

@@ -412,6 +412,8 @@ def is_library(value: Any) -> bool:
     """Whether it is the standard library's or an installed package's (not followed)."""
     if isinstance(value, types.FunctionType):
         return _library_file(value.__code__.co_filename)
+    if isinstance(value, types.CodeType):
+        return _library_file(value.co_filename)
     if isinstance(value, types.ModuleType):
         return _library_module(value.__name__)
     if isinstance(value, type):
