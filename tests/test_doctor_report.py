@@ -18,6 +18,7 @@ from accel import doctor
 from accel.doctor import fixes, trial, zoo
 from accel.doctor.fixes import FIXES, StepCopy
 from accel.doctor.parts import copy_step, find_parts
+from accel.errors import UsageError
 from accel.workloads.flags import describe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -411,6 +412,52 @@ def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
     printed = capsys.readouterr().out
     assert "no automatic fix applies" in printed
     assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()
+
+
+SELF_FED_STEP = """
+import torch
+
+def make_model():
+    model = torch.nn.Linear(7, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():  # draws its own batch, as nanoGPT's get_batch() does
+        x = torch.randn(5, 7)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+def make_pair():
+    return make_model(), None
+"""
+
+
+def test_cli_takes_a_step_that_draws_its_own_batch(tmp_path):
+    from accel.doctor.cli import load_step
+    from accel.doctor.fixes import NO_BATCH
+
+    path = tmp_path / "self_fed_step.py"
+    path.write_text(SELF_FED_STEP)
+    for make in ("make_model", "make_pair"):  # the step alone, or with None for its batch
+        step, batch, _ = load_step(f"{path}:{make}")
+        assert batch is NO_BATCH
+        assert doctor.examine(step, batch, steps=1, warmup=1).evidence.step_us > 0
+
+
+def test_a_batch_the_step_cannot_take_is_refused_before_any_work(seed):
+    model = nn.Linear(7, 3)
+
+    def step():
+        return model(torch.randn(5, 7)).square().mean()
+
+    with pytest.raises(UsageError, match=r"takes no batch.*examine\(step\)"):
+        doctor.examine(step, torch.randn(5, 7))
+    with pytest.raises(UsageError, match=r"needs 2 arguments.*one batch"):
+        doctor.examine(lambda x, y: model(x).sum(), torch.randn(5, 7))
 
 
 def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):

@@ -1,7 +1,8 @@
 """``python -m accel doctor module:function`` (or ``file.py:function``): ``function()`` returns
 the step and its batch (a ``(step, batch)`` or ``(step, batch, loader)`` tuple, or an object with
-``step``, ``batch`` and ``loader``); the report is printed and written as one HTML file that opens
-offline."""
+``step``, ``batch`` and ``loader``), or the step alone where it draws its own batch (a batch of
+None for a step that takes no argument means the same); the report is printed and written as one
+HTML file that opens offline."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from accel.doctor.examine import takes_a_batch
+from accel.doctor.fixes import NO_BATCH
 from accel.errors import UsageError
 
 __all__ = ["add_parser", "load_step"]
@@ -29,6 +32,8 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     if not callable(make):
         raise UsageError(f"{module_name} has no function {function_name!r}")
     made = make()
+    if callable(made) and not hasattr(made, "step"):  # the step alone: it draws its own batch
+        made = (made, NO_BATCH)
     if hasattr(made, "step"):
         parts = made.step, getattr(made, "batch", None), getattr(made, "loader", None)
     elif isinstance(made, tuple) and len(made) in (2, 3):
@@ -43,6 +48,8 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
             f"{target}() returned a step of type {type(parts[0]).__name__}; expected the "
             "training step, a function (step(batch)), not its result"
         )
+    if parts[1] is None and not takes_a_batch(parts[0]):
+        parts = (parts[0], NO_BATCH, parts[2])
     return parts
 
 

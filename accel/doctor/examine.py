@@ -3,6 +3,7 @@ and return a :class:`~accel.doctor.report.Report` of what the checks found."""
 
 from __future__ import annotations
 
+import inspect
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -77,6 +78,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         got = type(step).__name__
         raise TypeError(f"examine() needs the training step as a callable, got {got}")
     refuse_unplain_step(step)
+    _refuse_batch_mismatch(step, batch if batch is not NO_BATCH or loader is None else None)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
     if isinstance(loader, Iterator):
@@ -108,6 +110,43 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         findings = detect(evidence)
     cautions += session.effects() + untouched.report()
     return Report(step, batch, parts, evidence, findings, side_effects=cautions)
+
+
+def takes_a_batch(step: Callable[..., Any]) -> bool:
+    """Whether ``step`` can be called with one argument (its batch); True where it cannot tell."""
+    try:
+        inspect.signature(step).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin)
+        return True
+    return True
+
+
+def _refuse_batch_mismatch(step: Callable[..., Any], batch: Any) -> None:
+    """UsageError, before any work, where the step cannot be called as the doctor will call it:
+    ``step(batch)``, or ``step()`` without a batch."""
+    try:
+        signature = inspect.signature(step)
+    except ValueError:
+        return
+    name = getattr(step, "__qualname__", type(step).__name__)
+    if batch is NO_BATCH:
+        try:
+            signature.bind()
+        except TypeError:
+            raise UsageError(
+                f"{name}{signature} needs an argument and no batch was given: pass it, "
+                "examine(step, batch), or a loader=..."
+            ) from None
+    elif not takes_a_batch(step):
+        required = [p for p in signature.parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+        if not required:
+            raise UsageError(f"{name}{signature} takes no batch (it draws its own), but one was "
+                             "given: call examine(step) without it")  # fmt: skip
+        raise UsageError(f"{name}{signature} needs {len(required)} arguments and the doctor "
+                         "passes one batch: wrap them, step(batch) with batch = (x, y)")  # fmt: skip
 
 
 def _step_us(call: Callable[[], Any], device: torch.device) -> float:
