@@ -30,7 +30,7 @@ from accel.doctor.trial import replay_device_savings
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 
-__all__ = ["detect", "examine", "step_device"]
+__all__ = ["detect", "examine", "step_device", "takes_a_batch"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
 
@@ -62,8 +62,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
 
     The step runs on copies of everything it can reach and change (models, optimizers, tensors
     up to a GiB, containers, objects, iterators: :mod:`accel.doctor.parts`), so your model does
-    not train;
-    where something it trains cannot be copied, examining is refused unless
+    not train; where something it trains cannot be copied, examining is refused unless
     ``allow_training=True`` (then it runs on your objects, and the report's first line says so).
     The random generators are put back as they were; what cannot be (files written, a network)
     is named in the report's first line. ``loader``: the DataLoader that feeds it (its first batch
