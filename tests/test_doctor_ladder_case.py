@@ -64,3 +64,34 @@ def test_a_fix_measured_slower_is_still_judged_against_its_prediction():
     (row,) = doctor_ladder._prediction_rows("vit", report, trials, ctx)
     assert row.case == "ladder vit: prediction bf16_autocast" and row.met is False
     assert (row.optimized, row.baseline) == pytest.approx((40.0, -5.0))
+
+
+def test_the_share_comes_from_one_run_of_the_script_its_twin_and_the_best_set(monkeypatch):
+    """The twin's time drifts between runs by more than the share's margin: the share is the
+    twin's time over the best set's, paired round by round in one interleaved run."""
+    timed = {}
+
+    class Timing:
+        def paired_ratio(self, slow, fast):
+            return {("hand-optimized", "doctor"): 0.85, ("as written", "doctor"): 8.5,
+                    ("as written", "hand-optimized"): 10.0}[(slow, fast)]  # fmt: skip
+
+        def median_ratio_interval(self, slow, fast):
+            return (0.8, 0.9)
+
+    def compare(calls, **kwargs):
+        timed.update(calls)
+        return Timing()
+
+    monkeypatch.setattr(doctor_ladder, "compare", compare)
+    monkeypatch.setattr(doctor_ladder, "fixed_step", lambda report, names: ("built", tuple(names)))
+    script = SimpleNamespace(step=lambda batch: None, batch=None)
+    trials = pd.DataFrame([{"fixes": "bf16_autocast+compile", "label": "bf16 + compile",
+                            "best set": True, "status": "ok", "mode": "together",
+                            "measured speedup": 9.0, "measured ms": 1.0, "unchanged ms": 9.0}])  # fmt: skip
+    final = doctor_ladder._final_round(script, script, None, trials, SimpleNamespace(device="cpu"))
+    assert timed["doctor"] == ("built", ("bf16_autocast", "compile"))
+    hand = {"speedup": 9.5, "hand ms": 1.0, "written ms": 9.5}
+    rows = doctor_ladder._speedup_rows("gpt2", hand, trials, final, SimpleNamespace(judged=True))
+    share = rows[-1]
+    assert share.optimized == 0.85 and share.met is True and "0.80-0.90" in share.note

@@ -11,6 +11,7 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 from accel.memory import peak_memory
 
-__all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "replay_device_savings",
+__all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "fixed_step", "replay_device_savings",
            "result_error", "tolerance", "try_fixes"]  # fmt: skip
 
 EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"},
@@ -284,6 +285,15 @@ def _record_measured(report, rows: list[dict]) -> None:
         finding.measured_us = max(tried) if tried else None
     report.findings.sort(key=lambda f: (f.measured_us is None, -(
         f.measured_us if f.measured_us is not None else (f.saved_us or -1.0))))  # fmt: skip
+
+
+def fixed_step(report, names: list[str]) -> Callable[[], Any]:
+    """One step of a fresh copy of the report's step with the fixes ``names`` applied, as the
+    trials call it (to time it beside other steps)."""
+    fixed = _fresh(report)
+    for name in fix_names(names):
+        FIXES[name].apply(fixed)
+    return fixed.build()
 
 
 def _fresh(report) -> StepCopy:
