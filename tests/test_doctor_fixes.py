@@ -212,6 +212,9 @@ def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
     report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
     (finding,) = [f for f in report.findings if f.kind == "attention"]
     assert finding.fixes == ("sdpa_attention",)
+    # the change to paste is the user's own forward rewritten, before any trial
+    assert "-    att = F.softmax(att, dim=-1)" in finding.change
+    assert "+    y = torch.nn.functional.scaled_dot_product_attention(" in finding.change
     (row,) = report.try_fixes(["sdpa_attention"], steps=2, repeats=2).to_dict("records")
     assert row["status"] == "ok" and row["error"] <= row["allowance"]
     assert "scaled_dot_product_attention" in row["edit"]

@@ -120,13 +120,26 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
             + (", causal" if case.causal else "")
             + f": written out {times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
             notebook="05_sdpa",
-            change=(
-                "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
-                + ("is_causal=True)" if case.causal else "attn_mask=mask)  # or no mask")
-            ),
+            change=_change(evidence, case),
             saved_us=saved,
             sites=[case.site] if case.site is not None else [],
             fixes=("sdpa_attention",) if case.site and case.values_site else (),
             detail=case,
         ))
     return found
+
+
+def _change(evidence: Evidence, case: ManualAttention) -> str:
+    """The user's own forward with its attention rewritten (:mod:`accel.doctor.rewrite`), as a
+    diff; the call to write where the rewrite cannot read the chain, with why."""
+    from accel.doctor.rewrite import NotRewritable, rewrite_attention
+
+    call = "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, " + (
+        "is_causal=True)" if case.causal else "attn_mask=mask)  # or no mask")
+    if case.site is None or case.values_site is None:
+        return call
+    lines = [(s.file, s.line) for s in (case.site, case.values_site)]
+    try:
+        return rewrite_attention(evidence.parts.models, *lines, case.causal).diff
+    except NotRewritable as error:
+        return f"{call}\n# not rewritten for you: {error}"
