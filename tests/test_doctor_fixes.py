@@ -108,6 +108,23 @@ class EagerAttention(nn.Module):
         return attn_output.transpose(1, 2).reshape(B, T, C)
 
 
+class OptionalMaskAttention(nn.Module):
+    """A mask applied only when one is given, as many encoders write it."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+
+    def forward(self, x, mask=None):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(C // self.heads)
+        if mask is not None:
+            scores = scores.masked_fill(mask[:, None, None, :] == 0, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        return (probs @ v).transpose(1, 2).reshape(B, T, C)
+
+
 class Unreadable(nn.Module):
     def forward(self, q, k, v):
         att = q @ k.transpose(-2, -1)
@@ -167,6 +184,18 @@ def test_a_float32_softmax_cast_back_is_rewritten(seed):
     x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 16, 16)
     mask[0, ..., 10:] = torch.finfo(torch.float32).min
     torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
+
+
+def test_a_mask_applied_only_when_given_is_rewritten_for_both_cases(seed):
+    model = OptionalMaskAttention()
+    rewrite = rewrite_attention([model], *lines(OptionalMaskAttention, "q @ k", "probs @ v"), False)
+    fixed = copy.deepcopy(model)
+    rewrite.apply(fixed)
+    x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0  # padding
+    for kwargs in ({}, {"mask": mask}):
+        torch.testing.assert_close(fixed(x, **kwargs), model(x, **kwargs), rtol=1e-5, atol=1e-6)
+    assert "if mask is not None else None" in rewrite.diff
 
 
 def test_scores_read_besides_the_values_product_are_not_rewritten():

@@ -5,7 +5,8 @@ Between the recorded lines of the scores' and the values' products, the statemen
 a chain on one variable, each kind at most once::
 
     att = (q @ k.transpose(-2, -1)) * scale          # or / scale, or torch.matmul(...)
-    att = att.masked_fill(cond, float("-inf"))        # or att + additive_mask
+    att = att.masked_fill(cond, float("-inf"))        # or att + additive_mask; either may sit
+                                                      # under `if mask is not None:`
     att = F.softmax(att, dim=-1)                      # or att.softmax(-1), torch.softmax
     att = self.attn_dropout(att)                      # a dropout module or F.dropout
     y = att @ v                                       # or inside an expression, or returned:
@@ -137,10 +138,13 @@ def _sdpa_statement(statements: list[ast.stmt], causal: bool) -> ast.stmt:
         if isinstance(statement, ast.Return) and statement is statements[-1] and statement.value:
             chain.read(None, statement.value)  # ``return att @ v``: the values' product returned
             continue
+        condition = None
+        if isinstance(statement, ast.If) and not statement.orelse and len(statement.body) == 1:
+            condition, statement = statement.test, statement.body[0]  # a mask, when one is given
         targets = statement.targets if isinstance(statement, ast.Assign) else ()
         if len(targets) != 1 or not isinstance(targets[0], _TARGETS):
             raise NotRewritable(f"not one assignment: {ast.unparse(statement)}")
-        chain.read(statement.targets[0], statement.value)
+        chain.read(statement.targets[0], statement.value, condition)
     return chain.statement(causal)
 
 
@@ -150,6 +154,7 @@ class _Chain:
     def __init__(self):
         self.name: str | None = None  # the scores' variable
         self.q = self.k = self.v = self.scale = self.cond = self.additive = None
+        self.mask_if: ast.expr | None = None  # the mask is applied only where this holds
         self.dropout: ast.expr | None = None
         self.softmax = False
         self.target: ast.expr | None = None  # where the values' product goes (None: returned)
@@ -159,8 +164,10 @@ class _Chain:
         self.values: ast.expr | None = None
         self.product: ast.expr | None = None
 
-    def read(self, target: ast.expr | None, value: ast.expr) -> None:
-        if self.name is None:
+    def read(self, target: ast.expr | None, value: ast.expr, condition: ast.expr | None = None) -> None:
+        if condition is not None:
+            self._conditional(target, value, condition)
+        elif self.name is None:
             self._scores(target, value)
         elif self.done:
             raise NotRewritable(f"a statement after the values' product: {ast.unparse(value)}")
@@ -190,6 +197,17 @@ class _Chain:
         if scale is not None and isinstance(value.op, ast.Div):
             scale = ast.BinOp(ast.Constant(1.0), ast.Div(), scale)
         self.scale = scale
+
+    def _conditional(self, target: ast.expr | None, value: ast.expr, condition: ast.expr) -> None:
+        """A mask applied under ``if condition:``, the chain's only step that may be: SDPA gets
+        ``attn_mask=<mask> if condition else None``."""
+        masks = (self.cond, self.additive)
+        if self.name is None or self.softmax or target is None:
+            raise NotRewritable(f"a step under a condition: if {ast.unparse(condition)}: ...")
+        self._step(target, value)
+        if (self.cond, self.additive) == masks or self.mask_if is not None:
+            raise NotRewritable(f"not one mask under a condition: if {ast.unparse(condition)}: ...")
+        self.mask_if = condition
 
     def _values_product(self, value: ast.expr) -> ast.expr | None:
         """The product of the scores and the values in ``value`` (after the softmax), if any."""
@@ -273,13 +291,18 @@ class _Chain:
         keywords = []
         if self.cond is not None and self.additive is not None:
             raise NotRewritable("both a masked_fill and an additive mask")
-        if self.cond is not None and not causal:
-            keywords.append(ast.keyword("attn_mask", ast.UnaryOp(ast.Invert(), self.cond)))
+        mask = None
+        if self.cond is not None and not (causal and self.mask_if is None):
+            mask = ast.UnaryOp(ast.Invert(), self.cond)
         elif self.additive is not None:
-            keywords.append(ast.keyword("attn_mask", self.additive))
+            mask = self.additive
+        if mask is not None and self.mask_if is not None:
+            mask = ast.IfExp(self.mask_if, mask, ast.Constant(None))
+        if mask is not None:
+            keywords.append(ast.keyword("attn_mask", mask))
         if self.dropout is not None:
             keywords.append(ast.keyword("dropout_p", self.dropout))
-        if self.cond is not None and causal:
+        if self.cond is not None and causal and self.mask_if is None:
             keywords.append(ast.keyword("is_causal", ast.Constant(True)))
         keywords.append(ast.keyword("scale", self.scale or ast.Constant(1.0)))
         call = ast.Call(ast.parse(_SDPA, mode="eval").body, [self.q, self.k, self.v], keywords)
