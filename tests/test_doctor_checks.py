@@ -199,6 +199,12 @@ def test_item_on_a_cuda_tensor_is_a_sync():
     assert sync_count([op("aten::_local_scalar_dense", info())]) == 1
 
 
+def test_item_of_an_inference_tensor_is_a_sync_too():
+    """A metric computed under torch.inference_mode() (torchvision's accuracy()) reads through
+    aten::item, not the scalar operator beneath it."""
+    assert sync_count([op("aten::item", info())]) == 1
+
+
 def test_item_on_a_cpu_step_counter_is_no_sync_on_cuda_or_cpu():
     counter = op("aten::_local_scalar_dense", info(device="cpu"), library=ADAMW)
     assert sync_count([counter]) == 0

@@ -15,6 +15,7 @@ from accel.doctor.recorder import OpRecord, Site
 # operators that make the host wait for the device, and what the user wrote to get one
 SYNC_OPS = {
     "aten::_local_scalar_dense": "a host read (.item(), float(t), int(t), an `if` on a tensor)",
+    "aten::item": "a host read (.item(), float(t), int(t), an `if` on a tensor)",  # inference mode
     "aten::is_nonzero": "an `if` or `bool()` on a tensor",
     "aten::nonzero": "nonzero(): its output's size depends on the data",
     "aten::masked_select": "a boolean mask: its output's size depends on the data",
@@ -137,7 +138,9 @@ def _reads_items(evidence: Evidence) -> bool:
     """Whether a sync of the step is a ``.item()`` (the read that :mod:`deferred` defers; a
     ``float(t)`` or an ``if`` makes the same operator, so the line says which)."""
     return any(
-        op.op == "aten::_local_scalar_dense" and op.site is not None and ".item()" in op.site.text
+        op.op in ("aten::_local_scalar_dense", "aten::item")
+        and op.site is not None
+        and ".item()" in op.site.text
         for op in evidence.recording.ops
     )
 
