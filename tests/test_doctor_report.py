@@ -448,6 +448,21 @@ def test_cli_takes_a_step_that_draws_its_own_batch(tmp_path):
         assert doctor.examine(step, batch, steps=1, warmup=1).evidence.step_us > 0
 
 
+def test_cli_takes_the_loaders_first_batch_where_the_batch_is_none(tmp_path):
+    from accel.doctor.cli import load_step
+    from accel.doctor.fixes import NO_BATCH
+
+    path = tmp_path / "loader_step.py"
+    path.write_text(PLAIN_STEP + """
+def make_with_loader():
+    step, batch = make()
+    return step, None, [batch, batch]
+""")
+    step, batch, loader = load_step(f"{path}:make_with_loader")
+    assert batch is NO_BATCH and len(loader) == 2
+    assert doctor.examine(step, batch, loader=loader, steps=1, warmup=1).batch.shape == (5, 7)
+
+
 def test_a_batch_the_step_cannot_take_is_refused_before_any_work(seed):
     model = nn.Linear(7, 3)
 

@@ -1,7 +1,7 @@
 """``python -m accel doctor module:function`` (or ``file.py:function``): ``function()`` returns
 the step and its batch (a ``(step, batch)`` or ``(step, batch, loader)`` tuple, or an object with
-``step``, ``batch`` and ``loader``), or the step alone where it draws its own batch (a batch of
-None for a step that takes no argument means the same); the report is printed and written as one
+``step``, ``batch`` and ``loader``), or the step alone where it draws its own batch; a batch of
+None means the loader's first batch, or none for a step that takes no argument; the report is printed and written as one
 HTML file that opens offline."""
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
             f"{target}() returned a step of type {type(parts[0]).__name__}; expected the "
             "training step, a function (step(batch)), not its result"
         )
-    if parts[1] is None and not takes_a_batch(parts[0]):
-        parts = (parts[0], NO_BATCH, parts[2])
+    if parts[1] is None and (parts[2] is not None or not takes_a_batch(parts[0])):
+        parts = (parts[0], NO_BATCH, parts[2])  # no batch: the loader's first, or none at all
     return parts
 
 
