@@ -318,6 +318,19 @@ def test_tensors_the_step_writes_in_place_are_the_copies_own(seed):
     assert not first_line(report).startswith("Caution")
 
 
+def test_tensors_past_the_copy_budget_are_shared_and_named_where_written(seed, monkeypatch):
+    """A data set held in memory is not copied whole: past the budget a tensor is shared, and a
+    step writing into it is named in the report's first line."""
+    from accel.doctor import parts
+
+    trainer = EmaTrainer(*small())
+    budget = sum(t.untyped_storage().nbytes() for t in trainer.ema.values())
+    monkeypatch.setattr(parts, "COPIED_TENSOR_BYTES", budget)  # the EMA fits, the count does not
+    report = examined(trainer.training_step, torch.randn(5, 4))
+    assert trainer.count.item() > 0
+    assert "count" in first_line(report) and first_line(report).startswith("Caution")
+
+
 def test_random_generator_objects_the_step_draws_from_are_the_copies_own(seed):
     model, opt = small()
     drawn = {"numpy": np.random.default_rng(1), "python": random.Random(2)}

@@ -61,7 +61,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     with the line that ran it, and run every check on what was measured.
 
     The step runs on copies of everything it can reach and change (models, optimizers, tensors
-    up to a GiB, containers, objects, iterators: :mod:`accel.doctor.parts`), so your model does
+    up to a GiB in all, containers, objects, iterators: :mod:`accel.doctor.parts`), so your model does
     not train; where something it trains cannot be copied, examining is refused unless
     ``allow_training=True`` (then it runs on your objects, and the report's first line says so).
     The random generators are put back as they were; what cannot be (files written, a network)

@@ -41,9 +41,9 @@ _COPYABLE_ITERATORS = frozenset(type(iter(x)) for x in (
 ))  # fmt: skip
 # rebuilt, with their holders
 _TARGETS = ("part", "grad", "computed", "tensor", "rng", "state", "iterator", "writes")
-# a tensor larger than this (a data set held on the device, say) is shared, not copied: a step
-# that writes into it in place is named in the report's first line
-SHARED_TENSOR_BYTES = 1 << 30
+# the bytes of plain tensors copied with a step, at most: past them (a data set held in memory,
+# say) a tensor is shared, and a step that writes into it in place is named in the report's first line
+COPIED_TENSOR_BYTES = 1 << 30
 
 
 @dataclass
@@ -209,6 +209,7 @@ class _Rebuild:
         self.unpatched = {key for key in memo if key in self.needs}  # deep copies to point
         self.scopes: dict[int, dict[str, Any]] = {}  # id of a module's globals: the copies'
         self.busy: set[int] = set()
+        self.tensor_bytes = 0  # plain tensors copied so far
 
     def new(self, value: Any) -> Any:
         key = id(value)
@@ -245,8 +246,10 @@ class _Rebuild:
             # again detaches first (backpropagating into it twice fails on the user's objects too)
             return value.detach().clone()
         if what == "tensor":  # written in place, perhaps (an average of the weights, a count)
-            if value.untyped_storage().nbytes() > SHARED_TENSOR_BYTES:
+            size = value.untyped_storage().nbytes()
+            if self.tensor_bytes + size > COPIED_TENSOR_BYTES:
                 return value
+            self.tensor_bytes += size
             return copy.deepcopy(value, self.memo)
         if what == "rng":
             return copy.deepcopy(value)
