@@ -209,14 +209,35 @@ def test_scores_read_besides_the_values_product_are_not_rewritten():
         rewrite_attention([Twice()], *lines(Twice, "q @ k", "att @ v"), False)
 
 
-def test_nan_in_the_inputs_reaches_the_output_of_the_rewrite_as_of_the_original(seed):
-    model = NanoAttention()
-    rewrite = rewrite_attention([model], *lines(NanoAttention, "q @ k", "att @ v"), True)
+def padding(batch=2, length=16):
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[1, 10:] = 0
+    return mask
+
+
+REWRITTEN_FORMS = {  # class, its scores' and values' lines, causal, the extra arguments
+    "nanoGPT": (NanoAttention, "q @ k", "att @ v", True, lambda: ()),
+    "inline": (InlineAttention, "q @ k", "att @ v", False, lambda: (padding(),)),
+    "eager": (EagerAttention, "matmul(q", "matmul(attn_w", False,
+              lambda: (torch.zeros(2, 1, 16, 16),)),
+    "optional mask": (OptionalMaskAttention, "q @ k", "probs @ v", False, lambda: (padding(),)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("form", REWRITTEN_FORMS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_nan_and_inf_in_the_inputs_reach_the_rewrite_as_the_original(seed, form, bad):
+    cls, first, last, causal, extra = REWRITTEN_FORMS[form]
+    model = cls()
+    rewrite = rewrite_attention([model], *lines(cls, first, last), causal)
     fixed = copy.deepcopy(model)
     rewrite.apply(fixed)
     x = torch.randn(2, 16, 32)
-    x[0, 3, 5] = math.nan
-    assert torch.equal(fixed(x).isnan(), model(x).isnan())
+    x[0, 3, 5] = bad
+    args = extra()
+    assert torch.equal(fixed(x, *args).isnan(), model(x, *args).isnan())
+    finite = model(x, *args).isfinite()
+    torch.testing.assert_close(fixed(x, *args)[finite], model(x, *args)[finite], rtol=1e-5, atol=1e-6)
 
 
 def test_a_chain_with_a_step_it_cannot_read_is_not_rewritten_and_says_which():
