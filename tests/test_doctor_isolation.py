@@ -318,6 +318,29 @@ def test_tensors_the_step_writes_in_place_are_the_copies_own(seed):
     assert not first_line(report).startswith("Caution")
 
 
+@requires_cuda
+def test_a_pinned_staging_buffer_the_step_reaches_is_copied_pinned(seed):
+    """A copy that lost its pinning would make the step's copy in pageable, and the doctor would
+    report (and time) a problem the user's step does not have."""
+    from accel.doctor.parts import copy_step, find_parts
+
+    model = nn.Linear(4, 2).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    staging = torch.empty(5, 4, pin_memory=True)
+
+    def step(x):
+        staging.copy_(x)
+        loss = model(staging.to("cuda", non_blocking=True)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    run, _ = copy_step(step, find_parts(step))
+    cells = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__), strict=True))
+    assert cells["staging"] is not staging and cells["staging"].is_pinned()
+
+
 def test_tensors_past_the_copy_budget_are_shared_and_named_where_written(seed, monkeypatch):
     """A data set held in memory is not copied whole: past the budget a tensor is shared, and a
     step writing into it is named in the report's first line."""

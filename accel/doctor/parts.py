@@ -250,7 +250,8 @@ class _Rebuild:
             if self.tensor_bytes + size > COPIED_TENSOR_BYTES:
                 return value
             self.tensor_bytes += size
-            return copy.deepcopy(value, self.memo)
+            made = copy.deepcopy(value, self.memo)
+            return made.pin_memory() if value.is_pinned() else made  # a staging buffer stays one
         if what == "rng":
             return copy.deepcopy(value)
         if what == "iterator":
