@@ -106,7 +106,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     doctor = sub.add_parser("doctor", help="examine your training step: findings, predicted "
                             "gains, fixes measured")  # fmt: skip
     add = doctor.add_argument
-    add("target", help="module:function or file.py:function returning (step, batch[, loader])")
+    add("target", help="module:function or file.py:function returning (step, batch[, loader]), "
+        "or the step alone where it draws its own batch")
     add("--out", type=Path, default=Path("doctor.html"), help="the HTML report (default: %(default)s)")
     add("--steps", type=int, default=5, help="steps profiled (default 5)")
     add("--try-fixes", action="store_true", help="apply and measure the fixes")
