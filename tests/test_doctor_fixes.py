@@ -272,6 +272,43 @@ def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
     assert model[1].forward.__func__ is NanoAttention.forward
 
 
+class MhaBlock(nn.Module):
+    def __init__(self, width=32, heads=4, need_weights=True, use_weights=False):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.need_weights, self.use_weights = need_weights, use_weights
+
+    def forward(self, x):
+        y, weights = self.attn(x, x, x, need_weights=self.need_weights)
+        return y + weights.mean() if self.use_weights else y
+
+
+def mha_step(**kwargs):
+    model = nn.Sequential(MhaBlock(**kwargs), nn.Linear(32, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return plain_step(model, opt), model
+
+
+def test_multihead_attention_returning_its_weights_is_found_and_run_without_them(seed):
+    step, _ = mha_step()
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    (finding,) = [f for f in report.findings if f.kind == "attention"]
+    assert "need_weights" in finding.title and finding.fixes == ("mha_without_weights",)
+    assert finding.sites[0].text.strip().startswith("y, weights = self.attn(")
+    (row,) = report.try_fixes(["mha_without_weights"], steps=2, repeats=2).to_dict("records")
+    assert row["status"] == "ok" and row["error"] <= row["allowance"]
+    assert "need_weights=False" in row["edit"]
+    quiet = doctor.examine(mha_step(need_weights=False)[0], torch.randn(4, 16, 32), steps=1, warmup=1)
+    assert not [f for f in quiet.findings if f.kind == "attention"]
+
+
+def test_multihead_attention_whose_weights_are_used_fails_its_trial_and_says_so(seed):
+    step, _ = mha_step(use_weights=True)
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    (row,) = report.try_fixes(["mha_without_weights"], steps=1, repeats=1).to_dict("records")
+    assert row["status"].startswith("failed")
+
+
 def test_sdpa_fix_without_an_attention_finding_is_not_applicable(seed):
     step, _ = gpt_step()
     parts = doctor.parts.find_parts(step)

@@ -32,13 +32,14 @@ class ManualAttention:
     values_site: Site | None = None  # the line of the product with the values
 
 
-def find_manual_attention(ops: list[OpRecord]) -> list[ManualAttention]:
-    """Each product -> softmax -> product chain over (..., Sq, Sk) scores in ``ops``."""
+def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[ManualAttention]:
+    """Each product -> softmax -> product chain over (..., Sq, Sk) scores in ``ops`` written in
+    the user's code (``api``: inside that torch function instead)."""
     found = []
     for i, op in enumerate(ops):
         if op.op not in _PRODUCTS or not op.outputs or len(op.outputs[0].shape) < 3:
             continue
-        if "attention" in op.api:  # SDPA's own math path: already the call to make
+        if ("attention" in op.api) if api is None else op.api != api:  # SDPA's own math path
             continue
         scores = op.outputs[0].shape
         soft = _next(ops, i, lambda o, s=scores: o.op in _SOFTMAX and _scores_in(o.inputs[:1], s))
@@ -99,34 +100,45 @@ def time_attention(case: ManualAttention, device: torch.device, backward: bool) 
     return {name: t.median_ms for name, t in timing.timings.items()}
 
 
+_MHA = "multi_head_attention_forward"  # nn.MultiheadAttention's: written out when it returns weights
+
+
 @check("attention")
 def manual_attention(evidence: Evidence) -> list[Finding]:
-    chains = Counter(find_manual_attention(evidence.forward_ops()))
+    ops = evidence.forward_ops()
+    chains = [(c, False) for c in find_manual_attention(ops)]
+    chains += [(c, True) for c in find_manual_attention(ops, api=_MHA)]
     if not chains:
         return []
     backward = any(op.backward for op in evidence.recording.ops)
     found = []
-    for case, calls in chains.items():
+    for (case, weights), calls in Counter(chains).items():
         times = evidence.measure.get("attention", time_attention)(case, evidence.device, backward)
         saved = calls * max(0.0, times["manual"] - times["sdpa"]) * 1e3
         what = "forward and backward" if backward else "forward"
+        written = ("nn.MultiheadAttention returning its weights (need_weights=True, the default)"
+                   if weights else "attention written out by hand")  # fmt: skip
         found.append(Finding(
             kind="attention",
-            title=f"attention written out by hand ({calls} call{'s' * (calls != 1)} "
-            "per step) where SDPA would run",
+            title=f"{written} ({calls} call{'s' * (calls != 1)} per step) where SDPA would run",
             evidence=f"product -> softmax -> product over ({case.heads}, {case.seq_q}, "
             f"{case.seq_k}) scores, head dim {case.head_dim}, {case.dtype}",
             cost_model=f"measured here at that shape, {what}"
             + (", causal" if case.causal else "")
             + f": written out {times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
             notebook="05_sdpa",
-            change=_change(evidence, case),
+            change=_MHA_CHANGE if weights else _change(evidence, case),
             saved_us=saved,
             sites=[case.site] if case.site is not None else [],
-            fixes=("sdpa_attention",) if case.site and case.values_site else (),
-            detail=case,
+            fixes=("mha_without_weights",) if weights
+            else ("sdpa_attention",) if case.site and case.values_site else (),
+            detail=None if weights else case,
         ))
     return found
+
+
+_MHA_CHANGE = """\
+out, _ = self.attn(q, k, v, need_weights=False)  # SDPA inside; no weights are returned"""
 
 
 def _change(evidence: Evidence, case: ManualAttention) -> str:

@@ -212,6 +212,22 @@ def _sdpa(copy: StepCopy) -> None:
         copy.edits.append(rewrite.diff)
 
 
+def _mha_without_weights(copy: StepCopy) -> None:
+    """Each ``nn.MultiheadAttention`` of the copied models called with ``need_weights=False``:
+    SDPA inside, no weights returned (a step that uses them fails its trial, which says so)."""
+    modules = [m for model in copy.parts.models for m in model.modules()
+               if isinstance(m, torch.nn.MultiheadAttention)]  # fmt: skip
+    if not modules:
+        raise FixNotApplicable("no nn.MultiheadAttention in the step's models")
+    for module in modules:
+        module.forward = functools.partial(_without_weights, module.forward)
+    copy.edits.append("out, _ = self.attn(q, k, v, need_weights=False)  # each call of yours")
+
+
+def _without_weights(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **{**kwargs, "need_weights": False})
+
+
 def _padded_products(copy: StepCopy) -> None:
     """Each ``nn.Linear`` with an odd number of outputs the odd_shape check found (a vocabulary's
     head) run at the padded width and sliced back: zero rows added to its weight give zero
@@ -304,6 +320,10 @@ FIXES: dict[str, Fix] = {
             "the recomputed forward is the same arithmetic", needs_cuda=False),
         Fix("sdpa_attention", "attention rewritten as SDPA", _sdpa, 1e-3,
             "the same attention by a fused kernel that sums in another order: " + _REORDERED,
+            needs_cuda=False, rtol_16bit=2e-2),
+        Fix("mha_without_weights", "nn.MultiheadAttention without its weights",
+            _mha_without_weights, 1e-3,
+            "the same attention by SDPA's fused kernel, summed in another order: " + _REORDERED,
             needs_cuda=False, rtol_16bit=2e-2),
         Fix("padded_products", "odd product dimension padded", _padded_products, 1e-4,
             "the same products at a wider shape, which cuBLAS may tile and sum in another order: "

@@ -44,6 +44,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "tf32": ("matmul",),
     "bf16_autocast": _KERNELS,
     "sdpa_attention": _KERNELS,
+    "mha_without_weights": _KERNELS,
     "compile": ("elementwise and other", "normalization", "idle host", "idle other"),
     "cuda_graph": ("idle host", "idle sync", "idle other"),
     "deferred_reads": ("idle sync",),
