@@ -142,6 +142,15 @@ def lines(cls, first: str, last: str) -> tuple[tuple[str, int], tuple[str, int]]
     return (file, at[0]), (file, at[-1])
 
 
+def rewritten(cls, first: str, last: str, causal: bool = False):
+    """(a model of ``cls``, its copy with the attention rewritten, the rewrite)."""
+    model = cls()
+    rewrite = rewrite_attention([model], *lines(cls, first, last), causal)
+    fixed = copy.deepcopy(model)
+    rewrite.apply(fixed)
+    return model, fixed, rewrite
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_nanogpt_attention_rewritten_as_sdpa_computes_the_same(seed, causal):
     model = nn.Sequential(NanoAttention(), NanoAttention())
@@ -156,20 +165,14 @@ def test_nanogpt_attention_rewritten_as_sdpa_computes_the_same(seed, causal):
 
 
 def test_bert_attention_with_an_additive_mask_rewritten_as_sdpa(seed):
-    model = BertAttention()
-    rewrite = rewrite_attention([model], *lines(BertAttention, "matmul(q", "matmul(probs"), False)
-    fixed = copy.deepcopy(model)
-    rewrite.apply(fixed)
+    model, fixed, _ = rewritten(BertAttention, "matmul(q", "matmul(probs")
     x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 1, 16)
     mask[0, ..., 11:] = -10000.0  # padding
     torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
 
 
 def test_a_values_product_inside_a_larger_expression_is_rewritten_in_place(seed):
-    model = InlineAttention()
-    rewrite = rewrite_attention([model], *lines(InlineAttention, "q @ k", "att @ v"), False)
-    fixed = copy.deepcopy(model)
-    rewrite.apply(fixed)
+    model, fixed, rewrite = rewritten(InlineAttention, "q @ k", "att @ v")
     x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)
     mask[1, 12:] = 0  # padding
     torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
@@ -177,20 +180,14 @@ def test_a_values_product_inside_a_larger_expression_is_rewritten_in_place(seed)
 
 
 def test_a_float32_softmax_cast_back_is_rewritten(seed):
-    model = EagerAttention()
-    rewrite = rewrite_attention([model], *lines(EagerAttention, "matmul(q", "matmul(attn_w"), False)
-    fixed = copy.deepcopy(model)
-    rewrite.apply(fixed)
+    model, fixed, _ = rewritten(EagerAttention, "matmul(q", "matmul(attn_w")
     x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 16, 16)
     mask[0, ..., 10:] = torch.finfo(torch.float32).min
     torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
 
 
 def test_a_mask_applied_only_when_given_is_rewritten_for_both_cases(seed):
-    model = OptionalMaskAttention()
-    rewrite = rewrite_attention([model], *lines(OptionalMaskAttention, "q @ k", "probs @ v"), False)
-    fixed = copy.deepcopy(model)
-    rewrite.apply(fixed)
+    model, fixed, rewrite = rewritten(OptionalMaskAttention, "q @ k", "probs @ v")
     x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)
     mask[1, 10:] = 0  # padding
     for kwargs in ({}, {"mask": mask}):
@@ -228,10 +225,7 @@ REWRITTEN_FORMS = {  # class, its scores' and values' lines, causal, the extra a
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_nan_and_inf_in_the_inputs_reach_the_rewrite_as_the_original(seed, form, bad):
     cls, first, last, causal, extra = REWRITTEN_FORMS[form]
-    model = cls()
-    rewrite = rewrite_attention([model], *lines(cls, first, last), causal)
-    fixed = copy.deepcopy(model)
-    rewrite.apply(fixed)
+    model, fixed, _ = rewritten(cls, first, last, causal)
     x = torch.randn(2, 16, 32)
     x[0, 3, 5] = bad
     args = extra()
