@@ -220,6 +220,10 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
         result = {"seen": seen, "reduces": reduces, "grads": grads} | _fsdp2(batch)
         with open(f"{out}.{rank}", "w") as f:
             json.dump(result, f)
+        # every collective of both ranks done, and the DDP reducers gone, before the group is:
+        # a rank tearing down while the other still talks to it aborts under load
+        dist.barrier()
+        models.clear()
     finally:
         dist.destroy_process_group()
 
