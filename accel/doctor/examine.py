@@ -114,11 +114,16 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
 def takes_a_batch(step: Callable[..., Any]) -> bool:
     """Whether ``step`` can be called with one argument (its batch); True where it cannot tell."""
     try:
-        inspect.signature(step).bind(None)
-    except TypeError:
-        return False
+        return _binds(inspect.signature(step), None)
     except ValueError:  # no signature to read (a builtin)
         return True
+
+
+def _binds(signature: inspect.Signature, *args: Any) -> bool:
+    try:
+        signature.bind(*args)
+    except TypeError:
+        return False
     return True
 
 
@@ -131,14 +136,12 @@ def _refuse_batch_mismatch(step: Callable[..., Any], batch: Any) -> None:
         return
     name = getattr(step, "__qualname__", type(step).__name__)
     if batch is NO_BATCH:
-        try:
-            signature.bind()
-        except TypeError:
+        if not _binds(signature):
             raise UsageError(
                 f"{name}{signature} needs an argument and no batch was given: pass it, "
                 "examine(step, batch), or a loader=..."
-            ) from None
-    elif not takes_a_batch(step):
+            )
+    elif not _binds(signature, None):
         required = [p for p in signature.parameters.values()
                     if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
         if not required:

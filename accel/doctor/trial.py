@@ -291,10 +291,14 @@ def _record_measured(report, rows: list[dict]) -> None:
 def fixed_step(report, names: list[str]) -> Callable[[], Any]:
     """One step of a fresh copy of the report's step with the fixes ``names`` applied, as the
     trials call it (to time it beside other steps)."""
+    return _fixed(report, fix_names(names)).build()
+
+
+def _fixed(report, names: list[str]) -> StepCopy:
     fixed = _fresh(report)
-    for name in fix_names(names):
+    for name in names:
         FIXES[name].apply(fixed)
-    return fixed.build()
+    return fixed
 
 
 def _fresh(report) -> StepCopy:
@@ -380,9 +384,7 @@ def _trial(
 def _measured(report, names: list[str], steps: int, repeats: int, allowance: float) -> dict:
     from accel.measure.timer import compare
 
-    base, fixed = _fresh(report), _fresh(report)
-    for name in names:
-        FIXES[name].apply(fixed)
+    base, fixed = _fresh(report), _fixed(report, names)
     base_call, fixed_call = base.build(), fixed.build()
     checked = max(steps, GRAPH_WARMUP + 2) if fixed.graphed else steps
     with warnings.catch_warnings(record=True) as caught:
