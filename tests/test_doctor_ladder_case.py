@@ -47,9 +47,11 @@ def test_recorded_rows_become_one_row_per_script_with_the_gap_left():
 
 def test_a_fix_measured_slower_is_still_judged_against_its_prediction():
     """bf16 predicted 40% on a host-bound step and measured slower: a miss the rows must show;
-    a fix no finding predicted (tried with the others) gets no row of its own."""
+    a fix no finding predicted (tried with the others, or a finding that measures by trying)
+    gets no row of its own."""
     report = SimpleNamespace(
-        findings=[SimpleNamespace(fixes=("bf16_autocast",))],
+        findings=[SimpleNamespace(fixes=("bf16_autocast",), saved_us=4_000.0),
+                  SimpleNamespace(fixes=("channels_last",), saved_us=None)],
         evidence=SimpleNamespace(step_us=10_000.0),
     )
     trials = pd.DataFrame([
@@ -59,11 +61,35 @@ def test_a_fix_measured_slower_is_still_judged_against_its_prediction():
         {"fixes": "fused_optimizer", "label": "fused", "mode": "alone", "status": "ok",
          "predicted ms": 10.0, "predicted from": "the findings' cost models",
          "measured ms": 9.9, "unchanged ms": 10.0},
+        {"fixes": "channels_last", "label": "channels last", "mode": "alone", "status": "ok",
+         "predicted ms": 10.0, "predicted from": "the findings' cost models",
+         "measured ms": 8.7, "unchanged ms": 10.0},
     ])  # fmt: skip
     ctx = SimpleNamespace(judged=True)
     (row,) = doctor_ladder._prediction_rows("vit", report, trials, ctx)
     assert row.case == "ladder vit: prediction bf16_autocast" and row.met is False
     assert (row.optimized, row.baseline) == pytest.approx((40.0, -5.0))
+
+
+def test_a_prediction_inside_the_measured_interval_is_not_judged_a_miss():
+    """A host-bound step moves 10% between readings: a prediction 40% off the median but inside
+    the measured speedup's 95% interval is not refuted by it; one outside it is a miss."""
+    report = SimpleNamespace(
+        findings=[SimpleNamespace(fixes=("tf32",), saved_us=500.0),
+                  SimpleNamespace(fixes=("compile",), saved_us=500.0)],
+        evidence=SimpleNamespace(step_us=10_000.0),
+    )
+    trial = {"mode": "alone", "status": "ok", "predicted from": "the findings' cost models",
+             "unchanged ms": 10.0}  # fmt: skip
+    trials = pd.DataFrame([
+        trial | {"fixes": "tf32", "label": "TF32", "predicted ms": 9.5, "predicted speedup": 1.053,
+                 "measured ms": 9.2, "speedup interval": "0.98-1.19"},
+        trial | {"fixes": "compile", "label": "compile", "predicted ms": 9.5,
+                 "predicted speedup": 1.053, "measured ms": 8.0, "speedup interval": "1.20-1.30"},
+    ])  # fmt: skip
+    tf32, compiled = doctor_ladder._prediction_rows("gpt2", report, trials, SimpleNamespace(judged=True))
+    assert tf32.met is None and "inside the measured speedup's 95% interval 0.98-1.19x" in tf32.note
+    assert compiled.met is False and "interval 1.20-1.30x" in compiled.note
 
 
 def test_the_share_comes_from_one_run_of_the_script_its_twin_and_the_best_set(monkeypatch):

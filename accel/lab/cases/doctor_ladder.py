@@ -169,19 +169,36 @@ def _prediction_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
             continue
         predicted = 1 - trial["predicted ms"] / (report.evidence.step_us / 1e3)
         measured = 1 - trial["measured ms"] / trial["unchanged ms"]
-        if trial["mode"] == "alone" and not any(trial["fixes"] in f.fixes for f in report.findings):
-            continue  # no finding predicted this fix's saving
+        predicted_by = [f for f in report.findings if trial["fixes"] in f.fixes]
+        if trial["mode"] == "alone" and all(f.saved_us is None for f in predicted_by):
+            continue  # no finding predicted this fix's saving (or its finding measures by trying)
         off = abs(predicted / measured - 1) if measured > 0 else math.inf
-        judged = ctx.judged and max(predicted, measured) >= JUDGED_SHARE
+        low, high = _interval(trial)
+        covered = off > TARGET_WITHIN and low <= trial.get("predicted speedup", math.nan) <= high
+        if max(predicted, measured) < JUDGED_SHARE:
+            why = f"; under {JUDGED_SHARE:.0%} of the step either way: inside the spread, not judged"
+        elif covered:
+            why = f"; inside the measured speedup's 95% interval {low:.2f}-{high:.2f}x: not judged"
+        else:
+            why = f"; measured speedup's 95% interval {low:.2f}-{high:.2f}x" * math.isfinite(low)
+        judged = ctx.judged and max(predicted, measured) >= JUDGED_SHARE and not covered
         rows.append(
             Row(PHASE, f"ladder {name}: prediction {trial['fixes']}", "saving as a share of the "
                 f"step, measured vs predicted (from {trial['predicted from']})", "%",
                 100 * predicted, baseline=100 * measured, target=f"within {TARGET_WITHIN:.0%}",
                 met=off <= TARGET_WITHIN if judged else None,
-                note=f"{off:.0%} apart; {trial['label']}" + ("" if judged else
-                     f"; under {JUDGED_SHARE:.0%} of the step either way: inside the spread, not judged"))
+                note=f"{off:.0%} apart; {trial['label']}{why}")
         )  # fmt: skip
     return rows
+
+
+def _interval(trial: dict) -> tuple[float, float]:
+    """The measured speedup's 95% interval (nan where too few rounds were timed to give one)."""
+    low, _, high = str(trial.get("speedup interval", "nan-nan")).partition("-")
+    try:
+        return float(low), float(high)
+    except ValueError:
+        return math.nan, math.nan
 
 
 def _examine_row(name: str, seconds: float, ctx: BenchContext) -> Row:
