@@ -106,7 +106,22 @@ def profile_steps(
     call: Callable[[], object], device: torch.device, steps: int, **kwargs: Any
 ) -> ProfiledSteps:
     """Profile ``steps`` calls of ``call`` (warmed up already), each inside a step mark; ``kwargs``
-    go to the profiler (``profile_memory=True``)."""
+    go to the profiler (``profile_memory=True``). On CUDA, a profile whose steps launched kernels
+    and recorded none (CUPTI not attached: the teardown of the profile before can still be under
+    way) is taken again, once."""
+    for _ in range(2):
+        run = _profiled(call, device, steps, **kwargs)
+        if not run.cuda or run.work or not run.launches:
+            return run
+    raise RuntimeError(
+        f"the profiler recorded no kernel of the {len(run.launches)} launched in {steps} steps, "
+        "twice: CUDA's profiling interface (CUPTI) did not attach"
+    )
+
+
+def _profiled(
+    call: Callable[[], object], device: torch.device, steps: int, **kwargs: Any
+) -> ProfiledSteps:
     with device_profile(device, **kwargs) as prof:
         for _ in range(steps):
             with record_function(STEP_MARK):

@@ -73,3 +73,52 @@ def test_a_teardown_setting_torch_makes_during_the_profile_is_kept(monkeypatch):
     with quiet_profile(activities=CPU_ONLY):
         os.environ["TEARDOWN_CUPTI"] = "0"
     assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+def _fake_profile(monkeypatch, rounds):
+    """profiling.device_profile yielding, profile after profile, the events of ``rounds``: a step
+    mark, a kernel launch inside it and, where the round says so, the kernel it launched."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from accel import profiling
+
+    def event(name, device_type, start, end):
+        return SimpleNamespace(name=name, device_type=device_type,
+                               time_range=SimpleNamespace(start=start, end=end))  # fmt: skip
+
+    profiles = []
+
+    @contextlib.contextmanager
+    def device_profile(device, **kwargs):
+        kernel = rounds[len(profiles)]
+        events = [event(profiling.STEP_MARK, DeviceType.CPU, 0.0, 10.0),
+                  event("cudaLaunchKernel", DeviceType.CPU, 1.0, 2.0)]  # fmt: skip
+        events += [event("gemm", DeviceType.CUDA, 3.0, 8.0)] if kernel else []
+        profiles.append(SimpleNamespace(events=lambda: events))
+        yield profiles[-1]
+
+    monkeypatch.setattr(profiling, "device_profile", device_profile)
+    return profiles
+
+
+def test_a_cuda_profile_that_lost_the_devices_events_is_taken_again(monkeypatch):
+    """Kernels launched and none recorded: CUPTI was not attached for that profile (a teardown
+    of the one before can still be under way). Profiled again, the steps show their kernels."""
+    from accel.profiling import profile_steps
+
+    profiles = _fake_profile(monkeypatch, rounds=[False, True])
+    run = profile_steps(lambda: None, torch.device("cuda"), steps=1)
+    assert len(profiles) == 2 and [e.name for e in run.work] == ["gemm"]
+
+
+def test_a_cuda_profile_that_keeps_losing_them_says_so(monkeypatch):
+    import pytest
+
+    from accel.profiling import profile_steps
+
+    _fake_profile(monkeypatch, rounds=[False, False])
+    with pytest.raises(RuntimeError, match="no kernel"):
+        profile_steps(lambda: None, torch.device("cuda"), steps=1)
