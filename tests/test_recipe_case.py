@@ -136,7 +136,6 @@ def test_the_phase_runs_in_parts_each_with_its_own_rows(monkeypatch, only, group
 
     monkeypatch.setattr(recipe, "measure", fake_measure)
     monkeypatch.setattr(recipe.recipe_adopted, "rows", lambda ctx: [])
-    monkeypatch.setattr(recipe.recipe_float8, "rows", lambda ctx: [])
     ctx = BenchContext(device=torch.device("cpu"), preset="cpu", only=only)
     rows = recipe.run(ctx)
     ran = [g for g in ("cumulative", "alone") if any(r.case.startswith(f"{g}: ") for r in rows)]

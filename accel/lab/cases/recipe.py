@@ -22,7 +22,7 @@ import torch
 from accel import memory
 from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases import recipe_adopted, recipe_float8
+from accel.lab.cases import recipe_adopted
 from accel.measure.timer import compare
 from accel.workloads import advection as op
 from accel.workloads.flags import label
@@ -327,7 +327,7 @@ def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = 
 
 def parts() -> list[str]:
     """The parts ``--only`` can pick (each within one ten-minute GPU command)."""
-    return ["cumulative", "alone", "adopted", "float8"]
+    return ["cumulative", "alone", "adopted"]
 
 
 def run(ctx: BenchContext) -> list[Row]:
@@ -349,8 +349,6 @@ def run(ctx: BenchContext) -> list[Row]:
         out += rows(alone_frame, "alone", judged=ctx.judged)
     if ctx.selected("adopted"):
         out += recipe_adopted.rows(ctx)
-    if ctx.selected("float8"):
-        out += recipe_float8.rows(ctx)
     return ctx.judge(out)
 
 
