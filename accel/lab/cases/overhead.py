@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from accel import attention, diversity
 from accel.graphs import GraphedStep
-from accel.lab.bench import BenchContext, Row
-from accel.lab.cases.sdpa_measure import release_memory
+from accel.lab.bench import BenchContext, Row, release_memory
 from accel.measure.timer import Comparison, compare, round_differences
 from accel.optim import MultiTensorAdamW
 

@@ -10,7 +10,6 @@ steps, so the comparison needs 3,000."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import time
 from collections.abc import Callable, Collection
@@ -21,7 +20,7 @@ import torch
 
 from accel import memory
 from accel.errors import collection_of
-from accel.lab.bench import BenchContext, Row
+from accel.lab.bench import BenchContext, Row, release_memory
 from accel.lab.cases import recipe_adopted
 from accel.measure.timer import compare
 from accel.workloads import advection as op
@@ -185,7 +184,7 @@ def measure(
         for step in steps.values():
             step.close()
         steps.clear()
-        _free(dev)
+        release_memory(dev)
     say("done")
     frame = pd.DataFrame(rows)
     frame["speedup"] = frame["samples_per_s"] / frame["samples_per_s"].iloc[0]
@@ -268,12 +267,6 @@ def _build_and_footprint(
     step()
     peak = memory.peak_memory(step, device=device)
     return step, step.resident_bytes() + peak
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def aux_call_counts(sizes: op.Sizes, steps: int, every: tuple[int, ...] = (1, 2, 4, 8)) -> dict:
