@@ -190,7 +190,7 @@ def test_only_is_refused_for_a_phase_that_runs_whole_and_for_a_part_that_is_not_
         check_parts(["notebooks", "sync"], ("05",))
     with pytest.raises(UsageError, match=r"--only 99: no such part; the parts: 00_tour"):
         check_parts(["notebooks"], ("05", "99"))
-    check_parts(["notebooks", "overhead", "sdpa"], ("05", "adamw sweep", "flex"))
+    check_parts(["notebooks", "overhead", "sdpa"], ("05", "adamw sweep", "masked sweep"))
 
 
 # ---- what a person reads in a terminal ------------------------------------------------------------
@@ -238,3 +238,12 @@ def test_a_warning_during_the_bench_is_one_line_above_the_bar(monkeypatch, capsy
     err = capsys.readouterr().err
     assert "UserWarning: no CUDA device here: nothing to count\n" in err
     assert "warnings.warn(" not in err and "test_cli.py" not in err  # no source line
+
+
+def test_the_recipes_seed_and_single_run_validation_rows_are_groups_apart():
+    """A part's rerun replaces its groups' rows together ("<group>: ..."): the quality part's row
+    and the cumulative part's validation row must not share a group, or one rerun drops the
+    other's."""
+    from accel.lab.cases import recipe
+
+    assert recipe.QUALITY_CASE.split(": ")[0] != recipe.VALIDATION_CASE.split(": ")[0]

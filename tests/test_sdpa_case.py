@@ -1,5 +1,5 @@
 """The sdpa bench phase and its helpers: cost model, profiler read-out, every kernel measured at a
-shape (``lab.sdpa_backends``), the phase's parts."""
+shape (``lab.sdpa_backends``), the phase's parts, the masked sweep's rows."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from accel import attention as A
 from accel.lab import plots
 from accel.lab.bench import BenchContext
 from accel.lab.cases import sdpa, sdpa_flex
+from accel.lab.cases import sdpa_masked_sweep as sweep
 from accel.measure.ceilings import Ceilings
 from accel.workloads import vit
 
@@ -127,11 +128,13 @@ def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
     monkeypatch.setitem(vit.Sizes.PRESETS, "cpu", small)
     flex = sdpa_flex.FlexSizes(1, 2, 8, torch.float32, 5, (17,), (17,), 2, 17, 17, repeats=1)
     monkeypatch.setitem(sdpa_flex.FLEX_SIZES, "cpu", flex)
+    masked = sweep.MaskedSweepSizes((16,), (8,), 2, 16, torch.float32, 4, 2, 1, directions=(False,))
+    monkeypatch.setitem(sweep.MASKED_SWEEP, "cpu", masked)
     rows = sdpa.run(BenchContext(CPU, "cpu", FAKE_CEILINGS))
     assert {r.phase for r in rows} == {"sdpa"}
     assert all(r.met is None and r.note.startswith("not judged") for r in rows)
     cases = [r.case for r in rows]
-    assert "vit step: all but compile" in cases
+    assert "vit step: all but compile" in cases and "sweep masked window fwd D=8 S=16" in cases
     assert "flex sliding window 5 B=1 H=2 S=17 D=8 fwd" in cases
     default = next(r for r in rows if r.case == "B=1 H=2 S=17 D=8 full fwd default")
     assert default.optimized > 0 and not math.isnan(default.fraction_of_ceiling)
@@ -145,13 +148,13 @@ def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
 def test_the_phase_runs_in_parts(monkeypatch):
     from accel.lab import bench
 
-    assert sdpa.parts() == ["headline", "flex", "vit"]
+    assert sdpa.parts() == ["headline", "flex", "masked sweep", "vit"]
     assert bench.phase_parts("sdpa") == sdpa.parts()
     ran = []
     for part in sdpa.parts():
         monkeypatch.setitem(sdpa._PARTS, part, lambda ctx, part=part: ran.append(part) or [])
-    sdpa.run(BenchContext(CPU, "cpu", FAKE_CEILINGS, only=("flex", "vit")))
-    assert ran == ["flex", "vit"]
+    sdpa.run(BenchContext(CPU, "cpu", FAKE_CEILINGS, only=("masked sweep", "vit")))
+    assert ran == ["masked sweep", "vit"]
 
 
 def test_measure_point_times_variants_in_the_timers_rotated_and_reversed_rounds(monkeypatch):
@@ -173,6 +176,35 @@ def test_measure_point_times_variants_in_the_timers_rotated_and_reversed_rounds(
     assert point.times == samples.medians()
 
 
+@QUIET_FALLBACK
+def test_a_masked_sweep_point_is_sdpa_beside_the_users_own_flex_attention(monkeypatch):
+    tiny = sweep.MaskedSweepSizes((16, 40), (8,), 2, 40, torch.float32, 4, 2, 1, directions=(False,))
+    monkeypatch.setitem(sweep.MASKED_SWEEP, "cpu", tiny)
+    rows = sweep.rows(BenchContext(CPU, "cpu", FAKE_CEILINGS))
+    points = [r for r in rows if r.case.startswith("sweep masked ")]
+    assert [r.case for r in points] == [
+        f"sweep masked {kind} fwd D=8 S={s}" for kind in sweep.KINDS for s in (16, 40)
+    ]
+    assert all(r.optimized > 0 and r.baseline > 0 and "largest difference" in r.note
+               for r in points)  # fmt: skip
+    assert all("B=" in r.note and "round by round" in r.note for r in points)
+    (summary,) = [r for r in rows if r not in points]
+    assert summary.case.startswith("masked sweep: ") and "over 6 points" in summary.case
+    assert summary.target == "median >= 0.95x, every point >= 0.9x" and summary.met is None
+
+
+@QUIET_FALLBACK
+def test_a_masked_sweep_point_whose_outputs_differ_is_not_timed(monkeypatch):
+    real = sweep.attention.sdpa
+    monkeypatch.setattr(sweep.attention, "sdpa", lambda *a, **kw: real(*a, **kw) + 1.0)
+    tiny = sweep.MaskedSweepSizes((16,), (8,), 2, 16, torch.float32, 4, 2, 1, directions=(False,))
+    monkeypatch.setitem(sweep.MASKED_SWEEP, "cpu", tiny)
+    monkeypatch.setattr(BenchContext, "judged", property(lambda self: True))
+    rows = sweep.rows(BenchContext(CPU, "cpu", FAKE_CEILINGS))
+    assert all(math.isnan(r.optimized) and r.met is False for r in rows[:-1])
+    assert "NOT timed" in rows[0].note and rows[-1].met is False
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none")
 def test_gpu_sdpa_backends_times_the_fused_kernels_beside_pytorchs_pick():
@@ -185,3 +217,11 @@ def test_gpu_sdpa_backends_times_the_fused_kernels_beside_pytorchs_pick():
     assert (rows.loc[["flash", "efficient"], "reason"] == "").all(), rows["reason"]
     timed = rows[rows["reason"] == ""]
     assert (timed["ms"] > 0).all() and (timed["speedup"] > 0).all()
+
+
+def test_the_masked_sweep_runs_at_the_cpu_preset():
+    """The CPU preset is the one a user without a GPU gets from the bench: forward points only,
+    FlexAttention having no backward there."""
+    rows = sweep.rows(BenchContext(CPU, "cpu", FAKE_CEILINGS, only=("masked sweep",)))
+    points = [r for r in rows if r.case.startswith("sweep masked")]
+    assert points and all(" fwd " in r.case for r in points)

@@ -1,7 +1,8 @@
-"""Bench phase ``sdpa``, in three parts (``bench --only``): ``headline`` (every kernel's TFLOP/s
+"""Bench phase ``sdpa``, in four parts (``bench --only``): ``headline`` (every kernel's TFLOP/s
 against the manual path at the headline shape, peak memory, the causal training row), ``flex``
-(masked attention, ``sdpa_flex``) and ``vit`` (the ViT training step, every flag against the
-baseline); here too how a case is measured: variants timed interleaved, every kernel
+(masked attention, ``sdpa_flex``), ``masked sweep`` (``sdpa(mask=...)`` against a user's own
+compiled ``flex_attention``, ``sdpa_masked_sweep``) and ``vit`` (the ViT training step, every flag
+against the baseline); here too how a case is measured: variants timed interleaved, every kernel
 at a shape (:func:`backend_frame`), which backend really ran (the profiler), errors against
 float64. The ground the parts share is ``sdpa_measure``; the names notebook 05 uses are
 re-exported here. TFLOP/s are compared with the measured matrix-product rate.
@@ -19,6 +20,7 @@ import torch
 from accel import attention
 from accel.errors import collection_of
 from accel.lab.bench import BenchContext, Row, release_memory
+from accel.lab.cases import sdpa_masked_sweep
 from accel.lab.cases.sdpa_flex import (
     TARGET_MASK_MEMORY,
     MaskFlags,
@@ -316,6 +318,7 @@ _PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
         causal_training_row(ctx, BENCH_SIZES[ctx.preset]),
     ],
     "flex": lambda ctx: flex_rows(ctx, ctx.judged),
+    "masked sweep": sdpa_masked_sweep.rows,
     "vit": lambda ctx: vit_rows(ctx, BENCH_SIZES[ctx.preset]),
 }
 
