@@ -190,7 +190,7 @@ def test_only_is_refused_for_a_phase_that_runs_whole_and_for_a_part_that_is_not_
         check_parts(["notebooks", "sync"], ("05",))
     with pytest.raises(UsageError, match=r"--only 99: no such part; the parts: 00_tour"):
         check_parts(["notebooks"], ("05", "99"))
-    check_parts(["notebooks", "overhead", "sdpa"], ("05", "diversity sweep", "masked sweep"))
+    check_parts(["notebooks", "overhead", "sdpa"], ("05", "adamw sweep", "masked sweep"))
 
 
 # ---- what a person reads in a terminal ------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import gc
 import importlib
 import io
 import math
@@ -137,6 +138,14 @@ def speedup_row(
                target=f">= {target}x" if target is not None else "",
                met=baseline_ms / fast_ms >= target if judged else None,
                note=f"{ctx.where}; {note}")  # fmt: skip
+
+
+def release_memory(device: torch.device) -> None:
+    """Give cached GPU memory back between cases (a large case next to a small one fragments the
+    cache)."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def phase_function(name: str) -> Callable[[BenchContext], list[Row]]:

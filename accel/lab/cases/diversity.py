@@ -3,8 +3,8 @@
 extra memory) and the polychromic step. Every candidate is timed over input buffers that
 together exceed the L2 cache, taken in turn; on CUDA as CUDA-graph replays (device time, no
 Python launch overhead), one row per grouped case giving the host-launched call beside it. On a
-CPU the sizes are tiny and nothing is compiled. Untuned shapes and host time per call are the
-``overhead`` phase's (``overhead_diversity``)."""
+CPU the sizes are tiny and nothing is compiled. Host time per call is the ``overhead``
+phase's."""
 
 from __future__ import annotations
 

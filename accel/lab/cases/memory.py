@@ -12,7 +12,6 @@ import torch
 from accel import memory
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases import memory_accumulate
-from accel.measure.profile import profile_step
 from accel.measure.timer import Comparison, compare
 from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
@@ -173,56 +172,15 @@ def allocation_rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
 
 
 def checkpointing_rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
-    """Activation checkpointing's peak, price and largest batch, per choice of blocks."""
-    dev, where = ctx.device, ctx.where
+    """Activation checkpointing's peak, price and largest batch with every block checkpointed
+    against none, at the batch where the GPU bounds the step; the price at the preset's batch
+    too, where the host bounds it."""
     judged_sizes = dataclasses.replace(sizes, batch=JUDGED_BATCH[ctx.preset] or sizes.batch)
-    idle = {
-        b: idle_fraction(b, sizes, dev) for b in dict.fromkeys((judged_sizes.batch, sizes.batch))
-    }
-    costs = checkpoint_costs(judged_sizes, dev, budget_bytes=BUDGET_BYTES[ctx.preset])
-    at = f"{where}; batch {judged_sizes.batch}: GPU idle {idle[judged_sizes.batch]:.0%} of a step"
-    rows = checkpoint_rows(costs, judged_sizes, at, ctx.judged)
-    if judged_sizes.batch != sizes.batch:
-        rows.append(preset_batch_row(sizes, dev, f"{where}; GPU idle {idle[sizes.batch]:.0%}"))
-    return rows
-
-
-def idle_fraction(batch: int, sizes: no.Sizes, device) -> float:
-    """Share of a training step (fusion flags, no checkpointing) in which the GPU ran nothing:
-    near 0 when the step is bound by the device, large when Python's launches bound it."""
-    step = no.build(FUSION_FLAGS, dataclasses.replace(sizes, batch=batch), device=device)
-    return profile_step(step, steps=3, warmup=2, device=device).idle_fraction
-
-
-def preset_batch_row(sizes: no.Sizes, device, where: str, *, repeats: int = 20) -> Row:
-    """Step time with every block checkpointed at the preset's own batch, against none."""
-    timing = compare(_checkpointed(sizes, device), baseline="none", repeats=repeats, device=device)
-    return Row(
-        "memory", f"checkpoint_step_time all, batch {sizes.batch}",
-        f"time per training step at the preset's batch {sizes.batch} x {sizes.context}, "
-        "every block checkpointed (the price where the host bounds the step)", "ms",
-        timing.timings["all"].median_ms, baseline=timing.timings["none"].median_ms,
-        note=f"{where} without checkpointing; no target: the price is judged at batch "
-        f"{JUDGED_BATCH['gpu']}, where the GPU bounds the step",
-    )  # fmt: skip
-
-
-def checkpoint_rows(costs: CheckpointCosts, sizes: no.Sizes, where: str, judged: bool) -> list[Row]:
-    """Peak, step time and largest batch with every block checkpointed against none: the rows
-    named ``... all`` (what notebook 03 reads back), then the same judged, without a suffix."""
-    note = f"{where}; every block checkpointed, use_reentrant=False, fusion flags on"
-    unjudged = f"{note}; no target (judged in the rows without a suffix)"
-    rows = _checkpoint_triple(costs, sizes, unjudged)
-    return rows + _checkpoint_triple(costs, sizes, note, met=costs.meets() if judged else {})
-
-
-def _checkpoint_triple(
-    costs: CheckpointCosts, sizes: no.Sizes, note: str, met: dict | None = None
-) -> list[Row]:
-    """Peak, step time and largest batch checkpointed against not: named ``... all``, or with
-    ``met`` (judged or not: an empty dict) the target rows, which carry no suffix."""
-    targeted = met is not None
-    setting = ", activation_checkpointing=all" if targeted else ""
+    costs = checkpoint_costs(judged_sizes, ctx.device, budget_bytes=BUDGET_BYTES[ctx.preset])
+    extra = [] if judged_sizes.batch == sizes.batch else [preset_batch_row(sizes, ctx)]
+    met = costs.meets() if ctx.judged else {}
+    note = f"{ctx.where}; every block checkpointed, use_reentrant=False, fusion flags on"
+    setting = ", activation_checkpointing=all"
     budget = f"largest batch within {costs.budget_bytes / memory.GiB:.3g} GiB"
     probes = f"; probes: none {len(costs.searches['none'].probes)}, "
     probes += f"all {len(costs.searches['all'].probes)}"
@@ -231,21 +189,33 @@ def _checkpoint_triple(
     batch = {c: search.batch for c, search in costs.searches.items()}
     specs = [  # (case, key of targets and met, description, unit, values by choice, target text)
         ("checkpoint_peak", "peak", f"peak activation memory of forward + backward, batch "
-         f"{sizes.batch} x {sizes.context}{setting}", "MiB", mib,
+         f"{judged_sizes.batch} x {judged_sizes.context}{setting}", "MiB", mib,
          f"<= {TARGETS['peak']}x (speedup >= {1 / TARGETS['peak']:.0f})"),
         ("checkpoint_step_time", "time", f"time per training step{setting} (the price)", "ms", ms,
          f"<= {TARGETS['time']}x time (speedup >= {1 / TARGETS['time']:.2f})"),
-        ("checkpoint_largest_batch", "batch",
-         f"{budget} (resident weights, gradients and AdamW state included){setting}"
-         if targeted else budget, "sequences", batch, f">= {TARGETS['batch']}x"),
+        ("checkpoint_largest_batch", "batch", f"{budget} (resident weights, gradients and AdamW "
+         f"state included){setting}", "sequences", batch, f">= {TARGETS['batch']}x"),
     ]  # fmt: skip
     return [
-        Row("memory", case if targeted else f"{case} all", what, unit, values["all"],
-            baseline=values["none"], higher_is_better=key == "batch",
-            target=target if targeted else "", met=(met or {}).get(key),
-            note=note + probes if targeted and key == "batch" else note)
+        Row("memory", case, what, unit, values["all"], baseline=values["none"],
+            higher_is_better=key == "batch", target=target, met=met.get(key),
+            note=note + probes if key == "batch" else note)
         for case, key, what, unit, values, target in specs
-    ]  # fmt: skip
+    ] + extra  # fmt: skip
+
+
+def preset_batch_row(sizes: no.Sizes, ctx: BenchContext, *, repeats: int = 20) -> Row:
+    """Step time with every block checkpointed at the preset's own batch, against none."""
+    built = _checkpointed(sizes, ctx.device)
+    timing = compare(built, baseline="none", repeats=repeats, device=ctx.device)
+    return Row(
+        "memory", f"checkpoint_step_time all, batch {sizes.batch}",
+        f"time per training step at the preset's batch {sizes.batch} x {sizes.context}, "
+        "every block checkpointed (the price where the host bounds the step)", "ms",
+        timing.timings["all"].median_ms, baseline=timing.timings["none"].median_ms,
+        note=f"{ctx.where}; no target: the price is judged at batch {JUDGED_BATCH['gpu']}, "
+        "where the GPU bounds the step",
+    )  # fmt: skip
 
 
 def cleanup_row(ctx: BenchContext, where: str) -> Row:

@@ -12,7 +12,6 @@ interval."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import multiprocessing
 import time
@@ -25,7 +24,7 @@ import torch
 
 from accel import memory
 from accel.errors import collection_of
-from accel.lab.bench import BenchContext, Row
+from accel.lab.bench import BenchContext, Row, release_memory
 from accel.lab.cases import recipe_adopted, recipe_float8
 from accel.measure.timer import compare
 from accel.workloads import advection as op
@@ -203,7 +202,7 @@ def measure(
         for step in steps.values():
             step.close()
         steps.clear()
-        _free(dev)
+        release_memory(dev)
     say("done")
     frame = pd.DataFrame(rows)
     frame["speedup"] = frame["samples_per_s"] / frame["samples_per_s"].iloc[0]
@@ -338,12 +337,6 @@ def _build_and_footprint(
     step()
     peak = memory.peak_memory(step, device=device)
     return step, step.resident_bytes() + peak
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def aux_call_counts(sizes: op.Sizes, steps: int, every: tuple[int, ...] = (1, 2, 4, 8)) -> dict:

@@ -19,7 +19,7 @@ import torch
 
 from accel import attention
 from accel.errors import collection_of
-from accel.lab.bench import BenchContext, Row
+from accel.lab.bench import BenchContext, Row, release_memory
 from accel.lab.cases import sdpa_masked_sweep
 from accel.lab.cases.sdpa_flex import (
     TARGET_MASK_MEMORY,
@@ -40,7 +40,6 @@ from accel.lab.cases.sdpa_measure import (
     attention_flops,
     make_inputs,
     peak_memory_bytes,
-    release_memory,
 )
 from accel.measure.attention import sdpa_backends
 from accel.measure.profile import profile_step

@@ -20,7 +20,7 @@ import torch
 
 from accel import attention
 from accel.attention import AttentionMask, dense_mask
-from accel.lab.bench import BenchContext, Row
+from accel.lab.bench import BenchContext, Row, release_memory
 from accel.lab.cases.sdpa_measure import (
     PHASE,
     AttnCase,
@@ -28,7 +28,6 @@ from accel.lab.cases.sdpa_measure import (
     first_call_s,
     make_inputs,
     peak_memory_bytes,
-    release_memory,
 )
 from accel.measure.timer import compare
 from accel.workloads.flags import flag

@@ -20,7 +20,7 @@ import torch
 
 from accel import attention
 from accel.attention.flex import room_to_compile
-from accel.lab.bench import BenchContext, Row
+from accel.lab.bench import BenchContext, Row, release_memory
 from accel.lab.cases.sdpa_flex import document_lengths
 from accel.lab.cases.sdpa_measure import (
     PHASE,
@@ -28,7 +28,6 @@ from accel.lab.cases.sdpa_measure import (
     as_timed,
     first_call_s,
     make_inputs,
-    release_memory,
 )
 from accel.measure.timer import compare
 

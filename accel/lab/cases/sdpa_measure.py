@@ -6,7 +6,6 @@ counted); causal halves both.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,13 +92,6 @@ def first_call_s(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - started
-
-
-def release_memory(device: torch.device) -> None:
-    """Give cached GPU memory back between cases (S=16k next to S=256 fragments the cache)."""
-    if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
 
 
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device) -> int:
