@@ -193,7 +193,7 @@ def _prediction_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
 
 
 def _interval(trial: dict) -> tuple[float, float]:
-    """The measured speedup's 95% interval (nan where too few rounds were timed to give one)."""
+    """The interval of the measured speedup the trial gives (nan where it timed too few rounds)."""
     low, _, high = str(trial.get("speedup interval", "nan-nan")).partition("-")
     try:
         return float(low), float(high)
