@@ -23,8 +23,8 @@ Each function checks its inputs, then dispatches: the Triton kernels
 (``accel.kernels.pairwise_cosine``) on CUDA tensors, or on any tensors through Triton's
 interpreter when ``TRITON_INTERPRET=1`` (:mod:`accel.triton_support` says which; Triton reads it
 as the kernels are imported, at the first kernel call, so set it before that); otherwise the
-PyTorch reference, after one warning that says why. The references are
-here too: the naive N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
+PyTorch reference, after one warning that says why. The references are here too: the naive
+N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
 sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2 (= ||sum_i x̂_i||^2 - N without zero rows).
 
 Gradients: every function is differentiable in ``x``. The kernels have no backward, so on their
