@@ -16,14 +16,15 @@ Vectors are normalized as ``F.normalize`` does, x / max(||x||, eps), so a zero v
 cosine 0 with everything: its distance to every other member is 1, never NaN. Non-contiguous
 inputs are fine: the kernels read them through their strides, without a copy. Each load takes
 as many elements as D, the strides and the start allow, up to 16 bytes
-(``accel.kernels.launch.row_alignment``): rows whose width and strides are multiples of 16
-bytes read fastest, and rows strided along D, or of an odd width, one element at a time.
+(``accel.kernels.pairwise_cosine.row_alignment``): rows whose width and strides are multiples
+of 16 bytes read fastest, and rows strided along D, or of an odd width, one element at a time.
 
 Each function checks its inputs, then dispatches: the Triton kernels
 (``accel.kernels.pairwise_cosine``) on CUDA tensors, or on any tensors through Triton's
-interpreter when ``TRITON_INTERPRET=1`` (read at each call; :mod:`accel.triton_support` says
-which); otherwise the PyTorch reference, after one warning that says why. The references are
-here too: the naive N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
+interpreter when ``TRITON_INTERPRET=1`` (:mod:`accel.triton_support` says which; Triton reads it
+as the kernels are imported, at the first kernel call, so set it before that); otherwise the
+PyTorch reference, after one warning that says why. The references are here too: the naive
+N x N matrix (the seed's "before") and, for the mean, the O(N D) closed form
 sum_{i != j} cos_ij = ||sum_i x̂_i||^2 - sum_i ||x̂_i||^2 (= ||sum_i x̂_i||^2 - N without zero rows).
 
 Gradients: every function is differentiable in ``x``. The kernels have no backward, so on their
@@ -38,7 +39,6 @@ larger groups); the first call of a shape compiles. Measured beside the compiled
 
 from __future__ import annotations
 
-import types
 import warnings
 from functools import partial
 from typing import Literal
@@ -180,7 +180,6 @@ def nearest_diversity_reference(
 # ---- dispatch ------------------------------------------------------------------------------
 
 _warned: set[str] = set()
-KERNELS = "accel.kernels.pairwise_cosine"
 
 
 def backend(x: torch.Tensor) -> tuple[Backend, str]:
@@ -191,11 +190,6 @@ def backend(x: torch.Tensor) -> tuple[Backend, str]:
     if triton_support.interpreting():
         return "interpreter", "TRITON_INTERPRET=1: the kernels run in Triton's interpreter"
     return "triton", "CUDA tensor: the compiled Triton kernels"
-
-
-def _kernels() -> types.ModuleType:
-    """The kernel module, its kernels built for the current ``TRITON_INTERPRET``."""
-    return triton_support.kernel_module(KERNELS)
 
 
 def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, reference, kernel):
@@ -223,7 +217,9 @@ def _kernel(x3: torch.Tensor, counts: torch.Tensor | None, kernel, single: bool)
     """The kernel on checked ``(B, N, D)`` inputs; one set's result as one set's."""
     if counts is not None:  # the kernels read counts[b] at counts_ptr + b
         counts = counts.contiguous()
-    out = kernel(_kernels())(x3, counts, eps=EPS)
+    from accel.kernels import pairwise_cosine  # Triton: imported only when a kernel runs
+
+    out = kernel(pairwise_cosine)(x3, counts, eps=EPS)
     return out[0] if single else out
 
 

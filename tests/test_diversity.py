@@ -1,10 +1,8 @@
 """accel.diversity: the Triton kernels against the references, edge cases and dispatch.
 
 The ``kdev`` fixture runs the kernel tests where the kernels can run: compiled on a CUDA GPU, or
-on a CPU through Triton's interpreter. There it sets ``TRITON_INTERPRET=1`` for one test, and
-``accel.diversity`` reads it at each call (loading the kernel module again, decorated for the
-interpreter, if it was first imported without it), so the whole suite can share one process.
-The interpreter is not used on a CUDA machine. Tests marked ``gpu`` need CUDA (larger sizes,
+on a CPU through Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest before anything
+imports Triton). The interpreter is not used on a CUDA machine. Tests marked ``gpu`` need CUDA (larger sizes,
 memory, graph capture).
 """
 
@@ -36,7 +34,6 @@ SHAPES = [(3, 77), (2, 3, 77), (4, 5, 123), (2, 40, 77), (2, 70, 77)]
 # rounding of sums of up to 123 products taken in another order.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 ATOL, RTOL = 2e-5, 1e-5
-GROUPS = "accel.kernels.pairwise_cosine_groups"
 CONFIG = "accel.kernels.pairwise_cosine_config"
 
 
@@ -190,107 +187,24 @@ def test_grouped_kernel_partial_last_program(kdev, shape, dtype, seed):
     check_all(x.transpose(0, 1).contiguous().transpose(0, 1), counts)  # strided over groups
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(5, 4, 123), (9, 16, 40), (33, 2, 20), (3, 7, 200)], ids=str)
-def test_the_tensor_core_kernel_matches_references(kdev, shape, dtype, seed):
-    """ "dot": the groups' rows of a program as one tile times its transpose; ragged counts (an
-    empty group, a lone member), strided groups, B not a multiple of the groups a program takes,
-    D over several chunks; float32 in two TF32 passes stays within float32 rounding."""
-    kernels = dv._kernels()
-    x = embeddings(shape, dtype, kdev)
-    counts = random_counts(shape[0], shape[1]).to(kdev)
-    strided = x.transpose(0, 1).contiguous().transpose(0, 1)
-    for inputs, members in ((x, None), (strided, counts)):
-        with float32_matmul("highest"):
-            expected = {
-                kernels.MODE_MEAN: (0, dv.mean_diversity_reference(inputs, members)),
-                kernels.MODE_NEAREST: (1, dv.nearest_distances_reference(inputs, members)),
-                kernels.MODE_MATRIX: (2, dv.pairwise_distances_reference(inputs, members)),
-            }
-        block_n = kernels.block_rows(shape[1])
-        for rows, block_d, warps in [(64, 32, 4), (128, 64, 8)]:  # the rule's tile, the largest
-            config = kernels.GroupConfig("dot", rows // block_n, block_d, warps)
-            for mode, (slot, ref) in expected.items():
-                got = kernels.run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
-                torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
-
-
-@pytest.mark.parametrize("groups", [2, 64])
-def test_the_tensor_core_kernel_refuses_a_tile_under_16_or_over_128_rows(kdev, groups):
-    kernels = dv._kernels()
-    config = kernels.GroupConfig("dot", groups, 32, 1)
-    with pytest.raises(ValueError, match=rf"tile of 16 to 128 rows .*got {groups} x 4"):
-        kernels.run_group(embeddings((3, 4, 8), device=kdev), None, 0, config, eps=dv.EPS)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("shape", [(5, 4, 123), (7, 3, 77), (3, 2, 40), (6, 4, 600)], ids=str)
-def test_pairs_kernel_matches_references(kdev, shape, dtype, seed):
-    """The N <= 4 kernel: every tile, ragged counts (an empty group, a lone member), a zero row,
-    strided groups; several groups per program with B not a multiple; D over several chunks."""
-    kernels = dv._kernels()
-    x = embeddings(shape, dtype, kdev)
-    x[0, 1] = 0  # a zero vector: cosine 0 with every other, no NaN
-    counts = random_counts(shape[0], shape[1]).to(kdev)
-    strided = x.transpose(0, 1).contiguous().transpose(0, 1)
-    for inputs, members in ((x, None), (x, counts), (strided, counts)):
-        with float32_matmul("highest"):
-            expected = {
-                kernels.MODE_MEAN: (0, dv.mean_diversity_reference(inputs, members)),
-                kernels.MODE_NEAREST: (1, dv.nearest_distances_reference(inputs, members)),
-            }  # the matrix: the tensor-core kernel's
-        for tile in [(1, 512, 1), (4, 64, 2), (2, 128, 4)]:
-            config = kernels.GroupConfig("pairs", *tile)
-            for mode, (slot, ref) in expected.items():
-                got = kernels.run_group(inputs, members, mode, config, eps=dv.EPS)[slot]
-                assert torch.isfinite(got).all()
-                torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=f"{config} {mode}")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "shape", [(5, 8, 123), (9, 16, 40), (7, 40, 77), (3, 64, 200), (6, 12, 600)], ids=str
-)
-def test_the_closed_form_kernel_matches_the_mean_reference(kdev, shape, dtype, seed):
-    """ "closed": the mean from the normalized rows' sum, whole rows a step; ragged counts (an
-    empty group, a lone member), a zero row, strided groups, several groups a step with B not a
-    multiple of them, a group over several steps."""
-    kernels = dv._kernels()
-    config_module = pytest.importorskip(CONFIG)
+    "shape",
+    [(5, 4, 123), (33, 2, 20), (7, 3, 77), (6, 4, 600), (9, 16, 40), (3, 7, 200), (5, 8, 123),
+     (7, 40, 77), (3, 64, 200), (6, 12, 600)],
+    ids=str,
+)  # fmt: skip
+def test_the_group_kernels_match_references(kdev, shape, dtype, seed):
+    """Every group kernel the rule picks (pairs up to 4 rows; the tensor-core tile of 16, 32 or
+    64 rows; the closed-form mean from 8 padded rows): ragged counts (an empty group, a lone
+    member), a zero row, strided groups, B not a multiple of the groups a program takes, D over
+    several chunks; float32 in two TF32 passes stays within float32 rounding."""
     x = embeddings(shape, dtype, kdev)
     x[0, 1] = 0  # a zero vector: cosine 0 with every other, no NaN
     counts = random_counts(shape[0], shape[1]).to(kdev)
     strided = x.transpose(0, 1).contiguous().transpose(0, 1)
-    block_n, block_d = kernels.block_rows(shape[1]), 1 << (shape[2] - 1).bit_length()
-    configs = [
-        config_module.mean_config(block_n, shape[2], shape[0], x.element_size()),
-        config_module.mean_config(block_n, shape[2], 1, x.element_size(), ragged=True),
-        kernels.GroupConfig("closed", 1, block_d, 1),
-        kernels.GroupConfig("closed", 2, block_d, 1, step_rows=2),
-        kernels.GroupConfig("closed", 4, block_d, 4, step_rows=4),
-    ]
     for inputs, members in ((x, None), (x, counts), (strided, counts)):
-        with float32_matmul("highest"):
-            ref = dv.mean_diversity_reference(inputs, members)
-        for config in configs:
-            got = kernels.run_group(inputs, members, kernels.MODE_MEAN, config, eps=dv.EPS)[0]
-            assert torch.isfinite(got).all()
-            torch.testing.assert_close(got, ref, atol=ATOL, rtol=RTOL, msg=str(config))
-
-
-def test_the_closed_form_kernel_takes_the_mean_only_of_rows_that_fit(kdev):
-    kernels = dv._kernels()
-    x = embeddings((2, 8, 40), device=kdev)
-    with pytest.raises(
-        ValueError, match="mean only, of rows no longer than its block_d; got mode 1"
-    ):
-        kernels.run_group(
-            x, None, kernels.MODE_NEAREST, kernels.GroupConfig("closed", 1, 64, 1), eps=dv.EPS
-        )
-    with pytest.raises(ValueError, match="D=40 for block_d=32"):
-        kernels.run_group(
-            x, None, kernels.MODE_MEAN, kernels.GroupConfig("closed", 1, 32, 1), eps=dv.EPS
-        )
+        check_all(inputs, members)
 
 
 def test_the_rule_takes_pairs_up_to_4_rows_then_whole_groups_on_the_tensor_cores():
@@ -328,22 +242,12 @@ def test_the_mean_takes_the_closed_form_from_eight_rows_where_whole_rows_fit():
     assert not rules.group_kernel_takes_mean(65, 64)
 
 
-@pytest.mark.parametrize("n", [1, 5])
-def test_pairs_kernel_refuses_groups_of_fewer_than_two_or_more_than_four(kdev, n):
-    kernels = dv._kernels()
-    config = kernels.GroupConfig("pairs", 1, 128, 1)
-    with pytest.raises(
-        ValueError, match=f"mean or the nearest of 2 <= N <= 4, got mode 1 and N={n}"
-    ):
-        x = embeddings((2, n, 16), device=kdev)
-        kernels.run_group(x, None, kernels.MODE_NEAREST, config, eps=dv.EPS)
-
-
 def test_rows_off_16_bytes_are_loaded_in_the_largest_pieces_they_allow():
     """Triton sees a stride or width as 16-aligned only when it is a multiple of 16 elements; the
     alignment the rows do have (D = 100 in float32: 16 bytes; in 16 bits: 8) is told to the
     kernel, none where Triton sees it anyway or the rows are strided along D."""
-    from accel.kernels.launch import row_alignment
+    pytest.importorskip("triton")
+    from accel.kernels.pairwise_cosine import row_alignment
 
     def rows(shape, dtype=torch.float32):
         return torch.empty(shape, dtype=dtype)
@@ -367,7 +271,7 @@ def test_rows_off_16_bytes_are_loaded_in_the_largest_pieces_they_allow():
 def test_rows_loaded_several_elements_at_a_time_match_the_references(kdev, n, dtype, seed):
     """Views of wider rows (rows 104 apart, 100 long: 4 elements a load) and rows of 50 (2),
     through every kernel the rule picks, with and without counts."""
-    from accel.kernels.launch import row_alignment
+    from accel.kernels.pairwise_cosine import row_alignment
 
     wide = embeddings((7, n, 104), dtype, kdev)[..., 2:102]  # starts 4-8 bytes past 16: no hint
     for x in (embeddings((7, n, 104), dtype, kdev)[..., :100], embeddings((7, n, 50), dtype, kdev)):
@@ -376,15 +280,6 @@ def test_rows_loaded_several_elements_at_a_time_match_the_references(kdev, n, dt
         check_all(x, random_counts(x.shape[0], n).to(kdev))
     assert row_alignment(wide) == 1
     check_all(wide)
-
-
-@pytest.mark.parametrize(
-    "fields", [("fast", 4, 128, 4), ("dot", 3, 128, 4), ("dot", 4, 8, 3)], ids=str
-)
-def test_group_config_rejects_bad_fields(fields):
-    rules = pytest.importorskip(CONFIG)
-    with pytest.raises(ValueError, match=r"variant must be one of .*powers of 2"):
-        rules.GroupConfig(*fields)
 
 
 def test_counts_are_clamped_to_the_group(kdev, seed):
@@ -489,27 +384,6 @@ def test_without_triton_on_cpu_falls_back_once_with_a_reason(monkeypatch, seed):
         warnings.simplefilter("error")  # a second warning would fail here
         dv.nearest_diversity(x)
         dv.pairwise_distances(x)
-
-
-def test_kernel_module_follows_the_environment_at_call_time(monkeypatch):
-    if not HAS_TRITON:
-        pytest.skip("Triton is not installed")
-    monkeypatch.setattr(triton_support, "_modules", {})
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    compiled = dv._kernels()
-    compiled_groups = triton_support.kernel_module(GROUPS)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    interpreted = dv._kernels()
-    interpreted_groups = triton_support.kernel_module(GROUPS)
-    assert (compiled.INTERPRETED, interpreted.INTERPRETED) == (False, True)
-    assert (compiled_groups.INTERPRETED, interpreted_groups.INTERPRETED) == (False, True)
-    # a mode's modules import each other, never the other mode's
-    assert compiled_groups.pairs_kernel is compiled.pairs_kernel
-    assert interpreted_groups.pairs_kernel is interpreted.pairs_kernel
-    assert dv._kernels() is interpreted  # kept, not rebuilt
-    if not CUDA:  # the compiled kernels refuse CPU tensors with a reason, never a wrong answer
-        with pytest.raises(ValueError, match=r"need a CUDA tensor.*TRITON_INTERPRET=1"):
-            compiled.mean_diversity(embeddings((2, 3, 4)), eps=dv.EPS)
 
 
 def test_triton_support_says_why_kernels_cannot_run(monkeypatch):

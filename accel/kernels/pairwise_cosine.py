@@ -21,13 +21,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from .launch import row_alignment
 from .pairwise_cosine_config import (
-    DOT_MAX_ROWS,
-    DOT_MIN_ROWS,
-    PAIRS_MAX_N,
     SMALL_N,
-    GroupConfig,
     block_rows,
     group_config,
     group_kernel_takes_mean,
@@ -48,7 +43,7 @@ from .pairwise_cosine_large import (
 MODE_MEAN, MODE_NEAREST, MODE_MATRIX = 0, 1, 2
 
 # True when the kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it as it
-# decorates); accel.triton_support.kernel_module keeps one set of kernel modules per mode.
+# decorates, once per process: accel.diversity's first kernel call imports this module).
 INTERPRETED: bool = type(pairs_kernel).__name__ == "InterpretedFunction"
 
 
@@ -63,45 +58,55 @@ def check_runnable(x: torch.Tensor) -> None:
     if not (INTERPRETED or x.is_cuda):
         raise ValueError(
             f"the Triton kernels need a CUDA tensor, got one on {x.device.type} (set "
-            "TRITON_INTERPRET=1 before the call to run them through Triton's interpreter)"
+            "TRITON_INTERPRET=1 before the first kernel call to run them through Triton's "
+            "interpreter)"
         )
+
+
+def row_alignment(x: torch.Tensor) -> int:
+    """Elements of each row of ``x`` (..., D) a kernel may load at once that Triton cannot see
+    for itself: the largest power of 2, up to 16 bytes, dividing D, every other stride and the
+    start; 1 where Triton sees 16 elements already, or the rows are strided.
+
+    Triton marks an integer argument 16-aligned only when it is a multiple of 16, and sizes its
+    loads from that, so rows of 100 float32 (16-byte aligned) or 300 float16 (8) would load one
+    element at a time; the group kernels take this as their ``ALIGN`` and round D and the
+    strides to multiples of it where the compiler sees them."""
+    if x.dim() == 0 or x.stride(-1) != 1 or x.data_ptr() % 16:
+        return 1  # a start off 16 bytes: Triton assumes no alignment at all
+    values = (x.shape[-1], *x.stride()[:-1])  # all of them: the kernel rounds each it is given
+    if all(v % 16 == 0 for v in values):
+        return 1
+    align = 16 // x.element_size()
+    while align > 1 and any(v % align for v in values):
+        align //= 2
+    return align
 
 
 # ---- groups of N <= SMALL_N ------------------------------------------------------------------
 
 
-def group_outputs(x: torch.Tensor, mode: int):
-    """(out (B,), items (B, N), matrix (B, N, N)) float32; those the mode does not fill are
-    ``out`` itself, passed where the kernel wants a pointer it never writes."""
-    B, N, _ = x.shape
+def run_group(x: torch.Tensor, counts: torch.Tensor | None, mode: int, *, eps: float):
+    """(out (B,), items (B, N), matrix (B, N, N)) float32, launched as the rule says; only the
+    mode's outputs are filled, the others are ``out`` itself (a pointer the kernel never writes)."""
+    B, N, D = x.shape
+    block_n, has_counts = block_rows(N), counts is not None
+    if mode == MODE_MEAN:
+        config = mean_config(block_n, D, B, x.element_size(), ragged=has_counts)
+    else:
+        config = group_config(block_n, D, B, x.element_size(), ragged=has_counts,
+                              matrix=mode == MODE_MATRIX)  # fmt: skip
     out = torch.empty(B, device=x.device, dtype=torch.float32)
     items = torch.empty(B, N, device=x.device, dtype=torch.float32) if mode == MODE_NEAREST else out
     matrix = (
         torch.empty(B, N, N, device=x.device, dtype=torch.float32) if mode == MODE_MATRIX else out
     )
-    return out, items, matrix
-
-
-def run_group(
-    x: torch.Tensor, counts: torch.Tensor | None, mode: int, config: GroupConfig | None = None,
-    *, eps: float,
-):  # fmt: skip
-    """(out (B,), items (B, N), matrix (B, N, N)); only the mode's outputs are filled.
-    ``config`` overrides the rule (for tests)."""
-    B, N, D = x.shape
-    block_n, has_counts = block_rows(N), counts is not None
-    if config is None and mode == MODE_MEAN:
-        config = mean_config(block_n, D, B, x.element_size(), ragged=has_counts)
-    elif config is None:
-        config = group_config(block_n, D, B, x.element_size(), ragged=has_counts,
-                              matrix=mode == MODE_MATRIX)  # fmt: skip
-    _check_config(config, mode, block_n, N, D)
-    out, items, matrix = group_outputs(x, mode)
     grid = (triton.cdiv(B, config.groups),)
     args = (x, counts if has_counts else out, out)
     sizes = (B, N, D, *x.stride(), eps)
+    stages = {} if config.num_stages is None else {"num_stages": config.num_stages}
     common = dict(HAS_COUNTS=has_counts, GROUPS=config.groups, BLOCK_D=config.block_d,
-                  ALIGN=row_alignment(x), **config.options())  # fmt: skip
+                  ALIGN=row_alignment(x), num_warps=config.num_warps, **stages)  # fmt: skip
     if config.variant == "pairs":
         pairs_kernel[grid](*args, items, *sizes, MODE=mode, ROWS=N, **common)
     elif config.variant == "closed":
@@ -110,25 +115,6 @@ def run_group(
         group_dot_kernel[grid](*args, items, matrix, *sizes, MODE=mode, BLOCK_N=block_n,
                                DOT_FP32=_dot_in_fp32(x.dtype), **common)  # fmt: skip
     return out, items, matrix
-
-
-def _check_config(config: GroupConfig, mode: int, block_n: int, N: int, D: int) -> None:
-    """A ValueError where ``config``'s kernel cannot take these groups or this mode."""
-    if config.variant == "pairs" and (mode == MODE_MATRIX or not 2 <= N <= PAIRS_MAX_N):
-        raise ValueError(
-            f"the 'pairs' group kernel takes the mean or the nearest of 2 <= N <= {PAIRS_MAX_N}, "
-            f"got mode {mode} and N={N}"
-        )
-    if config.variant == "closed" and (mode != MODE_MEAN or config.block_d < D):
-        raise ValueError(
-            "the 'closed' group kernel takes the mean only, of rows no longer than its block_d; "
-            f"got mode {mode} and D={D} for block_d={config.block_d}"
-        )
-    if config.variant == "dot" and not DOT_MIN_ROWS <= config.groups * block_n <= DOT_MAX_ROWS:
-        raise ValueError(
-            f"the 'dot' group kernel takes a tile of {DOT_MIN_ROWS} to {DOT_MAX_ROWS} rows "
-            f"(groups x N rounded up to a power of 2), got {config.groups} x {block_n}"
-        )
 
 
 # ---- large groups ------------------------------------------------------------------------------

@@ -275,8 +275,3 @@ def closed_form_kernel(
     pairs = tl.sum(column_sums * column_sums, axis=1) - own
     mean_cos = pairs / tl.maximum(n * (n - 1), 1)
     tl.store(out_ptr + b, tl.where(n >= 2, 1.0 - mean_cos, 0.0), mask=live)
-
-
-# True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
-# as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
-INTERPRETED: bool = type(pairs_kernel).__name__ == "InterpretedFunction"

@@ -176,7 +176,3 @@ tiled_fp32 = triton.autotune(configs=TILED_FP32, key=["N", "D", "MODE", "HAS_COU
 INTERPRET_TILED = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_D": 32}
 # Row kernels: 32 rows x 128 columns per step is 16 KB of float32 in flight per program.
 ROWS_BLOCK_M, ROWS_BLOCK_D = 32, 128
-
-# True when this module's kernels were decorated under TRITON_INTERPRET=1 (triton.jit reads it
-# as it decorates); accel.triton_support.kernel_module keeps one set of modules per mode.
-INTERPRETED: bool = type(tiled_kernel).__name__ == "InterpretedFunction"
