@@ -128,12 +128,7 @@ class GraphedStep:
         self.fn, self.warmup, self.on_new_shape, self.fallback = fn, warmup, on_new_shape, fallback
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
         self._device = torch.device(device) if device is not None else None
-        if (
-            self._device is not None
-            and self._device.type == "cuda"
-            and self._device.index is None
-            and torch.cuda.is_available()
-        ):
+        if self._device == torch.device("cuda") and torch.cuda.is_available():  # no index
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._pool, self._stream = None, None
         self._graphs: dict[tuple, _Captured] = {}

@@ -301,11 +301,6 @@ def check_planes(planes: Any, dim: int) -> torch.Tensor:
             f"planes: coordinates must be in 0..{dim - 1} (vectors of {dim}), "
             f"got values in {lo}..{hi}"
         )
-    if t.shape[1] > dim // 2:
-        raise ValueError(
-            f"planes: k = {t.shape[1]} planes per layer; disjoint planes allow "
-            f"1..{dim // 2} for vectors of {dim}"
-        )
     same = (t[..., 0] == t[..., 1]).nonzero().tolist()
     if same:
         layer, p = same[0]

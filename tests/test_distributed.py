@@ -709,7 +709,7 @@ def test_a_damaged_checkpoint_is_refused_before_launch_naming_the_file(
         ({"task": f"{__name__}:not_a_task"}, TypeError, "must return accel.distributed.Task"),
         ({"nprocs": 3}, ValueError, "global batch 8 does not split over 3 ranks"),
         ({**TWO_NODES, "nnodes": 3}, ValueError, "global batch 8 does not split over 6 ranks"),
-        ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be >= 1"),
+        ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be an int >= 1, got 0"),
         ({"checkpoint_every": 2}, ValueError, "checkpoint_every needs checkpoint_dir"),
         # what a rank would refuse, refused here first
         ({"lr": -1}, ValueError, "Invalid learning rate: -1"),

@@ -57,7 +57,6 @@ def launch(
     checkpoint_at: int | None = None,
     checkpoint_every: int | None = None,
     load_from: str | os.PathLike | None = None,
-    validate: bool = True,
     timeout: float = 600.0,
     nnodes: int = 1,
     node_rank: int = 0,
@@ -70,30 +69,24 @@ def launch(
     the default where GPUs are; ``gloo`` on the CPU) and return the measurements.
 
     ``scaling="strong"`` splits the task's global batch over the ranks; ``"weak"`` gives each
-    rank a whole batch (rank r of N: step ``step * N + r``'s), as when adding GPUs. DDP's
-    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, FSDP2's
-    ``reshard_after_forward``, ``mixed_precision="bf16"`` (DDP: bf16 all-reduce, NCCL only;
-    FSDP2: bf16 parameters, fp32 reduction) and ``nccl_env`` are torch's defaults unless given
-    (:data:`TUNED_COMM`: all on). ``autocast="bf16"``: forward and loss under bf16 autocast.
-    ``checkpoint_dir``: a save after step ``checkpoint_at`` (default: the last), or every
-    ``checkpoint_every`` steps into ``step-NNNNNN`` folders; ``load_from`` resumes from one (or
-    the latest complete one under it). Loading unpickles, which can run any code: only files
-    matching the SHA-256 digests their save recorded are read, but whoever can write the folder
-    can write those too: load only checkpoints you trust. ``in_process`` (default: one process,
-    ``wrapper="none"``) trains here, no timeout.
+    rank a whole batch, as when adding GPUs. The communication settings (DDP's bucket options,
+    FSDP2's ``reshard_after_forward``, ``mixed_precision="bf16"``, ``nccl_env``) are torch's
+    defaults unless given (:data:`TUNED_COMM`: all on). ``checkpoint_dir``: a save after step
+    ``checkpoint_at`` (default: the last), or every ``checkpoint_every`` steps into
+    ``step-NNNNNN`` folders; ``load_from`` resumes from one (or the latest under it). Loading
+    unpickles: only files matching the SHA-256 digests their save recorded are read, but whoever
+    can write the folder can write those too: load only checkpoints you trust. ``in_process``
+    (default: one process, ``wrapper="none"``) trains here, no timeout.
 
     Several hosts: the same call on each of ``nnodes`` with its own ``node_rank``, meeting at
-    ``rdzv_endpoint``, node 0's ``"host:port"`` (a free port); ``rdzv_id`` names the job. Node r
-    runs ranks from ``r * nprocs`` and returns its own; ``checkpoint_dir`` must be shared::
+    node 0's ``rdzv_endpoint`` (``"host:port"``, a free port); node r runs ranks from
+    ``r * nprocs`` and returns its own; ``checkpoint_dir`` must be shared.
 
-        launch(nprocs=8, wrapper="ddp", nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500")
-
-    Raises before anything starts: ValueError for a bad argument, a task that cannot be built
-    or split over the ranks, an optimizer setting torch refuses, a checkpoint refused or another
-    task's, an unwritable ``checkpoint_dir``, more processes than GPUs; :class:`LauncherNotFound`.
-    After: :class:`RankFailed` (the cause first), :class:`LaunchError` (no rank started),
-    :class:`LaunchTimeout`. Either way, and on Ctrl-C or if this process dies, no process or
-    temporary folder of the run is left.
+    Raises before anything starts: TypeError or ValueError for a bad argument, a task that
+    cannot be built or split over the ranks, an optimizer setting torch refuses, a checkpoint
+    refused, an unwritable ``checkpoint_dir``, more processes than GPUs; :class:`LauncherNotFound`.
+    After: :class:`RankFailed` (the cause first), :class:`LaunchError`, :class:`LaunchTimeout`.
+    Either way, and on Ctrl-C or if this process dies, no process or temporary folder is left.
     """
     # every argument but in_process and launcher is a RunConfig field
     config = _config({k: v for k, v in locals().items() if k in _RUN_FIELDS})
@@ -118,10 +111,9 @@ def launch_series(
     **common: Any,
 ) -> dict[str, RunResult]:
     """Several runs trained in order by the same ranks, the launch's cost paid once. ``runs``
-    maps a name to its :func:`launch` arguments, which update ``common``'s; all share ``nprocs``,
-    the backend, ``nccl_env`` (NCCL reads it once per process) and the nodes. Returns name ->
-    :class:`RunResult`; raises as :func:`launch`, naming the run (the runs after it not run).
-    """
+    maps a name to its :func:`launch` arguments over ``common``'s; all share ``nprocs``, the
+    backend, ``nccl_env`` and the nodes. Returns name -> :class:`RunResult`; raises as
+    :func:`launch`, naming the run."""
     if not runs:
         raise ValueError("runs must name at least one run (name -> its launch arguments)")
     _check_series_keys("launch_series", common)
@@ -157,7 +149,7 @@ def _on_torchrun(
 
 @contextlib.contextmanager
 def _naming(label: str | None) -> Iterator[None]:
-    """A ValueError or TypeError raised within names the series' run ``label`` (none for a single launch)."""
+    """An argument error raised within names the series' run ``label`` (None: a single launch)."""
     try:
         yield
     except (TypeError, ValueError) as error:
