@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from accel.errors import checked_callable, checked_count, checked_instance
 
@@ -39,7 +40,6 @@ class BatchStatisticsWarning(UserWarning):
     gradients."""
 
 
-# ---- splitting -------------------------------------------------------------------------------
 def split_batch(batch: Any, micro_batches: int, *, uneven: bool = False) -> list[Any]:
     """``batch`` (a tensor, or a tuple, list or dict of tensors sharing their first dimension)
     as ``micro_batches`` views along the first dimension. A batch ``micro_batches`` does not
@@ -78,23 +78,12 @@ def batch_size(batch: Any) -> int:
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
-    if isinstance(batch, torch.Tensor):
-        return [batch]
-    if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in _tensors(v)]
-    if isinstance(batch, (tuple, list)):
-        return [t for v in batch for t in _tensors(v)]
-    return []
+    return [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
 
 
 def _index(batch: Any, part: slice) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[part]
-    if isinstance(batch, Mapping):
-        return {k: _index(v, part) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(_index(v, part) for v in batch)
-    return batch  # a constant travels with every micro-batch
+    # a constant travels with every micro-batch
+    return pytree.tree_map(lambda v: v[part] if isinstance(v, torch.Tensor) else v, batch)
 
 
 def _ranges(size: int, k: int) -> list[slice]:
@@ -109,7 +98,6 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-# ---- the accumulated step and its reference -------------------------------------------------
 def accumulate(
     loss_fn: Callable[[Any], torch.Tensor],
     micro_batches: Sequence[Any],

@@ -1,12 +1,11 @@
 """Fusion: fewer, larger kernels for work done over many tensors or in many small steps.
 
-A Python loop over ~150 parameter tensors launches a kernel or two per tensor for every
-statistic, clip and update; ``torch._foreach_*`` ops take the whole list in a handful of
-launches. Each fast version here sits beside its plain reference, picked by one ``foreach=``
-switch: :func:`group_stats`, :func:`global_norm` and :func:`clip_grad_norm_` (no host read);
-:func:`lior_step_fused` beside :func:`lior_step`; :func:`retrieval_mix_fused` beside
-:func:`retrieval_mix`; and :class:`CompiledFunction` (:func:`compile_per_shape`), which makes
-``torch.compile``'s recompiles per shape visible. Norms are accumulated in float32 (float64 for
+A Python loop over ~150 parameter tensors launches a kernel or two per tensor per statistic;
+``torch._foreach_*`` ops take the whole list in a handful of launches. Each fast version sits
+beside its plain reference: ``foreach=`` picks between them in :func:`group_stats`,
+:func:`global_norm` and :func:`clip_grad_norm_` (no host read); :func:`lior_step_fused` and
+:func:`retrieval_mix_fused` beside their plain forms; :class:`CompiledFunction` makes
+``torch.compile``'s recompiles per shape visible. Norms accumulate in float32 (float64 for
 float64 tensors).
 """
 
@@ -31,7 +30,6 @@ class NonFiniteGradientError(RuntimeError):
     """Clipping found an inf or NaN gradient and was asked to raise."""
 
 
-# ---- grouping ----------------------------------------------------------------------------------
 def _listed(tensors: Tensors, what: str, noun: str = "tensors") -> list[Any]:
     """``tensors`` as a non-empty list, or an error naming ``what``."""
     if isinstance(tensors, torch.Tensor):
@@ -83,8 +81,7 @@ def group_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[in
     return buckets
 
 
-def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:
-    # one set of dtypes is cheaper than per-dtype index lists, which the common call skips
+def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:  # cheaper than group_by_dtype
     return len({t.dtype for t in tensors}) == 1
 
 
@@ -127,20 +124,16 @@ def _norm_of(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(t, norm_type, dtype=_norm_dtype(t.dtype))
 
 
-# ---- group statistics --------------------------------------------------------------------------
 def group_stats(
     groups: Sequence[Sequence[torch.Tensor]],
     *,
     foreach: bool = True,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per group of parameters: the L2 norm of its gradients and of its values, float32, (G, 2).
-
-    Column 0 is the gradient norm (parameters without ``.grad`` count as zero), column 1 the
-    parameter norm. Computed without autograd: the result carries no graph through the
-    parameters, so a controller fed with it can be trained on its own. ``out`` (G, 2) float32 on
-    the parameters' device receives the result (no allocation for it). ``foreach=False`` is the
-    per-tensor reference: two kernels per tensor and statistic.
+    """Per group of parameters: the L2 norms of its gradients (a missing ``.grad`` counts as
+    zero) and of its values, float32 (G, 2), without autograd (a controller fed with it trains on
+    its own). ``out``, (G, 2) float32 on the parameters' device, receives it without an
+    allocation. ``foreach=False`` is the per-tensor reference.
     """
     groups = [_as_list(g, f"group_stats: group {i}") for i, g in enumerate(groups)]
     if not groups:
@@ -176,11 +169,10 @@ def _group_stats_loop(
 def _group_stats_foreach(
     groups: list[list[torch.Tensor]], device: torch.device, out: torch.Tensor | None
 ) -> torch.Tensor:
-    """One ``_foreach_norm`` over every gradient and parameter (per dtype), one stack of the
-    norms, then one gather into a zero-padded (2, G, longest group) block and a sum: about ten
-    launches for any number of tensors. The gather's indices depend only on the groups' sizes
-    and which parameters have gradients, so they are built once (:func:`_group_index`). The
-    padding keeps the per-group sums deterministic (no atomic ``index_add``)."""
+    """One ``_foreach_norm`` over every gradient and parameter (per dtype), one stack, one
+    gather into a zero-padded (2, G, longest group) block and a sum: about ten launches for any
+    number of tensors. The gather's indices are built once per layout (:func:`_group_index`);
+    the padding keeps the per-group sums deterministic (no atomic ``index_add``)."""
     flat = [p for g in groups for p in g]
     has_grad = tuple(p.grad is not None for p in flat)
     grads = [p.grad for p, h in zip(flat, has_grad, strict=True) if h]
@@ -239,16 +231,12 @@ def clip_grad_norm_(
     foreach: bool = True,
     error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
-    """Scale the gradients in place so that their total norm is at most ``max_norm``.
-
-    Returns the total norm before clipping (0-d, on the gradients' device), matching
-    ``torch.nn.utils.clip_grad_norm_`` (coefficient ``min(1, max_norm / (total + 1e-6))``); the
-    fast form applies it on the device, no host read. Parameters without a gradient are skipped.
-    Non-finite gradients show in the returned norm and, as in torch, propagate into the clipped
-    gradients; ``error_if_nonfinite=True`` raises :class:`NonFiniteGradientError` naming the
+    """``torch.nn.utils.clip_grad_norm_``: scale the gradients in place so that their total norm
+    is at most ``max_norm``; returns the norm before clipping (0-d, on the gradients' device).
+    The fast form applies the coefficient on the device (no host read); ``foreach=False`` is the
+    common loop, which tests ``coef < 1`` on the host (one sync). Non-finite gradients propagate
+    as in torch; ``error_if_nonfinite=True`` raises :class:`NonFiniteGradientError` naming the
     first bad tensor (a host read, made only when asked).
-    ``foreach=False`` is the common loop: a norm per tensor, then ``if coef < 1`` on the host
-    (one sync) and a multiply per tensor.
     """
     max_norm = checked_max_norm(max_norm, "clip_grad_norm_: max_norm")
     norm_type = (
@@ -368,20 +356,15 @@ def retrieval_mix_fused(cost: torch.Tensor, values: torch.Tensor, beta: float) -
     return torch.softmax(-beta * cost, dim=-1) @ values
 
 
-# ---- compile once per shape, and show it -------------------------------------------------------
 class CompiledFunction:
-    """``fn`` through ``torch.compile`` with static shapes, counting what it compiles.
+    """``fn`` through ``torch.compile`` with static shapes and ``fullgraph``, counting compiles.
 
-    ``compiles`` counts the graphs the backend was handed (one per input shape and graph break),
-    ``signatures`` their input shapes; past ``max_compiles`` a warning says so. Python numbers
-    are constants to dynamo: a new value is a new compile.
-
-    ``direct=True`` calls the compiled graph straight away, skipping dynamo's frame evaluation,
-    when a call's tensors (shapes, strides, dtypes, devices), other arguments, grad mode and
-    autocast state match a call that compiled a graph taking exactly those tensors: for pure
-    functions of their tensor arguments only (``direct_signatures`` lists them).
-
-    :meth:`check` makes the first call (and compile) on an example and compares with ``fn``.
+    ``compiles`` counts the graphs the backend was handed (one per input shape; a new Python
+    number is a new compile too), ``signatures`` their input shapes; past ``max_compiles`` a
+    warning says so. ``direct=True`` calls a compiled graph straight away, skipping dynamo's
+    frame evaluation, when a call's tensor layouts, other arguments, grad mode and autocast state
+    match a call that compiled a graph taking exactly those tensors: for pure functions of their
+    tensor arguments only. :meth:`check` compiles on an example and compares with ``fn``.
     """
 
     def __init__(
@@ -389,7 +372,6 @@ class CompiledFunction:
         fn: Callable[..., Any],
         *,
         backend: str | Callable[..., Any] = "inductor",
-        fullgraph: bool = True,
         max_compiles: int = 8,
         direct: bool = False,
     ):
@@ -404,7 +386,7 @@ class CompiledFunction:
         self._last_graph: tuple[Callable, list[Any]] | None = None  # (compiled, example inputs)
         self._direct: dict[tuple, tuple[Callable, bool]] = {}  # key -> (graph, returns a tuple)
         self._compiled = torch.compile(
-            fn, backend=self._counting_backend, dynamic=False, fullgraph=fullgraph
+            fn, backend=self._counting_backend, dynamic=False, fullgraph=True
         )
         self.__name__ = getattr(fn, "__name__", "compiled")
         self.__doc__ = fn.__doc__
@@ -465,11 +447,6 @@ class CompiledFunction:
             return
         if same_inputs and not any(t.requires_grad for t in tensors):
             self._direct[key] = (graph, returns_tuple)
-
-    @property
-    def direct_signatures(self) -> list[tuple]:
-        """The call signatures served without dynamo (``direct=True``)."""
-        return list(self._direct)
 
     def check(self, *args: Any, rtol: float = 1e-5, atol: float = 1e-6, **kwargs: Any) -> Any:
         """Call once (compiling for these shapes now) and assert the result matches ``fn``."""

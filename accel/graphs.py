@@ -1,14 +1,11 @@
 """CUDA graphs: capture a step's kernels once, then launch them all with one call.
 
-A replay only runs device work (no Python, host reads or allocations), so a graphed step needs
-static memory (inputs copied into static buffers, outputs overwritten by the next replay), no
-host-device sync inside, and fixed shapes (a new shape is an error, or a new graph in the same
-memory pool with ``on_new_shape="recapture"``).
-
-:class:`GraphedStep` wraps any step function that way; :class:`GraphedOptimizerStep` graphs
-``optimizer.step()`` alone; :func:`training_step` builds a whole step whose graph owns the
-gradients. ``torch.compile(mode="reduce-overhead")`` does the same job automatically (notebook
-04 compares them). Off a GPU everything runs eagerly, with one warning that says why.
+A replay runs device work only (no Python, host reads or allocations): a graphed step needs
+static memory, no host-device sync inside, and fixed shapes. :class:`GraphedStep` wraps any step
+that way; :class:`GraphedOptimizerStep` graphs ``optimizer.step()`` alone; :func:`training_step`
+builds a whole step whose graph owns the gradients. ``torch.compile(mode="reduce-overhead")``
+does the same automatically (notebook 04 compares them). Off a GPU everything runs eagerly, with
+one warning saying why.
 """
 
 from __future__ import annotations
@@ -21,18 +18,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from accel import sync
-from accel.errors import checked_callable, checked_instance
+from accel.errors import checked_callable, checked_count, checked_instance
 from accel.fusion import checked_max_norm, clip_grad_norm_
 from accel.optim import load_state_in_place
-
-__all__ = [
-    "GraphCaptureWarning",
-    "GraphInputError",
-    "GraphedOptimizerStep",
-    "GraphedStep",
-    "pool_bytes",
-    "training_step",
-]
 
 # Phrases in CUDA's and torch's errors that mean "the step synchronized with the host".
 _SYNC_ERRORS = ("not permitted when stream is capturing", "capture", "cudaErrorStreamCapture")
@@ -106,26 +94,18 @@ class _Captured:
 class GraphedStep:
     """``fn`` captured into a CUDA graph on first use, replayed on every later call.
 
-    The first ``warmup`` calls run ``fn`` eagerly on a side stream (lazy state such as optimizer
-    moments is created then, outside the graph). The next call captures ``fn`` on static copies
-    of its inputs and replays; every later call copies its inputs in and replays. Outputs are the
-    same tensors every call, valid until the next replay of any graph in the same pool: clone
-    what you keep.
+    The first ``warmup`` calls run eagerly on a side stream (lazy state such as optimizer moments
+    is created then); the next captures ``fn`` on static copies of its inputs; later calls copy
+    their inputs in and replay. Outputs are the same tensors every call, valid until the next
+    replay in the same pool: clone what you keep. Host-side effects of ``fn`` (counters, prints)
+    happen at capture only; while a capture runs no other thread may draw CUDA random numbers.
 
-    Arguments may be tensors (on the graph's device) and hashable constants, nested in tuples,
-    lists and dicts. A call whose shapes, dtypes, devices or constants differ from the captured
-    ones raises :class:`GraphInputError` naming the difference, or, with
-    ``on_new_shape="recapture"``, warms up and captures one more graph for them; all graphs of
-    one ``GraphedStep`` share one memory pool (pass ``pool`` to share it wider; they must then
-    never run concurrently).
-
-    If capture fails (a host sync inside ``fn``, an output on the CPU, an input on the CPU, no
-    CUDA at all) ``fn`` runs eagerly from then on and a :class:`GraphCaptureWarning` names the
-    cause, once; ``fallback="raise"`` raises instead. ``reason`` keeps the cause.
-
-    Host-side effects of ``fn`` (counters, appends, prints) happen at capture, never on a
-    replay. Random numbers inside ``fn`` are fine; while a capture runs no other thread may draw
-    CUDA random numbers.
+    Arguments are tensors on the graph's device and hashable constants, nested in tuples, lists
+    and dicts. Other shapes, dtypes, devices or constants raise :class:`GraphInputError` naming
+    the difference, or with ``on_new_shape="recapture"`` get one more graph in the same pool.
+    Where capture fails (a host sync inside ``fn``, a tensor on the CPU, no CUDA) ``fn`` runs
+    eagerly from then on with one :class:`GraphCaptureWarning` naming the cause (kept in
+    ``reason``); ``fallback="raise"`` raises instead.
     """
 
     def __init__(
@@ -136,15 +116,11 @@ class GraphedStep:
         on_new_shape: Literal["error", "recapture"] = "error",
         fallback: Literal["warn", "raise"] = "warn",
         device: torch.device | str | int | None = None,
-        pool: Any = None,
         name: str | None = None,
     ):
         checked_callable(fn, "GraphedStep(fn)")
-        if not isinstance(warmup, int) or warmup < 1:
-            raise ValueError(
-                f"warmup must be an int >= 1 (eager calls before capture; lazy state must exist "
-                f"before a graph records addresses), got {warmup!r}"
-            )
+        # eager calls before capture: lazy state must exist before a graph records addresses
+        warmup = checked_count(warmup, "warmup", at_least=1)
         if on_new_shape not in ("error", "recapture"):
             raise ValueError(f"on_new_shape must be 'error' or 'recapture', got {on_new_shape!r}")
         if fallback not in ("warn", "raise"):
@@ -152,14 +128,9 @@ class GraphedStep:
         self.fn, self.warmup, self.on_new_shape, self.fallback = fn, warmup, on_new_shape, fallback
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
         self._device = torch.device(device) if device is not None else None
-        if (
-            self._device is not None
-            and self._device.type == "cuda"
-            and self._device.index is None
-            and torch.cuda.is_available()
-        ):
+        if self._device == torch.device("cuda") and torch.cuda.is_available():  # no index
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self._pool, self._stream = pool, None
+        self._pool, self._stream = None, None
         self._graphs: dict[tuple, _Captured] = {}
         # the same graphs keyed without pytree, for calls of tensors passed by position
         self._positional: dict[tuple, _Captured] = {}
@@ -332,7 +303,7 @@ class GraphedStep:
 
     @property
     def pool(self) -> Any:
-        """The memory pool the graphs allocate from (pass it to another GraphedStep to share)."""
+        """The memory pool the graphs allocate from."""
         return self._pool
 
     @property
@@ -401,15 +372,13 @@ def _explain(exc: BaseException) -> str:
 
 # ---- optimizer steps -----------------------------------------------------------------------------
 class GraphedOptimizerStep:
-    """``optimizer.step()`` as a CUDA graph; gradients, clipping and everything else stay eager.
+    """``optimizer.step()`` as a CUDA graph; everything else stays eager.
 
-    On CUDA the optimizer must be capturable (``AdamW(..., capturable=True)``); off a GPU it
-    steps eagerly. ``optimizer.load_state_dict`` copies into the captured state
-    (:func:`accel.optim.load_state_in_place`). The graph records the gradients' addresses: zero
-    them with ``zero_grad(set_to_none=False)`` and clip them in place. Each call checks that no
-    gradient moved, no learning rate changed (use a 0-d device tensor updated in place) and no
-    parameter was added (``reset()`` captures again), raising :class:`GraphInputError`;
-    ``check=False`` skips those host-side checks.
+    On CUDA the optimizer must be capturable; off a GPU it steps eagerly. ``load_state_dict``
+    copies into the captured state (:func:`accel.optim.load_state_in_place`). The graph records
+    the gradients' addresses (zero them with ``zero_grad(set_to_none=False)``): each call checks
+    that no gradient moved, no learning rate changed (use a 0-d device tensor updated in place)
+    and no parameter was added (``reset()`` captures again), else :class:`GraphInputError`.
     """
 
     def __init__(
@@ -417,7 +386,6 @@ class GraphedOptimizerStep:
         optimizer: torch.optim.Optimizer,
         *,
         warmup: int = 3,
-        check: bool = True,
         fallback: Literal["warn", "raise"] = "warn",
     ):
         checked_instance(optimizer, torch.optim.Optimizer, "optimizer", "torch.optim.Optimizer")
@@ -431,7 +399,7 @@ class GraphedOptimizerStep:
                 f"device); got {type(optimizer).__name__} with capturable=False. Construct it "
                 "with capturable=True"
             )
-        self.optimizer, self.params, self.check = optimizer, params, check
+        self.optimizer, self.params = optimizer, params
         load_state_in_place(optimizer)  # a resumed state reaches the captured graph
         self.graphed = GraphedStep(  # the step's graph, its counters and pool
             optimizer.step,
@@ -444,7 +412,7 @@ class GraphedOptimizerStep:
         self._lrs: list[Any] | None = None
 
     def __call__(self) -> None:
-        if self.check and self.graphed.graphs:
+        if self.graphed.graphs:
             self._check_unchanged()
         self.graphed()
         if self._grad_ptrs is None and self.graphed.graphs:

@@ -2,12 +2,10 @@
 
 PyTorch's CUDA caching allocator keeps freed blocks, so a steady step asks the driver for
 nothing new. :class:`CacheCleaner` empties the cache only when fragmentation or pressure calls
-for it (not on a fixed schedule, a stall each); :class:`BufferCache` hands out one tensor per
-name, allocated once; :func:`count_allocations`, :func:`peak_memory` and
-:func:`record_memory_history` with :func:`snapshot_events` measure allocations;
-:func:`checkpoint_blocks` (from :mod:`accel.recompute`) recomputes named blocks' activations in
-backward, and :func:`largest_batch` finds the largest batch within a memory budget. On a CPU
-counts and peaks come from the profiler's memory events.
+for it (not on a schedule, a stall each); :class:`BufferCache` allocates one tensor per name
+once; :func:`count_allocations`, :func:`peak_memory`, :func:`record_memory_history` measure
+(on a CPU from the profiler's memory events); :func:`checkpoint_blocks` (:mod:`accel.recompute`)
+recomputes activations in backward; :func:`largest_batch` fits a batch to a memory budget.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from accel.recompute import (  # noqa: F401 (public here: this module measures w
 GiB, MiB = 1 << 30, 1 << 20
 
 
-# ---- releasing the allocator's cache when it pays -----------------------------------------------
 @dataclass(frozen=True)
 class MemoryState:
     """The allocator's counters on the host (reading them does not sync): bytes held by live
@@ -84,12 +81,11 @@ class CleanupPolicy:
 
 class CacheCleaner:
     """Call :meth:`step` once per window (or step); it empties the CUDA cache only when
-    :class:`CleanupPolicy` says it pays: when much is reserved and little of it used, not when
-    nearly all is allocated (then ``empty_cache`` releases little for its sync and refills).
-
-    ``stalls_avoided`` counts the calls on which ``empty_cache`` every ``naive_every`` calls
-    would have emptied and this cleaner did not. ``state`` and ``empty`` are injectable, so the
-    policy runs anywhere; on a non-CUDA device without them, :meth:`step` only counts.
+    :class:`CleanupPolicy` says it pays (much reserved and little used: not when nearly all is
+    allocated, where ``empty_cache`` releases little for its sync and refills).
+    ``stalls_avoided`` counts the calls on which emptying every ``naive_every`` calls would have
+    stalled and this did not. ``state`` and ``empty`` are injectable, so the policy runs
+    anywhere; on a non-CUDA device without them, :meth:`step` only counts.
     """
 
     def __init__(
@@ -136,7 +132,6 @@ class CacheCleaner:
         )
 
 
-# ---- buffers allocated once ---------------------------------------------------------------------
 class BufferCache:
     """Named tensors allocated once and handed out again on every later request
     (``buffers.get("stats", (groups, 2))``). A new shape or dtype under a known name replaces
@@ -146,7 +141,6 @@ class BufferCache:
     def __init__(self, device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else None
         self._buffers: dict[str, torch.Tensor] = {}
-        self.hits = 0
         self.misses = 0
 
     def get(
@@ -169,21 +163,12 @@ class BufferCache:
             and buf.device.type == device.type
             and (device.index is None or buf.device == device)
         ):
-            self.hits += 1
             return buf
         self.misses += 1
         self._buffers[name] = buf = torch.empty(shape, dtype=dtype, device=device)
         return buf
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def __len__(self) -> int:
-        return len(self._buffers)
-
-
-# ---- counting allocations -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class AllocationStats:
     """Allocator activity per step, averaged over ``steps`` steady-state steps: ``requests``
@@ -272,8 +257,7 @@ MARK = "accel.memory.window"
 
 
 def _repeat(fn: Callable[[], object], times: int) -> None:
-    """``fn`` called ``times`` times, each result dropped before the next call."""
-    for _ in range(times):
+    for _ in range(times):  # each result dropped before the next call
         fn()
 
 
@@ -319,7 +303,6 @@ def peak_memory(fn: Callable[[], object], *, device: torch.device | str | None =
     return _peak(events, start)
 
 
-# ---- the allocator's history as a table ---------------------------------------------------------
 @contextmanager
 def record_memory_history(
     *, max_entries: int = 100_000, device: torch.device | str | None = None
@@ -383,7 +366,6 @@ def snapshot_events(snapshot: dict[str, Any], *, device: int = 0) -> list[dict[s
     return events
 
 
-# ---- the largest batch that fits ----------------------------------------------------------------
 @dataclass
 class BatchSearch:
     """Result of :func:`largest_batch`: the batch, and every probe as (batch, bytes, fits)."""
@@ -391,10 +373,6 @@ class BatchSearch:
     batch: int
     budget_bytes: int
     probes: list[tuple[int, int | None, bool]] = field(default_factory=list)
-
-    @property
-    def bytes_at_batch(self) -> int | None:
-        return next((b for n, b, fits in self.probes if n == self.batch and fits), None)
 
 
 def largest_batch(

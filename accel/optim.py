@@ -1,16 +1,12 @@
 """AdamW whose step is one kernel launch for every parameter group.
 
 ``MultiTensorAdamW`` is ``torch.optim.AdamW`` (no amsgrad, no maximize) for float32 parameters
-on one CUDA device, stepped by :mod:`accel.kernels.adamw`: one Triton launch updates every
-tensor of every group, with per-group learning rates and weight decays read on the device. It is
-capturable by construction (wrap ``step`` in :class:`accel.graphs.GraphedOptimizerStep`). As
-torch's, it keeps a step count per parameter that advances only when the parameter has a
-gradient; ``betas`` and ``eps`` are shared by all groups.
-
-The plain reference, :func:`adamw_reference`, runs where the kernel cannot (no CUDA and no
-``TRITON_INTERPRET=1``, or a tensor that is not contiguous float32), after one warning. The
-``state_dict`` has torch's AdamW layout, so checkpoints move between the two optimizers; a
-loaded state is checked against the parameters before anything changes.
+on one CUDA device: one Triton launch (:mod:`accel.kernels.adamw`) updates every tensor of every
+group, per-group learning rates and weight decays read on the device, so it is capturable
+(:class:`accel.graphs.GraphedOptimizerStep`). As torch's, it keeps a step count per parameter;
+``betas`` and ``eps`` are shared by all groups. Where the kernel cannot run, the plain
+:func:`adamw_reference` does, after one warning. The ``state_dict`` has torch's AdamW layout;
+a loaded state is checked against the parameters before anything changes.
 """
 
 from __future__ import annotations
@@ -72,10 +68,10 @@ def one_minus_power(beta: float, step: torch.Tensor) -> torch.Tensor:
 class MultiTensorAdamW(torch.optim.Optimizer):
     """AdamW stepped by one kernel launch for all groups (see the module docstring).
 
-    ``lr`` per group is a float or a 0-d float32 tensor on the parameters' device (a tensor can
-    change between steps, also under a CUDA graph; a float is copied to the device when it
-    changes). ``implementation="auto"`` takes the kernel where it can run, else the reference
-    with a warning; ``"triton"`` raises instead; ``"reference"`` always takes the reference.
+    ``lr`` per group is a float (copied to the device when it changes) or a 0-d float32 tensor
+    on the parameters' device (changed in place, also under a CUDA graph).
+    ``implementation="auto"`` takes the kernel where it can run, else the reference with a
+    warning; ``"triton"`` raises instead; ``"reference"`` always takes the reference.
     """
 
     def __init__(

@@ -1,12 +1,11 @@
 """Sync removal: keep numbers on the device and bring them to the host once, when asked.
 
-A host read of a device tensor (``.item()``, ``.tolist()``, ``.cpu()``, ``float(t)``, ``if t:``,
-boolean-mask indexing) waits until the GPU has run everything queued: the queue drains and the
-GPU idles. Each fast version here sits beside its plain reference: :func:`read_scalars` (one
-transfer for many scalars), :class:`MetricAccumulator` (running sums on the device),
-:class:`ProgressLog` (rows copied to the host without blocking), :func:`apply_givens` and
-:func:`update_rotor_angles` (batched index ops for loops over rotation planes). :func:`count_syncs`
-and the guard :func:`no_sync` find syncs (CUDA only; on a CPU they say so once).
+A host read of a device tensor (``.item()``, ``.tolist()``, ``float(t)``, ``if t:``, a boolean
+mask) waits until the GPU has run everything queued: the queue drains and the GPU idles. Each
+fast version sits beside its plain reference: :func:`read_scalars` (one transfer for many),
+:class:`MetricAccumulator` (sums on the device), :class:`ProgressLog` (rows copied without
+blocking), :func:`apply_givens` and :func:`update_rotor_angles` (batched index ops instead of
+loops over planes). :func:`count_syncs` and :func:`no_sync` find syncs (CUDA only).
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, SyncCheckUnavailableWarning, stacklevel=4)
 
 
-# ---- reading scalars ---------------------------------------------------------------------------
 def read_scalars(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
     """Bring several one-element tensors to the host in one transfer (one sync, not one each).
 
@@ -137,12 +135,8 @@ class MetricAccumulator:
 
 
 class ProgressLog:
-    """Progress rows recorded on the device, copied to the host without blocking.
-
-    ``record`` writes a row into a device buffer (no sync); ``flush`` starts one non-blocking
-    copy of the rows into pinned memory; ``collect`` returns every row that has landed, waiting
-    only if asked. Use it from one CUDA stream.
-    """
+    """Progress rows recorded on the device (``record``, no sync), copied to pinned host memory
+    without blocking (``flush``), returned once landed (``collect``). Use it from one stream."""
 
     def __init__(
         self,
@@ -206,7 +200,6 @@ class ProgressLog:
         return self.history
 
 
-# ---- counting and forbidding syncs -------------------------------------------------------------
 def to_device_without_sync(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor copied to ``device`` without a host sync (pinned, then non-blocking: a
     pageable copy waits for the device, which keeps :class:`accel.graphs.GraphedStep` from
@@ -286,7 +279,6 @@ def no_sync() -> Iterator[None]:
         torch.cuda.set_sync_debug_mode(previous)
 
 
-# ---- rotations in planes: batched index ops vs loops over planes -------------------------------
 def check_planes(planes: Any, dim: int) -> torch.Tensor:
     """Rotation planes for vectors of ``dim`` coordinates, checked, as a CPU long tensor
     (layers, k, 2): pairs (i, j) of distinct coordinates in ``0..dim-1``, disjoint within a
@@ -308,11 +300,6 @@ def check_planes(planes: Any, dim: int) -> torch.Tensor:
         raise ValueError(
             f"planes: coordinates must be in 0..{dim - 1} (vectors of {dim}), "
             f"got values in {lo}..{hi}"
-        )
-    if t.shape[1] > dim // 2:
-        raise ValueError(
-            f"planes: k = {t.shape[1]} planes per layer; disjoint planes allow "
-            f"1..{dim // 2} for vectors of {dim}"
         )
     same = (t[..., 0] == t[..., 1]).nonzero().tolist()
     if same:
@@ -417,11 +404,7 @@ def update_rotor_angles(
     """
     if v_diff.ndim != 1:
         raise ValueError(f"v_diff must have shape (dim,), got {tuple(v_diff.shape)}")
-    if planes.dtype != torch.long or planes.ndim != 3 or theta.shape != planes.shape[:2]:
-        raise ValueError(
-            f"planes must be long (layers, k, 2) and theta (layers, k), got "
-            f"{planes.dtype} {tuple(planes.shape)} and {tuple(theta.shape)}"
-        )
+    _check_rotor_args(v_diff, planes, theta)
     d = v_diff.index_select(0, planes.reshape(-1)).view(*theta.shape, 2)  # one gather
     di, dj = d[..., 0], d[..., 1]
     step = torch.atan2(dj, di) * torch.hypot(di, dj)

@@ -392,7 +392,7 @@ def test_direct_calls_skip_dynamo_once_the_signature_is_known(gen):
     torch.testing.assert_close(f(b, 2.0), _scaled_sin(b, 2.0))  # new shape: dynamo compiles
     torch.testing.assert_close(f(a, 3.0), _scaled_sin(a, 3.0))  # new constant: compiles too
     torch.testing.assert_close(f(a.T, 2.0), _scaled_sin(a.T, 2.0))  # other strides
-    assert f.compiles == 4 and len(f.direct_signatures) == 4
+    assert f.compiles == 4 and len(f._direct) == 4
     assert "direct_calls=" in repr(f)
 
 
@@ -418,7 +418,7 @@ def test_direct_calls_return_tuples_and_keep_dynamo_where_unsafe(gen):
     g = fusion.compile_per_shape(lambda t: t + bias, backend="eager", direct=True)
     for _ in range(2):
         torch.testing.assert_close(g(x), x + bias)
-    assert g.direct_calls == 0 and g.direct_signatures == []
+    assert g.direct_calls == 0 and not g._direct
     # an unhashable argument: dynamo, every time
     h = fusion.compile_per_shape(lambda t, ks: t * ks[0], backend="eager", direct=True)
     for _ in range(2):

@@ -6,11 +6,10 @@
     run.ranks    # one dict per rank: throughput, peak memory, parameter + optimizer bytes
 
 A rank trains a :class:`Task`, built alike on every rank from ``(preset, seed)`` by a factory
-named ``"module:function"``. :func:`launch` checks every argument, then runs torchrun (one agent
-per host); a rank's error is raised here as :class:`RankFailed`. One process with
-``wrapper="none"``, the reference every wrapper must match, trains in this process;
-:func:`launch_series` trains several runs on one launch. Modules: ``launcher``, ``torchrun``,
-``processes``, ``rank``, ``tasks``, ``checkpoint``, ``costs``, ``config``; torch only.
+named ``"module:function"``. :func:`launch` checks every argument, then runs torchrun; a rank's
+error is raised here as :class:`RankFailed`. One process with ``wrapper="none"``, the reference
+every wrapper must match, trains in this process; :func:`launch_series` trains several runs on
+one launch.
 """
 
 from accel.distributed.checkpoint import checkpoint_meta, latest_checkpoint

@@ -52,7 +52,6 @@ class RunConfig:
     checkpoint_at: int | None = None
     checkpoint_every: int | None = None
     load_from: str | None = None
-    validate: bool = True
     timeout: float = 600.0
     # several hosts (torchrun's names): nnodes agents of nprocs ranks each meet at rdzv_endpoint
     nnodes: int = 1

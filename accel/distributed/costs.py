@@ -17,15 +17,9 @@ def fsdp_bytes(param_bytes: float, world: int, *, reshard_after_forward: bool = 
 
 
 def state_bytes_per_rank(
-    param_count: int,
-    world: int,
-    wrapper: str,
-    *,
-    bytes_per_value: int = 4,
-    optimizer_values: int = 2,
-    grads: bool = False,
+    param_count: int, world: int, wrapper: str, *, grads: bool = False
 ) -> float:
-    """Parameters + optimizer state (AdamW: two moments per value) [+ gradients] held by each
-    rank: all of it under DDP, 1/N of it under FSDP2."""
-    total = param_count * bytes_per_value * (1 + optimizer_values + int(grads))
+    """fp32 parameters + AdamW's two moments [+ gradients] held by each rank: all of it under
+    DDP, 1/N of it under FSDP2."""
+    total = param_count * 4 * (3 + int(grads))
     return total / world if wrapper == "fsdp2" else total

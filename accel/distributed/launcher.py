@@ -23,6 +23,7 @@ from accel.distributed.config import DEFAULT_TASK, WRAPPERS, RunConfig, RunResul
 from accel.distributed.rank import make_optimizer, train
 from accel.distributed.tasks import Task, build_task, load_task
 from accel.distributed.torchrun import launcher_command, run_torchrun
+from accel.errors import checked_count, checked_number
 
 _RUN_FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
 # what the runs of one launch share: its processes' environment and its nodes
@@ -56,7 +57,6 @@ def launch(
     checkpoint_at: int | None = None,
     checkpoint_every: int | None = None,
     load_from: str | os.PathLike | None = None,
-    validate: bool = True,
     timeout: float = 600.0,
     nnodes: int = 1,
     node_rank: int = 0,
@@ -69,30 +69,24 @@ def launch(
     the default where GPUs are; ``gloo`` on the CPU) and return the measurements.
 
     ``scaling="strong"`` splits the task's global batch over the ranks; ``"weak"`` gives each
-    rank a whole batch (rank r of N: step ``step * N + r``'s), as when adding GPUs. DDP's
-    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``static_graph``, FSDP2's
-    ``reshard_after_forward``, ``mixed_precision="bf16"`` (DDP: bf16 all-reduce, NCCL only;
-    FSDP2: bf16 parameters, fp32 reduction) and ``nccl_env`` are torch's defaults unless given
-    (:data:`TUNED_COMM`: all on). ``autocast="bf16"``: forward and loss under bf16 autocast.
-    ``checkpoint_dir``: a save after step ``checkpoint_at`` (default: the last), or every
-    ``checkpoint_every`` steps into ``step-NNNNNN`` folders; ``load_from`` resumes from one (or
-    the latest complete one under it). Loading unpickles, which can run any code: only files
-    matching the SHA-256 digests their save recorded are read, but whoever can write the folder
-    can write those too: load only checkpoints you trust. ``in_process`` (default: one process,
-    ``wrapper="none"``) trains here, no timeout.
+    rank a whole batch, as when adding GPUs. The communication settings (DDP's bucket options,
+    FSDP2's ``reshard_after_forward``, ``mixed_precision="bf16"``, ``nccl_env``) are torch's
+    defaults unless given (:data:`TUNED_COMM`: all on). ``checkpoint_dir``: a save after step
+    ``checkpoint_at`` (default: the last), or every ``checkpoint_every`` steps into
+    ``step-NNNNNN`` folders; ``load_from`` resumes from one (or the latest under it). Loading
+    unpickles: only files matching the SHA-256 digests their save recorded are read, but whoever
+    can write the folder can write those too: load only checkpoints you trust. ``in_process``
+    (default: one process, ``wrapper="none"``) trains here, no timeout.
 
     Several hosts: the same call on each of ``nnodes`` with its own ``node_rank``, meeting at
-    ``rdzv_endpoint``, node 0's ``"host:port"`` (a free port); ``rdzv_id`` names the job. Node r
-    runs ranks from ``r * nprocs`` and returns its own; ``checkpoint_dir`` must be shared::
+    node 0's ``rdzv_endpoint`` (``"host:port"``, a free port); node r runs ranks from
+    ``r * nprocs`` and returns its own; ``checkpoint_dir`` must be shared.
 
-        launch(nprocs=8, wrapper="ddp", nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500")
-
-    Raises before anything starts: ValueError for a bad argument, a task that cannot be built
-    or split over the ranks, an optimizer setting torch refuses, a checkpoint refused or another
-    task's, an unwritable ``checkpoint_dir``, more processes than GPUs; :class:`LauncherNotFound`.
-    After: :class:`RankFailed` (the cause first), :class:`LaunchError` (no rank started),
-    :class:`LaunchTimeout`. Either way, and on Ctrl-C or if this process dies, no process or
-    temporary folder of the run is left.
+    Raises before anything starts: TypeError or ValueError for a bad argument, a task that
+    cannot be built or split over the ranks, an optimizer setting torch refuses, a checkpoint
+    refused, an unwritable ``checkpoint_dir``, more processes than GPUs; :class:`LauncherNotFound`.
+    After: :class:`RankFailed` (the cause first), :class:`LaunchError`, :class:`LaunchTimeout`.
+    Either way, and on Ctrl-C or if this process dies, no process or temporary folder is left.
     """
     # every argument but in_process and launcher is a RunConfig field
     config = _config({k: v for k, v in locals().items() if k in _RUN_FIELDS})
@@ -117,10 +111,9 @@ def launch_series(
     **common: Any,
 ) -> dict[str, RunResult]:
     """Several runs trained in order by the same ranks, the launch's cost paid once. ``runs``
-    maps a name to its :func:`launch` arguments, which update ``common``'s; all share ``nprocs``,
-    the backend, ``nccl_env`` (NCCL reads it once per process) and the nodes. Returns name ->
-    :class:`RunResult`; raises as :func:`launch`, naming the run (the runs after it not run).
-    """
+    maps a name to its :func:`launch` arguments over ``common``'s; all share ``nprocs``, the
+    backend, ``nccl_env`` and the nodes. Returns name -> :class:`RunResult`; raises as
+    :func:`launch`, naming the run."""
     if not runs:
         raise ValueError("runs must name at least one run (name -> its launch arguments)")
     _check_series_keys("launch_series", common)
@@ -156,13 +149,13 @@ def _on_torchrun(
 
 @contextlib.contextmanager
 def _naming(label: str | None) -> Iterator[None]:
-    """A ValueError raised within names the series' run ``label`` (none for a single launch)."""
+    """An argument error raised within names the series' run ``label`` (None: a single launch)."""
     try:
         yield
-    except ValueError as error:
+    except (TypeError, ValueError) as error:
         if label is None:
             raise
-        raise ValueError(f"run {label!r}: {error}") from None
+        raise type(error)(f"run {label!r}: {error}") from None
 
 
 # launch()'s defaults of the run's settings (RunConfig's fields), for launch_series
@@ -208,38 +201,34 @@ def _check_arguments(a: SimpleNamespace) -> None:
     """Every setting of one host's run and its checkpoints."""
     if a.wrapper not in WRAPPERS:
         raise ValueError(f"wrapper must be one of {WRAPPERS}, got {a.wrapper!r}")
-    if not isinstance(a.nprocs, int) or a.nprocs < 1:
-        raise ValueError(f"nprocs must be a positive int, got {a.nprocs!r}")
+    checked_count(a.nprocs, "nprocs", at_least=1)
     if a.wrapper == "none" and a.nprocs != 1:
         raise ValueError(f"wrapper 'none' trains on one process; got nprocs={a.nprocs} (use ddp)")
-    _check_int("steps", a.steps, minimum=1)
-    _check_int("warmup", a.warmup, minimum=0)
-    _check_int("seed", a.seed)
+    checked_count(a.steps, "steps", at_least=1)
+    checked_count(a.warmup, "warmup")
+    checked_count(a.seed, "seed")
     load_task(a.task)  # the module found and its function there
     if a.scaling not in ("strong", "weak"):
         raise ValueError(f"scaling must be 'strong' or 'weak', got {a.scaling!r}")
     for name, value in (("autocast", a.autocast), ("mixed_precision", a.mixed_precision)):
         if value not in (None, "bf16"):
             raise ValueError(f"{name} must be None or 'bf16', got {value!r}")
-    if not (_is_number(a.timeout) and 0 < a.timeout < math.inf):
+    if not 0 < checked_number(a.timeout, "timeout") < math.inf:
         raise ValueError(f"timeout must be a number of seconds > 0, got {a.timeout!r}")
-    if a.bucket_cap_mb is not None and not (_is_number(a.bucket_cap_mb) and a.bucket_cap_mb > 0):
+    if a.bucket_cap_mb is not None and not checked_number(a.bucket_cap_mb, "bucket_cap_mb") > 0:
         raise ValueError(f"bucket_cap_mb must be None or > 0, got {a.bucket_cap_mb!r}")
     env = a.nccl_env
     if env is not None and not (
         isinstance(env, Mapping) and all(isinstance(x, str) for kv in env.items() for x in kv)
     ):
         raise ValueError(f"nccl_env must map str to str (environment variables), got {env!r}")
-    if a.checkpoint_at is not None:
-        _check_int("checkpoint_at", a.checkpoint_at)
-        if not 1 <= a.checkpoint_at <= a.steps:
-            raise ValueError(
-                f"checkpoint_at must be within 1..steps={a.steps}, got {a.checkpoint_at}"
-            )
+    if (
+        a.checkpoint_at is not None
+        and not 1 <= checked_count(a.checkpoint_at, "checkpoint_at") <= a.steps
+    ):
+        raise ValueError(f"checkpoint_at must be within 1..steps={a.steps}, got {a.checkpoint_at}")
     if a.checkpoint_every is not None:
-        _check_int("checkpoint_every", a.checkpoint_every)
-        if a.checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {a.checkpoint_every}")
+        checked_count(a.checkpoint_every, "checkpoint_every", at_least=1)
         if a.checkpoint_dir is None or a.checkpoint_at is not None:
             raise ValueError(
                 "checkpoint_every needs checkpoint_dir (where the step-NNNNNN checkpoints go) and "
@@ -251,8 +240,8 @@ def _check_arguments(a: SimpleNamespace) -> None:
 
 def _check_nodes(a: SimpleNamespace) -> None:
     """One host, or several meeting at ``rdzv_endpoint``: what each node needs."""
-    _check_int("nnodes", a.nnodes, minimum=1)
-    _check_int("node_rank", a.node_rank, minimum=0)
+    checked_count(a.nnodes, "nnodes", at_least=1)
+    checked_count(a.node_rank, "node_rank")
     if a.nnodes == 1:
         if a.node_rank != 0 or a.rdzv_endpoint is not None:
             raise ValueError(
@@ -277,17 +266,6 @@ def _check_nodes(a: SimpleNamespace) -> None:
             f"rdzv_id must be a name of letters, digits, '_', '.' or '-' (the same on every "
             f"node), got {a.rdzv_id!r}"
         )
-
-
-def _check_int(name: str, value: Any, minimum: int | None = None) -> None:
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    if not whole or (minimum is not None and value < minimum):
-        expected = "an int" if minimum is None else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check_writable(directory: Path) -> None:

@@ -30,8 +30,8 @@ from accel.files import write_text_atomic
 
 
 def run_rank(configs: Sequence[RunConfig], out: Path) -> list[dict]:
-    """One rank's runs, in order in one process group: each run's record (or the error of the
-    run that raised) written to its ``out_dir``, this process's pid to ``out``."""
+    """One rank's runs in one process group: each run's record (or error) written to its
+    ``out_dir``, this process's pid to ``out``."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     write_text_atomic(out / f"rank{rank}.pid", str(os.getpid()))
     device = _device(configs[0], int(os.environ["LOCAL_RANK"]))
@@ -118,7 +118,6 @@ def _train_steps(
         "backend": config.backend if distributed else "none",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "scaling": config.scaling,
-        "comm_tuned": config.comm_tuned,
         "steps": config.steps,
         "start_step": start,
         **_throughput(config, clock, step_ms, per_step["samples"]),
@@ -209,7 +208,7 @@ def _run_steps(
     device: torch.device,
 ) -> tuple[_Clock, list[torch.Tensor], list[int]]:
     """The timed steps, saving checkpoints as asked: the clock, each step's loss (on the
-    device, not read yet) and its number of samples."""
+    device, not read yet) and samples."""
     one_save = config.checkpoint_dir and not config.checkpoint_every
     save_at = (config.checkpoint_at or config.steps) if one_save else None
     bf16 = config.autocast == "bf16"
@@ -240,8 +239,8 @@ def _run_steps(
 
 
 def _validation(task: Task, model: nn.Module, config: RunConfig, device: torch.device) -> float:
-    """The task's held-out error after training, if it has one and it is on."""
-    if not (config.validate and task.validate is not None):
+    """The task's held-out error after training, if it has one."""
+    if task.validate is None:
         return math.nan
     # DDP: the plain module, no collectives. FSDP2: every rank runs it (it gathers weights).
     plain = model.module if config.wrapper == "ddp" else model
@@ -259,7 +258,6 @@ def _throughput(
     rate = sum(global_samples[timed]) / (window_ms / 1e3) if window_ms > 0 else math.nan
     return {
         "median_step_ms": statistics.median(step_ms[timed]),
-        "samples_per_step": statistics.median(global_samples[timed]),
         "window_ms": window_ms,
         "samples_per_s": rate,
     }
@@ -306,9 +304,9 @@ class _Clock:
 def _staged_batches(
     task: Task, config: RunConfig, rank: int, world: int, start: int, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every step's batch, made on the host before the first step (pinned on a GPU, copied in
-    without blocking), as a loader that keeps up delivers: made in the loop, a rank's sample
-    generation would stall the others at the next collective, counted as communication."""
+    """Every step's batch, made on the host before the first step (pinned on a GPU), as a loader
+    that keeps up delivers: made in the loop, one rank's sample generation would stall the
+    others at the next collective, counted as communication."""
     weak = config.scaling == "weak"  # every rank a whole batch of its own
     batches = []
     for step in range(start, start + config.steps):
