@@ -1,6 +1,6 @@
-"""Every process of a launched run found (Linux: /proc; elsewhere torchrun's process group) and
-ended, by a watchdog too, with the launch's folder, if the launching process dies first.
-Standard library only: the watchdog runs this file (``python -I processes.py PID``).
+"""Every process of a launched run found (Linux: /proc; elsewhere torchrun's group and the ranks'
+recorded pids) and ended, by a watchdog too, with the launch's folder, if the launching process
+dies first. Standard library only: the watchdog runs this file (``python -I processes.py PID``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 
@@ -97,11 +97,13 @@ def kill_until_gone(
     return set()
 
 
-def end_run(proc: subprocess.Popen, marker: str, grace: float = 10.0) -> None:
+def end_run(
+    proc: subprocess.Popen, marker: str, recorded: Iterable[int] = (), grace: float = 10.0
+) -> None:
     """Kill every process of the run torchrun ``proc`` started and wait until none is left."""
     # proc's pid is searched until poll() reaps it: until then no other process can have it
     root = lambda: proc.pid if proc.poll() is None else None  # noqa: E731
-    if left := _kill_run(proc.pid, marker, root, grace):
+    if left := _kill_run(proc.pid, marker, recorded, root, grace):
         warnings.warn(
             f"processes {sorted(left)} of the run did not end within {grace:g} s of SIGKILL "
             "(a process stuck in the kernel, e.g. in a GPU driver call)",
@@ -114,17 +116,22 @@ def end_run(proc: subprocess.Popen, marker: str, grace: float = 10.0) -> None:
 def _kill_run(
     torchrun: int | None,
     marker: str,
+    recorded: Iterable[int],
     root: Callable[[], int | None] = lambda: None,
     grace: float = 10.0,
 ) -> set[int]:
     """Every process of the run killed (``marker`` in the ranks' command lines, ``root()``
-    torchrun while it may be searched); where there is no /proc, torchrun's process group (the
-    ranks stay in it after torchrun is gone). What still runs."""
+    torchrun while it may be searched); where there is no /proc, torchrun's group and the
+    ranks' ``recorded`` pids (torchrun starts each rank in a session of its own). What still
+    runs."""
     if Path("/proc").is_dir():
         return kill_until_gone(lambda: run_processes(root(), marker), torchrun, grace)
     if torchrun is not None:
         with contextlib.suppress(OSError):
             os.killpg(torchrun, signal.SIGKILL)
+    for pid in recorded:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     return set()
 
 
@@ -176,7 +183,7 @@ def _watch(launcher: int) -> None:
             break
     if run is None:  # died before naming its run: nothing was started
         return
-    _kill_run(torchrun, run["marker"])
+    _kill_run(torchrun, run["marker"], rank_pids(Path(run["folder"])).values())
     shutil.rmtree(run["folder"], ignore_errors=True)
 
 

@@ -176,7 +176,7 @@ def _run_and_end(
             exitcode = None
         finally:  # torchrun ends the other ranks when one fails; make sure nothing is left
             pids = tuple(rank_pids(out).values())
-            end_run(proc, marker)
+            end_run(proc, marker, pids)
     if exitcode is None:
         raise LaunchTimeout(
             f"{describe(configs, labels)} ran past timeout={timeout:g} s; every process was "
