@@ -21,12 +21,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from accel.errors import checked_callable, checked_count, checked_instance
 
@@ -78,12 +77,24 @@ def batch_size(batch: Any) -> int:
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    # any Mapping, not only dict (a tokenizer's BatchEncoding), which pytree would take as a leaf
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (tuple, list)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
 
 
 def _index(batch: Any, part: slice) -> Any:
-    # a constant travels with every micro-batch
-    return pytree.tree_map(lambda v: v[part] if isinstance(v, torch.Tensor) else v, batch)
+    if isinstance(batch, torch.Tensor):
+        return batch[part]
+    if isinstance(batch, Mapping):
+        return {k: _index(v, part) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_index(v, part) for v in batch)
+    return batch  # a constant travels with every micro-batch
 
 
 def _ranges(size: int, k: int) -> list[slice]:

@@ -277,6 +277,16 @@ def test_split_batch_returns_views_of_every_tensor():
     assert [len(p) for p in acc.split_batch(inputs[:10], 4, uneven=True)] == [3, 3, 2, 2]
 
 
+def test_split_batch_takes_any_mapping_as_a_tokenizer_returns_it():
+    """A tokenizer's BatchEncoding is a Mapping, not a dict: its tensors are split all the same."""
+    from collections import UserDict
+
+    inputs, targets = _data(8, 12)
+    parts = acc.split_batch(UserDict(input_ids=inputs, labels=targets), 2)
+    assert [p["input_ids"].shape[0] for p in parts] == [6, 6]
+    assert torch.equal(parts[1]["labels"], targets[6:])
+
+
 @pytest.mark.parametrize(
     "k,error,match",
     [
