@@ -79,8 +79,10 @@ def launch(
     (default: one process, ``wrapper="none"``) trains here, no timeout.
 
     Several hosts: the same call on each of ``nnodes`` with its own ``node_rank``, meeting at
-    node 0's ``rdzv_endpoint`` (``"host:port"``, a free port); node r runs ranks from
-    ``r * nprocs`` and returns its own; ``checkpoint_dir`` must be shared.
+    node 0's ``rdzv_endpoint`` (``"host:port"``, a free port); ``rdzv_id`` names the job. Node r
+    runs ranks from ``r * nprocs`` and returns its own; ``checkpoint_dir`` must be shared::
+
+        launch(nprocs=8, wrapper="ddp", nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500")
 
     Raises before anything starts: TypeError or ValueError for a bad argument, a task that
     cannot be built or split over the ranks, an optimizer setting torch refuses, a checkpoint
