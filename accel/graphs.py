@@ -22,6 +22,15 @@ from accel.errors import checked_callable, checked_count, checked_instance
 from accel.fusion import checked_max_norm, clip_grad_norm_
 from accel.optim import load_state_in_place
 
+__all__ = [
+    "GraphCaptureWarning",
+    "GraphInputError",
+    "GraphedOptimizerStep",
+    "GraphedStep",
+    "pool_bytes",
+    "training_step",
+]
+
 # Phrases in CUDA's and torch's errors that mean "the step synchronized with the host".
 _SYNC_ERRORS = ("not permitted when stream is capturing", "capture", "cudaErrorStreamCapture")
 _SYNC_HINT = (
