@@ -420,6 +420,29 @@ def test_the_unchanged_steps_own_spread_is_measured(seed):
     assert trial.own_spread(report, steps=2) > FIXES["set_to_none"].rtol
 
 
+def test_a_step_drawing_from_random_and_numpy_runs_the_same_twice(seed):
+    # a crop drawn with Python's and NumPy's global generators, as data augmentation does: the
+    # unchanged step from the same start must be the same both times, or its "spread" would
+    # widen every fix's allowance
+    import random
+
+    import numpy as np
+
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        x = x[: random.randint(2, 16)] * float(np.random.uniform(0.5, 1.5))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(16, 8), steps=1, warmup=1)
+    assert trial.own_spread(report, steps=3) == 0.0
+
+
 def test_a_fix_is_allowed_a_multiple_of_the_unchanged_steps_own_spread(seed, monkeypatch):
     # the spread as the noisy step shows it at its smallest, so that the fix's own wobble fits
     monkeypatch.setattr(trial, "own_spread", lambda report, steps: 1e-4)

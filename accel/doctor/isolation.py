@@ -26,7 +26,8 @@ import torch
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
 
-__all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step"]
+__all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step",
+           "seed_generators"]  # fmt: skip
 
 _RECORD: contextvars.ContextVar[_Recording] = contextvars.ContextVar("accel_doctor_record")
 _HOOKED: list[bool] = []  # the process's hook is installed once
@@ -105,6 +106,16 @@ class _Generators:
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
+
+
+def seed_generators(seed: int) -> None:
+    """Seed the generators a :class:`Session` puts back: torch's (every device), ``random`` and
+    NumPy's global one, so that a step drawing from any of them runs the same from one start."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
 
 
 def _cuda_started() -> bool:
