@@ -420,6 +420,19 @@ def test_the_unchanged_steps_own_spread_is_measured(seed):
     assert trial.own_spread(report, steps=2) > FIXES["set_to_none"].rtol
 
 
+def test_the_trials_show_the_allowance_a_fix_was_judged_by(seed, monkeypatch, tmp_path):
+    # the step's own spread widens the allowance past the fix's tolerance: the page must show the
+    # number the status was judged by, not the narrower tolerance beside an "ok"
+    from accel.doctor.page import rounded, trials_text
+
+    monkeypatch.setattr(trial, "own_spread", lambda report, steps: 1e-2)
+    report = doctor.examine(noisy_step(), torch.randn(16, 8), steps=1, warmup=1)
+    (row,) = report.try_fixes(["set_to_none"], steps=2, repeats=2).to_dict("records")
+    assert row["allowance"] == 4e-2 > row["tolerance"]
+    assert f"(allowed {rounded(4e-2)})" in trials_text(report)
+    assert f"({rounded(4e-2)})</td>" in report.to_html(tmp_path / "r.html").read_text()
+
+
 def test_a_step_drawing_from_random_and_numpy_runs_the_same_twice(seed):
     # a crop drawn with Python's and NumPy's global generators, as data augmentation does: the
     # unchanged step from the same start must be the same both times, or its "spread" would
