@@ -267,9 +267,9 @@ def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
 
 
 class MhaBlock(nn.Module):
-    def __init__(self, width=32, heads=4, need_weights=True, use_weights=False):
+    def __init__(self, width=32, heads=4, need_weights=True, use_weights=False, dropout=0.0):
         super().__init__()
-        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True, dropout=dropout)
         self.need_weights, self.use_weights = need_weights, use_weights
 
     def forward(self, x):
@@ -294,6 +294,14 @@ def test_multihead_attention_returning_its_weights_is_found_and_run_without_them
     assert "need_weights=False" in row["edit"]
     quiet = doctor.examine(mha_step(need_weights=False)[0], torch.randn(4, 16, 32), steps=1, warmup=1)
     assert not [f for f in quiet.findings if f.kind == "attention"]
+
+
+def test_multihead_attention_without_weights_on_sdpas_math_path_is_not_found(seed):
+    # need_weights=False (as nn.Transformer's layers call it) with dropout while training: SDPA
+    # runs its own math path (a product, a softmax, a product), which is no written-out attention
+    step, _ = mha_step(need_weights=False, dropout=0.1)
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    assert not [f for f in report.findings if f.kind == "attention"]
 
 
 def test_multihead_attention_whose_weights_are_used_fails_its_trial_and_says_so(seed):

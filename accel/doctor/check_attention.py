@@ -16,7 +16,9 @@ from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import OpRecord, Site
 
 _PRODUCTS = frozenset({"aten::bmm", "aten::mm", "aten::baddbmm", "aten::matmul"})
-_SOFTMAX = frozenset({"aten::_softmax", "aten::softmax", "aten::_safe_softmax"})
+# not aten::_safe_softmax: only SDPA's own math path runs it (inside nn.MultiheadAttention too,
+# called with need_weights=False), and that is no attention written out
+_SOFTMAX = frozenset({"aten::_softmax", "aten::softmax"})
 _LOOKAHEAD = 10  # ops between the scores' product, the softmax and the values' product
 
 
