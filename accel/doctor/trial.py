@@ -156,7 +156,7 @@ def _name_side_effects(report, found: list[str]) -> None:
 
 
 def _uncounted(what: str) -> str:
-    return re.sub(r" \(\d+ times\)$", "", what)
+    return re.sub(r" \(\d+ times\)", "", what)
 
 
 def own_spread(report, steps: int) -> float:
