@@ -560,6 +560,25 @@ def test_a_step_that_does_not_run_when_called_is_refused(step, said):
         examined(step, torch.randn(3))
 
 
+def test_a_step_that_fails_on_a_later_call_says_which_call_and_its_line(seed):
+    # a one-cycle schedule sized for a short run raises once stepped past its end: the doctor
+    # runs the step many times, and must say so beside the step's own error
+    model, opt = small()
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=6)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    said = rf"raised on call \d+ \(.*:{step.__code__.co_firstlineno + 4}\): ValueError: Tried to step"
+    with pytest.raises(UsageError, match=said):
+        examined(step, torch.randn(5, 4))
+
+
 def test_try_fixes_refuses_counts_below_one_and_takes_a_name_as_one_name(seed):
     model, opt = small()
     report = examined(plain_step(model, opt), torch.randn(5, 4))
