@@ -303,6 +303,16 @@ def test_gradscalers_own_read_is_named_with_the_change_that_removes_it():
     assert found.fixes == ("fused_optimizer",)
 
 
+def test_a_distributions_argument_check_is_named_with_the_change_that_removes_it():
+    """Categorical(logits=...) and its log_prob check their arguments on the host (as a policy
+    gradient step calls them every action): the change is validate_args=False, not a log."""
+    check = ("distributions/distribution.py:__init__", "distributions/categorical.py:__init__")
+    ops = [op("aten::_local_scalar_dense", info(), library=check)]
+    (found,) = check_host.syncs(evidence(ops, tl=timeline_of(idle={"sync": 70.0})))
+    assert "validate_args" in found.evidence and "validate_args=False" in found.change
+    assert "MetricAccumulator" not in found.change and found.fixes == ()
+
+
 def test_sync_finding_on_cpu_predicts_nothing():
     (found,) = check_host.syncs(
         evidence([op("aten::_local_scalar_dense", info(device="cpu"))], device="cpu")

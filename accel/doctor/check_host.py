@@ -27,6 +27,7 @@ SYNC_OPS = {
 }
 _COPIES = ("aten::_to_copy", "aten::copy_")
 SCALER_READ = "GradScaler.step's read of whether a gradient overflowed"
+ARGUMENT_CHECK = "torch.distributions' check of its arguments (validate_args)"
 _READ_METHODS = {"__repr__": "print() of a tensor", "__str__": "print() of a tensor",
                  "__format__": "a tensor in an f-string", "tolist": ".tolist()",
                  "numpy": ".numpy()"}  # fmt: skip
@@ -44,6 +45,10 @@ _SCALER_CHANGE = """\
 # GradScaler reads whether a gradient overflowed before each optimizer step. Under bf16 autocast
 # nothing overflows: drop the scaler. With fp16, a fused optimizer checks on the device:
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # or Adam, SGD"""
+_ARGUMENT_CHECK_CHANGE = """\
+# a distribution checks its arguments (and log_prob its sample) on the host: skip the checks
+dist = Categorical(logits=logits, validate_args=False)
+# or for all of them: torch.distributions.Distribution.set_default_validate_args(False)"""
 
 
 def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
@@ -54,6 +59,8 @@ def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
         internal = any(entry.startswith("optim/") for entry in op.library)  # CPU step counters
         if not (on_device if cuda else not internal):
             return None
+        if any(entry.startswith("distributions/") for entry in op.library):
+            return ARGUMENT_CHECK
         scaler = any(entry.startswith("amp/grad_scaler.py:") for entry in op.library)
         return SCALER_READ if scaler else SYNC_OPS[op.op]
     if op.op == "aten::index" and any(t.dtype == torch.bool for t in op.inputs[1:]):
@@ -117,7 +124,9 @@ def syncs(evidence: Evidence) -> list[Finding]:
     else:
         saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"
     kinds = {kind for _, kind in sites}
-    changes = [_SCALER_CHANGE] * (SCALER_READ in kinds) + [_SYNC_CHANGE] * bool(kinds - {SCALER_READ})
+    changes = [_SCALER_CHANGE] * (SCALER_READ in kinds)
+    changes += [_ARGUMENT_CHECK_CHANGE] * (ARGUMENT_CHECK in kinds)
+    changes += [_SYNC_CHANGE] * bool(kinds - {SCALER_READ, ARGUMENT_CHECK})
     # a read kept for later; the scaler's read made on the device by a fused optimizer; the
     # other syncs (an `if` on a tensor) need your edit
     fixes = ("deferred_reads",) * _reads_items(evidence) + ("fused_optimizer",) * (SCALER_READ in kinds)
