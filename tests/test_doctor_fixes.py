@@ -250,6 +250,15 @@ def gpt_step(attention: type[nn.Module] = NanoAttention):
     return plain_step(model, opt), model
 
 
+def test_attention_with_dropout_on_its_weights_is_found_on_a_cpu(seed):
+    # nanoGPT's attention drops out its weights: on a CPU the dropout is five operators, and the
+    # values' product comes that much later after the softmax
+    step, _ = gpt_step(lambda: NanoAttention(dropout=0.1))
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    (finding,) = [f for f in report.findings if f.kind == "attention"]
+    assert finding.fixes == ("sdpa_attention",) and "dropout_p=" in finding.change
+
+
 def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
     step, model = gpt_step()
     before = [p.detach().clone() for p in model.parameters()]
