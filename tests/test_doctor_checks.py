@@ -303,6 +303,22 @@ def test_gradscalers_own_read_is_named_with_the_change_that_removes_it():
     assert found.fixes == ("fused_optimizer",)
 
 
+@pytest.mark.parametrize(("library", "named", "change"), [
+    (("distributions/distribution.py:__init__", "distributions/categorical.py:__init__"),
+     "validate_args", "validate_args=False"),
+    (("nn/modules/transformer.py:_detect_is_causal_mask", "nn/modules/transformer.py:forward"),
+     "is causal", "tgt_is_causal=True"),
+], ids=["distribution", "transformer"])  # fmt: skip
+def test_torchs_own_checks_are_named_with_the_change_that_removes_them(library, named, change):
+    """Categorical(logits=...) and its log_prob check their arguments on the host (as a policy
+    gradient step calls them every action); nn.Transformer compares a mask it was not told is
+    causal with a causal one: the change is an argument of the call, not a log."""
+    ops = [op("aten::_local_scalar_dense", info(), library=library)]
+    (found,) = check_host.syncs(evidence(ops, tl=timeline_of(idle={"sync": 70.0})))
+    assert named in found.evidence and change in found.change
+    assert "MetricAccumulator" not in found.change and found.fixes == ()
+
+
 def test_sync_finding_on_cpu_predicts_nothing():
     (found,) = check_host.syncs(
         evidence([op("aten::_local_scalar_dense", info(device="cpu"))], device="cpu")

@@ -250,6 +250,15 @@ def gpt_step(attention: type[nn.Module] = NanoAttention):
     return plain_step(model, opt), model
 
 
+def test_attention_with_dropout_on_its_weights_is_found_on_a_cpu(seed):
+    # nanoGPT's attention drops out its weights: on a CPU the dropout is five operators, and the
+    # values' product comes that much later after the softmax
+    step, _ = gpt_step(lambda: NanoAttention(dropout=0.1))
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    (finding,) = [f for f in report.findings if f.kind == "attention"]
+    assert finding.fixes == ("sdpa_attention",) and "dropout_p=" in finding.change
+
+
 def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
     step, model = gpt_step()
     before = [p.detach().clone() for p in model.parameters()]
@@ -267,9 +276,9 @@ def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
 
 
 class MhaBlock(nn.Module):
-    def __init__(self, width=32, heads=4, need_weights=True, use_weights=False):
+    def __init__(self, width=32, heads=4, need_weights=True, use_weights=False, dropout=0.0):
         super().__init__()
-        self.attn = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.attn = nn.MultiheadAttention(width, heads, batch_first=True, dropout=dropout)
         self.need_weights, self.use_weights = need_weights, use_weights
 
     def forward(self, x):
@@ -294,6 +303,14 @@ def test_multihead_attention_returning_its_weights_is_found_and_run_without_them
     assert "need_weights=False" in row["edit"]
     quiet = doctor.examine(mha_step(need_weights=False)[0], torch.randn(4, 16, 32), steps=1, warmup=1)
     assert not [f for f in quiet.findings if f.kind == "attention"]
+
+
+def test_multihead_attention_without_weights_on_sdpas_math_path_is_not_found(seed):
+    # need_weights=False (as nn.Transformer's layers call it) with dropout while training: SDPA
+    # runs its own math path (a product, a softmax, a product), which is no written-out attention
+    step, _ = mha_step(need_weights=False, dropout=0.1)
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    assert not [f for f in report.findings if f.kind == "attention"]
 
 
 def test_multihead_attention_whose_weights_are_used_fails_its_trial_and_says_so(seed):
@@ -418,6 +435,42 @@ def noisy_step():
 def test_the_unchanged_steps_own_spread_is_measured(seed):
     report = doctor.examine(noisy_step(), torch.randn(16, 8), steps=1, warmup=1)
     assert trial.own_spread(report, steps=2) > FIXES["set_to_none"].rtol
+
+
+def test_the_trials_show_the_allowance_a_fix_was_judged_by(seed, monkeypatch, tmp_path):
+    # the step's own spread widens the allowance past the fix's tolerance: the page must show the
+    # number the status was judged by, not the narrower tolerance beside an "ok"
+    from accel.doctor.page import rounded, trials_text
+
+    monkeypatch.setattr(trial, "own_spread", lambda report, steps: 1e-2)
+    report = doctor.examine(noisy_step(), torch.randn(16, 8), steps=1, warmup=1)
+    (row,) = report.try_fixes(["set_to_none"], steps=2, repeats=2).to_dict("records")
+    assert row["allowance"] == 4e-2 > row["tolerance"]
+    assert f"(allowed {rounded(4e-2)})" in trials_text(report)
+    assert f"({rounded(4e-2)})</td>" in report.to_html(tmp_path / "r.html").read_text()
+
+
+def test_a_step_drawing_from_random_and_numpy_runs_the_same_twice(seed):
+    # a crop drawn with Python's and NumPy's global generators, as data augmentation does: the
+    # unchanged step from the same start must be the same both times, or its "spread" would
+    # widen every fix's allowance
+    import random
+
+    import numpy as np
+
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        x = x[: random.randint(2, 16)] * float(np.random.uniform(0.5, 1.5))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(16, 8), steps=1, warmup=1)
+    assert trial.own_spread(report, steps=3) == 0.0
 
 
 def test_a_fix_is_allowed_a_multiple_of_the_unchanged_steps_own_spread(seed, monkeypatch):

@@ -463,6 +463,35 @@ def test_files_the_step_writes_are_named_first(seed, tmp_path):
     assert len(report.side_effects) == trials  # the same files again: named once
 
 
+def test_files_the_step_writes_are_put_back_as_they_were(seed, tmp_path):
+    # a training log appended to and a checkpoint overwritten every step, as a real run has
+    # them: the copies' rows and weights must not stay in the user's files
+    model, opt = small()
+    log, checkpoint, made = tmp_path / "log.csv", tmp_path / "last.pt", tmp_path / "made.txt"
+    log.write_text("step,loss\n")
+    torch.save({"the user's": 1}, checkpoint)
+    before = {path: path.read_bytes() for path in (log, checkpoint)}
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with open(log, "a") as out:
+            out.write(f"1,{loss.item()}\n")
+        torch.save(model.state_dict(), checkpoint)
+        made.write_text("x")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert {path: path.read_bytes() for path in before} == before and not made.exists()
+    assert named_before_numbers(report, f"wrote {log} (")
+    assert "put back as it was" in first_line(report) and "accel-doctor" not in first_line(report)
+    with pytest.warns(RuntimeWarning, match="trials.*wrote"):
+        report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert {path: path.read_bytes() for path in before} == before and not made.exists()
+
+
 def test_files_a_compiler_writes_through_a_helper_library_are_not_the_steps(seed, tmp_path):
     """Inductor takes its cache's locks through a third-party package (filelock): the lock
     files are the compiler's, however deep the package sits below it."""
@@ -529,6 +558,25 @@ class GeneratorCall:
 def test_a_step_that_does_not_run_when_called_is_refused(step, said):
     with pytest.raises(UsageError, match=said):
         examined(step, torch.randn(3))
+
+
+def test_a_step_that_fails_on_a_later_call_says_which_call_and_its_line(seed):
+    # a one-cycle schedule sized for a short run raises once stepped past its end: the doctor
+    # runs the step many times, and must say so beside the step's own error
+    model, opt = small()
+    schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=6)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    said = rf"raised on call \d+ \(.*:{step.__code__.co_firstlineno + 4}\): ValueError: Tried to step"
+    with pytest.raises(UsageError, match=said):
+        examined(step, torch.randn(5, 4))
 
 
 def test_try_fixes_refuses_counts_below_one_and_takes_a_name_as_one_name(seed):

@@ -407,6 +407,45 @@ def test_copy_with_a_scheduler_never_steps_the_users_optimizer(seed, optimizer_c
     assert copied.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr / 2)
 
 
+class EveryOther(torch.optim.SGD):
+    """An optimizer with attributes of its own (as LBFGS has its ``_params``), which
+    ``Optimizer.__getstate__`` leaves out of a deep copy."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.every, self.calls = 2, 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        return super().step(closure) if self.calls % self.every == 0 else None
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=3),
+    lambda params: EveryOther(params, lr=0.1),
+], ids=["lbfgs", "own_attributes"])  # fmt: skip
+def test_an_optimizers_own_attributes_are_copied_with_it(seed, make_optimizer):
+    model = nn.Sequential(nn.Linear(IN, 12), nn.Tanh(), nn.Linear(12, OUT))
+    opt = make_optimizer(model.parameters())
+
+    def step(x):
+        def closure():
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        closure()
+        return opt.step(closure)
+
+    found = trains_copies_only(step, [model])
+    (copied,) = copy_step(step, found)[1].optimizers
+    own = {k for k in vars(opt) if k not in ("state", "param_groups", "defaults")}
+    assert own <= set(vars(copied))
+    if isinstance(opt, torch.optim.LBFGS):
+        assert copied._params is copied.param_groups[0]["params"]
+
+
 def test_without_the_rewrap_a_kept_wrapper_steps_the_users_optimizer(seed, monkeypatch):
     monkeypatch.setattr(parts_module, "_rewrap_scheduler_patch", lambda original, opt: None)
     step, model, _, _ = scheduled(KeepsItsAttributes)

@@ -414,6 +414,20 @@ def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
     assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()
 
 
+def test_a_step_with_nothing_found_says_no_fix_was_tried(seed, tmp_path, monkeypatch, capsys):
+    from accel.__main__ import main
+
+    (tmp_path / "clean_user_step.py").write_text(PLAIN_STEP.replace("return float(loss)",
+                                                                    "return loss.detach()"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "report.html"
+    assert main(["doctor", "clean_user_step:make", "--try-fixes", "--steps", "1", "--out",
+                 str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "0 findings" in printed and "nothing was found, so no fix was tried" in printed
+    assert "faster" not in printed and "these findings" not in printed
+
+
 SELF_FED_STEP = """
 import torch
 

@@ -7,8 +7,8 @@
 
 ``python -m accel doctor my_module:make_step`` does the same from a shell (``make_step()``
 returns the step and its batch) and writes the report as one HTML file. Your objects never
-train: the step runs on copies (``parts``), the random generators are put back, and what cannot
-be kept (a file written) is named first in the report.
+train: the step runs on copies (``parts``), the random generators and the files it writes are
+put back, and what cannot be (a connection, a process started) is named first in the report.
 """
 
 from accel.doctor.examine import examine

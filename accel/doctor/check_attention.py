@@ -16,8 +16,12 @@ from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import OpRecord, Site
 
 _PRODUCTS = frozenset({"aten::bmm", "aten::mm", "aten::baddbmm", "aten::matmul"})
-_SOFTMAX = frozenset({"aten::_softmax", "aten::softmax", "aten::_safe_softmax"})
-_LOOKAHEAD = 10  # ops between the scores' product, the softmax and the values' product
+# not aten::_safe_softmax: only SDPA's own math path runs it (inside nn.MultiheadAttention too,
+# called with need_weights=False), and that is no attention written out
+_SOFTMAX = frozenset({"aten::_softmax", "aten::softmax"})
+# ops between the scores' product, the softmax and the values' product (a dropout of the
+# weights is five on a CPU, and a matmul's reshapes five more)
+_LOOKAHEAD = 16
 
 
 @dataclass(frozen=True)

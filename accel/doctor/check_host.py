@@ -27,6 +27,8 @@ SYNC_OPS = {
 }
 _COPIES = ("aten::_to_copy", "aten::copy_")
 SCALER_READ = "GradScaler.step's read of whether a gradient overflowed"
+ARGUMENT_CHECK = "torch.distributions' check of its arguments (validate_args)"
+CAUSAL_CHECK = "nn.Transformer's check of whether the mask it was given is causal"
 _READ_METHODS = {"__repr__": "print() of a tensor", "__str__": "print() of a tensor",
                  "__format__": "a tensor in an f-string", "tolist": ".tolist()",
                  "numpy": ".numpy()"}  # fmt: skip
@@ -44,6 +46,20 @@ _SCALER_CHANGE = """\
 # GradScaler reads whether a gradient overflowed before each optimizer step. Under bf16 autocast
 # nothing overflows: drop the scaler. With fp16, a fused optimizer checks on the device:
 optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)  # or Adam, SGD"""
+_ARGUMENT_CHECK_CHANGE = """\
+# a distribution checks its arguments (and log_prob its sample) on the host: skip the checks
+dist = Categorical(logits=logits, validate_args=False)
+# or for all of them: torch.distributions.Distribution.set_default_validate_args(False)"""
+_CAUSAL_CHECK_CHANGE = """\
+# a causal mask given without saying so is compared with one on the host: say it is causal
+out = self.transformer(src, tgt, tgt_mask=mask, tgt_is_causal=True)  # nn.Transformer
+out = self.encoder(x, mask=mask, is_causal=True)  # nn.TransformerEncoder"""
+# torch's own reads, which no line of the user's writes: each with the change that removes it
+_LIBRARY_READS = {
+    "amp/grad_scaler.py:": (SCALER_READ, _SCALER_CHANGE),
+    "distributions/": (ARGUMENT_CHECK, _ARGUMENT_CHECK_CHANGE),
+    "nn/modules/transformer.py:_detect_is_causal_mask": (CAUSAL_CHECK, _CAUSAL_CHECK_CHANGE),
+}
 
 
 def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
@@ -54,8 +70,10 @@ def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
         internal = any(entry.startswith("optim/") for entry in op.library)  # CPU step counters
         if not (on_device if cuda else not internal):
             return None
-        scaler = any(entry.startswith("amp/grad_scaler.py:") for entry in op.library)
-        return SCALER_READ if scaler else SYNC_OPS[op.op]
+        for where, (kind, _) in _LIBRARY_READS.items():
+            if any(entry.startswith(where) for entry in op.library):
+                return kind
+        return SYNC_OPS[op.op]
     if op.op == "aten::index" and any(t.dtype == torch.bool for t in op.inputs[1:]):
         return "boolean indexing x[mask]: its output's size depends on the data"
     if cuda and op.op in _COPIES and op.inputs and op.outputs:
@@ -117,7 +135,8 @@ def syncs(evidence: Evidence) -> list[Finding]:
     else:
         saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"
     kinds = {kind for _, kind in sites}
-    changes = [_SCALER_CHANGE] * (SCALER_READ in kinds) + [_SYNC_CHANGE] * bool(kinds - {SCALER_READ})
+    changes = [change for kind, change in _LIBRARY_READS.values() if kind in kinds]
+    changes += [_SYNC_CHANGE] * bool(kinds - {kind for kind, _ in _LIBRARY_READS.values()})
     # a read kept for later; the scaler's read made on the device by a fused optimizer; the
     # other syncs (an `if` on a tensor) need your edit
     fixes = ("deferred_reads",) * _reads_items(evidence) + ("fused_optimizer",) * (SCALER_READ in kinds)

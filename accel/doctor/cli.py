@@ -92,9 +92,7 @@ def _doctor(args: argparse.Namespace) -> int:
         report.try_fixes()
     print(report)
     if report.trials is not None:
-        if report.trials.empty:
-            print("\nno automatic fix applies to these findings: each one names its change")
-        else:
+        if not report.trials.empty:
             print("\nfixes tried:\n" + trials_text(report))
         print(f"\nreached: {report.reached()}")
     path = report.to_html(args.out)

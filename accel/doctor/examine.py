@@ -4,7 +4,9 @@ and return a :class:`~accel.doctor.report.Report` of what the checks found."""
 from __future__ import annotations
 
 import inspect
+import os
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -24,6 +26,7 @@ from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.parts import StepParts, copy_step, find_parts
+from accel.doctor.reach import is_library
 from accel.doctor.recorder import record_step
 from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.trial import replay_device_savings
@@ -33,6 +36,7 @@ from accel.errors import UsageError
 __all__ = ["detect", "examine", "step_device", "takes_a_batch"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
+_ACCEL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[Finding]:
@@ -64,8 +68,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     up to a GiB in all, containers, objects, iterators: :mod:`accel.doctor.parts`), so your model does
     not train; where something it trains cannot be copied, examining is refused unless
     ``allow_training=True`` (then it runs on your objects, and the report's first line says so).
-    The random generators are put back as they were; what cannot be (files written, a network)
-    is named in the report's first line. ``loader``: the DataLoader that feeds it (its first batch
+    The random generators and the files the step writes are put back as they were; what cannot
+    be (a network, a process started) is named in the report's first line, with the files. ``loader``: the DataLoader that feeds it (its first batch
     is used when ``batch`` is not given), to measure how long the step waits for data.
     ``compile=True`` also lists where ``torch.compile`` would break the step (seconds to
     minutes). ``ceilings`` and ``costs``: this machine's ``lab.measure_ceilings`` and
@@ -161,7 +165,34 @@ def _step_us(call: Callable[[], Any], device: torch.device) -> float:
 
 
 def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
-    return runner if batch is NO_BATCH else (lambda: runner(batch))
+    return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch)))
+
+
+class _Repeated:
+    """The step called again and again, as training calls it; an error after its first call said
+    as one (a schedule or data that ends after a few steps), with the step's line that raised."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self.call, self.calls = call, 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        try:
+            return self.call()
+        except Exception as error:
+            if self.calls == 1:
+                raise
+            frames = [f"{frame.f_code.co_filename}:{line}"
+                      for frame, line in traceback.walk_tb(error.__traceback__)
+                      if not is_library(frame.f_code)
+                      and not frame.f_code.co_filename.startswith(_ACCEL_DIR)]  # fmt: skip
+            raise UsageError(
+                f"the step ran {self.calls - 1} times on the doctor's copies and raised on call "
+                f"{self.calls} ({frames[-1] if frames else 'in a library'}): "
+                f"{type(error).__name__}: {error}. The doctor runs it many times, as training "
+                "does: what ends after a few steps (a schedule's total_steps, a finite data "
+                "source) must allow more"
+            ) from error
 
 
 def _copy_or_own(

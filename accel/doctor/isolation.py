@@ -1,7 +1,8 @@
 """What a doctor's run gives back and what it names: the random generators put back (torch's on
-every device, ``random``, NumPy's global one), and what cannot be put back (a file written, a
-connection, a process started, an item taken from an uncopyable iterator) recorded while a
-:class:`Session` is open, for the report's first line.
+every device, ``random``, NumPy's global one), the files the step writes, replaces or removes
+put back as they were (each kept before its first change, up to :data:`KEEP_BYTES`), and all of
+it (a file written, a connection, a process started, an item taken from an uncopyable iterator)
+recorded while a :class:`Session` is open, for the report's first line.
 
 Files and sockets are seen through one process-wide audit hook (``sys.addaudithook``: it cannot
 be removed, so it does nothing unless a session is open in the running thread), counted only
@@ -16,7 +17,9 @@ import contextvars
 import inspect
 import os
 import random
+import shutil
 import sys
+import tempfile
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,13 +29,15 @@ import torch
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
 
-__all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step"]
+__all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step",
+           "seed_generators"]  # fmt: skip
 
 _RECORD: contextvars.ContextVar[_Recording] = contextvars.ContextVar("accel_doctor_record")
 _HOOKED: list[bool] = []  # the process's hook is installed once
 # code that writes on its own account while a step runs (caches, bytecode): not the step's
 _MACHINERY = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.utils.cpp_extension",
               "triton", "torch._logging")  # fmt: skip
+KEEP_BYTES = 2**30  # a file the step changes is kept to put back up to this size
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -47,6 +52,8 @@ class _Recording:
     def __init__(self) -> None:
         self.found: collections.Counter[str] = collections.Counter()
         self.codes: set[types.CodeType] = set()  # a file opened under one of them: the step's
+        self.files = _KeptFiles()
+        self.put_back: set[str] = set()  # what was said of a file kept to put back
 
 
 class Session:
@@ -77,11 +84,13 @@ class Session:
         self._save.close()
         _RECORD.reset(self._token)
         self._generators.restore()
+        self._recording.files.put_back()
 
     def effects(self) -> list[str]:
         """Each side effect once, with how many times it happened."""
-        found = self._recording.found
-        return [what + (f" ({n} times)" if n > 1 else "") for what, n in found.items()]
+        found, kept = self._recording.found, self._recording.put_back
+        return [what + (f" ({n} times)" if n > 1 else "") + (", put back as it was" * (what in kept))
+                for what, n in found.items()]  # fmt: skip
 
 
 # ---- random generators -----------------------------------------------------------------------------
@@ -107,6 +116,16 @@ class _Generators:
             sys.modules["numpy"].random.set_state(self.numpy)
 
 
+def seed_generators(seed: int) -> None:
+    """Seed the generators a :class:`Session` puts back: torch's (every device), ``random`` and
+    NumPy's global one, so that a step drawing from any of them runs the same from one start."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+
+
 def _cuda_started() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
@@ -114,11 +133,14 @@ def _cuda_started() -> bool:
 # ---- files, sockets, processes -----------------------------------------------------------------------
 def _audit(event: str, args: tuple) -> None:
     recording, describe = _RECORD.get(None), _EVENTS.get(event)
-    if recording is None or describe is None:
+    if recording is None or describe is None or recording.files.busy:
         return
     what = describe(*args)
     if what and _caused_by_step(recording.codes):
         recording.found[what] += 1
+        paths = args[:2] if event == "os.rename" else args[:1]
+        if event in _FILE_CHANGES and all(recording.files.keep(path) for path in paths):
+            recording.put_back.add(what)
 
 
 def _opened(path: Any, mode: Any, flags: Any) -> str | None:
@@ -151,6 +173,51 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
     "os.fork": lambda: "forked the process",
     "os.kill": lambda pid, sig: f"sent signal {sig} to process {pid}",
 }
+
+
+_FILE_CHANGES = ("open", "os.remove", "os.rename", "os.truncate")  # open: only where it writes
+
+
+class _KeptFiles:
+    """Files as they were before the step's code first changed them (None: there was none), to
+    put back when the session closes."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, str | None] = {}
+        self.busy = False  # copying: its own opens are no step's
+        self._folder: str | None = None
+
+    def keep(self, path: Any) -> bool:
+        """Whether ``path`` is kept (now or before); not a descriptor, a folder or a large file."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return False
+        path = os.path.abspath(os.fsdecode(path))
+        if path in self.kept:
+            return True
+        if os.path.lexists(path) and not (os.path.isfile(path) and not os.path.islink(path)
+                                          and os.path.getsize(path) <= KEEP_BYTES):  # fmt: skip
+            return False
+        copy = None
+        if os.path.lexists(path):
+            self.busy = True
+            try:
+                self._folder = self._folder or tempfile.mkdtemp(prefix="accel-doctor-kept-")
+                copy = os.path.join(self._folder, str(len(self.kept)))
+                shutil.copy2(path, copy)
+            finally:
+                self.busy = False
+        self.kept[path] = copy
+        return True
+
+    def put_back(self) -> None:
+        for path, copy in self.kept.items():
+            if copy is not None:
+                shutil.copy2(copy, path)
+            elif os.path.isfile(path) or os.path.islink(path):
+                os.remove(path)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+        self.kept.clear()
 
 
 def _caused_by_step(codes: set[types.CodeType]) -> bool:

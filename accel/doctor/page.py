@@ -129,8 +129,9 @@ def trials_html(report) -> str:
             status = "" if row["status"] == "ok" else f"<br><b>{_esc(row['status'])}</b>"
             rest = (
                 f"<td>{measured(row)}{status}</td>"
-                f"<td title='{_esc(row['why'])}'>{rounded(row['error'])} "
-                f"({rounded(row['tolerance'])})</td>"
+                f"<td title='{_esc(row['why'])}; allowed by {_esc(row['allowed by'])}'>"
+                f"{rounded(row['error'])} "
+                f"({rounded(row['allowance'])})</td>"
                 f"<td>{rounded(row['first call s'])} s</td>"
                 f"<td>{rounded(row['unchanged peak MiB'])} \u2192 "
                 f"{rounded(row['fixed peak MiB'])} MiB</td>"
@@ -150,7 +151,7 @@ def trials_text(report) -> str:
         if absent(row["measured speedup"]):
             lines.append(head + f"measured {DASH} ({row['status']})")
             continue
-        error = f"error {rounded(row['error'])} (allowed {rounded(row['tolerance'])})"
+        error = f"error {rounded(row['error'])} (allowed {rounded(row['allowance'])})"
         status = "" if row["status"] == "ok" else f"; {row['status']}"
         lines.append(head + f"measured {row['measured speedup']:.2f}x, {error}{status}")
     return "\n".join(lines)

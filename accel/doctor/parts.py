@@ -132,6 +132,9 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     memo: dict[int, Any] = {}
     try:
         copies = copy.deepcopy(originals, memo)
+        for original, new in zip(originals, copies, strict=True):
+            if isinstance(new, torch.optim.Optimizer):
+                _copy_dropped_attributes(original, new, memo)
     except Exception as error:  # deepcopy raises whatever the object's own methods raise
         raise TypeError(
             f"the step's parts cannot be deep-copied ({type(error).__name__}: {error}); "
@@ -158,6 +161,14 @@ def _same_callable(a: Any, b: Any) -> bool:
     if isinstance(a, types.MethodType) and isinstance(b, types.MethodType):
         return a.__func__ is b.__func__ and a.__self__ is b.__self__
     return a is b
+
+
+def _copy_dropped_attributes(original: Any, new: Any, memo: dict[int, Any]) -> None:
+    """What ``Optimizer.__getstate__`` leaves out of a deep copy (all but its state, groups and
+    defaults: LBFGS's ``_params``, a subclass's own attributes), copied in the parts' memo."""
+    for name, value in vars(original).items():
+        if name not in vars(new):
+            setattr(new, name, copy.deepcopy(value, memo))
 
 
 def _rewrap_scheduler_patch(original: torch.optim.Optimizer, opt: torch.optim.Optimizer) -> None:

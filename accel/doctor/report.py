@@ -95,7 +95,10 @@ class Report:
         if self.trials is None:
             return "no fixes tried yet: report.try_fixes() measures them"
         best = self.trials[self.trials["best set"].eq(True)]
-        if best.empty:
+        if self.trials.empty:
+            said = ("no automatic fix applies to these findings: each one names its change"
+                    if self.findings else "nothing was found, so no fix was tried")  # fmt: skip
+        elif best.empty:
             said = "no fix made the step faster within its allowance"
         else:
             row = best.iloc[0]

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
-from accel.doctor.isolation import Session
+from accel.doctor.isolation import Session, seed_generators
 from accel.doctor.parts import copy_step
 from accel.doctor.timeline import CALLS
 from accel.doctor.untouched import Untouched
@@ -156,7 +156,7 @@ def _name_side_effects(report, found: list[str]) -> None:
 
 
 def _uncounted(what: str) -> str:
-    return re.sub(r" \(\d+ times\)$", "", what)
+    return re.sub(r" \(\d+ times\)", "", what)
 
 
 def own_spread(report, steps: int) -> float:
@@ -428,11 +428,12 @@ def _status(error: float, allowance: float, high: float, fixed: StepCopy, caught
 
 def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: int):
     """(relative error, the fixed copy's first call in s): ``steps`` steps of each from the same
-    start with the same seed; the outputs of every step and the parameters after the last,
-    compared as one vector (norm of the difference over the norm of the unchanged)."""
+    start with the same seeds (torch's, ``random``'s, NumPy's); the outputs of every step and the
+    parameters after the last, compared as one vector (norm of the difference over the norm of
+    the unchanged)."""
     outputs, first_s = [], math.nan
     for label, call in (("base", base_call), ("fixed", fixed_call)):
-        torch.manual_seed(_SEED)
+        seed_generators(_SEED)
         got = []
         for i in range(steps):
             started = time.perf_counter()
