@@ -14,6 +14,7 @@ import copy
 import functools
 import importlib
 import itertools
+import os
 import random
 import sys
 import textwrap
@@ -490,6 +491,28 @@ def test_files_the_step_writes_are_put_back_as_they_were(seed, tmp_path):
     with pytest.warns(RuntimeWarning, match="trials.*wrote"):
         report.try_fixes(["set_to_none"], steps=1, repeats=1)
     assert {path: path.read_bytes() for path in before} == before and not made.exists()
+
+
+def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(seed, tmp_path):
+    """The step swaps its checkpoint for a link to another file: putting the checkpoint back
+    replaces the link with the file as it was, and the link's target stays untouched."""
+    model, opt = small()
+    checkpoint, other = tmp_path / "last.pt", tmp_path / "elsewhere.txt"
+    checkpoint.write_bytes(b"the user's checkpoint")
+    other.write_bytes(b"not to be written")
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        os.replace(checkpoint, tmp_path / "moved.pt")  # the step's own rename, then a link
+        os.symlink(other, checkpoint)
+        return loss.detach()
+
+    examined(step, torch.randn(5, 4))
+    assert not checkpoint.is_symlink() and checkpoint.read_bytes() == b"the user's checkpoint"
+    assert other.read_bytes() == b"not to be written" and not (tmp_path / "moved.pt").exists()
 
 
 def test_files_a_compiler_writes_through_a_helper_library_are_not_the_steps(seed, tmp_path):

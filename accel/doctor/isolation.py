@@ -13,6 +13,7 @@ audit event: during a session it raises the one ``open()`` would.
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import inspect
 import os
@@ -138,8 +139,8 @@ def _audit(event: str, args: tuple) -> None:
     what = describe(*args)
     if what and _caused_by_step(recording.codes):
         recording.found[what] += 1
-        paths = args[:2] if event == "os.rename" else args[:1]
-        if event in _FILE_CHANGES and all(recording.files.keep(path) for path in paths):
+        paths = [args[i] for i in _FILE_CHANGES.get(event, ())]
+        if paths and all(recording.files.keep(path) for path in paths):
             recording.put_back.add(what)
 
 
@@ -175,7 +176,9 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
 }
 
 
-_FILE_CHANGES = ("open", "os.remove", "os.rename", "os.truncate")  # open: only where it writes
+# the events that change a file, and which of their arguments name it (open: where it writes)
+_FILE_CHANGES = {"open": (0,), "os.remove": (0,), "os.rename": (0, 1), "os.truncate": (0,),
+                 "os.symlink": (1,), "os.link": (1,)}  # fmt: skip
 
 
 class _KeptFiles:
@@ -212,12 +215,30 @@ class _KeptFiles:
     def put_back(self) -> None:
         for path, copy in self.kept.items():
             if copy is not None:
-                shutil.copy2(copy, path)
+                _replace(path, copy)
             elif os.path.isfile(path) or os.path.islink(path):
-                os.remove(path)
+                os.remove(path)  # a link is removed itself, never what it points at
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self.kept.clear()
+
+
+def _replace(path: str, kept: str) -> None:
+    """``path`` made the kept file again: written whole under a new name beside it, then renamed
+    over it, so a link the step left at ``path`` is replaced, never written through."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):  # the step removed its folder: named, not made again
+        return
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".kept")
+    try:
+        with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
+            shutil.copyfileobj(source, out)
+        shutil.copystat(kept, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _caused_by_step(codes: set[types.CodeType]) -> bool:
