@@ -107,6 +107,15 @@ def small() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
+def one_update(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """The body of a plain training step: forward, backward, update, gradients zeroed."""
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def examined(step, *args, **kwargs):
     return doctor.examine(step, *args, steps=1, warmup=1, **kwargs)
 
@@ -381,10 +390,7 @@ def test_an_open_file_the_step_writes_to_is_named_first(seed, tmp_path):
     log = open(tmp_path / "log.txt", "a")  # noqa: SIM115 - held open, as a notebook's log is
 
     def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = one_update(model, opt, x)
         log.write(f"{loss.item()}\n")
         return loss.detach()
 
@@ -444,10 +450,7 @@ def test_files_the_step_writes_are_named_first(seed, tmp_path):
     log, checkpoint, scratch = tmp_path / "log.txt", tmp_path / "ckpt.pt", tmp_path / "scratch"
 
     def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = one_update(model, opt, x)
         with open(log, "a") as out:
             out.write(f"{loss.item()}\n")
         torch.save(model.state_dict(), checkpoint)
@@ -474,10 +477,7 @@ def test_files_the_step_writes_are_put_back_as_they_were(seed, tmp_path):
     before = {path: path.read_bytes() for path in (log, checkpoint)}
 
     def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = one_update(model, opt, x)
         with open(log, "a") as out:
             out.write(f"1,{loss.item()}\n")
         torch.save(model.state_dict(), checkpoint)
@@ -502,10 +502,7 @@ def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(
     other.write_bytes(b"not to be written")
 
     def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = one_update(model, opt, x)
         os.replace(checkpoint, tmp_path / "moved.pt")  # the step's own rename, then a link
         os.symlink(other, checkpoint)
         return loss.detach()
@@ -531,10 +528,7 @@ def test_files_a_compiler_writes_through_a_helper_library_are_not_the_steps(seed
 
     def step(x):
         compiler["build"](lock)
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = one_update(model, opt, x)
         helper["acquire"](log)  # the step's own write through the same package: its own
         return loss.detach()
 
