@@ -75,7 +75,7 @@ def test_a_teardown_setting_torch_makes_during_the_profile_is_kept(monkeypatch):
     assert os.environ["TEARDOWN_CUPTI"] == "0"
 
 
-def _fake_profile(monkeypatch, rounds):
+def _fake_profile(monkeypatch, rounds, launch="cudaLaunchKernel"):
     """profiling.device_profile yielding, profile after profile, the events of ``rounds``: a step
     mark, a kernel launch inside it and, where the round says so, the kernel it launched."""
     import contextlib
@@ -95,7 +95,7 @@ def _fake_profile(monkeypatch, rounds):
     def device_profile(device, **kwargs):
         kernel = rounds[len(profiles)]
         events = [event(profiling.STEP_MARK, DeviceType.CPU, 0.0, 10.0),
-                  event("cudaLaunchKernel", DeviceType.CPU, 1.0, 2.0)]  # fmt: skip
+                  event(launch, DeviceType.CPU, 1.0, 2.0)]  # fmt: skip
         events += [event("gemm", DeviceType.CUDA, 3.0, 8.0)] if kernel else []
         profiles.append(SimpleNamespace(events=lambda: events))
         yield profiles[-1]
@@ -122,3 +122,13 @@ def test_a_cuda_profile_that_keeps_losing_them_says_so(monkeypatch):
     _fake_profile(monkeypatch, rounds=[False, False])
     with pytest.raises(RuntimeError, match="no kernel"):
         profile_steps(lambda: None, torch.device("cuda"), steps=1)
+
+
+def test_a_profile_of_graph_replays_alone_is_not_taken_again(monkeypatch):
+    """Whether a CUDA graph's kernels are traced depends on the CUDA version: replays that show
+    no kernel are not a lost profile."""
+    from accel import profiling
+
+    profiles = _fake_profile(monkeypatch, rounds=[False], launch="cudaGraphLaunch")
+    run = profiling.profile_steps(lambda: None, torch.device("cuda"), steps=1)
+    assert len(profiles) == 1 and run.work == []

@@ -174,14 +174,15 @@ def _prediction_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
             continue  # no finding predicted this fix's saving (or its finding measures by trying)
         off = abs(predicted / measured - 1) if measured > 0 else math.inf
         low, high = _interval(trial)
+        small = max(predicted, measured) < JUDGED_SHARE
         covered = off > TARGET_WITHIN and low <= trial.get("predicted speedup", math.nan) <= high
-        if max(predicted, measured) < JUDGED_SHARE:
+        if small:
             why = f"; under {JUDGED_SHARE:.0%} of the step either way: inside the spread, not judged"
         elif covered:
             why = f"; inside the measured speedup's 95% interval {low:.2f}-{high:.2f}x: not judged"
         else:
             why = f"; measured speedup's 95% interval {low:.2f}-{high:.2f}x" * math.isfinite(low)
-        judged = ctx.judged and max(predicted, measured) >= JUDGED_SHARE and not covered
+        judged = ctx.judged and not small and not covered
         rows.append(
             Row(PHASE, f"ladder {name}: prediction {trial['fixes']}", "saving as a share of the "
                 f"step, measured vs predicted (from {trial['predicted from']})", "%",
