@@ -19,8 +19,10 @@ host, so a step that calls it can be captured in a CUDA graph.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import warnings
+from collections import UserDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -91,10 +93,23 @@ def _index(batch: Any, part: slice) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch[part]
     if isinstance(batch, Mapping):
-        return {k: _index(v, part) for k, v in batch.items()}
+        return _like(batch, {k: _index(v, part) for k, v in batch.items()})
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: fields by position
+        return type(batch)(*(_index(v, part) for v in batch))
     if isinstance(batch, (tuple, list)):
         return type(batch)(_index(v, part) for v in batch)
     return batch  # a constant travels with every micro-batch
+
+
+def _like(batch: Mapping, items: dict) -> Mapping:
+    """``items`` in ``batch``'s own type where a shallow copy owns its items (a dict subclass, a
+    UserDict such as a tokenizer's BatchEncoding), so ``batch.input_ids`` still reads; else a
+    dict. ``batch`` itself is left as it was."""
+    if not isinstance(batch, (dict, UserDict)):
+        return items
+    out = copy.copy(batch)
+    out.update(items)
+    return out
 
 
 def _ranges(size: int, k: int) -> list[slice]:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 
 from accel import triton_support
+from accel.errors import checked_number
 from accel.sync import to_device_without_sync
 
 Implementation = Literal["auto", "triton", "reference"]
@@ -307,13 +308,16 @@ def _check_hyperparameters(
     """What ``torch.optim.AdamW`` refuses, refused here too."""
     if isinstance(lr, torch.Tensor) and lr.numel() != 1:
         raise ValueError(f"a tensor lr must hold one value, got shape {tuple(lr.shape)}")
-    if not float(lr) >= 0.0:  # sync: construction only, for a tensor lr
+    if not checked_number(lr, "lr") >= 0.0:  # sync: construction only, for a tensor lr
         raise ValueError(f"expected lr >= 0, got {float(lr)}")
-    if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+    if not isinstance(betas, (tuple, list)):
+        raise TypeError(f"betas must be two numbers, got {betas!r} ({type(betas).__name__})")
+    beta_values = [checked_number(b, f"betas[{i}]") for i, b in enumerate(betas)]
+    if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in beta_values)):
         raise ValueError(f"expected two betas with 0 <= beta < 1, got {betas}")
-    if not eps >= 0.0:
+    if not checked_number(eps, "eps") >= 0.0:
         raise ValueError(f"expected eps >= 0, got {eps}")
-    if not weight_decay >= 0.0:
+    if not checked_number(weight_decay, "weight_decay") >= 0.0:
         raise ValueError(f"expected weight_decay >= 0, got {weight_decay}")
 
 

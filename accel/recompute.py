@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -103,15 +104,20 @@ def checkpoint_blocks(
     context = {} if save_ops is None else {"context_fn": save_ops_policy(save_ops)}
     for name in names:
         module = known[name]
-        module.forward = _checkpointed(module.forward, context)
+        module.forward = _checkpointed(module, context)
     return CheckpointedBlocks(model, names)
 
 
-def _checkpointed(forward: Callable[..., Any], context: dict[str, Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
+def _checkpointed(module: nn.Module, context: dict[str, Any]) -> Callable[..., Any]:
+    """The class's forward, checkpointed, bound to ``module`` as a method: a deep copy of the
+    model binds it to the copied module (a closure over the bound forward would run the
+    original's weights)."""
+    forward = type(module).forward
+
+    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
+            return forward(self, *args, **kwargs)
+        return checkpoint(forward, self, *args, use_reentrant=False, **context, **kwargs)
 
     run.__wrapped__ = forward  # type: ignore[attr-defined]
-    return run
+    return types.MethodType(run, module)

@@ -158,6 +158,13 @@ class ProgressLog:
         """Write ``values`` (times ``scale``) as the next row, on the device."""
         if self._filled == len(self.rows):
             raise ValueError(f"ProgressLog is full ({len(self.rows)} rows): call flush() first")
+        if not isinstance(values, Mapping):
+            raise TypeError(
+                "ProgressLog.record: expected a mapping of column names to tensors, got "
+                f"{type(values).__name__}"
+            )
+        if not set(self.names) <= set(values):
+            raise KeyError(f"record() needs the columns {list(self.names)}, got {list(values)}")
         row = torch.stack([_as_scalar(n, values[n]) for n in self.names])
         torch.mul(row, scale, out=self.rows[self._filled])
         self._filled += 1

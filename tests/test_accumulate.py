@@ -287,6 +287,33 @@ def test_split_batch_takes_any_mapping_as_a_tokenizer_returns_it():
     assert torch.equal(parts[1]["labels"], targets[6:])
 
 
+def test_split_batch_keeps_a_namedtuple_and_a_mapping_type():
+    """A loss that reads ``batch.inputs`` (a namedtuple, a tokenizer's BatchEncoding) runs on the
+    micro-batches as on the whole batch."""
+    from collections import OrderedDict, UserDict, namedtuple
+
+    class Encoding(UserDict):  # attribute access, as a tokenizer's BatchEncoding
+        def __getattr__(self, name):
+            try:
+                return self.data[name]
+            except KeyError:
+                raise AttributeError(name) from None
+
+    Pair = namedtuple("Pair", "inputs targets")
+    inputs, targets = _data(9, 12)
+    for batch in (Pair(inputs, targets), Encoding(inputs=inputs, targets=targets)):
+        parts = acc.split_batch(batch, 3)
+        assert all(type(p) is type(batch) for p in parts)
+        assert torch.equal(parts[2].inputs, inputs[8:]) and torch.equal(parts[1].targets, targets[4:8])
+        assert torch.equal(batch.inputs, inputs)  # the caller's batch as it was
+    parts = acc.split_batch(OrderedDict(x=inputs, y=targets), 2)
+    assert type(parts[0]) is OrderedDict and list(parts[0]) == ["x", "y"]
+    model = _model(9)
+    loss = acc.accumulate(lambda b: F.mse_loss(model(b.inputs), b.targets),
+                          acc.split_batch(Pair(inputs, targets), 4))
+    torch.testing.assert_close(loss, F.mse_loss(model(inputs), targets).detach(), **GRAD_TOL)
+
+
 @pytest.mark.parametrize(
     "k,error,match",
     [

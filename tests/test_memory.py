@@ -234,6 +234,31 @@ def test_checkpointed_block_runs_plainly_without_grad(gen):
         assert torch.equal(model(x), expected)
 
 
+def test_a_copy_of_a_checkpointed_model_runs_its_own_weights(gen):
+    """``copy.deepcopy`` (an EMA or evaluation copy) of a checkpointed model: each block of the
+    copy runs with the copy's parameters, checkpointed as the original's, with their gradients."""
+    import copy
+
+    torch.manual_seed(0)
+    model = Tower(depth=2)
+    x = torch.randn(8, 64, generator=gen)
+    memory.checkpoint_blocks(model, ["blocks.0", "blocks.1"])
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    plain = copy.deepcopy(twin)
+    for name in ("blocks.0", "blocks.1"):
+        del plain.get_submodule(name).forward  # the copy without checkpointing
+    twin(x).backward()
+    plain(x).backward()
+    assert all(p.grad is None for p in model.parameters())  # the original took no part
+    for a, b in zip(twin.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    with torch.no_grad():
+        assert torch.equal(twin(x), plain(x)) and not torch.equal(twin(x), model(x))
+
+
 @pytest.mark.parametrize(
     ("names", "match"),
     [

@@ -151,6 +151,24 @@ def test_bad_arguments(kwargs, match, seed):
         MultiTensorAdamW(make_params("cpu", torch.Generator().manual_seed(seed)), **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": "1e-3"}, r"lr must be a number, got '1e-3' \(str\)"),
+        ({"lr": True}, r"lr must be a number, got True \(bool\)"),
+        ({"eps": "x"}, r"eps must be a number, got 'x' \(str\)"),
+        ({"weight_decay": None}, r"weight_decay must be a number, got None \(NoneType\)"),
+        ({"betas": 0.9}, r"betas must be two numbers, got 0.9 \(float\)"),
+        ({"betas": ("0.9", 0.99)}, r"betas\[0\] must be a number, got '0.9' \(str\)"),
+    ],
+)
+def test_hyperparameters_of_the_wrong_type_are_refused_saying_what_came(kwargs, match, seed):
+    """torch.optim.AdamW refuses these too; here each says what was expected, and a string
+    learning rate is not read as a number."""
+    with pytest.raises(TypeError, match=match):
+        MultiTensorAdamW(make_params("cpu", torch.Generator().manual_seed(seed)), **kwargs)
+
+
 @pytest.mark.parametrize("implementation", ["auto", "reference"])
 def test_sparse_gradients_are_refused_as_torch_adamw_refuses_them(implementation, recwarn):
     embedding = torch.nn.Embedding(11, 4, sparse=True)

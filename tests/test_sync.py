@@ -94,6 +94,18 @@ def test_progress_log_keeps_rows_in_order(gen):
             log.record({"x": rows[0, 0], "y": rows[0, 1]})
 
 
+def test_progress_log_names_the_columns_a_row_lacks(gen):
+    log = sync.ProgressLog(["x", "y"], capacity=2)
+    with pytest.raises(KeyError, match=r"record\(\) needs the columns \['x', 'y'\], got \['x', 'z'\]"):
+        log.record({"x": randn(gen, ()), "z": randn(gen, ())})
+    with pytest.raises(TypeError, match=r"expected a mapping of column names to tensors.*got list"):
+        log.record([randn(gen, ()), randn(gen, ())])
+    x = randn(gen, ())
+    log.record({"x": x, "y": randn(gen, ()), "extra": randn(gen, ())})  # extra values are ignored
+    log.flush()
+    assert [r["x"] for r in log.collect(wait=True)] == [x.item()]  # the refused rows left no row
+
+
 # ---- counting and forbidding syncs --------------------------------------------------------------
 @cpu_only
 def test_count_syncs_without_cuda_returns_none_and_warns_once(gen, fresh_warnings):
