@@ -211,7 +211,8 @@ def _group_index(
 # ---- clipping -----------------------------------------------------------------------------------
 def global_norm(tensors: Tensors, norm_type: float = 2.0, *, foreach: bool = True) -> torch.Tensor:
     """The norm of all ``tensors`` taken together, as a 0-d tensor on their device: float32, or
-    float64 where a tensor is."""
+    float64 where a tensor is. Computed without autograd (a statistic, as for clipping): added
+    to a loss it carries no gradient; for a norm penalty use ``torch.linalg.vector_norm``."""
     tensors = _as_list(tensors, "global_norm")
     _one_device(tensors, "global_norm")
     with torch.no_grad():

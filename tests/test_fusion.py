@@ -475,3 +475,10 @@ def test_an_empty_tensor_adds_nothing_to_a_norm(foreach, norm_type, seed, device
     got = fusion.global_norm([empty, full], norm_type, foreach=foreach)
     torch.testing.assert_close(got, expected)
     assert fusion.global_norm([empty], norm_type, foreach=foreach).item() == 0
+
+
+def test_global_norm_is_a_statistic_without_a_gradient():
+    w = torch.randn(3, 4, requires_grad=True)
+    norm = fusion.global_norm([w])
+    assert not norm.requires_grad
+    torch.testing.assert_close(norm, torch.linalg.vector_norm(w.detach()))
