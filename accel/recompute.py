@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -58,14 +57,31 @@ def _selective_save_ops() -> frozenset:
 def save_ops_policy(save_ops: Iterable[Any]) -> Callable[[], Any]:
     """A ``context_fn`` for ``torch.utils.checkpoint``: outputs of ``save_ops`` (ATen
     overloads, e.g. ``torch.ops.aten.mm.default``) are stored, every other op is recomputed."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    ops = frozenset(collection_of(save_ops, "ATen ops", strings=False))
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
-
+    policy = _SavePolicy(frozenset(collection_of(save_ops, "ATen ops", strings=False)))
     return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+class _SavePolicy:
+    """Which ops' outputs selective checkpointing stores; pickled by the ops' names (an ATen
+    overload itself cannot be), so a checkpointed model can be saved whole."""
+
+    def __init__(self, ops: frozenset):
+        self.ops = ops
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        return CheckpointPolicy.MUST_SAVE if op in self.ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __reduce__(self) -> tuple:
+        return _policy_of, (tuple(str(op) for op in self.ops),)
+
+
+def _policy_of(names: tuple[str, ...]) -> _SavePolicy:
+    """The policy of ops named as ``str(torch.ops.aten.mm.default)`` names them."""
+    return _SavePolicy(frozenset(functools.reduce(getattr, n.split("."), torch.ops) for n in names))
 
 
 SELECTIVE_SAVE = _selective_save_ops()
@@ -104,20 +120,21 @@ def checkpoint_blocks(
     context = {} if save_ops is None else {"context_fn": save_ops_policy(save_ops)}
     for name in names:
         module = known[name]
-        module.forward = _checkpointed(module, context)
+        module.forward = _Checkpointed(module, context)
     return CheckpointedBlocks(model, names)
 
 
-def _checkpointed(module: nn.Module, context: dict[str, Any]) -> Callable[..., Any]:
-    """The class's forward, checkpointed, bound to ``module`` as a method: a deep copy of the
-    model binds it to the copied module (a closure over the bound forward would run the
-    original's weights)."""
-    forward = type(module).forward
+class _Checkpointed:
+    """A module's own forward, checkpointed: an object, not a closure, so that a deep copy of
+    the model runs the copy's weights and a pickled model (``torch.save(model)``) loads."""
 
-    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    def __init__(self, module: nn.Module, context: dict[str, Any]):
+        self.module, self.context = module, context
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        forward = type(self.module).forward
         if not torch.is_grad_enabled():
-            return forward(self, *args, **kwargs)
-        return checkpoint(forward, self, *args, use_reentrant=False, **context, **kwargs)
-
-    run.__wrapped__ = forward  # type: ignore[attr-defined]
-    return types.MethodType(run, module)
+            return forward(self.module, *args, **kwargs)
+        return checkpoint(
+            forward, self.module, *args, use_reentrant=False, **self.context, **kwargs
+        )

@@ -259,6 +259,25 @@ def test_a_copy_of_a_checkpointed_model_runs_its_own_weights(gen):
         assert torch.equal(twin(x), plain(x)) and not torch.equal(twin(x), model(x))
 
 
+@pytest.mark.parametrize("selective", [False, True], ids=["whole", "selective"])
+def test_a_checkpointed_model_saved_whole_loads_and_still_checkpoints(gen, selective):
+    """``torch.save(model)`` pickles the model with its checkpointed forwards (and the selective
+    policy, whose ATen ops cannot be pickled themselves)."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = Tower(depth=2)
+    x = torch.randn(8, 64, generator=gen)
+    save_ops = memory.SELECTIVE_SAVE if selective else None
+    memory.checkpoint_blocks(model, ["blocks.0", "blocks.1"], save_ops=save_ops)
+    loaded = pickle.loads(pickle.dumps(model))
+    assert "forward" in vars(loaded.get_submodule("blocks.1"))
+    model(x).backward()
+    loaded(x).backward()
+    for a, b in zip(model.parameters(), loaded.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("names", "match"),
     [
