@@ -491,9 +491,10 @@ def test_compiled_flex_on_the_cpu_equals_the_reference(monkeypatch, gen):
 @pytest.mark.parametrize(
     ("make", "error", "match"),
     [
-        (lambda: SlidingWindow(0), ValueError, "window must be a positive int"),
-        (lambda: SlidingWindow(2.5), ValueError, "window must be a positive int"),
+        (lambda: SlidingWindow(0), ValueError, r"window \(keys seen\) must be an int >= 1"),
+        (lambda: SlidingWindow(2.5), TypeError, r"must be an int >= 1, got 2.5 \(float\)"),
         (lambda: PrefixLM(-1), ValueError, "prefix must be an int >= 0"),
+        (lambda: PrefixLM("3"), TypeError, r"prefix must be an int >= 0, got '3' \(str\)"),
         (lambda: Document([3, 4]), TypeError, "lengths must be a torch.Tensor"),
         (lambda: Document(torch.tensor([3.0, 4.0])), ValueError, "must hold integers"),
         (lambda: Document(torch.zeros(2, 2, 2, dtype=torch.long)), ValueError, "1 or 2 dim"),

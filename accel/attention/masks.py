@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import torch
 
+from accel.errors import checked_count
+
 __all__ = [
     "ALiBi", "AttentionMask", "Causal", "Document", "PrefixLM", "SlidingWindow", "dense_mask"
 ]  # fmt: skip
@@ -110,8 +112,8 @@ class SlidingWindow(AttentionMask):
     window: int
 
     def __post_init__(self):
-        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
-            raise ValueError(f"window must be a positive int (keys seen), got {self.window!r}")
+        # a NumPy integer is taken as the int it is (the mask's key and the kernels want an int)
+        object.__setattr__(self, "window", checked_count(self.window, "window (keys seen)", at_least=1))
 
     def bounds(self, seq_q, seq_k, device):
         q = _positions(seq_q, device)
@@ -241,8 +243,8 @@ class PrefixLM(AttentionMask):
     def __post_init__(self):
         if isinstance(self.prefix, torch.Tensor):
             _int_tensor(self.prefix, "prefix", (1,))
-        elif not isinstance(self.prefix, int) or isinstance(self.prefix, bool) or self.prefix < 0:
-            raise ValueError(f"prefix must be an int >= 0 or a tensor, got {self.prefix!r}")
+        else:
+            object.__setattr__(self, "prefix", checked_count(self.prefix, "prefix", at_least=0))
 
     @property
     def rows(self):
