@@ -502,6 +502,7 @@ def test_compiled_flex_on_the_cpu_equals_the_reference(monkeypatch, gen):
         (lambda: PrefixLM(torch.tensor([4, -1])), ValueError, r"prefix must be >= 0, got -1"),
         (lambda: ALiBi(ALiBi()), ValueError, "adds the bias twice"),
         (lambda: ALiBi("causal"), TypeError, "mask kind or None"),
+        (lambda: dense_mask(Causal(), 7, 7), TypeError, r"q must be a tensor .*, got int"),
     ],
 )
 def test_bad_masks_raise_clear_errors(make, error, match):

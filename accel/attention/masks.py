@@ -350,6 +350,9 @@ def dense_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor) -> torch.T
     """``mask`` as SDPA and the reference take it: bool (rows or 1, 1, Sq, Sk), True = attend;
     with a score modification, q's dtype (rows or 1, H, Sq, Sk): the bias where kept, -inf
     elsewhere. Memory grows as Sq x Sk: what the block mask avoids."""
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"dense_mask: {name} must be a tensor (B, H, S, D), got {type(t).__name__}")
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     lo, hi = mask.bounds(seq_q, seq_k, q.device)
     keys = _positions(seq_k, q.device)
