@@ -100,6 +100,15 @@ class _Captured:
         self.tensor_inputs = [(i, t) for i, t in enumerate(inputs) if isinstance(t, torch.Tensor)]
 
 
+def _checked_device(device: Any) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device must be a torch.device or its name ('cuda', 'cuda:1') or index, got {device!r}"
+        ) from None
+
+
 class GraphedStep:
     """``fn`` captured into a CUDA graph on first use, replayed on every later call.
 
@@ -136,7 +145,7 @@ class GraphedStep:
             raise ValueError(f"fallback must be 'warn' or 'raise', got {fallback!r}")
         self.fn, self.warmup, self.on_new_shape, self.fallback = fn, warmup, on_new_shape, fallback
         self.name = name or getattr(fn, "__qualname__", type(fn).__name__)
-        self._device = torch.device(device) if device is not None else None
+        self._device = _checked_device(device) if device is not None else None
         if self._device == torch.device("cuda") and torch.cuda.is_available():  # no index
             self._device = torch.device("cuda", torch.cuda.current_device())
         self._pool, self._stream = None, None

@@ -31,6 +31,7 @@ def mix(x: torch.Tensor, w: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
         ({"warmup": 0}, "warmup must be an int >= 1"),
         ({"on_new_shape": "grow"}, "on_new_shape must be 'error' or 'recapture'"),
         ({"fallback": "ignore"}, "fallback must be 'warn' or 'raise'"),
+        ({"device": "nonsense"}, r"device must be a torch.device or its name .*'nonsense'"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match):
