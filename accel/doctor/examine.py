@@ -69,8 +69,9 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     not train; where something it trains cannot be copied, examining is refused unless
     ``allow_training=True`` (then it runs on your objects, and the report's first line says so).
     The random generators and the files the step writes are put back as they were; what cannot
-    be (a network, a process started) is named in the report's first line, with the files. ``loader``: the DataLoader that feeds it (its first batch
-    is used when ``batch`` is not given), to measure how long the step waits for data.
+    be (a network, a process started) is named in the report's first line, with the files.
+    ``loader``: the DataLoader that feeds it (its first batch is used when ``batch`` is not
+    given), to measure how long the step waits for data.
     ``compile=True`` also lists where ``torch.compile`` would break the step (seconds to
     minutes). ``ceilings`` and ``costs``: this machine's ``lab.measure_ceilings`` and
     ``lab.measure_costs``, if at hand (else measured when a check needs them).
