@@ -16,6 +16,7 @@ import importlib
 import itertools
 import os
 import random
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -510,6 +511,21 @@ def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(
     examined(step, torch.randn(5, 4))
     assert not checkpoint.is_symlink() and checkpoint.read_bytes() == b"the user's checkpoint"
     assert other.read_bytes() == b"not to be written" and not (tmp_path / "moved.pt").exists()
+
+
+def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp_path):
+    model, opt = small()
+    run = tmp_path / "runs" / "exp1"
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "metrics.txt").write_text(f"{loss.item()}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == []
+    assert re.search(rf"made the folder {re.escape(str(run))} \(\d+ times\), put back", first_line(report))
 
 
 def test_files_a_compiler_writes_through_a_helper_library_are_not_the_steps(seed, tmp_path):

@@ -178,12 +178,12 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
 
 # the events that change a file, and which of their arguments name it (open: where it writes)
 _FILE_CHANGES = {"open": (0,), "os.remove": (0,), "os.rename": (0, 1), "os.truncate": (0,),
-                 "os.symlink": (1,), "os.link": (1,)}  # fmt: skip
+                 "os.symlink": (1,), "os.link": (1,), "os.mkdir": (0,)}  # fmt: skip
 
 
 class _KeptFiles:
-    """Files as they were before the step's code first changed them (None: there was none), to
-    put back when the session closes."""
+    """Files as they were before the step's code first changed them (None: there was none, nor
+    a folder the step made), to put back when the session closes."""
 
     def __init__(self) -> None:
         self.kept: dict[str, str | None] = {}
@@ -213,11 +213,15 @@ class _KeptFiles:
         return True
 
     def put_back(self) -> None:
-        for path, copy in self.kept.items():
+        for path, copy in reversed(self.kept.items()):
             if copy is not None:
                 _replace(path, copy)
             elif os.path.isfile(path) or os.path.islink(path):
                 os.remove(path)  # a link is removed itself, never what it points at
+        made = [path for path, copy in self.kept.items() if copy is None and os.path.isdir(path)]
+        for path in sorted(made, key=len, reverse=True):  # a folder's subfolders before it
+            with contextlib.suppress(OSError):  # left where something else is in it now
+                os.rmdir(path)
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self.kept.clear()
