@@ -4,7 +4,7 @@ Plain integer arithmetic, no Triton (notebook 06 shows the launch a shape gets o
 cannot run the kernels), and deterministic: the same launch compiled or interpreted.
 
 - the mean and the nearest of groups of up to 4 rows: ``pairs_kernel``, chunks of one warp's row
-  of 16-byte loads, whole groups filling about 4 KB a program;
+  of 16-byte loads, whole groups filling about :data:`PAIRS_PROGRAM_BYTES` a program;
 - the nearest of larger groups, and every matrix: ``group_dot_kernel``, the smallest tile of
   whole groups the tensor cores take (16 rows, or the group's own 32 or 64), a warp per 16 rows
   (16-bit tiles of 32 rows: one);
@@ -19,6 +19,11 @@ from typing import Literal, NamedTuple
 
 SMALL_N = 64  # groups up to this size take the group kernels (whole groups a program)
 PAIRS_MAX_N = 4  # the rows pairs_kernel spells out
+PAIRS_PROGRAM_BYTES = 4096
+DOT_MIN_ROWS = 16  # the smallest tile the tensor cores take
+CLOSED_FORM_MIN_N = 8  # padded rows from which the mean takes the closed form
+STEP_ELEMENTS_PER_WARP = 2048
+MAX_GROUPS = 16  # groups a program at most
 CLOSED_FORM_MAX_D = 8192  # a whole row held in registers at most (longer: the large-set kernels)
 
 
@@ -45,11 +50,11 @@ def group_config(
     vec = 16 // itemsize  # elements per 16-byte load
     if block_n <= PAIRS_MAX_N and not matrix:  # "pairs" writes no matrix
         block_d = min(max(16, next_power_of_2(d)), 32 * vec)
-        groups = _groups(4096 // (block_n * d * itemsize), batch)
+        groups = _groups(PAIRS_PROGRAM_BYTES // (block_n * d * itemsize), batch)
         warps = max(1, min(4, groups * block_d // (32 * vec)))
         return GroupConfig("pairs", groups, block_d, warps)
-    rows = max(16, block_n)  # 16: the smallest tile the tensor cores take
-    warps = 1 if rows == 32 and itemsize == 2 else rows // 16
+    rows = max(DOT_MIN_ROWS, block_n)
+    warps = 1 if rows == 32 and itemsize == 2 else rows // DOT_MIN_ROWS
     if itemsize == 4:  # float32 stages both TF32 halves of a chunk: small chunks, no pipeline
         block_d, stages = (32 if d <= 512 else 64), (1 if rows == 64 else None)
     else:
@@ -61,13 +66,14 @@ def group_config(
 def mean_config(
     block_n: int, d: int, batch: int, itemsize: int, *, ragged: bool = False
 ) -> GroupConfig:
-    """The launch of the mean: the closed form from 8 padded rows (with counts, at most 8 rows
-    of a group a step, so the steps stop near the largest count), else :func:`group_config`'s."""
-    if block_n < 8:
+    """The launch of the mean: the closed form from :data:`CLOSED_FORM_MIN_N` padded rows (with
+    counts, at most 8 rows of a group a step, so the steps stop near the largest count), else
+    :func:`group_config`'s."""
+    if block_n < CLOSED_FORM_MIN_N:
         return group_config(block_n, d, batch, itemsize, ragged=ragged)
     block_d = max(16, next_power_of_2(d))
     warps = max(1, min(4, block_d * itemsize // 512))
-    step = 2048 * warps  # elements a step
+    step = STEP_ELEMENTS_PER_WARP * warps
     rows = max(1, min(block_n, step // block_d, 8 if ragged else block_n))
     groups = _groups(step // (rows * block_d), batch)
     return GroupConfig("closed", groups, block_d, warps, step_rows=rows)
@@ -80,8 +86,8 @@ def group_kernel_takes_mean(n: int, d: int) -> bool:
 
 
 def _groups(fit: int, batch: int) -> int:
-    """The largest power of 2 up to ``fit`` (at least 1), 16 and the batch."""
-    fit = max(1, min(fit, 16, next_power_of_2(batch)))
+    """The largest power of 2 up to ``fit`` (at least 1), :data:`MAX_GROUPS` and the batch."""
+    fit = max(1, min(fit, MAX_GROUPS, next_power_of_2(batch)))
     return 1 << (fit.bit_length() - 1)
 
 
