@@ -113,7 +113,8 @@ class SlidingWindow(AttentionMask):
 
     def __post_init__(self):
         # a NumPy integer is taken as the int it is (the mask's key and the kernels want an int)
-        object.__setattr__(self, "window", checked_count(self.window, "window (keys seen)", at_least=1))
+        window = checked_count(self.window, "window (keys seen)", at_least=1)
+        object.__setattr__(self, "window", window)
 
     def bounds(self, seq_q, seq_k, device):
         q = _positions(seq_q, device)
@@ -352,7 +353,8 @@ def dense_mask(mask: AttentionMask, q: torch.Tensor, k: torch.Tensor) -> torch.T
     elsewhere. Memory grows as Sq x Sk: what the block mask avoids."""
     for name, t in (("q", q), ("k", k)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"dense_mask: {name} must be a tensor (B, H, S, D), got {type(t).__name__}")
+            got = type(t).__name__
+            raise TypeError(f"dense_mask: {name} must be a tensor (B, H, S, D), got {got}")
     seq_q, seq_k = q.shape[-2], k.shape[-2]
     lo, hi = mask.bounds(seq_q, seq_k, q.device)
     keys = _positions(seq_k, q.device)

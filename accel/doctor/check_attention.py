@@ -104,7 +104,8 @@ def time_attention(case: ManualAttention, device: torch.device, backward: bool) 
     return {name: t.median_ms for name, t in timing.timings.items()}
 
 
-_MHA = "multi_head_attention_forward"  # nn.MultiheadAttention's: written out when it returns weights
+# nn.MultiheadAttention's function: its attention written out when it returns the weights
+_MHA = "multi_head_attention_forward"
 
 
 @check("attention")

@@ -139,7 +139,8 @@ def syncs(evidence: Evidence) -> list[Finding]:
     changes += [_SYNC_CHANGE] * bool(kinds - {kind for kind, _ in _LIBRARY_READS.values()})
     # a read kept for later; the scaler's read made on the device by a fused optimizer; the
     # other syncs (an `if` on a tensor) need your edit
-    fixes = ("deferred_reads",) * _reads_items(evidence) + ("fused_optimizer",) * (SCALER_READ in kinds)
+    fixes = ("deferred_reads",) * _reads_items(evidence)
+    fixes += ("fused_optimizer",) * (SCALER_READ in kinds)
     return [Finding(
         kind="sync",
         title=f"{total} host-device sync{'s' * (total != 1)} per step",

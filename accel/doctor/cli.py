@@ -1,8 +1,8 @@
 """``python -m accel doctor module:function`` (or ``file.py:function``): ``function()`` returns
 the step and its batch (a ``(step, batch)`` or ``(step, batch, loader)`` tuple, or an object with
 ``step``, ``batch`` and ``loader``), or the step alone where it draws its own batch; a batch of
-None means the loader's first batch, or none for a step that takes no argument; the report is printed and written as one
-HTML file that opens offline."""
+None means the loader's first batch, or none for a step that takes no argument; the report is
+printed and written as one HTML file that opens offline."""
 
 from __future__ import annotations
 

@@ -65,8 +65,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     with the line that ran it, and run every check on what was measured.
 
     The step runs on copies of everything it can reach and change (models, optimizers, tensors
-    up to a GiB in all, containers, objects, iterators: :mod:`accel.doctor.parts`), so your model does
-    not train; where something it trains cannot be copied, examining is refused unless
+    up to a GiB in all, containers, objects, iterators: :mod:`accel.doctor.parts`), so your model
+    does not train; where something it trains cannot be copied, examining is refused unless
     ``allow_training=True`` (then it runs on your objects, and the report's first line says so).
     The random generators and the files the step writes are put back as they were; what cannot
     be (a network, a process started) is named in the report's first line, with the files.
@@ -147,8 +147,9 @@ def _refuse_batch_mismatch(step: Callable[..., Any], batch: Any) -> None:
                 "examine(step, batch), or a loader=..."
             )
     elif not _binds(signature, None):
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         required = [p for p in signature.parameters.values()
-                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+                    if p.default is p.empty and p.kind in positional]  # fmt: skip
         if not required:
             raise UsageError(f"{name}{signature} takes no batch (it draws its own), but one was "
                              "given: call examine(step) without it")  # fmt: skip
