@@ -203,7 +203,7 @@ class GraphedStep:
         done = self._warmups.get(key, 0)
         if done < self.warmup:
             self._warmups[key] = done + 1
-            return self._run_on_side_stream(args, kwargs)
+            return self._run_on_side_stream(args, kwargs, last=done + 1 == self.warmup)
         return self._capture(leaves, spec, key)
 
     def _cannot_capture(self, leaves: Sequence[Any]) -> str | None:
@@ -247,17 +247,18 @@ class GraphedStep:
             self._stream = torch.cuda.Stream(self._device)
         return self._stream
 
-    def _run_on_side_stream(self, args, kwargs) -> Any:
-        """An eager call on the capture stream, under sync-debug mode: a warm-up that syncs ends
-        the attempt before a capture (which would fail and could leave CUDA's random-number
-        state unusable)."""
+    def _run_on_side_stream(self, args, kwargs, *, last: bool) -> Any:
+        """An eager call on the capture stream, under sync-debug mode: the ``last`` warm-up
+        before a capture that syncs ends the attempt (the capture would fail and could leave
+        CUDA's random-number state unusable). Earlier warm-ups may sync: one-time work such as
+        a check of an input on its first call is what they are for."""
         stream, current = self._side_stream(), torch.cuda.current_stream(self._device)
         stream.wait_stream(current)
         with sync.recording_syncs() as syncs, torch.cuda.stream(stream):
             out = self.fn(*args, **kwargs)
         current.wait_stream(stream)
         self.eager_calls += 1
-        if syncs:
+        if syncs and last:
             where = f"{syncs[0].filename}:{syncs[0].lineno}"
             self._fall_back(
                 f"a warm-up call synchronized with the host {len(syncs)} time(s), first at "

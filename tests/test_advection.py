@@ -179,8 +179,12 @@ def test_grad_accumulation_trains_as_the_large_batch(k, extra, seed):
 @pytest.mark.parametrize("compile_mode", ["none", "default", "reduce-overhead"])
 def test_grad_accumulation_trains_as_the_large_batch_on_cuda(compile_mode, seed):
     """Under reduce-overhead each micro-batch is a replay of the compiled graphs: the
-    gradients must add up outside the graphs' memory, which the next replay overwrites."""
-    flags = {"compile": compile_mode, "aux_loss_every": 2}
+    gradients must add up outside the graphs' memory, which the next replay overwrites. (Two
+    alternating graphs under reduce-overhead are refused: see the flags' checks.)"""
+    flags = {
+        "compile": compile_mode,
+        "aux_loss_every": 1 if compile_mode == "reduce-overhead" else 2,
+    }
     large = run(op.Flags(batch_multiplier=4, **flags), seed=seed, device="cuda")
     accumulated = run(op.Flags(grad_accumulation=4, **flags), seed=seed, device="cuda")
     reference = op.Flags(compile=compile_mode)
@@ -236,6 +240,10 @@ def test_presets_and_bad_preset():
         (op.Flags(pin_memory=True), "cannot run on cpu"),
         (op.Flags(cpu_offload_optimizer=True), "cannot run on cpu"),
         (op.Flags(cpu_offload_optimizer=True, precision="fp16+scaler"), "use 'bf16'"),
+        (
+            op.Flags(grad_accumulation=2, aux_loss_every=2, compile="reduce-overhead"),
+            "use aux_loss_every=1 or compile='default'",
+        ),
     ],
     ids=lambda v: label(v) if isinstance(v, op.Flags) else "",
 )

@@ -243,7 +243,7 @@ def test_recapture_keeps_one_graph_per_shape_in_one_pool(seed):
 @requires_cuda
 @pytest.mark.parametrize("body", ["item", "branch", "cpu_copy"])
 def test_a_step_that_syncs_runs_eagerly_after_one_warning(seed, body):
-    """Caught in the first warm-up call, before any capture: no failed capture, so CUDA (its
+    """Caught in the last warm-up call, before any capture: no failed capture, so CUDA (its
     random-number state included) stays usable."""
 
     def step_fn(x: torch.Tensor):
@@ -254,7 +254,7 @@ def test_a_step_that_syncs_runs_eagerly_after_one_warning(seed, body):
             return y if y.sum() > 0 else -y  # data-dependent control flow: a sync
         return y.cpu()
 
-    step = GraphedStep(step_fn, warmup=2)
+    step = GraphedStep(step_fn, warmup=1)
     x = torch.randn(5, device="cuda")
     with pytest.warns(GraphCaptureWarning, match="synchronized with the host"):
         torch.testing.assert_close(step(x), step_fn(x))
@@ -265,6 +265,26 @@ def test_a_step_that_syncs_runs_eagerly_after_one_warning(seed, body):
             x = torch.randn(5, device="cuda")
             torch.testing.assert_close(step(x), step_fn(x))
     assert step.graphs == 0 and step.eager_calls == 4
+
+
+@requires_cuda
+def test_a_sync_in_an_earlier_warm_up_only_still_captures(seed):
+    """One-time work on the first call (here a check that reads its input) is what warm-ups are
+    for: only a sync in the last one before the capture stops it."""
+    checked = []
+
+    def step_fn(x: torch.Tensor):
+        if not checked:
+            checked.append(bool((x.abs() < 10).all()))  # a read on the host, first call only
+        return x * 2 + 1
+
+    step = GraphedStep(step_fn, warmup=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(5):
+            x = torch.randn(5, device="cuda")
+            torch.testing.assert_close(step(x), x * 2 + 1)
+    assert step.reason is None and step.captures == 1 and step.replays == 3
 
 
 @requires_cuda

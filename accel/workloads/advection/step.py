@@ -15,6 +15,7 @@ from accel import accumulate, memory
 from accel.workloads.advection.data import batch_of, make_loader, rank_batch
 from accel.workloads.advection.model import combined_loss, init_model, validation_error
 from accel.workloads.advection.settings import (
+    CUDA_GRAPHED,
     Flags,
     Sizes,
     check_flags,
@@ -98,7 +99,7 @@ class Step:
         self.losses: list[torch.Tensor] = []  # device scalars: no sync per step
         self.count = self.aux_calls = 0
         self.compile_seconds = 0.0
-        self.cudagraphs = flags.compile in ("reduce-overhead", "max-autotune")
+        self.cudagraphs = flags.compile in CUDA_GRAPHED
         # a function called with self, not a bound method: no reference cycle, so a dropped
         # Step (and its loader's workers) goes at once, not at some later garbage collection
         self._forward_loss = Step.forward_loss
