@@ -113,10 +113,11 @@ class GraphedStep:
     """``fn`` captured into a CUDA graph on first use, replayed on every later call.
 
     The first ``warmup`` calls run eagerly on a side stream (lazy state such as optimizer moments
-    is created then, and one-time host reads are allowed before the last); the next captures ``fn`` on static copies of its inputs; later calls copy
-    their inputs in and replay. Outputs are the same tensors every call, valid until the next
-    replay in the same pool: clone what you keep. Host-side effects of ``fn`` (counters, prints)
-    happen at capture only; while a capture runs no other thread may draw CUDA random numbers.
+    is created then; one-time host reads are allowed before the last); the next captures ``fn``
+    on static copies of its inputs; later calls copy their inputs in and replay. Outputs are the
+    same tensors every call, valid until the next replay in the same pool: clone what you keep.
+    Host-side effects of ``fn`` (counters, prints) happen at capture only; while a capture runs
+    no other thread may draw CUDA random numbers.
 
     Arguments are tensors on the graph's device and hashable constants, nested in tuples, lists
     and dicts. Other shapes, dtypes, devices or constants raise :class:`GraphInputError` naming

@@ -191,8 +191,8 @@ def check_flags(flags: Flags, device: torch.device) -> None:
         raise ValueError(
             f"grad_accumulation={flags.grad_accumulation} with aux_loss_every="
             f"{flags.aux_loss_every} under compile={flags.compile!r}: micro-batches replaying two "
-            "alternating CUDA graphs drift from the large batch (0.2% in the third step's loss "
-            "on an H100, torch 2.11); use aux_loss_every=1 or compile='default'"
+            "alternating CUDA graphs drift from the large batch beyond float rounding "
+            "(results/memory-notes.md); use aux_loss_every=1 or compile='default'"
         )
     blocked = {k: v for k, v in unavailable(device).items() if getattr(flags, k) != flag_default(k)}
     if blocked:
