@@ -349,6 +349,27 @@ def test_a_batch_the_step_changes_in_place_is_the_copies_own(seed):
     assert list(rows["status"]) == ["ok"], rows[["status", "why"]].to_string()
 
 
+def test_numeric_flags_the_step_sets_are_put_back(seed):
+    """A step that turns on TF32 (as many scripts do at their top) changes every later float32
+    product of the process: examining it must not."""
+    model, opt = small()
+
+    def step(x):
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = False
+        return one_update(model, opt, x).detach()
+
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+    assert after == before
+
+
 @requires_cuda
 def test_a_pinned_staging_buffer_the_step_reaches_is_copied_pinned(seed):
     """A copy that lost its pinning would make the step's copy in pageable, and the doctor would
