@@ -329,6 +329,47 @@ def test_tensors_the_step_writes_in_place_are_the_copies_own(seed):
     assert not first_line(report).startswith("Caution")
 
 
+def test_a_batch_the_step_changes_in_place_is_the_copies_own(seed):
+    """A step that normalises its batch in place: the user's batch stays as it was, and each trial
+    starts from it (on a batch changed by the runs before, the unchanged step and a fix would
+    be compared on different inputs)."""
+    model, opt = small()
+
+    def step(batch):
+        x = batch["x"]
+        x.mul_(1.5)  # in place, as `x.sub_(mean).div_(std)` does
+        return one_update(model, opt, x).detach()
+
+    batch = {"x": torch.randn(5, 4)}
+    kept = batch["x"].clone()
+    report = examined(step, batch)
+    rows = report.try_fixes("set_to_none", steps=2, repeats=1)
+    assert torch.equal(batch["x"], kept)
+    assert not first_line(report).startswith("Caution")
+    assert list(rows["status"]) == ["ok"], rows[["status", "why"]].to_string()
+
+
+def test_numeric_flags_the_step_sets_are_put_back(seed):
+    """A step that turns on TF32 (as many scripts do at their top) changes every later float32
+    product of the process: examining it must not."""
+    model, opt = small()
+
+    def step(x):
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = False
+        return one_update(model, opt, x).detach()
+
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = (torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32)
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.cudnn.allow_tf32 = before[1]
+    assert after == before
+
+
 @requires_cuda
 def test_a_pinned_staging_buffer_the_step_reaches_is_copied_pinned(seed):
     """A copy that lost its pinning would make the step's copy in pageable, and the doctor would

@@ -23,7 +23,7 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
     check_memory,
 )
 from accel.doctor.findings import CHECKS, Evidence, Finding
-from accel.doctor.fixes import NO_BATCH
+from accel.doctor.fixes import NO_BATCH, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.parts import StepParts, copy_step, find_parts
 from accel.doctor.reach import is_library
@@ -98,7 +98,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         untouched = Untouched(parts, batch)
         runner, copied, cautions = _copy_or_own(step, parts, allow_training)
         device = step_device(copied, batch)
-        call = _call(runner, batch)
+        call = _call(runner, own_batch(batch))  # a batch changed in place: the copy's
         refuse_unplain_result(call())
         for _ in range(warmup - 1):
             call()
@@ -278,4 +278,4 @@ def _breaks(step: Callable[..., Any], parts: StepParts, batch: Any, own: bool):
     from accel.doctor.check_compile import graph_breaks
 
     runner = step if own else copy_step(step, parts)[0]
-    return graph_breaks(_call(runner, batch))
+    return graph_breaks(_call(runner, own_batch(batch)))

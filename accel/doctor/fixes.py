@@ -22,7 +22,7 @@ from accel.doctor.deferred import deferred_item_reads
 from accel.doctor.parts import StepParts
 from accel.doctor.products import backend_flags
 
-__all__ = ["FIXES", "Fix", "FixNotApplicable", "StepCopy"]
+__all__ = ["FIXES", "Fix", "FixNotApplicable", "StepCopy", "own_batch"]
 
 
 class FixNotApplicable(RuntimeError):
@@ -59,7 +59,8 @@ class StepCopy:
             from accel.graphs import GraphedStep
 
             inner = self.graph = GraphedStep(inner, warmup=GRAPH_WARMUP, device=self.device)
-        batch = _channels_last(self.batch) if self.channels_last else self.batch
+        batch = own_batch(self.batch)  # each call built starts from the user's batch
+        batch = _channels_last(batch) if self.channels_last else batch
         batch = _to_device(batch, self.device) if self.on_device_batch else batch
         return functools.partial(inner, batch)
 
@@ -82,6 +83,21 @@ class Fix:
     def tolerance(self, sixteen_bit: bool) -> float:
         """The allowance on a step whose matrix products run in 16 bits (``sixteen_bit``) or not."""
         return self.rtol_16bit if sixteen_bit and self.rtol_16bit is not None else self.rtol
+
+
+def own_batch(batch: Any) -> Any:
+    """The batch's tensors copied (pinned where they were, and needing grad as they did): a step
+    that changes its batch in place changes the copy, never the user's."""
+    return tree_map(_own_tensor, batch)
+
+
+def _own_tensor(t: Any) -> Any:
+    if not isinstance(t, torch.Tensor):
+        return t
+    copied = t.detach().clone()
+    if t.device.type == "cpu" and t.is_pinned():
+        copied = copied.pin_memory()
+    return copied.requires_grad_(t.requires_grad)
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -60,7 +60,7 @@ class _Recording:
 class Session:
     """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
     what :meth:`watch` is given); on closing, the random generators put back as they were when
-    it opened."""
+    it opened, and so are the flags that change float32 products' results."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -70,6 +70,7 @@ class Session:
             sys.addaudithook(_audit)
             _HOOKED.append(True)
         self._generators = _Generators()
+        self._numeric_flags = _NumericFlags()
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
         return self
@@ -85,6 +86,7 @@ class Session:
         self._save.close()
         _RECORD.reset(self._token)
         self._generators.restore()
+        self._numeric_flags.restore()
         self._recording.files.put_back()
 
     def effects(self) -> list[str]:
@@ -115,6 +117,19 @@ class _Generators:
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
+
+
+class _NumericFlags:
+    """The process-wide flags that change float32 products' results (a step may turn on TF32),
+    to put back."""
+
+    def __init__(self) -> None:
+        self.precision = torch.get_float32_matmul_precision()
+        self.cudnn_tf32 = torch.backends.cudnn.allow_tf32
+
+    def restore(self) -> None:
+        torch.set_float32_matmul_precision(self.precision)
+        torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
 
 
 def seed_generators(seed: int) -> None:
