@@ -370,6 +370,25 @@ def test_numeric_flags_the_step_sets_are_put_back(seed):
     assert after == before
 
 
+
+def test_environment_variables_the_step_sets_are_put_back(seed, monkeypatch):
+    """A step that sets, changes or removes environment variables (a run marker, a library's
+    switch) must leave the process's environment as it was after examining."""
+    monkeypatch.setenv("ACCEL_TEST_KEPT", "before")
+    monkeypatch.setenv("ACCEL_TEST_REMOVED", "here")
+    monkeypatch.delenv("ACCEL_TEST_ADDED", raising=False)
+    model, opt = small()
+
+    def step(x):
+        os.environ["ACCEL_TEST_ADDED"] = "1"
+        os.environ["ACCEL_TEST_KEPT"] = "after"
+        os.environ.pop("ACCEL_TEST_REMOVED", None)
+        return one_update(model, opt, x).detach()
+
+    before = dict(os.environ)
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert dict(os.environ) == before
+
 @requires_cuda
 def test_a_pinned_staging_buffer_the_step_reaches_is_copied_pinned(seed):
     """A copy that lost its pinning would make the step's copy in pageable, and the doctor would

@@ -60,7 +60,8 @@ class _Recording:
 class Session:
     """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
     what :meth:`watch` is given); on closing, the random generators put back as they were when
-    it opened, and so are the flags that change float32 products' results."""
+    it opened, and so are the flags that change float32 products' results and the environment
+    variables."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -71,6 +72,7 @@ class Session:
             _HOOKED.append(True)
         self._generators = _Generators()
         self._numeric_flags = _NumericFlags()
+        self._environment = dict(os.environ)
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
         return self
@@ -87,6 +89,7 @@ class Session:
         _RECORD.reset(self._token)
         self._generators.restore()
         self._numeric_flags.restore()
+        _restore_environment(self._environment)
         self._recording.files.put_back()
 
     def effects(self) -> list[str]:
@@ -130,6 +133,14 @@ class _NumericFlags:
     def restore(self) -> None:
         torch.set_float32_matmul_precision(self.precision)
         torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
+
+
+def _restore_environment(saved: dict[str, str]) -> None:
+    for name in set(os.environ) - set(saved):
+        del os.environ[name]
+    for name, value in saved.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 def seed_generators(seed: int) -> None:
