@@ -14,6 +14,7 @@ import copy
 import functools
 import importlib
 import itertools
+import logging
 import os
 import random
 import re
@@ -388,6 +389,22 @@ def test_environment_variables_the_step_sets_are_put_back(seed, monkeypatch):
     before = dict(os.environ)
     examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
     assert dict(os.environ) == before
+
+
+def test_a_step_that_logs_is_not_said_to_change_the_logging_registry(seed):
+    """A logger's level cache and its manager's table of loggers belong to ``logging`` (any
+    ``getLogger`` in the process changes them): not a change of the user's to report."""
+    log = logging.getLogger("accel.tests.a_step_that_logs")
+    log._cache.clear()  # the step's first debug() fills it
+    model, opt = small()
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        log.debug("loss %s", loss)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert not [s for s in report.side_effects if "_cache" in s or "manager" in s]
 
 @requires_cuda
 def test_a_pinned_staging_buffer_the_step_reaches_is_copied_pinned(seed):

@@ -18,6 +18,7 @@ import dis
 import functools
 import inspect
 import io
+import logging
 import os
 import random
 import sys
@@ -44,9 +45,11 @@ _ATOMIC = (
     types.MethodDescriptorType,
 )  # fmt: skip
 _STATE = (list, dict, set, bytearray, collections.deque)
-# copied with their owner, and not followed (a model's parameters are its)
+# copied with their owner, and not followed (a model's parameters are its; a logger's level
+# cache and manager are the logging module's, changed by any getLogger in the process)
 SKIPPED = {nn.Module: ("_parameters", "_buffers", "_modules"),
-           torch.optim.Optimizer: ("param_groups", "state", "defaults")}  # fmt: skip
+           torch.optim.Optimizer: ("param_groups", "state", "defaults"),
+           logging.Logger: ("_cache", "manager")}  # fmt: skip
 
 
 @dataclass(frozen=True)
