@@ -371,7 +371,6 @@ def test_numeric_flags_the_step_sets_are_put_back(seed):
     assert after == before
 
 
-
 def test_environment_variables_the_step_sets_are_put_back(seed, monkeypatch):
     """A step that sets, changes or removes environment variables (a run marker, a library's
     switch) must leave the process's environment as it was after examining."""
@@ -406,6 +405,7 @@ def test_a_step_that_logs_is_not_said_to_change_the_logging_registry(seed):
     report = examined(step, torch.randn(5, 4))
     assert not [s for s in report.side_effects if "_cache" in s or "manager" in s]
 
+
 @requires_cuda
 def test_a_pinned_staging_buffer_the_step_reaches_is_copied_pinned(seed):
     """A copy that lost its pinning would make the step's copy in pageable, and the doctor would
@@ -425,7 +425,9 @@ def test_a_pinned_staging_buffer_the_step_reaches_is_copied_pinned(seed):
         return loss.detach()
 
     run, _ = copy_step(step, find_parts(step))
-    cells = dict(zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__), strict=True))
+    cells = dict(
+        zip(run.__code__.co_freevars, (c.cell_contents for c in run.__closure__), strict=True)
+    )
     assert cells["staging"] is not staging and cells["staging"].is_pinned()
 
 
@@ -602,7 +604,9 @@ def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp
 
     report = examined(step, torch.randn(5, 4))
     assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == []
-    assert re.search(rf"made the folder {re.escape(str(run))} \(\d+ times\), put back", first_line(report))
+    assert re.search(
+        rf"made the folder {re.escape(str(run))} \(\d+ times\), put back", first_line(report)
+    )
 
 
 def test_files_a_compiler_writes_through_a_helper_library_are_not_the_steps(seed, tmp_path):
@@ -684,7 +688,9 @@ def test_a_step_that_fails_on_a_later_call_says_which_call_and_its_line(seed):
         opt.zero_grad()
         return loss.detach()
 
-    said = rf"raised on call \d+ \(.*:{step.__code__.co_firstlineno + 4}\): ValueError: Tried to step"
+    said = (
+        rf"raised on call \d+ \(.*:{step.__code__.co_firstlineno + 4}\): ValueError: Tried to step"
+    )
     with pytest.raises(UsageError, match=said):
         examined(step, torch.randn(5, 4))
 
