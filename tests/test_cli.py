@@ -24,6 +24,14 @@ def test_unknown_phase_exits_2_and_lists_the_valid_ones():
     assert "invalid choice: 'nope'" in run.stderr and "ceilings" in run.stderr
 
 
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`python -m accel table | head -1`: the reader closing the pipe is not an error."""
+    run = subprocess.run(
+        f"{sys.executable} -m accel table | head -c 1", shell=True, capture_output=True, text=True
+    )
+    assert "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr, run.stderr
+
 def test_phase_function_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown phase 'x'; expected one of ceilings"):
         bench.phase_function("x")
