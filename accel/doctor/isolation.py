@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
 
@@ -60,8 +61,8 @@ class _Recording:
 class Session:
     """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
     what :meth:`watch` is given); on closing, the random generators put back as they were when
-    it opened, and so are the flags that change float32 products' results and the environment
-    variables."""
+    it opened, and so are the backend flags (TF32, cudnn.benchmark), the float32 matmul precision
+    and the environment variables."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -71,7 +72,8 @@ class Session:
             sys.addaudithook(_audit)
             _HOOKED.append(True)
         self._generators = _Generators()
-        self._numeric_flags = _NumericFlags()
+        self._backend_flags = kept_backend_flags()
+        self._backend_flags.__enter__()
         self._environment = dict(os.environ)
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
@@ -88,7 +90,7 @@ class Session:
         self._save.close()
         _RECORD.reset(self._token)
         self._generators.restore()
-        self._numeric_flags.restore()
+        self._backend_flags.__exit__(None, None, None)
         _restore_environment(self._environment)
         self._recording.files.put_back()
 
@@ -120,19 +122,6 @@ class _Generators:
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
-
-
-class _NumericFlags:
-    """The process-wide flags that change float32 products' results (a step may turn on TF32),
-    to put back."""
-
-    def __init__(self) -> None:
-        self.precision = torch.get_float32_matmul_precision()
-        self.cudnn_tf32 = torch.backends.cudnn.allow_tf32
-
-    def restore(self) -> None:
-        torch.set_float32_matmul_precision(self.precision)
-        torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
 
 
 def _restore_environment(saved: dict[str, str]) -> None:

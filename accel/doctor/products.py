@@ -12,7 +12,7 @@ import torch
 
 from accel.doctor.recorder import PRODUCTS, OpRecord
 
-__all__ = ["backend_flags", "product_call", "time_products"]
+__all__ = ["backend_flags", "kept_backend_flags", "product_call", "time_products"]
 
 CONVOLUTION = "aten::convolution"  # forward only: its backward takes the timed ones' ratio
 MOST_SHAPES = 8  # distinct products timed per step (the rest take their mean ratio)
@@ -70,14 +70,25 @@ def backend_flags(**settings: bool) -> Iterator[None]:
     places = [
         (where, attr, on) for name, on in settings.items() for where, attr in _BACKEND_FLAGS[name]
     ]
-    saved = [(where, attr, getattr(where, attr)) for where, attr, _ in places]
-    try:
+    with kept_backend_flags():
         for where, attr, on in places:
             setattr(where, attr, on)
+        yield
+
+
+@contextlib.contextmanager
+def kept_backend_flags() -> Iterator[None]:
+    """Every flag :func:`backend_flags` sets, and the float32 matmul precision, put back on
+    leaving (a step that turns on TF32 changes every later float32 product of the process)."""
+    precision = torch.get_float32_matmul_precision()
+    saved = [(where, attr, getattr(where, attr))
+             for places in _BACKEND_FLAGS.values() for where, attr in places]  # fmt: skip
+    try:
         yield
     finally:
         for where, attr, value in saved:
             setattr(where, attr, value)
+        torch.set_float32_matmul_precision(precision)  # last: allow_tf32 rewrites it
 
 
 def _with_tf32(call: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
