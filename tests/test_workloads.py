@@ -32,9 +32,9 @@ NEEDS = {
     ("advection", "persistent_workers"): {"loader_workers": 2},
     ("vit", "backend"): {"sdpa": True},
 }
-# They run on a CPU, but inductor compiles C++ there for seconds per flag: tests/
-# test_field_trainer.py runs them (and checks the fallback where compile cannot run).
-SLOW_ON_CPU = {("field_trainer", "compiled_retrieval"), ("field_trainer", "compiled_step")}
+# It runs on a CPU, but inductor compiles C++ there for seconds: tests/test_field_trainer.py
+# runs it (and checks the fallback where compile cannot run).
+SLOW_ON_CPU = {("field_trainer", "compiled_step")}
 
 
 def workload(name: str):

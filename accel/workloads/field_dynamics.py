@@ -28,7 +28,7 @@ def retrieve(
     x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor, values: torch.Tensor, beta: float
 ) -> torch.Tensor:
     """The bank's values mixed by ``softmax(-beta * cost)``, cost under the metric ``g``: (B, d).
-    Eager, 8 kernels; compiled (``compiled_retrieval``), one call."""
+    8 kernels."""
     return retrieval_mix(metric_cost(x, keys, g), values, beta)
 
 

@@ -27,7 +27,6 @@ from typing import Any, Literal
 import torch
 
 from accel import graphs, memory, sync
-from accel.fusion import CompiledFunction, compile_per_shape
 from accel.workloads.compare import make_compare_results
 from accel.workloads.compiling import own_code
 from accel.workloads.field_dynamics import (  # the step's math, public here too (ft.*)
@@ -60,12 +59,6 @@ class Flags:
     )
     fused_lior: bool = flag(
         "compute the quadratic form g0(v, v) once per step for both LIoR and the speed", "fusion"
-    )
-    compiled_retrieval: bool = flag(
-        "the retrieval (metric cost, softmax, mix) through torch.compile and called without "
-        "dynamo: one call instead of eight ops (eager, with a warning, where compile cannot run)",
-        "fusion",
-        adopted=False,
     )
     fused_retrieval: bool = flag(
         "the retrieval's mix as one matrix product softmax(-beta cost) @ values, instead of "
@@ -162,7 +155,6 @@ Sizes.PRESETS = {
 OVERLAPPED_LAUNCHES = {"triton.enable_pdl": True, "combo_kernels": True}
 # One torch.compile per step function and launch style, per process.
 _COMPILED_STEPS: dict[tuple[Callable, bool], Callable] = {}
-_compiled_mix: CompiledFunction | None = None  # one per process: compiled code is kept per shape
 
 
 def check_metric(g0: torch.Tensor, sizes: Sizes) -> torch.Tensor:
@@ -198,24 +190,6 @@ def apply_batched_progress(flags: Flags, sizes: Sizes, device: torch.device) -> 
     return sync.ProgressLog(METRICS, max(sizes.readouts_per_window, 1), device=device)
 
 
-def apply_compiled_retrieval(flags: Flags, probe: tuple) -> Callable:
-    """``compiled_retrieval`` (unless ``compiled_step`` compiles it with the step): the
-    retrieval compiled, if it runs here and matches eager on ``probe``; else the eager one. A
-    :class:`accel.fusion.CompiledFunction` (``step.retrieve.compiles``: graphs, one per shape)."""
-    global _compiled_mix
-    eager = retrieve_fused if flags.fused_retrieval else retrieve
-    if not flags.compiled_retrieval or flags.compiled_step:
-        return eager
-    try:
-        if _compiled_mix is None:  # steps of every size share it; .compiles counts the shapes
-            _compiled_mix = compile_per_shape(retrieve, direct=True)
-        _compiled_mix.check(*probe, **TOLERANCE)  # compiles now, not inside the timed window
-    except Exception as exc:  # no compiler, no Triton, unsupported platform, a mismatch...
-        _warn_eager("compiled_retrieval", exc, "retrieval")
-        return eager
-    return _compiled_mix
-
-
 def apply_compiled_step(step: Step) -> Callable | None:
     """``compiled_step``: the step (:func:`accumulating_step` with ``inplace_accumulate``, else
     :func:`field_step`) through torch.compile (for back-to-back replay with
@@ -239,7 +213,7 @@ def apply_compiled_step(step: Step) -> Callable | None:
         options = OVERLAPPED_LAUNCHES if f.overlapped_launches else None
         _COMPILED_STEPS[key] = torch.compile(source, dynamic=False, options=options)
     compiled = _COMPILED_STEPS[key]
-    options = step._step_options(retrieve_fused if f.fused_retrieval else retrieve)
+    options = step._step_options(step.retrieve)
 
     def call(x, v, nudge, *accumulators):
         return compiled(x, v, nudge, *accumulators, *step._fixed(), **options)
@@ -300,9 +274,7 @@ class Step:
         self._host_rows: list[dict[str, float]] = []
         self.windows = 0
         self.log = apply_batched_progress(flags, sizes, device)
-        self.retrieve = apply_compiled_retrieval(
-            flags, (self.x, self.keys, self.g0, self.values, sizes.beta)
-        )
+        self.retrieve = retrieve_fused if flags.fused_retrieval else retrieve
         self._compiled_step = apply_compiled_step(self)
         self.cleaner = memory.CacheCleaner(device, naive_every=CLEANUP_EVERY)
         self.window: Callable[[], None] = apply_cuda_graph(self.run_window, flags, device)

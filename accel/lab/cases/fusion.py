@@ -20,8 +20,6 @@ from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase
 
 # Phase 2 of the field trainer: the quadratic form once, and the retrieval's mix fused by hand.
-# Not compiled_retrieval: its compiled code's host work per call slows the launch-bound window
-# (its own row shows by how much); it is the phase's alternative, not its choice.
 PHASE1 = through_phase(ft.Flags, "sync")  # the field trainer as 01_sync leaves it
 PHASE2 = through_phase(ft.Flags, "fusion")
 FUSION_FLAGS = through_phase(no.Flags, "fusion")
@@ -178,13 +176,11 @@ def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) 
     return rows
 
 
-# The window with phase 2's flags (the target row), with its larger flag alone and with its
-# alternative (the retrieval compiled instead of fused by hand), against phase 1 in one
-# interleaved comparison.
+# The window with phase 2's flags (the target row) and with its larger flag alone, against
+# phase 1 in one interleaved comparison.
 FIELD_CONFIGS = {
     "phase 1": PHASE1,
     "+ fused_lior": dataclasses.replace(PHASE1, fused_lior=True),
-    "+ compiled_retrieval": dataclasses.replace(PHASE1, compiled_retrieval=True),
     "phase 1+2": PHASE2,
 }
 

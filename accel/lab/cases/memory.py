@@ -20,7 +20,6 @@ from accel.workloads.flags import through_phase
 FUSION_FLAGS = through_phase(no.Flags, "fusion")  # the nested optimizer as 02_fusion leaves it
 MEMORY_FLAGS = through_phase(no.Flags, "memory")
 CHECKPOINT_ALL = dataclasses.replace(FUSION_FLAGS, activation_checkpointing="all")
-# no compiled_retrieval: the cleanup comparison should not wait for (or depend on) inductor
 CLEANUP_BASE = dataclasses.replace(
     through_phase(ft.Flags, "sync"), fused_lior=True, inplace_accumulate=True
 )
