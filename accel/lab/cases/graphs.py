@@ -30,7 +30,6 @@ EAGER_WINDOW = dataclasses.replace(
     fused_lior=True,
     compiled_retrieval=True,
     inplace_accumulate=True,
-    adaptive_cleanup=True,
 )
 GRAPHED_WINDOW = dataclasses.replace(EAGER_WINDOW, cuda_graph=True)
 # Each step compiled (fewer, longer kernels: fewer gaps in a replay), then also built for
