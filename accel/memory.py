@@ -1,10 +1,10 @@
-"""Memory: allocate once, release only when it pays, store fewer activations, and measure it.
+"""Memory: allocate once, store fewer activations, and measure it.
 
 PyTorch's CUDA caching allocator keeps freed blocks, so a steady step asks the driver for
-nothing new. :class:`CacheCleaner` empties the cache only when fragmentation or pressure calls
-for it (not on a schedule, a stall each); :class:`BufferCache` allocates one tensor per name
-once; :func:`count_allocations`, :func:`peak_memory`, :func:`record_memory_history` measure
-(on a CPU from the profiler's memory events); :func:`checkpoint_blocks` (:mod:`accel.recompute`)
+nothing new (``torch.cuda.empty_cache()`` in the loop undoes that: a device sync now,
+``cudaMalloc`` calls later). :class:`BufferCache` allocates one tensor per name once;
+:func:`count_allocations`, :func:`peak_memory`, :func:`record_memory_history` measure (on a
+CPU from the profiler's memory events); :func:`checkpoint_blocks` (:mod:`accel.recompute`)
 recomputes activations in backward; :func:`largest_batch` fits a batch to a memory budget.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from accel.errors import checked_callable, checked_count, checked_instance, checked_number
+from accel.errors import checked_callable, checked_count, checked_number
 from accel.recompute import (  # noqa: F401 (public here: this module measures what they save)
     SELECTIVE_SAVE,
     CheckpointedBlocks,
@@ -28,108 +28,6 @@ from accel.recompute import (  # noqa: F401 (public here: this module measures w
 )
 
 GiB, MiB = 1 << 30, 1 << 20
-
-
-@dataclass(frozen=True)
-class MemoryState:
-    """The allocator's counters on the host (reading them does not sync): bytes held by live
-    tensors, bytes reserved from the driver, and the device's total memory."""
-
-    allocated: int
-    reserved: int
-    total: int
-
-    @property
-    def cached_free(self) -> int:
-        """Reserved but not allocated: what ``empty_cache`` could at most give back."""
-        return self.reserved - self.allocated
-
-    @classmethod
-    def read(cls, device: torch.device | str) -> MemoryState:
-        device = torch.device(device)
-        return cls(
-            torch.cuda.memory_allocated(device),
-            torch.cuda.memory_reserved(device),
-            torch.cuda.get_device_properties(device).total_memory,
-        )
-
-
-@dataclass(frozen=True)
-class CleanupPolicy:
-    """When emptying the cache pays: enough free cached memory to matter, and either a large share
-    of what is reserved (fragmentation, or a past peak that will not come back) or a device near
-    full (pressure: the next large allocation, or another process, needs it)."""
-
-    fragmentation_bytes: int = 1 * GiB
-    fragmentation_fraction: float = 0.5  # of the reserved bytes
-    pressure_fraction: float = 0.9  # of the device's total memory
-    min_release_bytes: int = 64 * MiB  # below this, a release is not worth a stall
-
-    def reason(self, state: MemoryState) -> str | None:
-        """Why to empty the cache now ('fragmentation' or 'pressure'), or None to leave it."""
-        free = state.cached_free
-        if free < self.min_release_bytes:
-            return None
-        if free >= self.fragmentation_bytes and free >= self.fragmentation_fraction * max(
-            state.reserved, 1
-        ):
-            return "fragmentation"
-        if state.total and state.reserved >= self.pressure_fraction * state.total:
-            return "pressure"
-        return None
-
-
-class CacheCleaner:
-    """Call :meth:`step` once per window (or step); it empties the CUDA cache only when
-    :class:`CleanupPolicy` says it pays (much reserved and little used: not when nearly all is
-    allocated, where ``empty_cache`` releases little for its sync and refills).
-    ``stalls_avoided`` counts the calls on which emptying every ``naive_every`` calls would have
-    stalled and this did not. ``state`` and ``empty`` are injectable, so the policy runs
-    anywhere; on a non-CUDA device without them, :meth:`step` only counts.
-    """
-
-    def __init__(
-        self,
-        device: torch.device | str = "cuda",
-        policy: CleanupPolicy = CleanupPolicy(),
-        *,
-        naive_every: int = 10,
-        state: Callable[[], MemoryState] | None = None,
-        empty: Callable[[], None] | None = None,
-    ):
-        self.device = torch.device(device)
-        self.policy = checked_instance(policy, CleanupPolicy, "policy")
-        self.naive_every = checked_count(naive_every, "naive_every", at_least=1)
-        cuda = self.device.type == "cuda"
-        if cuda and state is None and not torch.cuda.is_available():
-            raise ValueError(
-                f"CacheCleaner: device {str(device)!r} needs a CUDA GPU and this machine has "
-                "none; expected device='cpu' (it only counts there) or state= and empty= to "
-                "run the policy on numbers of your own"
-            )
-        self._state = state or ((lambda: MemoryState.read(self.device)) if cuda else None)
-        self._empty = empty or (torch.cuda.empty_cache if cuda else None)
-        self.calls = 0
-        self.emptied: list[tuple[int, str]] = []  # (call, reason)
-        self.stalls_avoided = 0
-
-    def step(self) -> bool:
-        """Check the allocator (host counters only, no sync); empty the cache if it pays."""
-        naive_would = self.calls > 0 and self.calls % self.naive_every == 0
-        reason = self.policy.reason(self._state()) if self._state is not None else None
-        if reason is not None and self._empty is not None:
-            self._empty()  # a device sync plus cudaFree: paid only when it releases memory
-            self.emptied.append((self.calls, reason))
-        elif naive_would:
-            self.stalls_avoided += 1
-        self.calls += 1
-        return reason is not None
-
-    def __repr__(self) -> str:
-        return (
-            f"CacheCleaner(calls={self.calls}, emptied={len(self.emptied)}, "
-            f"stalls_avoided={self.stalls_avoided})"
-        )
 
 
 class BufferCache:

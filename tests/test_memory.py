@@ -1,4 +1,4 @@
-"""accel.memory: the cleanup policy, buffers, allocation counts, checkpointing, the batch search."""
+"""accel.memory: buffers, allocation counts, checkpointing, the batch search."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from accel import memory
-from accel.memory import GiB, MemoryState, MiB
+from accel.memory import GiB, MiB
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (the caching allocator)")
@@ -29,57 +29,6 @@ def test_importing_memory_pulls_in_no_notebook_stack():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-# ---- the cleanup policy -------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("state", "reason"),
-    [
-        # the seed's trigger (> 90% of reserved allocated): little to release, so leave it
-        (MemoryState(allocated=19 * GiB, reserved=20 * GiB, total=80 * GiB), None),
-        # a past peak: 30 GiB reserved, 4 in use
-        (MemoryState(allocated=4 * GiB, reserved=30 * GiB, total=80 * GiB), "fragmentation"),
-        # much unused, but a small share of what is reserved and the device has room
-        (MemoryState(allocated=30 * GiB, reserved=32 * GiB, total=80 * GiB), None),
-        # nearly full device with 2 GiB cached: release for the next large allocation
-        (MemoryState(allocated=72 * GiB, reserved=74 * GiB, total=80 * GiB), "pressure"),
-        # nearly full but nothing worth releasing
-        (MemoryState(allocated=74 * GiB - 10 * MiB, reserved=74 * GiB, total=80 * GiB), None),
-        # a small job: megabytes either way
-        (MemoryState(allocated=1 * MiB, reserved=40 * MiB, total=80 * GiB), None),
-    ],
-    ids=["seed trigger", "past peak", "busy", "pressure", "full, nothing cached", "small job"],
-)
-def test_cleanup_policy(state, reason):
-    assert memory.CleanupPolicy().reason(state) == reason
-
-
-def test_cleaner_empties_when_it_pays_and_counts_avoided_stalls():
-    states = iter(
-        [MemoryState(1 * GiB, 1 * GiB + 5 * MiB, 80 * GiB)] * 25
-        + [MemoryState(1 * GiB, 9 * GiB, 80 * GiB)]  # call 25: a peak left 8 GiB cached
-        + [MemoryState(1 * GiB, 1 * GiB, 80 * GiB)] * 14
-    )
-    emptied = []
-    cleaner = memory.CacheCleaner(
-        "cpu", naive_every=10, state=lambda: next(states), empty=lambda: emptied.append(1)
-    )
-    assert [cleaner.step() for _ in range(40)].count(True) == 1
-    assert cleaner.emptied == [(25, "fragmentation")] and len(emptied) == 1
-    assert cleaner.stalls_avoided == 3  # the schedule would have emptied at 10, 20 and 30
-    assert "stalls_avoided=3" in repr(cleaner)
-
-
-@cpu_only
-def test_cleaner_on_cpu_only_counts():
-    cleaner = memory.CacheCleaner("cpu")
-    assert not any(cleaner.step() for _ in range(21))
-    assert cleaner.emptied == [] and cleaner.stalls_avoided == 2
-
-
-def test_cleaner_rejects_bad_schedule():
-    with pytest.raises(ValueError, match="naive_every must be an int >= 1, got 0"):
-        memory.CacheCleaner("cpu", naive_every=0)
 
 
 # ---- buffers allocated once ---------------------------------------------------------------------

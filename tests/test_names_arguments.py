@@ -111,16 +111,6 @@ MISTAKES = {
         TypeError,
         r"budget_bytes must be a number, got '1e6' \(str\)",
     ),
-    "CacheCleaner naive_every string": (
-        lambda: memory.CacheCleaner("cpu", naive_every="3"),
-        TypeError,
-        r"naive_every must be an int >= 1, got '3' \(str\)",
-    ),
-    "CacheCleaner policy": (
-        lambda: memory.CacheCleaner("cpu", policy="often"),
-        TypeError,
-        r"policy must be a CleanupPolicy, got 'often' \(str\)",
-    ),
     "checkpoint_blocks of a number": (
         lambda: memory.checkpoint_blocks(3, ["0"]),
         TypeError,
@@ -192,11 +182,3 @@ def test_a_mistaken_argument_is_named_with_what_came_and_what_was_expected(mista
     call, error, match = mistake
     with pytest.raises(error, match=match):
         call()
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
-def test_a_cache_cleaner_for_cuda_without_cuda_is_refused_when_made_not_at_its_first_step():
-    with pytest.raises(ValueError, match=r"CacheCleaner: device 'cuda' needs a CUDA GPU"):
-        memory.CacheCleaner("cuda")
-    counting = memory.CacheCleaner("cuda", state=lambda: memory.MemoryState(1, 2, 4))
-    assert counting.step() is False  # the policy, injected, runs anywhere

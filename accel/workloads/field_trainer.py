@@ -13,7 +13,7 @@ difference between the phases' statistics, plane by plane.
 Launch-bound at the ``gpu`` preset: the home of phases 1-4. ``cuda_graph`` captures
 :meth:`Step.run_window` (the device work, on tensors allocated once) and needs
 ``batched_progress`` (an ``.item()`` inside fails the capture: the window then runs eagerly, with
-a warning naming it); host work (progress, the rotor schedule, cache cleanup) stays outside.
+a warning naming it); host work (progress, the rotor schedule) stays outside.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from accel import graphs, memory, sync
+from accel import graphs, sync
 from accel.workloads.compare import make_compare_results
 from accel.workloads.compiling import own_code
 from accel.workloads.field_dynamics import (  # the step's math, public here too (ft.*)
@@ -42,7 +42,6 @@ METRICS = ("lior", "R", "spd")
 # Flags keep results within this of the baseline's: some sum in another order or update in float32
 # where the loop used Python floats; the dynamics are damped, so differences do not grow.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
-CLEANUP_EVERY = 10  # windows between the baseline's empty_cache() calls
 
 
 @dataclass(frozen=True)
@@ -73,11 +72,6 @@ class Flags:
     )
     inplace_accumulate: bool = flag(
         "accumulate metrics and velocity in place instead of a fresh tensor each step", "memory"
-    )
-    adaptive_cleanup: bool = flag(
-        "torch.cuda.empty_cache() only when much reserved memory is unused (fragmentation) or "
-        "the device is nearly full (pressure), instead of every 10 windows",
-        "memory",
     )
     cuda_graph: bool = flag(
         "the window's device work captured once as a CUDA graph and replayed: one launch per "
@@ -276,7 +270,6 @@ class Step:
         self.log = apply_batched_progress(flags, sizes, device)
         self.retrieve = retrieve_fused if flags.fused_retrieval else retrieve
         self._compiled_step = apply_compiled_step(self)
-        self.cleaner = memory.CacheCleaner(device, naive_every=CLEANUP_EVERY)
         self.window: Callable[[], None] = apply_cuda_graph(self.run_window, flags, device)
 
     def _init_field(self, seed: int, g0: torch.Tensor | None, planes: Any) -> None:
@@ -328,7 +321,6 @@ class Step:
             self.update_rotor()
         if self.log is not None:
             self.log.flush()
-        self._cleanup()
         self.windows += 1
 
     def run_window(self) -> None:
@@ -404,15 +396,6 @@ class Step:
         fast = self.flags.vectorized_rotor
         update = sync.update_rotor_angles if fast else sync.update_rotor_angles_reference
         update(self.theta, self.planes, v_diff, lior_diff, self.sizes.rotor_lr)
-
-    def _cleanup(self) -> None:
-        if self.device.type != "cuda":
-            return
-        if self.flags.adaptive_cleanup:
-            # host-side allocator counters, no sync; empties only when it releases memory
-            self.cleaner.step()
-        elif self.windows > 0 and self.windows % CLEANUP_EVERY == 0:
-            torch.cuda.empty_cache()  # the "before": a stall every 10 windows, then cudaMallocs
 
     def progress(self) -> list[dict[str, float]]:
         """Every progress read-out so far, in order (waits for copies still in flight)."""

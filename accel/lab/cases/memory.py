@@ -1,29 +1,22 @@
-"""Bench phase ``memory`` (notebook 03): steady-state allocations, cache cleanup, activation
-checkpointing (judged at ``JUDGED_BATCH``, where the GPU bounds the step; the preset's own batch
-gets a row without a target); gradient accumulation's rows are ``memory_accumulate``'s."""
+"""Bench phase ``memory`` (notebook 03): steady-state allocations, activation checkpointing
+(judged at ``JUDGED_BATCH``, where the GPU bounds the step; the preset's own batch gets a row
+without a target); gradient accumulation's rows are ``memory_accumulate``'s."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
 from accel import memory
 from accel.lab.bench import BenchContext, Row
 from accel.lab.cases import memory_accumulate
 from accel.measure.timer import Comparison, compare
-from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase
 
 FUSION_FLAGS = through_phase(no.Flags, "fusion")  # the nested optimizer as 02_fusion leaves it
 MEMORY_FLAGS = through_phase(no.Flags, "memory")
 CHECKPOINT_ALL = dataclasses.replace(FUSION_FLAGS, activation_checkpointing="all")
-CLEANUP_BASE = dataclasses.replace(
-    through_phase(ft.Flags, "sync"), fused_lior=True, inplace_accumulate=True
-)
-CLEANUP_FAST = dataclasses.replace(CLEANUP_BASE, adaptive_cleanup=True)
 # The budget the largest-batch search works against: far below the device's memory, so the
 # search is quick and its answer does not depend on which GPU ran it.
 BUDGET_BYTES = {"gpu": 4 * memory.GiB, "cpu": 12 * memory.MiB}
@@ -34,35 +27,6 @@ def allocations(flags: no.Flags, sizes: no.Sizes, device, *, steps: int = 10):
     """Allocator activity per steady-state training step (after 3 warm-up steps)."""
     step = no.build(flags, sizes, device=device)
     return memory.count_allocations(step, steps=steps, warmup=3, device=device)
-
-
-def cleanup_timing(
-    sizes: ft.Sizes, device, *, repeats: int = 8, expandable_segments: bool = False
-) -> tuple[Comparison, dict]:
-    """Field-trainer windows with ``empty_cache()`` every 10 windows against the adaptive
-    cleaner, 10 windows a sample. ``expandable_segments=True`` (CUDA only) runs both with the
-    allocator's expandable segments, switched off after."""
-    if expandable_segments:
-        torch.cuda.empty_cache()  # so that the steps below get new, expandable segments
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")  # private API
-    try:
-        base = ft.build(CLEANUP_BASE, sizes, device=device)
-        fast = ft.build(CLEANUP_FAST, sizes, device=device)
-        every = ft.CLEANUP_EVERY
-
-        def windows(step):
-            return lambda: [step() for _ in range(every)]
-
-        fns = {"every 10 windows": windows(base), "adaptive": windows(fast)}
-        timing = compare(fns, warmup=1, repeats=repeats, device=device)
-        counts = {
-            label: memory.count_allocations(fn, steps=2, warmup=0, device=device)
-            for label, fn in fns.items()
-        }
-    finally:
-        if expandable_segments:
-            torch.cuda.memory._set_allocator_settings("expandable_segments:False")
-    return timing, {"counts": counts, "cleaner": fast.cleaner}
 
 
 # Sequences per batch at which checkpointing's price is judged: where the step is bound by the
@@ -145,7 +109,7 @@ def run(ctx: BenchContext) -> list[Row]:
 
 
 def allocation_rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
-    """cudaMalloc and allocator requests per step; on a GPU the cache cleanup's timing."""
+    """cudaMalloc and allocator requests per step."""
     dev, where, rows = ctx.device, ctx.where, []
     before, after = allocations(no.Flags(), sizes, dev), allocations(MEMORY_FLAGS, sizes, dev)
     if after.device_allocs is not None:
@@ -165,8 +129,6 @@ def allocation_rows(ctx: BenchContext, sizes: no.Sizes) -> list[Row]:
         note=f"{where}; no target: the caching allocator serves these without cudaMalloc"
         + ("" if after.device_allocs is not None else "; CPU: profiler memory events"),
     ))  # fmt: skip
-    if dev.type == "cuda":  # a CPU has no cache to empty: the two would run the same code
-        rows.append(cleanup_row(ctx, where))
     return rows
 
 
@@ -214,18 +176,6 @@ def preset_batch_row(sizes: no.Sizes, ctx: BenchContext, *, repeats: int = 20) -
         timing.timings["all"].median_ms, baseline=timing.timings["none"].median_ms,
         note=f"{ctx.where}; no target: the price is judged at batch {JUDGED_BATCH['gpu']}, "
         "where the GPU bounds the step",
-    )  # fmt: skip
-
-
-def cleanup_row(ctx: BenchContext, where: str) -> Row:
-    timing, info = cleanup_timing(ft.Sizes.preset(ctx.preset), ctx.device)
-    mallocs = {k: c.device_allocs for k, c in info["counts"].items()}
-    return Row(
-        "memory", "field_trainer_cleanup",
-        "time per window: empty_cache every 10 windows vs the adaptive cleaner", "ms",
-        timing.timings["adaptive"].median_ms / ft.CLEANUP_EVERY,
-        baseline=timing.timings["every 10 windows"].median_ms / ft.CLEANUP_EVERY,
-        note=f"{where}; no target; cudaMalloc per 10 windows {mallocs}; {info['cleaner']!r}",
     )  # fmt: skip
 
 
