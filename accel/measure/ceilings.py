@@ -74,7 +74,8 @@ _PINNED_GB_S: dict[tuple[str, int], float] = {}  # (device, bytes) -> GB/s, once
 
 def measure_pinned_gb_s(device: torch.device | str, nbytes: int, repeats: int = 5) -> float:
     """Host-to-device rate (bytes copied per second / 1e9) of a non-blocking copy of ``nbytes``
-    from pinned memory: the median of ``repeats`` copies timed with CUDA events."""
+    from pinned memory: the median of ``repeats`` copies timed with CUDA events. Its buffers go
+    back to torch's caching allocators (pinned host, device), as any freed tensor's do."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"a copy from pinned memory needs a CUDA device, got {str(device)!r}")
