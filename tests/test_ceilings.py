@@ -1,7 +1,10 @@
 import math
 
 import pytest
+import torch
+from conftest import requires_cuda
 
+from accel.measure import ceilings
 from accel.measure.ceilings import CEILING_SIZES, Ceilings, CeilingSizes, measure_ceilings
 
 
@@ -35,3 +38,28 @@ def test_floor_is_the_larger_of_bytes_and_flops():
 def test_fractions_of_the_ceilings():
     assert CEIL.bandwidth_fraction(bytes_moved=5e8, ms=1.0) == pytest.approx(0.5)
     assert CEIL.compute_fraction(flops=5e10, ms=1.0) == pytest.approx(0.5)
+
+
+def test_pinned_rate_is_measured_once_per_device_and_size_capped(monkeypatch):
+    sizes = []
+    monkeypatch.setattr(ceilings, "_PINNED_GB_S", {})
+    monkeypatch.setattr(ceilings, "measure_pinned_gb_s", lambda d, n: sizes.append(n) or 20.0)
+    assert ceilings.pinned_gb_s("cuda:0", 1 << 30) == 20.0
+    assert ceilings.pinned_gb_s(torch.device("cuda", 0), 1 << 30) == 20.0
+    assert ceilings.pinned_gb_s("cuda:0", 4096) == 20.0
+    assert sizes == [ceilings.PINNED_PROBE_BYTES, 4096]
+
+
+def test_pinned_probe_refuses_a_cpu():
+    with pytest.raises(ValueError, match="CUDA"):
+        ceilings.measure_pinned_gb_s("cpu", 4096)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_pinned_probe_gives_a_rate_and_leaves_nothing_allocated():
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    rate = ceilings.measure_pinned_gb_s("cuda", 8 << 20)
+    assert math.isfinite(rate) and rate > 0
+    assert torch.cuda.memory_allocated() == before

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 GIB = 2**30
 LAUNCH_US, SYNC_US, COPY_GB_S, MATMUL_TFLOP_S = 6.0, 40.0, 1000.0, 400.0
+PINNED_GB_S = 16.384  # 16384 bytes (a 64 x 64 float32 copy) in 1 us
 SITE = Site("train.py", 12, "step")
 ADAMW = (
     "optim/adamw.py:_single_tensor_adamw",
@@ -103,6 +104,7 @@ def evidence(
             "costs": lambda: SimpleNamespace(launch_us=LAUNCH_US, sync_us=SYNC_US),
             "attention": attention,
             "products": quarter_time,
+            "pinned": lambda nbytes: PINNED_GB_S,
         },
     )
 
@@ -246,9 +248,30 @@ def test_pageable_host_to_device_copy_is_an_input_finding_not_a_sync():
     assert sync_count([pinned_in]) == 0
     pipeline = check_host.input_pipeline(evidence([upload(False), upload(False), upload(True)]))
     assert [f.kind for f in pipeline] == ["input"]
-    assert pipeline[0].saved_us == pytest.approx(50.0)
+    # the two pageable copies took 50 us; from pinned memory their 32 KiB take 2 us
+    assert pipeline[0].saved_us == pytest.approx(48.0)
+    assert f"({PINNED_GB_S:.1f} GB/s)" in pipeline[0].cost_model
     assert pipeline[0].fixes == ("pinned_batch",)
     assert check_host.input_pipeline(evidence([upload(True)])) == []
+
+
+def test_a_pinned_copy_saves_the_pageable_time_less_its_own():
+    # 1 GB: 100 ms pageable (10 GB/s), 40 ms at 25 GB/s pinned
+    assert check_host.pinned_saving_us(100e3, 10**9, 25.0) == pytest.approx(60e3)
+    assert check_host.pinned_saving_us(100e3, 10**9, 10.0) == pytest.approx(0.0)
+    assert check_host.pinned_saving_us(100e3, 10**9, 5.0) == 0.0  # slower pinned: never below 0
+    assert check_host.pinned_saving_us(100e3, 0, 25.0) == pytest.approx(100e3)
+
+
+def test_the_pinned_rate_is_asked_for_the_bytes_the_pageable_copies_move():
+    asked = []
+    upload = op("aten::copy_", info(256, 256), info(256, 256, device="cpu"), time_us=40.0,
+                outputs=(info(256, 256),))  # fmt: skip
+    found_in = evidence([upload, upload])
+    found_in.measure["pinned"] = lambda nbytes: asked.append(nbytes) or 2**19 / 10e3
+    (finding,) = check_host.input_pipeline(found_in)
+    assert asked == [2 * 2**18]  # two copies of 256 KiB
+    assert finding.saved_us == pytest.approx(70.0)  # 80 us pageable, 10 us pinned
 
 
 def test_boolean_indexing_and_data_dependent_shapes_are_syncs():

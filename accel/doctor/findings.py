@@ -105,6 +105,12 @@ class Evidence:
 
         return self.measure.get("costs", lambda: _once("costs", self.device, measure_costs))()
 
+    def pinned_gb_s(self, nbytes: int) -> float:
+        """The rate of a pinned, non-blocking copy of ``nbytes`` in to this CUDA device."""
+        from accel.measure.ceilings import pinned_gb_s
+
+        return self.measure.get("pinned", functools.partial(pinned_gb_s, self.device))(nbytes)
+
     def forward_ops(self) -> list[OpRecord]:
         return [op for op in self.recording.ops if not op.backward]
 

@@ -1,4 +1,5 @@
-"""The machine's own limits, measured: memory copy bandwidth and dense matrix-product rate.
+"""The machine's own limits, measured: memory copy bandwidth, dense matrix-product rate, and on
+CUDA the rate of a copy in from pinned host memory.
 
 Every later figure is also reported against these: a kernel that moves B bytes in t seconds ran at
 (B / t) / copy_bandwidth of what this device can move; a step's floor time is the larger of
@@ -65,6 +66,39 @@ def measure_copy_gb_s(device: torch.device, nbytes: int, repeats: int) -> float:
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), label="copy", warmup=3, repeats=repeats, device=device)
     return 2 * src.numel() * src.element_size() / (t.median_ms * 1e-3) / 1e9
+
+
+PINNED_PROBE_BYTES = 64 << 20  # a larger copy runs at the same rate, only for longer
+_PINNED_GB_S: dict[tuple[str, int], float] = {}  # (device, bytes) -> GB/s, once per process
+
+
+def measure_pinned_gb_s(device: torch.device | str, nbytes: int, repeats: int = 5) -> float:
+    """Host-to-device rate (bytes copied per second / 1e9) of a non-blocking copy of ``nbytes``
+    from pinned memory: the median of ``repeats`` copies timed with CUDA events. Its buffers go
+    back to torch's caching allocators (pinned host, device), as any freed tensor's do."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"a copy from pinned memory needs a CUDA device, got {str(device)!r}")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    t = time_fn(
+        lambda: dst.copy_(src, non_blocking=True),
+        label="pinned copy", warmup=2, repeats=repeats, device=device,
+    )  # fmt: skip
+    return nbytes / (t.median_ms * 1e-3) / 1e9
+
+
+def pinned_gb_s(device: torch.device | str, nbytes: int) -> float:
+    """:func:`measure_pinned_gb_s` at ``nbytes`` (at most :data:`PINNED_PROBE_BYTES`), measured
+    once per device and size in this process."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    size = max(1, min(int(nbytes), PINNED_PROBE_BYTES))
+    key = (str(device), size)
+    if key not in _PINNED_GB_S:
+        _PINNED_GB_S[key] = measure_pinned_gb_s(device, size)
+    return _PINNED_GB_S[key]
 
 
 def measure_matmul_tflop_s(device: torch.device, n: int, repeats: int) -> float:
