@@ -732,3 +732,25 @@ def test_backend_flags_are_put_back_after_an_error():
         assert torch.backends.cudnn.allow_tf32 is (not before[0]) and torch.backends.cudnn.benchmark
         raise RuntimeError("the step failed")
     assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.benchmark) == before
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_the_pinned_batch_trial_copies_the_batch_in_every_call():
+    # as the advised change does: a step that changes its batch in place sees the host's values
+    # again on the next call, not its own last change
+    x = torch.rand(64, 8)
+
+    def step(batch):
+        batch = batch.to("cuda")
+        total = batch.sum()
+        batch.add_(1.0)
+        return total
+
+    step_copy, parts_copy = copy_step(step, doctor.parts.find_parts(step))
+    fixed = StepCopy(step_copy, parts_copy, x, torch.device("cuda"))
+    FIXES["pinned_batch"].apply(fixed)
+    call = fixed.build()
+    first, second = call().item(), call().item()
+    assert second == pytest.approx(first, rel=1e-6)
+    assert second == pytest.approx(x.sum().item(), rel=1e-5)
