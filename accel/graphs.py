@@ -2,10 +2,9 @@
 
 A replay runs device work only (no Python, host reads or allocations): a graphed step needs
 static memory, no host-device sync inside, and fixed shapes. :class:`GraphedStep` wraps any step
-that way; :class:`GraphedOptimizerStep` graphs ``optimizer.step()`` alone; :func:`training_step`
-builds a whole step whose graph owns the gradients. ``torch.compile(mode="reduce-overhead")``
-does the same automatically (notebook 04 compares them). Off a GPU everything runs eagerly, with
-one warning saying why.
+that way; :func:`training_step` builds a whole step whose graph owns the gradients.
+``torch.compile(mode="reduce-overhead")`` does the same automatically (notebook 04 compares
+them). Off a GPU everything runs eagerly, with one warning saying why.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from accel.optim import load_state_in_place
 __all__ = [
     "GraphCaptureWarning",
     "GraphInputError",
-    "GraphedOptimizerStep",
     "GraphedStep",
     "pool_bytes",
     "training_step",
@@ -388,98 +386,6 @@ def _explain(exc: BaseException) -> str:
     if any(p in str(exc) for p in _SYNC_ERRORS):
         return f"capture failed with {text!r}; the usual cause is {_SYNC_HINT}"
     return f"capture failed with {text!r}"
-
-
-# ---- optimizer steps -----------------------------------------------------------------------------
-class GraphedOptimizerStep:
-    """``optimizer.step()`` as a CUDA graph; everything else stays eager.
-
-    On CUDA the optimizer must be capturable; off a GPU it steps eagerly. ``load_state_dict``
-    copies into the captured state (:func:`accel.optim.load_state_in_place`). The graph records
-    the gradients' addresses (zero them with ``zero_grad(set_to_none=False)``): each call checks
-    that no gradient moved, no learning rate changed (use a 0-d device tensor updated in place)
-    and no parameter was added (``reset()`` captures again), else :class:`GraphInputError`.
-    """
-
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        *,
-        warmup: int = 3,
-        fallback: Literal["warn", "raise"] = "warn",
-    ):
-        checked_instance(optimizer, torch.optim.Optimizer, "optimizer", "torch.optim.Optimizer")
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if not params:
-            raise ValueError("GraphedOptimizerStep: the optimizer has no parameters")
-        capturable = all(g.get("capturable", False) for g in optimizer.param_groups)
-        if params[0].device.type == "cuda" and not capturable:  # else: eager
-            raise ValueError(
-                f"GraphedOptimizerStep needs a capturable optimizer (its step count on the "
-                f"device); got {type(optimizer).__name__} with capturable=False. Construct it "
-                "with capturable=True"
-            )
-        self.optimizer, self.params = optimizer, params
-        load_state_in_place(optimizer)  # a resumed state reaches the captured graph
-        self.graphed = GraphedStep(  # the step's graph, its counters and pool
-            optimizer.step,
-            warmup=warmup,
-            fallback=fallback,
-            device=params[0].device,
-            name=f"{type(optimizer).__name__}.step",
-        )
-        self._grad_ptrs: list[int] | None = None
-        self._lrs: list[Any] | None = None
-
-    def __call__(self) -> None:
-        if self.graphed.graphs:
-            self._check_unchanged()
-        self.graphed()
-        if self._grad_ptrs is None and self.graphed.graphs:
-            self._grad_ptrs = [_ptr(p.grad) for p in self.params]
-            self._lrs = [_lr_token(g["lr"]) for g in self.optimizer.param_groups]
-
-    def _check_unchanged(self) -> None:
-        groups = self.optimizer.param_groups
-        then = (len(self._lrs or ()), len(self.params))
-        now = (len(groups), sum(len(g["params"]) for g in groups))
-        if now != then:
-            raise GraphInputError(
-                f"GraphedOptimizerStep: the optimizer's parameter groups changed after capture "
-                f"({then[0]} groups of {then[1]} parameters then, {now[0]} of {now[1]} now); the "
-                "graph would step only the ones it was captured with. Call reset() to capture again"
-            )
-        for i, (p, ptr) in enumerate(zip(self.params, self._grad_ptrs or (), strict=False)):
-            if _ptr(p.grad) != ptr:
-                raise GraphInputError(
-                    f"GraphedOptimizerStep: parameter {i}'s gradient is not the tensor the graph "
-                    f"was captured with ({'it is None' if p.grad is None else 'it moved'}). Zero "
-                    "gradients with zero_grad(set_to_none=False) and modify them in place"
-                )
-        for i, (g, token) in enumerate(zip(groups, self._lrs or (), strict=False)):
-            if _lr_token(g["lr"]) != token:
-                raise GraphInputError(
-                    f"GraphedOptimizerStep: param group {i}'s learning rate changed from "
-                    f"{token!r} to {_lr_token(g['lr'])!r} after capture; the graph would still "
-                    "use the old one. Give the group a 0-d tensor learning rate on the device "
-                    "and update it in place (lr.fill_(...) or lr.copy_(...))"
-                )
-
-    def reset(self) -> None:
-        """Drop the graph; the next calls warm up and capture again, over the optimizer's
-        parameters as they are then."""
-        self.graphed.reset()
-        self._grad_ptrs = self._lrs = None
-        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
-def _lr_token(lr: Any) -> Any:
-    """What must not change under a graph: a float's value, a tensor's storage."""
-    return ("tensor", lr.data_ptr()) if isinstance(lr, torch.Tensor) else float(lr)
 
 
 def training_step(

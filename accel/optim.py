@@ -2,9 +2,9 @@
 
 ``MultiTensorAdamW`` is ``torch.optim.AdamW`` (no amsgrad, no maximize) for float32 parameters
 on one CUDA device: one Triton launch (:mod:`accel.kernels.adamw`) updates every tensor of every
-group, per-group learning rates and weight decays read on the device, so it is capturable
-(:class:`accel.graphs.GraphedOptimizerStep`). As torch's, it keeps a step count per parameter;
-``betas`` and ``eps`` are shared by all groups. Where the kernel cannot run, the plain
+group, per-group learning rates and weight decays read on the device, so it is capturable (a
+whole step under :class:`accel.graphs.GraphedStep`). As torch's, it keeps a step count per
+parameter; ``betas`` and ``eps`` are shared by all groups. Where the kernel cannot run, the plain
 :func:`adamw_reference` does, after one warning. The ``state_dict`` has torch's AdamW layout;
 a loaded state is checked against the parameters before anything changes.
 """

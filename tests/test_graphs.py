@@ -1,5 +1,5 @@
 """accel.graphs: argument checks and eager fallbacks everywhere; capture, replay, shape changes,
-capture failures, memory and optimizer steps on a CUDA GPU."""
+capture failures, memory and whole training steps on a CUDA GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from conftest import CUDA, requires_cuda
 from torch import nn
 
 from accel import graphs
-from accel.graphs import GraphCaptureWarning, GraphedOptimizerStep, GraphedStep, GraphInputError
+from accel.graphs import GraphCaptureWarning, GraphedStep, GraphInputError
 
 
 def mix(x: torch.Tensor, w: torch.Tensor, scale: float = 0.5) -> torch.Tensor:
@@ -98,32 +98,6 @@ def test_sync_failures_are_explained():
     text = graphs._explain(exc)
     assert "operation not permitted" in text and ".item()" in text and "more" not in text
     assert ".item()" not in graphs._explain(ValueError("shape mismatch"))
-
-
-@requires_cuda
-def test_optimizer_step_needs_a_capturable_optimizer():
-    p = nn.Parameter(torch.randn(3, device="cuda"))
-    with pytest.raises(ValueError, match=r"needs a capturable optimizer.*capturable=True"):
-        GraphedOptimizerStep(torch.optim.AdamW([p]))
-
-
-def test_off_a_gpu_any_optimizer_steps_eagerly_with_one_warning(seed):
-    """torch's AdamW cannot step capturable on a CPU; nothing is captured there, so it need not."""
-    params = [nn.Parameter(torch.randn(5, 3)) for _ in range(2)]
-    plain = [nn.Parameter(p.detach().clone()) for p in params]
-    step = GraphedOptimizerStep(torch.optim.AdamW(params, lr=0.1), warmup=1)
-    plain_opt = torch.optim.AdamW(plain, lr=0.1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            grads = [torch.randn(5, 3) for _ in params]
-            for p, q, g in zip(params, plain, grads, strict=True):
-                p.grad, q.grad = g.clone(), g.clone()
-            step()
-            plain_opt.step()
-    assert sum(issubclass(w.category, GraphCaptureWarning) for w in caught) == 1
-    for p, q in zip(params, plain, strict=True):
-        torch.testing.assert_close(p, q)
 
 
 def _model(seed: int, device) -> nn.Module:
@@ -363,78 +337,6 @@ def _capturable_pair(seed: int, lr):
         )
 
     return model, reference, adamw(model, True), adamw(reference, False)
-
-
-def _backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    nn.functional.mse_loss(model(x), y).backward()
-
-
-@requires_cuda
-def test_graphed_optimizer_step_equals_eager_adamw(seed):
-    lr = torch.tensor(1e-2, device="cuda")
-    model, reference, opt, ref_opt = _capturable_pair(seed, lr)
-    ref_lr = 1e-2
-    step = GraphedOptimizerStep(opt, warmup=2)
-    for i in range(15):
-        x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
-        for m, o in ((model, opt), (reference, ref_opt)):
-            o.zero_grad(set_to_none=False)
-            _backward(m, x, y)
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)  # outside the graph
-        step()
-        ref_opt.step()
-        if i == 8:  # a schedule: the device learning rate changed in place is seen
-            lr.fill_(3e-3)
-            for g in ref_opt.param_groups:
-                g["lr"] = ref_lr = 3e-3
-    assert ref_lr == 3e-3 and step.graphed.graphs == 1 and step.graphed.replays == 13
-    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-
-
-@requires_cuda
-def test_graphed_optimizer_step_refuses_moved_gradients_and_new_float_lrs(seed):
-    model, _, opt, _ = _capturable_pair(seed, 1e-2)
-    step = GraphedOptimizerStep(opt, warmup=1)
-    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
-    for _ in range(3):
-        opt.zero_grad(set_to_none=False)
-        _backward(model, x, y)
-        step()
-    opt.param_groups[0]["lr"] = 5e-3
-    with pytest.raises(GraphInputError, match=r"learning rate changed from 0.01 to 0.005"):
-        step()
-    opt.param_groups[0]["lr"] = 1e-2
-    old_grads = [p.grad for p in model.parameters()]  # held, so new ones land elsewhere
-    opt.zero_grad(set_to_none=True)
-    _backward(model, x, y)
-    assert old_grads[0].data_ptr() != next(model.parameters()).grad.data_ptr()
-    with pytest.raises(GraphInputError, match=r"gradient is not the tensor.*set_to_none=False"):
-        step()
-
-
-@requires_cuda
-def test_graphed_optimizer_step_refuses_a_group_added_after_capture(seed):
-    """The graph steps the parameters it was captured with: a group added later would never be
-    stepped. After reset() the next calls capture again, the new group included."""
-    model, _, opt, _ = _capturable_pair(seed, 1e-2)
-    step = GraphedOptimizerStep(opt, warmup=1)
-    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
-    for _ in range(3):
-        opt.zero_grad(set_to_none=False)
-        _backward(model, x, y)
-        step()
-    assert step.graphed.graphs == 1
-    extra = nn.Parameter(torch.randn(5, device="cuda"))
-    extra.grad = torch.randn(5, device="cuda")
-    opt.add_param_group({"params": [extra]})
-    with pytest.raises(GraphInputError, match=r"groups changed after capture \(1 groups of 4"):
-        step()
-    step.reset()
-    before = extra.detach().clone()
-    for _ in range(3):
-        step()
-    assert step.graphed.graphs == 1 and not torch.equal(extra, before)
 
 
 @requires_cuda

@@ -137,11 +137,6 @@ MISTAKES = {
         TypeError,
         r"dim must be an int >= 2, got '4' \(str\)",
     ),
-    "GraphedOptimizerStep of a string": (
-        lambda: graphs.GraphedOptimizerStep("adam"),
-        TypeError,
-        r"optimizer must be a torch\.optim\.Optimizer, got 'adam' \(str\)",
-    ),
     "training_step max_grad_norm string": (
         lambda: graphs.training_step(*_trainable(), max_grad_norm="1"),
         TypeError,

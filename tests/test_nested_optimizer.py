@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from accel import sync
-from accel.optim import MultiTensorAdamW
 from accel.workloads import nested_optimizer as no
 from accel.workloads.byte_gpt import load_text
 from accel.workloads.flags import all_on, describe
@@ -210,33 +209,17 @@ def test_flags_keep_the_baseline_on_cuda(case):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(
-    ("mode", "one_launch"),
-    [("optimizer_step", False), ("optimizer_step", True), ("whole_step", False)],
-)
 @pytest.mark.parametrize("every", [1, 4])
-def test_graphed_steps_keep_the_eager_result(mode, one_launch, every):
-    """Eager warm-up, capture, then replays (whole_step: one graph per schedule slot); the
-    one-launch AdamW graphed against torch's fused AdamW eager."""
+def test_the_graphed_whole_step_keeps_the_eager_result(every):
+    """Eager warm-up, capture, then replays: one graph per controller schedule slot."""
     eager = dataclasses.replace(FAST, controller_update_every=every)
-    if one_launch:
-        graphed = dataclasses.replace(eager, cuda_graph=mode, one_launch_adamw=True)
-        step = no.build(graphed, CPU, device="cuda")
-        for _ in range(20):
-            step()
-        assert isinstance(step.optimizer, MultiTensorAdamW) and step.optimizer.uses_kernel
-        assert step.graphed_optimizer.graphed.graphs == 1
-        reference = run(eager, device="cuda", steps=20)
-        no.compare_results(step.result(), reference, eager, sizes=CPU, steps=20)
-        return
-    graphed = dataclasses.replace(eager, cuda_graph=mode)
-    step = no.build(graphed, CPU, device="cuda")
+    step = no.build(dataclasses.replace(eager, cuda_graph="whole_step"), CPU, device="cuda")
     steps = 20  # every schedule slot warms up (3 eager calls), is captured and replayed
     for _ in range(steps):
         step()
-    graph = step.graphed_step if mode == "whole_step" else step.graphed_optimizer.graphed
+    graph = step.graphed_step
     assert graph.reason is None and graph.replays > 0
-    assert graph.graphs == (2 if mode == "whole_step" and every > 1 else 1)
+    assert graph.graphs == (2 if every > 1 else 1)
     reference = run(eager, device="cuda", steps=steps)
     no.compare_results(step.result(), reference, eager, sizes=CPU, steps=steps)
 

@@ -225,7 +225,7 @@ def test_graphed_step_equals_eager_over_many_replays(seed):
     graphed_opt = MultiTensorAdamW([{"params": graph_params, "lr": lr}])
     for p in eager_params + graph_params:
         p.grad = torch.zeros_like(p)
-    graphed = graphs.GraphedOptimizerStep(graphed_opt)
+    graphed = graphs.GraphedStep(graphed_opt.step, device="cuda")
     for _ in range(20):
         fresh = [torch.randn(p.shape, generator=gen).cuda() for p in eager_params]
         for p, q, g in zip(eager_params, graph_params, fresh, strict=True):
@@ -233,7 +233,7 @@ def test_graphed_step_equals_eager_over_many_replays(seed):
             q.grad.copy_(g)  # in place: the graph reads these addresses
         eager.step()
         graphed()
-    assert graphed.graphed.graphs == 1
+    assert graphed.graphs == 1
     for a, b in zip(eager_params, graph_params, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
@@ -437,7 +437,8 @@ def test_a_graph_captured_before_a_load_resumes_from_the_loaded_state(make, seed
     params = [p.detach().clone().requires_grad_() for p in start]
     for p in params:
         p.grad = torch.zeros_like(p)
-    graphed = graphs.GraphedOptimizerStep(optimizer(params))
+    opt = load_state_in_place(optimizer(params))  # a load reaches the captured graph
+    graphed = graphs.GraphedStep(opt.step, device="cuda")
 
     def steps(these):
         for g_list in these:
@@ -446,16 +447,16 @@ def test_a_graph_captured_before_a_load_resumes_from_the_loaded_state(make, seed
             graphed()
 
     steps(grads[:5])
-    saved = _through_bytes(graphed.optimizer.state_dict())
+    saved = _through_bytes(opt.state_dict())
     weights = [p.detach().clone() for p in params]
     steps(grads[5:])
     uninterrupted = [p.detach().clone() for p in params]
-    graphed.optimizer.load_state_dict(saved)  # back to step 5, into the captured graph
+    opt.load_state_dict(saved)  # back to step 5, into the captured graph
     with torch.no_grad():
         for p, w in zip(params, weights, strict=True):
             p.copy_(w)
     steps(grads[5:])
-    assert graphed.graphed.graphs == 1
+    assert graphed.graphs == 1
     for a, b in zip(params, uninterrupted, strict=True):
         assert torch.equal(a, b)
 

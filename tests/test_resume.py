@@ -59,14 +59,6 @@ def test_nested_optimizer_step_resumes_exactly(case):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize(
-    "flags",
-    [
-        dataclasses.replace(CASES["fast"], cuda_graph="optimizer_step"),
-        dataclasses.replace(CASES["fast"], cuda_graph="optimizer_step", one_launch_adamw=True),
-        dataclasses.replace(CASES["fast"], cuda_graph="whole_step", controller_update_every=2),
-    ],
-    ids=["graphed optimizer", "graphed one-launch", "whole step graphed"],
-)
-def test_graphed_nested_optimizer_step_resumes_exactly(flags):
+def test_graphed_nested_optimizer_step_resumes_exactly():
+    flags = dataclasses.replace(CASES["fast"], cuda_graph="whole_step", controller_update_every=2)
     _resume_equals_uninterrupted(flags, "cuda", steps=12, cut=7)  # the cut falls after capture

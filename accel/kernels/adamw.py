@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 # 1024 elements on 8 warps: one 16-byte access per tensor per thread. The step's time against
-# the copy bandwidth is in results/*.csv, phase=graphs, case optimizer_step_vs_bytes.
+# the copy bandwidth is in results/*.csv, phase=overhead, the adamw sweep's bandwidth rows.
 BLOCK = 1024
 NUM_WARPS = 8
 FIELDS = 7  # table rows: parameter, gradient, exp_avg, exp_avg_sq, step addresses; numel; group

@@ -100,11 +100,11 @@ class Flags:
         adopted=False,
     )
     cuda_graph: str = option(
-        "replay a CUDA graph instead of launching each kernel: of the AdamW step alone "
-        "('optimizer_step'), or of forward, backward, controller, clipping and step ('whole_step')",
+        "replay a CUDA graph of forward, backward, controller, clipping and step ('whole_step') "
+        "instead of launching each kernel",
         "graphs",
         default="none",
-        choices=("none", "optimizer_step", "whole_step"),
+        choices=("none", "whole_step"),
         requires="cuda",
     )
 
@@ -229,14 +229,12 @@ def apply_device_lrs(step: Step) -> bool:
     return True
 
 
-def apply_cuda_graph(step: Step) -> tuple[Any, Any]:
-    """``cuda_graph``: (the graphed AdamW step, the graphed whole step), each None unless asked
-    for. A whole step is recaptured per controller schedule slot (``update`` changes the graph)."""
-    mode = step.flags.cuda_graph
-    optimizer = graphs.GraphedOptimizerStep(step.optimizer) if mode == "optimizer_step" else None
-    if mode != "whole_step":
-        return optimizer, None
-    return optimizer, graphs.GraphedStep(
+def apply_cuda_graph(step: Step) -> graphs.GraphedStep | None:
+    """``cuda_graph``: the graphed whole step, None unless asked for. It is recaptured per
+    controller schedule slot (``update`` changes the graph)."""
+    if step.flags.cuda_graph != "whole_step":
+        return None
+    return graphs.GraphedStep(
         step._whole_step, on_new_shape="recapture", device=step.device, name="whole_step"
     )
 
@@ -277,7 +275,7 @@ class Step:
         self._features_then = torch.zeros(G, LRController.FEATURES, device=device)
         self._loss_then = torch.zeros((), device=device)
         self._has_last = False
-        self.graphed_optimizer, self.graphed_step = apply_cuda_graph(self)
+        self.graphed_step = apply_cuda_graph(self)
         self.losses: list[torch.Tensor] = []
         self.grad_norm = torch.zeros((), device=device)
         self.steps = 0
@@ -304,9 +302,7 @@ class Step:
         """Zero the gradients, run forward and backward on the next batch (or ``inputs``,
         (B, T + 1) bytes); returns the loss, detached, on the device."""
         batch = self.inputs[self.steps % len(self.inputs)] if inputs is None else inputs
-        # a graphed optimizer step reads the gradients where it captured them
-        in_place = self.graphed_optimizer is not None
-        self.optimizer.zero_grad(set_to_none=self.flags.set_to_none_grads and not in_place)
+        self.optimizer.zero_grad(set_to_none=self.flags.set_to_none_grads)
         bf16 = self.flags.bf16_autocast
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = self.model(batch[:, :-1])
@@ -327,10 +323,7 @@ class Step:
         grad_norm = fusion.clip_grad_norm_(
             self.params, self.sizes.max_grad_norm, foreach=self.flags.fused_clip
         )
-        if self.graphed_optimizer is not None:
-            self.graphed_optimizer()
-        else:
-            self.optimizer.step()
+        self.optimizer.step()
         return grad_norm
 
     def update_learning_rates(self, loss: torch.Tensor) -> None:

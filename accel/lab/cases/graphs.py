@@ -1,8 +1,8 @@
 """Bench phase ``graphs`` (notebook 04): CUDA graphs against the best eager code, with
 ``torch.compile(mode="reduce-overhead")`` timed beside each (its compile time apart): the
-field-trainer window, its replay against its kernels' time, the nested optimizer's AdamW step
-(``accel.optim.MultiTensorAdamW`` captured) and a small launch-bound model's whole step. Off a
-GPU there is nothing to capture: the rows say so and time only the eager forms."""
+field-trainer window, its replay against its kernels' time and a small launch-bound model's
+whole step. Off a GPU there is nothing to capture: the rows say so and time only the eager
+forms."""
 
 from __future__ import annotations
 
@@ -45,9 +45,7 @@ SMALL = {
     "gpu": no.Sizes(layers=4, width=256, heads=4, context=128, batch=8),
     "cpu": no.Sizes.preset("cpu"),
 }
-TARGETS = {"window": 1.6, "optimizer_step": 1.5, "optimizer_bytes": 1.3, "whole_step": 3.0,
-           "replay_vs_kernels": 1.15}  # fmt: skip
-ADAMW_BYTES_PER_PARAM = 7 * 4  # reads param, grad, exp_avg, exp_avg_sq; writes three (fp32)
+TARGETS = {"window": 1.6, "whole_step": 3.0, "replay_vs_kernels": 1.15}
 
 
 @dataclass
@@ -259,66 +257,6 @@ def replay_accounts(
     return accounts
 
 
-# ---- the optimizer step ------------------------------------------------------------------------
-def optimizer_variants(sizes: no.Sizes, device) -> dict:
-    """``optimizer.step()`` of the nested optimizer's model: eager fused AdamW, accel's
-    one-launch AdamW graphed, and fused AdamW under compile reduce-overhead."""
-    graphed = dataclasses.replace(EAGER_STEP, one_launch_adamw=True, cuda_graph="optimizer_step")
-    built = {
-        "eager fused": no.build(EAGER_STEP, sizes, device=device),
-        "graphed one launch": no.build(graphed, sizes, device=device),
-    }
-    for _ in range(5):  # the graphed one: 3 eager warm-ups, a capture, a replay
-        for step in built.values():
-            step()
-    reference = built["eager fused"].result()
-    for step in built.values():
-        no.compare_results(step.result(), reference, EAGER_STEP, sizes=sizes, steps=step.steps)
-    steps = {label: step.graphed_optimizer or step.optimizer.step for label, step in built.items()}
-    compiled = compile_reduce_overhead(lambda: _compiled_optimizer(sizes, device), device)
-    compiled.add_to(steps)
-    params = sum(p.numel() for p in built["eager fused"].params)
-    return {"steps": steps, "compiled": compiled, "params": params, "built": built}
-
-
-def _compiled_optimizer(sizes: no.Sizes, device) -> Callable[[], None]:
-    step = no.build(EAGER_STEP, sizes, device=device)
-    for _ in range(2):
-        step()
-    return _step_begin(torch.compile(step.optimizer.step, mode="reduce-overhead"))
-
-
-def optimizer_rows(ctx: BenchContext) -> list[Row]:
-    """Judged: accel's one-launch AdamW graphed against torch's fused AdamW eager (the
-    baseline), and against the step's bytes over the copy bandwidth."""
-    sizes, judged, where = no.Sizes.preset(ctx.preset), ctx.judged, ctx.where
-    if ctx.device.type != "cuda":
-        return [_not_run("optimizer_step", "AdamW step graphed", where)]
-    v = optimizer_variants(sizes, ctx.device)
-    timing = compare(v["steps"], warmup=3, repeats=50, device=ctx.device)
-    graphed_ms = timing.timings["graphed one launch"].median_ms
-    eager_ms = timing.timings["eager fused"].median_ms
-    bytes_moved = v["params"] * ADAMW_BYTES_PER_PARAM
-    floor_ms = bytes_moved / (ctx.ceilings.copy_gb_s * 1e9) * 1e3
-    pool = v["built"]["graphed one launch"].graphed_optimizer.graphed.pool_bytes
-    return [
-        Row("graphs", "optimizer_step", f"AdamW step over {v['params'] / 1e6:.1f}M parameters in "
-            f"{sizes.groups} groups, eager fused vs graphed one launch", "ms", graphed_ms,
-            baseline=eager_ms, target=f">= {TARGETS['optimizer_step']}x",
-            met=eager_ms / graphed_ms >= TARGETS["optimizer_step"] if judged else None,
-            note=f"{where}; accel.optim.MultiTensorAdamW (one Triton launch for every group) "
-            f"captured, clipping outside the graph; pool {pool / 2**20:.1f} MiB; "
-            f"{v['compiled'].note(timing)}"),
-        Row("graphs", "optimizer_step_vs_bytes", f"graphed one-launch AdamW step against its "
-            f"{bytes_moved / 1e9:.2f} GB over the copy bandwidth", "ms", graphed_ms,
-            baseline=floor_ms, fraction_of_ceiling=floor_ms / graphed_ms,
-            target=f"<= {TARGETS['optimizer_bytes']}x the copy time",
-            met=graphed_ms / floor_ms <= TARGETS["optimizer_bytes"] if judged else None,
-            note=f"{where}; 7 fp32 tensors per parameter (4 read, 3 written) at the measured "
-            f"{ctx.ceilings.copy_gb_s:.0f} GB/s (read + write)"),
-    ]  # fmt: skip
-
-
 # ---- a whole training step of a small model ---------------------------------------------------
 def whole_step_variants(sizes: no.Sizes, device, *, with_compile: bool = True) -> dict:
     """Eager, hand-graphed (forward, backward, controller, clipping, AdamW in one graph) and
@@ -370,4 +308,4 @@ def _not_run(case: str, what: str, where: str) -> Row:
 
 def run(ctx: BenchContext) -> list[Row]:
     cost = measure_costs(ctx.device)
-    return [*window_rows(ctx, cost), *optimizer_rows(ctx), *whole_step_rows(ctx)]
+    return [*window_rows(ctx, cost), *whole_step_rows(ctx)]
