@@ -3,7 +3,7 @@
 A Python loop over ~150 parameter tensors launches a kernel or two per tensor per statistic;
 ``torch._foreach_*`` ops take the whole list in a handful of launches. Each fast version sits
 beside its plain reference: ``foreach=`` picks between them in :func:`group_stats` (no host
-read); :func:`lior_step_fused` and :func:`retrieval_mix_fused` beside their plain forms;
+read); :func:`lior_step_fused` beside its plain form;
 :class:`CompiledFunction` makes ``torch.compile``'s recompiles per shape visible. Norms
 accumulate in float32 (float64 for float64 tensors). Clipping is torch's own
 ``torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)``.
@@ -198,23 +198,6 @@ def lior_step_fused(
     """LIoR and the speed from one quadratic form: ``(R_sc * spd, spd)``."""
     spd = quad_form(v, g, eps)
     return R_sc * spd, spd
-
-
-# ---- retrieval: softmax weights mixing a bank's values -----------------------------------------
-def retrieval_mix(cost: torch.Tensor, values: torch.Tensor, beta: float) -> torch.Tensor:
-    """Weights ``softmax(-beta * cost)`` (B, M) mix the bank's values (M, d) into (B, d).
-
-    The reference: materializes the (B, M, d) product (written once, read once by the sum).
-    """
-    w = torch.softmax(-beta * cost, dim=-1)
-    return (values.unsqueeze(0) * w.unsqueeze(-1)).sum(1)
-
-
-def retrieval_mix_fused(cost: torch.Tensor, values: torch.Tensor, beta: float) -> torch.Tensor:
-    """:func:`retrieval_mix` fused by hand: the weighted sum over the bank is a matrix product
-    ``w @ values``, so no (B, M, d) intermediate exists: B*M*d fewer elements written and read
-    (3 operators instead of 4; on a GPU cuBLAS may run the product as two kernels)."""
-    return torch.softmax(-beta * cost, dim=-1) @ values
 
 
 class CompiledFunction:

@@ -135,7 +135,7 @@ def test_group_stats_reads_nothing_back(gen, count_host_reads):
     assert sum(stats.values()) == 0
 
 
-# ---- fused LIoR and retrieval -------------------------------------------------------------------
+# ---- fused LIoR ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("metric", ["full", "diag"])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 7), (3, 9, 16)])
 def test_lior_fused_equals_reference(gen, metric, shape):
@@ -153,18 +153,6 @@ def test_lior_fused_equals_reference(gen, metric, shape):
         else (v.double() ** 2 * g.double()).sum(-1)
     )
     torch.testing.assert_close(spd.double(), (q + 1e-6).sqrt(), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize(
-    ("dtype", "atol", "rtol"),
-    [(torch.float32, 1e-6, 1e-5), (torch.float64, 1e-12, 1e-12), (torch.bfloat16, 2e-2, 2e-2)],
-)
-@pytest.mark.parametrize(("B", "M", "d"), [(1, 1, 1), (5, 123, 7), (64, 33, 16)])
-def test_retrieval_mix_fused_equals_reference(gen, B, M, d, dtype, atol, rtol):
-    cost = (torch.rand(B, M, generator=gen) * 3).to(dtype)
-    values = torch.randn(M, d, generator=gen).to(dtype)
-    fast = fusion.retrieval_mix_fused(cost, values, 2.0)
-    torch.testing.assert_close(fast, fusion.retrieval_mix(cost, values, 2.0), atol=atol, rtol=rtol)
 
 
 # ---- compile once per shape ---------------------------------------------------------------------

@@ -169,29 +169,6 @@ def test_group_stats_foreach_equals_the_loop(groups, dtype, seed):
 
 @settings(**SETTINGS)
 @given(
-    B=st.integers(0, 4),
-    M=st.integers(1, 6),
-    d=st.integers(1, 8),
-    beta=st.sampled_from([0.1, 1.0, 30.0]),
-    layout=st.sampled_from(("contiguous", "transposed", "broadcast")),
-    seed=st.integers(0, 2**16),
-)
-def test_retrieval_mix_fused_equals_the_reference(B, M, d, beta, layout, seed):
-    cost = tensor((B, M), torch.float32, layout if B else "contiguous", seed)
-    values = tensor(
-        (M, d), torch.float32, "transposed" if layout == "transposed" else "contiguous", seed + 1
-    )
-    # a matrix product instead of a product-and-sum: float32 summation order over M terms
-    torch.testing.assert_close(
-        fusion.retrieval_mix_fused(cost, values, beta),
-        fusion.retrieval_mix(cost, values, beta),
-        rtol=1e-5,
-        atol=1e-6,
-    )
-
-
-@settings(**SETTINGS)
-@given(
     rows=st.integers(0, 5),
     d=st.integers(1, 6),
     full=st.booleans(),

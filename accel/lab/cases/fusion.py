@@ -1,10 +1,9 @@
 """Bench phase ``fusion`` (notebook 02): many-tensor work as foreach and fused kernels (group
 statistics, clipping, AdamW, launches per optimizer step, the whole step), and the field
-trainer's fused LIoR and fused retrieval."""
+trainer's fused LIoR."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -19,7 +18,7 @@ from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase
 
-# Phase 2 of the field trainer: the quadratic form once, and the retrieval's mix fused by hand.
+# Phase 2 of the field trainer: the quadratic form once.
 PHASE1 = through_phase(ft.Flags, "sync")  # the field trainer as 01_sync leaves it
 PHASE2 = through_phase(ft.Flags, "fusion")
 FUSION_FLAGS = through_phase(no.Flags, "fusion")
@@ -177,17 +176,12 @@ def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) 
     return rows
 
 
-# The window with phase 2's flags (the target row) and with its larger flag alone, against
-# phase 1 in one interleaved comparison.
-FIELD_CONFIGS = {
-    "phase 1": PHASE1,
-    "+ fused_lior": dataclasses.replace(PHASE1, fused_lior=True),
-    "phase 1+2": PHASE2,
-}
+FIELD_CONFIGS = {"phase 1": PHASE1, "phase 1+2": PHASE2}
 
 
 def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
-    """Phase 1 against each of :data:`FIELD_CONFIGS`, with the launches a window saves."""
+    """Phase 1 against phase 2's flags in one interleaved comparison, with the launches a window
+    saves."""
     sizes = ft.Sizes.preset(ctx.preset)
     steps = {label: ft.build(f, sizes, device=ctx.device) for label, f in FIELD_CONFIGS.items()}
     for step in steps.values():
@@ -196,19 +190,8 @@ def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
     for step in steps.values():  # correctness before timing
         ft.compare_results(step.result(), reference, step.flags, sizes=sizes, steps=step.windows)
     timing = compare(steps, warmup=3, repeats=30, device=ctx.device)
-    rows = []
-    for label in list(FIELD_CONFIGS)[1:]:
-        saved = launches_saved(steps["phase 1"], steps[label], ctx.device)
-        note = f"{saved:.0f} fewer launches per window; cost model predicted "
-        note += _predicted(model, timing, saved)
-        if label == "phase 1+2":
-            metric = "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval"
-            rows.append(_speed_row("field_trainer_window", metric, timing, label, ctx, note))
-            continue
-        rows.append(Row(
-            "fusion", f"field_trainer_window {label}",
-            f"time per window, phase-1 flags vs phase 1 {label} alone", "ms",
-            timing.timings[label].median_ms, baseline=timing.timings["phase 1"].median_ms,
-            note=f"{ctx.where}; no target (the target row has phase 2's flags); {note}",
-        ))  # fmt: skip
-    return rows
+    saved = launches_saved(steps["phase 1"], steps["phase 1+2"], ctx.device)
+    note = f"{saved:.0f} fewer launches per window; cost model predicted "
+    note += _predicted(model, timing, saved)
+    metric = "time per window, phase-1 flags vs phase-1 + fused_lior"
+    return [_speed_row("field_trainer_window", metric, timing, "phase 1+2", ctx, note)]
