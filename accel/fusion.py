@@ -3,9 +3,8 @@
 A Python loop over ~150 parameter tensors launches a kernel or two per tensor per statistic;
 ``torch._foreach_*`` ops take the whole list in a handful of launches. Each fast version sits
 beside its plain reference: ``foreach=`` picks between them in :func:`group_stats` (no host
-read); :func:`lior_step_fused` beside its plain form;
-:class:`CompiledFunction` makes ``torch.compile``'s recompiles per shape visible. Norms
-accumulate in float32 (float64 for float64 tensors). Clipping is torch's own
+read); :func:`lior_step_fused` beside :func:`lior_step`. Norms accumulate in float32 (float64
+for float64 tensors). Clipping is torch's own
 ``torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)``.
 """
 
@@ -13,13 +12,10 @@ from __future__ import annotations
 
 import functools
 import reprlib
-import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from accel.errors import checked_callable, checked_count
 from accel.sync import to_device_without_sync
 
 Tensors = torch.Tensor | Iterable[torch.Tensor]
@@ -198,130 +194,3 @@ def lior_step_fused(
     """LIoR and the speed from one quadratic form: ``(R_sc * spd, spd)``."""
     spd = quad_form(v, g, eps)
     return R_sc * spd, spd
-
-
-class CompiledFunction:
-    """``fn`` through ``torch.compile`` with static shapes and ``fullgraph``, counting compiles.
-
-    ``compiles`` counts the graphs the backend was handed (one per input shape; a new Python
-    number is a new compile too), ``signatures`` their input shapes; past ``max_compiles`` a
-    warning says so. ``direct=True`` calls a compiled graph straight away, skipping dynamo's
-    frame evaluation, when a call's tensor layouts, other arguments, grad mode and autocast state
-    match a call that compiled a graph taking exactly those tensors: for pure functions of their
-    tensor arguments only. :meth:`check` compiles on an example and compares with ``fn``.
-    """
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        *,
-        backend: str | Callable[..., Any] = "inductor",
-        max_compiles: int = 8,
-        direct: bool = False,
-    ):
-        self.fn = checked_callable(fn, "CompiledFunction(fn)")
-        self.max_compiles = checked_count(max_compiles, "max_compiles", at_least=1)
-        self.direct = direct
-        self.compiles = 0
-        self.calls = 0
-        self.direct_calls = 0
-        self.signatures: list[tuple] = []
-        self._backend = backend
-        self._last_graph: tuple[Callable, list[Any]] | None = None  # (compiled, example inputs)
-        self._direct: dict[tuple, tuple[Callable, bool]] = {}  # key -> (graph, returns a tuple)
-        self._compiled = torch.compile(
-            fn, backend=self._counting_backend, dynamic=False, fullgraph=True
-        )
-        self.__name__ = getattr(fn, "__name__", "compiled")
-        self.__doc__ = fn.__doc__
-
-    def _counting_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        self.compiles += 1
-        self.signatures.append(
-            tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in example_inputs)
-        )
-        if self.compiles == self.max_compiles + 1:
-            warnings.warn(
-                f"{self.__name__}: compiled {self.compiles} graphs; latest input shapes: "
-                f"{self.signatures[-3:]}. Each new shape costs a compile: pad or bucket the "
-                "shapes, or compile with dynamic=True.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        backend = self._backend
-        if isinstance(backend, str):
-            from torch._dynamo import lookup_backend
-
-            backend = lookup_backend(backend)
-        compiled = backend(gm, example_inputs)
-        self._last_graph = (compiled, list(example_inputs))
-        return compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if not self.direct or kwargs:
-            return self._compiled(*args, **kwargs)
-        key = _direct_key(args)
-        hit = self._direct.get(key) if key is not None else None
-        if hit is not None:
-            self.direct_calls += 1
-            graph, returns_tuple = hit
-            outs = graph(*[a for a in args if isinstance(a, torch.Tensor)])
-            return tuple(outs) if returns_tuple else outs[0]
-        self._last_graph = None
-        out = self._compiled(*args)
-        if key is not None and not torch.compiler.is_compiling():
-            self._remember(key, args, out)
-        return out
-
-    def _remember(self, key: tuple, args: tuple, out: Any) -> None:
-        """Keep the graph just compiled for direct calls if it takes exactly this call's
-        tensors, in order, and returns tensors only (a graph that read anything else, or a
-        call that compiled nothing new, stays with dynamo)."""
-        if self._last_graph is None:
-            return
-        graph, inputs = self._last_graph
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        same_inputs = len(inputs) == len(tensors) and all(
-            x is t for x, t in zip(inputs, tensors, strict=False)
-        )
-        returns_tuple = isinstance(out, tuple)
-        outs = out if returns_tuple else (out,)
-        if not all(isinstance(o, torch.Tensor) for o in outs):
-            return
-        if same_inputs and not any(t.requires_grad for t in tensors):
-            self._direct[key] = (graph, returns_tuple)
-
-    def check(self, *args: Any, rtol: float = 1e-5, atol: float = 1e-6, **kwargs: Any) -> Any:
-        """Call once (compiling for these shapes now) and assert the result matches ``fn``."""
-        out = self(*args, **kwargs)
-        torch.testing.assert_close(out, self.fn(*args, **kwargs), rtol=rtol, atol=atol)
-        if self.direct and not kwargs and _direct_key(args) in self._direct:  # direct too
-            torch.testing.assert_close(self(*args), out, rtol=0, atol=0)
-        return out
-
-    def __repr__(self) -> str:
-        direct = f", direct_calls={self.direct_calls}" if self.direct else ""
-        return (
-            f"CompiledFunction({self.__name__}, compiles={self.compiles}, calls={self.calls}"
-            f"{direct})"
-        )
-
-
-def _direct_key(args: tuple) -> tuple | None:
-    """What a static-shape graph depends on, per argument (None if an argument is unhashable):
-    tensor layout, or the value itself for Python numbers and strings."""
-    key: list[Any] = [torch.is_grad_enabled(), torch.is_autocast_enabled()]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.shape, a.stride(), a.dtype, a.device, a.requires_grad))
-        elif isinstance(a, (int, float, bool, str, type(None))):
-            key.append((type(a), a))
-        else:
-            return None
-    return tuple(key)
-
-
-def compile_per_shape(fn: Callable[..., Any], **kwargs: Any) -> CompiledFunction:
-    """Compile ``fn`` once per input shape, counting compiles (see :class:`CompiledFunction`)."""
-    return CompiledFunction(fn, **kwargs)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -153,84 +152,6 @@ def test_lior_fused_equals_reference(gen, metric, shape):
         else (v.double() ** 2 * g.double()).sum(-1)
     )
     torch.testing.assert_close(spd.double(), (q + 1e-6).sqrt(), rtol=1e-5, atol=1e-6)
-
-
-# ---- compile once per shape ---------------------------------------------------------------------
-def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.tanh(x) * scale + x
-
-
-def test_compiled_function_counts_one_compile_per_shape(gen):
-    # the "eager" backend runs dynamo's capture without code generation: seconds, not minutes
-    f = fusion.compile_per_shape(scaled_tanh, backend="eager")
-    a, b = torch.randn(4, 3, generator=gen), torch.randn(5, 3, generator=gen)
-    f.check(a, 2.0)
-    for _ in range(3):
-        torch.testing.assert_close(f(a, 2.0), scaled_tanh(a, 2.0))
-    assert f.compiles == 1 and f.calls == 4
-    f(b, 2.0)
-    assert f.compiles == 2 and f.signatures == [((4, 3),), ((5, 3),)]
-    f(a, 3.0)  # a Python float is a constant to dynamo: a new value is a new compile
-    assert f.compiles == 3
-    assert "compiles=3" in repr(f)
-
-
-def test_compiled_function_warns_on_shape_churn(gen):
-    f = fusion.compile_per_shape(scaled_tanh, backend="eager", max_compiles=2)
-    with pytest.warns(RuntimeWarning, match="compiled 3 graphs"):
-        for n in range(1, 4):
-            f(torch.randn(n, generator=gen), 1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        f(torch.randn(2, generator=gen), 1.0)  # seen before: no compile, no warning
-
-
-def _scaled_sin(x: torch.Tensor, scale: float) -> torch.Tensor:
-    return torch.sin(x) * scale - x  # its own code object: dynamo's recompile limit is per code
-
-
-def test_direct_calls_skip_dynamo_once_the_signature_is_known(gen):
-    f = fusion.compile_per_shape(_scaled_sin, backend="eager", direct=True)
-    a, b = torch.randn(4, 3, generator=gen), torch.randn(5, 3, generator=gen)
-    f.check(a, 2.0)  # compiles, then checks the direct call against dynamo's result
-    for x in (a, torch.randn(4, 3, generator=gen)):  # fresh values, same signature
-        torch.testing.assert_close(f(x, 2.0), _scaled_sin(x, 2.0), rtol=0, atol=0)
-    assert (f.compiles, f.calls, f.direct_calls) == (1, 4, 3)
-    torch.testing.assert_close(f(b, 2.0), _scaled_sin(b, 2.0))  # new shape: dynamo compiles
-    torch.testing.assert_close(f(a, 3.0), _scaled_sin(a, 3.0))  # new constant: compiles too
-    torch.testing.assert_close(f(a.T, 2.0), _scaled_sin(a.T, 2.0))  # other strides
-    assert f.compiles == 4 and len(f._direct) == 4
-    assert "direct_calls=" in repr(f)
-
-
-def _two_outputs(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x + y, x * y
-
-
-def test_direct_calls_return_tuples_and_keep_dynamo_where_unsafe(gen):
-    f = fusion.compile_per_shape(_two_outputs, backend="eager", direct=True)
-    x, y = torch.randn(3, generator=gen), torch.randn(3, generator=gen)
-    for _ in range(2):
-        out = f(x, y)
-        assert isinstance(out, tuple) and len(out) == 2
-        torch.testing.assert_close(out, _two_outputs(x, y), rtol=0, atol=0)
-    assert f.direct_calls == 1
-    # inputs that need grad: the graph is an autograd one, dynamo keeps it
-    w = x.clone().requires_grad_(True)
-    for _ in range(2):
-        (f(w, y)[1].sum()).backward()
-    torch.testing.assert_close(w.grad, 2 * y)
-    # a graph that reads a tensor other than its arguments is never called directly
-    bias = torch.randn(3, generator=gen)
-    g = fusion.compile_per_shape(lambda t: t + bias, backend="eager", direct=True)
-    for _ in range(2):
-        torch.testing.assert_close(g(x), x + bias)
-    assert g.direct_calls == 0 and not g._direct
-    # an unhashable argument: dynamo, every time
-    h = fusion.compile_per_shape(lambda t, ks: t * ks[0], backend="eager", direct=True)
-    for _ in range(2):
-        torch.testing.assert_close(h(x, [2.0]), x * 2.0)
-    assert h.direct_calls == 0
 
 
 # ---- on a GPU -----------------------------------------------------------------------------------

@@ -66,14 +66,12 @@ def _trainable() -> tuple:
     return model, nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-NOT_A_FUNCTION = r"expected a function to call, got 3 \(int\); pass the function itself"
 MISTAKES = {
     "group_stats of a number": (
         lambda: fusion.group_stats([3]),
         TypeError,
         r"group_stats: group 0: expected a tensor or an iterable of tensors, got 3 \(int\)",
     ),
-    "compile_per_shape(3)": (lambda: fusion.compile_per_shape(3), TypeError, NOT_A_FUNCTION),
     "peak_memory(3)": (lambda: memory.peak_memory(3), TypeError, r"peak_memory\(fn\): expected a"),
     "count_allocations(3)": (
         lambda: memory.count_allocations(3, device="cpu"),
