@@ -128,6 +128,17 @@ def test_float64_group_stats(gen):
     torch.testing.assert_close(stats, torch.tensor(expected, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
+def test_group_stats_propagates_a_non_finite_gradient(gen, bad):
+    params = params_with_grads(gen, [(3, 4), (5,), (2, 2)])
+    params[1].grad[2] = bad
+    groups = [params[:1], params[1:]]
+    fast, ref = fusion.group_stats(groups), fusion.group_stats(groups, foreach=False)
+    torch.testing.assert_close(fast, ref, equal_nan=True)
+    assert torch.isfinite(fast[0]).all() and torch.isfinite(fast[1, 1])
+    assert torch.isnan(fast[1, 0]) if math.isnan(bad) else fast[1, 0] == math.inf
+
+
 def test_group_stats_reads_nothing_back(gen, count_host_reads):
     params = params_with_grads(gen, SHAPES["many small"])
     stats = count_host_reads(lambda: fusion.group_stats([params[:10], params[10:]]))
