@@ -2,36 +2,27 @@
 
 A Python loop over ~150 parameter tensors launches a kernel or two per tensor per statistic;
 ``torch._foreach_*`` ops take the whole list in a handful of launches. Each fast version sits
-beside its plain reference: ``foreach=`` picks between them in :func:`group_stats`,
-:func:`global_norm` and :func:`clip_grad_norm_` (no host read); :func:`lior_step_fused` and
-:func:`retrieval_mix_fused` beside their plain forms; :class:`CompiledFunction` makes
-``torch.compile``'s recompiles per shape visible. Norms accumulate in float32 (float64 for
-float64 tensors).
+beside its plain reference: ``foreach=`` picks between them in :func:`group_stats` (no host
+read); :func:`lior_step_fused` beside :func:`lior_step`. Norms accumulate in float32 (float64
+for float64 tensors). Clipping is torch's own
+``torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import reprlib
-import warnings
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from accel.errors import checked_callable, checked_count, checked_number
 from accel.sync import to_device_without_sync
 
 Tensors = torch.Tensor | Iterable[torch.Tensor]
 
 
-class NonFiniteGradientError(RuntimeError):
-    """Clipping found an inf or NaN gradient and was asked to raise."""
-
-
-def _listed(tensors: Tensors, what: str, noun: str = "tensors") -> list[Any]:
-    """``tensors`` as a non-empty list, or an error naming ``what``."""
+def _as_list(tensors: Tensors, what: str) -> list[torch.Tensor]:
+    """``tensors`` as a non-empty list of floating-point tensors, or an error naming ``what``."""
     if isinstance(tensors, torch.Tensor):
         return [tensors]
     try:
@@ -43,14 +34,9 @@ def _listed(tensors: Tensors, what: str, noun: str = "tensors") -> list[Any]:
         ) from None
     if not out:
         raise ValueError(
-            f"{what}: got no {noun} (an empty list, or a generator such as "
+            f"{what}: got no tensors (an empty list, or a generator such as "
             "model.parameters() that was already consumed)"
         )
-    return out
-
-
-def _as_list(tensors: Tensors, what: str) -> list[torch.Tensor]:
-    out = _listed(tensors, what)
     for i, t in enumerate(out):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what}: item {i} is a {type(t).__name__}, not a tensor")
@@ -87,41 +73,22 @@ def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:  # cheaper than group_b
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
     """What a norm is summed in: float32 for 16-bit tensors (their own dtype loses ~3 digits),
-    float64 for float64 ones (as torch's clip_grad_norm_)."""
+    float64 for float64 ones."""
     return torch.promote_types(dtype, torch.float32)
 
 
-def _foreach_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Per-tensor norms (:func:`_norm_dtype`) in input order, the tensors on one device: one
-    ``_foreach_norm`` per dtype. An empty tensor's norm is 0 for every norm type (torch gives 0
-    for finite ones and refuses the infinity norm of one, so only that is filtered)."""
-    if not math.isinf(norm_type) and _one_dtype(tensors):
-        dtype = _norm_dtype(tensors[0].dtype)
-        return list(torch._foreach_norm(list(tensors), norm_type, dtype=dtype))
+def _foreach_norms(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms (:func:`_norm_dtype`) in input order, the tensors on one device: one
+    ``_foreach_norm`` per dtype (an empty tensor's norm is 0)."""
+    if _one_dtype(tensors):
+        return list(torch._foreach_norm(list(tensors), 2.0, dtype=_norm_dtype(tensors[0].dtype)))
     norms: list[torch.Tensor | None] = [None] * len(tensors)
     for indices in group_by_dtype(tensors).values():
-        if math.isinf(norm_type):
-            for i in indices:
-                if not tensors[i].numel():
-                    norms[i] = _zero_norm(tensors[i])
-            indices = [i for i in indices if norms[i] is None]
-        if indices:
-            bucket = [tensors[i] for i in indices]
-            dtype = _norm_dtype(bucket[0].dtype)
-            bucket_norms = torch._foreach_norm(bucket, norm_type, dtype=dtype)
-            for i, n in zip(indices, bucket_norms, strict=True):
-                norms[i] = n
+        bucket = [tensors[i] for i in indices]
+        bucket_norms = torch._foreach_norm(bucket, 2.0, dtype=_norm_dtype(bucket[0].dtype))
+        for i, n in zip(indices, bucket_norms, strict=True):
+            norms[i] = n
     return norms  # type: ignore[return-value]
-
-
-def _zero_norm(t: torch.Tensor) -> torch.Tensor:
-    return torch.zeros((), dtype=_norm_dtype(t.dtype), device=t.device)
-
-
-def _norm_of(t: torch.Tensor, norm_type: float) -> torch.Tensor:
-    if not t.numel():  # 0 for every norm type, as in _foreach_norms
-        return _zero_norm(t)
-    return torch.linalg.vector_norm(t, norm_type, dtype=_norm_dtype(t.dtype))
 
 
 def group_stats(
@@ -176,7 +143,7 @@ def _group_stats_foreach(
     flat = [p for g in groups for p in g]
     has_grad = tuple(p.grad is not None for p in flat)
     grads = [p.grad for p, h in zip(flat, has_grad, strict=True) if h]
-    norms = _foreach_norms(grads + flat, 2.0)
+    norms = _foreach_norms(grads + flat)
     zero = torch.zeros((), device=device)  # the norm of a missing gradient, and the padding
     squares = torch.stack([*norms, zero]).float().square_()  # float64 norms: stats are float32
     index = _group_index(device, tuple(len(g) for g in groups), has_grad)
@@ -208,117 +175,6 @@ def _group_index(
     return to_device_without_sync(rows, device)
 
 
-# ---- clipping -----------------------------------------------------------------------------------
-def global_norm(tensors: Tensors, norm_type: float = 2.0, *, foreach: bool = True) -> torch.Tensor:
-    """The norm of all ``tensors`` taken together, as a 0-d tensor on their device: float32, or
-    float64 where a tensor is. Computed without autograd (a statistic, as for clipping): added
-    to a loss it carries no gradient; for a norm penalty use ``torch.linalg.vector_norm``."""
-    tensors = _as_list(tensors, "global_norm")
-    _one_device(tensors, "global_norm")
-    with torch.no_grad():
-        norms = (
-            _foreach_norms(tensors, norm_type)
-            if foreach
-            else [_norm_of(t, norm_type) for t in tensors]
-        )
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-
-
-def clip_grad_norm_(
-    parameters: Tensors,
-    max_norm: float,
-    norm_type: float = 2.0,
-    *,
-    foreach: bool = True,
-    error_if_nonfinite: bool = False,
-) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``: scale the gradients in place so that their total norm
-    is at most ``max_norm``; returns the norm before clipping (0-d, on the gradients' device).
-    The fast form applies the coefficient on the device (no host read); ``foreach=False`` is the
-    common loop, which tests ``coef < 1`` on the host (one sync). Non-finite gradients propagate
-    as in torch; ``error_if_nonfinite=True`` raises :class:`NonFiniteGradientError` naming the
-    first bad tensor (a host read, made only when asked).
-    """
-    max_norm = checked_max_norm(max_norm, "clip_grad_norm_: max_norm")
-    norm_type = (
-        math.inf if norm_type == "inf" else checked_number(norm_type, "clip_grad_norm_: norm_type")
-    )
-    params = _listed(parameters, "clip_grad_norm_", "parameters")
-    device = _one_device(params, "clip_grad_norm_")
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), device=device)
-    impl = _clip_grad_norm_foreach if foreach else _clip_grad_norm_loop
-    with torch.no_grad():
-        return impl(grads, max_norm, norm_type, error_if_nonfinite)
-
-
-def checked_max_norm(max_norm: Any, name: str) -> float:
-    """``max_norm`` as a float, or an error naming ``name`` unless it is a finite number > 0."""
-    max_norm = checked_number(max_norm, name)
-    if not math.isfinite(max_norm) or max_norm <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {max_norm}")
-    return max_norm
-
-
-def _check_finite(total: torch.Tensor, grads: list[torch.Tensor]) -> None:
-    if not torch.isfinite(total):  # sync: asked for with error_if_nonfinite=True
-        bad = next(
-            (i for i, g in enumerate(grads) if not torch.isfinite(g).all()), None
-        )  # sync: per tensor, only on the way to raising
-        raise NonFiniteGradientError(
-            f"clip_grad_norm_: the total gradient norm is {total.item()}; gradient {bad} "
-            f"(shape {tuple(grads[bad].shape) if bad is not None else '?'}) holds inf or NaN. "
-            "Pass error_if_nonfinite=False to clip anyway (the gradients become non-finite, "
-            "as in torch) and check torch.isfinite(norm) on the device."
-        )
-
-
-def _clip_grad_norm_loop(
-    grads: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
-) -> torch.Tensor:
-    """The common version: a norm, a power and an add per tensor; the coefficient tested on the
-    host (one sync per call); a multiply per tensor."""
-    if norm_type == 0 or norm_type == -math.inf:  # no power sum: torch's norm of the norms
-        norms = [_norm_of(g, norm_type) for g in grads]
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    elif math.isinf(norm_type):
-        total = torch.zeros((), device=grads[0].device)
-        for g in grads:
-            total = torch.maximum(total, _norm_of(g, norm_type))
-    else:
-        total = torch.zeros((), device=grads[0].device)
-        for g in grads:
-            total = total + _norm_of(g, norm_type) ** norm_type
-        total = total ** (1.0 / norm_type)
-    if error_if_nonfinite:
-        _check_finite(total, grads)
-    coef = max_norm / (total + 1e-6)
-    # sync: `if tensor` waits for every kernel queued before it. Written `not coef >= 1` so
-    # that a NaN coefficient (NaN compares False) still multiplies, as torch does
-    if not coef >= 1:
-        for g in grads:
-            g.mul_(coef)
-    return total
-
-
-def _clip_grad_norm_foreach(
-    grads: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool
-) -> torch.Tensor:
-    """Foreach norms (one launch set per dtype), the coefficient clamped on the device, one
-    foreach multiply per dtype: no host read."""
-    total = torch.linalg.vector_norm(torch.stack(_foreach_norms(grads, norm_type)), norm_type)
-    if error_if_nonfinite:
-        _check_finite(total, grads)
-    coef = (max_norm / (total + 1e-6)).clamp_(max=1.0)  # multiplying by 1 beats a host test
-    if _one_dtype(grads):
-        torch._foreach_mul_(grads, coef)
-        return total
-    for indices in group_by_dtype(grads).values():
-        torch._foreach_mul_([grads[i] for i in indices], coef)
-    return total
-
-
 # ---- the field trainer's fused LIoR step --------------------------------------------------------
 def quad_form(v: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
     """``sqrt(g(v, v) + eps)`` per row of ``v`` (..., d); ``g`` is (d, d) or its diagonal (d,)."""
@@ -338,147 +194,3 @@ def lior_step_fused(
     """LIoR and the speed from one quadratic form: ``(R_sc * spd, spd)``."""
     spd = quad_form(v, g, eps)
     return R_sc * spd, spd
-
-
-# ---- retrieval: softmax weights mixing a bank's values -----------------------------------------
-def retrieval_mix(cost: torch.Tensor, values: torch.Tensor, beta: float) -> torch.Tensor:
-    """Weights ``softmax(-beta * cost)`` (B, M) mix the bank's values (M, d) into (B, d).
-
-    The reference: materializes the (B, M, d) product (written once, read once by the sum).
-    """
-    w = torch.softmax(-beta * cost, dim=-1)
-    return (values.unsqueeze(0) * w.unsqueeze(-1)).sum(1)
-
-
-def retrieval_mix_fused(cost: torch.Tensor, values: torch.Tensor, beta: float) -> torch.Tensor:
-    """:func:`retrieval_mix` fused by hand: the weighted sum over the bank is a matrix product
-    ``w @ values``, so no (B, M, d) intermediate exists: B*M*d fewer elements written and read
-    (3 operators instead of 4; on a GPU cuBLAS may run the product as two kernels)."""
-    return torch.softmax(-beta * cost, dim=-1) @ values
-
-
-class CompiledFunction:
-    """``fn`` through ``torch.compile`` with static shapes and ``fullgraph``, counting compiles.
-
-    ``compiles`` counts the graphs the backend was handed (one per input shape; a new Python
-    number is a new compile too), ``signatures`` their input shapes; past ``max_compiles`` a
-    warning says so. ``direct=True`` calls a compiled graph straight away, skipping dynamo's
-    frame evaluation, when a call's tensor layouts, other arguments, grad mode and autocast state
-    match a call that compiled a graph taking exactly those tensors: for pure functions of their
-    tensor arguments only. :meth:`check` compiles on an example and compares with ``fn``.
-    """
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        *,
-        backend: str | Callable[..., Any] = "inductor",
-        max_compiles: int = 8,
-        direct: bool = False,
-    ):
-        self.fn = checked_callable(fn, "CompiledFunction(fn)")
-        self.max_compiles = checked_count(max_compiles, "max_compiles", at_least=1)
-        self.direct = direct
-        self.compiles = 0
-        self.calls = 0
-        self.direct_calls = 0
-        self.signatures: list[tuple] = []
-        self._backend = backend
-        self._last_graph: tuple[Callable, list[Any]] | None = None  # (compiled, example inputs)
-        self._direct: dict[tuple, tuple[Callable, bool]] = {}  # key -> (graph, returns a tuple)
-        self._compiled = torch.compile(
-            fn, backend=self._counting_backend, dynamic=False, fullgraph=True
-        )
-        self.__name__ = getattr(fn, "__name__", "compiled")
-        self.__doc__ = fn.__doc__
-
-    def _counting_backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
-        self.compiles += 1
-        self.signatures.append(
-            tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in example_inputs)
-        )
-        if self.compiles == self.max_compiles + 1:
-            warnings.warn(
-                f"{self.__name__}: compiled {self.compiles} graphs; latest input shapes: "
-                f"{self.signatures[-3:]}. Each new shape costs a compile: pad or bucket the "
-                "shapes, or compile with dynamic=True.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        backend = self._backend
-        if isinstance(backend, str):
-            from torch._dynamo import lookup_backend
-
-            backend = lookup_backend(backend)
-        compiled = backend(gm, example_inputs)
-        self._last_graph = (compiled, list(example_inputs))
-        return compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls += 1
-        if not self.direct or kwargs:
-            return self._compiled(*args, **kwargs)
-        key = _direct_key(args)
-        hit = self._direct.get(key) if key is not None else None
-        if hit is not None:
-            self.direct_calls += 1
-            graph, returns_tuple = hit
-            outs = graph(*[a for a in args if isinstance(a, torch.Tensor)])
-            return tuple(outs) if returns_tuple else outs[0]
-        self._last_graph = None
-        out = self._compiled(*args)
-        if key is not None and not torch.compiler.is_compiling():
-            self._remember(key, args, out)
-        return out
-
-    def _remember(self, key: tuple, args: tuple, out: Any) -> None:
-        """Keep the graph just compiled for direct calls if it takes exactly this call's
-        tensors, in order, and returns tensors only (a graph that read anything else, or a
-        call that compiled nothing new, stays with dynamo)."""
-        if self._last_graph is None:
-            return
-        graph, inputs = self._last_graph
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        same_inputs = len(inputs) == len(tensors) and all(
-            x is t for x, t in zip(inputs, tensors, strict=False)
-        )
-        returns_tuple = isinstance(out, tuple)
-        outs = out if returns_tuple else (out,)
-        if not all(isinstance(o, torch.Tensor) for o in outs):
-            return
-        if same_inputs and not any(t.requires_grad for t in tensors):
-            self._direct[key] = (graph, returns_tuple)
-
-    def check(self, *args: Any, rtol: float = 1e-5, atol: float = 1e-6, **kwargs: Any) -> Any:
-        """Call once (compiling for these shapes now) and assert the result matches ``fn``."""
-        out = self(*args, **kwargs)
-        torch.testing.assert_close(out, self.fn(*args, **kwargs), rtol=rtol, atol=atol)
-        if self.direct and not kwargs and _direct_key(args) in self._direct:  # direct too
-            torch.testing.assert_close(self(*args), out, rtol=0, atol=0)
-        return out
-
-    def __repr__(self) -> str:
-        direct = f", direct_calls={self.direct_calls}" if self.direct else ""
-        return (
-            f"CompiledFunction({self.__name__}, compiles={self.compiles}, calls={self.calls}"
-            f"{direct})"
-        )
-
-
-def _direct_key(args: tuple) -> tuple | None:
-    """What a static-shape graph depends on, per argument (None if an argument is unhashable):
-    tensor layout, or the value itself for Python numbers and strings."""
-    key: list[Any] = [torch.is_grad_enabled(), torch.is_autocast_enabled()]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.shape, a.stride(), a.dtype, a.device, a.requires_grad))
-        elif isinstance(a, (int, float, bool, str, type(None))):
-            key.append((type(a), a))
-        else:
-            return None
-    return tuple(key)
-
-
-def compile_per_shape(fn: Callable[..., Any], **kwargs: Any) -> CompiledFunction:
-    """Compile ``fn`` once per input shape, counting compiles (see :class:`CompiledFunction`)."""
-    return CompiledFunction(fn, **kwargs)

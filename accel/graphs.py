@@ -9,6 +9,7 @@ them). Off a GPU everything runs eagerly, with one warning saying why.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -17,8 +18,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from accel import sync
-from accel.errors import checked_callable, checked_count, checked_instance
-from accel.fusion import checked_max_norm, clip_grad_norm_
+from accel.errors import checked_callable, checked_count, checked_instance, checked_number
 from accel.optim import load_state_in_place
 
 __all__ = [
@@ -405,7 +405,11 @@ def training_step(
         optimizer, torch.optim.Optimizer, "training_step: optimizer", "torch.optim.Optimizer"
     )
     if max_grad_norm is not None:
-        max_grad_norm = checked_max_norm(max_grad_norm, "training_step: max_grad_norm")
+        max_grad_norm = checked_number(max_grad_norm, "training_step: max_grad_norm")
+        if not math.isfinite(max_grad_norm) or max_grad_norm <= 0:
+            raise ValueError(
+                f"training_step: max_grad_norm must be finite and > 0, got {max_grad_norm}"
+            )
     params = [p for p in model.parameters() if p.requires_grad]
     load_state_in_place(optimizer)  # a resumed state reaches the captured graph
 
@@ -414,7 +418,7 @@ def training_step(
         loss = loss_fn(model(inputs), targets)
         loss.backward()
         if max_grad_norm is not None:
-            clip_grad_norm_(params, max_grad_norm, foreach=True)
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
         optimizer.step()
         return loss.detach()
 

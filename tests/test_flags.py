@@ -83,7 +83,7 @@ def test_through_phase_turns_on_the_adopted_flags_of_that_phase_and_the_ones_bef
 
     assert through_phase(ft.Flags, "sync") == ft.Flags(batched_progress=True, vectorized_rotor=True)
     assert through_phase(ft.Flags, "fusion") == ft.Flags(
-        batched_progress=True, vectorized_rotor=True, fused_lior=True, fused_retrieval=True
+        batched_progress=True, vectorized_rotor=True, fused_lior=True
     )
     assert through_phase(no.Flags, "sync") == no.Flags()  # it has no flag of phase 1
     assert through_phase(no.Flags, "memory") == no.Flags(

@@ -4,6 +4,7 @@ capture failures, memory and whole training steps on a CUDA GPU."""
 from __future__ import annotations
 
 import copy
+import math
 import threading
 import warnings
 
@@ -122,6 +123,14 @@ def test_training_step_equals_the_written_out_step(seed, device):
         torch.testing.assert_close(loss, ref_loss.detach())
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan])
+def test_training_step_refuses_a_max_grad_norm_that_cannot_clip(bad, device):
+    model = _model(0, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="max_grad_norm must be finite and > 0"):
+        graphs.training_step(model, nn.functional.mse_loss, opt, max_grad_norm=bad)
 
 
 # ---- on a CUDA GPU ------------------------------------------------------------------------------

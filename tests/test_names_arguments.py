@@ -61,35 +61,17 @@ def _step():
     return torch.randn(4, 4).sum()
 
 
-def _grads() -> list[torch.Tensor]:
-    model = _model()
-    model(torch.randn(2, 3)).sum().backward()
-    return list(model.parameters())
-
-
 def _trainable() -> tuple:
     model = _model()
     return model, nn.functional.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-NOT_A_FUNCTION = r"expected a function to call, got 3 \(int\); pass the function itself"
 MISTAKES = {
-    "clip_grad_norm_ max_norm string": (
-        lambda: fusion.clip_grad_norm_(_grads(), "1.0"),
+    "group_stats of a number": (
+        lambda: fusion.group_stats([3]),
         TypeError,
-        r"max_norm must be a number, got '1\.0' \(str\)",
+        r"group_stats: group 0: expected a tensor or an iterable of tensors, got 3 \(int\)",
     ),
-    "clip_grad_norm_ norm_type string": (
-        lambda: fusion.clip_grad_norm_(_grads(), 1.0, "two"),
-        TypeError,
-        r"norm_type must be a number, got 'two' \(str\)",
-    ),
-    "global_norm of a number": (
-        lambda: fusion.global_norm(3),
-        TypeError,
-        r"global_norm: expected a tensor or an iterable of tensors, got 3 \(int\)",
-    ),
-    "compile_per_shape(3)": (lambda: fusion.compile_per_shape(3), TypeError, NOT_A_FUNCTION),
     "peak_memory(3)": (lambda: memory.peak_memory(3), TypeError, r"peak_memory\(fn\): expected a"),
     "count_allocations(3)": (
         lambda: memory.count_allocations(3, device="cpu"),

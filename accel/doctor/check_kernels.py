@@ -52,8 +52,7 @@ def _many_tensor_foreach(op: OpRecord) -> bool:
 # (a torch function on the loop's way, then kind, what, change, fixes), the first that matches
 _LOOP_KINDS = (
     ("clip_grad", "clip_loop", "gradient clipping one tensor at a time",
-     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)\n"
-     "# or accel.fusion.clip_grad_norm_(model.parameters(), max_norm)",
+     "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)",
      ("batched_clip", "foreach_clip")),
     ("zero_grad", "zero_grad", "zero_grad(set_to_none=False) writing zeros into every gradient",
      "optimizer.zero_grad(set_to_none=True)  # the default since torch 2.0", ("set_to_none",)),
@@ -62,7 +61,8 @@ _LOOP_KINDS = (
      ("fused_optimizer", "foreach_optimizer")),
     ("", "tensor_loop", "a Python loop over tensors, a kernel per tensor",
      "# one launch for every tensor: torch._foreach_* (e.g. norms = torch._foreach_norm(grads))\n"
-     "# or accel.fusion.global_norm / group_stats / clip_grad_norm_; for an update rule,\n"
+     "# or torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True) to clip,\n"
+     "# accel.fusion.group_stats for per-group norms; for an update rule,\n"
      "# torch.optim with fused=True or accel.optim.MultiTensorAdamW", ()),
 )  # fmt: skip
 

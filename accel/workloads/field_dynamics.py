@@ -1,6 +1,6 @@
 """The field trainer's dynamics: one step of the field as pure functions of its tensors, so one
-torch.compile of a step serves every :class:`accel.workloads.field_trainer.Step` (the LIoR and
-retrieval-mix pieces live in :mod:`accel.fusion` beside their fused forms)."""
+torch.compile of a step serves every :class:`accel.workloads.field_trainer.Step` (the LIoR pieces
+live in :mod:`accel.fusion` beside their fused form)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from accel.fusion import lior_step, lior_step_fused, quad_form, retrieval_mix, retrieval_mix_fused
+from accel.fusion import lior_step, lior_step_fused, quad_form
 
 
 def curvature(x: torch.Tensor, C: torch.Tensor) -> torch.Tensor:
@@ -27,17 +27,10 @@ def metric_cost(x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor) -> torch.T
 def retrieve(
     x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor, values: torch.Tensor, beta: float
 ) -> torch.Tensor:
-    """The bank's values mixed by ``softmax(-beta * cost)``, cost under the metric ``g``: (B, d).
-    8 kernels."""
-    return retrieval_mix(metric_cost(x, keys, g), values, beta)
-
-
-def retrieve_fused(
-    x: torch.Tensor, keys: torch.Tensor, g: torch.Tensor, values: torch.Tensor, beta: float
-) -> torch.Tensor:
-    """:func:`retrieve` with the mix fused by hand (:func:`accel.fusion.retrieval_mix_fused`):
-    7 kernels instead of 8, and the (B, M, d) products are never written."""
-    return retrieval_mix_fused(metric_cost(x, keys, g), values, beta)
+    """The bank's values mixed by ``softmax(-beta * cost)``, cost under the metric ``g``: (B, d),
+    through the (B, M, d) products and their sum, as such code is usually written."""
+    w = torch.softmax(-beta * metric_cost(x, keys, g), dim=-1)  # (B, M)
+    return (values.unsqueeze(0) * w.unsqueeze(-1)).sum(1)
 
 
 def field_step(
@@ -53,7 +46,6 @@ def field_step(
     *,
     planes: Any,
     rotate_fn: Callable,
-    retrieve_fn: Callable,
     fused_lior: bool,
     beta: float,
     eps: float,
@@ -64,7 +56,7 @@ def field_step(
     only, so one compilation serves every Step: the new ``x``, ``v`` and the step's LIoR,
     curvature and speed per point."""
     R_sc = curvature(x, C)
-    retrieved = retrieve_fn(x, keys, g0, values, beta)
+    retrieved = retrieve(x, keys, g0, values, beta)
     if fused_lior:
         dlior, spd = lior_step_fused(R_sc, v, g0, eps)
     else:  # the quadratic form twice

@@ -33,8 +33,7 @@ from accel.workloads.field_dynamics import (  # the step's math, public here too
     accumulating_step,
     field_step,
     metric_cost,  # noqa: F401
-    retrieve,
-    retrieve_fused,
+    retrieve,  # noqa: F401
 )
 from accel.workloads.flags import Presets, check_int, check_sizes, flag
 
@@ -58,11 +57,6 @@ class Flags:
     )
     fused_lior: bool = flag(
         "compute the quadratic form g0(v, v) once per step for both LIoR and the speed", "fusion"
-    )
-    fused_retrieval: bool = flag(
-        "the retrieval's mix as one matrix product softmax(-beta cost) @ values, instead of "
-        "writing the (points, bank, dim) products and summing them",
-        "fusion",
     )
     compiled_step: bool = flag(
         "each step (with inplace_accumulate, its accumulation too) through torch.compile: its "
@@ -207,7 +201,7 @@ def apply_compiled_step(step: Step) -> Callable | None:
         options = OVERLAPPED_LAUNCHES if f.overlapped_launches else None
         _COMPILED_STEPS[key] = torch.compile(source, dynamic=False, options=options)
     compiled = _COMPILED_STEPS[key]
-    options = step._step_options(step.retrieve)
+    options = step._step_options()
 
     def call(x, v, nudge, *accumulators):
         return compiled(x, v, nudge, *accumulators, *step._fixed(), **options)
@@ -268,7 +262,6 @@ class Step:
         self._host_rows: list[dict[str, float]] = []
         self.windows = 0
         self.log = apply_batched_progress(flags, sizes, device)
-        self.retrieve = retrieve_fused if flags.fused_retrieval else retrieve
         self._compiled_step = apply_compiled_step(self)
         self.window: Callable[[], None] = apply_cuda_graph(self.run_window, flags, device)
 
@@ -366,18 +359,17 @@ class Step:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One step of the field: the new ``x`` and ``v`` and the step's LIoR, curvature and
         speed per point. A pure function of its arguments and the step's fixed tensors."""
-        return field_step(x, v, nudge, *self._fixed(), **self._step_options(self.retrieve))
+        return field_step(x, v, nudge, *self._fixed(), **self._step_options())
 
     def _fixed(self) -> tuple[torch.Tensor, ...]:
         return (self.C, self.keys, self.g0, self.values, self.theta, self.target)
 
-    def _step_options(self, retrieve_fn: Callable) -> dict[str, Any]:
+    def _step_options(self) -> dict[str, Any]:
         s, f = self.sizes, self.flags
         vectorized = f.vectorized_rotor
         return dict(
             planes=self.planes if vectorized else self.host_planes,
             rotate_fn=sync.apply_givens if vectorized else sync.apply_givens_reference,
-            retrieve_fn=retrieve_fn,
             fused_lior=f.fused_lior,
             **{name: getattr(s, name) for name in ("beta", "eps", "damping", "dt")},
         )

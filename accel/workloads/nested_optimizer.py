@@ -9,9 +9,9 @@ its backward touches only its own weights. A deliberately simple rule: the workl
 be made fast, not to tune learning rates.
 
 ``Flags()`` is the usual "before": Python loops over parameters for the statistics and clipping,
-a host check of the clip coefficient, a for-loop AdamW with learning rates read back, fresh
-buffers, memset gradients, every activation stored, fp32. Many parameter tensors (~150 at the
-``gpu`` preset): the home of phases 2 (fusion) and 3 (memory).
+a for-loop AdamW with learning rates read back, fresh buffers, memset gradients, every activation
+stored, fp32. Many parameter tensors (~150 at the ``gpu`` preset): the home of phases 2 (fusion)
+and 3 (memory).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class Flags:
         "fusion",
     )
     fused_clip: bool = flag(
-        "gradient clipping with foreach norms and the coefficient applied on the device, "
-        "instead of a norm per tensor and an `if coef < 1` host check (a sync)",
+        "torch.nn.utils.clip_grad_norm_(foreach=True): foreach norms and one foreach multiply, "
+        "instead of foreach=False's norm and multiply per tensor",
         "fusion",
     )
     fused_adamw: bool = flag(
@@ -320,7 +320,7 @@ class Step:
     def _after_backward(self, loss: torch.Tensor, update: bool) -> torch.Tensor:
         if update:
             self.update_learning_rates(loss)
-        grad_norm = fusion.clip_grad_norm_(
+        grad_norm = torch.nn.utils.clip_grad_norm_(
             self.params, self.sizes.max_grad_norm, foreach=self.flags.fused_clip
         )
         self.optimizer.step()

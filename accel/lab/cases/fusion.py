@@ -1,10 +1,9 @@
 """Bench phase ``fusion`` (notebook 02): many-tensor work as foreach and fused kernels (group
 statistics, clipping, AdamW, launches per optimizer step, the whole step), and the field
-trainer's fused LIoR and fused retrieval."""
+trainer's fused LIoR."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -19,7 +18,7 @@ from accel.workloads import field_trainer as ft
 from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase
 
-# Phase 2 of the field trainer: the quadratic form once, and the retrieval's mix fused by hand.
+# Phase 2 of the field trainer: the quadratic form once.
 PHASE1 = through_phase(ft.Flags, "sync")  # the field trainer as 01_sync leaves it
 PHASE2 = through_phase(ft.Flags, "fusion")
 FUSION_FLAGS = through_phase(no.Flags, "fusion")
@@ -30,9 +29,9 @@ TARGETS = {
     "optimizer_launches": 4.0,
     "field_trainer_window": 1.05,
 }
-# Clipping rescales the gradients it clips, so a second call would find them within the norm
-# and the loop form would skip its multiplies. With max_norm tiny the coefficient stays below 1
-# (max_norm / (max_norm + 1e-6) = 0.999) on every call: both forms do all their work each time.
+# Clipping rescales the gradients it clips, so a second call would find them within the norm.
+# With max_norm tiny the coefficient stays below 1 (max_norm / (max_norm + 1e-6) = 0.999) on
+# every call: every call clips.
 BENCH_MAX_NORM = 1e-3
 
 
@@ -53,15 +52,18 @@ def time_group_stats(step: no.Step, *, repeats: int = 30, device=None) -> Compar
 
 
 def time_clip(step: no.Step, *, repeats: int = 30, device=None) -> Comparison:
-    """Gradient clipping of every gradient of ``step`` (rescaled in place on every call):
-    loop with a host check vs foreach with the coefficient on the device (and torch's own)."""
-    params = step.params
-    fns = {
-        "loop": lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=False),
-        "foreach": lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM),
-        "torch": lambda: torch.nn.utils.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=True),
-    }
-    return compare(fns, baseline="loop", repeats=repeats, device=device or step.device)
+    """``torch.nn.utils.clip_grad_norm_`` on every gradient of ``step`` (rescaled in place on
+    every call): per-tensor (``foreach=False``) vs foreach."""
+    return compare(
+        {"loop": clip(step.params, foreach=False), "foreach": clip(step.params, foreach=True)},
+        repeats=repeats,
+        device=device or step.device,
+    )
+
+
+def clip(params: list[torch.Tensor], *, foreach: bool):
+    """One call of torch's clipping at :data:`BENCH_MAX_NORM`, per tensor or foreach."""
+    return lambda: torch.nn.utils.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=foreach)
 
 
 def time_adamw(loop: no.Step, fused: no.Step, *, repeats: int = 30, device=None) -> Comparison:
@@ -135,14 +137,12 @@ def component_rows(
         "foreach", ctx, f"cost model predicted {_predicted(model, stats, saved)} from "
         f"{saved:.0f} fewer launches x {model.launch_us:.1f} us",
     )]  # fmt: skip
-    clip = time_clip(base)
-    saved = launches_saved(lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=False),
-                           lambda: fusion.clip_grad_norm_(params, BENCH_MAX_NORM), dev)  # fmt: skip
+    timing = time_clip(base)
+    saved = launches_saved(clip(params, foreach=False), clip(params, foreach=True), dev)
     rows.append(_speed_row(
         "clip_grad_norm", f"clip {tensors} gradients (max_norm {BENCH_MAX_NORM}: clips every call)",
-        clip, "foreach", ctx, f"cost model predicted {_predicted(model, clip, saved)} from "
-        f"{saved:.0f} fewer launches (plus the loop's one sync); "
-        f"torch.nn.utils.clip_grad_norm_(foreach=True) {clip.timings['torch'].median_ms:.3g} ms",
+        timing, "foreach", ctx, f"torch.nn.utils.clip_grad_norm_, foreach=False vs True; cost "
+        f"model predicted {_predicted(model, timing, saved)} from {saved:.0f} fewer launches",
     ))  # fmt: skip
     rows.append(_speed_row(
         "adamw_step", f"optimizer.step(), {sum(p.numel() for p in params) / 1e6:.1f}M parameters "
@@ -176,17 +176,12 @@ def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) 
     return rows
 
 
-# The window with phase 2's flags (the target row) and with its larger flag alone, against
-# phase 1 in one interleaved comparison.
-FIELD_CONFIGS = {
-    "phase 1": PHASE1,
-    "+ fused_lior": dataclasses.replace(PHASE1, fused_lior=True),
-    "phase 1+2": PHASE2,
-}
+FIELD_CONFIGS = {"phase 1": PHASE1, "phase 1+2": PHASE2}
 
 
 def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
-    """Phase 1 against each of :data:`FIELD_CONFIGS`, with the launches a window saves."""
+    """Phase 1 against phase 2's flags in one interleaved comparison, with the launches a window
+    saves."""
     sizes = ft.Sizes.preset(ctx.preset)
     steps = {label: ft.build(f, sizes, device=ctx.device) for label, f in FIELD_CONFIGS.items()}
     for step in steps.values():
@@ -195,19 +190,8 @@ def field_trainer_rows(ctx: BenchContext, model: CostModel) -> list[Row]:
     for step in steps.values():  # correctness before timing
         ft.compare_results(step.result(), reference, step.flags, sizes=sizes, steps=step.windows)
     timing = compare(steps, warmup=3, repeats=30, device=ctx.device)
-    rows = []
-    for label in list(FIELD_CONFIGS)[1:]:
-        saved = launches_saved(steps["phase 1"], steps[label], ctx.device)
-        note = f"{saved:.0f} fewer launches per window; cost model predicted "
-        note += _predicted(model, timing, saved)
-        if label == "phase 1+2":
-            metric = "time per window, phase-1 flags vs phase-1 + fused_lior + fused_retrieval"
-            rows.append(_speed_row("field_trainer_window", metric, timing, label, ctx, note))
-            continue
-        rows.append(Row(
-            "fusion", f"field_trainer_window {label}",
-            f"time per window, phase-1 flags vs phase 1 {label} alone", "ms",
-            timing.timings[label].median_ms, baseline=timing.timings["phase 1"].median_ms,
-            note=f"{ctx.where}; no target (the target row has phase 2's flags); {note}",
-        ))  # fmt: skip
-    return rows
+    saved = launches_saved(steps["phase 1"], steps["phase 1+2"], ctx.device)
+    note = f"{saved:.0f} fewer launches per window; cost model predicted "
+    note += _predicted(model, timing, saved)
+    metric = "time per window, phase-1 flags vs phase-1 + fused_lior"
+    return [_speed_row("field_trainer_window", metric, timing, "phase 1+2", ctx, note)]

@@ -28,8 +28,7 @@ EAGER_WINDOW = through_phase(ft.Flags, "memory")  # the optimized eager window: 
 GRAPHED_WINDOW = dataclasses.replace(EAGER_WINDOW, cuda_graph=True)
 # Each step compiled (fewer, longer kernels: fewer gaps in a replay), then also built for
 # back-to-back replay (PDL, combo kernels): the last kind is judged against its kernels.
-# The compiler is handed the plain retrieval and fuses it itself.
-_COMPILED_WINDOW = dataclasses.replace(EAGER_WINDOW, fused_retrieval=False, compiled_step=True)
+_COMPILED_WINDOW = dataclasses.replace(EAGER_WINDOW, compiled_step=True)
 REPLAYED_WINDOWS = {  # the eager and graphed windows of each kind, by label
     kind: (eager, dataclasses.replace(eager, cuda_graph=True))
     for kind, eager in (
@@ -141,8 +140,7 @@ def _compiled_window(sizes: ft.Sizes, device) -> Callable[[], None]:
     """The eager window with each step (``Step.advance``, not the whole window: that would unroll
     its steps) under compile reduce-overhead; the fixed tensors marked static, so compile's
     graphs read them in place instead of copying them in on every call."""
-    flags = dataclasses.replace(EAGER_WINDOW, fused_retrieval=False)  # compile fuses it itself
-    step = ft.build(flags, sizes, device=device)
+    step = ft.build(EAGER_WINDOW, sizes, device=device)
     for t in (step.C, step.keys, step.values, step.g0, step.planes, step.theta, step.target):
         torch._dynamo.mark_static_address(t)
     # A window's 64 calls chain outputs into inputs: one "step" of compile's graph trees is the
