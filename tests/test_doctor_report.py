@@ -8,6 +8,7 @@ import dataclasses
 import html
 import inspect
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -304,6 +305,35 @@ def test_checkpointing_on_the_zoo_gpt_recomputes_the_same_numbers():
     assert not any("forward" in vars(block) for block in found.models[0].blocks)
     error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 3)
     assert error <= FIXES["checkpointing"].rtol
+
+
+class Spectral(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return torch.fft.fft(x.to(torch.cfloat)) @ self.weight
+
+
+def test_the_result_error_sees_a_change_in_complex_parameters_imaginary_part(seed):
+    model = Spectral()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step(x):
+        model(x).abs().square().mean().backward()
+        opt.step()
+
+    found = find_parts(step)
+    base, fixed = (StepCopy(*copy_step(step, found), torch.randn(5, 4), torch.device("cpu"))
+                   for _ in range(2))  # fmt: skip
+    with torch.no_grad():
+        fixed.parts.models[0].weight.imag.add_(0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # casting complex to real warns, and drops the change
+        error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 2)
+    expected = 0.5 * math.sqrt(model.weight.numel()) / float(model.weight.detach().abs().norm())
+    assert error == pytest.approx(expected, rel=1e-6)
 
 
 def test_checkpointing_without_repeated_blocks_is_not_applicable(seed):
