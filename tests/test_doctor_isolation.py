@@ -371,6 +371,33 @@ def test_numeric_flags_the_step_sets_are_put_back(seed):
     assert after == before
 
 
+def test_determinism_flags_a_seeding_helper_sets_are_put_back(seed):
+    """A ``seed_everything`` called in the step (as many scripts do) turns on cuDNN's
+    deterministic mode and torch's deterministic algorithms for the whole process: examining it
+    must not."""
+    model, opt = small()
+
+    def step(x):
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.enabled = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return one_update(model, opt, x).detach()
+
+    def flags():
+        return (torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled,
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+
+    before = flags()
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = flags()
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled = before[:2]
+        torch.use_deterministic_algorithms(before[2], warn_only=before[3])
+    assert after == before
+
+
 def test_environment_variables_the_step_sets_are_put_back(seed, monkeypatch):
     """A step that sets, changes or removes environment variables (a run marker, a library's
     switch) must leave the process's environment as it was after examining."""

@@ -76,18 +76,26 @@ def backend_flags(**settings: bool) -> Iterator[None]:
         yield
 
 
+# the process-wide flags a step may set besides those (a seeding helper's determinism)
+_KEPT_FLAGS = ((torch.backends.cudnn, "deterministic"), (torch.backends.cudnn, "enabled"))
+
+
 @contextlib.contextmanager
 def kept_backend_flags() -> Iterator[None]:
-    """Every flag :func:`backend_flags` sets, and the float32 matmul precision, put back on
-    leaving (a step that turns on TF32 changes every later float32 product of the process)."""
+    """Every flag :func:`backend_flags` sets, cuDNN's deterministic and enabled flags, torch's
+    deterministic algorithms and the float32 matmul precision, put back on leaving (a step that
+    turns on TF32 changes every later float32 product of the process)."""
     precision = torch.get_float32_matmul_precision()
-    saved = [(where, attr, getattr(where, attr))
-             for places in _BACKEND_FLAGS.values() for where, attr in places]  # fmt: skip
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+    places = [place for places in _BACKEND_FLAGS.values() for place in places] + [*_KEPT_FLAGS]
+    saved = [(where, attr, getattr(where, attr)) for where, attr in places]
     try:
         yield
     finally:
         for where, attr, value in saved:
             setattr(where, attr, value)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         torch.set_float32_matmul_precision(precision)  # last: allow_tf32 rewrites it
 
 
