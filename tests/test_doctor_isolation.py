@@ -20,6 +20,7 @@ import random
 import re
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -395,6 +396,37 @@ def test_determinism_flags_a_seeding_helper_sets_are_put_back(seed):
     finally:
         torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled = before[:2]
         torch.use_deterministic_algorithms(before[2], warn_only=before[3])
+    assert after == before
+
+
+def test_process_switches_a_debugging_step_sets_are_put_back(seed):
+    """Anomaly detection, an SDPA kernel switched off, reduced-precision reductions and the
+    thread count are the whole process's: a step that sets them must leave them as they were."""
+    model, opt = small()
+    cuda = torch.backends.cuda
+
+    def step(x):
+        torch.autograd.set_detect_anomaly(True)
+        cuda.enable_flash_sdp(False)
+        cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.set_num_threads(3)
+        return one_update(model, opt, x).detach()
+
+    def switches():
+        return (torch.is_anomaly_enabled(), cuda.flash_sdp_enabled(),
+                cuda.matmul.allow_fp16_reduced_precision_reduction, torch.get_num_threads())  # fmt: skip
+
+    before = switches()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # anomaly detection warns that it slows the step
+            examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = switches()
+    finally:
+        torch.autograd.set_detect_anomaly(before[0])
+        cuda.enable_flash_sdp(before[1])
+        cuda.matmul.allow_fp16_reduced_precision_reduction = before[2]
+        torch.set_num_threads(before[3])
     assert after == before
 
 
