@@ -336,6 +336,37 @@ def test_the_result_error_sees_a_change_in_complex_parameters_imaginary_part(see
     assert error == pytest.approx(expected, rel=1e-6)
 
 
+def ensemble_step():
+    """torch.func's model ensembling: the stacked parameters trained, through a skeleton of the
+    model on the meta device (it holds no values and runs nothing)."""
+    members = [nn.Linear(4, 3) for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(members)
+    skeleton = nn.Linear(4, 3).to("meta")
+    opt = torch.optim.Adam(params.values(), lr=1e-3)
+
+    def one(p, b, x):
+        return torch.func.functional_call(skeleton, (p, b), (x,))
+
+    def step(x):
+        loss = torch.vmap(one, in_dims=(0, 0, None))(params, buffers, x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def test_a_skeleton_model_on_the_meta_device_is_not_where_the_step_runs(seed):
+    report = doctor.examine(ensemble_step(), torch.randn(5, 4), steps=1, warmup=1)
+    assert report.evidence.device == torch.device("cpu")
+
+
+def test_the_result_error_leaves_out_tensors_on_the_meta_device(seed):
+    report = doctor.examine(ensemble_step(), torch.randn(5, 4), steps=1, warmup=1)
+    assert trial.own_spread(report, 2) == 0.0
+
+
 def test_checkpointing_without_repeated_blocks_is_not_applicable(seed):
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
