@@ -430,6 +430,25 @@ def test_process_switches_a_debugging_step_sets_are_put_back(seed):
     assert after == before
 
 
+@functools.lru_cache(maxsize=8)
+def cached_scale(width: int) -> torch.Tensor:
+    return torch.linspace(0.5, 1.5, width)
+
+
+def test_a_cache_the_step_fills_is_the_copys_own(seed):
+    """A helper under functools.lru_cache (rotary tables, masks by shape) keeps what the step
+    made it compute: the copy fills a cache of its own, the user's stays as it was."""
+    model, opt = small()
+
+    def step(x):
+        return one_update(model, opt, x * cached_scale(x.shape[-1])).detach()
+
+    cached_scale.cache_clear()
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert cached_scale.cache_info() == (0, 0, 8, 0)
+    assert cached_scale(4) is cached_scale(4)  # still the user's cache, working
+
+
 def test_environment_variables_the_step_sets_are_put_back(seed, monkeypatch):
     """A step that sets, changes or removes environment variables (a run marker, a library's
     switch) must leave the process's environment as it was after examining."""
