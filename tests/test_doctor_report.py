@@ -475,6 +475,26 @@ def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
     assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()
 
 
+def test_fixes_that_cannot_run_here_are_not_said_to_have_made_nothing_faster(seed):
+    """On a CPU a step's only fix (its .item() read later) needs a GPU: nothing was measured."""
+    model = nn.Linear(6, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = []
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log.append(loss.item())
+
+    report = doctor.examine(step, torch.randn(4, 6), steps=1, warmup=1)
+    report.try_fixes(steps=1, repeats=1)
+    assert report.trials["measured ms"].isna().all()
+    said = report.reached()
+    assert "faster" not in said and "needs a CUDA GPU" in said
+
+
 def test_a_step_with_nothing_found_says_no_fix_was_tried(seed, tmp_path, monkeypatch, capsys):
     from accel.__main__ import main
 
