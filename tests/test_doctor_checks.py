@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -340,6 +341,23 @@ def test_torchs_own_checks_are_named_with_the_change_that_removes_them(library, 
     (found,) = check_host.syncs(evidence(ops, tl=timeline_of(idle={"sync": 70.0})))
     assert named in found.evidence and change in found.change
     assert "MetricAccumulator" not in found.change and found.fixes == ()
+
+
+def test_anomaly_detections_checks_are_named_with_the_switch_that_removes_them(seed):
+    """Anomaly detection left on from debugging reads every gradient backward makes for NaN on
+    the host: no line of the user's to move, the change is to switch it off."""
+    layer = nn.Linear(4, 3)
+
+    def step():
+        with torch.autograd.detect_anomaly():
+            layer(torch.randn(5, 4)).square().mean().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # detect_anomaly warns that it slows the step
+        recording = recorder.record_step(step, torch.device("cpu"))
+    (found,) = check_host.syncs(evidence(recording.ops, device="cpu"))
+    assert "anomaly detection" in found.evidence
+    assert "set_detect_anomaly(False)" in found.change and "MetricAccumulator" not in found.change
 
 
 def test_sync_finding_on_cpu_predicts_nothing():

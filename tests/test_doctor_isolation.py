@@ -20,6 +20,7 @@ import random
 import re
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -369,6 +370,83 @@ def test_numeric_flags_the_step_sets_are_put_back(seed):
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
     assert after == before
+
+
+def test_determinism_flags_a_seeding_helper_sets_are_put_back(seed):
+    """A ``seed_everything`` called in the step (as many scripts do) turns on cuDNN's
+    deterministic mode and torch's deterministic algorithms for the whole process: examining it
+    must not."""
+    model, opt = small()
+
+    def step(x):
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.enabled = False
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return one_update(model, opt, x).detach()
+
+    def flags():
+        return (torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled,
+                torch.are_deterministic_algorithms_enabled(),
+                torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
+
+    before = flags()
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = flags()
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled = before[:2]
+        torch.use_deterministic_algorithms(before[2], warn_only=before[3])
+    assert after == before
+
+
+def test_process_switches_a_debugging_step_sets_are_put_back(seed):
+    """Anomaly detection, an SDPA kernel switched off, reduced-precision reductions and the
+    thread count are the whole process's: a step that sets them must leave them as they were."""
+    model, opt = small()
+    cuda = torch.backends.cuda
+
+    def step(x):
+        torch.autograd.set_detect_anomaly(True)
+        cuda.enable_flash_sdp(False)
+        cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.set_num_threads(3)
+        return one_update(model, opt, x).detach()
+
+    def switches():
+        return (torch.is_anomaly_enabled(), cuda.flash_sdp_enabled(),
+                cuda.matmul.allow_fp16_reduced_precision_reduction, torch.get_num_threads())  # fmt: skip
+
+    before = switches()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # anomaly detection warns that it slows the step
+            examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = switches()
+    finally:
+        torch.autograd.set_detect_anomaly(before[0])
+        cuda.enable_flash_sdp(before[1])
+        cuda.matmul.allow_fp16_reduced_precision_reduction = before[2]
+        torch.set_num_threads(before[3])
+    assert after == before
+
+
+@functools.lru_cache(maxsize=8)
+def cached_scale(width: int) -> torch.Tensor:
+    return torch.linspace(0.5, 1.5, width)
+
+
+def test_a_cache_the_step_fills_is_the_copys_own(seed):
+    """A helper under functools.lru_cache (rotary tables, masks by shape) keeps what the step
+    made it compute: the copy fills a cache of its own, the user's stays as it was."""
+    model, opt = small()
+
+    def step(x):
+        return one_update(model, opt, x * cached_scale(x.shape[-1])).detach()
+
+    cached_scale.cache_clear()
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert cached_scale.cache_info() == (0, 0, 8, 0)
+    assert cached_scale(4) is cached_scale(4)  # still the user's cache, working
 
 
 def test_environment_variables_the_step_sets_are_put_back(seed, monkeypatch):

@@ -8,6 +8,7 @@ import dataclasses
 import html
 import inspect
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -306,6 +307,66 @@ def test_checkpointing_on_the_zoo_gpt_recomputes_the_same_numbers():
     assert error <= FIXES["checkpointing"].rtol
 
 
+class Spectral(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return torch.fft.fft(x.to(torch.cfloat)) @ self.weight
+
+
+def test_the_result_error_sees_a_change_in_complex_parameters_imaginary_part(seed):
+    model = Spectral()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step(x):
+        model(x).abs().square().mean().backward()
+        opt.step()
+
+    found = find_parts(step)
+    base, fixed = (StepCopy(*copy_step(step, found), torch.randn(5, 4), torch.device("cpu"))
+                   for _ in range(2))  # fmt: skip
+    with torch.no_grad():
+        fixed.parts.models[0].weight.imag.add_(0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # casting complex to real warns, and drops the change
+        error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 2)
+    expected = 0.5 * math.sqrt(model.weight.numel()) / float(model.weight.detach().abs().norm())
+    assert error == pytest.approx(expected, rel=1e-6)
+
+
+def ensemble_step():
+    """torch.func's model ensembling: the stacked parameters trained, through a skeleton of the
+    model on the meta device (it holds no values and runs nothing)."""
+    members = [nn.Linear(4, 3) for _ in range(3)]
+    params, buffers = torch.func.stack_module_state(members)
+    skeleton = nn.Linear(4, 3).to("meta")
+    opt = torch.optim.Adam(params.values(), lr=1e-3)
+
+    def one(p, b, x):
+        return torch.func.functional_call(skeleton, (p, b), (x,))
+
+    def step(x):
+        loss = torch.vmap(one, in_dims=(0, 0, None))(params, buffers, x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def test_a_skeleton_model_on_the_meta_device_is_not_where_the_step_runs(seed):
+    report = doctor.examine(ensemble_step(), torch.randn(5, 4), steps=1, warmup=1)
+    assert report.evidence.device == torch.device("cpu")
+
+
+def test_the_result_error_leaves_out_tensors_on_the_meta_device(seed):
+    report = doctor.examine(ensemble_step(), torch.randn(5, 4), steps=1, warmup=1)
+    assert trial.own_spread(report, 2) == 0.0
+
+
 def test_checkpointing_without_repeated_blocks_is_not_applicable(seed):
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -412,6 +473,26 @@ def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
     printed = capsys.readouterr().out
     assert "no automatic fix applies" in printed
     assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()
+
+
+def test_fixes_that_cannot_run_here_are_not_said_to_have_made_nothing_faster(seed):
+    """On a CPU a step's only fix (its .item() read later) needs a GPU: nothing was measured."""
+    model = nn.Linear(6, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = []
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        log.append(loss.item())
+
+    report = doctor.examine(step, torch.randn(4, 6), steps=1, warmup=1)
+    report.try_fixes(steps=1, repeats=1)
+    assert report.trials["measured ms"].isna().all()
+    said = report.reached()
+    assert "faster" not in said and "needs a CUDA GPU" in said
 
 
 def test_a_step_with_nothing_found_says_no_fix_was_tried(seed, tmp_path, monkeypatch, capsys):

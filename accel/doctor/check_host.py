@@ -55,6 +55,10 @@ _CAUSAL_CHECK_CHANGE = """\
 # a causal mask given without saying so is compared with one on the host: say it is causal
 out = self.transformer(src, tgt, tgt_mask=mask, tgt_is_causal=True)  # nn.Transformer
 out = self.encoder(x, mask=mask, is_causal=True)  # nn.TransformerEncoder"""
+ANOMALY_CHECK = "anomaly detection's check of each gradient for NaN (set_detect_anomaly)"
+_ANOMALY_CHECK_CHANGE = """\
+# anomaly detection reads every gradient backward makes on the host: switch it off after debugging
+torch.autograd.set_detect_anomaly(False)  # and no `with torch.autograd.detect_anomaly():`"""
 # torch's own reads, which no line of the user's writes: each with the change that removes it
 _LIBRARY_READS = {
     "amp/grad_scaler.py:": (SCALER_READ, _SCALER_CHANGE),
@@ -97,8 +101,12 @@ def sync_sites(evidence: Evidence) -> Counter:
     """(site, what) -> how many syncs per step."""
     cuda = evidence.cuda
     sites: Counter = Counter()
+    previous = None
     for op in evidence.recording.ops:
         kind = _sync_kind(op, cuda)
+        if kind is not None and op.backward and previous == "aten::_is_any_true":
+            kind = ANOMALY_CHECK  # the engine's isnan(grad)._is_any_true().item() per output
+        previous = op.op
         if kind is not None and kind != PAGEABLE:
             sites[(op.site, kind)] += 1
     for read in evidence.recording.host_reads:
@@ -142,8 +150,9 @@ def syncs(evidence: Evidence) -> list[Finding]:
     else:
         saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"
     kinds = {kind for _, kind in sites}
-    changes = [change for kind, change in _LIBRARY_READS.values() if kind in kinds]
-    changes += [_SYNC_CHANGE] * bool(kinds - {kind for kind, _ in _LIBRARY_READS.values()})
+    torchs = dict([*_LIBRARY_READS.values(), (ANOMALY_CHECK, _ANOMALY_CHECK_CHANGE)])
+    changes = [change for kind, change in torchs.items() if kind in kinds]
+    changes += [_SYNC_CHANGE] * bool(kinds - torchs.keys())
     # a read kept for later; the scaler's read made on the device by a fused optimizer; the
     # other syncs (an `if` on a tensor) need your edit
     fixes = ("deferred_reads",) * _reads_items(evidence)

@@ -48,10 +48,12 @@ def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[F
 
 
 def step_device(parts: StepParts, batch: Any) -> torch.device:
-    """Where the step runs: its first model's parameters, else the batch's first tensor."""
+    """Where the step runs: its first model's parameters, else the batch's first tensor (a model
+    on the meta device, a skeleton that holds no values, is not where it runs)."""
     for model in parts.models:
         for p in model.parameters():
-            return p.device
+            if p.device.type != "meta":
+                return p.device
     for leaf in tree_leaves(batch):
         if isinstance(leaf, torch.Tensor):
             return leaf.device

@@ -61,8 +61,9 @@ class _Recording:
 class Session:
     """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
     what :meth:`watch` is given); on closing, the random generators put back as they were when
-    it opened, and so are the backend flags (TF32, cudnn.benchmark), the float32 matmul precision
-    and the environment variables."""
+    it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
+    detection, the SDPA kernels, the thread count, the float32 matmul precision) and the
+    environment variables."""
 
     def __init__(self) -> None:
         self._recording = _Recording()

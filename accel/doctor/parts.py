@@ -26,6 +26,7 @@ from accel.doctor.reach import (
     Reach,
     attributes_of,
     global_names,
+    is_cached_function,
     is_library,
     kind,
     skipped_attributes,
@@ -292,6 +293,8 @@ class _Rebuild:
             if all(a is b for a, b in zip(items, value, strict=True)):
                 return value
             return type(value)._make(items) if hasattr(value, "_make") else type(value)(items)
+        if is_cached_function(value):  # an empty cache of its own around the same function
+            return functools.lru_cache(**value.cache_parameters())(self.new(value.__wrapped__))
         made = copy.copy(value)
         if made is value:
             raise TypeError("copy.copy returned the object itself")

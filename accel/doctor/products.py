@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -64,13 +65,36 @@ _BACKEND_FLAGS = {
 }
 
 
+_MATMUL = torch.backends.cuda.matmul
+# the other process-wide flags a step may set (a seeding helper's determinism, a debugging
+# session's switches)
+_KEPT_FLAGS = ((torch.backends.cudnn, "deterministic"), (torch.backends.cudnn, "enabled"),
+               (_MATMUL, "allow_fp16_reduced_precision_reduction"),
+               (_MATMUL, "allow_bf16_reduced_precision_reduction"))  # fmt: skip
+_PRECISION = (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision)
+# (read, write) of those set through functions; the precision last: allow_tf32 rewrites it
+_KEPT_SWITCHES = (
+    (lambda: (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled()),
+     lambda on: torch.use_deterministic_algorithms(on[0], warn_only=on[1])),
+    (lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
+     lambda on: torch.autograd.set_detect_anomaly(*on)),
+    (torch.get_num_threads, torch.set_num_threads),
+    *((getattr(torch.backends.cuda, f"{kind}_sdp_enabled"),
+       getattr(torch.backends.cuda, f"enable_{kind}_sdp"))
+      for kind in ("flash", "mem_efficient", "math", "cudnn")),
+    _PRECISION,
+)  # fmt: skip
+
+
 @contextlib.contextmanager
 def backend_flags(**settings: bool) -> Iterator[None]:
     """``torch.backends`` flags (``tf32``, ``cudnn_benchmark``) set while inside."""
     places = [
         (where, attr, on) for name, on in settings.items() for where, attr in _BACKEND_FLAGS[name]
     ]
-    with kept_backend_flags():
+    # only what it sets: a fix's context is entered on every call of the step it times
+    with _kept([(where, attr) for where, attr, _ in places], (_PRECISION,)):
         for where, attr, on in places:
             setattr(where, attr, on)
         yield
@@ -78,17 +102,26 @@ def backend_flags(**settings: bool) -> Iterator[None]:
 
 @contextlib.contextmanager
 def kept_backend_flags() -> Iterator[None]:
-    """Every flag :func:`backend_flags` sets, and the float32 matmul precision, put back on
-    leaving (a step that turns on TF32 changes every later float32 product of the process)."""
-    precision = torch.get_float32_matmul_precision()
-    saved = [(where, attr, getattr(where, attr))
-             for places in _BACKEND_FLAGS.values() for where, attr in places]  # fmt: skip
+    """Every flag :func:`backend_flags` sets and the other process-wide switches a step may set
+    (determinism, anomaly detection, the SDPA kernels allowed, the thread count, the float32
+    matmul precision), put back on leaving (a step that turns on TF32 changes every later
+    float32 product of the process)."""
+    places = [place for places in _BACKEND_FLAGS.values() for place in places] + [*_KEPT_FLAGS]
+    with _kept(places, _KEPT_SWITCHES):
+        yield
+
+
+@contextlib.contextmanager
+def _kept(places: list[tuple[Any, str]], switches: tuple) -> Iterator[None]:
+    saved = [(where, attr, getattr(where, attr)) for where, attr in places]
+    values = [(write, read()) for read, write in switches]
     try:
         yield
     finally:
         for where, attr, value in saved:
             setattr(where, attr, value)
-        torch.set_float32_matmul_precision(precision)  # last: allow_tf32 rewrites it
+        for write, value in values:
+            write(value)
 
 
 def _with_tf32(call: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:

@@ -7,7 +7,8 @@ not seen; ``Untouched`` checks every model and optimizer of the process, found h
 
 :func:`kind` sorts what was found: ``part`` (a module, optimizer, scheduler or gradient scaler),
 ``grad`` (a leaf tensor requiring grad), ``computed`` (a non-leaf one), ``tensor``, ``rng``,
-``state`` (a mutable container or an instance of a user class), ``iterator``, ``file``,
+``state`` (a mutable container, an instance of a user class or a cached function of the user's),
+``iterator``, ``file``,
 ``writes`` (a user function that assigns a global), or None.
 """
 
@@ -32,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_library", "kind",
-           "skipped_attributes", "slot_names", "stored_globals", "walk"]  # fmt: skip
+__all__ = ["Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_cached_function",
+           "is_library", "kind", "skipped_attributes", "slot_names", "stored_globals", "walk"]  # fmt: skip
 
 LARGE = 10_000  # a container longer than this (a data set, say) is searched for parts only
 
@@ -358,6 +359,8 @@ def kind(value: Any) -> str | None:
         return "file"
     if isinstance(value, _STATE):
         return "state"
+    if is_cached_function(value):
+        return "state"
     if isinstance(value, (type, types.ModuleType, types.MethodType, functools.partial)):
         return None
     if isinstance(value, types.FunctionType):
@@ -369,6 +372,12 @@ def kind(value: Any) -> str | None:
     if user_instance:
         return "state"
     return "iterator" if isinstance(value, Iterator) else None
+
+
+def is_cached_function(value: Any) -> bool:
+    """A function of the user's under ``functools.lru_cache`` or ``cache``: its entries are state
+    the step fills."""
+    return hasattr(value, "cache_parameters") and not is_library(getattr(value, "__wrapped__", None))
 
 
 @functools.cache

@@ -98,6 +98,8 @@ class Report:
         if self.trials.empty:
             said = ("no automatic fix applies to these findings: each one names its change"
                     if self.findings else "nothing was found, so no fix was tried")  # fmt: skip
+        elif self.trials["measured ms"].isna().all():
+            said = "no fix could be measured here: " + "; ".join(self.trials["status"].unique())
         elif best.empty:
             said = "no fix made the step faster within its allowance"
         else:

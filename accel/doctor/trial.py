@@ -448,10 +448,12 @@ def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: 
              for a, b in zip(run_b, run_a, strict=True)]  # fmt: skip
     pairs += list(zip(_parameters(fixed), _parameters(base), strict=True))
     for a, b in pairs:
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape:
-            a64, b64 = a.detach().double(), b.detach().double()
-            diff += float((a64 - b64).square().sum())  # sync: once per tensor, outside timing
-            norm += float(b64.square().sum())
+        tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        if tensors and a.shape == b.shape and not (a.is_meta or b.is_meta):  # meta: no values
+            wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+            a64, b64 = a.detach().to(wide), b.detach().to(wide)  # complex kept whole
+            diff += float((a64 - b64).abs().square().sum())  # sync: once per tensor, outside timing
+            norm += float(b64.abs().square().sum())
     return (math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)), first_s
 
 
