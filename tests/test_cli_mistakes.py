@@ -229,3 +229,35 @@ def test_doctor_refuses_a_mistake_in_one_line_before_examining(
     assert message in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert examined == []
+
+
+VIEW_AFTER_TRANSPOSE = """
+import torch
+
+model = torch.nn.Linear(4, 6)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step(batch):
+    logits = model(batch).transpose(0, 1)
+    loss = logits.view(-1).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def make():
+    return step, torch.randn(3, 4)
+"""
+
+
+def test_doctor_says_in_one_line_where_the_users_own_step_raised(accel_cli, tmp_path):
+    # the step's own mistake (a .view of a transposed tensor) is the user's to fix: their line
+    # and error in one line, not the doctor's traceback
+    (tmp_path / "view_step.py").write_text(VIEW_AFTER_TRANSPOSE)
+    run = accel_cli("doctor", "view_step.py:make", "--out", str(tmp_path / "d.html"), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "view_step.py:10" in run.stderr and "RuntimeError: view size" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "d.html").exists()
