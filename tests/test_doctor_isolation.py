@@ -687,6 +687,27 @@ def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp
     )
 
 
+def test_a_folder_that_was_there_is_not_said_to_be_made(seed, tmp_path):
+    # os.makedirs(..., exist_ok=True) before each save, as checkpointing code writes it: the
+    # folder the user already has was made by no one, and stays
+    model, opt = small()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    checkpoint = folder / "last.pt"
+    checkpoint.write_bytes(b"the user's checkpoint")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        os.makedirs(folder, exist_ok=True)
+        torch.save(model.state_dict(), checkpoint)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert "made the folder" not in first_line(report)
+    assert named_before_numbers(report, f"wrote {checkpoint}")
+    assert checkpoint.read_bytes() == b"the user's checkpoint"
+
+
 def test_files_a_compiler_writes_through_a_helper_library_are_not_the_steps(seed, tmp_path):
     """Inductor takes its cache's locks through a third-party package (filelock): the lock
     files are the compiler's, however deep the package sits below it."""

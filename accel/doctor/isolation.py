@@ -168,13 +168,19 @@ def _opened(path: Any, mode: Any, flags: Any) -> str | None:
     return f"wrote {path}" if writes and path != os.devnull else None
 
 
+def _made_folder(path: Any) -> str | None:
+    """None where the folder is already there (``makedirs(..., exist_ok=True)``): nothing made."""
+    path = os.fsdecode(path)
+    return None if os.path.lexists(path) else f"made the folder {path}"
+
+
 _EVENTS: dict[str, Callable[..., str | None]] = {
     "open": _opened,
     "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",
     "os.rename": lambda src, dst, *_: f"renamed {os.fsdecode(src)} to {os.fsdecode(dst)}",
     "os.rmdir": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
     "shutil.rmtree": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
-    "os.mkdir": lambda path, *_: f"made the folder {os.fsdecode(path)}",
+    "os.mkdir": lambda path, *_: _made_folder(path),
     "os.truncate": lambda path, *_: f"truncated {path}",
     "os.symlink": lambda src, dst, *_: f"linked {os.fsdecode(dst)}",
     "os.link": lambda src, dst, *_: f"linked {os.fsdecode(dst)}",
