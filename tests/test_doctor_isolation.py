@@ -372,6 +372,42 @@ def test_numeric_flags_the_step_sets_are_put_back(seed):
     assert after == before
 
 
+def test_the_default_dtype_the_step_sets_is_put_back(seed):
+    """A step that sets float64 as the default for a physics term: every later tensor the
+    process makes would be float64 if examining it left it so."""
+    model, opt = small()
+
+    def step(x):
+        torch.set_default_dtype(torch.float64)
+        return one_update(model, opt, x).detach()
+
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = torch.get_default_dtype()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert after == torch.float32
+
+
+def test_a_dataframe_or_array_batch_the_step_changes_in_place_is_the_copies_own(seed):
+    """A batch of pandas or NumPy data normalised in place by the step stays as the user had it."""
+    pd = pytest.importorskip("pandas")
+    model, opt = small()
+
+    def step(batch):
+        frame, extra = batch
+        frame[list(frame.columns)] = (frame - frame.mean()) / frame.std()
+        extra *= 2.0
+        x = torch.tensor(frame.values + extra, dtype=torch.float32)
+        return one_update(model, opt, x).detach()
+
+    frame = pd.DataFrame(np.random.default_rng(0).normal(3.0, 2.0, (5, 4)), columns=list("abcd"))
+    extra = np.random.default_rng(1).normal(size=(5, 4))
+    kept = frame.copy(), extra.copy()
+    examined(step, (frame, extra)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert frame.equals(kept[0]) and np.array_equal(extra, kept[1])
+
+
 def test_determinism_flags_a_seeding_helper_sets_are_put_back(seed):
     """A ``seed_everything`` called in the step (as many scripts do) turns on cuDNN's
     deterministic mode and torch's deterministic algorithms for the whole process: examining it

@@ -90,15 +90,19 @@ class Fix:
         return self.rtol_16bit if sixteen_bit and self.rtol_16bit is not None else self.rtol
 
 
+_DATA = ("numpy", "pandas")
+
+
 def own_batch(batch: Any) -> Any:
-    """The batch's tensors copied (pinned where they were, and needing grad as they did): a step
+    """The batch's tensors (and NumPy and pandas data) copied (pinned where they were, and needing grad as they did): a step
     that changes its batch in place changes the copy, never the user's."""
     return tree_map(_own_tensor, batch)
 
 
 def _own_tensor(t: Any) -> Any:
     if not isinstance(t, torch.Tensor):
-        return t
+        copy_of = getattr(t, "copy", None)  # NumPy and pandas data, changed in place as easily
+        return copy_of() if callable(copy_of) and type(t).__module__.startswith(_DATA) else t
     copied = t.detach().clone()
     if t.device.type == "cpu" and t.is_pinned():
         copied = copied.pin_memory()
