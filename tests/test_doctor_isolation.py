@@ -10,7 +10,9 @@ exactly as they were, or that the report's first line names what changed."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -406,6 +408,33 @@ def test_a_dataframe_or_array_batch_the_step_changes_in_place_is_the_copies_own(
     kept = frame.copy(), extra.copy()
     examined(step, (frame, extra)).try_fixes("set_to_none", steps=1, repeats=1)
     assert frame.equals(kept[0]) and np.array_equal(extra, kept[1])
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _Encoding(collections.UserDict):
+    """A tokenizer's output: a mapping that is not a dict, its tensors behind attributes."""
+
+
+@pytest.mark.parametrize(
+    "make", [lambda x: _Batch(x, x.sum(1)), lambda x: _Encoding(x=x)], ids=["dataclass", "mapping"]
+)
+def test_a_batch_object_whose_tensors_the_step_changes_in_place_is_the_copies_own(seed, make):
+    model, opt = small()
+
+    def step(batch):
+        x = batch.x if isinstance(batch, _Batch) else batch["x"]
+        x.sub_(x.mean())  # normalised in place
+        return one_update(model, opt, x).detach()
+
+    x = torch.randn(5, 4)
+    kept, batch = x.clone(), make(x)
+    examined(step, batch).try_fixes("set_to_none", steps=1, repeats=1)
+    assert torch.equal(x, kept)
 
 
 def test_determinism_flags_a_seeding_helper_sets_are_put_back(seed):
