@@ -391,6 +391,25 @@ def test_the_default_dtype_the_step_sets_is_put_back(seed):
     assert after == torch.float32
 
 
+def test_grad_mode_the_step_turns_off_is_put_back(seed):
+    """A step that turns gradients off for its logging and never back on: the user's process
+    would build no graph for its next step."""
+    model, opt = small()
+
+    def step(x):
+        torch.set_grad_enabled(True)
+        loss = one_update(model, opt, x).detach()
+        torch.set_grad_enabled(False)
+        return loss
+
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+    assert after
+
+
 def test_a_dataframe_or_array_batch_the_step_changes_in_place_is_the_copies_own(seed):
     """A batch of pandas or NumPy data normalised in place by the step stays as the user had it."""
     pd = pytest.importorskip("pandas")
