@@ -277,6 +277,22 @@ def test_untouched_names_a_model_the_step_never_showed(seed):
 
 
 # ---- what the step touches besides them ------------------------------------------------------------
+def test_a_numpy_array_the_step_writes_in_place_is_the_copies_own(seed):
+    """Running statistics kept in a NumPy array the step writes into: the user's stay."""
+    model, opt = small()
+    running = np.zeros(4)
+    seen = {"n": 0}
+
+    def step(x):
+        loss = one_update(model, opt, x).detach()
+        running[seen["n"] % 4] = float(loss)
+        seen["n"] += 1
+        return loss
+
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert np.array_equal(running, np.zeros(4)) and seen == {"n": 0}
+
+
 def test_globals_iterators_and_random_generators_are_the_copies_own(seed):
     model, opt = small()
     losses: list[float] = []
