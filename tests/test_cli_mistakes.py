@@ -252,12 +252,20 @@ def make():
 """
 
 
-def test_doctor_says_in_one_line_where_the_users_own_step_raised(accel_cli, tmp_path):
-    # the step's own mistake (a .view of a transposed tensor) is the user's to fix: their line
-    # and error in one line, not the doctor's traceback
+@pytest.mark.parametrize(
+    ("target", "said"),
+    [
+        ("view_step.py:make", ("view_step.py:10", "RuntimeError: view size")),
+        ("view_step.py:step", ("view_step.py:step takes an argument", "(step, batch)")),
+    ],
+    ids=["the step's own error", "the step named instead of its maker"],
+)
+def test_doctor_says_the_users_own_mistake_in_one_line(accel_cli, tmp_path, target, said):
+    # the step's own mistake (a .view of a transposed tensor) and naming the step itself, which
+    # needs the batch only a maker gives: one line saying what to change, not a traceback
     (tmp_path / "view_step.py").write_text(VIEW_AFTER_TRANSPOSE)
-    run = accel_cli("doctor", "view_step.py:make", "--out", str(tmp_path / "d.html"), cwd=tmp_path)
+    run = accel_cli("doctor", target, "--out", str(tmp_path / "d.html"), cwd=tmp_path)
     assert run.returncode == 2, run.stderr
-    assert "view_step.py:10" in run.stderr and "RuntimeError: view size" in run.stderr
+    assert all(part in run.stderr for part in said), run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert not (tmp_path / "d.html").exists()

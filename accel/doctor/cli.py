@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from accel.doctor.examine import takes_a_batch
+from accel.doctor.examine import takes_a_batch, takes_no_argument
 from accel.doctor.fixes import NO_BATCH
 from accel.errors import UsageError
 
@@ -33,6 +33,11 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     make = getattr(module, function_name, None)
     if not callable(make):
         raise UsageError(f"{module_name} has no function {function_name!r}")
+    if not takes_no_argument(make):
+        raise UsageError(
+            f"{target} takes an argument, and the doctor calls it with none: name a function "
+            f"that returns (step, batch), e.g. def make_step(): return {function_name}, batch"
+        )
     made = make()
     if callable(made) and not hasattr(made, "step"):  # the step alone: it draws its own batch
         made = (made, NO_BATCH)

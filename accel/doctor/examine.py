@@ -33,7 +33,7 @@ from accel.doctor.trial import replay_device_savings
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 
-__all__ = ["detect", "examine", "step_device", "takes_a_batch"]
+__all__ = ["detect", "examine", "step_device", "takes_a_batch", "takes_no_argument"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
 _ACCEL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -120,8 +120,17 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
 
 def takes_a_batch(step: Callable[..., Any]) -> bool:
     """Whether ``step`` can be called with one argument (its batch); True where it cannot tell."""
+    return _callable_with(step, None)
+
+
+def takes_no_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called with no argument; True where it cannot tell."""
+    return _callable_with(fn)
+
+
+def _callable_with(fn: Callable[..., Any], *args: Any) -> bool:
     try:
-        return _binds(inspect.signature(step), None)
+        return _binds(inspect.signature(fn), *args)
     except ValueError:  # no signature to read (a builtin)
         return True
 
