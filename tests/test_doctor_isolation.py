@@ -22,6 +22,7 @@ import random
 import re
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 
@@ -749,6 +750,24 @@ def test_files_the_step_writes_are_put_back_as_they_were(seed, tmp_path):
     with pytest.warns(RuntimeWarning, match="trials.*wrote"):
         report.try_fixes(["set_to_none"], steps=1, repeats=1)
     assert {path: path.read_bytes() for path in before} == before and not made.exists()
+
+
+def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):
+    # an asynchronous checkpoint: the step hands the save to a thread of its own, and the last
+    # one may still be writing when the examination ends
+    model, opt = small()
+    checkpoint = tmp_path / "last.pt"
+    checkpoint.write_bytes(b"the user's checkpoint")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        threading.Thread(target=torch.save, args=(state, checkpoint)).start()
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert checkpoint.read_bytes() == b"the user's checkpoint"
+    assert named_before_numbers(report, f"wrote {checkpoint}")
 
 
 def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(seed, tmp_path):
