@@ -99,8 +99,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from accel.errors import UsageError
 
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # after it: a script's own arguments
+    ours, theirs = argv[:cut], argv[cut + 1 :]
+    args = parser().parse_args(ours)
     try:
+        if theirs and args.command != "doctor":
+            raise UsageError(f"arguments after -- are a script's, for doctor only, got {theirs}")
+        args.script_args = theirs
         return args.func(args)
     except UsageError as mistake:  # a bug keeps its traceback
         print(f"accel: error: {mistake}", file=sys.stderr)

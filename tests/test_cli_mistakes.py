@@ -229,3 +229,43 @@ def test_doctor_refuses_a_mistake_in_one_line_before_examining(
     assert message in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert examined == []
+
+
+VIEW_AFTER_TRANSPOSE = """
+import torch
+
+model = torch.nn.Linear(4, 6)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step(batch):
+    logits = model(batch).transpose(0, 1)
+    loss = logits.view(-1).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def make():
+    return step, torch.randn(3, 4)
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "said"),
+    [
+        ("view_step.py:make", ("view_step.py:10", "RuntimeError: view size")),
+        ("view_step.py:step", ("view_step.py:step takes an argument", "(step, batch)")),
+    ],
+    ids=["the step's own error", "the step named instead of its maker"],
+)
+def test_doctor_says_the_users_own_mistake_in_one_line(accel_cli, tmp_path, target, said):
+    # the step's own mistake (a .view of a transposed tensor) and naming the step itself, which
+    # needs the batch only a maker gives: one line saying what to change, not a traceback
+    (tmp_path / "view_step.py").write_text(VIEW_AFTER_TRANSPOSE)
+    run = accel_cli("doctor", target, "--out", str(tmp_path / "d.html"), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert all(part in run.stderr for part in said), run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "d.html").exists()

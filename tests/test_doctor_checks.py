@@ -343,6 +343,21 @@ def test_torchs_own_checks_are_named_with_the_change_that_removes_them(library, 
     assert "MetricAccumulator" not in found.change and found.fixes == ()
 
 
+def test_a_size_that_depends_on_the_data_gets_the_fixed_shape_change_not_a_logging_one(seed):
+    """Matching boxes to anchors with torch.where(cond)[0] and x[mask] (a detection loss): no
+    number is logged, so the change is a fixed shape, not a metric read later."""
+    scores = torch.rand(64)
+
+    def step():
+        positive = torch.where(scores > 0.5)[0]
+        return scores[positive].sum() + scores[scores < 0.1].sum()
+
+    recording = recorder.record_step(step, torch.device("cpu"))
+    (found,) = check_host.syncs(evidence(recording.ops, device="cpu"))
+    assert "depends on the data" in found.evidence
+    assert "torch.where(mask, x, 0)" in found.change and "MetricAccumulator" not in found.change
+
+
 def test_anomaly_detections_checks_are_named_with_the_switch_that_removes_them(seed):
     """Anomaly detection left on from debugging reads every gradient backward makes for NaN on
     the host: no line of the user's to move, the change is to switch it off."""

@@ -10,7 +10,9 @@ exactly as they were, or that the report's first line names what changed."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
+import dataclasses
 import functools
 import importlib
 import itertools
@@ -20,6 +22,7 @@ import random
 import re
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 
@@ -275,6 +278,22 @@ def test_untouched_names_a_model_the_step_never_showed(seed):
 
 
 # ---- what the step touches besides them ------------------------------------------------------------
+def test_a_numpy_array_the_step_writes_in_place_is_the_copies_own(seed):
+    """Running statistics kept in a NumPy array the step writes into: the user's stay."""
+    model, opt = small()
+    running = np.zeros(4)
+    seen = {"n": 0}
+
+    def step(x):
+        loss = one_update(model, opt, x).detach()
+        running[seen["n"] % 4] = float(loss)
+        seen["n"] += 1
+        return loss
+
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert np.array_equal(running, np.zeros(4)) and seen == {"n": 0}
+
+
 def test_globals_iterators_and_random_generators_are_the_copies_own(seed):
     model, opt = small()
     losses: list[float] = []
@@ -370,6 +389,88 @@ def test_numeric_flags_the_step_sets_are_put_back(seed):
         torch.set_float32_matmul_precision(before[0])
         torch.backends.cudnn.allow_tf32 = before[1]
     assert after == before
+
+
+def test_the_default_dtype_the_step_sets_is_put_back(seed):
+    """A step that sets float64 as the default for a physics term: every later tensor the
+    process makes would be float64 if examining it left it so."""
+    model, opt = small()
+
+    def step(x):
+        torch.set_default_dtype(torch.float64)
+        return one_update(model, opt, x).detach()
+
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = torch.get_default_dtype()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert after == torch.float32
+
+
+def test_grad_mode_the_step_turns_off_is_put_back(seed):
+    """A step that turns gradients off for its logging and never back on: the user's process
+    would build no graph for its next step."""
+    model, opt = small()
+
+    def step(x):
+        torch.set_grad_enabled(True)
+        loss = one_update(model, opt, x).detach()
+        torch.set_grad_enabled(False)
+        return loss
+
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = torch.is_grad_enabled()
+    finally:
+        torch.set_grad_enabled(True)
+    assert after
+
+
+def test_a_dataframe_or_array_batch_the_step_changes_in_place_is_the_copies_own(seed):
+    """A batch of pandas or NumPy data normalised in place by the step stays as the user had it."""
+    pd = pytest.importorskip("pandas")
+    model, opt = small()
+
+    def step(batch):
+        frame, extra = batch
+        frame[list(frame.columns)] = (frame - frame.mean()) / frame.std()
+        extra *= 2.0
+        x = torch.tensor(frame.values + extra, dtype=torch.float32)
+        return one_update(model, opt, x).detach()
+
+    frame = pd.DataFrame(np.random.default_rng(0).normal(3.0, 2.0, (5, 4)), columns=list("abcd"))
+    extra = np.random.default_rng(1).normal(size=(5, 4))
+    kept = frame.copy(), extra.copy()
+    examined(step, (frame, extra)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert frame.equals(kept[0]) and np.array_equal(extra, kept[1])
+
+
+@dataclasses.dataclass
+class _Batch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class _Encoding(collections.UserDict):
+    """A tokenizer's output: a mapping that is not a dict, its tensors behind attributes."""
+
+
+@pytest.mark.parametrize(
+    "make", [lambda x: _Batch(x, x.sum(1)), lambda x: _Encoding(x=x)], ids=["dataclass", "mapping"]
+)
+def test_a_batch_object_whose_tensors_the_step_changes_in_place_is_the_copies_own(seed, make):
+    model, opt = small()
+
+    def step(batch):
+        x = batch.x if isinstance(batch, _Batch) else batch["x"]
+        x.sub_(x.mean())  # normalised in place
+        return one_update(model, opt, x).detach()
+
+    x = torch.randn(5, 4)
+    kept, batch = x.clone(), make(x)
+    examined(step, batch).try_fixes("set_to_none", steps=1, repeats=1)
+    assert torch.equal(x, kept)
 
 
 def test_determinism_flags_a_seeding_helper_sets_are_put_back(seed):
@@ -651,6 +752,24 @@ def test_files_the_step_writes_are_put_back_as_they_were(seed, tmp_path):
     assert {path: path.read_bytes() for path in before} == before and not made.exists()
 
 
+def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):
+    # an asynchronous checkpoint: the step hands the save to a thread of its own, and the last
+    # one may still be writing when the examination ends
+    model, opt = small()
+    checkpoint = tmp_path / "last.pt"
+    checkpoint.write_bytes(b"the user's checkpoint")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        threading.Thread(target=torch.save, args=(state, checkpoint)).start()
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert checkpoint.read_bytes() == b"the user's checkpoint"
+    assert named_before_numbers(report, f"wrote {checkpoint}")
+
+
 def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(seed, tmp_path):
     """The step swaps its checkpoint for a link to another file: putting the checkpoint back
     replaces the link with the file as it was, and the link's target stays untouched."""
@@ -685,6 +804,27 @@ def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp
     assert re.search(
         rf"made the folder {re.escape(str(run))} \(\d+ times\), put back", first_line(report)
     )
+
+
+def test_a_folder_that_was_there_is_not_said_to_be_made(seed, tmp_path):
+    # os.makedirs(..., exist_ok=True) before each save, as checkpointing code writes it: the
+    # folder the user already has was made by no one, and stays
+    model, opt = small()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    checkpoint = folder / "last.pt"
+    checkpoint.write_bytes(b"the user's checkpoint")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        os.makedirs(folder, exist_ok=True)
+        torch.save(model.state_dict(), checkpoint)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert "made the folder" not in first_line(report)
+    assert named_before_numbers(report, f"wrote {checkpoint}")
+    assert checkpoint.read_bytes() == b"the user's checkpoint"
 
 
 def test_files_a_compiler_writes_through_a_helper_library_are_not_the_steps(seed, tmp_path):

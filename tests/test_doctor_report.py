@@ -8,6 +8,7 @@ import dataclasses
 import html
 import inspect
 import math
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -579,3 +580,44 @@ def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):
     assert callable(step) and batch.shape == (5, 7) and loader is None
     with pytest.raises(doctor.cli.UsageError, match=r"no such file.*absent\.py"):
         load_step(f"{tmp_path / 'absent.py'}:make")
+
+
+ARGV_SCRIPT = '''
+import argparse
+
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--ckpt", default="last.pt")
+args = parser.parse_args()  # at import, as a training script reads its command line
+model = torch.nn.Linear(7, 3)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def step(batch):
+    loss = model(batch).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    torch.save(model.state_dict(), args.ckpt)
+    return loss.detach()
+
+
+def make():
+    return step, torch.randn(5, 7)
+'''
+
+
+def test_cli_gives_a_script_that_reads_its_command_line_the_arguments_after_a_double_dash(
+    tmp_path, capsys
+):
+    # the script's own parser sees its own arguments, never the doctor's
+    from accel.__main__ import main
+
+    path, checkpoint = tmp_path / "train_with_args.py", tmp_path / "elsewhere.pt"
+    path.write_text(ARGV_SCRIPT)
+    argv = list(sys.argv)
+    out = str(tmp_path / "d.html")
+    assert main(["doctor", f"{path}:make", "--out", out, "--", "--ckpt", str(checkpoint)]) == 0
+    assert f"wrote {checkpoint}" in capsys.readouterr().out and not checkpoint.exists()
+    assert sys.argv == argv

@@ -13,16 +13,17 @@ from torch.utils._pytree import tree_leaves
 from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import OpRecord, Site, TensorInfo
 
+DATA_SIZED = "its output's size depends on the data"
 # operators that make the host wait for the device, and what the user wrote to get one
 SYNC_OPS = {
     "aten::_local_scalar_dense": "a host read (.item(), float(t), int(t), an `if` on a tensor)",
     "aten::item": "a host read (.item(), float(t), int(t), an `if` on a tensor)",  # inference mode
     "aten::is_nonzero": "an `if` or `bool()` on a tensor",
-    "aten::nonzero": "nonzero(): its output's size depends on the data",
-    "aten::masked_select": "a boolean mask: its output's size depends on the data",
-    "aten::unique_dim": "unique(): its output's size depends on the data",
-    "aten::_unique2": "unique(): its output's size depends on the data",
-    "aten::unique_consecutive": "unique_consecutive(): its output's size depends on the data",
+    "aten::nonzero": f"nonzero(): {DATA_SIZED}",
+    "aten::masked_select": f"a boolean mask: {DATA_SIZED}",
+    "aten::unique_dim": f"unique(): {DATA_SIZED}",
+    "aten::_unique2": f"unique(): {DATA_SIZED}",
+    "aten::unique_consecutive": f"unique_consecutive(): {DATA_SIZED}",
     "aten::repeat_interleave": "repeat_interleave with tensor repeats",
     "aten::equal": "torch.equal() returns a Python bool",
 }
@@ -42,7 +43,12 @@ from accel.sync import MetricAccumulator
 metrics = MetricAccumulator(["loss"])        # before the loop
 metrics.add(loss=loss.detach())              # in the step: no host read
 if step % 100 == 0: print(metrics.read())   # one sync every 100 steps
-# an `if` on a tensor -> torch.where(cond, a, b); x[mask] -> torch.where(mask, x, 0)"""
+# an `if` on a tensor -> torch.where(cond, a, b)"""
+_DATA_SIZED_CHANGE = """\
+# a size the data decides (x[mask], nonzero, torch.where(cond)[0]) is counted on the host:
+# keep the shape fixed where the step allows it
+x = torch.where(mask, x, 0)                                # not x[mask]
+loss = (per_item * mask).sum() / mask.sum().clamp(min=1)   # not per_item[mask].mean()"""
 _SCALER_CHANGE = """\
 # GradScaler reads whether a gradient overflowed before each optimizer step. Under bf16 autocast
 # nothing overflows: drop the scaler. With fp16, a fused optimizer checks on the device:
@@ -80,7 +86,7 @@ def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
                 return kind
         return SYNC_OPS[op.op]
     if op.op == "aten::index" and any(t.dtype == torch.bool for t in op.inputs[1:]):
-        return "boolean indexing x[mask]: its output's size depends on the data"
+        return f"boolean indexing x[mask]: {DATA_SIZED}"
     if cuda and op.op in _COPIES and op.inputs and op.outputs:
         src, dst = _copy_ends(op)
         if src.device == "cuda" and dst.device == "cpu":
@@ -152,7 +158,9 @@ def syncs(evidence: Evidence) -> list[Finding]:
     kinds = {kind for _, kind in sites}
     torchs = dict([*_LIBRARY_READS.values(), (ANOMALY_CHECK, _ANOMALY_CHECK_CHANGE)])
     changes = [change for kind, change in torchs.items() if kind in kinds]
-    changes += [_SYNC_CHANGE] * bool(kinds - torchs.keys())
+    sized = {kind for kind in kinds if kind.endswith(DATA_SIZED)}
+    changes += [_SYNC_CHANGE] * bool(kinds - torchs.keys() - sized)
+    changes += [_DATA_SIZED_CHANGE] * bool(sized)
     # a read kept for later; the scaler's read made on the device by a fused optimizer; the
     # other syncs (an `if` on a tensor) need your edit
     fixes = ("deferred_reads",) * _reads_items(evidence)

@@ -7,13 +7,15 @@ printed and written as one HTML file that opens offline."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from accel.doctor.examine import takes_a_batch
+from accel.doctor.examine import takes_a_batch, takes_no_argument
 from accel.doctor.fixes import NO_BATCH
 from accel.errors import UsageError
 
@@ -31,6 +33,11 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     make = getattr(module, function_name, None)
     if not callable(make):
         raise UsageError(f"{module_name} has no function {function_name!r}")
+    if not takes_no_argument(make):
+        raise UsageError(
+            f"{target} takes an argument, and the doctor calls it with none: name a function "
+            f"that returns (step, batch), e.g. def make_step(): return {function_name}, batch"
+        )
     made = make()
     if callable(made) and not hasattr(made, "step"):  # the step alone: it draws its own batch
         made = (made, NO_BATCH)
@@ -77,6 +84,18 @@ def _load_file(path: Path) -> Any:
     return module
 
 
+@contextlib.contextmanager
+def _script_argv(target: str, script_args: list[str]) -> Iterator[None]:
+    """``sys.argv`` as the script would see it run alone (its own arguments, those after
+    ``--``), not the doctor's, while it loads and runs; put back after."""
+    saved = sys.argv
+    sys.argv = [target.rpartition(":")[0], *script_args]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from accel.doctor import examine
     from accel.doctor.page import trials_text
@@ -85,11 +104,12 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
     check_writable(args.out, "--out")  # before the examination, which takes a while
-    step, batch, loader = load_step(args.target)
-    report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
-                     allow_training=args.allow_training)
-    if args.try_fixes:
-        report.try_fixes()
+    with _script_argv(args.target, args.script_args):
+        step, batch, loader = load_step(args.target)
+        report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
+                         allow_training=args.allow_training)
+        if args.try_fixes:
+            report.try_fixes()
     print(report)
     if report.trials is not None:
         if not report.trials.empty:
@@ -112,4 +132,5 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add("--compile", action="store_true", help="also list torch.compile's graph breaks")
     add("--allow-training", action="store_true",
         help="run on your own model where the doctor cannot copy what the step trains")  # fmt: skip
+    doctor.epilog = "arguments after -- are your script's own command line (its sys.argv)"
     doctor.set_defaults(func=_doctor)

@@ -33,7 +33,7 @@ from accel.doctor.trial import replay_device_savings
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 
-__all__ = ["detect", "examine", "step_device", "takes_a_batch"]
+__all__ = ["detect", "examine", "step_device", "takes_a_batch", "takes_no_argument"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
 _ACCEL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -120,8 +120,17 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
 
 def takes_a_batch(step: Callable[..., Any]) -> bool:
     """Whether ``step`` can be called with one argument (its batch); True where it cannot tell."""
+    return _callable_with(step, None)
+
+
+def takes_no_argument(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` can be called with no argument; True where it cannot tell."""
+    return _callable_with(fn)
+
+
+def _callable_with(fn: Callable[..., Any], *args: Any) -> bool:
     try:
-        return _binds(inspect.signature(step), None)
+        return _binds(inspect.signature(fn), *args)
     except ValueError:  # no signature to read (a builtin)
         return True
 
@@ -173,8 +182,9 @@ def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
 
 
 class _Repeated:
-    """The step called again and again, as training calls it; an error after its first call said
-    as one (a schedule or data that ends after a few steps), with the step's line that raised."""
+    """The step called again and again, as training calls it; an error said with the step's line
+    that raised, the step's own mistake on its first call, after it one that ends (a schedule or
+    data that ends after a few steps)."""
 
     def __init__(self, call: Callable[[], Any]) -> None:
         self.call, self.calls = call, 0
@@ -184,16 +194,20 @@ class _Repeated:
         try:
             return self.call()
         except Exception as error:
-            if self.calls == 1:
-                raise
             frames = [f"{frame.f_code.co_filename}:{line}"
                       for frame, line in traceback.walk_tb(error.__traceback__)
                       if not is_library(frame.f_code)
                       and not frame.f_code.co_filename.startswith(_ACCEL_DIR)]  # fmt: skip
+            said = f"{type(error).__name__}: {str(error).rstrip('.')}"
+            where = f"({frames[-1] if frames else 'in a library'}): {said}"
+            if self.calls == 1:
+                raise UsageError(
+                    f"the step raised on its first call, on the doctor's copies {where}. Fix "
+                    "the step so that one call of it runs, then examine it again"
+                ) from error
             raise UsageError(
                 f"the step ran {self.calls - 1} times on the doctor's copies and raised on call "
-                f"{self.calls} ({frames[-1] if frames else 'in a library'}): "
-                f"{type(error).__name__}: {error}. The doctor runs it many times, as training "
+                f"{self.calls} {where}. The doctor runs it many times, as training "
                 "does: what ends after a few steps (a schedule's total_steps, a finite data "
                 "source) must allow more"
             ) from error

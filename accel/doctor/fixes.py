@@ -7,7 +7,9 @@ several applied to one copy are the combined trial.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,15 +92,34 @@ class Fix:
         return self.rtol_16bit if sixteen_bit and self.rtol_16bit is not None else self.rtol
 
 
-def own_batch(batch: Any) -> Any:
-    """The batch's tensors copied (pinned where they were, and needing grad as they did): a step
-    that changes its batch in place changes the copy, never the user's."""
-    return tree_map(_own_tensor, batch)
+_DATA = ("numpy", "pandas")
+_NOT_DATA = (types.ModuleType, torch.nn.Module, torch.optim.Optimizer)
 
 
-def _own_tensor(t: Any) -> Any:
-    if not isinstance(t, torch.Tensor):
-        return t
+def own_batch(batch: Any, depth: int = 0) -> Any:
+    """The batch's tensors (pinned where they were, and needing grad as they did), NumPy and
+    pandas data, and the objects holding them (a dataclass, a tokenizer's mapping) copied: a
+    step that changes its batch in place changes the copy, never the user's."""
+    return tree_map(lambda leaf: _own_leaf(leaf, depth), batch)
+
+
+def _own_leaf(leaf: Any, depth: int) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return _own_tensor(leaf)
+    copy_of = getattr(leaf, "copy", None)
+    if callable(copy_of) and type(leaf).__module__.startswith(_DATA):
+        return copy_of()
+    if depth >= 3 or not hasattr(leaf, "__dict__") or callable(leaf) or isinstance(leaf, _NOT_DATA):
+        return leaf  # a model or optimizer in the batch trains where it is, and is named
+    try:
+        clone = copy.copy(leaf)
+    except Exception:  # what cannot be copied is used as it is
+        return leaf
+    vars(clone).update({k: own_batch(v, depth + 1) for k, v in vars(leaf).items()})
+    return clone
+
+
+def _own_tensor(t: torch.Tensor) -> torch.Tensor:
     copied = t.detach().clone()
     if t.device.type == "cpu" and t.is_pinned():
         copied = copied.pin_memory()

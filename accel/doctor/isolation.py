@@ -6,8 +6,9 @@ recorded while a :class:`Session` is open, for the report's first line.
 
 Files and sockets are seen through one process-wide audit hook (``sys.addaudithook``: it cannot
 be removed, so it does nothing unless a session is open in the running thread), counted only
-where the step's own code is on the stack. ``torch.save`` opens its file in C++, without an
-audit event: during a session it raises the one ``open()`` would.
+where the step's own code is on the stack, or in a thread the step started (waited for before
+the files are put back). ``torch.save`` opens its file in C++, without an audit event: during a
+session it raises the one ``open()`` would.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
+import time
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,6 +40,10 @@ __all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplai
 
 _RECORD: contextvars.ContextVar[_Recording] = contextvars.ContextVar("accel_doctor_record")
 _HOOKED: list[bool] = []  # the process's hook is installed once
+# a thread the step started (an asynchronous checkpoint) -> its session's recording: all it does
+# is the step's, and it starts without the session's context
+_THREADS: weakref.WeakKeyDictionary[threading.Thread, _Recording] = weakref.WeakKeyDictionary()
+THREAD_WAIT_S = 10.0  # on closing, how long the threads the step started are waited for
 # code that writes on its own account while a step runs (caches, bytecode): not the step's
 _MACHINERY = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.utils.cpp_extension",
               "triton", "torch._logging")  # fmt: skip
@@ -56,6 +64,7 @@ class _Recording:
         self.codes: set[types.CodeType] = set()  # a file opened under one of them: the step's
         self.files = _KeptFiles()
         self.put_back: set[str] = set()  # what was said of a file kept to put back
+        self.threads: list[threading.Thread] = []  # started by the step
 
 
 class Session:
@@ -78,6 +87,7 @@ class Session:
         self._environment = dict(os.environ)
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
+        self._threads = _WatchedThreads()
         return self
 
     def watch(self, functions: Iterable[Any]) -> None:
@@ -88,12 +98,23 @@ class Session:
         )
 
     def __exit__(self, *exc: Any) -> None:
+        self._threads.close()
+        self._wait_for_threads()
         self._save.close()
         _RECORD.reset(self._token)
         self._generators.restore()
         self._backend_flags.__exit__(None, None, None)
         _restore_environment(self._environment)
         self._recording.files.put_back()
+
+    def _wait_for_threads(self) -> None:
+        """The threads the step started finish what they write before the files are put back;
+        one still running after :data:`THREAD_WAIT_S` is named."""
+        deadline = time.monotonic() + THREAD_WAIT_S
+        for thread in self._recording.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                self._recording.found[f"left the thread {thread.name} running"] += 1
 
     def effects(self) -> list[str]:
         """Each side effect once, with how many times it happened."""
@@ -149,11 +170,12 @@ def _cuda_started() -> bool:
 
 # ---- files, sockets, processes -----------------------------------------------------------------------
 def _audit(event: str, args: tuple) -> None:
-    recording, describe = _RECORD.get(None), _EVENTS.get(event)
+    recording = _RECORD.get(None) or _THREADS.get(threading.current_thread())
+    describe = _EVENTS.get(event)
     if recording is None or describe is None or recording.files.busy:
         return
-    what = describe(*args)
-    if what and _caused_by_step(recording.codes):
+    what = describe and describe(*args)
+    if what and (threading.current_thread() in _THREADS or _caused_by_step(recording.codes)):
         recording.found[what] += 1
         paths = [args[i] for i in _FILE_CHANGES.get(event, ())]
         if paths and all(recording.files.keep(path) for path in paths):
@@ -168,13 +190,19 @@ def _opened(path: Any, mode: Any, flags: Any) -> str | None:
     return f"wrote {path}" if writes and path != os.devnull else None
 
 
+def _made_folder(path: Any) -> str | None:
+    """None where the folder is already there (``makedirs(..., exist_ok=True)``): nothing made."""
+    path = os.fsdecode(path)
+    return None if os.path.lexists(path) else f"made the folder {path}"
+
+
 _EVENTS: dict[str, Callable[..., str | None]] = {
     "open": _opened,
     "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",
     "os.rename": lambda src, dst, *_: f"renamed {os.fsdecode(src)} to {os.fsdecode(dst)}",
     "os.rmdir": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
     "shutil.rmtree": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
-    "os.mkdir": lambda path, *_: f"made the folder {os.fsdecode(path)}",
+    "os.mkdir": lambda path, *_: _made_folder(path),
     "os.truncate": lambda path, *_: f"truncated {path}",
     "os.symlink": lambda src, dst, *_: f"linked {os.fsdecode(dst)}",
     "os.link": lambda src, dst, *_: f"linked {os.fsdecode(dst)}",
@@ -277,6 +305,35 @@ def _caused_by_step(codes: set[types.CodeType]) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+class _WatchedThreads:
+    """While open: a thread started by the step's code (or by a thread it started) is the
+    step's, its file writes recorded and put back (``threading`` raises no audit event)."""
+
+    def __init__(self) -> None:
+        self._original = threading.Thread.start
+        if getattr(self._original, "_accel_watched", False):  # a session is already open
+            self._original = None
+            return
+        original = self._original
+
+        def start(thread: threading.Thread) -> None:
+            current = threading.current_thread()
+            recording = _RECORD.get(None) or _THREADS.get(current)
+            if recording is not None and (
+                current in _THREADS or _caused_by_step(recording.codes)
+            ):
+                _THREADS[thread] = recording
+                recording.threads.append(thread)
+            original(thread)
+
+        start._accel_watched = True
+        threading.Thread.start = start
+
+    def close(self) -> None:
+        if self._original is not None:
+            threading.Thread.start = self._original
 
 
 class _AuditedSave:

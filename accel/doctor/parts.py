@@ -26,6 +26,7 @@ from accel.doctor.reach import (
     Reach,
     attributes_of,
     global_names,
+    is_array,
     is_cached_function,
     is_library,
     kind,
@@ -266,6 +267,11 @@ class _Rebuild:
             return made.pin_memory() if value.is_pinned() else made  # a staging buffer stays one
         if what == "rng":
             return copy.deepcopy(value)
+        if is_array(value):  # written in place, as a tensor is: within the tensors' budget
+            if self.tensor_bytes + value.nbytes > COPIED_TENSOR_BYTES:
+                return value
+            self.tensor_bytes += value.nbytes
+            return value.copy()
         if what == "iterator":
             if type(value) in _COPYABLE_ITERATORS:
                 return copy.copy(value)

@@ -80,6 +80,8 @@ _KEPT_SWITCHES = (
     (lambda: (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()),
      lambda on: torch.autograd.set_detect_anomaly(*on)),
     (torch.get_num_threads, torch.set_num_threads),
+    (torch.get_default_dtype, torch.set_default_dtype),
+    (torch.is_grad_enabled, torch.set_grad_enabled),
     *((getattr(torch.backends.cuda, f"{kind}_sdp_enabled"),
        getattr(torch.backends.cuda, f"enable_{kind}_sdp"))
       for kind in ("flash", "mem_efficient", "math", "cudnn")),
@@ -103,9 +105,9 @@ def backend_flags(**settings: bool) -> Iterator[None]:
 @contextlib.contextmanager
 def kept_backend_flags() -> Iterator[None]:
     """Every flag :func:`backend_flags` sets and the other process-wide switches a step may set
-    (determinism, anomaly detection, the SDPA kernels allowed, the thread count, the float32
-    matmul precision), put back on leaving (a step that turns on TF32 changes every later
-    float32 product of the process)."""
+    (determinism, anomaly detection, the SDPA kernels allowed, the thread count, the default
+    dtype, grad mode, the float32 matmul precision), put back on leaving (a step that turns on
+    TF32 changes every later float32 product of the process)."""
     places = [place for places in _BACKEND_FLAGS.values() for place in places] + [*_KEPT_FLAGS]
     with _kept(places, _KEPT_SWITCHES):
         yield

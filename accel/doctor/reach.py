@@ -7,7 +7,7 @@ not seen; ``Untouched`` checks every model and optimizer of the process, found h
 
 :func:`kind` sorts what was found: ``part`` (a module, optimizer, scheduler or gradient scaler),
 ``grad`` (a leaf tensor requiring grad), ``computed`` (a non-leaf one), ``tensor``, ``rng``,
-``state`` (a mutable container, an instance of a user class or a cached function of the user's),
+``state`` (a mutable container or NumPy array, an instance of a user class or a cached function of the user's),
 ``iterator``, ``file``,
 ``writes`` (a user function that assigns a global), or None.
 """
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_cached_function",
-           "is_library", "kind", "skipped_attributes", "slot_names", "stored_globals", "walk"]  # fmt: skip
+__all__ = ["Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_array",
+           "is_cached_function", "is_library", "kind", "skipped_attributes", "slot_names", "stored_globals", "walk"]  # fmt: skip
 
 LARGE = 10_000  # a container longer than this (a data set, say) is searched for parts only
 
@@ -357,7 +357,7 @@ def kind(value: Any) -> str | None:
         return "rng"
     if isinstance(value, io.IOBase):
         return "file"
-    if isinstance(value, _STATE):
+    if isinstance(value, _STATE) or is_array(value):  # an array is written in place as a list is
         return "state"
     if is_cached_function(value):
         return "state"
@@ -372,6 +372,12 @@ def kind(value: Any) -> str | None:
     if user_instance:
         return "state"
     return "iterator" if isinstance(value, Iterator) else None
+
+
+def is_array(value: Any) -> bool:
+    """A NumPy array (NumPy not imported for it)."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.ndarray)
 
 
 def is_cached_function(value: Any) -> bool:
