@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from accel import doctor
+from accel.doctor.fixes import own_batch
 from accel.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -1050,3 +1051,13 @@ def test_the_doctor_leaves_a_generated_steps_world_as_it_was(
     assert len(report.parts.models) == 1 and len(report.parts.optimizers) == 1
     for extra in set(extras) - set(NAMED):
         assert extra not in first_line(report).split(". ")[0]  # isolated, so nothing to name
+
+
+def test_a_dataset_a_batch_object_holds_is_not_copied(seed):
+    # a batch object may keep a reference to its whole dataset: copying the batch must not copy it
+    data = torch.utils.data.TensorDataset(torch.randn(64, 4))
+    batch = _Batch(torch.randn(5, 4), torch.randn(5))
+    batch.source = data
+    owned = own_batch(batch)
+    assert owned.source is data and owned.x is not batch.x
+    assert torch.equal(owned.x, batch.x)

@@ -93,7 +93,9 @@ class Fix:
 
 
 _DATA = ("numpy", "pandas")
-_NOT_DATA = (types.ModuleType, torch.nn.Module, torch.optim.Optimizer)
+# trained or loaded where they are, never copied: a batch object may hold its dataset or loader
+_NOT_DATA = (types.ModuleType, torch.nn.Module, torch.optim.Optimizer,
+             torch.utils.data.Dataset, torch.utils.data.DataLoader)  # fmt: skip
 
 
 def own_batch(batch: Any, depth: int = 0) -> Any:
