@@ -7,8 +7,8 @@ not seen; ``Untouched`` checks every model and optimizer of the process, found h
 
 :func:`kind` sorts what was found: ``part`` (a module, optimizer, scheduler or gradient scaler),
 ``grad`` (a leaf tensor requiring grad), ``computed`` (a non-leaf one), ``tensor``, ``rng``,
-``state`` (a mutable container or NumPy array, an instance of a user class or a cached function of the user's),
-``iterator``, ``file``,
+``state`` (a mutable container or NumPy array, an instance of a user class or a cached
+function of the user's), ``iterator``, ``file``,
 ``writes`` (a user function that assigns a global), or None.
 """
 
@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 __all__ = ["Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_array",
-           "is_cached_function", "is_library", "kind", "skipped_attributes", "slot_names", "stored_globals", "walk"]  # fmt: skip
+           "is_cached_function", "is_library", "kind", "skipped_attributes", "slot_names",
+           "stored_globals", "walk"]  # fmt: skip
 
 LARGE = 10_000  # a container longer than this (a data set, say) is searched for parts only
 
@@ -383,7 +384,8 @@ def is_array(value: Any) -> bool:
 def is_cached_function(value: Any) -> bool:
     """A function of the user's under ``functools.lru_cache`` or ``cache``: its entries are state
     the step fills."""
-    return hasattr(value, "cache_parameters") and not is_library(getattr(value, "__wrapped__", None))
+    wrapped = getattr(value, "__wrapped__", None)
+    return hasattr(value, "cache_parameters") and not is_library(wrapped)
 
 
 @functools.cache
