@@ -40,14 +40,10 @@ def test_fractions_of_the_ceilings():
     assert CEIL.compute_fraction(flops=5e10, ms=1.0) == pytest.approx(0.5)
 
 
-def test_pinned_rate_is_measured_once_per_device_and_size_capped(monkeypatch):
-    sizes = []
-    monkeypatch.setattr(ceilings, "_PINNED_GB_S", {})
-    monkeypatch.setattr(ceilings, "measure_pinned_gb_s", lambda d, n: sizes.append(n) or 20.0)
-    assert ceilings.pinned_gb_s("cuda:0", 1 << 30) == 20.0
-    assert ceilings.pinned_gb_s(torch.device("cuda", 0), 1 << 30) == 20.0
-    assert ceilings.pinned_gb_s("cuda:0", 4096) == 20.0
-    assert sizes == [ceilings.PINNED_PROBE_BYTES, 4096]
+def test_the_pinned_probe_copies_at_most_its_cap():
+    assert ceilings.pinned_probe_bytes(1 << 30) == ceilings.PINNED_PROBE_BYTES
+    assert ceilings.pinned_probe_bytes(4096) == 4096
+    assert ceilings.pinned_probe_bytes(0) == 1
 
 
 def test_pinned_probe_refuses_a_cpu():

@@ -30,6 +30,7 @@ from accel.doctor.findings import Evidence, Finding
 from accel.doctor.parts import StepParts
 from accel.doctor.recorder import HostRead, OpRecord, Recording, Site, TensorInfo
 from accel.doctor.timeline import Timeline
+from accel.measure import ceilings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -273,6 +274,23 @@ def test_the_pinned_rate_is_asked_for_the_bytes_the_pageable_copies_move():
     (finding,) = check_host.input_pipeline(found_in)
     assert asked == [2 * 2**18]  # two copies of 256 KiB
     assert finding.saved_us == pytest.approx(70.0)  # 80 us pageable, 10 us pinned
+
+
+def test_the_pinned_rate_is_measured_once_per_device_and_probe_size(monkeypatch):
+    sizes = []
+
+    def probe(device, nbytes):
+        sizes.append(nbytes)
+        return 20.0
+
+    monkeypatch.setattr(findings, "_MACHINE", {})
+    monkeypatch.setattr(ceilings, "measure_pinned_gb_s", probe)
+    unmeasured = evidence(device="cuda:0")
+    del unmeasured.measure["pinned"]
+    assert unmeasured.pinned_gb_s(1 << 30) == 20.0
+    assert unmeasured.pinned_gb_s(1 << 30) == 20.0
+    assert unmeasured.pinned_gb_s(4096) == 20.0
+    assert sizes == [ceilings.PINNED_PROBE_BYTES, 4096]
 
 
 def test_boolean_indexing_and_data_dependent_shapes_are_syncs():

@@ -106,10 +106,15 @@ class Evidence:
         return self.measure.get("costs", lambda: _once("costs", self.device, measure_costs))()
 
     def pinned_gb_s(self, nbytes: int) -> float:
-        """The rate of a pinned, non-blocking copy of ``nbytes`` in to this CUDA device."""
-        from accel.measure.ceilings import pinned_gb_s
+        """The rate of a pinned, non-blocking copy of ``nbytes`` in to this CUDA device, measured
+        once per device and probe size in this process."""
+        from accel.measure.ceilings import measure_pinned_gb_s, pinned_probe_bytes
 
-        return self.measure.get("pinned", functools.partial(pinned_gb_s, self.device))(nbytes)
+        if "pinned" in self.measure:
+            return self.measure["pinned"](nbytes)
+        size = pinned_probe_bytes(nbytes)
+        measure = functools.partial(measure_pinned_gb_s, nbytes=size)
+        return _once(f"pinned copy of {size} bytes", self.device, measure)
 
     def forward_ops(self) -> list[OpRecord]:
         return [op for op in self.recording.ops if not op.backward]

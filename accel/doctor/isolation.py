@@ -174,7 +174,7 @@ def _audit(event: str, args: tuple) -> None:
     describe = _EVENTS.get(event)
     if recording is None or describe is None or recording.files.busy:
         return
-    what = describe and describe(*args)
+    what = describe(*args)
     if what and (threading.current_thread() in _THREADS or _caused_by_step(recording.codes)):
         recording.found[what] += 1
         paths = [args[i] for i in _FILE_CHANGES.get(event, ())]

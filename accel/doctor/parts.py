@@ -252,6 +252,13 @@ class _Rebuild:
         self.memo[key] = made
         return made
 
+    def _within_budget(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit the tensors' copy budget; counted if they do."""
+        if self.tensor_bytes + nbytes > COPIED_TENSOR_BYTES:
+            return False
+        self.tensor_bytes += nbytes
+        return True
+
     def _make(self, value: Any) -> Any:
         what = kind(value)
         if what == "computed":  # a state carried from step to step (an RNN's hidden state): the
@@ -259,19 +266,14 @@ class _Rebuild:
             # again detaches first (backpropagating into it twice fails on the user's objects too)
             return value.detach().clone()
         if what == "tensor":  # written in place, perhaps (an average of the weights, a count)
-            size = value.untyped_storage().nbytes()
-            if self.tensor_bytes + size > COPIED_TENSOR_BYTES:
+            if not self._within_budget(value.untyped_storage().nbytes()):
                 return value
-            self.tensor_bytes += size
             made = copy.deepcopy(value, self.memo)
             return made.pin_memory() if value.is_pinned() else made  # a staging buffer stays one
         if what == "rng":
             return copy.deepcopy(value)
         if is_array(value):  # written in place, as a tensor is: within the tensors' budget
-            if self.tensor_bytes + value.nbytes > COPIED_TENSOR_BYTES:
-                return value
-            self.tensor_bytes += value.nbytes
-            return value.copy()
+            return value.copy() if self._within_budget(value.nbytes) else value
         if what == "iterator":
             if type(value) in _COPYABLE_ITERATORS:
                 return copy.copy(value)

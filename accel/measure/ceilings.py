@@ -69,7 +69,12 @@ def measure_copy_gb_s(device: torch.device, nbytes: int, repeats: int) -> float:
 
 
 PINNED_PROBE_BYTES = 64 << 20  # a larger copy runs at the same rate, only for longer
-_PINNED_GB_S: dict[tuple[str, int], float] = {}  # (device, bytes) -> GB/s, once per process
+
+
+def pinned_probe_bytes(nbytes: int) -> int:
+    """The size :func:`measure_pinned_gb_s` copies for a copy of ``nbytes``: at most
+    :data:`PINNED_PROBE_BYTES`."""
+    return max(1, min(int(nbytes), PINNED_PROBE_BYTES))
 
 
 def measure_pinned_gb_s(device: torch.device | str, nbytes: int, repeats: int = 5) -> float:
@@ -86,19 +91,6 @@ def measure_pinned_gb_s(device: torch.device | str, nbytes: int, repeats: int = 
         label="pinned copy", warmup=2, repeats=repeats, device=device,
     )  # fmt: skip
     return nbytes / (t.median_ms * 1e-3) / 1e9
-
-
-def pinned_gb_s(device: torch.device | str, nbytes: int) -> float:
-    """:func:`measure_pinned_gb_s` at ``nbytes`` (at most :data:`PINNED_PROBE_BYTES`), measured
-    once per device and size in this process."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    size = max(1, min(int(nbytes), PINNED_PROBE_BYTES))
-    key = (str(device), size)
-    if key not in _PINNED_GB_S:
-        _PINNED_GB_S[key] = measure_pinned_gb_s(device, size)
-    return _PINNED_GB_S[key]
 
 
 def measure_matmul_tflop_s(device: torch.device, n: int, repeats: int) -> float:
