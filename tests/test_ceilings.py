@@ -40,22 +40,24 @@ def test_fractions_of_the_ceilings():
     assert CEIL.compute_fraction(flops=5e10, ms=1.0) == pytest.approx(0.5)
 
 
-def test_the_pinned_probe_copies_at_most_its_cap():
-    assert ceilings.pinned_probe_bytes(1 << 30) == ceilings.PINNED_PROBE_BYTES
-    assert ceilings.pinned_probe_bytes(4096) == 4096
-    assert ceilings.pinned_probe_bytes(0) == 1
+def test_the_copy_in_probe_copies_at_most_its_cap():
+    assert ceilings.copy_in_probe_bytes(1 << 30) == ceilings.COPY_IN_PROBE_BYTES
+    assert ceilings.copy_in_probe_bytes(4096) == 4096
+    assert ceilings.copy_in_probe_bytes(0) == 1
 
 
-def test_pinned_probe_refuses_a_cpu():
+@pytest.mark.parametrize("pinned", [True, False])
+def test_copy_in_probe_refuses_a_cpu(pinned):
     with pytest.raises(ValueError, match="CUDA"):
-        ceilings.measure_pinned_gb_s("cpu", 4096)
+        ceilings.measure_copy_in_gb_s("cpu", 4096, pinned=pinned)
 
 
 @pytest.mark.gpu
 @requires_cuda
-def test_gpu_pinned_probe_gives_a_rate_and_leaves_nothing_allocated():
+@pytest.mark.parametrize("pinned", [True, False])
+def test_gpu_copy_in_probe_gives_a_rate_and_leaves_nothing_allocated(pinned):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    rate = ceilings.measure_pinned_gb_s("cuda", 8 << 20)
+    rate = ceilings.measure_copy_in_gb_s("cuda", 8 << 20, pinned=pinned)
     assert math.isfinite(rate) and rate > 0
     assert torch.cuda.memory_allocated() == before

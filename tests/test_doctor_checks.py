@@ -37,6 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GIB = 2**30
 LAUNCH_US, SYNC_US, COPY_GB_S, MATMUL_TFLOP_S = 6.0, 40.0, 1000.0, 400.0
 PINNED_GB_S = 16.384  # 16384 bytes (a 64 x 64 float32 copy) in 1 us
+PAGEABLE_GB_S = 0.1  # slower than any recorded copy here, so the recorded time counts
 SITE = Site("train.py", 12, "step")
 ADAMW = (
     "optim/adamw.py:_single_tensor_adamw",
@@ -106,7 +107,7 @@ def evidence(
             "costs": lambda: SimpleNamespace(launch_us=LAUNCH_US, sync_us=SYNC_US),
             "attention": attention,
             "products": quarter_time,
-            "pinned": lambda nbytes: PINNED_GB_S,
+            "copy_in": lambda nbytes, pinned: PINNED_GB_S if pinned else PAGEABLE_GB_S,
         },
     )
 
@@ -252,7 +253,7 @@ def test_pageable_host_to_device_copy_is_an_input_finding_not_a_sync():
     assert [f.kind for f in pipeline] == ["input"]
     # the two pageable copies took 50 us; from pinned memory their 32 KiB take 2 us
     assert pipeline[0].saved_us == pytest.approx(48.0)
-    assert f"({PINNED_GB_S:.1f} GB/s)" in pipeline[0].cost_model
+    assert f"{PINNED_GB_S:.1f} GB/s from pinned" in pipeline[0].evidence
     assert pipeline[0].fixes == ("pinned_batch",)
     assert check_host.input_pipeline(evidence([upload(True)])) == []
 
@@ -265,32 +266,49 @@ def test_a_pinned_copy_saves_the_pageable_time_less_its_own():
     assert check_host.pinned_saving_us(100e3, 0, 25.0) == pytest.approx(100e3)
 
 
-def test_the_pinned_rate_is_asked_for_the_bytes_the_pageable_copies_move():
+def test_the_copy_rates_are_asked_for_the_bytes_the_pageable_copies_move():
     asked = []
     upload = op("aten::copy_", info(256, 256), info(256, 256, device="cpu"), time_us=40.0,
                 outputs=(info(256, 256),))  # fmt: skip
     found_in = evidence([upload, upload])
-    found_in.measure["pinned"] = lambda nbytes: asked.append(nbytes) or 2**19 / 10e3
+    rates = {True: 2**19 / 10e3, False: PAGEABLE_GB_S}
+    found_in.measure["copy_in"] = lambda nbytes, pinned: asked.append((nbytes, pinned)) or rates[
+        pinned
+    ]
     (finding,) = check_host.input_pipeline(found_in)
-    assert asked == [2 * 2**18]  # two copies of 256 KiB
+    assert sorted(asked) == [(2 * 2**18, False), (2 * 2**18, True)]  # two copies of 256 KiB
     assert finding.saved_us == pytest.approx(70.0)  # 80 us pageable, 10 us pinned
 
 
-def test_the_pinned_rate_is_measured_once_per_device_and_probe_size(monkeypatch):
+def test_pageable_copies_slowed_by_the_profiler_count_at_their_own_rate():
+    upload = op("aten::copy_", info(256, 256), info(256, 256, device="cpu"), time_us=40.0,
+                outputs=(info(256, 256),))  # fmt: skip
+    found_in = evidence([upload, upload])
+    # 512 KiB: 80 us recorded, 20 us at the pageable rate measured outside the profiler
+    rates = {True: 2**19 / 10e3, False: 2**19 / 20e3}
+    found_in.measure["copy_in"] = lambda nbytes, pinned: rates[pinned]
+    (finding,) = check_host.input_pipeline(found_in)
+    assert finding.saved_us == pytest.approx(10.0)
+    assert "0.080 ms on the device under the profiler" in finding.evidence
+
+
+def test_the_copy_rates_are_measured_once_per_device_kind_and_probe_size(monkeypatch):
     sizes = []
 
-    def probe(device, nbytes):
-        sizes.append(nbytes)
-        return 20.0
+    def probe(device, nbytes, pinned):
+        sizes.append((nbytes, pinned))
+        return 20.0 if pinned else 5.0
 
     monkeypatch.setattr(findings, "_MACHINE", {})
-    monkeypatch.setattr(ceilings, "measure_pinned_gb_s", probe)
+    monkeypatch.setattr(ceilings, "measure_copy_in_gb_s", probe)
     unmeasured = evidence(device="cuda:0")
-    del unmeasured.measure["pinned"]
-    assert unmeasured.pinned_gb_s(1 << 30) == 20.0
-    assert unmeasured.pinned_gb_s(1 << 30) == 20.0
-    assert unmeasured.pinned_gb_s(4096) == 20.0
-    assert sizes == [ceilings.PINNED_PROBE_BYTES, 4096]
+    del unmeasured.measure["copy_in"]
+    assert unmeasured.copy_in_gb_s(1 << 30, pinned=True) == 20.0
+    assert unmeasured.copy_in_gb_s(1 << 30, pinned=True) == 20.0
+    assert unmeasured.copy_in_gb_s(1 << 30, pinned=False) == 5.0
+    assert unmeasured.copy_in_gb_s(4096, pinned=True) == 20.0
+    probe_bytes = ceilings.COPY_IN_PROBE_BYTES
+    assert sizes == [(probe_bytes, True), (probe_bytes, False), (4096, True)]
 
 
 def test_boolean_indexing_and_data_dependent_shapes_are_syncs():

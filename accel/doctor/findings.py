@@ -105,16 +105,17 @@ class Evidence:
 
         return self.measure.get("costs", lambda: _once("costs", self.device, measure_costs))()
 
-    def pinned_gb_s(self, nbytes: int) -> float:
-        """The rate of a pinned, non-blocking copy of ``nbytes`` in to this CUDA device, measured
-        once per device and probe size in this process."""
-        from accel.measure.ceilings import measure_pinned_gb_s, pinned_probe_bytes
+    def copy_in_gb_s(self, nbytes: int, pinned: bool) -> float:
+        """The rate of a copy of ``nbytes`` in to this CUDA device from pinned (non-blocking) or
+        pageable memory, measured once per device, kind and probe size in this process."""
+        from accel.measure.ceilings import copy_in_probe_bytes, measure_copy_in_gb_s
 
-        if "pinned" in self.measure:
-            return self.measure["pinned"](nbytes)
-        size = pinned_probe_bytes(nbytes)
-        measure = functools.partial(measure_pinned_gb_s, nbytes=size)
-        return _once(f"pinned copy of {size} bytes", self.device, measure)
+        if "copy_in" in self.measure:
+            return self.measure["copy_in"](nbytes, pinned)
+        size = copy_in_probe_bytes(nbytes)
+        measure = functools.partial(measure_copy_in_gb_s, nbytes=size, pinned=pinned)
+        kind = "pinned" if pinned else "pageable"
+        return _once(f"{kind} copy of {size} bytes", self.device, measure)
 
     def forward_ops(self) -> list[OpRecord]:
         return [op for op in self.recording.ops if not op.backward]

@@ -1,5 +1,5 @@
 """The machine's own limits, measured: memory copy bandwidth, dense matrix-product rate, and on
-CUDA the rate of a copy in from pinned host memory.
+CUDA the rate of a copy in from pinned or pageable host memory.
 
 Every later figure is also reported against these: a kernel that moves B bytes in t seconds ran at
 (B / t) / copy_bandwidth of what this device can move; a step's floor time is the larger of
@@ -68,27 +68,32 @@ def measure_copy_gb_s(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * src.numel() * src.element_size() / (t.median_ms * 1e-3) / 1e9
 
 
-PINNED_PROBE_BYTES = 64 << 20  # a larger copy runs at the same rate, only for longer
+COPY_IN_PROBE_BYTES = 64 << 20  # a larger copy runs at the same rate, only for longer
 
 
-def pinned_probe_bytes(nbytes: int) -> int:
-    """The size :func:`measure_pinned_gb_s` copies for a copy of ``nbytes``: at most
-    :data:`PINNED_PROBE_BYTES`."""
-    return max(1, min(int(nbytes), PINNED_PROBE_BYTES))
+def copy_in_probe_bytes(nbytes: int) -> int:
+    """The size :func:`measure_copy_in_gb_s` copies for a copy of ``nbytes``: at most
+    :data:`COPY_IN_PROBE_BYTES`."""
+    return max(1, min(int(nbytes), COPY_IN_PROBE_BYTES))
 
 
-def measure_pinned_gb_s(device: torch.device | str, nbytes: int, repeats: int = 5) -> float:
-    """Host-to-device rate (bytes copied per second / 1e9) of a non-blocking copy of ``nbytes``
-    from pinned memory: the median of ``repeats`` copies timed with CUDA events. Its buffers go
-    back to torch's caching allocators (pinned host, device), as any freed tensor's do."""
+def measure_copy_in_gb_s(
+    device: torch.device | str, nbytes: int, pinned: bool = True, repeats: int = 5
+) -> float:
+    """Host-to-device rate (bytes copied per second / 1e9) of a copy of ``nbytes`` of random
+    data from pinned (non-blocking) or pageable host memory: the median of ``repeats`` copies
+    timed with CUDA events, outside any profiler. Its buffers go back to torch's caching
+    allocators (pinned host, device), as any freed tensor's do."""
     device = torch.device(device)
     if device.type != "cuda":
-        raise ValueError(f"a copy from pinned memory needs a CUDA device, got {str(device)!r}")
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        raise ValueError(f"a copy in from the host needs a CUDA device, got {str(device)!r}")
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    src = src.pin_memory() if pinned else src
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     t = time_fn(
-        lambda: dst.copy_(src, non_blocking=True),
-        label="pinned copy", warmup=2, repeats=repeats, device=device,
+        lambda: dst.copy_(src, non_blocking=pinned),
+        label="pinned copy" if pinned else "pageable copy",
+        warmup=2, repeats=repeats, device=device,
     )  # fmt: skip
     return nbytes / (t.median_ms * 1e-3) / 1e9
 
