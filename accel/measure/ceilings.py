@@ -8,6 +8,7 @@ bytes / bandwidth and flops / matmul rate (the roofline).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import asdict, dataclass
 
 import torch
@@ -77,21 +78,28 @@ def copy_in_probe_bytes(nbytes: int) -> int:
     return max(1, min(int(nbytes), COPY_IN_PROBE_BYTES))
 
 
+PAGEABLE_SOURCES_BYTES = 256 << 20  # pageable sources cycled through, to leave the host's caches
+
+
 def measure_copy_in_gb_s(
     device: torch.device | str, nbytes: int, pinned: bool = True, repeats: int = 5
 ) -> float:
     """Host-to-device rate (bytes copied per second / 1e9) of a copy of ``nbytes`` of random
     data from pinned (non-blocking) or pageable host memory: the median of ``repeats`` copies
-    timed with CUDA events, outside any profiler. Its buffers go back to torch's caching
-    allocators (pinned host, device), as any freed tensor's do."""
+    timed with CUDA events, outside any profiler. Pageable copies read the source through the
+    host's caches, so they cycle through sources as a new batch each step would (a source read
+    again while cached copies faster than a step's batch does). The buffers go back to torch's
+    caching allocators (pinned host, device), as any freed tensor's do."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"a copy in from the host needs a CUDA device, got {str(device)!r}")
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    src = src.pin_memory() if pinned else src
+    count = 1 if pinned else min(8, max(2, PAGEABLE_SOURCES_BYTES // max(1, nbytes)))
+    sources = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8) for _ in range(count)]
+    sources = [src.pin_memory() for src in sources] if pinned else sources
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    turn = itertools.count()
     t = time_fn(
-        lambda: dst.copy_(src, non_blocking=pinned),
+        lambda: dst.copy_(sources[next(turn) % count], non_blocking=pinned),
         label="pinned copy" if pinned else "pageable copy",
         warmup=2, repeats=repeats, device=device,
     )  # fmt: skip
