@@ -44,7 +44,7 @@ def test_toggle_and_click_rerun_and_update_the_figure():
     assert list(frame["label"]) == ["baseline", "fused_adamw"]
     assert (frame["median_ms"] > 0).all()
     assert frame.loc[1, "kernels_per_step"] > 0
-    assert len(panel.kernels_figure.data[0].x) > 0  # the breakdown was filled by the profiler
+    assert len(panel.kernels_live.figure.data[0].x) > 0  # the breakdown was filled by the profiler
     # one build per flag combination, however often it runs
     panel.run_button.click()
     assert builds == [tiny_mlp.Flags(), tiny_mlp.Flags(fused_adamw=True)]

@@ -265,11 +265,6 @@ class FeaturePanel:
         """The timings figure: this run's samples (top), every configuration's speedup (bars)."""
         return self.live.figure
 
-    @property
-    def kernels_figure(self) -> go.Figure:
-        """The profiler's kernel breakdown of the last configuration run."""
-        return self.kernels_live.figure
-
     def _ipython_display_(self) -> None:
         from IPython.display import display
 
