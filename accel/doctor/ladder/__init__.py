@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from accel.doctor.products import backend_flags
+from accel.measure.device import default_device
 
 __all__ = ["PRESETS", "SCRIPTS", "Script", "build", "ground_truth", "marked_lines", "sizes",
            "tuned_backends"]  # fmt: skip
@@ -57,11 +58,9 @@ def build(
     """Script ``name`` as first written or ``optimized``, on ``device`` (a GPU if any)."""
     if name not in SCRIPTS:
         raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     module = importlib.import_module(f"{__name__}.{name}")
     builder = module.hand_optimized if optimized else module.first_written
-    return builder(torch.device(device), preset)
+    return builder(torch.device(device) if device is not None else default_device(), preset)
 
 
 def ground_truth(name: str) -> dict[str, list[int]]:
