@@ -119,14 +119,6 @@ def test_run_takes_a_flag_set_from_code_and_shows_it():
         panel.run({"fused_adamw": True})
 
 
-def test_auto_run_reruns_on_toggle():
-    panel, _ = make_panel(auto_run=True, profile=False)
-    panel.controls["set_to_none"].value = True
-    assert list(panel.results["label"]) == ["baseline", "set_to_none"]
-    panel.run(tiny_mlp.Flags(fused_adamw=True, set_to_none=True))  # one run, not one per control
-    assert list(panel.results["label"]) == ["baseline", "set_to_none", "fused_adamw+set_to_none"]
-
-
 def test_a_failing_run_shows_its_error_in_the_panel():
     panel = FeaturePanel(tiny_mlp.Flags, lambda f: 1 / 0, device="cpu", repeats=1)
     panel.run_button.click()
