@@ -39,7 +39,6 @@ larger groups); the first call of a shape compiles. Measured beside the compiled
 
 from __future__ import annotations
 
-import warnings
 from functools import partial
 from typing import Literal
 
@@ -47,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from accel import triton_support
+from accel.errors import warn_once
 
 EPS = 1e-12  # as F.normalize's default
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -179,9 +179,6 @@ def nearest_diversity_reference(
 
 # ---- dispatch ------------------------------------------------------------------------------
 
-_warned: set[str] = set()
-
-
 def backend(x: torch.Tensor) -> tuple[Backend, str]:
     """Which path a call on ``x`` takes now, and why."""
     why = triton_support.unavailable(x.device)
@@ -199,13 +196,12 @@ def _dispatch(x: torch.Tensor, counts: torch.Tensor | None, reference, kernel):
     # a CUDA tensor with Triton installed is the common case: decided without building a reason
     why = None if x.is_cuda and triton_support.installed() else triton_support.unavailable(x.device)
     if why is not None:
-        if why not in _warned:
-            _warned.add(why)
-            warnings.warn(
-                f"accel.diversity: using the PyTorch reference, not the Triton kernel: {why}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        warn_once(
+            f"diversity: {why}",
+            f"accel.diversity: using the PyTorch reference, not the Triton kernel: {why}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return reference(x, counts)
     run = partial(_kernel, x3, counts, kernel, single)
     if x.requires_grad and torch.is_grad_enabled():

@@ -1,9 +1,10 @@
-"""The error a user's mistake raises, apart from bugs, and the argument checks shared by the
-package."""
+"""The error a user's mistake raises, apart from bugs, the argument checks shared by the
+package, and its warnings given once per process (:func:`warn_once`)."""
 
 from __future__ import annotations
 
 import reprlib
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -71,3 +72,14 @@ def checked_instance(value: Any, kind: type, name: str, kind_name: str = "") -> 
             f"({type(value).__name__})"
         )
     return value
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, category: type[Warning], *, stacklevel: int) -> None:
+    """``warnings.warn`` the first time ``key`` comes in this process (a fallback is said once,
+    not at every call); ``stacklevel`` as ``warnings.warn`` counts it from the caller."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=stacklevel + 1)

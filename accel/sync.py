@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from accel.errors import checked_callable, checked_count, collection_of
+from accel.errors import checked_callable, checked_count, collection_of, warn_once
 
 SYNC_MESSAGE = "called a synchronizing CUDA operation"  # torch's sync-debug-mode text
 
@@ -31,15 +31,6 @@ class HostSyncError(RuntimeError):
 
 class SyncCheckUnavailableWarning(UserWarning):
     """Syncs cannot be counted or checked here (no CUDA device)."""
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, SyncCheckUnavailableWarning, stacklevel=4)
 
 
 def read_scalars(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -226,10 +217,12 @@ def count_syncs(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int | None
     """
     checked_callable(fn, "count_syncs(fn)")
     if not torch.cuda.is_available():
-        _warn_once(
-            "count",
+        warn_once(
+            "sync: count",
             "count_syncs: no CUDA device here, so there are no host-device syncs "
             "to count; returning None (fn was still called).",
+            SyncCheckUnavailableWarning,
+            stacklevel=3,
         )
         fn(*args, **kwargs)
         return None
@@ -263,10 +256,12 @@ def no_sync() -> Iterator[None]:
     """Make any host-device sync inside the block an error (:class:`HostSyncError`). Without
     CUDA the block runs unchecked and a :class:`SyncCheckUnavailableWarning` says so (once)."""
     if not torch.cuda.is_available():
-        _warn_once(
-            "guard",
+        warn_once(
+            "sync: guard",
             "no_sync: no CUDA device here, so host-device syncs cannot be "
             "checked; the block runs unchecked.",
+            SyncCheckUnavailableWarning,
+            stacklevel=3,
         )
         yield
         return

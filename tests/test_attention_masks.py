@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from accel import attention as A
+from accel import errors
 from accel.attention import ALiBi, Causal, Document, PrefixLM, SlidingWindow, dense_mask
 from accel.attention import flex as AF
 
@@ -308,7 +309,7 @@ def test_causal_alone_runs_sdpas_causal_kernel(monkeypatch, gen):
 
 def test_where_flex_cannot_run_the_default_path_warns_once_and_takes_the_dense_mask(gen):
     q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen, grad=True)
-    AF._warned.clear()
+    errors._warned.clear()
     with pytest.warns(RuntimeWarning, match="FlexAttention cannot run here.*dense mask"):
         out = A.sdpa(q, k, v, mask=SlidingWindow(4))
     out.sum().backward()
@@ -326,7 +327,7 @@ def test_a_compile_that_fails_falls_back_to_the_dense_mask_with_its_reason(monke
 
     monkeypatch.setattr(AF, "FLEX_COMPILE_ON_CPU", True)
     monkeypatch.setitem(AF._FLEX, "cpu", broken)
-    AF._warned.clear()
+    errors._warned.clear()
     q, k, v = qkv(1, 2, 17, 17, torch.float32, CPU, gen)
     with pytest.warns(RuntimeWarning, match=r"RuntimeError: no kernel for this head size\)"):
         out = A.sdpa(q, k, v, mask=SlidingWindow(4))

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from accel import diversity as dv
-from accel import triton_support
+from accel import errors, triton_support
 
 CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -374,7 +374,7 @@ def test_bad_counts_raise_clear_errors(counts, error, words):
 
 def test_without_triton_on_cpu_falls_back_once_with_a_reason(monkeypatch, seed):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(dv, "_warned", set())
+    monkeypatch.setattr(errors, "_warned", set())
     x = embeddings((3, 4, 16))
     why = triton_support.unavailable("cpu")  # Triton missing, or CPU tensors it cannot compile for
     with pytest.warns(RuntimeWarning, match=f"PyTorch reference.*{re.escape(why)}"):

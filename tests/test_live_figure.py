@@ -3,7 +3,9 @@
 import plotly.graph_objects as go
 import pytest
 
-from accel.lab.live_figure import MIMETYPE, NO_RENDERER, LiveFigure
+from accel.lab.live_figure import NO_RENDERER, LiveFigure
+
+MIMETYPE = "application/vnd.plotly.v1+json"  # what plotly's renderer shows
 
 
 def _shown(live: LiveFigure) -> dict:

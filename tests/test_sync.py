@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from accel import sync
+from accel import errors, sync
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device: syncs exist only there")
@@ -22,7 +22,7 @@ def gen(seed) -> torch.Generator:
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget which once-per-process warnings were given, so this test sees them."""
-    monkeypatch.setattr(sync, "_warned", set())
+    monkeypatch.setattr(errors, "_warned", set())
 
 
 def randn(gen, *shape, dtype=torch.float32, device="cpu"):

@@ -20,7 +20,7 @@ from accel import triton_support
 from accel.attention.backends import AUTO_IS_GONE, BackendUnavailableError, run
 from accel.attention.masks import AttentionMask, dense_mask
 from accel.attention.reference import attention_reference, check_inputs
-from accel.errors import checked_count
+from accel.errors import checked_count, warn_once
 
 __all__ = [
     "BLOCK_SIZE", "MASKED_BACKENDS", "block_mask", "clear_masked_cache", "flex_unavailable",
@@ -41,7 +41,6 @@ _DENSE_MASKS: dict[Hashable, torch.Tensor] = {}
 _FLEX: dict[str, Callable[..., torch.Tensor]] = {}  # "cuda", "cpu", "uncompiled" -> the call
 # (backend, mask.cache_key, q's and k's shapes, dtype, device, grad) -> the bound call
 _READY: dict[tuple, Callable[..., torch.Tensor]] = {}
-_warned: set[str] = set()
 
 
 def clear_masked_cache() -> None:
@@ -59,12 +58,6 @@ def _kept(cache: dict, key: Hashable, make: Callable[[], Any], limit: int) -> An
             del cache[next(iter(cache))]
         cache[key] = value
     return value
-
-
-def _warn_once(why: str, message: str) -> None:
-    if why not in _warned:
-        _warned.add(why)
-        warnings.warn(f"accel.attention: {message}", RuntimeWarning, stacklevel=5)
 
 
 # ---- the block mask, from each query's key range ----------------------------------------------
@@ -156,11 +149,14 @@ def _uncompiled(q, k, v, **kwargs) -> torch.Tensor:
     """FlexAttention uncompiled, after one warning of ours instead of PyTorch's."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    _warn_once(
-        "uncompiled",
-        f"FlexAttention runs uncompiled on {q.device.type}: correct, but it materializes the "
-        "scores like the manual path (set accel.attention.flex.FLEX_COMPILE_ON_CPU = True to "
-        "compile it, tens of seconds per shape)",
+    warn_once(
+        "attention: uncompiled",
+        f"accel.attention: FlexAttention runs uncompiled on {q.device.type}: correct, but it "
+        "materializes the scores like the manual path (set "
+        "accel.attention.flex.FLEX_COMPILE_ON_CPU = True to compile it, tens of seconds per "
+        "shape)",
+        RuntimeWarning,
+        stacklevel=4,
     )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
@@ -295,7 +291,12 @@ def _ready(backend: str, q, k, v, mask: AttentionMask, scale, grad: bool):
             return flex, out
     if backend == "flex":
         raise BackendUnavailableError("flex", why)
-    _warn_once(why, f"FlexAttention cannot run here ({why}); SDPA runs on the dense mask")
+    warn_once(
+        f"attention: {why}",
+        f"accel.attention: FlexAttention cannot run here ({why}); SDPA runs on the dense mask",
+        RuntimeWarning,
+        stacklevel=4,
+    )
     return dense, None
 
 

@@ -18,6 +18,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+KILL_GRACE_S = 10.0  # how long killed processes get to be gone (one stuck in a driver call stays)
+
 
 def process_alive(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie does not count)."""
@@ -81,12 +83,10 @@ def rank_pids(out: Path) -> dict[int, int]:
     return dict(sorted(pids.items()))
 
 
-def kill_until_gone(
-    find: Callable[[], set[int]], first: int | None, grace: float = 10.0
-) -> set[int]:
+def kill_until_gone(find: Callable[[], set[int]], first: int | None) -> set[int]:
     """SIGKILL what ``find()`` returns (``first`` first: torchrun then starts no rank) until it
-    finds none (a rank was still starting) or for ``grace`` seconds; what still runs then."""
-    deadline = time.monotonic() + grace
+    finds none (a rank was still starting) or for :data:`KILL_GRACE_S`; what still runs then."""
+    deadline = time.monotonic() + KILL_GRACE_S
     while running := find():
         for pid in sorted(running, key=lambda pid: pid != first):
             with contextlib.suppress(OSError):
@@ -97,15 +97,13 @@ def kill_until_gone(
     return set()
 
 
-def end_run(
-    proc: subprocess.Popen, marker: str, recorded: Iterable[int] = (), grace: float = 10.0
-) -> None:
+def end_run(proc: subprocess.Popen, marker: str, recorded: Iterable[int] = ()) -> None:
     """Kill every process of the run torchrun ``proc`` started and wait until none is left."""
     # proc's pid is searched until poll() reaps it: until then no other process can have it
     root = lambda: proc.pid if proc.poll() is None else None  # noqa: E731
-    if left := _kill_run(proc.pid, marker, recorded, root, grace):
+    if left := _kill_run(proc.pid, marker, recorded, root):
         warnings.warn(
-            f"processes {sorted(left)} of the run did not end within {grace:g} s of SIGKILL "
+            f"processes {sorted(left)} of the run did not end within {KILL_GRACE_S:g} s of SIGKILL "
             "(a process stuck in the kernel, e.g. in a GPU driver call)",
             RuntimeWarning,
             stacklevel=3,
@@ -118,14 +116,13 @@ def _kill_run(
     marker: str,
     recorded: Iterable[int],
     root: Callable[[], int | None] = lambda: None,
-    grace: float = 10.0,
 ) -> set[int]:
     """Every process of the run killed (``marker`` in the ranks' command lines, ``root()``
     torchrun while it may be searched); where there is no /proc, torchrun's group and the
     ranks' ``recorded`` pids (torchrun starts each rank in a session of its own). What still
     runs."""
     if Path("/proc").is_dir():
-        return kill_until_gone(lambda: run_processes(root(), marker), torchrun, grace)
+        return kill_until_gone(lambda: run_processes(root(), marker), torchrun)
     if torchrun is not None:
         with contextlib.suppress(OSError):
             os.killpg(torchrun, signal.SIGKILL)

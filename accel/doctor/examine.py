@@ -32,6 +32,7 @@ from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.trial import replay_device_savings
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
+from accel.measure.device import default_device
 
 __all__ = ["detect", "examine", "step_device", "takes_a_batch", "takes_no_argument"]
 
@@ -57,7 +58,7 @@ def step_device(parts: StepParts, batch: Any) -> torch.device:
     for leaf in tree_leaves(batch):
         if isinstance(leaf, torch.Tensor):
             return leaf.device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return default_device()
 
 
 def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable[Any] | None = None,

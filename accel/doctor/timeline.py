@@ -61,7 +61,6 @@ class Timeline:
     by_category: dict[str, float] = field(default_factory=dict)  # kernel time per category
     comm_us: float = 0.0
     comm_overlap_us: float = 0.0  # communication time during which compute also ran
-    profiled_step_us: float = math.nan  # the step under the profiler, which slows the host
     # the profiled window itself, for :meth:`step_saving_us`: each kernel's (start, end, category,
     # its launch's start or NaN) in start order, the host's sync returns, the window's ends, and
     # what the real step's idle time is of the profiled one's
@@ -133,7 +132,6 @@ class Timeline:
             comm_overlap_us=self.comm_overlap_us * work,
             by_category={k: v * work for k, v in self.by_category.items()},
             idle_us={k: v * scale for k, v in self.idle_us.items()},
-            profiled_step_us=self.step_us,
             gap_scale=scale,
         )
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel.doctor.ladder import marked_lines, sizes
+from accel.measure import device as devices
 
 __all__ = ["GPU_ONLY", "MODELS", "ZooCase", "build", "example", "planted_lines"]
 
@@ -343,5 +344,5 @@ def build(
 
 def example() -> ZooCase:
     """The planted GPT on this machine's device: ``python -m accel doctor accel.doctor.zoo:example``."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return build("gpt", True, device=device, preset="gpu" if device == "cuda" else "cpu")
+    device = devices.default_device()
+    return build("gpt", True, device=device, preset=devices.preset(device))

@@ -22,7 +22,6 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 import plotly.io as pio
 
-MIMETYPE = "application/vnd.plotly.v1+json"
 # What a frontend without plotly's renderer shows instead of the figure.
 NO_RENDERER = "(needs plotly's renderer)"
 

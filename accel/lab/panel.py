@@ -59,7 +59,6 @@ class FeaturePanel:
         repeats: int = 20,
         profile: bool = True,
         profile_steps: int = 3,
-        auto_run: bool = False,
         title: str | None = None,
     ):
         self.flags_type = flags_type
@@ -94,12 +93,6 @@ class FeaturePanel:
         children += [self.kernels_live.widget] if profile else []
         children += [self.table]
         self.widget = widgets.VBox(children)
-        self._showing = False  # controls being set from code: no auto run per control
-        if auto_run:
-            for control in self.controls.values():
-                control.observe(
-                    lambda _: None if self._showing else self._run_from_widget(), names="value"
-                )
 
     # ---- flags <-> widgets -------------------------------------------------------------------
     def _control(self, info: FlagInfo) -> widgets.ValueWidget:
@@ -138,12 +131,8 @@ class FeaturePanel:
             raise TypeError(
                 f"expected a {self.flags_type.__name__} instance, got {type(flags).__name__}"
             )
-        self._showing = True
-        try:
-            for name, control in self.controls.items():
-                control.value = getattr(flags, name)
-        finally:
-            self._showing = False
+        for name, control in self.controls.items():
+            control.value = getattr(flags, name)
 
     def step_for(self, flags: Any) -> Callable[[], object]:
         """The built step for ``flags``, built once and kept."""
@@ -264,11 +253,6 @@ class FeaturePanel:
     def figure(self) -> go.Figure:
         """The timings figure: this run's samples (top), every configuration's speedup (bars)."""
         return self.live.figure
-
-    @property
-    def kernels_figure(self) -> go.Figure:
-        """The profiler's kernel breakdown of the last configuration run."""
-        return self.kernels_live.figure
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

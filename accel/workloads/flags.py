@@ -14,14 +14,14 @@ from accel.phases import WORKBOOK, checked_phase
 Requirement = Literal["cuda", "triton", "torchao"]  # torchao: a CUDA GPU and torchao
 
 
-def flag(help: str, phase: str, *, default=False, requires=None, adopted=True) -> Any:
+def flag(help: str, phase: str, *, requires=None, adopted=True) -> Any:
     """A boolean optimization switch: off is the "before", on applies one optimization.
 
     ``adopted=False`` marks an alternative the phase explores but does not keep (another route to
     the same gain, or one that changes numerics): later phases start from the adopted flags only.
     ``phase``: one of ``accel.phases.PHASES``; ``requires``: a :data:`Requirement` or None.
     """
-    return _switch(help, phase, default, requires, adopted=adopted)
+    return _switch(help, phase, False, requires, adopted=adopted)
 
 
 def option(help: str, phase: str, *, default: Any, choices: tuple, requires=None) -> Any:

@@ -31,12 +31,12 @@ from typing import Any
 import torch
 
 from accel.doctor.products import backend_flags
+from accel.measure.device import check_preset, default_device
 
-__all__ = ["PRESETS", "SCRIPTS", "Script", "build", "ground_truth", "marked_lines", "sizes",
+__all__ = ["SCRIPTS", "Script", "build", "ground_truth", "marked_lines", "sizes",
            "tuned_backends"]  # fmt: skip
 
 SCRIPTS = ("gpt2", "resnet", "bert", "vit", "rnn_lm")
-PRESETS = ("gpu", "cpu")
 
 
 @dataclass
@@ -55,25 +55,26 @@ def build(
     preset: str = "gpu",
 ) -> Script:
     """Script ``name`` as first written or ``optimized``, on ``device`` (a GPU if any)."""
-    if name not in SCRIPTS:
-        raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    _check_script(name)
     module = importlib.import_module(f"{__name__}.{name}")
     builder = module.hand_optimized if optimized else module.first_written
-    return builder(torch.device(device), preset)
+    return builder(torch.device(device) if device is not None else default_device(), preset)
 
 
 def ground_truth(name: str) -> dict[str, list[int]]:
     """kind -> the lines of script ``name`` marked ``# ground truth: <kind>[, ...]``."""
-    if name not in SCRIPTS:
-        raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
+    _check_script(name)
     found: dict[str, list[int]] = {}
     path = Path(__file__).parent / f"{name}.py"
     for number, match in marked_lines(path, r"# ground truth: ([\w, ]+)$"):
         for kind in match[1].split(","):
             found.setdefault(kind.strip(), []).append(number)
     return found
+
+
+def _check_script(name: str) -> None:
+    if name not in SCRIPTS:
+        raise ValueError(f"unknown ladder script {name!r}; expected one of {', '.join(SCRIPTS)}")
 
 
 def marked_lines(path: Path, pattern: str) -> list[tuple[int, re.Match]]:
@@ -85,8 +86,7 @@ def marked_lines(path: Path, pattern: str) -> list[tuple[int, re.Match]]:
 
 def sizes(preset: str, *, gpu: dict, cpu: dict) -> dict:
     """The preset's sizes (a copy); ``cpu``: a step well under half a second."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    check_preset(preset, "the ladder's preset argument")
     return dict(gpu if preset == "gpu" else cpu)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from accel import diversity as dv
+from accel import memory
 from accel.lab.bench import BenchContext, Row, speedup_row
 from accel.measure.ceilings import Ceilings
 from accel.measure.timer import compare
@@ -141,13 +142,7 @@ def extra_memory_mb(fn: Callable[[], object], device: torch.device) -> float:
     if device.type != "cuda":
         return math.nan
     fn()  # warm: autotuning and caches are not the call's own memory
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    out = fn()
-    torch.cuda.synchronize(device)
-    del out
-    return (torch.cuda.max_memory_allocated(device) - before) / 1e6
+    return memory.peak_memory(fn, device=device) / 1e6
 
 
 # ---- cases -----------------------------------------------------------------------------------

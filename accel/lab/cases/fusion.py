@@ -43,21 +43,21 @@ def prepared(flags: no.Flags, sizes: no.Sizes, device: torch.device | str, steps
     return step
 
 
-def time_group_stats(step: no.Step, *, repeats: int = 30, device=None) -> Comparison:
+def time_group_stats(step: no.Step, *, repeats: int = 30) -> Comparison:
     """Per-group norms of all gradients and parameters: per-tensor loop vs foreach."""
     groups = step.param_lists
     fns = {"loop": lambda: fusion.group_stats(groups, foreach=False),
            "foreach": lambda: fusion.group_stats(groups)}  # fmt: skip
-    return compare(fns, repeats=repeats, device=device or step.device)
+    return compare(fns, repeats=repeats, device=step.device)
 
 
-def time_clip(step: no.Step, *, repeats: int = 30, device=None) -> Comparison:
+def time_clip(step: no.Step, *, repeats: int = 30) -> Comparison:
     """``torch.nn.utils.clip_grad_norm_`` on every gradient of ``step`` (rescaled in place on
     every call): per-tensor (``foreach=False``) vs foreach."""
     return compare(
         {"loop": clip(step.params, foreach=False), "foreach": clip(step.params, foreach=True)},
         repeats=repeats,
-        device=device or step.device,
+        device=step.device,
     )
 
 
@@ -66,13 +66,13 @@ def clip(params: list[torch.Tensor], *, foreach: bool):
     return lambda: torch.nn.utils.clip_grad_norm_(params, BENCH_MAX_NORM, foreach=foreach)
 
 
-def time_adamw(loop: no.Step, fused: no.Step, *, repeats: int = 30, device=None) -> Comparison:
+def time_adamw(loop: no.Step, fused: no.Step, *, repeats: int = 30) -> Comparison:
     """``optimizer.step()`` alone: the for-loop AdamW of ``loop`` vs the fused one of ``fused``
     (same model, same gradients up to the steps each took)."""
     return compare(
         {"for-loop": loop.optimizer.step, "fused": fused.optimizer.step},
         repeats=repeats,
-        device=device or loop.device,
+        device=loop.device,
     )
 
 
@@ -83,12 +83,12 @@ def optimizer_report(step: no.Step, *, steps: int = 2) -> ProfileReport:
     return profile_step(after_backward, steps=steps, warmup=1, device=step.device)
 
 
-def op_counts(report: ProfileReport, names: Iterable[str], steps: int | None = None) -> dict:
+def op_counts(report: ProfileReport, names: Iterable[str]) -> dict:
     """Calls per step of the ATen ops whose names start with any of ``names``."""
     names = collection_of(names, "op names")
-    ops, per_step = report.ops, steps or report.steps
+    ops = report.ops
     return {
-        name: float(ops[ops["name"].str.startswith(name)]["count"].sum()) / per_step
+        name: float(ops[ops["name"].str.startswith(name)]["count"].sum()) / report.steps
         for name in names
     }
 

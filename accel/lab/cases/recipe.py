@@ -67,7 +67,7 @@ def loader_flags(device: torch.device | str) -> dict:
 
 def progression(device: torch.device | str) -> dict[str, op.Flags]:
     """Baseline, then each recipe phase added to the ones before (those that cannot run on
-    ``device`` left out: :func:`skipped`), by the recipe's numbers, in its order but for compile
+    ``device`` left out: ``op.unavailable``), by the recipe's numbers, in its order but for compile
     (its phase 1), last: every row after it would need a compile of its own."""
     off = op.unavailable(device)
     steps: list[tuple[str, dict]] = [
@@ -120,11 +120,6 @@ def autotune(device: torch.device | str) -> dict[str, op.Flags]:
     recipe = list(progression(device).values())[-1]
     return {"recipe (reduce-overhead)": recipe,
             "recipe with max-autotune": dataclasses.replace(recipe, compile="max-autotune")}  # fmt: skip
-
-
-def skipped(device: torch.device | str) -> dict[str, str]:
-    """The flags left out of both tables on ``device``, with the reason."""
-    return op.unavailable(device)
 
 
 # ---- cost model ----------------------------------------------------------------------------------
@@ -433,7 +428,7 @@ def _validation_row(
     ctx: BenchContext, cumulative: pd.DataFrame, bench: BenchSizes, seconds: float
 ) -> Row:
     """The whole recipe's validation error against the baseline's, after equal steps."""
-    left_out = skipped(ctx.device)
+    left_out = op.unavailable(ctx.device)
     note = f"the progression took {seconds:.0f} s"
     if left_out:
         note += "; left out here: " + "; ".join(f"{k}: {v}" for k, v in left_out.items())

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from accel.lab.bench import BenchContext, Row
 from accel.measure.costs import measure_costs
 from accel.measure.profile import HOST_READ_OP, ProfileReport, profile_step
@@ -37,12 +35,11 @@ class WindowStats:
                 "ms_per_window_profiled": self.report.step_us / 1e3}  # fmt: skip
 
 
-def window_stats(step: ft.Step, label: str, *, warmup: int = 2, windows: int | None = None,
-                 device: torch.device | str | None = None) -> WindowStats:  # fmt: skip
-    """Count the syncs of ``step``'s windows and profile them (``windows`` defaults to one
-    rotor-update cycle, so every kind of window is counted in its share)."""
-    windows = windows or step.sizes.nudge_every_windows
-    for _ in range(warmup):
+def window_stats(step: ft.Step, label: str) -> WindowStats:
+    """Count the syncs of ``step``'s windows and profile them, over one rotor-update cycle of
+    windows, so every kind of window is counted in its share."""
+    windows = step.sizes.nudge_every_windows
+    for _ in range(2):  # warm-up
         step()
 
     def run_windows() -> None:
@@ -50,7 +47,7 @@ def window_stats(step: ft.Step, label: str, *, warmup: int = 2, windows: int | N
             step()
 
     syncs = count_syncs(run_windows)
-    report = profile_step(run_windows, steps=1, warmup=0, device=device or step.device)
+    report = profile_step(run_windows, steps=1, warmup=0, device=step.device)
     ops = report.ops.set_index("name")["count"]
     syncs = None if syncs is None else syncs / windows
     host_reads = float(ops.get(HOST_READ_OP, 0)) / windows

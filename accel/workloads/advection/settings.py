@@ -165,14 +165,12 @@ def unavailable(device: torch.device | str) -> dict[str, str]:
 
 
 def offload_optimizer_class() -> tuple[type | None, str]:
-    """torchao's CPUOffloadOptimizer (``torchao.optim``; older releases: ``torchao.prototype
-    .low_bit_optim``), or None and why not."""
-    for module in ("torchao.optim", "torchao.prototype.low_bit_optim"):
-        try:
-            return importlib.import_module(module).CPUOffloadOptimizer, ""
-        except (ImportError, AttributeError):
-            continue
-    return None, "needs torchao's CPUOffloadOptimizer (pip install torchao); not importable here"
+    """torchao's CPUOffloadOptimizer (``torchao.optim``, the extra's torchao), or None and why
+    not."""
+    try:
+        return importlib.import_module("torchao.optim").CPUOffloadOptimizer, ""
+    except (ImportError, AttributeError):
+        return None, "needs torchao's CPUOffloadOptimizer (pip install torchao); not importable here"
 
 
 CUDA_GRAPHED = ("reduce-overhead", "max-autotune")  # compile modes that replay CUDA graphs
