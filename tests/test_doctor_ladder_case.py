@@ -45,6 +45,21 @@ def test_recorded_rows_become_one_row_per_script_with_the_gap_left():
     assert shown["gap left"] == pytest.approx(1.6) and shown["best set"] == "bf16 autocast + compile"
 
 
+def test_the_ladder_summary_is_the_geometric_mean_of_each_devices_shares():
+    def share(device, script, value):
+        return {"device": device, "case": f"ladder {script}: share of the hand-optimized speedup",
+                "optimized": value}  # fmt: skip
+
+    rows = pd.DataFrame([
+        share("A", "gpt2", 0.64), share("A", "bert", 1.0), share("B", "gpt2", 0.95),
+        {"device": "A", "case": "ladder gpt2: hand-optimized", "optimized": 0.01},
+    ])  # fmt: skip
+    summary = doctor_ladder.ladder_summary(rows).set_index("device")
+    assert summary.loc["A", "geometric mean share"] == pytest.approx(0.8)
+    assert summary.loc["A", "scripts"] == 2 and not summary.loc["A", "met"]
+    assert summary.loc["B", "met"] and summary.loc["B", "scripts"] == 1
+
+
 def test_a_fix_measured_slower_is_still_judged_against_its_prediction():
     """bf16 predicted 40% on a host-bound step and measured slower: a miss the rows must show;
     a fix no finding predicted (tried with the others, or a finding that measures by trying)

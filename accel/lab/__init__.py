@@ -33,6 +33,7 @@ _PUBLIC = {
     "ceilings_frame": "accel.lab.bench",
     "run_bench": "accel.lab.bench",
     "ladder_table": "accel.lab.cases.doctor_ladder",
+    "ladder_summary": "accel.lab.cases.doctor_ladder",
 }
 # submodule name -> the module (the measuring library's keep their short names here)
 _SUBMODULES = {

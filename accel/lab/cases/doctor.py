@@ -98,8 +98,7 @@ def run(ctx: BenchContext) -> list[Row]:
     for part in doctor_ladder.parts():
         if ctx.selected(part):
             rows += doctor_ladder.run_script(part.removeprefix("ladder "), ctx, costs)
-    mean = doctor_ladder.geomean_row(rows, ctx)
-    return ctx.judge(rows + ([mean] if mean is not None else []))
+    return ctx.judge(rows)
 
 
 def model_rows(name: str, ctx: BenchContext, costs) -> list[Row]:
