@@ -790,6 +790,27 @@ def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(
     assert other.read_bytes() == b"not to be written" and not (tmp_path / "moved.pt").exists()
 
 
+def test_a_log_the_step_appends_to_through_a_link_is_put_back_and_stays_a_link(seed, tmp_path):
+    """The step's log is a link to a file elsewhere (a run folder's ``latest.csv``): what the
+    step appends through it lands in the target, which is put back; the link stays a link."""
+    model, opt = small()
+    target, log = tmp_path / "runs" / "log.csv", tmp_path / "latest.csv"
+    target.parent.mkdir()
+    target.write_text("step,loss\n")
+    log.symlink_to(target)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        with open(log, "a") as out:
+            out.write(f"1,{loss.item()}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert target.read_text() == "step,loss\n"
+    assert log.is_symlink() and os.readlink(log) == str(target)
+    assert named_before_numbers(report, f"wrote {log} (") and "put back" in first_line(report)
+
+
 def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp_path):
     model, opt = small()
     run = tmp_path / "runs" / "exp1"

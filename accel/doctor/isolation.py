@@ -178,6 +178,9 @@ def _audit(event: str, args: tuple) -> None:
     if what and (threading.current_thread() in _THREADS or _caused_by_step(recording.codes)):
         recording.found[what] += 1
         paths = [args[i] for i in _FILE_CHANGES.get(event, ())]
+        if event == "open":  # opening writes where a link points: keep that file, not the link
+            paths = [os.path.realpath(p) if isinstance(p, (str, bytes, os.PathLike)) else p
+                     for p in paths]  # fmt: skip
         if paths and all(recording.files.keep(path) for path in paths):
             recording.put_back.add(what)
 
