@@ -582,6 +582,24 @@ def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):
         load_step(f"{tmp_path / 'absent.py'}:make")
 
 
+
+def test_cli_takes_a_file_of_a_package_that_imports_its_siblings_relatively(tmp_path, monkeypatch):
+    # train.py in a package (its folder has __init__.py), ``from .model import ...`` as
+    # ``python -m pkg.train`` runs it: named by its path, it imports as pkg.train
+    from accel.doctor.cli import load_step
+
+    package = tmp_path / "user_pkg_rel"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text(PLAIN_STEP)
+    (package / "train.py").write_text("from .model import make\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    step, batch, _ = load_step("user_pkg_rel/train.py:make")
+    assert callable(step) and batch.shape == (5, 7)
+    assert str(tmp_path) not in sys.path
+
 ARGV_SCRIPT = '''
 import argparse
 

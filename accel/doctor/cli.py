@@ -60,20 +60,28 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     return parts
 
 
-def _import(module_name: str) -> Any:
-    sys.path.insert(0, str(Path.cwd()))
+def _import(module_name: str, root: Path | None = None) -> Any:
+    root = root or Path.cwd()
+    sys.path.insert(0, str(root))
     try:
         return importlib.import_module(module_name)
     except ImportError as error:
-        raise UsageError(f"cannot import {module_name!r} from {Path.cwd()}: {error}") from None
+        raise UsageError(f"cannot import {module_name!r} from {root}: {error}") from None
     finally:
         sys.path.pop(0)
 
 
 def _load_file(path: Path) -> Any:
-    """The file as a module, its folder importable while it runs (for its own imports)."""
+    """The file as a module, its folder importable while it runs (for its own imports); a file
+    of a package (folders with ``__init__.py``) as the package's module, as ``python -m`` runs
+    it, so that its relative imports work."""
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
+    root, names = path.resolve().parent, [path.stem]
+    while (root / "__init__.py").is_file():
+        root, names = root.parent, [root.name, *names]
+    if len(names) > 1:
+        return _import(".".join(names), root)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.resolve().parent))
