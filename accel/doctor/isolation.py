@@ -71,8 +71,8 @@ class Session:
     """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
-    detection, the SDPA kernels, the thread count, the float32 matmul precision) and the
-    environment variables."""
+    detection, the SDPA kernels, the thread count, the float32 matmul precision), the
+    environment variables and the working directory."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -85,6 +85,7 @@ class Session:
         self._backend_flags = kept_backend_flags()
         self._backend_flags.__enter__()
         self._environment = dict(os.environ)
+        self._cwd = os.getcwd()
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
         self._threads = _WatchedThreads()
@@ -105,6 +106,7 @@ class Session:
         self._generators.restore()
         self._backend_flags.__exit__(None, None, None)
         _restore_environment(self._environment)
+        os.chdir(self._cwd)
         self._recording.files.put_back()
 
     def _wait_for_threads(self) -> None:
