@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -72,7 +73,7 @@ class Session:
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
     detection, the SDPA kernels, the thread count, the float32 matmul precision), the
-    environment variables and the working directory."""
+    environment variables, the working directory and the warning filters."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -86,6 +87,8 @@ class Session:
         self._backend_flags.__enter__()
         self._environment = dict(os.environ)
         self._cwd = os.getcwd()
+        self._warning_filters = warnings.catch_warnings()  # put back on leaving, nothing recorded
+        self._warning_filters.__enter__()
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
         self._threads = _WatchedThreads()
@@ -107,6 +110,7 @@ class Session:
         self._backend_flags.__exit__(None, None, None)
         _restore_environment(self._environment)
         os.chdir(self._cwd)
+        self._warning_filters.__exit__(None, None, None)
         self._recording.files.put_back()
 
     def _wait_for_threads(self) -> None:
