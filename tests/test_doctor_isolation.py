@@ -598,6 +598,26 @@ def test_warning_filters_the_step_adds_are_put_back(seed):
     assert warnings.filters == filters
 
 
+def test_logging_the_step_configures_is_put_back(seed):
+    """A step that sets up logging as a script's main does (``basicConfig(force=True)``, a
+    logger's level) leaves the user's loggers as they were: their levels and handlers."""
+    root, mine = logging.getLogger(), logging.getLogger("accel.tests.configured_by_the_step")
+    model, opt = small()
+
+    def step(x):
+        logging.basicConfig(level=logging.DEBUG, force=True)
+        mine.setLevel(logging.ERROR)
+        mine.propagate = False
+        return one_update(model, opt, x).detach()
+
+    def config():
+        return [(log.level, list(log.handlers), log.propagate) for log in (root, mine)]
+
+    before = config()
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert config() == before
+
+
 def test_a_step_that_logs_is_not_said_to_change_the_logging_registry(seed):
     """A logger's level cache and its manager's table of loggers belong to ``logging`` (any
     ``getLogger`` in the process changes them): not a change of the user's to report."""

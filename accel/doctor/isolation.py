@@ -17,6 +17,7 @@ import collections
 import contextlib
 import contextvars
 import inspect
+import logging
 import os
 import random
 import shutil
@@ -73,7 +74,8 @@ class Session:
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
     detection, the SDPA kernels, the thread count, the float32 matmul precision), the
-    environment variables, the working directory and the warning filters."""
+    environment variables, the working directory, the warning filters and the loggers' levels
+    and handlers."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -89,6 +91,7 @@ class Session:
         self._cwd = os.getcwd()
         self._warning_filters = warnings.catch_warnings()  # put back on leaving, nothing recorded
         self._warning_filters.__enter__()
+        self._loggers = _Loggers()
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
         self._threads = _WatchedThreads()
@@ -111,6 +114,7 @@ class Session:
         _restore_environment(self._environment)
         os.chdir(self._cwd)
         self._warning_filters.__exit__(None, None, None)
+        self._loggers.restore()
         self._recording.files.put_back()
 
     def _wait_for_threads(self) -> None:
@@ -158,6 +162,36 @@ def _restore_environment(saved: dict[str, str]) -> None:
     for name, value in saved.items():
         if os.environ.get(name) != value:
             os.environ[name] = value
+
+
+class _Loggers:
+    """Each logger's level, handlers, propagation and switch (the root's included) and the
+    process's ``logging.disable`` level, to put back; a handler only the step added is closed."""
+
+    def __init__(self) -> None:
+        self.disabled = logging.root.manager.disable
+        self.kept = {log: _logger_state(log) for log in _loggers()}
+
+    def restore(self) -> None:
+        logging.disable(self.disabled)
+        kept_handlers = {h for _, handlers, _, _ in self.kept.values() for h in handlers}
+        for log, state in self.kept.items():
+            if _logger_state(log) == state:
+                continue
+            for handler in set(log.handlers) - kept_handlers:
+                handler.close()
+            level, handlers, log.propagate, log.disabled = state
+            log.handlers[:] = handlers
+            log.setLevel(level)  # also clears the loggers' cached levels
+
+
+def _loggers() -> list[logging.Logger]:
+    named = logging.root.manager.loggerDict.values()
+    return [logging.root, *(log for log in list(named) if isinstance(log, logging.Logger))]
+
+
+def _logger_state(log: logging.Logger) -> tuple[int, list[logging.Handler], bool, bool]:
+    return log.level, list(log.handlers), log.propagate, log.disabled
 
 
 def seed_generators(seed: int) -> None:
