@@ -600,6 +600,7 @@ def test_cli_takes_a_file_of_a_package_that_imports_its_siblings_relatively(tmp_
     assert callable(step) and batch.shape == (5, 7)
     assert str(tmp_path) not in sys.path
 
+
 ARGV_SCRIPT = '''
 import argparse
 
@@ -639,3 +640,20 @@ def test_cli_gives_a_script_that_reads_its_command_line_the_arguments_after_a_do
     assert main(["doctor", f"{path}:make", "--out", out, "--", "--ckpt", str(checkpoint)]) == 0
     assert f"wrote {checkpoint}" in capsys.readouterr().out and not checkpoint.exists()
     assert sys.argv == argv
+
+
+def test_cli_writes_the_report_where_it_was_asked_when_the_script_changes_folder(
+    tmp_path, monkeypatch
+):
+    # a script that moves into its own folder at import (to read its data by relative paths):
+    # --out, and the default doctor.html, still name a file where the command ran
+    from accel.__main__ import main
+
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "moving.py").write_text(
+        "import os\nos.chdir(os.path.dirname(os.path.abspath(__file__)))\n" + PLAIN_STEP
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["doctor", "scripts/moving.py:make", "--steps", "1"]) == 0
+    assert (tmp_path / "doctor.html").is_file()
+    assert not (tmp_path / "scripts" / "doctor.html").exists()

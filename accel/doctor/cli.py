@@ -112,6 +112,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
     check_writable(args.out, "--out")  # before the examination, which takes a while
+    out = args.out.absolute()  # where the command runs, also if the script changes folder
     with _script_argv(args.target, args.script_args):
         step, batch, loader = load_step(args.target)
         report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
@@ -123,8 +124,8 @@ def _doctor(args: argparse.Namespace) -> int:
         if not report.trials.empty:
             print("\nfixes tried:\n" + trials_text(report))
         print(f"\nreached: {report.reached()}")
-    path = report.to_html(args.out)
-    print(f"\nwrote {path}")
+    report.to_html(out)
+    print(f"\nwrote {args.out}")
     return 0
 
 
