@@ -859,6 +859,27 @@ def test_a_log_the_step_appends_to_through_a_link_is_put_back_and_stays_a_link(s
     assert named_before_numbers(report, f"wrote {log} (") and "put back" in first_line(report)
 
 
+def test_a_file_too_large_to_keep_is_named_not_said_put_back_once_smaller(
+    seed, tmp_path, monkeypatch
+):
+    """A file over the size kept is named, not put back; a smaller file the step leaves in its
+    place on its first call must not be kept as if it were the user's."""
+    monkeypatch.setattr("accel.doctor.isolation.KEEP_BYTES", 64)
+    model, opt = small()
+    data, tmp = tmp_path / "big.bin", tmp_path / "big.bin.tmp"
+    data.write_bytes(b"x" * 100)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        tmp.write_bytes(b"small")
+        os.replace(tmp, data)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    said = first_line(report).split(f"renamed {tmp} to {data}")[1]
+    assert not said.split(";")[0].split(". ")[0].endswith("put back as it was"), first_line(report)
+
+
 def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp_path):
     model, opt = small()
     run = tmp_path / "runs" / "exp1"

@@ -274,6 +274,7 @@ class _KeptFiles:
 
     def __init__(self) -> None:
         self.kept: dict[str, str | None] = {}
+        self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.busy = False  # copying: its own opens are no step's
         self._folder: str | None = None
 
@@ -284,8 +285,12 @@ class _KeptFiles:
         path = os.path.abspath(os.fsdecode(path))
         if path in self.kept:
             return True
-        if os.path.lexists(path) and not (os.path.isfile(path) and not os.path.islink(path)
-                                          and os.path.getsize(path) <= KEEP_BYTES):  # fmt: skip
+        keepable = not os.path.lexists(path) or (
+            os.path.isfile(path) and not os.path.islink(path)
+            and os.path.getsize(path) <= KEEP_BYTES
+        )  # fmt: skip
+        if path in self.refused or not keepable:
+            self.refused.add(path)
             return False
         copy = None
         if os.path.lexists(path):
@@ -312,6 +317,7 @@ class _KeptFiles:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self.kept.clear()
+        self.refused.clear()
 
 
 def _replace(path: str, kept: str) -> None:
