@@ -859,6 +859,27 @@ def test_a_log_the_step_appends_to_through_a_link_is_put_back_and_stays_a_link(s
     assert named_before_numbers(report, f"wrote {log} (") and "put back" in first_line(report)
 
 
+def test_a_link_the_step_saves_over_atomically_is_put_back_as_the_link(seed, tmp_path):
+    """``last.pt`` is a link to the run's checkpoint, and the step saves atomically (a new file
+    renamed over it): the link comes back, pointing where it pointed, its target untouched."""
+    model, opt = small()
+    real, last, tmp = tmp_path / "step100.pt", tmp_path / "last.pt", tmp_path / "last.pt.tmp"
+    real.write_bytes(b"the user's checkpoint")
+    last.symlink_to(real)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, last)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert last.is_symlink() and os.readlink(last) == str(real) and not tmp.exists()
+    assert real.read_bytes() == b"the user's checkpoint"
+    assert named_before_numbers(report, f"renamed {tmp} to {last} (")
+    assert "put back as it was" in first_line(report).split(f"to {last}")[1]
+
+
 def test_a_file_too_large_to_keep_is_named_not_said_put_back_once_smaller(
     seed, tmp_path, monkeypatch
 ):

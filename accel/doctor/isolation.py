@@ -20,6 +20,7 @@ import inspect
 import logging
 import os
 import random
+import secrets
 import shutil
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -268,12 +269,18 @@ _FILE_CHANGES = {"open": (0,), "os.remove": (0,), "os.rename": (0, 1), "os.trunc
                  "os.symlink": (1,), "os.link": (1,), "os.mkdir": (0,)}  # fmt: skip
 
 
+class _Link(NamedTuple):
+    """A link kept as a link: what it pointed at."""
+
+    target: str
+
+
 class _KeptFiles:
     """Files as they were before the step's code first changed them (None: there was none, nor
-    a folder the step made), to put back when the session closes."""
+    a folder the step made; a :class:`_Link` for a link), to put back when the session closes."""
 
     def __init__(self) -> None:
-        self.kept: dict[str, str | None] = {}
+        self.kept: dict[str, str | _Link | None] = {}
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.busy = False  # copying: its own opens are no step's
         self._folder: str | None = None
@@ -285,10 +292,12 @@ class _KeptFiles:
         path = os.path.abspath(os.fsdecode(path))
         if path in self.kept:
             return True
+        if path not in self.refused and os.path.islink(path):
+            self.kept[path] = _Link(os.readlink(path))
+            return True
         keepable = not os.path.lexists(path) or (
-            os.path.isfile(path) and not os.path.islink(path)
-            and os.path.getsize(path) <= KEEP_BYTES
-        )  # fmt: skip
+            os.path.isfile(path) and os.path.getsize(path) <= KEEP_BYTES
+        )
         if path in self.refused or not keepable:
             self.refused.add(path)
             return False
@@ -306,7 +315,9 @@ class _KeptFiles:
 
     def put_back(self) -> None:
         for path, copy in reversed(self.kept.items()):
-            if copy is not None:
+            if isinstance(copy, _Link):
+                _relink(path, copy.target)
+            elif copy is not None:
                 _replace(path, copy)
             elif os.path.isfile(path) or os.path.islink(path):
                 os.remove(path)  # a link is removed itself, never what it points at
@@ -331,6 +342,22 @@ def _replace(path: str, kept: str) -> None:
         with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
             shutil.copyfileobj(source, out)
         shutil.copystat(kept, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _relink(path: str, target: str) -> None:
+    """``path`` made the kept link again: made under a new name beside it, renamed over what
+    the step left there."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):  # the step removed its folder: named, not made again
+        return
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(8)}.kept")
+    os.symlink(target, tmp)
+    try:
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
