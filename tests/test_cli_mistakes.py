@@ -257,8 +257,9 @@ def make():
     [
         ("view_step.py:make", ("view_step.py:10", "RuntimeError: view size")),
         ("view_step.py:step", ("view_step.py:step takes an argument", "(step, batch)")),
+        ("view_step.py:model", ("view_step.py:model takes an argument", "(step, batch)")),
     ],
-    ids=["the step's own error", "the step named instead of its maker"],
+    ids=["the step's own error", "the step named instead of its maker", "the model named"],
 )
 def test_doctor_says_the_users_own_mistake_in_one_line(accel_cli, tmp_path, target, said):
     # the step's own mistake (a .view of a transposed tensor) and naming the step itself, which

@@ -570,6 +570,54 @@ def test_environment_variables_the_step_sets_are_put_back(seed, monkeypatch):
     assert dict(os.environ) == before
 
 
+def test_the_working_directory_the_step_moves_to_is_put_back(seed, tmp_path, monkeypatch):
+    """A step that moves into its run folder (``os.chdir``) must leave the process where it
+    was: the user's relative paths mean what they meant."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    model, opt = small()
+
+    def step(x):
+        os.chdir(tmp_path / "run")
+        return one_update(model, opt, x).detach()
+
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert os.getcwd() == str(tmp_path)
+
+
+def test_warning_filters_the_step_adds_are_put_back(seed):
+    """A step that silences a warning leaves the user's warnings as they were."""
+    model, opt = small()
+
+    def step(x):
+        warnings.filterwarnings("ignore", message="a warning the step silences")
+        return one_update(model, opt, x).detach()
+
+    filters = list(warnings.filters)
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert warnings.filters == filters
+
+
+def test_logging_the_step_configures_is_put_back(seed):
+    """A step that sets up logging as a script's main does (``basicConfig(force=True)``, a
+    logger's level) leaves the user's loggers as they were: their levels and handlers."""
+    root, mine = logging.getLogger(), logging.getLogger("accel.tests.configured_by_the_step")
+    model, opt = small()
+
+    def step(x):
+        logging.basicConfig(level=logging.DEBUG, force=True)
+        mine.setLevel(logging.ERROR)
+        mine.propagate = False
+        return one_update(model, opt, x).detach()
+
+    def config():
+        return [(log.level, list(log.handlers), log.propagate) for log in (root, mine)]
+
+    before = config()
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    assert config() == before
+
+
 def test_a_step_that_logs_is_not_said_to_change_the_logging_registry(seed):
     """A logger's level cache and its manager's table of loggers belong to ``logging`` (any
     ``getLogger`` in the process changes them): not a change of the user's to report."""
@@ -788,6 +836,69 @@ def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(
     examined(step, torch.randn(5, 4))
     assert not checkpoint.is_symlink() and checkpoint.read_bytes() == b"the user's checkpoint"
     assert other.read_bytes() == b"not to be written" and not (tmp_path / "moved.pt").exists()
+
+
+def test_a_log_the_step_appends_to_through_a_link_is_put_back_and_stays_a_link(seed, tmp_path):
+    """The step's log is a link to a file elsewhere (a run folder's ``latest.csv``): what the
+    step appends through it lands in the target, which is put back; the link stays a link."""
+    model, opt = small()
+    target, log = tmp_path / "runs" / "log.csv", tmp_path / "latest.csv"
+    target.parent.mkdir()
+    target.write_text("step,loss\n")
+    log.symlink_to(target)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        with open(log, "a") as out:
+            out.write(f"1,{loss.item()}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert target.read_text() == "step,loss\n"
+    assert log.is_symlink() and os.readlink(log) == str(target)
+    assert named_before_numbers(report, f"wrote {log} (") and "put back" in first_line(report)
+
+
+def test_a_link_the_step_saves_over_atomically_is_put_back_as_the_link(seed, tmp_path):
+    """``last.pt`` is a link to the run's checkpoint, and the step saves atomically (a new file
+    renamed over it): the link comes back, pointing where it pointed, its target untouched."""
+    model, opt = small()
+    real, last, tmp = tmp_path / "step100.pt", tmp_path / "last.pt", tmp_path / "last.pt.tmp"
+    real.write_bytes(b"the user's checkpoint")
+    last.symlink_to(real)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        torch.save(model.state_dict(), tmp)
+        os.replace(tmp, last)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert last.is_symlink() and os.readlink(last) == str(real) and not tmp.exists()
+    assert real.read_bytes() == b"the user's checkpoint"
+    assert named_before_numbers(report, f"renamed {tmp} to {last} (")
+    assert "put back as it was" in first_line(report).split(f"to {last}")[1]
+
+
+def test_a_file_too_large_to_keep_is_named_not_said_put_back_once_smaller(
+    seed, tmp_path, monkeypatch
+):
+    """A file over the size kept is named, not put back; a smaller file the step leaves in its
+    place on its first call must not be kept as if it were the user's."""
+    monkeypatch.setattr("accel.doctor.isolation.KEEP_BYTES", 64)
+    model, opt = small()
+    data, tmp = tmp_path / "big.bin", tmp_path / "big.bin.tmp"
+    data.write_bytes(b"x" * 100)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        tmp.write_bytes(b"small")
+        os.replace(tmp, data)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    said = first_line(report).split(f"renamed {tmp} to {data}")[1]
+    assert not said.split(";")[0].split(". ")[0].endswith("put back as it was"), first_line(report)
 
 
 def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp_path):

@@ -582,6 +582,25 @@ def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):
         load_step(f"{tmp_path / 'absent.py'}:make")
 
 
+
+def test_cli_takes_a_file_of_a_package_that_imports_its_siblings_relatively(tmp_path, monkeypatch):
+    # train.py in a package (its folder has __init__.py), ``from .model import ...`` as
+    # ``python -m pkg.train`` runs it: named by its path, it imports as pkg.train
+    from accel.doctor.cli import load_step
+
+    package = tmp_path / "user_pkg_rel"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "model.py").write_text(PLAIN_STEP)
+    (package / "train.py").write_text("from .model import make\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    step, batch, _ = load_step("user_pkg_rel/train.py:make")
+    assert callable(step) and batch.shape == (5, 7)
+    assert str(tmp_path) not in sys.path
+
+
 ARGV_SCRIPT = '''
 import argparse
 
@@ -621,3 +640,20 @@ def test_cli_gives_a_script_that_reads_its_command_line_the_arguments_after_a_do
     assert main(["doctor", f"{path}:make", "--out", out, "--", "--ckpt", str(checkpoint)]) == 0
     assert f"wrote {checkpoint}" in capsys.readouterr().out and not checkpoint.exists()
     assert sys.argv == argv
+
+
+def test_cli_writes_the_report_where_it_was_asked_when_the_script_changes_folder(
+    tmp_path, monkeypatch
+):
+    # a script that moves into its own folder at import (to read its data by relative paths):
+    # --out, and the default doctor.html, still name a file where the command ran
+    from accel.__main__ import main
+
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "moving.py").write_text(
+        "import os\nos.chdir(os.path.dirname(os.path.abspath(__file__)))\n" + PLAIN_STEP
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["doctor", "scripts/moving.py:make", "--steps", "1"]) == 0
+    assert (tmp_path / "doctor.html").is_file()
+    assert not (tmp_path / "scripts" / "doctor.html").exists()

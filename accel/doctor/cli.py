@@ -60,20 +60,28 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     return parts
 
 
-def _import(module_name: str) -> Any:
-    sys.path.insert(0, str(Path.cwd()))
+def _import(module_name: str, root: Path | None = None) -> Any:
+    root = root or Path.cwd()
+    sys.path.insert(0, str(root))
     try:
         return importlib.import_module(module_name)
     except ImportError as error:
-        raise UsageError(f"cannot import {module_name!r} from {Path.cwd()}: {error}") from None
+        raise UsageError(f"cannot import {module_name!r} from {root}: {error}") from None
     finally:
         sys.path.pop(0)
 
 
 def _load_file(path: Path) -> Any:
-    """The file as a module, its folder importable while it runs (for its own imports)."""
+    """The file as a module, its folder importable while it runs (for its own imports); a file
+    of a package (folders with ``__init__.py``) as the package's module, as ``python -m`` runs
+    it, so that its relative imports work."""
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
+    root, names = path.resolve().parent, [path.stem]
+    while (root / "__init__.py").is_file():
+        root, names = root.parent, [root.name, *names]
+    if len(names) > 1:
+        return _import(".".join(names), root)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(path.resolve().parent))
@@ -104,6 +112,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
     check_writable(args.out, "--out")  # before the examination, which takes a while
+    out = args.out.absolute()  # where the command runs, also if the script changes folder
     with _script_argv(args.target, args.script_args):
         step, batch, loader = load_step(args.target)
         report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
@@ -115,8 +124,8 @@ def _doctor(args: argparse.Namespace) -> int:
         if not report.trials.empty:
             print("\nfixes tried:\n" + trials_text(report))
         print(f"\nreached: {report.reached()}")
-    path = report.to_html(args.out)
-    print(f"\nwrote {path}")
+    report.to_html(out)
+    print(f"\nwrote {args.out}")
     return 0
 
 

@@ -130,6 +130,8 @@ def takes_no_argument(fn: Callable[..., Any]) -> bool:
 
 
 def _callable_with(fn: Callable[..., Any], *args: Any) -> bool:
+    if isinstance(fn, torch.nn.Module):  # its own signature is __call__'s (*args, **kwargs)
+        fn = fn.forward
     try:
         return _binds(inspect.signature(fn), *args)
     except ValueError:  # no signature to read (a builtin)

@@ -17,17 +17,20 @@ import collections
 import contextlib
 import contextvars
 import inspect
+import logging
 import os
 import random
+import secrets
 import shutil
 import sys
 import tempfile
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -71,8 +74,9 @@ class Session:
     """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
-    detection, the SDPA kernels, the thread count, the float32 matmul precision) and the
-    environment variables."""
+    detection, the SDPA kernels, the thread count, the float32 matmul precision), the
+    environment variables, the working directory, the warning filters and the loggers' levels
+    and handlers."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -85,6 +89,10 @@ class Session:
         self._backend_flags = kept_backend_flags()
         self._backend_flags.__enter__()
         self._environment = dict(os.environ)
+        self._cwd = os.getcwd()
+        self._warning_filters = warnings.catch_warnings()  # put back on leaving, nothing recorded
+        self._warning_filters.__enter__()
+        self._loggers = _Loggers()
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
         self._threads = _WatchedThreads()
@@ -105,6 +113,9 @@ class Session:
         self._generators.restore()
         self._backend_flags.__exit__(None, None, None)
         _restore_environment(self._environment)
+        os.chdir(self._cwd)
+        self._warning_filters.__exit__(None, None, None)
+        self._loggers.restore()
         self._recording.files.put_back()
 
     def _wait_for_threads(self) -> None:
@@ -154,6 +165,36 @@ def _restore_environment(saved: dict[str, str]) -> None:
             os.environ[name] = value
 
 
+class _Loggers:
+    """Each logger's level, handlers, propagation and switch (the root's included) and the
+    process's ``logging.disable`` level, to put back; a handler only the step added is closed."""
+
+    def __init__(self) -> None:
+        self.disabled = logging.root.manager.disable
+        self.kept = {log: _logger_state(log) for log in _loggers()}
+
+    def restore(self) -> None:
+        logging.disable(self.disabled)
+        kept_handlers = {h for _, handlers, _, _ in self.kept.values() for h in handlers}
+        for log, state in self.kept.items():
+            if _logger_state(log) == state:
+                continue
+            for handler in set(log.handlers) - kept_handlers:
+                handler.close()
+            level, handlers, log.propagate, log.disabled = state
+            log.handlers[:] = handlers
+            log.setLevel(level)  # also clears the loggers' cached levels
+
+
+def _loggers() -> list[logging.Logger]:
+    named = logging.root.manager.loggerDict.values()
+    return [logging.root, *(log for log in list(named) if isinstance(log, logging.Logger))]
+
+
+def _logger_state(log: logging.Logger) -> tuple[int, list[logging.Handler], bool, bool]:
+    return log.level, list(log.handlers), log.propagate, log.disabled
+
+
 def seed_generators(seed: int) -> None:
     """Seed the generators a :class:`Session` puts back: torch's (every device), ``random`` and
     NumPy's global one, so that a step drawing from any of them runs the same from one start."""
@@ -178,6 +219,9 @@ def _audit(event: str, args: tuple) -> None:
     if what and (threading.current_thread() in _THREADS or _caused_by_step(recording.codes)):
         recording.found[what] += 1
         paths = [args[i] for i in _FILE_CHANGES.get(event, ())]
+        if event == "open":  # opening writes where a link points: keep that file, not the link
+            paths = [os.path.realpath(p) if isinstance(p, (str, bytes, os.PathLike)) else p
+                     for p in paths]  # fmt: skip
         if paths and all(recording.files.keep(path) for path in paths):
             recording.put_back.add(what)
 
@@ -225,12 +269,19 @@ _FILE_CHANGES = {"open": (0,), "os.remove": (0,), "os.rename": (0, 1), "os.trunc
                  "os.symlink": (1,), "os.link": (1,), "os.mkdir": (0,)}  # fmt: skip
 
 
+class _Link(NamedTuple):
+    """A link kept as a link: what it pointed at."""
+
+    target: str
+
+
 class _KeptFiles:
     """Files as they were before the step's code first changed them (None: there was none, nor
-    a folder the step made), to put back when the session closes."""
+    a folder the step made; a :class:`_Link` for a link), to put back when the session closes."""
 
     def __init__(self) -> None:
-        self.kept: dict[str, str | None] = {}
+        self.kept: dict[str, str | _Link | None] = {}
+        self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.busy = False  # copying: its own opens are no step's
         self._folder: str | None = None
 
@@ -241,8 +292,14 @@ class _KeptFiles:
         path = os.path.abspath(os.fsdecode(path))
         if path in self.kept:
             return True
-        if os.path.lexists(path) and not (os.path.isfile(path) and not os.path.islink(path)
-                                          and os.path.getsize(path) <= KEEP_BYTES):  # fmt: skip
+        if path not in self.refused and os.path.islink(path):
+            self.kept[path] = _Link(os.readlink(path))
+            return True
+        keepable = not os.path.lexists(path) or (
+            os.path.isfile(path) and os.path.getsize(path) <= KEEP_BYTES
+        )
+        if path in self.refused or not keepable:
+            self.refused.add(path)
             return False
         copy = None
         if os.path.lexists(path):
@@ -258,7 +315,9 @@ class _KeptFiles:
 
     def put_back(self) -> None:
         for path, copy in reversed(self.kept.items()):
-            if copy is not None:
+            if isinstance(copy, _Link):
+                _relink(path, copy.target)
+            elif copy is not None:
                 _replace(path, copy)
             elif os.path.isfile(path) or os.path.islink(path):
                 os.remove(path)  # a link is removed itself, never what it points at
@@ -269,6 +328,7 @@ class _KeptFiles:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self.kept.clear()
+        self.refused.clear()
 
 
 def _replace(path: str, kept: str) -> None:
@@ -282,6 +342,22 @@ def _replace(path: str, kept: str) -> None:
         with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
             shutil.copyfileobj(source, out)
         shutil.copystat(kept, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _relink(path: str, target: str) -> None:
+    """``path`` made the kept link again: made under a new name beside it, renamed over what
+    the step left there."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):  # the step removed its folder: named, not made again
+        return
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(8)}.kept")
+    os.symlink(target, tmp)
+    try:
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
