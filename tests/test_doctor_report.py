@@ -657,3 +657,26 @@ def test_cli_writes_the_report_where_it_was_asked_when_the_script_changes_folder
     assert main(["doctor", "scripts/moving.py:make", "--steps", "1"]) == 0
     assert (tmp_path / "doctor.html").is_file()
     assert not (tmp_path / "scripts" / "doctor.html").exists()
+
+
+def test_a_read_made_every_few_steps_counts_the_share_of_steps_it_is_made_in(seed):
+    model = nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    calls, logged = [0], []
+
+    def step(batch):
+        calls[0] += 1
+        loss = model(batch).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if calls[0] % 4 == 0:  # whichever call the doctor records, 1 in 4 consecutive ones reads
+            logged.append(loss.item())
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(16, 8), steps=2, warmup=1)
+    (sync,) = [f for f in report.findings if f.kind == "sync"]
+    assert sync.title == "0.25 host-device syncs per step"
+    assert {s.line for s in sync.sites} == {line_of(step, "loss.item()")}
+    assert "not every step" in sync.evidence
+    assert calls == [0] and logged == []  # the user's counter and log were the copy's to change

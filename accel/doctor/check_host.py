@@ -11,7 +11,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from accel.doctor.findings import Evidence, Finding, check
-from accel.doctor.recorder import OpRecord, Site, TensorInfo
+from accel.doctor.recorder import OpRecord, Recording, Site, TensorInfo
 
 DATA_SIZED = "its output's size depends on the data"
 # operators that make the host wait for the device, and what the user wrote to get one
@@ -104,18 +104,26 @@ def _copy_ends(op: OpRecord) -> tuple[TensorInfo, TensorInfo]:
 
 
 def sync_sites(evidence: Evidence) -> Counter:
-    """(site, what) -> how many syncs per step."""
-    cuda = evidence.cuda
+    """(site, what) -> syncs per step, averaged over the recorded calls: a read made every few
+    steps counts the share of the calls it was made in."""
+    recordings = [evidence.recording, *evidence.more_calls]
+    total: Counter = Counter()
+    for recording in recordings:
+        total.update(_sites_of(recording, evidence.cuda))
+    return Counter({key: n / len(recordings) for key, n in total.items()})
+
+
+def _sites_of(recording: Recording, cuda: bool) -> Counter:
     sites: Counter = Counter()
     previous = None
-    for op in evidence.recording.ops:
+    for op in recording.ops:
         kind = _sync_kind(op, cuda)
         if kind is not None and op.backward and previous == "aten::_is_any_true":
             kind = ANOMALY_CHECK  # the engine's isnan(grad)._is_any_true().item() per output
         previous = op.op
         if kind is not None and kind != PAGEABLE:
             sites[(op.site, kind)] += 1
-    for read in evidence.recording.host_reads:
+    for read in recording.host_reads:
         if read.device == "cuda" or not cuda:
             sites[(read.site, _READ_METHODS[read.method])] += 1
     return _merge_same_line(sites)
@@ -139,8 +147,11 @@ def syncs(evidence: Evidence) -> list[Finding]:
     if not sites:
         return []
     total = sum(sites.values())
-    lines = [f"{n} x {kind} at {site or 'a line outside your code'}"
+    lines = [f"{n:g} x {kind} at {site or 'a line outside your code'}"
              for (site, kind), n in sites.most_common()]  # fmt: skip
+    if evidence.more_calls and any(n != round(n) for n in sites.values()):
+        lines.append(f"averaged over {1 + len(evidence.more_calls)} recorded steps: not every "
+                     "step makes each of them")
     if evidence.cuda:
         t = evidence.timeline
         lines.append(f"the host waited {t.sync_wait_us / 1e3:.3f} ms in them")
@@ -150,7 +161,7 @@ def syncs(evidence: Evidence) -> list[Finding]:
         saved = max(each, idle * busy)
         model = (
             f"the device's idle right after the syncs ({idle / 1e3:.3f} ms), as far as the device "
-            f"is not waiting for the host anyway ({busy:.0%} busy otherwise), and at least {total} "
+            f"is not waiting for the host anyway ({busy:.0%} busy otherwise), and at least {total:g} "
             f"x a sync's measured cost ({evidence.costs.sync_us:.1f} us): {saved / 1e3:.3f} ms"
         )
     else:
@@ -167,7 +178,7 @@ def syncs(evidence: Evidence) -> list[Finding]:
     fixes += ("fused_optimizer",) * (SCALER_READ in kinds)
     return [Finding(
         kind="sync",
-        title=f"{total} host-device sync{'s' * (total != 1)} per step",
+        title=f"{total:g} host-device sync{'s' * (total != 1)} per step",
         evidence="; ".join(lines),
         cost_model=model,
         notebook="01_sync",
@@ -185,7 +196,8 @@ def _reads_items(evidence: Evidence) -> bool:
         op.op in ("aten::_local_scalar_dense", "aten::item")
         and op.site is not None
         and ".item()" in op.site.text
-        for op in evidence.recording.ops
+        for recording in (evidence.recording, *evidence.more_calls)
+        for op in recording.ops
     )
 
 
@@ -227,7 +239,7 @@ def capture_blockers(evidence: Evidence) -> str:
     sites = sync_sites(evidence)
     if sites:
         first = next(iter(sites))
-        why.append(f"{sum(sites.values())} sync(s), the first at {first[0]} ({first[1]})")
+        why.append(f"{sum(sites.values()):g} sync(s), the first at {first[0]} ({first[1]})")
     host = [t for t in tree_leaves(evidence.batch) if getattr(t, "device", None) is not None
             and t.device.type == "cpu"]  # fmt: skip
     if host:

@@ -27,7 +27,7 @@ from accel.doctor.fixes import NO_BATCH, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.parts import StepParts, copy_step, find_parts
 from accel.doctor.reach import is_library
-from accel.doctor.recorder import record_step
+from accel.doctor.recorder import record_calls, record_step
 from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.trial import replay_device_savings
 from accel.doctor.untouched import Untouched
@@ -59,6 +59,9 @@ def step_device(parts: StepParts, batch: Any) -> torch.device:
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     return default_device()
+
+
+MORE_RECORDED_CALLS = 3  # after the timed one: what a step does only every few calls
 
 
 def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable[Any] | None = None,
@@ -109,6 +112,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         given = {"ceilings": ceilings, "costs": costs}
         evidence = Evidence(
             device=device, parts=copied, recording=record_step(call, device), timeline=timeline,
+            more_calls=record_calls(call, device, MORE_RECORDED_CALLS),
             batch=batch, memory=_memory(call, device),
             loader=None if loader is None else _loader(loader, runner, device, timeline.step_us),
             graph_breaks=_breaks(step, parts, batch, runner is step) if compile else None,

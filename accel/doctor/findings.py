@@ -75,6 +75,7 @@ class Evidence:
     memory: dict[str, float] = field(default_factory=dict)
     loader: dict[str, Any] | None = None
     graph_breaks: list[tuple[str, Site | None]] | None = None
+    more_calls: list[Recording] = field(default_factory=list)  # recorded again, untimed
     measure: dict[str, Callable[[], Any]] = field(default_factory=dict, repr=False)
 
     @property

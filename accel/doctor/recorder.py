@@ -256,6 +256,18 @@ def record_step(call: Callable[[], object], device: torch.device) -> Recording:
     return recording
 
 
+def record_calls(call: Callable[[], object], device: torch.device, calls: int) -> list[Recording]:
+    """``call`` run ``calls`` more times under the recorder, untimed: what a step does only on
+    some calls (a read every few steps) shows in some of them."""
+    recordings = []
+    for _ in range(calls):
+        recording, frames, api = Recording(device=device.type), _Frames(), _Calls()
+        with _watching_host_reads(recording, frames), api, _Recorder(recording, frames, api):
+            call()
+        recordings.append(recording)
+    return recordings
+
+
 def _range_times(prof, cuda: bool) -> dict[int, float]:
     times: dict[int, float] = {}
     for e in prof.events():
