@@ -63,7 +63,7 @@ _LOOP_KINDS = (
      "# one launch for every tensor: torch._foreach_* (e.g. norms = torch._foreach_norm(grads))\n"
      "# or torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True) to clip,\n"
      "# accel.fusion.group_stats for per-group norms; for an update rule,\n"
-     "# torch.optim with fused=True or accel.optim.MultiTensorAdamW", ()),
+     "# torch.optim with fused=True or accel.optim.MultiTensorAdamW", ("foreach_loop",)),
 )  # fmt: skip
 
 

@@ -261,6 +261,31 @@ def _sdpa(copy: StepCopy) -> None:
         copy.edits.append(rewrite.diff)
 
 
+def _foreach_loop(copy: StepCopy) -> None:
+    """Each loop of in-place calls over tensors the loop check found in the step function,
+    rewritten as foreach calls in the copy's step (:mod:`accel.doctor.loop_rewrite`); the diffs
+    are the edit to paste."""
+    from accel.doctor.loop_rewrite import NotRewritable, rewrite_loop
+
+    code = getattr(getattr(copy.step, "__func__", copy.step), "__code__", None)
+    sites = [s for f in copy.findings if f.kind == "tensor_loop" for s in f.sites
+             if code is not None and s.file == code.co_filename]  # fmt: skip
+    if not sites:
+        raise FixNotApplicable("no loop over tensors found in the step function itself")
+    done, refused = set(), []
+    for line in dict.fromkeys(s.line for s in sites):
+        try:
+            rewrite = rewrite_loop(copy.step, line)
+        except NotRewritable as error:
+            refused.append(f"the loop at line {line}: {error}")
+            continue
+        copy.step = rewrite.step
+        copy.edits.append(rewrite.diff)
+        done.add(line)
+    if not done:
+        raise FixNotApplicable("; ".join(refused))
+
+
 def _mha_without_weights(copy: StepCopy) -> None:
     """Each ``nn.MultiheadAttention`` of the copied models called with ``need_weights=False``:
     SDPA inside, no weights returned (a step that uses them fails its trial, which says so)."""
@@ -348,6 +373,8 @@ FIXES: dict[str, Fix] = {
         Fix("foreach_optimizer", "foreach optimizer", _foreach, 1e-4, _ROUNDING, needs_cuda=False),
         Fix("foreach_clip", "foreach clipping", _foreach_clip, 1e-4, _ROUNDING, needs_cuda=False),
         Fix("batched_clip", "per-tensor clipping batched", _context(batched_clipping), 1e-4,
+            _ROUNDING, needs_cuda=False),
+        Fix("foreach_loop", "loop over tensors as foreach calls", _foreach_loop, 1e-4,
             _ROUNDING, needs_cuda=False),
         Fix("set_to_none", "zero_grad(set_to_none=True)", _set_to_none, 1e-6,
             "adding a gradient to zeros or to nothing gives the same numbers", needs_cuda=False),

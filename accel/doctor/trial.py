@@ -53,6 +53,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "foreach_optimizer": ("optimizer", "idle host"),
     "foreach_clip": ("elementwise and other", "idle host"),
     "batched_clip": ("elementwise and other", "idle host"),
+    "foreach_loop": ("elementwise and other", "idle host"),
     "set_to_none": ("memset", "idle host"),
     "channels_last": ("matmul", "elementwise and other"),
     "cudnn_benchmark": ("matmul",),

@@ -1,0 +1,191 @@
+"""A Python loop that changes tensors in place one at a time, rewritten as one foreach call per
+statement in a copy of the step function, and handed to the user as a diff of their own step::
+
+    for p in model.parameters():
+        if p.grad is None:                      # an optional guard first
+            continue
+        p.data.add_(p.grad, alpha=-lr)          # in-place calls of FOREACH's methods
+
+becomes, over the loop's items taken once::
+
+    tensors = [p for p in model.parameters() if not p.grad is None]
+    torch._foreach_add_([p.data for p in tensors], [p.grad for p in tensors], alpha=-lr)
+
+Each statement runs for every item before the next statement starts, which is what the loop
+computes wherever the items are distinct tensors (the trial checks it against the step as
+written). Anything else raises :class:`NotRewritable` naming the statement.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import textwrap
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FOREACH", "LoopRewrite", "NotRewritable", "rewrite_loop"]
+
+# in-place tensor method -> its foreach form (torch._foreach_<name>)
+FOREACH = {name: f"_foreach_{name}" for name in (
+    "add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_", "copy_", "zero_",
+    "clamp_min_", "clamp_max_", "sqrt_", "neg_",
+)}  # fmt: skip
+_ITEMS = "__foreach_items"  # the executed copy's list; the diff names it after the loop's items
+
+
+class NotRewritable(ValueError):
+    """The loop at the line is not one :func:`rewrite_loop` can rewrite; the message says why."""
+
+
+@dataclass
+class LoopRewrite:
+    step: Callable[..., Any]  # the step with the loop rewritten (same closure and globals)
+    diff: str  # the edit of the user's own source, as a unified diff
+
+
+def rewrite_loop(step: Callable[..., Any], line: int) -> LoopRewrite:
+    """``step`` with the ``for`` loop that holds source line ``line`` of its file rewritten."""
+    function = getattr(step, "__func__", step)
+    if not isinstance(function, types.FunctionType):
+        raise NotRewritable(f"the step is a {type(step).__name__}, not a function")
+    try:
+        lines, first = inspect.getsourcelines(function)
+    except (OSError, TypeError) as error:
+        raise NotRewritable(f"the step's source cannot be read ({error})") from None
+    source = textwrap.dedent("".join(lines))
+    tree = ast.parse(source)
+    ast.increment_lineno(tree, first - 1)
+    definition = tree.body[0]
+    if not isinstance(definition, ast.FunctionDef):
+        raise NotRewritable("the step is not a plain function (def)")
+    loop = _loop_at(definition, line)
+    items, guard, calls = _parts(loop)
+    shown = _statements(loop, items, guard, calls, executed=False)
+    _replace(definition, loop, _statements(loop, items, guard, calls, executed=True))
+    new = _recompiled(function, definition)
+    if new is not function and getattr(step, "__self__", None) is not None:
+        new = types.MethodType(new, step.__self__)
+    return LoopRewrite(new, _diff(lines, first, loop, shown, function))
+
+
+def _loop_at(definition: ast.FunctionDef, line: int) -> ast.For:
+    loops = [node for node in ast.walk(definition) if isinstance(node, ast.For)
+             and node.lineno <= line <= (node.end_lineno or node.lineno)]  # fmt: skip
+    if not loops:
+        raise NotRewritable(f"no for loop of the step holds line {line}")
+    return max(loops, key=lambda node: node.lineno)  # the innermost
+
+
+def _parts(loop: ast.For) -> tuple[str, ast.expr | None, list[ast.Call]]:
+    if not isinstance(loop.target, ast.Name) or loop.orelse:
+        raise NotRewritable("the loop is not `for name in items:` without an else")
+    name, body, guard = loop.target.id, list(loop.body), None
+    first = body[0]
+    if isinstance(first, ast.If) and not first.orelse and _is_continue(first.body):
+        guard, body = first.test, body[1:]
+    calls = []
+    for statement in body:
+        call = statement.value if isinstance(statement, ast.Expr) else None
+        method = call.func.attr if isinstance(call, ast.Call) and isinstance(
+            call.func, ast.Attribute) else None  # fmt: skip
+        if method not in FOREACH or not _uses(call.func.value, name):
+            raise NotRewritable(f"line {statement.lineno} is not an in-place call "
+                                f"({', '.join(FOREACH)}) on the loop's {name}")  # fmt: skip
+        if any(_uses(k.value, name) for k in call.keywords) or any(
+                isinstance(a, ast.Starred) for a in call.args):  # fmt: skip
+            raise NotRewritable(f"line {statement.lineno}: a keyword depends on {name}")
+        calls.append(call)
+    if not calls:
+        raise NotRewritable("the loop's body has no in-place call")
+    return name, guard, calls
+
+
+def _is_continue(body: list[ast.stmt]) -> bool:
+    return len(body) == 1 and isinstance(body[0], ast.Continue)
+
+
+def _uses(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def _statements(loop: ast.For, name: str, guard: ast.expr | None, calls: list[ast.Call],
+                executed: bool) -> list[ast.stmt]:  # fmt: skip
+    """The loop's items taken once, then one foreach call per statement; ``executed``: torch
+    reached without a name in the user's module (the diff says ``torch``)."""
+    items = _ITEMS if executed else "tensors"
+    if guard is None:
+        listed = ast.Call(ast.Name("list", ast.Load()), [loop.iter], [])
+    else:
+        each = ast.comprehension(ast.Name(name, ast.Store()), loop.iter,
+                                 [ast.UnaryOp(ast.Not(), guard)], 0)  # fmt: skip
+        listed = ast.ListComp(ast.Name(name, ast.Load()), [each])
+    taken = ast.Assign([ast.Name(items, ast.Store())], listed)
+    torch = (ast.Call(ast.Name("__import__", ast.Load()), [ast.Constant("torch")], [])
+             if executed else ast.Name("torch", ast.Load()))  # fmt: skip
+    out: list[ast.stmt] = [taken]
+    for call in calls:
+        def per_item(node: ast.expr) -> ast.expr:
+            if not _uses(node, name):
+                return node
+            over = ast.comprehension(ast.Name(name, ast.Store()), ast.Name(items, ast.Load()), [], 0)
+            return ast.ListComp(node, [over])
+
+        foreach = ast.Attribute(torch, FOREACH[call.func.attr], ast.Load())
+        args = [per_item(call.func.value), *map(per_item, call.args)]
+        out.append(ast.Expr(ast.Call(foreach, args, call.keywords)))
+    for statement in out:
+        ast.copy_location(statement, loop)
+        ast.fix_missing_locations(statement)
+    return out
+
+
+def _replace(definition: ast.FunctionDef, loop: ast.For, statements: list[ast.stmt]) -> None:
+    for node in ast.walk(definition):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and loop in block:
+                at = block.index(loop)
+                block[at : at + 1] = statements
+                return
+
+
+def _recompiled(function: types.FunctionType, definition: ast.FunctionDef) -> types.FunctionType:
+    """``definition`` compiled as ``function``'s code, inside a function whose arguments are its
+    free variables (so that they stay free), and given ``function``'s cells, globals, defaults."""
+    definition.decorator_list = []
+    free = function.__code__.co_freevars
+    outer = ast.FunctionDef(
+        name="__rewritten",
+        args=ast.arguments(posonlyargs=[], args=[ast.arg(n) for n in free], kwonlyargs=[],
+                           kw_defaults=[], defaults=[]),
+        body=[definition, ast.Return(ast.Name(definition.name, ast.Load()))],
+        decorator_list=[],
+    )  # fmt: skip
+    module = ast.Module([ast.fix_missing_locations(ast.copy_location(outer, definition))], [])
+    code = compile(module, function.__code__.co_filename, "exec")
+    made = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    inner = next(c for c in made.co_consts if isinstance(c, types.CodeType)
+                 and c.co_name == definition.name)  # fmt: skip
+    cells = dict(zip(free, function.__closure__ or (), strict=True))
+    missing = [n for n in inner.co_freevars if n not in cells]
+    if missing:
+        raise NotRewritable(f"the rewritten step needs {missing}, which the step does not close over")
+    new = types.FunctionType(inner, function.__globals__, function.__name__,
+                             function.__defaults__, tuple(cells[n] for n in inner.co_freevars))  # fmt: skip
+    new.__kwdefaults__ = function.__kwdefaults__
+    new.__dict__.update(function.__dict__)
+    return new
+
+
+def _diff(lines: list[str], first: int, loop: ast.For, shown: list[ast.stmt],
+          function: types.FunctionType) -> str:  # fmt: skip
+    start, end = loop.lineno - first, (loop.end_lineno or loop.lineno) - first + 1
+    indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
+    new = [indent + ast.unparse(s) + "\n" for s in shown]
+    path = f"{function.__code__.co_filename}:{first}"
+    return "".join(difflib.unified_diff(lines, [*lines[:start], *new, *lines[end:]],
+                                        fromfile=path, tofile="with foreach calls"))  # fmt: skip

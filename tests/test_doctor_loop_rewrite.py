@@ -1,0 +1,106 @@
+"""The doctor's rewrite of a loop of in-place tensor calls as foreach calls, against the loop."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from accel import doctor
+from accel.doctor.loop_rewrite import NotRewritable, rewrite_loop
+
+LR, DECAY = 0.1, 0.01
+seen = 0
+
+
+def line_of(function, text: str) -> int:
+    import inspect
+
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+def sgd_step_for(model: nn.Module):
+    carried = torch.randn(3)
+
+    def step(x):
+        nonlocal carried
+        global seen
+        loss = (model(x) + carried).pow(2).sum()
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is None:
+                    continue
+                p.mul_(1 - LR * DECAY)
+                p.add_(p.grad, alpha=-LR)  # the update
+        carried = carried * 0.5
+        seen += 1
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_rewritten_loop_updates_every_tensor_as_the_loop_does(seed, frozen):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].bias.requires_grad_(not frozen)  # a tensor without a gradient: the guard skips it
+    twin = copy.deepcopy(model)
+    step, step_twin = sgd_step_for(model), sgd_step_for(twin)
+    step_twin.__closure__[0].cell_contents = step.__closure__[0].cell_contents.clone()
+    rewrite = rewrite_loop(step_twin, line_of(step_twin, "p.add_("))
+    before = seen
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        assert torch.equal(step(x), rewrite.step(x))
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert seen == before + 6  # the global and the nonlocal state are the step's own
+    assert "torch._foreach_mul_([p for p in tensors], 1 - LR * DECAY)" in rewrite.diff
+    assert "torch._foreach_add_([p for p in tensors], [p.grad for p in tensors], alpha=-LR)" in (
+        rewrite.diff
+    )
+    assert "-                p.add_(p.grad, alpha=-LR)  # the update" in rewrite.diff
+
+
+def test_a_loop_with_other_statements_is_not_rewritten_and_says_which_line():
+    model = nn.Linear(2, 2)
+
+    def step(x):
+        for p in model.parameters():
+            delta = p.grad * LR
+            p.sub_(delta)
+        return x
+
+    with pytest.raises(NotRewritable, match=rf"line {line_of(step, 'delta = ')} is not an in-place"):
+        rewrite_loop(step, line_of(step, "p.sub_("))
+    with pytest.raises(NotRewritable, match="no for loop"):
+        rewrite_loop(step, line_of(step, "return x"))
+
+
+def test_a_keyword_that_depends_on_the_item_is_not_rewritten():
+    model = nn.Linear(2, 2)
+
+    def step():
+        for p in model.parameters():
+            p.add_(p.grad, alpha=-p.numel())
+
+    with pytest.raises(NotRewritable, match="keyword depends on p"):
+        rewrite_loop(step, line_of(step, "p.add_("))
+
+
+def test_try_fixes_rewrites_the_loop_measures_it_and_hands_the_edit(seed):
+    widths = [16, 32, 32, 32, 16, 3]  # ten parameters: a loop over them is worth a finding
+    model = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    step = sgd_step_for(model)
+    code = step.__code__
+    report = doctor.examine(step, torch.randn(8, 16), steps=2, warmup=1)
+    loops = [f for f in report.findings if f.kind == "tensor_loop"]
+    assert loops and "foreach_loop" in loops[0].fixes
+    trials = report.try_fixes(["foreach_loop"], repeats=3, steps=2)
+    (trial,) = trials[trials["fixes"] == "foreach_loop"].to_dict("records")
+    assert trial["status"] in ("ok", "slower here"), trial
+    assert step.__code__ is code  # the user's step is left as it was
+    assert "torch._foreach_add_" in trial["edit"]
