@@ -58,11 +58,38 @@ def test_the_rewritten_loop_updates_every_tensor_as_the_loop_does(seed, frozen):
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
     assert seen == before + 6  # the global and the nonlocal state are the step's own
-    assert "torch._foreach_mul_([p for p in tensors], 1 - LR * DECAY)" in rewrite.diff
-    assert "torch._foreach_add_([p for p in tensors], [p.grad for p in tensors], alpha=-LR)" in (
-        rewrite.diff
-    )
+    assert "torch._foreach_mul_(tensors, 1 - LR * DECAY)" in rewrite.diff
+    assert "torch._foreach_add_(tensors, [p.grad for p in tensors], alpha=-LR)" in rewrite.diff
     assert "-                p.add_(p.grad, alpha=-LR)  # the update" in rewrite.diff
+
+
+def test_a_tutorials_manual_update_with_augmented_assignments_is_rewritten(seed):
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+
+    def step_for(net):
+        def step(x):
+            loss = net(x).pow(2).mean()
+            net.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for param in net.parameters():
+                    param -= LR * param.grad
+                    param *= 1 - DECAY
+            return loss.detach()
+
+        return step
+
+    step, twin_step = step_for(model), step_for(twin)
+    rewrite = rewrite_loop(twin_step, line_of(twin_step, "param -= "))
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        assert torch.equal(step(x), rewrite.step(x))
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)  # c * g at once vs in the add: rounding
+    diff = rewrite.diff
+    assert "torch._foreach_sub_(tensors, [param.grad for param in tensors], alpha=LR)" in diff
+    assert "torch._foreach_mul_(tensors, 1 - DECAY)" in diff
 
 
 def test_a_loop_with_other_statements_is_not_rewritten_and_says_which_line():

@@ -4,14 +4,16 @@ statement in a copy of the step function, and handed to the user as a diff of th
     for p in model.parameters():
         if p.grad is None:                      # an optional guard first
             continue
-        p.data.add_(p.grad, alpha=-lr)          # in-place calls of FOREACH's methods
+        p.data.add_(p.grad, alpha=-lr)          # in-place calls of FOREACH's methods, or
+                                                # p -= lr * p.grad (+=, -=, *=, /=)
 
 becomes, over the loop's items taken once::
 
     tensors = [p for p in model.parameters() if not p.grad is None]
     torch._foreach_add_([p.data for p in tensors], [p.grad for p in tensors], alpha=-lr)
 
-Each statement runs for every item before the next statement starts, which is what the loop
+(``p -= lr * p.grad`` becomes ``torch._foreach_sub_(tensors, [p.grad for p in tensors],
+alpha=lr)``.) Each statement runs for every item before the next statement starts, which is what the loop
 computes wherever the items are distinct tensors (the trial checks it against the step as
 written). Anything else raises :class:`NotRewritable` naming the statement.
 """
@@ -89,12 +91,13 @@ def _parts(loop: ast.For) -> tuple[str, ast.expr | None, list[ast.Call]]:
         guard, body = first.test, body[1:]
     calls = []
     for statement in body:
-        call = statement.value if isinstance(statement, ast.Expr) else None
+        call = statement.value if isinstance(statement, ast.Expr) else _in_place(statement, name)
         method = call.func.attr if isinstance(call, ast.Call) and isinstance(
             call.func, ast.Attribute) else None  # fmt: skip
         if method not in FOREACH or not _uses(call.func.value, name):
             raise NotRewritable(f"line {statement.lineno} is not an in-place call "
-                                f"({', '.join(FOREACH)}) on the loop's {name}")  # fmt: skip
+                                f"({', '.join(FOREACH)}, or +=, -=, *=, /=) on the loop's "
+                                f"{name}")  # fmt: skip
         if any(_uses(k.value, name) for k in call.keywords) or any(
                 isinstance(a, ast.Starred) for a in call.args):  # fmt: skip
             raise NotRewritable(f"line {statement.lineno}: a keyword depends on {name}")
@@ -102,6 +105,27 @@ def _parts(loop: ast.For) -> tuple[str, ast.expr | None, list[ast.Call]]:
     if not calls:
         raise NotRewritable("the loop's body has no in-place call")
     return name, guard, calls
+
+
+_AUGMENTED = {ast.Add: "add_", ast.Sub: "sub_", ast.Mult: "mul_", ast.Div: "div_"}
+
+
+def _in_place(statement: ast.stmt, name: str) -> ast.Call | None:
+    """``t -= c * x`` as the call it makes, ``t.sub_(x, alpha=c)`` (``t.sub_(v)`` without a
+    factor that does not depend on ``name``); None for any other statement."""
+    if not isinstance(statement, ast.AugAssign) or type(statement.op) not in _AUGMENTED:
+        return None
+    target, value = statement.target, statement.value
+    method = _AUGMENTED[type(statement.op)]
+    target = ast.copy_location(type(target)(**{**vars(target), "ctx": ast.Load()}), target)
+    args, keywords = [value], []
+    if method in ("add_", "sub_") and isinstance(value, ast.BinOp) and isinstance(
+            value.op, ast.Mult):  # fmt: skip
+        factor, tensor = (value.left, value.right) if not _uses(value.left, name) else (
+            value.right, value.left)  # fmt: skip
+        if not _uses(factor, name) and _uses(tensor, name):
+            args, keywords = [tensor], [ast.keyword("alpha", factor)]
+    return ast.Call(ast.Attribute(target, method, ast.Load()), args, keywords)
 
 
 def _is_continue(body: list[ast.stmt]) -> bool:
@@ -131,6 +155,8 @@ def _statements(loop: ast.For, name: str, guard: ast.expr | None, calls: list[as
         def per_item(node: ast.expr) -> ast.expr:
             if not _uses(node, name):
                 return node
+            if isinstance(node, ast.Name):  # the items themselves
+                return ast.Name(items, ast.Load())
             over = ast.comprehension(ast.Name(name, ast.Store()), ast.Name(items, ast.Load()), [], 0)
             return ast.ListComp(node, [over])
 
