@@ -84,7 +84,7 @@ def test_a_tutorials_manual_update_with_augmented_assignments_is_rewritten(seed)
     rewrite = rewrite_loop(twin_step, line_of(twin_step, "param -= "))
     for _ in range(3):
         x = torch.randn(5, 4)
-        assert torch.equal(step(x), rewrite.step(x))
+        assert torch.allclose(step(x), rewrite.step(x), rtol=1e-5)  # lr * g rounded apart or not
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)  # c * g at once vs in the add: rounding
     diff = rewrite.diff
