@@ -131,3 +131,26 @@ def test_try_fixes_rewrites_the_loop_measures_it_and_hands_the_edit(seed):
     assert trial["status"] in ("ok", "slower here"), trial
     assert step.__code__ is code  # the user's step is left as it was
     assert "torch._foreach_add_" in trial["edit"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_non_finite_values_go_through_the_rewrite_as_through_the_loop(seed, dtype):
+    def update(weights, grads):
+        for w, g in zip(weights, grads, strict=True):
+            w.add_(g, alpha=-LR)
+
+    def step(weights):
+        for w in weights:
+            w.mul_(1 - DECAY)
+            w.addcmul_(w, w, value=-LR)
+
+    weights = [torch.randn(n, dtype=dtype) for n in (3, 17, 1)]
+    weights[1][[2, 5, 9]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    twin = [w.clone() for w in weights]
+    rewrite = rewrite_loop(step, line_of(step, "w.mul_("))
+    step(weights)
+    rewrite.step(twin)
+    for a, b in zip(weights, twin, strict=True):
+        torch.testing.assert_close(a, b, equal_nan=True)  # bf16: the foreach path rounds once
+    with pytest.raises(NotRewritable, match="not `for name in items:`"):
+        rewrite_loop(update, line_of(update, "w.add_("))
