@@ -151,6 +151,6 @@ def test_non_finite_values_go_through_the_rewrite_as_through_the_loop(seed, dtyp
     step(weights)
     rewrite.step(twin)
     for a, b in zip(weights, twin, strict=True):
-        torch.testing.assert_close(a, b, equal_nan=True)  # bf16: the foreach path rounds once
+        torch.testing.assert_close(a, b, equal_nan=True)  # bf16: foreach may round otherwise
     with pytest.raises(NotRewritable, match="not `for name in items:`"):
         rewrite_loop(update, line_of(update, "w.add_("))
