@@ -222,6 +222,18 @@ def test_item_on_a_users_cpu_tensor_counts_on_cpu_only():
     assert sync_count([read], device="cpu") == 1
 
 
+def test_an_rnn_reading_a_packed_sequences_host_batch_sizes_is_no_sync_on_cpu():
+    """A PackedSequence keeps its batch sizes on the host by contract (on a GPU too): the RNN's
+    own int(batch_sizes[0]) would wait for nothing there, so a CPU run must not count it."""
+    torch.manual_seed(0)
+    gru = nn.GRU(4, 8, batch_first=True)
+    padded, lengths = torch.randn(3, 5, 4), torch.tensor([5, 2, 4])
+    packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True,
+                                               enforce_sorted=False)  # fmt: skip
+    recording = recorder.record_step(lambda: gru(packed), torch.device("cpu"))
+    assert sync_count(recording.ops, device="cpu") == 0
+
+
 def test_copies_to_the_host_are_syncs():
     to_copy = op("aten::_to_copy", info(4, 4), outputs=(info(4, 4, device="cpu"),))
     copy_in = op(
