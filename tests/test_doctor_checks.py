@@ -585,10 +585,26 @@ def test_loops_on_cpu_only_where_the_user_asked_for_them():
     update = per_parameter("aten::mul_", model, library=ADAMW)
     default = model_parts(model)
     forced = model_parts(model, foreach=False)
-    assert check_kernels.loops(evidence(clip, parts=forced, device="cpu")) == []
+    (clipped,) = check_kernels.loops(evidence(clip, parts=default, device="cpu"))
+    assert clipped.kind == "clip_loop"  # foreach=False: torch's CPU default clips with foreach
     assert check_kernels.loops(evidence(update, parts=default, device="cpu")) == []
     (found,) = check_kernels.loops(evidence(update, parts=forced, device="cpu"))
     assert found.kind == "optimizer_loop" and found.saved_us is None
+
+
+def test_a_users_loop_of_clip_calls_is_found_on_cpu_with_the_batched_fix():
+    """torch clips with foreach on a CPU by default: a per-parameter loop there is the user's own."""
+    model = ladder()
+    model(torch.randn(3, 8)).sum().backward()
+
+    def clip_each():
+        for p in model.parameters():
+            torch.nn.utils.clip_grad_norm_(p, 1.0)
+
+    recording = recorder.record_step(clip_each, torch.device("cpu"))
+    ev = evidence(recording.ops, parts=model_parts(model), device="cpu")
+    (found,) = check_kernels.loops(ev)
+    assert found.kind == "clip_loop" and "batched_clip" in found.fixes
 
 
 # ---- precision ------------------------------------------------------------------------------------

@@ -102,13 +102,12 @@ def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[
 
 def _visible(kind: str, evidence: Evidence) -> bool:
     """Whether a loop of ``kind`` is a problem on this device. On a CPU, torch's own optimizers
-    and clipping loop over tensors by default (their foreach paths are for GPUs), so only a loop
-    the user asked for is one: ``foreach=False`` given, ``set_to_none=False``, their own code."""
-    if evidence.cuda or kind in ("zero_grad", "tensor_loop"):
+    loop over tensors by default (their foreach path is for GPUs), so only an optimizer loop
+    the user asked for (``foreach=False``) is one; clipping takes its foreach path on a CPU too,
+    so a clipping loop there is the user's own (``foreach=False``, a call per parameter)."""
+    if evidence.cuda or kind != "optimizer_loop":
         return True
-    if kind == "optimizer_loop":
-        return any(o.defaults.get("foreach") is False for o in evidence.parts.optimizers)
-    return False
+    return any(o.defaults.get("foreach") is False for o in evidence.parts.optimizers)
 
 
 @check("loops")
