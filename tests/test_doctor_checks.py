@@ -607,6 +607,23 @@ def test_a_users_loop_of_clip_calls_is_found_on_cpu_with_the_batched_fix():
     assert found.kind == "clip_loop" and "batched_clip" in found.fixes
 
 
+def test_an_optimizer_loops_change_keeps_the_users_optimizer():
+    """SGD with momentum is not to be swapped for AdamW: the change names the class that loops,
+    fused where torch has a fused path for it, foreach where it has none."""
+    model = ladder()
+    sgd = ("optim/sgd.py:_single_tensor_sgd", "optim/sgd.py:sgd", "optim/optimizer.py:wrapper")
+    rms = ("optim/rmsprop.py:_single_tensor_rmsprop", "optim/optimizer.py:wrapper")
+    for cls, library, flag in ((torch.optim.SGD, sgd, "fused=True"),
+                               (torch.optim.RMSprop, rms, "foreach=True")):  # fmt: skip
+        parts = StepParts()
+        parts.add(model, "global 'model'")
+        parts.add(torch.optim.AdamW(model.parameters()), "global 'other'")
+        parts.add(cls(model.parameters(), lr=0.1, foreach=False), "global 'opt'")
+        ops = per_parameter("aten::add_", model, library=library)
+        (found,) = check_kernels.loops(evidence(ops, parts=parts, device="cpu"))
+        assert found.change.startswith(f"torch.optim.{cls.__name__}(") and flag in found.change
+
+
 # ---- precision ------------------------------------------------------------------------------------
 def mm(m, k, n, dtype=torch.float32, time_us=60.0, site=SITE):
     return op(

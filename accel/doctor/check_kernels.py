@@ -5,6 +5,7 @@ zeroed instead of dropped, and float32 matrix products where bf16 or TF32 would 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import Counter, defaultdict
 
@@ -127,8 +128,23 @@ def loops(evidence: Evidence) -> list[Finding]:
     ]
 
 
+def _optimizer_change(evidence: Evidence, ops: list[OpRecord], change: str) -> str:
+    """The optimizer loop's change on the user's own optimizer class (the one whose module ran
+    the loop): fused where torch has a fused path for it, else foreach; ``change`` if none."""
+    modules = {entry.split(".py:")[0] for entry in ops[0].library if entry.startswith("optim/")}
+    for opt in evidence.parts.optimizers:
+        cls = type(opt)
+        if cls.__module__.startswith("torch.") and cls.__module__[6:].replace(".", "/") in modules:
+            fused = "fused" in inspect.signature(cls).parameters
+            flag = "fused=True)  # one kernel a step" if fused else "foreach=True)  # a few kernels"
+            return f"torch.optim.{cls.__name__}(model.parameters(), ..., {flag}"
+    return change
+
+
 def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:
     kind, what, change, fixes = _loop_kind(ops)
+    if kind == "optimizer_loop":
+        change = _optimizer_change(evidence, ops, change)
     if evidence.cuda:
         saved, model = loop_saving_us(evidence, ops, kind)
     else:
