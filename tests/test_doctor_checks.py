@@ -605,6 +605,20 @@ def test_a_users_loop_of_clip_calls_is_found_on_cpu_with_the_batched_fix():
     ev = evidence(recording.ops, parts=model_parts(model), device="cpu")
     (found,) = check_kernels.loops(ev)
     assert found.kind == "clip_loop" and "batched_clip" in found.fixes
+    # each tensor keeps its own limit: one norm over all of them is another rule
+    code = [line for line in found.change.splitlines() if not line.startswith("#")]
+    assert "norms = torch.stack(torch._foreach_norm(grads))" in code
+    assert not any("clip_grad_norm_(model.parameters()" in line for line in code)
+
+
+def test_one_clip_call_with_foreach_off_is_told_to_take_foreach():
+    model = ladder()
+    model(torch.randn(3, 8)).sum().backward()
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)  # noqa: E731
+    recording = recorder.record_step(clip, torch.device("cpu"))
+    ev = evidence(recording.ops, parts=model_parts(model), device="cpu")
+    (found,) = check_kernels.loops(ev)
+    assert found.change == "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)"
 
 
 def test_an_optimizer_loops_change_keeps_the_users_optimizer():

@@ -141,10 +141,21 @@ def _optimizer_change(evidence: Evidence, ops: list[OpRecord], change: str) -> s
     return change
 
 
+_CLIP_EACH_CHANGE = """\
+# each gradient clipped to its own norm as your loop does, all in one pass:
+grads = [p.grad for p in model.parameters() if p.grad is not None]
+norms = torch.stack(torch._foreach_norm(grads))
+torch._foreach_mul_(grads, (max_norm / (norms + 1e-6)).clamp(max=1.0).unbind())
+# or one norm over every gradient (another rule, the usual one):
+# torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)"""
+
+
 def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:
     kind, what, change, fixes = _loop_kind(ops)
     if kind == "optimizer_loop":
         change = _optimizer_change(evidence, ops, change)
+    if kind == "clip_loop" and sum(op.op == "aten::clamp" for op in ops) > 1:
+        change = _CLIP_EACH_CHANGE  # a clip call per tensor (one clamp of its coefficient each)
     if evidence.cuda:
         saved, model = loop_saving_us(evidence, ops, kind)
     else:
