@@ -754,3 +754,28 @@ def test_the_pinned_batch_trial_copies_the_batch_in_every_call():
     first, second = call().item(), call().item()
     assert second == pytest.approx(first, rel=1e-6)
     assert second == pytest.approx(x.sum().item(), rel=1e-5)
+
+
+def test_an_optimizer_fix_retunes_the_optimizers_that_have_it_beside_one_that_has_not():
+    """SparseAdam for sparse embeddings beside Adam(foreach=False) for the rest: the dense
+    optimizer's loop is the finding, and its fixes run on it, SparseAdam left as it is."""
+    torch.manual_seed(0)
+    table = nn.Embedding(50, 8, sparse=True)
+    layers = nn.Sequential(*(nn.Linear(8 + 2 * i, 10 + 2 * i) for i in range(5)))
+    sparse_opt = torch.optim.SparseAdam(table.parameters(), lr=1e-2)
+    dense_opt = torch.optim.Adam(layers.parameters(), lr=1e-3, foreach=False)
+
+    def step(ids):
+        loss = layers(table(ids)).square().mean()
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        loss.backward()
+        sparse_opt.step()
+        dense_opt.step()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randint(0, 50, (16,)), steps=1, warmup=1)
+    assert "optimizer_loop" in report.kinds()
+    rows = report.try_fixes(["fused_optimizer", "foreach_optimizer"], steps=2, repeats=2)
+    alone = rows[rows["mode"] == "alone"].set_index("fixes")["status"]
+    assert alone.to_dict() == {"fused_optimizer": "ok", "foreach_optimizer": "ok"}
