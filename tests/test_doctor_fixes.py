@@ -779,3 +779,8 @@ def test_an_optimizer_fix_retunes_the_optimizers_that_have_it_beside_one_that_ha
     rows = report.try_fixes(["fused_optimizer", "foreach_optimizer"], steps=2, repeats=2)
     alone = rows[rows["mode"] == "alone"].set_index("fixes")["status"]
     assert alone.to_dict() == {"fused_optimizer": "ok", "foreach_optimizer": "ok"}
+
+
+def test_a_fix_named_twice_is_tried_once():
+    """A list built by hand (or added to) can repeat a name: each fix is one row, one trial."""
+    assert trial.fix_names(["set_to_none", "tf32", "set_to_none"]) == ["set_to_none", "tf32"]
