@@ -906,6 +906,20 @@ def test_changing_shapes_from_the_loader():
     assert check_host.changing_shapes(evidence()) == []
 
 
+@pytest.mark.parametrize("shape", [(8, 16), (8, 24, 5), (3, 40, 2, 2)])
+def test_the_changing_shapes_padding_pads_the_length_whatever_the_rank(shape):
+    """Token ids (batch, length) as well as embeddings (batch, length, width): pasted as it is,
+    the padding grows dimension 1 to a multiple of 64 and leaves the batch alone."""
+    loader = {"shapes": {((8, 16),), ((8, 24),)}, "batches": 8, "wait_us": 0.0}
+    (found,) = check_host.changing_shapes(evidence(loader=loader))
+    pad = next(line for line in found.change.splitlines() if line.startswith("x = "))
+    x = torch.randn(shape)
+    scope = {"torch": torch, "x": x}
+    exec(pad, scope)
+    assert scope["x"].shape == (shape[0], 64, *shape[2:])
+    assert torch.equal(scope["x"][:, : shape[1]], x)
+
+
 def test_loader_wait_over_five_percent_of_the_step_is_an_input_finding():
     def loader(wait_us):
         return {"shapes": {((8, 16),)}, "batches": 8, "wait_us": wait_us, "num_workers": 0,

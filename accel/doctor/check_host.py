@@ -316,8 +316,8 @@ def changing_shapes(evidence: Evidence) -> list[Finding]:
         "torch.compile recompiles per shape until it goes dynamic, and the allocator's "
         "cache fragments",
         notebook="04_graphs",
-        change="# pad or bucket to a few lengths, e.g. to a multiple of 64:\n"
-        "x = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % 64))\n"
+        change="# pad or bucket to a few lengths, e.g. the length (dim 1) to a multiple of 64:\n"
+        "x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, -x.shape[1] % 64))\n"
         "# GraphedStep(step, on_new_shape='recapture') keeps one graph per shape",
     )]
 
