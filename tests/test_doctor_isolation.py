@@ -532,6 +532,35 @@ def test_process_switches_a_debugging_step_sets_are_put_back(seed):
     assert after == before
 
 
+def flushing_denormals() -> bool:
+    return torch.tensor([1e-40]).item() == 0.0  # torch has no getter for set_flush_denormal
+
+
+def test_denormal_flushing_print_options_and_warning_filters_a_step_sets_are_put_back(seed):
+    """A step set up 'to be fast and quiet': denormals flushed changes every later float of
+    the process, a warnings filter of "ignore" hides the user's warnings from then on."""
+    model, opt = small()
+
+    def step(x):
+        torch.set_flush_denormal(True)
+        torch.set_printoptions(precision=2)
+        warnings.simplefilter("ignore")
+        return one_update(model, opt, x).detach()
+
+    def state():
+        return flushing_denormals(), str(torch.tensor([1.23456])), list(warnings.filters)
+
+    with warnings.catch_warnings():  # this test's own filters, whatever the doctor leaves
+        before = state()
+        try:
+            examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+            after = state()
+        finally:
+            torch.set_flush_denormal(before[0])
+            torch.set_printoptions(profile="default")
+    assert after == before
+
+
 @functools.lru_cache(maxsize=8)
 def cached_scale(width: int) -> torch.Tensor:
     return torch.linspace(0.5, 1.5, width)

@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -71,8 +72,8 @@ class Session:
     """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
-    detection, the SDPA kernels, the thread count, the float32 matmul precision) and the
-    environment variables."""
+    detection, the SDPA kernels, the thread count, the float32 matmul precision, denormals
+    flushed, print options), the warnings filters and the environment variables."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -84,6 +85,8 @@ class Session:
         self._generators = _Generators()
         self._backend_flags = kept_backend_flags()
         self._backend_flags.__enter__()
+        self._warning_filters = warnings.catch_warnings()  # a step's simplefilter("ignore")
+        self._warning_filters.__enter__()
         self._environment = dict(os.environ)
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
@@ -104,6 +107,7 @@ class Session:
         _RECORD.reset(self._token)
         self._generators.restore()
         self._backend_flags.__exit__(None, None, None)
+        self._warning_filters.__exit__(None, None, None)
         _restore_environment(self._environment)
         self._recording.files.put_back()
 
