@@ -561,6 +561,33 @@ def test_denormal_flushing_print_options_and_warning_filters_a_step_sets_are_put
     assert after == before
 
 
+def test_the_working_folder_onednn_and_autograds_threads_a_step_changes_are_put_back(
+    seed, tmp_path
+):
+    """A step that moves into its run's folder to write there, and one that switches oneDNN or
+    autograd's worker threads off to chase a bug: the user's process after is as before."""
+    model, opt = small()
+
+    def step(x):
+        os.chdir(tmp_path)
+        torch.backends.mkldnn.enabled = False
+        torch.autograd.set_multithreading_enabled(False)
+        return one_update(model, opt, x).detach()
+
+    def state():
+        return os.getcwd(), torch.backends.mkldnn.enabled, torch._C._is_multithreading_enabled()
+
+    before = state()
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = state()
+    finally:
+        os.chdir(before[0])
+        torch.backends.mkldnn.enabled = before[1]
+        torch.autograd.set_multithreading_enabled(before[2])
+    assert after == before
+
+
 @functools.lru_cache(maxsize=8)
 def cached_scale(width: int) -> torch.Tensor:
     return torch.linspace(0.5, 1.5, width)

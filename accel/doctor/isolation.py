@@ -73,7 +73,8 @@ class Session:
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
     detection, the SDPA kernels, the thread count, the float32 matmul precision, denormals
-    flushed, print options), the warnings filters and the environment variables."""
+    flushed, print options, oneDNN, autograd's threads), the warnings filters, the working
+    folder and the environment variables."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -88,6 +89,7 @@ class Session:
         self._warning_filters = warnings.catch_warnings()  # a step's simplefilter("ignore")
         self._warning_filters.__enter__()
         self._environment = dict(os.environ)
+        self._folder = os.getcwd()  # a step may move into its run's folder
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
         self._threads = _WatchedThreads()
@@ -109,7 +111,8 @@ class Session:
         self._backend_flags.__exit__(None, None, None)
         self._warning_filters.__exit__(None, None, None)
         _restore_environment(self._environment)
-        self._recording.files.put_back()
+        self._recording.files.put_back()  # kept by absolute path, wherever the step moved
+        os.chdir(self._folder)
 
     def _wait_for_threads(self) -> None:
         """The threads the step started finish what they write before the files are put back;

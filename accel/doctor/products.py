@@ -70,7 +70,8 @@ _MATMUL = torch.backends.cuda.matmul
 # session's switches)
 _KEPT_FLAGS = ((torch.backends.cudnn, "deterministic"), (torch.backends.cudnn, "enabled"),
                (_MATMUL, "allow_fp16_reduced_precision_reduction"),
-               (_MATMUL, "allow_bf16_reduced_precision_reduction"))  # fmt: skip
+               (_MATMUL, "allow_bf16_reduced_precision_reduction"),
+               (torch.backends.mkldnn, "enabled"))  # fmt: skip
 _PRECISION = (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision)
 
 
@@ -91,6 +92,7 @@ _KEPT_SWITCHES = (
     (torch.get_default_dtype, torch.set_default_dtype),
     (torch.is_grad_enabled, torch.set_grad_enabled),
     (_flushing_denormals, torch.set_flush_denormal),
+    (torch._C._is_multithreading_enabled, torch.autograd.set_multithreading_enabled),
     (torch._tensor_str.get_printoptions, lambda options: torch.set_printoptions(**options)),
     *((getattr(torch.backends.cuda, f"{kind}_sdp_enabled"),
        getattr(torch.backends.cuda, f"enable_{kind}_sdp"))
@@ -116,8 +118,8 @@ def backend_flags(**settings: bool) -> Iterator[None]:
 def kept_backend_flags() -> Iterator[None]:
     """Every flag :func:`backend_flags` sets and the other process-wide switches a step may set
     (determinism, anomaly detection, the SDPA kernels allowed, the thread count, the default
-    dtype, grad mode, denormals flushed, print options, the float32 matmul precision), put back
-    on leaving (a step that turns on
+    dtype, grad mode, denormals flushed, print options, oneDNN, autograd's threads, the float32
+    matmul precision), put back on leaving (a step that turns on
     TF32 changes every later float32 product of the process)."""
     places = [place for places in _BACKEND_FLAGS.values() for place in places] + [*_KEPT_FLAGS]
     with _kept(places, _KEPT_SWITCHES):
