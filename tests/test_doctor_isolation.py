@@ -588,6 +588,21 @@ def test_the_working_folder_onednn_and_autograds_threads_a_step_changes_are_put_
     assert after == before
 
 
+def test_examining_inside_the_users_own_profiler_is_refused_and_leaves_their_profile(seed):
+    """The doctor profiles the step itself: started inside a profiler the user is running, it
+    took the session over and the user's profile came back empty. Refused before any work."""
+    model, opt = small()
+
+    def step(x):
+        return one_update(model, opt, x).detach()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as mine:
+        with pytest.raises(UsageError, match=r"profiler.*already running"):
+            examined(step, torch.randn(5, 4))
+        torch.randn(3, 3).exp()
+    assert any(e.key == "aten::exp" for e in mine.key_averages())
+
+
 @functools.lru_cache(maxsize=8)
 def cached_scale(width: int) -> torch.Tensor:
     return torch.linspace(0.5, 1.5, width)
