@@ -784,3 +784,27 @@ def test_an_optimizer_fix_retunes_the_optimizers_that_have_it_beside_one_that_ha
 def test_a_fix_named_twice_is_tried_once():
     """A list built by hand (or added to) can repeat a name: each fix is one row, one trial."""
     assert trial.fix_names(["set_to_none", "tf32", "set_to_none"]) == ["set_to_none", "tf32"]
+
+
+def test_compile_reaches_the_layers_of_a_module_list_the_step_iterates(seed):
+    """A ModuleList has no forward of its own: the step calls its layers, so those are what
+    the compile fix compiles (a compiled ModuleList.forward is never called)."""
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3))
+    head = nn.Linear(4, 1)
+    opt = torch.optim.SGD([*blocks.parameters(), *head.parameters()], lr=0.1)
+
+    def step(x):
+        for block in blocks:
+            x = block(x)
+        loss = head(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step_copy, parts_copy = copy_step(step, doctor.parts.find_parts(step))
+    FIXES["compile"].apply(StepCopy(step_copy, parts_copy, None, torch.device("cpu")))
+    (layers,) = [m for m in parts_copy.models if isinstance(m, nn.ModuleList)]
+    assert all(hasattr(block.forward, "_torchdynamo_orig_callable") for block in layers)
+    (linear,) = [m for m in parts_copy.models if isinstance(m, nn.Linear)]
+    assert hasattr(linear.forward, "_torchdynamo_orig_callable")

@@ -238,8 +238,18 @@ def _graph(copy: StepCopy) -> None:
 def _compile(copy: StepCopy) -> None:
     if not copy.parts.models:
         raise FixNotApplicable("no model found in the step to compile")
-    for model in copy.parts.models:  # the forward, bound: Module.compile() is skipped by some torch
+    for model in copy.parts.models:
+        _compile_forwards(model)
+
+
+def _compile_forwards(model: torch.nn.Module) -> None:
+    """The forward, bound (Module.compile() is skipped by some torch); a container without one
+    (ModuleList, ModuleDict), whose layers the step calls itself: each layer's."""
+    if type(model).forward is not torch.nn.Module.forward:
         model.forward = torch.compile(model.forward)
+        return
+    for child in model.children():
+        _compile_forwards(child)
 
 
 def _checkpoint(copy: StepCopy) -> None:
