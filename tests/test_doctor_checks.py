@@ -222,6 +222,18 @@ def test_item_on_a_users_cpu_tensor_counts_on_cpu_only():
     assert sync_count([read], device="cpu") == 1
 
 
+def test_an_rnn_reading_a_packed_sequences_host_batch_sizes_is_no_sync_on_cpu():
+    """A PackedSequence keeps its batch sizes on the host by contract (on a GPU too): the RNN's
+    own int(batch_sizes[0]) would wait for nothing there, so a CPU run must not count it."""
+    torch.manual_seed(0)
+    gru = nn.GRU(4, 8, batch_first=True)
+    padded, lengths = torch.randn(3, 5, 4), torch.tensor([5, 2, 4])
+    packed = nn.utils.rnn.pack_padded_sequence(padded, lengths, batch_first=True,
+                                               enforce_sorted=False)  # fmt: skip
+    recording = recorder.record_step(lambda: gru(packed), torch.device("cpu"))
+    assert sync_count(recording.ops, device="cpu") == 0
+
+
 def test_copies_to_the_host_are_syncs():
     to_copy = op("aten::_to_copy", info(4, 4), outputs=(info(4, 4, device="cpu"),))
     copy_in = op(
@@ -573,10 +585,57 @@ def test_loops_on_cpu_only_where_the_user_asked_for_them():
     update = per_parameter("aten::mul_", model, library=ADAMW)
     default = model_parts(model)
     forced = model_parts(model, foreach=False)
-    assert check_kernels.loops(evidence(clip, parts=forced, device="cpu")) == []
+    (clipped,) = check_kernels.loops(evidence(clip, parts=default, device="cpu"))
+    assert clipped.kind == "clip_loop"  # foreach=False: torch's CPU default clips with foreach
     assert check_kernels.loops(evidence(update, parts=default, device="cpu")) == []
     (found,) = check_kernels.loops(evidence(update, parts=forced, device="cpu"))
     assert found.kind == "optimizer_loop" and found.saved_us is None
+
+
+def test_a_users_loop_of_clip_calls_is_found_on_cpu_with_the_batched_fix():
+    """torch clips with foreach on a CPU by default: a per-parameter loop there is the user's own."""
+    model = ladder()
+    model(torch.randn(3, 8)).sum().backward()
+
+    def clip_each():
+        for p in model.parameters():
+            torch.nn.utils.clip_grad_norm_(p, 1.0)
+
+    recording = recorder.record_step(clip_each, torch.device("cpu"))
+    ev = evidence(recording.ops, parts=model_parts(model), device="cpu")
+    (found,) = check_kernels.loops(ev)
+    assert found.kind == "clip_loop" and "batched_clip" in found.fixes
+    # each tensor keeps its own limit: one norm over all of them is another rule
+    code = [line for line in found.change.splitlines() if not line.startswith("#")]
+    assert "norms = torch.stack(torch._foreach_norm(grads))" in code
+    assert not any("clip_grad_norm_(model.parameters()" in line for line in code)
+
+
+def test_one_clip_call_with_foreach_off_is_told_to_take_foreach():
+    model = ladder()
+    model(torch.randn(3, 8)).sum().backward()
+    clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)  # noqa: E731
+    recording = recorder.record_step(clip, torch.device("cpu"))
+    ev = evidence(recording.ops, parts=model_parts(model), device="cpu")
+    (found,) = check_kernels.loops(ev)
+    assert found.change == "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)"
+
+
+def test_an_optimizer_loops_change_keeps_the_users_optimizer():
+    """SGD with momentum is not to be swapped for AdamW: the change names the class that loops,
+    fused where torch has a fused path for it, foreach where it has none."""
+    model = ladder()
+    sgd = ("optim/sgd.py:_single_tensor_sgd", "optim/sgd.py:sgd", "optim/optimizer.py:wrapper")
+    rms = ("optim/rmsprop.py:_single_tensor_rmsprop", "optim/optimizer.py:wrapper")
+    for cls, library, flag in ((torch.optim.SGD, sgd, "fused=True"),
+                               (torch.optim.RMSprop, rms, "foreach=True")):  # fmt: skip
+        parts = StepParts()
+        parts.add(model, "global 'model'")
+        parts.add(torch.optim.AdamW(model.parameters()), "global 'other'")
+        parts.add(cls(model.parameters(), lr=0.1, foreach=False), "global 'opt'")
+        ops = per_parameter("aten::add_", model, library=library)
+        (found,) = check_kernels.loops(evidence(ops, parts=parts, device="cpu"))
+        assert found.change.startswith(f"torch.optim.{cls.__name__}(") and flag in found.change
 
 
 # ---- precision ------------------------------------------------------------------------------------
@@ -845,6 +904,20 @@ def test_changing_shapes_from_the_loader():
     one = {"shapes": {((8, 16),)}, "batches": 8, "wait_us": 0.0}
     assert check_host.changing_shapes(evidence(loader=one)) == []
     assert check_host.changing_shapes(evidence()) == []
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (8, 24, 5), (3, 40, 2, 2)])
+def test_the_changing_shapes_padding_pads_the_length_whatever_the_rank(shape):
+    """Token ids (batch, length) as well as embeddings (batch, length, width): pasted as it is,
+    the padding grows dimension 1 to a multiple of 64 and leaves the batch alone."""
+    loader = {"shapes": {((8, 16),), ((8, 24),)}, "batches": 8, "wait_us": 0.0}
+    (found,) = check_host.changing_shapes(evidence(loader=loader))
+    pad = next(line for line in found.change.splitlines() if line.startswith("x = "))
+    x = torch.randn(shape)
+    scope = {"torch": torch, "x": x}
+    exec(pad, scope)
+    assert scope["x"].shape == (shape[0], 64, *shape[2:])
+    assert torch.equal(scope["x"][:, : shape[1]], x)
 
 
 def test_loader_wait_over_five_percent_of_the_step_is_an_input_finding():

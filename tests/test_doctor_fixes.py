@@ -754,3 +754,57 @@ def test_the_pinned_batch_trial_copies_the_batch_in_every_call():
     first, second = call().item(), call().item()
     assert second == pytest.approx(first, rel=1e-6)
     assert second == pytest.approx(x.sum().item(), rel=1e-5)
+
+
+def test_an_optimizer_fix_retunes_the_optimizers_that_have_it_beside_one_that_has_not():
+    """SparseAdam for sparse embeddings beside Adam(foreach=False) for the rest: the dense
+    optimizer's loop is the finding, and its fixes run on it, SparseAdam left as it is."""
+    torch.manual_seed(0)
+    table = nn.Embedding(50, 8, sparse=True)
+    layers = nn.Sequential(*(nn.Linear(8 + 2 * i, 10 + 2 * i) for i in range(5)))
+    sparse_opt = torch.optim.SparseAdam(table.parameters(), lr=1e-2)
+    dense_opt = torch.optim.Adam(layers.parameters(), lr=1e-3, foreach=False)
+
+    def step(ids):
+        loss = layers(table(ids)).square().mean()
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        loss.backward()
+        sparse_opt.step()
+        dense_opt.step()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randint(0, 50, (16,)), steps=1, warmup=1)
+    assert "optimizer_loop" in report.kinds()
+    rows = report.try_fixes(["fused_optimizer", "foreach_optimizer"], steps=2, repeats=2)
+    alone = rows[rows["mode"] == "alone"].set_index("fixes")["status"]
+    assert alone.to_dict() == {"fused_optimizer": "ok", "foreach_optimizer": "ok"}
+
+
+def test_a_fix_named_twice_is_tried_once():
+    """A list built by hand (or added to) can repeat a name: each fix is one row, one trial."""
+    assert trial.fix_names(["set_to_none", "tf32", "set_to_none"]) == ["set_to_none", "tf32"]
+
+
+def test_compile_reaches_the_layers_of_a_module_list_the_step_iterates(seed):
+    """A ModuleList has no forward of its own: the step calls its layers, so those are what
+    the compile fix compiles (a compiled ModuleList.forward is never called)."""
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3))
+    head = nn.Linear(4, 1)
+    opt = torch.optim.SGD([*blocks.parameters(), *head.parameters()], lr=0.1)
+
+    def step(x):
+        for block in blocks:
+            x = block(x)
+        loss = head(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    step_copy, parts_copy = copy_step(step, doctor.parts.find_parts(step))
+    FIXES["compile"].apply(StepCopy(step_copy, parts_copy, None, torch.device("cpu")))
+    (layers,) = [m for m in parts_copy.models if isinstance(m, nn.ModuleList)]
+    assert all(hasattr(block.forward, "_torchdynamo_orig_callable") for block in layers)
+    (linear,) = [m for m in parts_copy.models if isinstance(m, nn.Linear)]
+    assert hasattr(linear.forward, "_torchdynamo_orig_callable")

@@ -532,6 +532,77 @@ def test_process_switches_a_debugging_step_sets_are_put_back(seed):
     assert after == before
 
 
+def flushing_denormals() -> bool:
+    return torch.tensor([1e-40]).item() == 0.0  # torch has no getter for set_flush_denormal
+
+
+def test_denormal_flushing_print_options_and_warning_filters_a_step_sets_are_put_back(seed):
+    """A step set up 'to be fast and quiet': denormals flushed changes every later float of
+    the process, a warnings filter of "ignore" hides the user's warnings from then on."""
+    model, opt = small()
+
+    def step(x):
+        torch.set_flush_denormal(True)
+        torch.set_printoptions(precision=2)
+        warnings.simplefilter("ignore")
+        return one_update(model, opt, x).detach()
+
+    def state():
+        return flushing_denormals(), str(torch.tensor([1.23456])), list(warnings.filters)
+
+    with warnings.catch_warnings():  # this test's own filters, whatever the doctor leaves
+        before = state()
+        try:
+            examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+            after = state()
+        finally:
+            torch.set_flush_denormal(before[0])
+            torch.set_printoptions(profile="default")
+    assert after == before
+
+
+def test_the_working_folder_onednn_and_autograds_threads_a_step_changes_are_put_back(
+    seed, tmp_path
+):
+    """A step that moves into its run's folder to write there, and one that switches oneDNN or
+    autograd's worker threads off to chase a bug: the user's process after is as before."""
+    model, opt = small()
+
+    def step(x):
+        os.chdir(tmp_path)
+        torch.backends.mkldnn.enabled = False
+        torch.autograd.set_multithreading_enabled(False)
+        return one_update(model, opt, x).detach()
+
+    def state():
+        return os.getcwd(), torch.backends.mkldnn.enabled, torch._C._is_multithreading_enabled()
+
+    before = state()
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = state()
+    finally:
+        os.chdir(before[0])
+        torch.backends.mkldnn.enabled = before[1]
+        torch.autograd.set_multithreading_enabled(before[2])
+    assert after == before
+
+
+def test_examining_inside_the_users_own_profiler_is_refused_and_leaves_their_profile(seed):
+    """The doctor profiles the step itself: started inside a profiler the user is running, it
+    took the session over and the user's profile came back empty. Refused before any work."""
+    model, opt = small()
+
+    def step(x):
+        return one_update(model, opt, x).detach()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as mine:
+        with pytest.raises(UsageError, match=r"profiler.*already running"):
+            examined(step, torch.randn(5, 4))
+        torch.randn(3, 3).exp()
+    assert any(e.key == "aten::exp" for e in mine.key_averages())
+
+
 @functools.lru_cache(maxsize=8)
 def cached_scale(width: int) -> torch.Tensor:
     return torch.linspace(0.5, 1.5, width)

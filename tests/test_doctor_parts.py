@@ -87,6 +87,22 @@ def test_closure_step_trains_copies_only(seed):
     assert where(found) == {"closure 'model'": "Sequential", "closure 'opt'": "SGD"}
 
 
+def test_legacy_weight_and_spectral_norm_models_are_copied(seed):
+    """torch.nn.utils.weight_norm and spectral_norm (the hook versions, still in GAN and audio
+    code) keep the weight they compute from their parameters as a non-leaf tensor, which deepcopy
+    refuses; the copy's hooks compute it again before each forward."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm's deprecation
+        model = nn.Sequential(nn.utils.weight_norm(nn.Linear(IN, 12)), nn.Tanh(),
+                              nn.utils.spectral_norm(nn.Linear(12, OUT)))  # fmt: skip
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def step(x):
+        return train(model, opt, x)
+
+    trains_copies_only(step, [model])
+
+
 def test_nested_modules_are_one_part(seed):
     model, opt = pair()
     head = model[2]

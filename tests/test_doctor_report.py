@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import inspect
+import logging
 import math
 import sys
 import warnings
@@ -398,6 +399,34 @@ def test_compile_lists_the_graph_breaks_with_their_lines(seed):
     (found,) = [f for f in report.findings if f.kind == "compile"]
     assert line_of(step, "loss.item()") in {s.line for s in found.sites}
     assert "item" in found.evidence and found.fixes == ("compile",)
+
+
+def test_compile_finds_nothing_in_a_step_whose_only_breaks_are_backward_and_the_optimizer(seed):
+    """Every step breaks at loss.backward() (and the optimizer's step): the change itself calls
+    those expected, so a step with no other break has no finding, and dynamo's own warnings
+    (an optimizer's record_function ignored) stay out of the user's stderr."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(x):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    said = []
+    heard = logging.Handler(logging.WARNING)
+    heard.emit = lambda record: said.append(record.getMessage())
+    dynamo_log = logging.getLogger("torch._dynamo")
+    dynamo_log.addHandler(heard)
+    torch._logging._internal.warning_once.cache_clear()  # each warning is said once a process
+    try:
+        report = doctor.examine(step, torch.randn(4, 8), steps=1, warmup=1, compile=True)
+    finally:
+        dynamo_log.removeHandler(heard)
+    assert "compile" not in report.kinds(), str(report)
+    assert not [line for line in said if "record function" in line], said
 
 
 def test_a_reordering_fix_is_allowed_16_bit_rounding_where_the_products_run_in_16_bits(seed):

@@ -3,6 +3,7 @@ lines they point at (``torch._dynamo.explain``, run on a copy of the step)."""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -15,11 +16,17 @@ def graph_breaks(call: Callable[[], Any]) -> list[tuple[str, Site | None]]:
     """(reason, the user's line) of each break dynamo finds while tracing ``call`` once."""
     import torch._dynamo
 
+    # dynamo's warnings while it traces (an optimizer's record_function ignored) are about
+    # the doctor's tracing, not the user's code: kept out of their stderr
+    dynamo_log = logging.getLogger("torch._dynamo")
+    level = dynamo_log.level
+    dynamo_log.setLevel(logging.ERROR)
     torch._dynamo.reset()
     try:
         explained = torch._dynamo.explain(call)()
     finally:
         torch._dynamo.reset()
+        dynamo_log.setLevel(level)
     out = []
     for reason in explained.break_reasons:
         frames = [f for f in reason.user_stack if "/torch/" not in f.filename]
@@ -29,10 +36,18 @@ def graph_breaks(call: Callable[[], Any]) -> list[tuple[str, Site | None]]:
     return out
 
 
+# lines every training step breaks at: the change below calls them expected
+_EXPECTED_BREAKS = (".backward(", ".step(", "zero_grad(")
+
+
+def _expected(site: Site | None) -> bool:
+    return site is not None and any(call in site.text for call in _EXPECTED_BREAKS)
+
+
 @check("compile")
 def compile_breaks(evidence: Evidence) -> list[Finding]:
     breaks = evidence.graph_breaks
-    if not breaks:
+    if not breaks or all(_expected(site) for _, site in breaks):
         return []
     counted = Counter(breaks)
     lines = [f"{n} x {reason} at {site or 'torch'}" for (reason, site), n in counted.most_common()]

@@ -28,6 +28,9 @@ SYNC_OPS = {
     "aten::equal": "torch.equal() returns a Python bool",
 }
 _COPIES = ("aten::_to_copy", "aten::copy_")
+# torch's reads of tensors it keeps on the host on a GPU too: optimizers' step counters, a
+# PackedSequence's batch sizes (read by the RNN modules)
+_HOST_BY_CONTRACT = ("optim/", "nn/modules/rnn.py:")
 SCALER_READ = "GradScaler.step's read of whether a gradient overflowed"
 ARGUMENT_CHECK = "torch.distributions' check of its arguments (validate_args)"
 CAUSAL_CHECK = "nn.Transformer's check of whether the mask it was given is causal"
@@ -78,7 +81,7 @@ def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
     memory blocks the host too; the input check reports it (with the change that fixes it)."""
     if op.op in SYNC_OPS:
         on_device = any(t.device == "cuda" for t in op.inputs)
-        internal = any(entry.startswith("optim/") for entry in op.library)  # CPU step counters
+        internal = any(entry.startswith(_HOST_BY_CONTRACT) for entry in op.library)
         if not (on_device if cuda else not internal):
             return None
         for where, (kind, _) in _LIBRARY_READS.items():
@@ -325,8 +328,8 @@ def changing_shapes(evidence: Evidence) -> list[Finding]:
         "torch.compile recompiles per shape until it goes dynamic, and the allocator's "
         "cache fragments",
         notebook="04_graphs",
-        change="# pad or bucket to a few lengths, e.g. to a multiple of 64:\n"
-        "x = torch.nn.functional.pad(x, (0, 0, 0, -x.shape[1] % 64))\n"
+        change="# pad or bucket to a few lengths, e.g. the length (dim 1) to a multiple of 64:\n"
+        "x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, -x.shape[1] % 64))\n"
         "# GraphedStep(step, on_new_shape='recapture') keeps one graph per shape",
     )]
 

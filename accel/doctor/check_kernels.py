@@ -5,6 +5,7 @@ zeroed instead of dropped, and float32 matrix products where bf16 or TF32 would 
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import Counter, defaultdict
 
@@ -102,13 +103,12 @@ def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[
 
 def _visible(kind: str, evidence: Evidence) -> bool:
     """Whether a loop of ``kind`` is a problem on this device. On a CPU, torch's own optimizers
-    and clipping loop over tensors by default (their foreach paths are for GPUs), so only a loop
-    the user asked for is one: ``foreach=False`` given, ``set_to_none=False``, their own code."""
-    if evidence.cuda or kind in ("zero_grad", "tensor_loop"):
+    loop over tensors by default (their foreach path is for GPUs), so only an optimizer loop
+    the user asked for (``foreach=False``) is one; clipping takes its foreach path on a CPU too,
+    so a clipping loop there is the user's own (``foreach=False``, a call per parameter)."""
+    if evidence.cuda or kind != "optimizer_loop":
         return True
-    if kind == "optimizer_loop":
-        return any(o.defaults.get("foreach") is False for o in evidence.parts.optimizers)
-    return False
+    return any(o.defaults.get("foreach") is False for o in evidence.parts.optimizers)
 
 
 @check("loops")
@@ -128,8 +128,34 @@ def loops(evidence: Evidence) -> list[Finding]:
     ]
 
 
+def _optimizer_change(evidence: Evidence, ops: list[OpRecord], change: str) -> str:
+    """The optimizer loop's change on the user's own optimizer class (the one whose module ran
+    the loop): fused where torch has a fused path for it, else foreach; ``change`` if none."""
+    modules = {entry.split(".py:")[0] for entry in ops[0].library if entry.startswith("optim/")}
+    for opt in evidence.parts.optimizers:
+        cls = type(opt)
+        if cls.__module__.startswith("torch.") and cls.__module__[6:].replace(".", "/") in modules:
+            fused = "fused" in inspect.signature(cls).parameters
+            flag = "fused=True)  # one kernel a step" if fused else "foreach=True)  # a few kernels"
+            return f"torch.optim.{cls.__name__}(model.parameters(), ..., {flag}"
+    return change
+
+
+_CLIP_EACH_CHANGE = """\
+# each gradient clipped to its own norm as your loop does, all in one pass:
+grads = [p.grad for p in model.parameters() if p.grad is not None]
+norms = torch.stack(torch._foreach_norm(grads))
+torch._foreach_mul_(grads, (max_norm / (norms + 1e-6)).clamp(max=1.0).unbind())
+# or one norm over every gradient (another rule, the usual one):
+# torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)"""
+
+
 def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:
     kind, what, change, fixes = _loop_kind(ops)
+    if kind == "optimizer_loop":
+        change = _optimizer_change(evidence, ops, change)
+    if kind == "clip_loop" and sum(op.op == "aten::clamp" for op in ops) > 1:
+        change = _CLIP_EACH_CHANGE  # a clip call per tensor (one clamp of its coefficient each)
     if evidence.cuda:
         saved, model = loop_saving_us(evidence, ops, kind)
     else:

@@ -91,6 +91,11 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     _refuse_batch_mismatch(step, batch if batch is not NO_BATCH or loader is None else None)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
+    if torch.autograd._profiler_enabled():  # its session would end in the doctor's, emptied
+        raise UsageError(
+            "examine profiles the step itself, and a profiler is already running: call it "
+            "outside your `with torch.profiler.profile()` block"
+        )
     if isinstance(loader, Iterator):
         raise UsageError(
             f"loader must be an iterable the doctor can start again (a DataLoader), got an "

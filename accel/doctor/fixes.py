@@ -160,20 +160,30 @@ def _retune(opt: torch.optim.Optimizer, **flags: bool) -> None:
             state["step"] = step.to(param.device, torch.float32)
 
 
-def _fused(copy: StepCopy) -> None:
+def _optimizers_with(copy: StepCopy, has: Callable[[Any], bool], what: str) -> list:
+    """The step's optimizers that have ``what``; one without it beside them (SparseAdam for an
+    embedding, LBFGS) is left as it is, and only a step with none is refused."""
     opts = copy.parts.optimizers
     if not opts:
         raise FixNotApplicable("no optimizer found in the step")
-    for opt in opts:
-        if type(opt).__name__ not in FUSED_UPDATE_BYTES:
-            raise FixNotApplicable(f"{type(opt).__name__} has no fused implementation")
+    able = [opt for opt in opts if has(opt)]
+    if not able:
+        names = sorted({type(opt).__name__ for opt in opts})
+        raise FixNotApplicable(f"{', '.join(names)} {'has' if len(names) == 1 else 'have'} no {what}")
+    return able
+
+
+def _has_fused(opt: torch.optim.Optimizer) -> bool:
+    return type(opt).__name__ in FUSED_UPDATE_BYTES
+
+
+def _fused(copy: StepCopy) -> None:
+    for opt in _optimizers_with(copy, _has_fused, "fused implementation"):
         _retune(opt, fused=True, foreach=False)
 
 
 def _foreach(copy: StepCopy) -> None:
-    if not copy.parts.optimizers:
-        raise FixNotApplicable("no optimizer found in the step")
-    for opt in copy.parts.optimizers:
+    for opt in _optimizers_with(copy, lambda opt: "foreach" in opt.defaults, "'foreach' option"):
         _retune(opt, foreach=True)
 
 
@@ -228,8 +238,18 @@ def _graph(copy: StepCopy) -> None:
 def _compile(copy: StepCopy) -> None:
     if not copy.parts.models:
         raise FixNotApplicable("no model found in the step to compile")
-    for model in copy.parts.models:  # the forward, bound: Module.compile() is skipped by some torch
+    for model in copy.parts.models:
+        _compile_forwards(model)
+
+
+def _compile_forwards(model: torch.nn.Module) -> None:
+    """The forward, bound (Module.compile() is skipped by some torch); a container without one
+    (ModuleList, ModuleDict), whose layers the step calls itself: each layer's."""
+    if type(model).forward is not torch.nn.Module.forward:
         model.forward = torch.compile(model.forward)
+        return
+    for child in model.children():
+        _compile_forwards(child)
 
 
 def _checkpoint(copy: StepCopy) -> None:

@@ -74,9 +74,9 @@ class Session:
     """While open: side effects of the step's code recorded (:meth:`effects`; the step's code is
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
-    detection, the SDPA kernels, the thread count, the float32 matmul precision), the
-    environment variables, the working directory, the warning filters and the loggers' levels
-    and handlers."""
+    detection, the SDPA kernels, the thread count, the float32 matmul precision, denormals
+    flushed, print options, oneDNN, autograd's threads), the warnings filters, the working
+    folder, the environment variables and the loggers' levels and handlers."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -88,10 +88,10 @@ class Session:
         self._generators = _Generators()
         self._backend_flags = kept_backend_flags()
         self._backend_flags.__enter__()
-        self._environment = dict(os.environ)
-        self._cwd = os.getcwd()
-        self._warning_filters = warnings.catch_warnings()  # put back on leaving, nothing recorded
+        self._warning_filters = warnings.catch_warnings()  # a step's simplefilter("ignore")
         self._warning_filters.__enter__()
+        self._environment = dict(os.environ)
+        self._folder = os.getcwd()  # a step may move into its run's folder
         self._loggers = _Loggers()
         self._token = _RECORD.set(self._recording)
         self._save = _AuditedSave()
@@ -112,11 +112,11 @@ class Session:
         _RECORD.reset(self._token)
         self._generators.restore()
         self._backend_flags.__exit__(None, None, None)
-        _restore_environment(self._environment)
-        os.chdir(self._cwd)
         self._warning_filters.__exit__(None, None, None)
+        _restore_environment(self._environment)
         self._loggers.restore()
-        self._recording.files.put_back()
+        self._recording.files.put_back()  # kept by absolute path, wherever the step moved
+        os.chdir(self._folder)
 
     def _wait_for_threads(self) -> None:
         """The threads the step started finish what they write before the files are put back;

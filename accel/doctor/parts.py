@@ -131,7 +131,7 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     if parts.blocked:
         raise TypeError("the step trains what cannot be copied: " + "; ".join(parts.blocked))
     originals = parts.all
-    memo: dict[int, Any] = {}
+    memo: dict[int, Any] = _recomputed_weights(parts.models)
     try:
         copies = copy.deepcopy(originals, memo)
         for original, new in zip(originals, copies, strict=True):
@@ -155,6 +155,18 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     for original, new in zip(originals, copies, strict=True):
         copied.add(new, parts.where[id(original)])
     return runner, copied
+
+
+def _recomputed_weights(models: list[torch.nn.Module]) -> dict[int, Any]:
+    """A deepcopy memo giving each non-leaf tensor a module holds as a plain attribute a detached
+    copy: the weight legacy ``weight_norm`` and ``spectral_norm`` compute from their parameters
+    (deepcopy refuses a non-leaf tensor), computed again by their hooks before each forward."""
+    weights = [value for model in models for module in model.modules()
+               for value in vars(module).values()
+               if isinstance(value, torch.Tensor) and value.grad_fn is not None]  # fmt: skip
+    memo: dict[int, Any] = {id(w): w.detach().clone() for w in weights}
+    memo[id(memo)] = weights  # deepcopy's own list of what it keeps alive: no id reused
+    return memo
 
 
 def _same_callable(a: Any, b: Any) -> bool:

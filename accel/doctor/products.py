@@ -70,8 +70,17 @@ _MATMUL = torch.backends.cuda.matmul
 # session's switches)
 _KEPT_FLAGS = ((torch.backends.cudnn, "deterministic"), (torch.backends.cudnn, "enabled"),
                (_MATMUL, "allow_fp16_reduced_precision_reduction"),
-               (_MATMUL, "allow_bf16_reduced_precision_reduction"))  # fmt: skip
+               (_MATMUL, "allow_bf16_reduced_precision_reduction"),
+               (torch.backends.mkldnn, "enabled"))  # fmt: skip
 _PRECISION = (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision)
+
+
+def _flushing_denormals() -> bool:
+    """Whether ``torch.set_flush_denormal(True)`` is on (torch has no getter): a float32
+    denormal made on the host reads back as 0."""
+    return torch.tensor([1e-40], dtype=torch.float32).item() == 0.0
+
+
 # (read, write) of those set through functions; the precision last: allow_tf32 rewrites it
 _KEPT_SWITCHES = (
     (lambda: (torch.are_deterministic_algorithms_enabled(),
@@ -82,6 +91,9 @@ _KEPT_SWITCHES = (
     (torch.get_num_threads, torch.set_num_threads),
     (torch.get_default_dtype, torch.set_default_dtype),
     (torch.is_grad_enabled, torch.set_grad_enabled),
+    (_flushing_denormals, torch.set_flush_denormal),
+    (torch._C._is_multithreading_enabled, torch.autograd.set_multithreading_enabled),
+    (torch._tensor_str.get_printoptions, lambda options: torch.set_printoptions(**options)),
     *((getattr(torch.backends.cuda, f"{kind}_sdp_enabled"),
        getattr(torch.backends.cuda, f"enable_{kind}_sdp"))
       for kind in ("flash", "mem_efficient", "math", "cudnn")),
@@ -106,7 +118,8 @@ def backend_flags(**settings: bool) -> Iterator[None]:
 def kept_backend_flags() -> Iterator[None]:
     """Every flag :func:`backend_flags` sets and the other process-wide switches a step may set
     (determinism, anomaly detection, the SDPA kernels allowed, the thread count, the default
-    dtype, grad mode, the float32 matmul precision), put back on leaving (a step that turns on
+    dtype, grad mode, denormals flushed, print options, oneDNN, autograd's threads, the float32
+    matmul precision), put back on leaving (a step that turns on
     TF32 changes every later float32 product of the process)."""
     places = [place for places in _BACKEND_FLAGS.values() for place in places] + [*_KEPT_FLAGS]
     with _kept(places, _KEPT_SWITCHES):

@@ -135,7 +135,7 @@ def _trials(report, names: list[str], steps: int, repeats: int, progress: bool):
 
 
 def fix_names(fixes: Any) -> list[str]:
-    """``fixes`` as a list of known fix names (one name may come as a string)."""
+    """``fixes`` as a list of known fix names, each once (one name may come as a string)."""
     names = [fixes] if isinstance(fixes, str) else fixes
     try:
         names = list(names)
@@ -144,7 +144,7 @@ def fix_names(fixes: Any) -> list[str]:
     unknown = [n for n in names if not isinstance(n, str) or n not in FIXES]
     if unknown:
         raise UsageError(f"unknown fixes {unknown}; expected some of {', '.join(FIXES)}")
-    return names
+    return list(dict.fromkeys(names))  # each once, in the order given
 
 
 def _name_side_effects(report, found: list[str]) -> None:

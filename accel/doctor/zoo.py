@@ -304,7 +304,7 @@ def _shapes(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase
 
 Builder = Callable[[frozenset, torch.device, str], ZooCase]
 # planted kinds only a GPU run sees (a stepwise loop is found as a launch-bound step)
-GPU_ONLY = frozenset({"clip_loop", "precision", "stepwise"})
+GPU_ONLY = frozenset({"precision", "stepwise"})
 # each model's builder and the kinds it can plant
 MODELS: dict[str, tuple[Builder, frozenset[str]]] = {
     "gpt": (_gpt, frozenset({"sync", "attention", "optimizer_loop", "clip_loop", "precision",
