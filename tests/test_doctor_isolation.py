@@ -641,34 +641,6 @@ def test_environment_variables_the_step_sets_are_put_back(seed, monkeypatch):
     assert dict(os.environ) == before
 
 
-def test_the_working_directory_the_step_moves_to_is_put_back(seed, tmp_path, monkeypatch):
-    """A step that moves into its run folder (``os.chdir``) must leave the process where it
-    was: the user's relative paths mean what they meant."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "run").mkdir()
-    model, opt = small()
-
-    def step(x):
-        os.chdir(tmp_path / "run")
-        return one_update(model, opt, x).detach()
-
-    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
-    assert os.getcwd() == str(tmp_path)
-
-
-def test_warning_filters_the_step_adds_are_put_back(seed):
-    """A step that silences a warning leaves the user's warnings as they were."""
-    model, opt = small()
-
-    def step(x):
-        warnings.filterwarnings("ignore", message="a warning the step silences")
-        return one_update(model, opt, x).detach()
-
-    filters = list(warnings.filters)
-    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
-    assert warnings.filters == filters
-
-
 def test_logging_the_step_configures_is_put_back(seed):
     """A step that sets up logging as a script's main does (``basicConfig(force=True)``, a
     logger's level) leaves the user's loggers as they were: their levels and handlers."""
