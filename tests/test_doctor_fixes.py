@@ -808,3 +808,31 @@ def test_compile_reaches_the_layers_of_a_module_list_the_step_iterates(seed):
     assert all(hasattr(block.forward, "_torchdynamo_orig_callable") for block in layers)
     (linear,) = [m for m in parts_copy.models if isinstance(m, nn.Linear)]
     assert hasattr(linear.forward, "_torchdynamo_orig_callable")
+
+
+def test_a_fix_slower_in_every_round_is_slower_here_with_too_few_rounds_for_an_interval(
+    seed, monkeypatch
+):
+    """Five rounds (the CPU's default) give no 95% interval of the median ratio; a fix slower
+    in each of them is still slower (the chance of that for an even fix is 1 in 2^rounds)."""
+
+    def sleepy(copy: StepCopy) -> None:
+        step = copy.step
+        copy.step = lambda *args: (time.sleep(0.005), step(*args))[1]
+
+    monkeypatch.setitem(FIXES, "set_to_none", FIXES["set_to_none"].__class__(
+        "set_to_none", "a fix that only waits", sleepy, 1e-6, "the same step", needs_cuda=False))
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(4, 8), steps=2, warmup=1)
+    rows = report.try_fixes(["set_to_none"], repeats=trial.JUDGED_ROUNDS - 1, steps=1)
+    (row,) = rows[rows["fixes"] == "set_to_none"].to_dict("records")
+    assert row["measured speedup"] < 1 and row["status"] == "slower here", row
