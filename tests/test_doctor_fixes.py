@@ -814,7 +814,7 @@ def test_a_fix_slower_in_every_round_is_slower_here_with_too_few_rounds_for_an_i
     seed, monkeypatch
 ):
     """Five rounds (the CPU's default) give no 95% interval of the median ratio; a fix slower
-    in each of them is still slower (the chance of that for an even fix is 1 in 2^rounds)."""
+    in each of them is still slower (the chance of that for an even fix is 1 in 32)."""
 
     def sleepy(copy: StepCopy) -> None:
         step = copy.step
@@ -833,6 +833,6 @@ def test_a_fix_slower_in_every_round_is_slower_here_with_too_few_rounds_for_an_i
         return loss.detach()
 
     report = doctor.examine(step, torch.randn(4, 8), steps=2, warmup=1)
-    rows = report.try_fixes(["set_to_none"], repeats=trial.JUDGED_ROUNDS - 1, steps=1)
+    rows = report.try_fixes(["set_to_none"], repeats=trial.EVERY_ROUND, steps=1)
     (row,) = rows[rows["fixes"] == "set_to_none"].to_dict("records")
     assert row["measured speedup"] < 1 and row["status"] == "slower here", row

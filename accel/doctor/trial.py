@@ -37,7 +37,8 @@ NEUTRAL = 0.98  # a fix measured at least this fast alone may still help beside 
 RETRY_SHARE = 0.03  # a fix predicted to save this share of the step is retried on the best set
 RETRIES = 3  # fixes left out of the best set tried on it, one at a time, at most
 _SEED = 1234
-JUDGED_ROUNDS = 6  # fewer rounds give no 95% interval of the median ratio (then every round judges)
+JUDGED_ROUNDS = 6  # fewer rounds give no 95% interval of the median ratio: then ...
+EVERY_ROUND = 5  # ... a fix slower in each of at least this many (1 in 32 by chance) is slower
 _KERNELS = ("matmul", "attention", "normalization", "elementwise and other", "compiled (Triton)")
 # the parts of a step's time (the timeline's kernel categories, "idle <cause>") each fix acts on
 ACTS_ON: dict[str, tuple[str, ...]] = {
@@ -396,9 +397,9 @@ def _measured(report, names: list[str], steps: int, repeats: int, allowance: flo
     unchanged, measured = (timing.timings[k].median_ms for k in ("unchanged", "fixed"))
     judged = repeats >= JUDGED_ROUNDS
     low, high = timing.median_ratio_interval("unchanged", "fixed") if judged else (math.nan,) * 2
-    # too few rounds for an interval: slower only where every round was (1 in 2^rounds by chance)
-    fastest = max(round_ratios(timing.samples, "unchanged", "fixed"))
-    status = _status(error, allowance, high if judged else fastest, fixed, caught)
+    if not judged and repeats >= EVERY_ROUND:
+        high = max(round_ratios(timing.samples, "unchanged", "fixed"))  # the fix's best round
+    status = _status(error, allowance, high, fixed, caught)
     device = report.evidence.device
     peaks = [peak_memory(call, device=device) / 2**20 for call in (base_call, fixed_call)]
     return {
