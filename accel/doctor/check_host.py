@@ -109,11 +109,10 @@ def _copy_ends(op: OpRecord) -> tuple[TensorInfo, TensorInfo]:
 def sync_sites(evidence: Evidence) -> Counter:
     """(site, what) -> syncs per step, averaged over the recorded calls: a read made every few
     steps counts the share of the calls it was made in."""
-    recordings = [evidence.recording, *evidence.more_calls]
     total: Counter = Counter()
-    for recording in recordings:
+    for recording in evidence.recordings:
         total.update(_sites_of(recording, evidence.cuda))
-    return Counter({key: n / len(recordings) for key, n in total.items()})
+    return Counter({key: n / len(evidence.recordings) for key, n in total.items()})
 
 
 def _sites_of(recording: Recording, cuda: bool) -> Counter:
@@ -153,7 +152,7 @@ def syncs(evidence: Evidence) -> list[Finding]:
     lines = [f"{n:g} x {kind} at {site or 'a line outside your code'}"
              for (site, kind), n in sites.most_common()]  # fmt: skip
     if evidence.more_calls and any(n != round(n) for n in sites.values()):
-        lines.append(f"averaged over {1 + len(evidence.more_calls)} recorded steps: not every "
+        lines.append(f"averaged over {len(evidence.recordings)} recorded steps: not every "
                      "step makes each of them")
     if evidence.cuda:
         t = evidence.timeline
@@ -199,7 +198,7 @@ def _reads_items(evidence: Evidence) -> bool:
         op.op in ("aten::_local_scalar_dense", "aten::item")
         and op.site is not None
         and ".item()" in op.site.text
-        for recording in (evidence.recording, *evidence.more_calls)
+        for recording in evidence.recordings
         for op in recording.ops
     )
 

@@ -134,7 +134,7 @@ def _optimizer_change(evidence: Evidence, ops: list[OpRecord], change: str) -> s
     modules = {entry.split(".py:")[0] for entry in ops[0].library if entry.startswith("optim/")}
     for opt in evidence.parts.optimizers:
         cls = type(opt)
-        if cls.__module__.startswith("torch.") and cls.__module__[6:].replace(".", "/") in modules:
+        if cls.__module__.startswith("torch.") and cls.__module__.removeprefix("torch.").replace(".", "/") in modules:
             fused = "fused" in inspect.signature(cls).parameters
             flag = "fused=True)  # one kernel a step" if fused else "foreach=True)  # a few kernels"
             return f"torch.optim.{cls.__name__}(model.parameters(), ..., {flag}"

@@ -118,6 +118,11 @@ class Evidence:
         kind = "pinned" if pinned else "pageable"
         return _once(f"{kind} copy of {size} bytes", self.device, measure)
 
+    @property
+    def recordings(self) -> list[Recording]:
+        """The timed call's recording, then the calls recorded after it."""
+        return [self.recording, *self.more_calls]
+
     def forward_ops(self) -> list[OpRecord]:
         return [op for op in self.recording.ops if not op.backward]
 

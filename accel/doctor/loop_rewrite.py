@@ -69,7 +69,7 @@ def rewrite_loop(step: Callable[..., Any], line: int) -> LoopRewrite:
     shown = _statements(loop, items, guard, calls, executed=False)
     _replace(definition, loop, _statements(loop, items, guard, calls, executed=True))
     new = _recompiled(function, definition)
-    if new is not function and getattr(step, "__self__", None) is not None:
+    if isinstance(step, types.MethodType):
         new = types.MethodType(new, step.__self__)
     return LoopRewrite(new, _diff(lines, first, loop, shown, function))
 
@@ -150,16 +150,16 @@ def _statements(loop: ast.For, name: str, guard: ast.expr | None, calls: list[as
     taken = ast.Assign([ast.Name(items, ast.Store())], listed)
     torch = (ast.Call(ast.Name("__import__", ast.Load()), [ast.Constant("torch")], [])
              if executed else ast.Name("torch", ast.Load()))  # fmt: skip
+    def per_item(node: ast.expr) -> ast.expr:
+        if not _uses(node, name):
+            return node
+        if isinstance(node, ast.Name):  # the items themselves
+            return ast.Name(items, ast.Load())
+        over = ast.comprehension(ast.Name(name, ast.Store()), ast.Name(items, ast.Load()), [], 0)
+        return ast.ListComp(node, [over])
+
     out: list[ast.stmt] = [taken]
     for call in calls:
-        def per_item(node: ast.expr) -> ast.expr:
-            if not _uses(node, name):
-                return node
-            if isinstance(node, ast.Name):  # the items themselves
-                return ast.Name(items, ast.Load())
-            over = ast.comprehension(ast.Name(name, ast.Store()), ast.Name(items, ast.Load()), [], 0)
-            return ast.ListComp(node, [over])
-
         foreach = ast.Attribute(torch, FOREACH[call.func.attr], ast.Load())
         args = [per_item(call.func.value), *map(per_item, call.args)]
         out.append(ast.Expr(ast.Call(foreach, args, call.keywords)))

@@ -246,9 +246,7 @@ def record_step(call: Callable[[], object], device: torch.device) -> Recording:
     """Run ``call`` once under the recorder and the profiler; every op with its line and time."""
     from accel.profiling import device_profile
 
-    recording, frames, calls = Recording(device=device.type), _Frames(), _Calls()
-    recorder = _Recorder(recording, frames, calls)
-    with device_profile(device) as prof, _watching_host_reads(recording, frames), calls, recorder:
+    with device_profile(device) as prof, _recorded(device) as recording:
         call()
     times = _range_times(prof, device.type == "cuda")
     for record in recording.ops:
@@ -261,11 +259,18 @@ def record_calls(call: Callable[[], object], device: torch.device, calls: int) -
     some calls (a read every few steps) shows in some of them."""
     recordings = []
     for _ in range(calls):
-        recording, frames, api = Recording(device=device.type), _Frames(), _Calls()
-        with _watching_host_reads(recording, frames), api, _Recorder(recording, frames, api):
+        with _recorded(device) as recording:
             call()
         recordings.append(recording)
     return recordings
+
+
+@contextlib.contextmanager
+def _recorded(device: torch.device) -> Iterator[Recording]:
+    """While inside, every operator and host read recorded with the user's line."""
+    recording, frames, api = Recording(device=device.type), _Frames(), _Calls()
+    with _watching_host_reads(recording, frames), api, _Recorder(recording, frames, api):
+        yield recording
 
 
 def _range_times(prof, cuda: bool) -> dict[int, float]:
