@@ -19,7 +19,10 @@ LOOP_MIN_OPS = 8  # fewer repeats of one operator on one line are not a loop wor
 _NO_WORK = {"aten::detach", "aten::view", "aten::t", "aten::lift_fresh", "aten::alias",
             "aten::_to_copy"}  # fmt: skip
 FOREACH_TENSORS_PER_LAUNCH = 110  # about what one multi_tensor_apply launch takes
-MATMUL_OPS = PRODUCTS | {"aten::convolution", "aten::convolution_backward", "aten::_convolution"}
+# matrix products, convolutions, and cuDNN's recurrent layers (their gates' products inside one
+# operator, which TF32 and autocast speed as they speed a product)
+MATMUL_OPS = PRODUCTS | {"aten::convolution", "aten::convolution_backward", "aten::_convolution",
+                         "aten::_cudnn_rnn", "aten::_cudnn_rnn_backward"}  # fmt: skip
 
 
 def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
@@ -54,7 +57,7 @@ def _many_tensor_foreach(op: OpRecord) -> bool:
 _LOOP_KINDS = (
     ("clip_grad", "clip_loop", "gradient clipping one tensor at a time",
      "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)",
-     ("batched_clip", "foreach_clip")),
+     ("foreach_clip",)),
     ("zero_grad", "zero_grad", "zero_grad(set_to_none=False) writing zeros into every gradient",
      "optimizer.zero_grad(set_to_none=True)  # the default since torch 2.0", ("set_to_none",)),
     ("optim/", "optimizer_loop", "the optimizer updating one parameter at a time (foreach=False)",
@@ -154,8 +157,11 @@ def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRec
     kind, what, change, fixes = _loop_kind(ops)
     if kind == "optimizer_loop":
         change = _optimizer_change(evidence, ops, change)
-    if kind == "clip_loop" and sum(op.op == "aten::clamp" for op in ops) > 1:
-        change = _CLIP_EACH_CHANGE  # a clip call per tensor (one clamp of its coefficient each)
+    if kind == "clip_loop":
+        # a clip call per tensor (one clamp of its coefficient each) has one tensor for foreach
+        # to batch: its calls are batched instead; one call over many takes foreach
+        each = sum(op.op == "aten::clamp" for op in ops) > 1
+        change, fixes = (_CLIP_EACH_CHANGE, ("batched_clip",)) if each else (change, fixes)
     if evidence.cuda:
         saved, model = loop_saving_us(evidence, ops, kind)
     else:
