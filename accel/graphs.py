@@ -180,8 +180,7 @@ class GraphedStep:
     def _replay(self, captured: _Captured, leaves: Sequence[Any]) -> Any:
         """The new inputs copied into the graph's static ones, one replay, its outputs."""
         for i, static in captured.tensor_inputs:
-            if leaves[i] is not static:
-                static.copy_(leaves[i])
+            static.copy_(leaves[i])
         captured.graph.replay()
         self.replays += 1
         return captured.outputs
@@ -331,13 +330,6 @@ class GraphedStep:
         if self._pool is None or self._device is None:
             return 0
         return pool_bytes(self._pool, self._device)
-
-    @property
-    def static_inputs(self) -> list[Any]:
-        """The flattened static inputs of the only graph (write into them to skip the copy)."""
-        if len(self._graphs) != 1:
-            raise RuntimeError(f"static_inputs needs exactly one graph; there are {self.graphs}")
-        return next(iter(self._graphs.values())).inputs
 
     def reset(self) -> None:
         """Drop every graph, its static buffers and a fallback to eager, and return the pool's

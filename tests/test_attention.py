@@ -212,12 +212,14 @@ def _order_of_calls(fn):
     return out, entered[1:-1]
 
 
-def test_auto_is_gone_with_a_clear_error(gen):
+def test_an_unknown_backend_is_refused_naming_the_known_ones(gen):
     q, k, v = qkv((1, 2, 9, 8), torch.float32, "cpu", gen)
-    for mask in (None, torch.ones(9, 9, dtype=torch.bool), A.SlidingWindow(3)):
-        with pytest.raises(ValueError, match=r"backend='auto' is gone: the default.*PyTorch's own"):
+    for mask in (None, torch.ones(9, 9, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"unknown SDPA backend 'auto'; expected one of default"):
             A.sdpa(q, k, v, mask=mask, backend="auto")
-    with pytest.raises(ValueError, match="backend='auto' is gone"):
+    with pytest.raises(ValueError, match="takes no mask kind; with one, expected one of default"):
+        A.sdpa(q, k, v, mask=A.SlidingWindow(3), backend="auto")
+    with pytest.raises(ValueError, match="unknown SDPA backend 'auto'"):
         A.SelfAttention(16, 2, backend="auto")
 
 

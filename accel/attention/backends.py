@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
-    "ADDITIVE_CACHE_BYTES", "AUTO_IS_GONE", "FORCED", "BackendUnavailableError", "picked_kernel",
-    "run", "run_forced", "try_once"
+    "ADDITIVE_CACHE_BYTES", "FORCED", "BackendUnavailableError", "picked_kernel", "run",
+    "run_forced", "try_once"
 ]  # fmt: skip
 
 # The kernels SDPA can be forced to; "default" is PyTorch's own pick.
@@ -31,13 +31,6 @@ FORCED: dict[str, SDPBackend] = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
-# What a caller of backend="auto" is told: PyTorch's pick is the default, measuring is the lab's.
-AUTO_IS_GONE = (
-    "backend='auto' is gone: the default, backend='default', is PyTorch's own pick (with a mask "
-    "kind, FlexAttention); to compare SDPA's kernels at your shape, call "
-    "accel.lab.sdpa_backends(q, k, v) and force the fastest by name where it wins by more than "
-    "the spread it reports"
-)
 # SDPBackend values as torch._fused_sdp_choice returns them
 _KERNEL_NAMES = {int(b): name for name, b in FORCED.items()}
 

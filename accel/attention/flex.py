@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from accel import triton_support
-from accel.attention.backends import AUTO_IS_GONE, BackendUnavailableError, run
+from accel.attention.backends import BackendUnavailableError, run
 from accel.attention.masks import AttentionMask, dense_mask
 from accel.attention.reference import attention_reference, check_inputs
 from accel.errors import checked_count, warn_once
@@ -302,8 +302,6 @@ def _ready(backend: str, q, k, v, mask: AttentionMask, scale, grad: bool):
 
 def _check(q, k, v, mask: AttentionMask, backend: str) -> None:
     """Raise naming the problem unless ``mask`` and the inputs can be attended by ``backend``."""
-    if backend == "auto":
-        raise ValueError(AUTO_IS_GONE)
     if backend not in MASKED_BACKENDS:
         raise ValueError(
             f"backend {backend!r} takes no mask kind; with one, expected one of "

@@ -14,7 +14,7 @@ from typing import Literal, get_args
 import torch
 import torch.nn.functional as F
 
-from accel.attention.backends import AUTO_IS_GONE, FORCED, BackendUnavailableError, run, try_once
+from accel.attention.backends import FORCED, BackendUnavailableError, run, try_once
 from accel.attention.flex import MASKED_BACKENDS, masked_sdpa
 from accel.attention.reference import check_inputs
 
@@ -74,8 +74,6 @@ def check_backend(backend: object) -> None:
     """A ValueError unless ``backend`` is one of :data:`BACKENDS`."""
     if backend in BACKENDS:
         return
-    if backend == "auto":
-        raise ValueError(AUTO_IS_GONE)
     raise ValueError(
         f"unknown SDPA backend {backend!r}; expected one of {', '.join(BACKENDS)} (with a mask "
         f"kind: {', '.join(MASKED_BACKENDS)})"

@@ -156,9 +156,6 @@ class AdamWPlan:
         exp_avg_sqs: list[torch.Tensor],
         steps: list[torch.Tensor],
         groups: list[int],
-        *,
-        block: int = BLOCK,
-        num_warps: int = NUM_WARPS,
     ):
         device = params[0].device
         lists = (params, grads, exp_avgs, exp_avg_sqs, steps)
@@ -166,15 +163,14 @@ class AdamWPlan:
         numels = [p.numel() for p in params]
         rows = [[t.data_ptr() for t in ts] for ts in lists] + [numels, list(groups)]
         self.table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-        blocks = [max(1, triton.cdiv(n, block)) for n in numels]  # an empty tensor's count too
+        blocks = [max(1, triton.cdiv(n, BLOCK)) for n in numels]  # an empty tensor's count too
         owner = torch.repeat_interleave(torch.arange(len(params)), torch.tensor(blocks))
-        first = torch.cat([torch.arange(b, dtype=torch.int64) * block for b in blocks])
+        first = torch.cat([torch.arange(b, dtype=torch.int64) * BLOCK for b in blocks])
         self.block_tensor = _to_device(owner.to(torch.int32), device)
         self.block_start = _to_device(first, device)
         self.arrived = torch.zeros(len(params), dtype=torch.int32, device=device)
         self.aligned = all(t.data_ptr() % 16 == 0 for ts in lists[:4] for t in ts)
         self.tensors = len(params)
-        self.block, self.num_warps = block, num_warps
 
     def launch(self, lrs: torch.Tensor, wds: torch.Tensor, betas, eps) -> None:
         """One step of every tensor: each one's count advanced, its update with the new count."""
@@ -193,7 +189,7 @@ class AdamWPlan:
             _log(betas[0]),
             _log(betas[1]),
             float(eps),
-            BLOCK=self.block,
+            BLOCK=BLOCK,
             ALIGNED=self.aligned,
-            num_warps=self.num_warps,
+            num_warps=NUM_WARPS,
         )
