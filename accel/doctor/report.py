@@ -12,8 +12,8 @@ from typing import Any
 
 from accel.doctor import page
 from accel.doctor.findings import Evidence, Finding
-from accel.doctor.fixes import FIXES, StepCopy
-from accel.doctor.parts import StepParts, copy_step
+from accel.doctor.fixes import FIXES
+from accel.doctor.parts import StepParts
 
 __all__ = ["Report"]
 
@@ -135,13 +135,11 @@ class Report:
         return dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
 
     def fixed_step(self, flags: Any):
-        """One call of the step on a fresh copy with the fixes ``flags`` turns on."""
-        step, parts = copy_step(self.step, self.parts)
-        copy = StepCopy(step, parts, self.batch, self.evidence.device)
-        for f in dataclasses.fields(flags):
-            if getattr(flags, f.name):
-                FIXES[f.name].apply(copy)
-        return copy.build()
+        """One call of the step on a fresh copy with the fixes ``flags`` turns on, built as the
+        trials build it."""
+        from accel.doctor.trial import fixed_step
+
+        return fixed_step(self, [f.name for f in dataclasses.fields(flags) if getattr(flags, f.name)])
 
     # ---- text and HTML ---------------------------------------------------------------------------
     def summary(self) -> str:
