@@ -71,10 +71,8 @@ class Report:
         from accel.doctor.figure import doctor_figure
 
         savings = {f.title: f.saved_us / 1e3 for f in self.findings if f.saved_us is not None}
-        return doctor_figure(self.breakdown(), savings, self.step_ms, title=self._title())
-
-    def _title(self) -> str:
-        return f"Where a {self.step_ms:.3f} ms step goes on {self.device}"
+        title = f"Where a {self.step_ms:.3f} ms step goes on {self.device}"
+        return doctor_figure(self.breakdown(), savings, self.step_ms, title=title)
 
     # ---- fixes -------------------------------------------------------------------------------
     def try_fixes(self, fixes: list[str] | None = None, *, steps: int = 3,
