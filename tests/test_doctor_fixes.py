@@ -159,7 +159,7 @@ def test_nanogpt_attention_rewritten_as_sdpa_computes_the_same(seed, causal):
     assert rewrite.apply(fixed) == 2
     x = torch.randn(3, 16, 32)
     torch.testing.assert_close(fixed(x), model(x), rtol=1e-5, atol=1e-6)
-    assert "scaled_dot_product_attention" in rewrite.diff and "-    att = F.softmax" in rewrite.diff
+    assert "scaled_dot_product_attention" in rewrite.diff and "-        att = F.softmax" in rewrite.diff
     assert ("is_causal=True" in rewrite.diff) == causal
     assert type(model[0]).forward is NanoAttention.forward  # the class is left as it was
 
@@ -266,8 +266,8 @@ def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
     (finding,) = [f for f in report.findings if f.kind == "attention"]
     assert finding.fixes == ("sdpa_attention",)
     # the change to paste is the user's own forward rewritten, before any trial
-    assert "-    att = F.softmax(att, dim=-1)" in finding.change
-    assert "+    y = torch.nn.functional.scaled_dot_product_attention(" in finding.change
+    assert "-        att = F.softmax(att, dim=-1)" in finding.change
+    assert "+        y = torch.nn.functional.scaled_dot_product_attention(" in finding.change
     (row,) = report.try_fixes(["sdpa_attention"], steps=2, repeats=2).to_dict("records")
     assert row["status"] == "ok" and row["error"] <= row["allowance"]
     assert "scaled_dot_product_attention" in row["edit"]

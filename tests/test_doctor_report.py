@@ -709,3 +709,33 @@ def test_a_read_made_every_few_steps_counts_the_share_of_steps_it_is_made_in(see
     assert {s.line for s in sync.sites} == {line_of(step, "loss.item()")}
     assert "not every step" in sync.evidence
     assert calls == [0] and logged == []  # the user's counter and log were the copy's to change
+
+
+
+class WrittenOutAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 32, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / 8**0.5
+        att = att.softmax(dim=-1)
+        return (att @ v).sum()
+
+
+def test_a_panel_flag_for_a_code_change_applies_it_to_the_fresh_copy(seed):
+    # the attention rewrite acts on what the findings located: the panel's copy gets them too
+    model = WrittenOutAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(x):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(2, 32, 16), steps=1, warmup=1)
+    flags = report.fix_flags()
+    assert "sdpa_attention" in {f.name for f in dataclasses.fields(flags)}
+    assert torch.isfinite(report.fixed_step(flags(sdpa_attention=True))())

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from accel.doctor.examine import takes_a_batch, takes_no_argument
+from accel.doctor.examine import callable_with
 from accel.doctor.fixes import NO_BATCH
 from accel.errors import UsageError
 
@@ -33,7 +33,7 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     make = getattr(module, function_name, None)
     if not callable(make):
         raise UsageError(f"{module_name} has no function {function_name!r}")
-    if not takes_no_argument(make):
+    if not callable_with(make):
         raise UsageError(
             f"{target} takes an argument, and the doctor calls it with none: name a function "
             f"that returns (step, batch), e.g. def make_step(): return {function_name}, batch"
@@ -55,7 +55,7 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
             f"{target}() returned a step of type {type(parts[0]).__name__}; expected the "
             "training step, a function (step(batch)), not its result"
         )
-    if parts[1] is None and (parts[2] is not None or not takes_a_batch(parts[0])):
+    if parts[1] is None and (parts[2] is not None or not callable_with(parts[0], None)):
         parts = (parts[0], NO_BATCH, parts[2])  # no batch: the loader's first, or none at all
     return parts
 

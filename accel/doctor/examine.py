@@ -34,7 +34,7 @@ from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
 from accel.measure.device import default_device
 
-__all__ = ["detect", "examine", "step_device", "takes_a_batch", "takes_no_argument"]
+__all__ = ["callable_with", "detect", "examine", "step_device"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
 _ACCEL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -128,22 +128,13 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     return Report(step, batch, parts, evidence, findings, side_effects=cautions)
 
 
-def takes_a_batch(step: Callable[..., Any]) -> bool:
-    """Whether ``step`` can be called with one argument (its batch); True where it cannot tell."""
-    return _callable_with(step, None)
-
-
-def takes_no_argument(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` can be called with no argument; True where it cannot tell."""
-    return _callable_with(fn)
-
-
-def _callable_with(fn: Callable[..., Any], *args: Any) -> bool:
+def callable_with(fn: Callable[..., Any], *args: Any) -> bool:
+    """Whether ``fn`` can be called with ``args``; True where it cannot tell (a builtin)."""
     if isinstance(fn, torch.nn.Module):  # its own signature is __call__'s (*args, **kwargs)
         fn = fn.forward
     try:
         return _binds(inspect.signature(fn), *args)
-    except ValueError:  # no signature to read (a builtin)
+    except ValueError:  # no signature to read
         return True
 
 

@@ -173,12 +173,9 @@ def _optimizers_with(copy: StepCopy, has: Callable[[Any], bool], what: str) -> l
     return able
 
 
-def _has_fused(opt: torch.optim.Optimizer) -> bool:
-    return type(opt).__name__ in FUSED_UPDATE_BYTES
-
-
 def _fused(copy: StepCopy) -> None:
-    for opt in _optimizers_with(copy, _has_fused, "fused implementation"):
+    has_fused = lambda opt: type(opt).__name__ in FUSED_UPDATE_BYTES  # noqa: E731
+    for opt in _optimizers_with(copy, has_fused, "fused implementation"):
         _retune(opt, fused=True, foreach=False)
 
 

@@ -21,13 +21,18 @@ written). Anything else raises :class:`NotRewritable` naming the statement.
 from __future__ import annotations
 
 import ast
-import difflib
-import inspect
-import textwrap
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from accel.doctor.rewrite import (
+    NotRewritable,
+    function_source,
+    recompiled,
+    replaced_diff,
+    statement_blocks,
+)
 
 __all__ = ["FOREACH", "LoopRewrite", "NotRewritable", "rewrite_loop"]
 
@@ -37,10 +42,6 @@ FOREACH = {name: f"_foreach_{name}" for name in (
     "clamp_min_", "clamp_max_", "sqrt_", "neg_",
 )}  # fmt: skip
 _ITEMS = "__foreach_items"  # the executed copy's list; the diff names it after the loop's items
-
-
-class NotRewritable(ValueError):
-    """The loop at the line is not one :func:`rewrite_loop` can rewrite; the message says why."""
 
 
 @dataclass
@@ -54,24 +55,20 @@ def rewrite_loop(step: Callable[..., Any], line: int) -> LoopRewrite:
     function = getattr(step, "__func__", step)
     if not isinstance(function, types.FunctionType):
         raise NotRewritable(f"the step is a {type(step).__name__}, not a function")
-    try:
-        lines, first = inspect.getsourcelines(function)
-    except (OSError, TypeError) as error:
-        raise NotRewritable(f"the step's source cannot be read ({error})") from None
-    source = textwrap.dedent("".join(lines))
-    tree = ast.parse(source)
-    ast.increment_lineno(tree, first - 1)
-    definition = tree.body[0]
-    if not isinstance(definition, ast.FunctionDef):
-        raise NotRewritable("the step is not a plain function (def)")
+    lines, first, definition = function_source(function)
     loop = _loop_at(definition, line)
     items, guard, calls = _parts(loop)
     shown = _statements(loop, items, guard, calls, executed=False)
-    _replace(definition, loop, _statements(loop, items, guard, calls, executed=True))
-    new = _recompiled(function, definition)
+    block = next(b for b in statement_blocks(definition) if loop in b)
+    at = block.index(loop)
+    block[at : at + 1] = _statements(loop, items, guard, calls, executed=True)
+    new = recompiled(function, definition)
     if isinstance(step, types.MethodType):
         new = types.MethodType(new, step.__self__)
-    return LoopRewrite(new, _diff(lines, first, loop, shown, function))
+    fromfile = f"{function.__code__.co_filename}:{first}"
+    diff = replaced_diff(lines, first, loop.lineno, loop.end_lineno, shown, fromfile,
+                         "with foreach calls")  # fmt: skip
+    return LoopRewrite(new, diff)
 
 
 def _loop_at(definition: ast.FunctionDef, line: int) -> ast.For:
@@ -167,51 +164,3 @@ def _statements(loop: ast.For, name: str, guard: ast.expr | None, calls: list[as
         ast.copy_location(statement, loop)
         ast.fix_missing_locations(statement)
     return out
-
-
-def _replace(definition: ast.FunctionDef, loop: ast.For, statements: list[ast.stmt]) -> None:
-    for node in ast.walk(definition):
-        for field in ("body", "orelse", "finalbody"):
-            block = getattr(node, field, None)
-            if isinstance(block, list) and loop in block:
-                at = block.index(loop)
-                block[at : at + 1] = statements
-                return
-
-
-def _recompiled(function: types.FunctionType, definition: ast.FunctionDef) -> types.FunctionType:
-    """``definition`` compiled as ``function``'s code, inside a function whose arguments are its
-    free variables (so that they stay free), and given ``function``'s cells, globals, defaults."""
-    definition.decorator_list = []
-    free = function.__code__.co_freevars
-    outer = ast.FunctionDef(
-        name="__rewritten",
-        args=ast.arguments(posonlyargs=[], args=[ast.arg(n) for n in free], kwonlyargs=[],
-                           kw_defaults=[], defaults=[]),
-        body=[definition, ast.Return(ast.Name(definition.name, ast.Load()))],
-        decorator_list=[],
-    )  # fmt: skip
-    module = ast.Module([ast.fix_missing_locations(ast.copy_location(outer, definition))], [])
-    code = compile(module, function.__code__.co_filename, "exec")
-    made = next(c for c in code.co_consts if isinstance(c, types.CodeType))
-    inner = next(c for c in made.co_consts if isinstance(c, types.CodeType)
-                 and c.co_name == definition.name)  # fmt: skip
-    cells = dict(zip(free, function.__closure__ or (), strict=True))
-    missing = [n for n in inner.co_freevars if n not in cells]
-    if missing:
-        raise NotRewritable(f"the rewritten step needs {missing}, which the step does not close over")
-    new = types.FunctionType(inner, function.__globals__, function.__name__,
-                             function.__defaults__, tuple(cells[n] for n in inner.co_freevars))  # fmt: skip
-    new.__kwdefaults__ = function.__kwdefaults__
-    new.__dict__.update(function.__dict__)
-    return new
-
-
-def _diff(lines: list[str], first: int, loop: ast.For, shown: list[ast.stmt],
-          function: types.FunctionType) -> str:  # fmt: skip
-    start, end = loop.lineno - first, (loop.end_lineno or loop.lineno) - first + 1
-    indent = lines[start][: len(lines[start]) - len(lines[start].lstrip())]
-    new = [indent + ast.unparse(s) + "\n" for s in shown]
-    path = f"{function.__code__.co_filename}:{first}"
-    return "".join(difflib.unified_diff(lines, [*lines[:start], *new, *lines[end:]],
-                                        fromfile=path, tofile="with foreach calls"))  # fmt: skip

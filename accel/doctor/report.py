@@ -12,8 +12,8 @@ from typing import Any
 
 from accel.doctor import page
 from accel.doctor.findings import Evidence, Finding
-from accel.doctor.fixes import FIXES, StepCopy
-from accel.doctor.parts import StepParts, copy_step
+from accel.doctor.fixes import FIXES
+from accel.doctor.parts import StepParts
 
 __all__ = ["Report"]
 
@@ -71,10 +71,8 @@ class Report:
         from accel.doctor.figure import doctor_figure
 
         savings = {f.title: f.saved_us / 1e3 for f in self.findings if f.saved_us is not None}
-        return doctor_figure(self.breakdown(), savings, self.step_ms, title=self._title())
-
-    def _title(self) -> str:
-        return f"Where a {self.step_ms:.3f} ms step goes on {self.device}"
+        title = f"Where a {self.step_ms:.3f} ms step goes on {self.device}"
+        return doctor_figure(self.breakdown(), savings, self.step_ms, title=title)
 
     # ---- fixes -------------------------------------------------------------------------------
     def try_fixes(self, fixes: list[str] | None = None, *, steps: int = 3,
@@ -135,13 +133,11 @@ class Report:
         return dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
 
     def fixed_step(self, flags: Any):
-        """One call of the step on a fresh copy with the fixes ``flags`` turns on."""
-        step, parts = copy_step(self.step, self.parts)
-        copy = StepCopy(step, parts, self.batch, self.evidence.device)
-        for f in dataclasses.fields(flags):
-            if getattr(flags, f.name):
-                FIXES[f.name].apply(copy)
-        return copy.build()
+        """One call of the step on a fresh copy with the fixes ``flags`` turns on, built as the
+        trials build it."""
+        from accel.doctor.trial import fixed_step
+
+        return fixed_step(self, [f.name for f in dataclasses.fields(flags) if getattr(flags, f.name)])
 
     # ---- text and HTML ---------------------------------------------------------------------------
     def summary(self) -> str:

@@ -25,11 +25,11 @@ import inspect
 import textwrap
 import types
 from dataclasses import dataclass
-from typing import Any
 
 from torch import nn
 
-__all__ = ["AttentionRewrite", "NotRewritable", "rewrite_attention"]
+__all__ = ["AttentionRewrite", "NotRewritable", "function_source", "recompiled", "replaced_diff",
+           "rewrite_attention", "statement_blocks"]
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
 _SOFTMAX_NAMES = ("softmax", "_softmax")
@@ -63,35 +63,72 @@ def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
     ``(file, line)`` of the scores' and the values' products."""
     cls = _owner(models, *scores_line)
     forward = cls.forward
-    if cells := forward.__code__.co_freevars:
-        raise NotRewritable(f"{cls.__name__}.forward uses a closure ({cells})")
     if not isinstance(forward.__globals__.get("torch"), types.ModuleType):
         raise NotRewritable(f"{cls.__name__}'s module does not import torch by that name")
-    lines, first = inspect.getsourcelines(forward)
-    source = textwrap.dedent("".join(lines))
-    tree = ast.parse(source)
-    function = tree.body[0]
-    offset = first - 1
-    body, start, stop = _chain_span(function, scores_line[1] - offset, values_line[1] - offset)
-    call = _sdpa_statement(body[start : stop + 1], causal)
+    lines, first, function = function_source(forward)
+    body, start, stop = _chain_span(function, scores_line[1], values_line[1])
     replaced = body[start : stop + 1]
+    call = ast.fix_missing_locations(ast.copy_location(_sdpa_statement(replaced, causal), replaced[0]))
     body[start : stop + 1] = [call]
-    ast.fix_missing_locations(tree)
-    source_lines = source.splitlines(keepends=True)
-    indent = source_lines[replaced[0].lineno - 1][: replaced[0].col_offset]
-    new_line = indent + ast.unparse(call) + "\n"
-    before, after = source_lines[: replaced[0].lineno - 1], source_lines[replaced[-1].end_lineno :]
-    new_source = "".join([*before, new_line, *after])
-    namespace: dict[str, Any] = {}
-    code = compile(tree, f"<accel.doctor rewrite of {cls.__name__}.forward>", "exec")
-    exec(code, forward.__globals__, namespace)  # defines the function only; runs nothing
-    new = namespace[function.name]
-    new.__defaults__, new.__kwdefaults__ = forward.__defaults__, forward.__kwdefaults__
-    diff = "".join(difflib.unified_diff(
-        source.splitlines(keepends=True), new_source.splitlines(keepends=True),
-        fromfile=f"{inspect.getsourcefile(forward)}:{first}", tofile="with SDPA",
-    ))  # fmt: skip
-    return AttentionRewrite(cls, new, diff)
+    fromfile = f"{inspect.getsourcefile(forward)}:{first}"
+    diff = replaced_diff(lines, first, replaced[0].lineno, replaced[-1].end_lineno, [call],
+                         fromfile, "with SDPA")  # fmt: skip
+    return AttentionRewrite(cls, recompiled(forward, function), diff)
+
+
+def function_source(function: types.FunctionType) -> tuple[list[str], int, ast.FunctionDef]:
+    """(its source lines, the first one's number, its definition parsed with the file's line
+    numbers)."""
+    try:
+        lines, first = inspect.getsourcelines(function)
+    except (OSError, TypeError) as error:
+        said = f"the source of {function.__qualname__} cannot be read ({error})"
+        raise NotRewritable(said) from None
+    tree = ast.parse(textwrap.dedent("".join(lines)))
+    ast.increment_lineno(tree, first - 1)
+    definition = tree.body[0]
+    if not isinstance(definition, ast.FunctionDef):
+        raise NotRewritable(f"{function.__qualname__} is not a plain function (def)")
+    return lines, first, definition
+
+
+def replaced_diff(lines: list[str], first: int, start: int, end: int, statements: list[ast.stmt],
+                  fromfile: str, tofile: str) -> str:  # fmt: skip
+    """The user's edit as a unified diff: source ``lines`` (the first is line ``first`` of its
+    file) with file lines ``start`` to ``end`` replaced by ``statements``, at their indent."""
+    at, stop = start - first, end - first + 1
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    new = [indent + ast.unparse(s) + "\n" for s in statements]
+    return "".join(difflib.unified_diff(lines, [*lines[:at], *new, *lines[stop:]],
+                                        fromfile=fromfile, tofile=tofile))  # fmt: skip
+
+
+def recompiled(function: types.FunctionType, definition: ast.FunctionDef) -> types.FunctionType:
+    """``definition`` compiled as ``function``'s code, inside a function whose arguments are its
+    free variables (so that they stay free), and given ``function``'s cells, globals, defaults."""
+    definition.decorator_list = []
+    free = function.__code__.co_freevars
+    outer = ast.FunctionDef(
+        name="__rewritten",
+        args=ast.arguments(posonlyargs=[], args=[ast.arg(n) for n in free], kwonlyargs=[],
+                           kw_defaults=[], defaults=[]),
+        body=[definition, ast.Return(ast.Name(definition.name, ast.Load()))],
+        decorator_list=[],
+    )  # fmt: skip
+    module = ast.Module([ast.fix_missing_locations(ast.copy_location(outer, definition))], [])
+    code = compile(module, function.__code__.co_filename, "exec")
+    made = next(c for c in code.co_consts if isinstance(c, types.CodeType))
+    inner = next(c for c in made.co_consts if isinstance(c, types.CodeType)
+                 and c.co_name == definition.name)  # fmt: skip
+    cells = dict(zip(free, function.__closure__ or (), strict=True))
+    missing = [n for n in inner.co_freevars if n not in cells]
+    if missing:
+        raise NotRewritable(f"the rewritten code needs {missing}, which it does not close over")
+    new = types.FunctionType(inner, function.__globals__, function.__name__,
+                             function.__defaults__, tuple(cells[n] for n in inner.co_freevars))  # fmt: skip
+    new.__kwdefaults__ = function.__kwdefaults__
+    new.__dict__.update(function.__dict__)
+    return new
 
 
 def _owner(models: list[nn.Module], file: str, line: int) -> type:
@@ -111,7 +148,7 @@ def _chain_span(function: ast.FunctionDef, first: int, last: int) -> tuple[list,
     """(the statement list, index of the scores' statement, index of the values') in the
     innermost block of ``function`` that holds both lines (an attention inside an ``else:``)."""
     spans = []
-    for block in _blocks(function):
+    for block in statement_blocks(function):
         at = [i for i, s in enumerate(block) if s.lineno <= first <= s.end_lineno]
         end = [i for i, s in enumerate(block) if s.lineno <= last <= s.end_lineno]
         if at and end:
@@ -123,7 +160,8 @@ def _chain_span(function: ast.FunctionDef, first: int, last: int) -> tuple[list,
     return block, start, stop
 
 
-def _blocks(node: ast.AST):
+def statement_blocks(node: ast.AST):
+    """Every list of statements inside ``node`` (bodies, else and finally blocks)."""
     for child in ast.walk(node):
         for name in ("body", "orelse", "finalbody"):
             block = getattr(child, name, None)
