@@ -1,5 +1,5 @@
 """Bench phase ``sdpa``, in four parts (``bench --only``): ``headline`` (every kernel's TFLOP/s
-against the manual path at the headline shape, peak memory, the causal training row), ``flex``
+against the manual path at the headline shape, peak memory), ``flex``
 (masked attention, ``sdpa_flex``), ``masked sweep`` (``sdpa(mask=...)`` against a user's own
 compiled ``flex_attention``, ``sdpa_masked_sweep``) and ``vit`` (the ViT training step, every flag
 against the baseline); here too how a case is measured: variants timed interleaved, every kernel
@@ -58,7 +58,6 @@ __all__ = [
 # Targets, judged on a CUDA GPU with the gpu preset only.
 TARGET_TFLOP_S = 640.0  # sdpa as a user calls it (PyTorch's pick), B=4 H=16 S=4096 D=128 bf16 fwd
 TARGET_VS_MANUAL = 6.0
-TARGET_CAUSAL_TRAIN_TFLOP_S = 450.0
 TARGET_VIT = 2.5
 # The ATen op each backend dispatches to: what the profiler shows for "which one really ran".
 SDPA_OPS = {
@@ -232,28 +231,6 @@ def _memory_row(case: AttnCase, q, k, v, grad, device) -> Row:
     )  # fmt: skip
 
 
-def causal_training_row(ctx: BenchContext, sizes: BenchSizes) -> Row:
-    """Forward and backward of causal attention at the headline shape, as a user calls it."""
-    case = replace(sizes.headline, causal=True, backward=True)
-    point = measure_point(case, ctx.device, ("default",), repeats=sizes.repeats)
-    ms = point.times.get("default", math.nan)
-    rate = tflop_s(case.flops, ms)
-    note = "FLOPs counted as 3.5x a causal forward"
-    if "default" in point.times:  # which forward kernel ran (the backward follows it)
-        q, k, v, grad = make_inputs(case, ctx.device)
-        ran = which_backend(variant_fn("default", case, q, k, v, grad), ctx.device)["backend"]
-        note += f"; profiler: {ran} ran"
-        del q, k, v, grad
-    else:
-        note += f"; skipped: {point.skipped.get('default', '')[:80]}"
-    fraction = math.nan if math.isnan(ms) else ctx.ceilings.compute_fraction(case.flops, ms)
-    return Row(
-        PHASE, f"{case.name} default", "rate", "TFLOP/s", rate, higher_is_better=True,
-        fraction_of_ceiling=fraction, target=f">= {TARGET_CAUSAL_TRAIN_TFLOP_S:g} TFLOP/s",
-        met=rate >= TARGET_CAUSAL_TRAIN_TFLOP_S if ctx.judged else None, note=note,
-    )  # fmt: skip
-
-
 # ---- vit ---------------------------------------------------------------------------------------
 def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3) -> list[Row]:
     """The ViT step at the baseline, every flag but compile (notebook 05's panel ends there) and
@@ -313,10 +290,7 @@ def _equal(result: dict, reference: dict, flags, sizes, steps: int) -> tuple[boo
 
 # ---- the phase ---------------------------------------------------------------------------------
 _PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
-    "headline": lambda ctx: [
-        *headline_rows(ctx, BENCH_SIZES[ctx.preset]),
-        causal_training_row(ctx, BENCH_SIZES[ctx.preset]),
-    ],
+    "headline": lambda ctx: headline_rows(ctx, BENCH_SIZES[ctx.preset]),
     "flex": lambda ctx: flex_rows(ctx, ctx.judged),
     "masked sweep": sdpa_masked_sweep.rows,
     "vit": lambda ctx: vit_rows(ctx, BENCH_SIZES[ctx.preset]),
