@@ -1,5 +1,5 @@
 """Bench phase ``sdpa``, in four parts (``bench --only``): ``headline`` (every kernel's TFLOP/s
-against the manual path at the headline shape, peak memory), ``flex``
+against the manual path at the headline shape), ``flex``
 (masked attention, ``sdpa_flex``), ``masked sweep`` (``sdpa(mask=...)`` against a user's own
 compiled ``flex_attention``, ``sdpa_masked_sweep``) and ``vit`` (the ViT training step, every flag
 against the baseline); here too how a case is measured: variants timed interleaved, every kernel
@@ -186,7 +186,7 @@ def check_backends(q, k, v, *, mask: torch.Tensor | None = None, causal=False) -
 # ---- headline ----------------------------------------------------------------------------------
 def headline_rows(ctx: BenchContext, sizes: BenchSizes) -> list[Row]:
     """At the headline shape (B=4 H=16 S=4096 D=128 bf16 on a GPU): every variant's TFLOP/s
-    against the manual path, which kernel PyTorch's pick ran, peak memory."""
+    against the manual path, which kernel PyTorch's pick ran."""
     case, device = sizes.headline, ctx.device
     point = measure_point(case, device, VARIANTS, repeats=sizes.repeats)
     rate = {name: tflop_s(case.flops, ms) for name, ms in point.times.items()}
@@ -212,23 +212,9 @@ def headline_rows(ctx: BenchContext, sizes: BenchSizes) -> list[Row]:
             target=target if is_default else "", met=met if ctx.judged and is_default else None,
             note=note,
         ))  # fmt: skip
-    rows.append(_memory_row(case, q, k, v, grad, device))
     del q, k, v, grad
     release_memory(device)
     return rows
-
-
-def _memory_row(case: AttnCase, q, k, v, grad, device) -> Row:
-    """Peak memory of SDPA against the manual path, which keeps (B, H, S, S) scores."""
-    peaks = {name: peak_memory_bytes(variant_fn(name, case, q, k, v, grad), device) / 2**20
-             for name in ("manual", "default")}  # fmt: skip
-    scores_mib = case.batch * case.heads * case.seq**2 * q.element_size() / 2**20
-    return Row(
-        PHASE, f"{case.name} peak memory", "peak memory above the inputs", "MiB",
-        peaks["default"], baseline=peaks["manual"],
-        note=f"baseline = manual, optimized = sdpa; speedup = how many times less memory; "
-        f"one (B, H, S, S) score tensor is {scores_mib:,.0f} MiB",
-    )  # fmt: skip
 
 
 # ---- vit ---------------------------------------------------------------------------------------
@@ -266,13 +252,6 @@ def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3) -> list
             target=f">= {TARGET_VIT}x and equal" if judged_here else "",
             met=met if ctx.judged and judged_here else None,
             note=note + (f"; attention ran {ran}" if name == top else ""),
-        ))  # fmt: skip
-    compiled = steps.get("all flags")
-    if compiled is not None and compiled.flags.compile:
-        rows.append(Row(
-            PHASE, "vit compile: all flags",
-            "first forward + backward (compile), outside every step time", "s",
-            compiled.compile_seconds, note="torch.compile default mode",
         ))  # fmt: skip
     del steps
     release_memory(ctx.device)
