@@ -139,7 +139,6 @@ def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
     default = next(r for r in rows if r.case == "B=1 H=2 S=17 D=8 full fwd default")
     assert default.optimized > 0 and not math.isnan(default.fraction_of_ceiling)
     assert "profiler: flash ran" in default.note and default.target.startswith(">= 640")
-    assert "B=1 H=2 S=17 D=8 causal fwd+bwd default" in cases
     assert not any("best forced" in c or " first call " in c for c in cases)
     equal = [r for r in rows if r.case.startswith("vit step")]
     assert all("result equal" in r.note for r in equal), [r.note for r in equal]

@@ -86,8 +86,6 @@ def test_flex_rows_on_cpu_and_their_figures_read_back(monkeypatch):
     frame = sdpa.flex_frame(recorded)
     times = frame[(frame["what"] == "ms") & (frame["kind"] == "sliding window 5")]
     assert set(times["S"]) == {17, 33} and set(times["path"]) == {"flex", "dense"}
-    peaks = frame[frame["what"] == "peak MiB"]
-    assert set(peaks["S"]) == {17, 33} and (peaks["value"] >= 0).all()
     assert set(frame[frame["kind"] == "causal"]["path"]) == {"flex", "causal"}
 
 

@@ -2,9 +2,8 @@
 ``mean`` and ``nearest``; ``nearest`` over one large set against cuBLAS's ``X @ X.T`` and in
 extra memory) and the polychromic step. Every candidate is timed over input buffers that
 together exceed the L2 cache, taken in turn; on CUDA as CUDA-graph replays (device time, no
-Python launch overhead), one row per grouped case giving the host-launched call beside it. On a
-CPU the sizes are tiny and nothing is compiled. Host time per call is the ``overhead``
-phase's."""
+Python launch overhead). On a CPU the sizes are tiny and nothing is compiled. Host time per call
+is the ``overhead`` phase's."""
 
 from __future__ import annotations
 
@@ -123,15 +122,12 @@ def time_per_call(
     buffers: list[torch.Tensor],
     device: torch.device,
     *,
-    graphs: bool = True,
     repeats: int = 20,
 ) -> dict[str, float]:
-    """Median milliseconds per call of each candidate, interleaved, rotating over ``buffers``.
-
-    With ``graphs`` on CUDA, each candidate's pass over the buffers is one CUDA-graph replay.
-    """
+    """Median milliseconds per call of each candidate, interleaved, rotating over ``buffers``;
+    on CUDA each candidate's pass over the buffers is one CUDA-graph replay."""
     runs = {k: _over_buffers(fn, buffers) for k, fn in candidates.items()}
-    if graphs and device.type == "cuda":
+    if device.type == "cuda":
         runs = {k: _graphed(r) for k, r in runs.items()}
     result = compare(runs, warmup=2, repeats=repeats, calls_per_sample=None, device=device)
     return {k: t.median_ms / len(buffers) for k, t in result.timings.items()}
@@ -217,12 +213,6 @@ def group_rows(case: GroupCase, reduction: str, ctx: BenchContext) -> list[Row]:
     candidates = group_candidates(reduction, device)
     path, why = dv.backend(buffers[0])
     ms = time_per_call(candidates, buffers, device)
-    host = time_per_call(
-        {"triton": candidates["triton"], "naive eager": candidates["naive eager"]},
-        buffers,
-        device,
-        graphs=False,
-    )
     fraction = ceilings.bandwidth_fraction(case.bytes_read, ms["triton"])
     gb_s = case.bytes_read / (ms["triton"] * 1e-3) / 1e9
     note = f"{ctx.where}; {path}: {why}; {len(buffers)} rotating input buffers"
@@ -252,12 +242,6 @@ def group_rows(case: GroupCase, reduction: str, ctx: BenchContext) -> list[Row]:
     ]  # fmt: skip
     if reduction == "mean":
         rows.append(timed("time vs closed form eager", "closed form eager"))
-    rows.append(Row(
-        PHASE, label, "host-launched call vs naive eager", "ms", host["triton"],
-        baseline=host["naive eager"],
-        fraction_of_ceiling=ceilings.bandwidth_fraction(case.bytes_read, host["triton"]),
-        note=f"{note}; eager calls one after another, Python launch overhead included",
-    ))  # fmt: skip
     return rows
 
 

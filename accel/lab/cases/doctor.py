@@ -1,9 +1,9 @@
 """Bench phase ``doctor``: the doctor on every zoo model (``accel.doctor.zoo``): the planted
-problems found, the clean twin's findings (false alarms), each finding's predicted saving beside
-the saving measured by removing that one problem (a launch-bound step's: its blockers removed,
-then a CUDA graph), as shares of the step, and the fixes ``try_fixes`` measured. Targets: every
-planted problem found, no finding on a clean twin, the top finding within 30% of its measured
-share on every model, the planted GPT's safe fixes together at least 3x.
+problems found, the clean twin's findings (false alarms), the top finding's predicted saving
+beside the saving measured by removing that one problem (a launch-bound step's: its blockers
+removed, then a CUDA graph), as shares of the step, and the best set ``try_fixes`` measured.
+Targets: every planted problem found, no finding on a clean twin, the top finding within 30% of
+its measured share on every model, the planted GPT's safe fixes together at least 3x.
 """
 
 from __future__ import annotations
@@ -142,11 +142,10 @@ def _measured_saving(name: str, case: zoo.ZooCase, kind: str, ctx, costs) -> Sav
 
 
 def _prediction_rows(name: str, case: zoo.ZooCase, report, ctx: BenchContext, costs) -> list[Row]:
-    """Each finding with a prediction whose change can be measured on its own, as shares of the
-    step (the prediction's of the step examine measured, the measurement's of the step in its
-    own rounds: a host-bound step's speed moves between the two); the first (the top of the
-    ranking) judged."""
-    rows = []
+    """The top finding (the first with a prediction whose change can be measured on its own),
+    judged, as shares of the step (the prediction's of the step examine measured, the
+    measurement's of the step in its own rounds: a host-bound step's speed moves between the
+    two); the findings below it are not measured, as no row reads them."""
     for finding in report.findings:
         if finding.saved_us is None:
             continue
@@ -155,43 +154,40 @@ def _prediction_rows(name: str, case: zoo.ZooCase, report, ctx: BenchContext, co
             continue
         step_us = report.evidence.iteration_us  # with the wait for data, as the loop runs it
         predicted = finding.saved_us / step_us
-        top = not rows
         off = abs(predicted / measured.share - 1) if measured.share > 0 else math.inf
-        rows.append(Row(
-            PHASE, f"{name}: {finding.kind} saving{' (top finding)' if top else ''}",
+        return [Row(
+            PHASE, f"{name}: {finding.kind} saving (top finding)",
             "saving as a share of the step: measured (the problem removed alone or its change "
             "applied) vs predicted", "%", 100 * predicted, baseline=100 * measured.share,
-            target=f"within {TARGET_TOP_WITHIN:.0%}" if top else "",
-            met=(off <= TARGET_TOP_WITHIN) if top and ctx.judged else None,
+            target=f"within {TARGET_TOP_WITHIN:.0%}",
+            met=(off <= TARGET_TOP_WITHIN) if ctx.judged else None,
             note=f"baseline = measured, optimized = predicted ({off:.0%} apart): predicted "
             f"{finding.saved_us / 1e3:.3f} ms of a {step_us / 1e3:.3f} ms step, measured "
             f"{measured.ms:.3f} ms of a {measured.step_ms:.3f} ms step; {finding.cost_model}"
             + (f"; {measured.how}" if measured.how else ""),
-        ))  # fmt: skip
-    return rows
+        )]  # fmt: skip
+    return []
 
 
 def _fix_rows(name: str, report, judged: bool) -> list[Row]:
+    """The best set of ``try_fixes`` (the planted GPT's judged), or for the GPT a row saying none
+    made the step faster."""
     trials = report.try_fixes()
-    rows = []
-    for trial in trials.to_dict("records"):
-        best = bool(trial["best set"])
-        gpt_target = name == "gpt" and best
-        ok = trial["status"] == "ok"
-        rows.append(Row(
-            PHASE, f"{name}: fix {trial['fixes']}" + (" (best set)" if best else ""),
-            "time per step, unchanged vs with the fix (predicted speedup in the note)", "ms",
-            trial["measured ms"], baseline=trial["unchanged ms"],
-            target=f">= {TARGET_GPT_FIXES}x" if gpt_target else "",
-            met=(ok and trial["measured speedup"] >= TARGET_GPT_FIXES)
-            if gpt_target and judged else None,
-            note=f"{trial['status']}; predicted {trial['predicted speedup']:.2f}x; error "
-            f"{trial['error']:.2g} (allowed {trial['allowance']:.0e}: {trial['allowed by']}); "
-            f"first call {trial['first call s']:.2f} s",
-        ))  # fmt: skip
-    if name == "gpt" and not trials["best set"].any():
-        rows.append(Row(PHASE, "gpt: fix (best set)", "time per step, unchanged vs with the best "
-                        "set of fixes", "ms", math.nan, target=f">= {TARGET_GPT_FIXES}x",
-                        met=False if judged else None,
-                        note="no fix made the step faster within its allowance"))  # fmt: skip
-    return rows
+    best = trials[trials["best set"].astype(bool)].to_dict("records")
+    gpt_target = f">= {TARGET_GPT_FIXES}x" if name == "gpt" else ""
+    if not best:
+        return [Row(PHASE, f"{name}: fix (best set)", "time per step, unchanged vs with the best "
+                    "set of fixes", "ms", math.nan, target=gpt_target,
+                    met=False if judged and gpt_target else None,
+                    note="no fix made the step faster within its allowance")] if gpt_target else []
+    trial = best[0]
+    return [Row(
+        PHASE, f"{name}: fix {trial['fixes']} (best set)",
+        "time per step, unchanged vs with the fix (predicted speedup in the note)", "ms",
+        trial["measured ms"], baseline=trial["unchanged ms"], target=gpt_target,
+        met=(trial["status"] == "ok" and trial["measured speedup"] >= TARGET_GPT_FIXES)
+        if gpt_target and judged else None,
+        note=f"{trial['status']}; predicted {trial['predicted speedup']:.2f}x; error "
+        f"{trial['error']:.2g} (allowed {trial['allowance']:.0e}: {trial['allowed by']}); "
+        f"first call {trial['first call s']:.2f} s",
+    )]  # fmt: skip

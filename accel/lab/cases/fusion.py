@@ -1,6 +1,5 @@
 """Bench phase ``fusion`` (notebook 02): many-tensor work as foreach and fused kernels (group
-statistics, clipping, AdamW, launches per optimizer step, the whole step), and the field
-trainer's fused LIoR."""
+statistics, clipping, AdamW, launches per optimizer step), and the field trainer's fused LIoR."""
 
 from __future__ import annotations
 
@@ -117,7 +116,7 @@ def run(ctx: BenchContext) -> list[Row]:
     no.compare_results(fast.result(), base.result(), FUSION_FLAGS, sizes=sizes, steps=fast.steps)
     model = measure_costs(ctx.device)
     rows = component_rows(base, fast, sizes, model, ctx)
-    rows += step_rows(base, fast, sizes, ctx)
+    rows += launch_rows(base, fast, ctx)
     rows += field_trainer_rows(ctx, model)
     return rows
 
@@ -152,28 +151,21 @@ def component_rows(
     return rows
 
 
-def step_rows(base: no.Step, fast: no.Step, sizes: no.Sizes, ctx: BenchContext) -> list[Row]:
-    """Launches per optimizer step under the profiler, and the whole training step's time."""
-    dev, judged, where, rows = ctx.device, ctx.judged, ctx.where, []
+def launch_rows(base: no.Step, fast: no.Step, ctx: BenchContext) -> list[Row]:
+    """Launches per optimizer step under the profiler."""
     before, after = optimizer_report(base), optimizer_report(fast)
     ratio = before.launches_per_step / after.launches_per_step
-    rows.append(Row(
+    return [Row(
         "fusion", "optimizer_launches",
-        "kernel launches per optimizer step (controller + clipping + AdamW)" if dev.type == "cuda"
+        "kernel launches per optimizer step (controller + clipping + AdamW)"
+        if ctx.device.type == "cuda"
         else "ATen compute ops per optimizer step (a CPU's stand-in for launches)", "count",
         after.launches_per_step, baseline=before.launches_per_step,
         target=f">= {TARGETS['optimizer_launches']}x fewer",
-        met=(ratio >= TARGETS["optimizer_launches"]) if judged else None,
-        note=f"{where}; flags foreach_stats + fused_clip + fused_adamw; "
+        met=(ratio >= TARGETS["optimizer_launches"]) if ctx.judged else None,
+        note=f"{ctx.where}; flags foreach_stats + fused_clip + fused_adamw; "
         f"{before.step_us / 1e3:.2f} -> {after.step_us / 1e3:.2f} ms under the profiler",
-    ))  # fmt: skip
-    whole = compare({"baseline": base, "fusion flags": fast}, repeats=20, device=dev)
-    metric = "time per training step (forward, backward, optimizer)"
-    note = f"batch {sizes.batch} x {sizes.context} tokens; no target"
-    rows.append(
-        speedup_row(ctx, "fusion", "training_step", metric, whole, "fusion flags", None, note)
-    )
-    return rows
+    )]  # fmt: skip
 
 
 FIELD_CONFIGS = {"phase 1": PHASE1, "phase 1+2": PHASE2}

@@ -1,10 +1,10 @@
 """Bench phase ``overhead``: every public component as a user calls it, beside the plain PyTorch
 they would otherwise write, timed interleaved with it: host time per call (the ``"host"`` clock,
-on inputs too small to keep the GPU busy: what a profiler's kernel table leaves out) and one
-call's latency from an idle GPU (the ``"latency"`` clock). Part ``adamw sweep``:
-``MultiTensorAdamW`` beside ``torch.optim.AdamW(fused=True)`` from a few hundred small tensors to
-over a billion parameters in tensors of odd sizes, back to back and one call alone, and against
-the step's bytes over the copy bandwidth; ``--only`` picks among the parts."""
+on inputs too small to keep the GPU busy: what a profiler's kernel table leaves out). Part
+``adamw sweep``: ``MultiTensorAdamW`` beside ``torch.optim.AdamW(fused=True)`` from a few hundred
+small tensors to over a billion parameters in tensors of odd sizes, back to back and one call
+alone from an idle GPU (the ``"latency"`` clock), and against the step's bytes over the copy
+bandwidth; ``--only`` picks among the parts."""
 
 from __future__ import annotations
 
@@ -53,11 +53,6 @@ def host_times(fns: dict, device: torch.device, repeats: int = HOST_ROUNDS) -> C
                    clock="host")  # fmt: skip
 
 
-def latencies(fns: dict, device: torch.device, repeats: int = 25) -> Comparison:
-    """One call's latency from an idle GPU, of each of ``fns`` (the first is the baseline)."""
-    return compare(fns, repeats=repeats, warmup=3, device=device, clock="latency")
-
-
 def host_rows(ctx: BenchContext, case: str, timing: Comparison, ours: str, *, added_us=None,
               most_us=None, note: str = "") -> list[Row]:  # fmt: skip
     """Host µs per call of ``ours`` beside the baseline's, judged on its own µs against
@@ -87,18 +82,6 @@ def host_rows(ctx: BenchContext, case: str, timing: Comparison, ours: str, *, ad
         f"{high:+.1f} us); {sampled}{note}",
     ))  # fmt: skip
     return rows
-
-
-def latency_row(
-    ctx: BenchContext, case: str, timing: Comparison, ours: str, *, note: str = ""
-) -> Row:
-    """One call's latency of ``ours`` beside the baseline's, with their ratio round by round."""
-    paired = timing.paired_ratio(timing.baseline, ours)
-    return Row(
-        PHASE, case, "single-call latency", "us", timing.timings[ours].median_ms * 1e3,
-        baseline=timing.timings[timing.baseline].median_ms * 1e3,
-        note=f"{ctx.where}; {timing.baseline} / {ours} round by round {paired:.3f}x{note}",
-    )  # fmt: skip
 
 
 @functools.cache
@@ -180,12 +163,8 @@ def graphed_rows(ctx: BenchContext) -> list[Row]:
         return static_out
 
     fns = {"CUDAGraph.replay": bare, "GraphedStep": lambda: graphed(x)}
-    note = "; a 3-kernel step, one input tensor"
-    return [
-        *host_rows(ctx, "GraphedStep call", host_times(fns, device), "GraphedStep",
-                   added_us=GRAPHED_ADDED_US, note=note),
-        latency_row(ctx, "GraphedStep call", latencies(fns, device), "GraphedStep", note=note),
-    ]  # fmt: skip
+    return host_rows(ctx, "GraphedStep call", host_times(fns, device), "GraphedStep",
+                     added_us=GRAPHED_ADDED_US, note="; a 3-kernel step, one input tensor")
 
 
 @dataclass(frozen=True)
@@ -232,7 +211,7 @@ def measure_adamw(point: Point, device: torch.device):
         torch.testing.assert_close(b, a, atol=2e-6, rtol=2e-5)
     fns = {"AdamW(fused=True)": fused.step, "MultiTensorAdamW": mine.step}
     queued = compare(fns, repeats=10, warmup=2, device=device)
-    alone = latencies(fns, device, repeats=10)
+    alone = compare(fns, repeats=10, warmup=3, device=device, clock="latency")
     return queued, alone
 
 

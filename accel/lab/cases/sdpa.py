@@ -1,5 +1,5 @@
 """Bench phase ``sdpa``, in four parts (``bench --only``): ``headline`` (every kernel's TFLOP/s
-against the manual path at the headline shape, peak memory, the causal training row), ``flex``
+against the manual path at the headline shape), ``flex``
 (masked attention, ``sdpa_flex``), ``masked sweep`` (``sdpa(mask=...)`` against a user's own
 compiled ``flex_attention``, ``sdpa_masked_sweep``) and ``vit`` (the ViT training step, every flag
 against the baseline); here too how a case is measured: variants timed interleaved, every kernel
@@ -58,7 +58,6 @@ __all__ = [
 # Targets, judged on a CUDA GPU with the gpu preset only.
 TARGET_TFLOP_S = 640.0  # sdpa as a user calls it (PyTorch's pick), B=4 H=16 S=4096 D=128 bf16 fwd
 TARGET_VS_MANUAL = 6.0
-TARGET_CAUSAL_TRAIN_TFLOP_S = 450.0
 TARGET_VIT = 2.5
 # The ATen op each backend dispatches to: what the profiler shows for "which one really ran".
 SDPA_OPS = {
@@ -187,7 +186,7 @@ def check_backends(q, k, v, *, mask: torch.Tensor | None = None, causal=False) -
 # ---- headline ----------------------------------------------------------------------------------
 def headline_rows(ctx: BenchContext, sizes: BenchSizes) -> list[Row]:
     """At the headline shape (B=4 H=16 S=4096 D=128 bf16 on a GPU): every variant's TFLOP/s
-    against the manual path, which kernel PyTorch's pick ran, peak memory."""
+    against the manual path, which kernel PyTorch's pick ran."""
     case, device = sizes.headline, ctx.device
     point = measure_point(case, device, VARIANTS, repeats=sizes.repeats)
     rate = {name: tflop_s(case.flops, ms) for name, ms in point.times.items()}
@@ -213,45 +212,9 @@ def headline_rows(ctx: BenchContext, sizes: BenchSizes) -> list[Row]:
             target=target if is_default else "", met=met if ctx.judged and is_default else None,
             note=note,
         ))  # fmt: skip
-    rows.append(_memory_row(case, q, k, v, grad, device))
     del q, k, v, grad
     release_memory(device)
     return rows
-
-
-def _memory_row(case: AttnCase, q, k, v, grad, device) -> Row:
-    """Peak memory of SDPA against the manual path, which keeps (B, H, S, S) scores."""
-    peaks = {name: peak_memory_bytes(variant_fn(name, case, q, k, v, grad), device) / 2**20
-             for name in ("manual", "default")}  # fmt: skip
-    scores_mib = case.batch * case.heads * case.seq**2 * q.element_size() / 2**20
-    return Row(
-        PHASE, f"{case.name} peak memory", "peak memory above the inputs", "MiB",
-        peaks["default"], baseline=peaks["manual"],
-        note=f"baseline = manual, optimized = sdpa; speedup = how many times less memory; "
-        f"one (B, H, S, S) score tensor is {scores_mib:,.0f} MiB",
-    )  # fmt: skip
-
-
-def causal_training_row(ctx: BenchContext, sizes: BenchSizes) -> Row:
-    """Forward and backward of causal attention at the headline shape, as a user calls it."""
-    case = replace(sizes.headline, causal=True, backward=True)
-    point = measure_point(case, ctx.device, ("default",), repeats=sizes.repeats)
-    ms = point.times.get("default", math.nan)
-    rate = tflop_s(case.flops, ms)
-    note = "FLOPs counted as 3.5x a causal forward"
-    if "default" in point.times:  # which forward kernel ran (the backward follows it)
-        q, k, v, grad = make_inputs(case, ctx.device)
-        ran = which_backend(variant_fn("default", case, q, k, v, grad), ctx.device)["backend"]
-        note += f"; profiler: {ran} ran"
-        del q, k, v, grad
-    else:
-        note += f"; skipped: {point.skipped.get('default', '')[:80]}"
-    fraction = math.nan if math.isnan(ms) else ctx.ceilings.compute_fraction(case.flops, ms)
-    return Row(
-        PHASE, f"{case.name} default", "rate", "TFLOP/s", rate, higher_is_better=True,
-        fraction_of_ceiling=fraction, target=f">= {TARGET_CAUSAL_TRAIN_TFLOP_S:g} TFLOP/s",
-        met=rate >= TARGET_CAUSAL_TRAIN_TFLOP_S if ctx.judged else None, note=note,
-    )  # fmt: skip
 
 
 # ---- vit ---------------------------------------------------------------------------------------
@@ -290,13 +253,6 @@ def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3) -> list
             met=met if ctx.judged and judged_here else None,
             note=note + (f"; attention ran {ran}" if name == top else ""),
         ))  # fmt: skip
-    compiled = steps.get("all flags")
-    if compiled is not None and compiled.flags.compile:
-        rows.append(Row(
-            PHASE, "vit compile: all flags",
-            "first forward + backward (compile), outside every step time", "s",
-            compiled.compile_seconds, note="torch.compile default mode",
-        ))  # fmt: skip
     del steps
     release_memory(ctx.device)
     return rows
@@ -313,10 +269,7 @@ def _equal(result: dict, reference: dict, flags, sizes, steps: int) -> tuple[boo
 
 # ---- the phase ---------------------------------------------------------------------------------
 _PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
-    "headline": lambda ctx: [
-        *headline_rows(ctx, BENCH_SIZES[ctx.preset]),
-        causal_training_row(ctx, BENCH_SIZES[ctx.preset]),
-    ],
+    "headline": lambda ctx: headline_rows(ctx, BENCH_SIZES[ctx.preset]),
     "flex": lambda ctx: flex_rows(ctx, ctx.judged),
     "masked sweep": sdpa_masked_sweep.rows,
     "vit": lambda ctx: vit_rows(ctx, BENCH_SIZES[ctx.preset]),

@@ -1,7 +1,7 @@
 """The sdpa phase's masked rows (cases ``flex ...``): FlexAttention against SDPA on the dense
 boolean mask (kept, as a user would) for a sliding window and packed documents, and against
 SDPA's causal kernel for plain causal; every path checked against float64 before it is timed,
-its first call (the compile) timed apart; the mask's memory and its block sparsity.
+its first call (the compile) timed apart; the mask's memory.
 
 Cost model: FlexAttention computes only the 128 x 128 tiles of the scores that keep a key, the
 dense mask all of them: at an equal rate per tile it is faster by 1 / (fraction of tiles kept).
@@ -46,7 +46,7 @@ class FlexSizes:
     head_dim: int
     dtype: torch.dtype
     window: int
-    seqs: tuple[int, ...]  # sliding window, forward: time and peak memory against S
+    seqs: tuple[int, ...]  # sliding window, forward: time against S
     judged_seqs: tuple[int, ...]  # where the window's targets are judged, also fwd+bwd
     documents: int
     document_seq: int
@@ -191,17 +191,17 @@ def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     rows = []
     for seq in sizes.seqs:
         target = TARGET_WINDOW_VS_DENSE if seq in sizes.judged_seqs else None
-        rows += point(label, window, sizes.case(seq), "dense", target, peak=True)
+        rows += point(label, window, sizes.case(seq), "dense", target)
     for seq in sizes.judged_seqs:
         rows += point(label, window, sizes.case(seq, True), "dense", TARGET_WINDOW_VS_DENSE)
-        rows += _mask_rows(label, window, sizes.batch, seq, judged)
+        rows.append(_mask_row(label, window, sizes.batch, seq, judged))
     lengths = document_lengths(sizes.batch, sizes.document_seq, sizes.documents)
     documents = attention.Document(lengths.to(ctx.device))
     label = f"causal document x{sizes.documents}"
     for backward in (False, True):
         case = sizes.case(sizes.document_seq, backward)
         rows += point(label, documents, case, "dense", TARGET_DOCUMENT_VS_DENSE)
-    rows += _mask_rows(label, documents, sizes.batch, sizes.document_seq, judged)
+    rows.append(_mask_row(label, documents, sizes.batch, sizes.document_seq, judged))
     for backward in (False, True):
         case = sizes.case(sizes.causal_seq, backward)
         rows += point("causal", attention.Causal(), case, "default", TARGET_CAUSAL_VS_SDPA)
@@ -209,11 +209,10 @@ def flex_rows(ctx: BenchContext, judged: bool) -> list[Row]:
     return rows
 
 
-def _point_rows(device, repeats, judged, label, mask, case, baseline, target, *, peak=False):
+def _point_rows(device, repeats, judged, label, mask, case, baseline, target):
     """FlexAttention's time against ``baseline``'s ("dense", or "default": SDPA's causal kernel,
-    which ``sdpa(mask=Causal())`` runs), every check and first call in the note; with ``peak``,
-    a peak-memory row too."""
-    point = measure_masked(mask, case, device, ("flex", baseline), repeats=repeats, peak=peak)
+    which ``sdpa(mask=Causal())`` runs), every check and first call in the note."""
+    point = measure_masked(mask, case, device, ("flex", baseline), repeats=repeats)
     name = f"flex {label} B={case.batch} H={case.heads} S={case.seq} D={case.head_dim}"
     name += f" {case.direction}"
     flex, base = point.times.get("flex", math.nan), point.times.get(baseline, math.nan)
@@ -227,47 +226,27 @@ def _point_rows(device, repeats, judged, label, mask, case, baseline, target, *,
         met = not math.isnan(flex) and base / flex >= target
     other = "SDPA on the dense boolean mask" if baseline == "dense" else "SDPA causal kernel"
     dtype = str(case.dtype).removeprefix("torch.")
-    rows = [Row(
+    return [Row(
         PHASE, name, f"time per call, FlexAttention vs {other}", "ms", flex, baseline=base,
         target=f">= {target:g}x" if target is not None else "", met=met,
         note=f"{dtype}; against float64 on one (batch, head): {checks}; first calls (compile, "
         f"not in the median): {firsts}",
     )]  # fmt: skip
-    if not peak:
-        return rows
-    peaks = {p: b / 2**20 for p, b in point.peak_bytes.items()}
-    return [*rows, Row(
-        PHASE, f"{name} peak memory",
-        "peak memory above the inputs, FlexAttention vs SDPA on the dense mask", "MiB",
-        peaks.get("flex", math.nan), baseline=peaks.get("dense", math.nan),
-        note="the dense path's kept boolean mask is allocated before, so not in its peak; SDPA "
-        "turns it into a float mask in each call",
-    )]  # fmt: skip
 
 
-def _mask_rows(label: str, mask: AttentionMask, batch: int, seq: int, judged: bool) -> list[Row]:
-    """The block mask's bytes against the dense mask's, and the block sparsity (cost model)."""
+def _mask_row(label: str, mask: AttentionMask, batch: int, seq: int, judged: bool) -> Row:
+    """The block mask's bytes against the dense mask's."""
     data = mask.data()
     costs = mask_costs(mask, batch, seq, device="cpu" if data is None else data.device)
     ratio = costs["block mask bytes"] / costs["dense mask bytes"]
-    name = f"flex {label} S={seq}"
-    return [
-        Row(
-            PHASE, f"{name} mask memory",
-            "bytes held by the mask: BlockMask (and the tensors its mask_mod reads) vs dense bool",
-            "MiB", costs["block mask bytes"] / 2**20, baseline=costs["dense mask bytes"] / 2**20,
-            target=f"<= {TARGET_MASK_MEMORY:.0%} of the dense mask",
-            met=ratio <= TARGET_MASK_MEMORY if judged else None,
-            note=f"{ratio:.3%} of the dense boolean mask",
-        ),
-        Row(
-            PHASE, f"{name} block sparsity", "128 x 128 tiles of the scores skipped", "%",
-            100 * costs["block sparsity"],
-            note=f"cost model: FlexAttention computes {costs['tiles kept']:.3f} of the tiles a "
-            f"dense mask computes, so at an equal rate per tile it is "
-            f"{costs['predicted speedup']:.1f}x faster",
-        ),
-    ]  # fmt: skip
+    return Row(
+        PHASE, f"flex {label} S={seq} mask memory",
+        "bytes held by the mask: BlockMask (and the tensors its mask_mod reads) vs dense bool",
+        "MiB", costs["block mask bytes"] / 2**20, baseline=costs["dense mask bytes"] / 2**20,
+        target=f"<= {TARGET_MASK_MEMORY:.0%} of the dense mask",
+        met=ratio <= TARGET_MASK_MEMORY if judged else None,
+        note=f"{ratio:.3%} of the dense boolean mask",
+    )  # fmt: skip
 
 
 # ---- recorded rows back, for the notebook's figures --------------------------------------------
