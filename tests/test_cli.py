@@ -246,3 +246,12 @@ def test_a_warning_during_the_bench_is_one_line_above_the_bar(monkeypatch, capsy
     err = capsys.readouterr().err
     assert "UserWarning: no CUDA device here: nothing to count\n" in err
     assert "warnings.warn(" not in err and "test_cli.py" not in err  # no source line
+
+
+def test_the_recipes_seed_and_single_run_validation_rows_are_groups_apart():
+    """A part's rerun replaces its groups' rows together ("<group>: ..."): the quality part's row
+    and the cumulative part's validation row must not share a group, or one rerun drops the
+    other's."""
+    from accel.lab.cases import recipe
+
+    assert recipe.QUALITY_CASE.split(": ")[0] != recipe.VALIDATION_CASE.split(": ")[0]

@@ -121,7 +121,8 @@ def test_the_target_row_needs_both_speed_and_quality(speedup, quality, met):
 
 @pytest.mark.parametrize(
     ("only", "groups"),
-    [((), ["cumulative", "alone"]), (("alone",), ["alone"]), (("cumulative",), ["cumulative"])],
+    [((), ["cumulative", "alone"]), (("alone",), ["alone"]), (("cumulative",), ["cumulative"]),
+     (("quality",), [])],
 )
 def test_the_phase_runs_in_parts_each_with_its_own_rows(monkeypatch, only, groups):
     from accel.lab.bench import BenchContext, check_parts
@@ -133,11 +134,20 @@ def test_the_phase_runs_in_parts_each_with_its_own_rows(monkeypatch, only, group
         measured.append((list(configs)[1], tuple(validate)))
         return frame_of(2.6, 1.0)
 
+    def fake_seed_errors(configs, sizes, device, *, seeds, **kwargs):
+        return pd.DataFrame([{"seed": s, "config": c, "val_error": 0.1}
+                             for s in seeds for c in configs])  # fmt: skip
+
     monkeypatch.setattr(recipe, "measure", fake_measure)
+    monkeypatch.setattr(recipe, "seed_errors", fake_seed_errors)
     monkeypatch.setattr(recipe.recipe_adopted, "rows", lambda ctx: [])
     monkeypatch.setattr(recipe.recipe_float8, "rows", lambda ctx: [])
     ctx = BenchContext(device=torch.device("cpu"), preset="cpu", only=only)
     rows = recipe.run(ctx)
+    quality = [r for r in rows if r.case == recipe.QUALITY_CASE]
+    assert len(quality) == (not only or "quality" in only)
+    if quality:
+        assert quality[0].optimized == pytest.approx(1.0)  # the last configuration over the first
     ran = [g for g in ("cumulative", "alone") if any(r.case.startswith(f"{g}: ") for r in rows)]
     assert ran == groups and len(measured) == len(groups)
     validation = [r for r in rows if r.case == recipe.VALIDATION_CASE]
@@ -156,3 +166,36 @@ def test_step_flops_count_every_sample_of_a_step():
         flops = recipe.step_flops(TINY, flags)
         assert flops["total"] == k * one["total"]
         assert flops["per_sample"] == one["per_sample"]
+
+
+def test_quality_over_seeds_is_judged_on_the_interval_of_the_mean_ratio():
+    import pandas as pd
+
+    configs = {"baseline": op.Flags(), "recipe": op.Flags(precision="bf16")}
+
+    def errors(ratios):
+        rows = [{"seed": s, "config": c, "val_error": 0.1 * (r if c == "recipe" else 1.0)}
+                for s, r in enumerate(ratios) for c in configs]  # fmt: skip
+        return pd.DataFrame(rows)
+
+    tight = recipe.quality_row(errors([0.97, 0.98, 0.99, 0.98, 0.97]), configs, judged=True,
+                               train_steps=10)  # fmt: skip
+    assert tight.optimized == pytest.approx(0.978) and tight.met is True
+    assert "supported" in tight.note and "precision=bf16" in tight.note
+    # the same mean over seeds that disagree: the interval reaches past the target
+    wide = recipe.quality_row(errors([0.74, 1.47, 0.8, 0.9, 0.98]), configs, judged=True,
+                              train_steps=10)  # fmt: skip
+    assert wide.met is False and "not supported" in wide.note
+    assert recipe.quality_row(errors([0.9, 1.0]), configs, judged=False, train_steps=10).met is None
+
+
+def test_seed_errors_train_each_configuration_from_each_seed_in_processes_too():
+    configs = {"baseline": op.Flags(), "every 2nd": op.Flags(aux_loss_every=2)}
+    kwargs = dict(seeds=(1, 2), train_steps=2, reads=1, read_every=1)
+    here = recipe.seed_errors(configs, TINY, "cpu", **kwargs)
+    assert list(here["seed"]) == [1, 1, 2, 2] and list(here["config"]) == list(configs) * 2
+    # another seed, another start: the errors differ between seeds
+    assert here["val_error"].iloc[0] != here["val_error"].iloc[2]
+    apart = recipe.seed_errors(configs, TINY, "cpu", processes=2, **kwargs)
+    torch.testing.assert_close(torch.tensor(apart["val_error"].values),
+                               torch.tensor(here["val_error"].values))  # fmt: skip

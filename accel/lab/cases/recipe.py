@@ -5,14 +5,18 @@ after the same number of steps from the same seed (one-sided: at most ``TARGET_Q
 the baseline's). Each timing sample is whole loader epochs (the worker restart and the
 inverse-loss schedule inside it), configurations interleaved. Only the baseline and the whole
 recipe are trained that far: the gpu preset's operator sits on a plateau for its first ~1,300
-steps, so the comparison needs 3,000."""
+steps, so the comparison needs 3,000. One training's error moves with its seed as much as with
+the recipe, so part ``quality`` trains both from ``SEEDS`` seeds and judges the mean ratio's 95%
+interval."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import multiprocessing
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import pandas as pd
@@ -30,6 +34,10 @@ PHASE = "recipe"
 TARGET_SPEEDUP = 2.5
 TARGET_QUALITY = 1.03  # recipe validation error <= 1.03 x the baseline's, after equal steps
 VALIDATION_CASE = "recipe: validation error after equal steps"
+QUALITY_CASE = "quality: validation error over seeds"  # a group of its own (results files)
+SEEDS = 5  # trainings of the baseline and of the recipe, each pair from one seed
+# Student's t at 0.975 by degrees of freedom (seeds - 1): a mean's two-sided 95% interval
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 @dataclass(frozen=True)
@@ -230,6 +238,58 @@ def _check_measure(configs: dict[str, op.Flags], per_sample: int, repeats: int, 
     return validate
 
 
+def seed_errors(
+    configs: dict[str, op.Flags], sizes: op.Sizes, device: torch.device | str, *,
+    seeds: Sequence[int], train_steps: int, reads: int = 1, read_every: int = 1,
+    processes: int = 1,
+) -> pd.DataFrame:  # fmt: skip
+    """Every configuration trained from every seed to ``train_steps`` steps: one row per seed and
+    configuration with its ``val_error`` (as :func:`measure` reads it). With ``processes`` > 1
+    the trainings run that many at once, each in its own process: a host-bound step leaves the
+    GPU room, and an error does not depend on how fast it was reached."""
+    reads_at = _read_steps(train_steps, reads, read_every)
+    jobs = [(flags, sizes, str(device), seed, reads_at)
+            for seed in seeds for flags in configs.values()]  # fmt: skip
+    if processes > 1:
+        spawn = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
+        with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=spawn) as pool:
+            errors = list(pool.map(_trained_error, jobs))
+    else:
+        errors = [_trained_error(job) for job in jobs]
+    names = [name for _ in seeds for name in configs]
+    return pd.DataFrame({"seed": [job[3] for job in jobs], "config": names, "val_error": errors})
+
+
+def _trained_error(job: tuple) -> float:
+    flags, sizes, device, seed, reads_at = job
+    step = op.build(flags, sizes, device=torch.device(device), seed=seed)
+    try:
+        return _validation_error(step, reads_at)
+    finally:
+        step.close()
+
+
+def quality_row(errors: pd.DataFrame, configs: dict[str, op.Flags], *, judged: bool,
+                train_steps: int) -> Row:  # fmt: skip
+    """The last configuration's validation error over the first's, seed by seed: their mean
+    with its 95% interval, the target judged on the interval (met when all of it is at most the
+    target)."""
+    baseline, recipe = next(iter(configs)), list(configs)[-1]
+    by_seed = errors.pivot(index="seed", columns="config", values="val_error")
+    ratios = by_seed[recipe] / by_seed[baseline]
+    n, mean = len(ratios), float(ratios.mean())
+    half = T_975[n - 1] * float(ratios.std(ddof=1)) / math.sqrt(n) if n > 1 else math.inf
+    low, high = mean - half, mean + half
+    verdict = "supported" if high <= TARGET_QUALITY else "not supported"
+    return Row(
+        PHASE, QUALITY_CASE, f"recipe's validation error over the baseline's after {train_steps} "
+        f"steps, mean over {n} seeds", "ratio", mean,
+        target=f"95% interval <= {TARGET_QUALITY}", met=high <= TARGET_QUALITY if judged else None,
+        note=f"95% interval {low:.2f}-{high:.2f}: 'no worse than {TARGET_QUALITY}x' {verdict}; per "
+        f"seed {', '.join(f'{r:.2f}' for r in ratios)}; {label(configs[recipe])}",
+    )  # fmt: skip
+
+
 def _read_steps(train_steps: int, reads: int, read_every: int) -> range:
     """The steps the validation error is read at: ``reads`` of them, the last at ``train_steps``."""
     return range(train_steps - (reads - 1) * read_every, train_steps + 1, read_every)
@@ -315,7 +375,7 @@ def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = 
 
 def parts() -> list[str]:
     """The parts ``--only`` can pick (each within one ten-minute GPU command)."""
-    return ["cumulative", "alone", "adopted", "float8"]
+    return ["cumulative", "alone", "quality", "adopted", "float8"]
 
 
 def run(ctx: BenchContext) -> list[Row]:
@@ -335,6 +395,15 @@ def run(ctx: BenchContext) -> list[Row]:
         configs = alone(ctx.device)
         alone_frame = measure(configs, sizes, ctx.device, validate=(next(iter(configs)),), **kwargs)
         out += rows(alone_frame, "alone", judged=ctx.judged)
+    if ctx.selected("quality"):
+        configs = progression(ctx.device)
+        configs = {k: configs[k] for k in (next(iter(configs)), list(configs)[-1])}
+        cuda = ctx.device.type == "cuda"
+        errors = seed_errors(configs, sizes, ctx.device, seeds=range(1, SEEDS + 1),
+                             train_steps=bench.train_steps, reads=bench.reads,
+                             read_every=bench.read_every,
+                             processes=SEEDS * len(configs) if cuda else 1)  # fmt: skip
+        out.append(quality_row(errors, configs, judged=ctx.judged, train_steps=bench.train_steps))
     if ctx.selected("adopted"):
         out += recipe_adopted.rows(ctx)
     if ctx.selected("float8"):
