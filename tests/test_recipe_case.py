@@ -199,3 +199,10 @@ def test_seed_errors_train_each_configuration_from_each_seed_in_processes_too():
     apart = recipe.seed_errors(configs, TINY, "cpu", processes=2, **kwargs)
     torch.testing.assert_close(torch.tensor(apart["val_error"].values),
                                torch.tensor(here["val_error"].values))  # fmt: skip
+
+
+def test_autotune_compares_the_recipes_two_graph_modes_where_compile_runs():
+    assert recipe.autotune("cpu") == {}  # compile needs a CUDA GPU
+    if torch.cuda.is_available():
+        modes = [f.compile for f in recipe.autotune("cuda").values()]
+        assert modes == ["reduce-overhead", "max-autotune"]

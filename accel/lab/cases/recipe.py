@@ -112,6 +112,16 @@ def alone(device: torch.device | str) -> dict[str, op.Flags]:
     return configs
 
 
+def autotune(device: torch.device | str) -> dict[str, op.Flags]:
+    """The whole recipe with compile's reduce-overhead, then with max-autotune (minutes of
+    autotuning, in the row's compile time); empty where compile cannot run."""
+    if "compile" in op.unavailable(device):
+        return {}
+    recipe = list(progression(device).values())[-1]
+    return {"recipe (reduce-overhead)": recipe,
+            "recipe with max-autotune": dataclasses.replace(recipe, compile="max-autotune")}  # fmt: skip
+
+
 # ---- cost model ----------------------------------------------------------------------------------
 def step_flops(sizes: op.Sizes, flags: op.Flags | None = None) -> dict[str, float]:
     """Matrix-product FLOPs of one training step, averaged over the inverse-loss schedule, by
@@ -375,7 +385,7 @@ def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = 
 
 def parts() -> list[str]:
     """The parts ``--only`` can pick (each within one ten-minute GPU command)."""
-    return ["cumulative", "alone", "quality", "adopted", "float8"]
+    return ["cumulative", "alone", "autotune", "quality", "adopted", "float8"]
 
 
 def run(ctx: BenchContext) -> list[Row]:
@@ -395,6 +405,9 @@ def run(ctx: BenchContext) -> list[Row]:
         configs = alone(ctx.device)
         alone_frame = measure(configs, sizes, ctx.device, validate=(next(iter(configs)),), **kwargs)
         out += rows(alone_frame, "alone", judged=ctx.judged)
+    if ctx.selected("autotune") and (configs := autotune(ctx.device)):
+        frame = measure(configs, sizes, ctx.device, validate=(next(iter(configs)),), **kwargs)
+        out += rows(frame, "autotune", judged=ctx.judged)
     if ctx.selected("quality"):
         configs = progression(ctx.device)
         configs = {k: configs[k] for k in (next(iter(configs)), list(configs)[-1])}
