@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import plain_step
 from torch import nn
 
 from accel import doctor
@@ -307,6 +308,24 @@ def test_checkpointing_on_the_zoo_gpt_recomputes_the_same_numbers():
     assert not any("forward" in vars(block) for block in found.models[0].blocks)
     error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 3)
     assert error <= FIXES["checkpointing"].rtol
+
+
+def batchnorm_blocks_step():
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)) for _ in range(2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return plain_step(model, opt)
+
+
+def test_checkpointing_a_batchnorm_counts_its_running_statistics_as_results(seed):
+    """Recomputing a block in backward runs its BatchNorm twice in training: the running
+    statistics move twice, which the trained parameters and the loss do not show."""
+    step = batchnorm_blocks_step()
+    found = find_parts(step)
+    base, fixed = (StepCopy(*copy_step(step, found), torch.randn(8, 6), torch.device("cpu"))
+                   for _ in range(2))  # fmt: skip
+    FIXES["checkpointing"].apply(fixed)
+    error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 2)
+    assert error > FIXES["checkpointing"].rtol
 
 
 class Spectral(nn.Module):

@@ -433,8 +433,8 @@ def _status(error: float, allowance: float, high: float, fixed: StepCopy, caught
 def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: int):
     """(relative error, the fixed copy's first call in s): ``steps`` steps of each from the same
     start with the same seeds (torch's, ``random``'s, NumPy's); the outputs of every step and the
-    parameters after the last, compared as one vector (norm of the difference over the norm of
-    the unchanged)."""
+    parameters and buffers (running statistics) after the last, compared as one vector (norm of
+    the difference over the norm of the unchanged)."""
     outputs, first_s = [], math.nan
     for label, call in (("base", base_call), ("fixed", fixed_call)):
         seed_generators(_SEED)
@@ -450,7 +450,7 @@ def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: 
     diff = norm = 0.0
     pairs = [(a, b) for run_a, run_b in zip(*outputs, strict=True)
              for a, b in zip(run_b, run_a, strict=True)]  # fmt: skip
-    pairs += list(zip(_parameters(fixed), _parameters(base), strict=True))
+    pairs += list(zip(_trained_state(fixed), _trained_state(base), strict=True))
     for a, b in pairs:
         tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
         if tensors and a.shape == b.shape and not (a.is_meta or b.is_meta):  # meta: no values
@@ -465,5 +465,5 @@ def _clone(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _parameters(copy: StepCopy) -> list[torch.Tensor]:
-    return [p for model in copy.parts.models for p in model.parameters()]
+def _trained_state(copy: StepCopy) -> list[torch.Tensor]:
+    return [t for model in copy.parts.models for t in (*model.parameters(), *model.buffers())]
