@@ -393,6 +393,20 @@ def test_padded_products_without_an_odd_linear_is_not_applicable(seed):
         FIXES["padded_products"].apply(copy)
 
 
+@pytest.mark.parametrize("how", ["wrapped", "in place"])
+def test_compile_of_a_model_already_compiled_is_not_applicable(seed, how):
+    """A trial of it would time the same compiled step twice and call the noise a gain."""
+    model = nn.Linear(8, 4)
+    compiled = torch.compile(model) if how == "wrapped" else model
+    if how == "in place":
+        model.compile()
+    step = lambda x: compiled(x).sum().backward()  # noqa: E731
+    step_copy, parts_copy = copy_step(step, doctor.parts.find_parts(step))
+    copy = StepCopy(step_copy, parts_copy, None, torch.device("cpu"))
+    with pytest.raises(FixNotApplicable, match="already compiled"):
+        FIXES["compile"].apply(copy)
+
+
 def test_deferred_reads_leave_host_tensors_alone_and_restore_item():
     original = torch.Tensor.item
     with deferred_item_reads():
