@@ -456,8 +456,11 @@ def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: 
         if tensors and a.shape == b.shape and not (a.is_meta or b.is_meta):  # meta: no values
             wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
             a64, b64 = a.detach().to(wide), b.detach().to(wide)  # complex kept whole
-            diff += float((a64 - b64).abs().square().sum())  # sync: once per tensor, outside timing
-            norm += float(b64.abs().square().sum())
+            # NaN or inf where the unchanged step has it too is no difference; elsewhere, infinite
+            same = (a64 == b64) | (a64.isnan() & b64.isnan())
+            apart = torch.where(same, 0, a64 - b64).abs().nan_to_num(math.inf)
+            diff += float(apart.square().sum())  # sync: once per tensor, outside timing
+            norm += float(torch.where(b64.isfinite(), b64, 0).abs().square().sum())
     return (math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)), first_s
 
 
