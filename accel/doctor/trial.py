@@ -1,7 +1,7 @@
 """``Report.try_fixes``: each fix on its own copy of the step, then the best set of those that
 helped, each checked against an unchanged copy (same start, batch and seed) and timed against it
 interleaved. A fix may differ from the unchanged step by its argued tolerance or
-:data:`SPREAD_MULTIPLE` times the unchanged step's own run-to-run difference, whichever is larger;
+:data:`SPREAD_MULTIPLE` times the unchanged step's own spread (:func:`own_spread`), the larger;
 one slower beyond the timing's spread is "slower here" and stays out of the combined trial.
 """
 
@@ -162,8 +162,16 @@ def _uncounted(what: str) -> str:
 
 
 def own_spread(report, steps: int) -> float:
-    """The relative difference between two runs of the unchanged step from the same start."""
+    """The relative difference between two runs of the unchanged step from the same start, one
+    with its parameters moved by a rounding step (as summing in another order moves them): what
+    the step makes of rounding (Adam turns a bias's noise before a BatchNorm into full updates),
+    with what a device that does not compute the same twice adds."""
     first, second = _fresh(report), _fresh(report)
+    signs = torch.Generator().manual_seed(_SEED)
+    with torch.no_grad():
+        for p in (p for m in second.parts.models for p in m.parameters() if p.is_floating_point()):
+            flip = torch.randint(0, 2, p.shape, generator=signs).to(p.device, p.dtype) * 2 - 1
+            p.mul_(1 + torch.finfo(p.dtype).eps * flip)
     error, _ = result_error(first.build(), second.build(), first, second, steps)
     return error
 
