@@ -305,6 +305,29 @@ def test_multihead_attention_returning_its_weights_is_found_and_run_without_them
     assert not [f for f in quiet.findings if f.kind == "attention"]
 
 
+class PaddedMha(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha, self.head = nn.MultiheadAttention(32, 4, batch_first=True), nn.Linear(32, 2)
+
+    def forward(self, x):
+        pad = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device)
+        out, _ = self.mha(x, x, x, key_padding_mask=pad)  # weights returned by default
+        return self.head(out)
+
+
+def test_multihead_attention_change_is_the_users_own_call_with_need_weights_false(seed):
+    # a template call would name another attribute and drop the mask the user passes
+    model = PaddedMha()
+    step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    (finding,) = [f for f in report.findings if f.kind == "attention"]
+    call = "out, _ = self.mha(x, x, x, key_padding_mask=pad, need_weights=False)"
+    assert finding.change.startswith(call)
+    (row,) = report.try_fixes(["mha_without_weights"], steps=1, repeats=1).to_dict("records")
+    assert row["edit"].startswith(call)
+
+
 def test_multihead_attention_without_weights_on_sdpas_math_path_is_not_found(seed):
     # need_weights=False (as nn.Transformer's layers call it) with dropout while training: SDPA
     # runs its own math path (a product, a softmax, a product), which is no written-out attention

@@ -321,7 +321,7 @@ def _mha_without_weights(copy: StepCopy) -> None:
         raise FixNotApplicable("no nn.MultiheadAttention in the step's models")
     for module in modules:
         module.forward = functools.partial(_without_weights, module.forward)
-    copy.edits.append("out, _ = self.attn(q, k, v, need_weights=False)  # each call of yours")
+    copy.edits += [f.change for f in copy.findings if "mha_without_weights" in f.fixes]
 
 
 def _without_weights(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
