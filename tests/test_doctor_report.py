@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
+from conftest import plain_step
 from torch import nn
 
 from accel import doctor
@@ -307,6 +309,46 @@ def test_checkpointing_on_the_zoo_gpt_recomputes_the_same_numbers():
     assert not any("forward" in vars(block) for block in found.models[0].blocks)
     error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 3)
     assert error <= FIXES["checkpointing"].rtol
+
+
+def batchnorm_blocks_step():
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6)) for _ in range(2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return plain_step(model, opt)
+
+
+def test_checkpointing_a_batchnorm_counts_its_running_statistics_as_results(seed):
+    """Recomputing a block in backward runs its BatchNorm twice in training: the running
+    statistics move twice, which the trained parameters and the loss do not show."""
+    step = batchnorm_blocks_step()
+    found = find_parts(step)
+    base, fixed = (StepCopy(*copy_step(step, found), torch.randn(8, 6), torch.device("cpu"))
+                   for _ in range(2))  # fmt: skip
+    FIXES["checkpointing"].apply(fixed)
+    error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 2)
+    assert error > FIXES["checkpointing"].rtol
+
+
+def test_a_step_whose_results_are_nan_in_both_runs_differs_by_nothing(seed):
+    """Labels all ignored: the mean over no label is NaN, and so is every parameter after it, in
+    the unchanged step and in a fix that changes nothing alike."""
+    model = nn.Linear(6, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(batch):
+        x, y = batch
+        loss = F.cross_entropy(model(x), y, ignore_index=-100)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    found = find_parts(step)
+    batch = (torch.randn(8, 6), torch.full((8,), -100))
+    base, fixed = (StepCopy(*copy_step(step, found), batch, torch.device("cpu")) for _ in range(2))
+    assert trial.result_error(base.build(), fixed.build(), base, fixed, 2)[0] == 0.0
+    fixed.batch = (batch[0], torch.randint(0, 3, (8,)))  # numbers where the unchanged has NaN
+    assert trial.result_error(base.build(), fixed.build(), base, fixed, 2)[0] > 1.0
 
 
 class Spectral(nn.Module):

@@ -7,6 +7,7 @@ gain is measured, not assumed: the written-out attention and
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass
 
@@ -132,7 +133,7 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
             + (", causal" if case.causal else "")
             + f": written out {times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
             notebook="05_sdpa",
-            change=_MHA_CHANGE if weights else _change(evidence, case),
+            change=_mha_change(case.site) if weights else _change(evidence, case),
             saved_us=saved,
             sites=[case.site] if case.site is not None else [],
             fixes=("mha_without_weights",) if weights
@@ -142,8 +143,18 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
     return found
 
 
-_MHA_CHANGE = """\
-out, _ = self.attn(q, k, v, need_weights=False)  # SDPA inside; no weights are returned"""
+_NO_WEIGHTS = "  # SDPA inside; no weights are returned"
+
+
+def _mha_change(site: Site | None) -> str:
+    """The user's own call at ``site`` with ``need_weights=False`` (its other arguments kept);
+    a template where that line is not the whole call."""
+    code = site.text.partition("#")[0].rstrip() if site is not None else ""
+    if re.search(r"need_weights\s*=", code):
+        return re.sub(r"need_weights\s*=[^,)]+", "need_weights=False", code) + _NO_WEIGHTS
+    if code.endswith(")") and code.count("(") == code.count(")"):
+        return f"{code[:-1]}, need_weights=False)" + _NO_WEIGHTS
+    return "out, _ = self.attn(q, k, v, need_weights=False)" + _NO_WEIGHTS
 
 
 def _change(evidence: Evidence, case: ManualAttention) -> str:

@@ -235,8 +235,17 @@ def _graph(copy: StepCopy) -> None:
 def _compile(copy: StepCopy) -> None:
     if not copy.parts.models:
         raise FixNotApplicable("no model found in the step to compile")
-    for model in copy.parts.models:
+    models = [m for m in copy.parts.models if not _compiled(m)]
+    if not models:
+        raise FixNotApplicable("the step's models are already compiled (torch.compile)")
+    for model in models:
         _compile_forwards(model)
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """Compiled already: wrapped by ``torch.compile(model)`` or by ``model.compile()``."""
+    wrapped = isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    return wrapped or getattr(model, "_compiled_call_impl", None) is not None
 
 
 def _compile_forwards(model: torch.nn.Module) -> None:
@@ -312,7 +321,7 @@ def _mha_without_weights(copy: StepCopy) -> None:
         raise FixNotApplicable("no nn.MultiheadAttention in the step's models")
     for module in modules:
         module.forward = functools.partial(_without_weights, module.forward)
-    copy.edits.append("out, _ = self.attn(q, k, v, need_weights=False)  # each call of yours")
+    copy.edits += [f.change for f in copy.findings if "mha_without_weights" in f.fixes]
 
 
 def _without_weights(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,7 @@
 """``Report.try_fixes``: each fix on its own copy of the step, then the best set of those that
 helped, each checked against an unchanged copy (same start, batch and seed) and timed against it
 interleaved. A fix may differ from the unchanged step by its argued tolerance or
-:data:`SPREAD_MULTIPLE` times the unchanged step's own run-to-run difference, whichever is larger;
+:data:`SPREAD_MULTIPLE` times the unchanged step's own spread (:func:`own_spread`), the larger;
 one slower beyond the timing's spread is "slower here" and stays out of the combined trial.
 """
 
@@ -162,8 +162,16 @@ def _uncounted(what: str) -> str:
 
 
 def own_spread(report, steps: int) -> float:
-    """The relative difference between two runs of the unchanged step from the same start."""
+    """The relative difference between two runs of the unchanged step from the same start, one
+    with its parameters moved by a rounding step (as summing in another order moves them): what
+    the step makes of rounding (Adam turns a bias's noise before a BatchNorm into full updates),
+    with what a device that does not compute the same twice adds."""
     first, second = _fresh(report), _fresh(report)
+    signs = torch.Generator().manual_seed(_SEED)
+    with torch.no_grad():
+        for p in (p for m in second.parts.models for p in m.parameters() if p.is_floating_point()):
+            flip = torch.randint(0, 2, p.shape, generator=signs).to(p.device, p.dtype) * 2 - 1
+            p.mul_(1 + torch.finfo(p.dtype).eps * flip)
     error, _ = result_error(first.build(), second.build(), first, second, steps)
     return error
 
@@ -433,8 +441,8 @@ def _status(error: float, allowance: float, high: float, fixed: StepCopy, caught
 def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: int):
     """(relative error, the fixed copy's first call in s): ``steps`` steps of each from the same
     start with the same seeds (torch's, ``random``'s, NumPy's); the outputs of every step and the
-    parameters after the last, compared as one vector (norm of the difference over the norm of
-    the unchanged)."""
+    parameters and buffers (running statistics) after the last, compared as one vector (norm of
+    the difference over the norm of the unchanged)."""
     outputs, first_s = [], math.nan
     for label, call in (("base", base_call), ("fixed", fixed_call)):
         seed_generators(_SEED)
@@ -450,14 +458,17 @@ def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: 
     diff = norm = 0.0
     pairs = [(a, b) for run_a, run_b in zip(*outputs, strict=True)
              for a, b in zip(run_b, run_a, strict=True)]  # fmt: skip
-    pairs += list(zip(_parameters(fixed), _parameters(base), strict=True))
+    pairs += list(zip(_trained_state(fixed), _trained_state(base), strict=True))
     for a, b in pairs:
         tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
         if tensors and a.shape == b.shape and not (a.is_meta or b.is_meta):  # meta: no values
             wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
             a64, b64 = a.detach().to(wide), b.detach().to(wide)  # complex kept whole
-            diff += float((a64 - b64).abs().square().sum())  # sync: once per tensor, outside timing
-            norm += float(b64.abs().square().sum())
+            # NaN or inf where the unchanged step has it too is no difference; elsewhere, infinite
+            same = (a64 == b64) | (a64.isnan() & b64.isnan())
+            apart = torch.where(same, 0, a64 - b64).abs().nan_to_num(math.inf)
+            diff += float(apart.square().sum())  # sync: once per tensor, outside timing
+            norm += float(torch.where(b64.isfinite(), b64, 0).abs().square().sum())
     return (math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)), first_s
 
 
@@ -465,5 +476,5 @@ def _clone(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-def _parameters(copy: StepCopy) -> list[torch.Tensor]:
-    return [p for model in copy.parts.models for p in model.parameters()]
+def _trained_state(copy: StepCopy) -> list[torch.Tensor]:
+    return [t for model in copy.parts.models for t in (*model.parameters(), *model.buffers())]
