@@ -167,11 +167,13 @@ def own_spread(report, steps: int) -> float:
     the step makes of rounding (Adam turns a bias's noise before a BatchNorm into full updates),
     with what a device that does not compute the same twice adds."""
     first, second = _fresh(report), _fresh(report)
-    signs = torch.Generator().manual_seed(_SEED)
+    signs: dict[torch.device, torch.Generator] = {}  # made where each parameter lives
     with torch.no_grad():
-        for p in (p for m in second.parts.models for p in m.parameters() if p.is_floating_point()):
-            flip = torch.randint(0, 2, p.shape, generator=signs).to(p.device, p.dtype) * 2 - 1
-            p.mul_(1 + torch.finfo(p.dtype).eps * flip)
+        for p in (p for m in second.parts.models for p in m.parameters()
+                  if p.is_floating_point() and not p.is_meta):
+            gen = signs.setdefault(p.device, torch.Generator(p.device).manual_seed(_SEED))
+            flip = torch.randint(0, 2, p.shape, generator=gen, device=p.device, dtype=p.dtype)
+            p.mul_(flip.mul_(2 * torch.finfo(p.dtype).eps).add_(1 - torch.finfo(p.dtype).eps))
     error, _ = result_error(first.build(), second.build(), first, second, steps)
     return error
 
