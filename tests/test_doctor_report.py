@@ -630,6 +630,28 @@ def test_cli_takes_a_file_of_a_package_that_imports_its_siblings_relatively(tmp_
     assert str(tmp_path) not in sys.path
 
 
+
+@pytest.mark.parametrize("target", ["scripts/late_import.py:make", "late_import:make"])
+def test_cli_keeps_the_scripts_folder_importable_while_its_functions_run(
+    tmp_path, monkeypatch, target
+):
+    # a script that imports its sibling inside a function, as it runs alone (``python
+    # scripts/late_import.py``, ``python -m late_import``): the import works when make runs
+    from accel.__main__ import main
+
+    folder = tmp_path / "scripts" if target.startswith("scripts/") else tmp_path
+    folder.mkdir(exist_ok=True)
+    (folder / "sibling_of_late_import.py").write_text(PLAIN_STEP)
+    (folder / "late_import.py").write_text(
+        "def make():\n    from sibling_of_late_import import make\n    return make()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    path = list(sys.path)
+    assert main(["doctor", target, "--steps", "1", "--out", str(tmp_path / "d.html")]) == 0
+    assert sys.path == path
+
+
 ARGV_SCRIPT = '''
 import argparse
 
