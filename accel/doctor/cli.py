@@ -85,6 +85,8 @@ def _load_file(path: Path) -> Any:
     sys.path.insert(0, str(root))
     try:
         spec.loader.exec_module(module)
+    except ImportError as error:
+        raise UsageError(f"cannot import {path}: {error}") from None
     finally:
         sys.path.pop(0)
     return module
