@@ -241,9 +241,10 @@ def _compile(copy: StepCopy) -> None:
 
 def _compile_forwards(model: torch.nn.Module) -> None:
     """The forward, bound (Module.compile() is skipped by some torch); a container without one
-    (ModuleList, ModuleDict), whose layers the step calls itself: each layer's."""
+    (ModuleList, ModuleDict), whose layers the step calls itself: each layer's. Random ops
+    (dropout) draw as in eager, so the trial compares the same masks as the unchanged step's."""
     if type(model).forward is not torch.nn.Module.forward:
-        model.forward = torch.compile(model.forward)
+        model.forward = torch.compile(model.forward, options={"fallback_random": True})
         return
     for child in model.children():
         _compile_forwards(child)
