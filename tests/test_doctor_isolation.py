@@ -1215,3 +1215,20 @@ def test_a_dataset_a_batch_object_holds_is_not_copied(seed):
     owned = own_batch(batch)
     assert owned.source is data and owned.x is not batch.x
     assert torch.equal(owned.x, batch.x)
+
+
+def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(seed):
+    # the doctor's reads of a loader start its workers; a persistent loader would keep them,
+    # and its iterator, for the user's first epoch
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    loader = DataLoader(data, batch_size=16, num_workers=1, persistent_workers=True)
+    model = nn.Linear(8, 1)
+    step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    children = set(multiprocessing.active_children())
+    doctor.examine(lambda batch: step(batch[0]), loader=loader, steps=1, warmup=1)
+    assert loader._iterator is None
+    assert set(multiprocessing.active_children()) == children
