@@ -505,6 +505,48 @@ def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
     assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()
 
 
+LOGGING_STEP = """
+import os
+import torch
+
+model = torch.nn.Linear(7, 3)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "losses.txt")
+
+
+def step(batch):
+    loss = model(batch).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with open(LOG, "a") as log:
+        log.write(f"{loss.item()}\\n")
+
+
+def make():
+    return step, torch.randn(5, 7)
+"""
+
+
+def test_cli_says_what_the_trials_changed_in_the_report_not_in_a_warning_of_its_own_code(
+    tmp_path, capsys
+):
+    # the report's first line names the file the step wrote; a warning pointing at the
+    # doctor's own source line would only repeat it
+    from accel.__main__ import main
+
+    (tmp_path / "logging_step.py").write_text(LOGGING_STEP)
+    out = str(tmp_path / "d.html")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["doctor", f"{tmp_path / 'logging_step.py'}:make", "--try-fixes",
+                     "--steps", "1", "--out", out]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert printed.startswith("Caution: wrote") and "losses.txt" in printed
+    assert not [w for w in caught if "accel/doctor" in w.filename], [str(w) for w in caught]
+    assert not (tmp_path / "losses.txt").exists()
+
+
 def test_fixes_that_cannot_run_here_are_not_said_to_have_made_nothing_faster(seed):
     """On a CPU a step's only fix (its .item() read later) needs a GPU: nothing was measured."""
     model = nn.Linear(6, 2)
