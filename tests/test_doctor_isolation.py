@@ -1232,3 +1232,23 @@ def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(se
     doctor.examine(lambda batch: step(batch[0]), loader=loader, steps=1, warmup=1)
     assert loader._iterator is None
     assert set(multiprocessing.active_children()) == children
+
+
+def test_a_file_written_through_a_handle_opened_before_the_step_is_said_not_put_back(
+    seed, tmp_path
+):
+    # a log opened at import: the doctor cannot put back what the step appends through it,
+    # and says so (not only that something it holds changed)
+    model, opt = small()
+    log = open(tmp_path / "train.log", "a")  # noqa: SIM115 - held open, as a script holds it
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        print(float(loss), file=log, flush=True)
+        return loss.detach()
+
+    try:
+        report = examined(step, torch.randn(5, 4))
+    finally:
+        log.close()
+    assert named_before_numbers(report, "closure 'log' (an open file written through, not put back)")
