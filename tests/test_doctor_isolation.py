@@ -1252,3 +1252,23 @@ def test_a_file_written_through_a_handle_opened_before_the_step_is_said_not_put_
     finally:
         log.close()
     assert named_before_numbers(report, "closure 'log' (an open file written through, not put back)")
+
+
+def test_a_step_that_pops_from_its_batch_gets_the_whole_batch_every_call(seed):
+    # ``labels = batch.pop("labels")``, as loops written after Trainer's compute_loss do: in
+    # training each call has a batch of its own, so every call here starts from the whole one
+    model, opt = small()
+    batch = {"x": torch.randn(5, 4), "labels": torch.randn(5, 2)}
+
+    def step(batch):
+        labels = batch.pop("labels")
+        loss = (model(batch["x"]) - labels).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = examined(step, batch)
+    rows = report.try_fixes(["set_to_none"], steps=2, repeats=2)
+    assert set(batch) == {"x", "labels"}
+    assert not rows["status"].str.startswith("failed").any(), rows["status"].tolist()

@@ -24,7 +24,7 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
     check_memory,
 )
 from accel.doctor.findings import CHECKS, Evidence, Finding
-from accel.doctor.fixes import NO_BATCH, own_batch
+from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.parts import StepParts, copy_step, find_parts
 from accel.doctor.reach import is_library
@@ -183,7 +183,7 @@ def _step_us(call: Callable[[], Any], device: torch.device) -> float:
 
 
 def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
-    return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch)))
+    return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch_for_a_call(batch))))
 
 
 class _Repeated:

@@ -6,6 +6,7 @@ several applied to one copy are the combined trial.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -69,7 +70,7 @@ class StepCopy:
             pinned, device = _pinned_host(batch), self.device
             return lambda: inner(_to_device(pinned, device))
         batch = _to_device(batch, self.device) if self.on_device_batch else batch  # a graph's
-        return functools.partial(inner, batch)  # inputs stay where it captured them
+        return lambda: inner(batch_for_a_call(batch))  # inputs stay where it captured them
 
 
 NO_BATCH = object()  # the step takes no argument
@@ -103,6 +104,12 @@ def own_batch(batch: Any, depth: int = 0) -> Any:
     pandas data, and the objects holding them (a dataclass, a tokenizer's mapping) copied: a
     step that changes its batch in place changes the copy, never the user's."""
     return tree_map(lambda leaf: _own_leaf(leaf, depth), batch)
+
+
+def batch_for_a_call(batch: Any) -> Any:
+    """The batch's own mapping or list new for each call, its items the same: a step that takes
+    one out (``batch.pop("labels")``) finds it again next call, as training's next batch has it."""
+    return copy.copy(batch) if isinstance(batch, (dict, list, collections.UserDict)) else batch
 
 
 def _own_leaf(leaf: Any, depth: int) -> Any:
