@@ -694,6 +694,48 @@ def test_cli_keeps_the_scripts_folder_importable_while_its_functions_run(
     assert sys.path == path
 
 
+PICKLING_SCRIPT = """
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Config:
+    lr: float = 0.1
+
+
+config = Config()
+model = torch.nn.Linear(7, 3)
+opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+
+
+def step(batch):
+    loss = model(batch).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return len(pickle.dumps(config))  # as a checkpoint saved with its config
+
+
+def make():
+    return step, torch.randn(5, 7)
+"""
+
+
+def test_cli_runs_a_script_named_by_its_path_that_pickles_its_own_classes(tmp_path):
+    # run alone, the script pickles its own Config; loaded from its path it must too
+    from accel.__main__ import main
+
+    (tmp_path / "pickling_script.py").write_text(PICKLING_SCRIPT)
+    target = f"{tmp_path / 'pickling_script.py'}:make"
+    try:
+        assert main(["doctor", target, "--steps", "1", "--out", str(tmp_path / "d.html")]) == 0
+    finally:
+        sys.modules.pop("pickling_script", None)
+
+
 ARGV_SCRIPT = '''
 import argparse
 

@@ -83,6 +83,7 @@ def _load_file(path: Path) -> Any:
         return _import(".".join(names), root)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its own classes pickled, as run alone
     sys.path.insert(0, str(root))
     try:
         spec.loader.exec_module(module)
