@@ -270,3 +270,16 @@ def test_doctor_says_the_users_own_mistake_in_one_line(accel_cli, tmp_path, targ
     assert all(part in run.stderr for part in said), run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert not (tmp_path / "d.html").exists()
+
+
+@pytest.mark.parametrize("target", ["needs_a_package.py:make", "needs_a_package:make"])
+def test_doctor_says_a_package_the_script_imports_is_missing_in_one_line(
+    accel_cli, tmp_path, monkeypatch, target
+):
+    # named by its path or as a module: the same one line, the missing package in it
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    (tmp_path / "needs_a_package.py").write_text("import not_installed_anywhere\n")
+    run = accel_cli("doctor", target, "--out", str(tmp_path / "d.html"), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "not_installed_anywhere" in run.stderr and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr

@@ -8,6 +8,7 @@ import copy
 import html
 import math
 import time
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -896,3 +897,50 @@ def test_a_fix_slower_in_every_round_is_slower_here_with_too_few_rounds_for_an_i
     rows = report.try_fixes(["set_to_none"], repeats=trial.EVERY_ROUND, steps=1)
     (row,) = rows[rows["fixes"] == "set_to_none"].to_dict("records")
     assert row["measured speedup"] < 1 and row["status"] == "slower here", row
+
+
+def test_try_fixes_with_no_fix_to_try_runs_no_step(seed):
+    """Nothing to try: the step is not run again (a generator it draws from is not drawn)."""
+    model = nn.Linear(6, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    drawn = []
+
+    def batches():
+        while True:
+            drawn.append(1)
+            yield torch.randn(4, 6)
+
+    stream = batches()
+
+    def step():
+        loss = model(next(stream)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    report = doctor.examine(step, steps=1, warmup=1)
+    assert report.fixes() == []
+    before = len(drawn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trials = report.try_fixes()
+    assert trials.empty and len(drawn) == before
+    assert report.reached() == "nothing was found, so no fix was tried"
+
+
+def test_compile_of_a_model_with_dropout_is_judged_on_the_same_masks(seed):
+    """Dropout in training draws its masks: compiled, they are drawn as the unchanged step draws
+    them, so the trial's error is rounding, not two different masks."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(8, 16), steps=1, warmup=1)
+    (row,) = report.try_fixes(["compile"], steps=2, repeats=2).to_dict("records")
+    assert row["error"] <= row["allowance"] and "changes results" not in row["status"], row

@@ -1215,3 +1215,60 @@ def test_a_dataset_a_batch_object_holds_is_not_copied(seed):
     owned = own_batch(batch)
     assert owned.source is data and owned.x is not batch.x
     assert torch.equal(owned.x, batch.x)
+
+
+def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(seed):
+    # the doctor's reads of a loader start its workers; a persistent loader would keep them,
+    # and its iterator, for the user's first epoch
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    loader = DataLoader(data, batch_size=16, num_workers=1, persistent_workers=True)
+    model = nn.Linear(8, 1)
+    step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    children = set(multiprocessing.active_children())
+    doctor.examine(lambda batch: step(batch[0]), loader=loader, steps=1, warmup=1)
+    assert loader._iterator is None
+    assert set(multiprocessing.active_children()) == children
+
+
+def test_a_file_written_through_a_handle_opened_before_the_step_is_said_not_put_back(
+    seed, tmp_path
+):
+    # a log opened at import: the doctor cannot put back what the step appends through it,
+    # and says so (not only that something it holds changed)
+    model, opt = small()
+    log = open(tmp_path / "train.log", "a")  # noqa: SIM115 - held open, as a script holds it
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        print(float(loss), file=log, flush=True)
+        return loss.detach()
+
+    try:
+        report = examined(step, torch.randn(5, 4))
+    finally:
+        log.close()
+    assert named_before_numbers(report, "closure 'log' (an open file written through, not put back)")
+
+
+def test_a_step_that_pops_from_its_batch_gets_the_whole_batch_every_call(seed):
+    # ``labels = batch.pop("labels")``, as loops written after Trainer's compute_loss do: in
+    # training each call has a batch of its own, so every call here starts from the whole one
+    model, opt = small()
+    batch = {"x": torch.randn(5, 4), "labels": torch.randn(5, 2)}
+
+    def step(batch):
+        labels = batch.pop("labels")
+        loss = (model(batch["x"]) - labels).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = examined(step, batch)
+    rows = report.try_fixes(["set_to_none"], steps=2, repeats=2)
+    assert set(batch) == {"x", "labels"}
+    assert not rows["status"].str.startswith("failed").any(), rows["status"].tolist()

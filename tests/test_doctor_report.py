@@ -547,6 +547,48 @@ def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
     assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()
 
 
+LOGGING_STEP = """
+import os
+import torch
+
+model = torch.nn.Linear(7, 3)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "losses.txt")
+
+
+def step(batch):
+    loss = model(batch).square().mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    with open(LOG, "a") as log:
+        log.write(f"{loss.item()}\\n")
+
+
+def make():
+    return step, torch.randn(5, 7)
+"""
+
+
+def test_cli_says_what_the_trials_changed_in_the_report_not_in_a_warning_of_its_own_code(
+    tmp_path, capsys
+):
+    # the report's first line names the file the step wrote; a warning pointing at the
+    # doctor's own source line would only repeat it
+    from accel.__main__ import main
+
+    (tmp_path / "logging_step.py").write_text(LOGGING_STEP)
+    out = str(tmp_path / "d.html")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["doctor", f"{tmp_path / 'logging_step.py'}:make", "--try-fixes",
+                     "--steps", "1", "--out", out]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert printed.startswith("Caution: wrote") and "losses.txt" in printed
+    assert not [w for w in caught if "accel/doctor" in w.filename], [str(w) for w in caught]
+    assert not (tmp_path / "losses.txt").exists()
+
+
 def test_fixes_that_cannot_run_here_are_not_said_to_have_made_nothing_faster(seed):
     """On a CPU a step's only fix (its .item() read later) needs a GPU: nothing was measured."""
     model = nn.Linear(6, 2)
@@ -670,6 +712,70 @@ def test_cli_takes_a_file_of_a_package_that_imports_its_siblings_relatively(tmp_
     step, batch, _ = load_step("user_pkg_rel/train.py:make")
     assert callable(step) and batch.shape == (5, 7)
     assert str(tmp_path) not in sys.path
+
+
+
+@pytest.mark.parametrize("target", ["scripts/late_import.py:make", "late_import:make"])
+def test_cli_keeps_the_scripts_folder_importable_while_its_functions_run(
+    tmp_path, monkeypatch, target
+):
+    # a script that imports its sibling inside a function, as it runs alone (``python
+    # scripts/late_import.py``, ``python -m late_import``): the import works when make runs
+    from accel.__main__ import main
+
+    folder = tmp_path / "scripts" if target.startswith("scripts/") else tmp_path
+    folder.mkdir(exist_ok=True)
+    (folder / "sibling_of_late_import.py").write_text(PLAIN_STEP)
+    (folder / "late_import.py").write_text(
+        "def make():\n    from sibling_of_late_import import make\n    return make()\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    path = list(sys.path)
+    assert main(["doctor", target, "--steps", "1", "--out", str(tmp_path / "d.html")]) == 0
+    assert sys.path == path
+
+
+PICKLING_SCRIPT = """
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Config:
+    lr: float = 0.1
+
+
+config = Config()
+model = torch.nn.Linear(7, 3)
+opt = torch.optim.SGD(model.parameters(), lr=config.lr)
+
+
+def step(batch):
+    loss = model(batch).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return len(pickle.dumps(config))  # as a checkpoint saved with its config
+
+
+def make():
+    return step, torch.randn(5, 7)
+"""
+
+
+def test_cli_runs_a_script_named_by_its_path_that_pickles_its_own_classes(tmp_path):
+    # run alone, the script pickles its own Config; loaded from its path it must too
+    from accel.__main__ import main
+
+    (tmp_path / "pickling_script.py").write_text(PICKLING_SCRIPT)
+    target = f"{tmp_path / 'pickling_script.py'}:make"
+    try:
+        assert main(["doctor", target, "--steps", "1", "--out", str(tmp_path / "d.html")]) == 0
+    finally:
+        sys.modules.pop("pickling_script", None)
 
 
 ARGV_SCRIPT = '''

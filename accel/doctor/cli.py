@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import importlib.util
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,31 +78,44 @@ def _load_file(path: Path) -> Any:
     it, so that its relative imports work."""
     if not path.is_file():
         raise UsageError(f"no such file: {path}")
-    root, names = path.resolve().parent, [path.stem]
-    while (root / "__init__.py").is_file():
-        root, names = root.parent, [root.name, *names]
+    root, names = _importing_root(path)
     if len(names) > 1:
         return _import(".".join(names), root)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.resolve().parent))
+    sys.modules.setdefault(spec.name, module)  # its own classes pickled, as run alone
+    sys.path.insert(0, str(root))
     try:
         spec.loader.exec_module(module)
+    except ImportError as error:
+        raise UsageError(f"cannot import {path}: {error}") from None
     finally:
         sys.path.pop(0)
     return module
 
 
+def _importing_root(path: Path) -> tuple[Path, list[str]]:
+    """The folder a file is imported from and its module's names: above its package, if any."""
+    root, names = path.resolve().parent, [path.stem]
+    while (root / "__init__.py").is_file():
+        root, names = root.parent, [root.name, *names]
+    return root, names
+
+
 @contextlib.contextmanager
-def _script_argv(target: str, script_args: list[str]) -> Iterator[None]:
-    """``sys.argv`` as the script would see it run alone (its own arguments, those after
-    ``--``), not the doctor's, while it loads and runs; put back after."""
-    saved = sys.argv
-    sys.argv = [target.rpartition(":")[0], *script_args]
+def _as_run_alone(target: str, script_args: list[str]) -> Iterator[None]:
+    """``sys.argv`` and ``sys.path`` as the script would see them run alone (its own arguments,
+    those after ``--``, and its folder importable), not the doctor's, while it loads and runs;
+    put back after."""
+    saved = sys.argv, list(sys.path)
+    script = target.rpartition(":")[0]
+    sys.argv = [script, *script_args]
+    root = _importing_root(Path(script))[0] if script.endswith(".py") else Path.cwd()
+    sys.path.insert(0, str(root))
     try:
         yield
     finally:
-        sys.argv = saved
+        sys.argv, sys.path[:] = saved
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -113,12 +127,14 @@ def _doctor(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
     check_writable(args.out, "--out")  # before the examination, which takes a while
     out = args.out.absolute()  # where the command runs, also if the script changes folder
-    with _script_argv(args.target, args.script_args):
+    with _as_run_alone(args.target, args.script_args):
         step, batch, loader = load_step(args.target)
         report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
                          allow_training=args.allow_training)
         if args.try_fixes:
-            report.try_fixes()
+            with warnings.catch_warnings():  # what the trials changed: the report's first line
+                warnings.filterwarnings("ignore", "accel.doctor's trials", RuntimeWarning)
+                report.try_fixes()
     print(report)
     if report.trials is not None:
         if not report.trials.empty:

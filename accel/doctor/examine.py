@@ -3,6 +3,7 @@ and return a :class:`~accel.doctor.report.Report` of what the checks found."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import time
@@ -23,7 +24,7 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
     check_memory,
 )
 from accel.doctor.findings import CHECKS, Evidence, Finding
-from accel.doctor.fixes import NO_BATCH, own_batch
+from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.parts import StepParts, copy_step, find_parts
 from accel.doctor.reach import is_library
@@ -101,6 +102,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
             f"loader must be an iterable the doctor can start again (a DataLoader), got an "
             f"iterator ({type(loader).__name__}), whose batches it would use up"
         )
+    loader = _own_loader(loader)
     with Session() as session:  # the random generators put back; files written recorded
         if batch is NO_BATCH and loader is not None:
             batch = next(iter(loader))
@@ -181,7 +183,7 @@ def _step_us(call: Callable[[], Any], device: torch.device) -> float:
 
 
 def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
-    return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch)))
+    return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch_for_a_call(batch))))
 
 
 class _Repeated:
@@ -291,6 +293,16 @@ def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float)
         "num_workers": getattr(loader, "num_workers", None),
         "pin_memory": getattr(loader, "pin_memory", None),
     }
+
+
+def _own_loader(loader: Iterable[Any] | None) -> Iterable[Any] | None:
+    """A DataLoader's copy to read from: the iterator and workers a persistent one keeps are
+    then the copy's, ended with it, never the user's loader's."""
+    if not isinstance(loader, torch.utils.data.DataLoader):
+        return loader
+    copied = copy.copy(loader)
+    copied._iterator = None
+    return copied
 
 
 def _breaks(step: Callable[..., Any], parts: StepParts, batch: Any, own: bool):

@@ -6,6 +6,7 @@ several applied to one copy are the combined trial.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import functools
@@ -69,7 +70,7 @@ class StepCopy:
             pinned, device = _pinned_host(batch), self.device
             return lambda: inner(_to_device(pinned, device))
         batch = _to_device(batch, self.device) if self.on_device_batch else batch  # a graph's
-        return functools.partial(inner, batch)  # inputs stay where it captured them
+        return lambda: inner(batch_for_a_call(batch))  # inputs stay where it captured them
 
 
 NO_BATCH = object()  # the step takes no argument
@@ -103,6 +104,12 @@ def own_batch(batch: Any, depth: int = 0) -> Any:
     pandas data, and the objects holding them (a dataclass, a tokenizer's mapping) copied: a
     step that changes its batch in place changes the copy, never the user's."""
     return tree_map(lambda leaf: _own_leaf(leaf, depth), batch)
+
+
+def batch_for_a_call(batch: Any) -> Any:
+    """The batch's own mapping or list new for each call, its items the same: a step that takes
+    one out (``batch.pop("labels")``) finds it again next call, as training's next batch has it."""
+    return copy.copy(batch) if isinstance(batch, (dict, list, collections.UserDict)) else batch
 
 
 def _own_leaf(leaf: Any, depth: int) -> Any:
@@ -250,9 +257,10 @@ def _compiled(model: torch.nn.Module) -> bool:
 
 def _compile_forwards(model: torch.nn.Module) -> None:
     """The forward, bound (Module.compile() is skipped by some torch); a container without one
-    (ModuleList, ModuleDict), whose layers the step calls itself: each layer's."""
+    (ModuleList, ModuleDict), whose layers the step calls itself: each layer's. Random ops
+    (dropout) draw as in eager, so the trial compares the same masks as the unchanged step's."""
     if type(model).forward is not torch.nn.Module.forward:
-        model.forward = torch.compile(model.forward)
+        model.forward = torch.compile(model.forward, options={"fallback_random": True})
         return
     for child in model.children():
         _compile_forwards(child)

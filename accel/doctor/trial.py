@@ -120,6 +120,9 @@ def _trials(report, names: list[str], steps: int, repeats: int, progress: bool):
     """The unchanged step's own spread, each fix alone, then the best set of them."""
     from tqdm.auto import tqdm
 
+    if not names:  # nothing to try: the step is not run again
+        return []
+
     with tqdm(total=len(names) + 2, desc="fixes", disable=not progress) as bar:
         bar.set_description_str("running the unchanged step twice")
         spread = own_spread(report, steps)

@@ -107,7 +107,8 @@ class Untouched:
                 self._tensors.append((where, value))
             elif what in _SUMMARIES:
                 summary = functools.partial(_SUMMARIES[what], value, self._alive)
-                self._probes.append((where, summary))
+                said = " (an open file written through, not put back)" if what == "file" else ""
+                self._probes.append((where + said, summary))
             elif what == "writes":
                 scope, home = value.__globals__, value.__globals__ is reach.home
                 for name in sorted(stored_globals(value.__code__)):
