@@ -932,15 +932,7 @@ def test_compile_of_a_model_with_dropout_is_judged_on_the_same_masks(seed):
     """Dropout in training draws its masks: compiled, they are drawn as the unchanged step draws
     them, so the trial's error is rounding, not two different masks."""
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.1), nn.Linear(16, 1))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
     report = doctor.examine(step, torch.randn(8, 16), steps=1, warmup=1)
     (row,) = report.try_fixes(["compile"], steps=2, repeats=2).to_dict("records")
     assert row["error"] <= row["allowance"] and "changes results" not in row["status"], row
