@@ -946,6 +946,15 @@ def test_loader_wait_over_five_percent_of_the_step_is_an_input_finding():
     assert check_host.input_pipeline(evidence(loader=loader(40.0))) == []
 
 
+def test_the_loader_change_asks_for_no_more_workers_than_the_process_has_cores(monkeypatch):
+    loader = {"shapes": {((8, 16),)}, "batches": 8, "wait_us": 80.0, "num_workers": 0,
+              "pin_memory": False}  # fmt: skip
+    for cores, workers in ((2, 2), (1, 1), (64, 4)):
+        monkeypatch.setattr(check_host.os, "sched_getaffinity", lambda _, n=cores: set(range(n)))
+        (found,) = check_host.input_pipeline(evidence(loader=loader))
+        assert f"num_workers={workers}," in found.change
+
+
 def finding(kind, saved_us):
     return Finding(kind, kind, "", "", "", "", saved_us=saved_us)
 

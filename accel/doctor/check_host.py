@@ -5,6 +5,7 @@ step (the device waiting for the host), the input pipeline, and communication in
 from __future__ import annotations
 
 import math
+import os
 from collections import Counter
 
 import torch
@@ -297,8 +298,16 @@ def pinned_saving_us(copy_us: float, nbytes: int, pinned_gb_s: float) -> float:
     return max(0.0, copy_us - nbytes / (pinned_gb_s * 1e3))
 
 
+def _cores() -> int:
+    """The cores this process may run on (a container's share, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
     settings = f"num_workers={loader['num_workers']}, pin_memory={loader['pin_memory']}"
+    workers = min(4, _cores())  # more workers than cores only take turns
     return Finding(
         kind="input",
         title=f"the step waits {loader['wait_us'] / 1e3:.2f} ms per batch for its data",
@@ -307,7 +316,7 @@ def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
         cost_model="worker processes load the next batches while the step runs: the wait is "
         "saved as long as the workers keep up",
         notebook="07_recipe",
-        change="DataLoader(dataset, batch_size=..., num_workers=4, pin_memory=True,\n"
+        change=f"DataLoader(dataset, batch_size=..., num_workers={workers}, pin_memory=True,\n"
         "           persistent_workers=True, prefetch_factor=4)",
         saved_us=loader["wait_us"],
     )
