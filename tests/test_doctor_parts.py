@@ -591,3 +591,11 @@ def test_a_state_carried_from_step_to_step_with_its_graph_is_copied_without_it(s
     before = hidden
     report = doctor.examine(step, torch.randn(2, 3, 4), steps=1, warmup=1)
     assert report.step_ms > 0 and hidden is before
+
+
+def test_a_compiled_model_is_described_by_the_users_class():
+    model = nn.Sequential(nn.Linear(4, 4))
+    compiled = torch.compile(model)
+    parts = StepParts()
+    parts.add(compiled, "global 'cmodel'")
+    assert parts.describe() == "Sequential, compiled (global 'cmodel')"

@@ -93,7 +93,13 @@ class StepParts:
         """One line: what was found and where, for the report."""
         if not self.all:
             return "no model or optimizer found in what the step reaches"
-        return "; ".join(f"{type(v).__name__} ({self.where[id(v)]})" for v in self.all)
+        return "; ".join(f"{_class_name(v)} ({self.where[id(v)]})" for v in self.all)
+
+
+def _class_name(value: Any) -> str:
+    """The user's class, also behind ``torch.compile``'s wrapper."""
+    inner = getattr(value, "_orig_mod", None)
+    return f"{type(inner).__name__}, compiled" if isinstance(inner, nn.Module) else type(value).__name__
 
 
 # ---- finding -------------------------------------------------------------------------------------
