@@ -249,9 +249,10 @@ def test_a_warning_during_the_bench_is_one_line_above_the_bar(monkeypatch, capsy
 
 
 def test_the_recipes_seed_and_single_run_validation_rows_are_groups_apart():
-    """A part's rerun replaces its groups' rows together ("<group>: ..."): the quality part's row
+    """A part's rerun replaces its groups' rows together ("<group>: ..."): each seed's quality row
     and the cumulative part's validation row must not share a group, or one rerun drops the
     other's."""
     from accel.lab.cases import recipe
 
-    assert recipe.QUALITY_CASE.split(": ")[0] != recipe.VALIDATION_CASE.split(": ")[0]
+    groups = {recipe.QUALITY_CASE.format(seed=s).split(": ")[0] for s in (1, 2)}
+    assert len(groups) == 2 and recipe.VALIDATION_CASE.split(": ")[0] not in groups
