@@ -1027,6 +1027,20 @@ def test_runs_of_memory_bound_kernels_are_predicted_fused_without_the_tensors_th
     assert found.saved_us == pytest.approx(60.0 - 8 * 2**20 / (COPY_GB_S * 1e3))
 
 
+def test_fused_runs_also_save_their_launches_while_the_device_waits_for_the_host():
+    """A run of three kernels fused is one launch: two launches fewer, which shorten the step
+    only while the device waits for the host (as a loop's launches do)."""
+    x = info(1024, 1024)
+    ops = indexed([op(name, x, outputs=(x,), time_us=20.0)
+                   for name in ("aten::add", "aten::gelu", "aten::mul")])  # fmt: skip
+    kernels_alone = check_compute.fusion(evidence(ops, tl=timeline_of(step_us=400.0)))[0].saved_us
+    waiting = evidence(ops, tl=timeline_of(step_us=400.0, idle={"host": 100.0}))
+    (found,) = check_compute.fusion(waiting)
+    assert found.saved_us == pytest.approx(kernels_alone + 2 * LAUNCH_US)
+    short = evidence(ops, tl=timeline_of(step_us=400.0, idle={"host": 5.0}))
+    assert check_compute.fusion(short)[0].saved_us == pytest.approx(kernels_alone + 5.0)
+
+
 def test_no_fusion_finding_when_compiled_little_memory_bound_or_on_a_cpu():
     x = info(256, 256)
     ops = indexed([op("aten::add", x, outputs=(x,), time_us=5.0)] * 2)
