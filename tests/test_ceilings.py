@@ -61,3 +61,10 @@ def test_gpu_copy_in_probe_gives_a_rate_and_leaves_nothing_allocated(pinned):
     rate = ceilings.measure_copy_in_gb_s("cuda", 8 << 20, pinned=pinned)
     assert math.isfinite(rate) and rate > 0
     assert torch.cuda.memory_allocated() == before
+
+
+def test_measuring_the_ceilings_leaves_the_random_generators_as_they_were():
+    """The doctor measures them on a user's behalf: their random state stays theirs."""
+    before = torch.get_rng_state()
+    ceilings.measure_ceilings("cpu", "cpu")
+    assert torch.equal(torch.get_rng_state(), before)

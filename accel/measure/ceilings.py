@@ -63,7 +63,8 @@ def matmul_dtype(device: torch.device) -> torch.dtype:
 
 def measure_copy_gb_s(device: torch.device, nbytes: int, repeats: int) -> float:
     """Device-to-device copy bandwidth, counting bytes read plus bytes written."""
-    src = torch.rand(nbytes // 4, device=device)  # random, never zeros
+    gen = torch.Generator(device).manual_seed(0)  # the process's own generators left as they were
+    src = torch.rand(nbytes // 4, device=device, generator=gen)  # random, never zeros
     dst = torch.empty_like(src)
     t = time_fn(lambda: dst.copy_(src), label="copy", warmup=3, repeats=repeats, device=device)
     return 2 * src.numel() * src.element_size() / (t.median_ms * 1e-3) / 1e9
@@ -94,7 +95,9 @@ def measure_copy_in_gb_s(
     if device.type != "cuda":
         raise ValueError(f"a copy in from the host needs a CUDA device, got {str(device)!r}")
     count = 1 if pinned else min(8, max(2, PAGEABLE_SOURCES_BYTES // max(1, nbytes)))
-    sources = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8) for _ in range(count)]
+    gen = torch.Generator().manual_seed(0)
+    sources = [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+               for _ in range(count)]  # fmt: skip
     sources = [src.pin_memory() for src in sources] if pinned else sources
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     turn = itertools.count()
@@ -109,8 +112,8 @@ def measure_copy_in_gb_s(
 def measure_matmul_tflop_s(device: torch.device, n: int, repeats: int) -> float:
     """Dense n x n x n matrix-product rate on random inputs."""
     dtype = matmul_dtype(device)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    gen = torch.Generator(device).manual_seed(0)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype, generator=gen) for _ in range(2))
     out = torch.empty(n, n, device=device, dtype=dtype)
     t = time_fn(
         lambda: torch.mm(a, b, out=out), label="matmul", warmup=3, repeats=repeats, device=device
