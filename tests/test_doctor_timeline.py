@@ -10,9 +10,12 @@ import pytest
 from accel.doctor.timeline import Timeline
 
 
-def timeline(kernels, *, launches=(), syncs=(), window=None, steps=1, gap_scale=1.0):
+def timeline(kernels, *, launches=(), syncs=(), window=None, steps=1, host_end=math.nan,
+             events=(), event_us=0.0):  # fmt: skip
     """``kernels``: (start, end, category); ``launches``: each kernel's launch, in order (none
-    seen for the rest); the per-step totals derived from them."""
+    seen for the rest); ``syncs``: the host's blocking calls (start, end); ``events``: when the
+    host recorded an event, each costing the profiler ``event_us``; the per-step totals derived
+    from them."""
     by_category: dict[str, float] = {}
     for a, b, c in kernels:
         by_category[c] = by_category.get(c, 0.0) + (b - a) / steps
@@ -22,8 +25,8 @@ def timeline(kernels, *, launches=(), syncs=(), window=None, steps=1, gap_scale=
         device="cuda:0", steps=steps, step_us=(window[1] - window[0]) / steps,
         kernel_us=sum(b - a for a, b, _ in kernels) / steps, busy_us=0.0, kernels=len(kernels),
         launches=len(launches), syncs=len(syncs), by_category=by_category,
-        spans=tuple((*k, t) for k, t in zip(kernels, at, strict=True)), sync_ends=tuple(syncs),
-        window=window, gap_scale=gap_scale,
+        spans=tuple((*k, t) for k, t in zip(kernels, at, strict=True)), sync_spans=tuple(syncs),
+        host_events=tuple(sorted(events)), window=window, host_end=host_end, host_event_us=event_us,
     )  # fmt: skip
 
 
@@ -34,9 +37,9 @@ def test_a_device_bound_step_saves_all_its_kernels_save():
 
 
 def test_a_step_whose_device_waits_for_the_host_saves_nothing():
-    # each kernel launched (at 0, 200, 400) long after the last one ended
+    # each kernel launched (at 0, 190, 390) long after the last one ended; the host ends at 460
     kernels = [(0, 50, "matmul"), (200, 250, "matmul"), (400, 450, "matmul")]
-    t = timeline(kernels, launches=(0, 190, 390), window=(0, 460))
+    t = timeline(kernels, launches=(0, 190, 390), window=(0, 460), host_end=460)
     assert t.step_saving_us({"matmul": 75.0}) == pytest.approx(0.0)
     # the host sends the second kernel 10 µs after the first ends: of 25 saved on the first, 0 stay
     near = timeline([(0, 50, "matmul"), (60, 110, "other")], launches=(0, 55))
@@ -53,23 +56,43 @@ def test_a_host_barely_ahead_keeps_the_saving_it_leaves_room_for():
 
 
 def test_after_a_sync_the_host_goes_on_as_much_earlier_as_the_device_finished():
-    # products, then the host reads a number (sync returns at 105), then launches more at 110
+    # products, then the host reads a number (waits from 20 to 105), then launches more at 110
     kernels = [(0, 100, "matmul"), (120, 170, "other")]
-    t = timeline(kernels, launches=(0, 110), syncs=(105,), window=(0, 170))
+    t = timeline(kernels, launches=(0, 110), syncs=((20, 105),), window=(0, 170))
     assert t.step_saving_us({"matmul": 40.0}) == pytest.approx(40.0)
 
 
-def test_savings_are_per_step_and_gaps_scale_to_the_unprofiled_step():
+def test_savings_are_per_step():
     two_steps = timeline([(0, 100, "matmul"), (100, 200, "matmul")], steps=2)
     assert two_steps.step_saving_us({"matmul": 50.0}) == pytest.approx(50.0)
-    # the profiler's host time made the device wait 100 µs; the real step waits 10
+
+
+def test_the_profilers_own_cost_per_event_is_taken_off_the_host():
+    # the host recorded 20 events between the first kernel's end and queuing the second (at 190)
     kernels = [(0, 100, "matmul"), (200, 300, "other")]
-    t = timeline(kernels, launches=(0, 150), gap_scale=0.1)
-    assert t.step_saving_us({"matmul": 50.0}) == pytest.approx(0.0)
-    # the gap after the second kernel is the host's too: its saving is lost in it, scaled or not
-    tail = timeline([(0, 100, "matmul"), (100, 200, "matmul")], launches=(0, 50), window=(0, 400),
-                    gap_scale=0.5)  # fmt: skip
+    events = [100 + 4 * i for i in range(20)]
+    # the profiled host, 90 µs late: a faster first kernel changes nothing
+    assert timeline(kernels, launches=(0, 190), events=events).step_saving_us(
+        {"matmul": 50.0}) == pytest.approx(0.0)  # fmt: skip
+    # 5 µs an event: the bare host queues it at 90, still after the halved kernel's end
+    slow = timeline(kernels, launches=(0, 190), events=events, event_us=5.0)
+    assert slow.step_saving_us({"matmul": 50.0}) == pytest.approx(0.0)
+    # 6 µs an event: queued at 70 and started 10 later (the launch's own latency): 20 of 50 stay
+    fast = timeline(kernels, launches=(0, 190), events=events, event_us=6.0)
+    assert fast.step_saving_us({"matmul": 50.0}) == pytest.approx(20.0)
+    # the host's own time never goes below nothing, however costly the events: all of it stays
+    free = timeline(kernels, launches=(0, 190), events=events, event_us=1e3)
+    assert free.step_saving_us({"matmul": 50.0}) == pytest.approx(50.0)
+
+
+def test_a_host_that_ends_after_the_kernels_keeps_the_step_as_long():
+    tail = timeline([(0, 100, "matmul"), (100, 200, "matmul")], launches=(0, 50), host_end=400)
     assert tail.step_saving_us({"matmul": 100.0}) == pytest.approx(0.0)
+    # the bare host ends sooner: 50 events at 4 µs leave it ending at 200, when the kernels end
+    bare = timeline([(0, 100, "matmul"), (100, 200, "matmul")], launches=(0, 50), host_end=400,
+                    events=[200 + i for i in range(50)], event_us=4.0)  # fmt: skip
+    assert bare.step_saving_us({"matmul": 100.0}) == pytest.approx(0.0)
+    assert bare.step_saving_us({"matmul": 0.0}) == 0.0
 
 
 def test_without_profiled_kernels_the_saving_is_the_kernels_own():
@@ -89,7 +112,8 @@ def test_findings_of_the_kernels_alone_keep_what_the_replayed_step_keeps():
                        saved_by_fix={fixes[0]: saved})  # fmt: skip
 
     # the host sends every kernel late: faster kernels leave the step as long as it was
-    waiting = timeline([(0, 50, "matmul"), (200, 250, "matmul")], launches=(0, 190), window=(0, 260))
+    waiting = timeline([(0, 50, "matmul"), (200, 250, "matmul")], launches=(0, 190), window=(0, 260),
+                       host_end=260)  # fmt: skip
     bf16, sync = finding(("bf16_autocast",), 60.0), finding(("deferred_reads",), 60.0)
     replay_device_savings([bf16, sync], waiting)
     assert bf16.saved_us == 0.0 and bf16.saved_by_fix == {"bf16_autocast": 0.0}

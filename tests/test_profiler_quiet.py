@@ -132,3 +132,31 @@ def test_a_profile_of_graph_replays_alone_is_not_taken_again(monkeypatch):
     profiles = _fake_profile(monkeypatch, rounds=[False], launch="cudaGraphLaunch")
     run = profiling.profile_steps(lambda: None, torch.device("cuda"), steps=1)
     assert len(profiles) == 1 and run.work == []
+
+
+def test_the_devices_copies_of_user_ranges_are_not_its_work():
+    """The optimizer's ``Optimizer.step#AdamW.step`` range is copied onto the device's timeline,
+    spanning the kernels it launched: counted as work, its time would count twice."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from accel.profiling import device_work
+
+    def event(name, device_type, annotation=False):
+        return SimpleNamespace(name=name, device_type=device_type, is_user_annotation=annotation)
+
+    events = [event("Optimizer.step#AdamW.step", DeviceType.CUDA, annotation=True),
+              event("multi_tensor_apply_kernel", DeviceType.CUDA),
+              event("aten::add_", DeviceType.CPU), event("accel.step", DeviceType.CUDA)]  # fmt: skip
+    work = device_work(events, frozenset({"accel.step"}))
+    assert [e.name for e in work] == ["multi_tensor_apply_kernel"]
+
+
+def test_the_profilers_cost_per_event_is_measured_once_per_device():
+    from accel import profiling
+
+    state = torch.get_rng_state()
+    first = profiling.profiler_event_us("cpu")
+    assert 0.0 <= first < 1e3 and profiling.profiler_event_us(torch.device("cpu")) == first
+    assert torch.equal(torch.get_rng_state(), state)  # the probe draws nothing

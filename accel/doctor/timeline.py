@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accel.profiling import profile_steps, union_length
+from accel.profiling import profile_steps, profiler_event_us, union_length
 
 __all__ = ["CALLS", "Timeline", "kernel_category", "profile_timeline"]
 
@@ -62,50 +62,55 @@ class Timeline:
     comm_us: float = 0.0
     comm_overlap_us: float = 0.0  # communication time during which compute also ran
     # the profiled window itself, for :meth:`step_saving_us`: each kernel's (start, end, category,
-    # its launch's start or NaN) in start order, the host's sync returns, the window's ends, and
-    # what the real step's idle time is of the profiled one's
+    # the start of the runtime call that queued it, or NaN) in start order, the host's blocking
+    # calls, the start of every event the host recorded, the window's ends and the host's end
     spans: tuple[tuple[float, float, str, float], ...] = field(default=(), repr=False)
-    sync_ends: tuple[float, ...] = field(default=(), repr=False)
+    sync_spans: tuple[tuple[float, float], ...] = field(default=(), repr=False)
+    host_events: tuple[float, ...] = field(default=(), repr=False)
     window: tuple[float, float] = (0.0, 0.0)
-    gap_scale: float = 1.0
+    host_end: float = math.nan  # the last step's end on the host (NaN: its last call)
+    host_event_us: float = 0.0  # what the profiler added to the host's time per recorded event
 
     def step_saving_us(self, saved_by_category: dict[str, float]) -> float:
         """The step's time saved per step when each category's kernels take
-        ``saved_by_category[c]`` µs a step less (in proportion to their time). The profiled
-        kernels are replayed in order, each starting when the one before it ends but no earlier
-        than the host launched it: a kernel launched after the one before it had ended kept the
-        device waiting (that wait scaled to the unprofiled step), one launched earlier was queued
-        that much ahead. After a sync the host goes on as much earlier as the device finished.
-        A kernel made faster while the host holds the device back saves nothing. Without profiled
-        kernels (a CPU), the kernels' own saving."""
+        ``saved_by_category[c]`` µs a step less (in proportion to their time), replayed on the
+        profiled window. The host runs as profiled, less the profiler's own cost per event it
+        recorded (:attr:`host_event_us`). A kernel starts once the one before it has ended and
+        the host has queued it (plus the launch's own latency where the device waited for it); a
+        blocking call returns once the host reached it and the device finished what was queued
+        before it. A kernel made faster while the host holds the device back saves nothing.
+        Without profiled kernels (a CPU), the kernels' own saving."""
         if not self.spans or not self.steps:
             return sum(saved_by_category.values())
         factor = {c: min(1.0, max(0.0, 1 - saved / self.by_category[c]))
                   for c, saved in saved_by_category.items() if self.by_category.get(c, 0) > 0}  # fmt: skip
-        old_end = new_end = seen_end = self.window[0]
-        shift, syncs = 0.0, iter(self.sync_ends)
-        next_sync = next(syncs, math.inf)
-        for start, end, category, launched in self.spans:
-            host_at = start if math.isnan(launched) else launched
-            while next_sync <= host_at:  # the host came back from a sync: as early as the device
-                shift, next_sync = new_end - old_end, next(syncs, math.inf)
-            gap = max(0.0, start - seen_end) * self.gap_scale
-            old_start = old_end + gap
-            if math.isnan(launched):  # no launch seen: taken as queued
-                new_start = new_end + gap
-            elif launched >= seen_end:  # the device waited for this launch
-                new_start = max(old_start + shift, new_end)
-            else:  # queued ahead of the device by seen_end - launched
-                new_start = max(old_start - (seen_end - launched) + shift, new_end + gap)
-            old_end = old_start + (end - start)
-            new_end = new_start + (end - start) * factor.get(category, 1.0)
-            seen_end = max(seen_end, end)
-        if next_sync < math.inf:
-            shift = new_end - old_end
-        host_tail = max(0.0, self.window[1] - seen_end) * self.gap_scale
-        old_stop = old_end + host_tail
-        new_stop = max(new_end, old_stop + shift) if host_tail > 0 else new_end
-        return max(0.0, old_stop - new_stop) / self.steps
+        return max(0.0, self._replayed_us({}) - self._replayed_us(factor)) / self.steps
+
+    def _replayed_us(self, factor: dict[str, float]) -> float:
+        """The window's length replayed with each category's kernels ``factor`` as long."""
+        events, cost = self.host_events, self.host_event_us
+        anchor = at = done = host_at = seen = self.window[0]  # seen: the profiled device's end
+        counted = 0  # events recorded before the anchor
+
+        def host(t: float) -> float:  # when the replayed host reaches profiled time t
+            return at + max(0.0, t - anchor - cost * (bisect.bisect_left(events, t) - counted))
+
+        syncs = iter(self.sync_spans)
+        sync = next(syncs, None)
+        for start, end, category, queued in self.spans:
+            while sync is not None and sync[1] <= (start if math.isnan(queued) else queued):
+                at = max(host(sync[0]), done)  # returns once the device drained the queue
+                anchor, counted = sync[1], bisect.bisect_left(events, sync[1])
+                sync = next(syncs, None)
+            if not math.isnan(queued):  # no call seen: taken as queued behind the one before
+                host_at = max(host_at, host(queued) + max(0.0, start - max(queued, seen)))
+            done = max(done, host_at) + (end - start) * factor.get(category, 1.0)
+            seen = max(seen, end)
+        for sync in [sync, *syncs] if sync is not None else ():
+            at = max(host(sync[0]), done)
+            anchor, counted = sync[1], bisect.bisect_left(events, sync[1])
+        host_end = host(self.host_end) if not math.isnan(self.host_end) else self.window[0]
+        return max(host_end, done) - self.window[0]
 
     @property
     def idle_fraction(self) -> float:
@@ -132,7 +137,6 @@ class Timeline:
             comm_overlap_us=self.comm_overlap_us * work,
             by_category={k: v * work for k, v in self.by_category.items()},
             idle_us={k: v * scale for k, v in self.idle_us.items()},
-            gap_scale=scale,
         )
 
 
@@ -144,8 +148,8 @@ def profile_timeline(
     cuda, t0, t1 = run.cuda, run.start_us, run.end_us
     spans = [(e.time_range.start, e.time_range.end, e.name) for e in run.work]
     launches = sorted(e.time_range.start for e in run.launches)
-    blocking = [e.time_range for e in run.syncs]
-    sync_ends = sorted(r.end for r in blocking)
+    blocking = sorted((e.time_range for e in run.syncs), key=lambda r: r.end)
+    sync_ends = [r.end for r in blocking]
     busy = union_length([[a, b] for a, b, _ in spans])
     if cuda:
         idle = _idle_breakdown(spans, t0, t1, launches, sync_ends)
@@ -172,15 +176,18 @@ def profile_timeline(
         comm_us=comm * per,
         comm_overlap_us=overlap * per,
         spans=_replayable(run) if cuda else (),
-        sync_ends=tuple(sync_ends),
+        sync_spans=tuple((r.start, r.end) for r in blocking),
+        host_events=tuple(sorted(e.time_range.start for e in run.host)),
         window=(t0, t1),
+        host_end=max((e.time_range.end for e in run.host), default=t1),
+        host_event_us=profiler_event_us(device) if cuda else 0.0,
     )
 
 
 def _replayable(run) -> tuple[tuple[float, float, str, float], ...]:
-    """Each kernel's (start, end, category, launch start): the runtime call whose correlation id
-    is the kernel's (NaN where none was seen, or it started after the kernel)."""
-    launched = {e.id: e.time_range.start for e in run.launches}
+    """Each kernel's (start, end, category, queued): the start of the runtime call whose
+    correlation id is the kernel's (NaN where none was seen, or it started after the kernel)."""
+    launched = {e.id: e.time_range.start for e in run.enqueues}
     out = []
     for e in run.work:
         a, b = e.time_range.start, e.time_range.end
