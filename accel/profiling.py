@@ -92,6 +92,7 @@ class ProfiledSteps:
     end_us: float
     work: list  # kernels (CUDA) or ATen ops that did arithmetic (CPU) in the window, by start
     host: list  # the host's events inside the steps (runtime calls, ATen ops as it saw them)
+    event_us: float = 0.0  # the profiler's own host time per recorded event, where probed
 
     @property
     def launches(self) -> list:
@@ -110,14 +111,16 @@ class ProfiledSteps:
 
 
 def profile_steps(
-    call: Callable[[], object], device: torch.device, steps: int, **kwargs: Any
-) -> ProfiledSteps:
+    call: Callable[[], object], device: torch.device, steps: int, *, probe: bool = False,
+    **kwargs: Any,
+) -> ProfiledSteps:  # fmt: skip
     """Profile ``steps`` calls of ``call`` (warmed up already), each inside a step mark; ``kwargs``
     go to the profiler (``profile_memory=True``). On CUDA, a profile whose steps launched kernels
     and recorded none (CUPTI not attached: the teardown of the profile before can still be under
-    way) is taken again, once."""
+    way) is taken again, once. ``probe``: also measure the profiler's own host time per event it
+    records (:attr:`ProfiledSteps.event_us`)."""
     for _ in range(2):
-        run = _profiled(call, device, steps, **kwargs)
+        run = _profiled(call, device, steps, probe, **kwargs)
         # a graph's replay is left out: whether its kernels are traced depends on the CUDA version
         launched = [e for e in run.launches if e.name != "cudaGraphLaunch"]
         if not run.cuda or run.work or not launched:
@@ -128,65 +131,77 @@ def profile_steps(
     )
 
 
-def profiler_event_us(device: torch.device | str) -> float:
-    """The host time the profiler adds per event it records (measured once per device in this
-    process): tiny in-place adds timed on the host bare and inside one profile, their difference
-    per recorded event. A profiled step's host is that much slower per event than the bare step,
-    however long its own work between events is."""
-    key = str(torch.device(device))
-    if key not in _EVENT_US:
-        _EVENT_US[key] = _measured_event_us(torch.device(device))
-    return _EVENT_US[key]
-
-
-_EVENT_US: dict[str, float] = {}
-_PROBE_CALLS, _PROBE_REPEATS = 400, 5
-
-
-def _measured_event_us(device: torch.device) -> float:
-    x = torch.ones((), device=device)
-    cuda = device.type == "cuda"
-
-    def timed() -> float:
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(_PROBE_CALLS):
-            x.add_(1.0)
-        if cuda:
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - start
-
-    timed()  # warm-up
-    bare = statistics.median(timed() for _ in range(_PROBE_REPEATS))
-    with device_profile(device) as prof:
-        profiled = statistics.median([timed() for _ in range(_PROBE_REPEATS)])
-    recorded = sum(1 for e in prof.events() if e.device_type == DeviceType.CPU)
-    per_call = recorded / (_PROBE_CALLS * _PROBE_REPEATS)
-    return max(0.0, (profiled - bare) / _PROBE_CALLS / per_call * 1e6) if per_call else 0.0
-
-
 def _profiled(
-    call: Callable[[], object], device: torch.device, steps: int, **kwargs: Any
+    call: Callable[[], object], device: torch.device, steps: int, probe: bool, **kwargs: Any
 ) -> ProfiledSteps:
+    host_probe = _HostProbe(device) if probe else None
     with device_profile(device, **kwargs) as prof:
         for _ in range(steps):
             with record_function(STEP_MARK):
                 call()
+        if host_probe:
+            host_probe.run_profiled()
     events = list(prof.events())
     marks = [e for e in events if e.name == STEP_MARK and e.device_type == DeviceType.CPU]
     if not marks:
         raise RuntimeError("profiler recorded no step marks; was the step run under the profiler?")
     cuda = device.type == "cuda"
+    probed = [e for e in events if e.name == _PROBE_MARK and e.device_type == DeviceType.CPU]
+    stop = min((e.time_range.start for e in probed), default=math.inf)
     start = min(e.time_range.start for e in marks)
-    work = device_work(events, frozenset({STEP_MARK})) if cuda else cpu_kernels(events)
+    work = device_work(events, frozenset({STEP_MARK, _PROBE_MARK})) if cuda else cpu_kernels(events)
     work = sorted(
-        (e for e in work if e.time_range.start >= start), key=lambda e: e.time_range.start
+        (e for e in work if start <= e.time_range.start < stop), key=lambda e: e.time_range.start
     )
     end = max(e.time_range.end for e in [*marks, *work])
     inside = _inside(marks)
     host = [e for e in events if e.device_type == DeviceType.CPU and inside(e)]
-    return ProfiledSteps(prof, cuda, steps, start, end, work, host)
+    event_us = host_probe.event_us(events, probed) if host_probe else 0.0
+    return ProfiledSteps(prof, cuda, steps, start, end, work, host, event_us)
+
+
+class _HostProbe:
+    """The profiler's own host time per event it records: tiny in-place adds timed on the host
+    bare (before the profile) and inside it (after the steps, the device drained first), their
+    difference per recorded event."""
+
+    CALLS, REPEATS = 400, 5
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.x = device, torch.ones((), device=device)
+        self.timed()  # warm-up
+        self.bare = statistics.median(self.timed() for _ in range(self.REPEATS))
+        self.profiled = math.nan
+
+    def timed(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(self.CALLS):
+            self.x.add_(1.0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    def run_profiled(self) -> None:
+        times = []
+        for _ in range(self.REPEATS):
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the steps' kernels end before the mark
+            with record_function(_PROBE_MARK):
+                times.append(self.timed())
+        self.profiled = statistics.median(times)
+
+    def event_us(self, events: list, probed: list) -> float:
+        inside = _inside(probed)
+        recorded = sum(1 for e in events if e.device_type == DeviceType.CPU and inside(e)
+                       and e.name != _PROBE_MARK)  # fmt: skip
+        per_call = recorded / (self.CALLS * len(probed)) if probed else 0.0
+        added_us = (self.profiled - self.bare) / self.CALLS * 1e6
+        return max(0.0, added_us / per_call) if per_call else 0.0
+
+
+_PROBE_MARK = "accel.profiler_probe"
 
 
 def _inside(marks) -> Callable[[object], bool]:

@@ -123,3 +123,19 @@ def test_findings_of_the_kernels_alone_keep_what_the_replayed_step_keeps():
     tf32 = finding(("tf32",), 80.0)
     replay_device_savings([tf32], busy)
     assert tf32.saved_us == pytest.approx(80.0) and tf32.cost_model == "model"
+
+
+def test_the_host_is_taken_as_fast_as_the_step_timed_without_the_profiler_shows():
+    # the profiled host queues the second kernel at 190 after 20 events; the probe found 2 µs an
+    # event, which would leave the bare step 260 long: timed bare it took 220, so the host is
+    # faster, 4 µs an event less (queued at 110, started 10 later, ended 220)
+    kernels = [(0, 100, "matmul"), (200, 300, "other")]
+    events = [100 + 4 * i for i in range(20)]
+    t = timeline(kernels, launches=(0, 190), events=events, event_us=2.0)
+    bare = t.at_step_time(220.0)
+    assert bare.host_event_us == pytest.approx(4.0, rel=1e-6)
+    assert bare._replayed_us({}) == pytest.approx(220.0, rel=1e-6)
+    # timed bare shorter than the kernels alone: the host no later than needed to reach them
+    assert t.at_step_time(150.0)._replayed_us({}) == pytest.approx(200.0, rel=1e-2)
+    # timed bare longer than the replay at the probe's cost: the probe's cost stands
+    assert t.at_step_time(400.0).host_event_us == 2.0

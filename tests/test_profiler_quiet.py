@@ -153,10 +153,13 @@ def test_the_devices_copies_of_user_ranges_are_not_its_work():
     assert [e.name for e in work] == ["multi_tensor_apply_kernel"]
 
 
-def test_the_profilers_cost_per_event_is_measured_once_per_device():
-    from accel import profiling
+def test_a_probed_profile_measures_the_profilers_cost_per_event_apart_from_the_steps():
+    from accel.profiling import profile_steps
 
+    x = torch.randn(64, 64)
     state = torch.get_rng_state()
-    first = profiling.profiler_event_us("cpu")
-    assert 0.0 <= first < 1e3 and profiling.profiler_event_us(torch.device("cpu")) == first
+    plain = profile_steps(lambda: x @ x, torch.device("cpu"), steps=2)
+    probed = profile_steps(lambda: x @ x, torch.device("cpu"), steps=2, probe=True)
+    assert plain.event_us == 0.0 and 0.0 <= probed.event_us < 1e3
+    assert len(probed.work) == len(plain.work)  # the probe's own adds are not the steps' work
     assert torch.equal(torch.get_rng_state(), state)  # the probe draws nothing

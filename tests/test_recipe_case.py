@@ -212,6 +212,18 @@ def test_seed_errors_train_each_configuration_from_each_seed_in_processes_too():
                                torch.tensor(here["val_error"].values))  # fmt: skip
 
 
+def test_seed_errors_deal_the_trainings_to_the_devices_in_turn(monkeypatch):
+    configs = {"baseline": op.Flags(), "every 2nd": op.Flags(aux_loss_every=2)}
+    where = []
+    monkeypatch.setattr(recipe, "_trained_error", lambda job: where.append(job[2]) or 0.5)
+    recipe.seed_errors(configs, TINY, "cuda", devices=["cuda:0", "cuda:1", "cuda:2"],
+                       seeds=(1, 2, 3), train_steps=2)  # fmt: skip
+    assert where == ["cuda:0", "cuda:1", "cuda:2"] * 2
+    where.clear()
+    recipe.seed_errors(configs, TINY, "cpu", seeds=(1,), train_steps=2)
+    assert where == ["cpu", "cpu"]
+
+
 def test_autotune_compares_the_recipes_two_graph_modes_where_compile_runs():
     assert recipe.autotune("cpu") == {}  # compile needs a CUDA GPU
     if torch.cuda.is_available():

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accel.profiling import profile_steps, profiler_event_us, union_length
+from accel.profiling import profile_steps, union_length
 
 __all__ = ["CALLS", "Timeline", "kernel_category", "profile_timeline"]
 
@@ -95,20 +95,21 @@ class Timeline:
         def host(t: float) -> float:  # when the replayed host reaches profiled time t
             return at + max(0.0, t - anchor - cost * (bisect.bisect_left(events, t) - counted))
 
-        syncs = iter(self.sync_spans)
-        sync = next(syncs, None)
+        syncs, returned = self.sync_spans, 0
         for start, end, category, queued in self.spans:
-            while sync is not None and sync[1] <= (start if math.isnan(queued) else queued):
-                at = max(host(sync[0]), done)  # returns once the device drained the queue
-                anchor, counted = sync[1], bisect.bisect_left(events, sync[1])
-                sync = next(syncs, None)
+            ready = start if math.isnan(queued) else queued
+            for called, back in syncs[returned:]:  # the blocking calls the host came back from
+                if back > ready:
+                    break
+                at = max(host(called), done)  # returns once the device drained the queue
+                anchor, counted, returned = back, bisect.bisect_left(events, back), returned + 1
             if not math.isnan(queued):  # no call seen: taken as queued behind the one before
                 host_at = max(host_at, host(queued) + max(0.0, start - max(queued, seen)))
             done = max(done, host_at) + (end - start) * factor.get(category, 1.0)
             seen = max(seen, end)
-        for sync in [sync, *syncs] if sync is not None else ():
-            at = max(host(sync[0]), done)
-            anchor, counted = sync[1], bisect.bisect_left(events, sync[1])
+        for called, back in syncs[returned:]:
+            at = max(host(called), done)
+            anchor, counted = back, bisect.bisect_left(events, back)
         host_end = host(self.host_end) if not math.isnan(self.host_end) else self.window[0]
         return max(host_end, done) - self.window[0]
 
@@ -119,7 +120,8 @@ class Timeline:
     def at_step_time(self, step_us: float) -> Timeline:
         """This timeline with the step's time measured without the profiler: the profiler adds
         host time to every operator, so a profiled step idles more than the real one. Kernel
-        times stand; the idle time shrinks to what the real step leaves, split as profiled."""
+        times stand; the idle time shrinks to what the real step leaves, split as profiled, and
+        the replay's host is at least as fast as the real step shows (:meth:`_event_us_at`)."""
         busy = self.busy_us
         work = 1.0  # on a CPU the profiler slows the operators themselves: their share stands
         if not self.device.startswith("cuda") and busy > 0:
@@ -137,14 +139,32 @@ class Timeline:
             comm_overlap_us=self.comm_overlap_us * work,
             by_category={k: v * work for k, v in self.by_category.items()},
             idle_us={k: v * scale for k, v in self.idle_us.items()},
+            host_event_us=self._event_us_at(step_us) if self.spans else self.host_event_us,
         )
+
+    def _event_us_at(self, step_us: float) -> float:
+        """The profiler's cost per host event as measured, or more where the replay at that cost
+        is longer than the real step: the least cost at which it is not (or, where the kernels
+        alone take longer, at which the replay reaches their time)."""
+
+        def replayed(cost: float) -> float:
+            return dataclasses.replace(self, host_event_us=cost)._replayed_us({})
+
+        low, high = self.host_event_us, max(self.window[1] - self.window[0], self.host_event_us)
+        target = max(step_us * self.steps, replayed(high) * (1 + 1e-3))
+        if replayed(low) <= target:
+            return low
+        for _ in range(40):  # the replay shortens as the cost grows
+            middle = (low + high) / 2
+            low, high = (low, middle) if replayed(middle) <= target else (middle, high)
+        return high
 
 
 def profile_timeline(
     call: Callable[[], object], device: torch.device, *, steps: int = 5
 ) -> Timeline:
     """Profile ``steps`` calls of ``call`` (already warmed up) and account for their time."""
-    run = profile_steps(call, device, steps)
+    run = profile_steps(call, device, steps, probe=device.type == "cuda")
     cuda, t0, t1 = run.cuda, run.start_us, run.end_us
     spans = [(e.time_range.start, e.time_range.end, e.name) for e in run.work]
     launches = sorted(e.time_range.start for e in run.launches)
@@ -180,7 +200,7 @@ def profile_timeline(
         host_events=tuple(sorted(e.time_range.start for e in run.host)),
         window=(t0, t1),
         host_end=max((e.time_range.end for e in run.host), default=t1),
-        host_event_us=profiler_event_us(device) if cuda else 0.0,
+        host_event_us=run.event_us,
     )
 
 

@@ -253,15 +253,17 @@ def _check_measure(configs: dict[str, op.Flags], per_sample: int, repeats: int, 
 def seed_errors(
     configs: dict[str, op.Flags], sizes: op.Sizes, device: torch.device | str, *,
     seeds: Sequence[int], train_steps: int, reads: int = 1, read_every: int = 1,
-    processes: int = 1,
+    processes: int = 1, devices: Sequence[torch.device | str] = (),
 ) -> pd.DataFrame:  # fmt: skip
     """Every configuration trained from every seed to ``train_steps`` steps: one row per seed and
     configuration with its ``val_error`` (as :func:`measure` reads it). With ``processes`` > 1
-    the trainings run that many at once, each in its own process: a host-bound step leaves the
-    GPU room, and an error does not depend on how fast it was reached."""
+    the trainings run that many at once, each in its own process (a host-bound step leaves the
+    GPU room, and an error does not depend on how fast it was reached), dealt in turn to
+    ``devices`` where given (the GPUs of one host), else all on ``device``."""
     reads_at = _read_steps(train_steps, reads, read_every)
-    jobs = [(flags, sizes, str(device), seed, reads_at)
-            for seed in seeds for flags in configs.values()]  # fmt: skip
+    where = [str(d) for d in devices] or [str(device)]
+    jobs = [(flags, sizes, where[i % len(where)], seed, reads_at)
+            for i, (seed, flags) in enumerate((s, f) for s in seeds for f in configs.values())]  # fmt: skip
     if processes > 1:
         spawn = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
         with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=spawn) as pool:
@@ -274,11 +276,15 @@ def seed_errors(
 
 def _trained_error(job: tuple) -> float:
     flags, sizes, device, seed, reads_at = job
+    start = time.perf_counter()
     step = op.build(flags, sizes, device=torch.device(device), seed=seed)
     try:
-        return _validation_error(step, reads_at)
+        error = _validation_error(step, reads_at)
     finally:
         step.close()
+    # a training takes minutes on a GPU: say which ended, where and when
+    print(f"quality seed {seed} ({device}): trained in {time.perf_counter() - start:.0f} s", flush=True)
+    return error
 
 
 def quality_rows(errors: pd.DataFrame, configs: dict[str, op.Flags], *,
@@ -428,9 +434,10 @@ def run(ctx: BenchContext) -> list[Row]:
         configs = progression(ctx.device)
         configs = {k: configs[k] for k in (next(iter(configs)), list(configs)[-1])}
         cuda = ctx.device.type == "cuda"
+        gpus = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if cuda else []
         errors = seed_errors(configs, sizes, ctx.device, seeds=seeds,
                              train_steps=bench.train_steps, reads=bench.reads,
-                             read_every=bench.read_every,
+                             read_every=bench.read_every, devices=gpus,
                              processes=len(seeds) * len(configs) if cuda else 1)  # fmt: skip
         out += quality_rows(errors, configs, train_steps=bench.train_steps)
     if ctx.selected("adopted"):
