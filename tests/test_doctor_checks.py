@@ -734,6 +734,39 @@ def test_cudnn_recurrent_layers_count_as_float32_products():
     assert "3 float32 products" in found.evidence
 
 
+def test_a_recurrent_layer_is_timed_as_its_own_layer_at_its_shapes():
+    """cuDNN's LSTM is timed again as a layer of its mode, sizes and layout, not given the
+    ratio of the step's matrix products (bf16 speeds one large product far more than a
+    recurrence of small ones)."""
+    from accel.doctor import products
+
+    # scalars as recorded: weight stride, mode (LSTM), hidden, projection, layers, batch first,
+    # dropout, train, bidirectional
+    lstm = dataclasses.replace(
+        op("aten::_cudnn_rnn", info(7, 3, 16, device="cpu"), info(64, 16, device="cpu")),
+        scalars=(4, 2, 32, 0, 2, False, 0.0, True, False), time_us=100.0,
+    )  # fmt: skip
+    key = products._key(lstm)
+    assert key == ("recurrent", ((7, 3, 16),), torch.float32, False, (2, 32, 2, False, False))
+    projected = dataclasses.replace(lstm, scalars=(4, 2, 32, 8, 2, False, 0.0, True, False))
+    assert products._key(projected) is None
+    layer = products.recurrent_call((7, 3, 16), torch.float32, torch.device("cpu"), key[4])
+    state = torch.get_rng_state()
+    assert layer().shape == (7, 3, 32) and torch.equal(torch.get_rng_state(), state)
+    timed = []
+    real = products._recurrent_call
+
+    def counted(*args):
+        timed.append(args[3])
+        return real(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(products, "_recurrent_call", counted)
+        after = products.time_products([lstm], torch.device("cpu"), {
+            "same": lambda shapes, dtype: (shapes, dtype, False)})  # fmt: skip
+    assert timed == [key[4]] * 2 and 0 < after["same"] < 1e4
+
+
 def test_products_that_ran_in_tf32_are_offered_bf16_alone():
     """The setting as the step had it while each product ran (recorded with it), not as it is
     when the check reads it: a step may turn TF32 on inside itself."""

@@ -13,9 +13,12 @@ import torch
 
 from accel.doctor.recorder import PRODUCTS, OpRecord
 
-__all__ = ["backend_flags", "kept_backend_flags", "product_call", "time_products"]
+__all__ = ["backend_flags", "kept_backend_flags", "product_call", "recurrent_call", "time_products"]
 
 CONVOLUTION = "aten::convolution"  # forward only: its backward takes the timed ones' ratio
+RECURRENT = "aten::_cudnn_rnn"  # the same
+# cuDNN's recurrent modes, as the layer that runs them
+_RECURRENT_LAYERS = {0: ("RNN", "relu"), 1: ("RNN", "tanh"), 2: ("LSTM", None), 3: ("GRU", None)}
 MOST_SHAPES = 8  # distinct products timed per step (the rest take their mean ratio)
 
 
@@ -34,6 +37,17 @@ def _conv_settings(op: OpRecord) -> tuple | None:
     return (tuple(s[0:2]), tuple(s[2:4]), tuple(s[4:6]), s[9])
 
 
+def _recurrent_settings(op: OpRecord) -> tuple | None:
+    """(mode, hidden size, layers, batch first, bidirectional) of a cuDNN recurrent layer, from
+    its recorded scalars (weight stride, mode, hidden size, projection size, layers, batch
+    first, dropout, train, bidirectional); None with a projection or an unread layout."""
+    s = op.scalars
+    read = len(s) >= 9 and op.inputs and len(op.inputs[0].shape) == 3
+    if not read or s[3] or s[1] not in _RECURRENT_LAYERS:
+        return None
+    return (s[1], s[2], s[4], bool(s[5]), bool(s[8]))
+
+
 def _key(op: OpRecord) -> tuple | None:
     """What makes two recorded products the same call to time."""
     tf32 = "tf32" in op.facts
@@ -43,6 +57,10 @@ def _key(op: OpRecord) -> tuple | None:
         settings = _conv_settings(op)
         shapes = tuple(t.shape for t in op.inputs[:2])
         return ("conv", shapes, op.inputs[0].dtype, tf32, settings) if settings else None
+    if op.op == RECURRENT:
+        settings = _recurrent_settings(op)
+        shapes = (op.inputs[0].shape,)
+        return ("recurrent", shapes, op.inputs[0].dtype, tf32, settings) if settings else None
     return None
 
 
@@ -56,6 +74,33 @@ def product_call(
         stride, padding, dilation, groups = conv
         return lambda: torch.nn.functional.conv2d(a, b, None, stride, padding, dilation, groups)
     return (lambda: torch.bmm(a, b)) if a.dim() == 3 else (lambda: torch.mm(a, b))
+
+
+def recurrent_call(
+    shape: tuple, dtype: torch.dtype, device: torch.device, settings: tuple
+) -> Callable[[], torch.Tensor]:
+    """A recurrent layer's forward (``settings`` as :func:`_recurrent_settings` reads them) on a
+    random float32 input of ``shape``, with random weights; ``dtype`` bf16 or fp16: under
+    autocast, as a step would run it."""
+    mode, hidden, layers, batch_first, bidirectional = settings
+    name, nonlinearity = _RECURRENT_LAYERS[mode]
+    kwargs = {"nonlinearity": nonlinearity} if nonlinearity else {}
+    size = shape[2]
+    layer = getattr(torch.nn, name)(size, hidden, layers, batch_first=batch_first,
+                                    bidirectional=bidirectional, device="meta", **kwargs)  # fmt: skip
+    layer.to_empty(device=device)  # no draw from the process's generators
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) * hidden**-0.5)
+    x = torch.randn(shape, generator=gen, device=device)
+    low = dtype in (torch.bfloat16, torch.float16)
+
+    def call() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype, enabled=low):
+            return layer(x)[0]
+
+    return call
 
 
 # the torch.backends settings a step's products run under, by name
@@ -139,6 +184,10 @@ def _kept(places: list[tuple[Any, str]], switches: tuple) -> Iterator[None]:
             write(value)
 
 
+def _recurrent_call(shapes: list, dtype: torch.dtype, device: torch.device, settings: tuple):
+    return recurrent_call(shapes[0], dtype, device, settings)
+
+
 def _with_tf32(call: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         with backend_flags(tf32=on):
@@ -172,7 +221,8 @@ def time_products(
         _, shapes, dtype, tf32, conv = key
         calls = {"as recorded": (list(shapes), dtype, tf32)}
         calls |= {name: make(list(shapes), dtype) for name, make in variants.items()}
-        calls = {name: _with_tf32(product_call(s, d, device, conv), t)
+        make_call = _recurrent_call if key[0] == "recurrent" else product_call
+        calls = {name: _with_tf32(make_call(s, d, device, conv), t)
                  for name, (s, d, t) in calls.items()}  # fmt: skip
         timing = compare(calls, warmup=3, repeats=7, calls_per_sample=None, device=device)
         now = timing.timings["as recorded"].median_ms
