@@ -1272,3 +1272,42 @@ def test_a_step_that_pops_from_its_batch_gets_the_whole_batch_every_call(seed):
     rows = report.try_fixes(["set_to_none"], steps=2, repeats=2)
     assert set(batch) == {"x", "labels"}
     assert not rows["status"].str.startswith("failed").any(), rows["status"].tolist()
+
+
+def test_a_file_two_of_the_steps_threads_write_at_once_is_kept_as_it_was(tmp_path, monkeypatch):
+    """One thread's write is held until another's copy of the file is taken, and the copying
+    thread's state is its own: a write from another thread meanwhile is still the step's."""
+    import shutil
+
+    from accel.doctor import isolation
+
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"the user's checkpoint")
+    files = isolation._KeptFiles()
+    copying, release = threading.Event(), threading.Event()
+    copy2 = shutil.copy2
+
+    def slow_copy(source, target):
+        copying.set()
+        release.wait(10)
+        return copy2(source, target)
+
+    monkeypatch.setattr(isolation.shutil, "copy2", slow_copy)
+    first = threading.Thread(target=files.keep, args=(str(path),))
+    first.start()
+    assert copying.wait(10)
+    assert not files.busy  # this thread is not the one copying
+    written = threading.Event()
+
+    def second_writer():
+        files.keep(str(path))  # what the audit event asks before the write
+        path.write_bytes(b"a checkpoint of the doctor's copy")
+        written.set()
+
+    threading.Thread(target=second_writer).start()
+    assert not written.wait(0.3)  # held while the first copy is taken
+    release.set()
+    first.join(10)
+    assert written.wait(10)
+    files.put_back()
+    assert path.read_bytes() == b"the user's checkpoint"

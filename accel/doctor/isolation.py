@@ -282,14 +282,25 @@ class _KeptFiles:
     def __init__(self) -> None:
         self.kept: dict[str, str | _Link | None] = {}
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
-        self.busy = False  # copying: its own opens are no step's
         self._folder: str | None = None
+        # one keep at a time: a thread of the step's that writes a file another is copying
+        # waits for the copy (its write comes after the audit event that asked for the keep)
+        self._lock = threading.RLock()
+        self._copying = threading.local()
+
+    @property
+    def busy(self) -> bool:
+        """Whether this thread is copying a file: its own opens are no step's."""
+        return getattr(self._copying, "on", False)
 
     def keep(self, path: Any) -> bool:
         """Whether ``path`` is kept (now or before); not a descriptor, a folder or a large file."""
         if not isinstance(path, (str, bytes, os.PathLike)):
             return False
-        path = os.path.abspath(os.fsdecode(path))
+        with self._lock:
+            return self._keep(os.path.abspath(os.fsdecode(path)))
+
+    def _keep(self, path: str) -> bool:
         if path in self.kept:
             return True
         if path not in self.refused and os.path.islink(path):
@@ -303,13 +314,13 @@ class _KeptFiles:
             return False
         copy = None
         if os.path.lexists(path):
-            self.busy = True
+            self._copying.on = True
             try:
                 self._folder = self._folder or tempfile.mkdtemp(prefix="accel-doctor-kept-")
                 copy = os.path.join(self._folder, str(len(self.kept)))
                 shutil.copy2(path, copy)
             finally:
-                self.busy = False
+                self._copying.on = False
         self.kept[path] = copy
         return True
 
