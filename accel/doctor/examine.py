@@ -115,7 +115,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         refuse_unplain_result(call())
         for _ in range(warmup - 1):
             call()
-        timeline = profile_timeline(call, device, steps=steps).at_step_time(_step_us(call, device))
+        bare_us = _step_us(call, device)  # before any profile: one can leave the host slower
+        timeline = profile_timeline(call, device, steps=steps).at_step_time(bare_us)
         given = {"ceilings": ceilings, "costs": costs}
         evidence = Evidence(
             device=device, parts=copied, recording=record_step(call, device), timeline=timeline,
