@@ -750,18 +750,18 @@ def test_a_recurrent_layer_is_timed_as_its_own_layer_at_its_shapes():
     assert key == ("recurrent", ((7, 3, 16),), torch.float32, False, (2, 32, 2, False, False))
     projected = dataclasses.replace(lstm, scalars=(4, 2, 32, 8, 2, False, 0.0, True, False))
     assert products._key(projected) is None
-    layer = products.recurrent_call((7, 3, 16), torch.float32, torch.device("cpu"), key[4])
+    layer = products.recurrent_call([(7, 3, 16)], torch.float32, torch.device("cpu"), key[4])
     state = torch.get_rng_state()
     assert layer().shape == (7, 3, 32) and torch.equal(torch.get_rng_state(), state)
     timed = []
-    real = products._recurrent_call
+    real = products.recurrent_call
 
     def counted(*args):
         timed.append(args[3])
         return real(*args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(products, "_recurrent_call", counted)
+        patch.setattr(products, "recurrent_call", counted)
         after = products.time_products([lstm], torch.device("cpu"), {
             "same": lambda shapes, dtype: (shapes, dtype, False)})  # fmt: skip
     assert timed == [key[4]] * 2 and 0 < after["same"] < 1e4

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from accel.doctor.check_kernels import MATMUL_OPS
+from accel.doctor.check_kernels import MATMUL_OPS, launches_saving_us
 from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import PRODUCTS, OpRecord
 
@@ -71,9 +71,7 @@ def fusion(evidence: Evidence) -> list[Finding]:
         fused = min(took * left / before, left / copy_bytes_per_us)
         moved, kept, saved = moved + before, kept + left, saved + took - fused
     kernels = sum(len(run) for run in runs)
-    # a run fused is one launch: the others shorten the step while the device waits for the host
-    waiting, launch = t.idle_us.get("host", 0.0), evidence.costs.launch_us
-    host = min(waiting, (kernels - len(runs)) * launch)
+    host, said = launches_saving_us(evidence, kernels - len(runs))  # a run fused: one launch
     sites = sorted({op.site for run in runs for op in run if op.site is not None}, key=str)
     return [Finding(
         kind="fusion",
@@ -84,8 +82,7 @@ def fusion(evidence: Evidence) -> list[Finding]:
         cost_model=f"each run fused: the tensors its members hand each other neither written "
         f"nor read back ({moved / 2**20:.0f} MiB moved now, {kept / 2**20:.0f} MiB fused), one "
         f"kernel at the better of the run's rate now and the measured copy rate: "
-        f"{(now - saved) / 1e3:.3f} ms; plus {kernels - len(runs)} launches at {launch:.1f} us, "
-        f"up to the {waiting / 1e3:.3f} ms the device waits for the host: {host / 1e3:.3f} ms",
+        f"{(now - saved) / 1e3:.3f} ms; plus {said}",
         notebook="02_fusion",
         change="model = torch.compile(model)  # fuses the elementwise work between products",
         saved_us=max(0.0, saved) + host,

@@ -84,7 +84,7 @@ def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[
     at all for gradients dropped instead of zeroed). The host's part: the launches saved, at the
     measured launch cost, which shorten the step only while the device waits for the host (its
     idle time for the host, measured), so a device-bound step gains the device's part alone."""
-    launch, copy = evidence.costs.launch_us, evidence.ceilings.copy_gb_s
+    copy = evidence.ceilings.copy_gb_s
     kinds = Counter(op.op for op in ops)
     if kind == "zero_grad":
         launches, after = 0, 0.0
@@ -93,15 +93,22 @@ def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[
         moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
         after = moved / (copy * 1e3)
     now = sum(op.time_us for op in ops)
-    waiting = evidence.timeline.idle_us.get("host", 0.0)
-    host = min(waiting, (len(ops) - launches) * launch)
+    host, said = launches_saving_us(evidence, len(ops) - launches)
     model = (
         f"kernels {now / 1e3:.3f} ms now, {after / 1e3:.3f} ms after ({launches} launches"
         + (", its bytes at the copy bandwidth" if kind != "zero_grad" else "")
-        + f"); plus {len(ops) - launches} launches at {launch:.1f} us, up to the "
-        f"{waiting / 1e3:.3f} ms the device waits for the host: {host / 1e3:.3f} ms"
+        + f"); plus {said}"
     )
     return max(0.0, now - after) + host, model
+
+
+def launches_saving_us(evidence: Evidence, saved: int) -> tuple[float, str]:
+    """(us, the cost model in words) that ``saved`` fewer launches take off the step: their
+    measured cost, only while the device waits for the host (its measured idle time for it)."""
+    waiting, launch = evidence.timeline.idle_us.get("host", 0.0), evidence.costs.launch_us
+    host = min(waiting, saved * launch)
+    return host, (f"{saved} launches at {launch:.1f} us, up to the {waiting / 1e3:.3f} ms the "
+                  f"device waits for the host: {host / 1e3:.3f} ms")  # fmt: skip
 
 
 def _visible(kind: str, evidence: Evidence) -> bool:

@@ -77,14 +77,15 @@ def product_call(
 
 
 def recurrent_call(
-    shape: tuple, dtype: torch.dtype, device: torch.device, settings: tuple
+    shapes: list[tuple], dtype: torch.dtype, device: torch.device, settings: tuple
 ) -> Callable[[], torch.Tensor]:
     """A recurrent layer's forward (``settings`` as :func:`_recurrent_settings` reads them) on a
-    random float32 input of ``shape``, with random weights; ``dtype`` bf16 or fp16: under
+    random float32 input of ``shapes[0]``, with random weights; ``dtype`` bf16 or fp16: under
     autocast, as a step would run it."""
     mode, hidden, layers, batch_first, bidirectional = settings
     name, nonlinearity = _RECURRENT_LAYERS[mode]
     kwargs = {"nonlinearity": nonlinearity} if nonlinearity else {}
+    shape = shapes[0]
     size = shape[2]
     layer = getattr(torch.nn, name)(size, hidden, layers, batch_first=batch_first,
                                     bidirectional=bidirectional, device="meta", **kwargs)  # fmt: skip
@@ -184,10 +185,6 @@ def _kept(places: list[tuple[Any, str]], switches: tuple) -> Iterator[None]:
             write(value)
 
 
-def _recurrent_call(shapes: list, dtype: torch.dtype, device: torch.device, settings: tuple):
-    return recurrent_call(shapes[0], dtype, device, settings)
-
-
 def _with_tf32(call: Callable[[], torch.Tensor], on: bool) -> Callable[[], torch.Tensor]:
     def run() -> torch.Tensor:
         with backend_flags(tf32=on):
@@ -221,7 +218,7 @@ def time_products(
         _, shapes, dtype, tf32, conv = key
         calls = {"as recorded": (list(shapes), dtype, tf32)}
         calls |= {name: make(list(shapes), dtype) for name, make in variants.items()}
-        make_call = _recurrent_call if key[0] == "recurrent" else product_call
+        make_call = recurrent_call if key[0] == "recurrent" else product_call
         calls = {name: _with_tf32(make_call(s, d, device, conv), t)
                  for name, (s, d, t) in calls.items()}  # fmt: skip
         timing = compare(calls, warmup=3, repeats=7, calls_per_sample=None, device=device)
