@@ -767,6 +767,36 @@ def test_a_recurrent_layer_is_timed_as_its_own_layer_at_its_shapes():
     assert timed == [key[4]] * 2 and 0 < after["same"] < 1e4
 
 
+def test_untimed_work_takes_the_ratio_of_its_own_kind():
+    """A recurrent layer's backward is not timed apart: it takes the ratio its layer got, not the
+    one a large matrix product got (bf16 speeds that one far more)."""
+    from types import SimpleNamespace
+
+    from accel.doctor import products
+
+    def fake_compare(calls, **_):  # the product 10x faster in bf16, the layer 2x
+        recurrent = any(c() == "recurrent" for c in calls.values())
+        fast = 2.0 if recurrent else 10.0
+        return SimpleNamespace(timings={
+            name: SimpleNamespace(median_ms=1.0 if name == "as recorded" else 1.0 / fast)
+            for name in calls})  # fmt: skip
+
+    lstm = dataclasses.replace(
+        op("aten::_cudnn_rnn", info(7, 3, 16, device="cpu"), info(64, 16, device="cpu")),
+        scalars=(4, 2, 32, 0, 2, False, 0.0, True, False), time_us=100.0,
+    )  # fmt: skip
+    backward = dataclasses.replace(lstm, op="aten::_cudnn_rnn_backward", backward=True,
+                                   scalars=(), time_us=200.0)  # fmt: skip
+    product = mm(64, 128, 32, time_us=50.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("accel.measure.timer.compare", fake_compare)
+        patch.setattr(products, "recurrent_call", lambda *a: (lambda: "recurrent"))
+        patch.setattr(products, "product_call", lambda *a: (lambda: "product"))
+        after = products.time_products([product, lstm, backward], torch.device("cpu"), {
+            "bf16": lambda shapes, _: (shapes, torch.bfloat16, False)})  # fmt: skip
+    assert after["bf16"] == pytest.approx(50.0 / 10 + (100.0 + 200.0) / 2)
+
+
 def test_products_that_ran_in_tf32_are_offered_bf16_alone():
     """The setting as the step had it while each product ran (recorded with it), not as it is
     when the check reads it: a step may turn TF32 on inside itself."""

@@ -15,8 +15,12 @@ from accel.doctor.recorder import PRODUCTS, OpRecord
 
 __all__ = ["backend_flags", "kept_backend_flags", "product_call", "recurrent_call", "time_products"]
 
-CONVOLUTION = "aten::convolution"  # forward only: its backward takes the timed ones' ratio
-RECURRENT = "aten::_cudnn_rnn"  # the same
+CONVOLUTION = "aten::convolution"  # forward only: its backward takes the convolutions' ratio
+RECURRENT = "aten::_cudnn_rnn"  # forward and backward timed together; the backward op takes it
+# the kind of work an operator does: what is not timed takes the ratio its kind's timed ones got
+_FAMILIES = {CONVOLUTION: "convolution", "aten::convolution_backward": "convolution",
+             "aten::_convolution": "convolution", RECURRENT: "recurrent",
+             "aten::_cudnn_rnn_backward": "recurrent"} | dict.fromkeys(PRODUCTS, "product")  # fmt: skip
 # cuDNN's recurrent modes, as the layer that runs them
 _RECURRENT_LAYERS = {0: ("RNN", "relu"), 1: ("RNN", "tanh"), 2: ("LSTM", None), 3: ("GRU", None)}
 MOST_SHAPES = 8  # distinct products timed per step (the rest take their mean ratio)
@@ -49,14 +53,14 @@ def _recurrent_settings(op: OpRecord) -> tuple | None:
 
 
 def _key(op: OpRecord) -> tuple | None:
-    """What makes two recorded products the same call to time."""
+    """What makes two recorded products the same call to time; its first item is the family."""
     tf32 = "tf32" in op.facts
     if op.op in PRODUCTS and op.inputs:
         return ("product", tuple(_operands(op)), op.inputs[0].dtype, tf32, None)
     if op.op == CONVOLUTION:
         settings = _conv_settings(op)
         shapes = tuple(t.shape for t in op.inputs[:2])
-        return ("conv", shapes, op.inputs[0].dtype, tf32, settings) if settings else None
+        return ("convolution", shapes, op.inputs[0].dtype, tf32, settings) if settings else None
     if op.op == RECURRENT:
         settings = _recurrent_settings(op)
         shapes = (op.inputs[0].shape,)
@@ -79,9 +83,10 @@ def product_call(
 def recurrent_call(
     shapes: list[tuple], dtype: torch.dtype, device: torch.device, settings: tuple
 ) -> Callable[[], torch.Tensor]:
-    """A recurrent layer's forward (``settings`` as :func:`_recurrent_settings` reads them) on a
-    random float32 input of ``shapes[0]``, with random weights; ``dtype`` bf16 or fp16: under
-    autocast, as a step would run it."""
+    """A recurrent layer's forward and backward (``settings`` as :func:`_recurrent_settings`
+    reads them) on a random float32 input of ``shapes[0]`` that needs its gradient, with random
+    weights; ``dtype`` bf16 or fp16: under autocast, as a step would run it. Returns the
+    output."""
     mode, hidden, layers, batch_first, bidirectional = settings
     name, nonlinearity = _RECURRENT_LAYERS[mode]
     kwargs = {"nonlinearity": nonlinearity} if nonlinearity else {}
@@ -94,12 +99,19 @@ def recurrent_call(
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=gen, device=device) * hidden**-0.5)
-    x = torch.randn(shape, generator=gen, device=device)
+    x = torch.randn(shape, generator=gen, device=device, requires_grad=True)
     low = dtype in (torch.bfloat16, torch.float16)
+    inputs = [x, *layer.parameters()]
+    grad = None
 
     def call() -> torch.Tensor:
+        nonlocal grad
         with torch.autocast(device.type, dtype=dtype, enabled=low):
-            return layer(x)[0]
+            out = layer(x)[0]
+        if grad is None:
+            grad = torch.randn(out.shape, generator=gen, device=device, dtype=out.dtype)
+        torch.autograd.grad(out, inputs, grad)  # the gradients returned, none accumulated
+        return out.detach()
 
     return call
 
@@ -199,21 +211,24 @@ def time_products(
     """The recorded time of ``ops`` (products and convolutions) as it would be under each
     variant: the largest distinct ones are timed as recorded and as each variant makes them
     (``variant(shapes, dtype) -> (shapes, dtype, tf32)``), interleaved, their recorded time scaled
-    by the ratio; the rest by the timed ones' overall ratio. Returns variant -> us."""
+    by the ratio; the rest by the overall ratio of the timed ones of their kind (products,
+    convolutions, recurrent layers), or of all timed ones where none of their kind was.
+    Returns variant -> us."""
     from accel.measure.timer import compare
 
     by_key: dict[tuple, float] = defaultdict(float)
-    rest = 0.0
+    rest: dict[str, float] = defaultdict(float)  # family -> the time of its untimed ops
     for op in ops:
         key = _key(op)
         if key is None:
-            rest += op.time_us
+            rest[_FAMILIES.get(op.op, "other")] += op.time_us
         else:
             by_key[key] += op.time_us
     top = sorted(by_key, key=lambda k: -by_key[k])[:MOST_SHAPES]
-    rest += sum(by_key.values()) - sum(by_key[k] for k in top)
-    after = dict.fromkeys(variants, 0.0)
-    timed_now = 0.0
+    for key in set(by_key) - set(top):
+        rest[key[0]] += by_key[key]
+    after = {name: defaultdict(float) for name in variants}
+    timed_now: dict[str, float] = defaultdict(float)
     for key in top:
         _, shapes, dtype, tf32, conv = key
         calls = {"as recorded": (list(shapes), dtype, tf32)}
@@ -223,9 +238,16 @@ def time_products(
                  for name, (s, d, t) in calls.items()}  # fmt: skip
         timing = compare(calls, warmup=3, repeats=7, calls_per_sample=None, device=device)
         now = timing.timings["as recorded"].median_ms
-        timed_now += by_key[key]
+        family = key[0]
+        timed_now[family] += by_key[key]
         for name in variants:
-            after[name] += by_key[key] * timing.timings[name].median_ms / now
-    for name in variants:
-        after[name] += rest * (after[name] / timed_now if timed_now > 0 else 1.0)
-    return after
+            after[name][family] += by_key[key] * timing.timings[name].median_ms / now
+    total = sum(timed_now.values())
+    result = {}
+    for name, by_family in after.items():
+        overall = sum(by_family.values()) / total if total > 0 else 1.0
+        result[name] = sum(by_family.values()) + sum(
+            time * (by_family[family] / timed_now[family] if timed_now[family] > 0 else overall)
+            for family, time in rest.items()
+        )
+    return result
