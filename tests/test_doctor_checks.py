@@ -840,6 +840,29 @@ def test_cross_attention_shapes_are_read_off_the_products(seed):
     assert (case.heads, case.seq_q, case.seq_k, case.head_dim) == (6, 5, 11, 16)
 
 
+def test_the_attention_is_timed_with_the_passes_the_step_made_over_its_scores(seed):
+    """GPT-2's first attention: the scores scaled, filled with -inf above the diagonal from a
+    buffer, a float32 softmax cast back. Timed as written (the guard SDPA's reference adds for a
+    query without keys is no pass the step made), and equal to what the step computes."""
+    q, k, v = (torch.randn(2, 4, 16, 8, dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.ones(16, 16).tril().view(1, 1, 16, 16)
+
+    def gpt2_attention(q, k, v):
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(bias[:, :, :16, :16] == 0, float("-inf"))
+        att = att.float().softmax(dim=-1).to(q.dtype)
+        return att @ v
+
+    (case,) = check_attention.find_manual_attention(forward_ops(lambda: gpt2_attention(q, k, v)))
+    assert case.causal
+    assert case.before == (("aten::mul", torch.bfloat16), ("aten::masked_fill", torch.bfloat16),
+                           ("aten::_to_copy", torch.float32))  # fmt: skip
+    assert case.after == (("aten::_to_copy", torch.bfloat16),)
+    manual = check_attention.written_out(case, torch.device("cpu"), torch.Generator())
+    flat = [t.reshape(1, 8, 16, 8) for t in (q, k, v)]
+    torch.testing.assert_close(manual(*flat), gpt2_attention(q, k, v).reshape(1, 8, 16, 8))
+
+
 def test_sdpa_is_not_written_out_attention(seed):
     q, k, v = attention_inputs()
     sdpa = F.scaled_dot_product_attention

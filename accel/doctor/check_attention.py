@@ -1,7 +1,8 @@
 """Attention computed by hand: a matrix product whose output ends in (Sq, Sk), a softmax over
 such a tensor, and a product of it with values, in that order in the forward's operators. Its
-gain is measured, not assumed: the written-out attention and
-``torch.nn.functional.scaled_dot_product_attention`` at the same shape and dtype, timed here.
+gain is measured, not assumed: the written-out attention, with the passes over its scores the
+step made (scaling, masking, casts), and ``torch.nn.functional.scaled_dot_product_attention`` at
+the same shape and dtype, timed here.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ _SOFTMAX = frozenset({"aten::_softmax", "aten::softmax"})
 # ops between the scores' product, the softmax and the values' product (a dropout of the
 # weights is five on a CPU, and a matmul's reshapes five more)
 _LOOKAHEAD = 16
+# the passes over the scores or the weights timed again as the step made them; any other operator
+# between the products (a view, a small mask's compare) moves no scores
+_PASSES = frozenset({"aten::mul", "aten::div", "aten::add", "aten::sub", "aten::masked_fill",
+                     "aten::where", "aten::_to_copy"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,10 @@ class ManualAttention:
     site: Site | None
     causal: bool = False  # the scores were masked with exactly the causal mask
     values_site: Site | None = None  # the line of the product with the values
+    # (operator, output dtype) of each pass over the scores before the softmax, and over the
+    # weights after it
+    before: tuple[tuple[str, torch.dtype], ...] = ()
+    after: tuple[tuple[str, torch.dtype], ...] = ()
 
 
 def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[ManualAttention]:
@@ -56,10 +65,18 @@ def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[M
             continue
         q = op.inputs[-2].shape if len(op.inputs) >= 2 else ()
         causal = any("causal mask" in o.facts for o in ops[i + 1 : soft])
+        size = math.prod(scores)
         found.append(ManualAttention(math.prod(scores[:-2]), scores[-2], scores[-1],
                                      q[-1] if q else 0, op.inputs[0].dtype, op.site, causal,
-                                     values_site=ops[mix].site))  # fmt: skip
+                                     values_site=ops[mix].site,
+                                     before=_passes(ops[i + 1 : soft], size),
+                                     after=_passes(ops[soft + 1 : mix], size)))  # fmt: skip
     return found
+
+
+def _passes(ops: list[OpRecord], size: int) -> tuple[tuple[str, torch.dtype], ...]:
+    return tuple((o.op, o.outputs[0].dtype) for o in ops if o.op in _PASSES and o.outputs
+                 and math.prod(o.outputs[0].shape) == size)  # fmt: skip
 
 
 def _next(ops: list[OpRecord], start: int, wanted) -> int | None:
@@ -76,8 +93,8 @@ def _scores_in(inputs: tuple, scores: tuple[int, ...]) -> bool:
 
 
 def time_attention(case: ManualAttention, device: torch.device, backward: bool) -> dict[str, float]:
-    """ms per call of the written-out attention and of SDPA at ``case``'s shape, interleaved."""
-    from accel.attention import attention_reference
+    """ms per call of the written-out attention (:func:`written_out`) and of SDPA at ``case``'s
+    shape, interleaved."""
     from accel.measure.timer import compare
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -88,6 +105,7 @@ def time_attention(case: ManualAttention, device: torch.device, backward: bool) 
         for s in (shape, kv, kv)
     )
     grad = torch.randn(shape, generator=gen, device=device, dtype=case.dtype)
+    manual = written_out(case, device, gen)
 
     def timed(fn):
         if backward:
@@ -97,12 +115,44 @@ def time_attention(case: ManualAttention, device: torch.device, backward: bool) 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
 
-    def manual(q, k, v):
-        return attention_reference(q, k, v, causal=case.causal)
-
     timing = compare({"manual": timed(manual), "sdpa": timed(sdpa)}, warmup=2, repeats=10,
                      calls_per_sample=None, device=device)
     return {name: t.median_ms for name, t in timing.timings.items()}
+
+
+def written_out(case: ManualAttention, device: torch.device, gen: torch.Generator):
+    """The attention as the step wrote it: the scores' product, each recorded pass over the
+    scores (a scale, a mask made once: causal, or hiding random keys, added or filled in; a
+    cast), the softmax, each pass over the weights, the values' product."""
+    if case.causal:
+        hidden = torch.ones(case.seq_q, case.seq_k, dtype=torch.bool, device=device).triu(1)
+    else:  # a padding mask: a tenth of the keys hidden from every query
+        keys = torch.rand((case.heads, 1, case.seq_k), generator=gen, device=device)
+        hidden = keys < 0.1
+    additive = torch.zeros(hidden.shape, device=device).masked_fill(hidden, -math.inf)
+    scale = case.head_dim**-0.5 if case.head_dim else 1.0
+
+    def apply(x: torch.Tensor, op: str, dtype: torch.dtype) -> torch.Tensor:
+        if op in ("aten::mul", "aten::div"):
+            return x * scale
+        if op in ("aten::add", "aten::sub"):
+            return x + additive.to(x.dtype)
+        if op == "aten::masked_fill":
+            return x.masked_fill(hidden, -math.inf)
+        if op == "aten::where":
+            return torch.where(hidden, -math.inf, x)
+        return x.to(dtype)  # aten::_to_copy
+
+    def manual(q, k, v):
+        x = q @ k.transpose(-2, -1)
+        for op, dtype in case.before:
+            x = apply(x, op, dtype)
+        x = x.softmax(dim=-1)
+        for op, dtype in case.after:
+            x = apply(x, op, dtype)
+        return x.to(v.dtype) @ v
+
+    return manual
 
 
 # nn.MultiheadAttention's function: its attention written out when it returns the weights
