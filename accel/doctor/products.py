@@ -23,7 +23,7 @@ _FAMILIES = {CONVOLUTION: "convolution", "aten::convolution_backward": "convolut
              "aten::_cudnn_rnn_backward": "recurrent"} | dict.fromkeys(PRODUCTS, "product")  # fmt: skip
 # cuDNN's recurrent modes, as the layer that runs them
 _RECURRENT_LAYERS = {0: ("RNN", "relu"), 1: ("RNN", "tanh"), 2: ("LSTM", None), 3: ("GRU", None)}
-MOST_SHAPES = 8  # distinct products timed per step (the rest take their mean ratio)
+MOST_SHAPES = 8  # distinct products timed per step (the rest take their kind's ratio)
 
 
 def _operands(op: OpRecord) -> list[tuple[int, ...]]:
