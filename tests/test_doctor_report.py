@@ -199,6 +199,15 @@ def test_set_to_none_fix_is_measured_on_copies(examined):
     assert "Fixes tried" in report.html(plotlyjs=False)
 
 
+def test_a_speedup_interval_is_given_only_where_enough_rounds_were_timed(examined):
+    """Five rounds give no 95% interval of the median: the cell stays empty, never half NaN."""
+    report, _, _ = examined
+    few, enough = (report.try_fixes(["set_to_none"], steps=1, repeats=n).iloc[0] for n in (5, 6))
+    assert few["speedup interval"] == ""
+    low, high = (float(x) for x in enough["speedup interval"].split("-"))
+    assert 0 < low <= high
+
+
 def test_fixes_that_need_cuda_are_not_applicable_on_cpu(examined, capsys):
     report, _, model = examined
     before = snapshot(model)

@@ -420,7 +420,7 @@ def _measured(report, names: list[str], steps: int, repeats: int, allowance: flo
         "unchanged ms": unchanged,
         "measured ms": measured,
         "measured speedup": unchanged / measured,
-        "speedup interval": f"{low:.2f}-{high:.2f}",
+        "speedup interval": f"{low:.2f}-{high:.2f}" if math.isfinite(low) else "",
         "error": error,
         "edit": "\n".join(fixed.edits),
         "first call s": first_s,
