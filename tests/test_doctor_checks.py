@@ -234,6 +234,22 @@ def test_an_rnn_reading_a_packed_sequences_host_batch_sizes_is_no_sync_on_cpu():
     assert sync_count(recording.ops, device="cpu") == 0
 
 
+def test_a_dataloaders_own_reads_are_no_sync_on_cpu():
+    """The sampler's randperm(...).tolist() and the seed's .item() stay on the host on a GPU too:
+    a CPU run must not count them at the user's next(it)."""
+    data = torch.utils.data.TensorDataset(torch.randn(16, 3), torch.randn(16))
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True,
+                                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+    def step():
+        x, y = next(iter(loader))
+        return (x.sum() - y.sum()).item()  # the user's own read: counted
+
+    recording = recorder.record_step(step, torch.device("cpu"))
+    sites = check_host._sites_of(recording, cuda=False)
+    assert [kind for _, kind in sites] == [check_host.SYNC_OPS["aten::_local_scalar_dense"]]
+
+
 def test_copies_to_the_host_are_syncs():
     to_copy = op("aten::_to_copy", info(4, 4), outputs=(info(4, 4, device="cpu"),))
     copy_in = op(

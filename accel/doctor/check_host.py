@@ -31,7 +31,9 @@ SYNC_OPS = {
 _COPIES = ("aten::_to_copy", "aten::copy_")
 # torch's reads of tensors it keeps on the host on a GPU too: optimizers' step counters, a
 # PackedSequence's batch sizes (read by the RNN modules)
-_HOST_BY_CONTRACT = ("optim/", "nn/modules/rnn.py:")
+# torch code whose tensors stay on the host on a GPU too (a step counter, a packed sequence's batch
+# sizes, a DataLoader's sampler and seeds): its reads are no syncs on a CPU either
+_HOST_BY_CONTRACT = ("optim/", "nn/modules/rnn.py:", "utils/data/")
 SCALER_READ = "GradScaler.step's read of whether a gradient overflowed"
 ARGUMENT_CHECK = "torch.distributions' check of its arguments (validate_args)"
 CAUSAL_CHECK = "nn.Transformer's check of whether the mask it was given is causal"
@@ -82,8 +84,7 @@ def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
     memory blocks the host too; the input check reports it (with the change that fixes it)."""
     if op.op in SYNC_OPS:
         on_device = any(t.device == "cuda" for t in op.inputs)
-        internal = any(entry.startswith(_HOST_BY_CONTRACT) for entry in op.library)
-        if not (on_device if cuda else not internal):
+        if not (on_device if cuda else not _on_host_by_contract(op.library)):
             return None
         for where, (kind, _) in _LIBRARY_READS.items():
             if any(entry.startswith(where) for entry in op.library):
@@ -98,6 +99,10 @@ def _sync_kind(op: OpRecord, cuda: bool) -> str | None:
         if src.device == "cpu" and dst.device == "cuda" and not src.pinned:
             return PAGEABLE
     return None
+
+
+def _on_host_by_contract(library: tuple[str, ...]) -> bool:
+    return any(entry.startswith(_HOST_BY_CONTRACT) for entry in library)
 
 
 def _copy_ends(op: OpRecord) -> tuple[TensorInfo, TensorInfo]:
@@ -127,7 +132,7 @@ def _sites_of(recording: Recording, cuda: bool) -> Counter:
         if kind is not None and kind != PAGEABLE:
             sites[(op.site, kind)] += 1
     for read in recording.host_reads:
-        if read.device == "cuda" or not cuda:
+        if read.device == "cuda" or not (cuda or _on_host_by_contract(read.library)):
             sites[(read.site, _READ_METHODS[read.method])] += 1
     return _merge_same_line(sites)
 

@@ -98,6 +98,7 @@ class HostRead:
     method: str
     site: Site | None
     device: str
+    library: tuple[str, ...] = ()  # torch functions between the read and the user's line
 
 
 @dataclass
@@ -223,8 +224,8 @@ def _watching_host_reads(recording: Recording, frames: _Frames) -> Iterator[None
         def read(self, *args, **kwargs):
             if busy[0] or not isinstance(self, torch.Tensor):
                 return original(self, *args, **kwargs)
-            site, _ = frames.caller(sys._getframe(1))
-            recording.host_reads.append(HostRead(name, site, self.device.type))
+            site, library = frames.caller(sys._getframe(1))
+            recording.host_reads.append(HostRead(name, site, self.device.type, library[:12]))
             busy[0] = True
             try:
                 return original(self, *args, **kwargs)
