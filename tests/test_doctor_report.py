@@ -4,6 +4,7 @@ the zoo's GPT within their tolerance."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import html
 import inspect
@@ -104,6 +105,16 @@ def test_sync_finding_points_at_the_item_print_and_fstring_lines(examined):
     for what in ("a host read", "print() of a tensor", "a tensor in an f-string"):
         assert what in sync.evidence
     assert sync.saved_us is None
+
+
+def test_text_shows_three_lines_of_a_finding_and_counts_the_rest(examined):
+    report, _, _ = examined
+    (sync,) = [f for f in report.findings if f.kind == "sync"]
+    many = copy.copy(report)
+    many.findings = [dataclasses.replace(sync, sites=[*sync.sites, *sync.sites[:2]])]
+    text = str(many)
+    assert text.count("   where: ") == 3 and "and 2 more lines (report.table())" in text
+    assert "more line" not in str(report)
 
 
 def test_zero_grad_finding_points_at_its_line_and_names_its_fix(examined):

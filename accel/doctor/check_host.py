@@ -192,7 +192,7 @@ def syncs(evidence: Evidence) -> list[Finding]:
         notebook="01_sync",
         change="\n".join(changes),
         saved_us=saved,
-        sites=[s for s, _ in sites if s is not None],
+        sites=[s for (s, _), _ in sites.most_common() if s is not None],  # the most made first
         fixes=fixes,
     )]
 

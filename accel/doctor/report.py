@@ -20,6 +20,7 @@ __all__ = ["Report"]
 _IDLE_NAMES = {"host": "idle: waiting for the host", "sync": "idle: after a sync",
                "other": "idle: other"}  # fmt: skip
 _CPU_IDLE = "host: Python, dispatch"  # a CPU has no device to idle
+_SHOWN_SITES = 3  # a finding's lines in the text; the table and the page list them all
 
 
 class Report:
@@ -156,7 +157,10 @@ class Report:
             gain = "" if f.saved_us is None else f"  [saves {f.saved_us / 1e3:.3f} ms/step, "
             gain += "" if f.saved_us is None else f"{f.speedup(self.evidence.iteration_us):.2f}x]"
             lines += [f"{i}. {f.title}{gain}  ({f.notebook})", f"   {f.evidence}"]
-            lines += [f"   where: {s}" for s in f.sites[:3]]
+            lines += [f"   where: {s}" for s in f.sites[:_SHOWN_SITES]]
+            if len(f.sites) > _SHOWN_SITES:
+                lines.append(f"   and {len(f.sites) - _SHOWN_SITES} more line"
+                             f"{'s' * (len(f.sites) - _SHOWN_SITES != 1)} (report.table())")  # fmt: skip
             lines += page.change_text(f.change)
         return "\n".join(lines)
 
