@@ -165,6 +165,41 @@ def test_nanogpt_attention_rewritten_as_sdpa_computes_the_same(seed, causal):
     assert type(model[0]).forward is NanoAttention.forward  # the class is left as it was
 
 
+class AdditiveCausalAttention(nn.Module):
+    """A causal mask kept as a float buffer of 0 and -inf, added to the scores."""
+
+    def __init__(self, width=32, heads=4, length=16):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+        future = torch.ones(length, length, dtype=torch.bool).triu(1)
+        self.register_buffer("causal", torch.zeros(length, length).masked_fill(future, -math.inf))
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = att + self.causal[:T, :T]
+        att = torch.softmax(att, dim=-1)
+        return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
+def test_an_added_causal_mask_is_recorded_as_causal_and_rewritten_as_is_causal(seed):
+    from accel.doctor import check_attention, recorder
+
+    model, x = AdditiveCausalAttention(), torch.randn(2, 16, 32)
+    ops = [o for o in recorder.record_step(lambda: model(x), torch.device("cpu")).ops]
+    (case,) = check_attention.find_manual_attention(ops)
+    assert case.causal
+    written, fixed, rewrite = rewritten(AdditiveCausalAttention, "q @ k", "att @ v", case.causal)
+    assert "is_causal=True" in rewrite.diff and "attn_mask" not in rewrite.diff
+    torch.testing.assert_close(fixed(x), written(x), rtol=1e-5, atol=1e-6)
+    # the same buffer with one more key hidden is a mask, not causality
+    model.causal[5, 2] = -math.inf
+    ops = [o for o in recorder.record_step(lambda: model(x), torch.device("cpu")).ops]
+    (case,) = check_attention.find_manual_attention(ops)
+    assert not case.causal
+
+
 def test_bert_attention_with_an_additive_mask_rewritten_as_sdpa(seed):
     model, fixed, _ = rewritten(BertAttention, "matmul(q", "matmul(probs")
     x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 1, 16)

@@ -197,16 +197,37 @@ def _facts(func, args: tuple) -> tuple[str, ...]:
         return ("tf32",) * cudnn.allow_tf32 + ("cudnn.benchmark",) * cudnn.benchmark
     if name in PRODUCTS:
         return ("tf32",) if torch.backends.cuda.matmul.allow_tf32 else ()
+    if name in ("aten::add", "aten::add_") and len(args) >= 2:
+        a, b = args[:2]
+        return ("causal mask",) * (_additive_causal(a, b) or _additive_causal(b, a))
     if name != "aten::masked_fill" or len(args) < 2:
         return ()
     mask = args[1]
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 2:
         return ()
     rows, cols = mask.shape[-2:]
-    future = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).triu(1)
     first = mask.reshape(-1, rows, cols)[0]
-    same = bool(torch.equal(first, future))  # sync: once per mask, to name the change
-    return ("causal mask",) if same and rows == cols else ()
+    return ("causal mask",) if rows == cols and torch.equal(first, _future(first)) else ()
+
+
+def _future(square: torch.Tensor) -> torch.Tensor:
+    """The keys after each query of a (rows, cols) mask: what a causal mask hides."""
+    rows, cols = square.shape
+    return torch.ones(rows, cols, dtype=torch.bool, device=square.device).triu(1)
+
+
+def _additive_causal(scores, mask) -> bool:
+    """Whether ``mask``, added to larger ``scores``, is one (S, S) float mask of -inf after each
+    query and 0 elsewhere (reading it is two syncs, once per mask in the recorded step)."""
+    if not all(isinstance(t, torch.Tensor) for t in (scores, mask)) or mask.dim() < 2:
+        return False
+    rows, cols = mask.shape[-2:]
+    one = mask.numel() == rows * cols and scores.numel() > mask.numel()
+    if not (one and rows == cols >= 2 and mask.is_floating_point()):
+        return False
+    square = mask.reshape(rows, cols)
+    future = _future(square)
+    return torch.equal(torch.isneginf(square), future) and not square.masked_fill(future, 0).any()
 
 
 def _op_name(func) -> str:

@@ -13,7 +13,7 @@ a chain on one variable, each kind at most once::
                                                       # return (att @ v).transpose(1, 2)
 
 which is ``F.scaled_dot_product_attention(q, k, v, attn_mask=~cond, scale=scale)`` (an exactly
-causal mask becomes ``is_causal=True``). Anything else raises :class:`NotRewritable` naming the
+causal mask, filled in or added, becomes ``is_causal=True``). Anything else raises :class:`NotRewritable` naming the
 statement.
 """
 
@@ -330,9 +330,10 @@ class _Chain:
         if self.cond is not None and self.additive is not None:
             raise NotRewritable("both a masked_fill and an additive mask")
         mask = None
-        if self.cond is not None and not (causal and self.mask_if is None):
+        causal = causal and self.mask_if is None  # a mask only sometimes given stays a mask
+        if self.cond is not None and not causal:
             mask = ast.UnaryOp(ast.Invert(), self.cond)
-        elif self.additive is not None:
+        elif self.additive is not None and not causal:
             mask = self.additive
         if mask is not None and self.mask_if is not None:
             mask = ast.IfExp(self.mask_if, mask, ast.Constant(None))
@@ -340,7 +341,7 @@ class _Chain:
             keywords.append(ast.keyword("attn_mask", mask))
         if self.dropout is not None:
             keywords.append(ast.keyword("dropout_p", self.dropout))
-        if self.cond is not None and causal and self.mask_if is None:
+        if causal and (self.cond is not None or self.additive is not None):
             keywords.append(ast.keyword("is_causal", ast.Constant(True)))
         keywords.append(ast.keyword("scale", self.scale or ast.Constant(1.0)))
         call = ast.Call(ast.parse(_SDPA, mode="eval").body, [self.q, self.k, self.v], keywords)
