@@ -158,8 +158,8 @@ def syncs(evidence: Evidence) -> list[Finding]:
     lines = [f"{n:g} x {kind} at {site or 'a line outside your code'}"
              for (site, kind), n in sites.most_common()]  # fmt: skip
     if evidence.more_calls and any(n != round(n) for n in sites.values()):
-        lines.append(f"averaged over {len(evidence.recordings)} recorded steps: not every "
-                     "step makes each of them")
+        lines.append(f"averaged over {len(evidence.recordings)} steps recorded operator by "
+                     "operator (not the profiled ones): not every step makes each of them")
     if evidence.cuda:
         t = evidence.timeline
         lines.append(f"the host waited {t.sync_wait_us / 1e3:.3f} ms in them")
