@@ -567,6 +567,53 @@ def test_cli_try_fixes_on_a_step_without_fixes_says_so_and_writes_the_report(
     assert "Findings" in out.read_text() and "Fixes tried" not in out.read_text()
 
 
+OWN_FILE_STEP = """
+import os
+import torch
+
+
+class Logged(torch.nn.Linear):
+    def __init__(self):
+        super().__init__(7, 3)
+        self.log = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "log.txt"), "a")
+
+
+def make():
+    model = Logged()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        opt.zero_grad()
+        loss = model(batch).square().mean()
+        loss.backward()
+        opt.step()
+        model.log.write(f"{float(loss)}\\n")
+        return loss
+
+    return step, torch.randn(5, 7)
+"""
+
+
+def test_cli_try_fixes_on_the_users_own_objects_prints_the_report_and_says_why_none_ran(
+    tmp_path, monkeypatch, capsys
+):
+    """A model holding an open file cannot be copied: with --allow-training the examination
+    runs on it, and its report stands though no fix can be tried."""
+    from accel.__main__ import main
+
+    (tmp_path / "own_file_step.py").write_text(OWN_FILE_STEP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "report.html"
+    argv = ["doctor", "own_file_step:make", "--try-fixes", "--allow-training", "--steps", "2",
+            "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("Caution: ran on your own objects (allow_training=True)")
+    assert "host-device sync" in printed
+    assert "fixes not tried: try_fixes needs copies" in printed
+    assert "Findings" in out.read_text()
+
+
 LOGGING_STEP = """
 import os
 import torch

@@ -131,11 +131,17 @@ def _doctor(args: argparse.Namespace) -> int:
         step, batch, loader = load_step(args.target)
         report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
                          allow_training=args.allow_training)
+        untried = None
         if args.try_fixes:
             with warnings.catch_warnings():  # what the trials changed: the report's first line
                 warnings.filterwarnings("ignore", "accel.doctor's trials", RuntimeWarning)
-                report.try_fixes()
+                try:
+                    report.try_fixes()
+                except UsageError as error:  # the report stands without them
+                    untried = str(error)
     print(report)
+    if untried:
+        print(f"\nfixes not tried: {untried}")
     if report.trials is not None:
         if not report.trials.empty:
             print("\nfixes tried:\n" + trials_text(report))

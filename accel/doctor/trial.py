@@ -104,7 +104,8 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
     if not report.parts.all:
         raise ValueError("try_fixes needs the step's model or optimizer, and none was found")
     if report.evidence.parts is report.parts:  # examine ran on the user's own objects
-        raise UsageError("try_fixes needs copies of what the step trains, and they cannot be made")
+        raise UsageError("try_fixes needs copies of what the step trains, and examine ran on your "
+                         "own objects (allow_training=True; the report's first line says why)")
     cuda = report.evidence.device.type == "cuda"
     repeats = repeats or (8 if cuda else 5)
     with Session() as session:  # the random generators put back (the trials seed them)
