@@ -461,6 +461,10 @@ def test_compile_lists_the_graph_breaks_with_their_lines(seed):
     (found,) = [f for f in report.findings if f.kind == "compile"]
     assert line_of(step, "loss.item()") in {s.line for s in found.sites}
     assert "item" in found.evidence and found.fixes == ("compile",)
+    # the breaks every step makes are said apart, not counted as the step's own
+    expected = {line_of(step, call) for call in ("backward(", "opt.step(", "zero_grad(")}
+    assert not expected & {s.line for s in found.sites}
+    assert "where every step breaks" in found.evidence or len(report.evidence.graph_breaks) == 1
 
 
 def test_compile_finds_nothing_in_a_step_whose_only_breaks_are_backward_and_the_optimizer(seed):
@@ -489,6 +493,8 @@ def test_compile_finds_nothing_in_a_step_whose_only_breaks_are_backward_and_the_
         dynamo_log.removeHandler(heard)
     assert "compile" not in report.kinds(), str(report)
     assert not [line for line in said if "record function" in line], said
+    assert "torch.compile traced: " in report.summary()  # the check ran, and says so
+    assert "none but where every step breaks" in report.summary()
 
 
 def test_a_reordering_fix_is_allowed_16_bit_rounding_where_the_products_run_in_16_bits(seed):

@@ -46,16 +46,19 @@ def _expected(site: Site | None) -> bool:
 
 @check("compile")
 def compile_breaks(evidence: Evidence) -> list[Finding]:
-    breaks = evidence.graph_breaks
-    if not breaks or all(_expected(site) for _, site in breaks):
+    breaks = [(reason, site) for reason, site in evidence.graph_breaks or ()
+              if not _expected(site)]  # fmt: skip
+    if not breaks:
         return []
+    expected = len(evidence.graph_breaks) - len(breaks)
     counted = Counter(breaks)
     lines = [f"{n} x {reason} at {site or 'torch'}" for (reason, site), n in counted.most_common()]
     return [Finding(
         kind="compile",
         title=f"torch.compile breaks the step {len(breaks)} time"
         f"{'s' * (len(breaks) != 1)} (a graph each side of every break)",
-        evidence="; ".join(lines[:8]),
+        evidence="; ".join(lines[:8])
+        + (f"; and {expected} where every step breaks (backward, the optimizer)" if expected else ""),
         cost_model="not predicted: each break ends a fused graph and returns to Python; "
         "the compile fix measures what compiling gains as the step stands",
         notebook="07_recipe",

@@ -145,10 +145,16 @@ class Report:
         t = self.evidence.timeline
         syncs = "" if math.isnan(t.syncs) else f", {t.syncs:.0f} syncs"
         caution = f"Caution: {'; '.join(self.side_effects)}. " if self.side_effects else ""
+        breaks = self.evidence.graph_breaks
+        compiled = "" if breaks is None else (
+            f". torch.compile traced: {len(breaks)} graph break{'s' * (len(breaks) != 1)}"
+            + (" (none but where every step breaks)" if "compile" not in self.kinds() and breaks
+               else "")
+        )  # fmt: skip
         return caution + (
             f"{self.device}: a step takes {self.step_ms:.3f} ms ({t.launches:.0f} launches"
             f"{syncs}, {t.kernel_us / 1e3:.3f} ms of kernels); {len(self.findings)} finding"
-            f"{'s' * (len(self.findings) != 1)}. Examined: {self.parts.describe()}"
+            f"{'s' * (len(self.findings) != 1)}{compiled}. Examined: {self.parts.describe()}"
         )
 
     def __str__(self) -> str:
