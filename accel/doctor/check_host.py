@@ -29,8 +29,6 @@ SYNC_OPS = {
     "aten::equal": "torch.equal() returns a Python bool",
 }
 _COPIES = ("aten::_to_copy", "aten::copy_")
-# torch's reads of tensors it keeps on the host on a GPU too: optimizers' step counters, a
-# PackedSequence's batch sizes (read by the RNN modules)
 # torch code whose tensors stay on the host on a GPU too (a step counter, a packed sequence's batch
 # sizes, a DataLoader's sampler and seeds): its reads are no syncs on a CPU either
 _HOST_BY_CONTRACT = ("optim/", "nn/modules/rnn.py:", "utils/data/")

@@ -54,18 +54,18 @@ def _recurrent_settings(op: OpRecord) -> tuple | None:
 
 def _key(op: OpRecord) -> tuple | None:
     """What makes two recorded products the same call to time; its first item is the family."""
-    tf32 = "tf32" in op.facts
+    tf32, family = "tf32" in op.facts, _FAMILIES.get(op.op)
     if op.op in PRODUCTS and op.inputs:
-        return ("product", tuple(_operands(op)), op.inputs[0].dtype, tf32, None)
+        return (family, tuple(_operands(op)), op.inputs[0].dtype, tf32, None)
     if op.op == CONVOLUTION:
         settings = _conv_settings(op)
         shapes = tuple(t.shape for t in op.inputs[:2])
-        return ("convolution", shapes, op.inputs[0].dtype, tf32, settings) if settings else None
-    if op.op == RECURRENT:
+    elif op.op == RECURRENT:
         settings = _recurrent_settings(op)
         shapes = (op.inputs[0].shape,)
-        return ("recurrent", shapes, op.inputs[0].dtype, tf32, settings) if settings else None
-    return None
+    else:
+        return None
+    return (family, shapes, op.inputs[0].dtype, tf32, settings) if settings else None
 
 
 def product_call(
@@ -233,7 +233,7 @@ def time_products(
         _, shapes, dtype, tf32, conv = key
         calls = {"as recorded": (list(shapes), dtype, tf32)}
         calls |= {name: make(list(shapes), dtype) for name, make in variants.items()}
-        make_call = recurrent_call if key[0] == "recurrent" else product_call
+        make_call = recurrent_call if key[0] == _FAMILIES[RECURRENT] else product_call
         calls = {name: _with_tf32(make_call(s, d, device, conv), t)
                  for name, (s, d, t) in calls.items()}  # fmt: skip
         timing = compare(calls, warmup=3, repeats=7, calls_per_sample=None, device=device)

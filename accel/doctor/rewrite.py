@@ -13,8 +13,8 @@ a chain on one variable, each kind at most once::
                                                       # return (att @ v).transpose(1, 2)
 
 which is ``F.scaled_dot_product_attention(q, k, v, attn_mask=~cond, scale=scale)`` (an exactly
-causal mask, filled in or added, becomes ``is_causal=True``). Anything else raises :class:`NotRewritable` naming the
-statement.
+causal mask, filled in or added, becomes ``is_causal=True``). Anything else raises
+:class:`NotRewritable` naming the statement.
 """
 
 from __future__ import annotations

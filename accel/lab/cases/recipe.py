@@ -13,6 +13,7 @@ ratio's confidence interval over the seeds recorded."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import multiprocessing
 import time
@@ -262,8 +263,9 @@ def seed_errors(
     ``devices`` where given (the GPUs of one host), else all on ``device``."""
     reads_at = _read_steps(train_steps, reads, read_every)
     where = [str(d) for d in devices] or [str(device)]
+    pairs = itertools.product(seeds, configs.values())
     jobs = [(flags, sizes, where[i % len(where)], seed, reads_at)
-            for i, (seed, flags) in enumerate((s, f) for s in seeds for f in configs.values())]  # fmt: skip
+            for i, (seed, flags) in enumerate(pairs)]  # fmt: skip
     if processes > 1:
         spawn = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
         with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=spawn) as pool:
