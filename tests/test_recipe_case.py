@@ -222,6 +222,12 @@ def test_seed_errors_deal_the_trainings_to_the_devices_in_turn(monkeypatch):
     where.clear()
     recipe.seed_errors(configs, TINY, "cpu", seeds=(1,), train_steps=2)
     assert where == ["cpu", "cpu"]
+    # the slow configuration's trainings spread over the devices, not stacked on every other one
+    dealt = []
+    monkeypatch.setattr(recipe, "_trained_error", lambda job: dealt.append(job[::2]) or 0.5)
+    recipe.seed_errors(configs, TINY, "cuda", devices=["cuda:0", "cuda:1"], seeds=(1, 2),
+                       train_steps=2)  # fmt: skip
+    assert {device for flags, device, _ in dealt if flags == op.Flags()} == {"cuda:0", "cuda:1"}
 
 
 def test_autotune_compares_the_recipes_two_graph_modes_where_compile_runs():

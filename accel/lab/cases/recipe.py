@@ -263,17 +263,20 @@ def seed_errors(
     ``devices`` where given (the GPUs of one host), else all on ``device``."""
     reads_at = _read_steps(train_steps, reads, read_every)
     where = [str(d) for d in devices] or [str(device)]
-    pairs = itertools.product(seeds, configs.values())
-    jobs = [(flags, sizes, where[i % len(where)], seed, reads_at)
-            for i, (seed, flags) in enumerate(pairs)]  # fmt: skip
+    # configuration by configuration, so that the slow one's trainings spread over the devices
+    pairs = list(itertools.product(configs, seeds))
+    jobs = [(configs[name], sizes, where[i % len(where)], seed, reads_at)
+            for i, (name, seed) in enumerate(pairs)]  # fmt: skip
     if processes > 1:
         spawn = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
         with ProcessPoolExecutor(min(processes, len(jobs)), mp_context=spawn) as pool:
             errors = list(pool.map(_trained_error, jobs))
     else:
         errors = [_trained_error(job) for job in jobs]
-    names = [name for _ in seeds for name in configs]
-    return pd.DataFrame({"seed": [job[3] for job in jobs], "config": names, "val_error": errors})
+    frame = pd.DataFrame(pairs, columns=["config", "seed"]).assign(val_error=errors)
+    return frame.sort_values("seed", kind="stable")[["seed", "config", "val_error"]].reset_index(
+        drop=True
+    )
 
 
 def _trained_error(job: tuple) -> float:
