@@ -235,3 +235,32 @@ def test_autotune_compares_the_recipes_two_graph_modes_where_compile_runs():
     if torch.cuda.is_available():
         modes = [f.compile for f in recipe.autotune("cuda").values()]
         assert modes == ["reduce-overhead", "max-autotune"]
+
+
+def test_seed_errors_give_each_training_at_once_its_share_of_the_cores(monkeypatch):
+    configs = {"baseline": op.Flags(), "every 2nd": op.Flags(aux_loss_every=2)}
+    threads = []
+    monkeypatch.setattr(recipe, "_trained_error", lambda job: threads.append(job[5]) or 0.5)
+    monkeypatch.setattr(recipe.os, "cpu_count", lambda: 32)
+    recipe.seed_errors(configs, TINY, "cpu", seeds=(1, 2), train_steps=2)
+    assert threads == [32] * 4  # one at a time: every core
+    threads.clear()
+    monkeypatch.setattr(recipe, "ProcessPoolExecutor", _InlinePool)
+    recipe.seed_errors(configs, TINY, "cpu", seeds=(1, 2), train_steps=2, processes=4)
+    assert threads == [8] * 4
+
+
+class _InlinePool:
+    """A ProcessPoolExecutor that runs its jobs here, in turn."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def map(self, fn, jobs):
+        return [fn(job) for job in jobs]

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import math
 import multiprocessing
+import os
 import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -265,7 +266,9 @@ def seed_errors(
     where = [str(d) for d in devices] or [str(device)]
     # configuration by configuration, so that the slow one's trainings spread over the devices
     pairs = list(itertools.product(configs, seeds))
-    jobs = [(configs[name], sizes, where[i % len(where)], seed, reads_at)
+    # trainings at once share the host's cores: each takes its share (oversubscribed, they crawl)
+    threads = max(1, (os.cpu_count() or 1) // min(processes, len(pairs)))
+    jobs = [(configs[name], sizes, where[i % len(where)], seed, reads_at, threads)
             for i, (name, seed) in enumerate(pairs)]  # fmt: skip
     if processes > 1:
         spawn = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
@@ -280,15 +283,22 @@ def seed_errors(
 
 
 def _trained_error(job: tuple) -> float:
-    flags, sizes, device, seed, reads_at = job
+    flags, sizes, device, seed, reads_at, threads = job
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)  # this process's own setting: it ends with the training
     start = time.perf_counter()
     step = op.build(flags, sizes, device=torch.device(device), seed=seed)
+
+    def say(what: str) -> None:  # a training takes minutes on a GPU: say where each one is
+        print(f"quality seed {seed} ({device}, {label(flags)}): {what} at "
+              f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+
+    say("built")
     try:
-        error = _validation_error(step, reads_at)
+        error = _validation_error(step, reads_at, say=say)
     finally:
         step.close()
-    # a training takes minutes on a GPU: say which ended, where and when
-    print(f"quality seed {seed} ({device}): trained in {time.perf_counter() - start:.0f} s", flush=True)
+    say("trained")
     return error
 
 
@@ -330,13 +340,16 @@ def _read_steps(train_steps: int, reads: int, read_every: int) -> range:
     return range(train_steps - (reads - 1) * read_every, train_steps + 1, read_every)
 
 
-def _validation_error(step: op.Step, reads_at: range) -> float:
+def _validation_error(
+    step: op.Step, reads_at: range, say: Callable[[str], None] = lambda what: None
+) -> float:
     """Train ``step`` on, reading its validation error at each step of ``reads_at``; the mean."""
     errors = []
     for at in reads_at:
         while step.count < at:
             step()
         errors.append(step.validation_error())
+        say(f"step {at}, validation error {errors[-1]:.4g}")
     return sum(errors) / len(errors)
 
 
