@@ -971,3 +971,42 @@ def test_compile_of_a_model_with_dropout_is_judged_on_the_same_masks(seed):
     report = doctor.examine(step, torch.randn(8, 16), steps=1, warmup=1)
     (row,) = report.try_fixes(["compile"], steps=2, repeats=2).to_dict("records")
     assert row["error"] <= row["allowance"] and "changes results" not in row["status"], row
+
+
+class _TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.layer(x))
+
+
+def test_compiled_copies_keep_their_compiled_code_off_the_users_class(seed):
+    """Dynamo keeps compiled code on the function's code object: copies compiled from the user's
+    class would pile every trial's variant (autocast, TF32, a padded head) into one cache, past
+    its limit (a later copy then runs uncompiled), and leave it behind in the user's class."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = _TinyNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    forwards = []
+    for autocast in (False, True):
+        step_copy, parts_copy = copy_step(step, doctor.parts.find_parts(step))
+        FIXES["compile"].apply(StepCopy(step_copy, parts_copy, None, torch.device("cpu")))
+        with torch.autocast("cpu", enabled=autocast):
+            step_copy(torch.randn(3, 4))
+        (net,) = [m for m in parts_copy.models if isinstance(m, _TinyNet)]
+        forwards.append(net.forward)
+    assert _debug_get_cache_entry_list(_TinyNet.forward.__code__) == []
+    codes = [f._torchdynamo_orig_callable.__code__ for f in forwards]
+    assert codes[0] is not codes[1]
+    assert all(len(_debug_get_cache_entry_list(code)) == 1 for code in codes)

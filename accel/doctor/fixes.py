@@ -260,10 +260,24 @@ def _compile_forwards(model: torch.nn.Module) -> None:
     (ModuleList, ModuleDict), whose layers the step calls itself: each layer's. Random ops
     (dropout) draw as in eager, so the trial compares the same masks as the unchanged step's."""
     if type(model).forward is not torch.nn.Module.forward:
-        model.forward = torch.compile(model.forward, options={"fallback_random": True})
+        forward = _own_code(model.forward)
+        model.forward = torch.compile(forward, options={"fallback_random": True})
         return
     for child in model.children():
         _compile_forwards(child)
+
+
+def _own_code(method: Callable) -> Callable:
+    """The bound method over a copy of its code object. Dynamo keeps compiled code on the code
+    object: copies compiled from one class would pile every trial's variant into one cache, past
+    its limit (a later copy then runs uncompiled), and leave it behind in the user's class."""
+    function = getattr(method, "__func__", None)
+    if not isinstance(function, types.FunctionType):
+        return method  # not a Python method: nothing of the class's to share
+    own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                             function.__defaults__, function.__closure__)  # fmt: skip
+    own.__kwdefaults__ = function.__kwdefaults__
+    return types.MethodType(functools.update_wrapper(own, function), method.__self__)
 
 
 def _checkpoint(copy: StepCopy) -> None:
