@@ -49,46 +49,12 @@ def picked_kernel(q, k, v, mask=None, causal=False, scale=None) -> str:
     return _KERNEL_NAMES.get(int(choice), "")
 
 
-def _lean_switches():
-    """SDPA's enable flags: (getters, setters, per forced backend each flag's state while it runs
-    alone); None if this torch lacks them."""
-    try:
-        from torch.nn.attention import _backend_names
-
-        flags = list(_backend_names.items())
-        getters = tuple(getattr(torch._C, f"_get_{name}_sdp_enabled") for name, _ in flags)
-        setters = tuple(getattr(torch._C, f"_set_sdp_use_{name}") for name, _ in flags)
-    except (ImportError, AttributeError):
-        return None
-    alone = {
-        name: tuple(getattr(SDPBackend, attr) == sdp for _, attr in flags)
-        for name, sdp in FORCED.items()
-    }
-    return getters, setters, alone
-
-
-_SWITCHES = _lean_switches()
-
-
 def run_forced(backend: str, q, k, v, mask, causal, scale) -> torch.Tensor:
-    """SDPA with only ``backend`` enabled: ``sdpa_kernel([backend])`` with the switches set
-    directly (no context manager's Python cost per call); while tracing, ``sdpa_kernel``."""
-    if _SWITCHES is None or torch.compiler.is_compiling():
-        with sdpa_kernel([FORCED[backend]]):
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=causal, scale=scale
-            )
-    getters, setters, alone = _SWITCHES
-    saved = [get() for get in getters]
-    for set_, on in zip(setters, alone[backend], strict=True):
-        set_(on)
-    try:
+    """SDPA with only ``backend`` enabled."""
+    with sdpa_kernel([FORCED[backend]]):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale
         )
-    finally:
-        for set_, was in zip(setters, saved, strict=True):
-            set_(was)
 
 
 # TORCH_WARN headers before each backend's reasons when no forced kernel can run (CUDA)

@@ -36,7 +36,6 @@ import triton.language as tl
 # the copy bandwidth is in results/*.csv, phase=overhead, the adamw sweep's bandwidth rows.
 BLOCK = 1024
 NUM_WARPS = 8
-FIELDS = 7  # table rows: parameter, gradient, exp_avg, exp_avg_sq, step addresses; numel; group
 
 
 @triton.jit
@@ -72,7 +71,7 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, n, lr, wd, step_size, bc2_sqrt, we
 
 @triton.jit
 def _adamw_kernel(
-    table_ptr,  # (FIELDS, T) int64
+    table_ptr,  # (7, T) int64: p, grad, exp_avg, exp_avg_sq, step addresses; numel; group
     block_tensor_ptr,  # (programs,) int32: the tensor each program updates
     block_start_ptr,  # (programs,) int64: its first element
     arrived_ptr,  # (T,) int32: programs of each tensor that have read its count; 0 between launches
