@@ -160,7 +160,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add("--out", type=Path, default=Path("doctor.html"), help="the HTML report (default: %(default)s)")
     add("--steps", type=int, default=5, help="steps profiled (default 5)")
     add("--try-fixes", action="store_true", help="apply and measure the fixes")
-    add("--compile", action="store_true", help="also list torch.compile's graph breaks")
+    add("--compile", action="store_true", help="also list torch.compile's graph breaks (empties dynamo's cache)")
     add("--allow-training", action="store_true",
         help="run on your own model where the doctor cannot copy what the step trains")  # fmt: skip
     doctor.epilog = "arguments after -- are your script's own command line (its sys.argv)"

@@ -80,7 +80,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     ``loader``: the DataLoader that feeds it (its first batch is used when ``batch`` is not
     given), to measure how long the step waits for data.
     ``compile=True`` also lists where ``torch.compile`` would break the step (seconds to
-    minutes). ``ceilings`` and ``costs``: this machine's ``lab.measure_ceilings`` and
+    minutes); dynamo's trace starts from an empty cache, so the functions this process compiled
+    before compile again at their next call. ``ceilings`` and ``costs``: this machine's ``lab.measure_ceilings`` and
     ``lab.measure_costs``, if at hand (else measured when a check needs them).
     """
     from accel.doctor.report import Report
