@@ -1,6 +1,7 @@
 """Bench phase ``memory`` (notebook 03): steady-state allocations, activation checkpointing
 (judged at ``JUDGED_BATCH``, where the GPU bounds the step; the preset's own batch gets a row
-without a target); gradient accumulation's rows are ``memory_accumulate``'s."""
+without a target); gradient accumulation's rows are ``memory_accumulate``'s, the CPU-offload
+optimizer's ``memory_offload``'s."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 from accel import memory
 from accel.lab.bench import BenchContext, Row
-from accel.lab.cases import memory_accumulate
+from accel.lab.cases import memory_accumulate, memory_offload
 from accel.measure.timer import Comparison, compare
 from accel.workloads import nested_optimizer as no
 from accel.workloads.flags import through_phase
@@ -86,7 +87,7 @@ def checkpoint_costs(
 
 def parts() -> list[str]:
     """The parts ``bench --phase memory --only`` can pick."""
-    return ["allocations", "checkpointing", "accumulate"]
+    return ["allocations", "checkpointing", "accumulate", "offload"]
 
 
 def _checkpointed(sizes: no.Sizes, device) -> dict[str, no.Step]:
@@ -105,6 +106,8 @@ def run(ctx: BenchContext) -> list[Row]:
         rows += checkpointing_rows(ctx, sizes)
     if ctx.selected("accumulate"):
         rows += memory_accumulate.rows(ctx, sizes)
+    if ctx.selected("offload"):
+        rows += memory_offload.rows(ctx)
     return rows
 
 
