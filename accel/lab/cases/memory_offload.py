@@ -16,7 +16,7 @@ from accel.measure.timer import compare
 from accel.workloads.advection.settings import offload_optimizer_class
 
 PHASE = "memory"
-WIDTHS = {"gpu": (2048, 4096), "cpu": (32, 64)}
+WIDTHS = {"gpu": (1024, 2048), "cpu": (32, 64)}
 TOKENS = {"gpu": 8192, "cpu": 16}
 BLOCKS = 4
 REPEATS = {"gpu": 6, "cpu": 2}
