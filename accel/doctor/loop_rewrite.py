@@ -69,7 +69,7 @@ def rewrite_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
         try:
             guard, calls = _parts(loop)
         except NotRewritable as error:
-            head = f"for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}:"
+            head = source[loop.lineno - first].strip()  # as the user wrote it
             refused.append(f"the loop `{head}` at line {loop.lineno} is left as written: {error}")
             continue
         spans.append((loop.lineno, loop.end_lineno, _statements(loop, guard, calls, False)))
