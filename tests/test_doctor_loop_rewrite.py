@@ -2,15 +2,18 @@
 
 import copy
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from accel import doctor
+from accel.doctor.fixes import FIXES
 from accel.doctor.loop_rewrite import NotRewritable, rewrite_loop
 
 LR, DECAY = 0.1, 0.01
+CLIP, AVERAGE = 0.01, 0.9  # a WGAN critic's weight clipping, an EMA's decay
 seen = 0
 
 
@@ -101,7 +104,10 @@ def test_a_loop_with_other_statements_is_not_rewritten_and_says_which_line():
             p.sub_(delta)
         return x
 
-    with pytest.raises(NotRewritable, match=rf"line {line_of(step, 'delta = ')} is not an in-place"):
+    said = (rf"the loop `for p in model.parameters\(\):` at line {line_of(step, 'for p in')} is "
+            rf"left as written: line {line_of(step, 'delta = ')} \(`delta = p.grad \* LR`\) is not "
+            r"an in-place update of p")  # fmt: skip
+    with pytest.raises(NotRewritable, match=said):
         rewrite_loop(step, line_of(step, "p.sub_("))
     with pytest.raises(NotRewritable, match="no for loop"):
         rewrite_loop(step, line_of(step, "return x"))
@@ -135,10 +141,6 @@ def test_try_fixes_rewrites_the_loop_measures_it_and_hands_the_edit(seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_non_finite_values_go_through_the_rewrite_as_through_the_loop(seed, dtype):
-    def update(weights, grads):
-        for w, g in zip(weights, grads, strict=True):
-            w.add_(g, alpha=-LR)
-
     def step(weights):
         for w in weights:
             w.mul_(1 - DECAY)
@@ -152,5 +154,166 @@ def test_non_finite_values_go_through_the_rewrite_as_through_the_loop(seed, dtyp
     rewrite.step(twin)
     for a, b in zip(weights, twin, strict=True):
         torch.testing.assert_close(a, b, equal_nan=True)  # bf16: foreach may round otherwise
-    with pytest.raises(NotRewritable, match="not `for name in items:`"):
-        rewrite_loop(update, line_of(update, "w.add_("))
+
+
+def clamp_data(params, averages):
+    for p in params:
+        p.data.clamp_(-CLIP, CLIP)
+
+
+def clamp_bounds(params, averages):
+    with torch.no_grad():
+        for p in params:
+            p.clamp_(min=-CLIP, max=CLIP)
+
+
+def average_chained(params, averages):
+    for e, p in zip(averages, params, strict=True):
+        e.mul_(AVERAGE).add_(p, alpha=1 - AVERAGE)
+
+
+def average_lerp(params, averages):
+    for e, p in zip(averages, params, strict=True):
+        e.data.lerp_(p.data, 1 - AVERAGE)
+
+
+def average_copy(params, averages):
+    for e, p in zip(averages, params, strict=True):
+        e.copy_(AVERAGE * e + (1 - AVERAGE) * p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("loop", "call"), [
+    (clamp_data, "torch._foreach_clamp_min_([p.data for p in tensors], -CLIP)"),
+    (clamp_bounds, "torch._foreach_clamp_max_(tensors, CLIP)"),
+    (average_chained, "torch._foreach_add_([e for e, p in tensors], [p for e, p in tensors], "
+                      "alpha=1 - AVERAGE)"),
+    (average_lerp, "torch._foreach_lerp_([e.data for e, p in tensors], [p.data for e, p in "
+                   "tensors], 1 - AVERAGE)"),
+    (average_copy, "torch._foreach_mul_([e for e, p in tensors], AVERAGE)"),
+])  # fmt: skip
+def test_clamp_and_average_loops_become_foreach_calls_non_finite_values_included(
+    seed, loop, call, dtype
+):
+    params = [torch.randn(n, dtype=dtype) for n in (3, 17, 1)]
+    averages = [torch.randn_like(p) for p in params]
+    bad = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    params[1][[2, 5, 9]], averages[1][[4, 5, 11]] = bad, bad
+    twin = [[t.clone() for t in ts] for ts in (params, averages)]
+    rewrite = rewrite_loop(loop, line_of(loop, "_("))
+    loop(params, averages)
+    rewrite.step(*twin)
+    for a, b in zip(params + averages, twin[0] + twin[1], strict=True):
+        # the EMA's two terms rounded apart or inside one add
+        torch.testing.assert_close(a, b, rtol=FIXES["foreach_loop"].rtol, atol=1e-6, equal_nan=True)
+    assert call in rewrite.diff
+
+
+def critic_step_for(critic, opt, clip: bool):
+    def step(batch):
+        real, fake = batch
+        loss = critic(fake).mean() - critic(real).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if clip:
+            for p in critic.parameters():
+                p.data.clamp_(-CLIP, CLIP)  # weight clipping
+        return loss.detach()
+
+    return step
+
+
+def average_step_for(model, opt, average: bool):
+    averaged = copy.deepcopy(model)
+
+    def step(batch):
+        real, fake = batch
+        loss = (model(real) - model(fake)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if average:
+            with torch.no_grad():
+                for e, p in zip(averaged.parameters(), model.parameters(), strict=True):
+                    e.mul_(AVERAGE).add_(p, alpha=1 - AVERAGE)  # the EMA
+        return loss.detach()
+
+    return step, averaged
+
+
+@pytest.mark.parametrize("with_average", [False, True])
+def test_a_weight_clipping_or_ema_loop_is_found_at_its_line_and_rewritten_on_the_copy_only(
+    seed, with_average
+):
+    widths = [16, 32, 32, 32, 16, 1]  # ten parameters
+    model = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    twin = copy.deepcopy(model)
+    make = average_step_for if with_average else lambda m, *a: (critic_step_for(m, *a), m)
+    step, kept = make(model, torch.optim.RMSprop(model.parameters(), lr=5e-5), True)
+    plain, _ = make(twin, torch.optim.RMSprop(twin.parameters(), lr=5e-5), False)
+    held = [t.detach().clone() for t in (*model.parameters(), *kept.parameters())]
+    batch = (torch.randn(8, 16), torch.randn(8, 16) + 1)
+    rng, script = torch.get_rng_state(), Path(__file__).read_bytes()
+    report = doctor.examine(step, batch, steps=2, warmup=1)
+    (loop,) = [f for f in report.findings if f.kind == "tensor_loop"]
+    assert [s.line for s in loop.sites] == [line_of(step, "_(-CLIP" if not with_average else ".add_(p")]
+    (trial,) = report.try_fixes(["foreach_loop"], repeats=2, steps=2).to_dict("records")
+    assert trial["status"] in ("ok", "slower here") and trial["error"] <= trial["allowance"], trial
+    assert "torch._foreach_" in trial["edit"]
+    now = [t.detach() for t in (*model.parameters(), *kept.parameters())]
+    assert all(torch.equal(a, b) for a, b in zip(held, now, strict=True))
+    assert torch.equal(torch.get_rng_state(), rng) and Path(__file__).read_bytes() == script
+    twin = doctor.examine(plain, batch, steps=2, warmup=1)
+    assert not [f for f in twin.findings if f.kind == "tensor_loop"]
+
+
+def test_a_loop_left_as_written_says_which_loop_and_why_in_the_trial(seed):
+    widths = [16, 32, 32, 32, 16, 3]
+    model = nn.Sequential(*(nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+
+    def step(x):
+        loss = model(x).pow(2).sum()
+        model.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(p.grad * LR)
+                print_norm = p.norm()  # noqa: F841
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(8, 16), steps=2, warmup=1)
+    (trial,) = report.try_fixes(["foreach_loop"], repeats=2, steps=2).to_dict("records")
+    assert trial["status"].startswith(
+        f"not applicable: the loop `for p in model.parameters():` at line {line_of(step, 'for p')} "
+        f"is left as written: line {line_of(step, 'print_norm')} (`print_norm = p.norm()`) is not "
+        "an in-place update of p"
+    ), trial["status"]
+
+
+def test_the_loops_of_one_step_are_rewritten_in_one_edit_and_one_left_as_written_says_why(seed):
+    def step(params, averages, kept):
+        for p in params:
+            p.clamp_(-CLIP, CLIP)
+        for e, p in zip(averages, params, strict=True):
+            e.lerp_(p, 1 - AVERAGE)
+        for p in params:
+            kept.append(p.sum())
+
+    lines = [line_of(step, text) for text in ("p.clamp_(", "e.lerp_(", "kept.append(")]
+    rewrite = rewrite_loop(step, *lines)
+    params = [torch.randn(n) for n in (3, 17, 1)]
+    averages = [torch.randn_like(p) for p in params]
+    twin = [[t.clone() for t in ts] for ts in (params, averages)]
+    step(params, averages, [])
+    rewrite.step(*twin, [])
+    for a, b in zip(params + averages, twin[0] + twin[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=FIXES["foreach_loop"].rtol, atol=1e-6)
+    assert rewrite.diff.count("+++ ") == 1 and "_foreach_clamp_max_" in rewrite.diff
+    assert "_foreach_lerp_" in rewrite.diff
+    assert rewrite.refused == [
+        f"the loop `for p in params:` at line {lines[2] - 1} is left as written: line {lines[2]} "
+        "(`kept.append(p.sum())`) is not an in-place update of p (.add_(...), .mul_(...), "
+        ".lerp_(...), .clamp_(...), -= and the like), which one foreach call makes on every item "
+        "at once"
+    ]

@@ -320,18 +320,12 @@ def _foreach_loop(copy: StepCopy) -> None:
              if code is not None and s.file == code.co_filename]  # fmt: skip
     if not sites:
         raise FixNotApplicable("no loop over tensors found in the step function itself")
-    done, refused = set(), []
-    for line in dict.fromkeys(s.line for s in sites):
-        try:
-            rewrite = rewrite_loop(copy.step, line)
-        except NotRewritable as error:
-            refused.append(f"the loop at line {line}: {error}")
-            continue
-        copy.step = rewrite.step
-        copy.edits.append(rewrite.diff)
-        done.add(line)
-    if not done:
-        raise FixNotApplicable("; ".join(refused))
+    try:
+        rewrite = rewrite_loop(copy.step, *dict.fromkeys(s.line for s in sites))
+    except NotRewritable as error:
+        raise FixNotApplicable(str(error)) from None
+    copy.step = rewrite.step
+    copy.edits += [rewrite.diff, *(f"# {why}" for why in rewrite.refused)]
 
 
 def _mha_without_weights(copy: StepCopy) -> None:

@@ -1,11 +1,12 @@
 """A Python loop that changes tensors in place one at a time, rewritten as one foreach call per
-statement in a copy of the step function, and handed to the user as a diff of their own step::
+in-place call in a copy of the step function, and handed to the user as a diff of their own step::
 
-    for p in model.parameters():
+    for p in model.parameters():                # or for e, p in zip(ema.parameters(), ...)
         if p.grad is None:                      # an optional guard first
             continue
-        p.data.add_(p.grad, alpha=-lr)          # in-place calls of FOREACH's methods, or
-                                                # p -= lr * p.grad (+=, -=, *=, /=)
+        p.data.add_(p.grad, alpha=-lr)          # in-place calls of FOREACH's methods, chained
+                                                # (e.mul_(d).add_(p, alpha=1 - d)) or not,
+                                                # or p -= lr * p.grad (+=, -=, *=, /=)
 
 becomes, over the loop's items taken once::
 
@@ -13,9 +14,11 @@ becomes, over the loop's items taken once::
     torch._foreach_add_([p.data for p in tensors], [p.grad for p in tensors], alpha=-lr)
 
 (``p -= lr * p.grad`` becomes ``torch._foreach_sub_(tensors, [p.grad for p in tensors],
-alpha=lr)``.) Each statement runs for every item before the next statement starts, which is what the loop
-computes wherever the items are distinct tensors (the trial checks it against the step as
-written). Anything else raises :class:`NotRewritable` naming the statement.
+alpha=lr)``; ``p.clamp_(lo, hi)`` a clamp_min_ and a clamp_max_; an average kept as
+``e.copy_(d * e + (1 - d) * p)`` a mul_ by d and an add_ of p with alpha=1 - d.) Each call runs
+for every item before the next starts, which is what the loop computes wherever the items are
+distinct tensors (the trial checks it against the step as written). Any other loop is left as
+written, and :class:`NotRewritable` says which one and why.
 """
 
 from __future__ import annotations
@@ -46,113 +49,183 @@ _ITEMS = "__foreach_items"  # the executed copy's list; the diff names it after 
 
 @dataclass
 class LoopRewrite:
-    step: Callable[..., Any]  # the step with the loop rewritten (same closure and globals)
+    step: Callable[..., Any]  # the step with the loops rewritten (same closure and globals)
     diff: str  # the edit of the user's own source, as a unified diff
+    refused: list[str]  # why each loop of the lines left as written is left so
 
 
-def rewrite_loop(step: Callable[..., Any], line: int) -> LoopRewrite:
-    """``step`` with the ``for`` loop that holds source line ``line`` of its file rewritten."""
+def rewrite_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
+    """``step`` with every ``for`` loop that holds one of source ``lines`` of its file rewritten;
+    :class:`NotRewritable` where none can be."""
     function = getattr(step, "__func__", step)
     if not isinstance(function, types.FunctionType):
         raise NotRewritable(f"the step is a {type(step).__name__}, not a function")
-    lines, first, definition = function_source(function)
-    loop = _loop_at(definition, line)
-    items, guard, calls = _parts(loop)
-    shown = _statements(loop, items, guard, calls, executed=False)
-    block = next(b for b in statement_blocks(definition) if loop in b)
-    at = block.index(loop)
-    block[at : at + 1] = _statements(loop, items, guard, calls, executed=True)
+    source, first, definition = function_source(function)
+    found = [_loop_at(definition, line) for line in lines]
+    refused = [f"line {n} is in no for loop of the step" for n, f in zip(lines, found, strict=True)
+               if not f]  # fmt: skip
+    spans = []
+    for loop in dict.fromkeys(f for f in found if f):
+        try:
+            guard, calls = _parts(loop)
+        except NotRewritable as error:
+            head = source[loop.lineno - first].strip()  # as the user wrote it
+            refused.append(f"the loop `{head}` at line {loop.lineno} is left as written: {error}")
+            continue
+        spans.append((loop.lineno, loop.end_lineno, _statements(loop, guard, calls, False)))
+        block = next(b for b in statement_blocks(definition) if loop in b)
+        at = block.index(loop)
+        block[at : at + 1] = _statements(loop, guard, calls, executed=True)
+    if not spans:
+        raise NotRewritable("; ".join(refused))
     new = recompiled(function, definition)
     if isinstance(step, types.MethodType):
         new = types.MethodType(new, step.__self__)
     fromfile = f"{function.__code__.co_filename}:{first}"
-    diff = replaced_diff(lines, first, loop.lineno, loop.end_lineno, shown, fromfile,
-                         "with foreach calls")  # fmt: skip
-    return LoopRewrite(new, diff)
+    return LoopRewrite(new, replaced_diff(source, first, spans, fromfile, "with foreach calls"),
+                       refused)  # fmt: skip
 
 
-def _loop_at(definition: ast.FunctionDef, line: int) -> ast.For:
+def _loop_at(definition: ast.FunctionDef, line: int) -> ast.For | None:
     loops = [node for node in ast.walk(definition) if isinstance(node, ast.For)
              and node.lineno <= line <= (node.end_lineno or node.lineno)]  # fmt: skip
-    if not loops:
-        raise NotRewritable(f"no for loop of the step holds line {line}")
-    return max(loops, key=lambda node: node.lineno)  # the innermost
+    return max(loops, key=lambda node: node.lineno, default=None)  # the innermost
 
 
-def _parts(loop: ast.For) -> tuple[str, ast.expr | None, list[ast.Call]]:
-    if not isinstance(loop.target, ast.Name) or loop.orelse:
-        raise NotRewritable("the loop is not `for name in items:` without an else")
-    name, body, guard = loop.target.id, list(loop.body), None
+def _parts(loop: ast.For) -> tuple[ast.expr | None, list[ast.Call]]:
+    names = _names(loop.target)
+    if not names or loop.orelse:
+        raise NotRewritable("only `for p in ...:` or `for e, p in ...:` without an `else:` is "
+                            "rewritten")  # fmt: skip
+    body, guard = list(loop.body), None
     first = body[0]
     if isinstance(first, ast.If) and not first.orelse and _is_continue(first.body):
         guard, body = first.test, body[1:]
-    calls = []
-    for statement in body:
-        call = statement.value if isinstance(statement, ast.Expr) else _in_place(statement, name)
-        method = call.func.attr if isinstance(call, ast.Call) and isinstance(
-            call.func, ast.Attribute) else None  # fmt: skip
-        if method not in FOREACH or not _uses(call.func.value, name):
-            raise NotRewritable(f"line {statement.lineno} is not an in-place call "
-                                f"({', '.join(FOREACH)}, or +=, -=, *=, /=) on the loop's "
-                                f"{name}")  # fmt: skip
-        if any(_uses(k.value, name) for k in call.keywords) or any(
-                isinstance(a, ast.Starred) for a in call.args):  # fmt: skip
-            raise NotRewritable(f"line {statement.lineno}: a keyword depends on {name}")
-        calls.append(call)
+    calls = [call for statement in body for call in _updates(statement, names)]
     if not calls:
-        raise NotRewritable("the loop's body has no in-place call")
-    return name, guard, calls
+        raise NotRewritable("its body makes no in-place call")
+    return guard, calls
+
+
+def _names(target: ast.expr) -> list[str]:
+    """``p`` of ``for p in``, ``e, p`` of ``for e, p in``; none for any other target."""
+    elements = target.elts if isinstance(target, ast.Tuple) else [target]
+    return [e.id for e in elements] if all(isinstance(e, ast.Name) for e in elements) else []
+
+
+def _updates(statement: ast.stmt, names: list[str]) -> list[ast.Call]:
+    """The in-place calls ``statement`` makes on the loop's tensors, each of a FOREACH method."""
+    call = statement.value if isinstance(statement, ast.Expr) else _augmented(statement)
+    calls = [c for link in _unchained(call) for c in _expanded(link, names)] if isinstance(
+        call, ast.Call) else []  # fmt: skip
+    said = f"line {statement.lineno} (`{ast.unparse(statement).splitlines()[0]}`)"
+    what = " or ".join(names)
+    if not calls or any(_method(c) not in FOREACH or not _uses(c.func.value, names) for c in calls):
+        raise NotRewritable(f"{said} is not an in-place update of {what} (.add_(...), .mul_(...), "
+                            ".lerp_(...), .clamp_(...), -= and the like), which one foreach call "
+                            "makes on every item at once")  # fmt: skip
+    if any(_uses(k.value, names) for c in calls for k in c.keywords) or any(
+            isinstance(a, ast.Starred) for c in calls for a in c.args):  # fmt: skip
+        raise NotRewritable(f"{said}: a keyword depends on {what}, where a foreach call takes one "
+                            "value for every item")  # fmt: skip
+    return calls
 
 
 _AUGMENTED = {ast.Add: "add_", ast.Sub: "sub_", ast.Mult: "mul_", ast.Div: "div_"}
 
 
-def _in_place(statement: ast.stmt, name: str) -> ast.Call | None:
-    """``t -= c * x`` as the call it makes, ``t.sub_(x, alpha=c)`` (``t.sub_(v)`` without a
-    factor that does not depend on ``name``); None for any other statement."""
+def _augmented(statement: ast.stmt) -> ast.Call | None:
+    """``t -= x`` as the call it makes, ``t.sub_(x)``; None for any other statement."""
     if not isinstance(statement, ast.AugAssign) or type(statement.op) not in _AUGMENTED:
         return None
-    target, value = statement.target, statement.value
-    method = _AUGMENTED[type(statement.op)]
-    target = ast.copy_location(type(target)(**{**vars(target), "ctx": ast.Load()}), target)
-    args, keywords = [value], []
-    if method in ("add_", "sub_") and isinstance(value, ast.BinOp) and isinstance(
-            value.op, ast.Mult):  # fmt: skip
-        factor, tensor = (value.left, value.right) if not _uses(value.left, name) else (
-            value.right, value.left)  # fmt: skip
-        if not _uses(factor, name) and _uses(tensor, name):
-            args, keywords = [tensor], [ast.keyword("alpha", factor)]
-    return ast.Call(ast.Attribute(target, method, ast.Load()), args, keywords)
+    target = ast.parse(ast.unparse(statement.target), mode="eval").body  # read, not assigned
+    return _call(ast.copy_location(target, statement), _AUGMENTED[type(statement.op)],
+                 [statement.value])  # fmt: skip
+
+
+def _unchained(call: ast.Call) -> list[ast.Call]:
+    """``e.mul_(d).add_(p)`` as ``e.mul_(d)`` then ``e.add_(p)``: an in-place call returns its
+    tensor."""
+    inner = call.func.value if _method(call) else None
+    if not isinstance(inner, ast.Call) or not (_method(inner) or "").endswith("_"):
+        return [call]
+    links = _unchained(inner)
+    return [*links, _call(links[-1].func.value, call.func.attr, call.args, call.keywords)]
+
+
+def _expanded(call: ast.Call, names: list[str]) -> list[ast.Call]:
+    """``call`` as calls of FOREACH methods: ``clamp_`` as ``clamp_min_`` and ``clamp_max_``;
+    ``t.copy_(c * t + x)`` as ``t.mul_(c)`` and ``t.add_(x)``; ``t.add_(c * x)`` (or sub_) as
+    ``t.add_(x, alpha=c)``, where ``c`` does not depend on the loop's names."""
+    method = _method(call)
+    tensor = call.func.value if method else None
+    simple = len(call.args) == 1 and not call.keywords
+    if method in ("clamp_", "clip_"):
+        given = dict(zip(("min", "max"), call.args, strict=False))
+        given |= {k.arg: k.value for k in call.keywords}
+        return [_call(tensor, f"clamp_{side}_", [given[side]]) for side in ("min", "max")
+                if not isinstance(given.get(side, ast.Constant(None)), ast.Constant)
+                or given[side].value is not None]  # fmt: skip
+    if method == "copy_" and simple and isinstance(call.args[0], ast.BinOp) and isinstance(
+            call.args[0].op, ast.Add):  # fmt: skip
+        sum_ = call.args[0]
+        for scaled, rest in ((sum_.left, sum_.right), (sum_.right, sum_.left)):
+            split = _split(scaled, names)
+            read = [n.id for n in ast.walk(tensor) if isinstance(n, ast.Name)]
+            if split and ast.dump(split[1]) == ast.dump(tensor) and not _uses(rest, read):
+                return [_call(tensor, "mul_", [split[0]]),
+                        *_expanded(_call(tensor, "add_", [rest]), names)]  # fmt: skip
+    if method in ("add_", "sub_") and simple and (split := _split(call.args[0], names)):
+        return [_call(tensor, method, [split[1]], [ast.keyword("alpha", split[0])])]
+    return [call]
+
+
+def _split(node: ast.expr, names: list[str]) -> tuple[ast.expr, ast.expr] | None:
+    """(c, x) of ``c * x`` or ``x * c`` where x, not c, depends on the loop's names."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        for factor, tensor in ((node.left, node.right), (node.right, node.left)):
+            if not _uses(factor, names) and _uses(tensor, names):
+                return factor, tensor
+    return None
+
+
+def _method(call: ast.Call) -> str | None:
+    return call.func.attr if isinstance(call.func, ast.Attribute) else None
+
+
+def _call(tensor: ast.expr, method: str, args: list[ast.expr],
+          keywords: list[ast.keyword] | None = None) -> ast.Call:  # fmt: skip
+    return ast.Call(ast.Attribute(tensor, method, ast.Load()), args, keywords or [])
 
 
 def _is_continue(body: list[ast.stmt]) -> bool:
     return len(body) == 1 and isinstance(body[0], ast.Continue)
 
 
-def _uses(node: ast.AST, name: str) -> bool:
-    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+def _uses(node: ast.AST, names: list[str]) -> bool:
+    return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
 
 
-def _statements(loop: ast.For, name: str, guard: ast.expr | None, calls: list[ast.Call],
+def _statements(loop: ast.For, guard: ast.expr | None, calls: list[ast.Call],
                 executed: bool) -> list[ast.stmt]:  # fmt: skip
-    """The loop's items taken once, then one foreach call per statement; ``executed``: torch
+    """The loop's items taken once, then one foreach call per in-place call; ``executed``: torch
     reached without a name in the user's module (the diff says ``torch``)."""
-    items = _ITEMS if executed else "tensors"
+    items, names = _ITEMS if executed else "tensors", _names(loop.target)
     if guard is None:
         listed = ast.Call(ast.Name("list", ast.Load()), [loop.iter], [])
     else:
-        each = ast.comprehension(ast.Name(name, ast.Store()), loop.iter,
-                                 [ast.UnaryOp(ast.Not(), guard)], 0)  # fmt: skip
-        listed = ast.ListComp(ast.Name(name, ast.Load()), [each])
+        each = ast.comprehension(loop.target, loop.iter, [ast.UnaryOp(ast.Not(), guard)], 0)
+        listed = ast.ListComp(ast.parse(ast.unparse(loop.target), mode="eval").body, [each])
     taken = ast.Assign([ast.Name(items, ast.Store())], listed)
     torch = (ast.Call(ast.Name("__import__", ast.Load()), [ast.Constant("torch")], [])
              if executed else ast.Name("torch", ast.Load()))  # fmt: skip
+
     def per_item(node: ast.expr) -> ast.expr:
-        if not _uses(node, name):
+        if not _uses(node, names):
             return node
-        if isinstance(node, ast.Name):  # the items themselves
+        if isinstance(node, ast.Name) and isinstance(loop.target, ast.Name):  # the items
             return ast.Name(items, ast.Load())
-        over = ast.comprehension(ast.Name(name, ast.Store()), ast.Name(items, ast.Load()), [], 0)
+        over = ast.comprehension(loop.target, ast.Name(items, ast.Load()), [], 0)
         return ast.ListComp(node, [over])
 
     out: list[ast.stmt] = [taken]

@@ -71,7 +71,7 @@ def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
     call = ast.fix_missing_locations(ast.copy_location(_sdpa_statement(replaced, causal), replaced[0]))
     body[start : stop + 1] = [call]
     fromfile = f"{inspect.getsourcefile(forward)}:{first}"
-    diff = replaced_diff(lines, first, replaced[0].lineno, replaced[-1].end_lineno, [call],
+    diff = replaced_diff(lines, first, [(replaced[0].lineno, replaced[-1].end_lineno, [call])],
                          fromfile, "with SDPA")  # fmt: skip
     return AttentionRewrite(cls, recompiled(forward, function), diff)
 
@@ -92,15 +92,17 @@ def function_source(function: types.FunctionType) -> tuple[list[str], int, ast.F
     return lines, first, definition
 
 
-def replaced_diff(lines: list[str], first: int, start: int, end: int, statements: list[ast.stmt],
+def replaced_diff(lines: list[str], first: int, spans: list[tuple[int, int, list[ast.stmt]]],
                   fromfile: str, tofile: str) -> str:  # fmt: skip
     """The user's edit as a unified diff: source ``lines`` (the first is line ``first`` of its
-    file) with file lines ``start`` to ``end`` replaced by ``statements``, at their indent."""
-    at, stop = start - first, end - first + 1
-    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
-    new = [indent + ast.unparse(s) + "\n" for s in statements]
-    return "".join(difflib.unified_diff(lines, [*lines[:at], *new, *lines[stop:]],
-                                        fromfile=fromfile, tofile=tofile))  # fmt: skip
+    file) with each span of file lines ``(start, end, statements)`` replaced by its statements, at
+    their indent."""
+    new = list(lines)
+    for start, end, statements in sorted(spans, key=lambda span: -span[0]):  # last first
+        at = start - first
+        indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+        new[at : end - first + 1] = [indent + ast.unparse(s) + "\n" for s in statements]
+    return "".join(difflib.unified_diff(lines, new, fromfile=fromfile, tofile=tofile))
 
 
 def recompiled(function: types.FunctionType, definition: ast.FunctionDef) -> types.FunctionType:
