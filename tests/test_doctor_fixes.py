@@ -989,15 +989,7 @@ def test_compiled_copies_keep_their_compiled_code_off_the_users_class(seed):
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     model = _TinyNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
     forwards = []
     for autocast in (False, True):
         step_copy, parts_copy = copy_step(step, doctor.parts.find_parts(step))
