@@ -63,7 +63,7 @@ def fusion(evidence: Evidence) -> list[Finding]:
     copy_bytes_per_us = evidence.ceilings.copy_gb_s * 1e3
     saved = moved = kept = 0.0
     for run in runs:
-        before = sum(_bytes(op) for op in run)
+        before = sum(op.nbytes for op in run)
         if not before:
             continue
         left = before - sum(_handed_bytes(a, b) for a, b in itertools.pairwise(run))
@@ -95,10 +95,6 @@ def _handed_bytes(first: OpRecord, second: OpRecord) -> int:
     """Bytes fusing two operators saves: the first's output written and read back."""
     read = {(t.shape, t.dtype) for t in second.inputs}
     return sum(2 * t.nbytes for t in first.outputs if (t.shape, t.dtype) in read)
-
-
-def _bytes(op: OpRecord) -> int:
-    return sum(t.nbytes for t in (*op.inputs, *op.outputs))
 
 
 def _odd_products(evidence: Evidence) -> dict[int, list[OpRecord]]:

@@ -90,7 +90,7 @@ def loop_saving_us(evidence: Evidence, ops: list[OpRecord], kind: str) -> tuple[
         launches, after = 0, 0.0
     else:
         launches = sum(math.ceil(n / FOREACH_TENSORS_PER_LAUNCH) for n in kinds.values())
-        moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
+        moved = sum(op.nbytes for op in ops)
         after = moved / (copy * 1e3)
     now = sum(op.time_us for op in ops)
     host, said = launches_saving_us(evidence, len(ops) - launches)
@@ -228,7 +228,7 @@ def precision(evidence: Evidence) -> list[Finding]:
     from accel.doctor.products import time_products
 
     flops = sum(matmul_flops(op) for op in ops)
-    moved = sum(t.nbytes for op in ops for t in (*op.inputs, *op.outputs))
+    moved = sum(op.nbytes for op in ops)
     after = evidence.measure.get("products", time_products)(ops, evidence.device, {
         "bf16_autocast": lambda shapes, _: (shapes, torch.bfloat16, False),
         "tf32": lambda shapes, dtype: (shapes, dtype, True),

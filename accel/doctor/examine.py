@@ -290,7 +290,6 @@ def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float)
     return {
         "batches": batches,
         "wait_us": min(fetch_us, max(0.0, wall_us - step_us)) if hidden else fetch_us,
-        "fetch_us": fetch_us,
         "shapes": shapes,
         "num_workers": getattr(loader, "num_workers", None),
         "pin_memory": getattr(loader, "pin_memory", None),

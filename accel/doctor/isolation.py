@@ -94,8 +94,8 @@ class Session:
         self._folder = os.getcwd()  # a step may move into its run's folder
         self._loggers = _Loggers()
         self._token = _RECORD.set(self._recording)
-        self._save = _AuditedSave()
-        self._threads = _WatchedThreads()
+        self._save = _Patched(torch.serialization, "_open_zipfile_writer", _audited_save)
+        self._threads = _Patched(threading.Thread, "start", _watched_start)
         return self
 
     def watch(self, functions: Iterable[Any]) -> None:
@@ -326,9 +326,7 @@ class _KeptFiles:
 
     def put_back(self) -> None:
         for path, copy in reversed(self.kept.items()):
-            if isinstance(copy, _Link):
-                _relink(path, copy.target)
-            elif copy is not None:
+            if copy is not None:
                 _replace(path, copy)
             elif os.path.isfile(path) or os.path.islink(path):
                 os.remove(path)  # a link is removed itself, never what it points at
@@ -342,33 +340,19 @@ class _KeptFiles:
         self.refused.clear()
 
 
-def _replace(path: str, kept: str) -> None:
-    """``path`` made the kept file again: written whole under a new name beside it, then renamed
-    over it, so a link the step left at ``path`` is replaced, never written through."""
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):  # the step removed its folder: named, not made again
-        return
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".kept")
-    try:
-        with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
-            shutil.copyfileobj(source, out)
-        shutil.copystat(kept, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def _relink(path: str, target: str) -> None:
-    """``path`` made the kept link again: made under a new name beside it, renamed over what
-    the step left there."""
+def _replace(path: str, kept: str | _Link) -> None:
+    """``path`` made the kept file or link again: made whole under a new name beside it, then
+    renamed over what the step left there, so a link left at ``path`` is replaced, never
+    written through."""
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):  # the step removed its folder: named, not made again
         return
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(8)}.kept")
-    os.symlink(target, tmp)
     try:
+        if isinstance(kept, _Link):
+            os.symlink(kept.target, tmp)
+        else:
+            shutil.copy2(kept, tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -394,58 +378,48 @@ def _caused_by_step(codes: set[types.CodeType]) -> bool:
     return False
 
 
-class _WatchedThreads:
-    """While open: a thread started by the step's code (or by a thread it started) is the
-    step's, its file writes recorded and put back (``threading`` raises no audit event)."""
+class _Patched:
+    """While open: ``owner.name`` replaced by ``wrap(original)``; left as it is where a session
+    already open replaced it."""
 
-    def __init__(self) -> None:
-        self._original = threading.Thread.start
-        if getattr(self._original, "_accel_watched", False):  # a session is already open
-            self._original = None
-            return
-        original = self._original
-
-        def start(thread: threading.Thread) -> None:
-            current = threading.current_thread()
-            recording = _RECORD.get(None) or _THREADS.get(current)
-            if recording is not None and (
-                current in _THREADS or _caused_by_step(recording.codes)
-            ):
-                _THREADS[thread] = recording
-                recording.threads.append(thread)
-            original(thread)
-
-        start._accel_watched = True
-        threading.Thread.start = start
+    def __init__(self, owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+        original, self._undo = getattr(owner, name), None
+        if not getattr(original, "_accel_patched", False):
+            patched = wrap(original)
+            patched._accel_patched = True
+            setattr(owner, name, patched)
+            self._undo = (owner, name, original)
 
     def close(self) -> None:
-        if self._original is not None:
-            threading.Thread.start = self._original
+        if self._undo is not None:
+            setattr(*self._undo)
 
 
-class _AuditedSave:
-    """While open: ``torch.save`` to a path raises the audit event ``open()`` raises."""
+def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
+    """``Thread.start`` that makes a thread started by the step's code (or by a thread it
+    started) the step's: its file writes recorded and put back (``threading`` raises no audit
+    event)."""
 
-    def __init__(self) -> None:
-        import torch.serialization as serialization
+    def start(thread: threading.Thread) -> None:
+        current = threading.current_thread()
+        recording = _RECORD.get(None) or _THREADS.get(current)
+        if recording is not None and (current in _THREADS or _caused_by_step(recording.codes)):
+            _THREADS[thread] = recording
+            recording.threads.append(thread)
+        original(thread)
 
-        self._module, self._original = serialization, serialization._open_zipfile_writer
-        if getattr(self._original, "_accel_audited", False):  # a session is already open
-            self._module = None
-            return
-        original = self._original
+    return start
 
-        def open_writer(name_or_buffer: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(name_or_buffer, (str, bytes, os.PathLike)):
-                sys.audit("open", name_or_buffer, "wb", 0)
-            return original(name_or_buffer, *args, **kwargs)
 
-        open_writer._accel_audited = True
-        serialization._open_zipfile_writer = open_writer
+def _audited_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.save``'s writer that, given a path, raises the audit event ``open()`` raises."""
 
-    def close(self) -> None:
-        if self._module is not None:
-            self._module._open_zipfile_writer = self._original
+    def open_writer(name_or_buffer: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(name_or_buffer, (str, bytes, os.PathLike)):
+            sys.audit("open", name_or_buffer, "wb", 0)
+        return original(name_or_buffer, *args, **kwargs)
+
+    return open_writer
 
 
 # ---- iterators that cannot be copied --------------------------------------------------------------

@@ -90,6 +90,11 @@ class OpRecord:
     facts: tuple[str, ...] = ()  # what its values showed: ("causal mask",)
     time_us: float = 0.0  # the device's kernels in the op (CUDA) or the host's time (CPU)
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes it reads and writes."""
+        return sum(t.nbytes for t in (*self.inputs, *self.outputs))
+
 
 @dataclass(frozen=True)
 class HostRead:

@@ -106,22 +106,12 @@ def _speedup_rows(name: str, hand: dict, trials, final: dict | None, ctx: BenchC
         Row(PHASE, f"ladder {name}: doctor's best set", "time per step, unchanged copy vs the "
             "best set of try_fixes()", "ms", best["measured ms"] if best is not None else math.nan,
             baseline=best["unchanged ms"] if best is not None else math.nan,
-            note=f"{label}: {doctor:.2f}x; {best['status'] if best is not None else ''}; "
-                 f"combined trials: {_combined(trials)}"),
+            note=f"{label}: {doctor:.2f}x; {best['status'] if best is not None else ''}"),
         Row(PHASE, f"ladder {name}: share of the hand-optimized speedup", "the best set's "
             "speedup over the twin's", "ratio", share, higher_is_better=True,
             target=f">= {TARGET_SHARE}", met=share >= TARGET_SHARE if ctx.judged else None,
             note=said),
     ]  # fmt: skip
-
-
-def _combined(trials) -> str:
-    together = trials[trials["mode"] == "together"]
-    said = [f"{r['fixes']} {r['status']} {r['measured speedup']:.2f}x"
-            for r in together.to_dict("records")]  # fmt: skip
-    alone = trials[(trials["mode"] == "alone") & ~trials["status"].isin(["ok"])]
-    said += [f"{r['fixes']} alone: {r['status']}" for r in alone.to_dict("records")]
-    return "; ".join(said) or "none"
 
 
 def _found(kind: str, lines: list[int], report) -> bool:
@@ -148,17 +138,8 @@ def _truth_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
         Row(PHASE, f"ladder {name}: ground truth tried", "changes of the hand-optimization "
             "tried on the copy and measured", "count", len(tried), baseline=n,
             higher_is_better=True, target="all", met=not untried if ctx.judged else None,
-            note=f"not tried: {_why_not(untried, report, trials)}"),
+            note=f"not tried: {sorted(untried) or 'none'}"),
     ]  # fmt: skip
-
-
-def _why_not(kinds: list[str], report, trials) -> str:
-    said = []
-    for kind in sorted(kinds):
-        fixes = [n for f in report.findings if f.kind == kind for n in f.fixes]
-        statuses = trials.loc[trials["fixes"].isin(fixes), "status"].tolist()
-        said.append(f"{kind} ({'; '.join(statuses) if statuses else 'no automatic fix'})")
-    return ", ".join(said) or "none"
 
 
 def _prediction_rows(name: str, report, trials, ctx: BenchContext) -> list[Row]:
