@@ -266,8 +266,9 @@ def seed_errors(
     where = [str(d) for d in devices] or [str(device)]
     # configuration by configuration, so that the slow one's trainings spread over the devices
     pairs = list(itertools.product(configs, seeds))
-    # trainings at once share the host's cores: each takes its share (oversubscribed, they crawl)
-    threads = max(1, (os.cpu_count() or 1) // min(processes, len(pairs)))
+    # trainings at once share the host's cores: each process takes its share (oversubscribed,
+    # they crawl); one at a time, this process's setting is left as it is
+    threads = max(1, (os.cpu_count() or 1) // min(processes, len(pairs))) if processes > 1 else None
     jobs = [(configs[name], sizes, where[i % len(where)], seed, reads_at, threads)
             for i, (name, seed) in enumerate(pairs)]  # fmt: skip
     if processes > 1:
@@ -284,8 +285,8 @@ def seed_errors(
 
 def _trained_error(job: tuple) -> float:
     flags, sizes, device, seed, reads_at, threads = job
-    if threads != torch.get_num_threads():
-        torch.set_num_threads(threads)  # this process's own setting: it ends with the training
+    if threads is not None:
+        torch.set_num_threads(threads)  # a pool's process, which ends with its trainings
     start = time.perf_counter()
     step = op.build(flags, sizes, device=torch.device(device), seed=seed)
 
