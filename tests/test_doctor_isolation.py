@@ -1311,3 +1311,20 @@ def test_a_file_two_of_the_steps_threads_write_at_once_is_kept_as_it_was(tmp_pat
     assert written.wait(10)
     files.put_back()
     assert path.read_bytes() == b"the user's checkpoint"
+
+
+def test_a_file_is_put_back_through_a_temporary_it_makes_itself(tmp_path, monkeypatch):
+    """The temporary a kept file is copied into is created, never opened where something is
+    already at its name: a link there is not written through."""
+    from accel.doctor import isolation
+
+    kept, other = tmp_path / "kept", tmp_path / "elsewhere.txt"
+    kept.write_bytes(b"the user's checkpoint")
+    other.write_bytes(b"not to be written")
+    path = tmp_path / "last.pt"
+    path.write_bytes(b"the step's")
+    monkeypatch.setattr(isolation.secrets, "token_hex", lambda n: "0" * 2 * n)
+    os.symlink(other, tmp_path / f".last.pt.{'0' * 16}.kept")
+    with pytest.raises(FileExistsError):
+        isolation._replace(str(path), str(kept))
+    assert other.read_bytes() == b"not to be written" and path.read_bytes() == b"the step's"

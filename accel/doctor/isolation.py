@@ -351,8 +351,11 @@ def _replace(path: str, kept: str | _Link) -> None:
     try:
         if isinstance(kept, _Link):
             os.symlink(kept.target, tmp)
-        else:
-            shutil.copy2(kept, tmp)
+        else:  # made here (O_EXCL), so nothing at the temporary's name is written through
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
+                shutil.copyfileobj(source, out)
+            shutil.copystat(kept, tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
