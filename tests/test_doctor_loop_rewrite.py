@@ -137,6 +137,11 @@ def test_try_fixes_rewrites_the_loop_measures_it_and_hands_the_edit(seed):
     assert trial["status"] in ("ok", "slower here"), trial
     assert step.__code__ is code  # the user's step is left as it was
     assert "torch._foreach_add_" in trial["edit"]
+    # the terminal's and the page's trials carry the edit to paste
+    from accel.doctor.page import trials_html, trials_text
+
+    assert "torch._foreach_add_" in trials_text(report)
+    assert "torch._foreach_add_" in trials_html(report)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -317,3 +322,60 @@ def test_the_loops_of_one_step_are_rewritten_in_one_edit_and_one_left_as_written
         ".lerp_(...), .clamp_(...), -= and the like), which one foreach call makes on every item "
         "at once"
     ]
+
+
+def ema_over_state_for(model: nn.Module, ema: nn.Module):
+    def step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        with torch.no_grad():
+            for e, p in zip(ema.state_dict().values(), model.state_dict().values(), strict=True):
+                e.mul_(AVERAGE).add_(p, alpha=1 - AVERAGE)
+        return loss.detach()
+
+    return step
+
+
+def test_a_rewritten_loop_refuses_items_that_share_memory(seed):
+    """Tied weights list one tensor twice: the loop updates it in turn, one foreach call would
+    apply both multiplies before both adds."""
+    model = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 6, bias=False))
+    model[1].weight = model[0].weight  # tied, as a language model's head and embedding
+    ema = copy.deepcopy(model)
+    step = ema_over_state_for(model, ema)
+    rewrite = rewrite_loop(step, line_of(step, "e.mul_("))
+    with pytest.raises(RuntimeError, match="share memory"):
+        rewrite.step(torch.randint(0, 6, (5,)))
+
+
+def test_a_rewritten_loop_refuses_integer_items_it_would_change_otherwise(seed):
+    """A BatchNorm's step counter is an integer: `copy_` truncates into it, foreach arithmetic
+    cannot; the trial says so instead of a cast error."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    ema = copy.deepcopy(model)
+    step = ema_over_state_for(model, ema)
+    rewrite = rewrite_loop(step, line_of(step, "e.mul_("))
+    with pytest.raises(RuntimeError, match="integer"):
+        rewrite.step(torch.randn(5, 4))
+
+
+def test_a_loop_in_a_function_the_step_calls_is_named_as_such():
+    def update(ema, model):
+        for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+            e.lerp_(p, 0.1)
+
+    def step(x):
+        update(x, x)
+
+    with pytest.raises(NotRewritable, match="outside the step function"):
+        rewrite_loop(step, line_of(update, "e.lerp_("))
+
+
+def test_the_edit_numbers_its_lines_as_the_file_does(seed):
+    model = nn.Linear(4, 3)
+    step = sgd_step_for(model)
+    line = line_of(step, "p.add_(")
+    diff = rewrite_loop(step, line).diff
+    hunk = next(text for text in diff.splitlines() if text.startswith("@@"))
+    start = int(hunk.split()[1].split(",")[0].lstrip("-"))
+    assert start <= line_of(step, "for p in model.parameters()") <= start + 6

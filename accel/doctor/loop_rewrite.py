@@ -62,8 +62,7 @@ def rewrite_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
         raise NotRewritable(f"the step is a {type(step).__name__}, not a function")
     source, first, definition = function_source(function)
     found = [_loop_at(definition, line) for line in lines]
-    refused = [f"line {n} is in no for loop of the step" for n, f in zip(lines, found, strict=True)
-               if not f]  # fmt: skip
+    refused = [_outside(n, definition) for n, f in zip(lines, found, strict=True) if not f]
     spans = []
     for loop in dict.fromkeys(f for f in found if f):
         try:
@@ -81,9 +80,16 @@ def rewrite_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
     new = recompiled(function, definition)
     if isinstance(step, types.MethodType):
         new = types.MethodType(new, step.__self__)
-    fromfile = f"{function.__code__.co_filename}:{first}"
+    fromfile = function.__code__.co_filename
     return LoopRewrite(new, replaced_diff(source, first, spans, fromfile, "with foreach calls"),
                        refused)  # fmt: skip
+
+
+def _outside(line: int, definition: ast.FunctionDef) -> str:
+    if definition.lineno <= line <= (definition.end_lineno or definition.lineno):
+        return f"line {line} is in no for loop of the step"
+    return (f"line {line} is outside the step function {definition.name}() (in a function it "
+            "calls): only loops written in the step itself are rewritten")
 
 
 def _loop_at(definition: ast.FunctionDef, line: int) -> ast.For | None:
@@ -206,6 +212,16 @@ def _uses(node: ast.AST, names: list[str]) -> bool:
     return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(node))
 
 
+_CHECKS = """\
+if len({{t.data_ptr() for t in {targets} if t.numel()}}) < sum(1 for t in {targets} if t.numel()):
+    raise RuntimeError("the loop's tensors share memory (tied weights?): a foreach call updates "
+                       "them together, the loop one after the other")
+if not all(t.is_floating_point() or t.is_complex() for t in {targets}):
+    raise RuntimeError("an item is an integer tensor (a BatchNorm's step counter?): foreach "
+                       "arithmetic cannot write into it as the loop does")
+"""
+
+
 def _statements(loop: ast.For, guard: ast.expr | None, calls: list[ast.Call],
                 executed: bool) -> list[ast.stmt]:  # fmt: skip
     """The loop's items taken once, then one foreach call per in-place call; ``executed``: torch
@@ -229,6 +245,11 @@ def _statements(loop: ast.For, guard: ast.expr | None, calls: list[ast.Call],
         return ast.ListComp(node, [over])
 
     out: list[ast.stmt] = [taken]
+    if executed:  # what one call over every item does otherwise than the loop: refused, said why
+        for targets in dict.fromkeys(ast.unparse(per_item(c.func.value)) for c in calls):
+            checks = ast.parse(_CHECKS.format(targets=targets))
+            ast.increment_lineno(checks, loop.lineno - 1)
+            out += checks.body
     for call in calls:
         foreach = ast.Attribute(torch, FOREACH[call.func.attr], ast.Load())
         args = [per_item(call.func.value), *map(per_item, call.args)]

@@ -137,6 +137,8 @@ def trials_html(report) -> str:
                 f"{rounded(row['fixed peak MiB'])} MiB</td>"
             )
         guess = predicted(report, row) or missing(f"not predicted on {report.device}")
+        if _edit(row):
+            fix += f"<pre>{_esc(row['edit'])}</pre>"
         body.append(f"<tr><td>{fix}</td><td>{guess}</td>{rest}</tr>")
     return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
@@ -154,7 +156,15 @@ def trials_text(report) -> str:
         error = f"error {rounded(row['error'])} (allowed {rounded(row['allowance'])})"
         status = "" if row["status"] == "ok" else f"; {row['status']}"
         lines.append(head + f"measured {row['measured speedup']:.2f}x, {error}{status}")
+        if _edit(row):  # the change to paste into your own code
+            lines += ["   edit:", *("     " + line for line in row["edit"].splitlines())]
     return "\n".join(lines)
+
+
+def _edit(row: dict) -> bool:
+    """An edit of the user's code worth showing: a fix alone that measured, not a loss."""
+    edit = row["edit"]
+    return row["mode"] == "alone" and row["status"] == "ok" and isinstance(edit, str) and bool(edit)
 
 
 def change_text(change: str) -> list[str]:

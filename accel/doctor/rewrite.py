@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import difflib
 import inspect
+import re
 import textwrap
 import types
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
     replaced = body[start : stop + 1]
     call = ast.fix_missing_locations(ast.copy_location(_sdpa_statement(replaced, causal), replaced[0]))
     body[start : stop + 1] = [call]
-    fromfile = f"{inspect.getsourcefile(forward)}:{first}"
+    fromfile = inspect.getsourcefile(forward)
     diff = replaced_diff(lines, first, [(replaced[0].lineno, replaced[-1].end_lineno, [call])],
                          fromfile, "with SDPA")  # fmt: skip
     return AttentionRewrite(cls, recompiled(forward, function), diff)
@@ -102,7 +103,10 @@ def replaced_diff(lines: list[str], first: int, spans: list[tuple[int, int, list
         at = start - first
         indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
         new[at : end - first + 1] = [indent + ast.unparse(s) + "\n" for s in statements]
-    return "".join(difflib.unified_diff(lines, new, fromfile=fromfile, tofile=tofile))
+    diff = "".join(difflib.unified_diff(lines, new, fromfile=fromfile, tofile=tofile))
+    # difflib counts from the function's first line; a patch reads the file's numbers
+    return re.sub(r"^@@ -(\d+)(.*?) \+(\d+)", lambda m: f"@@ -{int(m[1]) + first - 1}{m[2]} "
+                  f"+{int(m[3]) + first - 1}", diff, flags=re.M)  # fmt: skip
 
 
 def recompiled(function: types.FunctionType, definition: ast.FunctionDef) -> types.FunctionType:
