@@ -137,6 +137,7 @@ def test_try_fixes_rewrites_the_loop_measures_it_and_hands_the_edit(seed):
     assert trial["status"] in ("ok", "slower here"), trial
     assert step.__code__ is code  # the user's step is left as it was
     assert "torch._foreach_add_" in trial["edit"]
+    assert "if p.grad is not None]" in trial["edit"]  # the guard negated as one would write it
     # the terminal's and the page's trials carry the edit to paste
     from accel.doctor.page import trials_html, trials_text
 

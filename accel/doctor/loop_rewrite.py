@@ -222,6 +222,19 @@ if not all(t.is_floating_point() or t.is_complex() for t in {targets}):
 """
 
 
+_OPPOSITE = {ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In,
+             ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}  # fmt: skip
+
+
+def _negated(guard: ast.expr) -> ast.expr:
+    """``not guard`` as one writes it: ``x is not None`` for ``x is None``, ``x`` for ``not x``."""
+    if isinstance(guard, ast.UnaryOp) and isinstance(guard.op, ast.Not):
+        return guard.operand
+    if isinstance(guard, ast.Compare) and len(guard.ops) == 1 and type(guard.ops[0]) in _OPPOSITE:
+        return ast.Compare(guard.left, [_OPPOSITE[type(guard.ops[0])]()], guard.comparators)
+    return ast.UnaryOp(ast.Not(), guard)
+
+
 def _statements(loop: ast.For, guard: ast.expr | None, calls: list[ast.Call],
                 executed: bool) -> list[ast.stmt]:  # fmt: skip
     """The loop's items taken once, then one foreach call per in-place call; ``executed``: torch
@@ -230,7 +243,7 @@ def _statements(loop: ast.For, guard: ast.expr | None, calls: list[ast.Call],
     if guard is None:
         listed = ast.Call(ast.Name("list", ast.Load()), [loop.iter], [])
     else:
-        each = ast.comprehension(loop.target, loop.iter, [ast.UnaryOp(ast.Not(), guard)], 0)
+        each = ast.comprehension(loop.target, loop.iter, [_negated(guard)], 0)
         listed = ast.ListComp(ast.parse(ast.unparse(loop.target), mode="eval").body, [each])
     taken = ast.Assign([ast.Name(items, ast.Store())], listed)
     torch = (ast.Call(ast.Name("__import__", ast.Load()), [ast.Constant("torch")], [])
