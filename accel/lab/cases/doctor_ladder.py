@@ -8,9 +8,12 @@ are the constants below.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
+
+import torch
 
 from accel.doctor import examine, ladder
 from accel.doctor.timeline import CALLS
@@ -70,6 +73,9 @@ def _final_round(first, twin, report, trials, ctx: BenchContext) -> dict | None:
     best = _best(trials)
     if best is None:
         return None
+    gc.collect()  # the trials' copies, so that the three run on a heap and allocator none holds
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
     timing = compare(
         {"as written": lambda: first.step(first.batch), "hand-optimized": lambda: twin.step(twin.batch),
          "doctor": fixed_step(report, best["fixes"].split("+"))},
