@@ -278,6 +278,39 @@ def test_untouched_names_a_model_the_step_never_showed(seed):
     assert "0.weight.grad" in untouched.report()[0]
 
 
+def test_untouched_compares_a_tensor_it_cannot_read_by_its_version(seed, monkeypatch):
+    """A model left behind by CUDA graphs (compiled with mode="reduce-overhead", its gradients
+    since run over by a later replay): torch refuses to read them, so they are compared by their
+    version counter, and every other tensor still by its values."""
+    from accel.doctor.parts import find_parts
+    from accel.doctor.untouched import Untouched
+
+    model, _ = small()
+    left_behind, _ = small()
+    left_behind(torch.randn(5, 4)).sum().backward()
+    unreadable = {p.grad.data_ptr() for p in left_behind.parameters()}
+    foreach_norm = torch._foreach_norm
+
+    def refusing(tensors, *args, **kwargs):
+        if any(t.data_ptr() in unreadable for t in tensors):
+            raise RuntimeError("Error: accessing tensor output of CUDAGraphs that has been "
+                               "overwritten by a subsequent run.")
+        return foreach_norm(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", refusing)
+    untouched = Untouched(find_parts(lambda x: model(x)))
+    assert untouched.changed() == []
+    model[0].weight.data.mul_(2.0)  # a write the version counter does not see
+    next(left_behind.parameters()).grad.add_(1.0)  # one it does
+    changed = untouched.changed()
+    assert "closure 'model': 0.weight" in changed
+    assert any(c.endswith("0.weight.grad") and "not found in the step" in c for c in changed)
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("CUDA error: an illegal memory access was encountered")))
+    with pytest.raises(RuntimeError, match="illegal memory access"):  # any other error stays
+        untouched.changed()
+
+
 # ---- what the step touches besides them ------------------------------------------------------------
 def test_a_numpy_array_the_step_writes_in_place_is_the_copies_own(seed):
     """Running statistics kept in a NumPy array the step writes into: the user's stay."""

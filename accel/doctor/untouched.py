@@ -213,13 +213,38 @@ def _fingerprints(tensors: list[torch.Tensor]) -> list[tuple | None]:
             x = x.to(torch.float64)
             found[i] = tuple(torch.stack([x.abs().sum(), x.norm()]).tolist())
     for members in groups.values():
-        group = [x for _, x in members]
-        sums = torch._foreach_norm(group, 1, dtype=torch.float64)
-        norms = torch._foreach_norm(group, 2, dtype=torch.float64)
-        values = torch.stack([*sums, *norms]).tolist()  # sync: once per group
-        for j, (i, _) in enumerate(members):
-            found[i] = (values[j], values[len(members) + j])
+        try:
+            printed = _sums_and_norms([x for _, x in members])
+        except RuntimeError as error:  # one of them unreadable: each alone
+            if not _overwritten(error):
+                raise
+            printed = [_readable_sums_and_norms(x) for _, x in members]
+        for (i, _), value in zip(members, printed, strict=True):
+            found[i] = value
     return [None if f is None else tuple("nan" if math.isnan(v) else v for v in f) for f in found]
+
+
+def _sums_and_norms(group: list[torch.Tensor]) -> list[tuple[float, float]]:
+    sums = torch._foreach_norm(group, 1, dtype=torch.float64)
+    norms = torch._foreach_norm(group, 2, dtype=torch.float64)
+    values = torch.stack([*sums, *norms]).tolist()  # sync: once per group
+    return list(zip(values[: len(group)], values[len(group) :], strict=True))
+
+
+def _readable_sums_and_norms(x: torch.Tensor) -> tuple[float, float] | None:
+    """None for a tensor that can no longer be read: compared by its version alone."""
+    try:
+        return _sums_and_norms([x])[0]
+    except RuntimeError as error:
+        if not _overwritten(error):
+            raise
+        return None
+
+
+def _overwritten(error: RuntimeError) -> bool:
+    """A CUDA graph's output its graph has run over since (a model compiled with
+    ``mode="reduce-overhead"`` that a later replay left behind): torch refuses to read it."""
+    return "overwritten by a subsequent run" in str(error)
 
 
 def _plain(value: Any, alive: list[Any]) -> Any:
