@@ -877,6 +877,28 @@ def test_files_the_step_writes_are_put_back_as_they_were(seed, tmp_path):
     assert {path: path.read_bytes() for path in before} == before and not made.exists()
 
 
+def test_a_checkpoint_per_step_is_named_as_one_clause_for_its_folder(seed, tmp_path):
+    """A step that saves ``ckpt/step_<n>.pt`` each call writes as many files as it is run: the
+    first line names them as one clause (how many, the folder, the first and the last), and
+    each is still removed."""
+    model, opt = small()
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    calls = itertools.count()
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        torch.save(model.state_dict(), folder / f"step_{next(calls)}.pt")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    line = first_line(report)
+    assert line.count(str(folder)) == 1, line
+    assert re.search(rf"wrote \d+ files in {re.escape(str(folder))} \(step_0\.pt to step_\d+\.pt\), "
+                     "each put back as it was", line), line  # fmt: skip
+    assert list(folder.iterdir()) == []
+
+
 def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):
     # an asynchronous checkpoint: the step hands the save to a thread of its own, and the last
     # one may still be writing when the examination ends

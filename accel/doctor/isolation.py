@@ -128,10 +128,27 @@ class Session:
                 self._recording.found[f"left the thread {thread.name} running"] += 1
 
     def effects(self) -> list[str]:
-        """Each side effect once, with how many times it happened."""
+        """Each side effect once, with how many times it happened; files written or removed in
+        one folder (a checkpoint a step), :data:`FILES_GROUPED` or more, as one."""
         found, kept = self._recording.found, self._recording.put_back
-        return [what + (f" ({n} times)" if n > 1 else "") + (", put back as it was" * (what in kept))
-                for what, n in found.items()]  # fmt: skip
+        groups: dict[tuple, list[str]] = {}
+        for what in found:
+            verb, _, path = what.partition(" ")
+            key = (verb, os.path.dirname(path), what in kept) if verb in _FILE_VERBS else what
+            groups.setdefault(key, []).append(what)
+        said = []
+        for key, members in groups.items():
+            times = sum(found[what] for what in members)
+            if len(members) < FILES_GROUPED:
+                said += [what + (f" ({found[what]} times)" if found[what] > 1 else "")
+                         + (", put back as it was" * (what in kept)) for what in members]  # fmt: skip
+                continue
+            verb, folder, put_back = key
+            names = [os.path.basename(what.partition(" ")[2]) for what in members]
+            said.append(f"{verb} {len(members)} files in {folder} ({names[0]} to {names[-1]})"
+                        + (f" ({times} times in all)" if times > len(members) else "")
+                        + (", each put back as it was" if put_back else ""))  # fmt: skip
+        return said
 
 
 # ---- random generators -----------------------------------------------------------------------------
@@ -240,6 +257,8 @@ def _made_folder(path: Any) -> str | None:
     return None if os.path.lexists(path) else f"made the folder {path}"
 
 
+FILES_GROUPED = 4  # files one verb touched in one folder, named as one clause from this many
+_FILE_VERBS = ("wrote", "removed")
 _EVENTS: dict[str, Callable[..., str | None]] = {
     "open": _opened,
     "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",
