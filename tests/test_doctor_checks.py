@@ -580,6 +580,17 @@ def test_a_foreach_operator_per_parameter_is_a_loop():
     assert [f.sites for f in found] == [[SITE]]
 
 
+def test_a_loop_over_the_smaller_of_two_models_is_a_loop():
+    """A WGAN's critic clamped one tensor at a time beside a generator four times its size:
+    the loop runs once per critic tensor, a fifth of the step's parameters, and is one."""
+    critic, generator = ladder(), nn.Sequential(*(nn.Linear(7 + i, 9 + i) for i in range(20)))
+    parts = model_parts(critic)
+    parts.add(generator, "global 'generator'")
+    parts.add(torch.optim.AdamW(generator.parameters()), "global 'g_opt'")
+    found = check_kernels.loops(evidence(per_parameter("aten::clamp_", critic), parts=parts))
+    assert [f.sites for f in found] == [[SITE]]
+
+
 def test_few_repeats_or_views_are_no_loop():
     model = ladder()
     parts = model_parts(model)

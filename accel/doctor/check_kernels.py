@@ -38,13 +38,21 @@ def _loop_groups(evidence: Evidence) -> dict[tuple, list[OpRecord]]:
         if op.op in _NO_WORK or not op.inputs or any(t.shape not in shapes for t in op.inputs):
             continue
         groups[(op.site, op.library[0] if op.library else "")].append(op)
-    floor = max(LOOP_MIN_OPS, len(evidence.parts.parameters()) // 2)
+    floor = max(LOOP_MIN_OPS, _smallest_part(evidence.parts) // 2)
     loops = {}
     for key, ops in groups.items():
         repeats = max(Counter(op.op for op in ops).values())
         if repeats >= floor and len({op.inputs[0].shape for op in ops}) >= 3:
             loops[key] = ops
     return loops
+
+
+def _smallest_part(parts) -> int:
+    """Parameter tensors of the step's smallest model or optimizer: a loop over that one's (a
+    GAN's critic beside its generator) runs as often."""
+    sizes = [len(list(m.parameters())) for m in parts.models]
+    sizes += [sum(len(g["params"]) for g in opt.param_groups) for opt in parts.optimizers]
+    return min((n for n in sizes if n > 0), default=0)
 
 
 def _many_tensor_foreach(op: OpRecord) -> bool:
