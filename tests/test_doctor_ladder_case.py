@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import pytest
+import torch
 
 from accel.doctor.recorder import Site
 from accel.lab.cases import doctor_ladder
@@ -130,7 +131,8 @@ def test_the_share_comes_from_one_run_of_the_script_its_twin_and_the_best_set(mo
     trials = pd.DataFrame([{"fixes": "bf16_autocast+compile", "label": "bf16 + compile",
                             "best set": True, "status": "ok", "mode": "together",
                             "measured speedup": 9.0, "measured ms": 1.0, "unchanged ms": 9.0}])  # fmt: skip
-    final = doctor_ladder._final_round(script, script, None, trials, SimpleNamespace(device="cpu"))
+    final = doctor_ladder._final_round(script, script, None, trials,
+                                      SimpleNamespace(device=torch.device("cpu")))
     assert timed["doctor"] == ("built", ("bf16_autocast", "compile"))
     hand = {"speedup": 9.5, "hand ms": 1.0, "written ms": 9.5}
     rows = doctor_ladder._speedup_rows("gpt2", hand, trials, final, SimpleNamespace(judged=True))
