@@ -899,6 +899,37 @@ def test_a_checkpoint_per_step_is_named_as_one_clause_for_its_folder(seed, tmp_p
     assert list(folder.iterdir()) == []
 
 
+def test_files_a_rewritten_copy_of_the_step_writes_are_put_back_too(seed, tmp_path):
+    """The loop rewrite runs the step as new code compiled from its source: what that code
+    writes is the step's, named and put back like the rest."""
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    user = write_module(tmp_path, f"""
+        import torch
+        from torch import nn
+
+        critic = nn.Sequential(*(nn.Linear(4 + i, 5 + i) for i in range(5)))
+        opt = torch.optim.RMSprop(critic.parameters(), lr=5e-5)
+        calls = [0]
+
+        def step(x):
+            loss = critic[0](x).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            for p in critic.parameters():
+                p.data.clamp_(-0.01, 0.01)
+            calls[0] += 1
+            with open(f"{samples}/fake_{{calls[0]:05d}}.txt", "w") as out:
+                out.write(str(calls[0]))
+            return loss.detach()
+    """)
+    report = examined(user.step, torch.randn(8, 4))
+    (trial,) = report.try_fixes(["foreach_loop"], steps=1, repeats=3).to_dict("records")
+    assert trial["status"] == "ok", trial
+    assert list(samples.iterdir()) == []
+
+
 def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):
     # an asynchronous checkpoint: the step hands the save to a thread of its own, and the last
     # one may still be writing when the examination ends

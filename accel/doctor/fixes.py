@@ -22,6 +22,7 @@ from accel.doctor.batched_clip import batched_clipping
 from accel.doctor.check_compute import FUSED_UPDATE_BYTES
 from accel.doctor.check_memory import repeated_blocks
 from accel.doctor.deferred import deferred_item_reads
+from accel.doctor.isolation import watch_as_step
 from accel.doctor.parts import StepParts
 from accel.doctor.products import backend_flags
 
@@ -277,6 +278,7 @@ def _own_code(method: Callable) -> Callable:
     own = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                              function.__defaults__, function.__closure__)  # fmt: skip
     own.__kwdefaults__ = function.__kwdefaults__
+    watch_as_step(own.__code__, function.__code__)
     return types.MethodType(functools.update_wrapper(own, function), method.__self__)
 
 

@@ -39,7 +39,7 @@ from accel.doctor.reach import is_library
 from accel.errors import UsageError
 
 __all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step",
-           "seed_generators"]  # fmt: skip
+           "seed_generators", "watch_as_step"]  # fmt: skip
 
 _RECORD: contextvars.ContextVar[_Recording] = contextvars.ContextVar("accel_doctor_record")
 _HOOKED: list[bool] = []  # the process's hook is installed once
@@ -380,6 +380,19 @@ def _replace(path: str, kept: str | _Link) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def watch_as_step(made: types.CodeType, source: types.CodeType) -> None:
+    """Code made from ``source`` (a rewrite of it, a copy compiled apart) counts as the step's
+    where ``source`` does, in the session open now: what it writes is named and put back."""
+    recording = _RECORD.get(None)
+    if recording is not None and source in recording.codes:
+        recording.codes.update(_with_nested(made))
+
+
+def _with_nested(code: types.CodeType) -> list[types.CodeType]:
+    nested = [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return [code, *(inner for c in nested for inner in _with_nested(c))]
 
 
 def _caused_by_step(codes: set[types.CodeType]) -> bool:

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from accel.doctor.isolation import watch_as_step
+
 __all__ = ["AttentionRewrite", "NotRewritable", "function_source", "recompiled", "replaced_diff",
            "rewrite_attention", "statement_blocks"]
 
@@ -134,6 +136,7 @@ def recompiled(function: types.FunctionType, definition: ast.FunctionDef) -> typ
                              function.__defaults__, tuple(cells[n] for n in inner.co_freevars))  # fmt: skip
     new.__kwdefaults__ = function.__kwdefaults__
     new.__dict__.update(function.__dict__)
+    watch_as_step(inner, function.__code__)
     return new
 
 
