@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import sys
 import textwrap
 import threading
@@ -1045,6 +1046,47 @@ def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp
     assert re.search(
         rf"made the folder {re.escape(str(run))} \(\d+ times\), put back", first_line(report)
     )
+
+
+def tree(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder`` with its bytes (None: a folder)."""
+    return {str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes()
+            for p in sorted(folder.rglob("*"))}  # fmt: skip
+
+
+@pytest.mark.parametrize("how", ["rmtree", "remove then rmdir", "rmdir of an empty folder"])
+def test_a_folder_the_step_removes_is_put_back_with_what_it_held(seed, tmp_path, how):
+    """A trainer that keeps its last checkpoints removes the oldest folder: the user's folder
+    and the files in it come back as they were, and the report says so."""
+    model, opt = small()
+    old = tmp_path / "out" / "checkpoint-1"
+    (old / "nested").mkdir(parents=True)
+    if how != "rmdir of an empty folder":
+        (old / "model.pt").write_bytes(b"the user's weights")
+        (old / "nested" / "state.json").write_text("{}")
+    else:
+        (old / "nested").rmdir()
+    before = tree(tmp_path)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        if old.exists():
+            if how == "rmtree":
+                shutil.rmtree(old)
+            elif how == "remove then rmdir":
+                os.remove(old / "model.pt")
+                os.remove(old / "nested" / "state.json")
+                os.rmdir(old / "nested")
+                os.rmdir(old)
+            else:
+                os.rmdir(old)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert tree(tmp_path) == before
+    line = first_line(report)
+    assert f"removed the folder {old}, put back as it was" in line, line
+    assert "removed model.pt" not in line and "(2 times)" not in line, line
 
 
 def test_a_folder_that_was_there_is_not_said_to_be_made(seed, tmp_path):

@@ -22,6 +22,7 @@ import os
 import random
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import threading
@@ -233,14 +234,23 @@ def _audit(event: str, args: tuple) -> None:
     if recording is None or describe is None or recording.files.busy:
         return
     what = describe(*args)
-    if what and (threading.current_thread() in _THREADS or _caused_by_step(recording.codes)):
-        recording.found[what] += 1
-        paths = [args[i] for i in _FILE_CHANGES.get(event, ())]
-        if event == "open":  # opening writes where a link points: keep that file, not the link
-            paths = [os.path.realpath(p) if isinstance(p, (str, bytes, os.PathLike)) else p
-                     for p in paths]  # fmt: skip
-        if paths and all(recording.files.keep(path) for path in paths):
-            recording.put_back.add(what)
+    walked = event in _AT_EVENTS and args[1] not in (None, -1)  # one entry of a walk (rmtree's)
+    if not (what or walked):
+        return
+    if not (threading.current_thread() in _THREADS or _caused_by_step(recording.codes)):
+        return
+    if walked:  # named by the walk's own event, which kept the tree before it
+        recording.files.keep(_at(args[0], args[1]))
+        return
+    if event == "os.rmdir" and recording.files.walked(args[0]):
+        return  # the end of an rmtree already named
+    recording.found[what] += 1
+    paths = [args[i] for i in _FILE_CHANGES.get(event, ())]
+    if event == "open":  # opening writes where a link points: keep that file, not the link
+        paths = [os.path.realpath(p) if isinstance(p, (str, bytes, os.PathLike)) else p
+                 for p in paths]  # fmt: skip
+    if paths and all(recording.files.keep(path) for path in paths):
+        recording.put_back.add(what)
 
 
 def _opened(path: Any, mode: Any, flags: Any) -> str | None:
@@ -285,7 +295,18 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
 
 # the events that change a file, and which of their arguments name it (open: where it writes)
 _FILE_CHANGES = {"open": (0,), "os.remove": (0,), "os.rename": (0, 1), "os.truncate": (0,),
-                 "os.symlink": (1,), "os.link": (1,), "os.mkdir": (0,)}  # fmt: skip
+                 "os.symlink": (1,), "os.link": (1,), "os.mkdir": (0,), "os.rmdir": (0,),
+                 "shutil.rmtree": (0,)}  # fmt: skip
+_AT_EVENTS = ("os.remove", "os.rmdir")  # (path, dir_fd): relative to dir_fd where it is given
+
+
+def _at(path: Any, dir_fd: int) -> str | None:
+    """``path`` relative to the open folder ``dir_fd``, as a path (None where this system cannot
+    say which folder a descriptor is)."""
+    try:
+        return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(path))
+    except (OSError, TypeError, ValueError):
+        return None
 
 
 class _Link(NamedTuple):
@@ -294,12 +315,19 @@ class _Link(NamedTuple):
     target: str
 
 
+class _Folder(NamedTuple):
+    """A folder that was there, kept with its mode (its files are kept on their own)."""
+
+    mode: int
+
+
 class _KeptFiles:
     """Files as they were before the step's code first changed them (None: there was none, nor
-    a folder the step made; a :class:`_Link` for a link), to put back when the session closes."""
+    a folder the step made; a :class:`_Link` for a link; a :class:`_Folder` for a folder, kept
+    with everything in it), to put back when the session closes."""
 
     def __init__(self) -> None:
-        self.kept: dict[str, str | _Link | None] = {}
+        self.kept: dict[str, str | _Link | _Folder | None] = {}
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self._folder: str | None = None
         # one keep at a time: a thread of the step's that writes a file another is copying
@@ -313,11 +341,16 @@ class _KeptFiles:
         return getattr(self._copying, "on", False)
 
     def keep(self, path: Any) -> bool:
-        """Whether ``path`` is kept (now or before); not a descriptor, a folder or a large file."""
+        """Whether ``path`` is kept (now or before; a folder with all it holds); not a
+        descriptor or a large file."""
         if not isinstance(path, (str, bytes, os.PathLike)):
             return False
         with self._lock:
             return self._keep(os.path.abspath(os.fsdecode(path)))
+
+    def walked(self, path: Any) -> bool:
+        """Whether ``path`` is a folder kept whole (an rmtree's, whose own removal ends it)."""
+        return isinstance(self.kept.get(os.path.abspath(os.fsdecode(path))), _Folder)
 
     def _keep(self, path: str) -> bool:
         if path in self.kept:
@@ -325,6 +358,11 @@ class _KeptFiles:
         if path not in self.refused and os.path.islink(path):
             self.kept[path] = _Link(os.readlink(path))
             return True
+        if path not in self.refused and os.path.isdir(path):
+            self.kept[path] = _Folder(stat.S_IMODE(os.stat(path).st_mode))
+            with os.scandir(path) as entries:
+                inside = [entry.path for entry in entries]
+            return all([self._keep(p) for p in inside])  # every one kept, refused or not
         keepable = not os.path.lexists(path) or (
             os.path.isfile(path) and os.path.getsize(path) <= KEEP_BYTES
         )
@@ -344,7 +382,15 @@ class _KeptFiles:
         return True
 
     def put_back(self) -> None:
+        removed = [p for p, kept in self.kept.items() if isinstance(kept, _Folder)]
+        for path in sorted(removed, key=len):  # a folder before its subfolders
+            if not os.path.lexists(path):
+                with contextlib.suppress(OSError):  # its own folder gone too, and not kept
+                    os.mkdir(path)
+                    os.chmod(path, self.kept[path].mode)
         for path, copy in reversed(self.kept.items()):
+            if isinstance(copy, _Folder):
+                continue
             if copy is not None:
                 _replace(path, copy)
             elif os.path.isfile(path) or os.path.islink(path):
