@@ -931,6 +931,57 @@ def test_files_a_rewritten_copy_of_the_step_writes_are_put_back_too(seed, tmp_pa
     assert list(samples.iterdir()) == []
 
 
+def test_a_folder_per_step_and_files_in_the_working_folder_are_named_in_a_few_clauses(
+    seed, tmp_path, monkeypatch
+):
+    """``ckpt/step_<n>/model.pt`` each call: one clause for the folders made, one for the files
+    written, each under ``ckpt``; files written where the step runs: in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    model, opt = small()
+    calls = itertools.count(1)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        n = next(calls)
+        os.makedirs(f"ckpt/step_{n}", exist_ok=True)
+        torch.save(model.state_dict(), f"ckpt/step_{n}/model.pt")
+        with open(f"metrics_{n}.csv", "w") as out:
+            out.write("1")
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert re.search(r"made \d+ folders in ckpt \(step_1 to step_\d+\), each put back as it was",
+                     line), line  # fmt: skip
+    assert re.search(r"wrote \d+ files in ckpt \(step_1/model\.pt to step_\d+/model\.pt\), each "
+                     "put back", line), line  # fmt: skip
+    assert re.search(r"wrote \d+ files in the working folder \(metrics_1\.csv to metrics_\d+\.csv\)",
+                     line), line  # fmt: skip
+    assert line.index(". cpu:") < 500, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_files_the_trials_write_join_the_clause_examining_named(seed, tmp_path):
+    """The trials' copies save into the same folder as the step did while examined: the report
+    still names that folder once, with every file and how often."""
+    model, opt = small()
+    folder = tmp_path / "ckpt"
+    calls = [0]
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        calls[0] += 1
+        folder.mkdir(exist_ok=True)
+        torch.save(model.state_dict(), folder / f"step_{calls[0]}.pt")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    with pytest.warns(RuntimeWarning, match="trials"):
+        report.try_fixes(["set_to_none"], steps=1, repeats=2)
+    clauses = [c for c in report.side_effects if c.startswith("wrote")]
+    assert len(clauses) == 1 and f"in {folder} (step_1.pt to " in clauses[0], clauses
+    assert not folder.exists()
+
+
 def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):
     # an asynchronous checkpoint: the step hands the save to a thread of its own, and the last
     # one may still be writing when the examination ends
@@ -1141,7 +1192,7 @@ def test_the_audit_hook_records_nothing_outside_a_doctor_run(tmp_path):
     with Session() as session:
         pass
     (tmp_path / "after.txt").write_text("x")
-    assert session.effects() == []
+    assert session.effects().said() == []
 
 
 # ---- only a plain step -----------------------------------------------------------------------------

@@ -128,8 +128,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
             measure={k: (lambda v=v: v) for k, v in given.items() if v is not None},
         )  # fmt: skip
         findings = detect(evidence)
-    cautions += session.effects() + untouched.report()
-    return Report(step, batch, parts, evidence, findings, side_effects=cautions)
+    return Report(step, batch, parts, evidence, findings, side_effects=cautions,
+                  effects=session.effects(), changed=untouched.report())
 
 
 def callable_with(fn: Callable[..., Any], *args: Any) -> bool:

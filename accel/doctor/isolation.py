@@ -35,6 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from accel.doctor.effects import Effects
 from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
@@ -128,28 +129,10 @@ class Session:
             if thread.is_alive():
                 self._recording.found[f"left the thread {thread.name} running"] += 1
 
-    def effects(self) -> list[str]:
-        """Each side effect once, with how many times it happened; files written or removed in
-        one folder (a checkpoint a step), :data:`FILES_GROUPED` or more, as one."""
-        found, kept = self._recording.found, self._recording.put_back
-        groups: dict[tuple, list[str]] = {}
-        for what in found:
-            verb, _, path = what.partition(" ")
-            key = (verb, os.path.dirname(path), what in kept) if verb in _FILE_VERBS else what
-            groups.setdefault(key, []).append(what)
-        said = []
-        for key, members in groups.items():
-            times = sum(found[what] for what in members)
-            if len(members) < FILES_GROUPED:
-                said += [what + (f" ({found[what]} times)" if found[what] > 1 else "")
-                         + (", put back as it was" * (what in kept)) for what in members]  # fmt: skip
-                continue
-            verb, folder, put_back = key
-            names = [os.path.basename(what.partition(" ")[2]) for what in members]
-            said.append(f"{verb} {len(members)} files in {folder} ({names[0]} to {names[-1]})"
-                        + (f" ({times} times in all)" if times > len(members) else "")
-                        + (", each put back as it was" if put_back else ""))  # fmt: skip
-        return said
+    def effects(self) -> Effects:
+        """What the step's code did that the session could only name (files put back or not,
+        connections, processes), as recorded so far."""
+        return Effects(collections.Counter(self._recording.found), set(self._recording.put_back))
 
 
 # ---- random generators -----------------------------------------------------------------------------
@@ -267,8 +250,6 @@ def _made_folder(path: Any) -> str | None:
     return None if os.path.lexists(path) else f"made the folder {path}"
 
 
-FILES_GROUPED = 4  # files one verb touched in one folder, named as one clause from this many
-_FILE_VERBS = ("wrote", "removed")
 _EVENTS: dict[str, Callable[..., str | None]] = {
     "open": _opened,
     "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",

@@ -13,6 +13,7 @@ from typing import Any
 from accel.doctor import page
 from accel.doctor.findings import Evidence, Finding
 from accel.doctor.fixes import FIXES
+from accel.doctor.isolation import Effects
 from accel.doctor.parts import StepParts
 
 __all__ = ["Report"]
@@ -27,12 +28,21 @@ class Report:
     """The doctor's findings on one step (see :func:`accel.doctor.examine`)."""
 
     def __init__(self, step: Any, batch: Any, parts: StepParts, evidence: Evidence,
-                 findings: list[Finding], side_effects: list[str] | None = None):  # fmt: skip
+                 findings: list[Finding], side_effects: list[str] | None = None,
+                 effects: Effects | None = None, changed: list[str] | None = None):  # fmt: skip
         self.step, self.batch, self.parts = step, batch, parts
         self.evidence, self.findings = evidence, findings
         self.trials = None  # the DataFrame of the last try_fixes()
-        # what examining changed that it could not keep from changing: the summary names it first
-        self.side_effects = list(side_effects or [])
+        # what examining (and trying fixes) changed that it could not keep from changing, which
+        # the summary names first: cautions about the copy, what the step's code did (files,
+        # connections), and the user's objects found changed
+        self.cautions = list(side_effects or [])
+        self.effects = effects or Effects()
+        self.changed = list(changed or [])
+
+    @property
+    def side_effects(self) -> list[str]:
+        return [*self.cautions, *self.effects.said(), *self.changed]
 
     @property
     def step_ms(self) -> float:

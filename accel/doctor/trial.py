@@ -113,7 +113,7 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
         untouched = Untouched(report.parts, report.batch)
         rows = _trials(report, names, steps, repeats, progress)
     _record_measured(report, rows)
-    _name_side_effects(report, session.effects() + untouched.report())
+    _name_side_effects(report, session.effects(), untouched.report())
     return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
 
@@ -152,13 +152,15 @@ def fix_names(fixes: Any) -> list[str]:
     return list(dict.fromkeys(names))  # each once, in the order given
 
 
-def _name_side_effects(report, found: list[str]) -> None:
+def _name_side_effects(report, effects, changed: list[str]) -> None:
     """What the trials changed that they could not keep from changing: warned now, and named
-    first in the report's summary (once: examining may have named it already)."""
+    first in the report's summary (added to what examining named, each once)."""
+    found = effects.said() + changed
     if found:
         warnings.warn("accel.doctor's trials: " + "; ".join(found), RuntimeWarning, stacklevel=4)
-    said = {_uncounted(what) for what in report.side_effects}
-    report.side_effects += [what for what in found if _uncounted(what) not in said]
+    report.effects += effects
+    said = {_uncounted(what) for what in report.changed}
+    report.changed += [what for what in changed if _uncounted(what) not in said]
 
 
 def _uncounted(what: str) -> str:

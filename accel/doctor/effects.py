@@ -1,0 +1,80 @@
+"""What a step's code did that the doctor could only name, not prevent (files written and put
+back, folders made, connections, processes): :class:`Effects` adds them up over sessions and says
+each once, files and folders one verb touched in one folder (or in the folders of one folder)
+grouped into one clause.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+
+__all__ = ["FILES_GROUPED", "Effects"]
+
+FILES_GROUPED = 4  # files one verb touched in one folder, named as one clause from this many
+_FILE_VERBS = ("made the folder", "removed the folder", "wrote", "removed")  # longest first
+
+
+@dataclasses.dataclass
+class Effects:
+    """Side effects recorded (what: how many times) and those put back as they were; added up
+    over sessions (examining, then trying fixes) and said once."""
+
+    found: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    put_back: set[str] = dataclasses.field(default_factory=set)
+
+    def __iadd__(self, other: Effects) -> Effects:
+        self.found.update(other.found)
+        self.put_back |= other.put_back
+        return self
+
+    def said(self) -> list[str]:
+        """Each once, with how many times it happened; files or folders one verb touched in one
+        folder, or in the folders of one folder (a checkpoint a step), :data:`FILES_GROUPED` or
+        more, as one clause."""
+        return _said_grouped(self.found, self.put_back)
+
+
+def _said_grouped(found: collections.Counter[str], put_back: set[str]) -> list[str]:
+    """The side effects ``found`` (what: times) in words, grouped as :meth:`Effects.said` says;
+    ``put_back``: those put back as they were."""
+    touched = {what: _verb_and_path(what) for what in found}
+    grouped: dict[str, tuple[str, str, bool]] = {}
+    for levels in (1, 2):  # the file's folder, then the folder's
+        free = {w: _group(touched[w], w in put_back, levels)
+                for w in found if touched[w] and w not in grouped}  # fmt: skip
+        counts = collections.Counter(free.values())
+        grouped |= {w: key for w, key in free.items() if counts[key] >= FILES_GROUPED}
+    said, done = [], set()
+    for what, n in found.items():
+        key = grouped.get(what)
+        if key is None:
+            said.append(what + (f" ({n} times)" if n > 1 else "")
+                        + (", put back as it was" * (what in put_back)))  # fmt: skip
+        elif key not in done:
+            done.add(key)
+            said.append(_group_said(key, [w for w in found if grouped.get(w) == key], found))
+    return said
+
+
+def _verb_and_path(what: str) -> tuple[str, str] | None:
+    return next(((verb, what[len(verb) + 1 :]) for verb in _FILE_VERBS
+                 if what.startswith(verb + " ")), None)  # fmt: skip
+
+
+def _group(touched: tuple[str, str], put_back: bool, levels: int) -> tuple[str, str, bool]:
+    verb, folder = touched
+    for _ in range(levels):
+        folder = os.path.dirname(folder)
+    return verb, folder, put_back
+
+
+def _group_said(key: tuple[str, str, bool], members: list[str], found) -> str:
+    verb, folder, put_back = key
+    names = [os.path.relpath(_verb_and_path(w)[1], folder or os.curdir) for w in members]
+    times = sum(found[w] for w in members)
+    noun = "folders" if verb.endswith("the folder") else "files"
+    return (f"{verb.split()[0]} {len(members)} {noun} in {folder or 'the working folder'} "
+            f"({names[0]} to {names[-1]})" + (f" ({times} times in all)" if times > len(members) else "")
+            + (", each put back as it was" if put_back else ""))  # fmt: skip
