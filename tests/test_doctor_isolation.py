@@ -1066,7 +1066,7 @@ def test_a_file_too_large_to_keep_is_named_not_said_put_back_once_smaller(
 ):
     """A file over the size kept is named, not put back; a smaller file the step leaves in its
     place on its first call must not be kept as if it were the user's."""
-    monkeypatch.setattr("accel.doctor.isolation.KEEP_BYTES", 64)
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
     model, opt = small()
     data, tmp = tmp_path / "big.bin", tmp_path / "big.bin.tmp"
     data.write_bytes(b"x" * 100)
@@ -1138,6 +1138,144 @@ def test_a_folder_the_step_removes_is_put_back_with_what_it_held(seed, tmp_path,
     line = first_line(report)
     assert f"removed the folder {old}, put back as it was" in line, line
     assert "removed model.pt" not in line and "(2 times)" not in line, line
+
+
+def disk(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root``: a link's target, a file's bytes, a folder; each with its mode."""
+    found = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = Path(folder) / name
+            mode = path.lstat().st_mode & 0o7777
+            what = (("link", os.readlink(path)) if path.is_symlink() else ("folder",) if path.is_dir()
+                    else ("file", path.read_bytes()))  # fmt: skip
+            found[str(path.relative_to(root))] = (*what, mode)
+    return found
+
+
+def _link_where_a_removed_folder_was(root: Path):
+    (root / "latest" / "sub").mkdir(parents=True)
+    (root / "latest" / "a.txt").write_text("old")
+    (root / "ckpt-7").mkdir()
+    latest = root / "latest"
+    return lambda: latest.is_symlink() or (shutil.rmtree(latest), latest.symlink_to(root / "ckpt-7"))
+
+
+def _file_where_a_removed_folder_was(root: Path):
+    (root / "out").mkdir()
+    (root / "out" / "a.txt").write_text("A")
+    out = root / "out"
+    return lambda: (out.is_dir() and shutil.rmtree(out), out.write_text("now a file"))
+
+
+def _folder_where_a_removed_file_was(root: Path):
+    out = root / "out"
+    out.write_text("a log file")
+    return lambda: (out.is_file() and out.unlink(), out.mkdir(exist_ok=True))
+
+
+def _folder_removed_and_made_again(root: Path):
+    run = root / "run"
+    run.mkdir(mode=0o700)
+    (run / "a.txt").write_text("A")
+    return lambda: (shutil.rmtree(run), run.mkdir())
+
+
+def _folder_renamed(root: Path):
+    (root / "run").mkdir()
+    (root / "run" / "a.txt").write_text("A")
+    return lambda: (root / "run").is_dir() and os.rename(root / "run", root / "run_old")
+
+
+def _folder_moved_into_another(root: Path):
+    (root / "d").mkdir()
+    (root / "d" / "a.txt").write_text("A")
+    (root / "other").mkdir()
+    return lambda: (root / "d").is_dir() and shutil.move(root / "d", root / "other" / "d")
+
+
+def _mode_changed(root: Path):
+    key = root / "key"
+    key.write_text("k")
+    key.chmod(0o644)
+    return lambda: key.chmod(0o600)
+
+
+@pytest.mark.parametrize("make", [
+    _link_where_a_removed_folder_was, _file_where_a_removed_folder_was,
+    _folder_where_a_removed_file_was, _folder_removed_and_made_again, _folder_renamed,
+    _folder_moved_into_another, _mode_changed,
+], ids=lambda f: f.__name__.strip("_").replace("_", " "))  # fmt: skip
+def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp_path, make):
+    model, opt = small()
+    root = tmp_path / "root"
+    root.mkdir()
+    change = make(root)
+    before = disk(tmp_path)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        change()
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert disk(tmp_path) == before
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report.try_fixes(["fused_optimizer"], steps=1, repeats=2)
+    assert disk(tmp_path) == before
+
+
+def test_a_file_that_cannot_be_put_back_is_said_so_and_not_said_put_back(
+    seed, tmp_path, monkeypatch
+):
+    model, opt = small()
+    log = tmp_path / "log.txt"
+    log.write_text("the user's log\n")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        log.write_text("the copy's\n")
+        return loss.detach()
+
+    def refused(path, kept):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr("accel.doctor.kept_files._replace", refused)
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert f"could not put back {log}" in line and f"wrote {log} (" in line, line
+    assert "put back as it was" not in line, line
+
+
+def test_a_folder_the_step_makes_and_removes_is_named_as_often_as_it_happened(seed, tmp_path):
+    model, opt = small()
+    scratch, old = tmp_path / "scratch", tmp_path / "old"
+    old.mkdir()
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        scratch.mkdir()
+        shutil.rmtree(scratch)
+        shutil.rmtree(old, ignore_errors=True)  # there at the first call only
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    made = re.search(rf"made the folder {re.escape(str(scratch))} \((\d+) times\)", line)
+    removed = re.search(rf"removed the folder {re.escape(str(scratch))} \((\d+) times\)", line)
+    assert made and removed and made[1] == removed[1], line
+    assert f"removed the folder {old}, put back as it was" in line, line
+
+
+def test_what_one_session_did_not_put_back_is_not_said_put_back_after_another():
+    from accel.doctor.effects import Effects
+
+    what = "removed the folder ckpt"
+    effects = Effects(collections.Counter({what: 1}), set())  # a file in it too large to keep
+    effects += Effects(collections.Counter({what: 1}), {what})
+    assert effects.said() == [f"{what} (2 times)"]
+    effects = Effects(collections.Counter({what: 1}), {what})
+    effects += Effects(collections.Counter({"wrote x": 1}), {"wrote x"})
+    assert effects.said() == [f"{what}, put back as it was", "wrote x, put back as it was"]
 
 
 def test_a_folder_that_was_there_is_not_said_to_be_made(seed, tmp_path):
@@ -1458,11 +1596,11 @@ def test_a_file_two_of_the_steps_threads_write_at_once_is_kept_as_it_was(tmp_pat
     thread's state is its own: a write from another thread meanwhile is still the step's."""
     import shutil
 
-    from accel.doctor import isolation
+    from accel.doctor import kept_files
 
     path = tmp_path / "last.pt"
     path.write_bytes(b"the user's checkpoint")
-    files = isolation._KeptFiles()
+    files = kept_files.KeptFiles()
     copying, release = threading.Event(), threading.Event()
     copy2 = shutil.copy2
 
@@ -1471,7 +1609,7 @@ def test_a_file_two_of_the_steps_threads_write_at_once_is_kept_as_it_was(tmp_pat
         release.wait(10)
         return copy2(source, target)
 
-    monkeypatch.setattr(isolation.shutil, "copy2", slow_copy)
+    monkeypatch.setattr(kept_files.shutil, "copy2", slow_copy)
     first = threading.Thread(target=files.keep, args=(str(path),))
     first.start()
     assert copying.wait(10)
@@ -1495,15 +1633,15 @@ def test_a_file_two_of_the_steps_threads_write_at_once_is_kept_as_it_was(tmp_pat
 def test_a_file_is_put_back_through_a_temporary_it_makes_itself(tmp_path, monkeypatch):
     """The temporary a kept file is copied into is created, never opened where something is
     already at its name: a link there is not written through."""
-    from accel.doctor import isolation
+    from accel.doctor import kept_files
 
     kept, other = tmp_path / "kept", tmp_path / "elsewhere.txt"
     kept.write_bytes(b"the user's checkpoint")
     other.write_bytes(b"not to be written")
     path = tmp_path / "last.pt"
     path.write_bytes(b"the step's")
-    monkeypatch.setattr(isolation.secrets, "token_hex", lambda n: "0" * 2 * n)
+    monkeypatch.setattr(kept_files.secrets, "token_hex", lambda n: "0" * 2 * n)
     os.symlink(other, tmp_path / f".last.pt.{'0' * 16}.kept")
     with pytest.raises(FileExistsError):
-        isolation._replace(str(path), str(kept))
+        kept_files._replace(str(path), str(kept))
     assert other.read_bytes() == b"not to be written" and path.read_bytes() == b"the step's"

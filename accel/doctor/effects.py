@@ -25,8 +25,10 @@ class Effects:
     put_back: set[str] = dataclasses.field(default_factory=set)
 
     def __iadd__(self, other: Effects) -> Effects:
+        """Added up: what one session did not put back is not said put back after another."""
+        kept = (self.put_back | other.put_back) - (self.found.keys() - self.put_back)
+        self.put_back = kept - (other.found.keys() - other.put_back)
         self.found.update(other.found)
-        self.put_back |= other.put_back
         return self
 
     def said(self) -> list[str]:

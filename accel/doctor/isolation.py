@@ -1,6 +1,6 @@
 """What a doctor's run gives back and what it names: the random generators put back (torch's on
 every device, ``random``, NumPy's global one), the files the step writes, replaces or removes
-put back as they were (each kept before its first change, up to :data:`KEEP_BYTES`), and all of
+put back as they were (:mod:`accel.doctor.kept_files`), and all of
 it (a file written, a connection, a process started, an item taken from an uncopyable iterator)
 recorded while a :class:`Session` is open, for the report's first line.
 
@@ -14,28 +14,24 @@ session it raises the one ``open()`` would.
 from __future__ import annotations
 
 import collections
-import contextlib
 import contextvars
 import inspect
 import logging
 import os
 import random
-import secrets
-import shutil
-import stat
 import sys
-import tempfile
 import threading
 import time
 import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from accel.doctor.effects import Effects
+from accel.doctor.kept_files import KeptFiles, absolute
 from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
@@ -52,7 +48,6 @@ THREAD_WAIT_S = 10.0  # on closing, how long the threads the step started are wa
 # code that writes on its own account while a step runs (caches, bytecode): not the step's
 _MACHINERY = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.utils.cpp_extension",
               "triton", "torch._logging")  # fmt: skip
-KEEP_BYTES = 2**30  # a file the step changes is kept to put back up to this size
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
@@ -67,8 +62,9 @@ class _Recording:
     def __init__(self) -> None:
         self.found: collections.Counter[str] = collections.Counter()
         self.codes: set[types.CodeType] = set()  # a file opened under one of them: the step's
-        self.files = _KeptFiles()
+        self.files = KeptFiles()
         self.put_back: set[str] = set()  # what was said of a file kept to put back
+        self.claims: dict[str, set[str]] = {}  # of each put back: the paths it stands for
         self.threads: list[threading.Thread] = []  # started by the step
 
 
@@ -131,8 +127,14 @@ class Session:
 
     def effects(self) -> Effects:
         """What the step's code did that the session could only name (files put back or not,
-        connections, processes), as recorded so far."""
-        return Effects(collections.Counter(self._recording.found), set(self._recording.put_back))
+        connections, processes), as recorded so far; a file that could not be put back is said
+        so, and not said put back."""
+        recording = self._recording
+        failed = recording.files.failed
+        found = collections.Counter(recording.found)
+        found.update(f"could not put back {path}" for path in sorted(failed))
+        put_back = {w for w in recording.put_back if not recording.claims.get(w, set()) & failed}
+        return Effects(found, put_back)
 
 
 # ---- random generators -----------------------------------------------------------------------------
@@ -232,8 +234,14 @@ def _audit(event: str, args: tuple) -> None:
     if event == "open":  # opening writes where a link points: keep that file, not the link
         paths = [os.path.realpath(p) if isinstance(p, (str, bytes, os.PathLike)) else p
                  for p in paths]  # fmt: skip
-    if paths and all(recording.files.keep(path) for path in paths):
+    elif event == "os.rename":
+        recording.files.renamed(*paths)
+    elif event == "shutil.rmtree":
+        recording.files.walking(args[0])
+    whole = event != "os.chmod"  # a folder's mode changed: its mode kept, not all it holds
+    if paths and all(recording.files.keep(path, contents=whole) for path in paths):
         recording.put_back.add(what)
+        recording.claims.setdefault(what, set()).update(absolute(p) for p in paths)
 
 
 def _opened(path: Any, mode: Any, flags: Any) -> str | None:
@@ -242,6 +250,12 @@ def _opened(path: Any, mode: Any, flags: Any) -> str | None:
     writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & _WRITE_FLAGS)
     path = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
     return f"wrote {path}" if writes and path != os.devnull else None
+
+
+def _removed_folder(path: Any) -> str | None:
+    """None where there is none to remove (``rmtree(..., ignore_errors=True)``)."""
+    path = os.fsdecode(path)
+    return f"removed the folder {path}" if os.path.lexists(path) else None
 
 
 def _made_folder(path: Any) -> str | None:
@@ -255,7 +269,7 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
     "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",
     "os.rename": lambda src, dst, *_: f"renamed {os.fsdecode(src)} to {os.fsdecode(dst)}",
     "os.rmdir": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
-    "shutil.rmtree": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
+    "shutil.rmtree": lambda path, *_: _removed_folder(path),
     "os.mkdir": lambda path, *_: _made_folder(path),
     "os.truncate": lambda path, *_: f"truncated {path}",
     "os.symlink": lambda src, dst, *_: f"linked {os.fsdecode(dst)}",
@@ -277,7 +291,7 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
 # the events that change a file, and which of their arguments name it (open: where it writes)
 _FILE_CHANGES = {"open": (0,), "os.remove": (0,), "os.rename": (0, 1), "os.truncate": (0,),
                  "os.symlink": (1,), "os.link": (1,), "os.mkdir": (0,), "os.rmdir": (0,),
-                 "shutil.rmtree": (0,)}  # fmt: skip
+                 "shutil.rmtree": (0,), "os.chmod": (0,)}  # fmt: skip
 _AT_EVENTS = ("os.remove", "os.rmdir")  # (path, dir_fd): relative to dir_fd where it is given
 
 
@@ -288,125 +302,6 @@ def _at(path: Any, dir_fd: int) -> str | None:
         return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(path))
     except (OSError, TypeError, ValueError):
         return None
-
-
-class _Link(NamedTuple):
-    """A link kept as a link: what it pointed at."""
-
-    target: str
-
-
-class _Folder(NamedTuple):
-    """A folder that was there, kept with its mode (its files are kept on their own)."""
-
-    mode: int
-
-
-class _KeptFiles:
-    """Files as they were before the step's code first changed them (None: there was none, nor
-    a folder the step made; a :class:`_Link` for a link; a :class:`_Folder` for a folder, kept
-    with everything in it), to put back when the session closes."""
-
-    def __init__(self) -> None:
-        self.kept: dict[str, str | _Link | _Folder | None] = {}
-        self.refused: set[str] = set()  # not kept at first: never kept as a later state
-        self._folder: str | None = None
-        # one keep at a time: a thread of the step's that writes a file another is copying
-        # waits for the copy (its write comes after the audit event that asked for the keep)
-        self._lock = threading.RLock()
-        self._copying = threading.local()
-
-    @property
-    def busy(self) -> bool:
-        """Whether this thread is copying a file: its own opens are no step's."""
-        return getattr(self._copying, "on", False)
-
-    def keep(self, path: Any) -> bool:
-        """Whether ``path`` is kept (now or before; a folder with all it holds); not a
-        descriptor or a large file."""
-        if not isinstance(path, (str, bytes, os.PathLike)):
-            return False
-        with self._lock:
-            return self._keep(os.path.abspath(os.fsdecode(path)))
-
-    def walked(self, path: Any) -> bool:
-        """Whether ``path`` is a folder kept whole (an rmtree's, whose own removal ends it)."""
-        return isinstance(self.kept.get(os.path.abspath(os.fsdecode(path))), _Folder)
-
-    def _keep(self, path: str) -> bool:
-        if path in self.kept:
-            return True
-        if path not in self.refused and os.path.islink(path):
-            self.kept[path] = _Link(os.readlink(path))
-            return True
-        if path not in self.refused and os.path.isdir(path):
-            self.kept[path] = _Folder(stat.S_IMODE(os.stat(path).st_mode))
-            with os.scandir(path) as entries:
-                inside = [entry.path for entry in entries]
-            return all([self._keep(p) for p in inside])  # every one kept, refused or not
-        keepable = not os.path.lexists(path) or (
-            os.path.isfile(path) and os.path.getsize(path) <= KEEP_BYTES
-        )
-        if path in self.refused or not keepable:
-            self.refused.add(path)
-            return False
-        copy = None
-        if os.path.lexists(path):
-            self._copying.on = True
-            try:
-                self._folder = self._folder or tempfile.mkdtemp(prefix="accel-doctor-kept-")
-                copy = os.path.join(self._folder, str(len(self.kept)))
-                shutil.copy2(path, copy)
-            finally:
-                self._copying.on = False
-        self.kept[path] = copy
-        return True
-
-    def put_back(self) -> None:
-        removed = [p for p, kept in self.kept.items() if isinstance(kept, _Folder)]
-        for path in sorted(removed, key=len):  # a folder before its subfolders
-            if not os.path.lexists(path):
-                with contextlib.suppress(OSError):  # its own folder gone too, and not kept
-                    os.mkdir(path)
-                    os.chmod(path, self.kept[path].mode)
-        for path, copy in reversed(self.kept.items()):
-            if isinstance(copy, _Folder):
-                continue
-            if copy is not None:
-                _replace(path, copy)
-            elif os.path.isfile(path) or os.path.islink(path):
-                os.remove(path)  # a link is removed itself, never what it points at
-        made = [path for path, copy in self.kept.items() if copy is None and os.path.isdir(path)]
-        for path in sorted(made, key=len, reverse=True):  # a folder's subfolders before it
-            with contextlib.suppress(OSError):  # left where something else is in it now
-                os.rmdir(path)
-        if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
-        self.kept.clear()
-        self.refused.clear()
-
-
-def _replace(path: str, kept: str | _Link) -> None:
-    """``path`` made the kept file or link again: made whole under a new name beside it, then
-    renamed over what the step left there, so a link left at ``path`` is replaced, never
-    written through."""
-    folder = os.path.dirname(path)
-    if not os.path.isdir(folder):  # the step removed its folder: named, not made again
-        return
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(8)}.kept")
-    try:
-        if isinstance(kept, _Link):
-            os.symlink(kept.target, tmp)
-        else:  # made here (O_EXCL), so nothing at the temporary's name is written through
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
-                shutil.copyfileobj(source, out)
-            shutil.copystat(kept, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def watch_as_step(made: types.CodeType, source: types.CodeType) -> None:

@@ -1,0 +1,187 @@
+"""Files and folders as they were before a step's code first changed them, put back when the
+doctor's session closes: a file's bytes and mode (up to :data:`KEEP_BYTES`), a link as a link, a
+folder with everything it held (where the step removes or renames it) or its mode alone (where it
+changes that). Putting back never writes through a link the step left, and what cannot be put
+back is said, not hidden.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+__all__ = ["KEEP_BYTES", "KeptFiles"]
+
+KEEP_BYTES = 2**30  # a file the step changes is kept to put back up to this size
+
+
+class _Link(NamedTuple):
+    """A link kept as a link: what it pointed at."""
+
+    target: str
+
+
+class _Folder(NamedTuple):
+    """A folder that was there, kept with its mode (and its entries kept on their own)."""
+
+    mode: int
+
+
+class KeptFiles:
+    """Files as they were before the step's code first changed them (None: there was none, nor
+    a folder the step made; a :class:`_Link` for a link; a :class:`_Folder` for a folder), to
+    put back when the session closes."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, str | _Link | _Folder | None] = {}
+        self.refused: set[str] = set()  # not kept at first: never kept as a later state
+        self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
+        self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
+        self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
+        self._folder: str | None = None
+        # one keep at a time: a thread of the step's that writes a file another is copying
+        # waits for the copy (its write comes after the audit event that asked for the keep)
+        self._lock = threading.RLock()
+        self._copying = threading.local()
+
+    @property
+    def busy(self) -> bool:
+        """Whether this thread is copying a file: its own opens are no step's."""
+        return getattr(self._copying, "on", False)
+
+    def keep(self, path: Any, *, contents: bool = True) -> bool:
+        """Whether ``path`` is kept (now or before; a folder with all it holds, or with its mode
+        alone where not ``contents``); not a descriptor or a large file."""
+        if not isinstance(path, (str, bytes, os.PathLike)):
+            return False
+        with self._lock:
+            return self._keep(absolute(path), contents)
+
+    def renamed(self, source: Any, target: Any) -> None:
+        """The step renames ``source``, a folder, to ``target``: named back when put back."""
+        if isinstance(source, (str, bytes, os.PathLike)) and isinstance(target, (str, bytes, os.PathLike)):
+            source = absolute(source)
+            if os.path.isdir(source) and not os.path.islink(source):
+                self._renamed.append((source, absolute(target)))
+
+    def walking(self, path: Any) -> None:
+        """An rmtree of ``path`` starts (so the rmdir ending it is not named again)."""
+        self._walked.add(absolute(path))
+
+    def walked(self, path: Any) -> bool:
+        return absolute(path) in self._walked
+
+    def _keep(self, path: str, contents: bool = True) -> bool:
+        if path in self.kept:
+            return True
+        if path not in self.refused and os.path.islink(path):
+            self.kept[path] = _Link(os.readlink(path))
+            return True
+        if path not in self.refused and os.path.isdir(path):
+            self.kept[path] = _Folder(stat.S_IMODE(os.stat(path).st_mode))
+            if not contents:
+                return True
+            with os.scandir(path) as entries:
+                inside = [entry.path for entry in entries]
+            return all([self._keep(p) for p in inside])  # every one kept, refused or not
+        keepable = not os.path.lexists(path) or (
+            os.path.isfile(path) and os.path.getsize(path) <= KEEP_BYTES
+        )
+        if path in self.refused or not keepable:
+            self.refused.add(path)
+            return False
+        copy = None
+        if os.path.lexists(path):
+            self._copying.on = True
+            try:
+                self._folder = self._folder or tempfile.mkdtemp(prefix="accel-doctor-kept-")
+                copy = os.path.join(self._folder, str(len(self.kept)))
+                shutil.copy2(path, copy)
+            finally:
+                self._copying.on = False
+        self.kept[path] = copy
+        return True
+
+    def put_back(self) -> None:
+        """Everything kept made as it was; what cannot be is added to :attr:`failed`."""
+        for source, target in reversed(self._renamed):  # the folder under its name again
+            if os.path.isdir(target) and not os.path.lexists(source):
+                self._attempt(source, os.rename, target, source)
+        folders = [p for p, kept in self.kept.items() if isinstance(kept, _Folder)]
+        for path in sorted(folders, key=len):  # a folder before its subfolders
+            self._attempt(path, _folder_back, path, self.kept[path].mode)
+        for path, copy in reversed(self.kept.items()):
+            if isinstance(copy, _Folder):
+                continue
+            if copy is not None:
+                self._attempt(path, _file_back, path, copy)
+            elif os.path.isfile(path) or os.path.islink(path):
+                self._attempt(path, os.remove, path)  # a link is removed itself, never its target
+        made = [path for path, copy in self.kept.items() if copy is None and os.path.isdir(path)]
+        for path in sorted(made, key=len, reverse=True):  # a folder's subfolders before it
+            with contextlib.suppress(OSError):  # left where something else is in it now
+                os.rmdir(path)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+        self.kept.clear()
+        self.refused.clear()
+        self._renamed.clear()
+        self._walked.clear()
+
+    def _attempt(self, path: str, action: Callable[..., Any], *args: Any) -> None:
+        try:
+            action(*args)
+        except OSError:
+            self.failed.add(path)
+
+
+def absolute(path: Any) -> str:
+    return os.path.abspath(os.fsdecode(path))
+
+
+def _folder_back(path: str, mode: int) -> None:
+    """The folder at ``path`` again: a link or file the step left in its place removed (the
+    link itself, never written through), then made, with its mode."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.remove(path)
+    if not os.path.lexists(path):
+        os.mkdir(path)
+    if stat.S_IMODE(os.stat(path).st_mode) != mode:
+        os.chmod(path, mode)
+
+
+def _file_back(path: str, kept: str | _Link) -> None:
+    """A folder the step made in the file's place goes (its own files went before it)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)
+    _replace(path, kept)
+
+
+def _replace(path: str, kept: str | _Link) -> None:
+    """``path`` made the kept file or link again: made whole under a new name beside it, then
+    renamed over what the step left there, so a link left at ``path`` is replaced, never
+    written through."""
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):  # the step removed its folder: named, not made again
+        return
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(8)}.kept")
+    try:
+        if isinstance(kept, _Link):
+            os.symlink(kept.target, tmp)
+        else:  # made here (O_EXCL), so nothing at the temporary's name is written through
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
+                shutil.copyfileobj(source, out)
+            shutil.copystat(kept, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
