@@ -982,6 +982,27 @@ def test_files_the_trials_write_join_the_clause_examining_named(seed, tmp_path):
     assert not folder.exists()
 
 
+def test_a_save_renamed_into_place_each_step_is_named_as_one_clause(seed, tmp_path):
+    """A Trainer's save: written under a temporary name, then renamed to ``checkpoint-<n>``."""
+    model, opt = small()
+    calls = [0]
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        calls[0] += 1
+        temporary = tmp_path / f"tmp-checkpoint-{calls[0]}"
+        temporary.mkdir()
+        (temporary / "model.pt").write_bytes(b"w")
+        os.rename(temporary, tmp_path / f"checkpoint-{calls[0]}")
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert re.search(rf"renamed \d+ entries into {re.escape(str(tmp_path))} \(checkpoint-1 to "
+                     r"checkpoint-\d+\), each put back as it was", line), line  # fmt: skip
+    assert line.index(". cpu:") < 700, line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):
     # an asynchronous checkpoint: the step hands the save to a thread of its own, and the last
     # one may still be writing when the examination ends

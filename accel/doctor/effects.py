@@ -61,6 +61,9 @@ def _said_grouped(found: collections.Counter[str], put_back: set[str]) -> list[s
 
 
 def _verb_and_path(what: str) -> tuple[str, str] | None:
+    """(verb, the path it left) of a file or folder effect: a rename's by where it went."""
+    if what.startswith("renamed ") and " to " in what:
+        return "renamed", what.rpartition(" to ")[2]
     return next(((verb, what[len(verb) + 1 :]) for verb in _FILE_VERBS
                  if what.startswith(verb + " ")), None)  # fmt: skip
 
@@ -76,7 +79,7 @@ def _group_said(key: tuple[str, str, bool], members: list[str], found) -> str:
     verb, folder, put_back = key
     names = [os.path.relpath(_verb_and_path(w)[1], folder or os.curdir) for w in members]
     times = sum(found[w] for w in members)
-    noun = "folders" if verb.endswith("the folder") else "files"
-    return (f"{verb.split()[0]} {len(members)} {noun} in {folder or 'the working folder'} "
+    noun = {"renamed": "entries into"}.get(verb, "folders in" if verb.endswith("folder") else "files in")
+    return (f"{verb.split()[0]} {len(members)} {noun} {folder or 'the working folder'} "
             f"({names[0]} to {names[-1]})" + (f" ({times} times in all)" if times > len(members) else "")
             + (", each put back as it was" if put_back else ""))  # fmt: skip
