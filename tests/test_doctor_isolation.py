@@ -1162,12 +1162,13 @@ def test_a_folder_the_step_removes_is_put_back_with_what_it_held(seed, tmp_path,
 
 
 def disk(root: Path) -> dict[str, tuple]:
-    """Every entry under ``root``: a link's target, a file's bytes, a folder; each with its mode."""
+    """Every entry under ``root``: a link's target, a file's bytes, a folder; each with its mode
+    and its count of links."""
     found = {}
     for folder, folders, files in os.walk(root):
         for name in folders + files:
             path = Path(folder) / name
-            mode = path.lstat().st_mode & 0o7777
+            mode = (path.lstat().st_mode & 0o7777, path.lstat().st_nlink)  # a hard link kept
             what = (("link", os.readlink(path)) if path.is_symlink() else ("folder",) if path.is_dir()
                     else ("file", path.read_bytes()))  # fmt: skip
             found[str(path.relative_to(root))] = (*what, mode)
@@ -1222,10 +1223,44 @@ def _mode_changed(root: Path):
     return lambda: key.chmod(0o600)
 
 
+def _removedirs_up_to_a_folder_not_empty(root: Path):
+    (root / "top" / "p").mkdir(parents=True)
+    (root / "top" / "keep").write_text("k")
+    os.link(root / "top" / "keep", root / "hard")  # rewriting keep would break the link
+    return lambda: (root / "top" / "p").is_dir() and os.removedirs(root / "top" / "p")
+
+
+def _folder_chmodded_renamed_and_removed(root: Path):
+    (root / "a").mkdir()
+    (root / "a" / "x").write_text("user data")
+
+    def change():
+        if (root / "a").is_dir():
+            os.chmod(root / "a", 0o700)
+            os.rename(root / "a", root / "b")
+            shutil.rmtree(root / "b")
+
+    return change
+
+
+def _mode_changed_through_a_link(root: Path):
+    (root / "t").write_text("t")
+    (root / "t").chmod(0o600)
+    (root / "l").symlink_to("t")
+    return lambda: os.chmod(root / "l", 0o777)
+
+
+def _file_replaced_by_a_folder_of_folders(root: Path):
+    (root / "f").write_text("f")
+    return lambda: (root / "f").is_file() and ((root / "f").unlink(), (root / "f" / "sub").mkdir(parents=True))
+
+
 @pytest.mark.parametrize("make", [
     _link_where_a_removed_folder_was, _file_where_a_removed_folder_was,
     _folder_where_a_removed_file_was, _folder_removed_and_made_again, _folder_renamed,
-    _folder_moved_into_another, _mode_changed,
+    _folder_moved_into_another, _mode_changed, _removedirs_up_to_a_folder_not_empty,
+    _folder_chmodded_renamed_and_removed, _mode_changed_through_a_link,
+    _file_replaced_by_a_folder_of_folders,
 ], ids=lambda f: f.__name__.strip("_").replace("_", " "))  # fmt: skip
 def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp_path, make):
     model, opt = small()
@@ -1266,6 +1301,40 @@ def test_a_file_that_cannot_be_put_back_is_said_so_and_not_said_put_back(
     line = first_line(examined(step, torch.randn(5, 4)))
     assert f"could not put back {log}" in line and f"wrote {log} (" in line, line
     assert "put back as it was" not in line, line
+
+
+def test_a_file_too_large_to_keep_in_a_removed_folder_is_said_lost(seed, tmp_path, monkeypatch):
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
+    model, opt = small()
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "big").write_bytes(b"x" * 100)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        if folder.is_dir():
+            shutil.rmtree(folder)
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert f"could not keep {folder / 'big'}" in line, line
+    assert f"removed the folder {folder}, put back" not in line, line
+
+
+def test_many_files_in_a_folder_per_step_are_one_clause(seed, tmp_path):
+    model, opt = small()
+    calls = [0]
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        calls[0] += 1
+        (tmp_path / "run" / f"step-{calls[0]}").mkdir(parents=True)
+        for name in "abcd":
+            (tmp_path / "run" / f"step-{calls[0]}" / name).write_text(name)
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert line.count("wrote") == 1 and re.search(r"wrote \d+ files in \S+/run \(step-1/a to ", line), line
 
 
 def test_a_folder_the_step_makes_and_removes_is_named_as_often_as_it_happened(seed, tmp_path):

@@ -42,12 +42,15 @@ def _said_grouped(found: collections.Counter[str], put_back: set[str]) -> list[s
     """The side effects ``found`` (what: times) in words, grouped as :meth:`Effects.said` says;
     ``put_back``: those put back as they were."""
     touched = {what: _verb_and_path(what) for what in found}
+    keys = {w: [_group(touched[w], w in put_back, levels) for levels in (1, 2)]
+            for w in found if touched[w]}  # fmt: skip
+    counts = [collections.Counter(k[i] for k in keys.values()) for i in (0, 1)]
     grouped: dict[str, tuple[str, str, bool]] = {}
-    for levels in (1, 2):  # the file's folder, then the folder's
-        free = {w: _group(touched[w], w in put_back, levels)
-                for w in found if touched[w] and w not in grouped}  # fmt: skip
-        counts = collections.Counter(free.values())
-        grouped |= {w: key for w, key in free.items() if counts[key] >= FILES_GROUPED}
+    for what, (own, parent) in keys.items():  # the folder's folder where it holds many more
+        if counts[1][parent] >= max(FILES_GROUPED, 2 * counts[0][own]):
+            grouped[what] = parent
+        elif counts[0][own] >= FILES_GROUPED:
+            grouped[what] = own
     said, done = [], set()
     for what, n in found.items():
         key = grouped.get(what)
@@ -81,5 +84,5 @@ def _group_said(key: tuple[str, str, bool], members: list[str], found) -> str:
     times = sum(found[w] for w in members)
     noun = {"renamed": "entries into"}.get(verb, "folders in" if verb.endswith("folder") else "files in")
     return (f"{verb.split()[0]} {len(members)} {noun} {folder or 'the working folder'} "
-            f"({names[0]} to {names[-1]})" + (f" ({times} times in all)" if times > len(members) else "")
+            f"({names[0]} to {names[-1]})" + (f", {times} times in all" if times > len(members) else "")
             + (", each put back as it was" if put_back else ""))  # fmt: skip

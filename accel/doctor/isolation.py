@@ -133,6 +133,8 @@ class Session:
         failed = recording.files.failed
         found = collections.Counter(recording.found)
         found.update(f"could not put back {path}" for path in sorted(failed))
+        found.update(f"could not keep {path} (over a GiB, or not a file), so not put back"
+                     for path in sorted(recording.files.unkept))
         put_back = {w for w in recording.put_back if not recording.claims.get(w, set()) & failed}
         return Effects(found, put_back)
 
@@ -231,14 +233,14 @@ def _audit(event: str, args: tuple) -> None:
         return  # the end of an rmtree already named
     recording.found[what] += 1
     paths = [args[i] for i in _FILE_CHANGES.get(event, ())]
-    if event == "open":  # opening writes where a link points: keep that file, not the link
+    if event in ("open", "os.chmod"):  # through a link: keep where it points, not the link
         paths = [os.path.realpath(p) if isinstance(p, (str, bytes, os.PathLike)) else p
                  for p in paths]  # fmt: skip
     elif event == "os.rename":
         recording.files.renamed(*paths)
     elif event == "shutil.rmtree":
         recording.files.walking(args[0])
-    whole = event != "os.chmod"  # a folder's mode changed: its mode kept, not all it holds
+    whole = event not in ("os.chmod", "os.rmdir")  # its mode kept, not all it holds (if any)
     if paths and all(recording.files.keep(path, contents=whole) for path in paths):
         recording.put_back.add(what)
         recording.claims.setdefault(what, set()).update(absolute(p) for p in paths)
@@ -253,9 +255,19 @@ def _opened(path: Any, mode: Any, flags: Any) -> str | None:
 
 
 def _removed_folder(path: Any) -> str | None:
-    """None where there is none to remove (``rmtree(..., ignore_errors=True)``)."""
+    """None where there is no folder to remove (``rmtree(..., ignore_errors=True)``; rmtree
+    refuses a link)."""
     path = os.fsdecode(path)
-    return f"removed the folder {path}" if os.path.lexists(path) else None
+    return f"removed the folder {path}" if os.path.isdir(path) and not os.path.islink(path) else None
+
+
+def _removed_empty_folder(path: Any) -> str | None:
+    """None where ``rmdir`` will fail: no folder, or one not empty (``os.removedirs`` tries each
+    parent in turn)."""
+    if isinstance(path, int) or not _removed_folder(path):
+        return None
+    with os.scandir(path) as entries:
+        return None if any(True for _ in entries) else f"removed the folder {os.fsdecode(path)}"
 
 
 def _made_folder(path: Any) -> str | None:
@@ -268,7 +280,7 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
     "open": _opened,
     "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",
     "os.rename": lambda src, dst, *_: f"renamed {os.fsdecode(src)} to {os.fsdecode(dst)}",
-    "os.rmdir": lambda path, *_: f"removed the folder {os.fsdecode(path)}",
+    "os.rmdir": lambda path, *_: _removed_empty_folder(path),
     "shutil.rmtree": lambda path, *_: _removed_folder(path),
     "os.mkdir": lambda path, *_: _made_folder(path),
     "os.truncate": lambda path, *_: f"truncated {path}",

@@ -43,6 +43,8 @@ class KeptFiles:
         self.kept: dict[str, str | _Link | _Folder | None] = {}
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
+        self.unkept: set[str] = set()  # there, and refused (too large, not a file): lost if changed
+        self._whole: set[str] = set()  # folders kept with everything in them, not the mode alone
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
         self._folder: str | None = None
@@ -79,15 +81,17 @@ class KeptFiles:
         return absolute(path) in self._walked
 
     def _keep(self, path: str, contents: bool = True) -> bool:
-        if path in self.kept:
+        if path in self.kept and not (contents and path not in self._whole
+                                      and isinstance(self.kept[path], _Folder)):  # fmt: skip
             return True
         if path not in self.refused and os.path.islink(path):
             self.kept[path] = _Link(os.readlink(path))
             return True
         if path not in self.refused and os.path.isdir(path):
-            self.kept[path] = _Folder(stat.S_IMODE(os.stat(path).st_mode))
+            self.kept.setdefault(path, _Folder(stat.S_IMODE(os.stat(path).st_mode)))
             if not contents:
                 return True
+            self._whole.add(path)
             with os.scandir(path) as entries:
                 inside = [entry.path for entry in entries]
             return all([self._keep(p) for p in inside])  # every one kept, refused or not
@@ -96,6 +100,8 @@ class KeptFiles:
         )
         if path in self.refused or not keepable:
             self.refused.add(path)
+            if os.path.lexists(path):
+                self.unkept.add(path)
             return False
         copy = None
         if os.path.lexists(path):
@@ -134,6 +140,7 @@ class KeptFiles:
         self.refused.clear()
         self._renamed.clear()
         self._walked.clear()
+        self._whole.clear()
 
     def _attempt(self, path: str, action: Callable[..., Any], *args: Any) -> None:
         try:
@@ -158,9 +165,10 @@ def _folder_back(path: str, mode: int) -> None:
 
 
 def _file_back(path: str, kept: str | _Link) -> None:
-    """A folder the step made in the file's place goes (its own files went before it)."""
+    """A folder the step made in the file's place goes, with all in it (the step's: the path
+    was a file)."""
     if os.path.isdir(path) and not os.path.islink(path):
-        os.rmdir(path)
+        shutil.rmtree(path)
     _replace(path, kept)
 
 
