@@ -1255,12 +1255,26 @@ def _file_replaced_by_a_folder_of_folders(root: Path):
     return lambda: (root / "f").is_file() and ((root / "f").unlink(), (root / "f" / "sub").mkdir(parents=True))
 
 
+def _file_written_into_a_folder_renamed_and_back(root: Path):
+    (root / "a").mkdir()
+    return lambda: (os.rename(root / "a", root / "b"), (root / "b" / "new").write_text("n"),
+                    os.rename(root / "b", root / "a"))
+
+
+def _folder_renamed_away_and_made_again(root: Path):
+    (root / "a").mkdir()
+    (root / "a" / "x").write_text("x")
+    return lambda: (root / "a.bak").exists() or (os.rename(root / "a", root / "a.bak"),
+                                                 (root / "a").mkdir())
+
+
 @pytest.mark.parametrize("make", [
     _link_where_a_removed_folder_was, _file_where_a_removed_folder_was,
     _folder_where_a_removed_file_was, _folder_removed_and_made_again, _folder_renamed,
     _folder_moved_into_another, _mode_changed, _removedirs_up_to_a_folder_not_empty,
     _folder_chmodded_renamed_and_removed, _mode_changed_through_a_link,
-    _file_replaced_by_a_folder_of_folders,
+    _file_replaced_by_a_folder_of_folders, _file_written_into_a_folder_renamed_and_back,
+    _folder_renamed_away_and_made_again,
 ], ids=lambda f: f.__name__.strip("_").replace("_", " "))  # fmt: skip
 def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp_path, make):
     model, opt = small()
@@ -1319,6 +1333,28 @@ def test_a_file_too_large_to_keep_in_a_removed_folder_is_said_lost(seed, tmp_pat
     line = first_line(examined(step, torch.randn(5, 4)))
     assert f"could not keep {folder / 'big'}" in line, line
     assert f"removed the folder {folder}, put back" not in line, line
+
+
+def test_a_folder_renamed_then_removed_with_a_file_too_large_comes_back_without_it(
+    seed, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
+    model, opt = small()
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (folder / "small").write_text("s")
+    (folder / "big").write_bytes(b"x" * 100)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        if folder.is_dir():
+            os.rename(folder, tmp_path / "e")
+            shutil.rmtree(tmp_path / "e")
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["d", "d/small"]
+    assert f"could not keep {folder / 'big'}" in line, line
 
 
 def test_many_files_in_a_folder_per_step_are_one_clause(seed, tmp_path):

@@ -241,7 +241,7 @@ def _audit(event: str, args: tuple) -> None:
     elif event == "shutil.rmtree":
         recording.files.walking(args[0])
     whole = event not in ("os.chmod", "os.rmdir")  # its mode kept, not all it holds (if any)
-    if paths and all(recording.files.keep(path, contents=whole) for path in paths):
+    if paths and all([recording.files.keep(path, contents=whole) for path in paths]):  # each
         recording.put_back.add(what)
         recording.claims.setdefault(what, set()).update(absolute(p) for p in paths)
 

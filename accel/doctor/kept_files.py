@@ -29,9 +29,11 @@ class _Link(NamedTuple):
 
 
 class _Folder(NamedTuple):
-    """A folder that was there, kept with its mode (and its entries kept on their own)."""
+    """A folder that was there, kept with its mode and, kept whole, the names it held (each
+    entry kept on its own)."""
 
     mode: int
+    names: frozenset[str] | None = None
 
 
 class KeptFiles:
@@ -84,16 +86,22 @@ class KeptFiles:
         if path in self.kept and not (contents and path not in self._whole
                                       and isinstance(self.kept[path], _Folder)):  # fmt: skip
             return True
+        if self._inside_new(path):  # it was not there either, whatever the step put there since
+            self.kept[path] = None
+            return True
         if path not in self.refused and os.path.islink(path):
             self.kept[path] = _Link(os.readlink(path))
             return True
         if path not in self.refused and os.path.isdir(path):
-            self.kept.setdefault(path, _Folder(stat.S_IMODE(os.stat(path).st_mode)))
+            kept = self.kept.get(path)
+            mode = kept.mode if isinstance(kept, _Folder) else stat.S_IMODE(os.stat(path).st_mode)
+            self.kept.setdefault(path, _Folder(mode))
             if not contents:
                 return True
             self._whole.add(path)
             with os.scandir(path) as entries:
                 inside = [entry.path for entry in entries]
+            self.kept[path] = _Folder(mode, frozenset(os.path.basename(p) for p in inside))
             return all([self._keep(p) for p in inside])  # every one kept, refused or not
         keepable = not os.path.lexists(path) or (
             os.path.isfile(path) and os.path.getsize(path) <= KEEP_BYTES
@@ -115,11 +123,20 @@ class KeptFiles:
         self.kept[path] = copy
         return True
 
+    def _inside_new(self, path: str) -> bool:
+        """Whether a folder above ``path`` was not there when first kept."""
+        parent = os.path.dirname(path)
+        while parent != path:
+            if parent in self.kept and self.kept[parent] is None:
+                return True
+            path, parent = parent, os.path.dirname(parent)
+        return False
+
     def put_back(self) -> None:
         """Everything kept made as it was; what cannot be is added to :attr:`failed`."""
         for source, target in reversed(self._renamed):  # the folder under its name again
-            if os.path.isdir(target) and not os.path.lexists(source):
-                self._attempt(source, os.rename, target, source)
+            if os.path.isdir(target) and not os.path.islink(target):
+                self._attempt(source, _renamed_back, target, source)
         folders = [p for p, kept in self.kept.items() if isinstance(kept, _Folder)]
         for path in sorted(folders, key=len):  # a folder before its subfolders
             self._attempt(path, _folder_back, path, self.kept[path].mode)
@@ -130,6 +147,10 @@ class KeptFiles:
                 self._attempt(path, _file_back, path, copy)
             elif os.path.isfile(path) or os.path.islink(path):
                 self._attempt(path, os.remove, path)  # a link is removed itself, never its target
+        whole = [(p, kept.names) for p, kept in self.kept.items()
+                 if isinstance(kept, _Folder) and kept.names is not None]  # fmt: skip
+        for path, names in sorted(whole, key=lambda item: -len(item[0])):
+            self._attempt(path, _only, path, names)
         made = [path for path, copy in self.kept.items() if copy is None and os.path.isdir(path)]
         for path in sorted(made, key=len, reverse=True):  # a folder's subfolders before it
             with contextlib.suppress(OSError):  # left where something else is in it now
@@ -162,6 +183,28 @@ def _folder_back(path: str, mode: int) -> None:
         os.mkdir(path)
     if stat.S_IMODE(os.stat(path).st_mode) != mode:
         os.chmod(path, mode)
+
+
+def _gone(path: str) -> None:
+    """What the step left at ``path`` removed: a folder with all in it, a link itself."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _renamed_back(target: str, source: str) -> None:
+    """A folder the step renamed to ``target`` named ``source`` again, over what the step left
+    there since (``source`` was kept whole when renamed: what is there now is the step's)."""
+    _gone(source)
+    os.rename(target, source)
+
+
+def _only(path: str, names: frozenset[str]) -> None:
+    """A folder kept whole holds only what it held: what the step added since goes."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        for name in set(os.listdir(path)) - names:
+            _gone(os.path.join(path, name))
 
 
 def _file_back(path: str, kept: str | _Link) -> None:
