@@ -1003,6 +1003,30 @@ def test_a_save_renamed_into_place_each_step_is_named_as_one_clause(seed, tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def test_each_trial_starts_from_the_files_as_they_were(seed, tmp_path):
+    """Each copy of the step counts its saves from the user's count: the copies must not meet
+    what the copy before them left (a save renamed over it fails). Timed in turns, two copies
+    still meet: the trial says how the step failed, and try_fixes goes on."""
+    model, opt = small()
+    calls = [0]
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        calls[0] += 1
+        temporary = tmp_path / f"tmp-checkpoint-{calls[0]}"
+        temporary.mkdir()
+        (temporary / "w").write_text("w")
+        os.rename(temporary, tmp_path / f"checkpoint-{calls[0]}")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (trial,) = report.try_fixes(["fused_optimizer"], steps=1, repeats=2).to_dict("records")
+    assert trial["status"] == "ok" or "Directory not empty" in trial["status"], trial
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):
     # an asynchronous checkpoint: the step hands the save to a thread of its own, and the last
     # one may still be writing when the examination ends

@@ -36,8 +36,8 @@ from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
 
-__all__ = ["Drawn", "Session", "record", "refuse_unplain_result", "refuse_unplain_step",
-           "seed_generators", "watch_as_step"]  # fmt: skip
+__all__ = ["Drawn", "Session", "put_back_files", "record", "refuse_unplain_result",
+           "refuse_unplain_step", "seed_generators", "watch_as_step"]  # fmt: skip
 
 _RECORD: contextvars.ContextVar[_Recording] = contextvars.ContextVar("accel_doctor_record")
 _HOOKED: list[bool] = []  # the process's hook is installed once
@@ -314,6 +314,14 @@ def _at(path: Any, dir_fd: int) -> str | None:
         return os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), os.fsdecode(path))
     except (OSError, TypeError, ValueError):
         return None
+
+
+def put_back_files() -> None:
+    """What the step's code changed on disk so far put back now, in the session open now (which
+    goes on recording): each copy of the step starts from the files as the user left them."""
+    recording = _RECORD.get(None)
+    if recording is not None:
+        recording.files.put_back()
 
 
 def watch_as_step(made: types.CodeType, source: types.CodeType) -> None:
