@@ -982,21 +982,26 @@ def test_files_the_trials_write_join_the_clause_examining_named(seed, tmp_path):
     assert not folder.exists()
 
 
-def test_a_save_renamed_into_place_each_step_is_named_as_one_clause(seed, tmp_path):
-    """A Trainer's save: written under a temporary name, then renamed to ``checkpoint-<n>``."""
+def trainer_save_step(folder: Path):
+    """A Trainer's save each step: written under a temporary name, then renamed to
+    ``checkpoint-<n>``, counted from a list (so each copy counts from the user's count)."""
     model, opt = small()
     calls = [0]
 
     def step(x):
         loss = one_update(model, opt, x)
         calls[0] += 1
-        temporary = tmp_path / f"tmp-checkpoint-{calls[0]}"
+        temporary = folder / f"tmp-checkpoint-{calls[0]}"
         temporary.mkdir()
         (temporary / "model.pt").write_bytes(b"w")
-        os.rename(temporary, tmp_path / f"checkpoint-{calls[0]}")
+        os.rename(temporary, folder / f"checkpoint-{calls[0]}")
         return loss.detach()
 
-    line = first_line(examined(step, torch.randn(5, 4)))
+    return step
+
+
+def test_a_save_renamed_into_place_each_step_is_named_as_one_clause(seed, tmp_path):
+    line = first_line(examined(trainer_save_step(tmp_path), torch.randn(5, 4)))
     assert re.search(rf"renamed \d+ entries into {re.escape(str(tmp_path))} \(checkpoint-1 to "
                      r"checkpoint-\d+\), each put back as it was", line), line  # fmt: skip
     assert line.index(". cpu:") < 700, line
@@ -1007,19 +1012,7 @@ def test_each_trial_starts_from_the_files_as_they_were(seed, tmp_path):
     """Each copy of the step counts its saves from the user's count: the copies must not meet
     what the copy before them left (a save renamed over it fails). Timed in turns, two copies
     still meet: the trial says how the step failed, and try_fixes goes on."""
-    model, opt = small()
-    calls = [0]
-
-    def step(x):
-        loss = one_update(model, opt, x)
-        calls[0] += 1
-        temporary = tmp_path / f"tmp-checkpoint-{calls[0]}"
-        temporary.mkdir()
-        (temporary / "w").write_text("w")
-        os.rename(temporary, tmp_path / f"checkpoint-{calls[0]}")
-        return loss.detach()
-
-    report = examined(step, torch.randn(5, 4))
+    report = examined(trainer_save_step(tmp_path), torch.randn(5, 4))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         (trial,) = report.try_fixes(["fused_optimizer"], steps=1, repeats=2).to_dict("records")
