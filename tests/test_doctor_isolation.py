@@ -1285,13 +1285,19 @@ def _folder_renamed_away_and_made_again(root: Path):
                                                  (root / "a").mkdir())
 
 
+def _hard_linked_file_appended_to(root: Path):
+    (root / "f").write_text("F")
+    os.link(root / "f", root / "g")
+    return lambda: (root / "f").open("a").write("+")
+
+
 @pytest.mark.parametrize("make", [
     _link_where_a_removed_folder_was, _file_where_a_removed_folder_was,
     _folder_where_a_removed_file_was, _folder_removed_and_made_again, _folder_renamed,
     _folder_moved_into_another, _mode_changed, _removedirs_up_to_a_folder_not_empty,
     _folder_chmodded_renamed_and_removed, _mode_changed_through_a_link,
     _file_replaced_by_a_folder_of_folders, _file_written_into_a_folder_renamed_and_back,
-    _folder_renamed_away_and_made_again,
+    _folder_renamed_away_and_made_again, _hard_linked_file_appended_to,
 ], ids=lambda f: f.__name__.strip("_").replace("_", " "))  # fmt: skip
 def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp_path, make):
     model, opt = small()

@@ -47,6 +47,7 @@ class KeptFiles:
         self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
         self.unkept: set[str] = set()  # there, and refused (too large, not a file): lost if changed
         self._whole: set[str] = set()  # folders kept with everything in them, not the mode alone
+        self._linked: dict[str, tuple[int, int]] = {}  # hard-linked files: (device, inode)
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
         self._folder: str | None = None
@@ -120,6 +121,9 @@ class KeptFiles:
                 shutil.copy2(path, copy)
             finally:
                 self._copying.on = False
+            found = os.stat(path)
+            if found.st_nlink > 1:  # its other names see what is written into it
+                self._linked[path] = (found.st_dev, found.st_ino)
         self.kept[path] = copy
         return True
 
@@ -144,7 +148,7 @@ class KeptFiles:
             if isinstance(copy, _Folder):
                 continue
             if copy is not None:
-                self._attempt(path, _file_back, path, copy)
+                self._attempt(path, _file_back, path, copy, self._linked.get(path))
             elif os.path.isfile(path) or os.path.islink(path):
                 self._attempt(path, os.remove, path)  # a link is removed itself, never its target
         whole = [(p, kept.names) for p, kept in self.kept.items()
@@ -162,6 +166,7 @@ class KeptFiles:
         self._renamed.clear()
         self._walked.clear()
         self._whole.clear()
+        self._linked.clear()
 
     def _attempt(self, path: str, action: Callable[..., Any], *args: Any) -> None:
         try:
@@ -207,11 +212,20 @@ def _only(path: str, names: frozenset[str]) -> None:
             _gone(os.path.join(path, name))
 
 
-def _file_back(path: str, kept: str | _Link) -> None:
+def _file_back(path: str, kept: str | _Link, inode: tuple[int, int] | None = None) -> None:
     """A folder the step made in the file's place goes, with all in it (the step's: the path
-    was a file)."""
+    was a file). A hard-linked file still there is written back in place, so that its other
+    names read what they read before."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
+    if inode is not None and not os.path.islink(path) and os.path.isfile(path):
+        found = os.stat(path)
+        if (found.st_dev, found.st_ino) == inode:
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
+            with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
+                shutil.copyfileobj(source, out)
+            shutil.copystat(kept, path)
+            return
     _replace(path, kept)
 
 
