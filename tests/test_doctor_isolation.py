@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -1018,6 +1019,35 @@ def test_each_trial_starts_from_the_files_as_they_were(seed, tmp_path):
         (trial,) = report.try_fixes(["fused_optimizer"], steps=1, repeats=2).to_dict("records")
     assert trial["status"] == "ok" or "Directory not empty" in trial["status"], trial
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_database_the_step_writes_to_is_put_back_and_a_temporary_file_is_no_folder(
+    seed, tmp_path
+):
+    """sqlite writes its file from C, past the audit hook's ``open``: the connection is seen, and
+    the database kept from it. A temporary file made in a folder opens the folder (unnamed)."""
+    import sqlite3
+    import tempfile
+
+    model, opt = small()
+    database = tmp_path / "metrics.db"
+    with contextlib.closing(sqlite3.connect(database)) as connection:
+        connection.execute("create table metrics(loss real)")
+        connection.commit()
+    before = database.read_bytes()
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        with contextlib.closing(sqlite3.connect(database)) as connection:
+            connection.execute("insert into metrics values (?)", (float(loss),))
+            connection.commit()
+        with tempfile.NamedTemporaryFile(dir=tmp_path, delete=False) as out:
+            out.write(b"1")
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert database.read_bytes() == before and sorted(tmp_path.iterdir()) == [database]
+    assert f"opened the database {database}" in line and f"wrote {tmp_path} (" not in line, line
 
 
 def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):

@@ -240,6 +240,8 @@ def _audit(event: str, args: tuple) -> None:
         recording.files.renamed(*paths)
     elif event == "shutil.rmtree":
         recording.files.walking(args[0])
+    elif event == "sqlite3.connect":  # and the files sqlite keeps beside it while writing
+        paths += [os.fsdecode(args[0]) + end for end in ("-journal", "-wal", "-shm")]
     whole = event not in ("os.chmod", "os.rmdir")  # its mode kept, not all it holds (if any)
     if paths and all([recording.files.keep(path, contents=whole) for path in paths]):  # each
         recording.put_back.add(what)
@@ -248,6 +250,8 @@ def _audit(event: str, args: tuple) -> None:
 
 def _opened(path: Any, mode: Any, flags: Any) -> str | None:
     if isinstance(path, int) or path is None:  # an open descriptor: its opening was seen
+        return None
+    if os.path.isdir(path):  # a temporary file without a name, made in the folder
         return None
     writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & _WRITE_FLAGS)
     path = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
@@ -270,6 +274,15 @@ def _removed_empty_folder(path: Any) -> str | None:
         return None if any(True for _ in entries) else f"removed the folder {os.fsdecode(path)}"
 
 
+def _database(database: Any) -> str | None:
+    """A database file sqlite opens (and writes from C, unseen): kept from here."""
+    if not isinstance(database, (str, bytes, os.PathLike)):
+        return None
+    database = os.fsdecode(database)
+    return None if database in ("", ":memory:") or database.startswith("file:") else (
+        f"opened the database {database}")
+
+
 def _made_folder(path: Any) -> str | None:
     """None where the folder is already there (``makedirs(..., exist_ok=True)``): nothing made."""
     path = os.fsdecode(path)
@@ -278,6 +291,7 @@ def _made_folder(path: Any) -> str | None:
 
 _EVENTS: dict[str, Callable[..., str | None]] = {
     "open": _opened,
+    "sqlite3.connect": lambda database, *_: _database(database),
     "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",
     "os.rename": lambda src, dst, *_: f"renamed {os.fsdecode(src)} to {os.fsdecode(dst)}",
     "os.rmdir": lambda path, *_: _removed_empty_folder(path),
@@ -303,7 +317,7 @@ _EVENTS: dict[str, Callable[..., str | None]] = {
 # the events that change a file, and which of their arguments name it (open: where it writes)
 _FILE_CHANGES = {"open": (0,), "os.remove": (0,), "os.rename": (0, 1), "os.truncate": (0,),
                  "os.symlink": (1,), "os.link": (1,), "os.mkdir": (0,), "os.rmdir": (0,),
-                 "shutil.rmtree": (0,), "os.chmod": (0,)}  # fmt: skip
+                 "shutil.rmtree": (0,), "os.chmod": (0,), "sqlite3.connect": (0,)}  # fmt: skip
 _AT_EVENTS = ("os.remove", "os.rmdir")  # (path, dir_fd): relative to dir_fd where it is given
 
 
