@@ -1050,6 +1050,25 @@ def test_a_database_the_step_writes_to_is_put_back_and_a_temporary_file_is_no_fo
     assert f"opened the database {database}" in line and f"wrote {tmp_path} (" not in line, line
 
 
+def test_a_database_connection_opened_before_the_step_and_written_through_is_named(seed, tmp_path):
+    import sqlite3
+
+    model, opt = small()
+    connection = sqlite3.connect(tmp_path / "metrics.db")
+    connection.execute("create table metrics(loss real)")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        connection.execute("insert into metrics values (?)", (float(loss),))
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    connection.close()
+    assert named_before_numbers(
+        report, "closure 'connection' (an open file or database written through, not put back)"
+    ), first_line(report)
+
+
 def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_path):
     # an asynchronous checkpoint: the step hands the save to a thread of its own, and the last
     # one may still be writing when the examination ends
@@ -1747,7 +1766,7 @@ def test_a_file_written_through_a_handle_opened_before_the_step_is_said_not_put_
         report = examined(step, torch.randn(5, 4))
     finally:
         log.close()
-    assert named_before_numbers(report, "closure 'log' (an open file written through, not put back)")
+    assert named_before_numbers(report, "closure 'log' (an open file or database written through, not put back)")
 
 
 def test_a_step_that_pops_from_its_batch_gets_the_whole_batch_every_call(seed):

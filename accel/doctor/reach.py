@@ -344,6 +344,11 @@ def _label(reach: Reach, parent: Any, edge: Edge) -> str:
 
 
 # ---- what a found object is ----------------------------------------------------------------------
+def _database_connection(value: Any) -> bool:
+    sqlite3 = sys.modules.get("sqlite3")
+    return sqlite3 is not None and isinstance(value, sqlite3.Connection)
+
+
 def kind(value: Any) -> str | None:
     """What ``value`` is to the doctor (see the module's doc)."""
     if isinstance(value, _ATOMIC):
@@ -356,7 +361,7 @@ def kind(value: Any) -> str | None:
         return "part"
     if isinstance(value, _rng_types()):
         return "rng"
-    if isinstance(value, io.IOBase):
+    if isinstance(value, io.IOBase) or _database_connection(value):  # written from C, unseen
         return "file"
     if isinstance(value, _STATE) or is_array(value):  # an array is written in place as a list is
         return "state"

@@ -107,7 +107,7 @@ class Untouched:
                 self._tensors.append((where, value))
             elif what in _SUMMARIES:
                 summary = functools.partial(_SUMMARIES[what], value, self._alive)
-                said = " (an open file written through, not put back)" if what == "file" else ""
+                said = " (an open file or database written through, not put back)" * (what == "file")
                 self._probes.append((where + said, summary))
             elif what == "writes":
                 scope, home = value.__globals__, value.__globals__ is reach.home
@@ -292,9 +292,12 @@ def _rng_state(value: Any, alive: list[Any]) -> Any:
 
 
 def _position(value: Any, alive: list[Any]) -> Any:
+    """Where a file open for writing stands, or how many rows a database connection changed."""
     try:
+        if hasattr(value, "total_changes"):  # a sqlite3 connection
+            return value.total_changes
         return None if value.closed or not value.writable() else value.tell()
-    except Exception:  # not seekable: nothing to compare
+    except Exception:  # not seekable, or closed: nothing to compare
         return None
 
 
