@@ -51,15 +51,17 @@ def _said_grouped(found: collections.Counter[str], put_back: set[str]) -> list[s
             grouped[what] = parent
         elif counts[0][own] >= FILES_GROUPED:
             grouped[what] = own
-    said, done = [], set()
+    members = collections.defaultdict(list)
+    for what, key in grouped.items():
+        members[key].append(what)
+    said = []
     for what, n in found.items():
         key = grouped.get(what)
         if key is None:
             said.append(what + (f" ({n} times)" if n > 1 else "")
                         + (", put back as it was" * (what in put_back)))  # fmt: skip
-        elif key not in done:
-            done.add(key)
-            said.append(_group_said(key, [w for w in found if grouped.get(w) == key], found))
+        elif members[key][0] == what:  # said where its first member stands
+            said.append(_group_said(key, members[key], found))
     return said
 
 

@@ -63,8 +63,7 @@ class _Recording:
         self.found: collections.Counter[str] = collections.Counter()
         self.codes: set[types.CodeType] = set()  # a file opened under one of them: the step's
         self.files = KeptFiles()
-        self.put_back: set[str] = set()  # what was said of a file kept to put back
-        self.claims: dict[str, set[str]] = {}  # of each put back: the paths it stands for
+        self.put_back: dict[str, set[str]] = {}  # what is said put back: the paths it stands for
         self.threads: list[threading.Thread] = []  # started by the step
 
 
@@ -135,7 +134,7 @@ class Session:
         found.update(f"could not put back {path}" for path in sorted(failed))
         found.update(f"could not keep {path} (over a GiB, or not a file), so not put back"
                      for path in sorted(recording.files.unkept))
-        put_back = {w for w in recording.put_back if not recording.claims.get(w, set()) & failed}
+        put_back = {what for what, paths in recording.put_back.items() if not paths & failed}
         return Effects(found, put_back)
 
 
@@ -244,18 +243,17 @@ def _audit(event: str, args: tuple) -> None:
         paths += [os.fsdecode(args[0]) + end for end in ("-journal", "-wal", "-shm")]
     whole = event not in ("os.chmod", "os.rmdir")  # its mode kept, not all it holds (if any)
     if paths and all([recording.files.keep(path, contents=whole) for path in paths]):  # each
-        recording.put_back.add(what)
-        recording.claims.setdefault(what, set()).update(absolute(p) for p in paths)
+        recording.put_back.setdefault(what, set()).update(absolute(p) for p in paths)
 
 
 def _opened(path: Any, mode: Any, flags: Any) -> str | None:
     if isinstance(path, int) or path is None:  # an open descriptor: its opening was seen
         return None
-    if os.path.isdir(path):  # a temporary file without a name, made in the folder
-        return None
     writes = any(c in mode for c in "wax+") if isinstance(mode, str) else bool(flags & _WRITE_FLAGS)
     path = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else str(path)
-    return f"wrote {path}" if writes and path != os.devnull else None
+    if not writes or path == os.devnull or os.path.isdir(path):  # a folder: an unnamed temporary
+        return None
+    return f"wrote {path}"
 
 
 def _removed_folder(path: Any) -> str | None:
@@ -274,7 +272,7 @@ def _removed_empty_folder(path: Any) -> str | None:
         return None if any(True for _ in entries) else f"removed the folder {os.fsdecode(path)}"
 
 
-def _database(database: Any) -> str | None:
+def _database(database: Any, *_: Any) -> str | None:
     """A database file sqlite opens (and writes from C, unseen): kept from here."""
     if not isinstance(database, (str, bytes, os.PathLike)):
         return None
@@ -291,7 +289,7 @@ def _made_folder(path: Any) -> str | None:
 
 _EVENTS: dict[str, Callable[..., str | None]] = {
     "open": _opened,
-    "sqlite3.connect": lambda database, *_: _database(database),
+    "sqlite3.connect": _database,
     "os.remove": lambda path, *_: f"removed {os.fsdecode(path)}",
     "os.rename": lambda src, dst, *_: f"renamed {os.fsdecode(src)} to {os.fsdecode(dst)}",
     "os.rmdir": lambda path, *_: _removed_empty_folder(path),

@@ -36,6 +36,9 @@ class _Folder(NamedTuple):
     names: frozenset[str] | None = None
 
 
+_NOT_KEPT = object()
+
+
 class KeptFiles:
     """Files as they were before the step's code first changed them (None: there was none, nor
     a folder the step made; a :class:`_Link` for a link; a :class:`_Folder` for a folder), to
@@ -46,7 +49,6 @@ class KeptFiles:
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
         self.unkept: set[str] = set()  # there, and refused (too large, not a file): lost if changed
-        self._whole: set[str] = set()  # folders kept with everything in them, not the mode alone
         self._linked: dict[str, tuple[int, int]] = {}  # hard-linked files: (device, inode)
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
@@ -84,9 +86,9 @@ class KeptFiles:
         return absolute(path) in self._walked
 
     def _keep(self, path: str, contents: bool = True) -> bool:
-        if path in self.kept and not (contents and path not in self._whole
-                                      and isinstance(self.kept[path], _Folder)):  # fmt: skip
-            return True
+        kept = self.kept.get(path, _NOT_KEPT)
+        if kept is not _NOT_KEPT and not (contents and isinstance(kept, _Folder) and kept.names is None):
+            return True  # kept before (a folder kept for its mode alone is kept whole now)
         if self._inside_new(path):  # it was not there either, whatever the step put there since
             self.kept[path] = None
             return True
@@ -94,12 +96,10 @@ class KeptFiles:
             self.kept[path] = _Link(os.readlink(path))
             return True
         if path not in self.refused and os.path.isdir(path):
-            kept = self.kept.get(path)
             mode = kept.mode if isinstance(kept, _Folder) else stat.S_IMODE(os.stat(path).st_mode)
-            self.kept.setdefault(path, _Folder(mode))
+            self.kept[path] = _Folder(mode)
             if not contents:
                 return True
-            self._whole.add(path)
             with os.scandir(path) as entries:
                 inside = [entry.path for entry in entries]
             self.kept[path] = _Folder(mode, frozenset(os.path.basename(p) for p in inside))
@@ -165,7 +165,6 @@ class KeptFiles:
         self.refused.clear()
         self._renamed.clear()
         self._walked.clear()
-        self._whole.clear()
         self._linked.clear()
 
     def _attempt(self, path: str, action: Callable[..., Any], *args: Any) -> None:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from accel.doctor import page
+from accel.doctor.effects import Effects
 from accel.doctor.findings import Evidence, Finding
 from accel.doctor.fixes import FIXES
-from accel.doctor.isolation import Effects
 from accel.doctor.parts import StepParts
 
 __all__ = ["Report"]
