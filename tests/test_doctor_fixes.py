@@ -650,8 +650,40 @@ def test_a_fix_the_host_holds_back_is_retried_on_what_its_kernels_save():
     assert trial._left_out(report, rows, best | {"measured ms": 0.3}) == ["bf16_autocast"]
 
 
-def step_of(step_us: float):
-    return SimpleNamespace(evidence=SimpleNamespace(step_us=step_us))
+def step_of(step_us: float, device: str = "cpu"):
+    return SimpleNamespace(evidence=SimpleNamespace(step_us=step_us, device=torch.device(device)))
+
+
+@pytest.mark.parametrize(("graphed_speedup", "best"), [(4.0, "graphed"), (2.5, "compiled")])
+def test_compile_in_the_best_set_is_tried_with_cuda_graphs_on_a_gpu(
+    monkeypatch, graphed_speedup, best
+):
+    """The best set has shortened the device's work, so launching the compiled kernels may now
+    hold the step back: the set is tried with compile's CUDA-graph rung, kept only if faster,
+    with no prediction (no finding models the launches the other fixes left)."""
+    tried = []
+
+    def together(report, names, steps, repeats, spread, predicted_us=None):
+        tried.append((list(names), predicted_us))
+        speedup = graphed_speedup if "compile_graphs" in names else 3.0
+        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
+                "measured speedup": speedup, "measured ms": 10 / speedup, "unchanged ms": 10.0,
+                "best set": False}  # fmt: skip
+
+    monkeypatch.setattr(trial, "_trial", together)
+    monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)
+    rows = fake_rows({"bf16_autocast": 2.0, "compile": 1.5})
+    combined = trial._together(step_of(100.0, "cuda"), rows, 1, 1, 0.0)
+    assert [names for names, _ in tried] == [["bf16_autocast", "compile"],
+                                             ["bf16_autocast", "compile_graphs"]]  # fmt: skip
+    assert math.isnan(tried[1][1])
+    chosen = [r["fixes"] for r in rows + combined if r["best set"]]
+    kept = "compile_graphs" if best == "graphed" else "compile"
+    assert chosen == [f"bf16_autocast+{kept}"]
+    tried.clear()  # on a CPU there are no CUDA graphs to try
+    trial._together(step_of(100.0), fake_rows({"bf16_autocast": 2.0, "compile": 1.5}), 1, 1, 0.0)
+    assert [names for names, _ in tried] == [["bf16_autocast", "compile"]]
 
 
 @pytest.mark.parametrize(("retried_speedup", "best"), [(3.0, "retried"), (2.0, "combined")])

@@ -240,14 +240,20 @@ def _graph(copy: StepCopy) -> None:
     copy.on_device_batch = copy.graphed = True
 
 
-def _compile(copy: StepCopy) -> None:
+def _compile(copy: StepCopy, *, cuda_graphs: bool = False) -> None:
+    """``cuda_graphs``: inductor replays each compiled graph as a CUDA graph (``mode=
+    "reduce-overhead"``, set as its option so that random ops still draw as in eager)."""
     if not copy.parts.models:
         raise FixNotApplicable("no model found in the step to compile")
     models = [m for m in copy.parts.models if not _compiled(m)]
     if not models:
         raise FixNotApplicable("the step's models are already compiled (torch.compile)")
+    options = {"fallback_random": True} | ({"triton.cudagraphs": True} if cuda_graphs else {})
     for model in models:
-        _compile_forwards(model)
+        _compile_forwards(model, options)
+    if cuda_graphs:
+        copy.edits.append('model = torch.compile(model, mode="reduce-overhead")  # compiled, '
+                          "then replayed as CUDA graphs")
 
 
 def _compiled(model: torch.nn.Module) -> bool:
@@ -256,16 +262,16 @@ def _compiled(model: torch.nn.Module) -> bool:
     return wrapped or getattr(model, "_compiled_call_impl", None) is not None
 
 
-def _compile_forwards(model: torch.nn.Module) -> None:
+def _compile_forwards(model: torch.nn.Module, options: dict) -> None:
     """The forward, bound (Module.compile() is skipped by some torch); a container without one
     (ModuleList, ModuleDict), whose layers the step calls itself: each layer's. Random ops
     (dropout) draw as in eager, so the trial compares the same masks as the unchanged step's."""
     if type(model).forward is not torch.nn.Module.forward:
         forward = _own_code(model.forward)
-        model.forward = torch.compile(forward, options={"fallback_random": True})
+        model.forward = torch.compile(forward, options=options)
         return
     for child in model.children():
-        _compile_forwards(child)
+        _compile_forwards(child, options)
 
 
 def _own_code(method: Callable) -> Callable:
@@ -436,6 +442,8 @@ FIXES: dict[str, Fix] = {
         Fix("compile", "torch.compile", _compile, 1e-3,
             "fused kernels sum in another order: " + _REORDERED, needs_cuda=False,
             rtol_16bit=2e-2),
+        Fix("compile_graphs", "torch.compile with CUDA graphs", functools.partial(_compile, cuda_graphs=True),
+            1e-3, "fused kernels sum in another order: " + _REORDERED, rtol_16bit=2e-2),
         Fix("checkpointing", "activation checkpointing", _checkpoint, 1e-4,
             "the recomputed forward is the same arithmetic", needs_cuda=False),
         Fix("sdpa_attention", "attention rewritten as SDPA", _sdpa, 1e-3,

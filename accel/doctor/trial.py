@@ -29,8 +29,11 @@ from accel.memory import peak_memory
 __all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "fixed_step", "replay_device_savings",
            "result_error", "tolerance", "try_fixes"]  # fmt: skip
 
-EXCLUSIVE = ({"cuda_graph", "compile"}, {"fused_optimizer", "foreach_optimizer"},
+EXCLUSIVE = ({"cuda_graph", "compile", "compile_graphs"}, {"fused_optimizer", "foreach_optimizer"},
              {"batched_clip", "foreach_clip"})  # fmt: skip
+# a fix swapped for its next rung on the best set: once the other fixes have shortened the
+# device's work, launching the compiled kernels can hold the step back, which CUDA graphs remove
+NEXT_RUNG = {"compile": "compile_graphs"}
 SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchanged step's own spread
 COMBINED_TRIES = 3  # combined trials at most, each without the least helpful fix of the last
 NEUTRAL = 0.98  # a fix measured at least this fast alone may still help beside the others
@@ -47,6 +50,7 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "sdpa_attention": _KERNELS,
     "mha_without_weights": _KERNELS,
     "compile": ("elementwise and other", "normalization", "idle host", "idle other"),
+    "compile_graphs": ("elementwise and other", "normalization", "idle host", "idle other"),
     "cuda_graph": ("idle host", "idle sync", "idle other"),
     "deferred_reads": ("idle sync",),
     "pinned_batch": ("copy", "idle sync"),
@@ -222,8 +226,17 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
         out.append(_trial(report, [*in_best, name], steps, repeats, spread))
         if out[-1]["status"] == "ok" and out[-1]["measured speedup"] > best["measured speedup"]:
             best, in_best = out[-1], [*in_best, name]
+    for name in [n for n in in_best if n in NEXT_RUNG and _can_run(report, NEXT_RUNG[n])]:
+        swapped = [NEXT_RUNG[n] if n == name else n for n in in_best]
+        out.append(_trial(report, swapped, steps, repeats, spread, predicted_us=math.nan))
+        if out[-1]["status"] == "ok" and out[-1]["measured speedup"] > best["measured speedup"]:
+            best, in_best = out[-1], out[-1]["fixes"].split("+")
     best["best set"] = True
     return out
+
+
+def _can_run(report, name: str) -> bool:
+    return not FIXES[name].needs_cuda or report.evidence.device.type == "cuda"
 
 
 def _left_out(report, rows: list[dict], best: dict) -> list[str]:
@@ -353,6 +366,8 @@ def _trial_row(report, names: list[str], spread: float, predicted_us: float | No
     step_us = report.evidence.step_us
     if predicted_us is None:
         predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
+    elif math.isnan(predicted_us):
+        predicted, source = predicted_us, "nothing: no finding models this rung, it is measured"
     else:
         predicted = predicted_us
         source = "the fixes measured alone, overlapping where they share time"
@@ -390,7 +405,7 @@ def _trial(
     report, names: list[str], steps: int, repeats: int, spread: float, predicted_us=None
 ) -> dict[str, Any]:
     row = _trial_row(report, names, spread, predicted_us)
-    skipped = [n for n in names if FIXES[n].needs_cuda and report.evidence.device.type != "cuda"]
+    skipped = [n for n in names if not _can_run(report, n)]
     if skipped:
         return row | {"status": f"not applicable: {', '.join(skipped)} needs a CUDA GPU"}
     try:
