@@ -41,14 +41,20 @@ def test_gpu_fixes_on_the_planted_gpt_stay_within_their_tolerance():
     )
     report = doctor.examine(case.step, case.batch)
     trials = report.try_fixes(
-        ["fused_optimizer", "foreach_clip", "set_to_none", "tf32", "cuda_graph", "compile_graphs"],
-        repeats=5,
+        ["fused_optimizer", "foreach_clip", "set_to_none", "tf32", "cuda_graph"], repeats=5
     )
     statuses = dict(zip(trials["fixes"], trials["status"], strict=True))
     assert all(s == "ok" for s in statuses.values()), statuses
     assert (trials["measured speedup"] > 0).all()
-    edits = dict(zip(trials["fixes"], trials["edit"], strict=True))
-    assert 'mode="reduce-overhead"' in edits["compile_graphs"]
+
+
+def test_gpu_compile_with_cuda_graphs_stays_within_its_tolerance():
+    # gradients set to None each step: kept ones would be outputs a later replay runs over
+    case = zoo.build("gpt", {"precision"}, device="cuda", preset="cpu")
+    report = doctor.examine(case.step, case.batch)
+    (trial,) = report.try_fixes(["compile_graphs"], repeats=5).to_dict("records")
+    assert trial["status"] == "ok", trial
+    assert 'mode="reduce-overhead"' in trial["edit"]
 
 
 def test_gpu_a_stepwise_loop_is_captured_once_its_syncs_are_gone():
