@@ -1148,11 +1148,9 @@ def test_a_link_the_step_saves_over_atomically_is_put_back_as_the_link(seed, tmp
     assert "put back as it was" in first_line(report).split(f"to {last}")[1]
 
 
-def test_a_file_too_large_to_keep_is_named_not_said_put_back_once_smaller(
-    seed, tmp_path, monkeypatch
-):
-    """A file over the size kept is named, not put back; a smaller file the step leaves in its
-    place on its first call must not be kept as if it were the user's."""
+def test_a_file_too_large_to_keep_is_not_let_be_replaced(seed, tmp_path, monkeypatch):
+    """A file over the size the doctor keeps is not changed at all: the step's change is refused
+    before it is made, and the error says which file, how large and what to do."""
     monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
     model, opt = small()
     data, tmp = tmp_path / "big.bin", tmp_path / "big.bin.tmp"
@@ -1164,9 +1162,48 @@ def test_a_file_too_large_to_keep_is_named_not_said_put_back_once_smaller(
         os.replace(tmp, data)
         return loss.detach()
 
-    report = examined(step, torch.randn(5, 4))
-    said = first_line(report).split(f"renamed {tmp} to {data}")[1]
-    assert not said.split(";")[0].split(". ")[0].endswith("put back as it was"), first_line(report)
+    with pytest.raises(UsageError, match=r"not let the step change .*big\.bin: 100 B, over the 64 B"):
+        examined(step, torch.randn(5, 4))
+    assert data.read_bytes() == b"x" * 100 and not tmp.exists()
+
+
+def test_a_refused_change_the_step_handles_is_named(seed, tmp_path, monkeypatch):
+    """A step that takes the refusal as the permission error it is (a cleanup that suppresses
+    OSError) runs on; the file is as it was and the report names the refusal."""
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
+    model, opt = small()
+    data = tmp_path / "big.bin"
+    data.write_bytes(b"x" * 100)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        with contextlib.suppress(OSError):
+            os.remove(data)
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert data.read_bytes() == b"x" * 100
+    assert f"did not let the step change {data}: 100 B, over the 64 B" in line, line
+
+
+def test_files_past_the_sessions_total_are_not_let_be_changed(seed, tmp_path, monkeypatch):
+    """Each file under the size kept, but together over the session's total: the file that
+    would pass it is refused, the ones kept before it are put back."""
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_TOTAL_BYTES", 250)
+    model, opt = small()
+    files = [tmp_path / f"f{i}" for i in range(4)]
+    for f in files:
+        f.write_bytes(b"y" * 100)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        for f in files:
+            f.write_bytes(b"z")
+        return loss.detach()
+
+    with pytest.raises(UsageError, match=r"f2: 100 B, .* 250 B the doctor keeps in all"):
+        examined(step, torch.randn(5, 4))
+    assert [f.read_bytes() for f in files] == [b"y" * 100] * 4
 
 
 def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp_path):
@@ -1389,25 +1426,7 @@ def test_a_file_that_cannot_be_put_back_is_said_so_and_not_said_put_back(
     assert "put back as it was" not in line, line
 
 
-def test_a_file_too_large_to_keep_in_a_removed_folder_is_said_lost(seed, tmp_path, monkeypatch):
-    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
-    model, opt = small()
-    folder = tmp_path / "d"
-    folder.mkdir()
-    (folder / "big").write_bytes(b"x" * 100)
-
-    def step(x):
-        loss = one_update(model, opt, x)
-        if folder.is_dir():
-            shutil.rmtree(folder)
-        return loss.detach()
-
-    line = first_line(examined(step, torch.randn(5, 4)))
-    assert f"could not keep {folder / 'big'}" in line, line
-    assert f"removed the folder {folder}, put back" not in line, line
-
-
-def test_a_folder_renamed_then_removed_with_a_file_too_large_comes_back_without_it(
+def test_a_folder_holding_a_file_too_large_to_keep_is_not_let_be_removed(
     seed, tmp_path, monkeypatch
 ):
     monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
@@ -1417,16 +1436,25 @@ def test_a_folder_renamed_then_removed_with_a_file_too_large_comes_back_without_
     (folder / "small").write_text("s")
     (folder / "big").write_bytes(b"x" * 100)
 
-    def step(x):
+    def removed(x):
+        loss = one_update(model, opt, x)
+        if folder.is_dir():
+            shutil.rmtree(folder)
+        return loss.detach()
+
+    def renamed_then_removed(x):
         loss = one_update(model, opt, x)
         if folder.is_dir():
             os.rename(folder, tmp_path / "e")
             shutil.rmtree(tmp_path / "e")
         return loss.detach()
 
-    line = first_line(examined(step, torch.randn(5, 4)))
-    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["d", "d/small"]
-    assert f"could not keep {folder / 'big'}" in line, line
+    for step in (removed, renamed_then_removed):
+        with pytest.raises(UsageError, match=f"not let the step change {folder / 'big'}: 100 B"):
+            examined(step, torch.randn(5, 4))
+        found = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+        assert found == ["d", "d/big", "d/small"], found
+        assert (folder / "big").read_bytes() == b"x" * 100
 
 
 def test_many_files_in_a_folder_per_step_are_one_clause(seed, tmp_path):
@@ -1843,3 +1871,19 @@ def test_a_file_is_put_back_through_a_temporary_it_makes_itself(tmp_path, monkey
     with pytest.raises(FileExistsError):
         kept_files._replace(str(path), str(kept))
     assert other.read_bytes() == b"not to be written" and path.read_bytes() == b"the step's"
+
+
+def test_a_copy_that_would_fill_the_disk_is_not_made(seed, tmp_path, monkeypatch):
+    monkeypatch.setattr("accel.doctor.kept_files.FREE_AFTER_BYTES", 2**62)
+    model, opt = small()
+    data = tmp_path / "log.txt"
+    data.write_text("the user's log")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        data.write_text("the step's")
+        return loss.detach()
+
+    with pytest.raises(UsageError, match=f"{data}: 14 B, more than a copy in .* leaves free"):
+        examined(step, torch.randn(5, 4))
+    assert data.read_text() == "the user's log"

@@ -26,6 +26,7 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
 from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
+from accel.doctor.kept_files import TooLargeToKeep
 from accel.doctor.parts import StepParts, copy_step, find_parts
 from accel.doctor.reach import is_library
 from accel.doctor.recorder import record_calls, record_step
@@ -200,6 +201,8 @@ class _Repeated:
         self.calls += 1
         try:
             return self.call()
+        except TooLargeToKeep as refusal:
+            raise UsageError(str(refusal)) from refusal
         except Exception as error:
             frames = [f"{frame.f_code.co_filename}:{line}"
                       for frame, line in traceback.walk_tb(error.__traceback__)

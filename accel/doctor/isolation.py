@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from accel.doctor.effects import Effects
-from accel.doctor.kept_files import KeptFiles, absolute
+from accel.doctor.kept_files import KeptFiles, TooLargeToKeep, absolute
 from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
@@ -132,7 +132,7 @@ class Session:
         failed = recording.files.failed
         found = collections.Counter(recording.found)
         found.update(f"could not put back {path}" for path in sorted(failed))
-        found.update(f"could not keep {path} (over a GiB, or not a file), so not put back"
+        found.update(f"could not keep {path} (not a file), so not put back"
                      for path in sorted(recording.files.unkept))
         put_back = {what for what, paths in recording.put_back.items() if not paths & failed}
         return Effects(found, put_back)
@@ -225,24 +225,34 @@ def _audit(event: str, args: tuple) -> None:
         return
     if not (threading.current_thread() in _THREADS or _caused_by_step(recording.codes)):
         return
+    try:
+        _keep_what_changes(recording, event, args, what, walked)
+    except TooLargeToKeep as refusal:  # the change is not made: said, whether the step goes on
+        recording.found[refusal.clause] += 1
+        raise
+
+
+def _keep_what_changes(recording: _Recording, event: str, args: tuple, what: str | None,
+                       walked: bool) -> None:  # fmt: skip
     if walked:  # named by the walk's own event, which kept the tree before it
         recording.files.keep(_at(args[0], args[1]))
         return
     if event == "os.rmdir" and recording.files.walked(args[0]):
         return  # the end of an rmtree already named
-    recording.found[what] += 1
     paths = [args[i] for i in _FILE_CHANGES.get(event, ())]
     if event in ("open", "os.chmod"):  # through a link: keep where it points, not the link
         paths = [os.path.realpath(p) if isinstance(p, (str, bytes, os.PathLike)) else p
                  for p in paths]  # fmt: skip
-    elif event == "os.rename":
-        recording.files.renamed(*paths)
-    elif event == "shutil.rmtree":
-        recording.files.walking(args[0])
     elif event == "sqlite3.connect":  # and the files sqlite keeps beside it while writing
         paths += [os.fsdecode(args[0]) + end for end in ("-journal", "-wal", "-shm")]
     whole = event not in ("os.chmod", "os.rmdir")  # its mode kept, not all it holds (if any)
-    if paths and all([recording.files.keep(path, contents=whole) for path in paths]):  # each
+    kept = [recording.files.keep(path, contents=whole) for path in paths]  # each, or raises
+    recording.found[what] += 1  # kept first: a change refused is not made
+    if event == "os.rename":
+        recording.files.renamed(*paths)
+    elif event == "shutil.rmtree":
+        recording.files.walking(args[0])
+    if paths and all(kept):
         recording.put_back.setdefault(what, set()).update(absolute(p) for p in paths)
 
 

@@ -1,8 +1,10 @@
 """Files and folders as they were before a step's code first changed them, put back when the
-doctor's session closes: a file's bytes and mode (up to :data:`KEEP_BYTES`), a link as a link, a
-folder with everything it held (where the step removes or renames it) or its mode alone (where it
-changes that). Putting back never writes through a link the step left, and what cannot be put
-back is said, not hidden.
+doctor's session closes: a file's bytes and mode, a link as a link, a folder with everything it
+held (where the step removes or renames it) or its mode alone (where it changes that). A file
+too large to keep (over :data:`KEEP_BYTES`, past :data:`KEEP_TOTAL_BYTES` kept in all, or past
+the free space where the copies go) is not let be changed: :class:`TooLargeToKeep` is raised
+before the change. Putting back never writes through a link the step left, and what cannot be
+put back is said, not hidden.
 """
 
 from __future__ import annotations
@@ -17,9 +19,21 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["KEEP_BYTES", "KeptFiles"]
+__all__ = ["KEEP_BYTES", "KEEP_TOTAL_BYTES", "KeptFiles", "TooLargeToKeep"]
 
 KEEP_BYTES = 2**30  # a file the step changes is kept to put back up to this size
+KEEP_TOTAL_BYTES = 8 * 2**30  # and the files of one session up to this total
+FREE_AFTER_BYTES = 2**30  # a copy leaves at least this much free where the copies go
+
+
+class TooLargeToKeep(PermissionError):
+    """A change of a file the doctor cannot keep to put back, refused before it is made (a
+    permission error, as the step would meet one)."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"the doctor did not let the step change {path}: {why}; examine a step "
+                         "that leaves it as it is, or move it out of the step's way first")
+        self.clause = f"did not let the step change {path}: {why}"
 
 
 class _Link(NamedTuple):
@@ -48,11 +62,12 @@ class KeptFiles:
         self.kept: dict[str, str | _Link | _Folder | None] = {}
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
-        self.unkept: set[str] = set()  # there, and refused (too large, not a file): lost if changed
+        self.unkept: set[str] = set()  # there, and not a file (a pipe, a device): lost if changed
         self._linked: dict[str, tuple[int, int]] = {}  # hard-linked files: (device, inode)
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
         self._folder: str | None = None
+        self._bytes = 0  # kept so far
         # one keep at a time: a thread of the step's that writes a file another is copying
         # waits for the copy (its write comes after the audit event that asked for the keep)
         self._lock = threading.RLock()
@@ -104,10 +119,7 @@ class KeptFiles:
                 inside = [entry.path for entry in entries]
             self.kept[path] = _Folder(mode, frozenset(os.path.basename(p) for p in inside))
             return all([self._keep(p) for p in inside])  # every one kept, refused or not
-        keepable = not os.path.lexists(path) or (
-            os.path.isfile(path) and os.path.getsize(path) <= KEEP_BYTES
-        )
-        if path in self.refused or not keepable:
+        if path in self.refused or (os.path.lexists(path) and not os.path.isfile(path)):
             self.refused.add(path)
             if os.path.lexists(path):
                 self.unkept.add(path)
@@ -117,6 +129,7 @@ class KeptFiles:
             self._copying.on = True
             try:
                 self._folder = self._folder or tempfile.mkdtemp(prefix="accel-doctor-kept-")
+                self._bytes += _within_budget(path, self._bytes, self._folder)
                 copy = os.path.join(self._folder, str(len(self.kept)))
                 shutil.copy2(path, copy)
             finally:
@@ -166,12 +179,35 @@ class KeptFiles:
         self._renamed.clear()
         self._walked.clear()
         self._linked.clear()
+        self._bytes = 0
 
     def _attempt(self, path: str, action: Callable[..., Any], *args: Any) -> None:
         try:
             action(*args)
         except OSError:
             self.failed.add(path)
+
+
+def _within_budget(path: str, kept_bytes: int, folder: str) -> int:
+    """The size of the file at ``path``, to keep beside ``kept_bytes`` in ``folder``; raises
+    :class:`TooLargeToKeep` where it is over a budget."""
+    size = os.path.getsize(path)
+    if size > KEEP_BYTES:
+        raise TooLargeToKeep(path, f"{_bytes(size)}, over the {_bytes(KEEP_BYTES)} the doctor "
+                                   "keeps of a file to put it back")  # fmt: skip
+    if kept_bytes + size > KEEP_TOTAL_BYTES:
+        raise TooLargeToKeep(path, f"{_bytes(size)}, past the {_bytes(KEEP_TOTAL_BYTES)} the "
+                                   "doctor keeps in all to put files back")  # fmt: skip
+    if shutil.disk_usage(folder).free - size < FREE_AFTER_BYTES:
+        raise TooLargeToKeep(path, f"{_bytes(size)}, more than a copy in {folder} leaves free")
+    return size
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} B"
 
 
 def absolute(path: Any) -> str:
