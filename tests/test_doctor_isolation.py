@@ -23,6 +23,7 @@ import random
 import re
 import shutil
 import sys
+import tempfile
 import textwrap
 import threading
 import warnings
@@ -1417,10 +1418,10 @@ def test_a_file_that_cannot_be_put_back_is_said_so_and_not_said_put_back(
         log.write_text("the copy's\n")
         return loss.detach()
 
-    def refused(path, kept):
+    def refused(path, *kept):
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr("accel.doctor.kept_files._replace", refused)
+    monkeypatch.setattr("accel.doctor.kept_files._file_back", refused)
     line = first_line(examined(step, torch.randn(5, 4)))
     assert f"could not put back {log}" in line and f"wrote {log} (" in line, line
     assert "put back as it was" not in line, line
@@ -1887,3 +1888,43 @@ def test_a_copy_that_would_fill_the_disk_is_not_made(seed, tmp_path, monkeypatch
     with pytest.raises(UsageError, match=f"{data}: 14 B, more than a copy in .* leaves free"):
         examined(step, torch.randn(5, 4))
     assert data.read_text() == "the user's log"
+
+
+def test_a_file_the_user_holds_open_is_put_back_in_place(seed, tmp_path):
+    """A log the user's handler holds open, appended to by the step under its name: put back
+    into the same file, so that the handler's later writes land under that name."""
+    model, opt = small()
+    log = tmp_path / "train.log"
+    handler = logging.FileHandler(log)
+    logger = logging.getLogger(f"user_{tmp_path.name}")
+    logger.addHandler(handler)
+    logger.warning("before")
+    inode = log.stat().st_ino
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        with open(log, "a") as f:
+            f.write("the step's line\n")
+        return loss.detach()
+
+    examined(step, torch.randn(5, 4))
+    logger.warning("after")
+    handler.close()
+    assert log.stat().st_ino == inode
+    assert log.read_text() == "before\nafter\n"
+
+
+def test_temporary_files_renamed_to_one_name_say_that_name_once(seed, tmp_path):
+    model, opt = small()
+    final = tmp_path / "final.bin"
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        with tempfile.NamedTemporaryFile(dir=tmp_path, delete=False) as temporary:
+            temporary.write(b"w")
+        os.replace(temporary.name, final)
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert re.search(rf"renamed \d+ entries into {re.escape(str(tmp_path))} \(final\.bin\)", line), line
+    assert not final.exists()

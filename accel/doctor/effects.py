@@ -83,8 +83,9 @@ def _group(touched: tuple[str, str], put_back: bool, levels: int) -> tuple[str, 
 def _group_said(key: tuple[str, str, bool], members: list[str], found) -> str:
     verb, folder, put_back = key
     names = [os.path.relpath(_verb_and_path(w)[1], folder or os.curdir) for w in members]
+    span = names[0] if len(set(names)) == 1 else f"{names[0]} to {names[-1]}"  # renames to one name
     times = sum(found[w] for w in members)
     noun = {"renamed": "entries into"}.get(verb, "folders in" if verb.endswith("folder") else "files in")
     return (f"{verb.split()[0]} {len(members)} {noun} {folder or 'the working folder'} "
-            f"({names[0]} to {names[-1]})" + (f", {times} times in all" if times > len(members) else "")
+            f"({span})" + (f", {times} times in all" if times > len(members) else "")
             + (", each put back as it was" if put_back else ""))  # fmt: skip

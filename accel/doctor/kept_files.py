@@ -63,7 +63,7 @@ class KeptFiles:
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
         self.unkept: set[str] = set()  # there, and not a file (a pipe, a device): lost if changed
-        self._linked: dict[str, tuple[int, int]] = {}  # hard-linked files: (device, inode)
+        self._inodes: dict[str, tuple[int, int]] = {}  # kept files: (device, inode)
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
         self._folder: str | None = None
@@ -134,9 +134,8 @@ class KeptFiles:
                 shutil.copy2(path, copy)
             finally:
                 self._copying.on = False
-            found = os.stat(path)
-            if found.st_nlink > 1:  # its other names see what is written into it
-                self._linked[path] = (found.st_dev, found.st_ino)
+            found = os.stat(path)  # a file still there is written back in place: its other
+            self._inodes[path] = (found.st_dev, found.st_ino)  # names, and handles open on it, see it
         self.kept[path] = copy
         return True
 
@@ -161,7 +160,7 @@ class KeptFiles:
             if isinstance(copy, _Folder):
                 continue
             if copy is not None:
-                self._attempt(path, _file_back, path, copy, self._linked.get(path))
+                self._attempt(path, _file_back, path, copy, self._inodes.get(path))
             elif os.path.isfile(path) or os.path.islink(path):
                 self._attempt(path, os.remove, path)  # a link is removed itself, never its target
         whole = [(p, kept.names) for p, kept in self.kept.items()
@@ -178,7 +177,7 @@ class KeptFiles:
         self.refused.clear()
         self._renamed.clear()
         self._walked.clear()
-        self._linked.clear()
+        self._inodes.clear()
         self._bytes = 0
 
     def _attempt(self, path: str, action: Callable[..., Any], *args: Any) -> None:
@@ -249,8 +248,8 @@ def _only(path: str, names: frozenset[str]) -> None:
 
 def _file_back(path: str, kept: str | _Link, inode: tuple[int, int] | None = None) -> None:
     """A folder the step made in the file's place goes, with all in it (the step's: the path
-    was a file). A hard-linked file still there is written back in place, so that its other
-    names read what they read before."""
+    was a file). The file still there (the same one, not a link) is written back in place, so
+    that its other names and the handles open on it (a user's log handler) see it."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     if inode is not None and not os.path.islink(path) and os.path.isfile(path):
