@@ -1021,6 +1021,27 @@ def test_each_trial_starts_from_the_files_as_they_were(seed, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_that_was_there_is_kept_again_in_each_trial(seed, tmp_path):
+    """The copies of the files the user had are made again for each trial, after the trial
+    before put them back: the trials run, and the file is as it was."""
+    model, opt = small()
+    log = tmp_path / "train.log"
+    log.write_text("the user's log\n")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        with open(log, "a") as f:
+            f.write(f"{float(loss)}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (trial,) = report.try_fixes(["fused_optimizer"], steps=1, repeats=2).to_dict("records")
+    assert trial["status"] == "ok", trial
+    assert log.read_text() == "the user's log\n"
+
+
 def test_a_database_the_step_writes_to_is_put_back_and_a_temporary_file_is_no_folder(
     seed, tmp_path
 ):

@@ -174,6 +174,7 @@ class KeptFiles:
                 os.rmdir(path)
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
+        self._folder = None  # made again by the next keep (the trial after this one)
         self.kept.clear()
         self.refused.clear()
         self._renamed.clear()
