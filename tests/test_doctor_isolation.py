@@ -1108,6 +1108,35 @@ def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_
     assert named_before_numbers(report, f"wrote {checkpoint}")
 
 
+def test_a_file_a_thread_pool_made_before_the_step_writes_for_it_is_put_back(seed, tmp_path):
+    """An executor made (and its thread started) before the step: what a task the step submits
+    writes is the step's, named and put back; and the session does not wait for the idle
+    worker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, opt = small()
+    saved = tmp_path / "model.pt"
+    saved.write_bytes(b"the user's model")
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.submit(int).result()  # its worker started
+
+    def save(state):
+        torch.save(state, f"{saved}.part")
+        os.replace(f"{saved}.part", saved)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        pool.submit(save, model.state_dict())
+        return loss.detach()
+
+    try:
+        line = first_line(examined(step, torch.randn(5, 4)))
+    finally:
+        pool.shutdown()
+    assert saved.read_bytes() == b"the user's model" and sorted(tmp_path.iterdir()) == [saved]
+    assert f"to {saved}" in line and "put back as it was" in line and "running" not in line, line
+
+
 def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(seed, tmp_path):
     """The step swaps its checkpoint for a link to another file: putting the checkpoint back
     replaces the link with the file as it was, and the link's target stays untouched."""
