@@ -1427,6 +1427,18 @@ def _hard_linked_file_appended_to(root: Path):
     return lambda: (root / "f").open("a").write("+")
 
 
+def _hard_linked_file_saved_over(root: Path):
+    (root / "best.pt").write_text("B")
+    os.link(root / "best.pt", root / "step-7.pt")
+    return lambda: ((root / "tmp").write_text("new"), os.replace(root / "tmp", root / "best.pt"))
+
+
+def _hard_linked_file_written_then_removed(root: Path):
+    (root / "f").write_text("F")
+    os.link(root / "f", root / "g")
+    return lambda: (root / "f").exists() and ((root / "f").write_text("+"), (root / "f").unlink())
+
+
 @pytest.mark.parametrize("make", [
     _link_where_a_removed_folder_was, _file_where_a_removed_folder_was,
     _folder_where_a_removed_file_was, _folder_removed_and_made_again, _folder_renamed,
@@ -1434,6 +1446,7 @@ def _hard_linked_file_appended_to(root: Path):
     _folder_chmodded_renamed_and_removed, _mode_changed_through_a_link,
     _file_replaced_by_a_folder_of_folders, _file_written_into_a_folder_renamed_and_back,
     _folder_renamed_away_and_made_again, _hard_linked_file_appended_to,
+    _hard_linked_file_saved_over, _hard_linked_file_written_then_removed,
 ], ids=lambda f: f.__name__.strip("_").replace("_", " "))  # fmt: skip
 def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp_path, make):
     model, opt = small()
