@@ -1567,6 +1567,24 @@ def test_what_one_session_did_not_put_back_is_not_said_put_back_after_another():
     assert effects.said() == [f"{what}, put back as it was", "wrote x, put back as it was"]
 
 
+def test_modes_and_links_a_step_changes_in_one_folder_are_one_clause():
+    """A save through a temporary made read-only, then renamed over one name, each step: a
+    clause for the modes, one for the renames, naming the one name once."""
+    from accel.doctor.effects import Effects
+
+    found = collections.Counter()
+    for i in range(30):
+        found[f"changed the mode of /run/tmp{i}.json"] += 1
+        found[f"renamed /run/tmp{i}.json to /run/config.json"] += 1
+        found[f"linked /run/best-{i}.pt"] += 1
+    said = Effects(found, set(found)).said()
+    assert said == [
+        "changed the mode of 30 files in /run (tmp0.json to tmp29.json), each put back as it was",
+        "renamed 30 entries into /run (config.json), each put back as it was",
+        "linked 30 files in /run (best-0.pt to best-29.pt), each put back as it was",
+    ], said
+
+
 def test_a_folder_that_was_there_is_not_said_to_be_made(seed, tmp_path):
     # os.makedirs(..., exist_ok=True) before each save, as checkpointing code writes it: the
     # folder the user already has was made by no one, and stays
