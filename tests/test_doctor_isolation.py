@@ -1462,6 +1462,7 @@ def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp
 
     report = examined(step, torch.randn(5, 4))
     assert disk(tmp_path) == before
+    assert "accel-doctor-kept-" not in first_line(report)  # what the doctor keeps is not named
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report.try_fixes(["fused_optimizer"], steps=1, repeats=2)

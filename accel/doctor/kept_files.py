@@ -141,11 +141,11 @@ class KeptFiles:
                 self._bytes += _within_budget(path, self._bytes, self._folder)
                 copy = os.path.join(self._folder, str(len(self.kept)))
                 shutil.copy2(path, copy)
+                found = os.stat(path)
+                if found.st_nlink > 1:  # its other names see what is written into it
+                    self._linked[path] = _Inode(found.st_dev, found.st_ino, _held(path, copy))
             finally:
                 self._copying.on = False
-            found = os.stat(path)
-            if found.st_nlink > 1:  # its other names see what is written into it
-                self._linked[path] = _Inode(found.st_dev, found.st_ino, _held(path, copy))
         self.kept[path] = copy
         return True
 
