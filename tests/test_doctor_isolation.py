@@ -1022,6 +1022,27 @@ def test_each_trial_starts_from_the_files_as_they_were(seed, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_file_that_was_there_is_kept_again_in_each_trial(seed, tmp_path):
+    """The copies of the files the user had are made again for each trial, after the trial
+    before put them back: the trials run, and the file is as it was."""
+    model, opt = small()
+    log = tmp_path / "train.log"
+    log.write_text("the user's log\n")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        with open(log, "a") as f:
+            f.write(f"{float(loss)}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (trial,) = report.try_fixes(["fused_optimizer"], steps=1, repeats=2).to_dict("records")
+    assert trial["status"] == "ok", trial
+    assert log.read_text() == "the user's log\n"
+
+
 def test_a_database_the_step_writes_to_is_put_back_and_a_temporary_file_is_no_folder(
     seed, tmp_path
 ):
@@ -1086,6 +1107,35 @@ def test_a_file_a_thread_the_step_starts_writes_is_named_and_put_back(seed, tmp_
     report = examined(step, torch.randn(5, 4))
     assert checkpoint.read_bytes() == b"the user's checkpoint"
     assert named_before_numbers(report, f"wrote {checkpoint}")
+
+
+def test_a_file_a_thread_pool_made_before_the_step_writes_for_it_is_put_back(seed, tmp_path):
+    """An executor made (and its thread started) before the step: what a task the step submits
+    writes is the step's, named and put back; and the session does not wait for the idle
+    worker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model, opt = small()
+    saved = tmp_path / "model.pt"
+    saved.write_bytes(b"the user's model")
+    pool = ThreadPoolExecutor(max_workers=1)
+    pool.submit(int).result()  # its worker started
+
+    def save(state):
+        torch.save(state, f"{saved}.part")
+        os.replace(f"{saved}.part", saved)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        pool.submit(save, model.state_dict())
+        return loss.detach()
+
+    try:
+        line = first_line(examined(step, torch.randn(5, 4)))
+    finally:
+        pool.shutdown()
+    assert saved.read_bytes() == b"the user's model" and sorted(tmp_path.iterdir()) == [saved]
+    assert f"to {saved}" in line and "put back as it was" in line and "running" not in line, line
 
 
 def test_a_file_put_back_never_writes_through_a_link_the_step_left_in_its_place(seed, tmp_path):
@@ -1378,6 +1428,18 @@ def _hard_linked_file_appended_to(root: Path):
     return lambda: (root / "f").open("a").write("+")
 
 
+def _hard_linked_file_saved_over(root: Path):
+    (root / "best.pt").write_text("B")
+    os.link(root / "best.pt", root / "step-7.pt")
+    return lambda: ((root / "tmp").write_text("new"), os.replace(root / "tmp", root / "best.pt"))
+
+
+def _hard_linked_file_written_then_removed(root: Path):
+    (root / "f").write_text("F")
+    os.link(root / "f", root / "g")
+    return lambda: (root / "f").exists() and ((root / "f").write_text("+"), (root / "f").unlink())
+
+
 @pytest.mark.parametrize("make", [
     _link_where_a_removed_folder_was, _file_where_a_removed_folder_was,
     _folder_where_a_removed_file_was, _folder_removed_and_made_again, _folder_renamed,
@@ -1385,6 +1447,7 @@ def _hard_linked_file_appended_to(root: Path):
     _folder_chmodded_renamed_and_removed, _mode_changed_through_a_link,
     _file_replaced_by_a_folder_of_folders, _file_written_into_a_folder_renamed_and_back,
     _folder_renamed_away_and_made_again, _hard_linked_file_appended_to,
+    _hard_linked_file_saved_over, _hard_linked_file_written_then_removed,
 ], ids=lambda f: f.__name__.strip("_").replace("_", " "))  # fmt: skip
 def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp_path, make):
     model, opt = small()
@@ -1400,6 +1463,7 @@ def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp
 
     report = examined(step, torch.randn(5, 4))
     assert disk(tmp_path) == before
+    assert "accel-doctor-kept-" not in first_line(report)  # what the doctor keeps is not named
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report.try_fixes(["fused_optimizer"], steps=1, repeats=2)
@@ -1503,6 +1567,24 @@ def test_what_one_session_did_not_put_back_is_not_said_put_back_after_another():
     effects = Effects(collections.Counter({what: 1}), {what})
     effects += Effects(collections.Counter({"wrote x": 1}), {"wrote x"})
     assert effects.said() == [f"{what}, put back as it was", "wrote x, put back as it was"]
+
+
+def test_modes_and_links_a_step_changes_in_one_folder_are_one_clause():
+    """A save through a temporary made read-only, then renamed over one name, each step: a
+    clause for the modes, one for the renames, naming the one name once."""
+    from accel.doctor.effects import Effects
+
+    found = collections.Counter()
+    for i in range(30):
+        found[f"changed the mode of /run/tmp{i}.json"] += 1
+        found[f"renamed /run/tmp{i}.json to /run/config.json"] += 1
+        found[f"linked /run/best-{i}.pt"] += 1
+    said = Effects(found, set(found)).said()
+    assert said == [
+        "changed the mode of 30 files in /run (tmp0.json to tmp29.json), each put back as it was",
+        "renamed 30 entries into /run (config.json), each put back as it was",
+        "linked 30 files in /run (best-0.pt to best-29.pt), each put back as it was",
+    ], said
 
 
 def test_a_folder_that_was_there_is_not_said_to_be_made(seed, tmp_path):

@@ -13,7 +13,9 @@ import os
 __all__ = ["FILES_GROUPED", "Effects"]
 
 FILES_GROUPED = 4  # files one verb touched in one folder, named as one clause from this many
-_FILE_VERBS = ("made the folder", "removed the folder", "wrote", "removed")  # longest first
+# longest first; a save made read-only or linked each step is as many clauses otherwise
+_FILE_VERBS = ("changed the mode of", "made the folder", "removed the folder", "wrote", "removed",
+               "linked")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -83,9 +85,10 @@ def _group(touched: tuple[str, str], put_back: bool, levels: int) -> tuple[str, 
 def _group_said(key: tuple[str, str, bool], members: list[str], found) -> str:
     verb, folder, put_back = key
     names = [os.path.relpath(_verb_and_path(w)[1], folder or os.curdir) for w in members]
-    span = names[0] if len(set(names)) == 1 else f"{names[0]} to {names[-1]}"  # renames to one name
     times = sum(found[w] for w in members)
     noun = {"renamed": "entries into"}.get(verb, "folders in" if verb.endswith("folder") else "files in")
-    return (f"{verb.split()[0]} {len(members)} {noun} {folder or 'the working folder'} "
+    said = verb if verb.endswith(" of") else verb.split()[0]
+    span = names[0] if names[0] == names[-1] else f"{names[0]} to {names[-1]}"  # renamed onto one
+    return (f"{said} {len(members)} {noun} {folder or 'the working folder'} "
             f"({span})" + (f", {times} times in all" if times > len(members) else "")
             + (", each put back as it was" if put_back else ""))  # fmt: skip

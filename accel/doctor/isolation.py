@@ -14,6 +14,7 @@ session it raises the one ``open()`` would.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextvars
 import inspect
 import logging
@@ -45,6 +46,8 @@ _HOOKED: list[bool] = []  # the process's hook is installed once
 # is the step's, and it starts without the session's context
 _THREADS: weakref.WeakKeyDictionary[threading.Thread, _Recording] = weakref.WeakKeyDictionary()
 THREAD_WAIT_S = 10.0  # on closing, how long the threads the step started are waited for
+# a task the step gave a thread pool, in the worker running it (the worker may predate the step)
+_TASK = threading.local()
 # code that writes on its own account while a step runs (caches, bytecode): not the step's
 _MACHINERY = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.utils.cpp_extension",
               "triton", "torch._logging")  # fmt: skip
@@ -65,6 +68,7 @@ class _Recording:
         self.files = KeptFiles()
         self.put_back: dict[str, set[str]] = {}  # what is said put back: the paths it stands for
         self.threads: list[threading.Thread] = []  # started by the step
+        self.tasks: list[concurrent.futures.Future] = []  # given to a thread pool by the step
 
 
 class Session:
@@ -93,6 +97,7 @@ class Session:
         self._token = _RECORD.set(self._recording)
         self._save = _Patched(torch.serialization, "_open_zipfile_writer", _audited_save)
         self._threads = _Patched(threading.Thread, "start", _watched_start)
+        self._tasks = _Patched(concurrent.futures.ThreadPoolExecutor, "submit", _watched_submit)
         return self
 
     def watch(self, functions: Iterable[Any]) -> None:
@@ -104,6 +109,7 @@ class Session:
 
     def __exit__(self, *exc: Any) -> None:
         self._threads.close()
+        self._tasks.close()
         self._wait_for_threads()
         self._save.close()
         _RECORD.reset(self._token)
@@ -123,6 +129,10 @@ class Session:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 self._recording.found[f"left the thread {thread.name} running"] += 1
+        _, running = concurrent.futures.wait(self._recording.tasks,
+                                             max(0.0, deadline - time.monotonic()))  # fmt: skip
+        if running:
+            self._recording.found["left a task it gave a thread pool running"] += len(running)
 
     def effects(self) -> Effects:
         """What the step's code did that the session could only name (files put back or not,
@@ -215,7 +225,8 @@ def _cuda_started() -> bool:
 
 # ---- files, sockets, processes -----------------------------------------------------------------------
 def _audit(event: str, args: tuple) -> None:
-    recording = _RECORD.get(None) or _THREADS.get(threading.current_thread())
+    task = getattr(_TASK, "recording", None)
+    recording = _RECORD.get(None) or _THREADS.get(threading.current_thread()) or task
     describe = _EVENTS.get(event)
     if recording is None or describe is None or recording.files.busy:
         return
@@ -223,7 +234,7 @@ def _audit(event: str, args: tuple) -> None:
     walked = event in _AT_EVENTS and args[1] not in (None, -1)  # one entry of a walk (rmtree's)
     if not (what or walked):
         return
-    if not (threading.current_thread() in _THREADS or _caused_by_step(recording.codes)):
+    if not (threading.current_thread() in _THREADS or task or _caused_by_step(recording.codes)):
         return
     try:
         _keep_what_changes(recording, event, args, what, walked)
@@ -400,14 +411,51 @@ def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
     event)."""
 
     def start(thread: threading.Thread) -> None:
-        current = threading.current_thread()
-        recording = _RECORD.get(None) or _THREADS.get(current)
-        if recording is not None and (current in _THREADS or _caused_by_step(recording.codes)):
+        recording = _steps_recording()
+        if recording is not None and not getattr(_TASK, "submitting", False):
             _THREADS[thread] = recording
             recording.threads.append(thread)
         original(thread)
 
     return start
+
+
+def _steps_recording() -> _Recording | None:
+    """The open session's recording where the code running is the step's (or a thread or
+    pool task of it)."""
+    current, task = threading.current_thread(), getattr(_TASK, "recording", None)
+    recording = _RECORD.get(None) or _THREADS.get(current) or task
+    if recording is not None and (current in _THREADS or task or _caused_by_step(recording.codes)):
+        return recording
+    return None
+
+
+def _watched_submit(original: Callable[..., concurrent.futures.Future]) -> Callable:
+    """``ThreadPoolExecutor.submit`` that makes a task the step submits the step's while it
+    runs, whichever worker runs it (one started before the step included); the worker itself
+    is the pool's, not waited for."""
+
+    def submit(executor: Any, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        recording = _steps_recording()
+        if recording is None:
+            return original(executor, fn, *args, **kwargs)
+
+        def task(*args: Any, **kwargs: Any) -> Any:
+            _TASK.recording = recording
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _TASK.recording = None
+
+        _TASK.submitting = True
+        try:
+            future = original(executor, task, *args, **kwargs)
+        finally:
+            _TASK.submitting = False
+        recording.tasks.append(future)
+        return future
+
+    return submit
 
 
 def _audited_save(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -42,6 +42,16 @@ class _Link(NamedTuple):
     target: str
 
 
+class _Inode(NamedTuple):
+    """A kept file's inode; a hard-linked one's held by a link of the doctor's own (``held``;
+    None where it could not be made, or the file had one name): put back under the name the
+    step replaced or removed."""
+
+    device: int
+    number: int
+    held: str | None
+
+
 class _Folder(NamedTuple):
     """A folder that was there, kept with its mode and, kept whole, the names it held (each
     entry kept on its own)."""
@@ -63,7 +73,7 @@ class KeptFiles:
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
         self.unkept: set[str] = set()  # there, and not a file (a pipe, a device): lost if changed
-        self._inodes: dict[str, tuple[int, int]] = {}  # kept files: (device, inode)
+        self._inodes: dict[str, _Inode] = {}  # kept files
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
         self._folder: str | None = None
@@ -132,10 +142,11 @@ class KeptFiles:
                 self._bytes += _within_budget(path, self._bytes, self._folder)
                 copy = os.path.join(self._folder, str(len(self.kept)))
                 shutil.copy2(path, copy)
+                found = os.stat(path)  # written back in place while still there: its other
+                held = _held(path, copy) if found.st_nlink > 1 else None  # names and open
+                self._inodes[path] = _Inode(found.st_dev, found.st_ino, held)  # handles see it
             finally:
                 self._copying.on = False
-            found = os.stat(path)  # a file still there is written back in place: its other
-            self._inodes[path] = (found.st_dev, found.st_ino)  # names, and handles open on it, see it
         self.kept[path] = copy
         return True
 
@@ -173,6 +184,7 @@ class KeptFiles:
                 os.rmdir(path)
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
+        self._folder = None  # made again by the next keep (the trial after this one)
         self.kept.clear()
         self.refused.clear()
         self._renamed.clear()
@@ -246,24 +258,42 @@ def _only(path: str, names: frozenset[str]) -> None:
             _gone(os.path.join(path, name))
 
 
-def _file_back(path: str, kept: str | _Link, inode: tuple[int, int] | None = None) -> None:
+def _held(path: str, copy: str) -> str | None:
+    """A link of the doctor's own to the hard-linked file at ``path``, beside its ``copy``
+    (None where the copies are on another file system)."""
+    try:
+        os.link(path, copy + ".inode", follow_symlinks=False)
+    except OSError:
+        return None
+    return copy + ".inode"
+
+
+def _file_back(path: str, kept: str | _Link, inode: _Inode | None = None) -> None:
     """A folder the step made in the file's place goes, with all in it (the step's: the path
     was a file). The file still there (the same one, not a link) is written back in place, so
-    that its other names and the handles open on it (a user's log handler) see it."""
+    that its other names and the handles open on it (a user's log handler) see it; a
+    hard-linked one is linked back where the step replaced or removed it."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     if inode is not None and not os.path.islink(path) and os.path.isfile(path):
         found = os.stat(path)
-        if (found.st_dev, found.st_ino) == inode:
-            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
-                shutil.copyfileobj(source, out)
-            shutil.copystat(kept, path)
+        if (found.st_dev, found.st_ino) == inode[:2]:
+            _write_in_place(path, kept)
             return
+    if inode is not None and inode.held is not None:
+        _write_in_place(inode.held, kept)
+        kept = inode
     _replace(path, kept)
 
 
-def _replace(path: str, kept: str | _Link) -> None:
+def _write_in_place(path: str, kept: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
+        shutil.copyfileobj(source, out)
+    shutil.copystat(kept, path)
+
+
+def _replace(path: str, kept: str | _Link | _Inode) -> None:
     """``path`` made the kept file or link again: made whole under a new name beside it, then
     renamed over what the step left there, so a link left at ``path`` is replaced, never
     written through."""
@@ -274,6 +304,8 @@ def _replace(path: str, kept: str | _Link) -> None:
     try:
         if isinstance(kept, _Link):
             os.symlink(kept.target, tmp)
+        elif isinstance(kept, _Inode):  # the file its other names still are
+            os.link(kept.held, tmp)
         else:  # made here (O_EXCL), so nothing at the temporary's name is written through
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
