@@ -1877,7 +1877,8 @@ def test_a_file_written_through_a_handle_opened_before_the_step_is_said_not_put_
         report = examined(step, torch.randn(5, 4))
     finally:
         log.close()
-    assert named_before_numbers(report, "closure 'log' (an open file or database written through, not put back)")
+    said = f"closure 'log' (the open file {tmp_path / 'train.log'}, written through, not put back)"
+    assert named_before_numbers(report, said)
 
 
 def test_a_step_that_pops_from_its_batch_gets_the_whole_batch_every_call(seed):

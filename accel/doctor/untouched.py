@@ -107,14 +107,21 @@ class Untouched:
                 self._tensors.append((where, value))
             elif what in _SUMMARIES:
                 summary = functools.partial(_SUMMARIES[what], value, self._alive)
-                said = " (an open file or database written through, not put back)" * (what == "file")
-                self._probes.append((where + said, summary))
+                self._probes.append((where + _written_through(value) * (what == "file"), summary))
             elif what == "writes":
                 scope, home = value.__globals__, value.__globals__ is reach.home
                 for name in sorted(stored_globals(value.__code__)):
                     label = f"global '{name}'" if home else f"{scope.get('__name__', '?')}.{name}"
                     probe = functools.partial(_binding, scope, name, self._alive)
                     self._probes.append((label, probe))
+
+
+def _written_through(handle: Any) -> str:
+    """What a changed file handle or database connection opened before the step says."""
+    name = getattr(handle, "name", None)  # a file's path (a descriptor's is a number)
+    if isinstance(name, str):
+        return f" (the open file {name}, written through, not put back)"
+    return " (an open file or database written through, not put back)"
 
 
 # ---- summaries that compare ---------------------------------------------------------------------
