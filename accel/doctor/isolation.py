@@ -225,16 +225,13 @@ def _cuda_started() -> bool:
 
 # ---- files, sockets, processes -----------------------------------------------------------------------
 def _audit(event: str, args: tuple) -> None:
-    task = getattr(_TASK, "recording", None)
-    recording = _RECORD.get(None) or _THREADS.get(threading.current_thread()) or task
-    describe = _EVENTS.get(event)
-    if recording is None or describe is None or recording.files.busy:
+    describe = _EVENTS.get(event)  # first: the hook sees every audited event of the process
+    recording = None if describe is None else _open_recording()
+    if recording is None or recording.files.busy:
         return
     what = describe(*args)
     walked = event in _AT_EVENTS and args[1] not in (None, -1)  # one entry of a walk (rmtree's)
-    if not (what or walked):
-        return
-    if not (threading.current_thread() in _THREADS or task or _caused_by_step(recording.codes)):
+    if not (what or walked) or not _steps(recording):
         return
     try:
         _keep_what_changes(recording, event, args, what, walked)
@@ -420,14 +417,24 @@ def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
     return start
 
 
+def _open_recording() -> _Recording | None:
+    """The recording of the session open in this context, or of the step's thread or pool
+    task running here."""
+    return (_RECORD.get(None) or _THREADS.get(threading.current_thread())
+            or getattr(_TASK, "recording", None))  # fmt: skip
+
+
+def _steps(recording: _Recording) -> bool:
+    """Whether the code running is the step's: a thread or pool task of it, or its code on
+    the stack (the walk, last: the costliest)."""
+    return (threading.current_thread() in _THREADS or getattr(_TASK, "recording", None) is not None
+            or _caused_by_step(recording.codes))  # fmt: skip
+
+
 def _steps_recording() -> _Recording | None:
-    """The open session's recording where the code running is the step's (or a thread or
-    pool task of it)."""
-    current, task = threading.current_thread(), getattr(_TASK, "recording", None)
-    recording = _RECORD.get(None) or _THREADS.get(current) or task
-    if recording is not None and (current in _THREADS or task or _caused_by_step(recording.codes)):
-        return recording
-    return None
+    """The open session's recording where the code running is the step's."""
+    recording = _open_recording()
+    return recording if recording is not None and _steps(recording) else None
 
 
 def _watched_submit(original: Callable[..., concurrent.futures.Future]) -> Callable:

@@ -90,7 +90,8 @@ class KeptFiles:
 
     def keep(self, path: Any, *, contents: bool = True) -> bool:
         """Whether ``path`` is kept (now or before; a folder with all it holds, or with its mode
-        alone where not ``contents``); not a descriptor or a large file."""
+        alone where not ``contents``); not a descriptor, nor what is not a file or folder. A file
+        over a budget raises :class:`TooLargeToKeep`."""
         if not isinstance(path, (str, bytes, os.PathLike)):
             return False
         with self._lock:

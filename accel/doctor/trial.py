@@ -43,14 +43,15 @@ _SEED = 1234
 JUDGED_ROUNDS = 6  # fewer rounds give no 95% interval of the median ratio: then ...
 EVERY_ROUND = 5  # ... a fix slower in each of at least this many (1 in 32 by chance) is slower
 _KERNELS = ("matmul", "attention", "normalization", "elementwise and other", "compiled (Triton)")
+_FUSED = ("elementwise and other", "normalization", "idle host", "idle other")  # what compile merges
 # the parts of a step's time (the timeline's kernel categories, "idle <cause>") each fix acts on
 ACTS_ON: dict[str, tuple[str, ...]] = {
     "tf32": ("matmul",),
     "bf16_autocast": _KERNELS,
     "sdpa_attention": _KERNELS,
     "mha_without_weights": _KERNELS,
-    "compile": ("elementwise and other", "normalization", "idle host", "idle other"),
-    "compile_graphs": ("elementwise and other", "normalization", "idle host", "idle other"),
+    "compile": _FUSED,
+    "compile_graphs": _FUSED,
     "cuda_graph": ("idle host", "idle sync", "idle other"),
     "deferred_reads": ("idle sync",),
     "pinned_batch": ("copy", "idle sync"),
