@@ -869,6 +869,36 @@ def test_bench_baseline_is_the_faster_of_two_launches_around_the_others(monkeypa
     assert "against DDP on one rank with the same settings" in rows["ddp tuned x2 throughput"].note
 
 
+def test_on_gpus_each_ddp_setting_is_measured_alone_against_plain_ddp_in_its_launch(monkeypatch):
+    launched = []
+
+    def fake_measure(task, nprocs, *, preset, sizes, configs, series=False):
+        launched.append((nprocs, tuple(configs), series))
+        first, last = bench.PLAIN_DDP
+        rate = {"one": 100.0, bench.ONE_TUNED: 120.0, "ddp": 150.0 * nprocs,
+                first: 140.0 * nprocs, last: 150.0 * nprocs}
+        return {k: fake_run(c["wrapper"], 1 if c["wrapper"] == "none" else nprocs,
+                            rate.get(k, 160.0 * nprocs), 12.0, tuned="tuned" in k)
+                for k, c in configs.items()}  # fmt: skip
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "pick_task", lambda: ("task", "a fake"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    rows = {r.case: r for r in bench.run(BenchContext(torch.device("cuda"), "gpu"))}
+    alone = bench.setting_configs()
+    assert next(iter(alone)) == bench.PLAIN_DDP[0] and list(alone)[-1] == bench.PLAIN_DDP[1]
+    assert set(alone) - set(bench.PLAIN_DDP) == {f"ddp {k} alone" for k in bench.DDP_SETTINGS}
+    assert (4, tuple(alone), True) in launched  # one series, at the largest count only
+    assert not any(set(alone) & set(c) for n, c, _ in launched if n == 2)
+    for key in bench.DDP_SETTINGS:
+        row = rows[f"ddp {key} alone x4 throughput"]
+        assert row.baseline == 600.0 and row.speedup == pytest.approx(640.0 / 600.0)
+        assert row.met is None and f"{key}=" in row.note  # the faster plain run is the baseline
+        assert "560 and 600 samples/s, the faster is the baseline" in row.note
+    assert alone["ddp static_graph alone"] == {"wrapper": "ddp", "static_graph": True}
+    assert "ddp bucket_cap_mb alone x2 throughput" not in rows
+
+
 def test_measure_as_series_launches_once_per_nccl_setting_and_keeps_the_order(monkeypatch):
     launched = []
 

@@ -30,6 +30,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "fsdp2 tuned": {"wrapper": "fsdp2", **TUNED_COMM},
 }
 ONE_TUNED = "one tuned"  # DDP on one rank with TUNED_COMM: the tuned runs' baseline
+# The tuned settings DDP reads, each measured alone against DDP's defaults (GPUs only: a series
+# of six more runs)
+DDP_SETTINGS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "mixed_precision",
+                "nccl_env")  # fmt: skip
+PLAIN_DDP = ("ddp defaults", "ddp defaults again")  # first and last of the series
 MiB = 2**20
 _row = functools.partial(Row, "distributed")
 
@@ -255,6 +260,10 @@ def run(ctx: BenchContext) -> list[Row]:
     wrapped = {k: v for k, v in CONFIGS.items() if k != "one"}
     before = {k: launch(1, {k: v})[k] for k, v in singles.items()}
     by_count = {n: launch(n, wrapped) for n in (rank_counts(gpus) if on_gpu else [2])}
+    alone = {}
+    if on_gpu:  # each setting alone, at the largest count: where communication weighs most
+        alone = measure(task, gpus, preset=ctx.preset, sizes=sizes, configs=setting_configs(),
+                        series=True)  # fmt: skip
     after = {k: launch(1, {k: v})[k] for k, v in singles.items()}
     faster = {k: max(before[k], after[k], key=lambda run: run.summary["samples_per_s"])
               for k in singles}  # fmt: skip
@@ -273,7 +282,45 @@ def run(ctx: BenchContext) -> list[Row]:
         )
         found = rows({**faster, **runs}, judged=judged, where=where + spread)
         out += found if not out else found[2:]  # the one-GPU rows once
+    if alone:
+        out += setting_rows(alone, where=f"{gpus} GPUs, nccl, task {task} ({which})")
     return out + (skipped_rows(gpus, reason=f"{gpus} GPUs present") if on_gpu else [])
+
+
+def setting_configs() -> dict[str, dict[str, Any]]:
+    """DDP with its defaults, with each of :data:`DDP_SETTINGS` alone, and with its defaults
+    again (the first runs of a launch can be slower: the faster of the two is the baseline)."""
+    alone = {f"ddp {key} alone": {"wrapper": "ddp", key: TUNED_COMM[key]} for key in DDP_SETTINGS}
+    first, last = PLAIN_DDP
+    return {first: {"wrapper": "ddp"}, **alone, last: {"wrapper": "ddp"}}
+
+
+def setting_rows(runs: dict[str, RunResult], *, where: str) -> list[Row]:
+    """What each DDP setting buys alone: its throughput against DDP's defaults on as many ranks,
+    trained in the same launch unless the setting changes NCCL's environment (read once per
+    process, so that one has a launch of its own)."""
+    first, last = (runs[k].summary["samples_per_s"] for k in PLAIN_DDP)
+    n, base = runs[PLAIN_DDP[0]].config.nprocs, max(first, last)
+    out = []
+    for key in DDP_SETTINGS:
+        run = runs[f"ddp {key} alone"]
+        launch = "a launch of its own" if key == "nccl_env" else "the same launch"
+        extra = f"; {run.summary['notes']}" if run.summary["notes"] else ""
+        out.append(
+            _row(
+                f"ddp {key} alone x{n} throughput",
+                f"training throughput on {n} ranks, DDP with this setting alone against its "
+                "defaults",
+                "samples/s",
+                run.summary["samples_per_s"],
+                baseline=base,
+                higher_is_better=True,
+                note=f"{where}; {key}={TUNED_COMM[key]!r}; against DDP's defaults trained in "
+                f"{launch}, first and last of its series: {first:,.0f} and {last:,.0f} samples/s, "
+                f"the faster is the baseline{extra}",
+            )
+        )
+    return out
 
 
 def rank_counts(gpus: int) -> list[int]:
