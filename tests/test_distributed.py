@@ -845,7 +845,7 @@ def test_bench_rows_judge_the_two_gpu_targets():
 def test_bench_baseline_is_the_faster_of_two_launches_around_the_others(monkeypatch):
     launched = []
 
-    def fake_measure(task, nprocs, *, preset, sizes, configs):
+    def fake_measure(task, nprocs, *, preset, sizes, configs, on_run=None):
         launched.append((nprocs, tuple(configs)))
         if "one" in configs:  # the baseline: slow before, fast after
             return {"one": fake_run("none", 1, 80.0 if len(launched) == 1 else 100.0, 12.0)}
@@ -872,7 +872,7 @@ def test_bench_baseline_is_the_faster_of_two_launches_around_the_others(monkeypa
 def test_on_gpus_each_ddp_setting_is_measured_alone_against_plain_ddp_in_its_launch(monkeypatch):
     launched = []
 
-    def fake_measure(task, nprocs, *, preset, sizes, configs, series=False):
+    def fake_measure(task, nprocs, *, preset, sizes, configs, series=False, on_run=None):
         launched.append((nprocs, tuple(configs), series))
         first, last = bench.PLAIN_DDP
         rate = {"one": 100.0, bench.ONE_TUNED: 120.0, "ddp": 150.0 * nprocs,
@@ -897,6 +897,10 @@ def test_on_gpus_each_ddp_setting_is_measured_alone_against_plain_ddp_in_its_lau
         assert "560 and 600 samples/s, the faster is the baseline" in row.note
     assert alone["ddp static_graph alone"] == {"wrapper": "ddp", "static_graph": True}
     assert "ddp bucket_cap_mb alone x2 throughput" not in rows
+    launched.clear()  # each part alone
+    only = BenchContext(torch.device("cuda"), "gpu", only=("settings",))
+    assert [n for n, *_ in launched] == [] and len(bench.run(only)) == len(bench.DDP_SETTINGS)
+    assert launched == [(4, tuple(alone), True)]
 
 
 def test_measure_as_series_launches_once_per_nccl_setting_and_keeps_the_order(monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -242,17 +243,39 @@ def skipped_rows(present: int, *, reason: str) -> list[Row]:
     ]
 
 
+def parts() -> list[str]:
+    """The parts ``--only`` can pick: the wrappers against one GPU at each count, and on GPUs
+    each DDP setting alone (each within one ten-minute GPU command)."""
+    return ["wrappers", "settings"]
+
+
 def run(ctx: BenchContext) -> list[Row]:
     task, which = pick_task()
     on_gpu = ctx.device.type == "cuda"
     gpus = torch.cuda.device_count() if on_gpu else 0
     if on_gpu and gpus < 2:
         return skipped_rows(gpus, reason=f"{gpus} GPU present; DDP and FSDP2 need two or more")
-    judged, sizes = ctx.judged, BENCH_SIZES["gpu" if on_gpu else "cpu"]
+    sizes, t0 = BENCH_SIZES["gpu" if on_gpu else "cpu"], time.perf_counter()
 
-    def launch(nprocs: int, configs: dict[str, dict[str, Any]]) -> dict[str, RunResult]:
-        return measure(task, nprocs, preset=ctx.preset, sizes=sizes, configs=configs)
+    def say(label: str, run: RunResult) -> None:  # launches take minutes: say where it is
+        print(f"distributed {time.perf_counter() - t0:5.0f} s: {label} on "
+              f"{run.config.nprocs} ranks, {run.summary['samples_per_s']:,.0f} samples/s")  # fmt: skip
 
+    def launch(nprocs: int, configs: dict[str, dict[str, Any]], **how: Any) -> dict[str, RunResult]:
+        return measure(task, nprocs, preset=ctx.preset, sizes=sizes, configs=configs, on_run=say,
+                       **how)  # fmt: skip
+
+    out = wrapper_rows(ctx, launch, gpus, f"task {task} ({which})") if ctx.selected("wrappers") else []
+    if on_gpu and ctx.selected("settings"):  # at the largest count: communication weighs most
+        alone = launch(gpus, setting_configs(), series=True)
+        out += setting_rows(alone, where=f"{gpus} GPUs, nccl, task {task} ({which})")
+    return out + (skipped_rows(gpus, reason=f"{gpus} GPUs present") if on_gpu else [])
+
+
+def wrapper_rows(ctx: BenchContext, launch: Callable[..., dict[str, RunResult]], gpus: int,
+                 task: str) -> list[Row]:  # fmt: skip
+    """Each wrapper, with default and tuned settings, against one process at every rank count."""
+    on_gpu = gpus > 0
     # One process's throughput varies by launch: run before and after, the faster is the baseline.
     # The tuned runs' baseline is DDP on one rank with the same settings: what of them applies
     # without a second rank (bf16 gradients and parameters among them) is in both.
@@ -260,10 +283,6 @@ def run(ctx: BenchContext) -> list[Row]:
     wrapped = {k: v for k, v in CONFIGS.items() if k != "one"}
     before = {k: launch(1, {k: v})[k] for k, v in singles.items()}
     by_count = {n: launch(n, wrapped) for n in (rank_counts(gpus) if on_gpu else [2])}
-    alone = {}
-    if on_gpu:  # each setting alone, at the largest count: where communication weighs most
-        alone = measure(task, gpus, preset=ctx.preset, sizes=sizes, configs=setting_configs(),
-                        series=True)  # fmt: skip
     after = {k: launch(1, {k: v})[k] for k, v in singles.items()}
     faster = {k: max(before[k], after[k], key=lambda run: run.summary["samples_per_s"])
               for k in singles}  # fmt: skip
@@ -275,16 +294,14 @@ def run(ctx: BenchContext) -> list[Row]:
     out: list[Row] = []
     for nprocs, runs in by_count.items():
         where = (
-            f"{nprocs} GPUs, nccl, task {task} ({which})"
-            if judged
+            f"{nprocs} GPUs, nccl, {task}"
+            if ctx.judged
             else f"not judged: the targets are for GPUs with the gpu preset, this is {nprocs} "
-            f"{'GPU' if on_gpu else 'gloo CPU'} processes with preset {ctx.preset}; task {task}"
+            f"{'GPU' if on_gpu else 'gloo CPU'} processes with preset {ctx.preset}; {task}"
         )
-        found = rows({**faster, **runs}, judged=judged, where=where + spread)
+        found = rows({**faster, **runs}, judged=ctx.judged, where=where + spread)
         out += found if not out else found[2:]  # the one-GPU rows once
-    if alone:
-        out += setting_rows(alone, where=f"{gpus} GPUs, nccl, task {task} ({which})")
-    return out + (skipped_rows(gpus, reason=f"{gpus} GPUs present") if on_gpu else [])
+    return out
 
 
 def setting_configs() -> dict[str, dict[str, Any]]:
