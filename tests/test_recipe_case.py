@@ -108,12 +108,15 @@ def frame_of(speedup: float, val_vs_baseline: float) -> pd.DataFrame:
 
 @pytest.mark.parametrize(
     ("speedup", "quality", "met"),
-    [(2.6, 1.02, True), (2.4, 1.0, False), (3.0, 1.05, False), (2.5, 0.5, True)],
+    [(2.6, 1.02, True), (2.4, 1.0, False), (3.0, 1.05, True), (2.5, 0.5, True)],
 )
-def test_the_target_row_needs_both_speed_and_quality(speedup, quality, met):
+def test_the_target_row_judges_speed_and_leaves_one_seeds_quality_to_the_seed_rows(
+    speedup, quality, met
+):
     rows = recipe.rows(frame_of(speedup, quality), "cumulative", judged=True, target="recipe")
     target = {r.case: r for r in rows}["cumulative: recipe"]
     assert target.met is met and target.speedup == pytest.approx(speedup)
+    assert "validation" not in target.target and "over seeds" in target.note
     assert all(r.met is None for r in rows if r is not target)
     unjudged = recipe.rows(frame_of(speedup, quality), "cumulative", judged=False, target="recipe")
     assert all(r.met is None for r in unjudged)
@@ -152,6 +155,7 @@ def test_the_phase_runs_in_parts_each_with_its_own_rows(monkeypatch, only, group
     assert ran == groups and len(measured) == len(groups)
     validation = [r for r in rows if r.case == recipe.VALIDATION_CASE]
     assert len(validation) == ("cumulative" in groups)
+    assert all(r.met is None and "judged over seeds" in r.target for r in validation)
     for first_changed, validated in measured:  # the progression validates its last, alone not
         assert validated[0] == "baseline" and len(validated) == (
             2 if first_changed.startswith("+") else 1

@@ -411,8 +411,10 @@ def rows(frame: pd.DataFrame, group: str, *, judged: bool, target: str | None = 
         if r["compile_s"]:
             note += f"; compile {r['compile_s']:.1f} s (not in the step time)"
         is_target = r["config"] == target
-        met = r["speedup"] >= TARGET_SPEEDUP and r["val_vs_baseline"] <= TARGET_QUALITY
-        goal = f">= {TARGET_SPEEDUP}x, validation error <= {TARGET_QUALITY}x"
+        if is_target:  # one seed's validation error cannot judge its target: the seed rows do
+            note += f"; validation error <= {TARGET_QUALITY}x judged over seeds (quality rows)"
+        met = r["speedup"] >= TARGET_SPEEDUP
+        goal = f">= {TARGET_SPEEDUP}x"
         out.append(Row(
             PHASE, f"{group}: {r['config']}", "training throughput", "samples/s",
             r["samples_per_s"], baseline=base["samples_per_s"], higher_is_better=True,
@@ -478,7 +480,7 @@ def _validation_row(
         PHASE, VALIDATION_CASE, f"relative L2 error of the field after {bench.train_steps} steps "
         f"(mean of {bench.reads} reads, {bench.read_every} steps apart)", "",
         cumulative["val_error"].iloc[-1], baseline=cumulative["val_error"].iloc[0],
-        target=f"<= {TARGET_QUALITY}x baseline",
-        met=bool(cumulative["val_vs_baseline"].iloc[-1] <= TARGET_QUALITY) if ctx.judged else None,
-        note=f"{cumulative['flags'].iloc[-1]}; speedup = baseline error / recipe error; " + note,
+        target=f"<= {TARGET_QUALITY}x baseline, judged over seeds (quality rows)", met=None,
+        note=f"{cumulative['flags'].iloc[-1]}; one seed; speedup = baseline error / recipe error; "
+        + note,
     )  # fmt: skip
