@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from accel.doctor.timeline import profile_timeline
 from accel.lab.bench import BenchContext, Row
 from accel.measure.timer import compare
 
@@ -89,6 +90,7 @@ def _width_rows(width: int, sizes: Float8Sizes, device: torch.device) -> list[Ro
     losses = {name: [step().item() for _ in range(sizes.loss_steps)] for name, step in steps.items()}
     timing = compare(steps, warmup=2, repeats=sizes.repeats, device=device)
     low, high = timing.median_ratio_interval("bf16", "float8")
+    profiled = {name: profile_timeline(step, device, steps=3) for name, step in steps.items()}
     last = {name: curve[-1] for name, curve in losses.items()}
     pairs = zip(losses["float8"], losses["bf16"], strict=True)
     apart = max(abs(a - b) / max(abs(b), 1e-12) for a, b in pairs)
@@ -98,7 +100,8 @@ def _width_rows(width: int, sizes: Float8Sizes, device: torch.device) -> list[Ro
             f"autocast, {sizes.blocks} MLP blocks over {sizes.tokens} tokens", "ms",
             timing.timings["float8"].median_ms, baseline=timing.timings["bf16"].median_ms,
             note=f"paired ratio {timing.paired_ratio('bf16', 'float8'):.2f}x (95% interval "
-            f"{low:.2f}-{high:.2f}); {'compiled' if sizes.compile else 'eager'}, fused AdamW"),
+            f"{low:.2f}-{high:.2f}); {'compiled' if sizes.compile else 'eager'}, fused AdamW; "
+            + _where_time_goes(profiled)),
         Row(PHASE, f"{case}: loss", f"training loss after {sizes.loss_steps} steps from the same "
             "start, float8 vs bf16 autocast (speedup: bf16's over float8's)", "", last["float8"],
             baseline=last["bf16"], note=f"the curves at most {apart:.1%} apart step by step"),
@@ -120,3 +123,14 @@ def _step(model: nn.Module, x: torch.Tensor, target: torch.Tensor, device: torch
         return loss.detach()
 
     return step
+
+
+def _where_time_goes(profiled: dict) -> str:
+    """The kernels' time per step by kind, bf16's beside float8's (the products first): what
+    float8 saves in its products against what its casts and scales add."""
+    bf16, fp8 = (profiled[k].by_category for k in ("bf16", "float8"))
+    kinds = sorted(set(bf16) | set(fp8), key=lambda k: (k != "matmul", -fp8.get(k, 0.0)))
+    return "profiled time per step, bf16 / float8: " + ", ".join(
+        f"{kind} {bf16.get(kind, 0.0) / 1e3:.3g} / {fp8.get(kind, 0.0) / 1e3:.3g} ms"
+        for kind in kinds
+    )
