@@ -136,15 +136,21 @@ class Session:
 
     def effects(self) -> Effects:
         """What the step's code did that the session could only name (files put back or not,
-        connections, processes), as recorded so far; a file that could not be put back is said
-        so, and not said put back."""
+        connections, processes), as recorded so far; a file that could not be put back, or came
+        back no longer hard-linked to its other names, is said so, and not said put back (as it
+        was)."""
         recording = self._recording
         failed = recording.files.failed
         found = collections.Counter(recording.found)
         found.update(f"could not put back {path}" for path in sorted(failed))
         found.update(f"could not keep {path} (not a file), so not put back"
                      for path in sorted(recording.files.unkept))
-        put_back = {what for what, paths in recording.put_back.items() if not paths & failed}
+        separated = recording.files.separated
+        found.update(f"put back {path} as a separate copy, no longer hard-linked to its other "
+                     "names (they hold the file as the step left it)"
+                     for path in sorted(separated))  # fmt: skip
+        put_back = {what for what, paths in recording.put_back.items()
+                    if not paths & (failed | separated)}  # fmt: skip
         return Effects(found, put_back)
 
 
