@@ -903,6 +903,46 @@ def test_a_checkpoint_per_step_is_named_as_one_clause_for_its_folder(seed, tmp_p
     assert list(folder.iterdir()) == []
 
 
+@pytest.mark.parametrize("save", ["open", "torch.save"])
+def test_relative_paths_after_the_step_changes_folder_are_named_where_they_are(
+    seed, tmp_path, monkeypatch, save
+):
+    """A step that moves into its run's folder and saves ``ckpt.pt`` there: named as written,
+    it would read as the ``ckpt.pt`` in the folder the user ran from. Each name is said where it
+    is, put back there, and the working folder is the user's again."""
+    monkeypatch.chdir(tmp_path)
+    model, opt = small()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt.pt").write_bytes(b"the run's checkpoint")
+    (tmp_path / "ckpt.pt").write_bytes(b"the user's checkpoint")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        os.chdir(run)
+        if save == "open":
+            with open("ckpt.pt.tmp", "wb") as out:
+                out.write(b"the step's")
+        else:
+            torch.save(model.state_dict(), "ckpt.pt.tmp")
+        os.replace("ckpt.pt.tmp", "ckpt.pt")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    line = first_line(report)
+    assert f"wrote {run / 'ckpt.pt.tmp'} (" in line, line
+    assert f"renamed {run / 'ckpt.pt.tmp'} to {run / 'ckpt.pt'} (" in line, line
+    assert not re.search(r"(wrote|renamed|to) ckpt\.pt", line), line
+    assert Path.cwd() == tmp_path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report.try_fixes(["fused_optimizer"], steps=1, repeats=2)
+    assert Path.cwd() == tmp_path
+    assert (run / "ckpt.pt").read_bytes() == b"the run's checkpoint"
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"the user's checkpoint"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt.pt", "ckpt.pt", "run"]
+
+
 def test_files_a_rewritten_copy_of_the_step_writes_are_put_back_too(seed, tmp_path):
     """The loop rewrite runs the step as new code compiled from its source: what that code
     writes is the step's, named and put back like the rest."""
