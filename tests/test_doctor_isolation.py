@@ -14,6 +14,7 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import errno
 import functools
 import importlib
 import itertools
@@ -902,6 +903,46 @@ def test_a_checkpoint_per_step_is_named_as_one_clause_for_its_folder(seed, tmp_p
     assert list(folder.iterdir()) == []
 
 
+@pytest.mark.parametrize("save", ["open", "torch.save"])
+def test_relative_paths_after_the_step_changes_folder_are_named_where_they_are(
+    seed, tmp_path, monkeypatch, save
+):
+    """A step that moves into its run's folder and saves ``ckpt.pt`` there: named as written,
+    it would read as the ``ckpt.pt`` in the folder the user ran from. Each name is said where it
+    is, put back there, and the working folder is the user's again."""
+    monkeypatch.chdir(tmp_path)
+    model, opt = small()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt.pt").write_bytes(b"the run's checkpoint")
+    (tmp_path / "ckpt.pt").write_bytes(b"the user's checkpoint")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        os.chdir(run)
+        if save == "open":
+            with open("ckpt.pt.tmp", "wb") as out:
+                out.write(b"the step's")
+        else:
+            torch.save(model.state_dict(), "ckpt.pt.tmp")
+        os.replace("ckpt.pt.tmp", "ckpt.pt")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    line = first_line(report)
+    assert f"wrote {run / 'ckpt.pt.tmp'} (" in line, line
+    assert f"renamed {run / 'ckpt.pt.tmp'} to {run / 'ckpt.pt'} (" in line, line
+    assert not re.search(r"(wrote|renamed|to) ckpt\.pt", line), line
+    assert Path.cwd() == tmp_path
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report.try_fixes(["fused_optimizer"], steps=1, repeats=2)
+    assert Path.cwd() == tmp_path
+    assert (run / "ckpt.pt").read_bytes() == b"the run's checkpoint"
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"the user's checkpoint"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt.pt", "ckpt.pt", "run"]
+
+
 def test_files_a_rewritten_copy_of_the_step_writes_are_put_back_too(seed, tmp_path):
     """The loop rewrite runs the step as new code compiled from its source: what that code
     writes is the step's, named and put back like the rest."""
@@ -1468,6 +1509,76 @@ def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp
         warnings.simplefilter("ignore")
         report.try_fixes(["fused_optimizer"], steps=1, repeats=2)
     assert disk(tmp_path) == before
+
+
+def copies_on_another_file_system(monkeypatch) -> None:
+    """``os.link`` into the doctor's folder of copies fails as it does across file systems (the
+    copies in a tmpfs ``/tmp``, the checkpoints on a disk)."""
+    link = os.link
+
+    def across_file_systems(source, target, *args, **kwargs):
+        if "accel-doctor-kept-" in os.fsdecode(target):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", source, target)
+        return link(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(os, "link", across_file_systems)
+
+
+@pytest.mark.parametrize("make", [_hard_linked_file_saved_over,
+                                  _hard_linked_file_written_then_removed],
+                         ids=lambda f: f.__name__.strip("_").replace("_", " "))  # fmt: skip
+def test_a_hard_linked_file_kept_on_another_file_system_comes_back_linked(
+    seed, tmp_path, monkeypatch, make
+):
+    """The copies' folder cannot hold a link to the file: the file is held open instead, and
+    linked back under the name the step replaced or removed, so its other names share it."""
+    copies_on_another_file_system(monkeypatch)
+    model, opt = small()
+    root = tmp_path / "root"
+    root.mkdir()
+    change = make(root)
+    before = disk(tmp_path)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        change()
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert disk(tmp_path) == before
+    assert "as a separate copy" not in first_line(report)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report.try_fixes(["fused_optimizer"], steps=1, repeats=2)
+    assert disk(tmp_path) == before
+
+
+def test_a_hard_linked_file_that_cannot_be_held_is_said_to_come_back_unlinked(
+    seed, tmp_path, monkeypatch
+):
+    """Neither a link in the copies' folder nor an open descriptor holds the file (as many held
+    open as the doctor holds): it comes back as a copy of its own, said so, not said put back as
+    it was."""
+    from accel.doctor import kept_files
+
+    copies_on_another_file_system(monkeypatch)
+    monkeypatch.setattr(kept_files, "HELD_OPEN", 0)
+    model, opt = small()
+    best, other = tmp_path / "best.pt", tmp_path / "step-7.pt"
+    best.write_bytes(b"the user's checkpoint")
+    os.link(best, other)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        torch.save(model.state_dict(), tmp_path / "tmp.pt")
+        os.replace(tmp_path / "tmp.pt", best)
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert best.read_bytes() == other.read_bytes() == b"the user's checkpoint"
+    assert (f"put back {best} as a separate copy, no longer hard-linked to its other names (they "
+            "hold the file as the step left it)") in line, line  # fmt: skip
+    assert "put back as it was" not in line.split(f"to {best}")[1], line
 
 
 def test_a_file_that_cannot_be_put_back_is_said_so_and_not_said_put_back(

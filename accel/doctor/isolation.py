@@ -66,6 +66,7 @@ class _Recording:
         self.found: collections.Counter[str] = collections.Counter()
         self.codes: set[types.CodeType] = set()  # a file opened under one of them: the step's
         self.files = KeptFiles()
+        self.folder = os.getcwd()  # where the session began: a relative path reads right there
         self.put_back: dict[str, set[str]] = {}  # what is said put back: the paths it stands for
         self.threads: list[threading.Thread] = []  # started by the step
         self.tasks: list[concurrent.futures.Future] = []  # given to a thread pool by the step
@@ -92,7 +93,7 @@ class Session:
         self._warning_filters = warnings.catch_warnings()  # a step's simplefilter("ignore")
         self._warning_filters.__enter__()
         self._environment = dict(os.environ)
-        self._folder = os.getcwd()  # a step may move into its run's folder
+        self._recording.folder = os.getcwd()  # a step may move into its run's folder
         self._loggers = _Loggers()
         self._token = _RECORD.set(self._recording)
         self._save = _Patched(torch.serialization, "_open_zipfile_writer", _audited_save)
@@ -119,7 +120,7 @@ class Session:
         _restore_environment(self._environment)
         self._loggers.restore()
         self._recording.files.put_back()  # kept by absolute path, wherever the step moved
-        os.chdir(self._folder)
+        os.chdir(self._recording.folder)
 
     def _wait_for_threads(self) -> None:
         """The threads the step started finish what they write before the files are put back;
@@ -136,15 +137,21 @@ class Session:
 
     def effects(self) -> Effects:
         """What the step's code did that the session could only name (files put back or not,
-        connections, processes), as recorded so far; a file that could not be put back is said
-        so, and not said put back."""
+        connections, processes), as recorded so far; a file that could not be put back, or came
+        back no longer hard-linked to its other names, is said so, and not said put back (as it
+        was)."""
         recording = self._recording
         failed = recording.files.failed
         found = collections.Counter(recording.found)
         found.update(f"could not put back {path}" for path in sorted(failed))
         found.update(f"could not keep {path} (not a file), so not put back"
                      for path in sorted(recording.files.unkept))
-        put_back = {what for what, paths in recording.put_back.items() if not paths & failed}
+        separated = recording.files.separated
+        found.update(f"put back {path} as a separate copy, no longer hard-linked to its other "
+                     "names (they hold the file as the step left it)"
+                     for path in sorted(separated))  # fmt: skip
+        put_back = {what for what, paths in recording.put_back.items()
+                    if not paths & (failed | separated)}  # fmt: skip
         return Effects(found, put_back)
 
 
@@ -233,6 +240,10 @@ def _audit(event: str, args: tuple) -> None:
     walked = event in _AT_EVENTS and args[1] not in (None, -1)  # one entry of a walk (rmtree's)
     if not (what or walked) or not _steps(recording):
         return
+    if not walked:  # a walk's entries are relative to its folder's descriptor, not named
+        named = _where_they_are(event, args, recording.folder)
+        if named is not args:
+            args, what = named, describe(*named)
     try:
         _keep_what_changes(recording, event, args, what, walked)
     except TooLargeToKeep as refusal:  # the change is not made: said, whether the step goes on
@@ -262,6 +273,17 @@ def _keep_what_changes(recording: _Recording, event: str, args: tuple, what: str
         recording.files.walking(args[0])
     if paths and all(kept):
         recording.put_back.setdefault(what, set()).update(absolute(p) for p in paths)
+
+
+def _where_they_are(event: str, args: tuple, folder: str) -> tuple:
+    """``args`` with the relative paths of what the event changes made absolute where the step
+    has moved out of ``folder``, the working folder its session began in: as written, they would
+    read as paths there."""
+    relative = {i for i in _FILE_CHANGES.get(event, ())
+                if isinstance(args[i], (str, bytes, os.PathLike)) and not os.path.isabs(args[i])}  # fmt: skip
+    if not relative or os.getcwd() == folder:
+        return args
+    return tuple(absolute(arg) if i in relative else arg for i, arg in enumerate(args))
 
 
 def _opened(path: Any, mode: Any, flags: Any) -> str | None:

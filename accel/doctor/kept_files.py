@@ -3,8 +3,9 @@ doctor's session closes: a file's bytes and mode, a link as a link, a folder wit
 held (where the step removes or renames it) or its mode alone (where it changes that). A file
 too large to keep (over :data:`KEEP_BYTES`, past :data:`KEEP_TOTAL_BYTES` kept in all, or past
 the free space where the copies go) is not let be changed: :class:`TooLargeToKeep` is raised
-before the change. Putting back never writes through a link the step left, and what cannot be
-put back is said, not hidden.
+before the change. A hard-linked file is held (by a link of the doctor's, or open) and linked
+back, so that its other names share it again. Putting back never writes through a link the step
+left, and what cannot be put back, or comes back no longer shared, is said, not hidden.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ __all__ = ["KEEP_BYTES", "KEEP_TOTAL_BYTES", "KeptFiles", "TooLargeToKeep"]
 KEEP_BYTES = 2**30  # a file the step changes is kept to put back up to this size
 KEEP_TOTAL_BYTES = 8 * 2**30  # and the files of one session up to this total
 FREE_AFTER_BYTES = 2**30  # a copy leaves at least this much free where the copies go
+HELD_OPEN = 128  # hard-linked files held open at most (a process may often open only 1024 files)
+_OPEN_FILES = "/proc/self/fd"  # where an open file has a name (Linux)
 
 
 class TooLargeToKeep(PermissionError):
@@ -43,12 +46,13 @@ class _Link(NamedTuple):
 
 
 class _Inode(NamedTuple):
-    """A kept file's inode; a hard-linked one's held by a link of the doctor's own (``held``;
-    None where it could not be made, or the file had one name): put back under the name the
-    step replaced or removed."""
+    """A kept file's inode; a hard-linked one's (``linked``) held under a name of the doctor's
+    own (``held``: a link, or an open descriptor's name; None where neither could be had, or the
+    file had one name): put back under the name the step replaced or removed."""
 
     device: int
     number: int
+    linked: bool
     held: str | None
 
 
@@ -73,7 +77,9 @@ class KeptFiles:
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
         self.unkept: set[str] = set()  # there, and not a file (a pipe, a device): lost if changed
+        self.separated: set[str] = set()  # hard-linked, put back as a file its other names are not
         self._inodes: dict[str, _Inode] = {}  # kept files
+        self._held_open: list[int] = []  # descriptors holding hard-linked files, closed when back
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
         self._folder: str | None = None
@@ -144,12 +150,29 @@ class KeptFiles:
                 copy = os.path.join(self._folder, str(len(self.kept)))
                 shutil.copy2(path, copy)
                 found = os.stat(path)  # written back in place while still there: its other
-                held = _held(path, copy) if found.st_nlink > 1 else None  # names and open
-                self._inodes[path] = _Inode(found.st_dev, found.st_ino, held)  # handles see it
+                linked = found.st_nlink > 1  # names and open handles see it
+                held = self._hold(path, copy) if linked else None
+                self._inodes[path] = _Inode(found.st_dev, found.st_ino, linked, held)
             finally:
                 self._copying.on = False
         self.kept[path] = copy
         return True
+
+    def _hold(self, path: str, copy: str) -> str | None:
+        """A name of the doctor's own for the hard-linked file at ``path``: a link beside its
+        ``copy``, or, where the copies are on another file system, the name of a descriptor held
+        open on it (writing nothing where the file is); None where neither can be had."""
+        try:
+            os.link(path, copy + ".inode", follow_symlinks=False)
+        except OSError:
+            if len(self._held_open) >= HELD_OPEN or not os.path.isdir(_OPEN_FILES):
+                return None
+            try:
+                self._held_open.append(os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)))
+            except OSError:
+                return None
+            return os.path.join(_OPEN_FILES, str(self._held_open[-1]))
+        return copy + ".inode"
 
     def _inside_new(self, path: str) -> bool:
         """Whether a folder above ``path`` was not there when first kept."""
@@ -172,7 +195,9 @@ class KeptFiles:
             if isinstance(copy, _Folder):
                 continue
             if copy is not None:
-                self._attempt(path, _file_back, path, copy, self._inodes.get(path))
+                back = self._attempt(path, _file_back, path, copy, self._inodes.get(path))
+                if back is False:  # back, but no longer the file its other names are
+                    self.separated.add(path)
             elif os.path.isfile(path) or os.path.islink(path):
                 self._attempt(path, os.remove, path)  # a link is removed itself, never its target
         whole = [(p, kept.names) for p, kept in self.kept.items()
@@ -186,6 +211,9 @@ class KeptFiles:
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self._folder = None  # made again by the next keep (the trial after this one)
+        for descriptor in self._held_open:
+            os.close(descriptor)
+        self._held_open.clear()
         self.kept.clear()
         self.refused.clear()
         self._renamed.clear()
@@ -193,11 +221,13 @@ class KeptFiles:
         self._inodes.clear()
         self._bytes = 0
 
-    def _attempt(self, path: str, action: Callable[..., Any], *args: Any) -> None:
+    def _attempt(self, path: str, action: Callable[..., Any], *args: Any) -> Any:
+        """What ``action`` returns; None where it failed (``path`` added to :attr:`failed`)."""
         try:
-            action(*args)
+            return action(*args)
         except OSError:
             self.failed.add(path)
+            return None
 
 
 def _within_budget(path: str, kept_bytes: int, folder: str) -> int:
@@ -259,32 +289,27 @@ def _only(path: str, names: frozenset[str]) -> None:
             _gone(os.path.join(path, name))
 
 
-def _held(path: str, copy: str) -> str | None:
-    """A link of the doctor's own to the hard-linked file at ``path``, beside its ``copy``
-    (None where the copies are on another file system)."""
-    try:
-        os.link(path, copy + ".inode", follow_symlinks=False)
-    except OSError:
-        return None
-    return copy + ".inode"
-
-
-def _file_back(path: str, kept: str | _Link, inode: _Inode | None = None) -> None:
+def _file_back(path: str, kept: str | _Link, inode: _Inode | None = None) -> bool:
     """A folder the step made in the file's place goes, with all in it (the step's: the path
     was a file). The file still there (the same one, not a link) is written back in place, so
     that its other names and the handles open on it (a user's log handler) see it; a
-    hard-linked one is linked back where the step replaced or removed it."""
+    hard-linked one is linked back where the step replaced or removed it. False where a
+    hard-linked file came back as a file of its own (not held, or its hold not linkable)."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     if inode is not None and not os.path.islink(path) and os.path.isfile(path):
         found = os.stat(path)
-        if (found.st_dev, found.st_ino) == inode[:2]:
+        if (found.st_dev, found.st_ino) == (inode.device, inode.number):
             _write_in_place(path, kept)
-            return
+            return True
     if inode is not None and inode.held is not None:
-        _write_in_place(inode.held, kept)
-        kept = inode
+        try:
+            _replace(path, kept, inode.held)
+            return True
+        except OSError:  # an open file whose other names the step removed too cannot be linked
+            pass  # (none is left to share it), nor a read-only one written: a copy of its own
     _replace(path, kept)
+    return inode is None or not inode.linked
 
 
 def _write_in_place(path: str, kept: str) -> None:
@@ -294,10 +319,10 @@ def _write_in_place(path: str, kept: str) -> None:
     shutil.copystat(kept, path)
 
 
-def _replace(path: str, kept: str | _Link | _Inode) -> None:
-    """``path`` made the kept file or link again: made whole under a new name beside it, then
-    renamed over what the step left there, so a link left at ``path`` is replaced, never
-    written through."""
+def _replace(path: str, kept: str | _Link, held: str | None = None) -> None:
+    """``path`` made the kept file or link again (the file ``held`` names, where given): made
+    whole under a new name beside it, then renamed over what the step left there, so a link
+    left at ``path`` is replaced, never written through."""
     folder = os.path.dirname(path)
     if not os.path.isdir(folder):  # the step removed its folder: named, not made again
         return
@@ -305,8 +330,9 @@ def _replace(path: str, kept: str | _Link | _Inode) -> None:
     try:
         if isinstance(kept, _Link):
             os.symlink(kept.target, tmp)
-        elif isinstance(kept, _Inode):  # the file its other names still are
-            os.link(kept.held, tmp)
+        elif held is not None:  # the file its other names still are, written as it was
+            _link_held(held, tmp)
+            _write_in_place(tmp, kept)
         else:  # made here (O_EXCL), so nothing at the temporary's name is written through
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "wb") as out, open(kept, "rb") as source:
@@ -317,3 +343,17 @@ def _replace(path: str, kept: str | _Link | _Inode) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _link_held(held: str, name: str) -> None:
+    """``name`` made a name of the file ``held`` names. An open descriptor's name is followed
+    only by linkat, which ``os.link`` calls where given a folder's descriptor (link(2) would
+    link the name in /proc itself, and fail)."""
+    if not held.startswith(_OPEN_FILES + os.sep):
+        os.link(held, name)
+        return
+    folder = os.open(os.path.dirname(name), os.O_RDONLY)
+    try:
+        os.link(held, os.path.basename(name), dst_dir_fd=folder)
+    finally:
+        os.close(folder)
