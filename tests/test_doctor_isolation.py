@@ -624,6 +624,51 @@ def test_the_working_folder_onednn_and_autograds_threads_a_step_changes_are_put_
     assert after == before
 
 
+def test_garbage_collection_umask_numpy_errors_and_the_default_device_a_step_sets_are_put_back(
+    seed,
+):
+    """A step tuned 'for speed' turns the garbage collector off, a debugging one makes NumPy
+    raise on overflow or torch warn always, one sets a default device or umask: each is the
+    whole process's, and the user's later code runs under it."""
+    import gc
+
+    model, opt = small()
+
+    def step(x):
+        gc.disable()
+        gc.set_threshold(100_000, 50, 50)
+        os.umask(0o077)
+        np.seterr(all="raise")
+        np.set_printoptions(precision=2)
+        torch.set_warn_always(True)
+        torch.set_default_device("cpu")
+        sys.setrecursionlimit(sys.getrecursionlimit() + 1000)
+        return one_update(model, opt, x).detach()
+
+    def state():
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return (gc.isenabled(), gc.get_threshold(), umask, np.geterr(),
+                np.get_printoptions()["precision"], torch.is_warn_always_enabled(),
+                getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
+                sys.getrecursionlimit())  # fmt: skip
+
+    before = state()
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = state()
+    finally:
+        gc.enable()
+        gc.set_threshold(*before[1])
+        os.umask(before[2])
+        np.seterr(**before[3])
+        np.set_printoptions(precision=before[4])
+        torch.set_warn_always(before[5])
+        torch.set_default_device(None)
+        sys.setrecursionlimit(before[7])
+    assert after == before
+
+
 def test_examining_inside_the_users_own_profiler_is_refused_and_leaves_their_profile(seed):
     """The doctor profiles the step itself: started inside a profiler the user is running, it
     took the session over and the user's profile came back empty. Refused before any work."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextvars
+import gc
 import inspect
 import logging
 import os
@@ -76,7 +77,8 @@ class Session:
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
     detection, the SDPA kernels, the thread count, the float32 matmul precision, denormals
-    flushed, print options, oneDNN, autograd's threads), the warnings filters, the working
+    flushed, print options, oneDNN, autograd's threads), the process's other switches
+    (:class:`_ProcessSwitches`), the warnings filters, the working
     folder, the environment variables and the loggers' levels and handlers."""
 
     def __init__(self) -> None:
@@ -91,6 +93,7 @@ class Session:
         self._backend_flags.__enter__()
         self._warning_filters = warnings.catch_warnings()  # a step's simplefilter("ignore")
         self._warning_filters.__enter__()
+        self._switches = _ProcessSwitches()
         self._environment = dict(os.environ)
         self._folder = os.getcwd()  # a step may move into its run's folder
         self._loggers = _Loggers()
@@ -116,6 +119,7 @@ class Session:
         self._generators.restore()
         self._backend_flags.__exit__(None, None, None)
         self._warning_filters.__exit__(None, None, None)
+        self._switches.restore()
         _restore_environment(self._environment)
         self._loggers.restore()
         self._recording.files.put_back()  # kept by absolute path, wherever the step moved
@@ -169,6 +173,51 @@ class _Generators:
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
+
+
+def _umask() -> int:
+    umask = os.umask(0o022)  # there is no getter: read by setting it
+    os.umask(umask)
+    return umask
+
+
+def _default_device() -> torch.device | None:
+    """The device ``torch.set_default_device`` set, or None where it set none."""
+    context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    return None if context is None else context.device
+
+
+# (read, write) of switches of the whole process that are not torch's numerics: a step made 'fast'
+# turns the garbage collector off, a debugging one makes NumPy raise; the user's code runs on
+_PROCESS_SWITCHES = (
+    (gc.isenabled, lambda on: gc.enable() if on else gc.disable()),
+    (gc.get_threshold, lambda thresholds: gc.set_threshold(*thresholds)),
+    (_umask, os.umask),
+    (sys.getrecursionlimit, sys.setrecursionlimit),
+    (torch.is_warn_always_enabled, torch.set_warn_always),
+    (_default_device, torch.set_default_device),
+)
+
+
+class _ProcessSwitches:
+    """The garbage collector (on, thresholds), the umask, the recursion limit, torch's
+    warn-always and default device, NumPy's error handling and print options, to put back; each
+    written only where it changed (a default device set again is a new mode on torch's stack)."""
+
+    def __init__(self) -> None:
+        self.kept = [(read, write, read()) for read, write in _PROCESS_SWITCHES]
+        numpy = sys.modules.get("numpy")  # imported with torch where it is installed
+        if numpy is not None:
+            self.kept += [
+                (numpy.geterr, lambda errors: numpy.seterr(**errors), numpy.geterr()),
+                (numpy.get_printoptions, lambda options: numpy.set_printoptions(**options),
+                 numpy.get_printoptions()),
+            ]  # fmt: skip
+
+    def restore(self) -> None:
+        for read, write, value in self.kept:
+            if read() != value:
+                write(value)
 
 
 def _restore_environment(saved: dict[str, str]) -> None:
