@@ -669,6 +669,37 @@ def test_garbage_collection_umask_numpy_errors_and_the_default_device_a_step_set
     assert after == before
 
 
+def test_hooks_a_step_registers_for_every_module_and_optimizer_are_removed(seed):
+    """A step that registers an activation logger for every module once, keeping the handle in
+    a list of its own: the doctor's copies held the handles, and the hooks ran on every later
+    forward and optimizer step of the user's process (a full backward hook on every module
+    makes an in-place change of any module's output fail)."""
+    import torch.optim.optimizer as optimizers
+
+    model, opt = small()
+    handles = []
+
+    def step(x):
+        if not handles:
+            handles.append(nn.modules.module.register_module_forward_hook(lambda *_: None))
+            handles.append(nn.modules.module.register_module_full_backward_hook(lambda *_: None))
+            handles.append(optimizers.register_optimizer_step_post_hook(lambda *_: None))
+        return one_update(model, opt, x).detach()
+
+    def hooks():
+        module = nn.modules.module
+        return (len(module._global_forward_hooks), len(module._global_backward_hooks),
+                module._global_is_full_backward_hook,
+                len(optimizers._global_optimizer_post_hooks))  # fmt: skip
+
+    before = hooks()
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    after = hooks()
+    for handle in handles:  # the hooks the step left in this process, if any
+        handle.remove()
+    assert not handles and after == before
+
+
 def test_examining_inside_the_users_own_profiler_is_refused_and_leaves_their_profile(seed):
     """The doctor profiles the step itself: started inside a profiler the user is running, it
     took the session over and the user's profile came back empty. Refused before any work."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextvars
+import copy
 import gc
 import inspect
 import logging
@@ -31,6 +32,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
 
 from accel.doctor.effects import Effects
 from accel.doctor.kept_files import KeptFiles, TooLargeToKeep, absolute
@@ -78,8 +81,8 @@ class Session:
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
     detection, the SDPA kernels, the thread count, the float32 matmul precision, denormals
     flushed, print options, oneDNN, autograd's threads), the process's other switches
-    (:class:`_ProcessSwitches`), the warnings filters, the working
-    folder, the environment variables and the loggers' levels and handlers."""
+    (:class:`_ProcessSwitches`), the hooks of every module and optimizer, the warnings filters,
+    the working folder, the environment variables and the loggers' levels and handlers."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -94,6 +97,7 @@ class Session:
         self._warning_filters = warnings.catch_warnings()  # a step's simplefilter("ignore")
         self._warning_filters.__enter__()
         self._switches = _ProcessSwitches()
+        self._global_hooks = _GlobalHooks()
         self._environment = dict(os.environ)
         self._folder = os.getcwd()  # a step may move into its run's folder
         self._loggers = _Loggers()
@@ -120,6 +124,7 @@ class Session:
         self._backend_flags.__exit__(None, None, None)
         self._warning_filters.__exit__(None, None, None)
         self._switches.restore()
+        self._global_hooks.restore()
         _restore_environment(self._environment)
         self._loggers.restore()
         self._recording.files.put_back()  # kept by absolute path, wherever the step moved
@@ -218,6 +223,29 @@ class _ProcessSwitches:
         for read, write, value in self.kept:
             if read() != value:
                 write(value)
+
+
+class _GlobalHooks:
+    """The hooks registered for every module or optimizer of the process
+    (``register_module_forward_hook``, ``register_optimizer_step_post_hook``...), to put back: one
+    the step left ran on each later forward or step of the user's, and only the step's copies held
+    its handle."""
+
+    def __init__(self) -> None:
+        self.kept = {
+            (where, name): copy.copy(value)
+            for where in (module_hooks, optimizer_hooks)
+            for name, value in vars(where).items()
+            if name.startswith("_global_")
+        }
+
+    def restore(self) -> None:
+        for (where, name), value in self.kept.items():
+            if isinstance(value, dict):  # emptied and refilled: the handles hold the dict itself
+                getattr(where, name).clear()
+                getattr(where, name).update(value)
+            else:
+                setattr(where, name, value)
 
 
 def _restore_environment(saved: dict[str, str]) -> None:
