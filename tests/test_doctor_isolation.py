@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import functools
 import importlib
+import io
 import itertools
 import logging
 import os
@@ -698,6 +699,48 @@ def test_hooks_a_step_registers_for_every_module_and_optimizer_are_removed(seed)
     for handle in handles:  # the hooks the step left in this process, if any
         handle.remove()
     assert not handles and after == before
+
+
+def test_the_output_streams_import_path_and_signal_handlers_a_step_sets_up_are_put_back(
+    seed, tmp_path
+):
+    """A cluster-style step sets itself up on its first call: it tees the output into a log,
+    adds its folder to the import path, checkpoints on a preemption signal and shares tensors
+    through files. Left, the user's every later print went to the copy's tee (into a log the
+    doctor had removed) and the signal saved the doctor's copy."""
+    import signal
+
+    model, opt = small()
+    log = tmp_path / "out.log"
+
+    class Tee(io.TextIOBase):
+        def __init__(self, stream):
+            self.stream, self.file = stream, open(log, "a")  # noqa: SIM115
+
+        def write(self, text):
+            self.file.write(text)
+            return self.stream.write(text)
+
+    def step(x):
+        sys.stdout, sys.stderr = Tee(sys.stdout), Tee(sys.stderr)
+        sys.path.append(str(tmp_path))
+        signal.signal(signal.SIGUSR1, lambda *_: torch.save(model.state_dict(), tmp_path / "x"))
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        return one_update(model, opt, x).detach()
+
+    def state():
+        return (sys.stdout, sys.stderr, list(sys.path), signal.getsignal(signal.SIGUSR1),
+                torch.multiprocessing.get_sharing_strategy())  # fmt: skip
+
+    before = state()
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = state()
+    finally:
+        sys.stdout, sys.stderr, sys.path[:] = before[0], before[1], before[2]
+        signal.signal(signal.SIGUSR1, before[3])
+        torch.multiprocessing.set_sharing_strategy(before[4])
+    assert after == before
 
 
 def test_examining_inside_the_users_own_profiler_is_refused_and_leaves_their_profile(seed):

@@ -22,6 +22,7 @@ import inspect
 import logging
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -192,8 +193,28 @@ def _default_device() -> torch.device | None:
     return None if context is None else context.device
 
 
+def _signal_handlers() -> dict[signal.Signals, Any]:
+    """Each signal's Python handler (None where one was set outside Python); not SIGCHLD's:
+    torch's loader sets its handler once a process, for every loader after."""
+    return {number: signal.getsignal(number) for number in signal.valid_signals()
+            if number != getattr(signal, "SIGCHLD", None)}  # fmt: skip
+
+
+def _set_signal_handlers(handlers: dict[signal.Signals, Any]) -> None:
+    """Only those that changed, and only those Python can set (a preemption checkpoint's
+    handler the step installed would save the doctor's copy)."""
+    for number, handler in handlers.items():
+        if handler is not None and signal.getsignal(number) != handler:
+            signal.signal(number, handler)
+
+
+def _set_import_path(path: list[str]) -> None:
+    sys.path[:] = path  # the same list: importlib's finders hold it
+
+
 # (read, write) of switches of the whole process that are not torch's numerics: a step made 'fast'
-# turns the garbage collector off, a debugging one makes NumPy raise; the user's code runs on
+# turns the garbage collector off, a debugging one makes NumPy raise, a cluster's tees the output
+# into its log; the user's code runs on
 _PROCESS_SWITCHES = (
     (gc.isenabled, lambda on: gc.enable() if on else gc.disable()),
     (gc.get_threshold, lambda thresholds: gc.set_threshold(*thresholds)),
@@ -201,12 +222,18 @@ _PROCESS_SWITCHES = (
     (sys.getrecursionlimit, sys.setrecursionlimit),
     (torch.is_warn_always_enabled, torch.set_warn_always),
     (_default_device, torch.set_default_device),
+    (lambda: sys.stdout, lambda stream: setattr(sys, "stdout", stream)),
+    (lambda: sys.stderr, lambda stream: setattr(sys, "stderr", stream)),
+    (lambda: list(sys.path), _set_import_path),
+    (_signal_handlers, _set_signal_handlers),
+    (torch.multiprocessing.get_sharing_strategy, torch.multiprocessing.set_sharing_strategy),
 )
 
 
 class _ProcessSwitches:
     """The garbage collector (on, thresholds), the umask, the recursion limit, torch's
-    warn-always and default device, NumPy's error handling and print options, to put back; each
+    warn-always, default device and sharing strategy, NumPy's error handling and print options,
+    ``sys.stdout`` and ``sys.stderr``, the import path and the signal handlers, to put back; each
     written only where it changed (a default device set again is a new mode on torch's stack)."""
 
     def __init__(self) -> None:
