@@ -23,6 +23,7 @@ import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -741,6 +742,40 @@ def test_the_output_streams_import_path_and_signal_handlers_a_step_sets_up_are_p
         signal.signal(signal.SIGUSR1, before[3])
         torch.multiprocessing.set_sharing_strategy(before[4])
     assert after == before
+
+
+def test_an_exit_handler_the_step_registers_is_removed_and_named(tmp_path):
+    """A step that registers a last checkpoint to be saved when the process exits: left, the
+    doctor's copy saved it over the user's files after the doctor had put them back."""
+    script = tmp_path / "user.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit
+        import torch
+        from torch import nn
+        from accel import doctor
+
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        registered = []
+
+        def step(x):
+            if not registered:
+                registered.append(True)
+                atexit.register(torch.save, model.state_dict(), {str(tmp_path / "last.pt")!r})
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        print(str(doctor.examine(step, torch.randn(5, 4), steps=1, warmup=1)).splitlines()[0])
+    """))
+    environment = {**os.environ, "PYTHONPATH": str(Path(doctor.__file__).parents[2])}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=environment, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "last.pt").exists()
+    assert "registered save to run at exit, removed" in run.stdout, run.stdout
 
 
 def test_examining_inside_the_users_own_profiler_is_refused_and_leaves_their_profile(seed):

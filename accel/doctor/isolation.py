@@ -13,6 +13,7 @@ session it raises the one ``open()`` would.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import contextvars
@@ -74,6 +75,7 @@ class _Recording:
         self.put_back: dict[str, set[str]] = {}  # what is said put back: the paths it stands for
         self.threads: list[threading.Thread] = []  # started by the step
         self.tasks: list[concurrent.futures.Future] = []  # given to a thread pool by the step
+        self.exit_handlers: list[Callable[..., Any]] = []  # registered by the step
 
 
 class Session:
@@ -106,6 +108,7 @@ class Session:
         self._save = _Patched(torch.serialization, "_open_zipfile_writer", _audited_save)
         self._threads = _Patched(threading.Thread, "start", _watched_start)
         self._tasks = _Patched(concurrent.futures.ThreadPoolExecutor, "submit", _watched_submit)
+        self._exit_handlers = _Patched(atexit, "register", _watched_exit_handler)
         return self
 
     def watch(self, functions: Iterable[Any]) -> None:
@@ -118,6 +121,8 @@ class Session:
     def __exit__(self, *exc: Any) -> None:
         self._threads.close()
         self._tasks.close()
+        self._exit_handlers.close()
+        self._remove_exit_handlers()
         self._wait_for_threads()
         self._save.close()
         _RECORD.reset(self._token)
@@ -143,6 +148,14 @@ class Session:
                                              max(0.0, deadline - time.monotonic()))  # fmt: skip
         if running:
             self._recording.found["left a task it gave a thread pool running"] += len(running)
+
+    def _remove_exit_handlers(self) -> None:
+        """What the step registered to run at exit would run the copies' code after the doctor
+        put everything back (a last checkpoint saved over the user's): removed, and named."""
+        for handler in self._recording.exit_handlers:
+            atexit.unregister(handler)
+            self._recording.found[f"registered {handler.__qualname__} to run at exit, removed"] += 1
+        self._recording.exit_handlers.clear()
 
     def effects(self) -> Effects:
         """What the step's code did that the session could only name (files put back or not,
@@ -519,6 +532,25 @@ def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
         original(thread)
 
     return start
+
+
+def _watched_exit_handler(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``atexit.register`` that keeps what the step's code registers, to remove at the end."""
+
+    def register(handler: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        recording = _steps_recording()
+        if recording is None:
+            return original(handler, *args, **kwargs)
+
+        def at_exit() -> None:  # its own: removing it leaves the user's of the same function
+            handler(*args, **kwargs)
+
+        at_exit.__qualname__ = getattr(handler, "__qualname__", type(handler).__name__)
+        recording.exit_handlers.append(at_exit)
+        original(at_exit)
+        return handler  # as atexit.register does: it decorates
+
+    return register
 
 
 def _open_recording() -> _Recording | None:
