@@ -17,13 +17,10 @@ import atexit
 import collections
 import concurrent.futures
 import contextvars
-import copy
-import gc
 import inspect
 import logging
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -34,11 +31,10 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.nn.modules.module as module_hooks
-import torch.optim.optimizer as optimizer_hooks
 
 from accel.doctor.effects import Effects
 from accel.doctor.kept_files import KeptFiles, TooLargeToKeep, absolute
+from accel.doctor.process_state import GlobalHooks, ProcessSwitches
 from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
@@ -84,7 +80,7 @@ class Session:
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
     detection, the SDPA kernels, the thread count, the float32 matmul precision, denormals
     flushed, print options, oneDNN, autograd's threads), the process's other switches
-    (:class:`_ProcessSwitches`), the hooks of every module and optimizer, the warnings filters,
+    (:class:`~accel.doctor.process_state.ProcessSwitches`), the hooks of every module and optimizer, the warnings filters,
     the working folder, the environment variables and the loggers' levels and handlers."""
 
     def __init__(self) -> None:
@@ -99,8 +95,8 @@ class Session:
         self._backend_flags.__enter__()
         self._warning_filters = warnings.catch_warnings()  # a step's simplefilter("ignore")
         self._warning_filters.__enter__()
-        self._switches = _ProcessSwitches()
-        self._global_hooks = _GlobalHooks()
+        self._switches = ProcessSwitches()
+        self._global_hooks = GlobalHooks()
         self._environment = dict(os.environ)
         self._folder = os.getcwd()  # a step may move into its run's folder
         self._loggers = _Loggers()
@@ -192,100 +188,6 @@ class _Generators:
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
-
-
-def _umask() -> int:
-    umask = os.umask(0o022)  # there is no getter: read by setting it
-    os.umask(umask)
-    return umask
-
-
-def _default_device() -> torch.device | None:
-    """The device ``torch.set_default_device`` set, or None where it set none."""
-    context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
-    return None if context is None else context.device
-
-
-def _signal_handlers() -> dict[signal.Signals, Any]:
-    """Each signal's Python handler (None where one was set outside Python); not SIGCHLD's:
-    torch's loader sets its handler once a process, for every loader after."""
-    return {number: signal.getsignal(number) for number in signal.valid_signals()
-            if number != getattr(signal, "SIGCHLD", None)}  # fmt: skip
-
-
-def _set_signal_handlers(handlers: dict[signal.Signals, Any]) -> None:
-    """Only those that changed, and only those Python can set (a preemption checkpoint's
-    handler the step installed would save the doctor's copy)."""
-    for number, handler in handlers.items():
-        if handler is not None and signal.getsignal(number) != handler:
-            signal.signal(number, handler)
-
-
-def _set_import_path(path: list[str]) -> None:
-    sys.path[:] = path  # the same list: importlib's finders hold it
-
-
-# (read, write) of switches of the whole process that are not torch's numerics: a step made 'fast'
-# turns the garbage collector off, a debugging one makes NumPy raise, a cluster's tees the output
-# into its log; the user's code runs on
-_PROCESS_SWITCHES = (
-    (gc.isenabled, lambda on: gc.enable() if on else gc.disable()),
-    (gc.get_threshold, lambda thresholds: gc.set_threshold(*thresholds)),
-    (_umask, os.umask),
-    (sys.getrecursionlimit, sys.setrecursionlimit),
-    (torch.is_warn_always_enabled, torch.set_warn_always),
-    (_default_device, torch.set_default_device),
-    (lambda: sys.stdout, lambda stream: setattr(sys, "stdout", stream)),
-    (lambda: sys.stderr, lambda stream: setattr(sys, "stderr", stream)),
-    (lambda: list(sys.path), _set_import_path),
-    (_signal_handlers, _set_signal_handlers),
-    (torch.multiprocessing.get_sharing_strategy, torch.multiprocessing.set_sharing_strategy),
-)
-
-
-class _ProcessSwitches:
-    """The garbage collector (on, thresholds), the umask, the recursion limit, torch's
-    warn-always, default device and sharing strategy, NumPy's error handling and print options,
-    ``sys.stdout`` and ``sys.stderr``, the import path and the signal handlers, to put back; each
-    written only where it changed (a default device set again is a new mode on torch's stack)."""
-
-    def __init__(self) -> None:
-        self.kept = [(read, write, read()) for read, write in _PROCESS_SWITCHES]
-        numpy = sys.modules.get("numpy")  # imported with torch where it is installed
-        if numpy is not None:
-            self.kept += [
-                (numpy.geterr, lambda errors: numpy.seterr(**errors), numpy.geterr()),
-                (numpy.get_printoptions, lambda options: numpy.set_printoptions(**options),
-                 numpy.get_printoptions()),
-            ]  # fmt: skip
-
-    def restore(self) -> None:
-        for read, write, value in self.kept:
-            if read() != value:
-                write(value)
-
-
-class _GlobalHooks:
-    """The hooks registered for every module or optimizer of the process
-    (``register_module_forward_hook``, ``register_optimizer_step_post_hook``...), to put back: one
-    the step left ran on each later forward or step of the user's, and only the step's copies held
-    its handle."""
-
-    def __init__(self) -> None:
-        self.kept = {
-            (where, name): copy.copy(value)
-            for where in (module_hooks, optimizer_hooks)
-            for name, value in vars(where).items()
-            if name.startswith("_global_")
-        }
-
-    def restore(self) -> None:
-        for (where, name), value in self.kept.items():
-            if isinstance(value, dict):  # emptied and refilled: the handles hold the dict itself
-                getattr(where, name).clear()
-                getattr(where, name).update(value)
-            else:
-                setattr(where, name, value)
 
 
 def _restore_environment(saved: dict[str, str]) -> None:
