@@ -17,12 +17,14 @@ import dataclasses
 import errno
 import functools
 import importlib
+import io
 import itertools
 import logging
 import os
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -623,6 +625,158 @@ def test_the_working_folder_onednn_and_autograds_threads_a_step_changes_are_put_
         torch.backends.mkldnn.enabled = before[1]
         torch.autograd.set_multithreading_enabled(before[2])
     assert after == before
+
+
+def test_garbage_collection_umask_numpy_errors_and_the_default_device_a_step_sets_are_put_back(
+    seed,
+):
+    """A step tuned 'for speed' turns the garbage collector off, a debugging one makes NumPy
+    raise on overflow or torch warn always, one sets a default device or umask: each is the
+    whole process's, and the user's later code runs under it."""
+    import gc
+
+    model, opt = small()
+
+    def step(x):
+        gc.disable()
+        gc.set_threshold(100_000, 50, 50)
+        os.umask(0o077)
+        np.seterr(all="raise")
+        np.set_printoptions(precision=2)
+        torch.set_warn_always(True)
+        torch.set_default_device("cpu")
+        sys.setrecursionlimit(sys.getrecursionlimit() + 1000)
+        return one_update(model, opt, x).detach()
+
+    def state():
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return (gc.isenabled(), gc.get_threshold(), umask, np.geterr(),
+                np.get_printoptions()["precision"], torch.is_warn_always_enabled(),
+                getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None),
+                sys.getrecursionlimit())  # fmt: skip
+
+    before = state()
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = state()
+    finally:
+        gc.enable()
+        gc.set_threshold(*before[1])
+        os.umask(before[2])
+        np.seterr(**before[3])
+        np.set_printoptions(precision=before[4])
+        torch.set_warn_always(before[5])
+        torch.set_default_device(None)
+        sys.setrecursionlimit(before[7])
+    assert after == before
+
+
+def test_hooks_a_step_registers_for_every_module_and_optimizer_are_removed(seed):
+    """A step that registers an activation logger for every module once, keeping the handle in
+    a list of its own: the doctor's copies held the handles, and the hooks ran on every later
+    forward and optimizer step of the user's process (a full backward hook on every module
+    makes an in-place change of any module's output fail)."""
+    import torch.optim.optimizer as optimizers
+
+    model, opt = small()
+    handles = []
+
+    def step(x):
+        if not handles:
+            handles.append(nn.modules.module.register_module_forward_hook(lambda *_: None))
+            handles.append(nn.modules.module.register_module_full_backward_hook(lambda *_: None))
+            handles.append(optimizers.register_optimizer_step_post_hook(lambda *_: None))
+        return one_update(model, opt, x).detach()
+
+    def hooks():
+        module = nn.modules.module
+        return (len(module._global_forward_hooks), len(module._global_backward_hooks),
+                module._global_is_full_backward_hook,
+                len(optimizers._global_optimizer_post_hooks))  # fmt: skip
+
+    before = hooks()
+    examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+    after = hooks()
+    for handle in handles:  # the hooks the step left in this process, if any
+        handle.remove()
+    assert not handles and after == before
+
+
+def test_the_output_streams_import_path_and_signal_handlers_a_step_sets_up_are_put_back(
+    seed, tmp_path
+):
+    """A cluster-style step sets itself up on its first call: it tees the output into a log,
+    adds its folder to the import path, checkpoints on a preemption signal and shares tensors
+    through files. Left, the user's every later print went to the copy's tee (into a log the
+    doctor had removed) and the signal saved the doctor's copy."""
+    import signal
+
+    model, opt = small()
+    log = tmp_path / "out.log"
+
+    class Tee(io.TextIOBase):
+        def __init__(self, stream):
+            self.stream, self.file = stream, open(log, "a")  # noqa: SIM115
+
+        def write(self, text):
+            self.file.write(text)
+            return self.stream.write(text)
+
+    def step(x):
+        sys.stdout, sys.stderr = Tee(sys.stdout), Tee(sys.stderr)
+        sys.path.append(str(tmp_path))
+        signal.signal(signal.SIGUSR1, lambda *_: torch.save(model.state_dict(), tmp_path / "x"))
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        return one_update(model, opt, x).detach()
+
+    def state():
+        return (sys.stdout, sys.stderr, list(sys.path), signal.getsignal(signal.SIGUSR1),
+                torch.multiprocessing.get_sharing_strategy())  # fmt: skip
+
+    before = state()
+    try:
+        examined(step, torch.randn(5, 4)).try_fixes("set_to_none", steps=1, repeats=1)
+        after = state()
+    finally:
+        sys.stdout, sys.stderr, sys.path[:] = before[0], before[1], before[2]
+        signal.signal(signal.SIGUSR1, before[3])
+        torch.multiprocessing.set_sharing_strategy(before[4])
+    assert after == before
+
+
+def test_an_exit_handler_the_step_registers_is_removed_and_named(tmp_path):
+    """A step that registers a last checkpoint to be saved when the process exits: left, the
+    doctor's copy saved it over the user's files after the doctor had put them back."""
+    script = tmp_path / "user.py"
+    script.write_text(textwrap.dedent(f"""
+        import atexit
+        import torch
+        from torch import nn
+        from accel import doctor
+
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        registered = []
+
+        def step(x):
+            if not registered:
+                registered.append(True)
+                atexit.register(torch.save, model.state_dict(), {str(tmp_path / "last.pt")!r})
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        print(str(doctor.examine(step, torch.randn(5, 4), steps=1, warmup=1)).splitlines()[0])
+    """))
+    environment = {**os.environ, "PYTHONPATH": str(Path(doctor.__file__).parents[2])}
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=environment, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "last.pt").exists()
+    assert "registered save to run at exit, removed" in run.stdout, run.stdout
 
 
 def test_examining_inside_the_users_own_profiler_is_refused_and_leaves_their_profile(seed):

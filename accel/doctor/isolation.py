@@ -13,6 +13,7 @@ session it raises the one ``open()`` would.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import contextvars
@@ -33,6 +34,7 @@ import torch
 
 from accel.doctor.effects import Effects
 from accel.doctor.kept_files import KeptFiles, TooLargeToKeep, absolute
+from accel.doctor.process_state import GlobalHooks, ProcessSwitches
 from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
@@ -70,6 +72,7 @@ class _Recording:
         self.put_back: dict[str, set[str]] = {}  # what is said put back: the paths it stands for
         self.threads: list[threading.Thread] = []  # started by the step
         self.tasks: list[concurrent.futures.Future] = []  # given to a thread pool by the step
+        self.exit_handlers: list[Callable[..., Any]] = []  # registered by the step
 
 
 class Session:
@@ -77,8 +80,9 @@ class Session:
     what :meth:`watch` is given); on closing, the random generators put back as they were when
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
     detection, the SDPA kernels, the thread count, the float32 matmul precision, denormals
-    flushed, print options, oneDNN, autograd's threads), the warnings filters, the working
-    folder, the environment variables and the loggers' levels and handlers."""
+    flushed, print options, oneDNN, autograd's threads), the process's other switches
+    (:class:`~accel.doctor.process_state.ProcessSwitches`), the hooks of every module and optimizer, the warnings filters,
+    the working folder, the environment variables and the loggers' levels and handlers."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -92,6 +96,8 @@ class Session:
         self._backend_flags.__enter__()
         self._warning_filters = warnings.catch_warnings()  # a step's simplefilter("ignore")
         self._warning_filters.__enter__()
+        self._switches = ProcessSwitches()
+        self._global_hooks = GlobalHooks()
         self._environment = dict(os.environ)
         self._recording.folder = os.getcwd()  # a step may move into its run's folder
         self._loggers = _Loggers()
@@ -99,6 +105,7 @@ class Session:
         self._save = _Patched(torch.serialization, "_open_zipfile_writer", _audited_save)
         self._threads = _Patched(threading.Thread, "start", _watched_start)
         self._tasks = _Patched(concurrent.futures.ThreadPoolExecutor, "submit", _watched_submit)
+        self._exit_handlers = _Patched(atexit, "register", _watched_exit_handler)
         return self
 
     def watch(self, functions: Iterable[Any]) -> None:
@@ -111,12 +118,16 @@ class Session:
     def __exit__(self, *exc: Any) -> None:
         self._threads.close()
         self._tasks.close()
+        self._exit_handlers.close()
+        self._remove_exit_handlers()
         self._wait_for_threads()
         self._save.close()
         _RECORD.reset(self._token)
         self._generators.restore()
         self._backend_flags.__exit__(None, None, None)
         self._warning_filters.__exit__(None, None, None)
+        self._switches.restore()
+        self._global_hooks.restore()
         _restore_environment(self._environment)
         self._loggers.restore()
         self._recording.files.put_back()  # kept by absolute path, wherever the step moved
@@ -134,6 +145,14 @@ class Session:
                                              max(0.0, deadline - time.monotonic()))  # fmt: skip
         if running:
             self._recording.found["left a task it gave a thread pool running"] += len(running)
+
+    def _remove_exit_handlers(self) -> None:
+        """What the step registered to run at exit would run the copies' code after the doctor
+        put everything back (a last checkpoint saved over the user's): removed, and named."""
+        for handler in self._recording.exit_handlers:
+            atexit.unregister(handler)
+            self._recording.found[f"registered {handler.__qualname__} to run at exit, removed"] += 1
+        self._recording.exit_handlers.clear()
 
     def effects(self) -> Effects:
         """What the step's code did that the session could only name (files put back or not,
@@ -437,6 +456,25 @@ def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
         original(thread)
 
     return start
+
+
+def _watched_exit_handler(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``atexit.register`` that keeps what the step's code registers, to remove at the end."""
+
+    def register(handler: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        recording = _steps_recording()
+        if recording is None:
+            return original(handler, *args, **kwargs)
+
+        def at_exit() -> None:  # its own: removing it leaves the user's of the same function
+            handler(*args, **kwargs)
+
+        at_exit.__qualname__ = getattr(handler, "__qualname__", type(handler).__name__)
+        recording.exit_handlers.append(at_exit)
+        original(at_exit)
+        return handler  # as atexit.register does: it decorates
+
+    return register
 
 
 def _open_recording() -> _Recording | None:

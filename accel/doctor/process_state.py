@@ -1,0 +1,112 @@
+"""The process-wide state beyond torch's numerics that a doctor's run puts back: switches a step
+may set for the whole process (the garbage collector, the umask, NumPy's error handling, the output
+streams, the signal handlers...) and the hooks it may register for every module or optimizer."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import signal
+import sys
+from typing import Any
+
+import torch
+import torch.nn.modules.module as module_hooks
+import torch.optim.optimizer as optimizer_hooks
+
+__all__ = ["GlobalHooks", "ProcessSwitches"]
+
+
+def _umask() -> int:
+    umask = os.umask(0o022)  # there is no getter: read by setting it
+    os.umask(umask)
+    return umask
+
+
+def _default_device() -> torch.device | None:
+    """The device ``torch.set_default_device`` set, or None where it set none."""
+    context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+    return None if context is None else context.device
+
+
+def _signal_handlers() -> dict[signal.Signals, Any]:
+    """Each signal's Python handler (None where one was set outside Python); not SIGCHLD's:
+    torch's loader sets its handler once a process, for every loader after."""
+    return {number: signal.getsignal(number) for number in signal.valid_signals()
+            if number != getattr(signal, "SIGCHLD", None)}  # fmt: skip
+
+
+def _set_signal_handlers(handlers: dict[signal.Signals, Any]) -> None:
+    """Only those that changed, and only those Python can set (a preemption checkpoint's
+    handler the step installed would save the doctor's copy)."""
+    for number, handler in handlers.items():
+        if handler is not None and signal.getsignal(number) != handler:
+            signal.signal(number, handler)
+
+
+def _set_import_path(path: list[str]) -> None:
+    sys.path[:] = path  # the same list: importlib's finders hold it
+
+
+# (read, write) of switches of the whole process that are not torch's numerics: a step made 'fast'
+# turns the garbage collector off, a debugging one makes NumPy raise, a cluster's tees the output
+# into its log; the user's code runs on
+_PROCESS_SWITCHES = (
+    (gc.isenabled, lambda on: gc.enable() if on else gc.disable()),
+    (gc.get_threshold, lambda thresholds: gc.set_threshold(*thresholds)),
+    (_umask, os.umask),
+    (sys.getrecursionlimit, sys.setrecursionlimit),
+    (torch.is_warn_always_enabled, torch.set_warn_always),
+    (_default_device, torch.set_default_device),
+    (lambda: sys.stdout, lambda stream: setattr(sys, "stdout", stream)),
+    (lambda: sys.stderr, lambda stream: setattr(sys, "stderr", stream)),
+    (lambda: list(sys.path), _set_import_path),
+    (_signal_handlers, _set_signal_handlers),
+    (torch.multiprocessing.get_sharing_strategy, torch.multiprocessing.set_sharing_strategy),
+)
+
+
+class ProcessSwitches:
+    """The garbage collector (on, thresholds), the umask, the recursion limit, torch's
+    warn-always, default device and sharing strategy, NumPy's error handling and print options,
+    ``sys.stdout`` and ``sys.stderr``, the import path and the signal handlers, to put back; each
+    written only where it changed (a default device set again is a new mode on torch's stack)."""
+
+    def __init__(self) -> None:
+        self.kept = [(read, write, read()) for read, write in _PROCESS_SWITCHES]
+        numpy = sys.modules.get("numpy")  # imported with torch where it is installed
+        if numpy is not None:
+            self.kept += [
+                (numpy.geterr, lambda errors: numpy.seterr(**errors), numpy.geterr()),
+                (numpy.get_printoptions, lambda options: numpy.set_printoptions(**options),
+                 numpy.get_printoptions()),
+            ]  # fmt: skip
+
+    def restore(self) -> None:
+        for read, write, value in self.kept:
+            if read() != value:
+                write(value)
+
+
+class GlobalHooks:
+    """The hooks registered for every module or optimizer of the process
+    (``register_module_forward_hook``, ``register_optimizer_step_post_hook``...), to put back: one
+    the step left ran on each later forward or step of the user's, and only the step's copies held
+    its handle."""
+
+    def __init__(self) -> None:
+        self.kept = {
+            (where, name): copy.copy(value)
+            for where in (module_hooks, optimizer_hooks)
+            for name, value in vars(where).items()
+            if name.startswith("_global_")
+        }
+
+    def restore(self) -> None:
+        for (where, name), value in self.kept.items():
+            if isinstance(value, dict):  # emptied and refilled: the handles hold the dict itself
+                getattr(where, name).clear()
+                getattr(where, name).update(value)
+            else:
+                setattr(where, name, value)
