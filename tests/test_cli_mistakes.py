@@ -283,3 +283,34 @@ def test_doctor_says_a_package_the_script_imports_is_missing_in_one_line(
     assert run.returncode == 2, run.stderr
     assert "not_installed_anywhere" in run.stderr and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+EXITS_AT_IMPORT = """
+import sys
+sys.exit("set DATA_DIR first")
+"""
+EXITS_IN_ITS_MAKER = """
+def make():
+    exit()
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "said"),
+    [(EXITS_AT_IMPORT, "importing it called sys.exit('set DATA_DIR first')"),
+     (EXITS_IN_ITS_MAKER, "make() called sys.exit(None)")],
+    ids=["at import", "in its maker"],
+)  # fmt: skip
+def test_doctor_says_a_script_that_exits_before_its_step_in_one_line(
+    accel_cli, tmp_path, monkeypatch, script, said
+):
+    # a script's own setup that ends the process (sys.exit or exit() where a setting is
+    # missing) ended the doctor's command too, with the script's exit code (0 for exit()) and
+    # no word that no report was written
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    (tmp_path / "exits.py").write_text(script)
+    run = accel_cli("doctor", "exits.py:make", "--out", str(tmp_path / "d.html"), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert said in run.stderr and "no report" in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "d.html").exists()

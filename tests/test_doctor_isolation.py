@@ -1959,6 +1959,32 @@ def test_a_step_that_fails_on_a_later_call_says_which_call_and_its_line(seed):
         examined(step, torch.randn(5, 4))
 
 
+def test_a_step_that_exits_the_process_on_a_later_call_says_so_and_puts_files_back(
+    seed, tmp_path, monkeypatch
+):
+    # a script's loop that ends with sys.exit() after some steps: the doctor's many calls reach
+    # it; the process must not end silently, and the checkpoint it wrote comes back as it was
+    monkeypatch.chdir(tmp_path)
+    Path("ckpt.txt").write_text("the user's")
+    model, opt = small()
+    calls = []
+
+    def step(x):
+        calls.append(1)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        Path("ckpt.txt").write_text(f"step {len(calls)}")
+        if len(calls) > 3:
+            sys.exit(0)
+        return loss.detach()
+
+    with pytest.raises(UsageError, match=r"raised on call 4 \(.*\): SystemExit: sys.exit\(0\)"):
+        examined(step, torch.randn(5, 4))
+    assert Path("ckpt.txt").read_text() == "the user's"
+
+
 def test_try_fixes_refuses_counts_below_one_and_takes_a_name_as_one_name(seed):
     model, opt = small()
     report = examined(plain_step(model, opt), torch.randn(5, 4))

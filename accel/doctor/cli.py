@@ -30,7 +30,8 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
         raise UsageError(
             f"expected module:function or file.py:function (e.g. my_train:make_step), got {target!r}"
         )
-    module = _load_file(Path(module_name)) if module_name.endswith(".py") else _import(module_name)
+    with _exit_refused(module_name, "importing it"):
+        module = _load_file(Path(module_name)) if module_name.endswith(".py") else _import(module_name)
     make = getattr(module, function_name, None)
     if not callable(make):
         raise UsageError(f"{module_name} has no function {function_name!r}")
@@ -39,7 +40,8 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
             f"{target} takes an argument, and the doctor calls it with none: name a function "
             f"that returns (step, batch), e.g. def make_step(): return {function_name}, batch"
         )
-    made = make()
+    with _exit_refused(module_name, f"{function_name}()"):
+        made = make()
     if callable(made) and not hasattr(made, "step"):  # the step alone: it draws its own batch
         made = (made, NO_BATCH)
     if hasattr(made, "step"):
@@ -59,6 +61,19 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     if parts[1] is None and (parts[2] is not None or not callable_with(parts[0], None)):
         parts = (parts[0], NO_BATCH, parts[2])  # no batch: the loader's first, or none at all
     return parts
+
+
+@contextlib.contextmanager
+def _exit_refused(module_name: str, doing: str) -> Iterator[None]:
+    """A UsageError where the script ends the process while it sets up (``sys.exit()`` where a
+    setting is missing, argparse's ``--help``): said, not taken as the command's own exit."""
+    try:
+        yield
+    except SystemExit as exit:
+        raise UsageError(
+            f"{module_name}: {doing} called sys.exit({exit.code!r}), which ends the process "
+            "before the doctor can run its step: no report written"
+        ) from None
 
 
 def _import(module_name: str, root: Path | None = None) -> Any:

@@ -203,12 +203,13 @@ class _Repeated:
             return self.call()
         except TooLargeToKeep as refusal:
             raise UsageError(str(refusal)) from refusal
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # a script's sys.exit() would end the process
             frames = [f"{frame.f_code.co_filename}:{line}"
                       for frame, line in traceback.walk_tb(error.__traceback__)
                       if not is_library(frame.f_code)
                       and not frame.f_code.co_filename.startswith(_ACCEL_DIR)]  # fmt: skip
-            said = f"{type(error).__name__}: {str(error).rstrip('.')}"
+            message = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else str(error)
+            said = f"{type(error).__name__}: {message.rstrip('.')}"
             where = f"({frames[-1] if frames else 'in a library'}): {said}"
             if self.calls == 1:
                 raise UsageError(
