@@ -249,6 +249,10 @@ def step(batch):
 
 def make():
     return step, torch.randn(3, 4)
+
+
+def make_sized(batch_size, lr=0.1):
+    return step, torch.randn(batch_size, 4)
 """
 
 
@@ -257,9 +261,12 @@ def make():
     [
         ("view_step.py:make", ("view_step.py:10", "RuntimeError: view size")),
         ("view_step.py:step", ("view_step.py:step takes an argument", "(step, batch)")),
-        ("view_step.py:model", ("view_step.py:model takes an argument", "(step, batch)")),
+        ("view_step.py:model", ("view_step.py:model is a model (Linear)", "(step, batch)")),
+        ("view_step.py:make_sized", ("make_sized(batch_size, lr=0.1)",
+                                     "def make(): return make_sized(...)")),
     ],
-    ids=["the step's own error", "the step named instead of its maker", "the model named"],
+    ids=["the step's own error", "the step named instead of its maker", "the model named",
+         "a maker that takes its sizes"],
 )
 def test_doctor_says_the_users_own_mistake_in_one_line(accel_cli, tmp_path, target, said):
     # the step's own mistake (a .view of a transposed tensor) and naming the step itself, which

@@ -10,11 +10,14 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from accel.doctor.examine import callable_with
 from accel.doctor.fixes import NO_BATCH
@@ -35,10 +38,17 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     make = getattr(module, function_name, None)
     if not callable(make):
         raise UsageError(f"{module_name} has no function {function_name!r}")
-    if not callable_with(make):
+    if isinstance(make, torch.nn.Module):
         raise UsageError(
-            f"{target} takes an argument, and the doctor calls it with none: name a function "
-            f"that returns (step, batch), e.g. def make_step(): return {function_name}, batch"
+            f"{target} is a model ({type(make).__name__}), not a function that makes the step: "
+            "name a function of none that returns (step, batch), e.g. def make(): return step, batch"
+        )
+    if not callable_with(make):
+        raise UsageError(  # the step itself named, or a maker that takes its sizes
+            f"{target} takes an argument, {function_name}{inspect.signature(make)}, and the "
+            "doctor calls it with none: name a function of none that returns (step, batch), "
+            f"e.g. def make(): return {function_name}, batch (where it is the step) or "
+            f"def make(): return {function_name}(...) (where it makes the step)"
         )
     with _exit_refused(module_name, f"{function_name}()"):
         made = make()
