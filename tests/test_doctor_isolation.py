@@ -1959,6 +1959,29 @@ def test_a_step_that_fails_on_a_later_call_says_which_call_and_its_line(seed):
         examined(step, torch.randn(5, 4))
 
 
+@pytest.mark.parametrize(
+    "batches",
+    [lambda data: (pair for pair in [data] * 100), lambda data: torch.utils.data.DataLoader([data])],
+    ids=["a generator", "a DataLoader"],
+)
+def test_a_source_of_batches_given_as_the_batch_is_named_when_the_step_fails_on_it(seed, batches):
+    # examine(step, loader) for examine(step, batch): the step unpacks what it is given, fails,
+    # and was told to fix itself; the error names what it was given and what to give instead
+    model, opt = small()
+
+    def step(batch):
+        x, y = batch
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    given = batches((torch.randn(5, 4), torch.randn(5, 2)))
+    with pytest.raises(UsageError, match=rf"the batch given is a {type(given).__name__}.*loader="):
+        examined(step, given)
+
+
 def test_a_step_that_exits_the_process_on_a_later_call_says_so_and_puts_files_back(
     seed, tmp_path, monkeypatch
 ):

@@ -113,7 +113,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         untouched = Untouched(parts, batch)
         runner, copied, cautions = _copy_or_own(step, parts, allow_training)
         device = step_device(copied, batch)
-        call = _call(runner, own_batch(batch))  # a batch changed in place: the copy's
+        call = _call(runner, own_batch(batch), _source_hint(batch))  # the batch: the copy's
         refuse_unplain_result(call())
         for _ in range(warmup - 1):
             call()
@@ -185,8 +185,18 @@ def _step_us(call: Callable[[], Any], device: torch.device) -> float:
     return samples.medians()["step"] * 1e3
 
 
-def _call(runner: Callable[..., Any], batch: Any) -> Callable[[], Any]:
-    return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch_for_a_call(batch))))
+def _call(runner: Callable[..., Any], batch: Any, hint: str = "") -> Callable[[], Any]:
+    return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch_for_a_call(batch))),
+                     hint)  # fmt: skip
+
+
+def _source_hint(batch: Any) -> str:
+    """What to say beside a first call's error where the batch is a source of batches (a
+    generator, a DataLoader) that the step gets as it is, not one batch of it."""
+    if not isinstance(batch, (Iterator, torch.utils.data.DataLoader)):
+        return ""
+    return (f"; the batch given is a {type(batch).__name__}, which the step gets as it is: pass "
+            "one batch, examine(step, next(iter(batches))), or the loader as loader=")  # fmt: skip
 
 
 class _Repeated:
@@ -194,8 +204,8 @@ class _Repeated:
     that raised, the step's own mistake on its first call, after it one that ends (a schedule or
     data that ends after a few steps)."""
 
-    def __init__(self, call: Callable[[], Any]) -> None:
-        self.call, self.calls = call, 0
+    def __init__(self, call: Callable[[], Any], hint: str = "") -> None:
+        self.call, self.calls, self.hint = call, 0, hint
 
     def __call__(self) -> Any:
         self.calls += 1
@@ -213,8 +223,8 @@ class _Repeated:
             where = f"({frames[-1] if frames else 'in a library'}): {said}"
             if self.calls == 1:
                 raise UsageError(
-                    f"the step raised on its first call, on the doctor's copies {where}. Fix "
-                    "the step so that one call of it runs, then examine it again"
+                    f"the step raised on its first call, on the doctor's copies {where}"
+                    f"{self.hint}. Fix the step so that one call of it runs, then examine it again"
                 ) from error
             raise UsageError(
                 f"the step ran {self.calls - 1} times on the doctor's copies and raised on call "
