@@ -745,6 +745,40 @@ def test_the_output_streams_import_path_and_signal_handlers_a_step_sets_up_are_p
     assert after == before
 
 
+def test_the_exception_hooks_and_compiler_settings_a_step_sets_are_put_back(seed):
+    """A script's step that installs its crash reporter (sys.excepthook, threading's) and tunes
+    dynamo and inductor before compiling: left, the user's later crashes went to the copy's
+    reporter and their own compiles ran with the copy's settings."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    model, opt = small()
+
+    def report_crash(*_):
+        pass
+
+    def step(x):
+        sys.excepthook, sys.displayhook, threading.excepthook = report_crash, print, report_crash
+        dynamo_config.suppress_errors = not dynamo_config.suppress_errors
+        inductor_config.coordinate_descent_tuning = not inductor_config.coordinate_descent_tuning
+        return one_update(model, opt, x).detach()
+
+    def state():
+        return (sys.excepthook, sys.displayhook, threading.excepthook,
+                dynamo_config.get_config_copy(), inductor_config.get_config_copy())  # fmt: skip
+
+    before = state()
+    try:
+        examined(step, torch.randn(5, 4))
+        after = state()
+    finally:
+        sys.excepthook, sys.displayhook, threading.excepthook = before[:3]
+        dynamo_config.suppress_errors = before[3]["suppress_errors"]
+        inductor_config.coordinate_descent_tuning = before[4]["coordinate_descent_tuning"]
+    assert after[:3] == before[:3]
+    assert after[3] == before[3] and after[4] == before[4]
+
+
 def test_an_exit_handler_the_step_registers_is_removed_and_named(tmp_path):
     """A step that registers a last checkpoint to be saved when the process exits: left, the
     doctor's copy saved it over the user's files after the doctor had put them back."""

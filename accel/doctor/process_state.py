@@ -9,6 +9,7 @@ import gc
 import os
 import signal
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -64,17 +65,39 @@ _PROCESS_SWITCHES = (
     (lambda: list(sys.path), _set_import_path),
     (_signal_handlers, _set_signal_handlers),
     (torch.multiprocessing.get_sharing_strategy, torch.multiprocessing.set_sharing_strategy),
+    (lambda: sys.excepthook, lambda hook: setattr(sys, "excepthook", hook)),
+    (lambda: sys.displayhook, lambda hook: setattr(sys, "displayhook", hook)),
+    (lambda: threading.excepthook, lambda hook: setattr(threading, "excepthook", hook)),
 )
+
+
+def _config_switches(config: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """(read, write, value) of a torch config module (dynamo's, inductor's); written back only
+    the entries that changed (writing a deprecated one warns)."""
+
+    def write(kept: dict[str, Any]) -> None:
+        now = config.get_config_copy()
+        for name, value in kept.items():
+            if now.get(name) != value:
+                setattr(config, name, value)
+
+    return config.get_config_copy, write, config.get_config_copy()
+
+
+_CONFIGS = ("torch._dynamo.config", "torch._inductor.config")
 
 
 class ProcessSwitches:
     """The garbage collector (on, thresholds), the umask, the recursion limit, torch's
     warn-always, default device and sharing strategy, NumPy's error handling and print options,
-    ``sys.stdout`` and ``sys.stderr``, the import path and the signal handlers, to put back; each
+    ``sys.stdout`` and ``sys.stderr``, the import path, the signal handlers, the exception and
+    display hooks and dynamo's and inductor's settings, to put back; each
     written only where it changed (a default device set again is a new mode on torch's stack)."""
 
     def __init__(self) -> None:
         self.kept = [(read, write, read()) for read, write in _PROCESS_SWITCHES]
+        self.kept += [_config_switches(sys.modules[name]) for name in _CONFIGS
+                      if name in sys.modules]  # fmt: skip  # not imported: nothing set yet
         numpy = sys.modules.get("numpy")  # imported with torch where it is installed
         if numpy is not None:
             self.kept += [
