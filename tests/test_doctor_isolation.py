@@ -13,6 +13,7 @@ import asyncio
 import collections
 import contextlib
 import copy
+import csv
 import dataclasses
 import errno
 import functools
@@ -24,6 +25,7 @@ import os
 import random
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -1484,6 +1486,238 @@ def test_files_past_the_sessions_total_are_not_let_be_changed(seed, tmp_path, mo
     with pytest.raises(UsageError, match=r"f2: 100 B, .* 250 B the doctor keeps in all"):
         examined(step, torch.randn(5, 4))
     assert [f.read_bytes() for f in files] == [b"y" * 100] * 4
+
+
+# ---- files the step only appends to: kept by where they ended, cut back in place ------------
+def file_state(path: Path) -> tuple[bytes, int, int, int]:
+    """What a file put back in place has as it had: its bytes, mode, inode and time written."""
+    found = path.stat()
+    return path.read_bytes(), stat.S_IMODE(found.st_mode), found.st_ino, found.st_mtime_ns
+
+
+def append_line(path: Path, line: str) -> None:
+    with open(path, "a") as out:
+        out.write(line)
+
+
+def append_bytes_readable(path: Path, line: str) -> None:
+    with open(path, "a+b") as out:
+        out.write(line.encode())
+
+
+def append_through_descriptor(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def append_csv_row(path: Path, line: str) -> None:
+    with open(path, "a", newline="") as out:
+        csv.writer(out).writerow(line.strip().split(","))
+
+
+APPENDS = [append_line, append_bytes_readable, append_through_descriptor, append_csv_row]
+
+
+@pytest.mark.parametrize("append", APPENDS, ids=lambda f: f.__name__)
+def test_a_log_too_large_to_keep_that_the_step_appends_to_is_cut_back_in_place(
+    seed, tmp_path, monkeypatch, append
+):
+    """A training log over the size the doctor copies, appended to each step (a line, a CSV
+    row, through a descriptor): an append changes nothing before the old end, so the step runs,
+    and the log is cut back to that end in place: its bytes, mode, inode and time as they were,
+    and its other name (a hard link) still the same file."""
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
+    model, opt = small()
+    log, other = tmp_path / "train.log", tmp_path / "train.log.link"
+    log.write_bytes(b"step,loss\n" * 10)
+    log.chmod(0o640)
+    os.utime(log, ns=(10**18, 10**18))
+    os.link(log, other)
+    before = file_state(log)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        append(log, f"1,{loss.item()}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert file_state(log) == before and file_state(other) == before
+    assert named_before_numbers(report, f"wrote {log} (")
+    assert "put back as it was" in first_line(report).split(f"wrote {log}")[1]
+    with pytest.warns(RuntimeWarning, match="trials.*wrote"):
+        report.try_fixes("set_to_none", steps=1, repeats=1)
+    assert file_state(log) == before and file_state(other) == before
+
+
+def test_a_log_handler_the_step_opens_in_append_mode_on_a_large_log_leaves_it_as_it_was(
+    seed, tmp_path, monkeypatch
+):
+    pass  # TEMP
+    model, opt = small()
+    log = tmp_path / "train.log"
+    log.write_text("INFO the user's run\n" * 10)
+    before = file_state(log)
+    logger = logging.getLogger(f"user_training_{seed}")
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        if not logger.handlers:
+            logger.addHandler(logging.FileHandler(log, mode="a"))
+        logger.warning("loss %s", loss.item())
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert file_state(log) == before and not logger.handlers
+    with pytest.warns(RuntimeWarning, match="trials.*wrote"):
+        report.try_fixes("set_to_none", steps=1, repeats=1)
+    assert file_state(log) == before and not logger.handlers
+
+
+@pytest.mark.parametrize("append", APPENDS, ids=lambda f: f.__name__)
+def test_a_log_the_step_makes_by_appending_is_removed(seed, tmp_path, append):
+    model, opt = small()
+    log = tmp_path / "new.log"
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        append(log, f"1,{loss.item()}\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert list(tmp_path.iterdir()) == []
+    with pytest.warns(RuntimeWarning, match="trials.*wrote"):
+        report.try_fixes("set_to_none", steps=1, repeats=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def write_over_start(path: Path) -> None:
+    with open(path, "r+b") as out:
+        out.write(b"OVER")
+
+
+def open_to_append_and_truncate(path: Path) -> None:
+    os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_TRUNC))
+
+
+def replace_with_new(path: Path) -> None:
+    new = path.with_suffix(".tmp")
+    new.write_text("the step's log\n")
+    os.replace(new, path)
+
+
+# each change, and whether it leaves the same file (inode) to write back in place
+CHANGES_AFTER_APPENDING = [
+    (lambda path: path.write_text("rewritten\n"), True),
+    (write_over_start, True),
+    (open_to_append_and_truncate, True),
+    (lambda path: os.truncate(path, 3), True),
+    (os.remove, False),
+    (replace_with_new, False),
+]
+
+
+@pytest.mark.parametrize(("change", "in_place"), CHANGES_AFTER_APPENDING,
+                         ids=["w", "r+", "O_TRUNC", "truncate", "remove", "replace"])  # fmt: skip
+def test_a_log_the_step_appends_to_then_changes_is_put_back_from_its_old_bytes(
+    seed, tmp_path, monkeypatch, change, in_place
+):
+    """Appended to, then rewritten, cut, removed or replaced in the same step: from that change
+    on the log is kept whole, copied as it was before the step appended (its old 100 bytes,
+    within the 120 copied, though by then it holds more), and put back so. Over the size
+    copied, the change is refused as any change of so large a file is, and the log cut back."""
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 120)
+    model, opt = small()
+    log = tmp_path / "train.log"
+    log.write_bytes(b"x" * 100)
+    log.chmod(0o640)
+    os.utime(log, ns=(10**18, 10**18))
+    before = file_state(log)
+    compared = [0, 1, 2, 3] if in_place else [0, 1, 3]
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        append_line(log, "y" * 50)
+        change(log)
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert [file_state(log)[i] for i in compared] == [before[i] for i in compared]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.log"]
+    with pytest.warns(RuntimeWarning, match="trials.*wrote"):
+        report.try_fixes("set_to_none", steps=1, repeats=1)
+    assert [file_state(log)[i] for i in compared] == [before[i] for i in compared]
+
+    before = file_state(log)
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
+    with pytest.raises(UsageError, match=rf"change {re.escape(str(log))}: 100 B, over the 64 B"):
+        examined(step, torch.randn(5, 4))
+    assert file_state(log) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.log"]
+
+
+@pytest.mark.parametrize("rewritten", [False, True])
+def test_a_log_a_thread_of_the_step_appends_to_is_cut_back(seed, tmp_path, monkeypatch, rewritten):
+    """The step logs from a thread it starts (a background writer): the thread's appends are
+    the step's, and the log comes back as it was, whether the step only appended to it (over
+    the size copied) or rewrote it after the thread's append (within it)."""
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 120 if rewritten else 64)
+    model, opt = small()
+    log = tmp_path / "train.log"
+    log.write_bytes(b"x" * 100)
+    before = file_state(log)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        writer = threading.Thread(target=append_line, args=(log, f"{loss.item()}\n" * 20))
+        writer.start()
+        writer.join()
+        if rewritten:
+            log.write_text("rewritten\n")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    assert file_state(log) == before
+    with pytest.warns(RuntimeWarning, match="trials.*wrote"):
+        report.try_fixes("set_to_none", steps=1, repeats=1)
+    assert file_state(log) == before
+
+
+def test_a_file_rewritten_through_its_append_handle_is_put_back_or_said_not_to_be(
+    seed, tmp_path, monkeypatch
+):
+    """An append handle can still cut its file (``truncate``, which raises no audit event): a
+    small state file rewritten through "a+" (read, cut, written) is written back whole from the
+    bytes kept of its end; a larger one whose end no longer reads as it did is said not put
+    back, rather than cut to its old length and said to be as it was."""
+    monkeypatch.setattr("accel.doctor.kept_files.KEEP_BYTES", 64)
+    monkeypatch.setattr("accel.doctor.kept_files.KEPT_END_BYTES", 200)
+    model, opt = small()
+    state, log = tmp_path / "state.json", tmp_path / "train.log"
+    state.write_text('{"step": 1}' + " " * 100)
+    log.write_bytes(b"x" * 300)
+    before = file_state(state)
+
+    def rewrite(path: Path, text: str) -> None:
+        with open(path, "a+") as out:
+            out.seek(0)
+            out.read()
+            out.seek(0)
+            out.truncate()
+            out.write(text)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        rewrite(state, '{"step": 2}')
+        rewrite(log, "z" * 400)
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert file_state(state) == before
+    assert f"could not put back {log}" in line, line
+    assert "put back as it was" not in line.split(f"wrote {log}")[1], line
 
 
 def test_folders_the_step_makes_are_removed_with_what_it_wrote_in_them(seed, tmp_path):

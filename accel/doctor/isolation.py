@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from accel.doctor.effects import Effects
-from accel.doctor.kept_files import KeptFiles, TooLargeToKeep, absolute
+from accel.doctor.kept_files import KeptFiles, TooLargeToKeep, absolute, appends_only
 from accel.doctor.process_state import GlobalHooks, ProcessSwitches
 from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
@@ -284,7 +284,8 @@ def _keep_what_changes(recording: _Recording, event: str, args: tuple, what: str
     elif event == "sqlite3.connect":  # and the files sqlite keeps beside it while writing
         paths += [os.fsdecode(args[0]) + end for end in ("-journal", "-wal", "-shm")]
     whole = event not in ("os.chmod", "os.rmdir")  # its mode kept, not all it holds (if any)
-    kept = [recording.files.keep(path, contents=whole) for path in paths]  # each, or raises
+    appends = event == "open" and appends_only(args[1], args[2])  # kept by where it ends
+    kept = [recording.files.keep(path, contents=whole, appends=appends) for path in paths]
     recording.found[what] += 1  # kept first: a change refused is not made
     if event == "os.rename":
         recording.files.renamed(*paths)

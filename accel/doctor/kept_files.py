@@ -3,14 +3,18 @@ doctor's session closes: a file's bytes and mode, a link as a link, a folder wit
 held (where the step removes or renames it) or its mode alone (where it changes that). A file
 too large to keep (over :data:`KEEP_BYTES`, past :data:`KEEP_TOTAL_BYTES` kept in all, or past
 the free space where the copies go) is not let be changed: :class:`TooLargeToKeep` is raised
-before the change. A hard-linked file is held (by a link of the doctor's, or open) and linked
-back, so that its other names share it again. Putting back never writes through a link the step
+before the change. A file the step only appends to is kept by where it ended, with no copy and
+no size limit, and cut back to that end in place; changed otherwise later, it is copied then as
+it was before the appends. A hard-linked file is held (by a link of the doctor's, or open) and
+linked back, so that its other names share it again. Putting back never writes through a link the step
 left, and what cannot be put back, or comes back no longer shared, is said, not hidden.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import itertools
 import os
 import secrets
 import shutil
@@ -20,11 +24,14 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["KEEP_BYTES", "KEEP_TOTAL_BYTES", "KeptFiles", "TooLargeToKeep"]
+__all__ = ["KEEP_BYTES", "KEEP_TOTAL_BYTES", "KeptFiles", "TooLargeToKeep", "appends_only"]
 
 KEEP_BYTES = 2**30  # a file the step changes is kept to put back up to this size
 KEEP_TOTAL_BYTES = 8 * 2**30  # and the files of one session up to this total
 FREE_AFTER_BYTES = 2**30  # a copy leaves at least this much free where the copies go
+# the last bytes before an appended file's old end, kept to check that an append handle's
+# unseen truncate left them (a file no longer than this is written back from them whole)
+KEPT_END_BYTES = 2**16
 HELD_OPEN = 128  # hard-linked files held open at most (a process may often open only 1024 files)
 _OPEN_FILES = "/proc/self/fd"  # where an open file has a name (Linux)
 
@@ -56,6 +63,18 @@ class _Inode(NamedTuple):
     held: str | None
 
 
+class _Appended(NamedTuple):
+    """A file the step only appended to, kept by where it ended (``size``; its last bytes,
+    ``end``), its mode, times and inode: cut back to that end in place."""
+
+    size: int
+    end: bytes
+    mode: int
+    times_ns: tuple[int, int]
+    device: int
+    number: int
+
+
 class _Folder(NamedTuple):
     """A folder that was there, kept with its mode and, kept whole, the names it held (each
     entry kept on its own)."""
@@ -73,7 +92,7 @@ class KeptFiles:
     put back when the session closes."""
 
     def __init__(self) -> None:
-        self.kept: dict[str, str | _Link | _Folder | None] = {}
+        self.kept: dict[str, str | _Link | _Folder | _Appended | None] = {}
         self.refused: set[str] = set()  # not kept at first: never kept as a later state
         self.failed: set[str] = set()  # kept, and not put back (the reason is the step's doing)
         self.unkept: set[str] = set()  # there, and not a file (a pipe, a device): lost if changed
@@ -83,6 +102,7 @@ class KeptFiles:
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
         self._folder: str | None = None
+        self._copies = itertools.count()  # names of the copies in the folder
         self._bytes = 0  # kept so far
         # one keep at a time: a thread of the step's that writes a file another is copying
         # waits for the copy (its write comes after the audit event that asked for the keep)
@@ -94,14 +114,15 @@ class KeptFiles:
         """Whether this thread is copying a file: its own opens are no step's."""
         return getattr(self._copying, "on", False)
 
-    def keep(self, path: Any, *, contents: bool = True) -> bool:
+    def keep(self, path: Any, *, contents: bool = True, appends: bool = False) -> bool:
         """Whether ``path`` is kept (now or before; a folder with all it holds, or with its mode
-        alone where not ``contents``); not a descriptor, nor what is not a file or folder. A file
-        over a budget raises :class:`TooLargeToKeep`."""
+        alone where not ``contents``; a file by where it ends where the step ``appends`` only);
+        not a descriptor, nor what is not a file or folder. A file over a budget raises
+        :class:`TooLargeToKeep`."""
         if not isinstance(path, (str, bytes, os.PathLike)):
             return False
         with self._lock:
-            return self._keep(absolute(path), contents)
+            return self._keep(absolute(path), contents, appends)
 
     def renamed(self, source: Any, target: Any) -> None:
         """The step renames ``source``, a folder, to ``target``: named back when put back."""
@@ -117,8 +138,10 @@ class KeptFiles:
     def walked(self, path: Any) -> bool:
         return absolute(path) in self._walked
 
-    def _keep(self, path: str, contents: bool = True) -> bool:
+    def _keep(self, path: str, contents: bool = True, appends: bool = False) -> bool:
         kept = self.kept.get(path, _NOT_KEPT)
+        if isinstance(kept, _Appended):  # its mode is kept; a change of its bytes needs a copy
+            return appends or not contents or self._copy_appended(path, kept)
         if kept is not _NOT_KEPT and not (contents and isinstance(kept, _Folder) and kept.names is None):
             return True  # kept before (a folder kept for its mode alone is kept whole now)
         if self._inside_new(path):  # it was not there either, whatever the step put there since
@@ -141,22 +164,67 @@ class KeptFiles:
             if os.path.lexists(path):
                 self.unkept.add(path)
             return False
+        if appends and os.path.lexists(path):  # nothing before its end changes: no copy
+            self.kept[path] = _appended(path)
+            return True
         copy = None
         if os.path.lexists(path):
             self._copying.on = True
             try:
-                self._folder = self._folder or tempfile.mkdtemp(prefix="accel-doctor-kept-")
-                self._bytes += _within_budget(path, self._bytes, self._folder)
-                copy = os.path.join(self._folder, str(len(self.kept)))
+                size = os.path.getsize(path)
+                self._bytes += _within_budget(path, size, self._bytes, self._copies_folder())
+                copy = self._copy_name()
                 shutil.copy2(path, copy)
-                found = os.stat(path)  # written back in place while still there: its other
-                linked = found.st_nlink > 1  # names and open handles see it
-                held = self._hold(path, copy) if linked else None
-                self._inodes[path] = _Inode(found.st_dev, found.st_ino, linked, held)
+                self._keep_inode(path, copy, os.stat(path))
             finally:
                 self._copying.on = False
         self.kept[path] = copy
         return True
+
+    def _copy_appended(self, path: str, kept: _Appended) -> bool:
+        """The file at ``path``, which the step appended to and now changes otherwise, copied
+        as it was before its appends (its first ``kept.size`` bytes: the rest are the step's),
+        to be put back whole. False where its old bytes are no longer there to copy (changed
+        unseen, through a handle: said when put back)."""
+        try:
+            source = open(path, "rb")  # noqa: SIM115 - closed below
+        except OSError:  # gone, or no longer a file
+            return False
+        with source:
+            found = os.fstat(source.fileno())
+            whole = len(kept.end) == kept.size  # all of it kept: copied from there
+            if (found.st_dev, found.st_ino) != (kept.device, kept.number) or not (
+                whole or _ends_as_kept(source.fileno(), kept)
+            ):
+                return False
+            self._bytes += _within_budget(path, kept.size, self._bytes, self._copies_folder())
+            self._copying.on = True
+            try:
+                copy = self._copy_name()
+                with open(copy, "xb") as out:
+                    _copy_start(source, out, kept.size - len(kept.end))
+                    out.write(kept.end)
+                os.chmod(copy, kept.mode)
+                os.utime(copy, ns=kept.times_ns)
+                self._keep_inode(path, copy, found)
+            finally:
+                self._copying.on = False
+        self.kept[path] = copy
+        return True
+
+    def _copies_folder(self) -> str:
+        self._folder = self._folder or tempfile.mkdtemp(prefix="accel-doctor-kept-")
+        return self._folder
+
+    def _copy_name(self) -> str:
+        return os.path.join(self._copies_folder(), str(next(self._copies)))
+
+    def _keep_inode(self, path: str, copy: str, found: os.stat_result) -> None:
+        """The inode of the file at ``path``, written back in place while still there (its
+        other names and open handles see it); a hard-linked one held."""
+        linked = found.st_nlink > 1
+        held = self._hold(path, copy) if linked else None
+        self._inodes[path] = _Inode(found.st_dev, found.st_ino, linked, held)
 
     def _hold(self, path: str, copy: str) -> str | None:
         """A name of the doctor's own for the hard-linked file at ``path``: a link beside its
@@ -184,7 +252,10 @@ class KeptFiles:
         return False
 
     def put_back(self) -> None:
-        """Everything kept made as it was; what cannot be is added to :attr:`failed`."""
+        """Everything kept made as it was; what cannot be is added to :attr:`failed`. A file
+        cut back to where it ended stays kept so: a handle the step left open (a log handler it
+        added) appends on, and is cut back again."""
+        appended: dict[str, _Appended] = {}
         for source, target in reversed(self._renamed):  # the folder under its name again
             if os.path.isdir(target) and not os.path.islink(target):
                 self._attempt(source, _renamed_back, target, source)
@@ -194,7 +265,10 @@ class KeptFiles:
         for path, copy in reversed(self.kept.items()):
             if isinstance(copy, _Folder):
                 continue
-            if copy is not None:
+            if isinstance(copy, _Appended):
+                if self._attempt(path, _cut_back, path, copy):
+                    appended[path] = copy
+            elif copy is not None:
                 back = self._attempt(path, _file_back, path, copy, self._inodes.get(path))
                 if back is False:  # back, but no longer the file its other names are
                     self.separated.add(path)
@@ -215,6 +289,7 @@ class KeptFiles:
             os.close(descriptor)
         self._held_open.clear()
         self.kept.clear()
+        self.kept.update(appended)
         self.refused.clear()
         self._renamed.clear()
         self._walked.clear()
@@ -230,10 +305,9 @@ class KeptFiles:
             return None
 
 
-def _within_budget(path: str, kept_bytes: int, folder: str) -> int:
-    """The size of the file at ``path``, to keep beside ``kept_bytes`` in ``folder``; raises
-    :class:`TooLargeToKeep` where it is over a budget."""
-    size = os.path.getsize(path)
+def _within_budget(path: str, size: int, kept_bytes: int, folder: str) -> int:
+    """``size``, the bytes to copy of the file at ``path`` beside ``kept_bytes`` in ``folder``;
+    raises :class:`TooLargeToKeep` where it is over a budget."""
     if size > KEEP_BYTES:
         raise TooLargeToKeep(path, f"{_bytes(size)}, over the {_bytes(KEEP_BYTES)} the doctor "
                                    "keeps of a file to put it back")  # fmt: skip
@@ -250,6 +324,61 @@ def _bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{n} B"
+
+
+def appends_only(mode: Any, flags: int) -> bool:
+    """Whether an ``open`` with ``mode`` (``open``'s; None for ``os.open``) or ``flags`` writes
+    only past the file's end: "a", "ab", "a+" (its writes append too), or O_APPEND without
+    O_TRUNC."""
+    if isinstance(mode, str):
+        return "a" in mode
+    return bool(flags & os.O_APPEND) and not flags & os.O_TRUNC
+
+
+def _appended(path: str) -> _Appended:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        found = os.fstat(fd)
+        start = max(0, found.st_size - KEPT_END_BYTES)
+        end = os.pread(fd, found.st_size - start, start)
+    finally:
+        os.close(fd)
+    return _Appended(found.st_size, end, stat.S_IMODE(found.st_mode),
+                     (found.st_atime_ns, found.st_mtime_ns), found.st_dev, found.st_ino)  # fmt: skip
+
+
+def _ends_as_kept(fd: int, kept: _Appended) -> bool:
+    """Whether the file open at ``fd`` still holds the last of its old bytes where they were:
+    an append handle can cut its file, unseen (``truncate`` raises no audit event)."""
+    return os.pread(fd, len(kept.end), kept.size - len(kept.end)) == kept.end
+
+
+def _copy_start(source: Any, out: Any, size: int) -> None:
+    while size > 0 and (chunk := source.read(min(size, 2**20))):
+        out.write(chunk)
+        size -= len(chunk)
+
+
+def _cut_back(path: str, kept: _Appended) -> bool:
+    """The file the step appended to cut back to its old end in place (the same file: its
+    other names and open handles see it), its mode and times as they were; one no longer than
+    the bytes kept of its end is written back whole. OSError where it is another file now, or
+    its old bytes changed unseen: not put back."""
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        found = os.fstat(fd)
+        if (found.st_dev, found.st_ino) != (kept.device, kept.number):
+            raise OSError(errno.ESTALE, "no longer the file kept", path)
+        if not _ends_as_kept(fd, kept):
+            if len(kept.end) < kept.size:
+                raise OSError(errno.EIO, "its old bytes changed through a handle", path)
+            os.pwrite(fd, kept.end, 0)
+        os.ftruncate(fd, kept.size)
+    finally:
+        os.close(fd)
+    os.chmod(path, kept.mode)
+    os.utime(path, ns=kept.times_ns)
+    return True
 
 
 def absolute(path: Any) -> str:
