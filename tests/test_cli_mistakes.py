@@ -253,6 +253,12 @@ def make():
 
 def make_sized(batch_size, lr=0.1):
     return step, torch.randn(batch_size, 4)
+
+
+class Net(torch.nn.Module):  # a model class, built by a call of none
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 6)
 """
 
 
@@ -264,9 +270,10 @@ def make_sized(batch_size, lr=0.1):
         ("view_step.py:model", ("view_step.py:model is a model (Linear)", "(step, batch)")),
         ("view_step.py:make_sized", ("make_sized(batch_size, lr=0.1)",
                                      "def make(): return make_sized(...)")),
+        ("view_step.py:Net", ("view_step.py:Net is a model class (a Module)", "(step, batch)")),
     ],
     ids=["the step's own error", "the step named instead of its maker", "the model named",
-         "a maker that takes its sizes"],
+         "a maker that takes its sizes", "a model class named"],
 )
 def test_doctor_says_the_users_own_mistake_in_one_line(accel_cli, tmp_path, target, said):
     # the step's own mistake (a .view of a transposed tensor) and naming the step itself, which
