@@ -282,6 +282,8 @@ def test_step_without_a_batch_and_a_step_fed_by_a_loader(seed):
     loader = [torch.randn(16, 4) for _ in range(4)]
     fed = doctor.examine(step, loader=loader, steps=1, warmup=1)
     assert fed.batch is loader[0]
+    # None beside a loader means its first batch, as the command line reads a maker's None
+    assert doctor.examine(step, None, loader=loader, steps=1, warmup=1).batch is loader[0]
     assert fed.evidence.loader["batches"] == 3 and len(fed.evidence.loader["shapes"]) == 1
     assert unchanged(before, model)
 

@@ -79,7 +79,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     The random generators and the files the step writes are put back as they were; what cannot
     be (a network, a process started) is named in the report's first line, with the files.
     ``loader``: the DataLoader that feeds it (its first batch is used when ``batch`` is not
-    given), to measure how long the step waits for data.
+    given or None), to measure how long the step waits for data.
     ``compile=True`` also lists where ``torch.compile`` would break the step (seconds to
     minutes); dynamo's trace starts from an empty cache, so the functions this process compiled
     before compile again at their next call. ``ceilings`` and ``costs``: this machine's ``lab.measure_ceilings`` and
@@ -91,6 +91,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         got = type(step).__name__
         raise TypeError(f"examine() needs the training step as a callable, got {got}")
     refuse_unplain_step(step)
+    if batch is None and loader is not None:  # as the command line reads a maker's None
+        batch = NO_BATCH
     _refuse_batch_mismatch(step, batch if batch is not NO_BATCH or loader is None else None)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
