@@ -321,7 +321,8 @@ def setting_rows(runs: dict[str, RunResult], *, where: str) -> list[Row]:
     out = []
     for key in DDP_SETTINGS:
         run = runs[f"ddp {key} alone"]
-        launch = "a launch of its own" if key == "nccl_env" else "the same launch"
+        # NCCL reads its environment once a process: that setting's run has a launch of its own
+        launch = "another launch" if key == "nccl_env" else "the same launch"
         extra = f"; {run.summary['notes']}" if run.summary["notes"] else ""
         out.append(
             _row(
