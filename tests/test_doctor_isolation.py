@@ -1913,6 +1913,13 @@ def _hard_linked_file_written_then_removed(root: Path):
     _hard_linked_file_saved_over, _hard_linked_file_written_then_removed,
 ], ids=lambda f: f.__name__.strip("_").replace("_", " "))  # fmt: skip
 def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp_path, make):
+    # what the doctor keeps is not named
+    assert_put_back_after_examine_and_trials(tmp_path, make, unsaid="accel-doctor-kept-")
+
+
+def assert_put_back_after_examine_and_trials(tmp_path, make, *, unsaid: str) -> None:
+    """A step that makes the change ``make(root)`` returns, in a folder under ``tmp_path``: the
+    disk as it was after examine and after try_fixes, ``unsaid`` not in the report's first line."""
     model, opt = small()
     root = tmp_path / "root"
     root.mkdir()
@@ -1926,7 +1933,7 @@ def test_what_a_step_puts_in_a_folders_place_or_moves_away_is_put_back(seed, tmp
 
     report = examined(step, torch.randn(5, 4))
     assert disk(tmp_path) == before
-    assert "accel-doctor-kept-" not in first_line(report)  # what the doctor keeps is not named
+    assert unsaid not in first_line(report)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report.try_fixes(["fused_optimizer"], steps=1, repeats=2)
@@ -1955,24 +1962,7 @@ def test_a_hard_linked_file_kept_on_another_file_system_comes_back_linked(
     """The copies' folder cannot hold a link to the file: the file is held open instead, and
     linked back under the name the step replaced or removed, so its other names share it."""
     copies_on_another_file_system(monkeypatch)
-    model, opt = small()
-    root = tmp_path / "root"
-    root.mkdir()
-    change = make(root)
-    before = disk(tmp_path)
-
-    def step(x):
-        loss = one_update(model, opt, x)
-        change()
-        return loss.detach()
-
-    report = examined(step, torch.randn(5, 4))
-    assert disk(tmp_path) == before
-    assert "as a separate copy" not in first_line(report)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report.try_fixes(["fused_optimizer"], steps=1, repeats=2)
-    assert disk(tmp_path) == before
+    assert_put_back_after_examine_and_trials(tmp_path, make, unsaid="as a separate copy")
 
 
 def test_a_hard_linked_file_that_cannot_be_held_is_said_to_come_back_unlinked(

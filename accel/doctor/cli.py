@@ -38,15 +38,12 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     make = getattr(module, function_name, None)
     if not callable(make):
         raise UsageError(f"{module_name} has no function {function_name!r}")
-    if isinstance(make, type) and issubclass(make, torch.nn.Module):  # built, then called
-        raise UsageError(  # as the step with no batch, it would fail as the step's own mistake
-            f"{target} is a model class (a Module), not a function that makes the step: name a "
-            "function of none that returns (step, batch), e.g. def make(): return step, batch"
-        )
-    if isinstance(make, torch.nn.Module):
-        raise UsageError(
-            f"{target} is a model ({type(make).__name__}), not a function that makes the step: "
-            "name a function of none that returns (step, batch), e.g. def make(): return step, batch"
+    model_class = isinstance(make, type) and issubclass(make, torch.nn.Module)
+    if model_class or isinstance(make, torch.nn.Module):  # called as the step, it would fail
+        what = "a model class (a Module)" if model_class else f"a model ({type(make).__name__})"
+        raise UsageError(  # as the step's own mistake: said as what it is
+            f"{target} is {what}, not a function that makes the step: name a function of none "
+            "that returns (step, batch), e.g. def make(): return step, batch"
         )
     if not callable_with(make):
         raise UsageError(  # the step itself named, or a maker that takes its sizes

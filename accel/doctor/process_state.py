@@ -4,6 +4,7 @@ streams, the signal handlers...) and the hooks it may register for every module 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import os
@@ -20,7 +21,11 @@ __all__ = ["GlobalHooks", "ProcessSwitches"]
 
 
 def _umask() -> int:
-    umask = os.umask(0o022)  # there is no getter: read by setting it
+    """The process's umask, read without setting it where Linux says it (set and set back, a
+    file another thread made in between would get the wrong mode)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError), open("/proc/self/status") as status:
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    umask = os.umask(0o022)  # no getter elsewhere: read by setting it
     os.umask(umask)
     return umask
 

@@ -265,10 +265,11 @@ def run(ctx: BenchContext) -> list[Row]:
         return measure(task, nprocs, preset=ctx.preset, sizes=sizes, configs=configs, on_run=say,
                        **how)  # fmt: skip
 
-    out = wrapper_rows(ctx, launch, gpus, f"task {task} ({which})") if ctx.selected("wrappers") else []
+    trained = f"task {task} ({which})"
+    out = wrapper_rows(ctx, launch, gpus, trained) if ctx.selected("wrappers") else []
     if on_gpu and ctx.selected("settings"):  # at the largest count: communication weighs most
         alone = launch(gpus, setting_configs(), series=True)
-        out += setting_rows(alone, where=f"{gpus} GPUs, nccl, task {task} ({which})")
+        out += setting_rows(alone, where=f"{gpus} GPUs, nccl, {trained}")
     return out + (skipped_rows(gpus, reason=f"{gpus} GPUs present") if on_gpu else [])
 
 
