@@ -189,6 +189,14 @@ def test_kernel_categories_of_common_names():
     assert timeline.kernel_category("vectorized_elementwise_kernel") == "elementwise and other"
 
 
+def test_cublas_hopper_products_are_matmul():
+    """cuBLAS names its Hopper GEMMs ``nvjet_*``: counted as elementwise, every bf16 product of a
+    Hopper profile was time that compile fuses and TF32 cannot touch."""
+    for name in ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNT",
+                 "nvjet_hsh_192x192_64x3_2x1_v_bz_coopB_NTN"):  # fmt: skip
+        assert timeline.kernel_category(name) == "matmul"
+
+
 def test_inductor_kernels_are_compiled_kernels_not_optimizer_kernels():
     assert timeline.kernel_category("triton_poi_fused_add_mul_0") == "compiled (Triton)"
     assert timeline.kernel_category("triton_red_fused_sum_1") == "compiled (Triton)"

@@ -28,7 +28,7 @@ _CATEGORIES = (  # (category, substrings of a kernel or operator name), first ma
     ("communication", ("nccl", "gloo:", "c10d::", "allreduce", "all_gather", "reduce_scatter")),
     ("compiled (Triton)", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "sdpa", "_efficient_attention")),
-    ("matmul", ("gemm", "cutlass", "cublas", "xmma", "wgmma", "mm", "conv", "linear")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "cublas", "xmma", "wgmma", "mm", "conv", "linear")),
     ("optimizer", ("multi_tensor_apply", "adam", "sgd", "_foreach")),
     ("copy", ("memcpy", "copy_", "_to_copy")),
     ("memset", ("memset", "fill_", "zero_")),
