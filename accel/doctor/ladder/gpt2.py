@@ -1,7 +1,8 @@
 """GPT-2 small (124M) as nanoGPT's lineage writes it: first as the tutorial's first commit
 (float32, attention written out under the ``bias`` mask, vocabulary 50257, default AdamW, the
 loss read every step, a pageable batch), then as nanoGPT's later train.py (TF32, bf16, SDPA, the
-vocabulary padded to 50304, fused AdamW with decay groups, ``torch.compile``, a pinned batch).
+vocabulary padded to 50304, fused AdamW with decay groups, ``torch.compile``, a pinned batch) and
+compiled with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel.doctor.ladder import Script, sizes, tuned_backends
+from accel.doctor.ladder import Script, compiled, sizes, tuned_backends
 
 SEED = 1337
 losses: list[float] = []  # the training log
@@ -179,7 +180,7 @@ def hand_optimized(device: torch.device, preset: str) -> Script:
         model = GPT(padded)
     model.to(device)
     optimizer = configure_optimizers(model, weight_decay=0.1, learning_rate=6e-4)
-    model = torch.compile(model)
+    model = compiled(model, device)
     cuda = device.type == "cuda"
     ctx = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
 
