@@ -660,7 +660,7 @@ def test_compile_in_the_best_set_is_tried_with_cuda_graphs_on_a_gpu(
 ):
     """The best set has shortened the device's work, so launching the compiled kernels may now
     hold the step back: the set is tried with compile's CUDA-graph rung, kept only if faster,
-    with no prediction (no finding models the launches the other fixes left)."""
+    and predicted by the combined sets' model."""
     tried = []
 
     def together(report, names, steps, repeats, spread, predicted_us=None):
@@ -677,7 +677,7 @@ def test_compile_in_the_best_set_is_tried_with_cuda_graphs_on_a_gpu(
     combined = trial._together(step_of(100.0, "cuda"), rows, 1, 1, 0.0)
     assert [names for names, _ in tried] == [["bf16_autocast", "compile"],
                                              ["bf16_autocast", "compile_graphs"]]  # fmt: skip
-    assert math.isnan(tried[1][1])
+    assert tried[1][1] == 1.0  # predicted as every other combined set is
     chosen = [r["fixes"] for r in rows + combined if r["best set"]]
     kept = "compile_graphs" if best == "graphed" else "compile"
     assert chosen == [f"bf16_autocast+{kept}"]
@@ -749,6 +749,26 @@ def test_combined_prediction_adds_fixes_on_separate_time_and_overlaps_shared_tim
     # with another fix beside them: bf16's 40 and the sync's 15, on separate time
     three = trial.combined_prediction_us(report, rows, ["deferred_reads", "tf32", "bf16_autocast"])
     assert three == pytest.approx(100 - 40 - 15)
+
+
+def test_a_set_with_cuda_graphs_is_predicted_at_its_kernels_left_as_a_replay_runs_them():
+    """A replay launches no kernel from the host: what the set leaves of the step is its kernels'
+    time, with the gaps a replay keeps between them; the host's and the launches' idle goes."""
+    from accel.doctor.check_host import GRAPH_REPLAY_OVER_KERNELS
+
+    report = timeline_report({"matmul": 40.0, "elementwise and other": 20.0}, {"host": 40.0})
+    rows = fake_rows({"compile": 100 / 80, "bf16_autocast": 100 / 80})
+    plain = trial.combined_prediction_us(report, rows, ["bf16_autocast", "compile"])
+    graphed = trial.combined_prediction_us(report, rows, ["bf16_autocast", "compile_graphs"])
+    # compile's 20 spread over the elementwise 20 and the host's 40; bf16's 20 over all kernels
+    kernels_left = 40 * (1 - 20 / 60) + 20 * (1 - 20 / 60) * (1 - 20 / 60)
+    assert graphed == pytest.approx(kernels_left * GRAPH_REPLAY_OVER_KERNELS)
+    assert graphed < plain
+    # a replay is never predicted slower than the same set without it
+    busy = timeline_report({"matmul": 95.0, "elementwise and other": 5.0}, {"host": 0.5})
+    assert trial.combined_prediction_us(busy, rows, ["compile_graphs"]) == pytest.approx(
+        trial.combined_prediction_us(busy, rows, ["compile"])
+    )
 
 
 def test_a_device_fix_the_host_held_back_counts_its_kernels_saving_beside_a_fix_that_frees_it():

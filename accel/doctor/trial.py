@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from accel.doctor.check_host import GRAPH_REPLAY_OVER_KERNELS
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
 from accel.doctor.isolation import Session, put_back_files, seed_generators
@@ -34,6 +35,7 @@ EXCLUSIVE = ({"cuda_graph", "compile", "compile_graphs"}, {"fused_optimizer", "f
 # a fix swapped for its next rung on the best set: once the other fixes have shortened the
 # device's work, launching the compiled kernels can hold the step back, which CUDA graphs remove
 NEXT_RUNG = {"compile": "compile_graphs"}
+GRAPHED = {"compile_graphs", "cuda_graph"}  # fixes whose step is replayed, launched by no host
 SPREAD_MULTIPLE = 4.0  # a fix's allowance: at least this many times the unchanged step's own spread
 COMBINED_TRIES = 3  # combined trials at most, each without the least helpful fix of the last
 NEUTRAL = 0.98  # a fix measured at least this fast alone may still help beside the others
@@ -229,7 +231,8 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
             best, in_best = out[-1], [*in_best, name]
     for name in [n for n in in_best if n in NEXT_RUNG and _can_run(report, NEXT_RUNG[n])]:
         swapped = [NEXT_RUNG[n] if n == name else n for n in in_best]
-        out.append(_trial(report, swapped, steps, repeats, spread, predicted_us=math.nan))
+        predicted = combined_prediction_us(report, rows, swapped)
+        out.append(_trial(report, swapped, steps, repeats, spread, predicted_us=predicted))
         if out[-1]["status"] == "ok" and out[-1]["measured speedup"] > best["measured speedup"]:
             best, in_best = out[-1], out[-1]["fixes"].split("+")
     best["best set"] = True
@@ -269,13 +272,17 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     fix's saving is spread over the parts of the step it acts on (in proportion to their time),
     and a part's time left is what every fix acting on it leaves of it in turn. Beside a fix
     that frees the host, a fix of the device's kernels that the host held back alone counts
-    its kernels' own saving (:func:`_kernels_saving_us`)."""
+    its kernels' own saving (:func:`_kernels_saving_us`). A set replayed as a CUDA graph takes
+    the kernels' time it leaves, with the gaps a replay keeps between them, and no more than the
+    same set launched from the host."""
     t = report.evidence.timeline
     unbound = any("idle host" in ACTS_ON[n] for n in names)
     parts = dict(t.by_category) | {f"idle {cause}": us for cause, us in t.idle_us.items()}
     left = dict(parts)
     unexplained = 0.0
     alone = {r["fixes"]: r for r in rows if r["mode"] == "alone"}
+    # the CUDA-graph rung is tried on the best set only: its fusion is compile's, measured alone
+    alone.setdefault("compile_graphs", alone.get("compile"))
     saving = {n: max(_saved_us(t.step_us, alone[n]), _kernels_saving_us(report, n) if unbound else 0.0)
               for n in names}  # fmt: skip
     for group in ALTERNATIVES:
@@ -293,7 +300,11 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
         share = min(_MAX_SHARE, saved / total)  # the same share of each part it acts on
         for p in acts:
             left[p] *= 1 - share
-    return max(t.step_us - sum(parts.values()) + sum(left.values()) - unexplained, 0.0) or math.nan
+    launched = max(t.step_us - sum(parts.values()) + sum(left.values()) - unexplained, 0.0)
+    if GRAPHED & set(names):
+        kernels = sum(left[p] for p in t.by_category) - unexplained
+        launched = min(launched, max(kernels, 0.0) * GRAPH_REPLAY_OVER_KERNELS)
+    return launched or math.nan
 
 
 def _kernels_saving_us(report, name: str) -> float:
@@ -368,10 +379,12 @@ def _trial_row(report, names: list[str], spread: float, predicted_us: float | No
     if predicted_us is None:
         predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
     elif math.isnan(predicted_us):
-        predicted, source = predicted_us, "nothing: no finding models this rung, it is measured"
+        predicted, source = predicted_us, "nothing: the fixes measured alone leave no time"
     else:
         predicted = predicted_us
-        source = "the fixes measured alone, overlapping where they share time"
+        source = "the fixes measured alone, overlapping where they share time" + (
+            "; replayed as a CUDA graph: the kernels' time left" if GRAPHED & set(names) else ""
+        )
     argued = tolerance(report, names)
     allowance = max(argued, SPREAD_MULTIPLE * spread)
     return dict.fromkeys(TRIAL_COLUMNS, math.nan) | {
