@@ -38,26 +38,41 @@ _PROFILER_LINE = re.compile(
 def quiet_profile(**kwargs: Any) -> Iterator[profile]:
     """``torch.profiler.profile(**kwargs)`` with Kineto's lines kept off stderr; every other
     line written to stderr meanwhile (a warning from the profiled code) is passed on after; and
-    CUDA's profiling interface detached when it stops (:func:`_cupti_detached_after`)."""
-    with _without_kineto_lines(), _cupti_detached_after(), profile(**kwargs) as prof:
+    CUDA's profiling interface detached when a profile of the device stops
+    (:func:`_cupti_detached_after`)."""
+    device = _profiles_device(kwargs.get("activities"))
+    with _without_kineto_lines(), _cupti_detached_after(device), profile(**kwargs) as prof:
         yield prof
 
 
 TEARDOWN = "TEARDOWN_CUPTI"  # Kineto's switch, read when a profile stops
 
 
+def _profiles_device(activities: Any) -> bool:
+    """Whether a profile of these activities attaches CUPTI (no list: torch's default, the
+    device's too where there is one)."""
+    if activities is None:
+        return torch.cuda.is_available()
+    return ProfilerActivity.CUDA in activities
+
+
 @contextlib.contextmanager
-def _cupti_detached_after() -> Iterator[None]:
-    # Kineto keeps CUPTI attached after a profile unless TEARDOWN_CUPTI is "1" when it stops, and
-    # an attached CUPTI slows every later kernel launch of the process. A value the user set is
-    # theirs; one torch sets meanwhile ("0": CUDA graphs with an old CUDA) is kept.
-    if TEARDOWN in os.environ:
+def _cupti_detached_after(device: bool) -> Iterator[None]:
+    # Kineto keeps CUPTI attached after a profile of the device unless TEARDOWN_CUPTI is "1" when
+    # it stops, and an attached CUPTI slows every later kernel launch of the process. A value
+    # the user set is theirs; one torch sets meanwhile ("0": CUDA graphs with an old CUDA) is
+    # kept. A profile of the host alone attaches nothing, so it asks for nothing.
+    if not device or TEARDOWN in os.environ:
         yield
         return
     os.environ[TEARDOWN] = "1"
     try:
         yield
     finally:
+        # Kineto ends the teardown inside the next CUDA runtime call: a process that makes
+        # none after the profile would wait for it at exit
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         if os.environ.get(TEARDOWN) == "1":
             del os.environ[TEARDOWN]
 

@@ -2,6 +2,7 @@ import os
 
 import torch
 
+from accel import profiling
 from accel.lab import profile_step
 from accel.memory import peak_memory
 from accel.profiling import quiet_profile
@@ -49,20 +50,32 @@ def test_the_profilers_note_on_memory_allocated_before_it_started_is_kept_off_st
 CPU_ONLY = [torch.profiler.ProfilerActivity.CPU]
 
 
-def test_a_profile_asks_kineto_to_detach_cupti_when_it_stops_and_leaves_the_environment_as_found(
+CUDA_TOO = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+
+def test_a_device_profile_asks_kineto_to_detach_cupti_when_it_stops_and_leaves_the_environment_as_found(
     monkeypatch,
 ):
     # an attached CUPTI slows every later kernel launch of the user's process
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
-    with quiet_profile(activities=CPU_ONLY):
+    with profiling._cupti_detached_after(profiling._profiles_device(CUDA_TOO)):
         during = os.environ.get("TEARDOWN_CUPTI")
     assert during == "1"
     assert "TEARDOWN_CUPTI" not in os.environ
 
 
+def test_a_host_profile_asks_for_no_teardown():
+    """A teardown asked of a profile that attached nothing waits for a CUDA call that a process
+    with no CUDA work never makes: its exit then hangs on it."""
+    assert not profiling._profiles_device(CPU_ONLY)
+    assert profiling._profiles_device(None) == torch.cuda.is_available()
+    with quiet_profile(activities=CPU_ONLY):
+        assert "TEARDOWN_CUPTI" not in os.environ
+
+
 def test_the_users_own_teardown_setting_is_kept(monkeypatch):
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")
-    with quiet_profile(activities=CPU_ONLY):
+    with profiling._cupti_detached_after(True):
         assert os.environ["TEARDOWN_CUPTI"] == "0"
     assert os.environ["TEARDOWN_CUPTI"] == "0"
 
@@ -70,7 +83,7 @@ def test_the_users_own_teardown_setting_is_kept(monkeypatch):
 def test_a_teardown_setting_torch_makes_during_the_profile_is_kept(monkeypatch):
     # torch sets "0" where CUDA graphs and an old CUDA cannot survive the teardown
     monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
-    with quiet_profile(activities=CPU_ONLY):
+    with profiling._cupti_detached_after(True):
         os.environ["TEARDOWN_CUPTI"] = "0"
     assert os.environ["TEARDOWN_CUPTI"] == "0"
 
