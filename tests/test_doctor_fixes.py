@@ -686,6 +686,41 @@ def test_compile_in_the_best_set_is_tried_with_cuda_graphs_on_a_gpu(
     assert [names for names, _ in tried] == [["bf16_autocast", "compile"]]
 
 
+@pytest.mark.parametrize(("with_bf16", "kept"), [(5.0, True), (3.5, False)])
+def test_device_fixes_left_out_are_retried_once_the_set_is_replayed_as_a_cuda_graph(
+    monkeypatch, with_bf16, kept
+):
+    """bf16 and TF32 were slower alone on a step the host held back, and predicted nothing
+    there; a replay leaves the step to its kernels, so each is tried on the graphed set, and
+    kept only if faster."""
+    tried = []
+    speedups = {"compile+pinned_batch": 3.0, "compile_graphs+pinned_batch": 4.0,
+                "compile_graphs+pinned_batch+bf16_autocast": with_bf16}  # fmt: skip
+
+    def together(report, names, *args, **kwargs):
+        tried.append("+".join(names))
+        speedup = speedups.get("+".join(names), 3.8)
+        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
+                "measured speedup": speedup, "measured ms": 10 / speedup, "unchanged ms": 10.0,
+                "best set": False}  # fmt: skip
+
+    monkeypatch.setattr(trial, "_trial", together)
+    monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)
+    rows = fake_rows({"compile": 1.3, "pinned_batch": 1.2, "bf16_autocast": 0.94, "tf32": 0.97})
+    rows[2]["status"] = "slower here"
+    combined = trial._together(step_of(100.0, "cuda"), rows, 1, 1, 0.0)
+    graphed = "compile_graphs+pinned_batch"
+    first = f"{graphed}+bf16_autocast"
+    assert tried[-3:] == [graphed, first, f"{first if kept else graphed}+tf32"]
+    chosen = [r["fixes"] for r in rows + combined if r["best set"]]
+    assert chosen == [first if kept else graphed]
+    tried.clear()  # without the rung taken, nothing more is tried
+    speedups["compile_graphs+pinned_batch"] = 2.0
+    trial._together(step_of(100.0, "cuda"), rows, 1, 1, 0.0)
+    assert tried[-1] == graphed
+
+
 @pytest.mark.parametrize(("retried_speedup", "best"), [(3.0, "retried"), (2.0, "combined")])
 def test_a_predicted_fix_that_lost_alone_is_retried_on_the_best_set(
     monkeypatch, retried_speedup, best
