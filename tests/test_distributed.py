@@ -792,16 +792,14 @@ def test_fsdp_units_are_module_list_elements_innermost_first():
     assert D.fsdp_units(torch.nn.Linear(2, 2)) == []
 
 
-def test_tuned_comm_settings_are_launch_arguments():
-    config = D.RunConfig(**D.TUNED_COMM)
-    assert config.comm_tuned and not D.RunConfig().comm_tuned
-    assert D.TUNED_COMM["nccl_env"]["NCCL_MIN_NCHANNELS"] == "4"
+def test_the_communication_settings_are_launch_arguments_away_from_the_defaults():
+    config, default = D.RunConfig(**D.COMM_SETTINGS), D.RunConfig()
+    assert all(getattr(config, k) != getattr(default, k) for k in D.COMM_SETTINGS)
+    assert D.COMM_SETTINGS["nccl_env"]["NCCL_MIN_NCHANNELS"] == "4"
 
 
-def fake_run(wrapper: str, nprocs: int, samples_per_s: float, state: float, tuned=False):
+def fake_run(wrapper: str, nprocs: int, samples_per_s: float, state: float):
     config = D.RunConfig(wrapper=wrapper, nprocs=nprocs, steps=10, warmup=2)
-    if tuned:
-        config = D.RunConfig(wrapper=wrapper, nprocs=nprocs, steps=10, warmup=2, **D.TUNED_COMM)
     summary = {
         "backend": "nccl",
         "samples_per_s": samples_per_s,
@@ -818,21 +816,20 @@ def fake_run(wrapper: str, nprocs: int, samples_per_s: float, state: float, tune
 def test_bench_rows_judge_the_two_gpu_targets():
     runs = {
         "one": fake_run("none", 1, 100.0, 12.0),
-        "ddp": fake_run("ddp", 2, 190.0, 12.0),
-        "ddp tuned": fake_run("ddp", 2, 170.0, 12.0, tuned=True),
-        "fsdp2": fake_run("fsdp2", 2, 150.0, 6.0),
-        "fsdp2 tuned": fake_run("fsdp2", 2, 160.0, 8.0, tuned=True),
+        "ddp": fake_run("ddp", 2, 170.0, 12.0),
+        "fsdp2": fake_run("fsdp2", 2, 150.0, 8.0),
     }
     frame = bench.table(runs).set_index("config")
-    assert frame.loc["ddp", "scaling_efficiency"] == pytest.approx(0.95)
-    assert frame.loc["ddp tuned", "comm"] == "tuned" and frame.loc["ddp", "comm"] == "default"
+    assert frame.loc["ddp", "scaling_efficiency"] == pytest.approx(0.85)
+    rows = {r.case: r for r in bench.rows(runs, judged=True, where="test")}
+    assert rows["ddp x2 throughput"].met is False and rows["ddp x2 throughput"].speedup == 1.7
+    assert rows["fsdp2 x2 throughput"].met is None  # no throughput target for FSDP2
+    assert rows["fsdp2 x2 state_memory"].met is False  # 0.67x > 0.6x
+    assert rows["fsdp2 x2 peak_memory"].baseline == 24.0
+    runs["ddp"], runs["fsdp2"] = fake_run("ddp", 2, 190.0, 12.0), fake_run("fsdp2", 2, 150.0, 6.0)
     rows = {r.case: r for r in bench.rows(runs, judged=True, where="test")}
     assert rows["ddp x2 throughput"].met is True and rows["ddp x2 throughput"].speedup == 1.9
-    assert rows["ddp tuned x2 throughput"].met is False  # 1.7x < 1.8x
-    assert rows["fsdp2 x2 throughput"].met is None  # no throughput target for FSDP2
     assert rows["fsdp2 x2 state_memory"].met is True  # 0.5x <= 0.6x
-    assert rows["fsdp2 tuned x2 state_memory"].met is False  # 0.67x
-    assert rows["fsdp2 x2 peak_memory"].baseline == 24.0
     unjudged = bench.rows(runs, judged=False, where="cpu")
     assert all(r.met is None for r in unjudged)
     assert bench.rank_counts(2) == [2] and bench.rank_counts(4) == [2, 4]
@@ -849,24 +846,33 @@ def test_bench_baseline_is_the_faster_of_two_launches_around_the_others(monkeypa
         launched.append((nprocs, tuple(configs)))
         if "one" in configs:  # the baseline: slow before, fast after
             return {"one": fake_run("none", 1, 80.0 if len(launched) == 1 else 100.0, 12.0)}
-        if bench.ONE_TUNED in configs:  # DDP on one rank, tuned: its own baseline
-            return {bench.ONE_TUNED: fake_run("ddp", 1, 120.0, 12.0, tuned=True)}
-        return {k: fake_run(c["wrapper"], nprocs, 150.0 * nprocs, 12.0, tuned="tuned" in k)
+        return {k: fake_run(c["wrapper"], nprocs, 150.0 * nprocs, 12.0)
                 for k, c in configs.items()}  # fmt: skip
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     monkeypatch.setattr(bench, "pick_task", lambda: ("task", "a fake"))
     rows = {r.case: r for r in bench.run(BenchContext(torch.device("cpu"), "cpu"))}
-    wrapped = tuple(k for k in bench.CONFIGS if k != "one")
-    singles = [(1, ("one",)), (1, (bench.ONE_TUNED,))]
-    assert launched == [*singles, (2, wrapped), *singles]
+    assert tuple(bench.CONFIGS) == ("one", "ddp", "fsdp2")
+    assert launched == [(1, ("one",)), (2, ("ddp", "fsdp2")), (1, ("one",))]
     assert rows["one_gpu throughput"].optimized == 100.0
     assert rows["ddp x2 throughput"].speedup == pytest.approx(3.0)  # 300 / 100, not 300 / 80
     assert "80 and 100 samples/s, the faster is the baseline" in rows["ddp x2 throughput"].note
-    # like for like: the tuned runs against one rank with the same settings
-    assert rows["one_gpu tuned throughput"].optimized == 120.0
-    assert rows["ddp tuned x2 throughput"].speedup == pytest.approx(300.0 / 120.0)
-    assert "against DDP on one rank with the same settings" in rows["ddp tuned x2 throughput"].note
+
+
+def test_on_four_gpus_every_wrapper_has_its_rows_at_each_count_and_one_gpu_once(monkeypatch):
+    def fake_measure(task, nprocs, *, preset, sizes, configs, on_run=None):
+        return {k: fake_run(c["wrapper"], 1 if c["wrapper"] == "none" else nprocs,
+                            100.0 * nprocs, 12.0) for k, c in configs.items()}  # fmt: skip
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    monkeypatch.setattr(bench, "pick_task", lambda: ("task", "a fake"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    only = BenchContext(torch.device("cuda"), "gpu", only=("wrappers",))
+    cases = [r.case for r in bench.run(only)]
+    assert cases.count("one_gpu throughput") == 1
+    for n in (2, 4):
+        for wrapper in ("ddp", "fsdp2"):
+            assert f"{wrapper} x{n} throughput" in cases and f"{wrapper} x{n} state_memory" in cases
 
 
 def test_on_gpus_each_ddp_setting_is_measured_alone_against_plain_ddp_in_its_launch(monkeypatch):
@@ -875,10 +881,9 @@ def test_on_gpus_each_ddp_setting_is_measured_alone_against_plain_ddp_in_its_lau
     def fake_measure(task, nprocs, *, preset, sizes, configs, series=False, on_run=None):
         launched.append((nprocs, tuple(configs), series))
         first, last = bench.PLAIN_DDP
-        rate = {"one": 100.0, bench.ONE_TUNED: 120.0, "ddp": 150.0 * nprocs,
-                first: 140.0 * nprocs, last: 150.0 * nprocs}
+        rate = {"one": 100.0, "ddp": 150.0 * nprocs, first: 140.0 * nprocs, last: 150.0 * nprocs}
         return {k: fake_run(c["wrapper"], 1 if c["wrapper"] == "none" else nprocs,
-                            rate.get(k, 160.0 * nprocs), 12.0, tuned="tuned" in k)
+                            rate.get(k, 160.0 * nprocs), 12.0)
                 for k, c in configs.items()}  # fmt: skip
 
     monkeypatch.setattr(bench, "measure", fake_measure)
@@ -921,11 +926,7 @@ def test_measure_as_series_launches_once_per_nccl_setting_and_keeps_the_order(mo
     runs = bench.measure(
         "task", 2, preset="cpu", sizes=sizes, series=True, on_run=lambda k, r: seen.append(k)
     )
-    assert launched == [
-        ("launch", 1, "none"),
-        ("series", 2, ("ddp", "fsdp2")),
-        ("series", 2, ("ddp tuned", "fsdp2 tuned")),
-    ]
+    assert launched == [("launch", 1, "none"), ("series", 2, ("ddp", "fsdp2"))]
     assert list(runs) == list(bench.CONFIGS) and sorted(seen) == sorted(bench.CONFIGS)
 
 

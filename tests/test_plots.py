@@ -124,7 +124,7 @@ def test_distributed_scaling_shows_peak_memory_only_where_it_was_measured():
     frame = pd.DataFrame(
         {
             "config": ["1 GPU", "ddp x2"],
-            "comm": ["default", "tuned"],
+            "wrapper": ["none", "ddp"],
             "samples_per_s": [10.0, 19.0],
             "scaling_efficiency": [1.0, 0.95],
             "state_mib_per_rank": [40.0, 40.0],

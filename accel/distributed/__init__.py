@@ -13,7 +13,7 @@ one launch.
 """
 
 from accel.distributed.checkpoint import checkpoint_meta, latest_checkpoint
-from accel.distributed.config import TUNED_COMM, RunConfig, RunResult
+from accel.distributed.config import COMM_SETTINGS, RunConfig, RunResult
 from accel.distributed.costs import allreduce_bytes, fsdp_bytes, state_bytes_per_rank
 from accel.distributed.launcher import gpus_present, launch, launch_series
 from accel.distributed.processes import process_alive
@@ -22,7 +22,7 @@ from accel.distributed.tasks import Task, broken_toy_task, load_task, toy_task
 from accel.distributed.torchrun import LauncherNotFound, LaunchError, LaunchTimeout, RankFailed
 
 __all__ = [
-    "TUNED_COMM",
+    "COMM_SETTINGS",
     "LaunchError",
     "LaunchTimeout",
     "LauncherNotFound",

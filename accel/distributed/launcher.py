@@ -71,8 +71,8 @@ def launch(
     ``scaling="strong"`` splits the task's global batch over the ranks; ``"weak"`` gives each
     rank a whole batch, as when adding GPUs. The communication settings (DDP's bucket options,
     FSDP2's ``reshard_after_forward``, ``mixed_precision="bf16"``, ``nccl_env``) are torch's
-    defaults unless given (:data:`TUNED_COMM`: all on). ``checkpoint_dir``: a save after step
-    ``checkpoint_at`` (default: the last), or every ``checkpoint_every`` steps into
+    defaults unless given (:data:`COMM_SETTINGS`: the ones the bench tries). ``checkpoint_dir``:
+    a save after step ``checkpoint_at`` (default: the last), or every ``checkpoint_every`` steps into
     ``step-NNNNNN`` folders; ``load_from`` resumes from one (or the latest under it). Loading
     unpickles: only files matching the SHA-256 digests their save recorded are read, but whoever
     can write the folder can write those too: load only checkpoints you trust. ``in_process``

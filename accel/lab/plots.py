@@ -260,8 +260,7 @@ def distributed_scaling(frame: pd.DataFrame, *, title: str = "") -> dict[str, go
     bar per configuration."""
     import plotly.express as px
 
-    colors = {"default": "#4c78a8", "tuned": "#f58518"}
-    common = {"x": "config", "color": "comm", "color_discrete_map": colors, "text_auto": ".3g"}
+    common = {"x": "config", "color": "wrapper", "text_auto": ".3g"}
     throughput = px.bar(frame, y="samples_per_s", title=f"{title}throughput", **common)
     efficiency = px.bar(frame, y="scaling_efficiency", title=f"{title}scaling efficiency", **common)
     efficiency.add_hline(y=1.0, line_dash="dot", annotation_text="perfect")

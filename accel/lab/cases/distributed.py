@@ -1,9 +1,9 @@
 """Bench phase ``distributed`` (notebook 08): one GPU against DDP and FSDP2 on every GPU present,
-with torch's default communication settings and with the tuned ones, launched one after another.
-Rows for N >= 2 GPUs (fewer: rows saying what was skipped): each configuration's throughput
-against one GPU (the tuned ones against DDP on one rank with the same settings), its parameter +
-optimizer-state memory per GPU (FSDP2's against DDP's) and its peak memory; weak scaling on GPUs
-(each trains the whole ``gpu`` batch). Targets: ``TARGETS``.
+with torch's default communication settings, launched one after another; on GPUs, each DDP
+setting away from the defaults alone against them. Rows for N >= 2 GPUs (fewer: rows saying what
+was skipped): each configuration's throughput against one GPU, its parameter + optimizer-state
+memory per GPU (FSDP2's against DDP's) and its peak memory; weak scaling on GPUs (each trains the
+whole ``gpu`` batch). Targets: ``TARGETS``.
 """
 
 from __future__ import annotations
@@ -20,19 +20,16 @@ import pandas as pd
 import torch
 
 from accel import distributed
-from accel.distributed import TUNED_COMM, RunResult
+from accel.distributed import COMM_SETTINGS, RunResult
 from accel.lab.bench import BenchContext, Row
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "one": {"wrapper": "none"},
     "ddp": {"wrapper": "ddp"},
-    "ddp tuned": {"wrapper": "ddp", **TUNED_COMM},
     "fsdp2": {"wrapper": "fsdp2"},
-    "fsdp2 tuned": {"wrapper": "fsdp2", **TUNED_COMM},
 }
-ONE_TUNED = "one tuned"  # DDP on one rank with TUNED_COMM: the tuned runs' baseline
-# The tuned settings DDP reads, each measured alone against DDP's defaults (GPUs only: a series
-# of six more runs)
+# The settings DDP reads, each measured alone against DDP's defaults (GPUs only: a series of
+# seven runs)
 DDP_SETTINGS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "mixed_precision",
                 "nccl_env")  # fmt: skip
 PLAIN_DDP = ("ddp defaults", "ddp defaults again")  # first and last of the series
@@ -134,7 +131,6 @@ def table(runs: dict[str, RunResult]) -> pd.DataFrame:
             {
                 "config": label,
                 "wrapper": run.config.wrapper,
-                "comm": "tuned" if run.config.comm_tuned else "default",
                 "nprocs": n,
                 "samples_per_s": s["samples_per_s"],
                 "speedup": s["samples_per_s"] / one,
@@ -155,9 +151,7 @@ def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
     configuration's throughput (DDP's judged), then its state memory per rank (FSDP2's judged
     against DDP's) and, on GPUs, its peak memory."""
     frame = table(runs).set_index("config")
-    singles = [k for k in ("one", ONE_TUNED) if k in frame.index]
-    one, wrapped = frame.loc["one"], frame.drop(index=singles)
-    tuned_one = frame.loc[ONE_TUNED] if ONE_TUNED in frame.index else one
+    one, wrapped = frame.loc["one"], frame.drop(index="one")
     n = int(wrapped["nprocs"].max())
     target = TARGETS.get(n)
     first = next(iter(runs.values())).config
@@ -169,27 +163,21 @@ def rows(runs: dict[str, RunResult], *, judged: bool, where: str) -> list[Row]:
     )
     out = [_row("one_gpu throughput", "training throughput on one process", "samples/s",
                 one["samples_per_s"], note=note)]  # fmt: skip
-    if ONE_TUNED in frame.index:
-        out.append(_row("one_gpu tuned throughput", "training throughput on one process, DDP on "
-                        "one rank with the tuned settings", "samples/s", tuned_one["samples_per_s"],
-                        note=note))  # fmt: skip
     for label, r in wrapped.iterrows():
         judge_ddp = target is not None and r["wrapper"] == "ddp"
-        base = tuned_one if r["comm"] == "tuned" else one
-        same = "; against DDP on one rank with the same settings" if r["comm"] == "tuned" else ""
         out.append(
             _row(
                 f"{label} x{n} throughput",
                 f"training throughput on {n} ranks against one",
                 "samples/s",
                 r["samples_per_s"],
-                baseline=base["samples_per_s"],
+                baseline=one["samples_per_s"],
                 higher_is_better=True,
                 target=f">= {target.speedup}x" if judge_ddp else "",
-                met=bool(r["samples_per_s"] / base["samples_per_s"] >= target.speedup)
+                met=bool(r["samples_per_s"] / one["samples_per_s"] >= target.speedup)
                 if judged and judge_ddp
                 else None,
-                note=note + (f"; {r['notes']}" if r["notes"] else "") + same,
+                note=note + (f"; {r['notes']}" if r["notes"] else ""),
             )
         )
     ddp_state = frame.loc["ddp", "state_mib_per_rank"] if "ddp" in frame.index else math.nan
@@ -275,19 +263,16 @@ def run(ctx: BenchContext) -> list[Row]:
 
 def wrapper_rows(ctx: BenchContext, launch: Callable[..., dict[str, RunResult]], gpus: int,
                  task: str) -> list[Row]:  # fmt: skip
-    """Each wrapper, with default and tuned settings, against one process at every rank count."""
+    """Each wrapper against one process at every rank count."""
     on_gpu = gpus > 0
-    # One process's throughput varies by launch: run before and after, the faster is the baseline.
-    # The tuned runs' baseline is DDP on one rank with the same settings: what of them applies
-    # without a second rank (bf16 gradients and parameters among them) is in both.
-    singles = {"one": CONFIGS["one"], ONE_TUNED: CONFIGS["ddp tuned"]}
+    # One process's throughput varies by launch: run before and after, the faster is the baseline
+    single = {"one": CONFIGS["one"]}
     wrapped = {k: v for k, v in CONFIGS.items() if k != "one"}
-    before = {k: launch(1, {k: v})[k] for k, v in singles.items()}
+    before = launch(1, single)["one"]
     by_count = {n: launch(n, wrapped) for n in (rank_counts(gpus) if on_gpu else [2])}
-    after = {k: launch(1, {k: v})[k] for k, v in singles.items()}
-    faster = {k: max(before[k], after[k], key=lambda run: run.summary["samples_per_s"])
-              for k in singles}  # fmt: skip
-    first, last = (x["one"].summary["samples_per_s"] for x in (before, after))
+    after = launch(1, single)["one"]
+    faster = max(before, after, key=lambda run: run.summary["samples_per_s"])
+    first, last = (run.summary["samples_per_s"] for run in (before, after))
     spread = (
         f"; one process launched before and after the others: {first:,.0f} and {last:,.0f} "
         "samples/s, the faster is the baseline"
@@ -300,15 +285,15 @@ def wrapper_rows(ctx: BenchContext, launch: Callable[..., dict[str, RunResult]],
             else f"not judged: the targets are for GPUs with the gpu preset, this is {nprocs} "
             f"{'GPU' if on_gpu else 'gloo CPU'} processes with preset {ctx.preset}; {task}"
         )
-        found = rows({**faster, **runs}, judged=ctx.judged, where=where + spread)
-        out += found if not out else found[2:]  # the one-GPU rows once
+        found = rows({"one": faster, **runs}, judged=ctx.judged, where=where + spread)
+        out += [r for r in found if not out or r.case != "one_gpu throughput"]  # once
     return out
 
 
 def setting_configs() -> dict[str, dict[str, Any]]:
     """DDP with its defaults, with each of :data:`DDP_SETTINGS` alone, and with its defaults
     again (the first runs of a launch can be slower: the faster of the two is the baseline)."""
-    alone = {f"ddp {key} alone": {"wrapper": "ddp", key: TUNED_COMM[key]} for key in DDP_SETTINGS}
+    alone = {f"ddp {key} alone": {"wrapper": "ddp", key: COMM_SETTINGS[key]} for key in DDP_SETTINGS}
     first, last = PLAIN_DDP
     return {first: {"wrapper": "ddp"}, **alone, last: {"wrapper": "ddp"}}
 
@@ -334,7 +319,7 @@ def setting_rows(runs: dict[str, RunResult], *, where: str) -> list[Row]:
                 run.summary["samples_per_s"],
                 baseline=base,
                 higher_is_better=True,
-                note=f"{where}; {key}={TUNED_COMM[key]!r}; against DDP's defaults trained in "
+                note=f"{where}; {key}={COMM_SETTINGS[key]!r}; against DDP's defaults trained in "
                 f"{launch}, first and last of its series: {first:,.0f} and {last:,.0f} samples/s, "
                 f"the faster is the baseline{extra}",
             )
