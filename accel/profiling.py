@@ -62,18 +62,20 @@ def _cupti_detached_after(device: bool) -> Iterator[None]:
     # it stops, and an attached CUPTI slows every later kernel launch of the process. A value
     # the user set is theirs; one torch sets meanwhile ("0": CUDA graphs with an old CUDA) is
     # kept. A profile of the host alone attaches nothing, so it asks for nothing.
-    if not device or TEARDOWN in os.environ:
+    if not device:
         yield
         return
-    os.environ[TEARDOWN] = "1"
+    ours = TEARDOWN not in os.environ
+    if ours:
+        os.environ[TEARDOWN] = "1"
     try:
         yield
     finally:
-        # Kineto ends the teardown inside the next CUDA runtime call: a process that makes
-        # none after the profile would wait for it at exit
+        # Kineto ends a teardown (ours or one the user asked for) inside the next CUDA runtime
+        # call: a process that makes none after the profile would wait for it at exit
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
-        if os.environ.get(TEARDOWN) == "1":
+        if ours and os.environ.get(TEARDOWN) == "1":
             del os.environ[TEARDOWN]
 
 

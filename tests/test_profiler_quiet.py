@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 from accel import profiling
@@ -73,11 +74,18 @@ def test_a_host_profile_asks_for_no_teardown():
         assert "TEARDOWN_CUPTI" not in os.environ
 
 
-def test_the_users_own_teardown_setting_is_kept(monkeypatch):
-    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+@pytest.mark.parametrize("theirs", ["0", "1"])
+def test_the_users_own_teardown_setting_is_kept_and_a_device_profile_ends_with_a_cuda_call(
+    monkeypatch, theirs
+):
+    """The user's "1" asks for the same teardown ours does, which ends in a CUDA call."""
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(True))
+    monkeypatch.setenv("TEARDOWN_CUPTI", theirs)
     with profiling._cupti_detached_after(True):
-        assert os.environ["TEARDOWN_CUPTI"] == "0"
-    assert os.environ["TEARDOWN_CUPTI"] == "0"
+        assert os.environ["TEARDOWN_CUPTI"] == theirs
+    assert os.environ["TEARDOWN_CUPTI"] == theirs and synced == [True]
 
 
 def test_a_teardown_setting_torch_makes_during_the_profile_is_kept(monkeypatch):
