@@ -9,6 +9,7 @@ import html
 import math
 import time
 import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -650,6 +651,20 @@ def test_a_fix_the_host_holds_back_is_retried_on_what_its_kernels_save():
     assert trial._left_out(report, rows, best | {"measured ms": 0.3}) == ["bf16_autocast"]
 
 
+def recording_trial(tried: list, speedup: Callable[[list[str]], float]):
+    """A stand-in for ``trial._trial``: each set tried (its names, its prediction) appended to
+    ``tried``, measured at ``speedup(names)``."""
+
+    def together(report, names, steps, repeats, spread, predicted_us=None):
+        tried.append((list(names), predicted_us))
+        measured = speedup(names)
+        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
+                "measured speedup": measured, "measured ms": 10 / measured, "unchanged ms": 10.0,
+                "best set": False}  # fmt: skip
+
+    return together
+
+
 def step_of(step_us: float, device: str = "cpu"):
     return SimpleNamespace(evidence=SimpleNamespace(step_us=step_us, device=torch.device(device)))
 
@@ -662,15 +677,8 @@ def test_compile_in_the_best_set_is_tried_with_cuda_graphs_on_a_gpu(
     hold the step back: the set is tried with compile's CUDA-graph rung, kept only if faster,
     and predicted by the combined sets' model."""
     tried = []
-
-    def together(report, names, steps, repeats, spread, predicted_us=None):
-        tried.append((list(names), predicted_us))
-        speedup = graphed_speedup if "compile_graphs" in names else 3.0
-        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
-                "measured speedup": speedup, "measured ms": 10 / speedup, "unchanged ms": 10.0,
-                "best set": False}  # fmt: skip
-
-    monkeypatch.setattr(trial, "_trial", together)
+    graphed = recording_trial(tried, lambda names: graphed_speedup if "compile_graphs" in names else 3.0)
+    monkeypatch.setattr(trial, "_trial", graphed)
     monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
     monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)
     rows = fake_rows({"bf16_autocast": 2.0, "compile": 1.5})
@@ -693,32 +701,25 @@ def test_device_fixes_left_out_are_retried_once_the_set_is_replayed_as_a_cuda_gr
     """bf16 and TF32 were slower alone on a step the host held back, and predicted nothing
     there; a replay leaves the step to its kernels, so each is tried on the graphed set, and
     kept only if faster."""
-    tried = []
+    sets = []
     speedups = {"compile+pinned_batch": 3.0, "compile_graphs+pinned_batch": 4.0,
                 "compile_graphs+pinned_batch+bf16_autocast": with_bf16}  # fmt: skip
-
-    def together(report, names, *args, **kwargs):
-        tried.append("+".join(names))
-        speedup = speedups.get("+".join(names), 3.8)
-        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
-                "measured speedup": speedup, "measured ms": 10 / speedup, "unchanged ms": 10.0,
-                "best set": False}  # fmt: skip
-
-    monkeypatch.setattr(trial, "_trial", together)
+    monkeypatch.setattr(trial, "_trial", recording_trial(sets, lambda n: speedups.get("+".join(n), 3.8)))
     monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
     monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)
     rows = fake_rows({"compile": 1.3, "pinned_batch": 1.2, "bf16_autocast": 0.94, "tf32": 0.97})
     rows[2]["status"] = "slower here"
     combined = trial._together(step_of(100.0, "cuda"), rows, 1, 1, 0.0)
+    tried = ["+".join(names) for names, _ in sets]
     graphed = "compile_graphs+pinned_batch"
     first = f"{graphed}+bf16_autocast"
     assert tried[-3:] == [graphed, first, f"{first if kept else graphed}+tf32"]
     chosen = [r["fixes"] for r in rows + combined if r["best set"]]
     assert chosen == [first if kept else graphed]
-    tried.clear()  # without the rung taken, nothing more is tried
+    sets.clear()  # without the rung taken, nothing more is tried
     speedups["compile_graphs+pinned_batch"] = 2.0
     trial._together(step_of(100.0, "cuda"), rows, 1, 1, 0.0)
-    assert tried[-1] == graphed
+    assert "+".join(sets[-1][0]) == graphed
 
 
 @pytest.mark.parametrize(("retried_speedup", "best"), [(3.0, "retried"), (2.0, "combined")])
