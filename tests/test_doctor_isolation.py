@@ -2583,3 +2583,40 @@ def test_temporary_files_renamed_to_one_name_say_that_name_once(seed, tmp_path):
     line = first_line(examined(step, torch.randn(5, 4)))
     assert re.search(rf"renamed \d+ entries into {re.escape(str(tmp_path))} \(final\.bin\)", line), line
     assert not final.exists()
+
+
+def test_the_users_compiled_model_stays_compiled_after_examine():
+    """The recording's dispatch mode seen by dynamo on the user's own forward made dynamo skip
+    that code for the rest of the process: the user's compiled model ran eagerly after."""
+
+    class Waves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            for _ in range(3):
+                x = torch.sin(x * self.w) + torch.cos(x)
+            return x
+
+    model = Waves()
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    batch = torch.randn(16, 16)
+
+    def step(x):
+        loss = compiled(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def eager_sines() -> int:  # a compiled forward runs no aten::sin of its own
+        with torch.profiler.profile() as prof:
+            step(batch)
+        return sum(e.name == "aten::sin" for e in prof.events())
+
+    step(batch)
+    assert eager_sines() == 0
+    doctor.examine(step, batch, steps=1, warmup=1)
+    assert eager_sines() == 0

@@ -296,7 +296,10 @@ def record_calls(call: Callable[[], object], device: torch.device, calls: int) -
 def _recorded(device: torch.device) -> Iterator[Recording]:
     """While inside, every operator and host read recorded with the user's line."""
     recording, frames, api = Recording(device=device.type), _Frames(), _Calls()
-    with _watching_host_reads(recording, frames), api, _Recorder(recording, frames, api):
+    # eager while recording: a compiled forward that dynamo meets under a dispatch mode is
+    # skipped for the rest of the process, the user's own compiled model then running eagerly
+    with torch.compiler.set_stance("force_eager"), _watching_host_reads(recording, frames), api, \
+            _Recorder(recording, frames, api):  # fmt: skip
         yield recording
 
 
