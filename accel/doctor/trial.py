@@ -252,12 +252,21 @@ def _kernel_fixes_left_out(report, rows: list[dict], in_best: list[str]) -> list
     not), most predicted first."""
     left = [
         r["fixes"] for r in rows
-        if r["mode"] == "alone" and r["status"] in ("ok", "slower here")
-        and r["fixes"] not in in_best
-        and set(ACTS_ON.get(r["fixes"]) or ("not a kernel",)) <= set(_KERNELS)
-        and not any(r["fixes"] in g and g.intersection(in_best) for g in EXCLUSIVE)
+        if _may_join(r, in_best) and set(ACTS_ON.get(r["fixes"]) or ("not a kernel",)) <= set(_KERNELS)
     ]  # fmt: skip
     return sorted(left, key=lambda n: -_predicted_us(report, [n], unbound=True))
+
+
+def _may_join(row: dict, chosen: list[str]) -> bool:
+    """Whether ``row``, a fix that ran alone (faster or not), is outside ``chosen`` and excludes
+    none of it."""
+    name = row["fixes"]
+    return (
+        row["mode"] == "alone"
+        and row["status"] in ("ok", "slower here")
+        and name not in chosen
+        and not any(name in g and g.intersection(chosen) for g in EXCLUSIVE)
+    )
 
 
 def _can_run(report, name: str) -> bool:
@@ -275,12 +284,7 @@ def _left_out(report, rows: list[dict], best: dict) -> list[str]:
     left = {}
     for r in rows:
         name = r["fixes"]
-        if (
-            r["mode"] != "alone"
-            or r["status"] not in ("ok", "slower here")
-            or name in in_best
-            or any(name in g and g.intersection(in_best + list(left)) for g in EXCLUSIVE)
-        ):
+        if not _may_join(r, in_best + list(left)):
             continue
         predicted = _predicted_us(report, [name], unbound=True)
         if predicted >= RETRY_SHARE * left_us or "idle sync" in ACTS_ON[name]:
