@@ -21,6 +21,8 @@ def check_writable(path: str | os.PathLike, what: str = "") -> Path:
     never rewritten with another mode), or a folder above it that is a file or not writable.
     Creates nothing, so a command checks its destinations before its work."""
     name = f"{what} {path}" if what else str(path)
+    if str(path).endswith((os.sep, "/")):  # a Path drops the slash and would write a file there
+        raise UsageError(f"{name}: expected a file to write, found a folder name")
     real = Path(os.path.realpath(path))
     if real.is_dir():
         raise UsageError(f"{name}: expected a file to write, found a folder")

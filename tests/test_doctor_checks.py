@@ -387,6 +387,14 @@ def test_sync_finding_on_cuda_predicts_the_measured_cost_per_sync():
     assert "2 x a host read" in found.evidence and "train.py:30" in found.evidence
 
 
+def test_a_host_read_on_a_cpu_is_said_to_cost_nothing_there_and_its_change_is_for_a_gpu():
+    ops = [op("aten::_local_scalar_dense", info(device="cpu"))]
+    (found,) = check_host.syncs(evidence(ops, device="cpu", tl=timeline_of()))
+    assert found.title == "1 host read per step: free on a CPU, a host-device sync on a GPU"
+    assert found.change.startswith("# nothing to gain on a CPU; on a GPU:\n")
+    assert found.saved_us is None
+
+
 def test_gradscalers_own_read_is_named_with_the_change_that_removes_it():
     """GradScaler.step reads whether a gradient overflowed: no logging line to move. Under bf16
     the scaler is not needed; with fp16 a fused optimizer takes the check on the device."""
@@ -1221,6 +1229,15 @@ def test_convolutions_without_benchmark_or_channels_last_name_both_fixes():
     model.to(memory_format=torch.channels_last)
     benchmarked = dataclasses.replace(conv, facts=("tf32", "cudnn.benchmark"))  # as the step ran
     assert check_compute.conv_layout(evidence([benchmarked], parts=model_parts(model))) == []
+
+
+@pytest.mark.parametrize(("conv_us", "found"), [(80.0, False), (120.0, True)])
+def test_convolutions_are_named_only_where_their_fixes_could_pay_a_twentieth(conv_us, found):
+    """cudnn.benchmark and channels-last win at most about half of the convolutions' time: under
+    a tenth of the step (a ViT's patch embedding) they cannot pay the 5% a fix must."""
+    model = nn.Conv2d(3, 8, 3)
+    conv = op("aten::convolution", info(4, 3, 16, 16), info(8, 3, 3, 3), time_us=conv_us)
+    assert bool(check_compute.conv_layout(evidence([conv], parts=model_parts(model)))) == found
 
 
 def test_a_default_adamw_on_cuda_is_compared_with_the_fused_one():

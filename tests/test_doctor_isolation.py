@@ -1020,7 +1020,36 @@ def test_an_iterator_that_cannot_be_copied_is_named_with_what_it_lost(seed):
         return loss.detach()
 
     report = examined(step)
-    assert named_before_numbers(report, "took items from closure 'batches' (a generator")
+    assert named_before_numbers(report, "took 1 item from closure 'batches' (a generator")
+
+
+def test_a_finite_iterator_gives_one_item_which_the_step_gets_again(seed):
+    model, opt = small()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)),
+                                         batch_size=4)  # fmt: skip
+    batches = iter(loader)  # 16 batches, fewer than the doctor's calls
+
+    def step():
+        (x,) = next(batches)
+        return one_update(model, opt, x)
+
+    report = examined(step)
+    assert named_before_numbers(report, "took 1 item from closure 'batches'")
+    assert "gave the step that item on every call" in first_line(report)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert sum(1 for _ in batches) == 15
+
+
+def test_a_count_that_runs_out_is_named_in_the_error(seed):
+    model, opt = small()
+    counts = (i for i in range(3))  # not a batch: read through, as the step's code may need
+
+    def step(x):
+        return one_update(model, opt, x * next(counts))
+
+    with pytest.raises(UsageError, match=r"closure 'counts' \(a generator, which cannot be "
+                       r"copied\) ran out after a copy of the doctor's took 3 items"):
+        examined(step, torch.randn(5, 4))
 
 
 def test_files_the_step_writes_are_named_first(seed, tmp_path):

@@ -119,6 +119,12 @@ def test_doctor_refuses_a_folder_as_out_before_examining(tmp_path, nothing_runs,
     assert nothing_runs == [] and _listing(tmp_path) == []
 
 
+def test_doctor_refuses_a_new_folder_name_as_out_before_examining(tmp_path, nothing_runs, capsys):
+    code = main(["doctor", "m:f", "--out", str(tmp_path / "reports") + os.sep])
+    _one_line_exit_2(capsys, code, "--out", "expected a file to write, found a folder name")
+    assert nothing_runs == [] and _listing(tmp_path) == []
+
+
 def test_doctor_refuses_an_unwritable_out_before_examining(tmp_path, nothing_runs, capsys):
     (tmp_path / "a-file").write_text("")
     code = main(["doctor", "m:f", "--out", str(tmp_path / "a-file" / "report.html")])

@@ -18,6 +18,9 @@ FUSION_MIN_SHARE = 0.05  # memory-bound kernels under this share of the step: no
 PAD_TO = 64  # tensor cores and cuBLAS's tiles take dimensions in multiples of this
 PAD_MIN_DIM = 512  # smaller odd dimensions cost little padded or not
 PAD_MIN_SHARE = 0.02  # the odd products' share of the step, to be timed padded
+# cuDNN's algorithm search and channels-last win at most about half of the convolutions' time:
+# under this share of the step they cannot pay the twentieth of it a fix must
+CONV_MIN_SHARE = 0.1
 PAD_MIN_GAIN = 0.1  # the share of their own time padding must save: less is inside its timing
 # operators that are not memory-bound elementwise or reduction work
 _NOT_FUSIBLE = MATMUL_OPS | {
@@ -179,7 +182,7 @@ def conv_layout(evidence: Evidence) -> list[Finding]:
         return []
     convs = [op for op in evidence.recording.ops if "convolution" in op.op and op.inputs]
     now = sum(op.time_us for op in convs)
-    if not convs or now < 0.05 * evidence.step_us:
+    if not convs or now < CONV_MIN_SHARE * evidence.step_us:
         return []
     nchw = [op for op in convs if not op.backward and not _channels_last(evidence, op)]
     benchmarked = all("cudnn.benchmark" in op.facts for op in convs)

@@ -182,9 +182,14 @@ def syncs(evidence: Evidence) -> list[Finding]:
     # other syncs (an `if` on a tensor) need your edit
     fixes = ("deferred_reads",) * _reads_items(evidence)
     fixes += ("fused_optimizer",) * (SCALER_READ in kinds)
+    title = f"{total:g} host-device sync{'s' * (total != 1)} per step"
+    if not evidence.cuda:
+        title = f"{total:g} host read{'s' * (total != 1)} per step: free on a CPU, a host-device " \
+                f"sync{'s' * (total != 1)} on a GPU"  # fmt: skip
+        changes.insert(0, "# nothing to gain on a CPU; on a GPU:")
     return [Finding(
         kind="sync",
-        title=f"{total:g} host-device sync{'s' * (total != 1)} per step",
+        title=title,
         evidence="; ".join(lines),
         cost_model=model,
         notebook="01_sync",

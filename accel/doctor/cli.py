@@ -153,7 +153,7 @@ def _doctor(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
     check_writable(args.out, "--out")  # before the examination, which takes a while
-    out = args.out.absolute()  # where the command runs, also if the script changes folder
+    out = Path(args.out).absolute()  # where the command runs, also if the script changes folder
     with _as_run_alone(args.target, args.script_args):
         step, batch, loader = load_step(args.target)
         report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
@@ -184,7 +184,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add = doctor.add_argument
     add("target", help="module:function or file.py:function returning (step, batch[, loader]), "
         "or the step alone where it draws its own batch")
-    add("--out", type=Path, default=Path("doctor.html"), help="the HTML report (default: %(default)s)")
+    add("--out", default="doctor.html", help="the HTML report (default: %(default)s)")
     add("--steps", type=int, default=5, help="steps profiled (default 5)")
     add("--try-fixes", action="store_true", help="apply and measure the fixes")
     add("--compile", action="store_true", help="also list torch.compile's graph breaks (empties dynamo's cache)")

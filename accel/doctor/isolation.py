@@ -39,7 +39,7 @@ from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
 
-__all__ = ["Drawn", "Session", "put_back_files", "record", "refuse_unplain_result",
+__all__ = ["Session", "put_back_files", "record", "refuse_unplain_result",
            "refuse_unplain_step", "seed_generators", "watch_as_step"]  # fmt: skip
 
 _RECORD: contextvars.ContextVar[_Recording] = contextvars.ContextVar("accel_doctor_record")
@@ -535,31 +535,6 @@ def _audited_save(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(name_or_buffer, *args, **kwargs)
 
     return open_writer
-
-
-# ---- iterators that cannot be copied --------------------------------------------------------------
-class Drawn:
-    """An iterator of the user's that cannot be copied (a generator, a data loader's), read
-    through: each item the copy takes is one the user's iterator no longer has, and is counted
-    for the report."""
-
-    def __init__(self, iterator: Any, where: str):
-        self._iterator, self._what = iterator, f"took items from {where} ({_named(iterator)})"
-
-    def __iter__(self) -> Drawn:
-        return self
-
-    def __next__(self) -> Any:
-        item = next(self._iterator)
-        record(self._what)
-        return item
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._iterator, name)
-
-
-def _named(iterator: Any) -> str:
-    return f"a {type(iterator).__name__}, which cannot be copied"
 
 
 # ---- a step is a plain callable that returns a result ---------------------------------------------

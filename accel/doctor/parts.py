@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.doctor.isolation import Drawn
+from accel.doctor.drawn import Drawn
 from accel.doctor.reach import (
     Reach,
     attributes_of,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +159,8 @@ class Report:
         breaks = self.evidence.graph_breaks
         compiled = "" if breaks is None else (
             f". torch.compile traced: {len(breaks)} graph break{'s' * (len(breaks) != 1)}"
-            + (" (none but where every step breaks)" if "compile" not in self.kinds() and breaks
-               else "")
+            + (f" (none but where every step breaks: {_lines(breaks)})"
+               if "compile" not in self.kinds() and breaks else "")
         )  # fmt: skip
         return caution + (
             f"{self.device}: a step takes {self.step_ms:.3f} ms ({t.launches:.0f} launches"
@@ -207,9 +208,16 @@ class Report:
     def to_html(self, path: str | Path) -> Path:
         from accel.files import check_writable, write_text_atomic
 
-        path = Path(path)
         check_writable(path)  # before creating its folders
+        path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         page = f"<!doctype html><html><meta charset='utf-8'><body>{self.html()}</body></html>"
         write_text_atomic(path, page)
         return path
+
+
+def _lines(breaks: list) -> str:
+    """The distinct lines of ``breaks`` (reason, site) as file:line, the folder left out."""
+    sites = dict.fromkeys(f"{os.path.basename(site.file)}:{site.line}"
+                          for _, site in breaks if site is not None)  # fmt: skip
+    return ", ".join(sites) or "inside torch"
