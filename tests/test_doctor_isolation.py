@@ -2614,7 +2614,8 @@ def test_temporary_files_renamed_to_one_name_say_that_name_once(seed, tmp_path):
     assert not final.exists()
 
 
-def test_the_users_compiled_model_stays_compiled_after_examine():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_the_users_compiled_model_stays_compiled_after_examine(device):
     """The recording's dispatch mode seen by dynamo on the user's own forward made dynamo skip
     that code for the rest of the process: the user's compiled model ran eagerly after."""
 
