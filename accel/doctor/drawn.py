@@ -5,7 +5,7 @@ schedule) is read through. Either way what was taken is counted for the report."
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -22,7 +22,7 @@ class Drawn:
     leaves out its loading; any other item (a step count) is one of a sequence the step's code
     may depend on, so later items are taken from the user's iterator as the step asks."""
 
-    _first: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+    _first: ClassVar[weakref.WeakKeyDictionary[Any, list[Any]]] = weakref.WeakKeyDictionary()
 
     def __init__(self, iterator: Any, where: str):
         self._iterator, self._where = iterator, where
