@@ -328,3 +328,34 @@ def test_doctor_says_a_script_that_exits_before_its_step_in_one_line(
     assert said in run.stderr and "no report" in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert not (tmp_path / "d.html").exists()
+
+
+RAISES_IN_ITS_MAKER = """
+def make():
+    raise FileNotFoundError("data/train.bin")
+"""
+EMPTY_LOADER = """
+import torch
+def make():
+    empty = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(0, 4)))
+    return (lambda batch: batch[0].sum()), None, empty
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "said"),
+    [(RAISES_IN_ITS_MAKER, "make() raised FileNotFoundError: data/train.bin (raises.py:3)"),
+     (EMPTY_LOADER, "loader= gave no batch")],
+    ids=["its maker raises", "an empty loader"],
+)  # fmt: skip
+def test_doctor_says_a_script_that_fails_before_its_step_in_one_line(
+    accel_cli, tmp_path, monkeypatch, script, said
+):
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    (tmp_path / "raises.py").write_text(script)
+    run = accel_cli("doctor", "raises.py:make", "--out", str(tmp_path / "d.html"), cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert said in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    assert not (tmp_path / "d.html").exists()
+

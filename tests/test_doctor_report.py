@@ -761,6 +761,42 @@ def test_a_batch_the_step_cannot_take_is_refused_before_any_work(seed):
         doctor.examine(lambda x, y: model(x).sum(), torch.randn(5, 7))
 
 
+def test_a_batch_taken_by_keyword_only_is_refused_with_the_call_that_works(seed):
+    model = nn.Linear(7, 3)
+
+    def step(*, batch):
+        return model(batch).square().mean()
+
+    for given in ((torch.randn(5, 7),), ()):
+        with pytest.raises(UsageError, match=r"'batch' as keyword-only.*"
+                           r"examine\(lambda batch: step\(batch=batch\), batch\)"):
+            doctor.examine(step, *given)
+
+
+def test_a_step_of_two_arguments_is_shown_the_one_argument_call(seed):
+    model = nn.Linear(7, 3)
+
+    def training_step(batch, batch_idx):
+        return model(batch).square().mean()
+
+    with pytest.raises(UsageError, match=r"examine\(lambda batch: training_step\(batch, \.\.\.\)"):
+        doctor.examine(training_step, torch.randn(5, 7))
+
+
+def test_an_empty_loader_is_said_in_one_line(seed):
+    model = nn.Linear(7, 3)
+    empty = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(0, 7)))
+
+    with pytest.raises(UsageError, match=r"loader= gave no batch.*empty"):
+        doctor.examine(lambda batch: model(batch[0]).sum(), loader=empty)
+
+
+def test_a_model_given_as_the_step_is_told_what_a_step_is(seed):
+    model = nn.Linear(7, 3)
+    with pytest.raises(UsageError, match=r"a model \(Linear\) was given as the step.*backward"):
+        doctor.examine(model, (torch.randn(5, 7), torch.randn(5, 3)))
+
+
 def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):
     from accel.doctor.cli import load_step
 

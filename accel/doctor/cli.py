@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,7 +79,8 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
 @contextlib.contextmanager
 def _exit_refused(module_name: str, doing: str) -> Iterator[None]:
     """A UsageError where the script ends the process while it sets up (``sys.exit()`` where a
-    setting is missing, argparse's ``--help``): said, not taken as the command's own exit."""
+    setting is missing, argparse's ``--help``): said, not taken as the command's own exit; and
+    where its maker raises, said in one line with the line that raised, as a step's error is."""
     try:
         yield
     except SystemExit as exit:
@@ -86,6 +88,15 @@ def _exit_refused(module_name: str, doing: str) -> Iterator[None]:
             f"{module_name}: {doing} called sys.exit({exit.code!r}), which ends the process "
             "before the doctor can run its step: no report written"
         ) from None
+    except UsageError:
+        raise
+    except Exception as error:
+        if doing == "importing it":  # an import's own errors say where, and ImportError is said
+            raise
+        frames = traceback.extract_tb(error.__traceback__)
+        where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+        raise UsageError(f"{module_name}: {doing} raised {type(error).__name__}: {error}{where}; "
+                         "no report written") from None  # fmt: skip
 
 
 def _import(module_name: str, root: Path | None = None) -> Any:

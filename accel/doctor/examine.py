@@ -107,15 +107,19 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
             f"iterator ({type(loader).__name__}), whose batches it would use up"
         )
     loader = _own_loader(loader)
+    if loader is not None and _sized(loader) == 0:
+        raise UsageError(f"loader= gave no batch: the {type(loader).__name__} is empty")
     with Session() as session:  # the random generators put back; files written recorded
         if batch is NO_BATCH and loader is not None:
-            batch = next(iter(loader))
+            batch = next(iter(loader), NO_BATCH)
+            if batch is NO_BATCH:
+                raise UsageError(f"loader= gave no batch: the {type(loader).__name__} is empty")
         parts = find_parts(step)
         session.watch(parts.reach.objects.values())
         untouched = Untouched(parts, batch)
         runner, copied, cautions = _copy_or_own(step, parts, allow_training)
         device = step_device(copied, batch)
-        call = _call(runner, own_batch(batch), _source_hint(batch))  # the batch: the copy's
+        call = _call(runner, own_batch(batch), _source_hint(step, batch))  # the batch: the copy's
         refuse_unplain_result(call())
         for _ in range(warmup - 1):
             call()
@@ -161,6 +165,16 @@ def _refuse_batch_mismatch(step: Callable[..., Any], batch: Any) -> None:
     except ValueError:
         return
     name = getattr(step, "__qualname__", type(step).__name__)
+    called = getattr(step, "__name__", "step")  # as the user's code would call it
+    keyword_only = [p.name for p in signature.parameters.values()
+                    if p.kind is p.KEYWORD_ONLY and p.default is p.empty]  # fmt: skip
+    if keyword_only:
+        said = ", ".join(repr(n) for n in keyword_only)
+        raise UsageError(
+            f"{name}{signature} takes {said} as keyword-only, and the doctor calls step(batch) "
+            f"or step(): pass a step that takes its batch by position, e.g. "
+            f"examine(lambda batch: {called}({keyword_only[0]}=batch), batch)"
+        )
     if batch is NO_BATCH:
         if not _binds(signature):
             raise UsageError(
@@ -175,7 +189,8 @@ def _refuse_batch_mismatch(step: Callable[..., Any], batch: Any) -> None:
             raise UsageError(f"{name}{signature} takes no batch (it draws its own), but one was "
                              "given: call examine(step) without it")  # fmt: skip
         raise UsageError(f"{name}{signature} needs {len(required)} arguments and the doctor "
-                         "passes one batch: wrap them, step(batch) with batch = (x, y)")  # fmt: skip
+                         f"passes one batch: pass a step of one, e.g. examine(lambda batch: "
+                         f"{called}(batch, ...), batch), or hold the inputs in one batch = (x, y)")  # fmt: skip
 
 
 def _step_us(call: Callable[[], Any], device: torch.device) -> float:
@@ -192,9 +207,21 @@ def _call(runner: Callable[..., Any], batch: Any, hint: str = "") -> Callable[[]
                      hint)  # fmt: skip
 
 
-def _source_hint(batch: Any) -> str:
-    """What to say beside a first call's error where the batch is a source of batches (a
-    generator, a DataLoader) that the step gets as it is, not one batch of it."""
+def _sized(loader: Iterable[Any]) -> int | None:
+    """``len(loader)`` where it has one (an iterable dataset's loader may not)."""
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _source_hint(step: Callable[..., Any], batch: Any) -> str:
+    """What to say beside a first call's error where the step is a model, or the batch a source
+    of batches (a generator, a DataLoader) that the step gets as it is, not one batch of it."""
+    if isinstance(step, torch.nn.Module):
+        return (f"; a model ({type(step).__name__}) was given as the step: examine needs a "
+                "training step, a function that runs the forward, the loss, backward and the "
+                "optimizer's step and returns the loss")  # fmt: skip
     if not isinstance(batch, (Iterator, torch.utils.data.DataLoader)):
         return ""
     return (f"; the batch given is a {type(batch).__name__}, which the step gets as it is: pass "
