@@ -467,6 +467,12 @@ def test_compile_lists_the_graph_breaks_with_their_lines(seed):
     expected = {line_of(step, call) for call in ("backward(", "opt.step(", "zero_grad(")}
     assert not expected & {s.line for s in found.sites}
     assert "where every step breaks" in found.evidence or len(report.evidence.graph_breaks) == 1
+    assert "if loss.item() > 1e6" in found.evidence  # the line's own code, as the user wrote it
+    assert all("torch_dynamo" not in s.function for s in found.sites)  # the user's function
+    own = len(found.evidence.split("; ")) - ("where every step breaks" in found.evidence)
+    assert f"{len(report.evidence.graph_breaks)} graph break" in report.summary()
+    assert "besides where every step breaks" in report.summary() or own == len(
+        report.evidence.graph_breaks)
 
 
 def test_compile_finds_nothing_in_a_step_whose_only_breaks_are_backward_and_the_optimizer(seed):

@@ -4,6 +4,7 @@ lines they point at (``torch._dynamo.explain``, run on a copy of the step)."""
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -31,9 +32,16 @@ def graph_breaks(call: Callable[[], Any]) -> list[tuple[str, Site | None]]:
     for reason in explained.break_reasons:
         frames = [f for f in reason.user_stack if "/torch/" not in f.filename]
         frame = frames[-1] if frames else None
-        site = Site(frame.filename, frame.lineno, frame.name) if frame is not None else None
+        site = None if frame is None else Site(frame.filename, frame.lineno, _function(frame.name))
         out.append((str(reason.reason).splitlines()[0][:200], site))
     return out
+
+
+def _function(name: str) -> str:
+    """The user's function a frame stands for: dynamo names the code it resumes after a break
+    ``torch_dynamo_resume_in_<function>_at_<line>``."""
+    resumed = re.fullmatch(r"torch_dynamo_resume_in_(\w+?)_at_\d+", name)
+    return resumed.group(1) if resumed else name
 
 
 # lines every training step breaks at: the change below calls them expected
@@ -44,15 +52,20 @@ def _expected(site: Site | None) -> bool:
     return site is not None and any(call in site.text for call in _EXPECTED_BREAKS)
 
 
+def own_breaks(breaks: list[tuple[str, Site | None]]) -> list[tuple[str, Site | None]]:
+    """The breaks of ``breaks`` (reason, site) other than those every training step makes."""
+    return [(reason, site) for reason, site in breaks if not _expected(site)]
+
+
 @check("compile")
 def compile_breaks(evidence: Evidence) -> list[Finding]:
-    breaks = [(reason, site) for reason, site in evidence.graph_breaks or ()
-              if not _expected(site)]  # fmt: skip
+    breaks = own_breaks(evidence.graph_breaks or [])
     if not breaks:
         return []
     expected = len(evidence.graph_breaks) - len(breaks)
     counted = Counter(breaks)
-    lines = [f"{n} x {reason} at {site or 'torch'}" for (reason, site), n in counted.most_common()]
+    lines = [f"{n} x {reason} at {site or 'torch'}" + (f": {site.text}" if site and site.text else "")
+             for (reason, site), n in counted.most_common()]  # fmt: skip
     return [Finding(
         kind="compile",
         title=f"torch.compile breaks the step {len(breaks)} time"

@@ -184,8 +184,8 @@ def syncs(evidence: Evidence) -> list[Finding]:
     fixes += ("fused_optimizer",) * (SCALER_READ in kinds)
     title = f"{total:g} host-device sync{'s' * (total != 1)} per step"
     if not evidence.cuda:
-        title = f"{total:g} host read{'s' * (total != 1)} per step: free on a CPU, a host-device " \
-                f"sync{'s' * (total != 1)} on a GPU"  # fmt: skip
+        syncs = "a host-device sync" if total == 1 else "host-device syncs"
+        title = f"{total:g} host read{'s' * (total != 1)} per step: free on a CPU, {syncs} on a GPU"
         changes.insert(0, "# nothing to gain on a CPU; on a GPU:")
     return [Finding(
         kind="sync",

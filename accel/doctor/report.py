@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.doctor import page
+from accel.doctor.check_compile import own_breaks
 from accel.doctor.effects import Effects
 from accel.doctor.findings import Evidence, Finding
 from accel.doctor.fixes import FIXES
@@ -161,6 +162,8 @@ class Report:
             f". torch.compile traced: {len(breaks)} graph break{'s' * (len(breaks) != 1)}"
             + (f" (none but where every step breaks: {_lines(breaks)})"
                if "compile" not in self.kinds() and breaks else "")
+            + (f" ({len(own_breaks(breaks))} besides where every step breaks)"
+               if "compile" in self.kinds() and len(own_breaks(breaks)) < len(breaks) else "")
         )  # fmt: skip
         return caution + (
             f"{self.device}: a step takes {self.step_ms:.3f} ms ({t.launches:.0f} launches"
