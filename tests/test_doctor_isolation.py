@@ -1052,6 +1052,42 @@ def test_a_count_that_runs_out_is_named_in_the_error(seed):
         examined(step, torch.randn(5, 4))
 
 
+def test_a_short_list_of_batches_is_given_again_and_left_whole(seed):
+    model, opt = small()
+    batches = iter([torch.randn(5, 4) for _ in range(3)])  # copyable, fewer than the calls
+
+    def step():
+        return one_update(model, opt, next(batches))
+
+    report = examined(step)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert not first_line(report).startswith("Caution"), first_line(report)
+    assert sum(1 for _ in batches) == 3
+
+
+def test_a_step_count_is_copied_not_advanced(seed):
+    model, opt = small()
+    counter = itertools.count(5)
+
+    def step(x):
+        return one_update(model, opt, x * (1 + 0 * next(counter)))
+
+    report = examined(step, torch.randn(5, 4))
+    assert not first_line(report).startswith("Caution"), first_line(report)
+    assert next(counter) == 5
+
+
+def test_an_empty_copyable_iterator_is_named_in_the_error(seed):
+    model, opt = small()
+    batches = iter([])
+
+    def step():
+        return one_update(model, opt, next(batches))
+
+    with pytest.raises(UsageError, match=r"closure 'batches' \(a list_iterator\) is empty"):
+        examined(step)
+
+
 def test_files_the_step_writes_are_named_first(seed, tmp_path):
     model, opt = small()
     log, checkpoint, scratch = tmp_path / "log.txt", tmp_path / "ckpt.pt", tmp_path / "scratch"

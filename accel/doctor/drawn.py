@@ -1,9 +1,15 @@
-"""An iterator of the user's that cannot be copied (a generator, a data loader's), as the copied
-step reads it: a data source gives one item, again on every call; any other (a count, a
-schedule) is read through. Either way what was taken is counted for the report."""
+"""An iterator of the user's as the copied step reads it. One that can be copied (a list's, a
+count) is read from copies, and a source of batches starts again from a fresh copy when one runs
+out. One that cannot (a generator, a data loader's): a source of batches gives one item, again
+on every call; any other (a count, a schedule) is read through, and what was taken is counted
+for the report. Either way one that runs out on the copies is named."""
 
 from __future__ import annotations
 
+import ast
+import copy
+import itertools
+import re
 import weakref
 from typing import Any, ClassVar
 
@@ -12,7 +18,7 @@ import torch
 from accel.doctor.isolation import record
 from accel.doctor.reach import is_array
 
-__all__ = ["Drawn"]
+__all__ = ["Copied", "Drawn", "copied_iterator"]
 
 
 class Drawn:
@@ -58,13 +64,18 @@ class Drawn:
         try:
             item = next(self._iterator)
         except StopIteration:
-            raise StopIteration(f"{self._said} ran out after a copy of the doctor's took "
-                                f"{self._taken} items from it") from None  # fmt: skip
+            raise StopIteration(_ran_out(self._said, self._taken)) from None
         self._taken += 1
         return item
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._iterator, name)
+
+
+def _ran_out(said: str, taken: int) -> str:
+    if not taken:
+        return f"{said} is empty: it ran out on the step's first call"
+    return f"{said} ran out after a copy of the doctor's took {taken} items from it"
 
 
 def _holds_data(item: Any) -> bool:
@@ -74,3 +85,36 @@ def _holds_data(item: Any) -> bool:
     if isinstance(item, dict):
         item = list(item.values())
     return isinstance(item, (tuple, list)) and any(_holds_data(x) for x in item)
+
+
+class Copied:
+    """``iterator`` (one a copy makes independent) read from copies: the user's is never
+    advanced. A source of batches that runs out starts again from a fresh copy."""
+
+    def __init__(self, iterator: Any, where: str):
+        self._iterator, self._said = iterator, f"{where} (a {type(iterator).__name__})"
+        self._copy, self._taken, self._batches = copied_iterator(iterator), 0, False
+
+    def __iter__(self) -> Copied:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            item = next(self._copy)
+        except StopIteration:
+            if not self._batches:
+                raise StopIteration(_ran_out(self._said, self._taken)) from None
+            self._copy = copied_iterator(self._iterator)
+            item = next(self._copy)
+        self._taken += 1
+        self._batches = self._batches or _holds_data(item)
+        return item
+
+
+def copied_iterator(iterator: Any) -> Any:
+    """An independent copy of a built-in iterator; a count rebuilt from what it shows, as Python
+    3.14 no longer copies one."""
+    if isinstance(iterator, itertools.count):
+        start, *step = ast.literal_eval(re.fullmatch(r"count\((.*)\)", repr(iterator))[1] + ",")
+        return itertools.count(start, *step)
+    return copy.copy(iterator)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import copy
 import functools
+import itertools
 import types
 import weakref
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.doctor.drawn import Drawn
+from accel.doctor.drawn import Copied, Drawn
 from accel.doctor.reach import (
     Reach,
     attributes_of,
@@ -40,7 +41,7 @@ __all__ = ["StepParts", "copy_step", "find_parts"]
 _COPYABLE_ITERATORS = frozenset(type(iter(x)) for x in (
     [], (), range(0), range(2**64), "", "é", b"", bytearray(), {}, set(), {}.values(), {}.items(),
     reversed([]),
-))  # fmt: skip
+)) | {itertools.count}  # fmt: skip
 # rebuilt, with their holders
 _TARGETS = ("part", "grad", "computed", "tensor", "rng", "state", "iterator", "writes")
 # the bytes of plain tensors copied with a step, at most: past them (a data set held in memory,
@@ -293,9 +294,10 @@ class _Rebuild:
         if is_array(value):  # written in place, as a tensor is: within the tensors' budget
             return value.copy() if self._within_budget(value.nbytes) else value
         if what == "iterator":
+            where = self.reach.where.get(id(value)) or "the step"
             if type(value) in _COPYABLE_ITERATORS:
-                return copy.copy(value)
-            return Drawn(value, self.reach.where.get(id(value)) or "the step")
+                return Copied(value, where)
+            return Drawn(value, where)
         if isinstance(value, types.FunctionType):
             return self._function(value)
         if isinstance(value, types.MethodType):
