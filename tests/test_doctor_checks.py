@@ -1084,6 +1084,24 @@ def test_the_loader_change_asks_for_no_more_workers_than_the_process_has_cores(m
         assert f"num_workers={workers}," in found.change
 
 
+def test_a_loader_that_has_workers_is_asked_for_more_and_priced_as_they_share_the_loading(
+    monkeypatch,
+):
+    """Two workers already: each makes a batch in twice the wait (plus the step it overlaps);
+    four make it in half that. On a CPU nothing is pinned, and no more workers than cores."""
+    monkeypatch.setattr(check_host.os, "sched_getaffinity", lambda _: set(range(8)))
+    loader = {"shapes": {((8, 16),)}, "batches": 8, "wait_us": 6000.0, "num_workers": 2,
+              "pin_memory": False}  # fmt: skip
+    (found,) = check_host.input_pipeline(evidence(loader=loader, device="cpu", tl=timeline_of(
+        step_us=140.0)))  # fmt: skip
+    assert "num_workers=4," in found.change and "pin_memory" not in found.change
+    made_us = 2 * (6000.0 + 140.0)  # each worker's time for one batch
+    assert found.saved_us == pytest.approx(6000.0 - (made_us / 4 - 140.0))
+    monkeypatch.setattr(check_host.os, "sched_getaffinity", lambda _: set(range(2)))
+    (found,) = check_host.input_pipeline(evidence(loader=loader, device="cpu"))
+    assert found.saved_us is None and "__getitem__" in found.change  # no core left to add
+
+
 def finding(kind, saved_us):
     return Finding(kind, kind, "", "", "", "", saved_us=saved_us)
 
