@@ -307,29 +307,6 @@ EXITS_IN_ITS_MAKER = """
 def make():
     exit()
 """
-
-
-@pytest.mark.parametrize(
-    ("script", "said"),
-    [(EXITS_AT_IMPORT, "importing it called sys.exit('set DATA_DIR first')"),
-     (EXITS_IN_ITS_MAKER, "make() called sys.exit(None)")],
-    ids=["at import", "in its maker"],
-)  # fmt: skip
-def test_doctor_says_a_script_that_exits_before_its_step_in_one_line(
-    accel_cli, tmp_path, monkeypatch, script, said
-):
-    # a script's own setup that ends the process (sys.exit or exit() where a setting is
-    # missing) ended the doctor's command too, with the script's exit code (0 for exit()) and
-    # no word that no report was written
-    monkeypatch.setattr(sys, "modules", dict(sys.modules))
-    (tmp_path / "exits.py").write_text(script)
-    run = accel_cli("doctor", "exits.py:make", "--out", str(tmp_path / "d.html"), cwd=tmp_path)
-    assert run.returncode == 2, run.stderr
-    assert said in run.stderr and "no report" in run.stderr, run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
-    assert not (tmp_path / "d.html").exists()
-
-
 RAISES_IN_ITS_MAKER = """
 def make():
     raise FileNotFoundError("data/train.bin")
@@ -344,18 +321,23 @@ def make():
 
 @pytest.mark.parametrize(
     ("script", "said"),
-    [(RAISES_IN_ITS_MAKER, "make() raised FileNotFoundError: data/train.bin (raises.py:3)"),
+    [(EXITS_AT_IMPORT, "importing it called sys.exit('set DATA_DIR first')"),
+     (EXITS_IN_ITS_MAKER, "make() called sys.exit(None)"),
+     (RAISES_IN_ITS_MAKER, "make() raised FileNotFoundError: data/train.bin (exits.py:3)"),
      (EMPTY_LOADER, "loader= gave no batch")],
-    ids=["its maker raises", "an empty loader"],
+    ids=["at import", "in its maker", "its maker raises", "an empty loader"],
 )  # fmt: skip
-def test_doctor_says_a_script_that_fails_before_its_step_in_one_line(
+def test_doctor_says_a_script_that_ends_before_its_step_in_one_line(
     accel_cli, tmp_path, monkeypatch, script, said
 ):
+    # a script's own setup that ends the process (sys.exit or exit() where a setting is
+    # missing) ended the doctor's command too, with the script's exit code (0 for exit()) and
+    # no word that no report was written; one that raises printed a traceback
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
-    (tmp_path / "raises.py").write_text(script)
-    run = accel_cli("doctor", "raises.py:make", "--out", str(tmp_path / "d.html"), cwd=tmp_path)
+    (tmp_path / "exits.py").write_text(script)
+    run = accel_cli("doctor", "exits.py:make", "--out", str(tmp_path / "d.html"), cwd=tmp_path)
     assert run.returncode == 2, run.stderr
     assert said in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert script is EMPTY_LOADER or "no report" in run.stderr, run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     assert not (tmp_path / "d.html").exists()
-
