@@ -134,7 +134,7 @@ def mean_diversity_reference(x: torch.Tensor, counts: torch.Tensor | None = None
     x3, counts, single = check_embeddings(x, counts)
     cos = cosine_matrix_reference(x3, counts)
     pair, n = _pairs(x3, counts)
-    mean_cos = (cos * pair).sum((-2, -1)) / (n * (n - 1)).clamp(min=1)
+    mean_cos = torch.where(pair, cos, 0.0).sum((-2, -1)) / (n * (n - 1)).clamp(min=1)
     out = torch.where(n >= 2, 1.0 - mean_cos, 0.0)
     return out[0] if single else out
 
@@ -144,7 +144,7 @@ def mean_diversity_closed_form(x: torch.Tensor, counts: torch.Tensor | None = No
     x3, counts, single = check_embeddings(x, counts)
     B, N, _ = x3.shape
     member = _members(counts, B, N, x3.device)
-    xn = F.normalize(x3.float(), dim=-1, eps=EPS) * member[..., None]
+    xn = torch.where(member[..., None], F.normalize(x3.float(), dim=-1, eps=EPS), 0.0)
     n = member.sum(-1)
     total = xn.sum(1).square().sum(-1) - xn.square().sum((-2, -1))
     out = torch.where(n >= 2, 1.0 - total / (n * (n - 1)).clamp(min=1), 0.0)

@@ -499,3 +499,15 @@ def test_a_nan_or_inf_member_makes_its_groups_nearest_distances_nan(kdev, N, bad
             dv.nearest_diversity(x, c), dv.nearest_diversity_reference(x, c), equal_nan=True,
             atol=ATOL, rtol=RTOL,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_rows_past_a_groups_count_are_never_read_by_the_references(bad, seed):
+    x = torch.randn(2, 6, 5)
+    counts = torch.tensor([6, 2])
+    spoiled = x.clone()
+    spoiled[1, 2:] = bad  # past group 1's count: not members
+    for reference in (dv.mean_diversity_reference, dv.mean_diversity_closed_form,
+                      dv.nearest_diversity_reference):  # fmt: skip
+        torch.testing.assert_close(reference(spoiled, counts), reference(x, counts))
+
