@@ -90,7 +90,13 @@ class MetricAccumulator:
         self.names = collection_of(names, "metric names")
         if not self.names or len(set(self.names)) != len(self.names):
             raise ValueError(f"MetricAccumulator needs distinct metric names, got {self.names}")
-        self.totals = torch.zeros(len(self.names), device=device, dtype=dtype)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"MetricAccumulator sums means in a floating dtype, got {dtype}")
+        try:
+            self.totals = torch.zeros(len(self.names), device=device, dtype=dtype)
+        except (RuntimeError, AssertionError) as error:  # no such device, or none built in
+            raise ValueError(f"MetricAccumulator cannot hold its sums on {device!r}: "
+                             f"{str(error).splitlines()[0]}") from None  # fmt: skip
         self.count = 0
 
     def add(
@@ -102,7 +108,12 @@ class MetricAccumulator:
             raise KeyError(
                 f"add() needs exactly the metrics {list(self.names)}, got {sorted(given)}"
             )
-        row = torch.stack([_as_scalar(n, given[n]).to(self.totals.dtype) for n in self.names])
+        scalars = [_as_scalar(n, given[n]) for n in self.names]
+        for name, value in zip(self.names, scalars, strict=True):
+            if value.device != self.totals.device:
+                raise ValueError(f"{name!r} is on {value.device} and the accumulator's on "
+                                 f"{self.totals.device}: add values where the sums are")  # fmt: skip
+        row = torch.stack([value.to(self.totals.dtype) for value in scalars])
         self.totals.add_(row)
         self.count += 1
 

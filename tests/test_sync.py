@@ -282,3 +282,15 @@ def test_apply_givens_on_cuda_equals_cpu_reference(gen):
     torch.testing.assert_close(
         fast.cpu(), sync.apply_givens_reference(v, planes, theta), rtol=1e-5, atol=1e-6
     )
+
+
+def test_metric_accumulator_refuses_what_it_would_lose_before_any_work():
+    with pytest.raises(ValueError, match=r"floating dtype.*torch.int64"):
+        sync.MetricAccumulator(["a"], dtype=torch.int64)  # 0.7 would be summed as 0
+    with pytest.raises(ValueError, match=r"cannot hold its sums on 'banana'"):
+        sync.MetricAccumulator(["a"], device="banana")
+    acc = sync.MetricAccumulator(["a"])
+    with pytest.raises(ValueError, match=r"'a' is on meta.*accumulator's on cpu"):
+        acc.add(a=torch.ones((), device="meta"))
+    assert acc.count == 0 and acc.totals.tolist() == [0.0]
+
