@@ -33,11 +33,11 @@ class SyncCheckUnavailableWarning(UserWarning):
     """Syncs cannot be counted or checked here (no CUDA device)."""
 
 
-def read_scalars(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def read_scalars(values: Mapping[str, torch.Tensor]) -> dict[str, float | int | bool]:
     """Bring several one-element tensors to the host in one transfer (one sync, not one each).
 
-    Values of one dtype are read in that dtype; mixed dtypes are read as float64 (exact for
-    float32, bfloat16 and integers below 2**53).
+    Values of one dtype are read in that dtype, each as its ``.item()`` reads it; mixed dtypes
+    are read as float64 (exact for float32, bfloat16 and integers below 2**53).
     """
     if not isinstance(values, Mapping):
         raise TypeError(
@@ -56,12 +56,12 @@ def read_scalars(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
     dtypes = {t.dtype for t in tensors}
     dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
     host = torch.stack([t.to(dtype) for t in tensors]).tolist()  # sync: the one read, for all
-    return {name: float(x) for name, x in zip(names, host, strict=True)}
+    return dict(zip(names, host, strict=True))
 
 
-def read_scalars_reference(values: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def read_scalars_reference(values: Mapping[str, torch.Tensor]) -> dict[str, float | int | bool]:
     """The "before": one ``.item()`` (one sync) per value."""
-    return {name: float(_as_scalar(name, t).item()) for name, t in values.items()}
+    return {name: _as_scalar(name, t).item() for name, t in values.items()}
 
 
 def _as_scalar(name: str, value: torch.Tensor) -> torch.Tensor:

@@ -294,3 +294,10 @@ def test_metric_accumulator_refuses_what_it_would_lose_before_any_work():
         acc.add(a=torch.ones((), device="meta"))
     assert acc.count == 0 and acc.totals.tolist() == [0.0]
 
+
+def test_read_scalars_of_one_integer_dtype_are_the_items_exactly():
+    values = {"step": torch.tensor(2**60 + 1), "tokens": torch.tensor(5)}
+    assert sync.read_scalars(values) == {"step": 2**60 + 1, "tokens": 5}
+    assert sync.read_scalars(values) == sync.read_scalars_reference(values)
+    assert all(type(v) is int for v in sync.read_scalars(values).values())
+
