@@ -83,9 +83,13 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
+        amsgrad: bool = False,
+        maximize: bool = False,
         implementation: Implementation = "auto",
     ):
         _check_hyperparameters(lr, betas, eps, weight_decay)
+        _check_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                      "amsgrad": amsgrad, "maximize": maximize})  # torch's off switches pass
         if implementation not in ("auto", "triton", "reference"):
             raise ValueError(
                 f"implementation must be 'auto', 'triton' or 'reference', got {implementation!r}"
@@ -324,6 +328,9 @@ def _check_hyperparameters(
 def _check_group(group: dict[str, Any]) -> None:
     """One group's hyperparameters, and no option the kernel does not implement."""
     _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+    if any(isinstance(p, torch.Tensor) and p.dtype == torch.float64 for p in group.get("params", ())):
+        raise ValueError("MultiTensorAdamW computes in float32, and float64 parameters would "
+                         "get float32's accuracy: use torch.optim.AdamW for them")  # fmt: skip
     unsupported = [f"{k}=True" for k in ("amsgrad", "maximize") if group.get(k)]
     if unsupported:
         raise ValueError(

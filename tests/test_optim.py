@@ -130,7 +130,7 @@ def test_falls_back_to_the_reference_with_a_warning(monkeypatch, seed):
             MultiTensorAdamW(make_params("cpu", gen), implementation="triton")
     device = "cuda" if CUDA else "cpu"
     with pytest.warns(RuntimeWarning, match="using the reference"):
-        half = MultiTensorAdamW(make_params(device, gen, dtype=torch.float64))
+        half = MultiTensorAdamW(make_params(device, gen, dtype=torch.bfloat16))
     assert not half.uses_kernel
 
 
@@ -652,3 +652,17 @@ def test_a_load_in_place_refuses_a_state_without_a_held_tensor(seed):
     ):
         opt.load_state_dict(saved)
     assert {id(t) for s in opt.state.values() for t in s.values()} == held
+
+
+def test_float64_parameters_are_refused_and_torchs_off_switches_accepted():
+    doubles = [torch.nn.Parameter(torch.randn(4, dtype=torch.float64))]
+    with pytest.raises(ValueError, match=r"float64.*torch.optim.AdamW"):
+        MultiTensorAdamW(doubles, implementation="reference")
+    floats = [torch.nn.Parameter(torch.randn(4))]
+    opt = MultiTensorAdamW(floats, amsgrad=False, maximize=False, implementation="reference")
+    with pytest.raises(ValueError, match=r"float64"):
+        opt.add_param_group({"params": doubles})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match=r"amsgrad=True"):
+        MultiTensorAdamW(floats, amsgrad=True, implementation="reference")
+
