@@ -92,7 +92,8 @@ def attention_reference(
     a bool mask keeps True; a float mask is added. A query whose every score is -inf (the mask
     left it no key) gives 0, as in SDPA; NaN and inf reach the output of every other query that
     sees them. A key the mask hides (False, or -inf in a float mask) is never read, as in SDPA's
-    causal kernels and FlexAttention (SDPA's math path adds -inf, so a NaN there reaches it).
+    causal kernels and FlexAttention (SDPA's math path adds -inf, so a NaN there reaches it);
+    its value is read with weight 0, so an inf there gives NaN (0 x inf) on every path.
     """
     check_inputs(q, k, v, mask, causal)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
