@@ -152,7 +152,7 @@ def accumulate(
     total = None
     for i, (batch, scale) in enumerate(zip(micro, scales, strict=True)):
         with _gradient_sync(model, last=i == len(micro) - 1):
-            loss = _checked_loss(loss_fn(batch), i)
+            loss = _checked_loss(loss_fn(batch), i, len(micro))
             (loss * scale).backward()
         part = loss.detach() * scale
         total = part if total is None else total + part
@@ -202,15 +202,17 @@ def _scales(
     return [c / total if reduction == "mean" else 1 / total for c in ints]
 
 
-def _checked_loss(loss: Any, index: int | None) -> torch.Tensor:
+def _checked_loss(loss: Any, index: int | None, of: int = 1) -> torch.Tensor:
     where = "loss_fn" if index is None else f"loss_fn(micro_batches[{index}])"
+    # the micro-batches before this one have added their share to .grad already
+    held = f"; .grad holds micro-batches 0-{index - 1} of {of}" if index else ""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"{where} must return a 0-dim loss tensor, got {shape}")
+        raise ValueError(f"{where} must return a 0-dim loss tensor, got {shape}{held}")
     if not loss.requires_grad:
         raise ValueError(
             f"{where} returned a loss that does not require grad (computed under no_grad, or "
-            "from parameters with requires_grad=False); expected one backward can run through"
+            f"from parameters with requires_grad=False); expected one backward can run through{held}"
         )
     return loss
 

@@ -394,3 +394,16 @@ def test_on_cuda_without_a_sync_and_inside_a_cuda_graph():
     torch.testing.assert_close(loss, acc.large_batch(_mse(copy.deepcopy(model)), (inputs, targets)))
     for a, b in zip(_grads(twin), _grads(model), strict=True):
         torch.testing.assert_close(a, b, **GRAD_TOL)
+
+
+def test_a_bad_loss_after_the_first_micro_batch_says_what_the_gradients_hold():
+    model = _model(10)
+    micro = acc.split_batch(_data(10, 8), 4)
+
+    def loss_fn(batch):  # the last micro-batch's loss keeps a dimension
+        loss = F.mse_loss(model(batch[0]), batch[1])
+        return loss.reshape(1) if batch is micro[-1] else loss
+
+    with pytest.raises(ValueError, match=r"\(1,\).*\.grad holds micro-batches 0-2 of 4"):
+        acc.accumulate(loss_fn, micro)
+
