@@ -87,7 +87,6 @@ class MultiTensorAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         implementation: Implementation = "auto",
     ):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
         _check_group({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                       "amsgrad": amsgrad, "maximize": maximize})  # torch's off switches pass
         if implementation not in ("auto", "triton", "reference"):

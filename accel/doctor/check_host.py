@@ -320,26 +320,30 @@ def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
     workers = min(_cores(), max(4, 2 * now))  # more workers than cores only take turns
     # each worker makes a batch while the others do: in the wait and the step it overlaps
     made = now * (wait + step) if now else wait
-    finding = Finding(
+    if workers > now:
+        cost_model = (f"{workers} worker processes make the batches while the step runs, each in "
+                      f"the {made / 1e3:.3f} ms one takes now: the wait left is their share less "
+                      "the step")  # fmt: skip
+        change = (f"DataLoader(dataset, batch_size=..., num_workers={workers}, "
+                  + "pin_memory=True, " * evidence.cuda
+                  + "\n           persistent_workers=True, prefetch_factor=4)")  # fmt: skip
+        saved = wait - max(0.0, made / workers - step)
+    else:  # no core left for another worker: what a batch costs to make is the limit
+        cost_model = (f"not predicted: {now} workers on {_cores()} cores, none left to add; what "
+                      "a batch costs to make is the limit")  # fmt: skip
+        change = ("# make a batch cheaper: decode or augment once ahead of training,\n"
+                  "# or keep the data set in memory, not in each __getitem__ call")
+        saved = None
+    return Finding(
         kind="input",
         title=f"the step waits {wait / 1e3:.2f} ms per batch for its data",
         evidence=f"next(loader) took {wait / 1e3:.3f} ms per batch over {loader['batches']} "
         f"batches against a {step / 1e3:.3f} ms step ({settings})",
-        cost_model=f"{workers} worker processes make the batches while the step runs, each in "
-        f"the {made / 1e3:.3f} ms one takes now: the wait left is their share less the step",
+        cost_model=cost_model,
         notebook="07_recipe",
-        change=f"DataLoader(dataset, batch_size=..., num_workers={workers}, "
-        + ("pin_memory=True,\n           " if evidence.cuda else "\n           ")
-        + "persistent_workers=True, prefetch_factor=4)",
-        saved_us=wait - max(0.0, made / workers - step),
+        change=change,
+        saved_us=saved,
     )
-    if workers <= now:  # no core left for another worker: the batches themselves cost
-        finding.cost_model = (f"not predicted: {now} workers on {_cores()} cores, none left to "
-                              "add; what a batch costs to make is the limit")  # fmt: skip
-        finding.change = ("# make a batch cheaper: decode or augment once ahead of training,\n"
-                          "# or keep the data set in memory, not in each __getitem__ call")  # fmt: skip
-        finding.saved_us = None
-    return finding
 
 
 @check("shapes")

@@ -34,7 +34,7 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
         raise UsageError(
             f"expected module:function or file.py:function (e.g. my_train:make_step), got {target!r}"
         )
-    with _exit_refused(module_name, "importing it"):
+    with _said_in_one_line(module_name, "importing it", errors=False):
         module = _load_file(Path(module_name)) if module_name.endswith(".py") else _import(module_name)
     make = getattr(module, function_name, None)
     if not callable(make):
@@ -53,7 +53,7 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
             f"e.g. def make(): return {function_name}, batch (where it is the step) or "
             f"def make(): return {function_name}(...) (where it makes the step)"
         )
-    with _exit_refused(module_name, f"{function_name}()"):
+    with _said_in_one_line(module_name, f"{function_name}()"):
         made = make()
     if callable(made) and not hasattr(made, "step"):  # the step alone: it draws its own batch
         made = (made, NO_BATCH)
@@ -77,10 +77,11 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
 
 
 @contextlib.contextmanager
-def _exit_refused(module_name: str, doing: str) -> Iterator[None]:
+def _said_in_one_line(module_name: str, doing: str, *, errors: bool = True) -> Iterator[None]:
     """A UsageError where the script ends the process while it sets up (``sys.exit()`` where a
     setting is missing, argparse's ``--help``): said, not taken as the command's own exit; and
-    where its maker raises, said in one line with the line that raised, as a step's error is."""
+    where it raises (``errors``), said in one line with the line that raised, as a step's error
+    is. An import's own errors keep their traceback: a syntax error wants it."""
     try:
         yield
     except SystemExit as exit:
@@ -91,7 +92,7 @@ def _exit_refused(module_name: str, doing: str) -> Iterator[None]:
     except UsageError:
         raise
     except Exception as error:
-        if doing == "importing it":  # an import's own errors say where, and ImportError is said
+        if not errors:
             raise
         frames = traceback.extract_tb(error.__traceback__)
         where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""

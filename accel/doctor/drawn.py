@@ -18,47 +18,41 @@ import torch
 from accel.doctor.isolation import record
 from accel.doctor.reach import is_array
 
-__all__ = ["Copied", "Drawn", "copied_iterator"]
+__all__ = ["Copied", "Drawn"]
 
 
 class Drawn:
-    """``iterator`` as the copies read it. The first item any copy takes decides: one that holds
-    a tensor or array is a batch, kept and given again on every later call, so a data source
+    """``iterator`` as the copies read it. An item that holds a tensor or array is a batch: the
+    first one any copy takes is kept and given again on every later call, so a data source
     loses one item however often the step runs (a finite one does not run out) and the time
-    leaves out its loading; any other item (a step count) is one of a sequence the step's code
-    may depend on, so later items are taken from the user's iterator as the step asks."""
+    leaves out its loading. Any other item (a step count) is one of a sequence the step's code
+    may depend on, so items are taken from the user's iterator as the step asks."""
 
-    _first: ClassVar[weakref.WeakKeyDictionary[Any, list[Any]]] = weakref.WeakKeyDictionary()
+    _batches: ClassVar[weakref.WeakKeyDictionary[Any, list[Any]]] = weakref.WeakKeyDictionary()
 
     def __init__(self, iterator: Any, where: str):
-        self._iterator, self._where = iterator, where
+        self._iterator = iterator
         self._said = f"{where} (a {type(iterator).__name__}, which cannot be copied)"
-        self._own_first: list[Any] = []
+        try:  # the batch kept, shared by every copy of this iterator
+            self._kept = Drawn._batches.setdefault(iterator, [])
+        except TypeError:  # not weakly referable: one batch per copy
+            self._kept = []
         self._taken = 0
 
     def __iter__(self) -> Drawn:
         return self
 
     def __next__(self) -> Any:
-        first = self._first_item()
-        if first and _holds_data(first[0]):
-            return first[0]
-        item = first.pop() if first else self._take()
-        record(f"took items from {self._said}")
+        if self._kept:
+            return self._kept[0]
+        item = self._take()
+        if _holds_data(item):
+            self._kept.append(item)
+            record(f"took 1 item from {self._said} and gave the step that item on every "
+                   "call, so the time leaves out its loading")  # fmt: skip
+        else:
+            record(f"took items from {self._said}")
         return item
-
-    def _first_item(self) -> list[Any]:
-        """The shared first item (one list per user iterator), taken now if no copy has."""
-        try:
-            first = Drawn._first.setdefault(self._iterator, [])
-        except TypeError:  # not weakly referable: one first item per copy
-            first = self._own_first
-        if not first and not self._taken:
-            first.append(self._take())
-            if _holds_data(first[0]):
-                record(f"took 1 item from {self._said} and gave the step that item on every "
-                       "call, so the time leaves out its loading")  # fmt: skip
-        return first
 
     def _take(self) -> Any:
         try:
@@ -93,7 +87,7 @@ class Copied:
 
     def __init__(self, iterator: Any, where: str):
         self._iterator, self._said = iterator, f"{where} (a {type(iterator).__name__})"
-        self._copy, self._taken, self._batches = copied_iterator(iterator), 0, False
+        self._copy, self._taken, self._batches = _copied(iterator), 0, False
 
     def __iter__(self) -> Copied:
         return self
@@ -104,14 +98,14 @@ class Copied:
         except StopIteration:
             if not self._batches:
                 raise StopIteration(_ran_out(self._said, self._taken)) from None
-            self._copy = copied_iterator(self._iterator)
+            self._copy = _copied(self._iterator)
             item = next(self._copy)
         self._taken += 1
         self._batches = self._batches or _holds_data(item)
         return item
 
 
-def copied_iterator(iterator: Any) -> Any:
+def _copied(iterator: Any) -> Any:
     """An independent copy of a built-in iterator; a count rebuilt from what it shows, as Python
     3.14 no longer copies one."""
     if isinstance(iterator, itertools.count):

@@ -107,13 +107,13 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
             f"iterator ({type(loader).__name__}), whose batches it would use up"
         )
     loader = _own_loader(loader)
-    if loader is not None and _sized(loader) == 0:
-        raise UsageError(f"loader= gave no batch: the {type(loader).__name__} is empty")
+    if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
+        raise _empty(loader)
     with Session() as session:  # the random generators put back; files written recorded
         if batch is NO_BATCH and loader is not None:
             batch = next(iter(loader), NO_BATCH)
             if batch is NO_BATCH:
-                raise UsageError(f"loader= gave no batch: the {type(loader).__name__} is empty")
+                raise _empty(loader)
         parts = find_parts(step)
         session.watch(parts.reach.objects.values())
         untouched = Untouched(parts, batch)
@@ -205,6 +205,10 @@ def _step_us(call: Callable[[], Any], device: torch.device) -> float:
 def _call(runner: Callable[..., Any], batch: Any, hint: str = "") -> Callable[[], Any]:
     return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch_for_a_call(batch))),
                      hint)  # fmt: skip
+
+
+def _empty(loader: Iterable[Any]) -> UsageError:
+    return UsageError(f"loader= gave no batch: the {type(loader).__name__} is empty")
 
 
 def _sized(loader: Iterable[Any]) -> int | None:

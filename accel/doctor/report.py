@@ -158,12 +158,11 @@ class Report:
         syncs = "" if math.isnan(t.syncs) else f", {t.syncs:.0f} syncs"
         caution = f"Caution: {'; '.join(self.side_effects)}. " if self.side_effects else ""
         breaks = self.evidence.graph_breaks
+        own = len(own_breaks(breaks or []))
         compiled = "" if breaks is None else (
             f". torch.compile traced: {len(breaks)} graph break{'s' * (len(breaks) != 1)}"
-            + (f" (none but where every step breaks: {_lines(breaks)})"
-               if "compile" not in self.kinds() and breaks else "")
-            + (f" ({len(own_breaks(breaks))} besides where every step breaks)"
-               if "compile" in self.kinds() and len(own_breaks(breaks)) < len(breaks) else "")
+            + (f" (none but where every step breaks: {_lines(breaks)})" if breaks and not own
+               else f" ({own} besides where every step breaks)" if own < len(breaks) else "")
         )  # fmt: skip
         return caution + (
             f"{self.device}: a step takes {self.step_ms:.3f} ms ({t.launches:.0f} launches"
