@@ -47,8 +47,10 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     followed), then renamed over the target (atomic on one file system). A link at ``path`` is
     written through and stays a link; a rewritten file keeps its mode; what
     :func:`check_writable` refuses is refused. A failed write leaves the target as it was and no
-    temporary file."""
+    temporary file. Its folder must exist."""
     real = check_writable(path)
+    if not real.parent.is_dir():
+        raise UsageError(f"{path}: cannot write there, the folder {real.parent} does not exist")
     fd, tmp = tempfile.mkstemp(dir=real.parent, prefix=f".{real.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as file:

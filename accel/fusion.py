@@ -102,6 +102,12 @@ def group_stats(
     its own). ``out``, (G, 2) float32 on the parameters' device, receives it without an
     allocation. ``foreach=False`` is the per-tensor reference.
     """
+    if isinstance(groups, torch.Tensor) or not isinstance(groups, Iterable):
+        got = "a tensor" if isinstance(groups, torch.Tensor) else reprlib.repr(groups)
+        raise TypeError(
+            "group_stats: expected a sequence of groups (each a list of tensors), got "
+            f"{got} ({type(groups).__name__})"
+        )
     groups = [_as_list(g, f"group_stats: group {i}") for i, g in enumerate(groups)]
     if not groups:
         raise ValueError("group_stats: got no groups")

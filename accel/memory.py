@@ -52,7 +52,7 @@ class BufferCache:
         device = torch.device(device) if device is not None else self.device
         if device is None:
             raise ValueError(f"BufferCache.get({name!r}): no device given here or to the cache")
-        shape = torch.Size(shape)
+        shape = _checked_shape(shape, f"BufferCache.get({name!r})")
         buf = self._buffers.get(name)
         if (
             buf is not None
@@ -65,6 +65,18 @@ class BufferCache:
         self.misses += 1
         self._buffers[name] = buf = torch.empty(shape, dtype=dtype, device=device)
         return buf
+
+
+def _checked_shape(shape, what: str) -> torch.Size:
+    """``shape`` as a ``torch.Size``, or an error that says what came."""
+    try:
+        sizes = torch.Size(shape)
+    except TypeError:
+        raise TypeError(f"{what}: expected a tuple of sizes, got {shape!r} "
+                        f"({type(shape).__name__})") from None  # fmt: skip
+    if any(n < 0 for n in sizes):
+        raise ValueError(f"{what}: expected sizes of at least 0, got {tuple(sizes)}")
+    return sizes
 
 
 @dataclass(frozen=True)

@@ -478,3 +478,13 @@ def test_self_attention_names_the_shape_it_takes():
     layer = A.SelfAttention(12, 3)
     with pytest.raises(ValueError, match=r"x of shape \(batch, seq, 12\), got \(7, 12\)"):
         layer(torch.randn(7, 12))
+
+
+@pytest.mark.parametrize(("dim", "heads", "error", "match"), [
+    (24, 3, ValueError, r"rotary embeddings of head_dim 4 for heads of 8 \(dim 24 / 3 heads\)"),
+    (16, 0, ValueError, r"heads must be an int >= 1, got 0"),
+    (16, True, TypeError, r"heads must be an int >= 1, got True"),
+])
+def test_self_attention_refuses_a_rotary_of_another_head_size_when_built(dim, heads, error, match):
+    with pytest.raises(error, match=match):
+        A.SelfAttention(dim, heads, rope=A.RotaryEmbedding(4, 16))

@@ -82,6 +82,13 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path):
     assert _listing(tmp_path) == ["out.txt"] and target.read_text() == "old"
 
 
+def test_a_target_in_a_missing_folder_is_refused_by_its_folder_and_nothing_is_made(tmp_path):
+    with pytest.raises(UsageError, match=r"new/out\.txt: cannot write there, the folder .*new does "
+                       r"not exist"):
+        write_text_atomic(tmp_path / "new" / "out.txt", "text")
+    assert _listing(tmp_path) == []
+
+
 def test_a_destination_under_a_file_is_refused(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")

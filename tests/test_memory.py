@@ -46,6 +46,20 @@ def test_buffer_cache_hands_out_the_same_tensor():
         memory.BufferCache().get("x", (1,))
 
 
+@pytest.mark.parametrize(
+    ("shape", "error", "match"),
+    [((-1, 2), ValueError, r"sizes of at least 0, got \(-1, 2\)"),
+     (3, TypeError, r"a tuple of sizes, got 3 \(int\)"),
+     ((2.5,), TypeError, r"a tuple of sizes, got \(2.5,\)")],
+    ids=["negative", "a number", "a float size"],
+)
+def test_buffer_cache_refuses_a_bad_shape_before_allocating(shape, error, match):
+    cache = memory.BufferCache("cpu")
+    with pytest.raises(error, match=match):
+        cache.get("x", shape)
+    assert cache.misses == 0
+
+
 # ---- counting allocations and peaks -------------------------------------------------------------
 def test_a_steps_returned_tensor_is_freed_before_the_next_step(gen):
     """The peak is one step's, however many steps are counted: nothing keeps the results."""

@@ -150,8 +150,13 @@ class SelfAttention(nn.Module):
         bias: bool = True,
     ):
         super().__init__()
-        if heads <= 0 or dim % heads:
+        if dim % checked_count(heads, "heads", at_least=1):
             raise ValueError(f"dim {dim} is not divisible into {heads} heads")
+        if rope is not None and rope.head_dim != dim // heads:
+            raise ValueError(
+                f"rotary embeddings of head_dim {rope.head_dim} for heads of {dim // heads} "
+                f"(dim {dim} / {heads} heads): expected RotaryEmbedding({dim // heads}, ...)"
+            )
         check_backend(backend)
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.use_sdpa, self.backend = use_sdpa, backend
