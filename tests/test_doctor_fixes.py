@@ -110,6 +110,28 @@ class EagerAttention(nn.Module):
         return attn_output.transpose(1, 2).reshape(B, T, C)
 
 
+class LlamaAttention(nn.Module):
+    """Meta's Llama reference: an additive mask when given, the softmax of the scores upcast to
+    float32 and cast back to the queries' dtype, a dropout of p=0."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+
+    def forward(self, x, mask=None):
+        B, T, C = x.shape
+        xq, keys, values = (
+            t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2)
+        )
+        scores = torch.matmul(xq, keys.transpose(2, 3)) / math.sqrt(C // self.heads)
+        if mask is not None:
+            scores = scores + mask
+        scores = F.softmax(scores.float(), dim=-1).type_as(xq)
+        scores = F.dropout(scores, p=0.0, training=self.training)
+        output = torch.matmul(scores, values)
+        return output.transpose(1, 2).reshape(B, T, C)
+
+
 class OptionalMaskAttention(nn.Module):
     """A mask applied only when one is given, as many encoders write it."""
 
@@ -223,6 +245,19 @@ def test_a_float32_softmax_cast_back_is_rewritten(seed):
     torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_softmax_of_upcast_scores_cast_back_is_rewritten(seed, dtype):
+    model, fixed, rewrite = rewritten(LlamaAttention, "matmul(xq", "matmul(scores")
+    model, fixed = model.to(dtype), fixed.to(dtype)
+    x = torch.randn(2, 16, 32, dtype=dtype)
+    causal = torch.full((16, 16), -math.inf).triu(1).to(dtype)
+    tolerance = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for kwargs in ({}, {"mask": causal}):
+        torch.testing.assert_close(fixed(x, **kwargs), model(x, **kwargs), **tolerance)
+    assert "-        scores = F.softmax(scores.float(), dim=-1).type_as(xq)" in rewrite.diff
+    assert "dropout_p" not in rewrite.diff  # a dropout of p=0 is none
+
+
 def test_a_mask_applied_only_when_given_is_rewritten_for_both_cases(seed):
     model, fixed, rewrite = rewritten(OptionalMaskAttention, "q @ k", "probs @ v")
     x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)
@@ -255,6 +290,8 @@ REWRITTEN_FORMS = {  # class, its scores' and values' lines, causal, the extra a
     "eager": (EagerAttention, "matmul(q", "matmul(attn_w", False,
               lambda: (torch.zeros(2, 1, 16, 16),)),
     "optional mask": (OptionalMaskAttention, "q @ k", "probs @ v", False, lambda: (padding(),)),
+    "llama": (LlamaAttention, "matmul(xq", "matmul(scores", False,
+              lambda: (torch.zeros(16, 16),)),
 }  # fmt: skip
 
 

@@ -7,7 +7,8 @@ a chain on one variable, each kind at most once::
     att = (q @ k.transpose(-2, -1)) * scale          # or / scale, or torch.matmul(...)
     att = att.masked_fill(cond, float("-inf"))        # or att + additive_mask; either may sit
                                                       # under `if mask is not None:`
-    att = F.softmax(att, dim=-1)                      # or att.softmax(-1), torch.softmax
+    att = F.softmax(att, dim=-1)                      # or att.softmax(-1), torch.softmax, of
+                                                      # att.float() and cast back (.type_as(q))
     att = self.attn_dropout(att)                      # a dropout module or F.dropout
     y = att @ v                                       # or inside an expression, or returned:
                                                       # return (att @ v).transpose(1, 2)
@@ -36,7 +37,7 @@ __all__ = ["AttentionRewrite", "NotRewritable", "function_source", "recompiled",
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
 _SOFTMAX_NAMES = ("softmax", "_softmax")
-_CASTS = ("to", "type_as", "float", "half", "bfloat16")  # methods a softmax's result is cast by
+_CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")  # casts around a softmax
 _TARGETS = (ast.Name, ast.Attribute, ast.Subscript)  # what the attention's output may be kept in
 
 
@@ -330,7 +331,8 @@ class _Chain:
         else:  # a dropout module
             p = ast.Attribute(call.func, "p", ast.Load())
             training = ast.Attribute(call.func, "training", ast.Load())
-        self.dropout = ast.IfExp(training, p, ast.Constant(0.0))
+        zero = isinstance(p, ast.Constant) and p.value == 0
+        self.dropout = ast.Constant(0.0) if zero else ast.IfExp(training, p, ast.Constant(0.0))
 
     def statement(self, causal: bool) -> ast.stmt:
         if not self.done or not self.softmax:
@@ -348,7 +350,7 @@ class _Chain:
             mask = ast.IfExp(self.mask_if, mask, ast.Constant(None))
         if mask is not None:
             keywords.append(ast.keyword("attn_mask", mask))
-        if self.dropout is not None:
+        if self.dropout is not None and not isinstance(self.dropout, ast.Constant):
             keywords.append(ast.keyword("dropout_p", self.dropout))
         if causal and (self.cond is not None or self.additive is not None):
             keywords.append(ast.keyword("is_causal", ast.Constant(True)))
@@ -415,17 +417,24 @@ def _other_operand(node: ast.BinOp, name: str | None) -> ast.expr | None:
 
 
 def _is_softmax(value: ast.expr, name: str | None) -> bool:
-    """A softmax of ``name`` over its last dim, maybe cast back (``softmax(att, dim=-1,
-    dtype=torch.float32).to(q.dtype)``: SDPA's own softmax accumulates in float32 too)."""
+    """A softmax of ``name`` over its last dim, maybe of the scores upcast and cast back
+    (``softmax(att, dim=-1, dtype=torch.float32).to(q.dtype)``, Llama's
+    ``softmax(scores.float(), dim=-1).type_as(xq)``: SDPA's own softmax accumulates in float32)."""
+    value = _uncast(value)
+    if not isinstance(value, ast.Call) or _attribute(value.func) not in _SOFTMAX_NAMES:
+        return False
+    method = isinstance(value.func, ast.Attribute) and _is_name(_uncast(value.func.value), name)
+    argument = bool(value.args) and _is_name(_uncast(value.args[0]), name)
+    dim = _keyword(value, "dim", 0 if method else 1)
+    return (method or argument) and dim is not None and _constant(dim) in (-1, 3)
+
+
+def _uncast(value: ast.expr) -> ast.expr:
+    """``x`` of ``x.float()``, ``x.to(q.dtype)``, ``x.type_as(q)`` (any number of them)."""
     while (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
            and value.func.attr in _CASTS):  # fmt: skip
         value = value.func.value
-    if not isinstance(value, ast.Call) or _attribute(value.func) not in _SOFTMAX_NAMES:
-        return False
-    method = isinstance(value.func, ast.Attribute) and _is_name(value.func.value, name)
-    argument = bool(value.args) and _is_name(value.args[0], name)
-    dim = _keyword(value, "dim", 0 if method else 1)
-    return (method or argument) and dim is not None and _constant(dim) in (-1, 3)
+    return value
 
 
 def _keyword(call: ast.Call, name: str, position: int) -> ast.expr | None:
