@@ -824,6 +824,23 @@ def test_combined_prediction_adds_fixes_on_separate_time_and_overlaps_shared_tim
     assert three == pytest.approx(100 - 40 - 15)
 
 
+def test_a_precision_fix_saves_on_the_products_first_and_the_rest_on_the_other_kernels():
+    """bf16 makes the products several times faster and the elementwise work little: its saving
+    comes off the products first, so a fix of the elementwise work beside it keeps its own."""
+    report = timeline_report({"matmul": 150.0, "elementwise and other": 30.0}, {"host": 20.0})
+    rows = fake_rows({"bf16_autocast": 200 / 70, "compile": 200 / 180})
+    # bf16: 130 of the products' 150; compile: 20 over the elementwise 30 and the host's 20
+    together = trial.combined_prediction_us(report, rows, ["bf16_autocast", "compile"])
+    assert together == pytest.approx(20 + (30 + 20) * (1 - 20 / 50))
+    # a saving larger than the products' room spills over the other kernels it acts on
+    rows = fake_rows({"bf16_autocast": 200 / 40})
+    left = 150 * (1 - trial._MAX_SHARE)
+    spill = (160 - 150 * trial._MAX_SHARE) / 30
+    assert trial.combined_prediction_us(report, rows, ["bf16_autocast"]) == pytest.approx(
+        left + 30 * (1 - spill) + 20
+    )
+
+
 def test_a_set_with_cuda_graphs_is_predicted_at_its_kernels_left_as_a_replay_runs_them():
     """A replay launches no kernel from the host: what the set leaves of the step is its kernels'
     time, with the gaps a replay keeps between them; the host's and the launches' idle goes."""
@@ -833,8 +850,8 @@ def test_a_set_with_cuda_graphs_is_predicted_at_its_kernels_left_as_a_replay_run
     rows = fake_rows({"compile": 100 / 80, "bf16_autocast": 100 / 80})
     plain = trial.combined_prediction_us(report, rows, ["bf16_autocast", "compile"])
     graphed = trial.combined_prediction_us(report, rows, ["bf16_autocast", "compile_graphs"])
-    # compile's 20 spread over the elementwise 20 and the host's 40; bf16's 20 over all kernels
-    kernels_left = 40 * (1 - 20 / 60) + 20 * (1 - 20 / 60) * (1 - 20 / 60)
+    # compile's 20 spread over the elementwise 20 and the host's 40; bf16's 20 off the products
+    kernels_left = (40 - 20) + 20 * (1 - 20 / 60)
     assert graphed == pytest.approx(kernels_left * GRAPH_REPLAY_OVER_KERNELS)
     assert graphed < plain
     # a replay is never predicted slower than the same set without it
