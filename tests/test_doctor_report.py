@@ -22,7 +22,7 @@ from torch import nn
 
 from accel import doctor
 from accel.doctor import fixes, trial, zoo
-from accel.doctor.fixes import FIXES, StepCopy
+from accel.doctor.fixes import FIXES, NO_BATCH, StepCopy
 from accel.doctor.parts import copy_step, find_parts
 from accel.errors import UsageError
 from accel.workloads.flags import describe
@@ -285,6 +285,28 @@ def test_step_without_a_batch_and_a_step_fed_by_a_loader(seed):
     # None beside a loader means its first batch, as the command line reads a maker's None
     assert doctor.examine(step, None, loader=loader, steps=1, warmup=1).batch is loader[0]
     assert fed.evidence.loader["batches"] == 3 and len(fed.evidence.loader["shapes"]) == 1
+    assert unchanged(before, model)
+
+
+def test_a_step_that_draws_from_its_own_loader_is_examined_with_that_loader(seed):
+    """torchvision's loop, folded into a step: ``next(it)`` inside it, the loader given beside
+    it so that the doctor reads how long its batches take; the step is called as it is written."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    it = iter(loader)
+
+    def step():
+        (x,) = next(it)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    before = snapshot(model)
+    report = doctor.examine(step, loader=loader, steps=1, warmup=1)
+    assert report.batch is NO_BATCH  # the step was called as written, step()
+    assert report.evidence.loader["num_workers"] == 0 and report.evidence.loader["batches"] >= 1
     assert unchanged(before, model)
 
 

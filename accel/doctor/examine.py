@@ -79,7 +79,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     The random generators and the files the step writes are put back as they were; what cannot
     be (a network, a process started) is named in the report's first line, with the files.
     ``loader``: the DataLoader that feeds it (its first batch is used when ``batch`` is not
-    given or None), to measure how long the step waits for data.
+    given or None; a step of no argument draws its own from it), to measure how long the step
+    waits for data.
     ``compile=True`` also lists where ``torch.compile`` would break the step (seconds to
     minutes); dynamo's trace starts from an empty cache, so the functions this process compiled
     before compile again at their next call. ``ceilings`` and ``costs``: this machine's ``lab.measure_ceilings`` and
@@ -93,7 +94,9 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     refuse_unplain_step(step)
     if batch is None and loader is not None:  # as the command line reads a maker's None
         batch = NO_BATCH
-    _refuse_batch_mismatch(step, batch if batch is not NO_BATCH or loader is None else None)
+    # a step of no argument beside a loader draws its batches from it (``next(it)`` inside)
+    draws_own = batch is NO_BATCH and loader is not None and not callable_with(step, None)
+    _refuse_batch_mismatch(step, batch if batch is not NO_BATCH or draws_own or loader is None else None)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
     if torch.autograd._profiler_enabled():  # its session would end in the doctor's, emptied
@@ -110,7 +113,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
         raise _empty(loader)
     with Session() as session:  # the random generators put back; files written recorded
-        if batch is NO_BATCH and loader is not None:
+        if batch is NO_BATCH and loader is not None and not draws_own:
             batch = next(iter(loader), NO_BATCH)
             if batch is NO_BATCH:
                 raise _empty(loader)
@@ -130,7 +133,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
             device=device, parts=copied, recording=record_step(call, device), timeline=timeline,
             more_calls=record_calls(call, device, MORE_RECORDED_CALLS),
             batch=batch, memory=_memory(call, device),
-            loader=None if loader is None else _loader(loader, runner, device, timeline.step_us),
+            loader=None if loader is None else _loader(
+                loader, (lambda _: runner()) if draws_own else runner, device, timeline.step_us),
             graph_breaks=_breaks(step, parts, batch, runner is step) if compile else None,
             measure={k: (lambda v=v: v) for k, v in given.items() if v is not None},
         )  # fmt: skip
