@@ -298,11 +298,12 @@ def _left_out(report, rows: list[dict], best: dict) -> list[str]:
 def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     """The step's time with ``names`` together, predicted from their rows measured alone: each
     fix's saving is spread over the parts of the step it acts on (in proportion to their time;
-    :data:`SAVES_FIRST` over its own parts first), and a part's time left is what every fix acting on it leaves of it in turn. Beside a fix
-    that frees the host, a fix of the device's kernels that the host held back alone counts
-    its kernels' own saving (:func:`_kernels_saving_us`). A set replayed as a CUDA graph takes
-    the kernels' time it leaves, with the gaps a replay keeps between them, and no more than the
-    same set launched from the host."""
+    :data:`SAVES_FIRST` over its own parts first), and a part's time left is what every fix
+    acting on it leaves of it in turn. Beside a fix that frees the host, a fix of the device's
+    kernels that the host held back alone counts its kernels' own saving
+    (:func:`_kernels_saving_us`). A set replayed as a CUDA graph takes the kernels' time it
+    leaves, with the gaps a replay keeps between them, and no more than the same set launched
+    from the host."""
     t = report.evidence.timeline
     unbound = any("idle host" in ACTS_ON[n] for n in names)
     parts = dict(t.by_category) | {f"idle {cause}": us for cause, us in t.idle_us.items()}
