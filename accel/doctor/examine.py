@@ -96,7 +96,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         batch = NO_BATCH
     # a step of no argument beside a loader draws its batches from it (``next(it)`` inside)
     draws_own = batch is NO_BATCH and loader is not None and not callable_with(step, None)
-    _refuse_batch_mismatch(step, batch if batch is not NO_BATCH or draws_own or loader is None else None)
+    from_loader = batch is NO_BATCH and loader is not None and not draws_own
+    _refuse_batch_mismatch(step, None if from_loader else batch)
     if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
         raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
     if torch.autograd._profiler_enabled():  # its session would end in the doctor's, emptied
@@ -113,7 +114,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
         raise _empty(loader)
     with Session() as session:  # the random generators put back; files written recorded
-        if batch is NO_BATCH and loader is not None and not draws_own:
+        if from_loader:
             batch = next(iter(loader), NO_BATCH)
             if batch is NO_BATCH:
                 raise _empty(loader)
