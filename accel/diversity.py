@@ -239,7 +239,9 @@ class _ReferenceBackward(torch.autograd.Function):
 
 
 def mean_diversity(x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
-    """1 - mean cosine over pairs i != j of each group: ``(B,)``, or ``()`` for one set."""
+    """1 - mean cosine over pairs i != j of each group: ``(B,)``, or ``()`` for one set.
+    ``x``: (B, N, D), or (N, D); ``counts`` (B,), optional: group b is its first ``counts[b]``
+    rows, the rest are not read (a group of fewer than 2 gives 0)."""
     return _dispatch(x, counts, mean_diversity_reference, lambda kernels: kernels.mean_diversity)
 
 

@@ -102,7 +102,7 @@ def group_stats(
     its own). ``out``, (G, 2) float32 on the parameters' device, receives it without an
     allocation. ``foreach=False`` is the per-tensor reference.
     """
-    if isinstance(groups, torch.Tensor) or not isinstance(groups, Iterable):
+    if isinstance(groups, (torch.Tensor, str, bytes)) or not isinstance(groups, Iterable):
         got = "a tensor" if isinstance(groups, torch.Tensor) else reprlib.repr(groups)
         raise TypeError(
             "group_stats: expected a sequence of groups (each a list of tensors), got "

@@ -707,7 +707,8 @@ def test_a_damaged_checkpoint_is_refused_before_launch_naming_the_file(
         ({"preset": "gpu"}, ValueError, "preset 'gpu'.*backend 'gloo' trains on the CPU"),
         ({"task": "accel.distributed:nope"}, ValueError, "has no function 'nope'"),
         ({"task": f"{__name__}:not_a_task"}, TypeError, "must return accel.distributed.Task"),
-        ({"nprocs": 3}, ValueError, "global batch 8 does not split over 3 ranks"),
+        ({"nprocs": 3}, ValueError, r"preset 'cpu': global batch 8 does not split over 3 ranks: use a world size that "
+         r"divides 8"),
         ({**TWO_NODES, "nnodes": 3}, ValueError, "global batch 8 does not split over 6 ranks"),
         ({"checkpoint_every": 0}, ValueError, "checkpoint_every must be an int >= 1, got 0"),
         ({"checkpoint_every": 2}, ValueError, "checkpoint_every needs checkpoint_dir"),

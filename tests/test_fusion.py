@@ -113,9 +113,10 @@ def test_group_stats_writes_out_and_has_no_graph(gen):
         ([[torch.ones(2)], [torch.ones(2, device="meta")]], ValueError, "several devices"),
         (5, TypeError, r"expected a sequence of groups .*got 5 \(int\)"),
         (torch.ones(2), TypeError, r"expected a sequence of groups .*got a tensor"),
+        ("params", TypeError, r"expected a sequence of groups .*got 'params' \(str\)"),
     ],
     ids=["no groups", "empty group", "consumed generator", "integer tensor", "mixed devices",
-         "a number", "one tensor"],
+         "a number", "one tensor", "a string"],
 )
 def test_group_stats_bad_input(groups, error, match):
     with pytest.raises(error, match=match):

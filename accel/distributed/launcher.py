@@ -315,7 +315,10 @@ def _check_tasks(configs: Sequence[RunConfig], labels: Sequence[str] | None = No
                 if key not in built:
                     built[key] = build_task(config)
                     if config.scaling == "strong":
-                        built[key].batch(0, 0, config.world_size, torch.device("cpu"))
+                        try:
+                            built[key].batch(0, 0, config.world_size, torch.device("cpu"))
+                        except ValueError as error:  # the sizes are the preset's
+                            raise ValueError(f"preset {config.preset!r}: {error}") from None
                 make_optimizer(built[key].model, config)
             if config.load_from is not None:
                 check_loadable(config)

@@ -89,7 +89,8 @@ def toy_task(preset: str, seed: int) -> Task:
 
     def batch(step: int, rank: int, world: int, device: torch.device):
         if sizes.batch % world:
-            raise ValueError(f"global batch {sizes.batch} does not split over {world} ranks")
+            raise ValueError(f"global batch {sizes.batch} does not split over {world} ranks: "
+                             f"use a world size that divides {sizes.batch}")  # fmt: skip
         x, y = examples(step, device)
         share = sizes.batch // world
         return x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
