@@ -308,6 +308,9 @@ def test_a_step_that_draws_from_its_own_loader_is_examined_with_that_loader(seed
     assert report.batch is NO_BATCH  # the step was called as written, step()
     assert report.evidence.loader["num_workers"] == 0 and report.evidence.loader["batches"] >= 1
     assert unchanged(before, model)
+    # the copies took their batch from the doctor's copy of the loader, not from the user's `it`
+    assert torch.equal(next(it)[0], data.tensors[0][:8])
+    assert "took 1 item" not in str(report).splitlines()[0]
 
 
 def test_examine_hands_the_given_ceilings_and_costs_to_the_checks(seed):

@@ -18,7 +18,18 @@ import torch
 from accel.doctor.isolation import record
 from accel.doctor.reach import is_array
 
-__all__ = ["Copied", "Drawn"]
+__all__ = ["Copied", "Drawn", "serve_batch"]
+
+
+def serve_batch(iterator: Any, batch: Any) -> None:
+    """Give the copies of ``iterator`` ``batch`` on every call, so that none is taken from it (a
+    batch of the loader it came from, drawn from a copy of that loader)."""
+    try:
+        kept = Drawn._batches.setdefault(iterator, [])
+    except TypeError:  # not weakly referable: its copies take their batch from it
+        return
+    if not kept:
+        kept.append(batch)
 
 
 class Drawn:

@@ -23,6 +23,7 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
     check_kernels,
     check_memory,
 )
+from accel.doctor.drawn import serve_batch
 from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
@@ -120,6 +121,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
                 raise _empty(loader)
         parts = find_parts(step)
         session.watch(parts.reach.objects.values())
+        if draws_own:
+            _serve_from_loader(parts.reach.objects.values(), loader)
         untouched = Untouched(parts, batch)
         runner, copied, cautions = _copy_or_own(step, parts, allow_training)
         device = step_device(copied, batch)
@@ -210,6 +213,18 @@ def _step_us(call: Callable[[], Any], device: torch.device) -> float:
 def _call(runner: Callable[..., Any], batch: Any, hint: str = "") -> Callable[[], Any]:
     return _Repeated(runner if batch is NO_BATCH else (lambda: runner(batch_for_a_call(batch))),
                      hint)  # fmt: skip
+
+
+def _serve_from_loader(objects: Iterable[Any], loader: Iterable[Any]) -> None:
+    """The step's own iterators over ``loader``'s data set give its copies a batch of the
+    doctor's copy of the loader, so the user's iterator is not advanced."""
+    dataset = getattr(loader, "dataset", None)
+    ours = [o for o in objects if dataset is not None and isinstance(o, Iterator)
+            and getattr(o, "_dataset", None) is dataset]  # a DataLoader's iterator  # fmt: skip
+    if ours:
+        batch = next(iter(loader), NO_BATCH)
+        for iterator in ours if batch is not NO_BATCH else ():
+            serve_batch(iterator, batch)
 
 
 def _empty(loader: Iterable[Any]) -> UsageError:
