@@ -24,12 +24,17 @@ __all__ = ["Copied", "Drawn", "serve_batch"]
 def serve_batch(iterator: Any, batch: Any) -> None:
     """Give the copies of ``iterator`` ``batch`` on every call, so that none is taken from it (a
     batch of the loader it came from, drawn from a copy of that loader)."""
-    try:
-        kept = Drawn._batches.setdefault(iterator, [])
-    except TypeError:  # not weakly referable: its copies take their batch from it
-        return
-    if not kept:
+    kept = _shared_batch(iterator)  # None: not weakly referable, its copies take from it
+    if kept is not None and not kept:
         kept.append(batch)
+
+
+def _shared_batch(iterator: Any) -> list[Any] | None:
+    """The one list every copy of ``iterator`` keeps its batch in; None where it cannot be a key."""
+    try:
+        return Drawn._batches.setdefault(iterator, [])
+    except TypeError:
+        return None
 
 
 class Drawn:
@@ -44,10 +49,8 @@ class Drawn:
     def __init__(self, iterator: Any, where: str):
         self._iterator = iterator
         self._said = f"{where} (a {type(iterator).__name__}, which cannot be copied)"
-        try:  # the batch kept, shared by every copy of this iterator
-            self._kept = Drawn._batches.setdefault(iterator, [])
-        except TypeError:  # not weakly referable: one batch per copy
-            self._kept = []
+        shared = _shared_batch(iterator)  # not weakly referable: one batch per copy
+        self._kept = shared if shared is not None else []
         self._taken = 0
 
     def __iter__(self) -> Drawn:

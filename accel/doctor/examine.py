@@ -219,11 +219,13 @@ def _serve_from_loader(objects: Iterable[Any], loader: Iterable[Any]) -> None:
     """The step's own iterators over ``loader``'s data set give its copies a batch of the
     doctor's copy of the loader, so the user's iterator is not advanced."""
     dataset = getattr(loader, "dataset", None)
-    ours = [o for o in objects if dataset is not None and isinstance(o, Iterator)
+    if dataset is None:
+        return
+    ours = [o for o in objects if isinstance(o, Iterator)
             and getattr(o, "_dataset", None) is dataset]  # a DataLoader's iterator  # fmt: skip
-    if ours:
-        batch = next(iter(loader), NO_BATCH)
-        for iterator in ours if batch is not NO_BATCH else ():
+    batch = next(iter(loader), NO_BATCH) if ours else NO_BATCH
+    if batch is not NO_BATCH:
+        for iterator in ours:
             serve_batch(iterator, batch)
 
 
