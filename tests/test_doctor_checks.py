@@ -1188,6 +1188,22 @@ def test_fused_runs_also_save_their_launches_while_the_device_waits_for_the_host
     assert check_compute.fusion(short)[0].saved_us == pytest.approx(kernels_alone + 5.0)
 
 
+def test_fusion_keeps_of_its_kernels_saving_what_the_host_holding_the_device_back_leaves():
+    """The three kernels were each queued after the one before ended: fused, they would save
+    their handed tensors' time, but the host still sends the next kernel as late."""
+    x = info(1024, 1024)
+    ops = indexed([op(name, x, outputs=(x,), time_us=20.0)
+                   for name in ("aten::add", "aten::gelu", "aten::mul")])  # fmt: skip
+    device_bound = check_compute.fusion(evidence(ops, tl=timeline_of(step_us=400.0)))[0]
+    spans = ((0.0, 20.0, "elementwise and other", 0.0), (150.0, 170.0, "elementwise and other", 140.0),
+             (300.0, 320.0, "elementwise and other", 290.0))  # fmt: skip
+    held = dataclasses.replace(timeline_of(step_us=400.0), steps=1, spans=spans, window=(0.0, 400.0),
+                               host_end=400.0, by_category={"elementwise and other": 60.0})  # fmt: skip
+    (found,) = check_compute.fusion(evidence(ops, tl=held))
+    assert device_bound.saved_us > 10.0 and found.saved_us == pytest.approx(0.0)
+    assert "replayed on the step's timeline" in found.cost_model
+
+
 def test_no_fusion_finding_when_compiled_little_memory_bound_or_on_a_cpu():
     x = info(256, 256)
     ops = indexed([op("aten::add", x, outputs=(x,), time_us=5.0)] * 2)

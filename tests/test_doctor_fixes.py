@@ -688,6 +688,20 @@ def test_a_fix_the_host_holds_back_is_retried_on_what_its_kernels_save():
     assert trial._left_out(report, rows, best | {"measured ms": 0.3}) == ["bf16_autocast"]
 
 
+def test_compile_alone_is_predicted_as_the_host_keeps_it_and_in_full_beside_a_fix_freeing_it():
+    """compile launches its kernels from Python: beside it the host holding the device back
+    stays, so its fusion's saving is the replayed one; beside a fix that frees the host (fewer
+    launches), the kernels'."""
+    from accel.doctor.findings import Finding
+
+    fused = Finding("fusion", "t", "e", "m", "02_fusion", "c", saved_us=5.0, kernels_us=40.0,
+                    fixes=("compile",))  # fmt: skip
+    report = SimpleNamespace(evidence=SimpleNamespace(step_us=100.0), findings=[fused])
+    assert trial._predicted_us(report, ["compile"]) == 5.0
+    assert trial._predicted_us(report, ["compile", "fused_optimizer"]) == 40.0
+    assert "compile" not in trial.FREES_HOST and "compile_graphs" in trial.FREES_HOST
+
+
 def recording_trial(tried: list, speedup: Callable[[list[str]], float]):
     """A stand-in for ``trial._trial``: each set tried (its names, its prediction) appended to
     ``tried``, measured at ``speedup(names)``."""

@@ -62,6 +62,19 @@ def test_after_a_sync_the_host_goes_on_as_much_earlier_as_the_device_finished():
     assert t.step_saving_us({"matmul": 40.0}) == pytest.approx(40.0)
 
 
+def test_a_saving_spread_over_categories_goes_in_proportion_to_their_time_and_is_replayed():
+    kernels = [(0, 100, "elementwise and other"), (100, 150, "normalization"), (150, 250, "matmul")]
+    fused = ("elementwise and other", "normalization")
+    assert timeline(kernels).spread_saving_us(30.0, fused) == pytest.approx(30.0)
+    # the host queues each kernel after the one before ended: a shorter kernel saves nothing
+    held = timeline(kernels, launches=(0, 120, 170), window=(0, 270), host_end=270)
+    assert held.spread_saving_us(30.0, fused) == pytest.approx(0.0)
+    # 20 of the 30 off the first kernel, 10 off the second: the host queued the second at 90
+    near = timeline(kernels, launches=(0, 90, 100))
+    assert near.spread_saving_us(30.0, fused) == pytest.approx(10.0 + 10.0)
+    assert timeline(kernels).spread_saving_us(30.0, ("attention",)) == 30.0  # none ran: its own
+
+
 def test_savings_are_per_step():
     two_steps = timeline([(0, 100, "matmul"), (100, 200, "matmul")], steps=2)
     assert two_steps.step_saving_us({"matmul": 50.0}) == pytest.approx(50.0)

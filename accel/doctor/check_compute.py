@@ -28,6 +28,8 @@ _NOT_FUSIBLE = MATMUL_OPS | {
     "aten::_scaled_dot_product_cudnn_attention", "aten::_to_copy", "aten::copy_", "aten::embedding",
     "aten::embedding_dense_backward", "aten::nll_loss_forward", "aten::nll_loss_backward",
 }  # fmt: skip
+# the kernel categories (:func:`~accel.doctor.timeline.kernel_category`) compiled code fuses
+FUSED_KERNELS = ("elementwise and other", "normalization")
 # the optimizers with a fused update, and the bytes an element of a parameter moves in one
 # update (read and written, float32)
 FUSED_UPDATE_BYTES = {"Adam": 28, "AdamW": 28, "SGD": 20, "Adagrad": 20}
@@ -75,6 +77,10 @@ def fusion(evidence: Evidence) -> list[Finding]:
         moved, kept, saved = moved + before, kept + left, saved + took - fused
     kernels = sum(len(run) for run in runs)
     host, said = launches_saving_us(evidence, kernels - len(runs))  # a run fused: one launch
+    saved = max(0.0, saved)
+    kept = t.spread_saving_us(saved, FUSED_KERNELS)  # the host may hold the device back
+    replayed = (f"; the kernels' saving replayed on the step's timeline, where the device waits "
+                f"for the host: {kept / 1e3:.3f} ms of it" if kept < 0.9 * saved else "")
     sites = sorted({op.site for run in runs for op in run if op.site is not None}, key=str)
     return [Finding(
         kind="fusion",
@@ -85,10 +91,10 @@ def fusion(evidence: Evidence) -> list[Finding]:
         cost_model=f"each run fused: the tensors its members hand each other neither written "
         f"nor read back ({moved / 2**20:.0f} MiB moved now, {kept / 2**20:.0f} MiB fused), one "
         f"kernel at the better of the run's rate now and the measured copy rate: "
-        f"{(now - saved) / 1e3:.3f} ms; plus {said}",
+        f"{(now - saved) / 1e3:.3f} ms{replayed}; plus {said}",
         notebook="02_fusion",
         change="model = torch.compile(model)  # fuses the elementwise work between products",
-        saved_us=max(0.0, saved) + host,
+        saved_us=kept + host,
         sites=sites[:5],
         fixes=("compile",),
     )]

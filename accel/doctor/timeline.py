@@ -86,6 +86,15 @@ class Timeline:
                   for c, saved in saved_by_category.items() if self.by_category.get(c, 0) > 0}  # fmt: skip
         return max(0.0, self._replayed_us({}) - self._replayed_us(factor)) / self.steps
 
+    def spread_saving_us(self, saved_us: float, categories) -> float:
+        """:meth:`step_saving_us` of ``saved_us`` taken off ``categories`` in proportion to their
+        kernels' time (``saved_us`` itself where they ran none)."""
+        parts = {c: self.by_category.get(c, 0.0) for c in categories}
+        total = sum(parts.values())
+        if total <= 0:
+            return saved_us
+        return self.step_saving_us({c: saved_us * t / total for c, t in parts.items() if t > 0})
+
     def _replayed_us(self, factor: dict[str, float]) -> float:
         """The window's length replayed with each category's kernels ``factor`` as long."""
         events, cost = self.host_events, self.host_event_us

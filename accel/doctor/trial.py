@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
+from accel.doctor.check_compute import FUSED_KERNELS
 from accel.doctor.check_host import GRAPH_REPLAY_OVER_KERNELS
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
@@ -45,7 +46,7 @@ _SEED = 1234
 JUDGED_ROUNDS = 6  # fewer rounds give no 95% interval of the median ratio: then ...
 EVERY_ROUND = 5  # ... a fix slower in each of at least this many (1 in 32 by chance) is slower
 _KERNELS = ("matmul", "attention", "normalization", "elementwise and other", "compiled (Triton)")
-_FUSED = ("elementwise and other", "normalization", "idle host", "idle other")  # what compile merges
+_FUSED = (*FUSED_KERNELS, "idle host", "idle other")  # what compile merges
 # the parts of a step's time (the timeline's kernel categories, "idle <cause>") each fix acts on
 ACTS_ON: dict[str, tuple[str, ...]] = {
     "tf32": ("matmul",),
@@ -68,6 +69,10 @@ ACTS_ON: dict[str, tuple[str, ...]] = {
     "padded_products": ("matmul",),
     "checkpointing": (),
 }
+# fixes that take launches off the host, so that a saving of the kernels the host hid may show
+# beside them; compile's own kernels are launched by Python wrappers, and on a BatchNorm CNN
+# its host took as long as the eager step's (results/doctor-notes.md)
+FREES_HOST = frozenset(n for n, parts in ACTS_ON.items() if "idle host" in parts) - {"compile"}
 _MAX_SHARE = 0.95  # no fix removes all of a part of the step
 # the parts a fix's saving comes off first (the rest, if any, off the other parts it acts on):
 # bf16 runs the products several times faster, the elementwise work between them less so
@@ -86,22 +91,16 @@ def replay_device_savings(findings: list, timeline) -> None:
         acts = {p for n in f.fixes for p in ACTS_ON.get(n, ("not a kernel",))}
         if f.saved_us is None or not f.fixes or not acts <= set(_KERNELS):
             continue
-        kept = _kept_on_step(timeline, acts, f.saved_us)
+        kept = timeline.spread_saving_us(f.saved_us, sorted(acts))
         f.kernels_us = f.saved_us
         if kept < 0.9 * f.saved_us:
             f.cost_model += (f"; replayed on the step's timeline, where the device waits for the "
                              f"host: {kept / 1e3:.3f} ms of it shortens the step")  # fmt: skip
-        f.saved_by_fix = {n: _kept_on_step(timeline, set(ACTS_ON[n]), saved)
+        f.saved_by_fix = {n: timeline.spread_saving_us(saved, ACTS_ON[n])
                           for n, saved in f.saved_by_fix.items()}  # fmt: skip
         f.saved_us = kept
 
 
-def _kept_on_step(timeline, acts: set[str], saved_us: float) -> float:
-    parts = {p: timeline.by_category.get(p, 0.0) for p in acts}
-    total = sum(parts.values())
-    if total <= 0:
-        return saved_us
-    return timeline.step_saving_us({p: saved_us * t / total for p, t in parts.items() if t > 0})
 
 
 def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress=False):
@@ -305,7 +304,7 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     leaves, with the gaps a replay keeps between them, and no more than the same set launched
     from the host."""
     t = report.evidence.timeline
-    unbound = any("idle host" in ACTS_ON[n] for n in names)
+    unbound = bool(FREES_HOST & set(names))
     parts = dict(t.by_category) | {f"idle {cause}": us for cause, us in t.idle_us.items()}
     left = dict(parts)
     unexplained = 0.0
@@ -389,7 +388,7 @@ def _predicted_us(report, names: list[str], *, unbound: bool = False) -> float:
     """The findings' predicted savings that these fixes address, each finding once; ``unbound``
     (or a fix among them that frees the host): the kernels' own where the host held the step
     back, as they may save once it does not."""
-    unbound = unbound or any("idle host" in ACTS_ON[n] for n in names)
+    unbound = unbound or bool(FREES_HOST & set(names))
     saved = [
         f.kernels_us if unbound and f.kernels_us is not None
         else max(f.saved_by_fix.get(n, f.saved_us) for n in set(f.fixes) & set(names))
