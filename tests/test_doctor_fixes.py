@@ -258,6 +258,15 @@ def test_a_softmax_of_upcast_scores_cast_back_is_rewritten(seed, dtype):
     assert "dropout_p" not in rewrite.diff  # a dropout of p=0 is none
 
 
+def test_a_mask_added_only_when_given_is_passed_as_it_is(seed):
+    # `if mask is not None: scores = scores + mask`: SDPA's attn_mask takes None as no mask
+    model, fixed, rewrite = rewritten(LlamaAttention, "matmul(xq", "matmul(scores")
+    x, mask = torch.randn(2, 16, 32), torch.randn(16, 16)
+    for kwargs in ({}, {"mask": mask}):
+        torch.testing.assert_close(fixed(x, **kwargs), model(x, **kwargs), rtol=1e-5, atol=1e-6)
+    assert "attn_mask=mask," in rewrite.diff and "else None" not in rewrite.diff
+
+
 def test_a_mask_applied_only_when_given_is_rewritten_for_both_cases(seed):
     model, fixed, rewrite = rewritten(OptionalMaskAttention, "q @ k", "probs @ v")
     x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)

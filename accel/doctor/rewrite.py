@@ -346,7 +346,7 @@ class _Chain:
             mask = ast.UnaryOp(ast.Invert(), self.cond)
         elif self.additive is not None and not causal:
             mask = self.additive
-        if mask is not None and self.mask_if is not None:
+        if mask is not None and self.mask_if is not None and not _given(self.mask_if, mask):
             mask = ast.IfExp(self.mask_if, mask, ast.Constant(None))
         if mask is not None:
             keywords.append(ast.keyword("attn_mask", mask))
@@ -358,6 +358,14 @@ class _Chain:
         call = ast.Call(ast.parse(_SDPA, mode="eval").body, [self.q, self.k, self.v], keywords)
         value = _Replaced(self.product, call).visit(self.values)
         return ast.Return(value) if self.target is None else ast.Assign([self.target], value)
+
+
+def _given(condition: ast.expr, mask: ast.expr) -> bool:
+    """``condition`` is ``mask is not None``: then ``mask`` is already None where it does not hold."""
+    return (isinstance(condition, ast.Compare) and isinstance(condition.ops[0], ast.IsNot)
+            and len(condition.ops) == 1 and ast.dump(condition.left) == ast.dump(mask)
+            and isinstance(condition.comparators[0], ast.Constant)
+            and condition.comparators[0].value is None)  # fmt: skip
 
 
 class _Replaced(ast.NodeTransformer):
