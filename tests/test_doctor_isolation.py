@@ -2497,6 +2497,44 @@ def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(se
     assert set(multiprocessing.active_children()) == children
 
 
+class CountingStream(torch.utils.data.IterableDataset):
+    """A stream that keeps its epoch and the items it served on itself, as resumable ones do."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data, self.epoch, self.served = data, 0, 0
+
+    def __iter__(self):
+        self.epoch += 1
+        for x in self.data.split(4):
+            self.served += len(x)
+            yield x
+
+
+class CountingSampler(torch.utils.data.Sampler):
+    def __init__(self, n: int):
+        self.n, self.epoch = n, 0
+
+    def __iter__(self):
+        self.epoch += 1
+        return iter(range(self.n))
+
+    def __len__(self):
+        return self.n
+
+
+def test_a_loaders_data_set_and_sampler_are_left_as_they_were(seed):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    stream = CountingStream(torch.randn(32, 4))
+    model, opt = small()
+    examined(lambda x: one_update(model, opt, x), loader=DataLoader(stream, batch_size=None))
+    assert (stream.epoch, stream.served) == (0, 0)
+    sampler = CountingSampler(32)
+    loader = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=4, sampler=sampler)
+    examined(lambda batch: one_update(model, opt, batch[0]), loader=loader)
+    assert sampler.epoch == 0
+
+
 def test_a_file_written_through_a_handle_opened_before_the_step_is_said_not_put_back(
     seed, tmp_path
 ):

@@ -3,6 +3,7 @@ and return a :class:`~accel.doctor.report.Report` of what the checks found."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
@@ -114,7 +115,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     loader = _own_loader(loader)
     if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
         raise _empty(loader)
-    with Session() as session:  # the random generators put back; files written recorded
+    # the random generators put back; files written recorded
+    with _sources_kept(loader), Session() as session:
         if from_loader:
             batch = next(iter(loader), NO_BATCH)
             if batch is NO_BATCH:
@@ -363,6 +365,24 @@ def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float)
         "num_workers": getattr(loader, "num_workers", None),
         "pin_memory": getattr(loader, "pin_memory", None),
     }
+
+
+@contextlib.contextmanager
+def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
+    """The loader's data set and samplers with their attributes put back after the doctor's
+    reads: an iterable data set or a sampler may count its epochs or what it served on itself.
+    Each attribute is bound again to its value; one changed in place stays changed (a data set's
+    tensors are not copied)."""
+    sources = {id(s): s for s in (getattr(loader, name, None)
+                                   for name in ("dataset", "sampler", "batch_sampler"))
+               if hasattr(s, "__dict__")}  # fmt: skip
+    kept = [(vars(s), dict(vars(s))) for s in sources.values()]
+    try:
+        yield
+    finally:
+        for attributes, before in kept:
+            attributes.clear()
+            attributes.update(before)
 
 
 def _own_loader(loader: Iterable[Any] | None) -> Iterable[Any] | None:
