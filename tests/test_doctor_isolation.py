@@ -1008,9 +1008,14 @@ def test_the_cuda_generator_and_model_are_as_they_were_after_examine_and_try_fix
     assert not first_line(report).startswith("Caution")
 
 
+def random_batches(n: int):
+    for _ in range(n):
+        yield torch.randn(5, 4)
+
+
 def test_an_iterator_that_cannot_be_copied_is_named_with_what_it_lost(seed):
     model, opt = small()
-    batches = (torch.randn(5, 4) for _ in range(500))
+    batches = random_batches(500)  # a generator function's: its place in its code is not copied
 
     def step():
         loss = model(next(batches)).square().mean()
@@ -1040,9 +1045,13 @@ def test_a_finite_iterator_gives_one_item_which_the_step_gets_again(seed):
     assert sum(1 for _ in batches) == 15
 
 
+def numbers(n: int):
+    yield from range(n)
+
+
 def test_a_count_that_runs_out_is_named_in_the_error(seed):
     model, opt = small()
-    counts = (i for i in range(3))  # not a batch: read through, as the step's code may need
+    counts = numbers(3)  # not a batch: read through, as the step's code may need
 
     def step(x):
         return one_update(model, opt, x * next(counts))
@@ -1050,6 +1059,12 @@ def test_a_count_that_runs_out_is_named_in_the_error(seed):
     with pytest.raises(UsageError, match=r"closure 'counts' \(a generator, which cannot be "
                        r"copied\) ran out after a copy of the doctor's took 3 items"):
         examined(step, torch.randn(5, 4))
+    # a generator expression is made again over a copy of what it reads: that is what ran out
+    counts = (i for i in range(3))
+    with pytest.raises(UsageError, match=r"what closure 'counts' reads \(a range_iterator\) ran "
+                       r"out after a copy of the doctor's took 3 items"):
+        examined(step, torch.randn(5, 4))
+    assert list(counts) == [0, 1, 2]
 
 
 def test_a_short_list_of_batches_is_given_again_and_left_whole(seed):

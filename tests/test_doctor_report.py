@@ -313,6 +313,27 @@ def test_a_step_that_draws_from_its_own_loader_is_examined_with_that_loader(seed
     assert "took 1 item" not in str(report).splitlines()[0]
 
 
+def test_a_generator_expression_over_the_loader_keeps_every_batch(seed):
+    """``batches = (... for x in loader)`` read by the step: its copies read a copy of it over the
+    doctor's copy of the loader, each batch made by the user's expression."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.utils.data.TensorDataset(torch.randn(40, 4))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    width = 2
+    batches = (x[:, :width] for (x,) in loader)  # the copies' batches must be cut as these are
+    assert torch.equal(next(batches), data.tensors[0][:8, :2])
+
+    def step():
+        model(next(batches)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    report = doctor.examine(step, loader=loader, steps=1, warmup=1)
+    assert "took 1 item" not in str(report).splitlines()[0]
+    assert torch.equal(next(batches), data.tensors[0][8:16, :2])
+
+
 def test_examine_hands_the_given_ceilings_and_costs_to_the_checks(seed):
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

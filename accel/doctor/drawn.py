@@ -1,15 +1,18 @@
 """An iterator of the user's as the copied step reads it. One that can be copied (a list's, a
 count) is read from copies, and a source of batches starts again from a fresh copy when one runs
-out. One that cannot (a generator, a data loader's): a source of batches gives one item, again
-on every call; any other (a count, a schedule) is read through, and what was taken is counted
-for the report. Either way one that runs out on the copies is named."""
+out. A generator expression of one loop is made again over the copies' reading of its own
+iterator. One that cannot be copied (a generator, a data loader's): a source of batches gives
+one item, again on every call; any other (a count, a schedule) is read through, and what was
+taken is counted for the report. Either way one that runs out on the copies is named."""
 
 from __future__ import annotations
 
 import ast
 import copy
+import dis
 import itertools
 import re
+import types
 import weakref
 from typing import Any, ClassVar
 
@@ -18,7 +21,7 @@ import torch
 from accel.doctor.isolation import record
 from accel.doctor.reach import is_array
 
-__all__ = ["Copied", "Drawn", "serve_batch"]
+__all__ = ["Copied", "Drawn", "Reading", "loop_source", "serve_batch"]
 
 
 def serve_batch(iterator: Any, batch: Any) -> None:
@@ -27,6 +30,46 @@ def serve_batch(iterator: Any, batch: Any) -> None:
     kept = _shared_batch(iterator)  # None: not weakly referable, its copies take from it
     if kept is not None and not kept:
         kept.append(batch)
+
+
+def loop_source(iterator: Any) -> Any | None:
+    """The iterator that ``iterator`` reads where it is a generator expression of one loop (its
+    state between two items is where that iterator is, so it can be made again over a copy of
+    it); None for any other."""
+    frame = iterator.gi_frame if isinstance(iterator, types.GeneratorType) else None
+    if frame is None or iterator.gi_running or iterator.gi_code.co_name != "<genexpr>":
+        return None
+    code, names = iterator.gi_code, frame.f_locals
+    loops = sum(i.opname == "FOR_ITER" for i in dis.get_instructions(code))
+    if loops != 1 or not all(name in names for name in code.co_freevars):
+        return None
+    return names.get(".0")
+
+
+class Reading:
+    """A generator expression (one :func:`loop_source` reads) made again over ``source``, the
+    copies' reading of its iterator; where it ends as that ran out, what ran out is said."""
+
+    ran_out = ""
+
+    def __init__(self, generator: Any, source: Any, globals_: dict[str, Any]):
+        code, names = generator.gi_code, generator.gi_frame.f_locals
+        cells = tuple(types.CellType(names[name]) for name in code.co_freevars)
+        self._made = types.FunctionType(code, globals_, closure=cells or None)(source)
+        self._source = source
+
+    def __iter__(self) -> Reading:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._made)
+        except StopIteration:  # the generator's loop ends quietly where its source ran out
+            self.ran_out = getattr(self._source, "ran_out", "")
+            raise StopIteration(self.ran_out) from None
+
+    def __getattr__(self, name: str) -> Any:  # send, close: the copy's generator
+        return getattr(self._made, name)
 
 
 def _shared_batch(iterator: Any) -> list[Any] | None:
@@ -72,7 +115,8 @@ class Drawn:
         try:
             item = next(self._iterator)
         except StopIteration:
-            raise StopIteration(_ran_out(self._said, self._taken)) from None
+            self.ran_out = _ran_out(self._said, self._taken)
+            raise StopIteration(self.ran_out) from None
         self._taken += 1
         return item
 
@@ -111,7 +155,8 @@ class Copied:
             item = next(self._copy)
         except StopIteration:
             if not self._batches:
-                raise StopIteration(_ran_out(self._said, self._taken)) from None
+                self.ran_out = _ran_out(self._said, self._taken)
+                raise StopIteration(self.ran_out) from None
             self._copy = _copied(self._iterator)
             item = next(self._copy)
         self._taken += 1

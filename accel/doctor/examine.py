@@ -24,7 +24,7 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
     check_kernels,
     check_memory,
 )
-from accel.doctor.drawn import serve_batch
+from accel.doctor.drawn import loop_source, serve_batch
 from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
@@ -218,17 +218,25 @@ def _call(runner: Callable[..., Any], batch: Any, hint: str = "") -> Callable[[]
 
 
 def _serve_from_loader(objects: Iterable[Any], loader: Iterable[Any]) -> None:
-    """The step's own iterators over ``loader``'s data set give its copies a batch of the
-    doctor's copy of the loader, so the user's iterator is not advanced."""
+    """The step's own iterators over ``loader``'s data set (or the one a generator expression
+    reads) give its copies a batch of the doctor's copy of the loader, so the user's iterator is
+    not advanced."""
     dataset = getattr(loader, "dataset", None)
     if dataset is None:
         return
-    ours = [o for o in objects if isinstance(o, Iterator)
-            and getattr(o, "_dataset", None) is dataset]  # a DataLoader's iterator  # fmt: skip
+    ours = [o for o in map(_innermost, objects)
+            if isinstance(o, Iterator) and getattr(o, "_dataset", None) is dataset]  # fmt: skip
     batch = next(iter(loader), NO_BATCH) if ours else NO_BATCH
     if batch is not NO_BATCH:
         for iterator in ours:
             serve_batch(iterator, batch)
+
+
+def _innermost(value: Any) -> Any:
+    """The iterator that generator expressions over generator expressions read, in the end."""
+    while (source := loop_source(value)) is not None:
+        value = source
+    return value
 
 
 def _empty(loader: Iterable[Any]) -> UsageError:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.doctor.drawn import Copied, Drawn
+from accel.doctor.drawn import Copied, Drawn, Reading, loop_source
 from accel.doctor.reach import (
     Reach,
     attributes_of,
@@ -294,10 +294,7 @@ class _Rebuild:
         if is_array(value):  # written in place, as a tensor is: within the tensors' budget
             return value.copy() if self._within_budget(value.nbytes) else value
         if what == "iterator":
-            where = self.reach.where.get(id(value)) or "the step"
-            if type(value) in _COPYABLE_ITERATORS:
-                return Copied(value, where)
-            return Drawn(value, where)
+            return self._iterator(value, self.reach.where.get(id(value)) or "the step")
         if isinstance(value, types.FunctionType):
             return self._function(value)
         if isinstance(value, types.MethodType):
@@ -361,6 +358,16 @@ class _Rebuild:
         cls = type(original)
         if (new_class := self.new(cls)) is not cls:
             made.__class__ = new_class
+
+    def _iterator(self, value: Any, where: str) -> Any:
+        if type(value) in _COPYABLE_ITERATORS:
+            return Copied(value, where)
+        source = loop_source(value)
+        if source is None:
+            return Drawn(value, where)
+        globals_ = value.gi_frame.f_globals
+        scope = globals_ if is_library(value.gi_code) else self._scope(globals_)
+        return Reading(value, self._iterator(source, f"what {where} reads"), scope)
 
     def _scope(self, globals_: dict[str, Any]) -> dict[str, Any]:
         """The copies' globals of a module: its namespace copied once, shared by the copies of
