@@ -1045,6 +1045,31 @@ def test_a_finite_iterator_gives_one_item_which_the_step_gets_again(seed):
     assert sum(1 for _ in batches) == 15
 
 
+def test_a_loaders_iterator_at_its_end_is_said_to_start_again_on_the_copies(seed):
+    """At an epoch's end the step's own ``iter(loader)`` starts a new pass (and a loader's
+    workers) on each of the doctor's copies: the time holds that, and the report says so; given
+    as loader=, the copies get its batch instead."""
+    model, opt = small()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)),
+                                         batch_size=4)  # fmt: skip
+    batches = iter(loader)
+    for _ in batches:  # the epoch's end
+        pass
+
+    def step():
+        nonlocal batches
+        try:
+            (x,) = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            (x,) = next(batches)
+        return one_update(model, opt, x)
+
+    assert named_before_numbers(examined(step), "found closure 'batches' (a "
+                                "_SingleProcessDataLoaderIter, which cannot be copied) at its end")
+    assert "at its end" not in first_line(examined(step, loader=loader))
+
+
 def numbers(n: int):
     yield from range(n)
 

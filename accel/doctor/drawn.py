@@ -116,6 +116,11 @@ class Drawn:
             item = next(self._iterator)
         except StopIteration:
             self.ran_out = _ran_out(self._said, self._taken)
+            if not self._taken:  # a step that goes on starts its own pass on every copy
+                record(f"found {self._said} at its end, and a step that goes on past it starts "
+                       "a new pass on each of the doctor's copies, its loading (a loader's "
+                       "workers started again) in the time: give the loader as loader=, whose "
+                       "batch the copies then get")  # fmt: skip
             raise StopIteration(self.ran_out) from None
         self._taken += 1
         return item
