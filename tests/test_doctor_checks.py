@@ -1172,6 +1172,7 @@ def test_runs_of_memory_bound_kernels_are_predicted_fused_without_the_tensors_th
     # the 8 MiB left in 8.4 us
     (found,) = check_compute.fusion(evidence(ops, tl=timeline_of(step_us=400.0)))
     assert found.saved_us == pytest.approx(60.0 - 8 * 2**20 / (COPY_GB_S * 1e3))
+    assert "(24 MiB moved now, 8 MiB fused)" in found.cost_model
 
 
 def test_fused_runs_also_save_their_launches_while_the_device_waits_for_the_host():

@@ -78,9 +78,9 @@ def fusion(evidence: Evidence) -> list[Finding]:
     kernels = sum(len(run) for run in runs)
     host, said = launches_saving_us(evidence, kernels - len(runs))  # a run fused: one launch
     saved = max(0.0, saved)
-    kept = t.spread_saving_us(saved, FUSED_KERNELS)  # the host may hold the device back
+    kept_us = t.spread_saving_us(saved, FUSED_KERNELS)  # the host may hold the device back
     replayed = (f"; the kernels' saving replayed on the step's timeline, where the device waits "
-                f"for the host: {kept / 1e3:.3f} ms of it" if kept < 0.9 * saved else "")
+                f"for the host: {kept_us / 1e3:.3f} ms of it" if kept_us < 0.9 * saved else "")
     sites = sorted({op.site for run in runs for op in run if op.site is not None}, key=str)
     return [Finding(
         kind="fusion",
@@ -94,7 +94,7 @@ def fusion(evidence: Evidence) -> list[Finding]:
         f"{(now - saved) / 1e3:.3f} ms{replayed}; plus {said}",
         notebook="02_fusion",
         change="model = torch.compile(model)  # fuses the elementwise work between products",
-        saved_us=kept + host,
+        saved_us=kept_us + host,
         sites=sites[:5],
         fixes=("compile",),
     )]

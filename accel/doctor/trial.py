@@ -101,8 +101,6 @@ def replay_device_savings(findings: list, timeline) -> None:
         f.saved_us = kept
 
 
-
-
 def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | None, progress=False):
     import pandas as pd
 
