@@ -2575,6 +2575,43 @@ def test_a_loaders_data_set_and_sampler_are_left_as_they_were(seed):
     assert sampler.epoch == 0
 
 
+class NoisyData(torch.utils.data.Dataset):
+    """A data set that draws its augmentation from a generator of its own."""
+
+    def __init__(self, data: torch.Tensor, seed: int):
+        self.data, self.rng = data, np.random.default_rng(seed)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i] + float(self.rng.normal())
+
+
+@pytest.mark.parametrize("holder", ["loader", "sampler", "data set"])
+def test_the_random_generator_a_loader_draws_from_is_left_as_it_was(seed, holder):
+    from torch.utils.data import DataLoader, RandomSampler
+
+    data = torch.randn(32, 4)
+    generator = torch.Generator().manual_seed(seed)
+    if holder == "loader":
+        loader = DataLoader(data, batch_size=4, shuffle=True, generator=generator)
+    elif holder == "sampler":
+        loader = DataLoader(data, batch_size=4, sampler=RandomSampler(data, generator=generator))
+    else:
+        loader = DataLoader(NoisyData(data, seed), batch_size=4)
+    rng = loader.dataset.rng if holder == "data set" else None
+    state = (generator.get_state(), rng and rng.bit_generator.state)
+    model, opt = small()
+    before = held(model, opt)
+    report = examined(lambda x: one_update(model, opt, x), loader=loader)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert differences(before, model, opt) == []
+    assert torch.equal(generator.get_state(), state[0])
+    assert rng is None or rng.bit_generator.state == state[1]
+    assert not first_line(report).startswith("Caution"), first_line(report)
+
+
 def test_a_file_written_through_a_handle_opened_before_the_step_is_said_not_put_back(
     seed, tmp_path
 ):

@@ -30,7 +30,7 @@ from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.kept_files import TooLargeToKeep
 from accel.doctor.parts import StepParts, copy_step, find_parts
-from accel.doctor.reach import is_library
+from accel.doctor.reach import is_library, kind
 from accel.doctor.recorder import record_calls, record_step
 from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.trial import replay_device_savings
@@ -380,17 +380,35 @@ def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
     """The loader's data set and samplers with their attributes put back after the doctor's
     reads: an iterable data set or a sampler may count its epochs or what it served on itself.
     Each attribute is bound again to its value; one changed in place stays changed (a data set's
-    tensors are not copied)."""
+    tensors are not copied), except a random generator's state (a shuffle's, an augmentation's,
+    held by the loader or one of them), put back so that the user's next epoch draws the same."""
     sources = {id(s): s for s in (getattr(loader, name, None)
                                    for name in ("dataset", "sampler", "batch_sampler"))
                if hasattr(s, "__dict__")}  # fmt: skip
     kept = [(vars(s), dict(vars(s))) for s in sources.values()]
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)  # a BatchSampler's
+    holders = [h for h in (loader, *sources.values(), inner) if hasattr(h, "__dict__")]
+    generators = {id(v): v for h in holders for v in vars(h).values() if kind(v) == "rng"}
+    states = [_state_kept(g) for g in generators.values()]
     try:
         yield
     finally:
         for attributes, before in kept:
             attributes.clear()
             attributes.update(before)
+        for put_back in states:
+            put_back()
+
+
+def _state_kept(generator: Any) -> Callable[[], None]:
+    """What puts ``generator`` (torch's, ``random``'s or NumPy's) back in its state of now."""
+    for get, put in (("get_state", "set_state"), ("getstate", "setstate")):
+        if hasattr(generator, get):
+            state = getattr(generator, get)()
+            return lambda: getattr(generator, put)(state)
+    bits = getattr(generator, "bit_generator", generator)  # NumPy's Generator, a BitGenerator
+    state = bits.state
+    return lambda: setattr(bits, "state", state)
 
 
 def _own_loader(loader: Iterable[Any] | None) -> Iterable[Any] | None:
