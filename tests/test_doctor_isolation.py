@@ -2537,6 +2537,48 @@ def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(se
     assert set(multiprocessing.active_children()) == children
 
 
+def persistent_pipeline(data: torch.Tensor, seed: int, drawn: int):
+    """A shuffling loader that keeps its worker between epochs, and its iterator ``drawn``
+    batches in; built twice from one seed, two draw the same."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(data), batch_size=4, shuffle=True, num_workers=1,
+                        persistent_workers=True, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    batches = iter(loader)
+    for _ in range(drawn):
+        next(batches)
+    return loader, batches
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["loader given", "no loader"])
+@pytest.mark.parametrize("drawn", [2, 6], ids=["mid-epoch", "at its end"])
+def test_a_persistent_loaders_iterator_the_step_holds_keeps_its_place(seed, drawn, given):
+    # iter() on a persistent loader resets the iterator it keeps: the user's, which the step holds
+    data = torch.randn(24, 4)
+    loader, batches = persistent_pipeline(data, seed, drawn)
+    twin, twins = persistent_pipeline(data, seed, drawn)
+    model, opt = small()
+
+    def step():
+        nonlocal batches
+        try:
+            (x,) = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            (x,) = next(batches)
+        return one_update(model, opt, x)
+
+    report = examined(step, loader=loader if given else None)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    took = "took 1 item from closure 'batches'" in first_line(report)
+    assert took == (drawn == 2 and not given), first_line(report)  # said where taken, as drawn.py does
+    if took:
+        next(twins)
+    for mine, theirs in ((batches, twins), (loader, twin)):  # this epoch's rest, then the next
+        rest, expected = [x for (x,) in mine], [x for (x,) in theirs]
+        assert len(rest) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(rest, expected, strict=True))
+
 class CountingStream(torch.utils.data.IterableDataset):
     """A stream that keeps its epoch and the items it served on itself, as resumable ones do."""
 

@@ -325,6 +325,9 @@ class _Rebuild:
             raise TypeError("copy.copy returned the object itself")
         self.memo[id(value)] = made  # before its items: they may lead back to it
         self._point(value, made)
+        if isinstance(made, torch.utils.data.DataLoader):
+            # iter() on a persistent loader resets the iterator it keeps: the copy starts its own
+            made._iterator = None
         return made
 
     def _point(self, original: Any, made: Any) -> None:
