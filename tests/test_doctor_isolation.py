@@ -31,6 +31,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import types
 import warnings
 from pathlib import Path
 
@@ -1069,6 +1070,34 @@ def test_a_loaders_iterator_at_its_end_is_said_to_start_again_on_the_copies(seed
                                 "_SingleProcessDataLoaderIter, which cannot be copied) at its end")
     assert "at its end" not in first_line(examined(step, loader=loader))
 
+
+class Holding:
+    def __init__(self, **items):
+        vars(self).update(items)
+
+
+@pytest.mark.parametrize("holder", [types.SimpleNamespace, Holding, dict])
+def test_an_iterator_held_by_an_object_or_a_dict_is_read_on_the_copies(seed, holder):
+    # the holder is rebuilt around the copies' reading: a list's iterator is not advanced, and
+    # a generator gives up the one item the report names
+    model, opt = small()
+    data = [torch.randn(5, 4) for _ in range(8)]
+    state = holder(copyable=iter(data), drawn=random_batches(8))
+
+    def step():
+        if isinstance(state, dict):
+            return one_update(model, opt, next(state["copyable"]) + next(state["drawn"]))
+        return one_update(model, opt, next(state.copyable) + next(state.drawn))
+
+    report = examined(step)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    held_as = (lambda name: f"['{name}']") if holder is dict else (lambda name: f".{name}")
+    assert named_before_numbers(report, f"took 1 item from closure 'state'{held_as('drawn')} (a")
+    assert held_as("copyable") not in first_line(report)
+    items = vars(state) if holder is not dict else state
+    assert sum(1 for _ in items["drawn"]) == 7
+    rest = list(items["copyable"])
+    assert len(rest) == 8 and all(torch.equal(a, b) for a, b in zip(rest, data, strict=True))
 
 def numbers(n: int):
     yield from range(n)
