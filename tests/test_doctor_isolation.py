@@ -162,6 +162,48 @@ def test_a_model_held_as_a_class_attribute_is_copied(seed, monkeypatch):
     assert Holder.model is model and not first_line(report).startswith("Caution")
 
 
+class _Counted(torch.autograd.Function):
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        _Counted.calls += 1
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class _CountingNet(nn.Sequential):
+    forwards = 0
+
+    def forward(self, x):
+        type(self).forwards += 1
+        return _Counted.apply(super().forward(x))
+
+
+def test_a_count_kept_as_a_class_attribute_is_left_as_it_was(seed):
+    model = _CountingNet(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls, forwards = _Counted.calls, _CountingNet.forwards
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    x = torch.randn(5, 4)
+    before = held(model, opt)
+    report = examined(step, x)
+    report.try_fixes(repeats=1, steps=1)
+    assert differences(before, model, opt) == []
+    assert (_Counted.calls, _CountingNet.forwards) == (calls, forwards)
+    assert type(model) is _CountingNet
+
+
 def test_a_model_in_another_modules_function_is_copied(seed, tmp_path):
     other = write_module(
         tmp_path,

@@ -26,6 +26,7 @@ from accel.doctor.drawn import Copied, Drawn, Reading, loop_source
 from accel.doctor.reach import (
     Reach,
     attributes_of,
+    counts_on_class,
     global_names,
     is_array,
     is_cached_function,
@@ -107,7 +108,8 @@ def _class_name(value: Any) -> str:
 def find_parts(step: Callable[..., Any]) -> StepParts:
     """What ``step`` reaches that trains; ``blocked``: what trains and cannot be copied."""
     reach = walk(step)
-    kinds = {key: kind(value) for key, value in reach.objects.items()}
+    kinds = {key: "state" if counts_on_class(reach, value) else kind(value)
+             for key, value in reach.objects.items()}  # fmt: skip
     inside = {id(e.child) for edges in reach.edges.values() for e in edges if e.kind == "module"}
     parts = StepParts(reach=reach)
     for key, value in reach.objects.items():

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Edge", "Reach", "attributes_of", "global_names", "instance_dict", "is_array",
-           "is_cached_function", "is_library", "kind", "skipped_attributes", "slot_names",
-           "stored_globals", "walk"]  # fmt: skip
+__all__ = ["Edge", "Reach", "attributes_of", "counts_on_class", "global_names", "instance_dict",
+           "is_array", "is_cached_function", "is_library", "kind", "skipped_attributes",
+           "slot_names", "stored_attributes", "stored_globals", "walk"]  # fmt: skip
 
 LARGE = 10_000  # a container longer than this (a data set, say) is searched for parts only
 
@@ -76,6 +76,7 @@ class Reach:
     objects: dict[int, Any] = field(default_factory=dict)
     where: dict[int, str] = field(default_factory=dict)
     edges: dict[int, list[Edge]] = field(default_factory=dict)
+    stored: set[str] = field(default_factory=set)  # attribute names the user's code assigns
 
     def ancestors(self, keys: set[int]) -> set[int]:
         """The objects from which one of ``keys`` can be reached (``keys`` included)."""
@@ -114,6 +115,8 @@ def walk(step: Any) -> Reach:
                 modules[id(value)] = value
             edges = reach.edges.setdefault(id(value), [])
             edges.extend(_edges(value, names))
+            if isinstance(value, types.FunctionType) and not is_library(value):
+                reach.stored.update(stored_attributes(value.__code__))
             for edge in edges:
                 see(edge.child, _label(reach, value, edge))
         for module in modules.values():  # the attributes read by code found since
@@ -303,6 +306,21 @@ def global_names(code: types.CodeType) -> Iterator[str]:
 def stored_globals(code: types.CodeType) -> frozenset[str]:
     """The global names the code assigns or deletes (``global n; n += 1``)."""
     return frozenset(_operands(code, "STORE_GLOBAL", "DELETE_GLOBAL"))
+
+
+@functools.lru_cache(maxsize=4096)
+def stored_attributes(code: types.CodeType) -> frozenset[str]:
+    """The attribute names the code assigns or deletes (``Counter.n += 1``)."""
+    return frozenset(_operands(code, "STORE_ATTR", "DELETE_ATTR"))
+
+
+def counts_on_class(reach: Reach, value: Any) -> bool:
+    """Whether ``value`` is a user's class with a plain value (an int, a string) as an attribute
+    that the step's code may assign: a count kept on the class is state, rebound not mutated."""
+    if not isinstance(value, type) or is_library(value):
+        return False
+    return any(edge.kind == "cattr" and edge.key in reach.stored and isinstance(edge.child, _ATOMIC)
+               for edge in reach.edges.get(id(value), ()))  # fmt: skip
 
 
 def _code_names(code: types.CodeType) -> set[str]:
