@@ -843,6 +843,28 @@ def test_an_empty_loader_is_said_in_one_line(seed):
         doctor.examine(lambda batch: model(batch[0]).sum(), loader=empty)
 
 
+def test_a_loader_whose_batches_the_step_cannot_take_is_said_in_one_line(seed):
+    model = nn.Linear(7, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(batch):
+        x, y = batch
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    batch = (torch.randn(5, 7), torch.randn(5, 3))
+    data = torch.utils.data.TensorDataset(torch.randn(10, 4), torch.randn(10, 3))
+    other = torch.utils.data.DataLoader(data)
+    with pytest.raises(UsageError, match=r"raised on a batch of loader= \(a DataLoader\).*"
+                                         r"RuntimeError: mat1 and mat2.*what the step takes"):
+        doctor.examine(step, batch, loader=other, steps=1, warmup=1)
+    with pytest.raises(UsageError, match=r"loader must be an iterable.*got int"):
+        doctor.examine(step, batch, loader=5, steps=1, warmup=1)
+
+
 def test_a_model_given_as_the_step_is_told_what_a_step_is(seed):
     model = nn.Linear(7, 3)
     with pytest.raises(UsageError, match=r"a model \(Linear\) was given as the step.*backward"):

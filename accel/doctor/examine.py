@@ -107,11 +107,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
             "examine profiles the step itself, and a profiler is already running: call it "
             "outside your `with torch.profiler.profile()` block"
         )
-    if isinstance(loader, Iterator):
-        raise UsageError(
-            f"loader must be an iterable the doctor can start again (a DataLoader), got an "
-            f"iterator ({type(loader).__name__}), whose batches it would use up"
-        )
+    _refuse_unusable_loader(loader)
     loader = _own_loader(loader)
     if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
         raise _empty(loader)
@@ -203,6 +199,17 @@ def _refuse_batch_mismatch(step: Callable[..., Any], batch: Any) -> None:
                          f"{called}(batch, ...), batch), or hold the inputs in one batch = (x, y)")  # fmt: skip
 
 
+def _refuse_unusable_loader(loader: Any) -> None:
+    if loader is not None and not isinstance(loader, Iterable):
+        raise UsageError(f"loader must be an iterable of batches (a DataLoader), got "
+                         f"{type(loader).__name__}")  # fmt: skip
+    if isinstance(loader, Iterator):
+        raise UsageError(
+            f"loader must be an iterable the doctor can start again (a DataLoader), got an "
+            f"iterator ({type(loader).__name__}), whose batches it would use up"
+        )
+
+
 def _step_us(call: Callable[[], Any], device: torch.device) -> float:
     """The step's median time without the profiler (device events on a GPU, around a few steps
     back to back, as a training loop runs them)."""
@@ -279,13 +286,7 @@ class _Repeated:
         except TooLargeToKeep as refusal:
             raise UsageError(str(refusal)) from refusal
         except (Exception, SystemExit) as error:  # a script's sys.exit() would end the process
-            frames = [f"{frame.f_code.co_filename}:{line}"
-                      for frame, line in traceback.walk_tb(error.__traceback__)
-                      if not is_library(frame.f_code)
-                      and not frame.f_code.co_filename.startswith(_ACCEL_DIR)]  # fmt: skip
-            message = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else str(error)
-            said = f"{type(error).__name__}: {message.rstrip('.')}"
-            where = f"({frames[-1] if frames else 'in a library'}): {said}"
+            where = _where_raised(error)
             if self.calls == 1:
                 raise UsageError(
                     f"the step raised on its first call, on the doctor's copies {where}"
@@ -297,6 +298,34 @@ class _Repeated:
                 "does: what ends after a few steps (a schedule's total_steps, a finite data "
                 "source) must allow more"
             ) from error
+
+
+def _where_raised(error: BaseException) -> str:
+    """The user's line that raised ``error``, and what it said."""
+    frames = [f"{frame.f_code.co_filename}:{line}"
+              for frame, line in traceback.walk_tb(error.__traceback__)
+              if not is_library(frame.f_code)
+              and not frame.f_code.co_filename.startswith(_ACCEL_DIR)]  # fmt: skip
+    message = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else str(error)
+    return f"({frames[-1] if frames else 'in a library'}): {type(error).__name__}: " + message.rstrip(".")
+
+
+def _fed(runner: Callable[[Any], Any], loader: Iterable[Any]) -> Callable[[Any], Any]:
+    """``runner`` on the loader's batches: one it cannot take is the loader's mistake, said so."""
+
+    def run(batch: Any) -> Any:
+        try:
+            return runner(batch)
+        except TooLargeToKeep as refusal:
+            raise UsageError(str(refusal)) from refusal
+        except (Exception, SystemExit) as error:
+            raise UsageError(
+                f"the step ran on the batch given and raised on a batch of loader= (a "
+                f"{type(loader).__name__}) {_where_raised(error)}. The loader's batches must be "
+                "what the step takes, as the batch given is"
+            ) from error
+
+    return run
 
 
 def _copy_or_own(
@@ -345,6 +374,7 @@ def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float)
     """How long each batch of ``loader`` takes to arrive while the step runs on it: the wall time
     per batch of a loop over it, beyond the step's own time."""
     batches, fetch_s, shapes = 0, 0.0, set()
+    runner = _fed(runner, loader)
     iterator = iter(loader)
     runner(next(iterator))  # the first batch starts the workers: not a steady-state wait
     started = time.perf_counter()
