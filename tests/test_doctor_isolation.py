@@ -34,6 +34,7 @@ import threading
 import types
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -202,6 +203,33 @@ def test_a_count_kept_as_a_class_attribute_is_left_as_it_was(seed):
     assert differences(before, model, opt) == []
     assert (_Counted.calls, _CountingNet.forwards) == (calls, forwards)
     assert type(model) is _CountingNet
+
+
+class _Seen(nn.Sequential):
+    seen: ClassVar[list[int]] = []  # what the forward saw, kept on the class
+
+    def forward(self, x):
+        _Seen.seen.append(len(x))
+        return super().forward(x)
+
+
+def test_a_step_pickling_a_model_whose_class_the_copies_subclass_is_told_why_it_cannot(seed):
+    """The copies' model is of a subclass (its class's list is the copies' own), which pickle
+    refuses to save whole: the message says so, not that the step is wrong."""
+    model = _Seen(nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torch.save(model, io.BytesIO())  # a checkpoint of the whole model
+        return loss.detach()
+
+    step(torch.randn(3, 4))  # runs as written
+    with pytest.raises(UsageError, match=r"subclass.*state_dict\(\)"):
+        doctor.examine(step, torch.randn(3, 4))
 
 
 def test_a_model_in_another_modules_function_is_copied(seed, tmp_path):

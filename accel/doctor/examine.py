@@ -7,6 +7,7 @@ import contextlib
 import copy
 import inspect
 import os
+import pickle
 import time
 import traceback
 import warnings
@@ -286,7 +287,7 @@ class _Repeated:
         except TooLargeToKeep as refusal:
             raise UsageError(str(refusal)) from refusal
         except (Exception, SystemExit) as error:  # a script's sys.exit() would end the process
-            where = _where_raised(error)
+            where = _where_raised(error) + _copies_cause(error)
             if self.calls == 1:
                 raise UsageError(
                     f"the step raised on its first call, on the doctor's copies {where}"
@@ -308,6 +309,15 @@ def _where_raised(error: BaseException) -> str:
               and not frame.f_code.co_filename.startswith(_ACCEL_DIR)]  # fmt: skip
     message = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else str(error)
     return f"({frames[-1] if frames else 'in a library'}): {type(error).__name__}: " + message.rstrip(".")
+
+
+def _copies_cause(error: BaseException) -> str:
+    """Where the doctor's copies themselves made ``error``, what about them did ("" elsewhere)."""
+    if isinstance(error, pickle.PicklingError) and "not the same object as" in str(error):
+        return ("; the copies' objects are of a subclass the doctor made of their class (so that "
+                "what the step keeps on the class stays yours), which pickle cannot save whole: "
+                "save the model's state_dict() in the step, as PyTorch advises")  # fmt: skip
+    return ""
 
 
 def _fed(runner: Callable[[Any], Any], loader: Iterable[Any]) -> Callable[[Any], Any]:
