@@ -1116,16 +1116,48 @@ def test_a_finite_iterator_gives_one_item_which_the_step_gets_again(seed):
     assert sum(1 for _ in batches) == 15
 
 
-def test_a_loaders_iterator_at_its_end_is_said_to_start_again_on_the_copies(seed):
-    """At an epoch's end the step's own ``iter(loader)`` starts a new pass (and a loader's
-    workers) on each of the doctor's copies: the time holds that, and the report says so; given
-    as loader=, the copies get its batch instead."""
+def test_an_iterator_at_its_end_is_said_to_start_again_on_the_copies(seed):
+    """At its end the step's own restart (here a fresh pass over other data) runs on each of the
+    doctor's copies: the time holds it, and the report says so."""
     model, opt = small()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)),
-                                         batch_size=4)  # fmt: skip
-    batches = iter(loader)
+
+    def passes():
+        yield from torch.randn(2, 4, 4)
+
+    batches = passes()
     for _ in batches:  # the epoch's end
         pass
+
+    def step():
+        nonlocal batches
+        try:
+            x = next(batches)
+        except StopIteration:
+            batches = passes()
+            x = next(batches)
+        return one_update(model, opt, x)
+
+    assert named_before_numbers(examined(step), "found closure 'batches' (a generator, which "
+                                "cannot be copied) at its end")  # fmt: skip
+
+
+@pytest.mark.parametrize("drawn", [1, 4], ids=["mid-epoch", "at its end"])
+def test_a_loaders_iterator_the_step_holds_gives_the_copies_a_batch_of_a_copy_of_the_loader(seed, drawn):
+    """The step reaches its loader: the copies get a batch of a copy of that loader, so the
+    user's iterator keeps its place and the loader's generator its state."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    def pipeline():
+        data = torch.randn(16, 4, generator=torch.Generator().manual_seed(seed))
+        loader = DataLoader(TensorDataset(data), batch_size=4, shuffle=True,
+                            generator=torch.Generator().manual_seed(seed))  # fmt: skip
+        batches = iter(loader)
+        for _ in range(drawn):
+            next(batches)
+        return loader, batches
+
+    (loader, batches), (_, twins) = pipeline(), pipeline()
+    model, opt = small()
 
     def step():
         nonlocal batches
@@ -1136,9 +1168,12 @@ def test_a_loaders_iterator_at_its_end_is_said_to_start_again_on_the_copies(seed
             (x,) = next(batches)
         return one_update(model, opt, x)
 
-    assert named_before_numbers(examined(step), "found closure 'batches' (a "
-                                "_SingleProcessDataLoaderIter, which cannot be copied) at its end")
-    assert "at its end" not in first_line(examined(step, loader=loader))
+    report = examined(step)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert "took 1 item" not in first_line(report) and "at its end" not in first_line(report)
+    rest, expected = [x for (x,) in batches], [x for (x,) in twins]
+    assert len(rest) == len(expected) == 4 - drawn
+    assert all(torch.equal(a, b) for a, b in zip(rest, expected, strict=True))
 
 
 class Holding:
@@ -2669,10 +2704,8 @@ def test_a_persistent_loaders_iterator_the_step_holds_keeps_its_place(seed, draw
 
     report = examined(step, loader=loader if given else None)
     report.try_fixes(["set_to_none"], steps=1, repeats=1)
-    took = "took 1 item from closure 'batches'" in first_line(report)
-    assert took == (drawn == 2 and not given), first_line(report)  # said where taken, as drawn.py does
-    if took:
-        next(twins)
+    # the step reaches its loader: the copies get a batch of a copy of it, none of the user's
+    assert "took 1 item" not in first_line(report) and "at its end" not in first_line(report)
     for mine, theirs in ((batches, twins), (loader, twin)):  # this epoch's rest, then the next
         rest, expected = [x for (x,) in mine], [x for (x,) in theirs]
         assert len(rest) == len(expected)

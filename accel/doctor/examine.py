@@ -112,16 +112,20 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     loader = _own_loader(loader)
     if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
         raise _empty(loader)
-    # the random generators put back; files written recorded
-    with _sources_kept(loader), Session() as session:
+    with contextlib.ExitStack() as kept:
+        kept.enter_context(_sources_kept(loader))
+        session = kept.enter_context(Session())  # the random generators put back; files recorded
         if from_loader:
             batch = next(iter(loader), NO_BATCH)
             if batch is NO_BATCH:
                 raise _empty(loader)
         parts = find_parts(step)
         session.watch(parts.reach.objects.values())
-        if draws_own:
-            _serve_from_loader(parts.reach.objects.values(), loader)
+        for source in _served_loaders(parts, loader if draws_own else None):
+            if source is not loader:  # one the step reaches: read from a copy, its own kept
+                kept.enter_context(_sources_kept(source))
+                source = _own_loader(source)
+            _serve_from_loader(parts.reach.objects.values(), source)
         untouched = Untouched(parts, batch)
         runner, copied, cautions = _copy_or_own(step, parts, allow_training)
         device = step_device(copied, batch)
@@ -238,6 +242,16 @@ def _serve_from_loader(objects: Iterable[Any], loader: Iterable[Any]) -> None:
     if batch is not NO_BATCH:
         for iterator in ours:
             serve_batch(iterator, batch)
+
+
+def _served_loaders(parts: StepParts, given: Iterable[Any] | None) -> list[Iterable[Any]]:
+    """The loaders whose iterators the step draws from get the copies a batch of: ``given``
+    (loader=, to a step that draws its own), and each DataLoader the step reaches (to start a
+    new pass, say) over another data set."""
+    datasets = {id(getattr(given, "dataset", None))}
+    reached = [o for o in parts.reach.objects.values()
+               if isinstance(o, torch.utils.data.DataLoader) and id(o.dataset) not in datasets]  # fmt: skip
+    return ([given] if given is not None else []) + reached
 
 
 def _innermost(value: Any) -> Any:
