@@ -188,14 +188,7 @@ def test_a_count_kept_as_a_class_attribute_is_left_as_it_was(seed):
     model = _CountingNet(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     calls, forwards = _Counted.calls, _CountingNet.forwards
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
+    step = plain_step(model, opt)
     x = torch.randn(5, 4)
     before = held(model, opt)
     report = examined(step, x)
@@ -1139,41 +1132,6 @@ def test_an_iterator_at_its_end_is_said_to_start_again_on_the_copies(seed):
 
     assert named_before_numbers(examined(step), "found closure 'batches' (a generator, which "
                                 "cannot be copied) at its end")  # fmt: skip
-
-
-@pytest.mark.parametrize("drawn", [1, 4], ids=["mid-epoch", "at its end"])
-def test_a_loaders_iterator_the_step_holds_gives_the_copies_a_batch_of_a_copy_of_the_loader(seed, drawn):
-    """The step reaches its loader: the copies get a batch of a copy of that loader, so the
-    user's iterator keeps its place and the loader's generator its state."""
-    from torch.utils.data import DataLoader, TensorDataset
-
-    def pipeline():
-        data = torch.randn(16, 4, generator=torch.Generator().manual_seed(seed))
-        loader = DataLoader(TensorDataset(data), batch_size=4, shuffle=True,
-                            generator=torch.Generator().manual_seed(seed))  # fmt: skip
-        batches = iter(loader)
-        for _ in range(drawn):
-            next(batches)
-        return loader, batches
-
-    (loader, batches), (_, twins) = pipeline(), pipeline()
-    model, opt = small()
-
-    def step():
-        nonlocal batches
-        try:
-            (x,) = next(batches)
-        except StopIteration:
-            batches = iter(loader)
-            (x,) = next(batches)
-        return one_update(model, opt, x)
-
-    report = examined(step)
-    report.try_fixes(["set_to_none"], steps=1, repeats=1)
-    assert "took 1 item" not in first_line(report) and "at its end" not in first_line(report)
-    rest, expected = [x for (x,) in batches], [x for (x,) in twins]
-    assert len(rest) == len(expected) == 4 - drawn
-    assert all(torch.equal(a, b) for a, b in zip(rest, expected, strict=True))
 
 
 class Holding:
@@ -2671,13 +2629,13 @@ def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(se
     assert set(multiprocessing.active_children()) == children
 
 
-def persistent_pipeline(data: torch.Tensor, seed: int, drawn: int):
-    """A shuffling loader that keeps its worker between epochs, and its iterator ``drawn``
+def shuffled_pipeline(data: torch.Tensor, seed: int, drawn: int, workers: int):
+    """A shuffling loader (with ``workers``, kept between epochs), and its iterator ``drawn``
     batches in; built twice from one seed, two draw the same."""
     from torch.utils.data import DataLoader, TensorDataset
 
-    loader = DataLoader(TensorDataset(data), batch_size=4, shuffle=True, num_workers=1,
-                        persistent_workers=True, generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    loader = DataLoader(TensorDataset(data), batch_size=4, shuffle=True, num_workers=workers,
+                        persistent_workers=workers > 0, generator=torch.Generator().manual_seed(seed))  # fmt: skip
     batches = iter(loader)
     for _ in range(drawn):
         next(batches)
@@ -2686,11 +2644,13 @@ def persistent_pipeline(data: torch.Tensor, seed: int, drawn: int):
 
 @pytest.mark.parametrize("given", [True, False], ids=["loader given", "no loader"])
 @pytest.mark.parametrize("drawn", [2, 6], ids=["mid-epoch", "at its end"])
-def test_a_persistent_loaders_iterator_the_step_holds_keeps_its_place(seed, drawn, given):
-    # iter() on a persistent loader resets the iterator it keeps: the user's, which the step holds
+@pytest.mark.parametrize("workers", [1, 0], ids=["persistent", "in the process"])
+def test_a_loaders_iterator_the_step_holds_keeps_its_place(seed, drawn, given, workers):
+    # iter() on a persistent loader resets the iterator it keeps: the user's, which the step
+    # holds; and the step reaches its loader, so the copies draw from a copy of it, not from yours
     data = torch.randn(24, 4)
-    loader, batches = persistent_pipeline(data, seed, drawn)
-    twin, twins = persistent_pipeline(data, seed, drawn)
+    loader, batches = shuffled_pipeline(data, seed, drawn, workers)
+    twin, twins = shuffled_pipeline(data, seed, drawn, workers)
     model, opt = small()
 
     def step():
