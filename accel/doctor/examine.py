@@ -30,7 +30,7 @@ from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.kept_files import TooLargeToKeep
-from accel.doctor.parts import StepParts, copy_step, find_parts
+from accel.doctor.parts import StepParts, copy_step, find_parts, without_kept_iterator
 from accel.doctor.reach import is_library, kind
 from accel.doctor.recorder import record_calls, record_step
 from accel.doctor.timeline import CALLS, profile_timeline
@@ -470,9 +470,7 @@ def _own_loader(loader: Iterable[Any] | None) -> Iterable[Any] | None:
     then the copy's, ended with it, never the user's loader's."""
     if not isinstance(loader, torch.utils.data.DataLoader):
         return loader
-    copied = copy.copy(loader)
-    copied._iterator = None
-    return copied
+    return without_kept_iterator(copy.copy(loader))
 
 
 def _breaks(step: Callable[..., Any], parts: StepParts, batch: Any, own: bool):

@@ -36,7 +36,7 @@ from accel.doctor.reach import (
     walk,
 )
 
-__all__ = ["StepParts", "copy_step", "find_parts"]
+__all__ = ["StepParts", "copy_step", "find_parts", "without_kept_iterator"]
 
 # built-in iterators a shallow copy makes independent
 _COPYABLE_ITERATORS = frozenset(type(iter(x)) for x in (
@@ -102,6 +102,14 @@ def _class_name(value: Any) -> str:
     """The user's class, also behind ``torch.compile``'s wrapper."""
     inner = getattr(value, "_orig_mod", None)
     return f"{type(inner).__name__}, compiled" if isinstance(inner, nn.Module) else type(value).__name__
+
+
+def without_kept_iterator(made: Any) -> Any:
+    """``made``, a shallow copy; a DataLoader's without the iterator a persistent one keeps
+    (``iter()`` on it resets that iterator: the copy starts its own, never the user's)."""
+    if isinstance(made, torch.utils.data.DataLoader):
+        made._iterator = None
+    return made
 
 
 # ---- finding -------------------------------------------------------------------------------------
@@ -327,10 +335,7 @@ class _Rebuild:
             raise TypeError("copy.copy returned the object itself")
         self.memo[id(value)] = made  # before its items: they may lead back to it
         self._point(value, made)
-        if isinstance(made, torch.utils.data.DataLoader):
-            # iter() on a persistent loader resets the iterator it keeps: the copy starts its own
-            made._iterator = None
-        return made
+        return without_kept_iterator(made)
 
     def _point(self, original: Any, made: Any) -> None:
         """Point ``made`` (a shallow or deep copy of ``original``) at the copies of what
