@@ -1285,3 +1285,13 @@ def test_a_default_adamw_on_cuda_is_compared_with_the_fused_one():
     assert found.saved_us == pytest.approx(100.0 - 28 * elements / (COPY_GB_S * 1e3))
     fused = model_parts(model, lr=1e-3, fused=True)
     assert check_compute.optimizer_unfused(evidence(ops, parts=fused)) == []
+
+
+def test_host_arrays_in_the_batch_are_not_taken_for_tensors():
+    # NumPy 2's arrays have a .device too (the string "cpu"): only tensors are the batch on the host
+    import numpy as np
+
+    batch = {"ids": np.arange(4), "x": torch.randn(2, 3), "tag": "cpu"}
+    assert check_host.capture_blockers(evidence(batch=batch)) == (
+        "1 batch tensor(s) on the host (copy them in before the step)"
+    )

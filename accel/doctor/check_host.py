@@ -251,8 +251,8 @@ def capture_blockers(evidence: Evidence) -> str:
     if sites:
         first = next(iter(sites))
         why.append(f"{sum(sites.values()):g} sync(s), the first at {first[0]} ({first[1]})")
-    host = [t for t in tree_leaves(evidence.batch) if getattr(t, "device", None) is not None
-            and t.device.type == "cpu"]  # fmt: skip
+    host = [t for t in tree_leaves(evidence.batch)
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu"]  # fmt: skip
     if host:
         why.append(f"{len(host)} batch tensor(s) on the host (copy them in before the step)")
     if _shape_changes(evidence):
