@@ -11,7 +11,7 @@ from accel.doctor.timeline import Timeline
 
 
 def timeline(kernels, *, launches=(), syncs=(), window=None, steps=1, host_end=math.nan,
-             events=(), event_us=0.0):  # fmt: skip
+             events=(), event_us=0.0, queue_depth=0):  # fmt: skip
     """``kernels``: (start, end, category); ``launches``: each kernel's launch, in order (none
     seen for the rest); ``syncs``: the host's blocking calls (start, end); ``events``: when the
     host recorded an event, each costing the profiler ``event_us``; the per-step totals derived
@@ -27,6 +27,7 @@ def timeline(kernels, *, launches=(), syncs=(), window=None, steps=1, host_end=m
         launches=len(launches), syncs=len(syncs), by_category=by_category,
         spans=tuple((*k, t) for k, t in zip(kernels, at, strict=True)), sync_spans=tuple(syncs),
         host_events=tuple(sorted(events)), window=window, host_end=host_end, host_event_us=event_us,
+        queue_depth=queue_depth,
     )  # fmt: skip
 
 
@@ -73,6 +74,23 @@ def test_a_saving_spread_over_categories_goes_in_proportion_to_their_time_and_is
     near = timeline(kernels, launches=(0, 90, 100))
     assert near.spread_saving_us(30.0, fused) == pytest.approx(10.0 + 10.0)
     assert timeline(kernels).spread_saving_us(30.0, ("attention",)) == 30.0  # none ran: its own
+
+
+def test_a_full_launch_queue_holds_the_host_back_until_a_kernel_starts():
+    # four products of 100 queued at once, then 300 µs of the host's own work (to 303): with
+    # room for two launches, the fourth waits for the second product to start (at 100), and the
+    # host's work ends at 400; halved products start it at 50, so 50 of the 200 saved stay
+    kernels = [(0, 100, "matmul"), (100, 200, "matmul"), (200, 300, "matmul"), (300, 400, "matmul")]
+    launches, events = (0, 1, 2, 3), tuple(range(4, 304, 10))
+    held = timeline(kernels, launches=launches, host_end=303, events=events, queue_depth=2)
+    assert held._replayed_us({}) == pytest.approx(400.0)
+    assert held.step_saving_us({"matmul": 200.0}) == pytest.approx(50.0)
+    # with room for all four the host's work ends at 303, before the halved products' 200
+    free = timeline(kernels, launches=launches, host_end=303, events=events)
+    assert free.step_saving_us({"matmul": 200.0}) == pytest.approx(97.0)
+    # the launch waits only while the queue is full: room for three, and it never is
+    assert timeline(kernels, launches=launches, host_end=303, events=events,
+                    queue_depth=3).step_saving_us({"matmul": 200.0}) == pytest.approx(97.0)  # fmt: skip
 
 
 def test_savings_are_per_step():

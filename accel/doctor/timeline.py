@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from accel.measure.costs import launch_queue_depth
 from accel.profiling import profile_steps, union_length
 
 __all__ = ["CALLS", "Timeline", "kernel_category", "profile_timeline"]
@@ -70,6 +71,7 @@ class Timeline:
     window: tuple[float, float] = (0.0, 0.0)
     host_end: float = math.nan  # the last step's end on the host (NaN: its last call)
     host_event_us: float = 0.0  # what the profiler added to the host's time per recorded event
+    queue_depth: int = 0  # launches the device's queue holds before a launch waits (0: no limit)
 
     def step_saving_us(self, saved_by_category: dict[str, float]) -> float:
         """The step's time saved per step when each category's kernels take
@@ -77,8 +79,9 @@ class Timeline:
         profiled window. The host runs as profiled, less the profiler's own cost per event it
         recorded (:attr:`host_event_us`). A kernel starts once the one before it has ended and
         the host has queued it (plus the launch's own latency where the device waited for it); a
-        blocking call returns once the host reached it and the device finished what was queued
-        before it. A kernel made faster while the host holds the device back saves nothing.
+        launch finding the device's queue full (:attr:`queue_depth`) waits until a kernel
+        starts; a blocking call returns once the host reached it and the device finished what
+        was queued before it. A kernel made faster while the host holds the device back saves nothing.
         Without profiled kernels (a CPU), the kernels' own saving."""
         if not self.spans or not self.steps:
             return sum(saved_by_category.values())
@@ -105,6 +108,7 @@ class Timeline:
             return at + max(0.0, t - anchor - cost * (bisect.bisect_left(events, t) - counted))
 
         syncs, returned = self.sync_spans, 0
+        started: list[float] = []  # the replayed start of each launched kernel
         for start, end, category, queued in self.spans:
             ready = start if math.isnan(queued) else queued
             for called, back in syncs[returned:]:  # the blocking calls the host came back from
@@ -113,8 +117,17 @@ class Timeline:
                 at = max(host(called), done)  # returns once the device drained the queue
                 anchor, counted, returned = back, bisect.bisect_left(events, back), returned + 1
             if not math.isnan(queued):  # no call seen: taken as queued behind the one before
-                host_at = max(host_at, host(queued) + max(0.0, start - max(queued, seen)))
-            done = max(done, host_at) + (end - start) * factor.get(category, 1.0)
+                launched = host(queued)
+                if self.queue_depth and len(started) >= self.queue_depth:
+                    room = started[-self.queue_depth]  # a full queue: the launch waits for room
+                    if room > launched:
+                        at, anchor, counted = room, queued, bisect.bisect_left(events, queued)
+                        launched = room
+                host_at = max(host_at, launched + max(0.0, start - max(queued, seen)))
+            begun = max(done, host_at)
+            if not math.isnan(queued):
+                started.append(begun)
+            done = begun + (end - start) * factor.get(category, 1.0)
             seen = max(seen, end)
         for called, back in syncs[returned:]:
             at = max(host(called), done)
@@ -210,6 +223,7 @@ def profile_timeline(
         window=(t0, t1),
         host_end=max((e.time_range.end for e in run.host), default=t1),
         host_event_us=run.event_us,
+        queue_depth=launch_queue_depth(device) if cuda else 0,
     )
 
 

@@ -4,7 +4,9 @@ removing some of them predicts: the cost model of the launch-bound phases (sync,
 
 from __future__ import annotations
 
+import functools
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,3 +57,39 @@ def measure_costs(device: torch.device | str, *, calls: int = 200, repeats: int 
     launch_us = timing.timings["launch"].median_ms * 1e3 / calls
     sync_us = timing.timings["sync"].median_ms * 1e3 / calls - launch_us
     return CostModel(launch_us, max(sync_us, 0.0), str(torch.device(device)))
+
+
+def launch_queue_depth(device: torch.device | str, *, most: int = 4096) -> int:
+    """How many kernel launches the device's queue holds before the next launch waits for room:
+    tiny launches timed one by one behind a kernel that keeps the device busy (a fifth of a
+    second), twice. 0 where none waited within ``most`` launches, and on a CPU."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
+        return 0
+    return _queue_depth(device if device.index is not None else torch.device("cuda", 0), most)
+
+
+@functools.cache
+def _queue_depth(device: torch.device, most: int) -> int:
+    x = torch.ones((), device=device)
+    khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 2_000_000
+    cycles = int(0.2 * khz * 1e3)
+    depths = []
+    with torch.cuda.device(device):
+        for _ in range(2):  # a launch slowed by something else only finds a shallower queue
+            torch.cuda.synchronize()
+            torch.cuda._sleep(cycles)
+            depths.append(_launches_before_a_wait(lambda: x.add_(1.0), most))
+            torch.cuda.synchronize()
+    return max(depths)
+
+
+def _launches_before_a_wait(launch, most: int, waited_s: float = 1e-3) -> int:
+    """Launches made before one took ``waited_s`` (0: none did within ``most``)."""
+    for made in range(most):
+        start = time.perf_counter()
+        launch()
+        if time.perf_counter() - start > waited_s:
+            return made
+    return 0
+
