@@ -651,7 +651,7 @@ def test_a_users_loop_of_clip_calls_is_found_on_cpu_with_the_batched_fix():
     # batching of the calls is tried
     assert found.kind == "clip_loop" and found.fixes == ("batched_clip",)
     # each tensor keeps its own limit: one norm over all of them is another rule
-    code = [line for line in found.change.splitlines() if not line.startswith("#")]
+    code = [line.strip() for line in found.change.splitlines() if not line.startswith("#")]
     assert "norms = torch.stack(torch._foreach_norm(grads))" in code
     assert not any("clip_grad_norm_(model.parameters()" in line for line in code)
 

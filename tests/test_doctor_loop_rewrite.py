@@ -380,3 +380,76 @@ def test_the_edit_numbers_its_lines_as_the_file_does(seed):
     hunk = next(text for text in diff.splitlines() if text.startswith("@@"))
     start = int(hunk.split()[1].split(",")[0].lstrip("-"))
     assert start <= line_of(step, "for p in model.parameters()") <= start + 6
+
+
+# ---- gradient clipping one tensor at a time ----------------------------------------------------
+def clip_step_for(model: nn.Module, opt, form: str):
+    def step(x):
+        loss = model(x).pow(2).sum() * 100  # large gradients: every clip binds
+        opt.zero_grad()
+        loss.backward()
+        if form == "list":
+            for p in model.parameters():
+                torch.nn.utils.clip_grad_norm_([p], 0.5)  # each to its own norm
+        elif form == "named":
+            for _name, p in model.named_parameters():
+                if p.grad is None:
+                    continue
+                nn.utils.clip_grad_norm_(p, max_norm=0.5, norm_type=float("inf"))
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+@pytest.mark.parametrize("form", ["list", "named"])
+def test_a_clip_per_tensor_loop_is_rewritten_as_one_pass_that_clips_each_to_its_own_norm(seed, form):
+    from accel.doctor.loop_rewrite import rewrite_clip_loop
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    model[0].bias.requires_grad_(False)  # no gradient: the loop's clip leaves it alone
+    twin = copy.deepcopy(model)
+    step = clip_step_for(model, torch.optim.SGD(model.parameters(), lr=LR), form)
+    plain = clip_step_for(twin, torch.optim.SGD(twin.parameters(), lr=LR), form)
+    rewrite = rewrite_clip_loop(plain, line_of(plain, "clip_grad_norm_(p" if form == "named" else "[p]"))
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        torch.testing.assert_close(step(x), rewrite.step(x))
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    norm = "float('inf')" if form == "named" else ""
+    assert f"norms = torch.stack(torch._foreach_norm(grads{', ' if norm else ''}{norm}))" in rewrite.diff
+    assert "torch._foreach_mul_(grads, (0.5 / (norms + 1e-06)).clamp(max=1.0).unbind())" in rewrite.diff
+    assert "-                torch.nn.utils.clip_grad_norm_([p], 0.5)" in rewrite.diff or form == "named"
+
+
+def test_a_clip_loop_that_keeps_the_norm_or_checks_it_is_left_as_written(seed):
+    from accel.doctor.loop_rewrite import rewrite_clip_loop
+
+    model = nn.Linear(4, 2)
+
+    def step(x):
+        model(x).sum().backward()
+        norms = []
+        for p in model.parameters():
+            norms.append(torch.nn.utils.clip_grad_norm_([p], 1.0))
+        for p in model.parameters():
+            torch.nn.utils.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+        return norms
+
+    for text in ("norms.append", "error_if_nonfinite"):
+        with pytest.raises(NotRewritable, match="clip_grad_norm_"):
+            rewrite_clip_loop(step, line_of(step, text))
+
+
+def test_the_batched_clip_fix_pastes_the_rewrite_it_measured(seed):
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(6)))
+    step = clip_step_for(model, torch.optim.SGD(model.parameters(), lr=LR), "list")
+    held = [p.detach().clone() for p in model.parameters()]
+    report = doctor.examine(step, torch.randn(8, 16), steps=2, warmup=1)
+    (clip,) = [f for f in report.findings if f.kind == "clip_loop"]
+    assert clip.fixes == ("batched_clip",)
+    (trial,) = report.try_fixes(["batched_clip"], repeats=2, steps=2).to_dict("records")
+    assert trial["status"] in ("ok", "slower here") and trial["error"] <= trial["allowance"], trial
+    assert "torch._foreach_norm(grads)" in trial["edit"] and "+++ " in trial["edit"]
+    assert all(torch.equal(a, b) for a, b in zip(held, model.parameters(), strict=True))

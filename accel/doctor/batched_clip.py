@@ -16,9 +16,9 @@ import torch
 from torch.nn.utils import clip_grad
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["batched_clipping"]
+__all__ = ["CLIP_EPS", "batched_clipping"]
 
-_EPS = 1e-6  # clip_grad_norm_'s own, added to the norm before dividing
+CLIP_EPS = 1e-6  # clip_grad_norm_'s own, added to the norm before dividing
 
 
 @dataclass
@@ -33,7 +33,7 @@ class _Pending:
             return
         norms = torch._foreach_norm(self.grads, self.norm_type)
         torch._foreach_copy_(self.norms, norms)
-        coefs = _limits(self.max_norms, self.grads[0].device) / (torch.stack(norms).float() + _EPS)
+        coefs = _limits(self.max_norms, self.grads[0].device) / (torch.stack(norms).float() + CLIP_EPS)
         coefs = coefs.clamp(max=1.0)
         scales = [c.to(g.dtype) for c, g in zip(coefs.unbind(), self.grads, strict=True)]
         torch._foreach_mul_(self.grads, scales)

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 import torch
 
 from accel.doctor.findings import Evidence, Finding, check
+from accel.doctor.loop_rewrite import clip_each_source
 from accel.doctor.recorder import PRODUCTS, OpRecord
 
 LOOP_MIN_OPS = 8  # fewer repeats of one operator on one line are not a loop worth a finding
@@ -159,13 +160,12 @@ def _optimizer_change(evidence: Evidence, ops: list[OpRecord], change: str) -> s
     return change
 
 
-_CLIP_EACH_CHANGE = """\
-# each gradient clipped to its own norm as your loop does, all in one pass:
-grads = [p.grad for p in model.parameters() if p.grad is not None]
-norms = torch.stack(torch._foreach_norm(grads))
-torch._foreach_mul_(grads, (max_norm / (norms + 1e-6)).clamp(max=1.0).unbind())
-# or one norm over every gradient (another rule, the usual one):
-# torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)"""
+_CLIP_EACH_CHANGE = (
+    "# each gradient clipped to its own norm as your loop does, all in one pass:\n"
+    + clip_each_source("for p in model.parameters()", "max_norm")
+    + "# or one norm over every gradient (another rule, the usual one):\n"
+    "# torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)"
+)
 
 
 def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:

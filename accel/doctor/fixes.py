@@ -336,6 +336,27 @@ def _foreach_loop(copy: StepCopy) -> None:
     copy.edits += [rewrite.diff, *(f"# {why}" for why in rewrite.refused)]
 
 
+def _batched_clip(copy: StepCopy) -> None:
+    """The loop clipping one gradient at a time that the clip check found in the step function,
+    rewritten as one pass in the copy's step (:func:`~accel.doctor.loop_rewrite.rewrite_clip_loop`;
+    the diff is the edit to paste). Where the loop is in a function the step calls, or is not
+    rewritten, its clips are batched as they run (:func:`batched_clipping`)."""
+    from accel.doctor.loop_rewrite import NotRewritable, rewrite_clip_loop
+
+    code = getattr(getattr(copy.step, "__func__", copy.step), "__code__", None)
+    lines = [s.line for f in copy.findings if f.kind == "clip_loop" for s in f.sites
+             if code is not None and s.file == code.co_filename]  # fmt: skip
+    try:
+        rewrite = rewrite_clip_loop(copy.step, *dict.fromkeys(lines))
+    except NotRewritable:  # the finding's change says what to write instead
+        copy.contexts.append(batched_clipping)
+        return
+    copy.step = rewrite.step
+    copy.edits += [rewrite.diff, *(f"# {why}" for why in rewrite.refused)]
+    if rewrite.refused:
+        copy.contexts.append(batched_clipping)
+
+
 def _mha_without_weights(copy: StepCopy) -> None:
     """Each ``nn.MultiheadAttention`` of the copied models called with ``need_weights=False``:
     SDPA inside, no weights returned (a step that uses them fails its trial, which says so)."""
@@ -422,7 +443,7 @@ FIXES: dict[str, Fix] = {
         Fix("fused_optimizer", "fused optimizer", _fused, 1e-4, _ROUNDING, needs_cuda=False),
         Fix("foreach_optimizer", "foreach optimizer", _foreach, 1e-4, _ROUNDING, needs_cuda=False),
         Fix("foreach_clip", "foreach clipping", _foreach_clip, 1e-4, _ROUNDING, needs_cuda=False),
-        Fix("batched_clip", "per-tensor clipping batched", _context(batched_clipping), 1e-4,
+        Fix("batched_clip", "per-tensor clipping batched", _batched_clip, 1e-4,
             _ROUNDING, needs_cuda=False),
         Fix("foreach_loop", "loop over tensors as foreach calls", _foreach_loop, 1e-4,
             _ROUNDING, needs_cuda=False),

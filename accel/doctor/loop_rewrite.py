@@ -19,6 +19,14 @@ alpha=lr)``; ``p.clamp_(lo, hi)`` a clamp_min_ and a clamp_max_; an average kept
 for every item before the next starts, which is what the loop computes wherever the items are
 distinct tensors (the trial checks it against the step as written). Any other loop is left as
 written, and :class:`NotRewritable` says which one and why.
+
+A loop that clips each gradient to its own norm (``for p in ...: clip_grad_norm_([p], max_norm)``)
+becomes one pass with the same rule (:func:`rewrite_clip_loop`)::
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        norms = torch.stack(torch._foreach_norm(grads))
+        torch._foreach_mul_(grads, (max_norm / (norms + 1e-06)).clamp(max=1.0).unbind())
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from accel.doctor.batched_clip import CLIP_EPS
 from accel.doctor.rewrite import (
     NotRewritable,
     function_source,
@@ -37,7 +46,8 @@ from accel.doctor.rewrite import (
     statement_blocks,
 )
 
-__all__ = ["FOREACH", "LoopRewrite", "NotRewritable", "rewrite_loop"]
+__all__ = ["FOREACH", "LoopRewrite", "NotRewritable", "clip_each_source", "rewrite_clip_loop",
+           "rewrite_loop"]
 
 # in-place tensor method -> its foreach form (torch._foreach_<name>)
 FOREACH = {name: f"_foreach_{name}" for name in (
@@ -57,6 +67,20 @@ class LoopRewrite:
 def rewrite_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
     """``step`` with every ``for`` loop that holds one of source ``lines`` of its file rewritten;
     :class:`NotRewritable` where none can be."""
+    return _rewritten(step, lines, _parts, _statements, "with foreach calls")
+
+
+def rewrite_clip_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
+    """``step`` with every loop holding one of ``lines`` that clips one gradient at a time
+    (its body one ``clip_grad_norm_`` call of the loop's tensor, result unused, an optional
+    ``if ...: continue`` first) rewritten as one pass that clips each to its own norm;
+    :class:`NotRewritable` where none can be."""
+    return _rewritten(step, lines, _clip_parts, _clip_statements, "with the clips in one pass")
+
+
+def _rewritten(step, lines, parts, statements, tofile: str) -> LoopRewrite:
+    """``step`` with the loops holding ``lines`` rewritten: ``parts(loop)`` reads one (or raises
+    :class:`NotRewritable`), ``statements(loop, guard, read, executed)`` writes its replacement."""
     function = getattr(step, "__func__", step)
     if not isinstance(function, types.FunctionType):
         raise NotRewritable(f"the step is a {type(step).__name__}, not a function")
@@ -66,23 +90,22 @@ def rewrite_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
     spans = []
     for loop in dict.fromkeys(f for f in found if f):
         try:
-            guard, calls = _parts(loop)
+            guard, read = parts(loop)
         except NotRewritable as error:
             head = source[loop.lineno - first].strip()  # as the user wrote it
             refused.append(f"the loop `{head}` at line {loop.lineno} is left as written: {error}")
             continue
-        spans.append((loop.lineno, loop.end_lineno, _statements(loop, guard, calls, False)))
+        spans.append((loop.lineno, loop.end_lineno, statements(loop, guard, read, False)))
         block = next(b for b in statement_blocks(definition) if loop in b)
         at = block.index(loop)
-        block[at : at + 1] = _statements(loop, guard, calls, executed=True)
+        block[at : at + 1] = statements(loop, guard, read, executed=True)
     if not spans:
-        raise NotRewritable("; ".join(refused))
+        raise NotRewritable("; ".join(refused) or "no line of the step was given")
     new = recompiled(function, definition)
     if isinstance(step, types.MethodType):
         new = types.MethodType(new, step.__self__)
     fromfile = function.__code__.co_filename
-    return LoopRewrite(new, replaced_diff(source, first, spans, fromfile, "with foreach calls"),
-                       refused)  # fmt: skip
+    return LoopRewrite(new, replaced_diff(source, first, spans, fromfile, tofile), refused)
 
 
 def _outside(line: int, definition: ast.FunctionDef) -> str:
@@ -99,6 +122,15 @@ def _loop_at(definition: ast.FunctionDef, line: int) -> ast.For | None:
 
 
 def _parts(loop: ast.For) -> tuple[ast.expr | None, list[ast.Call]]:
+    names, guard, body = _guarded_body(loop)
+    calls = [call for statement in body for call in _updates(statement, names)]
+    if not calls:
+        raise NotRewritable("its body makes no in-place call")
+    return guard, calls
+
+
+def _guarded_body(loop: ast.For) -> tuple[list[str], ast.expr | None, list[ast.stmt]]:
+    """The loop's names, its ``if ...: continue`` guard (or None) and the statements after it."""
     names = _names(loop.target)
     if not names or loop.orelse:
         raise NotRewritable("only `for p in ...:` or `for e, p in ...:` without an `else:` is "
@@ -107,10 +139,91 @@ def _parts(loop: ast.For) -> tuple[ast.expr | None, list[ast.Call]]:
     first = body[0]
     if isinstance(first, ast.If) and not first.orelse and _is_continue(first.body):
         guard, body = first.test, body[1:]
-    calls = [call for statement in body for call in _updates(statement, names)]
-    if not calls:
-        raise NotRewritable("its body makes no in-place call")
-    return guard, calls
+    return names, guard, body
+
+
+_CLIP_ARGUMENTS = ("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach")
+
+
+def _clip_parts(loop: ast.For) -> tuple[ast.expr | None, tuple[ast.expr, ast.expr, ast.expr | None]]:
+    """The guard, and the clip's (tensor, max_norm, norm_type or None) of a loop whose body is
+    one ``clip_grad_norm_`` call of one of the loop's tensors."""
+    names, guard, body = _guarded_body(loop)
+    statement = body[0] if len(body) == 1 else None
+    call = statement.value if isinstance(statement, ast.Expr) else None
+    said = "; ".join(f"`{ast.unparse(s).splitlines()[0]}`" for s in body) or "nothing"
+    if not (isinstance(call, ast.Call) and _called(call).endswith("clip_grad_norm_")):
+        raise NotRewritable(f"its body ({said}) is not one clip_grad_norm_(...) call whose result "
+                            "is left unused")  # fmt: skip
+    given = dict(zip(_CLIP_ARGUMENTS, call.args, strict=False))
+    given |= {k.arg: k.value for k in call.keywords}
+    tensor = given.get("parameters")
+    if isinstance(tensor, (ast.List, ast.Tuple)) and len(tensor.elts) == 1:
+        tensor = tensor.elts[0]
+    check = given.get("error_if_nonfinite", ast.Constant(False))
+    if (None in given or any(isinstance(a, ast.Starred) for a in call.args)
+            or not isinstance(tensor, ast.Name) or tensor.id not in names
+            or "max_norm" not in given or not isinstance(check, ast.Constant) or check.value
+            or any(_uses(given[k], names) for k in ("max_norm", "norm_type") if k in given)):  # fmt: skip
+        raise NotRewritable(f"{said} is not clip_grad_norm_ of one of the loop's tensors with a "
+                            "limit and norm the same for each (and no error_if_nonfinite=True, "
+                            "which checks each norm as it goes)")  # fmt: skip
+    return guard, (tensor, given["max_norm"], given.get("norm_type"))
+
+
+def _called(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+def clip_each_source(items: str, max_norm: str, norm_type: str | None = None, *, where: str = "",
+                     torch: str = "torch", grads: str = "grads", norms: str = "norms") -> str:  # fmt: skip
+    """The source that clips each gradient of the tensors ``items`` (a comprehension's ``for``
+    clause, say ``for p in model.parameters()``, naming each tensor ``p``; those for which
+    ``where`` holds) to its own norm in one pass, with ``clip_grad_norm_``'s rule."""
+    norm = f", {norm_type}" if norm_type is not None else ""
+    kept = "p.grad is not None"
+    where = kept if where in ("", kept) else f"{where} and {kept}"
+    return (f"{grads} = [p.grad {items} if {where}]\n"
+            f"if {grads}:\n"
+            f"    {norms} = {torch}.stack({torch}._foreach_norm({grads}{norm}))\n"
+            f"    {torch}._foreach_mul_({grads}, ({max_norm} / ({norms} + {CLIP_EPS!r}))"
+            ".clamp(max=1.0).unbind())\n")
+
+
+def _clip_statements(loop: ast.For, guard: ast.expr | None, clip, executed: bool) -> list[ast.stmt]:
+    tensor, max_norm, norm_type = clip
+    target = ast.parse(ast.unparse(loop.target).replace(tensor.id, "p"), mode="eval").body
+    items = f"for {ast.unparse(target)} in {ast.unparse(loop.iter)}"
+    where = "" if guard is None else _renamed(ast.unparse(_negated(guard)), tensor.id)
+    names = ("__clip_grads", "__clip_norms") if executed else _free(loop, "grads", "norms")
+    source = clip_each_source(
+        items, f"({ast.unparse(max_norm)})",  # parsed again: the brackets stay only if needed
+        None if norm_type is None else ast.unparse(norm_type),
+        where=where, torch="__import__('torch')" if executed else "torch", grads=names[0],
+        norms=names[1],
+    )
+    out = ast.parse(source).body
+    for statement in out:
+        ast.increment_lineno(statement, loop.lineno - 1)
+        for node in ast.walk(statement):
+            ast.copy_location(node, loop)
+    return out
+
+
+def _renamed(source: str, name: str) -> str:
+    """``source`` with the name ``name`` read as ``p``."""
+    tree = ast.parse(source, mode="eval")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == name:
+            node.id = "p"
+    return ast.unparse(tree)
+
+
+def _free(loop: ast.For, *wanted: str) -> tuple[str, ...]:
+    """``wanted`` names, each prefixed with ``clip_`` where the loop's function might read it."""
+    used = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name)}
+    return tuple(f"clip_{w}" if w in used else w for w in wanted)
 
 
 def _names(target: ast.expr) -> list[str]:

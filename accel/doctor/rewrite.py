@@ -105,7 +105,8 @@ def replaced_diff(lines: list[str], first: int, spans: list[tuple[int, int, list
     for start, end, statements in sorted(spans, key=lambda span: -span[0]):  # last first
         at = start - first
         indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
-        new[at : end - first + 1] = [indent + ast.unparse(s) + "\n" for s in statements]
+        new[at : end - first + 1] = [indent + line + "\n" for s in statements
+                                     for line in ast.unparse(s).splitlines()]  # fmt: skip
     diff = "".join(difflib.unified_diff(lines, new, fromfile=fromfile, tofile=tofile))
     # difflib counts from the function's first line; a patch reads the file's numbers
     return re.sub(r"^@@ -(\d+)(.*?) \+(\d+)", lambda m: f"@@ -{int(m[1]) + first - 1}{m[2]} "
