@@ -89,6 +89,14 @@ class Timeline:
                   for c, saved in saved_by_category.items() if self.by_category.get(c, 0) > 0}  # fmt: skip
         return max(0.0, self._replayed_us({}) - self._replayed_us(factor)) / self.steps
 
+    @property
+    def host_us(self) -> float:
+        """The step's time were every kernel free: the host launching it, each blocking call
+        returning at once (0 without profiled kernels, as on a CPU)."""
+        if not self.spans or not self.steps:
+            return 0.0
+        return self._replayed_us(dict.fromkeys(self.by_category, 0.0)) / self.steps
+
     def spread_saving_us(self, saved_us: float, categories) -> float:
         """:meth:`step_saving_us` of ``saved_us`` taken off ``categories`` in proportion to their
         kernels' time (``saved_us`` itself where they ran none)."""
