@@ -392,10 +392,10 @@ def clip_step_for(model: nn.Module, opt, form: str):
             for p in model.parameters():
                 torch.nn.utils.clip_grad_norm_([p], 0.5)  # each to its own norm
         elif form == "named":
-            for _name, p in model.named_parameters():
-                if p.grad is None:
+            for param_name, param in model.named_parameters():
+                if "bias" in param_name and param.grad is None:
                     continue
-                nn.utils.clip_grad_norm_(p, max_norm=0.5, norm_type=float("inf"))
+                nn.utils.clip_grad_norm_(param, max_norm=0.5, norm_type=float("inf"))
         opt.step()
         return loss.detach()
 
@@ -411,7 +411,7 @@ def test_a_clip_per_tensor_loop_is_rewritten_as_one_pass_that_clips_each_to_its_
     twin = copy.deepcopy(model)
     step = clip_step_for(model, torch.optim.SGD(model.parameters(), lr=LR), form)
     plain = clip_step_for(twin, torch.optim.SGD(twin.parameters(), lr=LR), form)
-    rewrite = rewrite_clip_loop(plain, line_of(plain, "clip_grad_norm_(p" if form == "named" else "[p]"))
+    rewrite = rewrite_clip_loop(plain, line_of(plain, "clip_grad_norm_(param" if form == "named" else "[p]"))
     for _ in range(3):
         x = torch.randn(5, 4)
         torch.testing.assert_close(step(x), rewrite.step(x))
@@ -421,6 +421,10 @@ def test_a_clip_per_tensor_loop_is_rewritten_as_one_pass_that_clips_each_to_its_
     assert f"norms = torch.stack(torch._foreach_norm(grads{', ' if norm else ''}{norm}))" in rewrite.diff
     assert "torch._foreach_mul_(grads, (0.5 / (norms + 1e-06)).clamp(max=1.0).unbind())" in rewrite.diff
     assert "-                torch.nn.utils.clip_grad_norm_([p], 0.5)" in rewrite.diff or form == "named"
+    # the loop's own names, the guard kept
+    assert form == "list" or ("grads = [param.grad for param_name, param in model.named_parameters() "
+                              "if not ('bias' in param_name and param.grad is None) and "
+                              "param.grad is not None]") in rewrite.diff
 
 
 def test_a_clip_loop_that_keeps_the_norm_or_checks_it_is_left_as_written(seed):

@@ -177,14 +177,15 @@ def _called(call: ast.Call) -> str:
 
 
 def clip_each_source(items: str, max_norm: str, norm_type: str | None = None, *, where: str = "",
-                     torch: str = "torch", grads: str = "grads", norms: str = "norms") -> str:  # fmt: skip
+                     tensor: str = "p", torch: str = "torch", grads: str = "grads",
+                     norms: str = "norms") -> str:  # fmt: skip
     """The source that clips each gradient of the tensors ``items`` (a comprehension's ``for``
-    clause, say ``for p in model.parameters()``, naming each tensor ``p``; those for which
+    clause, say ``for p in model.parameters()``, naming each one ``tensor``; those for which
     ``where`` holds) to its own norm in one pass, with ``clip_grad_norm_``'s rule."""
     norm = f", {norm_type}" if norm_type is not None else ""
-    kept = "p.grad is not None"
+    kept = f"{tensor}.grad is not None"
     where = kept if where in ("", kept) else f"{where} and {kept}"
-    return (f"{grads} = [p.grad {items} if {where}]\n"
+    return (f"{grads} = [{tensor}.grad {items} if {where}]\n"
             f"if {grads}:\n"
             f"    {norms} = {torch}.stack({torch}._foreach_norm({grads}{norm}))\n"
             f"    {torch}._foreach_mul_({grads}, ({max_norm} / ({norms} + {CLIP_EPS!r}))"
@@ -193,15 +194,13 @@ def clip_each_source(items: str, max_norm: str, norm_type: str | None = None, *,
 
 def _clip_statements(loop: ast.For, guard: ast.expr | None, clip, executed: bool) -> list[ast.stmt]:
     tensor, max_norm, norm_type = clip
-    target = ast.parse(ast.unparse(loop.target).replace(tensor.id, "p"), mode="eval").body
-    items = f"for {ast.unparse(target)} in {ast.unparse(loop.iter)}"
-    where = "" if guard is None else _renamed(ast.unparse(_negated(guard)), tensor.id)
+    items = f"for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}"
     names = ("__clip_grads", "__clip_norms") if executed else _free(loop, "grads", "norms")
     source = clip_each_source(
         items, f"({ast.unparse(max_norm)})",  # parsed again: the brackets stay only if needed
         None if norm_type is None else ast.unparse(norm_type),
-        where=where, torch="__import__('torch')" if executed else "torch", grads=names[0],
-        norms=names[1],
+        where="" if guard is None else ast.unparse(_negated(guard)), tensor=tensor.id,
+        torch="__import__('torch')" if executed else "torch", grads=names[0], norms=names[1],
     )
     out = ast.parse(source).body
     for statement in out:
@@ -209,15 +208,6 @@ def _clip_statements(loop: ast.For, guard: ast.expr | None, clip, executed: bool
         for node in ast.walk(statement):
             ast.copy_location(node, loop)
     return out
-
-
-def _renamed(source: str, name: str) -> str:
-    """``source`` with the name ``name`` read as ``p``."""
-    tree = ast.parse(source, mode="eval")
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == name:
-            node.id = "p"
-    return ast.unparse(tree)
 
 
 def _free(loop: ast.For, *wanted: str) -> tuple[str, ...]:
