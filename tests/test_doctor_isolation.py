@@ -1079,7 +1079,8 @@ def random_batches(n: int):
 
 def test_an_iterator_that_cannot_be_copied_is_named_with_what_it_lost(seed):
     model, opt = small()
-    batches = random_batches(500)  # a generator function's: its place in its code is not copied
+    batches = random_batches(500)
+    next(batches)  # a generator started: its place in its code is not copied
 
     def step():
         loss = model(next(batches)).square().mean()
@@ -1090,6 +1091,31 @@ def test_an_iterator_that_cannot_be_copied_is_named_with_what_it_lost(seed):
 
     report = examined(step)
     assert named_before_numbers(report, "took 1 item from closure 'batches' (a generator")
+
+
+def test_a_generator_not_yet_started_is_made_again_on_the_copies(seed):
+    # a generator function's generator before its first item is its function and arguments:
+    # the copies make their own (over the copies of what its code reaches), yours gives up none
+    model, opt = small()
+    data = [torch.randn(5, 4) for _ in range(3)]  # fewer than the calls: the copies start again
+    served = []
+
+    def batches(items):
+        for x in items:
+            served.append(x)  # a list the generator's code changes: the copies' own
+            yield x
+
+    gen = batches(data)
+
+    def step():
+        return one_update(model, opt, next(gen))
+
+    report = examined(step)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert not first_line(report).startswith("Caution"), first_line(report)
+    assert served == []
+    rest = list(gen)
+    assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(rest, data, strict=True))
 
 
 def test_a_finite_iterator_gives_one_item_which_the_step_gets_again(seed):
@@ -1142,10 +1168,12 @@ class Holding:
 @pytest.mark.parametrize("holder", [types.SimpleNamespace, Holding, dict])
 def test_an_iterator_held_by_an_object_or_a_dict_is_read_on_the_copies(seed, holder):
     # the holder is rebuilt around the copies' reading: a list's iterator is not advanced, and
-    # a generator gives up the one item the report names
+    # a generator started gives up the one item the report names
     model, opt = small()
     data = [torch.randn(5, 4) for _ in range(8)]
-    state = holder(copyable=iter(data), drawn=random_batches(8))
+    drawn = random_batches(9)
+    next(drawn)
+    state = holder(copyable=iter(data), drawn=drawn)
 
     def step():
         if isinstance(state, dict):
@@ -1168,7 +1196,8 @@ def numbers(n: int):
 
 def test_a_count_that_runs_out_is_named_in_the_error(seed):
     model, opt = small()
-    counts = numbers(3)  # not a batch: read through, as the step's code may need
+    counts = numbers(4)
+    next(counts)  # started, so not copied; not a batch: read through, as the step's code may need
 
     def step(x):
         return one_update(model, opt, x * next(counts))
@@ -1176,6 +1205,12 @@ def test_a_count_that_runs_out_is_named_in_the_error(seed):
     with pytest.raises(UsageError, match=r"closure 'counts' \(a generator, which cannot be "
                        r"copied\) ran out after a copy of the doctor's took 3 items"):
         examined(step, torch.randn(5, 4))
+    # one not yet started is made again on the copies: that is what ran out, yours is whole
+    counts = numbers(3)
+    with pytest.raises(UsageError, match=r"closure 'counts' \(a generator\) ran out after a "
+                       r"copy of the doctor's took 3 items"):
+        examined(step, torch.randn(5, 4))
+    assert list(counts) == [0, 1, 2]
     # a generator expression is made again over a copy of what it reads: that is what ran out
     counts = (i for i in range(3))
     with pytest.raises(UsageError, match=r"what closure 'counts' reads \(a range_iterator\) ran "

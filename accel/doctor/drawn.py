@@ -1,7 +1,8 @@
 """An iterator of the user's as the copied step reads it. One that can be copied (a list's, a
 count) is read from copies, and a source of batches starts again from a fresh copy when one runs
-out. A generator expression of one loop is made again over the copies' reading of its own
-iterator. One that cannot be copied (a generator, a data loader's): a source of batches gives
+out; so is a generator not yet started, made again from its function and arguments. A generator
+expression of one loop is made again over the copies' reading of its own iterator. One that
+cannot be copied (a generator started, a data loader's): a source of batches gives
 one item, again on every call; any other (a count, a schedule) is read through, and what was
 taken is counted for the report. Either way one that runs out on the copies is named."""
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 import ast
 import copy
 import dis
+import functools
 import itertools
 import re
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -145,12 +148,14 @@ def _holds_data(item: Any) -> bool:
 
 
 class Copied:
-    """``iterator`` (one a copy makes independent) read from copies: the user's is never
-    advanced. A source of batches that runs out starts again from a fresh copy."""
+    """``iterator`` (one a copy makes independent, or a generator not yet started that
+    ``made_again`` makes anew) read from copies: the user's is never advanced. A source of
+    batches that runs out starts again from a fresh copy."""
 
-    def __init__(self, iterator: Any, where: str):
+    def __init__(self, iterator: Any, where: str, made_again: Callable[[], Any] | None = None):
         self._iterator, self._said = iterator, f"{where} (a {type(iterator).__name__})"
-        self._copy, self._taken, self._batches = _copied(iterator), 0, False
+        self._again = made_again or functools.partial(_copied, iterator)
+        self._copy, self._taken, self._batches = self._again(), 0, False
 
     def __iter__(self) -> Copied:
         return self
@@ -162,7 +167,7 @@ class Copied:
             if not self._batches:
                 self.ran_out = _ran_out(self._said, self._taken)
                 raise StopIteration(self.ran_out) from None
-            self._copy = _copied(self._iterator)
+            self._copy = self._again()
             item = next(self._copy)
         self._taken += 1
         self._batches = self._batches or _holds_data(item)

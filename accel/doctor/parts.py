@@ -372,12 +372,25 @@ class _Rebuild:
     def _iterator(self, value: Any, where: str) -> Any:
         if type(value) in _COPYABLE_ITERATORS:
             return Copied(value, where)
+        if (made_again := self._made_again(value)) is not None:
+            return Copied(value, where, made_again)
         source = loop_source(value)
         if source is None:
             return Drawn(value, where)
         globals_ = value.gi_frame.f_globals
         scope = globals_ if is_library(value.gi_code) else self._scope(globals_)
         return Reading(value, self._iterator(source, f"what {where} reads"), scope)
+
+    def _made_again(self, generator: Any) -> Callable[[], Any] | None:
+        """What makes a generator not yet started again for the copies: its function and
+        arguments as the walk found them (``generator_call``), each the copies' own."""
+        edges = self.reach.edges.get(id(generator), ())
+        fn = next((e.child for e in edges if e.kind == "func"), None)
+        if fn is None:
+            return None
+        args = [self.new(e.child) for e in edges if e.kind == "arg"]
+        keywords = {e.key: self.new(e.child) for e in edges if e.kind == "keyword"}
+        return functools.partial(self.new(fn), *args, **keywords)
 
     def _scope(self, globals_: dict[str, Any]) -> dict[str, Any]:
         """The copies' globals of a module: its namespace copied once, shared by the copies of

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Edge", "Reach", "attributes_of", "counts_on_class", "global_names", "instance_dict",
-           "is_array", "is_cached_function", "is_library", "kind", "skipped_attributes",
+__all__ = ["Edge", "Reach", "attributes_of", "counts_on_class", "generator_call", "global_names",
+           "instance_dict", "is_array", "is_cached_function", "is_library", "kind", "skipped_attributes",
            "slot_names", "stored_attributes", "stored_globals", "walk"]  # fmt: skip
 
 LARGE = 10_000  # a container longer than this (a data set, say) is searched for parts only
@@ -59,8 +59,9 @@ class Edge:
     """How a parent holds ``child``. ``kind``: cell (``key`` its index), global, default (an
     index), kwdefault, attr, module (a submodule), class (the instance's class), cattr (a class
     attribute), mattr (a module attribute), item (a dict's), element (a sequence's index), member
-    (a set's), self (a bound method's), func (a wrapper's function), arg, keyword, bself (the
-    object behind a built-in bound method such as ``losses.append``)."""
+    (a set's), self (a bound method's), func (a wrapper's function, or the one a generator not
+    yet started is made by), arg, keyword, bself (the object behind a built-in bound method such
+    as ``losses.append``)."""
 
     kind: str
     key: Any
@@ -149,6 +150,11 @@ def _home(step: Any) -> dict | None:
 # ---- what an object holds --------------------------------------------------------------------
 def _edges(value: Any, names: set[str]) -> Iterator[Edge]:
     if isinstance(value, torch.Tensor) or kind(value) in ("rng", "iterator", "file"):
+        if (call := generator_call(value)) is not None:  # what the copies make it again with
+            fn, args, keywords = call
+            yield Edge("func", None, fn)
+            yield from (Edge("arg", i, a) for i, a in enumerate(args))
+            yield from (Edge("keyword", k, a) for k, a in keywords.items())
         return
     if isinstance(value, types.FunctionType):
         yield from _function_edges(value, names)
@@ -176,6 +182,30 @@ def _edges(value: Any, names: set[str]) -> Iterator[Edge]:
         return  # its attributes: those the code reads (walk's loop)
     else:
         yield from _held(value)
+
+
+def generator_call(value: Any) -> tuple[types.FunctionType, list[Any], dict[str, Any]] | None:
+    """The function and arguments that make ``value`` again where it is a generator function's
+    generator not yet started (all its state is in them then); None for any other (one started
+    keeps its place in its code, which cannot be copied; a generator expression is read apart)."""
+    if not isinstance(value, types.GeneratorType) or value.gi_code.co_name == "<genexpr>":
+        return None
+    if inspect.getgeneratorstate(value) != inspect.GEN_CREATED:
+        return None
+    code, names = value.gi_code, value.gi_frame.f_locals
+    given = code.co_argcount + code.co_kwonlyargcount
+    args = [names[n] for n in code.co_varnames[: code.co_argcount]]
+    keywords = {n: names[n] for n in code.co_varnames[code.co_argcount : given]}
+    if code.co_flags & inspect.CO_VARARGS:
+        args += names[code.co_varnames[given]]
+        given += 1
+    if code.co_flags & inspect.CO_VARKEYWORDS:
+        keywords.update(names[code.co_varnames[given]])
+    cells = tuple(types.CellType(names[n]) if n in names else types.CellType()
+                  for n in code.co_freevars)  # fmt: skip
+    fn = types.FunctionType(code, value.gi_frame.f_globals, code.co_name, None, cells or None)
+    fn.__qualname__ = value.__qualname__
+    return fn, args, keywords
 
 
 def _held(value: Any) -> Iterator[Edge]:
