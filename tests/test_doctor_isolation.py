@@ -2757,6 +2757,32 @@ class NoisyData(torch.utils.data.Dataset):
         return self.data[i] + float(self.rng.normal())
 
 
+class CountingData(NoisyData):
+    """A noisy data set that also counts the items it served on itself."""
+
+    served = 0
+
+    def __getitem__(self, i):
+        self.served += 1
+        return super().__getitem__(i)
+
+
+def test_the_data_sets_a_subset_or_a_concatenation_wraps_are_left_as_they_were(seed):
+    # the loading reaches them through the wrappers: their counts and generators are put back
+    from torch.utils.data import ConcatDataset, DataLoader, Subset
+
+    inner, deeper = CountingData(torch.randn(32, 4), seed), CountingData(torch.randn(32, 4), seed)
+    data = ConcatDataset([Subset(inner, range(16)), Subset(Subset(deeper, range(24)), range(16))])
+    inner.dataset = data  # a way back to the top: followed once
+    states = [d.rng.bit_generator.state for d in (inner, deeper)]
+    model, opt = small()
+    report = examined(lambda x: one_update(model, opt, x),
+                      loader=DataLoader(data, batch_size=4, shuffle=True))  # fmt: skip
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert (inner.served, deeper.served) == (0, 0)
+    assert [d.rng.bit_generator.state for d in (inner, deeper)] == states
+
+
 @pytest.mark.parametrize("holder", ["loader", "sampler", "data set"])
 def test_the_random_generator_a_loader_draws_from_is_left_as_it_was(seed, holder):
     from torch.utils.data import DataLoader, RandomSampler

@@ -431,17 +431,15 @@ def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float)
 
 @contextlib.contextmanager
 def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
-    """The loader's data set and samplers with their attributes put back after the doctor's
-    reads: an iterable data set or a sampler may count its epochs or what it served on itself.
+    """The loader's data set and samplers (and those they wrap: :func:`_data_sources`) with their
+    attributes put back after the doctor's reads: an iterable data set or a sampler may count its
+    epochs or what it served on itself.
     Each attribute is bound again to its value; one changed in place stays changed (a data set's
     tensors are not copied), except a random generator's state (a shuffle's, an augmentation's,
     held by the loader or one of them), put back so that the user's next epoch draws the same."""
-    sources = {id(s): s for s in (getattr(loader, name, None)
-                                   for name in ("dataset", "sampler", "batch_sampler"))
-               if hasattr(s, "__dict__")}  # fmt: skip
-    kept = [(vars(s), dict(vars(s))) for s in sources.values()]
-    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)  # a BatchSampler's
-    holders = [h for h in (loader, *sources.values(), inner) if hasattr(h, "__dict__")]
+    sources = _data_sources(loader)
+    kept = [(vars(s), dict(vars(s))) for s in sources]
+    holders = [h for h in (loader, *sources) if hasattr(h, "__dict__")]
     generators = {id(v): v for h in holders for v in vars(h).values() if kind(v) == "rng"}
     states = [_state_kept(g) for g in generators.values()]
     try:
@@ -452,6 +450,28 @@ def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
             attributes.update(before)
         for put_back in states:
             put_back()
+
+
+# what a data set or sampler holds of the others: a Subset's or a sampler's data set, a
+# ConcatDataset's or ChainDataset's, a BatchSampler's sampler
+_WRAPPED = ("dataset", "sampler", "batch_sampler")
+WRAPPED_LEVELS = 16  # levels of wrapping followed at most: a longer chain is kept in part
+
+
+def _data_sources(loader: Iterable[Any] | None) -> list[Any]:
+    """The loader's data set and samplers, and those they wrap, each once (the attributes they
+    hold them in, read without running any code of theirs)."""
+    level = [getattr(loader, name, None) for name in _WRAPPED]
+    found: dict[int, Any] = {}
+    for _ in range(WRAPPED_LEVELS):
+        level = [s for s in {id(s): s for s in level}.values()
+                 if hasattr(s, "__dict__") and id(s) not in found]  # fmt: skip
+        found.update((id(s), s) for s in level)
+        held = [vars(s) for s in level]
+        level = [a.get(name) for a in held for name in _WRAPPED]
+        level += [d for a in held if isinstance(a.get("datasets"), (list, tuple))
+                  for d in a["datasets"]]  # fmt: skip
+    return list(found.values())
 
 
 def _state_kept(generator: Any) -> Callable[[], None]:
