@@ -2664,6 +2664,42 @@ def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(se
     assert set(multiprocessing.active_children()) == children
 
 
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "a pass held"])
+@pytest.mark.parametrize("trainer", [True, False], ids=["held in a cycle", "a closure"])
+def test_the_loader_copies_the_doctor_made_leave_no_worker_running(seed, trainer, persistent):
+    # a step that starts a pass on every call starts workers on its copy of the loader (kept by
+    # a persistent one, or by the pass the step holds); a copy held in a reference cycle (a
+    # callback's reference back to its trainer) would keep them until the collector's next
+    # pass, which here never comes
+    import gc
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(24, 4))
+    model, opt = small()
+    held = Holding(loader=DataLoader(data, batch_size=4, num_workers=1,
+                                     persistent_workers=persistent))  # fmt: skip
+    held.callbacks = [held] if trainer else []
+
+    def step():
+        held.batches = iter(held.loader)
+        (x,) = next(held.batches)
+        return one_update(model, opt, x)
+
+    children = set(multiprocessing.active_children())
+    gc.disable()
+    try:
+        report = examined(step)
+        assert set(multiprocessing.active_children()) == children
+        report.try_fixes(["set_to_none"], steps=1, repeats=1)
+        assert set(multiprocessing.active_children()) == children
+    finally:
+        gc.enable()
+    assert held.loader._iterator is None
+    assert "left the thread" not in first_line(report), first_line(report)
+
+
 def shuffled_pipeline(data: torch.Tensor, seed: int, drawn: int, workers: int):
     """A shuffling loader (with ``workers``, kept between epochs), and its iterator ``drawn``
     batches in; built twice from one seed, two draw the same."""

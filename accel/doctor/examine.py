@@ -30,7 +30,13 @@ from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.kept_files import TooLargeToKeep
-from accel.doctor.parts import StepParts, copy_step, find_parts, without_kept_iterator
+from accel.doctor.parts import (
+    StepParts,
+    copy_step,
+    find_parts,
+    loader_copies_ended,
+    without_kept_iterator,
+)
 from accel.doctor.reach import is_library, kind
 from accel.doctor.recorder import record_calls, record_step
 from accel.doctor.timeline import CALLS, profile_timeline
@@ -109,12 +115,13 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
             "outside your `with torch.profiler.profile()` block"
         )
     _refuse_unusable_loader(loader)
-    loader = _own_loader(loader)
     if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
         raise _empty(loader)
     with contextlib.ExitStack() as kept:
-        kept.enter_context(_sources_kept(loader))
+        kept.enter_context(_sources_kept(loader))  # the data set and samplers its copy reads
         session = kept.enter_context(Session())  # the random generators put back; files recorded
+        kept.enter_context(loader_copies_ended())  # copies' workers end before the session
+        loader = _own_loader(loader)
         if from_loader:
             batch = next(iter(loader), NO_BATCH)
             if batch is NO_BATCH:
@@ -487,7 +494,8 @@ def _state_kept(generator: Any) -> Callable[[], None]:
 
 def _own_loader(loader: Iterable[Any] | None) -> Iterable[Any] | None:
     """A DataLoader's copy to read from: the iterator and workers a persistent one keeps are
-    then the copy's, ended with it, never the user's loader's."""
+    then the copy's, ended when the doctor is done (``loader_copies_ended``), never the user's
+    loader's."""
     if not isinstance(loader, torch.utils.data.DataLoader):
         return loader
     return without_kept_iterator(copy.copy(loader))

@@ -10,12 +10,14 @@ it changed.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import copy
 import functools
 import itertools
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +38,7 @@ from accel.doctor.reach import (
     walk,
 )
 
-__all__ = ["StepParts", "copy_step", "find_parts", "without_kept_iterator"]
+__all__ = ["StepParts", "copy_step", "find_parts", "loader_copies_ended", "without_kept_iterator"]
 
 # built-in iterators a shallow copy makes independent
 _COPYABLE_ITERATORS = frozenset(type(iter(x)) for x in (
@@ -106,10 +108,53 @@ def _class_name(value: Any) -> str:
 
 def without_kept_iterator(made: Any) -> Any:
     """``made``, a shallow copy; a DataLoader's without the iterator a persistent one keeps
-    (``iter()`` on it resets that iterator: the copy starts its own, never the user's)."""
+    (``iter()`` on it resets that iterator: the copy starts its own, never the user's), and
+    noted where :func:`loader_copies_ended` is open."""
     if isinstance(made, torch.utils.data.DataLoader):
         made._iterator = None
+        if (noted := _LOADER_COPIES.get()) is not None:
+            _note(made, *noted)
     return made
+
+
+# the loader copies made, and the iterators they made (weakly), while loader_copies_ended is open
+_LOADER_COPIES: contextvars.ContextVar[tuple[list[Any], weakref.WeakSet] | None] = (
+    contextvars.ContextVar("accel_doctor_loader_copies", default=None)
+)
+
+
+def _note(loader: Any, loaders: list[Any], iterators: weakref.WeakSet) -> None:
+    """``loader`` noted, and each iterator it makes: the one a persistent loader keeps, or a
+    pass the copies' step holds."""
+    make = type(loader)._get_iterator
+
+    def made_and_noted() -> Any:
+        made = make(loader)
+        iterators.add(made)
+        return made
+
+    loader._get_iterator = made_and_noted  # taken off again when the doctor is done
+    loaders.append(loader)
+
+
+@contextlib.contextmanager
+def loader_copies_ended() -> Iterator[None]:
+    """While open, the DataLoader copies made are noted; on closing, the workers of each
+    iterator they made are shut down: left to its collection, they would outlive the doctor
+    where a reference cycle holds the copy (and its threads would be said left running)."""
+    loaders: list[Any] = []
+    iterators: weakref.WeakSet = weakref.WeakSet()
+    token = _LOADER_COPIES.set((loaders, iterators))
+    try:
+        yield
+    finally:
+        _LOADER_COPIES.reset(token)
+        for loader in loaders:
+            vars(loader).pop("_get_iterator", None)
+            loader._iterator = None
+        for made in list(iterators):
+            if hasattr(made, "_shutdown_workers"):  # one of workers (not read in the process)
+                made._shutdown_workers()
 
 
 # ---- finding -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from accel.doctor.check_host import GRAPH_REPLAY_OVER_KERNELS
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
 from accel.doctor.isolation import Session, put_back_files, seed_generators
-from accel.doctor.parts import copy_step
+from accel.doctor.parts import copy_step, loader_copies_ended
 from accel.doctor.timeline import CALLS
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
@@ -115,7 +115,8 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
                          "own objects (allow_training=True; the report's first line says why)")
     cuda = report.evidence.device.type == "cuda"
     repeats = repeats or (8 if cuda else 5)
-    with Session() as session:  # the random generators put back (the trials seed them)
+    # the random generators put back (the trials seed them); the loader copies' workers ended
+    with Session() as session, loader_copies_ended():
         session.watch(report.parts.reach.objects.values())
         untouched = Untouched(report.parts, report.batch)
         rows = _trials(report, names, steps, repeats, progress)
