@@ -81,8 +81,8 @@ class Timeline:
         the host has queued it (plus the launch's own latency where the device waited for it); a
         launch finding the device's queue full (:attr:`queue_depth`) waits until a kernel
         starts; a blocking call returns once the host reached it and the device finished what
-        was queued before it. A kernel made faster while the host holds the device back saves nothing.
-        Without profiled kernels (a CPU), the kernels' own saving."""
+        was queued before it. A kernel made faster while the host holds the device back saves
+        nothing. Without profiled kernels (a CPU), the kernels' own saving."""
         if not self.spans or not self.steps:
             return sum(saved_by_category.values())
         factor = {c: min(1.0, max(0.0, 1 - saved / self.by_category[c]))

@@ -300,9 +300,9 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     acting on it leaves of it in turn. Beside a fix that frees the host, a fix of the device's
     kernels that the host held back alone counts its kernels' own saving
     (:func:`_kernels_saving_us`); without one, the set is no faster than the host's own time to
-    launch the step (:attr:`~accel.doctor.timeline.Timeline.host_us`). A set replayed as a CUDA graph takes the kernels' time it
-    leaves, with the gaps a replay keeps between them, and no more than the same set launched
-    from the host."""
+    launch the step (:attr:`~accel.doctor.timeline.Timeline.host_us`). A set replayed as a CUDA
+    graph takes the kernels' time it leaves, with the gaps a replay keeps between them, and no
+    more than the same set launched from the host."""
     t = report.evidence.timeline
     unbound = bool(FREES_HOST & set(names))
     parts = dict(t.by_category) | {f"idle {cause}": us for cause, us in t.idle_us.items()}

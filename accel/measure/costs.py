@@ -66,7 +66,8 @@ def launch_queue_depth(device: torch.device | str, *, most: int = 4096) -> int:
     device = torch.device(device)
     if device.type != "cuda" or not hasattr(torch.cuda, "_sleep"):
         return 0
-    return _queue_depth(device if device.index is not None else torch.device("cuda", 0), most)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _queue_depth(torch.device("cuda", index), most)
 
 
 @functools.cache
