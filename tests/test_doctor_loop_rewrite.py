@@ -457,3 +457,65 @@ def test_the_batched_clip_fix_pastes_the_rewrite_it_measured(seed):
     assert trial["status"] in ("ok", "slower here") and trial["error"] <= trial["allowance"], trial
     assert "torch._foreach_norm(grads)" in trial["edit"] and "+++ " in trial["edit"]
     assert all(torch.equal(a, b) for a, b in zip(held, model.parameters(), strict=True))
+
+
+def test_the_clip_edit_takes_names_the_step_does_not_use_and_a_guard_written_as_a_block(seed):
+    from accel.doctor.loop_rewrite import rewrite_clip_loop
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    twin = copy.deepcopy(model)
+
+    def step_for(net):
+        def step(x):
+            norms = {"scale": 2.0}  # the step's own names: the edit must not take them
+            grads = None  # noqa: F841
+            (net(x).pow(2).sum() * 100 * norms["scale"]).backward()
+            for p in net.parameters():
+                if p.grad is not None:
+                    torch.nn.utils.clip_grad_norm_([p], 0.5)
+            return norms["scale"]
+
+        return step
+
+    step, plain = step_for(model), step_for(twin)
+    rewrite = rewrite_clip_loop(plain, line_of(plain, "clip_grad_norm_"))
+    assert "grads_2 = [p.grad for p in net.parameters() if p.grad is not None]" in rewrite.diff
+    assert "norms_2 = torch.stack(torch._foreach_norm(grads_2))" in rewrite.diff
+    x = torch.randn(5, 4)
+    assert step(x) == rewrite.step(x)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_loop_whose_variable_is_read_after_it_is_left_as_written(seed):
+    from accel.doctor.loop_rewrite import rewrite_clip_loop
+
+    model = nn.Linear(4, 2)
+
+    def step(x):
+        model(x).sum().backward()
+        for p in model.parameters():
+            torch.nn.utils.clip_grad_norm_([p], 1.0)
+        return p.grad.sum()  # the last item, after the loop
+
+    with pytest.raises(NotRewritable, match=r"reads p after the loop"):
+        rewrite_clip_loop(step, line_of(step, "clip_grad_norm_"))
+
+
+def test_a_clip_loop_that_reads_the_norms_is_not_batched_and_says_why(seed):
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(6)))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def step(x):
+        loss = model(x).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        total = 0.0
+        for p in model.parameters():
+            total += torch.nn.utils.clip_grad_norm_([p], 1.0) ** 2  # the norms, logged
+        opt.step()
+        return loss.detach() + 0 * total
+
+    report = doctor.examine(step, torch.randn(8, 16), steps=2, warmup=1)
+    (trial,) = report.try_fixes(["batched_clip"], repeats=2, steps=2).to_dict("records")
+    assert trial["status"].startswith("not applicable") and "reads each clip's norm" in trial["status"]

@@ -341,14 +341,16 @@ def _batched_clip(copy: StepCopy) -> None:
     rewritten as one pass in the copy's step (:func:`~accel.doctor.loop_rewrite.rewrite_clip_loop`;
     the diff is the edit to paste). Where the loop is in a function the step calls, or is not
     rewritten, its clips are batched as they run (:func:`batched_clipping`)."""
-    from accel.doctor.loop_rewrite import NotRewritable, rewrite_clip_loop
+    from accel.doctor.loop_rewrite import ClipNormRead, NotRewritable, rewrite_clip_loop
 
     code = getattr(getattr(copy.step, "__func__", copy.step), "__code__", None)
     lines = [s.line for f in copy.findings if f.kind == "clip_loop" for s in f.sites
              if code is not None and s.file == code.co_filename]  # fmt: skip
     try:
         rewrite = rewrite_clip_loop(copy.step, *dict.fromkeys(lines))
-    except NotRewritable:  # the finding's change says what to write instead
+    except NotRewritable as error:  # the finding's change says what to write instead
+        if any(isinstance(c, ClipNormRead) for c in getattr(error, "causes", ())):
+            raise FixNotApplicable(f"{error}: the loop reads each clip's norm") from None
         copy.contexts.append(batched_clipping)
         return
     copy.step = rewrite.step

@@ -32,6 +32,7 @@ becomes one pass with the same rule (:func:`rewrite_clip_loop`)::
 from __future__ import annotations
 
 import ast
+import itertools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,8 +47,8 @@ from accel.doctor.rewrite import (
     statement_blocks,
 )
 
-__all__ = ["FOREACH", "LoopRewrite", "NotRewritable", "clip_each_source", "rewrite_clip_loop",
-           "rewrite_loop"]
+__all__ = ["FOREACH", "ClipNormRead", "LoopRewrite", "NotRewritable", "clip_each_source",
+           "rewrite_clip_loop", "rewrite_loop"]
 
 # in-place tensor method -> its foreach form (torch._foreach_<name>)
 FOREACH = {name: f"_foreach_{name}" for name in (
@@ -80,32 +81,61 @@ def rewrite_clip_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
 
 def _rewritten(step, lines, parts, statements, tofile: str) -> LoopRewrite:
     """``step`` with the loops holding ``lines`` rewritten: ``parts(loop)`` reads one (or raises
-    :class:`NotRewritable`), ``statements(loop, guard, read, executed)`` writes its replacement."""
+    :class:`NotRewritable`), ``statements(loop, guard, read, executed, taken)`` writes its
+    replacement (``taken``: the names the function uses, which the edit must not reuse)."""
     function = getattr(step, "__func__", step)
     if not isinstance(function, types.FunctionType):
         raise NotRewritable(f"the step is a {type(step).__name__}, not a function")
     source, first, definition = function_source(function)
     found = [_loop_at(definition, line) for line in lines]
     refused = [_outside(n, definition) for n, f in zip(lines, found, strict=True) if not f]
-    spans = []
+    taken = {n.id for n in ast.walk(definition) if isinstance(n, ast.Name)}
+    taken |= {a.arg for a in ast.walk(definition.args) if isinstance(a, ast.arg)}
+    spans, causes = [], []
     for loop in dict.fromkeys(f for f in found if f):
         try:
+            _refuse_read_after(definition, loop)
             guard, read = parts(loop)
         except NotRewritable as error:
             head = source[loop.lineno - first].strip()  # as the user wrote it
             refused.append(f"the loop `{head}` at line {loop.lineno} is left as written: {error}")
+            causes.append(error)
             continue
-        spans.append((loop.lineno, loop.end_lineno, statements(loop, guard, read, False)))
+        spans.append((loop.lineno, loop.end_lineno, statements(loop, guard, read, False, taken)))
         block = next(b for b in statement_blocks(definition) if loop in b)
         at = block.index(loop)
-        block[at : at + 1] = statements(loop, guard, read, executed=True)
+        block[at : at + 1] = statements(loop, guard, read, True, taken)
     if not spans:
-        raise NotRewritable("; ".join(refused) or "no line of the step was given")
+        error = NotRewritable("; ".join(refused) or "no line of the step was given")
+        error.causes = causes  # one per loop of the step read and left as written
+        raise error
     new = recompiled(function, definition)
     if isinstance(step, types.MethodType):
         new = types.MethodType(new, step.__self__)
     fromfile = function.__code__.co_filename
     return LoopRewrite(new, replaced_diff(source, first, spans, fromfile, tofile), refused)
+
+
+def _refuse_read_after(definition: ast.FunctionDef, loop: ast.For) -> None:
+    """:class:`NotRewritable` where the function reads a loop variable after the loop (its last
+    item), which the rewrite, binding none, would leave undefined."""
+    names = set(_names(loop.target))
+    later = sorted((n for n in ast.walk(definition) if isinstance(n, ast.Name) and n.id in names
+                    and n.lineno > (loop.end_lineno or loop.lineno)),
+                   key=lambda n: (n.lineno, n.col_offset))  # fmt: skip
+    first = {}
+    for n in later:
+        first.setdefault(n.id, n)
+    read = [n for n in first.values() if isinstance(n.ctx, ast.Load)]
+    if read:
+        raise NotRewritable(f"line {read[0].lineno} reads {read[0].id} after the loop, which "
+                            "the rewrite would leave unbound")  # fmt: skip
+
+
+def _unused_name(wanted: str, taken: set[str]) -> str:
+    """``wanted``, or ``wanted`` with a suffix where the function already uses that name."""
+    names = itertools.chain([wanted], (f"{wanted}_{i}" for i in itertools.count(2)))
+    return next(n for n in names if n not in taken)
 
 
 def _outside(line: int, definition: ast.FunctionDef) -> str:
@@ -130,7 +160,8 @@ def _parts(loop: ast.For) -> tuple[ast.expr | None, list[ast.Call]]:
 
 
 def _guarded_body(loop: ast.For) -> tuple[list[str], ast.expr | None, list[ast.stmt]]:
-    """The loop's names, its ``if ...: continue`` guard (or None) and the statements after it."""
+    """The loop's names, its guard (or None: the condition on which an item is skipped, written
+    ``if ...: continue`` or as a block ``if ...:`` holding the whole body) and its statements."""
     names = _names(loop.target)
     if not names or loop.orelse:
         raise NotRewritable("only `for p in ...:` or `for e, p in ...:` without an `else:` is "
@@ -139,7 +170,14 @@ def _guarded_body(loop: ast.For) -> tuple[list[str], ast.expr | None, list[ast.s
     first = body[0]
     if isinstance(first, ast.If) and not first.orelse and _is_continue(first.body):
         guard, body = first.test, body[1:]
+    elif len(body) == 1 and isinstance(first, ast.If) and not first.orelse:
+        guard, body = _negated(first.test), list(first.body)
     return names, guard, body
+
+
+class ClipNormRead(NotRewritable):
+    """A clip loop that reads the norms the clips return: batched as the calls run, they would
+    be read before they are computed."""
 
 
 _CLIP_ARGUMENTS = ("parameters", "max_norm", "norm_type", "error_if_nonfinite", "foreach")
@@ -153,8 +191,10 @@ def _clip_parts(loop: ast.For) -> tuple[ast.expr | None, tuple[ast.expr, ast.exp
     call = statement.value if isinstance(statement, ast.Expr) else None
     said = "; ".join(f"`{ast.unparse(s).splitlines()[0]}`" for s in body) or "nothing"
     if not (isinstance(call, ast.Call) and _called(call).endswith("clip_grad_norm_")):
-        raise NotRewritable(f"its body ({said}) is not one clip_grad_norm_(...) call whose result "
-                            "is left unused")  # fmt: skip
+        used = any(isinstance(n, ast.Call) and _called(n).endswith("clip_grad_norm_")
+                   for s in body for n in ast.walk(s))  # fmt: skip
+        raise (ClipNormRead if used else NotRewritable)(
+            f"its body ({said}) is not one clip_grad_norm_(...) call whose result is left unused")
     given = dict(zip(_CLIP_ARGUMENTS, call.args, strict=False))
     given |= {k.arg: k.value for k in call.keywords}
     tensor = given.get("parameters")
@@ -192,10 +232,12 @@ def clip_each_source(items: str, max_norm: str, norm_type: str | None = None, *,
             ".clamp(max=1.0).unbind())\n")
 
 
-def _clip_statements(loop: ast.For, guard: ast.expr | None, clip, executed: bool) -> list[ast.stmt]:
+def _clip_statements(loop: ast.For, guard: ast.expr | None, clip, executed: bool,
+                     taken: set[str]) -> list[ast.stmt]:  # fmt: skip
     tensor, max_norm, norm_type = clip
     items = f"for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}"
-    names = ("__clip_grads", "__clip_norms") if executed else _free(loop, "grads", "norms")
+    names = (("__clip_grads", "__clip_norms") if executed
+             else (_unused_name("grads", taken), _unused_name("norms", taken)))  # fmt: skip
     source = clip_each_source(
         items, f"({ast.unparse(max_norm)})",  # parsed again: the brackets stay only if needed
         None if norm_type is None else ast.unparse(norm_type),
@@ -208,12 +250,6 @@ def _clip_statements(loop: ast.For, guard: ast.expr | None, clip, executed: bool
         for node in ast.walk(statement):
             ast.copy_location(node, loop)
     return out
-
-
-def _free(loop: ast.For, *wanted: str) -> tuple[str, ...]:
-    """``wanted`` names, each prefixed with ``clip_`` where the loop's function might read it."""
-    used = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name)}
-    return tuple(f"clip_{w}" if w in used else w for w in wanted)
 
 
 def _names(target: ast.expr) -> list[str]:
@@ -339,10 +375,11 @@ def _negated(guard: ast.expr) -> ast.expr:
 
 
 def _statements(loop: ast.For, guard: ast.expr | None, calls: list[ast.Call],
-                executed: bool) -> list[ast.stmt]:  # fmt: skip
+                executed: bool, taken: set[str]) -> list[ast.stmt]:  # fmt: skip
     """The loop's items taken once, then one foreach call per in-place call; ``executed``: torch
     reached without a name in the user's module (the diff says ``torch``)."""
-    items, names = _ITEMS if executed else "tensors", _names(loop.target)
+    items = _ITEMS if executed else _unused_name("tensors", taken)
+    names = _names(loop.target)
     if guard is None:
         listed = ast.Call(ast.Name("list", ast.Load()), [loop.iter], [])
     else:
