@@ -1118,6 +1118,49 @@ def test_a_generator_not_yet_started_is_made_again_on_the_copies(seed):
     assert len(rest) == 3 and all(torch.equal(a, b) for a, b in zip(rest, data, strict=True))
 
 
+def test_a_generator_reading_an_open_file_is_not_made_again_over_your_file(seed, tmp_path):
+    # made again, the copies' generator would read the file handle both share: yours would
+    # find it read through, and nothing said; read once instead, the report says what it took
+    model, opt = small()
+    path = tmp_path / "rows.txt"
+    path.write_text("".join(f"{i} {i + 1} {i + 2} {i + 3}\n" for i in range(100)))
+
+    def batches(handle):
+        for line in handle:
+            yield torch.tensor([[float(v) for v in line.split()]])
+
+    with open(path) as handle:
+        gen = batches(handle)
+
+        def step():
+            return one_update(model, opt, next(gen))
+
+        report = examined(step)
+        report.try_fixes(["set_to_none"], steps=1, repeats=1)
+        said = first_line(report)
+        rest = list(gen)
+    assert "took 1 item" in said, said
+    assert len(rest) == 99 and rest[0].tolist() == [[1.0, 2.0, 3.0, 4.0]]
+
+
+@pytest.mark.parametrize("layout", ["a column slice", "transposed", "channels-last"])
+def test_the_copies_batch_keeps_the_strides_of_yours(seed, layout):
+    # a step that works only on the layout it is given (``x.view(-1)`` refuses a slice) must be
+    # examined on that layout, not on a contiguous copy of it
+    model, opt = small()
+    x = {"a column slice": lambda: torch.randn(5, 6)[:, :4],
+         "transposed": lambda: torch.randn(4, 5).t(),
+         "channels-last": lambda: torch.randn(5, 4, 1, 1).contiguous(
+             memory_format=torch.channels_last)}[layout]()  # fmt: skip
+    strides = x.stride()
+
+    def step(batch):
+        assert batch.stride() == strides, batch.stride()
+        return one_update(model, opt, batch.reshape(5, 4))
+
+    examined(step, x).try_fixes(["set_to_none"], steps=1, repeats=1)
+
+
 def test_a_finite_iterator_gives_one_item_which_the_step_gets_again(seed):
     model, opt = small()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)),

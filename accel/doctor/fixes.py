@@ -130,9 +130,17 @@ def _own_leaf(leaf: Any, depth: int) -> Any:
 
 
 def _own_tensor(t: torch.Tensor) -> torch.Tensor:
-    copied = t.detach().clone()
-    if t.device.type == "cpu" and t.is_pinned():
-        copied = copied.pin_memory()
+    """A copy of ``t`` with its strides (a step may work on its layout alone: ``view`` refuses a
+    slice), pinned where it is; an overlapping one (expanded) made dense as ``clone`` makes it."""
+    pinned = t.device.type == "cpu" and t.is_pinned()
+    try:
+        if t.layout is not torch.strided or t.is_quantized or t.is_nested:
+            raise RuntimeError("no strides to keep")
+        copied = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device,
+                                     pin_memory=pinned).copy_(t.detach())  # fmt: skip
+    except RuntimeError:  # no strides, or more than one element at one place: none to keep
+        copied = t.detach().clone()
+        copied = copied.pin_memory() if pinned else copied
     return copied.requires_grad_(t.requires_grad)
 
 

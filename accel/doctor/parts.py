@@ -428,14 +428,28 @@ class _Rebuild:
 
     def _made_again(self, generator: Any) -> Callable[[], Any] | None:
         """What makes a generator not yet started again for the copies: its function and
-        arguments as the walk found them (``generator_call``), each the copies' own."""
+        arguments as the walk found them (``generator_call``), each the copies' own. None where
+        its code reaches an open file, which the copies would share with yours and read through."""
         edges = self.reach.edges.get(id(generator), ())
         fn = next((e.child for e in edges if e.kind == "func"), None)
-        if fn is None:
+        if fn is None or self._reaches_a_file(generator):
             return None
         args = [self.new(e.child) for e in edges if e.kind == "arg"]
         keywords = {e.key: self.new(e.child) for e in edges if e.kind == "keyword"}
         return functools.partial(self.new(fn), *args, **keywords)
+
+    def _reaches_a_file(self, value: Any) -> bool:
+        seen, todo = set(), [value]
+        while todo:
+            item = todo.pop()
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            for edge in self.reach.edges.get(id(item), ()):
+                if kind(edge.child) == "file":
+                    return True
+                todo.append(edge.child)
+        return False
 
     def _scope(self, globals_: dict[str, Any]) -> dict[str, Any]:
         """The copies' globals of a module: its namespace copied once, shared by the copies of
