@@ -2846,6 +2846,33 @@ class CountingData(NoisyData):
         return super().__getitem__(i)
 
 
+class CachingCounter(torch.utils.data.Dataset):
+    """A data set that counts its reads in a tensor and a list, and caches what it served."""
+
+    def __init__(self):
+        self.seen, self.log, self.cache = torch.zeros(32), [], {}
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        self.seen[i] += 1
+        self.log.append(i)
+        return self.cache.setdefault(i, torch.full((4,), float(i)))
+
+
+@pytest.mark.parametrize("wrap", ["plain", "subset"])
+def test_what_a_data_set_holds_and_changes_in_place_is_put_back(seed, wrap):
+    from torch.utils.data import DataLoader, Subset
+
+    data = CachingCounter()
+    loader = DataLoader(data if wrap == "plain" else Subset(data, list(range(32))), batch_size=4)
+    model, opt = small()
+    examined(lambda x: one_update(model, opt, x), loader=loader).try_fixes(
+        ["set_to_none"], steps=1, repeats=1)  # fmt: skip
+    assert data.seen.sum() == 0 and data.log == [] and data.cache == {}
+
+
 def test_the_data_sets_a_subset_or_a_concatenation_wraps_are_left_as_they_were(seed):
     # the loading reaches them through the wrappers: their counts and generators are put back
     from torch.utils.data import ConcatDataset, DataLoader, Subset

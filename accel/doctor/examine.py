@@ -3,6 +3,7 @@ and return a :class:`~accel.doctor.report.Report` of what the checks found."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import inspect
@@ -37,7 +38,7 @@ from accel.doctor.parts import (
     loader_copies_ended,
     without_kept_iterator,
 )
-from accel.doctor.reach import is_library, kind
+from accel.doctor.reach import is_array, is_library, kind
 from accel.doctor.recorder import record_calls, record_step
 from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.trial import replay_device_savings
@@ -440,15 +441,19 @@ def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float)
 def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
     """The loader's data set and samplers (and those they wrap: :func:`_data_sources`) with their
     attributes put back after the doctor's reads: an iterable data set or a sampler may count its
-    epochs or what it served on itself.
-    Each attribute is bound again to its value; one changed in place stays changed (a data set's
-    tensors are not copied), except a random generator's state (a shuffle's, an augmentation's,
-    held by the loader or one of them), put back so that the user's next epoch draws the same."""
+    epochs or what it served on itself, a data set its reads or a cache.
+    Each attribute is bound again to its value, and what one holds changed in place is put back
+    (a container's items, a tensor or array up to :data:`KEPT_IN_PLACE_BYTES`: larger ones are
+    the samples, read, not written), and so is a random generator's state (a shuffle's, an
+    augmentation's, held by the loader or one of them), so that the user's next epoch draws
+    the same."""
     sources = _data_sources(loader)
     kept = [(vars(s), dict(vars(s))) for s in sources]
     holders = [h for h in (loader, *sources) if hasattr(h, "__dict__")]
     generators = {id(v): v for h in holders for v in vars(h).values() if kind(v) == "rng"}
+    held = {id(v): v for s in sources for v in vars(s).values()}
     states = [_state_kept(g) for g in generators.values()]
+    states += [k for k in map(_contents_kept, held.values()) if k is not None]
     try:
         yield
     finally:
@@ -457,6 +462,27 @@ def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
             attributes.update(before)
         for put_back in states:
             put_back()
+
+
+KEPT_IN_PLACE_BYTES = 64 * 2**20  # a data set's tensor or array up to this is put back in place
+
+
+def _contents_kept(value: Any) -> Callable[[], None] | None:
+    """What puts ``value``'s contents back as they are now, in place (None: nothing to keep)."""
+    if isinstance(value, (dict, set)):
+        saved = value.copy()
+        return lambda: (value.clear(), value.update(saved))
+    if isinstance(value, (list, collections.deque)):
+        saved = list(value)
+        return lambda: (value.clear(), value.extend(saved))
+    if isinstance(value, torch.Tensor) and value.layout is torch.strided and (
+            value.numel() * value.element_size() <= KEPT_IN_PLACE_BYTES):  # fmt: skip
+        saved = value.detach().clone()
+        return lambda: value.detach().copy_(saved)
+    if is_array(value) and value.nbytes <= KEPT_IN_PLACE_BYTES and value.flags.writeable:
+        saved = value.copy()
+        return lambda: value.__setitem__(..., saved)
+    return None
 
 
 # what a data set or sampler holds of the others: a Subset's or a sampler's data set, a
