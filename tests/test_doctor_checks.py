@@ -656,6 +656,21 @@ def test_a_users_loop_of_clip_calls_is_found_on_cpu_with_the_batched_fix():
     assert not any("clip_grad_norm_(model.parameters()" in line for line in code)
 
 
+@pytest.mark.parametrize("norm_type", [float("inf"), 1.0])
+def test_the_clip_loops_change_clips_with_the_norm_the_loop_takes(norm_type):
+    model = ladder()
+    model(torch.randn(3, 8)).sum().backward()
+
+    def clip_each():
+        for p in model.parameters():
+            torch.nn.utils.clip_grad_norm_(p, 1.0, norm_type=norm_type)
+
+    recording = recorder.record_step(clip_each, torch.device("cpu"))
+    (found,) = check_kernels.loops(evidence(recording.ops, parts=model_parts(model), device="cpu"))
+    said = "float('inf')" if norm_type == float("inf") else "1.0"
+    assert f"norms = torch.stack(torch._foreach_norm(grads, {said}))" in found.change
+
+
 def test_one_clip_call_with_foreach_off_is_told_to_take_foreach():
     model = ladder()
     model(torch.randn(3, 8)).sum().backward()

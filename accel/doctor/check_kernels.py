@@ -160,12 +160,21 @@ def _optimizer_change(evidence: Evidence, ops: list[OpRecord], change: str) -> s
     return change
 
 
-_CLIP_EACH_CHANGE = (
-    "# each gradient clipped to its own norm as your loop does, all in one pass:\n"
-    + clip_each_source("for p in model.parameters()", "max_norm")
-    + "# or one norm over every gradient (another rule, the usual one):\n"
-    "# torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)"
-)
+def _clip_each_change(ops: list[OpRecord]) -> str:
+    """The change for a loop of single-tensor clips, with the norm its clips took."""
+    orders = [x for o in ops if o.op in _NORMS for x in o.scalars[:1] if isinstance(x, float)]
+    order = orders[0] if orders else 2.0
+    norm = None if order == 2.0 else f"float('{order}')" if math.isinf(order) else repr(order)
+    argument = "" if norm is None else f", norm_type={norm}"
+    return (
+        "# each gradient clipped to its own norm as your loop does, all in one pass:\n"
+        + clip_each_source("for p in model.parameters()", "max_norm", norm)
+        + "# or one norm over every gradient (another rule, the usual one):\n"
+        f"# torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm{argument}, foreach=True)"
+    )
+
+
+_NORMS = frozenset({"aten::_foreach_norm", "aten::linalg_vector_norm"})
 
 
 def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRecord]) -> Finding:
@@ -176,7 +185,7 @@ def _loop_finding(evidence: Evidence, sites: list, library: str, ops: list[OpRec
         # a clip call per tensor (one clamp of its coefficient each) has one tensor for foreach
         # to batch: its calls are batched instead; one call over many takes foreach
         each = sum(op.op == "aten::clamp" for op in ops) > 1
-        change, fixes = (_CLIP_EACH_CHANGE, ("batched_clip",)) if each else (change, fixes)
+        change, fixes = (_clip_each_change(ops), ("batched_clip",)) if each else (change, fixes)
     if evidence.cuda:
         saved, model = loop_saving_us(evidence, ops, kind)
     else:
