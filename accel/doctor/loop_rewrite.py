@@ -73,9 +73,10 @@ def rewrite_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
 
 def rewrite_clip_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
     """``step`` with every loop holding one of ``lines`` that clips one gradient at a time
-    (its body one ``clip_grad_norm_`` call of the loop's tensor, result unused, an optional
-    ``if ...: continue`` first) rewritten as one pass that clips each to its own norm;
-    :class:`NotRewritable` where none can be."""
+    (its body one ``clip_grad_norm_`` call of the loop's tensor, result unused, behind an
+    optional guard) rewritten as one pass that clips each to its own norm;
+    :class:`NotRewritable` where none can be (:class:`ClipNormRead` among its ``causes`` where
+    the loop reads the norms)."""
     return _rewritten(step, lines, _clip_parts, _clip_statements, "with the clips in one pass")
 
 
