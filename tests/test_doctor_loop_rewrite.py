@@ -519,3 +519,16 @@ def test_a_clip_loop_that_reads_the_norms_is_not_batched_and_says_why(seed):
     report = doctor.examine(step, torch.randn(8, 16), steps=2, warmup=1)
     (trial,) = report.try_fixes(["batched_clip"], repeats=2, steps=2).to_dict("records")
     assert trial["status"].startswith("not applicable") and "reads each clip's norm" in trial["status"]
+
+
+def test_a_clip_loop_in_a_step_whose_source_is_not_a_function_is_batched_as_it_runs(seed):
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(6)))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    class Step:  # a callable object: no function source to rewrite
+        def __call__(self, x):
+            return clip_step_for(model, opt, "list")(x)
+
+    report = doctor.examine(Step(), torch.randn(8, 16), steps=2, warmup=1)
+    (trial,) = report.try_fixes(["batched_clip"], repeats=2, steps=2).to_dict("records")
+    assert trial["status"] in ("ok", "slower here") and trial["edit"] == "", trial

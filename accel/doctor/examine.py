@@ -304,23 +304,27 @@ class _Repeated:
 
     def __call__(self) -> Any:
         self.calls += 1
-        try:
-            return self.call()
-        except TooLargeToKeep as refusal:
-            raise UsageError(str(refusal)) from refusal
-        except (Exception, SystemExit) as error:  # a script's sys.exit() would end the process
-            where = _where_raised(error) + _copies_cause(error)
-            if self.calls == 1:
-                raise UsageError(
-                    f"the step raised on its first call, on the doctor's copies {where}"
-                    f"{self.hint}. Fix the step so that one call of it runs, then examine it again"
-                ) from error
-            raise UsageError(
-                f"the step ran {self.calls - 1} times on the doctor's copies and raised on call "
-                f"{self.calls} {where}. The doctor runs it many times, as training "
-                "does: what ends after a few steps (a schedule's total_steps, a finite data "
-                "source) must allow more"
-            ) from error
+        return _said_as_usage(self.call, self._said)
+
+    def _said(self, where: str) -> str:
+        if self.calls == 1:
+            return (f"the step raised on its first call, on the doctor's copies {where}"
+                    f"{self.hint}. Fix the step so that one call of it runs, then examine it again")  # fmt: skip
+        return (f"the step ran {self.calls - 1} times on the doctor's copies and raised on call "
+                f"{self.calls} {where}. The doctor runs it many times, as training does: what "
+                "ends after a few steps (a schedule's total_steps, a finite data source) must "
+                "allow more")  # fmt: skip
+
+
+def _said_as_usage(call: Callable[[], Any], said: Callable[[str], str]) -> Any:
+    """``call()``; what it raises said as the user's mistake, ``said(where)`` with the user's line
+    that raised (a script's sys.exit() too, which would end the process)."""
+    try:
+        return call()
+    except TooLargeToKeep as refusal:
+        raise UsageError(str(refusal)) from refusal
+    except (Exception, SystemExit) as error:
+        raise UsageError(said(_where_raised(error) + _copies_cause(error))) from error
 
 
 def _where_raised(error: BaseException) -> str:
@@ -345,19 +349,12 @@ def _copies_cause(error: BaseException) -> str:
 def _fed(runner: Callable[[Any], Any], loader: Iterable[Any]) -> Callable[[Any], Any]:
     """``runner`` on the loader's batches: one it cannot take is the loader's mistake, said so."""
 
-    def run(batch: Any) -> Any:
-        try:
-            return runner(batch)
-        except TooLargeToKeep as refusal:
-            raise UsageError(str(refusal)) from refusal
-        except (Exception, SystemExit) as error:
-            raise UsageError(
-                f"the step ran on the batch given and raised on a batch of loader= (a "
-                f"{type(loader).__name__}) {_where_raised(error)}. The loader's batches must be "
-                "what the step takes, as the batch given is"
-            ) from error
+    def said(where: str) -> str:
+        return (f"the step ran on the batch given and raised on a batch of loader= (a "
+                f"{type(loader).__name__}) {where}. The loader's batches must be what the step "
+                "takes, as the batch given is")  # fmt: skip
 
-    return run
+    return lambda batch: _said_as_usage(lambda: runner(batch), said)
 
 
 def _copy_or_own(

@@ -331,17 +331,22 @@ def _foreach_loop(copy: StepCopy) -> None:
     are the edit to paste."""
     from accel.doctor.loop_rewrite import NotRewritable, rewrite_loop
 
-    code = getattr(getattr(copy.step, "__func__", copy.step), "__code__", None)
-    sites = [s for f in copy.findings if f.kind == "tensor_loop" for s in f.sites
-             if code is not None and s.file == code.co_filename]  # fmt: skip
-    if not sites:
+    lines = _step_lines(copy, "tensor_loop")
+    if not lines:
         raise FixNotApplicable("no loop over tensors found in the step function itself")
     try:
-        rewrite = rewrite_loop(copy.step, *dict.fromkeys(s.line for s in sites))
+        rewrite = rewrite_loop(copy.step, *lines)
     except NotRewritable as error:
         raise FixNotApplicable(str(error)) from None
     copy.step = rewrite.step
     copy.edits += [rewrite.diff, *(f"# {why}" for why in rewrite.refused)]
+
+
+def _step_lines(copy: StepCopy, kind: str) -> list[int]:
+    """The lines of the step function's own file where the findings of ``kind`` ran, once each."""
+    code = getattr(getattr(copy.step, "__func__", copy.step), "__code__", None)
+    return list(dict.fromkeys(s.line for f in copy.findings if f.kind == kind for s in f.sites
+                              if code is not None and s.file == code.co_filename))  # fmt: skip
 
 
 def _batched_clip(copy: StepCopy) -> None:
@@ -349,15 +354,12 @@ def _batched_clip(copy: StepCopy) -> None:
     rewritten as one pass in the copy's step (:func:`~accel.doctor.loop_rewrite.rewrite_clip_loop`;
     the diff is the edit to paste). Where the loop is in a function the step calls, or is not
     rewritten, its clips are batched as they run (:func:`batched_clipping`)."""
-    from accel.doctor.loop_rewrite import ClipNormRead, NotRewritable, rewrite_clip_loop
+    from accel.doctor.loop_rewrite import ClipNormRead, LoopsLeft, NotRewritable, rewrite_clip_loop
 
-    code = getattr(getattr(copy.step, "__func__", copy.step), "__code__", None)
-    lines = [s.line for f in copy.findings if f.kind == "clip_loop" for s in f.sites
-             if code is not None and s.file == code.co_filename]  # fmt: skip
     try:
-        rewrite = rewrite_clip_loop(copy.step, *dict.fromkeys(lines))
+        rewrite = rewrite_clip_loop(copy.step, *_step_lines(copy, "clip_loop"))
     except NotRewritable as error:  # the finding's change says what to write instead
-        if any(isinstance(c, ClipNormRead) for c in getattr(error, "causes", ())):
+        if isinstance(error, LoopsLeft) and any(isinstance(c, ClipNormRead) for c in error.causes):
             raise FixNotApplicable(f"{error}: the loop reads each clip's norm") from None
         copy.contexts.append(batched_clipping)
         return

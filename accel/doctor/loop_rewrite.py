@@ -47,7 +47,7 @@ from accel.doctor.rewrite import (
     statement_blocks,
 )
 
-__all__ = ["FOREACH", "ClipNormRead", "LoopRewrite", "NotRewritable", "clip_each_source",
+__all__ = ["FOREACH", "ClipNormRead", "LoopRewrite", "LoopsLeft", "NotRewritable", "clip_each_source",
            "rewrite_clip_loop", "rewrite_loop"]
 
 # in-place tensor method -> its foreach form (torch._foreach_<name>)
@@ -107,9 +107,7 @@ def _rewritten(step, lines, parts, statements, tofile: str) -> LoopRewrite:
         at = block.index(loop)
         block[at : at + 1] = statements(loop, guard, read, True, taken)
     if not spans:
-        error = NotRewritable("; ".join(refused) or "no line of the step was given")
-        error.causes = causes  # one per loop of the step read and left as written
-        raise error
+        raise LoopsLeft("; ".join(refused) or "no line of the step was given", causes)
     new = recompiled(function, definition)
     if isinstance(step, types.MethodType):
         new = types.MethodType(new, step.__self__)
@@ -174,6 +172,14 @@ def _guarded_body(loop: ast.For) -> tuple[list[str], ast.expr | None, list[ast.s
     elif len(body) == 1 and isinstance(first, ast.If) and not first.orelse:
         guard, body = _negated(first.test), list(first.body)
     return names, guard, body
+
+
+class LoopsLeft(NotRewritable):
+    """No loop was rewritten; ``causes``: why each loop of the step that was read was left."""
+
+    def __init__(self, message: str, causes: list[NotRewritable]) -> None:
+        super().__init__(message)
+        self.causes = causes
 
 
 class ClipNormRead(NotRewritable):

@@ -432,24 +432,11 @@ class _Rebuild:
         its code reaches an open file, which the copies would share with yours and read through."""
         edges = self.reach.edges.get(id(generator), ())
         fn = next((e.child for e in edges if e.kind == "func"), None)
-        if fn is None or self._reaches_a_file(generator):
+        if fn is None or any(kind(v) == "file" for v in self.reach.descendants(generator)):
             return None
         args = [self.new(e.child) for e in edges if e.kind == "arg"]
         keywords = {e.key: self.new(e.child) for e in edges if e.kind == "keyword"}
         return functools.partial(self.new(fn), *args, **keywords)
-
-    def _reaches_a_file(self, value: Any) -> bool:
-        seen, todo = set(), [value]
-        while todo:
-            item = todo.pop()
-            if id(item) in seen:
-                continue
-            seen.add(id(item))
-            for edge in self.reach.edges.get(id(item), ()):
-                if kind(edge.child) == "file":
-                    return True
-                todo.append(edge.child)
-        return False
 
     def _scope(self, globals_: dict[str, Any]) -> dict[str, Any]:
         """The copies' globals of a module: its namespace copied once, shared by the copies of

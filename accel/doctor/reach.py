@@ -93,6 +93,17 @@ class Reach:
                     todo.append(parent)
         return found
 
+    def descendants(self, value: Any) -> list[Any]:
+        """The objects reached from ``value`` (itself left out)."""
+        found: dict[int, Any] = {}
+        todo = [value]
+        while todo:
+            for edge in self.edges.get(id(todo.pop()), ()):
+                if id(edge.child) not in found:
+                    found[id(edge.child)] = edge.child
+                    todo.append(edge.child)
+        return list(found.values())
+
 
 def walk(step: Any) -> Reach:
     """Everything ``step`` can reach (see the module's doc)."""

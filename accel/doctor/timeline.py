@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,7 +90,7 @@ class Timeline:
                   for c, saved in saved_by_category.items() if self.by_category.get(c, 0) > 0}  # fmt: skip
         return max(0.0, self._replayed_us({}) - self._replayed_us(factor)) / self.steps
 
-    @property
+    @functools.cached_property
     def host_us(self) -> float:
         """The step's time were every kernel free: the host launching it, each blocking call
         returning at once (0 without profiled kernels, as on a CPU)."""
