@@ -350,6 +350,24 @@ def test_untouched_names_a_model_the_step_never_showed(seed):
     assert "0.weight.grad" in untouched.report()[0]
 
 
+def test_untouched_leaves_out_the_copies_an_earlier_run_made(seed):
+    """torch.compile's caches keep a compiled copy's parameters alive after its run, and a later
+    CUDA graph replay writes over their gradients: the doctor's own copies are not the user's."""
+    from accel.doctor.parts import copy_step, find_parts
+    from accel.doctor.untouched import Untouched
+
+    model, opt = small()
+
+    def step(x):
+        return one_update(model, opt, x)
+
+    _, copied = copy_step(step, find_parts(step))  # an earlier run's copy, still alive
+    untouched = Untouched(find_parts(step))
+    for p in copied.models[0].parameters():
+        p.grad = torch.randn_like(p)
+    assert untouched.changed() == []
+
+
 def test_untouched_compares_a_tensor_it_cannot_read_by_its_version(seed, monkeypatch):
     """A model left behind by CUDA graphs (compiled with mode="reduce-overhead", its gradients
     since run over by a later replay): torch refuses to read them, so they are compared by their
@@ -3102,3 +3120,61 @@ def test_the_users_compiled_model_stays_compiled_after_examine(device):
     assert eager_sines() == 0
     doctor.examine(step, batch, steps=1, warmup=1)
     assert eager_sines() == 0
+
+
+# ---- torch.compile's caches --------------------------------------------------------------------
+def _sine(x):
+    return x.sin() + 1
+
+
+def _cosine(x):
+    return x.cos() * 2
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_a_session_empties_what_it_compiled_where_the_process_had_compiled_nothing():
+    """A compiled copy stays in torch.compile's caches (with its memory) until a reset; in a
+    process that had compiled nothing, the reset puts it back as it was."""
+    from accel.doctor.isolation import Session
+
+    torch._dynamo.reset()
+    with Session() as session:
+        torch.compile(_sine, backend="eager")(torch.randn(3))
+    compiled = _graphs_compiled()
+    torch.compile(_sine, backend="eager")(torch.randn(3))
+    assert _graphs_compiled() == compiled + 1  # compiled again: nothing was left cached
+    assert session.effects().said() == []
+    torch._dynamo.reset()
+
+
+def test_a_session_keeps_the_users_compiled_functions_and_says_what_it_left():
+    from accel.doctor.isolation import Session
+
+    torch._dynamo.reset()
+    users = torch.compile(_cosine, backend="eager")
+    users(torch.randn(3))
+    with Session() as session:
+        torch.compile(_sine, backend="eager")(torch.randn(3))
+    compiled = _graphs_compiled()
+    users(torch.randn(3))
+    assert _graphs_compiled() == compiled  # the user's compiled function kept its cache
+    (said,) = session.effects().said()
+    assert "torch._dynamo.reset()" in said
+    torch._dynamo.reset()
+
+
+def test_a_session_that_compiled_nothing_says_nothing_of_compiling():
+    from accel.doctor.isolation import Session
+
+    torch._dynamo.reset()
+    users = torch.compile(_cosine, backend="eager")
+    users(torch.randn(3))
+    with Session() as session:
+        _sine(torch.randn(3))
+    assert session.effects().said() == []
+    torch._dynamo.reset()

@@ -34,7 +34,7 @@ import torch
 
 from accel.doctor.effects import Effects
 from accel.doctor.kept_files import KeptFiles, TooLargeToKeep, absolute, appends_only
-from accel.doctor.process_state import GlobalHooks, ProcessSwitches
+from accel.doctor.process_state import CompiledCaches, GlobalHooks, ProcessSwitches
 from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
@@ -81,8 +81,9 @@ class Session:
     it opened, and so are the process-wide switches (TF32, cudnn.benchmark, determinism, anomaly
     detection, the SDPA kernels, the thread count, the float32 matmul precision, denormals
     flushed, print options, oneDNN, autograd's threads), the process's other switches
-    (:class:`~accel.doctor.process_state.ProcessSwitches`), the hooks of every module and optimizer, the warnings filters,
-    the working folder, the environment variables and the loggers' levels and handlers."""
+    (:class:`~accel.doctor.process_state.ProcessSwitches`), the hooks of every module and optimizer,
+    torch.compile's caches (:class:`~accel.doctor.process_state.CompiledCaches`), the warnings
+    filters, the working folder, the environment variables and the loggers' levels and handlers."""
 
     def __init__(self) -> None:
         self._recording = _Recording()
@@ -98,6 +99,7 @@ class Session:
         self._warning_filters.__enter__()
         self._switches = ProcessSwitches()
         self._global_hooks = GlobalHooks()
+        self._compiled = CompiledCaches()
         self._environment = dict(os.environ)
         self._recording.folder = os.getcwd()  # a step may move into its run's folder
         self._loggers = _Loggers()
@@ -128,6 +130,9 @@ class Session:
         self._warning_filters.__exit__(None, None, None)
         self._switches.restore()
         self._global_hooks.restore()
+        left = self._compiled.restore()
+        if left:
+            self._recording.found[left] += 1
         _restore_environment(self._environment)
         self._loggers.restore()
         self._recording.files.put_back()  # kept by absolute path, wherever the step moved
@@ -153,6 +158,10 @@ class Session:
             atexit.unregister(handler)
             self._recording.found[f"registered {handler.__qualname__} to run at exit, removed"] += 1
         self._recording.exit_handlers.clear()
+
+    def tidy_compiled(self) -> None:
+        """What copies compiled so far freed, where the process had compiled nothing before."""
+        self._compiled.tidy()
 
     def effects(self) -> Effects:
         """What the step's code did that the session could only name (files put back or not,

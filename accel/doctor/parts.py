@@ -38,7 +38,8 @@ from accel.doctor.reach import (
     walk,
 )
 
-__all__ = ["StepParts", "copy_step", "find_parts", "loader_copies_ended", "without_kept_iterator"]
+__all__ = ["StepParts", "copy_step", "find_parts", "is_a_copy", "loader_copies_ended",
+           "without_kept_iterator"]
 
 # built-in iterators a shallow copy makes independent
 _COPYABLE_ITERATORS = frozenset(type(iter(x)) for x in (
@@ -186,6 +187,24 @@ def find_parts(step: Callable[..., Any]) -> StepParts:
 
 
 # ---- copying ---------------------------------------------------------------------------------
+_COPIES: dict[int, weakref.ref] = {}  # id -> each module, optimizer and tensor a copy is made of
+
+
+def _remember_copies(memo: dict[int, Any]) -> None:
+    """torch.compile's caches can keep a copy's tensors alive after its run, and a later CUDA
+    graph replay writes over their gradients: a later run's record leaves them out."""
+    for original, made in list(memo.items()):
+        key = id(made)
+        if key != original and isinstance(made, (torch.Tensor, nn.Module, torch.optim.Optimizer)):
+            _COPIES[key] = weakref.ref(made, lambda _, key=key: _COPIES.pop(key, None))
+
+
+def is_a_copy(value: Any) -> bool:
+    """Whether ``value`` is part of a copy :func:`copy_step` made (and still alive)."""
+    ref = _COPIES.get(id(value))
+    return ref is not None and ref() is value
+
+
 def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[..., Any], StepParts]:
     """``step`` rebuilt around deep copies of ``parts`` (copied together, so shared tensors stay
     shared), and the copied parts in the same order. Raises TypeError naming what trains and
@@ -213,6 +232,7 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
         if not _same_callable(step, parts.reach.root):
             raise ValueError("copy_step needs the step whose parts these are")
         runner = _Rebuild(parts, memo).new(parts.reach.root)
+    _remember_copies(memo)
     copied = StepParts()
     for original, new in zip(originals, copies, strict=True):
         copied.add(new, parts.where[id(original)])

@@ -1,6 +1,7 @@
 """The process-wide state beyond torch's numerics that a doctor's run puts back: switches a step
 may set for the whole process (the garbage collector, the umask, NumPy's error handling, the output
-streams, the signal handlers...) and the hooks it may register for every module or optimizer."""
+streams, the signal handlers...), the hooks it may register for every module or optimizer, and
+torch.compile's caches."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
-__all__ = ["GlobalHooks", "ProcessSwitches"]
+__all__ = ["CompiledCaches", "GlobalHooks", "ProcessSwitches"]
 
 
 def _umask() -> int:
@@ -138,3 +139,44 @@ class GlobalHooks:
                 getattr(where, name).update(value)
             else:
                 setattr(where, name, value)
+
+
+class CompiledCaches:
+    """torch.compile's caches, which keep what the doctor's copies compiled alive after their run
+    (the copies' tensors and, under CUDA graphs, their memory pool) until ``torch._dynamo.reset()``.
+    Where the process had compiled nothing before, :meth:`restore` resets them, which puts them
+    back as they were; elsewhere a reset would empty the user's own compiled functions' caches
+    too, so it says what was left instead."""
+
+    LEFT = ("left what its copies compiled in torch.compile's caches, which hold those copies and "
+            "their memory: torch._dynamo.reset() frees them, and empties your own compiled "
+            "functions' caches")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.empty = not _codes_compiled()
+        self.graphs = _graphs_compiled()
+
+    def tidy(self) -> None:
+        """Reset now where that puts the caches back (between trials: each compiled copy's memory
+        freed before the next is made)."""
+        if self.empty and _graphs_compiled() != self.graphs:
+            torch._dynamo.reset()
+            self.graphs = _graphs_compiled()
+
+    def restore(self) -> str | None:
+        """:meth:`tidy`; where the caches held the user's compiled functions, what the copies left
+        there in words (None: nothing)."""
+        self.tidy()
+        return None if _graphs_compiled() == self.graphs else self.LEFT
+
+
+def _codes_compiled() -> bool:
+    """Whether torch.compile has a compiled function's code in its caches."""
+    frames = sys.modules.get("torch._dynamo.convert_frame")
+    return frames is not None and any(code() is not None for code in frames.input_codes.seen)
+
+
+def _graphs_compiled() -> int:
+    """How many graphs torch.compile has compiled in this process."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]

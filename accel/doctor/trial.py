@@ -119,14 +119,15 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
     with Session() as session, loader_copies_ended():
         session.watch(report.parts.reach.objects.values())
         untouched = Untouched(report.parts, report.batch)
-        rows = _trials(report, names, steps, repeats, progress)
+        rows = _trials(report, names, steps, repeats, progress, session.tidy_compiled)
     _record_measured(report, rows)
     _name_side_effects(report, session.effects(), untouched.report())
     return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
 
-def _trials(report, names: list[str], steps: int, repeats: int, progress: bool):
-    """The unchanged step's own spread, each fix alone, then the best set of them."""
+def _trials(report, names: list[str], steps: int, repeats: int, progress: bool, tidy):
+    """The unchanged step's own spread, each fix alone, then the best set of them; ``tidy`` runs
+    after each trial (what its copy compiled freed)."""
     from tqdm.auto import tqdm
 
     if not names:  # nothing to try: the step is not run again
@@ -143,6 +144,7 @@ def _trials(report, names: list[str], steps: int, repeats: int, progress: bool):
             bar.update()
             bar.set_description_str(f"trying {FIXES[name].label}")
             rows.append(_trial(report, [name], steps, repeats, spread))
+            tidy()
         bar.update()
         bar.set_description_str("trying the helpful ones together")
         rows += _together(report, rows, steps, repeats, spread)

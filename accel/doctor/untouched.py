@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from accel.doctor.parts import StepParts
+from accel.doctor.parts import StepParts, is_a_copy
 from accel.doctor.reach import LARGE, attributes_of, instance_dict, kind, stored_globals
 
 __all__ = ["Untouched"]
@@ -146,6 +146,7 @@ def _alive_in_process() -> tuple[list[nn.Module], list[torch.optim.Optimizer], l
     wanted = {cls for cls in kinds if issubclass(cls, _KINDS)}
     found = list(itertools.compress(everything, map(wanted.__contains__, map(type, everything))))
     del everything
+    found = list(itertools.filterfalse(is_a_copy, found))  # an earlier run's, kept by a cache
     modules = [o for o in found if issubclass(type(o), nn.Module)]
     optimizers = [o for o in found if issubclass(type(o), torch.optim.Optimizer)]
     tensors = [o for o in found if issubclass(type(o), torch.Tensor) and _leaf_with_grad(o)]

@@ -45,9 +45,11 @@ def run_script(name: str, ctx: BenchContext, costs) -> list[Row]:
     examine_s = time.perf_counter() - started
     trials = report.try_fixes(repeats=REPEATS, steps=2)
     final = _final_round(first, twin, report, trials, ctx)
-    return [*_speedup_rows(name, hand, trials, final, ctx), *_truth_rows(name, report, trials, ctx),
+    rows = [*_speedup_rows(name, hand, trials, final, ctx), *_truth_rows(name, report, trials, ctx),
             *_prediction_rows(name, report, trials, ctx), _examine_row(name, examine_s, ctx),
             _twin_row(name, twin, ctx, costs)]  # fmt: skip
+    torch._dynamo.reset()  # what the twin and the trials compiled, freed before the next script
+    return rows
 
 
 def _hand_speedup(first, twin, ctx: BenchContext) -> dict:
