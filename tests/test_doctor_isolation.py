@@ -1095,9 +1095,31 @@ def random_batches(n: int):
         yield torch.randn(5, 4)
 
 
-def test_an_iterator_that_cannot_be_copied_is_named_with_what_it_lost(seed):
+def counted_batches(n: int):
+    while n:  # its argument assigned: what it was made with is no longer known
+        n -= 1
+        yield torch.randn(5, 4)
+
+
+def test_a_started_generator_of_batches_is_made_again_from_its_arguments(seed):
+    # its code never assigns its arguments, so they still say how it was made: the copies make
+    # their own from its start, and yours gives up no item
     model, opt = small()
     batches = random_batches(500)
+    next(batches)
+
+    def step():
+        return one_update(model, opt, next(batches))
+
+    report = examined(step)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert not first_line(report).startswith("Caution"), first_line(report)
+    assert sum(1 for _ in batches) == 499
+
+
+def test_an_iterator_that_cannot_be_copied_is_named_with_what_it_lost(seed):
+    model, opt = small()
+    batches = counted_batches(500)
     next(batches)  # a generator started: its place in its code is not copied
 
     def step():
@@ -1229,10 +1251,10 @@ class Holding:
 @pytest.mark.parametrize("holder", [types.SimpleNamespace, Holding, dict])
 def test_an_iterator_held_by_an_object_or_a_dict_is_read_on_the_copies(seed, holder):
     # the holder is rebuilt around the copies' reading: a list's iterator is not advanced, and
-    # a generator started gives up the one item the report names
+    # a generator started that cannot be made again gives up the one item the report names
     model, opt = small()
     data = [torch.randn(5, 4) for _ in range(8)]
-    drawn = random_batches(9)
+    drawn = counted_batches(9)
     next(drawn)
     state = holder(copyable=iter(data), drawn=drawn)
 

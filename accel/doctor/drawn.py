@@ -1,10 +1,11 @@
 """An iterator of the user's as the copied step reads it. One that can be copied (a list's, a
 count) is read from copies, and a source of batches starts again from a fresh copy when one runs
-out; so is a generator not yet started, made again from its function and arguments. A generator
-expression of one loop is made again over the copies' reading of its own iterator. One that
-cannot be copied (a generator started, a data loader's): a source of batches gives
-one item, again on every call; any other (a count, a schedule) is read through, and what was
-taken is counted for the report. Either way one that runs out on the copies is named."""
+out; so is a generator made again from its function and arguments (not yet started, or, as a
+source of batches, started by code that never assigns its arguments). A generator expression of
+one loop is made again over the copies' reading of its own iterator. One that cannot be copied
+(another generator started, a data loader's): a source of batches gives one item, again on every
+call; any other (a count, a schedule) is read through, and what was taken is counted for the
+report. Either way one that runs out on the copies is named."""
 
 from __future__ import annotations
 
@@ -148,30 +149,50 @@ def _holds_data(item: Any) -> bool:
 
 
 class Copied:
-    """``iterator`` (one a copy makes independent, or a generator not yet started that
-    ``made_again`` makes anew) read from copies: the user's is never advanced. A source of
-    batches that runs out starts again from a fresh copy."""
+    """``iterator`` (one a copy makes independent, or a generator that ``made_again`` makes anew)
+    read from copies: the user's is never advanced. A source of batches that runs out starts
+    again from a fresh copy. A generator already started is made again from its start only as a
+    source of batches: where its first item is not one (a step count, a schedule), the step's code
+    may depend on its place, and it is read as :class:`Drawn` reads it."""
 
-    def __init__(self, iterator: Any, where: str, made_again: Callable[[], Any] | None = None):
-        self._iterator, self._said = iterator, f"{where} (a {type(iterator).__name__})"
+    def __init__(self, iterator: Any, where: str, made_again: Callable[[], Any] | None = None,
+                 *, started: bool = False):  # fmt: skip
+        self._iterator, self._where = iterator, where
+        self._said = f"{where} (a {type(iterator).__name__})"
         self._again = made_again or functools.partial(_copied, iterator)
         self._copy, self._taken, self._batches = self._again(), 0, False
+        self._started, self._drawn = started, None
 
     def __iter__(self) -> Copied:
         return self
 
     def __next__(self) -> Any:
+        if self._drawn is not None:
+            return next(self._drawn)
         try:
             item = next(self._copy)
         except StopIteration:
+            if self._started and not self._taken:
+                return self._read_through()
             if not self._batches:
                 self.ran_out = _ran_out(self._said, self._taken)
                 raise StopIteration(self.ran_out) from None
             self._copy = self._again()
             item = next(self._copy)
+        if self._started and not self._taken and not _holds_data(item):
+            return self._read_through()
         self._taken += 1
         self._batches = self._batches or _holds_data(item)
         return item
+
+    def _read_through(self) -> Any:
+        self._drawn = Drawn(self._iterator, self._where)
+        return next(self._drawn)
+
+    def __getattr__(self, name: str) -> Any:  # ran_out, read where the copies' code ends
+        if name == "ran_out" and self.__dict__.get("_drawn") is not None:
+            return self._drawn.ran_out
+        raise AttributeError(name)
 
 
 def _copied(iterator: Any) -> Any:

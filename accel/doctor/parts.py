@@ -14,6 +14,7 @@ import contextlib
 import contextvars
 import copy
 import functools
+import inspect
 import itertools
 import types
 import weakref
@@ -438,7 +439,8 @@ class _Rebuild:
         if type(value) in _COPYABLE_ITERATORS:
             return Copied(value, where)
         if (made_again := self._made_again(value)) is not None:
-            return Copied(value, where, made_again)
+            started = inspect.getgeneratorstate(value) != inspect.GEN_CREATED
+            return Copied(value, where, made_again, started=started)
         source = loop_source(value)
         if source is None:
             return Drawn(value, where)
@@ -447,7 +449,7 @@ class _Rebuild:
         return Reading(value, self._iterator(source, f"what {where} reads"), scope)
 
     def _made_again(self, generator: Any) -> Callable[[], Any] | None:
-        """What makes a generator not yet started again for the copies: its function and
+        """What makes a generator again for the copies: its function and
         arguments as the walk found them (``generator_call``), each the copies' own. None where
         its code reaches an open file, which the copies would share with yours and read through."""
         edges = self.reach.edges.get(id(generator), ())

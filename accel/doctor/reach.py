@@ -196,12 +196,15 @@ def _edges(value: Any, names: set[str]) -> Iterator[Edge]:
 
 
 def generator_call(value: Any) -> tuple[types.FunctionType, list[Any], dict[str, Any]] | None:
-    """The function and arguments that make ``value`` again where it is a generator function's
-    generator not yet started (all its state is in them then); None for any other (one started
-    keeps its place in its code, which cannot be copied; a generator expression is read apart)."""
+    """The function and arguments that make ``value`` again from its start where it is a
+    generator function's generator not yet started, or started by code that never assigns its
+    arguments (they still say how it was made); None for any other (a generator expression is
+    read apart)."""
     if not isinstance(value, types.GeneratorType) or value.gi_code.co_name == "<genexpr>":
         return None
-    if inspect.getgeneratorstate(value) != inspect.GEN_CREATED:
+    state = inspect.getgeneratorstate(value)
+    if state != inspect.GEN_CREATED and (state != inspect.GEN_SUSPENDED
+                                         or _assigns_arguments(value.gi_code)):  # fmt: skip
         return None
     code, names = value.gi_code, value.gi_frame.f_locals
     given = code.co_argcount + code.co_kwonlyargcount
@@ -217,6 +220,19 @@ def generator_call(value: Any) -> tuple[types.FunctionType, list[Any], dict[str,
     fn = types.FunctionType(code, value.gi_frame.f_globals, code.co_name, None, cells or None)
     fn.__qualname__ = value.__qualname__
     return fn, args, keywords
+
+
+def _assigns_arguments(code: types.CodeType) -> bool:
+    """Whether ``code`` binds or deletes one of its arguments' names."""
+    count = code.co_argcount + code.co_kwonlyargcount
+    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
+    arguments = set(code.co_varnames[:count])
+    for instruction in dis.get_instructions(code):
+        if instruction.opname.startswith(("STORE_FAST", "DELETE_FAST", "STORE_DEREF", "DELETE_DEREF")):
+            names = instruction.argval if isinstance(instruction.argval, tuple) else (instruction.argval,)
+            if arguments.intersection(names):
+                return True
+    return False
 
 
 def _held(value: Any) -> Iterator[Edge]:
