@@ -2747,6 +2747,24 @@ def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(se
     assert set(multiprocessing.active_children()) == children
 
 
+def test_a_loader_workers_batch_arriving_is_not_named_as_the_steps_connection(seed):
+    # a worker's batch arrives as a file descriptor fetched over a socket multiprocessing opens
+    # for itself: that connection is the loader's transport, not something the step did
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, opt = small()
+    loader = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=16, num_workers=1)
+    batches = iter(loader)
+
+    def step():
+        (x,) = next(batches)
+        return one_update(model, opt, x)
+
+    report = examined(step)
+    assert "connected to" not in first_line(report), first_line(report)
+    del batches
+
+
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "a pass held"])
 @pytest.mark.parametrize("trainer", [True, False], ids=["held in a cycle", "a closure"])
 def test_the_loader_copies_the_doctor_made_leave_no_worker_running(seed, trainer, persistent):

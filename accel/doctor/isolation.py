@@ -50,9 +50,10 @@ _THREADS: weakref.WeakKeyDictionary[threading.Thread, _Recording] = weakref.Weak
 THREAD_WAIT_S = 10.0  # on closing, how long the threads the step started are waited for
 # a task the step gave a thread pool, in the worker running it (the worker may predate the step)
 _TASK = threading.local()
-# code that writes on its own account while a step runs (caches, bytecode): not the step's
+# code that writes or connects on its own account while a step runs (caches, bytecode, a loader
+# worker's batch fetched over multiprocessing's own socket): not the step's
 _MACHINERY = ("torch._inductor", "torch._dynamo", "torch._functorch", "torch.utils.cpp_extension",
-              "triton", "torch._logging")  # fmt: skip
+              "triton", "torch._logging", "multiprocessing.resource_sharer")  # fmt: skip
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
