@@ -1190,18 +1190,18 @@ def test_runs_of_memory_bound_kernels_are_predicted_fused_without_the_tensors_th
     assert "(24 MiB moved now, 8 MiB fused)" in found.cost_model
 
 
-def test_fused_runs_also_save_their_launches_while_the_device_waits_for_the_host():
-    """A run of three kernels fused is one launch: two launches fewer, which shorten the step
-    only while the device waits for the host (as a loop's launches do)."""
+def test_fused_runs_save_no_host_time_while_the_device_waits_for_the_host():
+    """A run of three kernels fused is one launch, but compiled code issues a step no faster than
+    eager (a compiled BatchNorm CNN's host took as long): the launches fused away are not
+    counted as host time saved, however long the device waits for the host."""
     x = info(1024, 1024)
     ops = indexed([op(name, x, outputs=(x,), time_us=20.0)
                    for name in ("aten::add", "aten::gelu", "aten::mul")])  # fmt: skip
     kernels_alone = check_compute.fusion(evidence(ops, tl=timeline_of(step_us=400.0)))[0].saved_us
     waiting = evidence(ops, tl=timeline_of(step_us=400.0, idle={"host": 100.0}))
     (found,) = check_compute.fusion(waiting)
-    assert found.saved_us == pytest.approx(kernels_alone + 2 * LAUNCH_US)
-    short = evidence(ops, tl=timeline_of(step_us=400.0, idle={"host": 5.0}))
-    assert check_compute.fusion(short)[0].saved_us == pytest.approx(kernels_alone + 5.0)
+    assert kernels_alone > 0 and found.saved_us == pytest.approx(kernels_alone)
+    assert "no host time counted" in found.cost_model
 
 
 def test_fusion_keeps_of_its_kernels_saving_what_the_host_holding_the_device_back_leaves():

@@ -2762,7 +2762,6 @@ def test_a_loader_workers_batch_arriving_is_not_named_as_the_steps_connection(se
 
     report = examined(step)
     assert "connected to" not in first_line(report), first_line(report)
-    del batches
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "a pass held"])
