@@ -310,6 +310,45 @@ def test_an_optimizer_whose_model_cannot_be_found_is_refused_unless_training_is_
     del sys.modules[__name__].hidden_model
 
 
+@pytest.mark.parametrize("keyed", ["by parameter", "by name", "by module"])
+def test_a_dict_keyed_by_the_parts_is_keyed_by_the_copies_on_the_copies(seed, keyed):
+    # a per-parameter learning-rate scale or a name map: the copies' step looks up the copies
+    model, opt = small()
+    scale = {"by parameter": {p: 0.5 for p in model.parameters()},
+             "by name": {p: n for n, p in model.named_parameters()},
+             "by module": {m: 0.5 for m in model.modules()}}[keyed]  # fmt: skip
+    order = list(scale)
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        if keyed == "by module":
+            assert all(m in scale for m in model.modules())
+        else:
+            assert all(p in scale for p in model.parameters())
+        return loss
+
+    x = torch.randn(5, 4)
+    before = held(model, opt)
+    report = examined(step, x)
+    report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert differences(before, model, opt) == []
+    assert list(scale) == order  # yours keyed by yours, in its order
+
+
+def test_a_step_that_looks_up_its_parameters_by_id_is_told_why_it_fails_on_the_copies(seed):
+    model, opt = small()
+    scale = {id(p): 0.5 for p in model.parameters()}
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        for p in model.parameters():
+            p.data.mul_(1 - 1e-3 * scale[id(p)])
+        return loss
+
+    with pytest.raises(UsageError, match=r"KeyError.*identity.*id\(p\)"):
+        examined(step, torch.randn(5, 4))
+
+
 # ---- what Untouched sees -------------------------------------------------------------------------
 def test_untouched_sees_gradients_and_optimizer_state(seed):
     from accel.doctor.parts import find_parts

@@ -338,11 +338,15 @@ def _where_raised(error: BaseException) -> str:
 
 
 def _copies_cause(error: BaseException) -> str:
-    """Where the doctor's copies themselves made ``error``, what about them did ("" elsewhere)."""
+    """Where the doctor's copies themselves may have made ``error``, what about them did ("" elsewhere)."""
     if isinstance(error, pickle.PicklingError) and "not the same object as" in str(error):
         return ("; the copies' objects are of a subclass the doctor made of their class (so that "
                 "what the step keeps on the class stays yours), which pickle cannot save whole: "
                 "save the model's state_dict() in the step, as PyTorch advises")  # fmt: skip
+    if isinstance(error, KeyError) and error.args and isinstance(error.args[0], int):
+        return ("; where the step runs on your own objects, it looks something up by an object's "
+                "identity (a dict keyed by id(p)), which the copies do not share: key it by the "
+                "parameter itself or by its name, which the copies follow")  # fmt: skip
     return ""
 
 

@@ -411,9 +411,10 @@ class _Rebuild:
                 if (new := self.new(item)) is not item and i < len(made):
                     made[i] = new
         elif isinstance(original, dict):
-            for key, item in list(original.items()):
-                if (new := self.new(item)) is not item:
-                    made[key] = new
+            items = [(self.new(key), self.new(item)) for key, item in list(original.items())]
+            if any(new is not key for (new, _), key in zip(items, original, strict=True)):
+                made.clear()  # keyed by the copies, in the same order
+            made.update(items)
         elif isinstance(original, set):
             for item in list(original):
                 if (new := self.new(item)) is not item and item in made:

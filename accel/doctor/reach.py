@@ -58,8 +58,8 @@ SKIPPED = {nn.Module: ("_parameters", "_buffers", "_modules"),
 class Edge:
     """How a parent holds ``child``. ``kind``: cell (``key`` its index), global, default (an
     index), kwdefault, attr, module (a submodule), class (the instance's class), cattr (a class
-    attribute), mattr (a module attribute), item (a dict's), element (a sequence's index), member
-    (a set's), self (a bound method's), func (a wrapper's function, or the one a generator not
+    attribute), mattr (a module attribute), item (a dict's), key (a dict's), element (a sequence's
+    index), member (a set's), self (a bound method's), func (a wrapper's function, or the one a generator not
     yet started is made by), arg, keyword, bself (the object behind a built-in bound method such
     as ``losses.append``)."""
 
@@ -243,6 +243,8 @@ def _held(value: Any) -> Iterator[Edge]:
         if len(items) > LARGE:
             items = [(k, v) for k, v in items if kind(v) in ("part", "grad", "computed")]
         yield from (Edge("item" if mapping else "element", k, v) for k, v in items)
+        if mapping:  # a parameter or a module as a key (a per-parameter scale, a name map)
+            yield from (Edge("key", None, k) for k, _ in items if not isinstance(k, _ATOMIC))
     elif isinstance(value, (set, frozenset)):
         yield from (Edge("member", None, v) for v in value if not isinstance(v, _ATOMIC))
     else:
@@ -414,6 +416,7 @@ def _label(reach: Reach, parent: Any, edge: Edge) -> str:
         "item": f"{base}[{key!r}]",
         "element": f"{base}[{key}]",
         "member": f"{base} (a member)",
+        "key": f"{base} (a key)",
     }
     return labels[edge.kind]
 
