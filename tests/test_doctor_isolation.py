@@ -1842,6 +1842,40 @@ def test_files_past_the_sessions_total_are_not_let_be_changed(seed, tmp_path, mo
     assert [f.read_bytes() for f in files] == [b"y" * 100] * 4
 
 
+def test_folders_and_links_put_back_keep_their_times(seed, tmp_path):
+    """An atomic checkpointer: a folder a step, a temporary file renamed into it, a 'latest'
+    link replaced, all but the last two folders removed. Put back as they were includes the
+    times of the folders it removed or wrote in and of the link it replaced."""
+    model, opt = small()
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("step_1", "step_2"):
+        (run / name).mkdir()
+        (run / name / "model.pt").write_bytes(b"w")
+    (run / "latest").symlink_to("step_2")
+    calls = itertools.count(3)
+    paths = [run / "step_1", run / "step_2", run / "latest", run]
+    for i, path in enumerate(paths):
+        os.utime(path, ns=(10**18 + i, 10**18 + i), follow_symlinks=False)
+    before = [os.lstat(path).st_mtime_ns for path in paths]
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        folder = run / f"step_{next(calls)}"
+        folder.mkdir()
+        (folder / "model.pt.tmp").write_bytes(b"w")
+        os.replace(folder / "model.pt.tmp", folder / "model.pt")
+        os.symlink(folder.name, run / "latest.tmp")
+        os.replace(run / "latest.tmp", run / "latest")
+        for old in sorted(run.glob("step_*"), key=lambda p: int(p.name[5:]))[:-2]:
+            shutil.rmtree(old)
+        return loss.detach()
+
+    examined(step, torch.randn(5, 4))
+    assert [os.lstat(path).st_mtime_ns for path in paths] == before
+    assert os.readlink(run / "latest") == "step_2"
+
+
 # ---- files the step only appends to: kept by where they ended, cut back in place ------------
 def file_state(path: Path) -> tuple[bytes, int, int, int]:
     """What a file put back in place has as it had: its bytes, mode, inode and time written."""

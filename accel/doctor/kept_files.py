@@ -47,9 +47,10 @@ class TooLargeToKeep(PermissionError):
 
 
 class _Link(NamedTuple):
-    """A link kept as a link: what it pointed at."""
+    """A link kept as a link: what it pointed at, and its own times."""
 
     target: str
+    times_ns: tuple[int, int]
 
 
 class _Inode(NamedTuple):
@@ -76,10 +77,11 @@ class _Appended(NamedTuple):
 
 
 class _Folder(NamedTuple):
-    """A folder that was there, kept with its mode and, kept whole, the names it held (each
-    entry kept on its own)."""
+    """A folder that was there, kept with its mode, its times and, kept whole, the names it held
+    (each entry kept on its own)."""
 
     mode: int
+    times_ns: tuple[int, int]
     names: frozenset[str] | None = None
 
 
@@ -101,6 +103,7 @@ class KeptFiles:
         self._held_open: list[int] = []  # descriptors holding hard-linked files, closed when back
         self._renamed: list[tuple[str, str]] = []  # folders the step renamed, to rename back
         self._walked: set[str] = set()  # folders an rmtree removed (its last rmdir is its own)
+        self._times: dict[str, tuple[int, int]] = {}  # of each folder a kept path is in
         self._folder: str | None = None
         self._copies = itertools.count()  # names of the copies in the folder
         self._bytes = 0  # kept so far
@@ -147,17 +150,18 @@ class KeptFiles:
         if self._inside_new(path):  # it was not there either, whatever the step put there since
             self.kept[path] = None
             return True
+        self._keep_times(os.path.dirname(path))  # a name made or removed in it changes them
         if path not in self.refused and os.path.islink(path):
-            self.kept[path] = _Link(os.readlink(path))
+            self.kept[path] = _Link(os.readlink(path), _times(path))
             return True
         if path not in self.refused and os.path.isdir(path):
             mode = kept.mode if isinstance(kept, _Folder) else stat.S_IMODE(os.stat(path).st_mode)
-            self.kept[path] = _Folder(mode)
+            self.kept[path] = _Folder(mode, _times(path))
             if not contents:
                 return True
             with os.scandir(path) as entries:
                 inside = [entry.path for entry in entries]
-            self.kept[path] = _Folder(mode, frozenset(os.path.basename(p) for p in inside))
+            self.kept[path] = _Folder(mode, _times(path), frozenset(os.path.basename(p) for p in inside))
             return all([self._keep(p) for p in inside])  # every one kept, refused or not
         if path in self.refused or (os.path.lexists(path) and not os.path.isfile(path)):
             self.refused.add(path)
@@ -211,6 +215,10 @@ class KeptFiles:
                 self._copying.on = False
         self.kept[path] = copy
         return True
+
+    def _keep_times(self, folder: str) -> None:
+        if folder not in self._times and os.path.isdir(folder) and not self._inside_new(folder):
+            self._times[folder] = _times(folder)
 
     def _copies_folder(self) -> str:
         self._folder = self._folder or tempfile.mkdtemp(prefix="accel-doctor-kept-")
@@ -282,6 +290,14 @@ class KeptFiles:
         for path in sorted(made, key=len, reverse=True):  # a folder's subfolders before it
             with contextlib.suppress(OSError):  # left where something else is in it now
                 os.rmdir(path)
+        times = {**self._times, **{p: kept.times_ns for p, kept in self.kept.items()
+                                   if isinstance(kept, (_Folder, _Link))}}  # fmt: skip
+        changed = {os.path.dirname(p) for p in self.failed | self.unkept}  # not as it was
+        for path, kept_times in times.items():  # last: putting back changed the folders' times
+            if path in changed:
+                continue
+            with contextlib.suppress(OSError):  # gone, or not the user's to set: as it is
+                os.utime(path, ns=kept_times, follow_symlinks=False)
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
         self._folder = None  # made again by the next keep (the trial after this one)
@@ -293,6 +309,7 @@ class KeptFiles:
         self.refused.clear()
         self._renamed.clear()
         self._walked.clear()
+        self._times.clear()
         self._inodes.clear()
         self._bytes = 0
 
@@ -379,6 +396,11 @@ def _cut_back(path: str, kept: _Appended) -> bool:
     os.chmod(path, kept.mode)
     os.utime(path, ns=kept.times_ns)
     return True
+
+
+def _times(path: str) -> tuple[int, int]:
+    found = os.lstat(path)
+    return found.st_atime_ns, found.st_mtime_ns
 
 
 def absolute(path: Any) -> str:
