@@ -1090,6 +1090,18 @@ def test_loader_wait_over_five_percent_of_the_step_is_an_input_finding():
     assert check_host.input_pipeline(evidence(loader=loader(40.0))) == []
 
 
+def test_more_workers_measured_on_a_copy_of_the_loader_are_its_saving_or_no_finding():
+    """A batch handed from a worker process costs its own time: where a copy of the loader with
+    the workers proposed kept the step waiting longer than none, adding them is no change."""
+    def loader(tried_us):
+        return {"shapes": {((8, 16),)}, "batches": 8, "wait_us": 80.0, "num_workers": 0,
+                "pin_memory": False, "tried": {"num_workers": 4, "wait_us": tried_us}}  # fmt: skip
+
+    (found,) = check_host.input_pipeline(evidence(loader=loader(30.0)))
+    assert found.saved_us == pytest.approx(50.0) and "measured" in found.cost_model
+    assert check_host.input_pipeline(evidence(loader=loader(600.0))) == []
+
+
 def test_the_loader_change_asks_for_no_more_workers_than_the_process_has_cores(monkeypatch):
     loader = {"shapes": {((8, 16),)}, "batches": 8, "wait_us": 80.0, "num_workers": 0,
               "pin_memory": False}  # fmt: skip

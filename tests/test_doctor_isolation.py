@@ -2803,6 +2803,26 @@ def test_a_dataset_a_batch_object_holds_is_not_copied(seed):
     assert torch.equal(owned.x, batch.x)
 
 
+def test_workers_are_not_proposed_where_a_copy_with_them_measured_slower(seed):
+    # batches already in memory: a worker's handoff costs more than making one, which the
+    # doctor measures on a copy of the loader before it proposes workers
+    import multiprocessing
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.randn(256, 4)), batch_size=16, num_workers=0)
+    model, opt = small()
+    children = set(multiprocessing.active_children())
+    report = doctor.examine(lambda batch: one_update(model, opt, batch[0]), loader=loader,
+                            steps=1, warmup=1)  # fmt: skip
+    found = report.evidence.loader
+    wait_share = found["wait_us"] / report.evidence.step_us
+    assert ("tried" in found) == (wait_share > 0.05), found  # timed only where it would be said
+    if "tried" in found and found["tried"]["wait_us"] >= found["wait_us"]:
+        assert "input" not in [f.kind for f in report.findings]
+    assert loader.num_workers == 0 and set(multiprocessing.active_children()) == children
+
+
 def test_a_loader_with_persistent_workers_is_left_without_the_doctors_workers(seed):
     # the doctor's reads of a loader start its workers; a persistent loader would keep them,
     # and its iterator, for the user's first epoch

@@ -15,6 +15,7 @@ from accel.doctor.findings import Evidence, Finding, check
 from accel.doctor.recorder import OpRecord, Recording, Site, TensorInfo
 
 DATA_SIZED = "its output's size depends on the data"
+LOADER_WAIT_SHARE = 0.05  # a wait for data under this share of the step is no finding
 # operators that make the host wait for the device, and what the user wrote to get one
 SYNC_OPS = {
     "aten::_local_scalar_dense": "a host read (.item(), float(t), int(t), an `if` on a tensor)",
@@ -295,8 +296,8 @@ def input_pipeline(evidence: Evidence) -> list[Finding]:
             fixes=("pinned_batch",),
         ))
     loader = evidence.loader
-    if loader is not None and loader["wait_us"] > 0.05 * evidence.step_us:
-        found.append(_loader_finding(evidence, loader))
+    if loader is not None and loader["wait_us"] > LOADER_WAIT_SHARE * evidence.step_us:
+        found += [f for f in [_loader_finding(evidence, loader)] if f is not None]
     return found
 
 
@@ -313,13 +314,23 @@ def _cores() -> int:
     return os.cpu_count() or 1
 
 
-def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
+def proposed_workers(now: int) -> int:
+    """The loader workers to propose where the step waits for its data and ``now`` work."""
+    return min(_cores(), max(4, 2 * now))  # more workers than cores only take turns
+
+
+def _loader_finding(evidence: Evidence, loader: dict) -> Finding | None:
+    """The wait for data, and more workers as its change: as a copy of the loader with them
+    measured (None where that was no faster), else as predicted."""
     settings = f"num_workers={loader['num_workers']}, pin_memory={loader['pin_memory']}"
     wait, step = loader["wait_us"], evidence.step_us
     now = loader["num_workers"] or 0
-    workers = min(_cores(), max(4, 2 * now))  # more workers than cores only take turns
+    workers = proposed_workers(now)
     # each worker makes a batch while the others do: in the wait and the step it overlaps
     made = now * (wait + step) if now else wait
+    tried = loader.get("tried")
+    if tried is not None and tried["wait_us"] >= wait:
+        return None  # handing a batch between processes costs more than making it here
     if workers > now:
         cost_model = (f"{workers} worker processes make the batches while the step runs, each in "
                       f"the {made / 1e3:.3f} ms one takes now: the wait left is their share less "
@@ -328,6 +339,10 @@ def _loader_finding(evidence: Evidence, loader: dict) -> Finding:
                   + "pin_memory=True, " * evidence.cuda
                   + "\n           persistent_workers=True, prefetch_factor=4)")  # fmt: skip
         saved = wait - max(0.0, made / workers - step)
+        if tried is not None:
+            cost_model = (f"measured: a copy of the loader with {tried['num_workers']} workers "
+                          f"kept the step waiting {tried['wait_us'] / 1e3:.3f} ms per batch")  # fmt: skip
+            saved = wait - tried["wait_us"]
     else:  # no core left for another worker: what a batch costs to make is the limit
         cost_model = (f"not predicted: {now} workers on {_cores()} cores, none left to add; what "
                       "a batch costs to make is the limit")  # fmt: skip

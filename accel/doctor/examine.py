@@ -26,6 +26,7 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
     check_kernels,
     check_memory,
 )
+from accel.doctor.check_host import LOADER_WAIT_SHARE, proposed_workers
 from accel.doctor.drawn import loop_source, serve_batch
 from accel.doctor.findings import CHECKS, Evidence, Finding
 from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
@@ -405,7 +406,24 @@ def _memory(call: Callable[[], Any], device: torch.device) -> dict[str, float]:
 
 def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float) -> dict[str, Any]:
     """How long each batch of ``loader`` takes to arrive while the step runs on it: the wall time
-    per batch of a loop over it, beyond the step's own time."""
+    per batch of a loop over it, beyond the step's own time. Where that wait would be a finding
+    and more workers would be its change, a copy of the DataLoader with them is timed the same
+    way (``tried``): handing a batch between processes can cost more than making it."""
+    batches, wait_us, shapes = _batches_timed(loader, runner, device, step_us)
+    workers = getattr(loader, "num_workers", None)
+    found = {"batches": batches, "wait_us": wait_us, "shapes": shapes, "num_workers": workers,
+             "pin_memory": getattr(loader, "pin_memory", None)}  # fmt: skip
+    more = proposed_workers(workers or 0)
+    if (isinstance(loader, torch.utils.data.DataLoader) and more > (workers or 0)
+            and wait_us > LOADER_WAIT_SHARE * step_us):  # fmt: skip
+        trial = _own_loader(loader)
+        trial.num_workers, trial.prefetch_factor = more, trial.prefetch_factor or 4
+        found["tried"] = {"num_workers": more, "wait_us": _batches_timed(trial, runner, device, step_us)[1]}
+    return found
+
+
+def _batches_timed(loader: Iterable[Any], runner, device: torch.device, step_us: float):
+    """(batches, the wait per batch, the batches' shapes) over a loop through the step."""
     batches, fetch_s, shapes = 0, 0.0, set()
     runner = _fed(runner, loader)
     iterator = iter(loader)
@@ -429,13 +447,7 @@ def _loader(loader: Iterable[Any], runner, device: torch.device, step_us: float)
     # device may still be busy with the last step meanwhile); a CPU step runs inside the loop, so
     # all of it is waiting, and the loop against a step timed apart would only add noise.
     hidden = device.type == "cuda"
-    return {
-        "batches": batches,
-        "wait_us": min(fetch_us, max(0.0, wall_us - step_us)) if hidden else fetch_us,
-        "shapes": shapes,
-        "num_workers": getattr(loader, "num_workers", None),
-        "pin_memory": getattr(loader, "pin_memory", None),
-    }
+    return batches, min(fetch_us, max(0.0, wall_us - step_us)) if hidden else fetch_us, shapes
 
 
 @contextlib.contextmanager
