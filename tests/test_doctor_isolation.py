@@ -2654,6 +2654,21 @@ def test_a_step_that_exits_the_process_on_a_later_call_says_so_and_puts_files_ba
     assert Path("ckpt.txt").read_text() == "the user's"
 
 
+def test_a_step_that_raises_on_its_second_call_is_said_to_have_run_once(seed):
+    model, opt = small()
+    calls = []
+
+    def step(x):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("the schedule ended")
+        return one_update(model, opt, x)
+
+    with pytest.raises(UsageError, match=r"the step ran once on the doctor's copies and raised "
+                       r"on call 2"):  # fmt: skip
+        examined(step, torch.randn(5, 4))
+
+
 def test_try_fixes_refuses_counts_below_one_and_takes_a_name_as_one_name(seed):
     model, opt = small()
     report = examined(plain_step(model, opt), torch.randn(5, 4))

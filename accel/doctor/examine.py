@@ -311,7 +311,8 @@ class _Repeated:
         if self.calls == 1:
             return (f"the step raised on its first call, on the doctor's copies {where}"
                     f"{self.hint}. Fix the step so that one call of it runs, then examine it again")  # fmt: skip
-        return (f"the step ran {self.calls - 1} times on the doctor's copies and raised on call "
+        ran = "once" if self.calls == 2 else f"{self.calls - 1} times"
+        return (f"the step ran {ran} on the doctor's copies and raised on call "
                 f"{self.calls} {where}. The doctor runs it many times, as training does: what "
                 "ends after a few steps (a schedule's total_steps, a finite data source) must "
                 "allow more")  # fmt: skip
