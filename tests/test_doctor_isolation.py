@@ -349,6 +349,55 @@ def test_a_step_that_looks_up_its_parameters_by_id_is_told_why_it_fails_on_the_c
         examined(step, torch.randn(5, 4))
 
 
+def test_a_scripted_model_is_examined_on_its_copy(seed):
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    opt = torch.optim.SGD(scripted.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    weights = [p.detach().clone() for p in scripted.parameters()]
+
+    def step(batch):
+        return one_update(scripted, opt, batch)
+
+    report = examined(step, x)
+    assert report.evidence.parts.models[0] is not scripted
+    assert all(torch.equal(a, b) for a, b in zip(weights, scripted.parameters(), strict=True))
+
+
+class Logged(nn.Module):
+    """A model that keeps what cannot be copied beside its layers: a lock, an open log, a
+    generator of noise seeds (the writer-on-the-model pattern)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+        self.lock, self.log = threading.Lock(), log
+        self.seeds = itertools.count()
+
+    def forward(self, x):
+        with self.lock:
+            return self.layer(x)
+
+
+def test_a_model_holding_what_cannot_be_copied_is_copied_sharing_it_and_says_so(seed, tmp_path):
+    with open(tmp_path / "log.txt", "w") as log:
+        model = Logged(log)
+        model.seeds = (i for i in range(10**6))  # a generator: deepcopy refuses it
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(5, 4)
+        weights = [p.detach().clone() for p in model.parameters()]
+
+        def step(batch):
+            return one_update(model, opt, batch)
+
+        report = examined(step, x)
+        said = first_line(report)
+    assert report.evidence.parts.models[0] is not model
+    assert report.evidence.parts.models[0].lock is model.lock
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    assert "closure 'model'.lock" in said and "closure 'model'.log" in said, said
+    assert "seeds" not in said and next(model.seeds) == 0  # a generator: made again, not shared
+
+
 # ---- what Untouched sees -------------------------------------------------------------------------
 def test_untouched_sees_gradients_and_optimizer_state(seed):
     from accel.doctor.parts import find_parts

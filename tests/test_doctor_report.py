@@ -639,6 +639,9 @@ class Logged(torch.nn.Linear):
         super().__init__(7, 3)
         self.log = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "log.txt"), "a")
 
+    def __deepcopy__(self, memo):  # as a wrapper of a driver's handle refuses
+        raise TypeError("a Logged layer cannot be copied")
+
 
 def make():
     model = Logged()
@@ -659,8 +662,8 @@ def make():
 def test_cli_try_fixes_on_the_users_own_objects_prints_the_report_and_says_why_none_ran(
     tmp_path, monkeypatch, capsys
 ):
-    """A model holding an open file cannot be copied: with --allow-training the examination
-    runs on it, and its report stands though no fix can be tried."""
+    """A model that cannot be copied: with --allow-training the examination runs on it, and its
+    report stands though no fix can be tried."""
     from accel.__main__ import main
 
     (tmp_path / "own_file_step.py").write_text(OWN_FILE_STEP)

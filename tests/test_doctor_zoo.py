@@ -39,7 +39,13 @@ def examined(name: str, planted: bool):
 def test_planted_problems_are_found_and_nothing_else(name):
     case, report, *_ = examined(name, True)
     assert case.expected, f"{name} plants nothing a CPU can see"
-    assert report.kinds() == case.expected, str(report)
+    expected = case.expected
+    tried = (report.evidence.loader or {}).get("tried")
+    if tried is not None and tried["wait_us"] >= report.evidence.loader["wait_us"]:
+        # workers are proposed as measured on a copy of the loader: on a host whose cores are
+        # all busy (tests run in parallel) they do not pay, and the doctor says nothing
+        expected = expected - {"input"}
+    assert report.kinds() == expected, str(report)
 
 
 @pytest.mark.parametrize("name", list(zoo.MODELS))

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from accel.doctor.drawn import Copied, Drawn, Reading, loop_source
+from accel.doctor.isolation import record
 from accel.doctor.reach import (
     Reach,
     attributes_of,
@@ -216,14 +217,24 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     memo: dict[int, Any] = _recomputed_weights(parts.models)
     try:
         copies = copy.deepcopy(originals, memo)
-        for original, new in zip(originals, copies, strict=True):
-            if isinstance(new, torch.optim.Optimizer):
-                _copy_dropped_attributes(original, new, memo)
     except Exception as error:  # deepcopy raises whatever the object's own methods raise
-        raise TypeError(
-            f"the step's parts cannot be deep-copied ({type(error).__name__}: {error}); "
-            f"found: {parts.describe()}"
-        ) from error
+        memo = _recomputed_weights(parts.models)  # the failed copy's halves left out
+        shared = _uncopyable_held(parts, memo)
+        try:
+            copies = copy.deepcopy(originals, memo)
+        except Exception:
+            raise TypeError(
+                f"the step's parts cannot be deep-copied ({type(error).__name__}: {error}); "
+                f"found: {parts.describe()}"
+            ) from error
+        for key, where in shared.items():
+            if kind(memo.pop(key)) in _TARGETS:
+                continue  # rebuilt below as any the step reaches (a generator's reading)
+            record(f"shared {where} with its copies, as it cannot be copied: what they do with "
+                   "it is done to yours")  # fmt: skip
+    for original, new in zip(originals, copies, strict=True):
+        if isinstance(new, torch.optim.Optimizer):
+            _copy_dropped_attributes(original, new, memo)
     for original, new in zip(originals, copies, strict=True):
         if isinstance(new, torch.optim.Optimizer):
             _rewrap_scheduler_patch(original, new)
@@ -238,6 +249,26 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     for original, new in zip(originals, copies, strict=True):
         copied.add(new, parts.where[id(original)])
     return runner, copied
+
+
+def _uncopyable_held(parts: StepParts, memo: dict[int, Any]) -> dict[int, str]:
+    """What the models hold beside their layers that deepcopy refuses (a lock, an open log, a
+    generator), put in ``memo`` as itself so that their copies share it: id -> where it is."""
+    shared = {}
+    for model in parts.models:
+        for prefix, module in model.named_modules():
+            for name, value in attributes_of(module):
+                if name in _MODULE_TABLES or isinstance(value, (torch.Tensor, nn.Module)) or id(value) in shared:
+                    continue
+                try:
+                    copy.deepcopy(value)
+                except Exception:
+                    memo[id(value)] = value
+                    shared[id(value)] = ".".join([parts.where[id(model)], *[prefix] * bool(prefix), name])
+    return shared
+
+
+_MODULE_TABLES = ("_modules", "_parameters", "_buffers")
 
 
 def _recomputed_weights(models: list[torch.nn.Module]) -> dict[int, Any]:

@@ -250,6 +250,8 @@ def _held(value: Any) -> Iterator[Edge]:
     else:
         if isinstance(value, nn.Module):
             yield from (Edge("module", n, m) for n, m in value._modules.items() if m is not None)
+        if isinstance(value, torch.jit.ScriptModule):  # compiled: its code reaches no Python
+            return
         skipped = skipped_attributes(value)
         for name, item in attributes_of(value):
             # a part's empty hook tables: copied with it, and holding nothing to follow

@@ -10,6 +10,7 @@ none, or the kinds named, so one problem can be removed at a time and its gain m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,15 +149,17 @@ def _gpt(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
 # ---- cnn ------------------------------------------------------------------------------------------
 class NoisyShapes(torch.utils.data.Dataset):
     """Images made on demand in the loading process: a bright square on noise, 10 classes by
-    its place; each item costs a few small host operations, as decoding and augmenting do."""
+    its place; each item costs a few small host operations, as decoding and augmenting do, and
+    ``read_s`` of waiting, as a read from disk does."""
 
-    def __init__(self, count: int, side: int):
-        self.count, self.side = count, side
+    def __init__(self, count: int, side: int, read_s: float = 0.0):
+        self.count, self.side, self.read_s = count, side, read_s
 
     def __len__(self) -> int:
         return self.count
 
     def __getitem__(self, i: int):
+        time.sleep(self.read_s)
         gen = torch.Generator().manual_seed(i)
         image = torch.randn(3, self.side, self.side, generator=gen)
         label = i % 10
@@ -171,8 +174,9 @@ class NoisyShapes(torch.utils.data.Dataset):
 def _cnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     # images small enough that each item's operators run on one thread (below ATen's grain size),
     # as decoding does: the loader's time then moves with the host less than a thread pool does
-    size = sizes(preset, gpu=dict(side=64, width=64, batch=256),
-                 cpu=dict(side=32, width=16, batch=16))
+    # on a CPU the step shares the cores with the workers: a read's wait lets them pay there too
+    size = sizes(preset, gpu=dict(side=64, width=64, batch=256, read_s=0.0),
+                 cpu=dict(side=32, width=16, batch=16, read_s=2e-4))
     w = size["width"]
     model = nn.Sequential(
         nn.Conv2d(3, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(),
@@ -182,7 +186,7 @@ def _cnn(plant: frozenset[str], device: torch.device, preset: str) -> ZooCase:
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    data = NoisyShapes(size["batch"] * 16, size["side"])
+    data = NoisyShapes(size["batch"] * 16, size["side"], size["read_s"])
 
     def step(batch):
         images, labels = batch
