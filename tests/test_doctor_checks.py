@@ -356,6 +356,17 @@ def test_boolean_indexing_and_data_dependent_shapes_are_syncs():
     assert sync_count([nonzero]) == 1
 
 
+def test_a_backward_that_counts_rows_on_the_host_is_named_as_the_librarys_not_a_mask():
+    """A sparse embedding's backward with padding_idx filters its rows on the host: no x[mask]
+    of the user's, so the change is the layer's, not torch.where."""
+    at_backward = Site("train.py", 21, "step")
+    ops = [op("aten::index", info(64), info(64, dtype=torch.bool), site=at_backward, backward=True),
+           op("aten::nonzero", info(64, dtype=torch.bool), site=at_backward, backward=True)]  # fmt: skip
+    (found,) = check_host.syncs(evidence(ops, tl=timeline_of(idle={"sync": 70.0})))
+    assert "x[mask]" not in found.evidence and "backward" in found.evidence, found.evidence
+    assert "sparse=False" in found.change and "torch.where(mask" not in found.change
+
+
 def test_host_reads_of_cuda_tensors_are_syncs_and_of_cpu_tensors_are_not():
     there = HostRead("__format__", SITE, "cuda")
     here = HostRead("__repr__", Site("train.py", 20, "step"), "cpu")

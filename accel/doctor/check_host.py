@@ -66,6 +66,13 @@ _CAUSAL_CHECK_CHANGE = """\
 # a causal mask given without saying so is compared with one on the host: say it is causal
 out = self.transformer(src, tgt, tgt_mask=mask, tgt_is_causal=True)  # nn.Transformer
 out = self.encoder(x, mask=mask, is_causal=True)  # nn.TransformerEncoder"""
+BACKWARD_COUNT = ("a backward counting rows on the host (a sparse embedding's gradient with "
+                  f"padding_idx, for one): {DATA_SIZED}")  # fmt: skip
+_BACKWARD_COUNT_CHANGE = """\
+# autograd's backward of a library layer counts rows on the host, no line of yours: an
+# nn.Embedding(..., sparse=True, padding_idx=p) leaves the padding row out of its gradient so
+nn.Embedding(num, dim, padding_idx=p)   # sparse=False: a dense gradient, counted on the device
+# (then an optimizer of dense gradients: torch.optim.Adam, not SparseAdam)"""
 ANOMALY_CHECK = "anomaly detection's check of each gradient for NaN (set_detect_anomaly)"
 _ANOMALY_CHECK_CHANGE = """\
 # anomaly detection reads every gradient backward makes on the host: switch it off after debugging
@@ -127,6 +134,8 @@ def _sites_of(recording: Recording, cuda: bool) -> Counter:
         kind = _sync_kind(op, cuda)
         if kind is not None and op.backward and previous == "aten::_is_any_true":
             kind = ANOMALY_CHECK  # the engine's isnan(grad)._is_any_true().item() per output
+        elif kind is not None and op.backward and kind.endswith(DATA_SIZED):
+            kind = BACKWARD_COUNT  # a layer's backward: the user wrote no mask
         previous = op.op
         if kind is not None and kind != PAGEABLE:
             sites[(op.site, kind)] += 1
@@ -174,9 +183,10 @@ def syncs(evidence: Evidence) -> list[Finding]:
     else:
         saved, model = None, "on a CPU there is no device to wait for: each would sync on a GPU"
     kinds = {kind for _, kind in sites}
-    torchs = dict([*_LIBRARY_READS.values(), (ANOMALY_CHECK, _ANOMALY_CHECK_CHANGE)])
+    torchs = dict([*_LIBRARY_READS.values(), (ANOMALY_CHECK, _ANOMALY_CHECK_CHANGE),
+                   (BACKWARD_COUNT, _BACKWARD_COUNT_CHANGE)])  # fmt: skip
     changes = [change for kind, change in torchs.items() if kind in kinds]
-    sized = {kind for kind in kinds if kind.endswith(DATA_SIZED)}
+    sized = {kind for kind in kinds - torchs.keys() if kind.endswith(DATA_SIZED)}
     changes += [_SYNC_CHANGE] * bool(kinds - torchs.keys() - sized)
     changes += [_DATA_SIZED_CHANGE] * bool(sized)
     # a read kept for later; the scaler's read made on the device by a fused optimizer; the
