@@ -287,6 +287,16 @@ def test_scores_read_besides_the_values_product_are_not_rewritten():
         rewrite_attention([Twice()], *lines(Twice, "q @ k", "att @ v"), False)
 
 
+def test_scores_masked_and_softmaxed_in_one_expression_are_refused_with_how_to_split_them():
+    class OneLiner(nn.Module):
+        def forward(self, q, k, v, mask):
+            att = (q @ k.transpose(-2, -1) / 8.0).masked_fill(~mask, float("-inf")).softmax(-1)
+            return att @ v
+
+    with pytest.raises(NotRewritable, match=r"one expression.*its own statement"):
+        rewrite_attention([OneLiner()], *lines(OneLiner, "q @ k", "att @ v"), False)
+
+
 def padding(batch=2, length=16):
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[1, 10:] = 0

@@ -239,6 +239,10 @@ class _Chain:
             elif isinstance(value.op, ast.Mult) and _product(value.right) is not None:
                 product, scale = value.right, value.left
         operands = _product(product)
+        if operands is None and any(_product(node) is not None for node in ast.walk(value)):
+            raise NotRewritable("the scores, their mask and softmax are written as one "
+                                f"expression, which the rewrite does not read apart: "
+                                f"{ast.unparse(value)}; give each its own statement")  # fmt: skip
         if operands is None:
             raise NotRewritable(f"the scores are not q @ k^T: {ast.unparse(value)}")
         self.q, kt = operands
