@@ -17,15 +17,19 @@ WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 def check_writable(path: str | os.PathLike, what: str = "") -> Path:
     """The real file ``path`` names (a link followed to its target), or a :class:`UsageError`
     (``what``, e.g. ``"--out"``, in front of the path) saying why text cannot be written there:
-    a folder at that name, a read-only file (its mode asks that it not change: it is refused,
-    never rewritten with another mode), or a folder above it that is a file or not writable.
-    Creates nothing, so a command checks its destinations before its work."""
+    a folder at that name, what is not a regular file (a pipe, a device: replaced, it would be
+    gone), a read-only file (its mode asks that it not change: it is refused, never rewritten
+    with another mode), or a folder above it that is a file or where no file can be made (tried:
+    /proc's permissions allow it). Leaves nothing behind, so a command checks its destinations
+    before its work."""
     name = f"{what} {path}" if what else str(path)
     if str(path).endswith((os.sep, "/")):  # a Path drops the slash and would write a file there
         raise UsageError(f"{name}: expected a file to write, found a folder name")
     real = Path(os.path.realpath(path))
     if real.is_dir():
         raise UsageError(f"{name}: expected a file to write, found a folder")
+    if real.exists() and not real.is_file():
+        raise UsageError(f"{name}: expected a regular file to write, found {_kind(real)}")
     if real.exists():
         mode = stat.S_IMODE(real.stat().st_mode)
         if not mode & WRITE_BITS or not os.access(real, os.W_OK):
@@ -38,7 +42,20 @@ def check_writable(path: str | os.PathLike, what: str = "") -> Path:
         raise UsageError(f"{name}: cannot write there, {folder} is a file")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{name}: cannot write there, the folder {folder} is not writable")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise UsageError(f"{name}: cannot write there, no file can be made in {folder} "
+                         f"({error.strerror or error})") from None  # fmt: skip
     return real
+
+
+def _kind(path: Path) -> str:
+    mode = os.stat(path).st_mode
+    kinds = ((stat.S_ISFIFO, "a pipe"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"),
+             (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    return next((said for test, said in kinds if test(mode)), "no regular file")
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:

@@ -139,6 +139,22 @@ def test_doctor_refuses_an_unwritable_out_before_examining(tmp_path, nothing_run
     assert nothing_runs == []
 
 
+def test_doctor_refuses_a_pipe_as_out_and_leaves_it_a_pipe(tmp_path, nothing_runs, capsys):
+    # a FIFO, or a device such as /dev/null: replaced by a regular file, it would be gone
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    code = main(["doctor", "m:f", "--out", str(fifo)])
+    _one_line_exit_2(capsys, code, "--out", "expected a regular file")
+    assert nothing_runs == [] and stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_doctor_refuses_a_folder_where_no_file_can_be_made_before_examining(nothing_runs, capsys):
+    # /proc's permissions allow writing, yet no file can be made in it: found by trying
+    code = main(["doctor", "m:f", "--out", "/proc/report.html"])
+    _one_line_exit_2(capsys, code, "--out", "cannot write there")
+    assert nothing_runs == []
+
+
 def test_bench_refuses_a_read_only_results_file_before_any_phase(tmp_path, nothing_runs, capsys):
     from accel.measure.device import results_stem
 
