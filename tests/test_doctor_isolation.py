@@ -21,6 +21,7 @@ import importlib
 import io
 import itertools
 import logging
+import math
 import os
 import random
 import re
@@ -396,6 +397,15 @@ def test_a_model_holding_what_cannot_be_copied_is_copied_sharing_it_and_says_so(
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
     assert "closure 'model'.lock" in said and "closure 'model'.log" in said, said
     assert "seeds" not in said and next(model.seeds) == 0  # a generator: made again, not shared
+
+
+def test_a_fix_no_finding_predicts_has_no_predicted_speedup(seed):
+    # tried by name, or for a finding that predicts nothing here: unknown, not "no gain"
+    model, opt = small()
+    report = examined(lambda x: one_update(model, opt, x), torch.randn(5, 4))
+    (row,) = report.try_fixes(["set_to_none"], steps=1, repeats=1).to_dict("records")
+    assert math.isnan(row["predicted speedup"]) and math.isnan(row["predicted ms"])
+    assert row["predicted from"].startswith("nothing")
 
 
 # ---- what Untouched sees -------------------------------------------------------------------------

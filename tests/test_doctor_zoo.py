@@ -48,6 +48,15 @@ def test_planted_problems_are_found_and_nothing_else(name):
     assert report.kinds() == expected, str(report)
 
 
+def test_an_attention_the_rewrite_cannot_read_is_given_no_automatic_fix():
+    # the zoo's GPT softmaxes inside its values' product: the change says how to write it,
+    # and no fix claims to apply it
+    _, report, *_ = examined("gpt", True)
+    (found,) = [f for f in report.findings if f.kind == "attention"]
+    assert "not rewritten for you" in found.change and found.fixes == ()
+    assert "sdpa_attention" not in report.fixes()
+
+
 @pytest.mark.parametrize("name", list(zoo.MODELS))
 def test_findings_point_at_the_planted_lines(name):
     _, report, *_ = examined(name, True)

@@ -174,6 +174,7 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
         what = "forward and backward" if backward else "forward"
         written = ("nn.MultiheadAttention returning its weights (need_weights=True, the default)"
                    if weights else "attention written out by hand")  # fmt: skip
+        change, rewritten = (_mha_change(case.site), False) if weights else _change(evidence, case)
         found.append(Finding(
             kind="attention",
             title=f"{written} ({calls} call{'s' * (calls != 1)} per step) where SDPA would run",
@@ -183,11 +184,10 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
             + (", causal" if case.causal else "")
             + f": written out {times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
             notebook="05_sdpa",
-            change=_mha_change(case.site) if weights else _change(evidence, case),
+            change=change,
             saved_us=saved,
             sites=[case.site] if case.site is not None else [],
-            fixes=("mha_without_weights",) if weights
-            else ("sdpa_attention",) if case.site and case.values_site else (),
+            fixes=("mha_without_weights",) if weights else ("sdpa_attention",) * rewritten,
             detail=None if weights else case,
         ))
     return found
@@ -207,17 +207,18 @@ def _mha_change(site: Site | None) -> str:
     return "out, _ = self.attn(q, k, v, need_weights=False)" + _NO_WEIGHTS
 
 
-def _change(evidence: Evidence, case: ManualAttention) -> str:
+def _change(evidence: Evidence, case: ManualAttention) -> tuple[str, bool]:
     """The user's own forward with its attention rewritten (:mod:`accel.doctor.rewrite`), as a
-    diff; the call to write where the rewrite cannot read the chain, with why."""
+    diff; the call to write where the rewrite cannot read the chain, with why. With whether it
+    was rewritten (what the fix then tries on the copy)."""
     from accel.doctor.rewrite import NotRewritable, rewrite_attention
 
     call = "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, " + (
         "is_causal=True)" if case.causal else "attn_mask=mask)  # or no mask")
     if case.site is None or case.values_site is None:
-        return call
+        return call, False
     lines = [(s.file, s.line) for s in (case.site, case.values_site)]
     try:
-        return rewrite_attention(evidence.parts.models, *lines, case.causal).diff
+        return rewrite_attention(evidence.parts.models, *lines, case.causal).diff, True
     except NotRewritable as error:
-        return f"{call}\n# not rewritten for you: {error}"
+        return f"{call}\n# not rewritten for you: {error}", False

@@ -412,7 +412,10 @@ TRIAL_COLUMNS = ("fixes", "label", "mode", "best set", "status", "predicted ms",
 
 def _trial_row(report, names: list[str], spread: float, predicted_us: float | None) -> dict:
     step_us = report.evidence.step_us
-    if predicted_us is None:
+    if predicted_us is None and not any(f.saved_us is not None and set(f.fixes) & set(names)
+                                        for f in report.findings):  # fmt: skip
+        predicted, source = math.nan, "nothing: no finding these fixes address predicts a saving"
+    elif predicted_us is None:
         predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
     elif math.isnan(predicted_us):
         predicted, source = predicted_us, "nothing: the fixes measured alone leave no time"
