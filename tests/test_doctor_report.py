@@ -883,6 +883,11 @@ def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):
     assert callable(step) and batch.shape == (5, 7) and loader is None
     with pytest.raises(doctor.cli.UsageError, match=r"no such file.*absent\.py"):
         load_step(f"{tmp_path / 'absent.py'}:make")
+    path.write_text(PLAIN_STEP + "\nSTEPS = 42\n")
+    with pytest.raises(doctor.cli.UsageError, match=r":STEPS is a value \(int: 42\), not a function"):
+        load_step(f"{path}:STEPS")
+    with pytest.raises(doctor.cli.UsageError, match=r"has no function 'absent'"):
+        load_step(f"{path}:absent")
 
 
 

@@ -37,8 +37,11 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     with _said_in_one_line(module_name, "importing it", errors=False):
         module = _load_file(Path(module_name)) if module_name.endswith(".py") else _import(module_name)
     make = getattr(module, function_name, None)
-    if not callable(make):
+    if make is None and not hasattr(module, function_name):
         raise UsageError(f"{module_name} has no function {function_name!r}")
+    if not callable(make):
+        raise UsageError(f"{target} is a value ({type(make).__name__}: {make!r:.60}), not a "
+                         "function that makes the step")  # fmt: skip
     model_class = isinstance(make, type) and issubclass(make, torch.nn.Module)
     if model_class or isinstance(make, torch.nn.Module):  # called as the step, it would fail
         what = "a model class (a Module)" if model_class else f"a model ({type(make).__name__})"
