@@ -874,6 +874,18 @@ def test_a_model_given_as_the_step_is_told_what_a_step_is(seed):
         doctor.examine(model, (torch.randn(5, 7), torch.randn(5, 3)))
 
 
+def test_cli_says_a_warning_without_the_doctors_own_source_line(tmp_path, monkeypatch, capsys):
+    from accel.__main__ import main
+
+    (tmp_path / "no_training_step.py").write_text(
+        "import torch\n\ndef make():\n    return (lambda x: (x * 2).sum()), torch.randn(4)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["doctor", "no_training_step:make", "--out", str(tmp_path / "r.html")]) == 0
+    err = capsys.readouterr().err
+    assert "RuntimeWarning: accel.doctor: found no model" in err and "cli.py" not in err, err
+
+
 def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):
     from accel.doctor.cli import load_step
 

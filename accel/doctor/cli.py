@@ -160,6 +160,20 @@ def _as_run_alone(target: str, script_args: list[str]) -> Iterator[None]:
         sys.argv, sys.path[:] = saved
 
 
+@contextlib.contextmanager
+def _warnings_said_plainly() -> Iterator[None]:
+    """A warning printed as its words alone: the line of the doctor's own that warned is no
+    help to someone running a command."""
+    shown = warnings.showwarning
+    warnings.showwarning = lambda message, category, *_, **__: print(
+        f"{category.__name__}: {message}", file=sys.stderr
+    )
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 def _doctor(args: argparse.Namespace) -> int:
     from accel.doctor import examine
     from accel.doctor.page import trials_text
@@ -169,7 +183,7 @@ def _doctor(args: argparse.Namespace) -> int:
         raise UsageError(f"--steps {args.steps}: expected a number of steps >= 1")
     check_writable(args.out, "--out")  # before the examination, which takes a while
     out = Path(args.out).absolute()  # where the command runs, also if the script changes folder
-    with _as_run_alone(args.target, args.script_args):
+    with _as_run_alone(args.target, args.script_args), _warnings_said_plainly():
         step, batch, loader = load_step(args.target)
         report = examine(step, batch, loader=loader, steps=args.steps, compile=args.compile,
                          allow_training=args.allow_training)
