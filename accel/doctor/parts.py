@@ -216,12 +216,12 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     originals = parts.all
     memo: dict[int, Any] = _recomputed_weights(parts.models)
     try:
-        copies = copy.deepcopy(originals, memo)
+        copies = _deep_copies(originals, memo)
     except Exception as error:  # deepcopy raises whatever the object's own methods raise
         memo = _recomputed_weights(parts.models)  # the failed copy's halves left out
         shared = _uncopyable_held(parts, memo)
         try:
-            copies = copy.deepcopy(originals, memo)
+            copies = _deep_copies(originals, memo)
         except Exception:
             raise TypeError(
                 f"the step's parts cannot be deep-copied ({type(error).__name__}: {error}); "
@@ -232,9 +232,6 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
                 continue  # rebuilt below as any the step reaches (a generator's reading)
             record(f"shared {where} with its copies, as it cannot be copied: what they do with "
                    "it is done to yours")  # fmt: skip
-    for original, new in zip(originals, copies, strict=True):
-        if isinstance(new, torch.optim.Optimizer):
-            _copy_dropped_attributes(original, new, memo)
     for original, new in zip(originals, copies, strict=True):
         if isinstance(new, torch.optim.Optimizer):
             _rewrap_scheduler_patch(original, new)
@@ -249,6 +246,15 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     for original, new in zip(originals, copies, strict=True):
         copied.add(new, parts.where[id(original)])
     return runner, copied
+
+
+def _deep_copies(originals: list[Any], memo: dict[int, Any]) -> list[Any]:
+    """``originals`` deep-copied together, an optimizer with what its deepcopy drops."""
+    copies = copy.deepcopy(originals, memo)
+    for original, new in zip(originals, copies, strict=True):
+        if isinstance(new, torch.optim.Optimizer):
+            _copy_dropped_attributes(original, new, memo)
+    return copies
 
 
 def _uncopyable_held(parts: StepParts, memo: dict[int, Any]) -> dict[int, str]:
