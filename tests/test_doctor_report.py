@@ -900,6 +900,9 @@ def test_cli_takes_a_file_path_as_well_as_a_module(tmp_path):
         load_step(f"{path}:STEPS")
     with pytest.raises(doctor.cli.UsageError, match=r"has no function 'absent'"):
         load_step(f"{path}:absent")
+    path.write_text(PLAIN_STEP + "\ndef three():\n    return (*make(), 5)\n")
+    with pytest.raises(doctor.cli.UsageError, match=r"three\(\) returned a third item of type int"):
+        load_step(f"{path}:three")
 
 
 

@@ -74,6 +74,12 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
             f"{target}() returned a step of type {type(parts[0]).__name__}; expected the "
             "training step, a function (step(batch)), not its result"
         )
+    loader = parts[2]
+    if loader is not None and (isinstance(loader, (str, bytes)) or not hasattr(loader, "__iter__")):
+        raise UsageError(
+            f"{target}() returned a third item of type {type(loader).__name__}; expected the "
+            "loader the step's batches come from (a DataLoader), or none: return (step, batch)"
+        )
     if parts[1] is None and (parts[2] is not None or not callable_with(parts[0], None)):
         parts = (parts[0], NO_BATCH, parts[2])  # no batch: the loader's first, or none at all
     return parts
