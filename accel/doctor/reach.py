@@ -59,8 +59,8 @@ class Edge:
     """How a parent holds ``child``. ``kind``: cell (``key`` its index), global, default (an
     index), kwdefault, attr, module (a submodule), class (the instance's class), cattr (a class
     attribute), mattr (a module attribute), item (a dict's), key (a dict's), element (a sequence's
-    index), member (a set's), self (a bound method's), func (a wrapper's function, or the one a generator not
-    yet started is made by), arg, keyword, bself (the object behind a built-in bound method such
+    index), member (a set's), self (a bound method's), func (a wrapper's function, or the one a generator is made
+    again by), arg, keyword, bself (the object behind a built-in bound method such
     as ``losses.append``)."""
 
     kind: str
@@ -207,14 +207,9 @@ def generator_call(value: Any) -> tuple[types.FunctionType, list[Any], dict[str,
                                          or _assigns_arguments(value.gi_code)):  # fmt: skip
         return None
     code, names = value.gi_code, value.gi_frame.f_locals
-    given = code.co_argcount + code.co_kwonlyargcount
-    args = [names[n] for n in code.co_varnames[: code.co_argcount]]
-    keywords = {n: names[n] for n in code.co_varnames[code.co_argcount : given]}
-    if code.co_flags & inspect.CO_VARARGS:
-        args += names[code.co_varnames[given]]
-        given += 1
-    if code.co_flags & inspect.CO_VARKEYWORDS:
-        keywords.update(names[code.co_varnames[given]])
+    positional, keyword, star, stars = _arguments(code)
+    args = [names[n] for n in positional] + [*(names[star] if star else ())]
+    keywords = {n: names[n] for n in keyword} | (names[stars] if stars else {})
     cells = tuple(types.CellType(names[n]) if n in names else types.CellType()
                   for n in code.co_freevars)  # fmt: skip
     fn = types.FunctionType(code, value.gi_frame.f_globals, code.co_name, None, cells or None)
@@ -222,11 +217,19 @@ def generator_call(value: Any) -> tuple[types.FunctionType, list[Any], dict[str,
     return fn, args, keywords
 
 
+def _arguments(code: types.CodeType) -> tuple[tuple[str, ...], tuple[str, ...], str | None, str | None]:
+    """The names of ``code``'s positional and keyword-only arguments, its ``*args`` and its
+    ``**kwargs`` (None where it takes none)."""
+    names, given = code.co_varnames, code.co_argcount + code.co_kwonlyargcount
+    star = names[given] if code.co_flags & inspect.CO_VARARGS else None
+    stars = names[given + bool(star)] if code.co_flags & inspect.CO_VARKEYWORDS else None
+    return names[: code.co_argcount], names[code.co_argcount : given], star, stars
+
+
 def _assigns_arguments(code: types.CodeType) -> bool:
     """Whether ``code`` binds or deletes one of its arguments' names."""
-    count = code.co_argcount + code.co_kwonlyargcount
-    count += bool(code.co_flags & inspect.CO_VARARGS) + bool(code.co_flags & inspect.CO_VARKEYWORDS)
-    arguments = set(code.co_varnames[:count])
+    positional, keyword, star, stars = _arguments(code)
+    arguments = {*positional, *keyword, star, stars} - {None}
     for instruction in dis.get_instructions(code):
         if instruction.opname.startswith(("STORE_FAST", "DELETE_FAST", "STORE_DEREF", "DELETE_DEREF")):
             names = instruction.argval if isinstance(instruction.argval, tuple) else (instruction.argval,)

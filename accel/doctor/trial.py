@@ -396,10 +396,14 @@ def _predicted_us(report, names: list[str], *, unbound: bool = False) -> float:
     saved = [
         f.kernels_us if unbound and f.kernels_us is not None
         else max(f.saved_by_fix.get(n, f.saved_us) for n in set(f.fixes) & set(names))
-        for f in report.findings
-        if f.saved_us is not None and set(f.fixes) & set(names)
+        for f in _predicting(report, names)
     ]  # fmt: skip
     return min(sum(saved), 0.999 * report.evidence.step_us)  # a trial times the step alone
+
+
+def _predicting(report, names: list[str]) -> list:
+    """The findings that predict a saving and that these fixes address."""
+    return [f for f in report.findings if f.saved_us is not None and set(f.fixes) & set(names)]
 
 
 # A trial's row: every column, NaN until measured (an empty table keeps them too)
@@ -412,8 +416,7 @@ TRIAL_COLUMNS = ("fixes", "label", "mode", "best set", "status", "predicted ms",
 
 def _trial_row(report, names: list[str], spread: float, predicted_us: float | None) -> dict:
     step_us = report.evidence.step_us
-    if predicted_us is None and not any(f.saved_us is not None and set(f.fixes) & set(names)
-                                        for f in report.findings):  # fmt: skip
+    if predicted_us is None and not _predicting(report, names):
         predicted, source = math.nan, "nothing: no finding these fixes address predicts a saving"
     elif predicted_us is None:
         predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
