@@ -836,9 +836,9 @@ def test_a_sync_removed_is_retried_on_the_best_set_whatever_it_was_predicted_to_
     assert trial._left_out(report, rows, rows[0]) == []
 
 
-def timeline_report(by_category: dict[str, float], idle: dict[str, float], host_us: float = 0.0):
+def timeline_report(by_category: dict[str, float], idle: dict[str, float]):
     step_us = sum(by_category.values()) + sum(idle.values())
-    t = SimpleNamespace(by_category=by_category, idle_us=idle, step_us=step_us, host_us=host_us)
+    t = SimpleNamespace(by_category=by_category, idle_us=idle, step_us=step_us)
     return SimpleNamespace(evidence=SimpleNamespace(timeline=t), findings=[])
 
 
@@ -909,18 +909,6 @@ def test_a_device_fix_the_host_held_back_counts_its_kernels_saving_beside_a_fix_
     )
     # alone, TF32 is held back: what it measured is what counts
     assert trial.combined_prediction_us(report, rows, ["tf32"]) == pytest.approx(100)
-
-
-def test_a_set_that_takes_no_launch_off_the_host_is_not_predicted_below_the_hosts_own_time():
-    """The host takes 80 of the 100 to issue the step: TF32 and channels-last each saved 15 of
-    the kernels alone, 30 together on paper, but the host still issues every launch; beside the
-    batched clip, which takes launches off it, the host's time is no floor."""
-    report = timeline_report({"matmul": 60.0, "elementwise and other": 20.0}, {"host": 20.0},
-                             host_us=80.0)  # fmt: skip
-    rows = fake_rows({"tf32": 100 / 85, "channels_last": 100 / 85, "batched_clip": 100 / 90})
-    assert trial.combined_prediction_us(report, rows, ["tf32", "channels_last"]) == pytest.approx(80)
-    freed = trial.combined_prediction_us(report, rows, ["tf32", "channels_last", "batched_clip"])
-    assert freed < 80
 
 
 def test_the_report_ends_with_how_far_the_fixes_took_the_step(seed):

@@ -93,17 +93,6 @@ def test_a_full_launch_queue_holds_the_host_back_until_a_kernel_starts():
                     queue_depth=3).step_saving_us({"matmul": 200.0}) == pytest.approx(97.0)  # fmt: skip
 
 
-def test_the_hosts_own_time_is_the_step_replayed_with_every_kernel_free():
-    # the host launches at 0, 30 and 60 and ends at 90; the kernels take 100 each
-    kernels = [(0, 100, "matmul"), (100, 200, "other"), (200, 300, "matmul")]
-    t = timeline(kernels, launches=(0, 30, 60), host_end=90)
-    assert t.host_us == pytest.approx(90.0)
-    # a blocking call waits for the device no more once the kernels are free
-    synced = timeline(kernels, launches=(0, 30, 260), syncs=((40, 200),), host_end=270)
-    assert synced.host_us == pytest.approx(40 + 70)
-    assert timeline(kernels, steps=3).host_us == pytest.approx(0.0)  # no launch seen: none known
-
-
 def test_savings_are_per_step():
     two_steps = timeline([(0, 100, "matmul"), (100, 200, "matmul")], steps=2)
     assert two_steps.step_saving_us({"matmul": 50.0}) == pytest.approx(50.0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,14 +88,6 @@ class Timeline:
         factor = {c: min(1.0, max(0.0, 1 - saved / self.by_category[c]))
                   for c, saved in saved_by_category.items() if self.by_category.get(c, 0) > 0}  # fmt: skip
         return max(0.0, self._replayed_us({}) - self._replayed_us(factor)) / self.steps
-
-    @functools.cached_property
-    def host_us(self) -> float:
-        """The step's time were every kernel free: the host launching it, each blocking call
-        returning at once (0 without profiled kernels, as on a CPU)."""
-        if not self.spans or not self.steps:
-            return 0.0
-        return self._replayed_us(dict.fromkeys(self.by_category, 0.0)) / self.steps
 
     def spread_saving_us(self, saved_us: float, categories) -> float:
         """:meth:`step_saving_us` of ``saved_us`` taken off ``categories`` in proportion to their

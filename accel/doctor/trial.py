@@ -301,8 +301,7 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     :data:`SAVES_FIRST` over its own parts first), and a part's time left is what every fix
     acting on it leaves of it in turn. Beside a fix that frees the host, a fix of the device's
     kernels that the host held back alone counts its kernels' own saving
-    (:func:`_kernels_saving_us`); without one, the set is no faster than the host's own time to
-    launch the step (:attr:`~accel.doctor.timeline.Timeline.host_us`). A set replayed as a CUDA
+    (:func:`_kernels_saving_us`). A set replayed as a CUDA
     graph takes the kernels' time it leaves, with the gaps a replay keeps between them, and no
     more than the same set launched from the host."""
     t = report.evidence.timeline
@@ -335,8 +334,6 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
                 left[p] *= 1 - share
             saved -= share * total
     launched = max(t.step_us - sum(parts.values()) + sum(left.values()) - unexplained, 0.0)
-    if not unbound:  # no fix of the set takes a launch off the host: it launches as before
-        launched = max(launched, t.host_us)
     if GRAPHED & set(names):
         kernels = sum(left[p] for p in t.by_category) - unexplained
         launched = min(launched, max(kernels, 0.0) * GRAPH_REPLAY_OVER_KERNELS)
