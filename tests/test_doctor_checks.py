@@ -302,6 +302,12 @@ def test_a_pinned_copy_saves_the_pageable_time_less_its_own():
     assert check_host.pinned_saving_us(100e3, 0, 25.0) == pytest.approx(100e3)
 
 
+def test_a_pinned_copy_runs_free_while_the_device_waits_for_the_host():
+    # the device idles 30 ms a step waiting for launches: 30 of the 40 ms pinned copy hide there
+    assert check_host.pinned_saving_us(100e3, 10**9, 25.0, device_waits_us=30e3) == pytest.approx(90e3)
+    assert check_host.pinned_saving_us(100e3, 10**9, 25.0, device_waits_us=50e3) == pytest.approx(100e3)
+
+
 def test_the_copy_rates_are_asked_for_the_bytes_the_pageable_copies_move():
     asked = []
     upload = op("aten::copy_", info(256, 256), info(256, 256, device="cpu"), time_us=40.0,
