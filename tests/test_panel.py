@@ -50,6 +50,15 @@ def test_toggle_and_click_rerun_and_update_the_figure():
     assert builds == [tiny_mlp.Flags(), tiny_mlp.Flags(fused_adamw=True)]
 
 
+def test_a_first_run_with_a_flag_profiles_the_baseline_too():
+    panel, _ = make_panel()
+    panel.run(tiny_mlp.Flags(fused_adamw=True))
+    frame = panel.results
+    assert list(frame["label"]) == ["baseline", "fused_adamw"]
+    assert (frame["kernels_per_step"] > 0).all()  # the baseline's counts too, to compare with
+    assert "nan" not in panel.table.value
+
+
 def test_the_bars_show_each_speedup_against_the_baseline_timed_beside_it():
     """Runs at different times see different machine load: each bar is a configuration's
     speedup over the baseline interleaved with it in its own run, never a time beside another

@@ -2,7 +2,9 @@
 the step and its batch (a ``(step, batch)`` or ``(step, batch, loader)`` tuple, or an object with
 ``step``, ``batch`` and ``loader``), or the step alone where it draws its own batch; a batch of
 None means the loader's first batch, or none for a step that takes no argument; the report is
-printed and written as one HTML file that opens offline."""
+printed and written as one HTML file that opens offline. Importing the module and calling
+``function()`` run the user's code once, as ``python`` would: what they change is theirs; what
+the doctor keeps and puts back is what the steps it runs change."""
 
 from __future__ import annotations
 
@@ -225,5 +227,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add("--compile", action="store_true", help="also list torch.compile's graph breaks (empties dynamo's cache)")
     add("--allow-training", action="store_true",
         help="run on your own model where the doctor cannot copy what the step trains")  # fmt: skip
-    doctor.epilog = "arguments after -- are your script's own command line (its sys.argv)"
+    doctor.epilog = ("arguments after -- are your script's own command line (its sys.argv); "
+                     "importing it and calling the function run your code as python would: what "
+                     "they write is not put back (what the doctor's steps change is)")
     doctor.set_defaults(func=_doctor)
