@@ -666,6 +666,23 @@ def test_the_best_set_is_never_below_the_best_fix_alone(monkeypatch):
     assert [r["fixes"] for r in best] == ["bf16_autocast"]
 
 
+def test_what_each_combined_trial_compiled_is_tidied_before_the_next(monkeypatch):
+    events = []
+
+    def together(report, names, *args, **kwargs):
+        events.append("+".join(names))
+        return {"fixes": "+".join(names), "mode": "together", "status": "ok",
+                "measured speedup": 2.5, "measured ms": 4.0, "unchanged ms": 10.0,
+                "best set": False}  # fmt: skip
+
+    monkeypatch.setattr(trial, "_trial", together)
+    monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)
+    rows = fake_rows({"bf16_autocast": 2.8, "tf32": 2.6, "pinned_batch": 1.1})
+    trial._together(step_of(100.0), rows, 1, 1, 0.0, lambda: events.append("tidy"))
+    assert len(events) >= 4 and events[1::2] == ["tidy"] * (len(events) // 2), events
+
+
 def test_fixes_that_exclude_each_other_are_not_combined(monkeypatch):
     monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
     tried = []

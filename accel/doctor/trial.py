@@ -147,7 +147,7 @@ def _trials(report, names: list[str], steps: int, repeats: int, progress: bool, 
             tidy()
         bar.update()
         bar.set_description_str("trying the helpful ones together")
-        rows += _together(report, rows, steps, repeats, spread)
+        rows += _together(report, rows, steps, repeats, spread, tidy)
         bar.update()
     return rows
 
@@ -197,10 +197,17 @@ def own_spread(report, steps: int) -> float:
     return error
 
 
-def _together(report, rows: list[dict], steps: int, repeats: int, spread: float) -> list[dict]:
+def _together(report, rows: list[dict], steps: int, repeats: int, spread: float,
+              tidy: Callable[[], None] = lambda: None) -> list[dict]:  # fmt: skip
     """Combined trials of the fixes that helped, then the best of them with the fixes predicted
     to help that it left out; the best row (a combined one, or the best fix alone where no
-    combination beat it) is marked ``best set``."""
+    combination beat it) is marked ``best set``. ``tidy`` runs after each trial."""
+
+    def attempt(names: list[str], predicted_us: float | None = None) -> dict:
+        row = _trial(report, names, steps, repeats, spread, predicted_us=predicted_us)
+        tidy()
+        return row
+
     # not only the fixes that helped alone: one sync removed while another stays (a pageable copy
     # and a read) gains nothing alone, both together do
     kept = sorted(
@@ -218,7 +225,7 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
     out: list[dict] = []
     while len(chosen) >= 2 and len(out) < COMBINED_TRIES:
         predicted = combined_prediction_us(report, rows, chosen)
-        out.append(_trial(report, chosen, steps, repeats, spread, predicted_us=predicted))
+        out.append(attempt(chosen, predicted))
         last = out[-1]
         if last["status"] == "ok" and last["measured speedup"] >= helped[0]["measured speedup"]:
             break
@@ -229,13 +236,13 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
     best = max(candidates, key=lambda r: r["measured speedup"])
     in_best = best["fixes"].split("+")
     for name in _left_out(report, rows, best)[:RETRIES]:  # each kept only where it pays
-        out.append(_trial(report, [*in_best, name], steps, repeats, spread))
+        out.append(attempt([*in_best, name]))
         if out[-1]["status"] == "ok" and out[-1]["measured speedup"] > best["measured speedup"]:
             best, in_best = out[-1], [*in_best, name]
     for name in [n for n in in_best if n in NEXT_RUNG and _can_run(report, NEXT_RUNG[n])]:
         swapped = [NEXT_RUNG[n] if n == name else n for n in in_best]
         predicted = combined_prediction_us(report, rows, swapped)
-        out.append(_trial(report, swapped, steps, repeats, spread, predicted_us=predicted))
+        out.append(attempt(swapped, predicted))
         if out[-1]["status"] != "ok" or out[-1]["measured speedup"] <= best["measured speedup"]:
             continue
         best, in_best = out[-1], swapped
@@ -243,7 +250,7 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float)
         for extra in _kernel_fixes_left_out(report, rows, in_best)[:RETRIES]:
             wider = [*in_best, extra]
             predicted = combined_prediction_us(report, rows, wider)
-            out.append(_trial(report, wider, steps, repeats, spread, predicted_us=predicted))
+            out.append(attempt(wider, predicted))
             if out[-1]["status"] == "ok" and out[-1]["measured speedup"] > best["measured speedup"]:
                 best, in_best = out[-1], wider
     best["best set"] = True
