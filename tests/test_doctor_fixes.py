@@ -781,6 +781,22 @@ def test_compile_in_the_best_set_is_tried_with_cuda_graphs_on_a_gpu(
     assert [names for names, _ in tried] == [["bf16_autocast", "compile"]]
 
 
+def test_compile_slower_alone_still_has_its_cuda_graph_rung_tried_on_the_best_set(monkeypatch):
+    """A host-bound step: compile alone was slower (its launches stayed), so it joined no set;
+    its CUDA-graph rung takes the launches off the host, so it is tried on the best set anyway."""
+    tried = []
+    speedups = {"bf16_autocast+pinned_batch": 1.4, "bf16_autocast+pinned_batch+compile_graphs": 3.5}
+    monkeypatch.setattr(trial, "_trial", recording_trial(tried, lambda n: speedups.get("+".join(n), 1.0)))
+    monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)
+    rows = fake_rows({"bf16_autocast": 1.3, "pinned_batch": 1.2, "compile": 0.93})
+    rows[2]["status"] = "slower here"
+    combined = trial._together(step_of(100.0, "cuda"), rows, 1, 1, 0.0)
+    assert ["bf16_autocast", "pinned_batch", "compile_graphs"] in [names for names, _ in tried]
+    chosen = [r["fixes"] for r in rows + combined if r["best set"]]
+    assert chosen == ["bf16_autocast+pinned_batch+compile_graphs"]
+
+
 @pytest.mark.parametrize(("with_bf16", "kept"), [(5.0, True), (3.5, False)])
 def test_device_fixes_left_out_are_retried_once_the_set_is_replayed_as_a_cuda_graph(
     monkeypatch, with_bf16, kept

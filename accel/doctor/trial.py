@@ -239,8 +239,13 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: float,
         out.append(attempt([*in_best, name]))
         if out[-1]["status"] == "ok" and out[-1]["measured speedup"] > best["measured speedup"]:
             best, in_best = out[-1], [*in_best, name]
-    for name in [n for n in in_best if n in NEXT_RUNG and _can_run(report, NEXT_RUNG[n])]:
-        swapped = [NEXT_RUNG[n] if n == name else n for n in in_best]
+    # a rung's base in the set is swapped for it; a base that ran alone but joined no set (compile
+    # slower alone, its launches left on the host) has its rung added to the set
+    bases = [n for n in in_best if n in NEXT_RUNG] + [
+        r["fixes"] for r in rows if r["fixes"] in NEXT_RUNG and _may_join(r, in_best)]  # fmt: skip
+    for name in [n for n in bases if _can_run(report, NEXT_RUNG[n])]:
+        rung = NEXT_RUNG[name]
+        swapped = [rung if n == name else n for n in in_best] if name in in_best else [*in_best, rung]
         predicted = combined_prediction_us(report, rows, swapped)
         out.append(attempt(swapped, predicted))
         if out[-1]["status"] != "ok" or out[-1]["measured speedup"] <= best["measured speedup"]:
