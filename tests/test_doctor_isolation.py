@@ -408,6 +408,26 @@ def test_a_fix_no_finding_predicts_has_no_predicted_speedup(seed):
     assert row["predicted from"].startswith("nothing")
 
 
+def test_a_fix_whose_finding_predicts_nothing_here_says_so(seed):
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])  # 12 tensors clipped one by one
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        for p in model.parameters():
+            torch.nn.utils.clip_grad_norm_([p], 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    (finding,) = [f for f in report.findings if "batched_clip" in f.fixes]
+    assert finding.saved_us is None  # a CPU: no prediction
+    (row,) = report.try_fixes(["batched_clip"], steps=1, repeats=1).to_dict("records")
+    assert row["predicted from"] == "nothing: not predicted on cpu", row["predicted from"]
+
+
 # ---- what Untouched sees -------------------------------------------------------------------------
 def test_untouched_sees_gradients_and_optimizer_state(seed):
     from accel.doctor.parts import find_parts

@@ -250,6 +250,8 @@ def test_fix_flags_turn_fixes_on_in_a_fresh_copy(examined, capsys):
     call = report.fixed_step(flags(set_to_none=True))
     call()
     assert unchanged(before, model)
+    # one class however often asked: a panel built from one call takes flags made from another
+    assert report.fix_flags() is flags
 
 
 def test_bad_calls_to_examine_are_explained(seed):

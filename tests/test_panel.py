@@ -1,3 +1,5 @@
+import dataclasses
+
 import ipywidgets as widgets
 import pytest
 
@@ -48,6 +50,13 @@ def test_toggle_and_click_rerun_and_update_the_figure():
     # one build per flag combination, however often it runs
     panel.run_button.click()
     assert builds == [tiny_mlp.Flags(), tiny_mlp.Flags(fused_adamw=True)]
+
+
+def test_flags_of_another_class_of_the_same_name_are_refused_with_the_way_out():
+    panel, _ = make_panel(profile=False)
+    other = dataclasses.make_dataclass("Flags", [("fused_adamw", bool, False)], frozen=True)
+    with pytest.raises(TypeError, match=r"another class of that name: make the flags with panel\.flags_type"):
+        panel.show(other(fused_adamw=True))
 
 
 def test_a_first_run_with_a_flag_profiles_the_baseline_too():

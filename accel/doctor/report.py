@@ -41,6 +41,7 @@ class Report:
         self.cautions = list(side_effects or [])
         self.effects = effects or Effects()
         self.changed = list(changed or [])
+        self._fix_flags: type | None = None  # made once: a panel takes only its own class's flags
 
     @property
     def side_effects(self) -> list[str]:
@@ -133,9 +134,11 @@ class Report:
     def fix_flags(self) -> type:
         """The fixes as a frozen ``Flags`` dataclass for ``lab.FeaturePanel``: one checkbox per
         fix the findings name (off: the step as you wrote it), grouped by the phase whose
-        notebook teaches it."""
+        notebook teaches it. The same class on every call."""
         from accel.workloads.flags import flag
 
+        if self._fix_flags is not None:
+            return self._fix_flags
         fields = []
         for name in self.fixes():
             finding = next(f for f in self.findings if name in f.fixes)
@@ -143,7 +146,8 @@ class Report:
             requires = "cuda" if FIXES[name].needs_cuda else None
             help_text = f"{FIXES[name].label}: for '{finding.title}'"
             fields.append((name, bool, flag(help_text, phase, requires=requires)))
-        return dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
+        self._fix_flags = dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
+        return self._fix_flags
 
     def fixed_step(self, flags: Any):
         """One call of the step on a fresh copy with the fixes ``flags`` turns on, built as the

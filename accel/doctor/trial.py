@@ -426,7 +426,10 @@ TRIAL_COLUMNS = ("fixes", "label", "mode", "best set", "status", "predicted ms",
 def _trial_row(report, names: list[str], spread: float, predicted_us: float | None) -> dict:
     step_us = report.evidence.step_us
     if predicted_us is None and not _predicting(report, names):
-        predicted, source = math.nan, "nothing: no finding these fixes address predicts a saving"
+        addressed = any(set(f.fixes) & set(names) for f in report.findings)
+        source = (f"nothing: not predicted on {report.evidence.device.type}" if addressed
+                  else "nothing: no finding these fixes address predicts a saving")  # fmt: skip
+        predicted = math.nan
     elif predicted_us is None:
         predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
     elif math.isnan(predicted_us):

@@ -128,8 +128,11 @@ class FeaturePanel:
     def show(self, flags: Any) -> None:
         """Set the controls to ``flags`` (a ``Flags`` instance)."""
         if not isinstance(flags, self.flags_type):
+            same_name = type(flags).__name__ == self.flags_type.__name__
             raise TypeError(
                 f"expected a {self.flags_type.__name__} instance, got {type(flags).__name__}"
+                + (" of another class of that name: make the flags with panel.flags_type"
+                   if same_name else "")
             )
         for name, control in self.controls.items():
             control.value = getattr(flags, name)
