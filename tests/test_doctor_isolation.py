@@ -408,6 +408,38 @@ def test_a_fix_no_finding_predicts_has_no_predicted_speedup(seed):
     assert row["predicted from"].startswith("nothing")
 
 
+def test_a_panel_of_the_fixed_steps_puts_back_what_the_steps_change(seed, tmp_path, monkeypatch):
+    """A panel times the fixed steps many times; inside ``report.isolated`` what their code
+    changes (a checkpoint it saves, the random state it draws from) is put back after each run."""
+    from accel.lab.panel import FeaturePanel
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt.pt").write_bytes(b"old checkpoint")
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step(x):
+        loss = model(x + torch.rand_like(x)).square().mean()
+        loss.backward()
+        for p in model.parameters():
+            torch.nn.utils.clip_grad_norm_([p], 1.0)
+        opt.step()
+        opt.zero_grad()
+        torch.save(model.state_dict(), "ckpt.pt")
+        return loss.detach()
+
+    report = examined(step, torch.randn(5, 4))
+    flags = report.fix_flags()
+    panel = FeaturePanel(flags, report.fixed_step, device="cpu", warmup=1, repeats=2,
+                         profile_steps=1, around=report.isolated)  # fmt: skip
+    random_state = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what could not be kept is warned, as try_fixes does
+        panel.run(flags(**{f.name: True for f in dataclasses.fields(flags)}))
+    assert (tmp_path / "ckpt.pt").read_bytes() == b"old checkpoint"
+    assert torch.equal(torch.get_rng_state(), random_state)
+
+
 def test_a_fix_whose_finding_predicts_nothing_here_says_so(seed):
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])  # 12 tensors clipped one by one
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)

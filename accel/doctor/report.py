@@ -149,9 +149,17 @@ class Report:
         self._fix_flags = dataclasses.make_dataclass("DoctorFixes", fields, frozen=True)
         return self._fix_flags
 
+    def isolated(self):
+        """A context in which calls of :meth:`fixed_step` leave the process as they found it, as
+        ``try_fixes`` does: ``lab.FeaturePanel(..., around=report.isolated)``."""
+        from accel.doctor.trial import isolated
+
+        return isolated(self)
+
     def fixed_step(self, flags: Any):
         """One call of the step on a fresh copy with the fixes ``flags`` turns on, built as the
-        trials build it."""
+        trials build it; what the step's code changes is put back where it runs inside
+        :meth:`isolated`."""
         from accel.doctor.trial import fixed_step
 
         return fixed_step(self, [f.name for f in dataclasses.fields(flags) if getattr(flags, f.name)])

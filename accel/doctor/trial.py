@@ -7,11 +7,12 @@ one slower beyond the timing's spread is "slower here" and stays out of the comb
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -115,14 +116,23 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
                          "own objects (allow_training=True; the report's first line says why)")
     cuda = report.evidence.device.type == "cuda"
     repeats = repeats or (8 if cuda else 5)
-    # the random generators put back (the trials seed them); the loader copies' workers ended
+    with isolated(report) as session:
+        rows = _trials(report, names, steps, repeats, progress, session.tidy_compiled)
+    _record_measured(report, rows)
+    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
+
+
+@contextlib.contextmanager
+def isolated(report) -> Iterator[Session]:
+    """Where the copies of the report's step run: on leaving, what their code changed is put
+    back (the random generators, which the trials seed, the process's switches, files and
+    folders, the loader copies' workers ended), and what could not be kept from changing is
+    warned and named in the report."""
     with Session() as session, loader_copies_ended():
         session.watch(report.parts.reach.objects.values())
         untouched = Untouched(report.parts, report.batch)
-        rows = _trials(report, names, steps, repeats, progress, session.tidy_compiled)
-    _record_measured(report, rows)
+        yield session
     _name_side_effects(report, session.effects(), untouched.report())
-    return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
 
 def _trials(report, names: list[str], steps: int, repeats: int, progress: bool, tidy):
@@ -381,7 +391,8 @@ def _record_measured(report, rows: list[dict]) -> None:
 
 def fixed_step(report, names: list[str]) -> Callable[[], Any]:
     """One step of a fresh copy of the report's step with the fixes ``names`` applied, as the
-    trials call it (to time it beside other steps)."""
+    trials call it (to time it beside other steps). What the step's own code changes (files, the
+    random state) is put back only where it runs inside :func:`isolated`."""
     return _fixed(report, fix_names(names)).build()
 
 

@@ -14,6 +14,7 @@ kept per flag combination: compiled or graphed steps are expensive to rebuild.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import math
@@ -47,6 +48,8 @@ class FeaturePanel:
     ``build(flags)`` returns a step: a callable of no arguments, timed as it is (built once per
     flag set and kept). In a notebook, display the panel and click; in code, ``run(flags)``
     times that flag set (the controls then show it), ``run()`` the one the controls show.
+    ``around()``, where given, is the context each run happens in (``report.isolated`` for the
+    doctor's fixed steps: what they change is put back after each run).
     """
 
     def __init__(
@@ -60,9 +63,11 @@ class FeaturePanel:
         profile: bool = True,
         profile_steps: int = 3,
         title: str | None = None,
+        around: Callable[[], contextlib.AbstractContextManager] | None = None,
     ):
         self.flags_type = flags_type
         self.build = build
+        self.around = around or contextlib.nullcontext
         self.device = torch.device(device) if device is not None else default_device()
         self.warmup, self.repeats = warmup, repeats
         self.profile, self.profile_steps = profile, profile_steps
@@ -147,6 +152,10 @@ class FeaturePanel:
     def run(self, flags: Any = None) -> dict[str, Any]:
         """Time ``flags`` (by default the shown configuration) against the baseline, profile
         it, update the plots; returns its row of :attr:`results`."""
+        with self.around():
+            return self._run(flags)
+
+    def _run(self, flags: Any) -> dict[str, Any]:
         if flags is not None:
             self.show(flags)
         flags, baseline = self.flags(), self.flags_type()
