@@ -10,8 +10,12 @@ import html
 import inspect
 import logging
 import math
+import os
+import subprocess
 import sys
+import textwrap
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -1099,3 +1103,42 @@ def test_a_panel_flag_for_a_code_change_applies_it_to_the_fresh_copy(seed):
     flags = report.fix_flags()
     assert "sdpa_attention" in {f.name for f in dataclasses.fields(flags)}
     assert torch.isfinite(report.fixed_step(flags(sdpa_attention=True))())
+
+
+def test_rendering_the_report_leaves_the_warning_filters_as_they_were(tmp_path):
+    """plotly's first import adds warning filters of its own; the report imports it to draw."""
+    code = textwrap.dedent("""
+        import warnings, torch
+        from accel import doctor
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        def step(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+        report = doctor.examine(step, torch.randn(3, 4), steps=1, warmup=1)
+        before = list(warnings.filters)
+        report.html()
+        print([f for f in warnings.filters if f not in before])
+    """)
+    root = str(Path(__file__).resolve().parents[1])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_a_trial_row_and_its_html_give_one_prediction():
+    """A combined set is predicted from its fixes measured alone even where no finding predicts
+    on this device: the page shows the row's own figure, and a dash only where it has none."""
+    from accel.doctor import page
+
+    row = {"fixes": "foreach_loop+fused_optimizer", "predicted speedup": 1.335}
+    assert page.predicted(row) == "1.33x"
+    unpredicted = row | {"predicted speedup": math.nan, "predicted from": "nothing: not predicted on cpu"}
+    assert page.predicted(unpredicted) is None
+    assert page.unpredicted(unpredicted) == "not predicted on cpu"  # the row's own reason
+

@@ -101,13 +101,18 @@ def findings_html(report) -> str:
 TRIAL_HEADER = ("fix", "predicted", "measured", "error (allowed)", "first call", "peak memory")
 
 
-def predicted(report, row: dict[str, Any]) -> str | None:
-    """A trial's predicted speedup, from the findings its fixes address that have a prediction;
-    None where none has (a speedup of 1 would claim no gain)."""
-    names = set(row["fixes"].split("+"))
-    if not any(f.saved_us is not None for f in report.findings if names & set(f.fixes)):
+def predicted(row: dict[str, Any]) -> str | None:
+    """A trial's predicted speedup as its row gives it; None where the row has none (a speedup
+    of 1 would claim no gain)."""
+    value = row.get("predicted speedup")
+    if value is None or not math.isfinite(value):
         return None
-    return f"{row['predicted speedup']:.2f}x"
+    return f"{value:.2f}x"
+
+
+def unpredicted(row: dict[str, Any]) -> str:
+    """Why a trial's row has no prediction, as the row says it."""
+    return str(row.get("predicted from", "")).removeprefix("nothing: ") or "not predicted"
 
 
 def best_set(row: dict[str, Any]) -> bool:
@@ -136,7 +141,7 @@ def trials_html(report) -> str:
                 f"<td>{rounded(row['unchanged peak MiB'])} \u2192 "
                 f"{rounded(row['fixed peak MiB'])} MiB</td>"
             )
-        guess = predicted(report, row) or missing(f"not predicted on {report.device}")
+        guess = predicted(row) or missing(unpredicted(row))
         if _edit(row):
             fix += f"<pre>{_esc(row['edit'])}</pre>"
         body.append(f"<tr><td>{fix}</td><td>{guess}</td>{rest}</tr>")
@@ -147,7 +152,7 @@ def trials_text(report) -> str:
     """The trials for a terminal: fix, predicted and measured speedup, error, or why none."""
     lines = []
     for row in report.trials.to_dict("records"):
-        guess = predicted(report, row) or f"{DASH} (not predicted on {report.device})"
+        guess = predicted(row) or f"{DASH} ({unpredicted(row)})"
         best = ", the best set" if best_set(row) else ""
         head = f"{row['label']} ({row['mode']}{best}): predicted {guess}, "
         if absent(row["measured speedup"]):

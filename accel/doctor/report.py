@@ -8,6 +8,7 @@ import dataclasses
 import html
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,8 @@ class Report:
 
         savings = {f.title: f.saved_us / 1e3 for f in self.findings if f.saved_us is not None}
         title = f"Where a {self.step_ms:.3f} ms step goes on {self.device}"
-        return doctor_figure(self.breakdown(), savings, self.step_ms, title=title)
+        with warnings.catch_warnings():  # plotly's first imports add warning filters of their own
+            return doctor_figure(self.breakdown(), savings, self.step_ms, title=title)
 
     # ---- fixes -------------------------------------------------------------------------------
     def try_fixes(self, fixes: list[str] | None = None, *, steps: int = 3,
@@ -214,7 +216,8 @@ class Report:
         if self.trials is not None and not self.trials.empty:
             reached = html.escape(self.reached())
             trials = f"<h3>Fixes tried</h3>{page.trials_html(self)}<p>{reached}</p>"
-        figure = self.figure().to_html(full_html=False, include_plotlyjs=plotlyjs)
+        with warnings.catch_warnings():  # as in figure(): plotly.io's first import too
+            figure = self.figure().to_html(full_html=False, include_plotlyjs=plotlyjs)
         return (f"{page.STYLE}<div class='accel-doctor'><h2>accel.doctor</h2>"
                 f"<p>{html.escape(self.summary())}</p>{figure}"
                 f"<h3>Findings</h3>{page.findings_html(self)}{trials}</div>")  # fmt: skip
