@@ -231,6 +231,25 @@ def test_doctor_refuses_a_mistake_in_one_line_before_examining(
     assert examined == []
 
 
+@pytest.mark.parametrize(
+    ("made", "said"),
+    [
+        ("lambda batch: batch", "make() returned the step alone, and it takes a batch: return "
+         "(step, batch), or (step, None, loader)"),
+        ("{'step': 1}", "or the step alone, where it draws its own batch; it returned dict"),
+    ],
+    ids=["step alone that takes a batch", "a dict"],
+)
+def test_doctor_says_what_the_maker_should_return_in_the_clis_words(tmp_path, made, said):
+    from accel.doctor.cli import load_step
+    from accel.errors import UsageError
+
+    (tmp_path / "maker.py").write_text(f"def make():\n    return {made}\n")
+    with pytest.raises(UsageError) as refused:
+        load_step(f"{tmp_path / 'maker.py'}:make")
+    assert said in str(refused.value), str(refused.value)
+
+
 VIEW_AFTER_TRANSPOSE = """
 import torch
 

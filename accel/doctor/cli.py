@@ -61,6 +61,9 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
     with _said_in_one_line(module_name, f"{function_name}()"):
         made = make()
     if callable(made) and not hasattr(made, "step"):  # the step alone: it draws its own batch
+        if not callable_with(made):
+            raise UsageError(f"{target}() returned the step alone, and it takes a batch: return "
+                             "(step, batch), or (step, None, loader)")  # fmt: skip
         made = (made, NO_BATCH)
     if hasattr(made, "step"):
         parts = made.step, getattr(made, "batch", None), getattr(made, "loader", None)
@@ -68,8 +71,9 @@ def load_step(target: str) -> tuple[Any, Any, Any]:
         parts = (*made, None) if len(made) == 2 else made
     else:
         raise UsageError(
-            f"{target}() must return (step, batch), (step, batch, loader) or an object with "
-            f"step and batch; it returned {type(made).__name__}"
+            f"{target}() must return (step, batch), (step, batch, loader), an object with "
+            "step and batch, or the step alone, where it draws its own batch; it returned "
+            f"{type(made).__name__}"
         )
     if not callable(parts[0]):
         raise UsageError(
