@@ -42,7 +42,7 @@ LOSS_TOL = {"rtol": 1e-4, "atol": 1e-6}
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TWO_NODES = {"wrapper": "ddp", "nnodes": 2, "rdzv_endpoint": "10.0.0.1:29500"}
+TWO_NODES = {"wrapper": "ddp", "nnodes": 2, "rdzv_endpoint": "127.0.0.1:29500"}  # node 0: here
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -651,6 +651,9 @@ def test_a_missing_launcher_is_a_clear_error(monkeypatch, no_launch):
         ({**TWO_NODES, "rdzv_endpoint": ":29500"}, "must be 'host:port'.*got ':29500'"),
         ({**TWO_NODES, "rdzv_id": "my job"}, "rdzv_id must be a name .* got 'my job'"),
         ({**TWO_NODES, "in_process": True}, "in_process runs wrapper 'none' on this host only"),
+        ({**TWO_NODES, "rdzv_endpoint": "10.0.0.1:29500"},
+         "node 0 serves the rendezvous at rdzv_endpoint, but '10.0.0.1' is no address of this "
+         "machine: run node 0 on the host at that address"),
     ],
 )
 def test_bad_arguments_are_refused_before_launch(kwargs, message, no_launch):

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import socket
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -268,6 +269,24 @@ def _check_nodes(a: SimpleNamespace) -> None:
             f"rdzv_id must be a name of letters, digits, '_', '.' or '-' (the same on every "
             f"node), got {a.rdzv_id!r}"
         )
+    if a.node_rank == 0 and not _is_this_host(host.strip("[]")):  # else it waits for no one
+        raise ValueError(
+            f"node 0 serves the rendezvous at rdzv_endpoint, but {host!r} is no address of this "
+            "machine: run node 0 on the host at that address, or give this host's own address"
+        )
+
+
+def _is_this_host(host: str) -> bool:
+    """Whether ``host`` names an address of this machine: one a socket can bind to here."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:  # a name that does not resolve
+        return False
+    for family, kind, _, _, address in found:
+        with contextlib.suppress(OSError), socket.socket(family, kind) as probe:
+            probe.bind((address[0], 0))
+            return True
+    return False
 
 
 def _check_writable(directory: Path) -> None:
