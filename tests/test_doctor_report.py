@@ -1110,21 +1110,17 @@ def test_rendering_the_report_leaves_the_warning_filters_as_they_were(tmp_path):
     code = textwrap.dedent("""
         import warnings, torch
         from accel import doctor
+        from conftest import plain_step
         model = torch.nn.Linear(4, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        def step(x):
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
+        step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
         report = doctor.examine(step, torch.randn(3, 4), steps=1, warmup=1)
         before = list(warnings.filters)
         report.html()
         print([f for f in warnings.filters if f not in before])
     """)
-    root = str(Path(__file__).resolve().parents[1])
-    env = os.environ | {"PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    here = Path(__file__).resolve().parent  # conftest's plain_step, the repository's accel
+    paths = [str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(paths)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
