@@ -1558,6 +1558,20 @@ def test_a_checkpoint_per_step_is_named_as_one_clause_for_its_folder(seed, tmp_p
     assert list(folder.iterdir()) == []
 
 
+def test_a_file_outside_the_numbered_series_is_counted_beside_it(seed, tmp_path):
+    model, opt = small()
+    calls = itertools.count()
+
+    def step(x):
+        loss = one_update(model, opt, x)
+        torch.save(model.state_dict(), tmp_path / f"ckpt_{next(calls)}.pt")
+        torch.save(opt.state_dict(), tmp_path / "opt_last.pt")
+        return loss.detach()
+
+    line = first_line(examined(step, torch.randn(5, 4)))
+    assert re.search(r"\(ckpt_0\.pt to ckpt_\d+\.pt and 1 other\)", line), line
+
+
 @pytest.mark.parametrize("save", ["open", "torch.save"])
 def test_relative_paths_after_the_step_changes_folder_are_named_where_they_are(
     seed, tmp_path, monkeypatch, save

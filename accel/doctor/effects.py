@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+import re
 
 __all__ = ["FILES_GROUPED", "Effects"]
 
@@ -88,7 +89,13 @@ def _group_said(key: tuple[str, str, bool], members: list[str], found) -> str:
     times = sum(found[w] for w in members)
     noun = {"renamed": "entries into"}.get(verb, "folders in" if verb.endswith("folder") else "files in")
     said = verb if verb.endswith(" of") else verb.split()[0]
-    span = names[0] if names[0] == names[-1] else f"{names[0]} to {names[-1]}"  # renamed onto one
+    # the names of the largest numbered series, first to last, and how many others beside it
+    shapes = [re.sub(r"\d+", "#", n) for n in names]
+    largest = collections.Counter(shapes).most_common(1)[0][0]
+    series = [n for n, shape in zip(names, shapes, strict=True) if shape == largest]
+    span = series[0] if series[0] == series[-1] else f"{series[0]} to {series[-1]}"  # renamed onto one
+    others = len(names) - len(series)
+    span += f" and {others} other{'s' * (others != 1)}" if others else ""
     return (f"{said} {len(members)} {noun} {folder or 'the working folder'} "
             f"({span})" + (f", {times} times in all" if times > len(members) else "")
             + (", each put back as it was" if put_back else ""))  # fmt: skip
