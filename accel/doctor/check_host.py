@@ -350,17 +350,18 @@ def _loader_finding(evidence: Evidence, loader: dict) -> Finding | None:
     if tried is not None and tried["wait_us"] >= wait:
         return None  # handing a batch between processes costs more than making it here
     if workers > now:
-        cost_model = (f"{workers} worker processes make the batches while the step runs, each in "
-                      f"the {made / 1e3:.3f} ms one takes now: the wait left is their share less "
-                      "the step")  # fmt: skip
         change = (f"DataLoader(dataset, batch_size=..., num_workers={workers}, "
                   + "pin_memory=True, " * evidence.cuda
                   + "\n           persistent_workers=True, prefetch_factor=4)")  # fmt: skip
-        saved = wait - max(0.0, made / workers - step)
         if tried is not None:
             cost_model = (f"measured: a copy of the loader with {tried['num_workers']} workers "
                           f"kept the step waiting {tried['wait_us'] / 1e3:.3f} ms per batch")  # fmt: skip
             saved = wait - tried["wait_us"]
+        else:
+            cost_model = (f"{workers} worker processes make the batches while the step runs, "
+                          f"each in the {made / 1e3:.3f} ms one takes now: the wait left is "
+                          "their share less the step")  # fmt: skip
+            saved = wait - max(0.0, made / workers - step)
     else:  # no core left for another worker: what a batch costs to make is the limit
         cost_model = (f"not predicted: {now} workers on {_cores()} cores, none left to add; what "
                       "a batch costs to make is the limit")  # fmt: skip

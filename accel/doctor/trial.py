@@ -421,9 +421,14 @@ def _predicted_us(report, names: list[str], *, unbound: bool = False) -> float:
     return min(sum(saved), 0.999 * report.evidence.step_us)  # a trial times the step alone
 
 
+def _addressed(report, names: list[str]) -> list:
+    """The findings these fixes address."""
+    return [f for f in report.findings if set(f.fixes) & set(names)]
+
+
 def _predicting(report, names: list[str]) -> list:
-    """The findings that predict a saving and that these fixes address."""
-    return [f for f in report.findings if f.saved_us is not None and set(f.fixes) & set(names)]
+    """The findings these fixes address that predict a saving."""
+    return [f for f in _addressed(report, names) if f.saved_us is not None]
 
 
 # A trial's row: every column, NaN until measured (an empty table keeps them too)
@@ -437,9 +442,9 @@ TRIAL_COLUMNS = ("fixes", "label", "mode", "best set", "status", "predicted ms",
 def _trial_row(report, names: list[str], spread: float, predicted_us: float | None) -> dict:
     step_us = report.evidence.step_us
     if predicted_us is None and not _predicting(report, names):
-        addressed = any(set(f.fixes) & set(names) for f in report.findings)
-        source = (f"nothing: not predicted on {report.evidence.device.type}" if addressed
-                  else "nothing: no finding these fixes address predicts a saving")  # fmt: skip
+        source = (f"nothing: not predicted on {report.evidence.device.type}"
+                  if _addressed(report, names)
+                  else "nothing: no finding names these fixes")  # fmt: skip
         predicted = math.nan
     elif predicted_us is None:
         predicted, source = step_us - _predicted_us(report, names), "the findings' cost models"
