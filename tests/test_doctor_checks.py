@@ -906,6 +906,38 @@ def test_written_out_attention_is_found_at_its_line(seed):
     assert case.dtype == torch.float32
     assert case.site.function == "written_out" and "softmax" not in case.site.text
     assert "q @ k.transpose" in case.site.text
+    assert not case.split_heads and not case.merged  # contiguous heads: no copies to time
+
+
+def test_heads_split_by_a_transpose_are_timed_laid_out_as_the_step_had_them(seed):
+    """nanoGPT's and Hugging Face's attention: q, k and v split into heads by a transpose (the
+    products copy them; SDPA reads them as they are), the output joined again by a transpose and
+    a copy. The attention the doctor times is recorded as the same case, copies included."""
+    x = torch.randn(2, 16, 32)
+
+    def split(t):
+        return t.view(2, 16, 4, 8).transpose(1, 2)
+
+    def attention(x):
+        q, k, v = split(x * 1.5), split(x * 2.0), split(x - 1.0)
+        y = ((q @ k.transpose(-2, -1)) * 8**-0.5).softmax(-1) @ v
+        return y.transpose(1, 2).contiguous().view(2, 16, 32)
+
+    (case,) = check_attention.find_manual_attention(forward_ops(lambda: attention(x)))
+    assert case.split_heads and case.merged
+    calls = check_attention.timed_calls(case, torch.device("cpu"), backward=False)
+    (again,) = check_attention.find_manual_attention(forward_ops(calls["manual"]))
+    fields = ("heads", "seq_q", "seq_k", "head_dim", "before", "after", "split_heads", "merged",
+              "batch")
+    assert [getattr(again, f) for f in fields] == [getattr(case, f) for f in fields]
+    manual, sdpa = calls["manual"](), calls["sdpa"]()
+    assert manual.shape == sdpa.shape == (2, 16, 4, 8)
+    torch.testing.assert_close(manual, sdpa)
+    backward = check_attention.timed_calls(case, torch.device("cpu"), backward=True)
+    grads = {name: call() for name, call in backward.items()}
+    for manual, sdpa in zip(grads["manual"], grads["sdpa"], strict=True):
+        assert manual.is_contiguous() and sdpa.is_contiguous()  # as the projections read them
+        torch.testing.assert_close(manual, sdpa)
 
 
 def test_cross_attention_shapes_are_read_off_the_products(seed):

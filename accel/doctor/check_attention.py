@@ -1,8 +1,9 @@
 """Attention computed by hand: a matrix product whose output ends in (Sq, Sk), a softmax over
 such a tensor, and a product of it with values, in that order in the forward's operators. Its
 gain is measured, not assumed: the written-out attention, with the passes over its scores the
-step made (scaling, masking, casts), and ``torch.nn.functional.scaled_dot_product_attention`` at
-the same shape and dtype, timed here.
+step made (scaling, masking, casts) and the copies its operands' layout cost, and
+``torch.nn.functional.scaled_dot_product_attention`` at the same shape, dtype and layout, timed
+here.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,13 @@ class ManualAttention:
     # weights after it
     before: tuple[tuple[str, torch.dtype], ...] = ()
     after: tuple[tuple[str, torch.dtype], ...] = ()
+    # q, k and v were views with the heads split off by a transpose ((B, S, H, D) in memory):
+    # the products copied them, where SDPA reads them as they are
+    split_heads: bool = False
+    batch: int = 1  # the scores' dimensions before their heads, flattened
+    # the output was transposed back and copied ((B, S, H, D) again): SDPA's output already
+    # lies that way, the values' product's does not
+    merged: bool = False
 
 
 def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[ManualAttention]:
@@ -70,8 +79,32 @@ def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[M
                                      q[-1] if q else 0, op.inputs[0].dtype, op.site, causal,
                                      values_site=ops[mix].site,
                                      before=_passes(ops[i + 1 : soft], size),
-                                     after=_passes(ops[soft + 1 : mix], size)))  # fmt: skip
+                                     after=_passes(ops[soft + 1 : mix], size),
+                                     split_heads=_copied_operands(ops, i),
+                                     batch=math.prod(ops[soft].inputs[0].shape[:-3]),
+                                     merged=_merged(ops, mix)))  # fmt: skip
     return found
+
+
+def _copied_operands(ops: list[OpRecord], product: int) -> bool:
+    """Whether the product at ``product`` copied an operand first (``torch.matmul`` clones one
+    whose batch dimensions cannot be flattened as a view: heads split off by a transpose)."""
+    j = product - 1
+    while j >= 0 and ops[j].api == ops[product].api and ops[j].site == ops[product].site:
+        if ops[j].op == "aten::clone":
+            return True
+        j -= 1
+    return False
+
+
+def _merged(ops: list[OpRecord], values: int) -> bool:
+    """Whether the values' product's output (4-d: heads apart) is copied soon after (the
+    ``.transpose(1, 2).contiguous()`` that joins the heads again)."""
+    out = ops[values].outputs[0]
+    size = math.prod(out.shape)
+    after = ops[values + 1 : values + 1 + _LOOKAHEAD]
+    return any(o.op == "aten::clone" and o.api != ops[values].api and o.inputs
+               and math.prod(o.inputs[0].shape) == size for o in after)  # fmt: skip
 
 
 def _passes(ops: list[OpRecord], size: int) -> tuple[tuple[str, torch.dtype], ...]:
@@ -97,27 +130,58 @@ def time_attention(case: ManualAttention, device: torch.device, backward: bool) 
     shape, interleaved."""
     from accel.measure.timer import compare
 
+    timing = compare(timed_calls(case, device, backward), warmup=2, repeats=10,
+                     calls_per_sample=None, device=device)  # fmt: skip
+    return {name: t.median_ms for name, t in timing.timings.items()}
+
+
+def timed_calls(case: ManualAttention, device: torch.device, backward: bool) -> dict[str, Callable]:
+    """"manual" and "sdpa": one call each of ``case``'s attention on fresh operands laid out as the
+    step's were, with the heads joined again after it where the step did (and, where
+    ``backward``, the operands' gradients, as a matrix each where the heads were split)."""
     gen = torch.Generator(device=device).manual_seed(0)
-    shape = (1, case.heads, case.seq_q, case.head_dim)
-    kv = (1, case.heads, case.seq_k, case.head_dim)
-    q, k, v = (
-        torch.randn(s, generator=gen, device=device, dtype=case.dtype).requires_grad_(backward)
-        for s in (shape, kv, kv)
-    )
-    grad = torch.randn(shape, generator=gen, device=device, dtype=case.dtype)
-    manual = written_out(case, device, gen)
+    leaves = [
+        torch.randn(shape, generator=gen, device=device, dtype=case.dtype).requires_grad_(backward)
+        for shape in _operand_shapes(case)
+    ]
+    q, k, v = (t.transpose(1, 2) for t in leaves) if case.split_heads else leaves
+    batch, heads = _lead(case)
+    out = (batch, case.seq_q, heads, case.head_dim) if case.merged else q.shape
+    grad = torch.randn(out, generator=gen, device=device, dtype=case.dtype)
 
     def timed(fn):
-        if backward:
-            return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
-        return lambda: fn(q, k, v)
+        def merged(q, k, v):
+            return fn(q, k, v).transpose(1, 2).contiguous() if case.merged else fn(q, k, v)
+
+        def gradients():
+            grads = torch.autograd.grad(merged(q, k, v), leaves, grad)
+            # the projections that made split heads read their gradients as matrices: the
+            # products' come transposed and are copied, SDPA's come laid out as its operands
+            return [g.contiguous() for g in grads] if case.split_heads else grads
+
+        return gradients if backward else lambda: merged(q, k, v)
 
     def sdpa(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
 
-    timing = compare({"manual": timed(manual), "sdpa": timed(sdpa)}, warmup=2, repeats=10,
-                     calls_per_sample=None, device=device)
-    return {name: t.median_ms for name, t in timing.timings.items()}
+    return {"manual": timed(written_out(case, device, gen)), "sdpa": timed(sdpa)}
+
+
+def _operand_shapes(case: ManualAttention) -> list[tuple[int, ...]]:
+    """q's, k's and v's shapes as they lie in memory: (1, B x H, S, D), or (B, S, H, D) where the
+    step split the heads off by a transpose."""
+    seqs = (case.seq_q, case.seq_k, case.seq_k)
+    batch, heads = _lead(case)
+    if case.split_heads:
+        return [(batch, s, heads, case.head_dim) for s in seqs]
+    return [(batch, heads, s, case.head_dim) for s in seqs]
+
+
+def _lead(case: ManualAttention) -> tuple[int, int]:
+    """The operands' batch and heads: the step's where it split its heads, else one batch."""
+    if case.split_heads and case.heads % case.batch == 0:
+        return case.batch, case.heads // case.batch
+    return 1, case.heads
 
 
 def written_out(case: ManualAttention, device: torch.device, gen: torch.Generator):
@@ -127,7 +191,7 @@ def written_out(case: ManualAttention, device: torch.device, gen: torch.Generato
     if case.causal:
         hidden = torch.ones(case.seq_q, case.seq_k, dtype=torch.bool, device=device).triu(1)
     else:  # a padding mask: a tenth of the keys hidden from every query
-        keys = torch.rand((case.heads, 1, case.seq_k), generator=gen, device=device)
+        keys = torch.rand((*_lead(case), 1, case.seq_k), generator=gen, device=device)
         hidden = keys < 0.1
     additive = torch.zeros(hidden.shape, device=device).masked_fill(hidden, -math.inf)
     scale = case.head_dim**-0.5 if case.head_dim else 1.0
