@@ -246,6 +246,7 @@ def manual_attention(evidence: Evidence) -> list[Finding]:
             f"{case.seq_k}) scores, head dim {case.head_dim}, {case.dtype}",
             cost_model=f"measured here at that shape, {what}"
             + (", causal" if case.causal else "")
+            + (", with the copies of heads split by a transpose" if case.split_heads else "")
             + f": written out {times['manual']:.3f} ms, SDPA {times['sdpa']:.3f} ms per call",
             notebook="05_sdpa",
             change=change,
