@@ -223,6 +223,31 @@ def test_an_added_causal_mask_is_recorded_as_causal_and_rewritten_as_is_causal(s
     assert not case.causal
 
 
+class ModuleNamedDropout(nn.Module):
+    """Hugging Face's BERT: the weights' dropout is a module the model calls ``self.dropout``."""
+
+    def __init__(self, width=32, heads=4, p=0.1):
+        super().__init__()
+        self.qkv, self.heads, self.dropout = nn.Linear(width, 3 * width), heads, nn.Dropout(p)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        att = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(k.size(-1))
+        att = nn.functional.softmax(att, dim=-1)
+        att = self.dropout(att)
+        return torch.matmul(att, v).transpose(1, 2).reshape(B, T, C)
+
+
+def test_a_dropout_module_named_dropout_keeps_its_own_rate(seed):
+    """``self.dropout(att)`` is the module's dropout (its p, off in eval), not F.dropout's p=0.5."""
+    model, fixed, rewrite = rewritten(ModuleNamedDropout, "matmul(q", "matmul(att")
+    assert "self.dropout.p if self.dropout.training else 0.0" in rewrite.diff
+    model.eval(), fixed.eval()
+    x = torch.randn(2, 16, 32)
+    torch.testing.assert_close(fixed(x), model(x), rtol=1e-5, atol=1e-6)
+
+
 def test_bert_attention_with_an_additive_mask_rewritten_as_sdpa(seed):
     model, fixed, _ = rewritten(BertAttention, "matmul(q", "matmul(probs")
     x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 1, 16)

@@ -330,7 +330,7 @@ class _Chain:
         name = _attribute(call.func) or ""
         if "drop" not in name.lower() or not call.args or not _is_name(call.args[0], self.name):
             raise NotRewritable(f"after the softmax, not a dropout: {ast.unparse(value)}")
-        if isinstance(call.func, ast.Attribute) and name == "dropout":  # F.dropout(att, p, train)
+        if _functional_dropout(call.func):  # F.dropout(att, p, training)
             p = _keyword(call, "p", 1) or ast.Constant(0.5)
             training = _keyword(call, "training", 2) or ast.Constant(True)
         else:  # a dropout module
@@ -363,6 +363,17 @@ class _Chain:
         call = ast.Call(ast.parse(_SDPA, mode="eval").body, [self.q, self.k, self.v], keywords)
         value = _Replaced(self.product, call).visit(self.values)
         return ast.Return(value) if self.target is None else ast.Assign([self.target], value)
+
+
+# where dropout is a function (F.dropout, torch.dropout): anything else calls a dropout module
+_FUNCTIONAL = frozenset({"F", "functional", "nn.functional", "torch.nn.functional", "torch"})
+
+
+def _functional_dropout(func: ast.expr) -> bool:
+    if isinstance(func, ast.Name):  # from torch.nn.functional import dropout
+        return func.id == "dropout"
+    return (isinstance(func, ast.Attribute) and func.attr == "dropout"
+            and ast.unparse(func.value) in _FUNCTIONAL)  # fmt: skip
 
 
 def _given(condition: ast.expr, mask: ast.expr) -> bool:
