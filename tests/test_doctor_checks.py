@@ -940,6 +940,32 @@ def test_heads_split_by_a_transpose_are_timed_laid_out_as_the_step_had_them(seed
         torch.testing.assert_close(manual, sdpa)
 
 
+def test_attention_on_3d_operands_with_dropout_is_timed_as_the_step_ran_it(seed, monkeypatch):
+    """Heads flattened into the batch (3-d q, k, v) and a dropout of the weights: SDPA is timed on
+    3-d operands (another kernel than on 4-d ones) with the same dropout rate."""
+    q, k, v = (torch.randn(6, 16, 8) for _ in range(3))
+    drop = nn.Dropout(0.2)
+    (case,) = check_attention.find_manual_attention(
+        forward_ops(lambda: drop((q @ k.transpose(-2, -1)).softmax(-1)) @ v)
+    )
+    assert case.dims == 3 and case.dropout == pytest.approx(0.2)
+    seen = {}
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.update(kwargs, dim=q.dim())
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    calls = check_attention.timed_calls(case, torch.device("cpu"), backward=False)
+    assert calls["manual"]().shape == calls["sdpa"]().shape == (6, 16, 8)
+    assert seen["dim"] == 3 and seen["dropout_p"] == pytest.approx(0.2)
+    (no_drop,) = check_attention.find_manual_attention(
+        forward_ops(lambda: (q @ k.transpose(-2, -1)).softmax(-1) @ v)
+    )
+    assert no_drop.dropout == 0.0
+
+
 def test_cross_attention_shapes_are_read_off_the_products(seed):
     q = torch.randn(3, 2, 5, 16)
     k, v = torch.randn(3, 2, 11, 16), torch.randn(3, 2, 11, 16)
@@ -1192,6 +1218,20 @@ def test_detect_ranks_by_saving_with_unpredicted_last_in_check_order(monkeypatch
         monkeypatch.setitem(findings.CHECKS, name, fn)
     ranked = detect(evidence(), only=tuple(fakes))
     assert [f.kind for f in ranked] == ["b1", "c2", "a2", "c1", "a1", "b2"]
+
+
+def test_a_saving_of_the_whole_step_or_more_is_not_predicted(monkeypatch):
+    """A timing slowed by another process can measure more saved than the step takes."""
+    monkeypatch.setitem(findings.CHECKS, "fake", lambda e: [finding("big", 2500.0),
+                                                            finding("fits", 400.0)])  # fmt: skip
+    big, fits = detect(evidence(tl=timeline_of(step_us=1000.0)), only=("fake",))[::-1]
+    assert big.saved_us is None and "timing was disturbed" in big.cost_model
+    assert math.isnan(big.speedup(1000.0))
+    assert fits.saved_us == 400.0
+    # fed by a loader that keeps it waiting 3 ms a batch, the iteration has room for 2.5 ms
+    loader = {"shapes": {((8, 16),)}, "batches": 8, "wait_us": 3000.0}
+    fed = detect(evidence(tl=timeline_of(step_us=1000.0), loader=loader), only=("fake",))
+    assert [f.saved_us for f in fed] == [2500.0, 400.0]
 
 
 def test_detect_runs_the_registered_checks_on_synthetic_evidence():

@@ -248,6 +248,24 @@ def test_a_dropout_module_named_dropout_keeps_its_own_rate(seed):
     torch.testing.assert_close(fixed(x), model(x), rtol=1e-5, atol=1e-6)
 
 
+def test_a_causal_mask_with_padding_in_a_later_sequence_is_no_causal_mask(seed):
+    """Causal and left padding, the first sequence unpadded: its first slice alone reads causal."""
+    from accel.doctor import check_attention, recorder
+
+    q, k, v = (torch.randn(2, 4, 8, 8) for _ in range(3))
+    hidden = torch.ones(8, 8, dtype=torch.bool).triu(1).repeat(2, 1, 1, 1)
+    hidden[1, ..., :3] = True  # the second sequence's first three keys are padding
+
+    def attention():
+        att = (q @ k.transpose(-2, -1)).masked_fill(hidden, float("-inf"))
+        return att.softmax(-1).nan_to_num() @ v
+
+    (case,) = check_attention.find_manual_attention(
+        recorder.record_step(attention, torch.device("cpu")).ops
+    )
+    assert not case.causal
+
+
 def test_bert_attention_with_an_additive_mask_rewritten_as_sdpa(seed):
     model, fixed, _ = rewritten(BertAttention, "matmul(q", "matmul(probs")
     x, mask = torch.randn(2, 16, 32), torch.zeros(2, 1, 1, 16)
@@ -391,6 +409,69 @@ def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
     assert "scaled_dot_product_attention" in row["edit"]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert model[1].forward.__func__ is NanoAttention.forward
+
+
+class TwoAttentions(nn.Module):
+    """One attention the rewrite reads, then one it cannot (a tanh of the scores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nano, self.other = NanoAttention(), Unreadable()
+
+    def forward(self, x):
+        x = self.nano(x)
+        return self.other(x, x, x)
+
+
+def test_an_attention_the_rewrite_cannot_read_leaves_the_others_rewritten(seed):
+    model = nn.Sequential(nn.Linear(32, 32), TwoAttentions(), nn.Linear(32, 32))
+    step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    assert len([f for f in report.findings if f.kind == "attention"]) == 2
+    (row,) = report.try_fixes(["sdpa_attention"], steps=2, repeats=2).to_dict("records")
+    assert row["status"] == "ok", row
+    assert "+        y = torch.nn.functional.scaled_dot_product_attention(" in row["edit"]
+    assert "not rewritten" in row["edit"] and "tanh" in row["edit"]
+
+
+class MethodCallsAttention(nn.Module):
+    """Scores by a tensor's method on heads flattened into the batch, a mask of what to keep
+    filled where it is not (``~keep``)."""
+
+    def forward(self, q, k, v, keep):
+        att = q.bmm(k.transpose(1, 2)) * q.size(-1) ** -0.5
+        att = att.masked_fill(~keep, float("-inf"))
+        att = att.softmax(dim=-1)
+        return att.bmm(v)
+
+
+def test_method_products_on_3d_heads_and_a_negated_mask_are_rewritten(seed):
+    model, fixed, rewrite = rewritten(MethodCallsAttention, "q.bmm", "att.bmm")
+    assert "~~" not in rewrite.diff and "attn_mask=keep" in rewrite.diff
+    q, k, v = (torch.randn(6, 16, 8) for _ in range(3))
+    keep = torch.rand(6, 16, 16) > 0.2
+    keep[..., 0] = True  # every query keeps a key
+    torch.testing.assert_close(fixed(q, k, v, keep), model(q, k, v, keep), rtol=1e-5, atol=1e-6)
+
+
+def test_the_call_to_write_where_the_rewrite_cannot_read_names_only_what_the_step_had(seed):
+    """No mask in the step: no attn_mask in the call to write; its dropout rate kept."""
+
+    class UnreadableWithDropout(nn.Module):
+        def forward(self, x):
+            q, k, v = x, x * 2.0, x - 1.0
+            att = torch.tanh(q @ k.transpose(-2, -1))
+            att = F.dropout(att.softmax(-1), p=0.25, training=self.training)
+            return att @ v
+
+    model = nn.Sequential(nn.Linear(8, 8), UnreadableWithDropout())
+    step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    report = doctor.examine(step, torch.randn(2, 3, 16, 8), steps=1, warmup=1)
+    (finding,) = [f for f in report.findings if f.kind == "attention"]
+    call = finding.change.splitlines()[0]
+    assert call == ("out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
+                    "dropout_p=0.25 if training else 0.0)")  # fmt: skip
+    assert "not rewritten for you" in finding.change
 
 
 class MhaBlock(nn.Module):
@@ -1002,6 +1083,28 @@ def test_per_tensor_clipping_batched_equals_the_loop_and_returns_each_norm(seed)
         torch.testing.assert_close(b.grad, a.grad, equal_nan=True)
     torch.testing.assert_close(torch.stack(returned), torch.stack(expected), equal_nan=True)
     assert torch.nn.utils.clip_grad._get_total_norm.__module__ == "torch.nn.utils.clip_grad"
+
+
+def test_a_batched_clips_norm_read_at_once_is_its_norm(seed):
+    """A loop that logs each clip's norm as it goes (``clip_grad_norm_([p], c).item()``): the
+    read runs the clips recorded so far, so the numbers and the gradients are the loop's."""
+    from accel.doctor.batched_clip import batched_clipping
+
+    gen = torch.Generator().manual_seed(seed)
+    grads = [s * torch.randn(n, generator=gen) for n, s in ((4, 10.0), (9, 0.1), (3, 5.0))]
+    looped, batched = ([nn.Parameter(torch.empty(g.shape)) for g in grads] for _ in range(2))
+    for a, b, g in zip(looped, batched, grads, strict=True):
+        a.grad, b.grad = g.clone(), g.clone()
+    expected = [torch.nn.utils.clip_grad_norm_([p], 1.0).item() for p in looped]
+    expected_squares = sum(torch.nn.utils.clip_grad_norm_([p], 1.0) ** 2 for p in looped)
+    with batched_clipping():
+        logged = [torch.nn.utils.clip_grad_norm_([p], 1.0).item() for p in batched]
+        squares = sum(torch.nn.utils.clip_grad_norm_([p], 1.0) ** 2 for p in batched)
+    assert logged == pytest.approx(expected, rel=1e-6)
+    assert type(squares) is torch.Tensor
+    torch.testing.assert_close(squares, expected_squares)
+    for a, b in zip(looped, batched, strict=True):
+        torch.testing.assert_close(b.grad, a.grad)
 
 
 def test_batched_clips_with_a_limit_each_equal_the_loop(seed):

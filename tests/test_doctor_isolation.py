@@ -2709,6 +2709,23 @@ def test_a_step_that_does_not_run_when_called_is_refused(step, said):
         examined(step, torch.randn(3))
 
 
+def test_a_maker_given_as_the_step_is_refused_with_the_call_to_make(seed):
+    model, opt = small()
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    def make():
+        return step, torch.randn(3)
+
+    with pytest.raises(UsageError, match=r"examine\(\*make\(\)\)"):
+        doctor.examine(make)
+
+
 def test_a_step_that_fails_on_a_later_call_says_which_call_and_its_line(seed):
     # a one-cycle schedule sized for a short run raises once stepped past its end: the doctor
     # runs the step many times, and must say so beside the step's own error

@@ -403,6 +403,24 @@ def test_checkpointing_a_batchnorm_counts_its_running_statistics_as_results(seed
     assert error > FIXES["checkpointing"].rtol
 
 
+def test_a_changed_loss_is_seen_where_the_parameters_barely_move(seed):
+    """A fix that changes the forward by 1% at a small learning rate: the parameters after the
+    steps stay within 1e-6 of the unchanged step's, the losses it returns do not. Each is judged
+    on its own scale, so the larger norm of the parameters does not hide the losses."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    step = plain_step(model, opt)
+    found = find_parts(step)
+    batch = torch.randn(8, 16)
+    base, fixed = (StepCopy(*copy_step(step, found), batch, torch.device("cpu")) for _ in range(2))
+    fixed.batch = batch * 1.01
+    error, _ = trial.result_error(base.build(), fixed.build(), base, fixed, 2)
+    assert error > 1e-3
+    moved = sum((a - b).norm() ** 2 for a, b in zip(*(c.parts.models[0].parameters() for c in (fixed, base)), strict=True))
+    total = sum(b.norm() ** 2 for b in base.parts.models[0].parameters())
+    assert (moved / total) ** 0.5 < 1e-6  # what the one vector of before was dominated by
+
+
 def test_a_step_whose_results_are_nan_in_both_runs_differs_by_nothing(seed):
     """Labels all ignored: the mean over no label is NaN, and so is every parameter after it, in
     the unchanged step and in a fix that changes nothing alike."""

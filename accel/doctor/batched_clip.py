@@ -2,19 +2,20 @@
 done for all of them at once in the doctor's copy of a step: inside :func:`batched_clipping`, a
 single-tensor clip records its gradient and returns a 0-d tensor that will hold its norm; the
 recorded clips run together (one foreach norm, one foreach multiply) before the next
-``optimizer.step()`` and at the end. A clip of several tensors, or one that raises on a
-non-finite norm, runs at once as written.
+``optimizer.step()``, at the end, or when a returned norm is used (read, logged, summed) first.
+A clip of several tensors, or one that raises on a non-finite norm, runs at once as written.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch.nn.utils import clip_grad
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._pytree import tree_leaves
 
 __all__ = ["CLIP_EPS", "batched_clipping"]
 
@@ -32,12 +33,27 @@ class _Pending:
         if not self.grads:
             return
         norms = torch._foreach_norm(self.grads, self.norm_type)
-        torch._foreach_copy_(self.norms, norms)
+        with torch._C.DisableTorchFunctionSubclass():  # the norms are _PendingNorm
+            torch._foreach_copy_(self.norms, norms)
         coefs = _limits(self.max_norms, self.grads[0].device) / (torch.stack(norms).float() + CLIP_EPS)
         coefs = coefs.clamp(max=1.0)
         scales = [c.to(g.dtype) for c, g in zip(coefs.unbind(), self.grads, strict=True)]
         torch._foreach_mul_(self.grads, scales)
         self.grads, self.norms, self.max_norms = [], [], []
+
+
+class _PendingNorm(torch.Tensor):
+    """A recorded clip's norm: any use of it runs the clips recorded so far first."""
+
+    flush: Callable[[], None]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, _PendingNorm):
+                t.flush()
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
 
 def _limits(max_norms: list[float], device: torch.device) -> float | torch.Tensor:
@@ -62,7 +78,8 @@ def batched_clipping() -> Iterator[None]:
             return total_norm(grads, norm_type, error_if_nonfinite, foreach)
         grad = grads[0]
         key = (grad.device, float(norm_type))
-        out = torch.empty((), device=grad.device, dtype=grad.dtype)
+        out = torch.empty((), device=grad.device, dtype=grad.dtype).as_subclass(_PendingNorm)
+        out.flush = flush
         placeholders[id(out)] = (key, grad)
         return out
 

@@ -53,6 +53,8 @@ class ManualAttention:
     # the output was transposed back and copied ((B, S, H, D) again): SDPA's output already
     # lies that way, the values' product's does not
     merged: bool = False
+    dims: int = 4  # the scores' (3: heads flattened into the batch, which SDPA runs as given)
+    dropout: float = 0.0  # the weights' dropout rate, while training
 
 
 def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[ManualAttention]:
@@ -82,8 +84,20 @@ def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[M
                                      after=_passes(ops[soft + 1 : mix], size),
                                      split_heads=_copied_operands(ops, i),
                                      batch=math.prod(ops[soft].inputs[0].shape[:-3]),
-                                     merged=_merged(ops, mix)))  # fmt: skip
+                                     merged=_merged(ops, mix),
+                                     dims=len(ops[soft].inputs[0].shape),
+                                     dropout=_dropout(ops[soft + 1 : mix])))  # fmt: skip
     return found
+
+
+def _dropout(ops: list[OpRecord]) -> float:
+    """The rate of a dropout between the softmax and the values' product (0: none)."""
+    for o in ops:
+        if o.op == "aten::native_dropout" and o.scalars and o.scalars[-1] is not False:
+            return float(o.scalars[0])
+        if o.op == "aten::bernoulli_" and o.scalars:  # a CPU's dropout keeps with 1 - p
+            return 1.0 - float(o.scalars[0])
+    return 0.0
 
 
 def _copied_operands(ops: list[OpRecord], product: int) -> bool:
@@ -162,18 +176,22 @@ def timed_calls(case: ManualAttention, device: torch.device, backward: bool) -> 
         return gradients if backward else lambda: merged(q, k, v)
 
     def sdpa(q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=case.causal, dropout_p=case.dropout
+        )
 
     return {"manual": timed(written_out(case, device, gen)), "sdpa": timed(sdpa)}
 
 
 def _operand_shapes(case: ManualAttention) -> list[tuple[int, ...]]:
-    """q's, k's and v's shapes as they lie in memory: (1, B x H, S, D), or (B, S, H, D) where the
-    step split the heads off by a transpose."""
+    """q's, k's and v's shapes as they lie in memory: (1, B x H, S, D); (B x H, S, D) where the
+    step's were 3-d; (B, S, H, D) where it split the heads off by a transpose."""
     seqs = (case.seq_q, case.seq_k, case.seq_k)
     batch, heads = _lead(case)
     if case.split_heads:
         return [(batch, s, heads, case.head_dim) for s in seqs]
+    if case.dims == 3:
+        return [(heads, s, case.head_dim) for s in seqs]
     return [(batch, heads, s, case.head_dim) for s in seqs]
 
 
@@ -191,7 +209,8 @@ def written_out(case: ManualAttention, device: torch.device, gen: torch.Generato
     if case.causal:
         hidden = torch.ones(case.seq_q, case.seq_k, dtype=torch.bool, device=device).triu(1)
     else:  # a padding mask: a tenth of the keys hidden from every query
-        keys = torch.rand((*_lead(case), 1, case.seq_k), generator=gen, device=device)
+        lead = _lead(case) if case.split_heads or case.dims != 3 else (case.heads,)
+        keys = torch.rand((*lead, 1, case.seq_k), generator=gen, device=device)
         hidden = keys < 0.1
     additive = torch.zeros(hidden.shape, device=device).masked_fill(hidden, -math.inf)
     scale = case.head_dim**-0.5 if case.head_dim else 1.0
@@ -214,6 +233,8 @@ def written_out(case: ManualAttention, device: torch.device, gen: torch.Generato
         x = x.softmax(dim=-1)
         for op, dtype in case.after:
             x = apply(x, op, dtype)
+        if case.dropout:
+            x = torch.nn.functional.dropout(x, case.dropout)
         return x.to(v.dtype) @ v
 
     return manual
@@ -278,8 +299,12 @@ def _change(evidence: Evidence, case: ManualAttention) -> tuple[str, bool]:
     was rewritten (what the fix then tries on the copy)."""
     from accel.doctor.rewrite import NotRewritable, rewrite_attention
 
-    call = "out = torch.nn.functional.scaled_dot_product_attention(q, k, v, " + (
-        "is_causal=True)" if case.causal else "attn_mask=mask)  # or no mask")
+    # a pass over the scores other than a scale or a cast masked them
+    masked = any(op not in ("aten::mul", "aten::div", "aten::_to_copy") for op, _ in case.before)
+    args = ["is_causal=True"] if case.causal else ["attn_mask=mask"] * masked
+    if case.dropout:
+        args.append(f"dropout_p={case.dropout:g} if training else 0.0")
+    call = f"out = torch.nn.functional.scaled_dot_product_attention({', '.join(['q', 'k', 'v', *args])})"
     if case.site is None or case.values_site is None:
         return call, False
     lines = [(s.file, s.line) for s in (case.site, case.values_site)]

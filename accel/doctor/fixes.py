@@ -308,21 +308,28 @@ def _checkpoint(copy: StepCopy) -> None:
 
 def _sdpa(copy: StepCopy) -> None:
     """Each written-out attention the attention check found, rewritten as SDPA in the copied
-    models (:mod:`accel.doctor.rewrite`); the diffs are the edit to paste."""
+    models (:mod:`accel.doctor.rewrite`); the diffs are the edit to paste. One the rewrite cannot
+    read stays as written, and the edit says why."""
     from accel.doctor.rewrite import NotRewritable, rewrite_attention
 
     chains = [f.detail for f in copy.findings if f.kind == "attention" and f.detail is not None]
     if not chains:
         raise FixNotApplicable("no written-out attention found at a line of your code")
+    left, diffs = [], []
     for chain in dict.fromkeys(chains):
         lines = [(s.file, s.line) for s in (chain.site, chain.values_site)]
         try:
             rewrite = rewrite_attention(copy.parts.models, *lines, chain.causal)
         except NotRewritable as error:
-            raise FixNotApplicable(f"the attention at {chain.site}: {error}") from None
+            left.append(f"the attention at {chain.site}: {error}")
+            continue
         if not sum(rewrite.apply(model) for model in copy.parts.models):
-            raise FixNotApplicable(f"no copied module runs the attention at {chain.site}")
-        copy.edits.append(rewrite.diff)
+            left.append(f"no copied module runs the attention at {chain.site}")
+            continue
+        diffs.append(rewrite.diff)
+    if not diffs:
+        raise FixNotApplicable("; ".join(left))
+    copy.edits += [*diffs, *(f"# not rewritten: {why}" for why in left)]
 
 
 def _foreach_loop(copy: StepCopy) -> None:

@@ -580,4 +580,9 @@ def refuse_unplain_result(result: Any) -> Any:
             f"the step returned a {type(result).__name__} instead of running: it must be a plain "
             "function that runs one training step and returns its result"
         )
+    if isinstance(result, tuple) and len(result) == 2 and inspect.isfunction(result[0]):
+        raise UsageError(
+            "the step returned (a function, ...), as a maker returns (step, batch): examine the "
+            "step it makes, examine(*make()), not the maker"
+        )
     return result

@@ -246,7 +246,7 @@ class _Chain:
         if operands is None:
             raise NotRewritable(f"the scores are not q @ k^T: {ast.unparse(value)}")
         self.q, kt = operands
-        self.k = _untransposed(kt)
+        self.k = _untransposed(kt, three_d=_attribute(getattr(product, "func", None)) == "bmm")
         if scale is not None and isinstance(value.op, ast.Div):
             scale = ast.BinOp(ast.Constant(1.0), ast.Div(), scale)
         self.scale = scale
@@ -347,8 +347,10 @@ class _Chain:
             raise NotRewritable("both a masked_fill and an additive mask")
         mask = None
         causal = causal and self.mask_if is None  # a mask only sometimes given stays a mask
-        if self.cond is not None and not causal:
-            mask = ast.UnaryOp(ast.Invert(), self.cond)
+        if self.cond is not None and not causal:  # SDPA's boolean mask keeps what fill hid
+            hidden = self.cond
+            inverted = isinstance(hidden, ast.UnaryOp) and isinstance(hidden.op, ast.Invert)
+            mask = hidden.operand if inverted else ast.UnaryOp(ast.Invert(), hidden)
         elif self.additive is not None and not causal:
             mask = self.additive
         if mask is not None and self.mask_if is not None and not _given(self.mask_if, mask):
@@ -395,22 +397,27 @@ class _Replaced(ast.NodeTransformer):
 
 
 def _product(node: ast.expr) -> tuple[ast.expr, ast.expr] | None:
-    """(a, b) of ``a @ b`` or ``torch.matmul(a, b)``."""
+    """(a, b) of ``a @ b``, ``torch.matmul(a, b)`` or ``a.matmul(b)`` (bmm alike)."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
         return node.left, node.right
-    call = isinstance(node, ast.Call) and len(node.args) == 2
-    if call and _attribute(node.func) in ("matmul", "bmm"):
+    if not (isinstance(node, ast.Call) and _attribute(node.func) in ("matmul", "bmm")):
+        return None
+    if len(node.args) == 2:
         return node.args[0], node.args[1]
+    if len(node.args) == 1 and isinstance(node.func, ast.Attribute):  # a tensor's method
+        return node.func.value, node.args[0]
     return None
 
 
-def _untransposed(node: ast.expr) -> ast.expr:
-    """``k`` of ``k.transpose(-2, -1)``, ``k.transpose(2, 3)``, ``k.mT``."""
+def _untransposed(node: ast.expr, three_d: bool = False) -> ast.expr:
+    """``k`` of ``k.transpose(-2, -1)``, ``k.transpose(2, 3)`` (``(1, 2)`` where ``three_d``,
+    as bmm's operands are), ``k.mT``."""
+    last_two = ([-2, -1], [2, 3], [1, 2]) if three_d else ([-2, -1], [2, 3])
     if isinstance(node, ast.Attribute) and node.attr == "mT":
         return node.value
     if isinstance(node, ast.Call) and _attribute(node.func) == "transpose" and len(node.args) == 2:
         dims = [_constant(a) for a in node.args]
-        if sorted(d for d in dims if d is not None) in ([-2, -1], [2, 3]):
+        if sorted(d for d in dims if d is not None) in last_two:
             return node.func.value
     raise NotRewritable(f"the keys are not transposed in the last two dims: {ast.unparse(node)}")
 
