@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import html
+import inspect
 import math
 import time
 import warnings
@@ -540,6 +541,8 @@ def test_multihead_attention_whose_weights_are_used_fails_its_trial_and_says_so(
     report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
     (row,) = report.try_fixes(["mha_without_weights"], steps=1, repeats=1).to_dict("records")
     assert row["status"].startswith("failed")
+    line = inspect.getsourcelines(MhaBlock.forward)[1] + 2  # where the weights are read
+    assert f"test_doctor_fixes.py:{line}): AttributeError" in row["status"]  # the user's line
 
 
 def test_sdpa_fix_without_an_attention_finding_is_not_applicable(seed):

@@ -7,10 +7,8 @@ import collections
 import contextlib
 import copy
 import inspect
-import os
 import pickle
 import time
-import traceback
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -39,7 +37,7 @@ from accel.doctor.parts import (
     loader_copies_ended,
     without_kept_iterator,
 )
-from accel.doctor.reach import is_array, is_library, kind
+from accel.doctor.reach import is_array, kind, where_raised
 from accel.doctor.recorder import record_calls, record_step
 from accel.doctor.timeline import CALLS, profile_timeline
 from accel.doctor.trial import replay_device_savings
@@ -50,7 +48,6 @@ from accel.measure.device import default_device
 __all__ = ["callable_with", "detect", "examine", "step_device"]
 
 LOADER_BATCHES = 8  # batches timed through the step after the first
-_ACCEL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[Finding]:
@@ -338,17 +335,7 @@ def _said_as_usage(call: Callable[[], Any], said: Callable[[str], str]) -> Any:
     except TooLargeToKeep as refusal:
         raise UsageError(str(refusal)) from refusal
     except (Exception, SystemExit) as error:
-        raise UsageError(said(_where_raised(error) + _copies_cause(error))) from error
-
-
-def _where_raised(error: BaseException) -> str:
-    """The user's line that raised ``error``, and what it said."""
-    frames = [f"{frame.f_code.co_filename}:{line}"
-              for frame, line in traceback.walk_tb(error.__traceback__)
-              if not is_library(frame.f_code)
-              and not frame.f_code.co_filename.startswith(_ACCEL_DIR)]  # fmt: skip
-    message = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else str(error)
-    return f"({frames[-1] if frames else 'in a library'}): {type(error).__name__}: " + message.rstrip(".")
+        raise UsageError(said(where_raised(error) + _copies_cause(error))) from error
 
 
 def _copies_cause(error: BaseException) -> str:

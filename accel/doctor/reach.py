@@ -24,6 +24,7 @@ import os
 import random
 import sys
 import sysconfig
+import traceback
 import types
 import weakref
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from torch import nn
 
 __all__ = ["Edge", "Reach", "attributes_of", "counts_on_class", "generator_call", "global_names",
            "instance_dict", "is_array", "is_cached_function", "is_library", "kind", "skipped_attributes",
-           "slot_names", "stored_attributes", "stored_globals", "walk"]  # fmt: skip
+           "slot_names", "stored_attributes", "stored_globals", "walk", "where_raised"]  # fmt: skip
 
 LARGE = 10_000  # a container longer than this (a data set, say) is searched for parts only
 
@@ -527,3 +528,16 @@ def is_library(value: Any) -> bool:
     if isinstance(value, type):
         return _library_module(value.__module__)
     return True
+
+
+_ACCEL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def where_raised(error: BaseException) -> str:
+    """The user's line that raised ``error``, and what it said."""
+    frames = [f"{frame.f_code.co_filename}:{line}"
+              for frame, line in traceback.walk_tb(error.__traceback__)
+              if not is_library(frame.f_code)
+              and not frame.f_code.co_filename.startswith(_ACCEL_DIR)]  # fmt: skip
+    message = f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else str(error)
+    return f"({frames[-1] if frames else 'in a library'}): {type(error).__name__}: " + message.rstrip(".")

@@ -24,6 +24,7 @@ from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
 from accel.doctor.isolation import Session, put_back_files, seed_generators
 from accel.doctor.parts import copy_step, loader_copies_ended
+from accel.doctor.reach import where_raised
 from accel.doctor.timeline import CALLS
 from accel.doctor.untouched import Untouched
 from accel.errors import UsageError
@@ -497,8 +498,7 @@ def _trial(
     except FixNotApplicable as error:
         return row | {"status": f"not applicable: {error}"}
     except Exception as error:  # a fix that breaks the user's step is a finding, not a crash
-        said = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
-        return row | {"status": f"failed: {type(error).__name__}: {said}"}
+        return row | {"status": f"failed {where_raised(error).splitlines()[0][:300]}"}
 
 
 def _measured(report, names: list[str], steps: int, repeats: int, allowance: float) -> dict:
