@@ -2710,14 +2710,7 @@ def test_a_step_that_does_not_run_when_called_is_refused(step, said):
 
 
 def test_a_maker_given_as_the_step_is_refused_with_the_call_to_make(seed):
-    model, opt = small()
-
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
+    step = plain_step(*small())
 
     def make():
         return step, torch.randn(3)
