@@ -1,8 +1,8 @@
 """``Report.try_fixes``: each fix on its own copy of the step, then the best set of those that
 helped, each checked against an unchanged copy (same start, batch and seed) and timed against it
 interleaved. A fix may differ from the unchanged step by its argued tolerance or
-:data:`SPREAD_MULTIPLE` times the unchanged step's own spread (:func:`own_spread`), the larger;
-one slower beyond the timing's spread is "slower here" and stays out of the combined trial.
+:data:`SPREAD_MULTIPLE` times the unchanged step's own spread (:func:`own_spread`), the larger,
+in the outputs and in the trained state alike (:mod:`accel.doctor.agreement`); one slower beyond the timing's spread is "slower here" and stays out of the combined trial.
 """
 
 from __future__ import annotations
@@ -10,19 +10,18 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from accel.doctor.agreement import SEED, Errors, result_error
 from accel.doctor.check_compute import FUSED_KERNELS
 from accel.doctor.check_host import GRAPH_REPLAY_OVER_KERNELS
 from accel.doctor.check_kernels import MATMUL_OPS
 from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
-from accel.doctor.isolation import Session, put_back_files, seed_generators
+from accel.doctor.isolation import Session
 from accel.doctor.parts import copy_step, loader_copies_ended
 from accel.doctor.reach import where_raised
 from accel.doctor.timeline import CALLS
@@ -31,7 +30,7 @@ from accel.errors import UsageError
 from accel.memory import peak_memory
 
 __all__ = ["ACTS_ON", "combined_prediction_us", "fix_names", "fixed_step", "replay_device_savings",
-           "result_error", "tolerance", "try_fixes"]  # fmt: skip
+           "tolerance", "try_fixes"]  # fmt: skip
 
 EXCLUSIVE = ({"cuda_graph", "compile", "compile_graphs"}, {"fused_optimizer", "foreach_optimizer"},
              {"batched_clip", "foreach_clip"})  # fmt: skip
@@ -44,7 +43,6 @@ COMBINED_TRIES = 3  # combined trials at most, each without the least helpful fi
 NEUTRAL = 0.98  # a fix measured at least this fast alone may still help beside the others
 RETRY_SHARE = 0.03  # a fix predicted to save this share of the step is retried on the best set
 RETRIES = 3  # fixes left out of the best set tried on it, one at a time, at most
-_SEED = 1234
 JUDGED_ROUNDS = 6  # fewer rounds give no 95% interval of the median ratio: then ...
 EVERY_ROUND = 5  # ... a fix slower in each of at least this many (1 in 32 by chance) is slower
 _KERNELS = ("matmul", "attention", "normalization", "elementwise and other", "compiled (Triton)")
@@ -149,7 +147,7 @@ def _trials(report, names: list[str], steps: int, repeats: int, progress: bool, 
         try:
             spread = own_spread(report, steps)
         except Exception:  # a step that fails run twice: its fixes' own tolerances, and each
-            spread = 0.0  # trial says how the step fails
+            spread = Errors(0.0, 0.0)  # trial says how the step fails
         rows = []
         for name in names:
             bar.update()
@@ -191,8 +189,8 @@ def _uncounted(what: str) -> str:
     return re.sub(r" \(\d+ times\)", "", what)
 
 
-def own_spread(report, steps: int) -> float:
-    """The relative difference between two runs of the unchanged step from the same start, one
+def own_spread(report, steps: int) -> Errors:
+    """The relative differences between two runs of the unchanged step from the same start, one
     with its parameters moved by a rounding step (as summing in another order moves them): what
     the step makes of rounding (Adam turns a bias's noise before a BatchNorm into full updates),
     with what a device that does not compute the same twice adds."""
@@ -201,14 +199,14 @@ def own_spread(report, steps: int) -> float:
     with torch.no_grad():
         for p in (p for m in second.parts.models for p in m.parameters()
                   if p.is_floating_point() and not p.is_meta):
-            gen = signs.setdefault(p.device, torch.Generator(p.device).manual_seed(_SEED))
+            gen = signs.setdefault(p.device, torch.Generator(p.device).manual_seed(SEED))
             flip = torch.randint(0, 2, p.shape, generator=gen, device=p.device, dtype=p.dtype)
             p.mul_(flip.mul_(2 * torch.finfo(p.dtype).eps).add_(1 - torch.finfo(p.dtype).eps))
     error, _ = result_error(first.build(), second.build(), first, second, steps)
     return error
 
 
-def _together(report, rows: list[dict], steps: int, repeats: int, spread: float,
+def _together(report, rows: list[dict], steps: int, repeats: int, spread: Errors,
               tidy: Callable[[], None] = lambda: None) -> list[dict]:  # fmt: skip
     """Combined trials of the fixes that helped, then the best of them with the fixes predicted
     to help that it left out; the best row (a combined one, or the best fix alone where no
@@ -440,7 +438,7 @@ TRIAL_COLUMNS = ("fixes", "label", "mode", "best set", "status", "predicted ms",
                  "fixed peak MiB", "batch room")  # fmt: skip
 
 
-def _trial_row(report, names: list[str], spread: float, predicted_us: float | None) -> dict:
+def _trial_row(report, names: list[str], predicted_us: float | None) -> dict:
     step_us = report.evidence.step_us
     if predicted_us is None and not _predicting(report, names):
         source = (f"nothing: not predicted on {report.evidence.device.type}"
@@ -457,7 +455,6 @@ def _trial_row(report, names: list[str], spread: float, predicted_us: float | No
             "; replayed as a CUDA graph: the kernels' time left" if GRAPHED & set(names) else ""
         )
     argued = tolerance(report, names)
-    allowance = max(argued, SPREAD_MULTIPLE * spread)
     return dict.fromkeys(TRIAL_COLUMNS, math.nan) | {
         "fixes": "+".join(names),
         "label": " + ".join(FIXES[n].label for n in names),
@@ -467,10 +464,8 @@ def _trial_row(report, names: list[str], spread: float, predicted_us: float | No
         "predicted ms": predicted / 1e3,
         "predicted speedup": step_us / predicted if predicted > 0 else math.nan,
         "predicted from": source,
-        "allowance": allowance,
-        "allowed by": "the fixes' tolerance"
-        if allowance == argued
-        else f"{SPREAD_MULTIPLE:g}x the unchanged step's own spread ({spread:.1e})",
+        "allowance": argued,
+        "allowed by": "the fixes' tolerance",
         "tolerance": argued,
         "why": "; ".join(FIXES[n].why for n in names),
         "edit": "",
@@ -487,21 +482,22 @@ def tolerance(report, names: list[str]) -> float:
 
 
 def _trial(
-    report, names: list[str], steps: int, repeats: int, spread: float, predicted_us=None
+    report, names: list[str], steps: int, repeats: int, spread: Errors, predicted_us=None
 ) -> dict[str, Any]:
-    row = _trial_row(report, names, spread, predicted_us)
+    row = _trial_row(report, names, predicted_us)
     skipped = [n for n in names if not _can_run(report, n)]
     if skipped:
         return row | {"status": f"not applicable: {', '.join(skipped)} needs a CUDA GPU"}
     try:
-        return row | _measured(report, names, steps, repeats, row["allowance"])
+        return row | _measured(report, names, steps, repeats, row["tolerance"], spread)
     except FixNotApplicable as error:
         return row | {"status": f"not applicable: {error}"}
     except Exception as error:  # a fix that breaks the user's step is a finding, not a crash
         return row | {"status": f"failed {where_raised(error).splitlines()[0][:300]}"}
 
 
-def _measured(report, names: list[str], steps: int, repeats: int, allowance: float) -> dict:
+def _measured(report, names: list[str], steps: int, repeats: int, argued: float,
+              spread: Errors) -> dict:  # fmt: skip
     from accel.measure.timer import compare, round_ratios
 
     base, fixed = _fresh(report), _fixed(report, names)
@@ -509,7 +505,7 @@ def _measured(report, names: list[str], steps: int, repeats: int, allowance: flo
     checked = max(steps, GRAPH_WARMUP + 2) if fixed.graphed else steps
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        error, first_s = result_error(base_call, fixed_call, base, fixed, checked)
+        errors, first_s = result_error(base_call, fixed_call, base, fixed, checked)
         timing = compare({"unchanged": base_call, "fixed": fixed_call}, warmup=3, repeats=repeats,
                          calls_per_sample=CALLS, device=report.evidence.device)
     unchanged, measured = (timing.timings[k].median_ms for k in ("unchanged", "fixed"))
@@ -517,6 +513,9 @@ def _measured(report, names: list[str], steps: int, repeats: int, allowance: flo
     low, high = timing.median_ratio_interval("unchanged", "fixed") if judged else (math.nan,) * 2
     if not judged and repeats >= EVERY_ROUND:
         high = max(round_ratios(timing.samples, "unchanged", "fixed"))  # the fix's best round
+    allowed = Errors(*(max(argued, SPREAD_MULTIPLE * s) for s in spread))
+    part = _nearest(errors, allowed)  # the part of the results the row shows
+    error, allowance = errors[part], allowed[part]
     status = _status(error, allowance, high, fixed, caught)
     device = report.evidence.device
     peaks = [peak_memory(call, device=device) / 2**20 for call in (base_call, fixed_call)]
@@ -527,6 +526,10 @@ def _measured(report, names: list[str], steps: int, repeats: int, allowance: flo
         "measured speedup": unchanged / measured,
         "speedup interval": f"{low:.2f}-{high:.2f}" if math.isfinite(low) else "",
         "error": error,
+        "allowance": allowance,
+        "allowed by": "the fixes' tolerance" if allowance == argued else
+        f"{SPREAD_MULTIPLE:g}x the unchanged step's own spread in its {Errors._fields[part]} "
+        f"({spread[part]:.1e})",
         "edit": "\n".join(fixed.edits),
         "first call s": first_s,
         "unchanged peak MiB": peaks[0],
@@ -534,6 +537,18 @@ def _measured(report, names: list[str], steps: int, repeats: int, allowance: flo
         # activations grow with the batch: how many times the batch fits where one did before
         "batch room": peaks[0] / peaks[1] if peaks[1] > 0 else math.nan,
     }
+
+
+def _nearest(errors: Errors, allowed: Errors) -> int:
+    """Which part of the results is nearest its allowance, or past it (a NaN error is past it)."""
+
+    def ratio(part: int) -> float:
+        error, allowance = errors[part], allowed[part]
+        if not error <= allowance:
+            return math.inf
+        return error / allowance if allowance > 0 else 0.0
+
+    return max(range(len(errors)), key=ratio)
 
 
 def _status(error: float, allowance: float, high: float, fixed: StepCopy, caught) -> str:
@@ -546,53 +561,3 @@ def _status(error: float, allowance: float, high: float, fixed: StepCopy, caught
     if high < 1.0:  # the whole 95% interval of the ratio below 1
         return "slower here"
     return "ok"
-
-
-def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: int):
-    """(relative error, the fixed copy's first call in s): ``steps`` steps of each from the same
-    start with the same seeds (torch's, ``random``'s, NumPy's): the larger of the outputs' error
-    (every step's, as one vector: norm of the difference over the norm of the unchanged) and the
-    parameters' and buffers' after the last (their larger norm would hide a changed loss where
-    a small learning rate barely moves them)."""
-    outputs, first_s = [], math.nan
-    for label, call in (("base", base_call), ("fixed", fixed_call)):
-        put_back_files()  # each from the user's files, not what the other copy left
-        seed_generators(_SEED)
-        got = []
-        for i in range(steps):
-            started = time.perf_counter()
-            got.append([_clone(t) for t in tree_leaves(call())])
-            if label == "fixed" and i == 0:
-                if fixed.device.type == "cuda":
-                    torch.cuda.synchronize(fixed.device)
-                first_s = time.perf_counter() - started
-        outputs.append(got)
-    returned = [(a, b) for run_a, run_b in zip(*outputs, strict=True)
-                for a, b in zip(run_b, run_a, strict=True)]  # fmt: skip
-    trained = list(zip(_trained_state(fixed), _trained_state(base), strict=True))
-    return max(_relative_error(returned), _relative_error(trained)), first_s
-
-
-def _relative_error(pairs: list[tuple[Any, Any]]) -> float:
-    """The norm of (fixed - unchanged) over the norm of the unchanged, the tensors of ``pairs``
-    as one vector."""
-    diff = norm = 0.0
-    for a, b in pairs:
-        tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        if tensors and a.shape == b.shape and not (a.is_meta or b.is_meta):  # meta: no values
-            wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
-            a64, b64 = a.detach().to(wide), b.detach().to(wide)  # complex kept whole
-            # NaN or inf where the unchanged step has it too is no difference; elsewhere, infinite
-            same = (a64 == b64) | (a64.isnan() & b64.isnan())
-            apart = torch.where(same, 0, a64 - b64).abs().nan_to_num(math.inf)
-            diff += float(apart.square().sum())  # sync: once per tensor, outside timing
-            norm += float(torch.where(b64.isfinite(), b64, 0).abs().square().sum())
-    return math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)
-
-
-def _clone(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _trained_state(copy: StepCopy) -> list[torch.Tensor]:
-    return [t for model in copy.parts.models for t in (*model.parameters(), *model.buffers())]
