@@ -86,6 +86,22 @@ def test_closure_step_trains_copies_only(seed):
     assert where(found) == {"closure 'model'": "Sequential", "closure 'opt'": "SGD"}
 
 
+def test_the_copies_start_from_the_gradients_the_models_hold(seed):
+    """A step that accumulates (backward every call, zero_grad after the update) starts from the
+    gradients already there: its copies must too, each its own."""
+    model, opt = pair()
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+
+    def step(x):
+        return train(model, opt, x)
+
+    _, copied = copy_step(step, find_parts(step))
+    for mine, theirs in zip(model.parameters(), copied.models[0].parameters(), strict=True):
+        assert theirs.grad is not None and theirs.grad is not mine.grad
+        assert torch.equal(theirs.grad, mine.grad)
+
+
 def test_legacy_weight_and_spectral_norm_models_are_copied(seed):
     """torch.nn.utils.weight_norm and spectral_norm (the hook versions, still in GAN and audio
     code) keep the weight they compute from their parameters as a non-leaf tensor, which deepcopy

@@ -235,6 +235,8 @@ def copy_step(step: Callable[..., Any], parts: StepParts) -> tuple[Callable[...,
     for original, new in zip(originals, copies, strict=True):
         if isinstance(new, torch.optim.Optimizer):
             _rewrap_scheduler_patch(original, new)
+        if isinstance(new, torch.nn.Module):  # deepcopy leaves a parameter's gradient behind
+            _copy_grads(original, new)
     # the memo keeps deepcopy's list of what it kept alive: no id in it is reused meanwhile
     runner = step
     if parts.reach is not None:
@@ -287,6 +289,18 @@ def _recomputed_weights(models: list[torch.nn.Module]) -> dict[int, Any]:
     memo: dict[int, Any] = {id(w): w.detach().clone() for w in weights}
     memo[id(memo)] = weights  # deepcopy's own list of what it keeps alive: no id reused
     return memo
+
+
+def _copy_grads(original: torch.nn.Module, copy: torch.nn.Module) -> None:
+    """The gradients ``original``'s parameters hold, cloned onto ``copy``'s: a step that
+    accumulates starts from them."""
+    mine, theirs = list(original.parameters()), list(copy.parameters())
+    if len(mine) != len(theirs):  # a weight recomputed by a hook, say: no pairs to trust
+        return
+    with torch.no_grad():
+        for p, q in zip(mine, theirs, strict=True):
+            if p.grad is not None and q.grad is None and p.shape == q.shape:
+                q.grad = p.grad.detach().clone()
 
 
 def _same_callable(a: Any, b: Any) -> bool:
