@@ -1,7 +1,7 @@
 """Whether a fixed copy of a step computes what the unchanged one does: both run the same steps
-from the same start, and their results are compared in two parts, each on its own scale (a
-loss near zero would hide among the parameters, and parameters a small learning rate barely
-moves would hide a changed loss)."""
+from the same start, and their results are compared in two parts, each on its own scale: as one
+vector, the parameters' norm hides a changed loss, and a loss near zero, whose rounding is large
+beside it, would widen the parameters' allowance."""
 
 from __future__ import annotations
 

@@ -59,14 +59,14 @@ def detect(evidence: Evidence, *, only: tuple[str, ...] | None = None) -> list[F
     return sorted(found, key=lambda f: -(f.saved_us if f.saved_us is not None else -1.0))
 
 
-def unpredict_impossible(found: list[Finding], step_us: float) -> None:
-    """A saving of the whole step (with its wait for data) or more was mismeasured (a timing
-    slowed by another process): such a finding says so and predicts nothing."""
+def unpredict_impossible(found: list[Finding], iteration_us: float) -> None:
+    """A saving of the whole iteration (the step and its wait for data) or more was mismeasured
+    (a timing slowed by another process): such a finding says so and predicts nothing."""
     for f in found:
-        if f.saved_us is not None and f.saved_us >= step_us > 0:
+        if f.saved_us is not None and f.saved_us >= iteration_us > 0:
             f.cost_model += (f"; not predicted: it measured {f.saved_us / 1e3:.3f} ms saved of a "
-                             f"{step_us / 1e3:.3f} ms step, so its timing was disturbed (another "
-                             "process on this machine?): run examine again")  # fmt: skip
+                             f"{iteration_us / 1e3:.3f} ms iteration, so its timing was disturbed "
+                             "(another process on this machine?): run examine again")  # fmt: skip
             f.saved_us = None
 
 

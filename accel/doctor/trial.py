@@ -2,7 +2,8 @@
 helped, each checked against an unchanged copy (same start, batch and seed) and timed against it
 interleaved. A fix may differ from the unchanged step by its argued tolerance or
 :data:`SPREAD_MULTIPLE` times the unchanged step's own spread (:func:`own_spread`), the larger,
-in the outputs and in the trained state alike (:mod:`accel.doctor.agreement`); one slower beyond the timing's spread is "slower here" and stays out of the combined trial.
+in what the steps return and in the trained state alike (:mod:`accel.doctor.agreement`); one
+slower beyond the timing's spread is "slower here" and stays out of the combined trial.
 """
 
 from __future__ import annotations
