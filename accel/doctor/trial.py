@@ -377,13 +377,12 @@ def _saved_us(step_us: float, row: dict) -> float:
 def _record_measured(report, rows: list[dict]) -> None:
     """Each finding's measured saving (its best fix alone), measured ones ranked first."""
     step_us = report.evidence.step_us
-    saved = {
-        r["fixes"]: _saved_us(step_us, r)
-        for r in rows
-        if r["mode"] == "alone" and r["status"] in ("ok", "slower here")
-    }
-    for finding in report.findings:
-        tried = [saved[n] for n in finding.fixes if n in saved]
+    alone = [r for r in rows if r["mode"] == "alone" and r["status"] in ("ok", "slower here")]
+    saved = {r["fixes"]: _saved_us(step_us, r) for r in alone}
+    edits = {r["fixes"]: r["edit"] for r in alone}
+    for finding in report.findings:  # not one the fix left as written (an attention it cannot read)
+        tried = [saved[n] for n in finding.fixes if n in saved and not any(
+            f"# not rewritten: the attention at {s}" in edits[n] for s in finding.sites)]
         finding.measured_us = max(tried) if tried else None
     report.findings.sort(key=lambda f: (f.measured_us is None, -(
         f.measured_us if f.measured_us is not None else (f.saved_us or -1.0))))  # fmt: skip
