@@ -964,6 +964,13 @@ def test_attention_on_3d_operands_with_dropout_is_timed_as_the_step_ran_it(seed,
         forward_ops(lambda: (q @ k.transpose(-2, -1)).softmax(-1) @ v)
     )
     assert no_drop.dropout == 0.0
+    # the heads joined again after a 3-d attention: timed forward and backward at its shapes
+    (joined,) = check_attention.find_manual_attention(forward_ops(
+        lambda: ((q @ k.transpose(-2, -1)).softmax(-1) @ v).view(2, 3, 16, 8).transpose(1, 2).contiguous()
+    ))  # fmt: skip
+    assert joined.dims == 3 and joined.merged
+    for call in check_attention.timed_calls(joined, torch.device("cpu"), backward=True).values():
+        assert [g.shape for g in call()] == [(6, 16, 8)] * 3
 
 
 def test_cross_attention_shapes_are_read_off_the_products(seed):

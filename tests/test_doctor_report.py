@@ -400,7 +400,7 @@ def test_checkpointing_a_batchnorm_counts_its_running_statistics_as_results(seed
                    for _ in range(2))  # fmt: skip
     FIXES["checkpointing"].apply(fixed)
     errors, _ = agreement.result_error(base.build(), fixed.build(), base, fixed, 2)
-    assert errors.trained > FIXES["checkpointing"].rtol
+    assert errors.trained_state > FIXES["checkpointing"].rtol
 
 
 def test_the_losses_and_the_trained_state_are_each_judged_on_their_own_scale(seed):
@@ -415,7 +415,7 @@ def test_the_losses_and_the_trained_state_are_each_judged_on_their_own_scale(see
     fixed.batch = batch * 1.01
     read = lambda copy: (lambda call: lambda: call().item())(copy.build())  # noqa: E731
     errors, _ = agreement.result_error(read(base), read(fixed), base, fixed, 2)
-    assert errors.outputs > 1e-3 and errors.trained < 1e-6
+    assert errors.outputs > 1e-3 and errors.trained_state < 1e-6
 
 
 def test_a_noisy_loss_does_not_widen_the_trained_states_allowance(seed, monkeypatch):
@@ -476,7 +476,7 @@ def test_the_result_error_sees_a_change_in_complex_parameters_imaginary_part(see
         warnings.simplefilter("error")  # casting complex to real warns, and drops the change
         errors, _ = agreement.result_error(base.build(), fixed.build(), base, fixed, 2)
     expected = 0.5 * math.sqrt(model.weight.numel()) / float(model.weight.detach().abs().norm())
-    assert errors.trained == pytest.approx(expected, rel=1e-6)
+    assert errors.trained_state == pytest.approx(expected, rel=1e-6)
 
 
 def ensemble_step():

@@ -26,7 +26,7 @@ class Errors(NamedTuple):
     statistics) after the last."""
 
     outputs: float
-    trained: float
+    trained_state: float
 
 
 def result_error(base_call, fixed_call, base: StepCopy, fixed: StepCopy, steps: int):

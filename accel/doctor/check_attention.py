@@ -159,8 +159,7 @@ def timed_calls(case: ManualAttention, device: torch.device, backward: bool) -> 
         for shape in _operand_shapes(case)
     ]
     q, k, v = (t.transpose(1, 2) for t in leaves) if case.split_heads else leaves
-    batch, heads = _lead(case)
-    out = (batch, case.seq_q, heads, case.head_dim) if case.merged else q.shape
+    out = q.transpose(1, 2).shape if case.merged else q.shape  # the output is shaped as q
     grad = torch.randn(out, generator=gen, device=device, dtype=case.dtype)
 
     def timed(fn):
@@ -187,19 +186,18 @@ def _operand_shapes(case: ManualAttention) -> list[tuple[int, ...]]:
     """q's, k's and v's shapes as they lie in memory: (1, B x H, S, D); (B x H, S, D) where the
     step's were 3-d; (B, S, H, D) where it split the heads off by a transpose."""
     seqs = (case.seq_q, case.seq_k, case.seq_k)
-    batch, heads = _lead(case)
+    lead = _scores_lead(case)
     if case.split_heads:
-        return [(batch, s, heads, case.head_dim) for s in seqs]
-    if case.dims == 3:
-        return [(heads, s, case.head_dim) for s in seqs]
-    return [(batch, heads, s, case.head_dim) for s in seqs]
+        return [(lead[0], s, lead[1], case.head_dim) for s in seqs]
+    return [(*lead, s, case.head_dim) for s in seqs]
 
 
-def _lead(case: ManualAttention) -> tuple[int, int]:
-    """The operands' batch and heads: the step's where it split its heads, else one batch."""
+def _scores_lead(case: ManualAttention) -> tuple[int, ...]:
+    """The timed scores' dimensions before (Sq, Sk): the step's batch and heads where it split its
+    heads, its heads flattened into the batch where its scores were 3-d, else one batch."""
     if case.split_heads and case.heads % case.batch == 0:
         return case.batch, case.heads // case.batch
-    return 1, case.heads
+    return (case.heads,) if case.dims == 3 and not case.split_heads else (1, case.heads)
 
 
 def written_out(case: ManualAttention, device: torch.device, gen: torch.Generator):
@@ -209,8 +207,7 @@ def written_out(case: ManualAttention, device: torch.device, gen: torch.Generato
     if case.causal:
         hidden = torch.ones(case.seq_q, case.seq_k, dtype=torch.bool, device=device).triu(1)
     else:  # a padding mask: a tenth of the keys hidden from every query
-        lead = _lead(case) if case.split_heads or case.dims != 3 else (case.heads,)
-        keys = torch.rand((*lead, 1, case.seq_k), generator=gen, device=device)
+        keys = torch.rand((*_scores_lead(case), 1, case.seq_k), generator=gen, device=device)
         hidden = keys < 0.1
     additive = torch.zeros(hidden.shape, device=device).masked_fill(hidden, -math.inf)
     scale = case.head_dim**-0.5 if case.head_dim else 1.0

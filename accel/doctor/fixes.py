@@ -26,7 +26,7 @@ from accel.doctor.isolation import watch_as_step
 from accel.doctor.parts import StepParts
 from accel.doctor.products import backend_flags
 
-__all__ = ["FIXES", "Fix", "FixNotApplicable", "StepCopy", "own_batch"]
+__all__ = ["FIXES", "Fix", "FixNotApplicable", "StepCopy", "left_as_written", "own_batch"]
 
 
 class FixNotApplicable(RuntimeError):
@@ -306,6 +306,11 @@ def _checkpoint(copy: StepCopy) -> None:
         checkpoint_blocks(model, blocks)
 
 
+def left_as_written(site) -> str:
+    """What the SDPA fix's edit says of the attention at ``site`` that it could not rewrite."""
+    return f"# not rewritten: the attention at {site}"
+
+
 def _sdpa(copy: StepCopy) -> None:
     """Each written-out attention the attention check found, rewritten as SDPA in the copied
     models (:mod:`accel.doctor.rewrite`); the diffs are the edit to paste. One the rewrite cannot
@@ -321,15 +326,15 @@ def _sdpa(copy: StepCopy) -> None:
         try:
             rewrite = rewrite_attention(copy.parts.models, *lines, chain.causal)
         except NotRewritable as error:
-            left.append(f"the attention at {chain.site}: {error}")
+            left.append((chain.site, str(error)))
             continue
         if not sum(rewrite.apply(model) for model in copy.parts.models):
-            left.append(f"no copied module runs the attention at {chain.site}")
+            left.append((chain.site, "no copied module runs it"))
             continue
         diffs.append(rewrite.diff)
     if not diffs:
-        raise FixNotApplicable("; ".join(left))
-    copy.edits += [*diffs, *(f"# not rewritten: {why}" for why in left)]
+        raise FixNotApplicable("; ".join(f"the attention at {site}: {why}" for site, why in left))
+    copy.edits += [*diffs, *(f"{left_as_written(site)}: {why}" for site, why in left)]
 
 
 def _foreach_loop(copy: StepCopy) -> None:

@@ -21,7 +21,7 @@ from accel.doctor.agreement import SEED, Errors, result_error
 from accel.doctor.check_compute import FUSED_KERNELS
 from accel.doctor.check_host import GRAPH_REPLAY_OVER_KERNELS
 from accel.doctor.check_kernels import MATMUL_OPS
-from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy
+from accel.doctor.fixes import FIXES, GRAPH_WARMUP, FixNotApplicable, StepCopy, left_as_written
 from accel.doctor.isolation import Session
 from accel.doctor.parts import copy_step, loader_copies_ended
 from accel.doctor.reach import where_raised
@@ -382,7 +382,7 @@ def _record_measured(report, rows: list[dict]) -> None:
     edits = {r["fixes"]: r["edit"] for r in alone}
     for finding in report.findings:  # not one the fix left as written (an attention it cannot read)
         tried = [saved[n] for n in finding.fixes if n in saved and not any(
-            f"# not rewritten: the attention at {s}" in edits[n] for s in finding.sites)]
+            left_as_written(s) in edits[n] for s in finding.sites)]
         finding.measured_us = max(tried) if tried else None
     report.findings.sort(key=lambda f: (f.measured_us is None, -(
         f.measured_us if f.measured_us is not None else (f.saved_us or -1.0))))  # fmt: skip
@@ -528,7 +528,8 @@ def _measured(report, names: list[str], steps: int, repeats: int, argued: float,
         "error": error,
         "allowance": allowance,
         "allowed by": "the fixes' tolerance" if allowance == argued else
-        f"{SPREAD_MULTIPLE:g}x the unchanged step's own spread in its {Errors._fields[part]} "
+        f"{SPREAD_MULTIPLE:g}x the unchanged step's own spread in its "
+        f"{Errors._fields[part].replace('_', ' ')} "
         f"({spread[part]:.1e})",
         "edit": "\n".join(fixed.edits),
         "first call s": first_s,
