@@ -911,6 +911,40 @@ def test_compile_slower_alone_still_has_its_cuda_graph_rung_tried_on_the_best_se
     assert chosen == ["bf16_autocast+pinned_batch+compile_graphs"]
 
 
+def test_compile_no_finding_named_is_added_last_to_the_doctors_own_best_set_on_a_gpu(monkeypatch):
+    """float32 products can hide the memory-bound kernels compile fuses, so no finding names it;
+    an expert compiles last all the same. With the doctor's own choice of fixes, the best set is
+    tried with compile's CUDA-graph rung on a GPU, kept only if faster; a user's list stays."""
+    tried = []
+    speedups = {"bf16_autocast+tf32": 3.0, "bf16_autocast+tf32+compile_graphs": 4.5}
+    monkeypatch.setattr(trial, "_trial", recording_trial(tried, lambda n: speedups.get("+".join(n), 1.0)))
+    monkeypatch.setattr(trial, "_predicted_us", lambda *a, **_: 0.0)
+    monkeypatch.setattr(trial, "combined_prediction_us", lambda *a: 1.0)
+    rows = fake_rows({"bf16_autocast": 2.8, "tf32": 2.5})
+    combined = trial._together(step_of(100.0, "cuda"), rows, 1, 1, 0.0, compile_last=True)
+    assert [names for names, _ in tried] == [["bf16_autocast", "tf32"],
+                                             ["bf16_autocast", "tf32", "compile_graphs"]]  # fmt: skip
+    assert [r["fixes"] for r in rows + combined if r["best set"]] == [
+        "bf16_autocast+tf32+compile_graphs"
+    ]
+    for device, last in (("cuda", False), ("cpu", True)):  # a user's list; no CUDA graphs
+        tried.clear()
+        trial._together(step_of(100.0, device), fake_rows({"bf16_autocast": 2.8, "tf32": 2.5}),
+                        1, 1, 0.0, compile_last=last)  # fmt: skip
+        assert [names for names, _ in tried] == [["bf16_autocast", "tf32"]]
+
+
+def test_a_replayed_set_whose_compile_never_ran_alone_is_predicted_from_its_kernels_left():
+    """compile's rung added where compile never ran alone: no fusion counted, the replay's
+    kernels' time left."""
+    from accel.doctor.check_host import GRAPH_REPLAY_OVER_KERNELS
+
+    report = timeline_report({"matmul": 40.0, "elementwise and other": 20.0}, {"host": 40.0})
+    rows = fake_rows({"bf16_autocast": 100 / 80})
+    graphed = trial.combined_prediction_us(report, rows, ["bf16_autocast", "compile_graphs"])
+    assert graphed == pytest.approx((40 - 20 + 20) * GRAPH_REPLAY_OVER_KERNELS)
+
+
 @pytest.mark.parametrize(("with_bf16", "kept"), [(5.0, True), (3.5, False)])
 def test_device_fixes_left_out_are_retried_once_the_set_is_replayed_as_a_cuda_graph(
     monkeypatch, with_bf16, kept

@@ -117,7 +117,8 @@ def try_fixes(report, fixes: list[str] | None, *, steps: int, repeats: int | Non
     cuda = report.evidence.device.type == "cuda"
     repeats = repeats or (8 if cuda else 5)
     with isolated(report) as session:
-        rows = _trials(report, names, steps, repeats, progress, session.tidy_compiled)
+        rows = _trials(report, names, steps, repeats, progress, session.tidy_compiled,
+                       compile_last=fixes is None)
     _record_measured(report, rows)
     return pd.DataFrame(rows, columns=TRIAL_COLUMNS)
 
@@ -135,7 +136,8 @@ def isolated(report) -> Iterator[Session]:
     _name_side_effects(report, session.effects(), untouched.report())
 
 
-def _trials(report, names: list[str], steps: int, repeats: int, progress: bool, tidy):
+def _trials(report, names: list[str], steps: int, repeats: int, progress: bool, tidy, *,
+            compile_last: bool = False):
     """The unchanged step's own spread, each fix alone, then the best set of them; ``tidy`` runs
     after each trial (what its copy compiled freed)."""
     from tqdm.auto import tqdm
@@ -157,7 +159,7 @@ def _trials(report, names: list[str], steps: int, repeats: int, progress: bool, 
             tidy()
         bar.update()
         bar.set_description_str("trying the helpful ones together")
-        rows += _together(report, rows, steps, repeats, spread, tidy)
+        rows += _together(report, rows, steps, repeats, spread, tidy, compile_last=compile_last)
         bar.update()
     return rows
 
@@ -208,10 +210,11 @@ def own_spread(report, steps: int) -> Errors:
 
 
 def _together(report, rows: list[dict], steps: int, repeats: int, spread: Errors,
-              tidy: Callable[[], None] = lambda: None) -> list[dict]:  # fmt: skip
+              tidy: Callable[[], None] = lambda: None, *, compile_last: bool = False) -> list[dict]:  # fmt: skip
     """Combined trials of the fixes that helped, then the best of them with the fixes predicted
     to help that it left out; the best row (a combined one, or the best fix alone where no
-    combination beat it) is marked ``best set``. ``tidy`` runs after each trial."""
+    combination beat it) is marked ``best set``. ``tidy`` runs after each trial.
+    ``compile_last``: compile's rung is tried on the best set where no fix of its kind ran."""
 
     def attempt(names: list[str], predicted_us: float | None = None) -> dict:
         row = _trial(report, names, steps, repeats, spread, predicted_us=predicted_us)
@@ -253,6 +256,11 @@ def _together(report, rows: list[dict], steps: int, repeats: int, spread: Errors
     # slower alone, its launches left on the host) has its rung added to the set
     bases = [n for n in in_best if n in NEXT_RUNG] + [
         r["fixes"] for r in rows if r["fixes"] in NEXT_RUNG and _may_join(r, in_best)]  # fmt: skip
+    # compile, which an expert adds last: float32 products can hide the kernels it fuses from
+    # every finding, and once the set has shortened them they are what is left
+    compiled = EXCLUSIVE[0]
+    if compile_last and not compiled & ({r["fixes"] for r in rows} | set(in_best)):
+        bases.append("compile")
     for name in [n for n in bases if _can_run(report, NEXT_RUNG[n])]:
         rung = NEXT_RUNG[name]
         swapped = [rung if n == name else n for n in in_best] if name in in_best else [*in_best, rung]
@@ -334,8 +342,8 @@ def combined_prediction_us(report, rows: list[dict], names: list[str]) -> float:
     alone = {r["fixes"]: r for r in rows if r["mode"] == "alone"}
     # the CUDA-graph rung is tried on the best set only: its fusion is compile's, measured alone
     alone.setdefault("compile_graphs", alone.get("compile"))
-    saving = {n: max(_saved_us(t.step_us, alone[n]), _kernels_saving_us(report, n) if unbound else 0.0)
-              for n in names}  # fmt: skip
+    saving = {n: max(_saved_us(t.step_us, alone[n]) if alone.get(n) else 0.0,
+                     _kernels_saving_us(report, n) if unbound else 0.0) for n in names}  # fmt: skip
     for group in ALTERNATIVES:
         present = [n for n in names if n in group]
         if len(present) > 1:
