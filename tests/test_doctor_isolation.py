@@ -3213,6 +3213,35 @@ def test_the_random_generator_a_loader_draws_from_is_left_as_it_was(seed, holder
     assert not first_line(report).startswith("Caution"), first_line(report)
 
 
+@pytest.mark.parametrize("missing", [False, True])
+def test_a_step_drawing_its_own_batches_from_a_shuffled_loader_gets_no_caution(seed, missing):
+    """The step starts the loader again when its iterator runs out, drawing from the shuffle's
+    generator: the doctor puts that state back, and names nothing it put back as changed (a
+    data set the sampler holds, with a missing value or not, left as it was, not written)."""
+    from torch.utils.data import DataLoader
+
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randn(16, 4)
+    data[3, 1] = math.nan if missing else data[3, 1]
+    loader = DataLoader(data, batch_size=4, shuffle=True, generator=generator)
+    batches = iter(loader)
+    model, opt = small()
+
+    def step():
+        nonlocal batches
+        x = next(batches, None)
+        if x is None:
+            batches = iter(loader)
+            x = next(batches)
+        return one_update(model, opt, x)
+
+    state, version = generator.get_state(), data._version
+    report = examined(step, loader=loader)
+    assert torch.equal(generator.get_state(), state) and data._version == version
+    assert not first_line(report).startswith("Caution"), first_line(report)
+    assert report.changed == [], report.changed
+
+
 def test_a_file_written_through_a_handle_opened_before_the_step_is_said_not_put_back(
     seed, tmp_path
 ):

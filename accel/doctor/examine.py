@@ -129,7 +129,8 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
         raise _empty(loader)
     with contextlib.ExitStack() as kept:
-        kept.enter_context(_sources_kept(loader))  # the data set and samplers its copy reads
+        # the data set and samplers its copy reads, put back now too (below) and on leaving
+        sources_back = [kept.enter_context(_sources_kept(loader))]
         session = kept.enter_context(Session())  # the random generators put back; files recorded
         kept.enter_context(loader_copies_ended())  # copies' workers end before the session
         loader = _own_loader(loader)
@@ -141,9 +142,11 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         session.watch(parts.reach.objects.values())
         for source in _served_loaders(parts, loader if draws_own else None):
             if source is not loader:  # one the step reaches: read from a copy, its own kept
-                kept.enter_context(_sources_kept(source))
+                sources_back.append(kept.enter_context(_sources_kept(source)))
                 source = _own_loader(source)
             _serve_from_loader(parts.reach.objects.values(), source)
+        for put_back in sources_back:  # the doctor's own reads so far (a shuffle's draw), undone
+            put_back()
         untouched = Untouched(parts, batch)
         runner, copied, cautions = _copy_or_own(step, parts, allow_training)
         device = step_device(copied, batch)
@@ -451,7 +454,7 @@ def _batches_timed(loader: Iterable[Any], runner, device: torch.device, step_us:
 
 
 @contextlib.contextmanager
-def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
+def _sources_kept(loader: Iterable[Any] | None) -> Iterator[Callable[[], None]]:
     """The loader's data set and samplers (and those they wrap: :func:`_data_sources`) with their
     attributes put back after the doctor's reads: an iterable data set or a sampler may count its
     epochs or what it served on itself, a data set its reads or a cache.
@@ -459,7 +462,7 @@ def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
     (a container's items, a tensor or array up to :data:`KEPT_IN_PLACE_BYTES`: larger ones are
     the samples, read, not written), and so is a random generator's state (a shuffle's, an
     augmentation's, held by the loader or one of them), so that the user's next epoch draws
-    the same."""
+    the same. Gives what puts them back (also called before leaving)."""
     sources = _data_sources(loader)
     kept = [(vars(s), dict(vars(s))) for s in sources]
     holders = [h for h in (loader, *sources) if hasattr(h, "__dict__")]
@@ -467,14 +470,18 @@ def _sources_kept(loader: Iterable[Any] | None) -> Iterator[None]:
     held = {id(v): v for s in sources for v in vars(s).values()}
     states = [_state_kept(g) for g in generators.values()]
     states += [k for k in map(_contents_kept, held.values()) if k is not None]
-    try:
-        yield
-    finally:
+
+    def put_back() -> None:
         for attributes, before in kept:
             attributes.clear()
             attributes.update(before)
-        for put_back in states:
-            put_back()
+        for restore in states:
+            restore()
+
+    try:
+        yield put_back
+    finally:
+        put_back()
 
 
 KEPT_IN_PLACE_BYTES = 64 * 2**20  # a data set's tensor or array up to this is put back in place
@@ -490,12 +497,18 @@ def _contents_kept(value: Any) -> Callable[[], None] | None:
         return lambda: (value.clear(), value.extend(saved))
     if isinstance(value, torch.Tensor) and value.layout is torch.strided and (
             value.numel() * value.element_size() <= KEPT_IN_PLACE_BYTES):  # fmt: skip
-        saved = value.detach().clone()
-        return lambda: value.detach().copy_(saved)
+        saved = value.detach().clone()  # written back only where it differs: a write counts
+        return lambda: None if _same(value, saved) else value.detach().copy_(saved)
     if is_array(value) and value.nbytes <= KEPT_IN_PLACE_BYTES and value.flags.writeable:
         saved = value.copy()
         return lambda: value.__setitem__(..., saved)
     return None
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN was."""
+    return torch.equal(a, b) or (a.is_floating_point() and bool(
+        torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all()))  # fmt: skip
 
 
 # what a data set or sampler holds of the others: a Subset's or a sampler's data set, a
