@@ -477,6 +477,9 @@ def test_the_call_to_write_where_the_rewrite_cannot_read_names_only_what_the_ste
     assert call == ("out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
                     "dropout_p=0.25 if training else 0.0)")  # fmt: skip
     assert "not rewritten for you" in finding.change
+    # the names are SDPA's, not the step's: the layout it takes is said (a UNet's keys, say,
+    # come as (..., E, S) to a written-out bmm)
+    assert "q, k, v shaped (..., L, E), (..., S, E), (..., S, Ev)" in finding.change
 
 
 class MhaBlock(nn.Module):

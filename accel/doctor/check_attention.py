@@ -308,4 +308,5 @@ def _change(evidence: Evidence, case: ManualAttention) -> tuple[str, bool]:
     try:
         return rewrite_attention(evidence.parts.models, *lines, case.causal).diff, True
     except NotRewritable as error:
-        return f"{call}\n# not rewritten for you: {error}", False
+        return (f"{call}\n# q, k, v shaped (..., L, E), (..., S, E), (..., S, Ev): transpose "
+                f"yours to that\n# not rewritten for you: {error}"), False
