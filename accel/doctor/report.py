@@ -96,8 +96,10 @@ class Report:
         """Apply each fix alone, then together, to copies of the step; check each against the
         unchanged step within the fix's tolerance, time it against the unchanged step
         (interleaved), and put the measured time beside the prediction. Returns a DataFrame
-        (kept as ``self.trials``). Your model and optimizer are never changed. A fix that
-        compiles takes tens of seconds: ``progress`` shows a bar naming the fix being tried."""
+        (kept as ``self.trials``). Your model and optimizer are never changed. Without
+        ``fixes`` (the findings' own), the best set on a GPU is also tried compiled with CUDA
+        graphs, which an expert adds last. A fix that compiles takes tens of seconds:
+        ``progress`` shows a bar naming the fix being tried."""
         from accel.doctor.trial import try_fixes
 
         self.trials = try_fixes(self, fixes, steps=steps, repeats=repeats, progress=progress)
