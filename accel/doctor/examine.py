@@ -118,13 +118,7 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
     draws_own = batch is NO_BATCH and loader is not None and not callable_with(step, None)
     from_loader = batch is NO_BATCH and loader is not None and not draws_own
     _refuse_batch_mismatch(step, None if from_loader else batch)
-    if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
-        raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
-    if torch.autograd._profiler_enabled():  # its session would end in the doctor's, emptied
-        raise UsageError(
-            "examine profiles the step itself, and a profiler is already running: call it "
-            "outside your `with torch.profiler.profile()` block"
-        )
+    _refuse_counts_or_profiler(steps, warmup)
     _refuse_unusable_loader(loader)
     if loader is not None and _sized(loader) == 0:  # before any work, where its length tells
         raise _empty(loader)
@@ -169,6 +163,16 @@ def examine(step: Callable[..., Any], batch: Any = NO_BATCH, *, loader: Iterable
         findings = detect(evidence)
     return Report(step, batch, parts, evidence, findings, side_effects=cautions,
                   effects=session.effects(), changed=untouched.report())
+
+
+def _refuse_counts_or_profiler(steps: Any, warmup: Any) -> None:
+    if not isinstance(steps, int) or steps < 1 or not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"steps and warmup must be ints >= 1, got {steps=}, {warmup=}")
+    if torch.autograd._profiler_enabled():  # its session would end in the doctor's, emptied
+        raise UsageError(
+            "examine profiles the step itself, and a profiler is already running: call it "
+            "outside your `with torch.profiler.profile()` block"
+        )
 
 
 def callable_with(fn: Callable[..., Any], *args: Any) -> bool:
