@@ -173,7 +173,7 @@ def rewritten(cls, first: str, last: str, causal: bool = False):
     model = cls()
     rewrite = rewrite_attention([model], *lines(cls, first, last), causal)
     fixed = copy.deepcopy(model)
-    rewrite.apply(fixed)
+    rewrite.apply([fixed], [])
     return model, fixed, rewrite
 
 
@@ -182,7 +182,7 @@ def test_nanogpt_attention_rewritten_as_sdpa_computes_the_same(seed, causal):
     model = nn.Sequential(NanoAttention(), NanoAttention())
     rewrite = rewrite_attention([model], *lines(NanoAttention, "q @ k", "att @ v"), causal)
     fixed = copy.deepcopy(model)
-    assert rewrite.apply(fixed) == 2
+    assert rewrite.apply([fixed], []) == 2
     x = torch.randn(3, 16, 32)
     torch.testing.assert_close(fixed(x), model(x), rtol=1e-5, atol=1e-6)
     assert "scaled_dot_product_attention" in rewrite.diff and "-        att = F.softmax" in rewrite.diff
@@ -411,6 +411,59 @@ def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
     assert "scaled_dot_product_attention" in row["edit"]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert model[1].forward.__func__ is NanoAttention.forward
+
+
+def annotated_attention(query, key, value, mask=None):
+    """The Annotated Transformer's attention: a plain function, the mask filled with -1e9."""
+    d_k = query.size(-1)
+    scores = torch.matmul(query, key.transpose(-2, -1)) / math.sqrt(d_k)
+    if mask is not None:
+        scores = scores.masked_fill(mask == 0, -1e9)
+    p_attn = scores.softmax(dim=-1)
+    return torch.matmul(p_attn, value)
+
+
+class AnnotatedHeads(nn.Module):
+    def __init__(self, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x, keep):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        out = annotated_attention(q, k, v, mask=keep)
+        first = annotated_attention(q, k[:, :, :5], v[:, :, :5])  # the same code at another shape
+        return self.out((out + first).transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize("bad", [None, "nan", "inf"])
+def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad):
+    """A function outside any module (the Annotated Transformer's ``attention``) with its mask
+    filled with -1e9 where keys are padding: rewritten as SDPA while the copy's step runs, the
+    user's function left as it is; NaN and inf in the inputs reach both alike."""
+    model = AnnotatedHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    keep = (torch.arange(16) < torch.tensor([[16], [11], [7], [16]]))[:, None, None, :]
+
+    def step(x):
+        loss = model(x, keep).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    x = torch.randn(4, 16, 32)
+    if bad is not None:
+        x[1, 12, 3] = float(bad)  # a padded position: masked out of every query's keys
+    code = annotated_attention.__code__
+    report = doctor.examine(step, x, steps=1, warmup=1)
+    found = [f for f in report.findings if f.kind == "attention"]
+    assert len(found) >= 2 and all(f.fixes == ("sdpa_attention",) for f in found), found
+    assert "def annotated_attention" in found[0].change and "-1000000000.0" not in found[0].change
+    (row,) = report.try_fixes(["sdpa_attention"], steps=2, repeats=2).to_dict("records")
+    assert row["status"] == "ok" and row["error"] <= row["allowance"], row
+    assert row["edit"].count("scaled_dot_product_attention") == 1, row["edit"]
+    assert annotated_attention.__code__ is code
 
 
 class TwoAttentions(nn.Module):

@@ -321,14 +321,14 @@ def _sdpa(copy: StepCopy) -> None:
     if not chains:
         raise FixNotApplicable("no written-out attention found at a line of your code")
     left, diffs = [], []
-    for chain in dict.fromkeys(chains):
-        lines = [(s.file, s.line) for s in (chain.site, chain.values_site)]
+    by_lines = {tuple((s.file, s.line) for s in (c.site, c.values_site)): c for c in chains}
+    for lines, chain in by_lines.items():  # one code, called at several shapes: rewritten once
         try:
             rewrite = rewrite_attention(copy.parts.models, *lines, chain.causal)
         except NotRewritable as error:
             left.append((chain.site, str(error)))
             continue
-        if not sum(rewrite.apply(model) for model in copy.parts.models):
+        if not rewrite.apply(copy.parts.models, copy.contexts):
             left.append((chain.site, "no copied module runs it"))
             continue
         diffs.append(rewrite.diff)

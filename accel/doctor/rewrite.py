@@ -1,5 +1,6 @@
 """Attention written out by hand, rewritten as one ``scaled_dot_product_attention`` call in a
-copy of the module that runs it, and handed to the user as a diff of their own ``forward``.
+copy of the module that runs it (or in a plain function, swapped in while a copy's step runs),
+and handed to the user as a diff of their own ``forward`` (or function).
 
 Between the recorded lines of the scores' and the values' products, the statements must read as
 a chain on one variable, each kind at most once::
@@ -21,6 +22,7 @@ causal mask, filled in or added, becomes ``is_causal=True``). Anything else rais
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import inspect
 import re
@@ -47,28 +49,45 @@ class NotRewritable(ValueError):
 
 @dataclass(frozen=True)
 class AttentionRewrite:
-    """A module class's ``forward`` with its written-out attention replaced by SDPA."""
+    """A module class's ``forward``, or a plain function, with its written-out attention
+    replaced by SDPA."""
 
-    cls: type
-    function: types.FunctionType  # the new forward, unbound
-    diff: str  # the user's edit, as a unified diff of their forward
+    holder: type | types.FunctionType  # the module class, or the function itself
+    function: types.FunctionType  # the new forward (unbound) or function
+    diff: str  # the user's edit, as a unified diff of their forward or function
 
-    def apply(self, model: nn.Module) -> int:
-        """Bind the new forward on every submodule of ``model`` of this class; how many."""
-        matching = [m for m in model.modules() if isinstance(m, self.cls)]  # subclasses: rebuilt
-        for module in matching:
+    def apply(self, models: list[nn.Module], contexts: list) -> int:
+        """Bind the new forward on every submodule of ``models`` of this class, or add to
+        ``contexts`` the function's swap for the copy's step (:meth:`swapped`); how many."""
+        if not isinstance(self.holder, type):
+            contexts.append(self.swapped)
+            return 1
+        matching = [m for model in models for m in model.modules() if isinstance(m, self.holder)]
+        for module in matching:  # subclasses: rebuilt
             module.forward = types.MethodType(self.function, module)
         return len(matching)
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """The function runs the new code while the copy's step runs (its callers look it up by
+        name, so it is not replaced), and its own after."""
+        own = self.holder.__code__
+        self.holder.__code__ = self.function.__code__
+        try:
+            yield
+        finally:
+            self.holder.__code__ = own
 
 
 def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
                       values_line: tuple[str, int], causal: bool) -> AttentionRewrite:  # fmt: skip
-    """The rewrite of the ``forward`` (of a submodule class of ``models``) that holds the lines
-    ``(file, line)`` of the scores' and the values' products."""
-    cls = _owner(models, *scores_line)
-    forward = cls.forward
+    """The rewrite of the ``forward`` (of a submodule class of ``models``), or of the plain
+    function their modules see, that holds the lines ``(file, line)`` of the scores' and the
+    values' products."""
+    holder = _owner(models, *scores_line)
+    forward = holder.forward if isinstance(holder, type) else holder
     if not isinstance(forward.__globals__.get("torch"), types.ModuleType):
-        raise NotRewritable(f"{cls.__name__}'s module does not import torch by that name")
+        raise NotRewritable(f"{holder.__name__}'s module does not import torch by that name")
     lines, first, function = function_source(forward)
     body, start, stop = _chain_span(function, scores_line[1], values_line[1])
     replaced = body[start : stop + 1]
@@ -77,7 +96,10 @@ def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
     fromfile = inspect.getsourcefile(forward)
     diff = replaced_diff(lines, first, [(replaced[0].lineno, replaced[-1].end_lineno, [call])],
                          fromfile, "with SDPA")  # fmt: skip
-    return AttentionRewrite(cls, recompiled(forward, function), diff)
+    new = recompiled(forward, function)
+    if not isinstance(holder, type) and new.__code__.co_freevars != forward.__code__.co_freevars:
+        raise NotRewritable(f"{holder.__name__}'s rewritten code closes over other variables")
+    return AttentionRewrite(holder, new, diff)
 
 
 def function_source(function: types.FunctionType) -> tuple[list[str], int, ast.FunctionDef]:
@@ -142,17 +164,25 @@ def recompiled(function: types.FunctionType, definition: ast.FunctionDef) -> typ
     return new
 
 
-def _owner(models: list[nn.Module], file: str, line: int) -> type:
-    """The class, among the models' submodules, whose ``forward`` spans ``file:line``."""
-    for model in models:
-        for module in model.modules():
-            code = getattr(type(module).forward, "__code__", None)
-            if code is None or code.co_filename != file:
-                continue
-            lines = [n for _, _, n in code.co_lines() if n is not None]
-            if lines and min(lines) <= line <= max(lines):
-                return type(module)
-    raise NotRewritable(f"no module's forward holds {file}:{line}")
+def _owner(models: list[nn.Module], file: str, line: int) -> type | types.FunctionType:
+    """The class, among the models' submodules, whose ``forward`` spans ``file:line``; else a
+    plain function that does, in the namespace of a submodule class's module."""
+    classes = list(dict.fromkeys(type(m) for model in models for m in model.modules()))
+    for cls in classes:
+        if _spans(getattr(cls.forward, "__code__", None), file, line):
+            return cls
+    for cls in classes:  # the namespace its forward runs in (a script run by path is in none)
+        for value in list(getattr(cls.forward, "__globals__", {}).values()):
+            if isinstance(value, types.FunctionType) and _spans(value.__code__, file, line):
+                return value
+    raise NotRewritable(f"no module's forward or function they see holds {file}:{line}")
+
+
+def _spans(code: types.CodeType | None, file: str, line: int) -> bool:
+    if code is None or code.co_filename != file:
+        return False
+    lines = [n for _, _, n in code.co_lines() if n is not None]
+    return bool(lines) and min(lines) <= line <= max(lines)
 
 
 def _chain_span(function: ast.FunctionDef, first: int, last: int) -> tuple[list, int, int]:
