@@ -424,15 +424,17 @@ def annotated_attention(query, key, value, mask=None):
 
 
 class AnnotatedHeads(nn.Module):
-    def __init__(self, width: int = 32, heads: int = 4):
+    def __init__(self, width: int = 32, heads: int = 4, second_keys: int = 5):
         super().__init__()
         self.heads, self.qkv, self.out = heads, nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.second_keys = second_keys
 
     def forward(self, x, keep):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         out = annotated_attention(q, k, v, mask=keep)
-        first = annotated_attention(q, k[:, :, :5], v[:, :, :5])  # the same code at another shape
+        n = self.second_keys  # the same code at another shape
+        first = annotated_attention(q, k[:, :, :n], v[:, :, :n])
         return self.out((out + first).transpose(1, 2).reshape(B, T, C))
 
 
@@ -458,12 +460,23 @@ def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad
     code = annotated_attention.__code__
     report = doctor.examine(step, x, steps=1, warmup=1)
     found = [f for f in report.findings if f.kind == "attention"]
-    assert len(found) >= 2 and all(f.fixes == ("sdpa_attention",) for f in found), found
+    assert len(found) == 2 and all(f.fixes == ("sdpa_attention",) for f in found), found
     assert "def annotated_attention" in found[0].change and "-1000000000.0" not in found[0].change
     (row,) = report.try_fixes(["sdpa_attention"], steps=2, repeats=2).to_dict("records")
     assert row["status"] == "ok" and row["error"] <= row["allowance"], row
     assert row["edit"].count("scaled_dot_product_attention") == 1, row["edit"]
     assert annotated_attention.__code__ is code
+
+
+def test_a_values_product_followed_by_another_attention_is_no_third_attention(seed):
+    """Two attentions back to back, the second with as many keys as a head has dimensions: the
+    first's values' product has the second's scores' shape, but it reads weights, not q."""
+    model = AnnotatedHeads(second_keys=8)  # a head's dimension: 32 / 4
+    keep = torch.ones(4, 1, 1, 16, dtype=torch.bool)
+    step = plain_step(lambda x: model(x, keep), torch.optim.SGD(model.parameters(), lr=0.1))
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    found = [f.detail for f in report.findings if f.kind == "attention"]
+    assert sorted(d.seq_k for d in found) == [8, 16], found
 
 
 class TwoAttentions(nn.Module):

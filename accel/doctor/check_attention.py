@@ -60,11 +60,13 @@ class ManualAttention:
 def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[ManualAttention]:
     """Each product -> softmax -> product chain over (..., Sq, Sk) scores in ``ops`` written in
     the user's code (``api``: inside that torch function instead)."""
-    found = []
+    found, mixed = [], set()  # mixed: the values' products of the chains found
     for i, op in enumerate(ops):
         if op.op not in _PRODUCTS or not op.outputs or len(op.outputs[0].shape) < 3:
             continue
         if ("attention" in op.api) if api is None else op.api != api:  # SDPA's own math path
+            continue
+        if i in mixed:  # a chain's values' product, whose output may have a scores' shape
             continue
         scores = op.outputs[0].shape
         soft = _next(ops, i, lambda o, s=scores: o.op in _SOFTMAX and _scores_in(o.inputs[:1], s))
@@ -74,6 +76,7 @@ def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[M
         mix = _next(ops, soft, reads)
         if mix is None:
             continue
+        mixed.add(mix)
         q = op.inputs[-2].shape if len(op.inputs) >= 2 else ()
         causal = any("causal mask" in o.facts for o in ops[i + 1 : soft])
         size = math.prod(scores)
