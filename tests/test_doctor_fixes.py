@@ -468,6 +468,39 @@ def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad
     assert annotated_attention.__code__ is code
 
 
+def test_the_fused_optimizer_takes_gradscalers_overflow_check_as_its_constructor_would(
+    seed, monkeypatch
+):
+    """Built with fused=True, Adam tells GradScaler to hand it the scale and the overflow flags,
+    so the scaler reads nothing on the host; the fix must do the same, or the trial keeps the
+    read the user's edit removes."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+
+    def step(x):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(8, 16), steps=1, warmup=1)
+    reads = []
+    read_on_host = torch.amp.GradScaler._maybe_opt_step  # the path that reads the flags
+    monkeypatch.setattr(torch.amp.GradScaler, "_maybe_opt_step",
+                        lambda *a, **k: reads.append(1) or read_on_host(*a, **k))  # fmt: skip
+    with report.isolated():
+        fixed = trial.fixed_step(report, ["fused_optimizer"])
+        for _ in range(2):
+            fixed()
+    assert reads == []
+    (row,) = report.try_fixes(["fused_optimizer"], steps=2, repeats=2).to_dict("records")
+    assert row["status"] == "ok", row
+
+
 def test_a_values_product_followed_by_another_attention_is_no_third_attention(seed):
     """Two attentions back to back, the second with as many keys as a head has dimensions: the
     first's values' product has the second's scores' shape, but it reads weights, not q."""

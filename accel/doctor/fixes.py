@@ -169,6 +169,8 @@ def _retune(opt: torch.optim.Optimizer, **flags: bool) -> None:
     opt.defaults.update(flags)
     for group in opt.param_groups:
         group.update(flags)
+    if flags.get("fused"):  # as the constructor sets it: GradScaler hands over its inf flags
+        opt._step_supports_amp_scaling = True
     on_device = flags.get("fused") or flags.get("capturable")
     for param, state in opt.state.items():
         step = state.get("step") if isinstance(state, dict) else None
