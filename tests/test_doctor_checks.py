@@ -1161,6 +1161,19 @@ def test_the_changing_shapes_padding_pads_the_length_whatever_the_rank(shape):
     assert torch.equal(scope["x"][:, : shape[1]], x)
 
 
+@pytest.mark.parametrize(("shapes", "said", "not_said"), [
+    # a last batch of an epoch smaller than the rest: dropping it, not padding the length
+    ({((32, 16), (32,)), ((7, 16), (7,))}, "drop_last=True", "pad"),
+    # an EmbeddingBag's flattened indices (and offsets): padding would change the bags' sums
+    ({((130,), (32,)), ((117,), (32,))}, "a 1-d tensor", "x = torch.nn.functional.pad"),
+])  # fmt: skip
+def test_the_changing_shapes_change_fits_the_dimension_that_changes(shapes, said, not_said):
+    loader = {"shapes": shapes, "batches": 8, "wait_us": 0.0}
+    (found,) = check_host.changing_shapes(evidence(loader=loader))
+    assert said in found.change and not_said not in found.change, found.change
+    assert "on_new_shape='recapture'" in found.change
+
+
 def test_loader_wait_over_five_percent_of_the_step_is_an_input_finding():
     def loader(wait_us):
         return {"shapes": {((8, 16),)}, "batches": 8, "wait_us": wait_us, "num_workers": 0,

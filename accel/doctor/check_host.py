@@ -394,10 +394,37 @@ def changing_shapes(evidence: Evidence) -> list[Finding]:
         "torch.compile recompiles per shape until it goes dynamic, and the allocator's "
         "cache fragments",
         notebook="04_graphs",
-        change="# pad or bucket to a few lengths, e.g. the length (dim 1) to a multiple of 64:\n"
-        "x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, -x.shape[1] % 64))\n"
-        "# GraphedStep(step, on_new_shape='recapture') keeps one graph per shape",
+        change=_fewer_shapes(_changing_dims(loader["shapes"]))
+        + "# GraphedStep(step, on_new_shape='recapture') keeps one graph per shape",
     )]
+
+
+def _changing_dims(shapes: set[tuple]) -> list[list[int]]:
+    """Per tensor of the batch, the dimensions whose size differs between the batches (1-d
+    tensors' marked -1 in place of 0)."""
+    seen = sorted(shapes)
+    if len({len(s) for s in seen}) != 1:
+        return []
+    changing = []
+    for leaf in zip(*seen, strict=True):  # one tensor of the batch, in every batch
+        if len({len(shape) for shape in leaf}) != 1:
+            return []
+        dims = [d for d, sizes in enumerate(zip(*leaf, strict=True)) if len(set(sizes)) > 1]
+        changing.append([-1 if len(leaf[0]) == 1 else d for d in dims])
+    return changing
+
+
+def _fewer_shapes(changing: list[list[int]]) -> str:
+    """The change to paste for the dimensions that change: every tensor's first (the batch's
+    size), a 1-d length alone (flat indices, which padding would change), or a length to pad."""
+    if changing and all(dims in ([0], [-1]) for dims in changing):
+        return "# the last batch of an epoch is smaller: DataLoader(..., drop_last=True)\n"
+    flat = [dims for dims in changing if dims]
+    if flat and all(dims == [-1] for dims in flat):
+        return ("# a 1-d tensor's length changes (flat indices, say), which padding would change;\n"
+                "# torch.compile(model, dynamic=True) compiles it once\n")  # fmt: skip
+    return ("# pad or bucket to a few lengths, e.g. the length (dim 1) to a multiple of 64:\n"
+            "x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, -x.shape[1] % 64))\n")
 
 
 @check("communication")
