@@ -160,9 +160,9 @@ class Report:
         return isolated(self)
 
     def fixed_step(self, flags: Any):
-        """One call of the step on a fresh copy with the fixes ``flags`` turns on, built as the
-        trials build it; what the step's code changes is put back where it runs inside
-        :meth:`isolated`."""
+        """A callable that runs one step, per call, of a fresh copy with the fixes ``flags``
+        turns on, built as the trials build it; what the step's code changes is put back where
+        it runs inside :meth:`isolated`."""
         from accel.doctor.trial import fixed_step
 
         return fixed_step(self, [f.name for f in dataclasses.fields(flags) if getattr(flags, f.name)])
