@@ -3479,6 +3479,20 @@ def test_a_session_keeps_the_users_compiled_functions_and_says_what_it_left():
     torch._dynamo.reset()
 
 
+def test_a_session_whose_caches_ended_empty_says_nothing_was_left():
+    """``examine(compile=True)`` resets torch.compile's caches (its trace of the step starts from
+    an empty one): the user's compiled functions compile again, which its docstring says, and no
+    copy is left in them to name."""
+    from accel.doctor.isolation import Session
+
+    torch._dynamo.reset()
+    torch.compile(_cosine, backend="eager")(torch.randn(3))
+    with Session() as session:
+        torch.compile(_sine, backend="eager")(torch.randn(3))
+        torch._dynamo.reset()
+    assert session.effects().said() == []
+
+
 def test_a_session_that_compiled_nothing_says_nothing_of_compiling():
     from accel.doctor.isolation import Session
 

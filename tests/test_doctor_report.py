@@ -523,6 +523,37 @@ def test_checkpointing_without_repeated_blocks_is_not_applicable(seed):
         FIXES["checkpointing"].apply(copied)
 
 
+class CountedNet(torch.nn.Linear):
+    """A model class only the test below makes: its instances alive are counted."""
+
+
+COUNTED = {}  # the step below reaches its model and optimizer through these module globals
+
+
+def counted_step(x):
+    loss = COUNTED["model"](x).square().mean()
+    loss.backward()
+    COUNTED["opt"].step()
+    COUNTED["opt"].zero_grad()
+    return loss.detach()
+
+
+def test_listing_compiles_breaks_keeps_no_copy_of_the_model_alive(seed):
+    """dynamo's cleanup hooks keep the globals of what it traced, here the copies': let go
+    after the listing, so no examine leaves a copy behind."""
+    import gc
+
+    COUNTED["model"] = CountedNet(8, 8)
+    COUNTED["opt"] = torch.optim.SGD(COUNTED["model"].parameters(), lr=0.1)
+    for _ in range(2):
+        report = doctor.examine(counted_step, torch.randn(4, 8), steps=1, warmup=1, compile=True)
+        assert not str(report).startswith("Caution"), str(report).splitlines()[0]
+        del report
+    gc.collect()
+    assert sum(type(o) is CountedNet for o in gc.get_objects()) == 1  # the user's own
+    COUNTED.clear()
+
+
 def test_compile_lists_the_graph_breaks_with_their_lines(seed):
     model = nn.Linear(8, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -561,4 +561,11 @@ def _breaks(step: Callable[..., Any], parts: StepParts, batch: Any, own: bool):
     from accel.doctor.check_compile import graph_breaks
 
     runner = step if own else copy_step(step, parts)[0]
-    return graph_breaks(_call(runner, own_batch(batch)))
+    scope = getattr(runner, "__globals__", None)
+    copied = not own and isinstance(scope, dict) and scope is not getattr(step, "__globals__", None)
+    names = list(scope) if copied else []
+    try:
+        return graph_breaks(_call(runner, own_batch(batch)))
+    finally:  # dynamo's cleanup hooks keep the globals it traced: the copies', let go here
+        for name in names:  # (what dynamo added, its hooks remove)
+            scope.pop(name, None)

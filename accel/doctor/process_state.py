@@ -167,6 +167,8 @@ class CompiledCaches:
         """:meth:`tidy`; where the caches held the user's compiled functions, what the copies left
         there in words (None: nothing)."""
         self.tidy()
+        if not _codes_compiled():  # emptied since (examine's compile=True resets them)
+            return None
         return None if _graphs_compiled() == self.graphs else self.LEFT
 
 
