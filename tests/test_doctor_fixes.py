@@ -52,6 +52,41 @@ class NanoAttention(nn.Module):
         return y.transpose(1, 2).reshape(B, T, C)
 
 
+class PaddedCausalAttention(nn.Module):
+    """A decoder on left-padded batches: its mask, causal and padded, comes with each batch."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+
+    def forward(self, x, keep):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(~keep, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
+def test_a_mask_that_comes_with_the_batch_stays_a_mask_though_this_batch_made_it_causal(seed):
+    """This batch has no padding, so its mask is exactly causal; the next one's will not be.
+    The edit keeps the mask (``is_causal=True`` would drop the padding), while one built from
+    the module's own buffer, as nanoGPT's, becomes ``is_causal=True``."""
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    rewrite = rewrite_attention([PaddedCausalAttention()],
+                                *lines(PaddedCausalAttention, "q @ k", "att @ v"), True)  # fmt: skip
+    assert "is_causal" not in rewrite.diff and "attn_mask=keep" in rewrite.diff, rewrite.diff
+    fixed = PaddedCausalAttention()
+    model = copy.deepcopy(fixed)
+    rewrite.apply([fixed], [])
+    padded = causal & (torch.arange(16) >= 3)  # three pads on the left: their keys hidden
+    padded[:3, 0] = True  # ... but for the pads' own rows, which keep one key
+    x = torch.randn(2, 16, 32)
+    torch.testing.assert_close(fixed(x, padded), model(x, padded), rtol=1e-5, atol=1e-6)
+    nano = rewrite_attention([NanoAttention()], *lines(NanoAttention, "q @ k", "att @ v"), True)
+    assert "is_causal=True" in nano.diff
+
+
 class BertAttention(nn.Module):
     """An encoder's attention as BERT writes it: scaled in its own statement, an additive mask,
     the probabilities renamed."""

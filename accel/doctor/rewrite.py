@@ -91,7 +91,8 @@ def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
     lines, first, function = function_source(forward)
     body, start, stop = _chain_span(function, scores_line[1], values_line[1])
     replaced = body[start : stop + 1]
-    call = ast.fix_missing_locations(ast.copy_location(_sdpa_statement(replaced, causal), replaced[0]))
+    statement = _sdpa_statement(replaced, causal, _from_arguments(function))
+    call = ast.fix_missing_locations(ast.copy_location(statement, replaced[0]))
     body[start : stop + 1] = [call]
     fromfile = inspect.getsourcefile(forward)
     diff = replaced_diff(lines, first, [(replaced[0].lineno, replaced[-1].end_lineno, [call])],
@@ -210,8 +211,43 @@ def statement_blocks(node: ast.AST):
                 yield block
 
 
-def _sdpa_statement(statements: list[ast.stmt], causal: bool) -> ast.stmt:
-    """The chain ``statements`` as one assignment of the SDPA call."""
+def _from_arguments(function: ast.FunctionDef) -> set[str]:
+    """The names in ``function`` whose values come from its arguments' values (not their shapes:
+    ``B, T, C = x.size()`` does not), ``self`` aside: a mask of them may change with the batch."""
+    given = function.args
+    names = {a.arg for a in (*given.posonlyargs, *given.args, *given.kwonlyargs)} - {"self"}
+    names |= {a.arg for a in (given.vararg, given.kwarg) if a is not None}
+    grew = True
+    while grew:
+        grew = False
+        for node in ast.walk(function):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.For)):
+                value = node.iter if isinstance(node, ast.For) else node.value
+                targets = getattr(node, "targets", None) or [node.target]
+                if value is None or not _reads_values(value, names):
+                    continue
+                new = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                grew, names = grew or bool(new - names), names | new
+    return names
+
+
+_SHAPE_READS = ("shape", "size", "dim", "ndim", "dtype", "device")
+
+
+def _reads_values(node: ast.AST, names: set[str]) -> bool:
+    """Whether ``node`` reads the values of one of ``names`` (not only its shape or dtype)."""
+    if isinstance(node, ast.Attribute) and node.attr in _SHAPE_READS:
+        return False
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "len":
+        return False
+    if isinstance(node, ast.Name):
+        return node.id in names
+    return any(_reads_values(child, names) for child in ast.iter_child_nodes(node))
+
+
+def _sdpa_statement(statements: list[ast.stmt], causal: bool, varying: set[str]) -> ast.stmt:
+    """The chain ``statements`` as one assignment of the SDPA call; a mask that reads ``varying``
+    names stays a mask though it was causal where recorded (the next batch's may not be)."""
     chain = _Chain()
     for statement in statements:
         if isinstance(statement, ast.Return) and statement is statements[-1] and statement.value:
@@ -224,7 +260,8 @@ def _sdpa_statement(statements: list[ast.stmt], causal: bool) -> ast.stmt:
         if len(targets) != 1 or not isinstance(targets[0], _TARGETS):
             raise NotRewritable(f"not one assignment: {ast.unparse(statement)}")
         chain.read(statement.targets[0], statement.value, condition)
-    return chain.statement(causal)
+    mask = chain.cond if chain.cond is not None else chain.additive
+    return chain.statement(causal and not (mask is not None and _reads_values(mask, varying)))
 
 
 class _Chain:
