@@ -87,6 +87,46 @@ def test_a_mask_that_comes_with_the_batch_stays_a_mask_though_this_batch_made_it
     assert "is_causal=True" in nano.diff
 
 
+ALIASED_ATTENTION = """
+import math
+
+import torch as th
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(32)
+        att = th.softmax(att, dim=-1)
+        return att @ v
+"""
+
+
+def test_the_sdpa_edit_calls_torch_by_the_name_the_users_module_gives_it(seed, tmp_path):
+    import importlib.util
+
+    path = tmp_path / "aliased_attention.py"
+    path.write_text(ALIASED_ATTENTION)
+    spec = importlib.util.spec_from_file_location("aliased_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = module.Attention()
+    source = path.read_text().splitlines()
+    first, last = (1 + next(i for i, line in enumerate(source) if text in line)
+                   for text in ("q @ k", "att @ v"))  # fmt: skip
+    rewrite = rewrite_attention([model], (str(path), first), (str(path), last), False)
+    assert "+        return th.nn.functional.scaled_dot_product_attention(" in rewrite.diff
+    fixed = copy.deepcopy(model)
+    rewrite.apply([fixed], [])
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(fixed(x), model(x), rtol=1e-5, atol=1e-6)
+
+
 class BertAttention(nn.Module):
     """An encoder's attention as BERT writes it: scaled in its own statement, an additive mask,
     the probabilities renamed."""

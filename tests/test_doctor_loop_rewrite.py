@@ -145,6 +145,64 @@ def test_try_fixes_rewrites_the_loop_measures_it_and_hands_the_edit(seed):
     assert "torch._foreach_add_" in trials_html(report)
 
 
+EMA_SCRIPT = """
+{imports}
+from torch import nn
+
+model, ema = (nn.Sequential(nn.Linear(4, 8), *(nn.Linear(8, 8) for _ in range(6)), nn.Linear(8, 4))
+              for _ in range(2))
+opt = {optim}.SGD(model.parameters(), lr=0.1)
+
+
+def step(x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.mul_(0.9)
+            e.add_(p, alpha=0.1)
+    return loss.detach()
+"""
+
+
+@pytest.mark.parametrize(("imports", "optim", "called"), [
+    ("import torch as th\nno_grad = th.no_grad", "th.optim", "th._foreach_"),  # its own name
+    ("from torch import no_grad, optim", "optim", "torch._foreach_"),  # none: imported in the edit
+])  # fmt: skip
+def test_the_edit_calls_torch_by_the_name_the_users_module_gives_it(
+    seed, tmp_path, imports, optim, called
+):
+    import importlib.util
+
+    path = tmp_path / "ema_script.py"
+    path.write_text(EMA_SCRIPT.format(imports=imports, optim=optim))
+    spec = importlib.util.spec_from_file_location("ema_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    report = doctor.examine(script.step, torch.randn(8, 4), steps=1, warmup=1)
+    (row,) = report.try_fixes(["foreach_loop"], steps=2, repeats=2).to_dict("records")
+    assert row["status"] == "ok", row
+    added = [line[1:].strip() for line in row["edit"].splitlines()
+             if line.startswith("+") and not line.startswith("+++")]  # fmt: skip
+    assert any(called in line for line in added), row["edit"]
+    if "th." in called:
+        assert not any("torch." in line for line in added), row["edit"]
+    else:
+        assert added[0] == "import torch", row["edit"]
+    # pasted into the file, the edit runs as the user's module is
+    lines = path.read_text().splitlines()
+    removed = [line[1:] for line in row["edit"].splitlines()
+               if line.startswith("-") and not line.startswith("---")]  # fmt: skip
+    at = next(i for i in range(len(lines)) if lines[i : i + len(removed)] == removed)
+    indent = removed[0][: len(removed[0]) - len(removed[0].lstrip())]
+    lines[at : at + len(removed)] = [indent + line for line in added]
+    path.write_text("\n".join(lines) + "\n")
+    spec.loader.exec_module(script)
+    assert torch.isfinite(script.step(torch.randn(8, 4)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_non_finite_values_go_through_the_rewrite_as_through_the_loop(seed, dtype):
     def step(weights):

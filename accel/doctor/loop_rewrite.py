@@ -45,6 +45,7 @@ from accel.doctor.rewrite import (
     recompiled,
     replaced_diff,
     statement_blocks,
+    torch_named,
 )
 
 __all__ = ["FOREACH", "ClipNormRead", "LoopRewrite", "LoopsLeft", "NotRewritable", "clip_each_source",
@@ -102,7 +103,8 @@ def _rewritten(step, lines, parts, statements, tofile: str) -> LoopRewrite:
             refused.append(f"the loop `{head}` at line {loop.lineno} is left as written: {error}")
             causes.append(error)
             continue
-        spans.append((loop.lineno, loop.end_lineno, statements(loop, guard, read, False, taken)))
+        edit = torch_named(statements(loop, guard, read, False, taken), function.__globals__)
+        spans.append((loop.lineno, loop.end_lineno, edit))
         block = next(b for b in statement_blocks(definition) if loop in b)
         at = block.index(loop)
         block[at : at + 1] = statements(loop, guard, read, True, taken)

@@ -29,13 +29,15 @@ import re
 import textwrap
 import types
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from accel.doctor.isolation import watch_as_step
 
 __all__ = ["AttentionRewrite", "NotRewritable", "function_source", "recompiled", "replaced_diff",
-           "rewrite_attention", "statement_blocks"]
+           "rewrite_attention", "statement_blocks", "torch_named"]
 
 _SDPA = "torch.nn.functional.scaled_dot_product_attention"
 _SOFTMAX_NAMES = ("softmax", "_softmax")
@@ -86,16 +88,15 @@ def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
     values' products."""
     holder = _owner(models, *scores_line)
     forward = holder.forward if isinstance(holder, type) else holder
-    if not isinstance(forward.__globals__.get("torch"), types.ModuleType):
-        raise NotRewritable(f"{holder.__name__}'s module does not import torch by that name")
     lines, first, function = function_source(forward)
     body, start, stop = _chain_span(function, scores_line[1], values_line[1])
     replaced = body[start : stop + 1]
     statement = _sdpa_statement(replaced, causal, _from_arguments(function))
-    call = ast.fix_missing_locations(ast.copy_location(statement, replaced[0]))
-    body[start : stop + 1] = [call]
+    calls = [ast.fix_missing_locations(s) for s in torch_named(
+        [ast.copy_location(statement, replaced[0])], forward.__globals__)]  # fmt: skip
+    body[start : stop + 1] = calls
     fromfile = inspect.getsourcefile(forward)
-    diff = replaced_diff(lines, first, [(replaced[0].lineno, replaced[-1].end_lineno, [call])],
+    diff = replaced_diff(lines, first, [(replaced[0].lineno, replaced[-1].end_lineno, calls)],
                          fromfile, "with SDPA")  # fmt: skip
     new = recompiled(forward, function)
     if not isinstance(holder, type) and new.__code__.co_freevars != forward.__code__.co_freevars:
@@ -163,6 +164,20 @@ def recompiled(function: types.FunctionType, definition: ast.FunctionDef) -> typ
     new.__dict__.update(function.__dict__)
     watch_as_step(inner, function.__code__)
     return new
+
+
+def torch_named(statements: list[ast.stmt], scope: dict[str, Any]) -> list[ast.stmt]:
+    """The edit's statements calling torch by the name the user's module gives it (``th``), or
+    importing it first where the module gives it none."""
+    names = [name for name, value in scope.items() if value is torch]
+    if "torch" in names:
+        return statements
+    if not names:
+        return [ast.copy_location(ast.Import([ast.alias("torch")]), statements[0]), *statements]
+    for node in (n for s in statements for n in ast.walk(s)):
+        if isinstance(node, ast.Name) and node.id == "torch":
+            node.id = names[0]
+    return statements
 
 
 def _owner(models: list[nn.Module], file: str, line: int) -> type | types.FunctionType:
