@@ -648,8 +648,9 @@ def test_the_call_to_write_where_the_rewrite_cannot_read_names_only_what_the_ste
     report = doctor.examine(step, torch.randn(2, 3, 16, 8), steps=1, warmup=1)
     (finding,) = [f for f in report.findings if f.kind == "attention"]
     call = finding.change.splitlines()[0]
+    # the scores were not scaled after the product (q may have been): SDPA's own 1/sqrt(E) off
     assert call == ("out = torch.nn.functional.scaled_dot_product_attention(q, k, v, "
-                    "dropout_p=0.25 if training else 0.0)")  # fmt: skip
+                    "scale=1.0, dropout_p=0.25 if training else 0.0)")  # fmt: skip
     assert "not rewritten for you" in finding.change
     # the names are SDPA's, not the step's: the layout it takes is said (a UNet's keys, say,
     # come as (..., E, S) to a written-out bmm)

@@ -302,6 +302,8 @@ def _change(evidence: Evidence, case: ManualAttention) -> tuple[str, bool]:
     # a pass over the scores other than a scale or a cast masked them
     masked = any(op not in ("aten::mul", "aten::div", "aten::_to_copy") for op, _ in case.before)
     args = ["is_causal=True"] if case.causal else ["attn_mask=mask"] * masked
+    if not any(op in ("aten::mul", "aten::div") for op, _ in case.before):  # no scale, or q's own
+        args.append("scale=1.0")
     if case.dropout:
         args.append(f"dropout_p={case.dropout:g} if training else 0.0")
     call = f"out = torch.nn.functional.scaled_dot_product_attention({', '.join(['q', 'k', 'v', *args])})"
