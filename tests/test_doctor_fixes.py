@@ -8,9 +8,11 @@ import copy
 import html
 import inspect
 import math
+import subprocess
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -89,6 +91,7 @@ def test_a_mask_that_comes_with_the_batch_stays_a_mask_though_this_batch_made_it
 
 ALIASED_ATTENTION = """
 import math
+import subprocess
 
 import torch as th
 from torch import nn
@@ -355,7 +358,8 @@ def test_a_values_product_inside_a_larger_expression_is_rewritten_in_place(seed)
     x, mask = torch.randn(2, 16, 32), torch.ones(2, 16, dtype=torch.long)
     mask[1, 12:] = 0  # padding
     torch.testing.assert_close(fixed(x, mask), model(x, mask), rtol=1e-5, atol=1e-6)
-    assert ").transpose(1, 2).reshape(B, T, C)" in rewrite.diff.splitlines()[-1]
+    added = [line for line in rewrite.diff.splitlines() if line.startswith("+ ")]
+    assert ").transpose(1, 2).reshape(B, T, C)" in added[-1], rewrite.diff
 
 
 def test_a_float32_softmax_cast_back_is_rewritten(seed):
@@ -514,7 +518,7 @@ class AnnotatedHeads(nn.Module):
 
 
 @pytest.mark.parametrize("bad", [None, "nan", "inf"])
-def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad):
+def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad, tmp_path):
     """A function outside any module (the Annotated Transformer's ``attention``) with its mask
     filled with -1e9 where keys are padding: rewritten as SDPA while the copy's step runs, the
     user's function left as it is; NaN and inf in the inputs reach both alike."""
@@ -541,6 +545,12 @@ def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad
     assert row["status"] == "ok" and row["error"] <= row["allowance"], row
     assert row["edit"].count("scaled_dot_product_attention") == 1, row["edit"]
     assert annotated_attention.__code__ is code
+    # a hunk at the function's end keeps the file's lines after it: it applies without fuzz
+    pasted = tmp_path / "pasted.py"
+    pasted.write_text(Path(__file__).read_text())
+    applied = subprocess.run(["patch", "--fuzz=0", str(pasted)], input=row["edit"], text=True,
+                             capture_output=True)  # fmt: skip
+    assert applied.returncode == 0, applied.stdout + applied.stderr
 
 
 def test_the_fused_optimizer_takes_gradscalers_overflow_check_as_its_constructor_would(

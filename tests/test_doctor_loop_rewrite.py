@@ -2,6 +2,7 @@
 
 import copy
 import itertools
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -191,14 +192,12 @@ def test_the_edit_calls_torch_by_the_name_the_users_module_gives_it(
         assert not any("torch." in line for line in added), row["edit"]
     else:
         assert added[0] == "import torch", row["edit"]
-    # pasted into the file, the edit runs as the user's module is
-    lines = path.read_text().splitlines()
-    removed = [line[1:] for line in row["edit"].splitlines()
-               if line.startswith("-") and not line.startswith("---")]  # fmt: skip
-    at = next(i for i in range(len(lines)) if lines[i : i + len(removed)] == removed)
-    indent = removed[0][: len(removed[0]) - len(removed[0].lstrip())]
-    lines[at : at + len(removed)] = [indent + line for line in added]
-    path.write_text("\n".join(lines) + "\n")
+    # the edit is a patch of the file itself, with its full context: applied without fuzz, the
+    # module runs as the user's is
+    applied = subprocess.run(["patch", "--fuzz=0", "--force", str(path)], input=row["edit"],
+                             text=True, capture_output=True)  # fmt: skip
+    assert applied.returncode == 0, applied.stdout + applied.stderr + row["edit"]
+    assert row["edit"].splitlines()[1] == f"+++ {path}"  # the file it patches, both sides
     spec.loader.exec_module(script)
     assert torch.isfinite(script.step(torch.randn(8, 4)))
 

@@ -69,7 +69,7 @@ class LoopRewrite:
 def rewrite_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
     """``step`` with every ``for`` loop that holds one of source ``lines`` of its file rewritten;
     :class:`NotRewritable` where none can be."""
-    return _rewritten(step, lines, _parts, _statements, "with foreach calls")
+    return _rewritten(step, lines, _parts, _statements)
 
 
 def rewrite_clip_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
@@ -78,10 +78,10 @@ def rewrite_clip_loop(step: Callable[..., Any], *lines: int) -> LoopRewrite:
     optional guard) rewritten as one pass that clips each to its own norm;
     :class:`NotRewritable` where none can be (:class:`ClipNormRead` among its ``causes`` where
     the loop reads the norms)."""
-    return _rewritten(step, lines, _clip_parts, _clip_statements, "with the clips in one pass")
+    return _rewritten(step, lines, _clip_parts, _clip_statements)
 
 
-def _rewritten(step, lines, parts, statements, tofile: str) -> LoopRewrite:
+def _rewritten(step, lines, parts, statements) -> LoopRewrite:
     """``step`` with the loops holding ``lines`` rewritten: ``parts(loop)`` reads one (or raises
     :class:`NotRewritable`), ``statements(loop, guard, read, executed, taken)`` writes its
     replacement (``taken``: the names the function uses, which the edit must not reuse)."""
@@ -114,7 +114,7 @@ def _rewritten(step, lines, parts, statements, tofile: str) -> LoopRewrite:
     if isinstance(step, types.MethodType):
         new = types.MethodType(new, step.__self__)
     fromfile = function.__code__.co_filename
-    return LoopRewrite(new, replaced_diff(source, first, spans, fromfile, tofile), refused)
+    return LoopRewrite(new, replaced_diff(source, first, spans, fromfile), refused)
 
 
 def _refuse_read_after(definition: ast.FunctionDef, loop: ast.For) -> None:

@@ -25,6 +25,7 @@ import ast
 import contextlib
 import difflib
 import inspect
+import linecache
 import re
 import textwrap
 import types
@@ -97,7 +98,7 @@ def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
     body[start : stop + 1] = calls
     fromfile = inspect.getsourcefile(forward)
     diff = replaced_diff(lines, first, [(replaced[0].lineno, replaced[-1].end_lineno, calls)],
-                         fromfile, "with SDPA")  # fmt: skip
+                         fromfile)
     new = recompiled(forward, function)
     if not isinstance(holder, type) and new.__code__.co_freevars != forward.__code__.co_freevars:
         raise NotRewritable(f"{holder.__name__}'s rewritten code closes over other variables")
@@ -121,18 +122,22 @@ def function_source(function: types.FunctionType) -> tuple[list[str], int, ast.F
 
 
 def replaced_diff(lines: list[str], first: int, spans: list[tuple[int, int, list[ast.stmt]]],
-                  fromfile: str, tofile: str) -> str:  # fmt: skip
-    """The user's edit as a unified diff: source ``lines`` (the first is line ``first`` of its
-    file) with each span of file lines ``(start, end, statements)`` replaced by its statements, at
-    their indent."""
+                  fromfile: str) -> str:  # fmt: skip
+    """The user's edit as a unified diff of their file ``fromfile``: source ``lines`` (the first
+    is line ``first`` of it) with each span of file lines ``(start, end, statements)`` replaced by
+    its statements, at their indent; the context read from the whole file where it is at hand
+    (a hunk at the function's end keeps the lines after it: ``patch`` applies it as it is)."""
+    whole = linecache.getlines(fromfile)
+    if whole[first - 1 : first - 1 + len(lines)] == lines:
+        lines, first = whole, 1
     new = list(lines)
     for start, end, statements in sorted(spans, key=lambda span: -span[0]):  # last first
         at = start - first
         indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
         new[at : end - first + 1] = [indent + line + "\n" for s in statements
                                      for line in ast.unparse(s).splitlines()]  # fmt: skip
-    diff = "".join(difflib.unified_diff(lines, new, fromfile=fromfile, tofile=tofile))
-    # difflib counts from the function's first line; a patch reads the file's numbers
+    diff = "".join(difflib.unified_diff(lines, new, fromfile=fromfile, tofile=fromfile))
+    # difflib counts from the first line it was given; a patch reads the file's numbers
     return re.sub(r"^@@ -(\d+)(.*?) \+(\d+)", lambda m: f"@@ -{int(m[1]) + first - 1}{m[2]} "
                   f"+{int(m[3]) + first - 1}", diff, flags=re.M)  # fmt: skip
 
