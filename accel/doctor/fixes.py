@@ -323,10 +323,13 @@ def _sdpa(copy: StepCopy) -> None:
     if not chains:
         raise FixNotApplicable("no written-out attention found at a line of your code")
     left, diffs = [], []
-    by_lines = {tuple((s.file, s.line) for s in (c.site, c.values_site)): c for c in chains}
-    for lines, chain in by_lines.items():  # one code, called at several shapes: rewritten once
+    by_lines: dict[tuple, list] = {}  # one code, called at several shapes: rewritten once,
+    for c in chains:  # causal only where every call of it was
+        by_lines.setdefault(tuple((s.file, s.line) for s in (c.site, c.values_site)), []).append(c)
+    for lines, calls in by_lines.items():
+        chain = calls[0]
         try:
-            rewrite = rewrite_attention(copy.parts.models, *lines, chain.causal)
+            rewrite = rewrite_attention(copy.parts.models, *lines, all(c.causal for c in calls))
         except NotRewritable as error:
             left.append((chain.site, str(error)))
             continue
