@@ -1569,3 +1569,38 @@ def test_compiled_copies_keep_their_compiled_code_off_the_users_class(seed):
     codes = [f._torchdynamo_orig_callable.__code__ for f in forwards]
     assert codes[0] is not codes[1]
     assert all(len(_debug_get_cache_entry_list(code)) == 1 for code in codes)
+
+
+def test_a_named_fix_with_nothing_to_change_says_so(seed):
+    """foreach clipping named for a step that never clips: not "ok" at 1.00x, but what is missing."""
+    model = nn.Linear(8, 8)
+    report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                            torch.randn(16, 8), steps=1, warmup=1)  # fmt: skip
+    (row,) = report.try_fixes(["foreach_clip"], steps=1, repeats=1).to_dict("records")
+    assert row["status"].startswith("not applicable") and "clip_grad_norm_" in row["status"], row
+
+
+def test_foreach_clipping_is_tried_where_the_step_clips(seed):
+    model = nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, foreach=False)
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(16, 8), steps=1, warmup=1)
+    (row,) = report.try_fixes(["foreach_clip"], steps=2, repeats=2).to_dict("records")
+    assert row["status"] in ("ok", "slower here"), row
+
+
+def test_a_pinned_batch_needs_a_tensor_on_the_host():
+    model = nn.Linear(8, 8)
+    step = plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for batch in ({"steps": 3}, None):
+        copy_ = StepCopy(step, doctor.parts.find_parts(step), batch, torch.device("cpu"))
+        with pytest.raises(FixNotApplicable, match="no tensor of the batch"):
+            FIXES["pinned_batch"].apply(copy_)

@@ -75,3 +75,20 @@ def test_gpu_checkpointing_measures_the_room_it_makes_for_a_larger_batch():
     assert row["status"] == "ok", row
     assert 0 < row["fixed peak MiB"] < row["unchanged peak MiB"]
     assert row["batch room"] == row["unchanged peak MiB"] / row["fixed peak MiB"] > 1
+
+
+def test_gpu_deferred_reads_named_for_a_step_that_reads_nothing_say_so():
+    model = torch.nn.Linear(64, 64, device="cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(32, 64, device="cuda"))
+    rows = report.try_fixes(["deferred_reads", "pinned_batch"], repeats=3)
+    for row in rows.to_dict("records"):
+        assert row["status"].startswith("not applicable"), row

@@ -70,10 +70,10 @@ for _name, _fn in {
 
 
 @contextlib.contextmanager
-def deferred_item_reads() -> Iterator[None]:
+def deferred_item_reads(deferred: list[None] | None = None) -> Iterator[None]:
     """While inside, ``.item()`` of a one-element CUDA tensor called from the user's code returns
     a :class:`DeferredScalar` (torch's own calls, a CUDA graph capture and torch.compile's tracing
-    keep the number)."""
+    keep the number); each one deferred is counted in ``deferred``."""
     original = torch.Tensor.item
 
     def item(self: torch.Tensor):
@@ -84,6 +84,8 @@ def deferred_item_reads() -> Iterator[None]:
             and not torch.cuda.is_current_stream_capturing()
             and not torch.compiler.is_compiling()
         ):
+            if deferred is not None:
+                deferred.append(None)
             return DeferredScalar(self)
         return original(self)
 

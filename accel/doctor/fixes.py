@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from accel.doctor.batched_clip import batched_clipping
 from accel.doctor.check_compute import FUSED_UPDATE_BYTES
@@ -48,6 +48,8 @@ class StepCopy:
     channels_last: bool = False  # 4-d batch tensors in channels-last memory
     findings: list[Any] = field(default_factory=list)  # the report's, for fixes that need them
     edits: list[str] = field(default_factory=list)  # the code changes made, as diffs to paste
+    # for a fix that acts only on calls the step makes: once the copy ran, what it never did
+    idle: list[Callable[[], str | None]] = field(default_factory=list)
 
     def build(self) -> Callable[[], Any]:
         """The call the trials time: one step on the batch, with every fix applied."""
@@ -215,19 +217,22 @@ def _foreach_clip(copy: StepCopy) -> None:
 
     if not all(hasattr(clip_grad, name) for name in _CLIP_PARTS):
         raise FixNotApplicable(f"torch {torch.__version__}'s clip_grad_norm_ cannot be redirected")
-    copy.contexts.append(_clip_with_foreach)
+    calls: list[None] = []
+    copy.contexts.append(functools.partial(_clip_with_foreach, calls))
+    copy.idle.append(lambda: None if calls else "the step never called clip_grad_norm_")
 
 
 @contextlib.contextmanager
-def _clip_with_foreach() -> Iterator[None]:
+def _clip_with_foreach(calls: list[None]) -> Iterator[None]:
     """``clip_grad_norm_`` however it was imported, with ``foreach=True``: the module's two
-    helpers it calls are looked up at call time."""
+    helpers it calls are looked up at call time (each call counted in ``calls``)."""
     from torch.nn.utils import clip_grad
 
     originals = {name: getattr(clip_grad, name) for name in _CLIP_PARTS}
 
     def forced(original: Callable[..., Any]) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(None)
             kwargs["foreach"] = True
             return original(*args[:3], **kwargs)
 
@@ -455,7 +460,16 @@ def _autocast(copy: StepCopy) -> None:
 
 
 def _pinned(copy: StepCopy) -> None:
+    leaves = tree_leaves(copy.batch)
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves):
+        raise FixNotApplicable("no tensor of the batch is on the host")
     copy.on_device_batch = True
+
+
+def _deferred(copy: StepCopy) -> None:
+    reads: list[None] = []
+    copy.contexts.append(functools.partial(deferred_item_reads, reads))
+    copy.idle.append(lambda: None if reads else "the step never read a CUDA number with .item()")
 
 
 _REORDERED = (
@@ -508,7 +522,7 @@ FIXES: dict[str, Fix] = {
             "float32 rounding (1e-7 an operation) over a few steps", needs_cuda=False,
             rtol_16bit=2e-2),
         Fix("deferred_reads", ".item() read later (no wait in the step)",
-            _context(deferred_item_reads), 1e-6,
+            _deferred, 1e-6,
             "the same values, read after the step instead of inside it"),
         Fix("cudnn_benchmark", "cudnn.benchmark", _context(functools.partial(backend_flags, cudnn_benchmark=True)), 1e-3,
             "cuDNN picks the fastest convolution algorithm, which sums in another order: "

@@ -514,6 +514,9 @@ def _measured(report, names: list[str], steps: int, repeats: int, argued: float,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         errors, first_s = result_error(base_call, fixed_call, base, fixed, checked)
+        # alone only: a set is built of fixes that acted alone
+        if len(names) == 1 and (idle := [why for probe in fixed.idle if (why := probe())]):
+            raise FixNotApplicable(f"nothing to change: {'; '.join(idle)}")
         timing = compare({"unchanged": base_call, "fixed": fixed_call}, warmup=3, repeats=repeats,
                          calls_per_sample=CALLS, device=report.evidence.device)
     unchanged, measured = (timing.timings[k].median_ms for k in ("unchanged", "fixed"))
