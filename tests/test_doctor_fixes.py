@@ -286,6 +286,38 @@ class AdditiveCausalAttention(nn.Module):
         return (att @ v).transpose(1, 2).reshape(B, T, C)
 
 
+class FiniteFillAttention(nn.Module):
+    """Hugging Face's eager attention: the hidden scores filled with the dtype's lowest number."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+
+    def forward(self, x, keep):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = att.masked_fill(~keep, torch.finfo(att.dtype).min)
+        att = F.softmax(att, dim=-1)
+        return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_finite_fill_keeps_its_meaning_on_rows_that_hide_every_key(seed, dtype):
+    """A left pad's row hides every key: a finite fill averages the values there (softmax of
+    equal scores), where SDPA's boolean mask would give 0 or NaN; the pad's output feeds the
+    next token's loss, so the rewrite must give the same."""
+    rewrite = rewrite_attention([FiniteFillAttention()],
+                                *lines(FiniteFillAttention, "q @ k", "att @ v"), False)  # fmt: skip
+    fixed = FiniteFillAttention().to(dtype)
+    model = copy.deepcopy(fixed)
+    rewrite.apply([fixed], [])
+    keep = torch.ones(16, 16, dtype=torch.bool).tril() & (torch.arange(16) >= 3)  # 3 pads
+    x = torch.randn(2, 16, 32, dtype=dtype)
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(fixed(x, keep), model(x, keep), **tol)
+
+
 def test_an_added_causal_mask_is_recorded_as_causal_and_rewritten_as_is_causal(seed):
     from accel.doctor import check_attention, recorder
 

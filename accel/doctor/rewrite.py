@@ -289,7 +289,7 @@ class _Chain:
 
     def __init__(self):
         self.name: str | None = None  # the scores' variable
-        self.q = self.k = self.v = self.scale = self.cond = self.additive = None
+        self.q = self.k = self.v = self.scale = self.cond = self.fill = self.additive = None
         self.mask_if: ast.expr | None = None  # the mask is applied only where this holds
         self.dropout: ast.expr | None = None
         self.softmax = False
@@ -382,7 +382,7 @@ class _Chain:
                 raise NotRewritable(f"a second or foreign mask: {ast.unparse(value)}")
             if not _minus_infinity(value.args[1] if len(value.args) > 1 else None):
                 raise NotRewritable(f"a mask filled with a finite value: {ast.unparse(value)}")
-            self.cond = value.args[0]
+            self.cond, self.fill = value.args[0], value.args[1]
         elif isinstance(value, ast.BinOp) and isinstance(value.op, ast.Add):
             other = _other_operand(value, self.name)
             if other is None or self.additive is not None:
@@ -426,6 +426,12 @@ class _Chain:
         zero = isinstance(p, ast.Constant) and p.value == 0
         self.dropout = ast.Constant(0.0) if zero else ast.IfExp(training, p, ast.Constant(0.0))
 
+    def _finite_fill(self) -> bool:
+        """The scores hidden with a finite number (``torch.finfo(att.dtype).min``, ``-1e9``), and
+        the query a name to read the dtype from."""
+        text = ast.unparse(self.fill).replace(" ", "") if self.fill is not None else ""
+        return isinstance(self.q, ast.Name) and text not in _MINUS_INFINITY
+
     def statement(self, causal: bool) -> ast.stmt:
         if not self.done or not self.softmax:
             raise NotRewritable("the chain has no softmax and values' product where expected")
@@ -434,7 +440,11 @@ class _Chain:
             raise NotRewritable("both a masked_fill and an additive mask")
         mask = None
         causal = causal and self.mask_if is None  # a mask only sometimes given stays a mask
-        if self.cond is not None and not causal:  # SDPA's boolean mask keeps what fill hid
+        if self.cond is not None and not causal and self._finite_fill():
+            # added, not filled: a row hiding every key then averages the values, as there
+            mask = ast.parse(f"torch.where({ast.unparse(self.cond)}, torch.finfo({self.q.id}"
+                             f".dtype).min, 0.0).to({self.q.id}.dtype)", mode="eval").body
+        elif self.cond is not None and not causal:  # SDPA's boolean mask keeps what fill hid
             hidden = self.cond
             inverted = isinstance(hidden, ast.UnaryOp) and isinstance(hidden.op, ast.Invert)
             mask = hidden.operand if inverted else ast.UnaryOp(ast.Invert(), hidden)
@@ -562,14 +572,17 @@ def _keyword(call: ast.Call, name: str, position: int) -> ast.expr | None:
     return call.args[position] if len(call.args) > position else None
 
 
+_MINUS_INFINITY = ("float('-inf')", '-float("inf")', "-float('inf')", "-math.inf", "-torch.inf",
+                   'float("-inf")')  # fmt: skip
+
+
 def _minus_infinity(node: ast.expr | None) -> bool:
     """``float('-inf')``, ``-float('inf')``, ``-math.inf``, ``-torch.inf``, or a finite
     value at least 1e4 in size (``-1e9``, ``torch.finfo(...).min``), which softmax turns to 0."""
     if node is None:
         return False
     text = ast.unparse(node).replace(" ", "")
-    if text in ("float('-inf')", '-float("inf")', "-float('inf')", "-math.inf", "-torch.inf",
-                "float(\"-inf\")") or ".finfo(" in text:  # fmt: skip
+    if text in _MINUS_INFINITY or ".finfo(" in text:
         return True
     try:
         return float(ast.literal_eval(node)) <= -1e4
