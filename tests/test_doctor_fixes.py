@@ -508,6 +508,16 @@ def test_attention_with_dropout_on_its_weights_is_found_on_a_cpu(seed):
     assert finding.fixes == ("sdpa_attention",) and "dropout_p=" in finding.change
 
 
+def test_attention_with_dropout_rewritten_as_sdpa_is_judged_with_dropout_off(seed):
+    """SDPA draws its own dropout mask, so the rewritten step cannot match the step as written
+    value by value in training: both are compared with dropout off, then timed with it on."""
+    step, _ = gpt_step(lambda: NanoAttention(dropout=0.2))
+    report = doctor.examine(step, torch.randn(4, 16, 32), steps=1, warmup=1)
+    (row,) = report.try_fixes(["sdpa_attention"], steps=2, repeats=2).to_dict("records")
+    assert row["status"] == "ok" and row["error"] < 1e-5, row
+    assert "dropout off" in row["allowed by"]
+
+
 def test_examine_and_try_fixes_rewrite_the_attention_on_the_copy_only(seed):
     step, model = gpt_step()
     before = [p.detach().clone() for p in model.parameters()]
@@ -1636,3 +1646,27 @@ def test_a_pinned_batch_needs_a_tensor_on_the_host():
         copy_ = StepCopy(step, doctor.parts.find_parts(step), batch, torch.device("cpu"))
         with pytest.raises(FixNotApplicable, match="no tensor of the batch"):
             FIXES["pinned_batch"].apply(copy_)
+
+
+class _BreakingNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.first(x))
+        torch._dynamo.graph_break()  # as a print or a data-dependent branch would
+        return self.second(x)
+
+
+def test_compiling_the_copies_adds_no_name_to_the_users_module(seed):
+    """Dynamo keeps a graph break's resume functions and compiled graphs as globals of the code
+    it compiled: a copy's forward runs with the module's names copied, not the module's own."""
+    torch._dynamo.reset()
+    names = set(globals())
+    model = _BreakingNet()
+    report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                            torch.randn(3, 4), steps=1, warmup=1)  # fmt: skip
+    (row,) = report.try_fixes(["compile"], steps=1, repeats=1).to_dict("records")
+    assert row["status"] in ("ok", "slower here"), row
+    assert set(globals()) == names, set(globals()) - names

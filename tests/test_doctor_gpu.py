@@ -92,3 +92,36 @@ def test_gpu_deferred_reads_named_for_a_step_that_reads_nothing_say_so():
     rows = report.try_fixes(["deferred_reads", "pinned_batch"], repeats=3)
     for row in rows.to_dict("records"):
         assert row["status"].startswith("not applicable"), row
+
+
+def test_gpu_attention_with_dropout_rewritten_as_sdpa_is_ok():
+    """SDPA's kernels draw their own dropout masks: judged with dropout off, the rewrite is ok."""
+    import math
+
+    class Attention(torch.nn.Module):
+        def __init__(self, width=64, heads=4):
+            super().__init__()
+            self.qkv, self.heads = torch.nn.Linear(width, 3 * width), heads
+            self.drop = torch.nn.Dropout(0.2)
+
+        def forward(self, x):
+            B, T, C = x.shape
+            q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+            att = torch.softmax(att, dim=-1)
+            att = self.drop(att)
+            return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), Attention(), torch.nn.Linear(64, 64)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(8, 128, 64, device="cuda"))
+    (row,) = report.try_fixes(["sdpa_attention"], repeats=3).to_dict("records")
+    assert row["status"] in ("ok", "slower here") and "dropout off" in row["allowed by"], row

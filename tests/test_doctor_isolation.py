@@ -3503,3 +3503,30 @@ def test_a_session_that_compiled_nothing_says_nothing_of_compiling():
         _sine(torch.randn(3))
     assert session.effects().said() == []
     torch._dynamo.reset()
+
+
+def test_a_progress_bars_monitor_thread_is_not_named_as_the_steps(monkeypatch):
+    """tqdm starts its monitor thread (a daemon that ends itself) and its exit handler with the
+    first bar after the last monitor ended: here one the step's code makes, as torch.compile's
+    does on a GPU. Neither is the step's to name."""
+    import tqdm.std
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        for _ in tqdm.std.tqdm(range(1), file=io.StringIO()):
+            loss = model(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return loss.detach()
+
+    report = doctor.examine(step, torch.randn(3, 4), steps=1, warmup=1)
+    if tqdm.std.tqdm.monitor is not None:
+        tqdm.std.tqdm.monitor.exit()
+    monkeypatch.setattr(tqdm.std.tqdm, "monitor", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report.try_fixes(["set_to_none"], steps=1, repeats=1)
+    assert not [str(w.message) for w in caught if "tqdm" in str(w.message).lower()]

@@ -5,8 +5,10 @@ beside it, would widen the parameters' allowance."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -15,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from accel.doctor.fixes import StepCopy
 from accel.doctor.isolation import put_back_files, seed_generators
 
-__all__ = ["SEED", "Errors", "result_error"]
+__all__ = ["SEED", "Errors", "dropout_off", "result_error"]
 
 SEED = 1234  # the seed both copies start from
 
@@ -76,3 +78,24 @@ def _clone(value: Any) -> Any:
 
 def _trained_state(copy: StepCopy) -> list[torch.Tensor]:
     return [t for model in copy.parts.models for t in (*model.parameters(), *model.buffers())]
+
+
+@contextlib.contextmanager
+def dropout_off() -> Iterator[None]:
+    """Dropout drawn nowhere while inside (``F.dropout``, which ``nn.Dropout`` and
+    ``nn.MultiheadAttention`` call, ``torch.dropout``, SDPA's ``dropout_p``): SDPA draws its own
+    mask, so a step whose attention it runs is compared with the step as written without any."""
+    functional = torch.nn.functional
+    kept = functional.dropout, torch.dropout, functional.scaled_dot_product_attention
+    sdpa = kept[2]
+
+    def no_dropout(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return sdpa(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    functional.dropout = lambda input, p=0.5, training=True, inplace=False: input
+    torch.dropout = lambda input, p, train: input
+    functional.scaled_dot_product_attention = no_dropout
+    try:
+        yield
+    finally:
+        functional.dropout, torch.dropout, functional.scaled_dot_product_attention = kept

@@ -461,7 +461,8 @@ def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
 
     def start(thread: threading.Thread) -> None:
         recording = _steps_recording()
-        if recording is not None and not getattr(_TASK, "submitting", False):
+        if recording is not None and not getattr(_TASK, "submitting", False) \
+                and not _progress_monitor(thread):  # fmt: skip
             _THREADS[thread] = recording
             recording.threads.append(thread)
         original(thread)
@@ -469,12 +470,19 @@ def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
     return start
 
 
+def _progress_monitor(value: Any) -> bool:
+    """tqdm's monitor (or its class): started with the first bar after the last one ended, by any
+    library's bar (torch.compile's, on a GPU), a daemon that ends itself."""
+    cls = value if isinstance(value, type) else type(value)
+    return cls.__name__ == "TMonitor" and cls.__module__.startswith("tqdm")
+
+
 def _watched_exit_handler(original: Callable[..., Any]) -> Callable[..., Any]:
     """``atexit.register`` that keeps what the step's code registers, to remove at the end."""
 
     def register(handler: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         recording = _steps_recording()
-        if recording is None:
+        if recording is None or _progress_monitor(getattr(handler, "__self__", None)):
             return original(handler, *args, **kwargs)
 
         def at_exit() -> None:  # its own: removing it leaves the user's of the same function

@@ -441,9 +441,10 @@ class _Chain:
         mask = None
         causal = causal and self.mask_if is None  # a mask only sometimes given stays a mask
         if self.cond is not None and not causal and self._finite_fill():
-            # added, not filled: a row hiding every key then averages the values, as there
+            # added, not filled: a row hiding every key then averages the values, as there; half
+            # the lowest number, which a kernel scaling the mask by log2(e) would make -inf
             mask = ast.parse(f"torch.where({ast.unparse(self.cond)}, torch.finfo({self.q.id}"
-                             f".dtype).min, 0.0).to({self.q.id}.dtype)", mode="eval").body
+                             f".dtype).min / 2, 0.0).to({self.q.id}.dtype)", mode="eval").body
         elif self.cond is not None and not causal:  # SDPA's boolean mask keeps what fill hid
             hidden = self.cond
             inverted = isinstance(hidden, ast.UnaryOp) and isinstance(hidden.op, ast.Invert)
