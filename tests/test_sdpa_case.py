@@ -147,7 +147,7 @@ def test_run_on_cpu_gives_unjudged_sdpa_rows(monkeypatch):
 def test_the_phase_runs_in_parts(monkeypatch):
     from accel.lab import bench
 
-    assert sdpa.parts() == ["headline", "flex", "masked sweep", "vit"]
+    assert sdpa.parts() == ["headline", "flex", "masked sweep", "vit", "max-autotune vit"]
     assert bench.phase_parts("sdpa") == sdpa.parts()
     ran = []
     for part in sdpa.parts():

@@ -187,3 +187,12 @@ def test_every_flag_keeps_the_baseline_on_cuda(seed):
             vit.compare_results(fast, base, flags, sizes=SIZES, steps=3)
         except AssertionError as e:
             raise AssertionError(f"{label(flags)}: {e}") from None
+
+
+def test_the_compile_mode_reaches_torch_compile(monkeypatch):
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: modes.append(mode) or model)
+    sizes = vit.Sizes.preset("cpu")
+    vit.Step(vit.Flags(compile=True), sizes, compile_mode="max-autotune")
+    vit.Step(vit.Flags(compile=True), sizes)
+    assert modes == ["max-autotune", "default"]

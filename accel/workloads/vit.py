@@ -198,7 +198,10 @@ class ViT(nn.Module):
 class Step:
     """One training step per call. Losses stay on the device (one host read in ``mean_loss``)."""
 
-    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0):
+    def __init__(self, flags: Flags = Flags(), sizes: Sizes = Sizes(), *, device="cpu", seed=0,
+                 compile_mode: str = "default"):  # fmt: skip
+        """``compile_mode``: torch.compile's mode where ``flags.compile`` is on (``"max-autotune"``
+        times each product's candidate kernels in the first call)."""
         device = torch.device(device)
         if flags.backend != "default" and not flags.sdpa:
             raise ValueError(f"backend={flags.backend!r} needs sdpa=True: the manual path has none")
@@ -227,7 +230,7 @@ class Step:
         self.compile_seconds = 0.0
         self.forward = self.model
         if flags.compile:
-            self.forward = torch.compile(self.model)
+            self.forward = torch.compile(self.model, mode=compile_mode)
             self.compile_seconds = self._untimed_pass()
 
     def _autocast(self) -> torch.autocast:

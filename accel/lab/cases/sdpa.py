@@ -2,7 +2,7 @@
 against the manual path at the headline shape), ``flex``
 (masked attention, ``sdpa_flex``), ``masked sweep`` (``sdpa(mask=...)`` against a user's own
 compiled ``flex_attention``, ``sdpa_masked_sweep``) and ``vit`` (the ViT training step, every flag
-against the baseline); here too how a case is measured: variants timed interleaved, every kernel
+against the baseline; ``max-autotune vit``: compile's max-autotune against its default mode); here too how a case is measured: variants timed interleaved, every kernel
 at a shape (:func:`backend_frame`), which backend really ran (the profiler), errors against
 float64. The ground the parts share is ``sdpa_measure``; the names notebook 05 uses are
 re-exported here. TFLOP/s are compared with the measured matrix-product rate.
@@ -218,17 +218,25 @@ def headline_rows(ctx: BenchContext, sizes: BenchSizes) -> list[Row]:
 
 
 # ---- vit ---------------------------------------------------------------------------------------
-def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3) -> list[Row]:
+AUTOTUNED = "all flags, compile max-autotune"
+def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3, *,
+             autotuned: bool = False) -> list[Row]:  # fmt: skip
     """The ViT step at the baseline, every flag but compile (notebook 05's panel ends there) and
-    all, each checked equal to the baseline, then timed interleaved against it."""
+    all, each checked equal to the baseline, then timed interleaved against it; ``autotuned``:
+    instead, all with compile's max-autotune beside its default mode (compile time apart)."""
     vit_sizes = vit.Sizes.preset(ctx.preset)
     everything = all_on(vit.Flags, ctx.device)
     configs = {"baseline": vit.Flags(), "all but compile": replace(everything, compile=False)}
     if everything != configs["all but compile"]:
         configs["all flags"] = everything
+    if autotuned:  # minutes of autotuning: a part of its own
+        if not everything.compile:
+            return []
+        configs = {"baseline": vit.Flags(), "all flags": everything, AUTOTUNED: everything}
     steps, checks, reference = {}, {}, None
     for name, flags in configs.items():
-        step = vit.build(flags, vit_sizes, device=ctx.device, seed=0)
+        mode = "max-autotune" if name == AUTOTUNED else "default"
+        step = vit.build(flags, vit_sizes, device=ctx.device, seed=0, compile_mode=mode)
         for _ in range(check_steps):  # correctness before timing
             step()
         result = step.result()
@@ -242,10 +250,16 @@ def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3) -> list
     ran = which_backend(steps[top], ctx.device)["backend"]
     rows = []
     for name, step in steps.items():
+        if autotuned and name != AUTOTUNED:
+            continue
         ok, how = checks[name]
-        judged_here = name == "all flags" or (name == top and not ctx.judged)
+        judged_here = name == "all flags" or (name == top and not ctx.judged and not autotuned)
         met = timing.speedup(name) >= TARGET_VIT and ok
         note = f"{label(step.flags)}; result {'equal' if ok else 'DIFFERS'} ({how})"
+        if step.flags.compile:
+            note += f"; compiled in {step.compile_seconds:.0f} s, apart from the step"
+        if name == AUTOTUNED:
+            note += f"; {timing.speedup(name) / timing.speedup('all flags'):.2f}x the default mode's"
         rows.append(Row(
             PHASE, f"vit step: {name}", "time per training step", "ms",
             timing.timings[name].median_ms, baseline=timing.timings["baseline"].median_ms,
@@ -273,6 +287,7 @@ _PARTS: dict[str, Callable[[BenchContext], list[Row]]] = {
     "flex": lambda ctx: flex_rows(ctx, ctx.judged),
     "masked sweep": sdpa_masked_sweep.rows,
     "vit": lambda ctx: vit_rows(ctx, BENCH_SIZES[ctx.preset]),
+    "max-autotune vit": lambda ctx: vit_rows(ctx, BENCH_SIZES[ctx.preset], autotuned=True),
 }
 
 
