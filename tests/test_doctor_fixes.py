@@ -1659,12 +1659,14 @@ class _BreakingNet(nn.Module):
         return self.second(x)
 
 
-def test_compiling_the_copies_adds_no_name_to_the_users_module(seed):
+@pytest.mark.parametrize("nested", [False, True])
+def test_compiling_the_copies_adds_no_name_to_the_users_module(seed, nested):
     """Dynamo keeps a graph break's resume functions and compiled graphs as globals of the code
-    it compiled: a copy's forward runs with the module's names copied, not the module's own."""
+    it compiled, or that broke inside a call (a layer of torch's Sequential): a copy's forwards
+    run with the module's names copied, not the module's own."""
     torch._dynamo.reset()
     names = set(globals())
-    model = _BreakingNet()
+    model = nn.Sequential(_BreakingNet(), nn.Linear(4, 4)) if nested else _BreakingNet()
     report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
                             torch.randn(3, 4), steps=1, warmup=1)  # fmt: skip
     (row,) = report.try_fixes(["compile"], steps=1, repeats=1).to_dict("records")

@@ -25,6 +25,7 @@ from accel.doctor.deferred import deferred_item_reads
 from accel.doctor.isolation import watch_as_step
 from accel.doctor.parts import StepParts
 from accel.doctor.products import backend_flags
+from accel.doctor.reach import is_library
 
 __all__ = ["FIXES", "Fix", "FixNotApplicable", "StepCopy", "left_as_written", "own_batch"]
 
@@ -266,6 +267,9 @@ def _compile(copy: StepCopy, *, cuda_graphs: bool = False) -> None:
         raise FixNotApplicable("the step's models are already compiled (torch.compile)")
     options = {"fallback_random": True} | ({"triton.cudagraphs": True} if cuda_graphs else {})
     for model in models:
+        for layer in model.modules():  # a break inside a layer of the user's: its names, too
+            if "forward" not in vars(layer) and not is_library(type(layer).forward):
+                layer.forward = _own_code(layer.forward)
         _compile_forwards(model, options)
     if cuda_graphs:
         copy.edits.append('model = torch.compile(model, mode="reduce-overhead")  # compiled, '
