@@ -318,6 +318,27 @@ def test_a_finite_fill_keeps_its_meaning_on_rows_that_hide_every_key(seed, dtype
     torch.testing.assert_close(fixed(x, keep), model(x, keep), **tol)
 
 
+class WeightsReturned(nn.Module):
+    """timm's and DINO's attention, its weights handed back for a loss or a plot."""
+
+    def __init__(self, width=32, heads=4):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        attn = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        attn = attn.softmax(dim=-1)
+        y = (attn @ v).transpose(1, 2).reshape(B, T, C)
+        return y, attn
+
+
+def test_weights_read_after_the_values_product_are_not_rewritten_away():
+    with pytest.raises(NotRewritable, match=r"attn.*read after"):
+        rewrite_attention([WeightsReturned()], *lines(WeightsReturned, "q @ k", "attn @ v"), False)
+
+
 def test_an_added_causal_mask_is_recorded_as_causal_and_rewritten_as_is_causal(seed):
     from accel.doctor import check_attention, recorder
 
@@ -1672,3 +1693,71 @@ def test_compiling_the_copies_adds_no_name_to_the_users_module(seed, nested):
     (row,) = report.try_fixes(["compile"], steps=1, repeats=1).to_dict("records")
     assert row["status"] in ("ok", "slower here"), row
     assert set(globals()) == names, set(globals()) - names
+
+
+class InPlaceAttention(nn.Module):
+    """The scores changed in place (``+=``, ``/=``, ``masked_fill_``), which the rewrite does not
+    read: the finding's call to write must still carry the bias, the scale and the causal mask."""
+
+    def __init__(self, how, width=32, heads=4, length=16):
+        super().__init__()
+        self.qkv, self.heads, self.how = nn.Linear(width, 3 * width), heads, how
+        self.bias = nn.Parameter(torch.randn(heads, length, length))
+        self.register_buffer("future", torch.ones(length, length).tril() == 0)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        att = q @ k.transpose(-2, -1)
+        if self.how == "bias":
+            att += self.bias
+        elif self.how == "scale":
+            att /= 4.0
+        else:
+            att.masked_fill_(self.future, float("-inf"))
+        att = att.softmax(dim=-1)
+        return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
+@pytest.mark.parametrize(("how", "said", "unsaid"), [
+    ("bias", "attn_mask=", None), ("scale", None, "scale=1.0"), ("causal", "is_causal=True", None)])
+def test_the_call_to_write_keeps_what_the_scores_went_through_in_place(seed, how, said, unsaid):
+    model = nn.Sequential(nn.Linear(32, 32), InPlaceAttention(how), nn.Linear(32, 32))
+    report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                            torch.randn(4, 16, 32), steps=1, warmup=1)  # fmt: skip
+    (finding,) = [f for f in report.findings if f.kind == "attention"]
+    assert said is None or said in finding.change, finding.change
+    assert unsaid is None or unsaid not in finding.change, finding.change
+
+
+class BiasAfterScores(nn.Module):
+    """T5's first layer: its relative-position bias, many small operators, computed between the
+    scores' product and the softmax."""
+
+    def __init__(self, width=32, heads=4, length=16):
+        super().__init__()
+        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
+        self.table = nn.Embedding(32, heads)
+        self.length = length
+
+    def position_bias(self):
+        relative = torch.arange(self.length)[None, :] - torch.arange(self.length)[:, None]
+        buckets = relative.abs()
+        for _ in range(3):  # T5's bucketing: logs, divisions, mins and wheres
+            buckets = torch.where(buckets > 8, (buckets.float().log() * 4).long() + 8, buckets)
+        return self.table(buckets.clamp(max=31)).permute(2, 0, 1)[None]
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.heads, -1).transpose(1, 2) for t in self.qkv(x).split(C, 2))
+        scores = q @ k.transpose(-2, -1)
+        scores = scores + self.position_bias()
+        weights = scores.softmax(dim=-1)
+        return (weights @ v).transpose(1, 2).reshape(B, T, C)
+
+
+def test_attention_whose_bias_is_made_between_scores_and_softmax_is_found(seed):
+    model = nn.Sequential(nn.Linear(32, 32), BiasAfterScores(), nn.Linear(32, 32))
+    report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                            torch.randn(4, 16, 32), steps=1, warmup=1)  # fmt: skip
+    assert [f for f in report.findings if f.kind == "attention"], report.findings

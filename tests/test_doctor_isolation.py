@@ -3530,3 +3530,5 @@ def test_a_progress_bars_monitor_thread_is_not_named_as_the_steps(monkeypatch):
         warnings.simplefilter("always")
         report.try_fixes(["set_to_none"], steps=1, repeats=1)
     assert not [str(w.message) for w in caught if "tqdm" in str(w.message).lower()]
+    # nor left running: the process had none before the trials
+    assert not [t for t in threading.enumerate() if t.name == "tqdm_monitor" and t.is_alive()]

@@ -26,10 +26,12 @@ _SOFTMAX = frozenset({"aten::_softmax", "aten::softmax"})
 # ops between the scores' product, the softmax and the values' product (a dropout of the
 # weights is five on a CPU, and a matmul's reshapes five more)
 _LOOKAHEAD = 16
+_BIAS_LOOKAHEAD = 96  # T5 makes its position bias (bucketing: tens of operators) before softmax
 # the passes over the scores or the weights timed again as the step made them; any other operator
 # between the products (a view, a small mask's compare) moves no scores
-_PASSES = frozenset({"aten::mul", "aten::div", "aten::add", "aten::sub", "aten::masked_fill",
-                     "aten::where", "aten::_to_copy"})  # fmt: skip
+_SCALES = ("aten::mul", "aten::div", "aten::mul_", "aten::div_")
+_PASSES = frozenset({*_SCALES, "aten::add", "aten::sub", "aten::masked_fill", "aten::add_",
+                     "aten::sub_", "aten::masked_fill_", "aten::where", "aten::_to_copy"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,8 @@ def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[M
         if i in mixed:  # a chain's values' product, whose output may have a scores' shape
             continue
         scores = op.outputs[0].shape
-        soft = _next(ops, i, lambda o, s=scores: o.op in _SOFTMAX and _scores_in(o.inputs[:1], s))
+        soft = _next(ops, i, lambda o, s=scores: o.op in _SOFTMAX and _scores_in(o.inputs[:1], s),
+                     within=_BIAS_LOOKAHEAD)
         if soft is None:
             continue
         reads = lambda o, s=scores: o.op in _PRODUCTS and _scores_in(o.inputs[:2], s)  # noqa: E731
@@ -129,8 +132,8 @@ def _passes(ops: list[OpRecord], size: int) -> tuple[tuple[str, torch.dtype], ..
                  and math.prod(o.outputs[0].shape) == size)  # fmt: skip
 
 
-def _next(ops: list[OpRecord], start: int, wanted) -> int | None:
-    for j in range(start + 1, min(len(ops), start + 1 + _LOOKAHEAD)):
+def _next(ops: list[OpRecord], start: int, wanted, within: int = _LOOKAHEAD) -> int | None:
+    for j in range(start + 1, min(len(ops), start + 1 + within)):
         if wanted(ops[j]):
             return j
     return None
@@ -299,10 +302,11 @@ def _change(evidence: Evidence, case: ManualAttention) -> tuple[str, bool]:
     was rewritten (what the fix then tries on the copy)."""
     from accel.doctor.rewrite import NotRewritable, rewrite_attention
 
-    # a pass over the scores other than a scale or a cast masked them
-    masked = any(op not in ("aten::mul", "aten::div", "aten::_to_copy") for op, _ in case.before)
-    args = ["is_causal=True"] if case.causal else ["attn_mask=mask"] * masked
-    if not any(op in ("aten::mul", "aten::div") for op, _ in case.before):  # no scale, or q's own
+    # a pass over the scores other than a scale or a cast masked them; a causal mask beside a
+    # bias (ALiBi's) goes into the mask
+    masks = [op for op, _ in case.before if op not in (*_SCALES, "aten::_to_copy")]
+    args = ["is_causal=True"] if case.causal and len(masks) == 1 else ["attn_mask=mask"] * bool(masks)
+    if not any(op in _SCALES for op, _ in case.before):  # no scale, or q's own
         args.append("scale=1.0")
     if case.dropout:
         args.append(f"dropout_p={case.dropout:g} if training else 0.0")

@@ -1,8 +1,8 @@
 """What a doctor's run gives back and what it names: the random generators put back (torch's on
-every device, ``random``, NumPy's global one), the files the step writes, replaces or removes
-put back as they were (:mod:`accel.doctor.kept_files`), and all of
-it (a file written, a connection, a process started, an item taken from an uncopyable iterator)
-recorded while a :class:`Session` is open, for the report's first line.
+every device, ``random``, NumPy's global one), the files the step writes, replaces or removes put
+back as they were (:mod:`accel.doctor.kept_files`), and all of it (a file written, a connection,
+a process started, an item taken from an uncopyable iterator) recorded while a :class:`Session`
+is open, for the report's first line.
 
 Files and sockets are seen through one process-wide audit hook (``sys.addaudithook``: it cannot
 be removed, so it does nothing unless a session is open in the running thread), counted only
@@ -34,7 +34,12 @@ import torch
 
 from accel.doctor.effects import Effects
 from accel.doctor.kept_files import KeptFiles, TooLargeToKeep, absolute, appends_only
-from accel.doctor.process_state import CompiledCaches, GlobalHooks, ProcessSwitches
+from accel.doctor.process_state import (
+    CompiledCaches,
+    GlobalHooks,
+    ProcessSwitches,
+    progress_monitor,
+)
 from accel.doctor.products import kept_backend_flags
 from accel.doctor.reach import is_library
 from accel.errors import UsageError
@@ -74,6 +79,7 @@ class _Recording:
         self.threads: list[threading.Thread] = []  # started by the step
         self.tasks: list[concurrent.futures.Future] = []  # given to a thread pool by the step
         self.exit_handlers: list[Callable[..., Any]] = []  # registered by the step
+        self.monitors: list[threading.Thread] = []  # tqdm's, started while open: ended on closing
 
 
 class Session:
@@ -123,6 +129,9 @@ class Session:
         self._tasks.close()
         self._exit_handlers.close()
         self._remove_exit_handlers()
+        for monitor in self._recording.monitors:  # with the handler it registered at exit
+            monitor.exit()
+            atexit.unregister(getattr(monitor, "_atexit_signal", monitor.exit))
         self._wait_for_threads()
         self._save.close()
         _RECORD.reset(self._token)
@@ -460,9 +469,11 @@ def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
     event)."""
 
     def start(thread: threading.Thread) -> None:
-        recording = _steps_recording()
-        if recording is not None and not getattr(_TASK, "submitting", False) \
-                and not _progress_monitor(thread):  # fmt: skip
+        recording, opened = _steps_recording(), _open_recording()
+        if progress_monitor(thread):  # any bar's, the doctor's own or torch.compile's
+            if opened is not None:
+                opened.monitors.append(thread)
+        elif recording is not None and not getattr(_TASK, "submitting", False):
             _THREADS[thread] = recording
             recording.threads.append(thread)
         original(thread)
@@ -470,19 +481,12 @@ def _watched_start(original: Callable[[threading.Thread], None]) -> Callable:
     return start
 
 
-def _progress_monitor(value: Any) -> bool:
-    """tqdm's monitor (or its class): started with the first bar after the last one ended, by any
-    library's bar (torch.compile's, on a GPU), a daemon that ends itself."""
-    cls = value if isinstance(value, type) else type(value)
-    return cls.__name__ == "TMonitor" and cls.__module__.startswith("tqdm")
-
-
 def _watched_exit_handler(original: Callable[..., Any]) -> Callable[..., Any]:
     """``atexit.register`` that keeps what the step's code registers, to remove at the end."""
 
     def register(handler: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         recording = _steps_recording()
-        if recording is None or _progress_monitor(getattr(handler, "__self__", None)):
+        if recording is None or progress_monitor(getattr(handler, "__self__", None)):
             return original(handler, *args, **kwargs)
 
         def at_exit() -> None:  # its own: removing it leaves the user's of the same function

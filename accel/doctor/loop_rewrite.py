@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel.doctor.batched_clip import CLIP_EPS
-from accel.doctor.rewrite import (
+from accel.doctor.source_edit import (
     NotRewritable,
     function_source,
     recompiled,

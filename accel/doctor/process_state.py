@@ -18,7 +18,7 @@ import torch
 import torch.nn.modules.module as module_hooks
 import torch.optim.optimizer as optimizer_hooks
 
-__all__ = ["CompiledCaches", "GlobalHooks", "ProcessSwitches"]
+__all__ = ["CompiledCaches", "GlobalHooks", "ProcessSwitches", "progress_monitor"]
 
 
 def _umask() -> int:
@@ -182,3 +182,10 @@ def _graphs_compiled() -> int:
     """How many graphs torch.compile has compiled in this process."""
     utils = sys.modules.get("torch._dynamo.utils")
     return 0 if utils is None else utils.counters["stats"]["unique_graphs"]
+
+
+def progress_monitor(value: Any) -> bool:
+    """tqdm's monitor thread (or its class), started with a process's first bar by any library's
+    (the doctor's own, torch.compile's): not the step's, and ended where a session started it."""
+    cls = value if isinstance(value, type) else type(value)
+    return cls.__name__ == "TMonitor" and cls.__module__.startswith("tqdm")

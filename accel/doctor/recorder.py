@@ -205,7 +205,7 @@ def _facts(func, args: tuple) -> tuple[str, ...]:
     if name in ("aten::add", "aten::add_") and len(args) >= 2:
         a, b = args[:2]
         return ("causal mask",) * (_additive_causal(a, b) or _additive_causal(b, a))
-    if name != "aten::masked_fill" or len(args) < 2:
+    if name not in ("aten::masked_fill", "aten::masked_fill_") or len(args) < 2:
         return ()
     mask = args[1]
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() < 2:
