@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import plain_step
 
 from accel import doctor
 from accel.doctor import zoo
@@ -81,14 +82,7 @@ def test_gpu_deferred_reads_named_for_a_step_that_reads_nothing_say_so():
     model = torch.nn.Linear(64, 64, device="cuda")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    report = doctor.examine(step, torch.randn(32, 64, device="cuda"))
+    report = doctor.examine(plain_step(model, opt), torch.randn(32, 64, device="cuda"))
     rows = report.try_fixes(["deferred_reads", "pinned_batch"], repeats=3)
     for row in rows.to_dict("records"):
         assert row["status"].startswith("not applicable"), row
@@ -115,13 +109,6 @@ def test_gpu_attention_with_dropout_rewritten_as_sdpa_is_ok():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), Attention(), torch.nn.Linear(64, 64)).cuda()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
-    def step(x):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    report = doctor.examine(step, torch.randn(8, 128, 64, device="cuda"))
+    report = doctor.examine(plain_step(model, opt), torch.randn(8, 128, 64, device="cuda"))
     (row,) = report.try_fixes(["sdpa_attention"], repeats=3).to_dict("records")
     assert row["status"] in ("ok", "slower here") and "dropout off" in row["allowed by"], row
