@@ -242,6 +242,15 @@ def test_an_rnn_reading_a_packed_sequences_host_batch_sizes_is_no_sync_on_cpu():
     assert sync_count(recording.ops, device="cpu") == 0
 
 
+def test_one_hot_checking_its_classes_is_no_sync_on_cpu():
+    """On a CPU F.one_hot reads its values' range to check them; on a GPU, given num_classes, it
+    leaves that to scatter's device assert and reads nothing."""
+    labels = torch.randint(0, 8, (32,))
+    recording = recorder.record_step(lambda: F.one_hot(labels, num_classes=8).sum(),
+                                     torch.device("cpu"))  # fmt: skip
+    assert sync_count(recording.ops, device="cpu") == 0
+
+
 def test_a_dataloaders_own_reads_are_no_sync_on_cpu():
     """The sampler's randperm(...).tolist() and the seed's .item() stay on the host on a GPU too:
     a CPU run must not count them at the user's next(it)."""
