@@ -1720,7 +1720,7 @@ class InPlaceAttention(nn.Module):
 
 
 @pytest.mark.parametrize(("how", "said", "unsaid"), [
-    ("bias", "attn_mask=", None), ("scale", None, "scale=1.0"), ("causal", "is_causal=True", None)])
+    ("bias", "attn_mask=", None), ("scale", "scale=0.25", None), ("causal", "is_causal=True", None)])
 def test_the_call_to_write_keeps_what_the_scores_went_through_in_place(seed, how, said, unsaid):
     model = nn.Sequential(nn.Linear(32, 32), InPlaceAttention(how), nn.Linear(32, 32))
     report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),

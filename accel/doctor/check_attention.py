@@ -57,6 +57,7 @@ class ManualAttention:
     merged: bool = False
     dims: int = 4  # the scores' (3: heads flattened into the batch, which SDPA runs as given)
     dropout: float = 0.0  # the weights' dropout rate, while training
+    scale: float | None = None  # what the scores were multiplied by, where by numbers
 
 
 def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[ManualAttention]:
@@ -92,8 +93,18 @@ def find_manual_attention(ops: list[OpRecord], api: str | None = None) -> list[M
                                      batch=math.prod(ops[soft].inputs[0].shape[:-3]),
                                      merged=_merged(ops, mix),
                                      dims=len(ops[soft].inputs[0].shape),
-                                     dropout=_dropout(ops[soft + 1 : mix])))  # fmt: skip
+                                     dropout=_dropout(ops[soft + 1 : mix]),
+                                     scale=_scale(ops[i + 1 : soft], size)))  # fmt: skip
     return found
+
+
+def _scale(ops: list[OpRecord], size: int) -> float | None:
+    """The product of the numbers the scores were multiplied or divided by (None: none, or by a
+    tensor)."""
+    factors = [o.scalars[0] if o.op.startswith("aten::mul") else 1 / o.scalars[0] for o in ops
+               if o.op in _SCALES and o.outputs and math.prod(o.outputs[0].shape) == size
+               and o.scalars and isinstance(o.scalars[0], (int, float)) and o.scalars[0]]  # fmt: skip
+    return math.prod(factors) if factors else None
 
 
 def _dropout(ops: list[OpRecord]) -> float:
@@ -306,7 +317,9 @@ def _change(evidence: Evidence, case: ManualAttention) -> tuple[str, bool]:
     # bias (ALiBi's) goes into the mask
     masks = [op for op, _ in case.before if op not in (*_SCALES, "aten::_to_copy")]
     args = ["is_causal=True"] if case.causal and len(masks) == 1 else ["attn_mask=mask"] * bool(masks)
-    if not any(op in _SCALES for op, _ in case.before):  # no scale, or q's own
+    if case.scale is not None:
+        args.append(f"scale={case.scale:.6g}")
+    elif not any(op in _SCALES for op, _ in case.before):  # no scale, or q's own
         args.append("scale=1.0")
     if case.dropout:
         args.append(f"dropout_p={case.dropout:g} if training else 0.0")
