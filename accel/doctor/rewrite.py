@@ -126,14 +126,18 @@ def _spans(code: types.CodeType | None, file: str, line: int) -> bool:
 def _refuse_lost_reads(function: ast.FunctionDef, replaced: list[ast.stmt], statement: ast.stmt):
     """NotRewritable where a variable the chain assigns and the SDPA call does not (the weights)
     is read after the chain (returned for a loss or a plot)."""
-    stored = {n.id for s in replaced for n in ast.walk(s)
-              if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}  # fmt: skip
-    kept = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    lost = _assigned(replaced) - _assigned([statement])
     end = replaced[-1].end_lineno
     for node in ast.walk(function):
-        if isinstance(node, ast.Name) and node.id in stored - kept and node.lineno > end:
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in lost \
+                and node.lineno > end:  # fmt: skip
             raise NotRewritable(f"{node.id}, which SDPA does not compute, is read after the "
                                 f"values' product (line {node.lineno})")
+
+
+def _assigned(statements: list[ast.stmt]) -> set[str]:
+    return {n.id for s in statements for n in ast.walk(s)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}  # fmt: skip
 
 
 def _chain_span(function: ast.FunctionDef, first: int, last: int) -> tuple[list, int, int]:

@@ -1,11 +1,12 @@
-"""Bench phase ``sdpa``, in four parts (``bench --only``): ``headline`` (every kernel's TFLOP/s
-against the manual path at the headline shape), ``flex``
-(masked attention, ``sdpa_flex``), ``masked sweep`` (``sdpa(mask=...)`` against a user's own
-compiled ``flex_attention``, ``sdpa_masked_sweep``) and ``vit`` (the ViT training step, every flag
-against the baseline; ``max-autotune vit``: compile's max-autotune against its default mode); here too how a case is measured: variants timed interleaved, every kernel
-at a shape (:func:`backend_frame`), which backend really ran (the profiler), errors against
-float64. The ground the parts share is ``sdpa_measure``; the names notebook 05 uses are
-re-exported here. TFLOP/s are compared with the measured matrix-product rate.
+"""Bench phase ``sdpa``, in five parts (``bench --only``): ``headline`` (every kernel's TFLOP/s
+against the manual path at the headline shape), ``flex`` (masked attention, ``sdpa_flex``),
+``masked sweep`` (``sdpa(mask=...)`` against a user's own compiled ``flex_attention``,
+``sdpa_masked_sweep``), ``vit`` (the ViT training step, every flag against the baseline) and
+``max-autotune vit`` (compile's max-autotune against its default mode); here too how a case is
+measured: variants timed interleaved, every kernel at a shape (:func:`backend_frame`), which
+backend really ran (the profiler), errors against float64. The ground the parts share is
+``sdpa_measure``; the names notebook 05 uses are re-exported here. TFLOP/s are compared with the
+measured matrix-product rate.
 """
 
 from __future__ import annotations
@@ -219,6 +220,8 @@ def headline_rows(ctx: BenchContext, sizes: BenchSizes) -> list[Row]:
 
 # ---- vit ---------------------------------------------------------------------------------------
 AUTOTUNED = "all flags, compile max-autotune"
+
+
 def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3, *,
              autotuned: bool = False) -> list[Row]:  # fmt: skip
     """The ViT step at the baseline, every flag but compile (notebook 05's panel ends there) and
