@@ -57,14 +57,24 @@ TRITON_FIXTURES = {"kdev", "triton_here"}
 TRITON_NOTEBOOK = "interpret_triton=True"
 
 
+def pytest_configure(config):
+    """pytest-xdist's ``--dist loadfile`` hands out the files with the most tests first; the
+    slowest file, the browser test (every notebook, one after another), has few tests, so it
+    started late and one worker ran on alone. Collection order instead, the browser test first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    """Marks first (before ``-m`` selects), then, on what was selected, each notebook once."""
+    """Marks first (before ``-m`` selects), then, on what was selected, each notebook once, and
+    the browser test first (see ``pytest_configure``)."""
     for item in items:
         if TRITON_FIXTURES & set(getattr(item, "fixturenames", ())) or _asks_for_triton(item.path):
             item.add_marker(pytest.mark.triton)
     yield
     _one_run_per_notebook(config, items)
+    items.sort(key=lambda item: item.get_closest_marker("browser") is None)
 
 
 @functools.cache
