@@ -1669,27 +1669,45 @@ def test_a_pinned_batch_needs_a_tensor_on_the_host():
             FIXES["pinned_batch"].apply(copy_)
 
 
+def _break_in_a_helper(x):
+    torch._dynamo.graph_break()  # as a user's NaN guard (a data-dependent branch) would
+    return x
+
+
 class _BreakingNet(nn.Module):
-    def __init__(self):
+    def __init__(self, where="forward"):
         super().__init__()
-        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.first, self.second, self.where = nn.Linear(4, 4), nn.Linear(4, 4), where
 
     def forward(self, x):
         x = torch.relu(self.first(x))
-        torch._dynamo.graph_break()  # as a print or a data-dependent branch would
+        if self.where == "forward":
+            torch._dynamo.graph_break()  # as a print or a data-dependent branch would
+        elif self.where == "helper":
+            x = _break_in_a_helper(x)
+        else:
+            x = self.guard(x)
         return self.second(x)
 
+    def guard(self, x):
+        torch._dynamo.graph_break()
+        return x
 
+
+@pytest.mark.parametrize("where", ["forward", "helper", "method"])
 @pytest.mark.parametrize("nested", [False, True])
-def test_compiling_the_copies_adds_no_name_to_the_users_module(seed, nested):
+def test_compiling_the_copies_adds_no_name_to_the_users_module(seed, nested, where):
     """Dynamo keeps a graph break's resume functions and compiled graphs as globals of the code
-    it compiled, or that broke inside a call (a layer of torch's Sequential): a copy's forwards
-    run with the module's names copied, not the module's own."""
+    it compiled, or that broke inside a call (a layer of torch's Sequential, a function or method
+    of the user's the forward calls): the copies run with the module's names copied, not the
+    module's own, when examine looks for graph breaks and when compile is tried."""
     torch._dynamo.reset()
     names = set(globals())
-    model = nn.Sequential(_BreakingNet(), nn.Linear(4, 4)) if nested else _BreakingNet()
+    model = _BreakingNet(where)
+    model = nn.Sequential(model, nn.Linear(4, 4)) if nested else model
     report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
-                            torch.randn(3, 4), steps=1, warmup=1)  # fmt: skip
+                            torch.randn(3, 4), steps=1, warmup=1, compile=True)  # fmt: skip
+    assert set(globals()) == names, set(globals()) - names
     (row,) = report.try_fixes(["compile"], steps=1, repeats=1).to_dict("records")
     assert row["status"] in ("ok", "slower here"), row
     assert set(globals()) == names, set(globals()) - names

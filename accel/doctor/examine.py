@@ -27,7 +27,7 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
 from accel.doctor.check_host import LOADER_WAIT_SHARE, proposed_workers
 from accel.doctor.drawn import loop_source, serve_batch
 from accel.doctor.findings import CHECKS, Evidence, Finding
-from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
+from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch, own_names
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.kept_files import TooLargeToKeep
 from accel.doctor.parts import (
@@ -560,7 +560,10 @@ def _own_loader(loader: Iterable[Any] | None) -> Iterable[Any] | None:
 def _breaks(step: Callable[..., Any], parts: StepParts, batch: Any, own: bool):
     from accel.doctor.check_compile import graph_breaks
 
-    runner = step if own else copy_step(step, parts)[0]
+    runner, copied_parts = (step, parts) if own else copy_step(step, parts)
+    if not own:  # a break inside the user's layers: dynamo's names go to the copies' own
+        for model in copied_parts.models:
+            own_names(model)
     scope = getattr(runner, "__globals__", None)
     copied = not own and isinstance(scope, dict) and scope is not getattr(step, "__globals__", None)
     names = list(scope) if copied else []

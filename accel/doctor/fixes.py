@@ -267,9 +267,7 @@ def _compile(copy: StepCopy, *, cuda_graphs: bool = False) -> None:
         raise FixNotApplicable("the step's models are already compiled (torch.compile)")
     options = {"fallback_random": True} | ({"triton.cudagraphs": True} if cuda_graphs else {})
     for model in models:
-        for layer in model.modules():  # a break inside a layer of the user's: its names, too
-            if "forward" not in vars(layer) and not is_library(type(layer).forward):
-                layer.forward = _own_code(layer.forward)
+        own_names(model)
         _compile_forwards(model, options)
     if cuda_graphs:
         copy.edits.append('model = torch.compile(model, mode="reduce-overhead")  # compiled, '
@@ -294,6 +292,23 @@ def _compile_forwards(model: torch.nn.Module, options: dict) -> None:
         _compile_forwards(child, options)
 
 
+def own_names(model: torch.nn.Module) -> None:
+    """Each method of the user's classes in the copied ``model`` (their module's functions it
+    calls with it) run over its own copy of its code and of its module's names: dynamo installs a
+    graph break's resume functions and the compiled graphs as globals of the code that broke,
+    which are then the copy's, not the user's module's."""
+    scopes: dict[int, dict[str, Any]] = {}
+    for layer in model.modules():
+        for cls in type(layer).__mro__:
+            if is_library(cls):
+                continue
+            for name, value in vars(cls).items():
+                plain = isinstance(value, types.FunctionType) and not name.startswith("__")
+                if plain and name not in vars(layer):
+                    own = _over_own_names(value, scopes)
+                    setattr(layer, name, types.MethodType(own, layer))
+
+
 def _own_code(method: Callable) -> Callable:
     """The bound method over a copy of its code object and globals. Dynamo keeps compiled code on
     the code object: copies compiled from one class would pile every trial's variant into one
@@ -302,13 +317,28 @@ def _own_code(method: Callable) -> Callable:
     function = getattr(method, "__func__", None)
     if not isinstance(function, types.FunctionType):
         return method  # not a Python method: nothing of the class's to share
-    # its module's names copied: dynamo names a graph break's resume functions and the compiled
-    # graphs in the globals of the code it compiles
-    own = types.FunctionType(function.__code__.replace(), dict(function.__globals__),
-                             function.__name__, function.__defaults__, function.__closure__)  # fmt: skip
+    return types.MethodType(_over_own_names(function, {}), method.__self__)
+
+
+def _over_own_names(function: types.FunctionType, scopes: dict[int, dict[str, Any]]):
+    """``function`` over a copy of its code and of its module's names, in which that module's own
+    functions are copies over the same names (``scopes``: the copy of each module's, made once)."""
+    module = function.__globals__
+    scope = scopes.get(id(module))
+    if scope is None:
+        scope = scopes[id(module)] = dict(module)
+        for name, value in module.items():
+            if isinstance(value, types.FunctionType) and value.__globals__ is module:
+                scope[name] = _copied(value, scope)
+    return _copied(function, scope)
+
+
+def _copied(function: types.FunctionType, scope: dict[str, Any]) -> types.FunctionType:
+    own = types.FunctionType(function.__code__.replace(), scope, function.__name__,
+                             function.__defaults__, function.__closure__)  # fmt: skip
     own.__kwdefaults__ = function.__kwdefaults__
     watch_as_step(own.__code__, function.__code__)
-    return types.MethodType(functools.update_wrapper(own, function), method.__self__)
+    return functools.update_wrapper(own, function)
 
 
 def _checkpoint(copy: StepCopy) -> None:
