@@ -3532,3 +3532,26 @@ def test_a_progress_bars_monitor_thread_is_not_named_as_the_steps(monkeypatch):
     assert not [str(w.message) for w in caught if "tqdm" in str(w.message).lower()]
     # nor left running: the process had none before the trials
     assert not [t for t in threading.enumerate() if t.name == "tqdm_monitor" and t.is_alive()]
+
+
+def test_compile_workers_a_session_started_are_shut_down_and_the_users_kept(monkeypatch):
+    """Inductor keeps its pools of compile workers for the process's later compiles: one that a
+    doctor's compiled copy started, where the process had none, ends with the session; one the
+    process had before is left running."""
+    from torch._inductor import async_compile
+
+    from accel.doctor.isolation import Session
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)
+    pools = async_compile.AsyncCompile.pool
+    pools.cache_clear()  # this process compiles with one thread: none to keep
+    with Session():
+        started = pools()
+        started.submit(int).result()
+    assert started._shutdown and pools.cache_info().currsize == 0
+    users = pools()
+    with Session():
+        pass
+    assert pools() is users and not users._shutdown
+    users.shutdown()
+    pools.cache_clear()

@@ -146,7 +146,8 @@ class CompiledCaches:
     (the copies' tensors and, under CUDA graphs, their memory pool) until ``torch._dynamo.reset()``.
     Where the process had compiled nothing before, :meth:`restore` resets them, which puts them
     back as they were; elsewhere a reset would empty the user's own compiled functions' caches
-    too, so it says what was left instead."""
+    too, so it says what was left instead. Inductor's pools of compile workers that the copies'
+    compiles started, where the process had none, are shut down."""
 
     LEFT = ("left what its copies compiled in torch.compile's caches, which hold those copies and "
             "their memory: torch._dynamo.reset() frees them, and empties your own compiled "
@@ -155,6 +156,7 @@ class CompiledCaches:
     def __init__(self) -> None:
         self.empty = not _codes_compiled()
         self.graphs = _graphs_compiled()
+        self.workers = _compile_workers()
 
     def tidy(self) -> None:
         """Reset now where that puts the caches back (between trials: each compiled copy's memory
@@ -167,6 +169,8 @@ class CompiledCaches:
         """:meth:`tidy`; where the caches held the user's compiled functions, what the copies left
         there in words (None: nothing)."""
         self.tidy()
+        if not self.workers and _compile_workers():  # started by a copy's compile: ended
+            _end_compile_workers()
         if not _codes_compiled():  # emptied since (examine's compile=True resets them)
             return None
         return None if _graphs_compiled() == self.graphs else self.LEFT
@@ -176,6 +180,27 @@ def _codes_compiled() -> bool:
     """Whether torch.compile has a compiled function's code in its caches."""
     frames = sys.modules.get("torch._dynamo.convert_frame")
     return frames is not None and any(code() is not None for code in frames.input_codes.seen)
+
+
+def _compile_workers() -> bool:
+    """Whether inductor's pools of compile workers (threads, processes) are running: kept for the
+    process's later compiles once one started them."""
+    compiling = sys.modules.get("torch._inductor.async_compile")
+    if compiling is None:
+        return False
+    pools = compiling.AsyncCompile
+    return bool(compiling._pool_set) or any(
+        pool.cache_info().currsize for pool in (pools.pool, pools.process_pool)
+    )
+
+
+def _end_compile_workers() -> None:
+    compiling = sys.modules["torch._inductor.async_compile"]
+    threads = compiling.AsyncCompile.pool
+    if threads.cache_info().currsize:
+        threads().shutdown(wait=False)
+        threads.cache_clear()
+    compiling.shutdown_compile_workers()
 
 
 def _graphs_compiled() -> int:
