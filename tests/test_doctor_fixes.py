@@ -4,6 +4,7 @@ best set never below its best fix, the combined prediction from the fixes measur
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import html
 import inspect
@@ -614,6 +615,39 @@ def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad
     applied = subprocess.run(["patch", "--fuzz=0", str(pasted)], input=row["edit"], text=True,
                              capture_output=True)  # fmt: skip
     assert applied.returncode == 0, applied.stdout + applied.stderr
+
+
+@pytest.mark.parametrize("order", [("sdpa_attention", "compile"), ("compile", "sdpa_attention")])
+def test_a_function_rewritten_for_the_copy_is_what_its_compiled_callers_run(seed, order):
+    """A compiled copy's forwards call copies of their module's functions (dynamo's names go to
+    the copies' globals): the plain function's SDPA rewrite reaches those copies too, whichever
+    fix comes first, and leaves the user's function as it was."""
+    model = AnnotatedHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    keep = torch.ones(4, 1, 1, 16, dtype=torch.bool)
+
+    def step(x):
+        loss = model(x, keep).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    x = torch.randn(4, 16, 32)
+    report = doctor.examine(step, x, steps=1, warmup=1)
+    fixed = StepCopy(*copy_step(step, report.parts), x, torch.device("cpu"), findings=report.findings)
+    for name in order:
+        FIXES[name].apply(fixed)
+    (layer,) = fixed.parts.models
+    forward = layer.forward._torchdynamo_orig_callable  # what compile wraps
+    called = forward.__globals__["annotated_attention"]
+    assert called is not annotated_attention
+    with contextlib.ExitStack() as stack:
+        for context in fixed.contexts:
+            stack.enter_context(context())
+        assert "scaled_dot_product_attention" in called.__code__.co_names
+    assert "scaled_dot_product_attention" not in called.__code__.co_names
+    assert "scaled_dot_product_attention" not in annotated_attention.__code__.co_names
 
 
 def test_the_fused_optimizer_takes_gradscalers_overflow_check_as_its_constructor_would(

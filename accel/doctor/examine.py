@@ -27,9 +27,10 @@ from accel.doctor import (  # noqa: F401 - importing a check module registers it
 from accel.doctor.check_host import LOADER_WAIT_SHARE, proposed_workers
 from accel.doctor.drawn import loop_source, serve_batch
 from accel.doctor.findings import CHECKS, Evidence, Finding
-from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch, own_names
+from accel.doctor.fixes import NO_BATCH, batch_for_a_call, own_batch
 from accel.doctor.isolation import Session, refuse_unplain_result, refuse_unplain_step
 from accel.doctor.kept_files import TooLargeToKeep
+from accel.doctor.own_scope import own_names
 from accel.doctor.parts import (
     StepParts,
     copy_step,

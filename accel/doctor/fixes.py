@@ -22,10 +22,9 @@ from accel.doctor.batched_clip import batched_clipping
 from accel.doctor.check_compute import FUSED_UPDATE_BYTES
 from accel.doctor.check_memory import repeated_blocks
 from accel.doctor.deferred import deferred_item_reads
-from accel.doctor.isolation import watch_as_step
+from accel.doctor.own_scope import own_code, own_names
 from accel.doctor.parts import StepParts
 from accel.doctor.products import backend_flags
-from accel.doctor.reach import is_library
 
 __all__ = ["FIXES", "Fix", "FixNotApplicable", "StepCopy", "left_as_written", "own_batch"]
 
@@ -285,60 +284,11 @@ def _compile_forwards(model: torch.nn.Module, options: dict) -> None:
     (ModuleList, ModuleDict), whose layers the step calls itself: each layer's. Random ops
     (dropout) draw as in eager, so the trial compares the same masks as the unchanged step's."""
     if type(model).forward is not torch.nn.Module.forward:
-        forward = _own_code(model.forward)
+        forward = own_code(model.forward)
         model.forward = torch.compile(forward, options=options)
         return
     for child in model.children():
         _compile_forwards(child, options)
-
-
-def own_names(model: torch.nn.Module) -> None:
-    """Each method of the user's classes in the copied ``model`` (their module's functions it
-    calls with it) run over its own copy of its code and of its module's names: dynamo installs a
-    graph break's resume functions and the compiled graphs as globals of the code that broke,
-    which are then the copy's, not the user's module's."""
-    scopes: dict[int, dict[str, Any]] = {}
-    for layer in model.modules():
-        for cls in type(layer).__mro__:
-            if is_library(cls):
-                continue
-            for name, value in vars(cls).items():
-                plain = isinstance(value, types.FunctionType) and not name.startswith("__")
-                if plain and name not in vars(layer):
-                    own = _over_own_names(value, scopes)
-                    setattr(layer, name, types.MethodType(own, layer))
-
-
-def _own_code(method: Callable) -> Callable:
-    """The bound method over a copy of its code object and globals. Dynamo keeps compiled code on
-    the code object: copies compiled from one class would pile every trial's variant into one
-    cache, past its limit (a later copy then runs uncompiled), and leave it behind in the user's
-    class."""
-    function = getattr(method, "__func__", None)
-    if not isinstance(function, types.FunctionType):
-        return method  # not a Python method: nothing of the class's to share
-    return types.MethodType(_over_own_names(function, {}), method.__self__)
-
-
-def _over_own_names(function: types.FunctionType, scopes: dict[int, dict[str, Any]]):
-    """``function`` over a copy of its code and of its module's names, in which that module's own
-    functions are copies over the same names (``scopes``: the copy of each module's, made once)."""
-    module = function.__globals__
-    scope = scopes.get(id(module))
-    if scope is None:
-        scope = scopes[id(module)] = dict(module)
-        for name, value in module.items():
-            if isinstance(value, types.FunctionType) and value.__globals__ is module:
-                scope[name] = _copied(value, scope)
-    return _copied(function, scope)
-
-
-def _copied(function: types.FunctionType, scope: dict[str, Any]) -> types.FunctionType:
-    own = types.FunctionType(function.__code__.replace(), scope, function.__name__,
-                             function.__defaults__, function.__closure__)  # fmt: skip
-    own.__kwdefaults__ = function.__kwdefaults__
-    watch_as_step(own.__code__, function.__code__)
-    return functools.update_wrapper(own, function)
 
 
 def _checkpoint(copy: StepCopy) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from accel.doctor.own_scope import copies_of, over_own_names
 from accel.doctor.source_edit import (
     NotRewritable,
     function_source,
@@ -63,19 +64,22 @@ class AttentionRewrite:
             return 1
         matching = [m for model in models for m in model.modules() if isinstance(m, self.holder)]
         for module in matching:  # subclasses: rebuilt
-            module.forward = types.MethodType(self.function, module)
+            module.forward = types.MethodType(over_own_names(self.function), module)
         return len(matching)
 
     @contextlib.contextmanager
     def swapped(self):
-        """The function runs the new code while the copy's step runs (its callers look it up by
-        name, so it is not replaced), and its own after."""
-        own = self.holder.__code__
-        self.holder.__code__ = self.function.__code__
+        """The function, and the copies compiled copies call, run the new code while the copy's
+        step runs (their callers look it up by name, so it is not replaced), their own after."""
+        functions = [self.holder, *copies_of(self.holder)]
+        own = [function.__code__ for function in functions]
+        for function in functions:
+            function.__code__ = self.function.__code__
         try:
             yield
         finally:
-            self.holder.__code__ = own
+            for function, code in zip(functions, own, strict=True):
+                function.__code__ = code
 
 
 def rewrite_attention(models: list[nn.Module], scores_line: tuple[str, int],
