@@ -3555,3 +3555,32 @@ def test_compile_workers_a_session_started_are_shut_down_and_the_users_kept(monk
     assert pools() is users and not users._shutdown
     users.shutdown()
     pools.cache_clear()
+
+
+def test_the_registry_of_warnings_shown_that_a_run_left_in_a_users_module_is_removed(monkeypatch):
+    """Python keeps the warnings a module's code showed in its ``__warningregistry__``, so that
+    each shows once: one made while the doctor ran the step would hide the user's first warning
+    after, and is a name the module did not have."""
+    module = types.ModuleType("_warns_in_its_step")
+    exec(
+        "import warnings\n"
+        "def loss_of(model, x):\n"
+        "    warnings.warn('a warning of the user\\'s code')\n"
+        "    return model(x).square().mean()\n",
+        module.__dict__,
+    )
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(x):
+        loss = module.loss_of(model, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        doctor.examine(step, torch.randn(3, 4), steps=1, warmup=1)
+    assert "__warningregistry__" not in vars(module)

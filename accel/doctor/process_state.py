@@ -56,6 +56,19 @@ def _set_import_path(path: list[str]) -> None:
     sys.path[:] = path  # the same list: importlib's finders hold it
 
 
+def _warned_in() -> frozenset[str]:
+    """The modules whose code showed a warning: Python keeps which in their
+    ``__warningregistry__``, so that each shows once (one made by a doctor's run would hide the
+    user's first warning after)."""
+    return frozenset(name for name, module in list(sys.modules.items())
+                     if "__warningregistry__" in getattr(module, "__dict__", ()))  # fmt: skip
+
+
+def _forget_warned(names: frozenset[str]) -> None:
+    for name in names:
+        vars(sys.modules[name]).pop("__warningregistry__", None)
+
+
 # (read, write) of switches of the whole process that are not torch's numerics: a step made 'fast'
 # turns the garbage collector off, a debugging one makes NumPy raise, a cluster's tees the output
 # into its log; the user's code runs on
@@ -74,6 +87,7 @@ _PROCESS_SWITCHES = (
     (lambda: sys.excepthook, lambda hook: setattr(sys, "excepthook", hook)),
     (lambda: sys.displayhook, lambda hook: setattr(sys, "displayhook", hook)),
     (lambda: threading.excepthook, lambda hook: setattr(threading, "excepthook", hook)),
+    (_warned_in, lambda before: _forget_warned(_warned_in() - before)),
 )
 
 
@@ -97,7 +111,8 @@ class ProcessSwitches:
     """The garbage collector (on, thresholds), the umask, the recursion limit, torch's
     warn-always, default device and sharing strategy, NumPy's error handling and print options,
     ``sys.stdout`` and ``sys.stderr``, the import path, the signal handlers, the exception and
-    display hooks and dynamo's and inductor's settings, to put back; each
+    display hooks, the warnings shown (each module's registry of them) and dynamo's and
+    inductor's settings, to put back; each
     written only where it changed (a default device set again is a new mode on torch's stack)."""
 
     def __init__(self) -> None:
