@@ -224,3 +224,18 @@ def test_the_masked_sweep_runs_at_the_cpu_preset():
     rows = sweep.rows(BenchContext(CPU, "cpu", FAKE_CEILINGS, only=("masked sweep",)))
     points = [r for r in rows if r.case.startswith("sweep masked")]
     assert points and all(" fwd " in r.case for r in points)
+
+
+def test_the_max_autotune_row_leaves_the_vit_parts_rows_in_the_results(tmp_path):
+    """Each part's rows replace only the same cases' (a group "<name>: ..." together): the
+    max-autotune part, run on its own, must not take the vit part's rows with it."""
+    import pandas as pd
+
+    from accel.lab import bench
+
+    columns = ["phase", "case", "metric"]
+    old = pd.DataFrame([["sdpa", f"vit step: {name}", "time"]
+                        for name in ("baseline", "all but compile", "all flags")], columns=columns)  # fmt: skip
+    new = pd.DataFrame([["sdpa", sdpa.AUTOTUNED_CASE, "time"]], columns=columns)
+    merged = bench._replace_cases(old, new)
+    assert list(merged["case"]) == [*old["case"], sdpa.AUTOTUNED_CASE]
