@@ -23,6 +23,13 @@ if _WORKER:
         "TORCHINDUCTOR_CACHE_DIR",
         os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_WORKER}"),
     )
+# xdist's workers share the cores: each, and what it starts (a notebook's kernel, a torchrun rank),
+# gets its share of them as torch's threads, not a pool as large as the machine (oversubscribed,
+# each waits on the others' threads)
+if _WORKER:
+    _THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Inductor's pool of compile workers can keep a finished process alive for minutes at exit
 # (torch 2.11, after a cold start), and an xdist worker then never ends: the tests' graphs are
 # small enough to compile in the process itself.
