@@ -3534,7 +3534,7 @@ def test_a_progress_bars_monitor_thread_is_not_named_as_the_steps(monkeypatch):
     assert not [t for t in threading.enumerate() if t.name == "tqdm_monitor" and t.is_alive()]
 
 
-def test_compile_workers_a_session_started_are_shut_down_and_the_users_kept(monkeypatch):
+def test_compile_workers_a_session_started_are_shut_down_and_the_users_kept():
     """Inductor keeps its pools of compile workers for the process's later compiles: one that a
     doctor's compiled copy started, where the process had none, ends with the session; one the
     process had before is left running."""
@@ -3542,19 +3542,19 @@ def test_compile_workers_a_session_started_are_shut_down_and_the_users_kept(monk
 
     from accel.doctor.isolation import Session
 
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)
     pools = async_compile.AsyncCompile.pool
-    pools.cache_clear()  # this process compiles with one thread: none to keep
-    with Session():
-        started = pools()
-        started.submit(int).result()
-    assert started._shutdown and pools.cache_info().currsize == 0
-    users = pools()
-    with Session():
-        pass
-    assert pools() is users and not users._shutdown
-    users.shutdown()
-    pools.cache_clear()
+    with torch._inductor.config.patch(compile_threads=2):
+        pools.cache_clear()  # this process compiles with one thread: none to keep
+        with Session():
+            started = pools()
+            started.submit(int).result()
+        assert started._shutdown and pools.cache_info().currsize == 0
+        users = pools()
+        with Session():
+            pass
+        assert pools() is users and not users._shutdown
+        users.shutdown()
+        pools.cache_clear()
 
 
 def test_the_registry_of_warnings_shown_that_a_run_left_in_a_users_module_is_removed(monkeypatch):
