@@ -581,14 +581,10 @@ class AnnotatedHeads(nn.Module):
         return self.out((out + first).transpose(1, 2).reshape(B, T, C))
 
 
-@pytest.mark.parametrize("bad", [None, "nan", "inf"])
-def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad, tmp_path):
-    """A function outside any module (the Annotated Transformer's ``attention``) with its mask
-    filled with -1e9 where keys are padding: rewritten as SDPA while the copy's step runs, the
-    user's function left as it is; NaN and inf in the inputs reach both alike."""
+def annotated_step(keep: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A training step of :class:`AnnotatedHeads` with the padding mask ``keep``."""
     model = AnnotatedHeads()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    keep = (torch.arange(16) < torch.tensor([[16], [11], [7], [16]]))[:, None, None, :]
 
     def step(x):
         loss = model(x, keep).square().mean()
@@ -597,6 +593,16 @@ def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad
         opt.step()
         return loss.detach()
 
+    return step
+
+
+@pytest.mark.parametrize("bad", [None, "nan", "inf"])
+def test_attention_in_a_plain_function_is_rewritten_for_the_copy_alone(seed, bad, tmp_path):
+    """A function outside any module (the Annotated Transformer's ``attention``) with its mask
+    filled with -1e9 where keys are padding: rewritten as SDPA while the copy's step runs, the
+    user's function left as it is; NaN and inf in the inputs reach both alike."""
+    keep = (torch.arange(16) < torch.tensor([[16], [11], [7], [16]]))[:, None, None, :]
+    step = annotated_step(keep)
     x = torch.randn(4, 16, 32)
     if bad is not None:
         x[1, 12, 3] = float(bad)  # a padded position: masked out of every query's keys
@@ -622,17 +628,7 @@ def test_a_function_rewritten_for_the_copy_is_what_its_compiled_callers_run(seed
     """A compiled copy's forwards call copies of their module's functions (dynamo's names go to
     the copies' globals): the plain function's SDPA rewrite reaches those copies too, whichever
     fix comes first, and leaves the user's function as it was."""
-    model = AnnotatedHeads()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    keep = torch.ones(4, 1, 1, 16, dtype=torch.bool)
-
-    def step(x):
-        loss = model(x, keep).square().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
+    step = annotated_step(torch.ones(4, 1, 1, 16, dtype=torch.bool))
     x = torch.randn(4, 16, 32)
     report = doctor.examine(step, x, steps=1, warmup=1)
     fixed = StepCopy(*copy_step(step, report.parts), x, torch.device("cpu"), findings=report.findings)
