@@ -1809,3 +1809,18 @@ def test_attention_whose_bias_is_made_between_scores_and_softmax_is_found(seed):
     report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
                             torch.randn(4, 16, 32), steps=1, warmup=1)  # fmt: skip
     assert [f for f in report.findings if f.kind == "attention"], report.findings
+
+
+def test_an_edit_with_an_attention_left_as_written_ends_as_a_file_does(seed, tmp_path):
+    """One attention rewritten, one left as written (its scores changed in place): the edit is
+    the diff, then why the other was left, and ends with a newline, so that patch reads it whole."""
+    model = nn.Sequential(NanoAttention(), InPlaceAttention("bias"), nn.Linear(32, 32))
+    report = doctor.examine(plain_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                            torch.randn(4, 16, 32), steps=1, warmup=1)  # fmt: skip
+    (row,) = report.try_fixes(["sdpa_attention"], steps=1, repeats=1).to_dict("records")
+    assert "# not rewritten" in row["edit"] and row["edit"].endswith("\n"), row["edit"]
+    pasted = tmp_path / "pasted.py"
+    pasted.write_text(Path(__file__).read_text())
+    applied = subprocess.run(["patch", "--fuzz=0", str(pasted)], input=row["edit"], text=True,
+                             capture_output=True)  # fmt: skip
+    assert applied.returncode == 0 and "unexpectedly" not in applied.stdout, applied.stdout

@@ -547,7 +547,7 @@ def _measured(report, names: list[str], steps: int, repeats: int, argued: float,
                        f"{SPREAD_MULTIPLE:g}x the unchanged step's own spread in its "
                        f"{Errors._fields[part].replace('_', ' ')} ({spread[part]:.1e})")
         + ("; both compared with dropout off (SDPA draws its own masks)" if redrawn else ""),
-        "edit": "\n".join(fixed.edits),
+        "edit": "".join(edit if edit.endswith("\n") else edit + "\n" for edit in fixed.edits),
         "first call s": first_s,
         "unchanged peak MiB": peaks[0],
         "fixed peak MiB": peaks[1],
