@@ -3584,3 +3584,14 @@ def test_the_registry_of_warnings_shown_that_a_run_left_in_a_users_module_is_rem
         warnings.simplefilter("default")
         doctor.examine(step, torch.randn(3, 4), steps=1, warmup=1)
     assert "__warningregistry__" not in vars(module)
+
+
+def test_a_torch_whose_inductor_names_its_pools_otherwise_opens_and_closes_a_session(monkeypatch):
+    """The compile workers are found by inductor's own names; another torch may lack them."""
+    from torch._inductor import async_compile
+
+    from accel.doctor.isolation import Session
+
+    monkeypatch.delattr(async_compile, "_pool_set")
+    with Session():
+        pass

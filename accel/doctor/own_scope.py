@@ -37,7 +37,8 @@ def own_names(model: torch.nn.Module) -> None:
             if not is_library(cls)
             for name, value in vars(cls).items()
             if isinstance(value, types.FunctionType) and not name.startswith("__")
-        }
+            and not is_library(value)  # a decorator's wrapper (torch.no_grad's): not the user's
+        }  # fmt: skip
         methods |= {
             name: value.__func__
             for name, value in vars(layer).items()

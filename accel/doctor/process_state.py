@@ -204,9 +204,12 @@ def _compile_workers() -> bool:
     if compiling is None:
         return False
     pools = compiling.AsyncCompile
-    return bool(compiling._pool_set) or any(
-        pool.cache_info().currsize for pool in (pools.pool, pools.process_pool)
-    )
+    try:  # inductor's own names, which another torch may not have: then none seen, none ended
+        return bool(compiling._pool_set) or any(
+            pool.cache_info().currsize for pool in (pools.pool, pools.process_pool)
+        )
+    except AttributeError:
+        return False
 
 
 def _end_compile_workers() -> None:
