@@ -287,12 +287,8 @@ class AdditiveCausalAttention(nn.Module):
         return (att @ v).transpose(1, 2).reshape(B, T, C)
 
 
-class FiniteFillAttention(nn.Module):
+class FiniteFillAttention(PaddedCausalAttention):
     """Hugging Face's eager attention: the hidden scores filled with the dtype's lowest number."""
-
-    def __init__(self, width=32, heads=4):
-        super().__init__()
-        self.qkv, self.heads = nn.Linear(width, 3 * width), heads
 
     def forward(self, x, keep):
         B, T, C = x.shape

@@ -258,7 +258,7 @@ def vit_rows(ctx: BenchContext, sizes: BenchSizes, check_steps: int = 3, *,
         if autotuned and name != AUTOTUNED:
             continue
         ok, how = checks[name]
-        judged_here = name == "all flags" or (name == top and not ctx.judged and not autotuned)
+        judged_here = name == "all flags" or (name == top and not ctx.judged)
         met = timing.speedup(name) >= TARGET_VIT and ok
         note = f"{label(step.flags)}; result {'equal' if ok else 'DIFFERS'} ({how})"
         if step.flags.compile:
